@@ -1,0 +1,214 @@
+//! The crate's one error type.
+
+use std::path::PathBuf;
+
+use crate::{DType, Shape};
+
+/// Everything that can go wrong in this crate. Each variant carries the context needed to act on
+/// it: the path, the dtype, the shape or the offending index.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    // === Shape and layout errors ===
+    /// The number of elements or bytes of a shape does not fit in `usize`.
+    #[error("size of shape {shape:?} overflows usize")]
+    ShapeOverflow {
+        /// The dimensions whose product overflowed.
+        shape: Vec<usize>,
+    },
+    /// Strides were given for a different number of dimensions than the shape has.
+    #[error("shape {shape:?} has {} dims but {} strides were given", shape.len(), strides.len())]
+    RankMismatch {
+        /// The shape.
+        shape: Vec<usize>,
+        /// The strides.
+        strides: Vec<usize>,
+    },
+    /// A dimension argument is not below the rank.
+    #[error("{op}: dim {dim} out of range for shape {shape}")]
+    DimOutOfRange {
+        /// The operation that was asked for.
+        op: &'static str,
+        /// The dimension asked for.
+        dim: usize,
+        /// The shape it was asked of.
+        shape: Shape,
+    },
+    /// A range of a dimension is out of bounds or malformed.
+    #[error("{op}: range {start}..{stop} (step {step}) invalid for dim {dim} of shape {shape}")]
+    RangeOutOfBounds {
+        /// The operation that was asked for.
+        op: &'static str,
+        /// The dimension.
+        dim: usize,
+        /// First index of the range.
+        start: usize,
+        /// One past the last index of the range.
+        stop: usize,
+        /// Step between indices.
+        step: usize,
+        /// The shape.
+        shape: Shape,
+    },
+    /// An index is outside `-len..len` along a dimension.
+    #[error("{op}: index {index} out of range for dim {dim} of size {size}")]
+    IndexOutOfRange {
+        /// The operation that was asked for.
+        op: &'static str,
+        /// The index as given (negative counts from the end).
+        index: i64,
+        /// The dimension.
+        dim: usize,
+        /// The size of that dimension.
+        size: usize,
+    },
+    /// Two shapes that must agree do not.
+    #[error("{op}: shape mismatch, expected {expected} but got {actual}")]
+    ShapeMismatch {
+        /// The operation that was asked for.
+        op: &'static str,
+        /// The shape required.
+        expected: Shape,
+        /// The shape given.
+        actual: Shape,
+    },
+    /// A reshape asked for a different number of elements.
+    #[error("reshape: cannot reshape {from} into {to}: element counts differ")]
+    ReshapeElemCount {
+        /// The current shape.
+        from: Shape,
+        /// The requested shape.
+        to: Shape,
+    },
+    /// The operation needs a contiguous (C order) tensor.
+    #[error("{op}: tensor with shape {shape} and strides {strides:?} is not contiguous")]
+    NotContiguous {
+        /// The operation that was asked for.
+        op: &'static str,
+        /// The shape.
+        shape: Shape,
+        /// The strides, in elements.
+        strides: Vec<usize>,
+    },
+    /// The operation needs at least one dimension.
+    #[error("{op}: needs a tensor with at least one dimension, got a scalar")]
+    ScalarTensor {
+        /// The operation that was asked for.
+        op: &'static str,
+    },
+    /// A layout reaches past the end of its storage.
+    #[error("layout needs {required_bytes} bytes but the storage has {storage_bytes}")]
+    LayoutOutOfBounds {
+        /// Bytes the layout reaches, counted from the start of the storage.
+        required_bytes: u64,
+        /// Bytes the storage holds.
+        storage_bytes: u64,
+    },
+
+    // === Type errors ===
+    /// A typed access asked for a Rust type that does not match the tensor's dtype.
+    #[error("{op}: tensor has dtype {actual}, requested {requested}")]
+    DTypeMismatch {
+        /// The operation that was asked for.
+        op: &'static str,
+        /// The dtype of the tensor.
+        actual: DType,
+        /// The dtype implied by the requested Rust type or the other tensor.
+        requested: DType,
+    },
+    /// A dtype name is not one this crate knows.
+    #[error("unknown dtype `{name}`")]
+    UnknownDType {
+        /// The name as given.
+        name: String,
+    },
+    /// A typed view was requested over memory not aligned for the element type.
+    #[error("{op}: address {addr:#x} is not aligned to {align} bytes for {dtype}")]
+    Misaligned {
+        /// The operation that was asked for.
+        op: &'static str,
+        /// The address of the first element.
+        addr: usize,
+        /// The alignment the element type needs.
+        align: usize,
+        /// The dtype.
+        dtype: DType,
+    },
+    /// A bool tensor holds a byte other than 0 or 1.
+    #[error("bool tensor holds the byte {byte} at element {index}; only 0 and 1 are valid")]
+    InvalidBool {
+        /// The byte found.
+        byte: u8,
+        /// Its element index in C order.
+        index: usize,
+    },
+
+    // === Storage errors ===
+    /// A write was attempted through read-only storage.
+    #[error("{op}: storage {storage} is read-only")]
+    ReadOnly {
+        /// The operation that was asked for.
+        op: &'static str,
+        /// A description of the storage (path or shm name).
+        storage: String,
+    },
+    /// A file is shorter than its tensor needs. It is refused before it is mapped.
+    #[error("{}: file has {actual_bytes} bytes but the tensor needs {required_bytes}", path.display())]
+    FileTooShort {
+        /// The file.
+        path: PathBuf,
+        /// Its length.
+        actual_bytes: u64,
+        /// Bytes the tensor needs.
+        required_bytes: u64,
+    },
+    /// A shared-memory object is smaller than its tensor needs. It is refused before it is mapped.
+    #[error("shared memory `{name}` has {actual_bytes} bytes but the tensor needs {required_bytes}")]
+    ShmTooShort {
+        /// The shm name.
+        name: String,
+        /// Its size.
+        actual_bytes: u64,
+        /// Bytes the tensor needs.
+        required_bytes: u64,
+    },
+    /// A shared-memory name is not of the form `/name` (one leading slash, no other, at most 255 bytes).
+    #[error("invalid shared memory name `{name}`: {reason}")]
+    InvalidShmName {
+        /// The name as given.
+        name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A heap allocation failed.
+    #[error("cannot allocate {bytes} bytes on the heap")]
+    OutOfMemory {
+        /// The size asked for.
+        bytes: usize,
+    },
+    /// An I/O call on a file failed.
+    #[error("{op} {}: {source}", path.display())]
+    FileIo {
+        /// The call that failed (`open`, `mmap`, `msync`, ...).
+        op: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A call on shared memory failed.
+    #[error("{op} shared memory `{name}`: {source}")]
+    ShmIo {
+        /// The call that failed (`shm_open`, `ftruncate`, `mmap`, ...).
+        op: &'static str,
+        /// The shm name.
+        name: String,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,467 @@
+//! [`Storage`]: a flat byte region on the heap, in a mapped file or in POSIX shared memory.
+//!
+//! # Safety argument
+//!
+//! This module owns every raw pointer of the crate. It is sound because:
+//!
+//! 1. **The region lives as long as the `Storage`.** A heap region is one allocation freed in
+//!    `Drop`; a file or shm region is one `mmap` unmapped in `Drop`. Nothing here remaps, grows or
+//!    shrinks a region, and this crate never truncates a file or shm object: new files are built
+//!    under a temporary name and renamed into place, so a process that mapped the old file keeps
+//!    the old inode.
+//! 2. **Lengths are checked before mapping.** A file or shm object shorter than the requested
+//!    length is refused before `mmap`, so no access of ours lands past the end of the object
+//!    (the SIGBUS path). Blocks of new files and shm objects are allocated up front
+//!    (`posix_fallocate`), so a full disk or a full `/dev/shm` is an `Err` at creation, not a
+//!    SIGBUS on first write.
+//! 3. **References only exist under the lock.** The crate creates `&[T]` into a region only while
+//!    holding the storage's read lock, and `&mut [T]` or raw writes only while holding its write
+//!    lock, so within a process no reference is ever aliased by a write. Raw reads (row gathers)
+//!    hold the read lock too.
+//!
+//! What the crate cannot control is other programs: another process may write a shared file or
+//! shm object at any time (that is the point of sharing), and readers may then see a row half
+//! written. Processes coordinate through row ownership and generations (see the crate docs). A
+//! program that *truncates* a file while we map it makes our accesses fault; no mmap-based
+//! library can prevent that, and this crate never does it.
+
+use std::alloc::{self, Layout as AllocLayout};
+use std::ffi::OsString;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use memmap2::{MmapOptions, MmapRaw};
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
+
+use crate::{Error, Result};
+
+/// Alignment of heap storage, in bytes: enough for any dtype and for SIMD loads.
+pub const HEAP_ALIGN: usize = 64;
+
+/// Read-only or read-write access to a file or shm object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// Map read-only; every write through the storage is an [`Error::ReadOnly`].
+    ReadOnly,
+    /// Map read-write; writes go through to the file or shm object.
+    ReadWrite,
+}
+
+/// Where a storage's bytes live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StorageKind {
+    /// Private, 64-byte aligned heap memory.
+    Heap,
+    /// A memory-mapped file.
+    File,
+    /// A named POSIX shared-memory object (under `/dev/shm` on Linux).
+    Shm,
+}
+
+/// Access pattern hints for mapped storage (`madvise`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Advice {
+    /// No special treatment (the default).
+    Normal,
+    /// Random access: the kernel reads no more than asked around a fault.
+    Random,
+    /// Sequential access: the kernel reads ahead aggressively.
+    Sequential,
+    /// The range will be needed soon: start reading it in now.
+    WillNeed,
+}
+
+/// A flat, fixed-size byte region that tensors view. Shared between tensors through `Arc`.
+///
+/// Heap storage is private to the process. File and shm storage are shared with every process
+/// that maps the same file or name; writes go straight to the page cache (see
+/// [`Storage::flush`] for durability).
+pub struct Storage {
+    ptr: NonNull<u8>,
+    len: usize,
+    writable: bool,
+    lock: RwLock<()>,
+    backing: Backing,
+}
+
+enum Backing {
+    Heap { layout: AllocLayout },
+    /// `map` is `None` for a zero-length region, which `mmap` refuses.
+    File { path: PathBuf, map: Option<MmapRaw> },
+    Shm { name: String, map: Option<MmapRaw> },
+}
+
+// SAFETY: `Storage` owns its region (point 1 of the module doc) and every access to it goes
+// through the `RwLock` (point 3), so sharing it across threads is as safe as sharing a
+// `RwLock<Box<[u8]>>`.
+unsafe impl Send for Storage {}
+// SAFETY: as for `Send`: all interior access is serialised by the `RwLock`.
+unsafe impl Sync for Storage {}
+
+impl Storage {
+    /// Zeroed heap storage of `len_bytes`, aligned to [`HEAP_ALIGN`].
+    pub fn heap(len_bytes: usize) -> Result<Self> {
+        let layout = AllocLayout::from_size_align(len_bytes, HEAP_ALIGN)
+            .map_err(|_| Error::OutOfMemory { bytes: len_bytes })?;
+        let ptr = if len_bytes == 0 {
+            aligned_dangling()
+        } else {
+            // SAFETY: `layout` has a non-zero size (checked just above).
+            NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or(Error::OutOfMemory { bytes: len_bytes })?
+        };
+        Ok(Storage { ptr, len: len_bytes, writable: true, lock: RwLock::new(()), backing: Backing::Heap { layout } })
+    }
+
+    /// Creates a file of `len_bytes` zero bytes at `path` and maps it read-write.
+    ///
+    /// The file is built under a temporary name in the same folder, its blocks are allocated
+    /// (a full disk is an error here, not a fault later), and it is renamed over `path` last. A
+    /// file already at `path` is replaced, never truncated: processes that mapped it keep their
+    /// (now unlinked) copy intact.
+    pub fn create_file(path: impl AsRef<Path>, len_bytes: usize) -> Result<Self> {
+        let path = path.as_ref();
+        let io_err = |op, source| Error::FileIo { op, path: path.to_owned(), source };
+        let tmp = temp_sibling(path);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .open(&tmp)
+            .map_err(|e| io_err("create", e))?;
+        let built = preallocate(&file, len_bytes)
+            .map_err(|e| io_err("allocate", e))
+            .and_then(|()| map_file(&file, path, len_bytes, Access::ReadWrite))
+            .and_then(|map| std::fs::rename(&tmp, path).map(|()| map).map_err(|e| io_err("rename", e)));
+        match built {
+            Ok(map) => Ok(Self::from_map(map, true, Backing::File { path: path.to_owned(), map: None })),
+            Err(e) => {
+                // Best effort: the temporary file holds nothing anyone needs.
+                let _ = std::fs::remove_file(&tmp);
+                Err(e)
+            }
+        }
+    }
+
+    /// Maps the first `len_bytes` of the file at `path`.
+    ///
+    /// The file's length is checked before mapping: a file shorter than `len_bytes` is
+    /// [`Error::FileTooShort`]. A longer file is fine; the rest is not mapped.
+    pub fn open_file(path: impl AsRef<Path>, access: Access, len_bytes: usize) -> Result<Self> {
+        let path = path.as_ref();
+        let io_err = |op, source| Error::FileIo { op, path: path.to_owned(), source };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(access == Access::ReadWrite)
+            .open(path)
+            .map_err(|e| io_err("open", e))?;
+        let actual = file.metadata().map_err(|e| io_err("stat", e))?.len();
+        if actual < len_bytes as u64 {
+            return Err(Error::FileTooShort { path: path.to_owned(), actual_bytes: actual, required_bytes: len_bytes as u64 });
+        }
+        let map = map_file(&file, path, len_bytes, access)?;
+        Ok(Self::from_map(map, access == Access::ReadWrite, Backing::File { path: path.to_owned(), map: None }))
+    }
+
+    /// Creates the shared-memory object `name` (`/name`, as for `shm_open`) of `len_bytes` zero
+    /// bytes and maps it read-write. Fails if the name exists. Its pages are allocated up front,
+    /// so a full `/dev/shm` is an error here. The object outlives this process until
+    /// [`Storage::unlink_shm`] removes the name.
+    pub fn create_shm(name: &str, len_bytes: usize) -> Result<Self> {
+        check_shm_name(name)?;
+        let shm_err = |op, source| Error::ShmIo { op, name: name.to_owned(), source };
+        let fd = nix::sys::mman::shm_open(name, OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR, Mode::S_IRUSR | Mode::S_IWUSR)
+            .map_err(|e| shm_err("shm_open", e.into()))?;
+        let file = File::from(fd);
+        let built = preallocate(&file, len_bytes)
+            .map_err(|e| shm_err("allocate", e))
+            .and_then(|()| map_fd(&file, len_bytes, Access::ReadWrite).map_err(|e| shm_err("mmap", e)));
+        match built {
+            Ok(map) => Ok(Self::from_map(map, true, Backing::Shm { name: name.to_owned(), map: None })),
+            Err(e) => {
+                // Best effort: we created the name and nobody can have used it yet.
+                let _ = nix::sys::mman::shm_unlink(name);
+                Err(e)
+            }
+        }
+    }
+
+    /// Maps the first `len_bytes` of the existing shared-memory object `name`. An object
+    /// smaller than `len_bytes` is [`Error::ShmTooShort`], checked before mapping.
+    pub fn open_shm(name: &str, access: Access, len_bytes: usize) -> Result<Self> {
+        check_shm_name(name)?;
+        let shm_err = |op, source| Error::ShmIo { op, name: name.to_owned(), source };
+        let flags = if access == Access::ReadWrite { OFlag::O_RDWR } else { OFlag::O_RDONLY };
+        let fd = nix::sys::mman::shm_open(name, flags, Mode::empty()).map_err(|e| shm_err("shm_open", e.into()))?;
+        let file = File::from(fd);
+        let actual = file.metadata().map_err(|e| shm_err("fstat", e))?.len();
+        if actual < len_bytes as u64 {
+            return Err(Error::ShmTooShort { name: name.to_owned(), actual_bytes: actual, required_bytes: len_bytes as u64 });
+        }
+        let map = map_fd(&file, len_bytes, access).map_err(|e| shm_err("mmap", e))?;
+        Ok(Self::from_map(map, access == Access::ReadWrite, Backing::Shm { name: name.to_owned(), map: None }))
+    }
+
+    /// Removes the shared-memory name `name`. Existing mappings stay valid until unmapped; the
+    /// memory is freed when the last one goes.
+    pub fn unlink_shm(name: &str) -> Result<()> {
+        check_shm_name(name)?;
+        nix::sys::mman::shm_unlink(name).map_err(|e| Error::ShmIo { op: "shm_unlink", name: name.to_owned(), source: e.into() })
+    }
+
+    fn from_map(map: Option<MmapRaw>, writable: bool, mut backing: Backing) -> Self {
+        let (ptr, len) = match &map {
+            Some(m) => (NonNull::new(m.as_mut_ptr()).expect("mmap never returns null on success"), m.len()),
+            None => (aligned_dangling(), 0),
+        };
+        match &mut backing {
+            Backing::File { map: slot, .. } | Backing::Shm { map: slot, .. } => *slot = map,
+            Backing::Heap { .. } => unreachable!("heap storage is not mapped"),
+        }
+        Storage { ptr, len, writable, lock: RwLock::new(()), backing }
+    }
+
+    /// Length of the region in bytes.
+    pub fn len_bytes(&self) -> usize {
+        self.len
+    }
+
+    /// Whether writes through this storage are allowed.
+    pub fn is_writable(&self) -> bool {
+        self.writable
+    }
+
+    /// Heap, file or shm.
+    pub fn kind(&self) -> StorageKind {
+        match self.backing {
+            Backing::Heap { .. } => StorageKind::Heap,
+            Backing::File { .. } => StorageKind::File,
+            Backing::Shm { .. } => StorageKind::Shm,
+        }
+    }
+
+    /// The file path, for file storage.
+    pub fn path(&self) -> Option<&Path> {
+        match &self.backing {
+            Backing::File { path, .. } => Some(path),
+            _ => None,
+        }
+    }
+
+    /// The shm name, for shm storage.
+    pub fn shm_name(&self) -> Option<&str> {
+        match &self.backing {
+            Backing::Shm { name, .. } => Some(name),
+            _ => None,
+        }
+    }
+
+    /// A short description for messages: `heap`, the path, or `shm:/name`.
+    pub fn describe(&self) -> String {
+        match &self.backing {
+            Backing::Heap { .. } => "heap".to_owned(),
+            Backing::File { path, .. } => path.display().to_string(),
+            Backing::Shm { name, .. } => format!("shm:{name}"),
+        }
+    }
+
+    /// Writes dirty pages of a file mapping back to the file and waits (`msync(MS_SYNC)`).
+    /// A no-op for heap and shm storage, which have no file to write to.
+    pub fn flush(&self) -> Result<()> {
+        self.flush_range(0, self.len)
+    }
+
+    /// Like [`Storage::flush`] for the bytes `offset..offset + len` only.
+    pub fn flush_range(&self, offset: usize, len: usize) -> Result<()> {
+        self.check_range(offset, len)?;
+        match &self.backing {
+            Backing::File { path, map: Some(map) } if len > 0 => map
+                .flush_range(offset, len)
+                .map_err(|source| Error::FileIo { op: "msync", path: path.clone(), source }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Tells the kernel how the bytes `offset..offset + len` will be accessed. A no-op for
+    /// heap storage.
+    pub fn advise_range(&self, advice: Advice, offset: usize, len: usize) -> Result<()> {
+        self.check_range(offset, len)?;
+        let advice = match advice {
+            Advice::Normal => memmap2::Advice::Normal,
+            Advice::Random => memmap2::Advice::Random,
+            Advice::Sequential => memmap2::Advice::Sequential,
+            Advice::WillNeed => memmap2::Advice::WillNeed,
+        };
+        match &self.backing {
+            Backing::File { map: Some(map), path } if len > 0 => map
+                .advise_range(advice, offset, len)
+                .map_err(|source| Error::FileIo { op: "madvise", path: path.clone(), source }),
+            Backing::Shm { map: Some(map), name } if len > 0 => map
+                .advise_range(advice, offset, len)
+                .map_err(|source| Error::ShmIo { op: "madvise", name: name.clone(), source }),
+            _ => Ok(()),
+        }
+    }
+
+    /// [`Storage::advise_range`] over the whole region.
+    pub fn advise(&self, advice: Advice) -> Result<()> {
+        self.advise_range(advice, 0, self.len)
+    }
+
+    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::LayoutOutOfBounds {
+                required_bytes: (offset as u64).saturating_add(len as u64),
+                storage_bytes: self.len as u64,
+            }),
+        }
+    }
+
+    /// Takes the read lock. While it is held no write happens through this process.
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, ()> {
+        // The lock guards no data of its own, so a panic while it was held broke no invariant.
+        self.lock.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes the write lock, or fails if the storage is read-only.
+    pub(crate) fn write(&self, op: &'static str) -> Result<RwLockWriteGuard<'_, ()>> {
+        if !self.writable {
+            return Err(Error::ReadOnly { op, storage: self.describe() });
+        }
+        Ok(self.lock.write().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Base address of the region. Dereference only under [`Storage::read`] or
+    /// [`Storage::write`], within `len_bytes()`.
+    pub(crate) fn base_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if let Backing::Heap { layout } = self.backing {
+            if layout.size() > 0 {
+                // SAFETY: `ptr` came from `alloc_zeroed(layout)` in `Storage::heap` and is freed
+                // only here. Mapped backings unmap themselves when `MmapRaw` drops.
+                unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Storage")
+            .field("kind", &self.kind())
+            .field("location", &self.describe())
+            .field("len_bytes", &self.len)
+            .field("writable", &self.writable)
+            .finish()
+    }
+}
+
+/// A non-null pointer aligned to [`HEAP_ALIGN`] for zero-length regions, so that typed views of
+/// empty tensors pass the alignment check.
+fn aligned_dangling() -> NonNull<u8> {
+    #[repr(align(64))]
+    struct Aligned;
+    const _: () = assert!(std::mem::align_of::<Aligned>() == HEAP_ALIGN);
+    NonNull::<Aligned>::dangling().cast()
+}
+
+fn map_file(file: &File, path: &Path, len: usize, access: Access) -> Result<Option<MmapRaw>> {
+    map_fd(file, len, access).map_err(|source| Error::FileIo { op: "mmap", path: path.to_owned(), source })
+}
+
+fn map_fd(file: &File, len: usize, access: Access) -> std::io::Result<Option<MmapRaw>> {
+    if len == 0 {
+        return Ok(None);
+    }
+    let mut options = MmapOptions::new();
+    options.len(len);
+    let map = match access {
+        Access::ReadOnly => options.map_raw_read_only(file)?,
+        Access::ReadWrite => options.map_raw(file)?,
+    };
+    Ok(Some(map))
+}
+
+/// Sets the length of a new, empty file to `len` and allocates its blocks.
+fn preallocate(file: &File, len: usize) -> std::io::Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    let len = i64::try_from(len).map_err(|_| std::io::Error::from(std::io::ErrorKind::FileTooLarge))?;
+    match nix::fcntl::posix_fallocate(file, 0, len) {
+        Ok(()) => Ok(()),
+        // Filesystems without fallocate: set the size; blocks get allocated on first write.
+        Err(Errno::EOPNOTSUPP) => file.set_len(len as u64),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// A unique name beside `path` for building a file before renaming it into place.
+fn temp_sibling(path: &Path) -> PathBuf {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut name = OsString::from(".");
+    name.push(path.file_name().unwrap_or_default());
+    name.push(format!(".{}.{}.tmp", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
+    path.with_file_name(name)
+}
+
+fn check_shm_name(name: &str) -> Result<()> {
+    let bad = |reason| Err(Error::InvalidShmName { name: name.to_owned(), reason });
+    let Some(rest) = name.strip_prefix('/') else { return bad("must start with `/`") };
+    if rest.is_empty() {
+        return bad("is empty after the `/`");
+    }
+    if rest.contains('/') {
+        return bad("must not contain `/` after the first character");
+    }
+    if rest.contains('\0') {
+        return bad("must not contain NUL");
+    }
+    if rest == "." || rest == ".." {
+        return bad("must not be `.` or `..`");
+    }
+    if rest.len() > 255 {
+        return bad("is longer than 255 bytes");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shm_names_are_checked() {
+        for bad in ["", "x", "/", "/a/b", "/..", "/.", "/a\0b"] {
+            assert!(matches!(check_shm_name(bad), Err(Error::InvalidShmName { .. })), "{bad:?}");
+        }
+        assert!(check_shm_name(&format!("/{}", "a".repeat(256))).is_err());
+        check_shm_name("/tdict-ok.1").unwrap();
+    }
+
+    #[test]
+    fn heap_is_aligned_and_zeroed() {
+        for len in [0, 1, 63, 64, 4097] {
+            let s = Storage::heap(len).unwrap();
+            assert_eq!(s.base_ptr() as usize % HEAP_ALIGN, 0);
+            let _guard = s.read();
+            // SAFETY: the read lock is held and the range is within `len`.
+            let bytes = unsafe { std::slice::from_raw_parts(s.base_ptr(), len) };
+            assert!(bytes.iter().all(|&b| b == 0));
+        }
+    }
+}

@@ -1,0 +1,2 @@
+//! Examples live in this package's `[[example]]` targets.
+#![forbid(unsafe_code)]
