@@ -90,6 +90,14 @@ pub enum Error {
         /// The strides, in elements.
         strides: Vec<usize>,
     },
+    /// A mutable view was asked of a layout in which two indices reach the same element.
+    #[error("layout with shape {shape} and strides {strides:?} reaches some elements twice")]
+    OverlappingLayout {
+        /// The shape.
+        shape: Shape,
+        /// The strides, in elements.
+        strides: Vec<usize>,
+    },
     /// The operation needs at least one dimension.
     #[error("{op}: needs a tensor with at least one dimension, got a scalar")]
     ScalarTensor {

@@ -119,7 +119,7 @@ impl Layout {
 
     /// The view of `len` indices of `dim` starting at `start`.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Self> {
-        let stop = start.checked_add(len).unwrap_or(usize::MAX);
+        let stop = start.saturating_add(len);
         self.slice_impl("narrow", dim, start, stop, 1)
     }
 
@@ -169,7 +169,11 @@ impl Layout {
     pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Self> {
         let shape = shape.into();
         if !self.is_contiguous() {
-            return Err(Error::NotContiguous { op: "reshape", shape: self.shape.clone(), strides: self.strides.clone() });
+            return Err(Error::NotContiguous {
+                op: "reshape",
+                shape: self.shape.clone(),
+                strides: self.strides.clone(),
+            });
         }
         if shape.elem_count_checked() != Some(self.elem_count()) {
             return Err(Error::ReshapeElemCount { from: self.shape.clone(), to: shape });
@@ -198,6 +202,31 @@ impl Layout {
             remaining,
         };
         (run, runs)
+    }
+
+    /// True when no two indices reach the same element (no stride-0 broadcasting or other
+    /// self-overlap), so a mutable view of the layout cannot alias. Conservative: a few exotic
+    /// interleaved layouts that do not overlap are reported as overlapping.
+    pub fn is_non_overlapping(&self) -> bool {
+        if self.elem_count() == 0 {
+            return true;
+        }
+        let mut axes: Vec<(usize, usize)> =
+            self.strides.iter().zip(self.dims()).filter(|&(_, &d)| d > 1).map(|(&s, &d)| (s, d)).collect();
+        axes.sort_unstable();
+        let mut reach = 0usize;
+        for (stride, dim) in axes {
+            if stride <= reach {
+                return false;
+            }
+            // Bounded by the largest reachable offset (invariant 3).
+            reach += (dim - 1) * stride;
+        }
+        true
+    }
+
+    pub(crate) fn dim(&self, dim: usize, op: &'static str) -> Result<usize> {
+        self.dim_size(op, dim)
     }
 
     fn dim_size(&self, op: &'static str, dim: usize) -> Result<usize> {

@@ -93,10 +93,18 @@ pub struct Storage {
 }
 
 enum Backing {
-    Heap { layout: AllocLayout },
+    Heap {
+        layout: AllocLayout,
+    },
     /// `map` is `None` for a zero-length region, which `mmap` refuses.
-    File { path: PathBuf, map: Option<MmapRaw> },
-    Shm { name: String, map: Option<MmapRaw> },
+    File {
+        path: PathBuf,
+        map: Option<MmapRaw>,
+    },
+    Shm {
+        name: String,
+        map: Option<MmapRaw>,
+    },
 }
 
 // SAFETY: `Storage` owns its region (point 1 of the module doc) and every access to it goes
@@ -109,8 +117,8 @@ unsafe impl Sync for Storage {}
 impl Storage {
     /// Zeroed heap storage of `len_bytes`, aligned to [`HEAP_ALIGN`].
     pub fn heap(len_bytes: usize) -> Result<Self> {
-        let layout = AllocLayout::from_size_align(len_bytes, HEAP_ALIGN)
-            .map_err(|_| Error::OutOfMemory { bytes: len_bytes })?;
+        let layout =
+            AllocLayout::from_size_align(len_bytes, HEAP_ALIGN).map_err(|_| Error::OutOfMemory { bytes: len_bytes })?;
         let ptr = if len_bytes == 0 {
             aligned_dangling()
         } else {
@@ -165,7 +173,11 @@ impl Storage {
             .map_err(|e| io_err("open", e))?;
         let actual = file.metadata().map_err(|e| io_err("stat", e))?.len();
         if actual < len_bytes as u64 {
-            return Err(Error::FileTooShort { path: path.to_owned(), actual_bytes: actual, required_bytes: len_bytes as u64 });
+            return Err(Error::FileTooShort {
+                path: path.to_owned(),
+                actual_bytes: actual,
+                required_bytes: len_bytes as u64,
+            });
         }
         let map = map_file(&file, path, len_bytes, access)?;
         Ok(Self::from_map(map, access == Access::ReadWrite, Backing::File { path: path.to_owned(), map: None }))
@@ -178,8 +190,12 @@ impl Storage {
     pub fn create_shm(name: &str, len_bytes: usize) -> Result<Self> {
         check_shm_name(name)?;
         let shm_err = |op, source| Error::ShmIo { op, name: name.to_owned(), source };
-        let fd = nix::sys::mman::shm_open(name, OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR, Mode::S_IRUSR | Mode::S_IWUSR)
-            .map_err(|e| shm_err("shm_open", e.into()))?;
+        let fd = nix::sys::mman::shm_open(
+            name,
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+            Mode::S_IRUSR | Mode::S_IWUSR,
+        )
+        .map_err(|e| shm_err("shm_open", e.into()))?;
         let file = File::from(fd);
         let built = preallocate(&file, len_bytes)
             .map_err(|e| shm_err("allocate", e))
@@ -204,7 +220,11 @@ impl Storage {
         let file = File::from(fd);
         let actual = file.metadata().map_err(|e| shm_err("fstat", e))?.len();
         if actual < len_bytes as u64 {
-            return Err(Error::ShmTooShort { name: name.to_owned(), actual_bytes: actual, required_bytes: len_bytes as u64 });
+            return Err(Error::ShmTooShort {
+                name: name.to_owned(),
+                actual_bytes: actual,
+                required_bytes: len_bytes as u64,
+            });
         }
         let map = map_fd(&file, len_bytes, access).map_err(|e| shm_err("mmap", e))?;
         Ok(Self::from_map(map, access == Access::ReadWrite, Backing::Shm { name: name.to_owned(), map: None }))
@@ -214,7 +234,11 @@ impl Storage {
     /// memory is freed when the last one goes.
     pub fn unlink_shm(name: &str) -> Result<()> {
         check_shm_name(name)?;
-        nix::sys::mman::shm_unlink(name).map_err(|e| Error::ShmIo { op: "shm_unlink", name: name.to_owned(), source: e.into() })
+        nix::sys::mman::shm_unlink(name).map_err(|e| Error::ShmIo {
+            op: "shm_unlink",
+            name: name.to_owned(),
+            source: e.into(),
+        })
     }
 
     fn from_map(map: Option<MmapRaw>, writable: bool, mut backing: Backing) -> Self {
@@ -283,9 +307,9 @@ impl Storage {
     pub fn flush_range(&self, offset: usize, len: usize) -> Result<()> {
         self.check_range(offset, len)?;
         match &self.backing {
-            Backing::File { path, map: Some(map) } if len > 0 => map
-                .flush_range(offset, len)
-                .map_err(|source| Error::FileIo { op: "msync", path: path.clone(), source }),
+            Backing::File { path, map: Some(map) } if len > 0 => {
+                map.flush_range(offset, len).map_err(|source| Error::FileIo { op: "msync", path: path.clone(), source })
+            }
             _ => Ok(()),
         }
     }
@@ -349,12 +373,12 @@ impl Storage {
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        if let Backing::Heap { layout } = self.backing {
-            if layout.size() > 0 {
-                // SAFETY: `ptr` came from `alloc_zeroed(layout)` in `Storage::heap` and is freed
-                // only here. Mapped backings unmap themselves when `MmapRaw` drops.
-                unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
-            }
+        if let Backing::Heap { layout } = self.backing
+            && layout.size() > 0
+        {
+            // SAFETY: `ptr` came from `alloc_zeroed(layout)` in `Storage::heap` and is freed
+            // only here. Mapped backings unmap themselves when `MmapRaw` drops.
+            unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
         }
     }
 }

@@ -1,0 +1,534 @@
+//! [`Tensor`]: a typed, strided view of a [`Storage`].
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::ops::{Deref, DerefMut};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard};
+
+use ndarray::{ArrayBase, ArrayViewD, ArrayViewMutD, Data, Dimension, IxDyn, ShapeBuilder};
+
+use crate::copy::{Strided, copy_strided};
+use crate::{Access, Advice, DType, Element, Error, Layout, Result, Shape, Storage, StorageKind};
+
+/// Where a new tensor's bytes are allocated.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Location {
+    /// Private heap memory.
+    Heap,
+    /// A new file at this path, replacing any file there (see [`Storage::create_file`]).
+    File(PathBuf),
+    /// A new POSIX shared-memory object with this name (`/name`).
+    Shm(String),
+}
+
+/// A typed, strided view of a [`Storage`]: heap memory, a mapped file or shared memory.
+///
+/// Cloning a `Tensor` is cheap and shares the storage, as views do (like `torch.Tensor`). View
+/// operations ([`narrow`](Tensor::narrow), [`slice`](Tensor::slice), [`select`](Tensor::select),
+/// [`reshape`](Tensor::reshape)) touch no data. Writes take `&mut self` and go through to the
+/// storage, so every view of it (and, for file and shm storage, every process mapping it) sees
+/// them. [`Tensor::deep_clone`] copies the data to the heap.
+///
+/// Within a process, typed borrows ([`as_slice`](Tensor::as_slice) and friends) hold the
+/// storage's read lock and writes its write lock, so a borrow is never changed under you.
+/// Holding a borrow from one handle while writing through a clone of it on the same thread
+/// deadlocks; drop the borrow first.
+#[derive(Clone)]
+pub struct Tensor {
+    storage: Arc<Storage>,
+    /// Byte position of element offset 0 in the storage.
+    byte_offset: usize,
+    dtype: DType,
+    layout: Layout,
+}
+
+impl Tensor {
+    // === Construction ===
+
+    /// A view of `storage` with the given dtype and layout, the layout's element offsets
+    /// counted from byte `byte_offset` of the storage. Fails if the view reaches past the end
+    /// of the storage or its byte size overflows.
+    pub fn from_storage(storage: Arc<Storage>, byte_offset: usize, dtype: DType, layout: Layout) -> Result<Self> {
+        let elem = dtype.size_in_bytes();
+        let overflow = || Error::ShapeOverflow { shape: layout.dims().to_vec() };
+        // Byte counts stay below isize::MAX, as Rust slices and ndarray views require.
+        layout.elem_count().checked_mul(elem).filter(|&n| isize::try_from(n).is_ok()).ok_or_else(overflow)?;
+        let required = layout.required_bytes(elem)?.checked_add(byte_offset).ok_or_else(overflow)?;
+        if required > storage.len_bytes() {
+            return Err(Error::LayoutOutOfBounds {
+                required_bytes: required as u64,
+                storage_bytes: storage.len_bytes() as u64,
+            });
+        }
+        Ok(Tensor { storage, byte_offset, dtype, layout })
+    }
+
+    /// A zero-filled contiguous tensor allocated at `location`.
+    pub fn zeros(shape: impl Into<Shape>, dtype: DType, location: &Location) -> Result<Self> {
+        let layout = Layout::contiguous(shape)?;
+        let len = layout.required_bytes(dtype.size_in_bytes())?;
+        let storage = match location {
+            Location::Heap => Storage::heap(len)?,
+            Location::File(path) => Storage::create_file(path, len)?,
+            Location::Shm(name) => Storage::create_shm(name, len)?,
+        };
+        Self::from_storage(Arc::new(storage), 0, dtype, layout)
+    }
+
+    /// A heap tensor holding a copy of `data` with the given shape.
+    pub fn from_slice<T: Element>(data: &[T], shape: impl Into<Shape>) -> Result<Self> {
+        let mut t = Self::zeros(shape, T::DTYPE, &Location::Heap)?;
+        if t.elem_count() != data.len() {
+            return Err(Error::ShapeMismatch {
+                op: "from_slice",
+                expected: Shape::from(data.len()),
+                actual: t.shape().clone(),
+            });
+        }
+        t.as_mut_slice::<T>()?.copy_from_slice(data);
+        Ok(t)
+    }
+
+    /// A heap bool tensor holding `data` (one byte per element, 0 or 1).
+    pub fn from_bools(data: &[bool], shape: impl Into<Shape>) -> Result<Self> {
+        let mut t = Self::zeros(shape, DType::Bool, &Location::Heap)?;
+        if t.elem_count() != data.len() {
+            return Err(Error::ShapeMismatch {
+                op: "from_bools",
+                expected: Shape::from(data.len()),
+                actual: t.shape().clone(),
+            });
+        }
+        for (dst, &b) in t.as_mut_slice::<u8>()?.iter_mut().zip(data) {
+            *dst = u8::from(b);
+        }
+        Ok(t)
+    }
+
+    /// A contiguous heap tensor holding a copy of `array`, whatever its memory order.
+    pub fn from_ndarray<T: Element, S: Data<Elem = T>, D: Dimension>(array: &ArrayBase<S, D>) -> Result<Self> {
+        let mut t = Self::zeros(array.shape(), T::DTYPE, &Location::Heap)?;
+        let mut out = t.as_mut_slice::<T>()?;
+        match array.as_slice() {
+            Some(data) => out.copy_from_slice(data),
+            None => {
+                for (dst, src) in out.iter_mut().zip(array.iter()) {
+                    *dst = *src;
+                }
+            }
+        }
+        drop(out);
+        Ok(t)
+    }
+
+    /// Maps the tensor stored C-contiguously at the start of the file at `path`. The file must
+    /// hold at least the tensor's bytes (checked before mapping); extra bytes are ignored.
+    pub fn open_file(path: impl AsRef<Path>, dtype: DType, shape: impl Into<Shape>, access: Access) -> Result<Self> {
+        let layout = Layout::contiguous(shape)?;
+        let len = layout.required_bytes(dtype.size_in_bytes())?;
+        let storage = Storage::open_file(path, access, len)?;
+        Self::from_storage(Arc::new(storage), 0, dtype, layout)
+    }
+
+    /// Maps the tensor stored C-contiguously at the start of the shm object `name`.
+    pub fn open_shm(name: &str, dtype: DType, shape: impl Into<Shape>, access: Access) -> Result<Self> {
+        let layout = Layout::contiguous(shape)?;
+        let len = layout.required_bytes(dtype.size_in_bytes())?;
+        let storage = Storage::open_shm(name, access, len)?;
+        Self::from_storage(Arc::new(storage), 0, dtype, layout)
+    }
+
+    // === Metadata ===
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        self.layout.shape()
+    }
+
+    /// The dimensions, outermost first.
+    pub fn dims(&self) -> &[usize] {
+        self.layout.dims()
+    }
+
+    /// Number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.layout.rank()
+    }
+
+    /// Number of elements.
+    pub fn elem_count(&self) -> usize {
+        self.layout.elem_count()
+    }
+
+    /// Bytes of data the tensor holds (elements × element size).
+    pub fn nbytes(&self) -> usize {
+        // Checked in `from_storage`.
+        self.elem_count() * self.dtype.size_in_bytes()
+    }
+
+    /// Shape, strides and element offset.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Byte position in the storage that the layout's element offsets count from.
+    pub fn byte_offset(&self) -> usize {
+        self.byte_offset
+    }
+
+    /// The storage this tensor views.
+    pub fn storage(&self) -> &Arc<Storage> {
+        &self.storage
+    }
+
+    /// True when the elements are packed in C order.
+    pub fn is_contiguous(&self) -> bool {
+        self.layout.is_contiguous()
+    }
+
+    /// True when this tensor and `other` view the same storage.
+    pub fn shares_storage_with(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.storage, &other.storage)
+    }
+
+    // === Views (no data is touched) ===
+
+    /// `len` indices of `dim` starting at `start`.
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Self> {
+        Ok(self.with_layout(self.layout.narrow(dim, start, len)?))
+    }
+
+    /// Indices `start, start + step, …` below `stop` of `dim` (`step > 0`).
+    pub fn slice(&self, dim: usize, start: usize, stop: usize, step: usize) -> Result<Self> {
+        Ok(self.with_layout(self.layout.slice(dim, start, stop, step)?))
+    }
+
+    /// The sub-tensor at `index` of `dim`, with that dim removed. Negative indices count from the
+    /// end.
+    pub fn select(&self, dim: usize, index: i64) -> Result<Self> {
+        let size = self.layout.dim(dim, "select")?;
+        let i = normalize_index(index, size).ok_or(Error::IndexOutOfRange { op: "select", index, dim, size })?;
+        Ok(self.with_layout(self.layout.select(dim, i)?))
+    }
+
+    /// The same elements with a new shape; the tensor must be contiguous.
+    pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Self> {
+        Ok(self.with_layout(self.layout.reshape(shape)?))
+    }
+
+    fn with_layout(&self, layout: Layout) -> Self {
+        // A view reaches a subset of what `self` reaches, so it stays within the storage.
+        Tensor { storage: Arc::clone(&self.storage), byte_offset: self.byte_offset, dtype: self.dtype, layout }
+    }
+
+    // === Typed access ===
+
+    /// Borrows the elements of a contiguous tensor as `&[T]`. `T` must match the dtype (`u8`
+    /// for bool) and the data must be aligned for `T`. Holds the storage's read lock.
+    pub fn as_slice<T: Element>(&self) -> Result<SliceRef<'_, T>> {
+        let ptr = self.typed_ptr::<T>("as_slice")?;
+        self.require_contiguous("as_slice")?;
+        let guard = self.storage.read();
+        Ok(SliceRef { _guard: guard, ptr, len: self.elem_count(), _marker: PhantomData })
+    }
+
+    /// Borrows the elements of a contiguous tensor as `&mut [T]`. The storage must be writable.
+    /// Holds the storage's write lock.
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<SliceMut<'_, T>> {
+        let ptr = self.typed_ptr::<T>("as_mut_slice")?;
+        self.require_contiguous("as_mut_slice")?;
+        let guard = self.storage.write("as_mut_slice")?;
+        Ok(SliceMut { _guard: guard, ptr, len: self.elem_count(), _marker: PhantomData })
+    }
+
+    /// Borrows any layout as an ndarray view (see [`ArrayRef::view`]). Holds the read lock.
+    pub fn array_view<T: Element>(&self) -> Result<ArrayRef<'_, T>> {
+        let ptr = self.typed_ptr::<T>("array_view")?;
+        let guard = self.storage.read();
+        Ok(ArrayRef { _guard: guard, ptr, layout: &self.layout })
+    }
+
+    /// Borrows any non-overlapping layout as a mutable ndarray view (see
+    /// [`ArrayMut::view_mut`]). Holds the write lock.
+    pub fn array_view_mut<T: Element>(&mut self) -> Result<ArrayMut<'_, T>> {
+        let ptr = self.typed_ptr::<T>("array_view_mut")?;
+        if !self.layout.is_non_overlapping() {
+            return Err(Error::OverlappingLayout {
+                shape: self.shape().clone(),
+                strides: self.layout.strides().to_vec(),
+            });
+        }
+        let guard = self.storage.write("array_view_mut")?;
+        Ok(ArrayMut { _guard: guard, ptr, layout: &self.layout })
+    }
+
+    /// Copies the elements, in C order, into a new `Vec`. Works for any layout and alignment.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        self.check_elem::<T>("to_vec")?;
+        let mut out = vec![T::zeroed(); self.elem_count()];
+        self.copy_out(bytemuck::cast_slice_mut(&mut out));
+        Ok(out)
+    }
+
+    /// Copies a bool tensor into a `Vec<bool>`, failing on any byte other than 0 or 1.
+    pub fn to_vec_bool(&self) -> Result<Vec<bool>> {
+        if self.dtype != DType::Bool {
+            return Err(Error::DTypeMismatch { op: "to_vec_bool", actual: self.dtype, requested: DType::Bool });
+        }
+        let bytes = self.to_bytes();
+        bytes
+            .iter()
+            .enumerate()
+            .map(|(index, &byte)| match byte {
+                0 => Ok(false),
+                1 => Ok(true),
+                _ => Err(Error::InvalidBool { byte, index }),
+            })
+            .collect()
+    }
+
+    /// Copies the raw bytes of the elements, in C order, into a new `Vec`.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.nbytes()];
+        self.copy_out(&mut out);
+        out
+    }
+
+    /// A contiguous copy of this tensor on the heap, sharing nothing with it.
+    pub fn deep_clone(&self) -> Result<Self> {
+        let mut out = Self::zeros(self.shape(), self.dtype, &Location::Heap)?;
+        out.copy_from(self)?;
+        Ok(out)
+    }
+
+    /// Copies `src` into this tensor element by element (same shape and dtype). Any layouts;
+    /// if both view the same storage the source is copied aside first.
+    pub fn copy_from(&mut self, src: &Tensor) -> Result<()> {
+        self.check_same_kind("copy_from", src, self.shape())?;
+        if self.shares_storage_with(src) {
+            return self.copy_from(&src.deep_clone()?);
+        }
+        let _read = src.storage.read();
+        let _write = self.storage.write("copy_from")?;
+        // SAFETY: both layouts were checked against their storages at construction; the storages
+        // are distinct allocations or mappings (checked above); the locks are held.
+        unsafe { copy_strided(src.strided(), self.strided_mut(), self.dtype.size_in_bytes()) };
+        Ok(())
+    }
+
+    /// Copies the elements in C order into `out`, which must be exactly `nbytes()` long.
+    fn copy_out(&self, out: &mut [u8]) {
+        debug_assert_eq!(out.len(), self.nbytes());
+        let contiguous =
+            Layout::contiguous(self.shape()).expect("the shape of a valid layout has valid contiguous strides");
+        let dst = Strided { base: out.as_mut_ptr(), dims: self.dims(), strides: contiguous.strides(), offset: 0 };
+        let _read = self.storage.read();
+        // SAFETY: the source layout was checked against the storage at construction and the read
+        // lock is held; `out` is a separate allocation of exactly the contiguous size.
+        unsafe { copy_strided(self.strided(), dst, self.dtype.size_in_bytes()) };
+    }
+
+    // === Files and the page cache ===
+
+    /// Writes this tensor's changes back to its file and waits (`msync`). A no-op for heap and
+    /// shm storage.
+    pub fn flush(&self) -> Result<()> {
+        self.with_byte_span(|start, len| self.storage.flush_range(start, len))
+    }
+
+    /// Like [`Tensor::flush`] for rows `rows` of dim 0 only.
+    pub fn flush_rows(&self, rows: std::ops::Range<usize>) -> Result<()> {
+        let len = rows.end.checked_sub(rows.start).ok_or_else(|| self.range_error("flush_rows", &rows))?;
+        let view = self.narrow(0, rows.start, len).map_err(|_| self.range_error("flush_rows", &rows))?;
+        view.flush()
+    }
+
+    /// Tells the kernel how this tensor's bytes will be accessed (`madvise`).
+    pub fn advise(&self, advice: Advice) -> Result<()> {
+        self.with_byte_span(|start, len| self.storage.advise_range(advice, start, len))
+    }
+
+    fn with_byte_span(&self, f: impl FnOnce(usize, usize) -> Result<()>) -> Result<()> {
+        if self.elem_count() == 0 || self.storage.kind() == StorageKind::Heap {
+            return Ok(());
+        }
+        let elem = self.dtype.size_in_bytes();
+        let start = self.byte_offset + self.layout.offset_elems() * elem;
+        let end = self.byte_offset + self.layout.required_elems() * elem;
+        f(start, end - start)
+    }
+
+    fn range_error(&self, op: &'static str, rows: &std::ops::Range<usize>) -> Error {
+        Error::RangeOutOfBounds { op, dim: 0, start: rows.start, stop: rows.end, step: 1, shape: self.shape().clone() }
+    }
+
+    // === Internal helpers ===
+
+    pub(crate) fn check_elem<T: Element>(&self, op: &'static str) -> Result<()> {
+        if T::matches(self.dtype) {
+            Ok(())
+        } else {
+            Err(Error::DTypeMismatch { op, actual: self.dtype, requested: T::DTYPE })
+        }
+    }
+
+    /// Pointer to element offset 0 as `T`, after checking dtype and alignment.
+    fn typed_ptr<T: Element>(&self, op: &'static str) -> Result<NonNull<T>> {
+        self.check_elem::<T>(op)?;
+        let ptr = self.storage.base_ptr().wrapping_add(self.byte_offset);
+        if !(ptr as usize).is_multiple_of(std::mem::align_of::<T>()) {
+            return Err(Error::Misaligned {
+                op,
+                addr: ptr as usize,
+                align: std::mem::align_of::<T>(),
+                dtype: self.dtype,
+            });
+        }
+        // SAFETY: `byte_offset` is within the storage (checked in `from_storage`), so `ptr` is
+        // derived from the non-null base without wrapping.
+        Ok(unsafe { NonNull::new_unchecked(ptr.cast::<T>()) })
+    }
+
+    fn require_contiguous(&self, op: &'static str) -> Result<()> {
+        if self.is_contiguous() {
+            Ok(())
+        } else {
+            Err(Error::NotContiguous { op, shape: self.shape().clone(), strides: self.layout.strides().to_vec() })
+        }
+    }
+
+    pub(crate) fn check_same_kind(&self, op: &'static str, other: &Tensor, expected: &Shape) -> Result<()> {
+        if other.dtype != self.dtype {
+            return Err(Error::DTypeMismatch { op, actual: self.dtype, requested: other.dtype });
+        }
+        if other.shape() != expected {
+            return Err(Error::ShapeMismatch { op, expected: expected.clone(), actual: other.shape().clone() });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn strided(&self) -> Strided<'_, *const u8> {
+        Strided {
+            base: self.storage.base_ptr().wrapping_add(self.byte_offset).cast_const(),
+            dims: self.dims(),
+            strides: self.layout.strides(),
+            offset: self.layout.offset_elems(),
+        }
+    }
+
+    pub(crate) fn strided_mut(&self) -> Strided<'_, *mut u8> {
+        Strided {
+            base: self.storage.base_ptr().wrapping_add(self.byte_offset),
+            dims: self.dims(),
+            strides: self.layout.strides(),
+            offset: self.layout.offset_elems(),
+        }
+    }
+}
+
+/// Normalizes a possibly negative index into `0..size`.
+pub(crate) fn normalize_index(index: i64, size: usize) -> Option<usize> {
+    let size_i = i64::try_from(size).ok()?;
+    let i = if index < 0 { index.checked_add(size_i)? } else { index };
+    (0..size_i).contains(&i).then_some(i as usize)
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tensor")
+            .field("dtype", &self.dtype)
+            .field("shape", self.shape())
+            .field("strides", &self.layout.strides())
+            .field("offset_elems", &self.layout.offset_elems())
+            .field("storage", &self.storage)
+            .finish()
+    }
+}
+
+/// A contiguous tensor's elements borrowed as `&[T]`, holding the storage's read lock.
+pub struct SliceRef<'a, T> {
+    _guard: RwLockReadGuard<'a, ()>,
+    ptr: NonNull<T>,
+    len: usize,
+    _marker: PhantomData<&'a [T]>,
+}
+
+impl<T: Element> Deref for SliceRef<'_, T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        // SAFETY: `ptr` is aligned and non-null (checked in `typed_ptr`), the `len` elements are
+        // within the storage (checked in `from_storage`, contiguous layout), `T` is plain old
+        // data, and the read lock held by `_guard` keeps writers of this process out.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+/// A contiguous tensor's elements borrowed as `&mut [T]`, holding the storage's write lock.
+pub struct SliceMut<'a, T> {
+    _guard: RwLockWriteGuard<'a, ()>,
+    ptr: NonNull<T>,
+    len: usize,
+    _marker: PhantomData<&'a mut [T]>,
+}
+
+impl<T: Element> Deref for SliceMut<'_, T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        // SAFETY: as for `SliceRef`; the write lock is held.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: Element> DerefMut for SliceMut<'_, T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as for `SliceRef`, and the write lock held by `_guard` excludes every other
+        // reader and writer of this storage in this process, so the borrow is unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+/// A tensor borrowed for ndarray reads, holding the storage's read lock.
+pub struct ArrayRef<'a, T> {
+    _guard: RwLockReadGuard<'a, ()>,
+    ptr: NonNull<T>,
+    layout: &'a Layout,
+}
+
+impl<T: Element> ArrayRef<'_, T> {
+    /// The tensor as an `ndarray` view with its own shape and strides.
+    pub fn view(&self) -> ArrayViewD<'_, T> {
+        let shape = IxDyn(self.layout.dims()).strides(IxDyn(self.layout.strides()));
+        // SAFETY: (the `from_shape_ptr` contract) the pointer is non-null and aligned
+        // (`typed_ptr`); every reachable element is inside the storage (layout checked in
+        // `from_storage`); offsets fit in isize because they fit in the mapping; the read lock
+        // is held for the view's lifetime, which is tied to `&self`.
+        unsafe { ArrayViewD::from_shape_ptr(shape, self.ptr.as_ptr().add(self.layout.offset_elems())) }
+    }
+}
+
+/// A tensor borrowed for ndarray writes, holding the storage's write lock.
+pub struct ArrayMut<'a, T> {
+    _guard: RwLockWriteGuard<'a, ()>,
+    ptr: NonNull<T>,
+    layout: &'a Layout,
+}
+
+impl<T: Element> ArrayMut<'_, T> {
+    /// The tensor as a mutable `ndarray` view with its own shape and strides.
+    pub fn view_mut(&mut self) -> ArrayViewMutD<'_, T> {
+        let shape = IxDyn(self.layout.dims()).strides(IxDyn(self.layout.strides()));
+        // SAFETY: as for `ArrayRef::view`; in addition no two indices reach the same element
+        // (`is_non_overlapping` was checked in `array_view_mut`) and the write lock makes the
+        // borrow unique within the process.
+        unsafe { ArrayViewMutD::from_shape_ptr(shape, self.ptr.as_ptr().add(self.layout.offset_elems())) }
+    }
+}
