@@ -91,8 +91,11 @@ const PREFETCH_DISTANCE: usize = 8;
 
 /// Row number of a checked index in `-size..size` (negative counts from the end).
 #[inline(always)]
-fn row_of(index: i64, size: usize) -> usize {
-    if index < 0 { size - index.unsigned_abs() as usize } else { index as usize }
+pub(crate) fn row_of(index: i64, size: usize) -> usize {
+    // Lossless: targets are 64-bit (see `lib.rs`).
+    #[allow(clippy::cast_possible_truncation)]
+    let magnitude = index.unsigned_abs() as usize;
+    if index < 0 { size - magnitude } else { magnitude }
 }
 
 /// `dst[k] = src[rows[k]]` for every k, where `src` has `size` rows.
@@ -110,8 +113,8 @@ pub(crate) unsafe fn gather_rows(src: Rows<*const u8>, rows: &[i64], size: usize
         let r = row_of(i, size);
         // SAFETY: row `r` of `src` and row `k` of `dst` are in bounds and disjoint (contract).
         unsafe {
-            copy_row(src.base.add(src.first + r * src.stride_bytes), dst.base.add(dst.first + k * dst.stride_bytes), n)
-        };
+            copy_row(src.base.add(src.first + r * src.stride_bytes), dst.base.add(dst.first + k * dst.stride_bytes), n);
+        }
     }
 }
 
@@ -126,11 +129,7 @@ pub(crate) unsafe fn scatter_rows(src: Rows<*const u8>, rows: &[i64], size: usiz
         let r = row_of(i, size);
         // SAFETY: row `k` of `src` and row `r` of `dst` are in bounds and disjoint (contract).
         unsafe {
-            ptr::copy_nonoverlapping(
-                src.base.add(src.first + k * src.stride_bytes),
-                dst.base.add(dst.first + r * dst.stride_bytes),
-                n,
-            );
+            copy_row(src.base.add(src.first + k * src.stride_bytes), dst.base.add(dst.first + r * dst.stride_bytes), n);
         }
     }
 }

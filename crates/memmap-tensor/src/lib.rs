@@ -1,5 +1,61 @@
-//! Typed tensors over heap memory, memory-mapped files and POSIX shared memory.
+//! Typed tensors over heap memory, memory-mapped files and POSIX shared memory, with row
+//! gathers and scatters at memory speed.
+//!
+//! A [`Tensor`] is a dtype and a [`Layout`] (shape, strides and offset, in elements) over an
+//! `Arc<`[`Storage`]`>`: 64-byte aligned heap memory, a mapped file, or a named shm object
+//! that another process opens by name. Views ([`Tensor::narrow`], [`Tensor::slice`],
+//! [`Tensor::select`], [`Tensor::reshape`]) copy nothing; row operations along dim 0
+//! ([`Tensor::gather_rows_into`], [`Tensor::scatter_rows`], [`Tensor::copy_rows`]) copy whole
+//! rows, never single elements.
+//!
+//! ```
+//! use memmap_tensor::{Access, DType, Location, Tensor};
+//!
+//! let dir = tempfile::tempdir()?;
+//! let path = dir.path().join("obs.memmap");
+//!
+//! // A file-backed [1000, 4] f32 tensor; rows written by scatter go straight to the file.
+//! let mut t = Tensor::zeros([1000, 4], DType::F32, &Location::File(path.clone()))?;
+//! t.scatter_rows(&[3, -1], &Tensor::from_slice(&[1.0f32; 8], [2, 4])?)?;
+//! t.flush()?;
+//!
+//! // Another handle (or another process) maps the same file and gathers rows.
+//! let reader = Tensor::open_file(&path, DType::F32, [1000, 4], Access::ReadOnly)?;
+//! let batch = reader.gather_rows(&[999, 3, 0])?;
+//! assert_eq!(batch.dims(), &[3, 4]);
+//! assert_eq!(batch.to_vec::<f32>()?[6..10], [1.0, 1.0, 0.0, 0.0]); // rows 999, 3, then 0
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # Errors, not crashes
+//!
+//! Every operation on user input returns [`Result`]: out-of-range indices, shape or dtype
+//! mismatches, overflowing shapes, misaligned typed views, read-only storage. A file or shm
+//! object shorter than its tensor is refused *before* it is mapped, and this crate never
+//! truncates a file that may be mapped, so its accesses never fault (see [`Storage`] for the
+//! whole argument, and the one thing it cannot prevent: another program truncating the file).
+//!
+//! # Sharing and concurrency
+//!
+//! Cloning a `Tensor` shares its storage. Typed borrows hold the storage's read lock and writes
+//! its write lock, so threads of one process never see a torn row. Processes that share a file
+//! or shm object coordinate themselves, for example by owning disjoint rows.
 #![deny(missing_docs)]
+#![doc(test(attr(deny(warnings))))]
+#![warn(clippy::pedantic)]
+// Allowed pedantic lints, with the reason:
+#![allow(
+    clippy::missing_errors_doc,    // every fallible fn returns the one `Error` enum, whose variants say what failed
+    clippy::must_use_candidate,    // accessors; `Result`s are already `must_use`
+    clippy::similar_names,         // `src`/`dst`, `rows`/`row` read fine
+    clippy::inline_always,         // on the row-copy hot path, measured with the `gather` bench
+    clippy::module_name_repetitions
+)]
+
+// Sizes of mapped files and indices (i64) are converted to `usize` losslessly only on 64-bit
+// targets; 32-bit targets could not map the datasets this crate is for anyway.
+#[cfg(not(target_pointer_width = "64"))]
+compile_error!("memmap-tensor supports 64-bit targets only");
 
 mod copy;
 mod dtype;

@@ -48,7 +48,7 @@ impl Tensor {
         } else {
             let (src_rows, dst_rows) = (self.row_layouts(), out.row_layouts());
             for (k, &i) in indices.iter().enumerate() {
-                let r = normalize_index(i, size).expect("checked above");
+                let r = copy::row_of(i, size);
                 // SAFETY: as above; `RowLayouts` give row `r` of `self` and row `k` of `out`,
                 // which have the same shape.
                 unsafe { copy_strided(src_rows.row(self, r), dst_rows.row_mut(out, k), self.dtype().size_in_bytes()) };
@@ -77,7 +77,7 @@ impl Tensor {
         } else {
             let (src_rows, dst_rows) = (src.row_layouts(), self.row_layouts());
             for (k, &i) in indices.iter().enumerate() {
-                let r = normalize_index(i, size).expect("checked above");
+                let r = copy::row_of(i, size);
                 // SAFETY: as in `gather_rows_into`, with source and destination swapped.
                 unsafe { copy_strided(src_rows.row(src, k), dst_rows.row_mut(self, r), self.dtype().size_in_bytes()) };
             }
@@ -182,7 +182,7 @@ fn gather_threads(bytes: usize) -> usize {
     if bytes < PARALLEL_MIN_BYTES {
         return 1;
     }
-    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
     cores.min(bytes / (PARALLEL_MIN_BYTES / 2))
 }
 

@@ -390,7 +390,7 @@ impl std::fmt::Debug for Storage {
             .field("location", &self.describe())
             .field("len_bytes", &self.len)
             .field("writable", &self.writable)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
@@ -425,8 +425,8 @@ fn preallocate(file: &File, len: usize) -> std::io::Result<()> {
     if len == 0 {
         return Ok(());
     }
-    let len = i64::try_from(len).map_err(|_| std::io::Error::from(std::io::ErrorKind::FileTooLarge))?;
-    match nix::fcntl::posix_fallocate(file, 0, len) {
+    let len_off = i64::try_from(len).map_err(|_| std::io::Error::from(std::io::ErrorKind::FileTooLarge))?;
+    match nix::fcntl::posix_fallocate(file, 0, len_off) {
         Ok(()) => Ok(()),
         // Filesystems without fallocate: set the size; blocks get allocated on first write.
         Err(Errno::EOPNOTSUPP) => file.set_len(len as u64),

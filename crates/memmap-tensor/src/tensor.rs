@@ -437,7 +437,7 @@ impl Tensor {
 pub(crate) fn normalize_index(index: i64, size: usize) -> Option<usize> {
     let size_i = i64::try_from(size).ok()?;
     let i = if index < 0 { index.checked_add(size_i)? } else { index };
-    (0..size_i).contains(&i).then_some(i as usize)
+    if (0..size_i).contains(&i) { usize::try_from(i).ok() } else { None }
 }
 
 impl fmt::Debug for Tensor {
@@ -448,7 +448,7 @@ impl fmt::Debug for Tensor {
             .field("strides", &self.layout.strides())
             .field("offset_elems", &self.layout.offset_elems())
             .field("storage", &self.storage)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
