@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 
 use crate::copy::{self, Rows, copy_strided};
 use crate::tensor::normalize_index;
-use crate::{Error, Location, Result, Shape, Tensor};
+use crate::{Error, Location, Result, Shape, Storage, Tensor};
 
 impl Tensor {
     /// Gathers the rows `indices` of dim 0 into a new contiguous heap tensor of shape
@@ -29,8 +29,7 @@ impl Tensor {
         if self.shares_storage_with(out) {
             return out.copy_from(&self.gather_rows(indices)?);
         }
-        let _read = self.storage().read();
-        let _write = out.storage().write(OP)?;
+        let _locks = Storage::lock_pair(self.storage(), out.storage(), OP)?;
         if self.layout().rows_contiguous() && out.layout().rows_contiguous() {
             let (src, dst) = (self.rows(), out.rows_mut());
             let threads = gather_threads(indices.len() * src.row_bytes);
@@ -69,8 +68,7 @@ impl Tensor {
         if self.shares_storage_with(src) {
             return self.scatter_rows(indices, &src.deep_clone()?);
         }
-        let _read = src.storage().read();
-        let _write = self.storage().write(OP)?;
+        let _locks = Storage::lock_pair(src.storage(), self.storage(), OP)?;
         if self.layout().rows_contiguous() && src.layout().rows_contiguous() {
             // SAFETY: as in `gather_rows_into`, with source and destination swapped.
             unsafe { copy::scatter_rows(src.rows(), indices, size, self.rows_mut()) };

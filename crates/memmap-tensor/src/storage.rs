@@ -32,12 +32,12 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use memmap2::{MmapOptions, MmapRaw};
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::{Error, Result};
 
@@ -351,9 +351,11 @@ impl Storage {
     }
 
     /// Takes the read lock. While it is held no write happens through this process.
+    ///
+    /// Recursive: a thread that already holds a read lock (say, a borrowed slice) gets another
+    /// even while a writer waits, instead of deadlocking behind that writer.
     pub(crate) fn read(&self) -> RwLockReadGuard<'_, ()> {
-        // The lock guards no data of its own, so a panic while it was held broke no invariant.
-        self.lock.read().unwrap_or_else(PoisonError::into_inner)
+        self.lock.read_recursive()
     }
 
     /// Takes the write lock, or fails if the storage is read-only.
@@ -361,7 +363,25 @@ impl Storage {
         if !self.writable {
             return Err(Error::ReadOnly { op, storage: self.describe() });
         }
-        Ok(self.lock.write().unwrap_or_else(PoisonError::into_inner))
+        Ok(self.lock.write())
+    }
+
+    /// Takes the read lock of `src` and the write lock of `dst` (two different storages) in
+    /// a global order, by address, so that two threads copying in opposite directions between
+    /// the same storages cannot deadlock.
+    pub(crate) fn lock_pair<'a>(
+        src: &'a Storage,
+        dst: &'a Storage,
+        op: &'static str,
+    ) -> Result<(RwLockReadGuard<'a, ()>, RwLockWriteGuard<'a, ()>)> {
+        debug_assert!(!std::ptr::eq(src, dst), "callers copy aside when the storages are the same");
+        if std::ptr::from_ref(src) < std::ptr::from_ref(dst) {
+            let read = src.read();
+            Ok((read, dst.write(op)?))
+        } else {
+            let write = dst.write(op)?;
+            Ok((src.read(), write))
+        }
     }
 
     /// Base address of the region. Dereference only under [`Storage::read`] or

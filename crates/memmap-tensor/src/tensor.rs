@@ -5,9 +5,10 @@ use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::Arc;
 
 use ndarray::{ArrayBase, ArrayViewD, ArrayViewMutD, Data, Dimension, IxDyn, ShapeBuilder};
+use parking_lot::{RwLockReadGuard, RwLockWriteGuard};
 
 use crate::copy::{Strided, copy_strided};
 use crate::{Access, Advice, DType, Element, Error, Layout, Result, Shape, Storage, StorageKind};
@@ -315,8 +316,7 @@ impl Tensor {
         if self.shares_storage_with(src) {
             return self.copy_from(&src.deep_clone()?);
         }
-        let _read = src.storage.read();
-        let _write = self.storage.write("copy_from")?;
+        let _locks = Storage::lock_pair(&src.storage, &self.storage, "copy_from")?;
         // SAFETY: both layouts were checked against their storages at construction; the storages
         // are distinct allocations or mappings (checked above); the locks are held.
         unsafe { copy_strided(src.strided(), self.strided_mut(), self.dtype.size_in_bytes()) };
