@@ -166,12 +166,20 @@ impl Storage {
     pub fn open_file(path: impl AsRef<Path>, access: Access, len_bytes: usize) -> Result<Self> {
         let path = path.as_ref();
         let io_err = |op, source| Error::FileIo { op, path: path.to_owned(), source };
+        // O_NONBLOCK: opening a FIFO planted at `path` must not hang; it has no effect on
+        // regular files, and anything else is refused just below.
         let file = OpenOptions::new()
             .read(true)
             .write(access == Access::ReadWrite)
+            .custom_flags(OFlag::O_NONBLOCK.bits())
             .open(path)
             .map_err(|e| io_err("open", e))?;
-        let actual = file.metadata().map_err(|e| io_err("stat", e))?.len();
+        let meta = file.metadata().map_err(|e| io_err("stat", e))?;
+        if !meta.is_file() {
+            let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file");
+            return Err(io_err("open", e));
+        }
+        let actual = meta.len();
         if actual < len_bytes as u64 {
             return Err(Error::FileTooShort {
                 path: path.to_owned(),
