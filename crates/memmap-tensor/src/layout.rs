@@ -138,10 +138,17 @@ impl Layout {
         let mut dims = self.dims().to_vec();
         let mut strides = self.strides.clone();
         dims[dim] = len;
-        // start < size, so start * stride is a reachable offset and cannot overflow (invariant 3).
-        let offset = if len == 0 { self.offset } else { self.offset + start * self.strides[dim] };
-        // stride * step may overflow when step is huge, but then len == 1 and the stride is unused.
-        strides[dim] = if len > 1 { self.strides[dim] * step } else { self.strides[dim] };
+        let mut offset = self.offset;
+        // An empty result, or a view of an empty layout, reaches nothing: it keeps the offset and
+        // strides, which invariant 3 says nothing about and which must not be multiplied.
+        if len > 0 && self.elem_count() > 0 {
+            // start < size: start * stride is a reachable offset, no overflow (invariant 3).
+            offset += start * self.strides[dim];
+            if len > 1 {
+                // len > 1 means start + step < size, so stride * step is reachable too.
+                strides[dim] = self.strides[dim] * step;
+            }
+        }
         Ok(Layout { shape: Shape::from(dims), strides, offset })
     }
 
@@ -160,7 +167,8 @@ impl Layout {
         let mut strides = self.strides.clone();
         dims.remove(dim);
         let stride = strides.remove(dim);
-        let offset = self.offset + index * stride;
+        // As in `slice_impl`: a view of an empty layout keeps its offset.
+        let offset = if self.elem_count() > 0 { self.offset + index * stride } else { self.offset };
         Ok(Layout { shape: Shape::from(dims), strides, offset })
     }
 
@@ -317,7 +325,8 @@ mod tests {
         assert_eq!(n.dims(), &[2, 2, 4]);
         assert_eq!(n.offset_elems(), 4);
         assert!(!n.is_contiguous());
-        assert!(!n.rows_contiguous());
+        assert!(n.rows_contiguous());
+        assert!(!l.narrow(2, 1, 2).unwrap().rows_contiguous());
         let s = l.select(0, 1).unwrap();
         assert_eq!((s.dims(), s.offset_elems()), (&[3usize, 4][..], 12));
         assert!(s.is_contiguous());

@@ -97,9 +97,7 @@ impl Tensor {
         };
         let len = rows.end.checked_sub(rows.start).ok_or_else(invalid)?;
         let mut view = self.narrow(0, rows.start, len).map_err(|_| invalid())?;
-        let expected = view.shape().clone();
-        view.check_same_kind(OP, src, &expected)?;
-        view.copy_from(src)
+        view.copy_from_as(OP, src)
     }
 
     /// The shape `[n, dims[1..]…]`, or an error for a scalar.

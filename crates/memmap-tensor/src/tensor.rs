@@ -312,11 +312,16 @@ impl Tensor {
     /// Copies `src` into this tensor element by element (same shape and dtype). Any layouts;
     /// if both view the same storage the source is copied aside first.
     pub fn copy_from(&mut self, src: &Tensor) -> Result<()> {
-        self.check_same_kind("copy_from", src, self.shape())?;
+        self.copy_from_as("copy_from", src)
+    }
+
+    /// [`Tensor::copy_from`], reporting errors as operation `op`.
+    pub(crate) fn copy_from_as(&mut self, op: &'static str, src: &Tensor) -> Result<()> {
+        self.check_same_kind(op, src, self.shape())?;
         if self.shares_storage_with(src) {
-            return self.copy_from(&src.deep_clone()?);
+            return self.copy_from_as(op, &src.deep_clone()?);
         }
-        let _locks = Storage::lock_pair(&src.storage, &self.storage, "copy_from")?;
+        let _locks = Storage::lock_pair(&src.storage, &self.storage, op)?;
         // SAFETY: both layouts were checked against their storages at construction; the storages
         // are distinct allocations or mappings (checked above); the locks are held.
         unsafe { copy_strided(src.strided(), self.strided_mut(), self.dtype.size_in_bytes()) };
@@ -379,10 +384,12 @@ impl Tensor {
         }
     }
 
-    /// Pointer to element offset 0 as `T`, after checking dtype and alignment.
+    /// Pointer to the tensor's first element (element offset `offset_elems()`) as `T`, after
+    /// checking dtype and alignment.
     fn typed_ptr<T: Element>(&self, op: &'static str) -> Result<NonNull<T>> {
         self.check_elem::<T>(op)?;
-        let ptr = self.storage.base_ptr().wrapping_add(self.byte_offset);
+        let first = self.byte_offset + self.layout.offset_elems() * self.dtype.size_in_bytes();
+        let ptr = self.storage.base_ptr().wrapping_add(first);
         if !(ptr as usize).is_multiple_of(std::mem::align_of::<T>()) {
             return Err(Error::Misaligned {
                 op,
@@ -391,8 +398,9 @@ impl Tensor {
                 dtype: self.dtype,
             });
         }
-        // SAFETY: `byte_offset` is within the storage (checked in `from_storage`), so `ptr` is
-        // derived from the non-null base without wrapping.
+        // SAFETY: the first element's position is at most the layout's required bytes, which
+        // `from_storage` checked against the storage (views only shrink what is reached), so
+        // `ptr` is derived from the non-null base without wrapping.
         Ok(unsafe { NonNull::new_unchecked(ptr.cast::<T>()) })
     }
 
@@ -511,7 +519,7 @@ impl<T: Element> ArrayRef<'_, T> {
         // (`typed_ptr`); every reachable element is inside the storage (layout checked in
         // `from_storage`); offsets fit in isize because they fit in the mapping; the read lock
         // is held for the view's lifetime, which is tied to `&self`.
-        unsafe { ArrayViewD::from_shape_ptr(shape, self.ptr.as_ptr().add(self.layout.offset_elems())) }
+        unsafe { ArrayViewD::from_shape_ptr(shape, self.ptr.as_ptr()) }
     }
 }
 
@@ -529,6 +537,6 @@ impl<T: Element> ArrayMut<'_, T> {
         // SAFETY: as for `ArrayRef::view`; in addition no two indices reach the same element
         // (`is_non_overlapping` was checked in `array_view_mut`) and the write lock makes the
         // borrow unique within the process.
-        unsafe { ArrayViewMutD::from_shape_ptr(shape, self.ptr.as_ptr().add(self.layout.offset_elems())) }
+        unsafe { ArrayViewMutD::from_shape_ptr(shape, self.ptr.as_ptr()) }
     }
 }
