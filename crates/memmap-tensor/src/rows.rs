@@ -1,18 +1,23 @@
 //! Row operations along dim 0: gather, scatter and range copies. The hot path of batch indexing.
 
 use std::ops::Range;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use crate::copy::{self, Rows, copy_strided};
 use crate::tensor::normalize_index;
-use crate::{Error, Location, Result, Shape, Storage, Tensor};
+use crate::{Error, Layout, Result, Shape, Storage, Tensor};
 
 impl Tensor {
     /// Gathers the rows `indices` of dim 0 into a new contiguous heap tensor of shape
     /// `[indices.len(), dims[1..]…]`. Negative indices count from the end; repeats are allowed;
     /// an index outside `-len..len` is [`Error::IndexOutOfRange`] and nothing is copied.
     pub fn gather_rows(&self, indices: &[i64]) -> Result<Tensor> {
-        let mut out = Tensor::zeros(self.rows_shape("gather_rows", indices.len())?, self.dtype(), &Location::Heap)?;
+        let layout = Layout::contiguous(self.rows_shape("gather_rows", indices.len())?)?;
+        let len = layout.required_bytes(self.dtype().size_in_bytes())?;
+        // The gather writes every byte of `out` (all of its rows) before returning it, and
+        // nothing reads `out` if it fails, so its memory need not be zeroed first.
+        let storage = Arc::new(Storage::heap_for_overwrite(len)?);
+        let mut out = Tensor::from_storage(storage, 0, self.dtype(), layout)?;
         self.gather_rows_into(indices, &mut out)?;
         Ok(out)
     }

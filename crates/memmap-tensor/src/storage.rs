@@ -117,13 +117,25 @@ unsafe impl Sync for Storage {}
 impl Storage {
     /// Zeroed heap storage of `len_bytes`, aligned to [`HEAP_ALIGN`].
     pub fn heap(len_bytes: usize) -> Result<Self> {
+        Self::heap_with(len_bytes, true)
+    }
+
+    /// Heap storage whose bytes are **uninitialised**. Crate-internal: only for outputs that
+    /// the caller writes in full, through raw pointers, before anything reads them (a row gather
+    /// writes every row of its output). Saves zeroing a buffer that is overwritten at once.
+    pub(crate) fn heap_for_overwrite(len_bytes: usize) -> Result<Self> {
+        Self::heap_with(len_bytes, false)
+    }
+
+    fn heap_with(len_bytes: usize, zeroed: bool) -> Result<Self> {
         let layout =
             AllocLayout::from_size_align(len_bytes, HEAP_ALIGN).map_err(|_| Error::OutOfMemory { bytes: len_bytes })?;
         let ptr = if len_bytes == 0 {
             aligned_dangling()
         } else {
             // SAFETY: `layout` has a non-zero size (checked just above).
-            NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or(Error::OutOfMemory { bytes: len_bytes })?
+            let raw = unsafe { if zeroed { alloc::alloc_zeroed(layout) } else { alloc::alloc(layout) } };
+            NonNull::new(raw).ok_or(Error::OutOfMemory { bytes: len_bytes })?
         };
         Ok(Storage { ptr, len: len_bytes, writable: true, lock: RwLock::new(()), backing: Backing::Heap { layout } })
     }
@@ -404,7 +416,7 @@ impl Drop for Storage {
         if let Backing::Heap { layout } = self.backing
             && layout.size() > 0
         {
-            // SAFETY: `ptr` came from `alloc_zeroed(layout)` in `Storage::heap` and is freed
+            // SAFETY: `ptr` came from `alloc(layout)` or `alloc_zeroed(layout)` and is freed
             // only here. Mapped backings unmap themselves when `MmapRaw` drops.
             unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
         }
