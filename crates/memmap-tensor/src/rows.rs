@@ -3,7 +3,7 @@
 use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
-use crate::copy::{self, Rows, copy_strided};
+use crate::copy::{self, Rows, Strided, copy_strided};
 use crate::tensor::normalize_index;
 use crate::{Error, Layout, Result, Shape, Storage, Tensor};
 
@@ -36,7 +36,7 @@ impl Tensor {
         }
         let _locks = Storage::lock_pair(self.storage(), out.storage(), OP)?;
         if self.layout().rows_contiguous() && out.layout().rows_contiguous() {
-            let (src, dst) = (self.rows(), out.rows_mut());
+            let (src, dst) = (rows(self.strided(), self), rows(out.strided_mut(), out));
             let threads = gather_threads(indices.len() * src.row_bytes);
             // SAFETY: every index is in `-size..size` (checked above) and `out` has
             // `indices.len()` rows of the same row size (checked above); both layouts were checked
@@ -50,13 +50,8 @@ impl Tensor {
                 }
             }
         } else {
-            let (src_rows, dst_rows) = (self.row_layouts(), out.row_layouts());
-            for (k, &i) in indices.iter().enumerate() {
-                let r = copy::row_of(i, size);
-                // SAFETY: as above; `RowLayouts` give row `r` of `self` and row `k` of `out`,
-                // which have the same shape.
-                unsafe { copy_strided(src_rows.row(self, r), dst_rows.row_mut(out, k), self.dtype().size_in_bytes()) };
-            }
+            // SAFETY: as above.
+            unsafe { copy_rows_strided(self, out, indices.len(), |k| copy::row_of(indices[k], size), |k| k) };
         }
         Ok(())
     }
@@ -74,15 +69,12 @@ impl Tensor {
             return self.scatter_rows(indices, &src.deep_clone()?);
         }
         let _locks = Storage::lock_pair(src.storage(), self.storage(), OP)?;
-        if self.layout().rows_contiguous() && src.layout().rows_contiguous() {
-            // SAFETY: as in `gather_rows_into`, with source and destination swapped.
-            unsafe { copy::scatter_rows(src.rows(), indices, size, self.rows_mut()) };
-        } else {
-            let (src_rows, dst_rows) = (src.row_layouts(), self.row_layouts());
-            for (k, &i) in indices.iter().enumerate() {
-                let r = copy::row_of(i, size);
-                // SAFETY: as in `gather_rows_into`, with source and destination swapped.
-                unsafe { copy_strided(src_rows.row(src, k), dst_rows.row_mut(self, r), self.dtype().size_in_bytes()) };
+        // SAFETY: as in `gather_rows_into`, with source and destination swapped.
+        unsafe {
+            if self.layout().rows_contiguous() && src.layout().rows_contiguous() {
+                copy::scatter_rows(rows(src.strided(), src), indices, size, rows(self.strided_mut(), self));
+            } else {
+                copy_rows_strided(src, self, indices.len(), |k| k, |k| copy::row_of(indices[k], size));
             }
         }
         Ok(())
@@ -114,60 +106,46 @@ impl Tensor {
         dims[0] = n;
         Ok(Shape::from(dims))
     }
+}
 
-    fn rows(&self) -> Rows<*const u8> {
-        let s = self.strided();
-        let elem = self.dtype().size_in_bytes();
-        Rows {
-            base: s.base,
-            first: s.offset * elem,
-            stride_bytes: s.strides[0] * elem,
-            row_bytes: self.layout().row_elems().unwrap_or(0) * elem,
-        }
-    }
-
-    fn rows_mut(&self) -> Rows<*mut u8> {
-        let s = self.strided_mut();
-        let elem = self.dtype().size_in_bytes();
-        Rows {
-            base: s.base,
-            first: s.offset * elem,
-            stride_bytes: s.strides[0] * elem,
-            row_bytes: self.layout().row_elems().unwrap_or(0) * elem,
-        }
-    }
-
-    fn row_layouts(&self) -> RowLayouts {
-        RowLayouts { stride0: self.layout().strides()[0], offset: self.layout().offset_elems() }
+/// The row geometry of a tensor whose rows are contiguous, from its strided region.
+fn rows<P: Copy>(region: Strided<'_, P>, t: &Tensor) -> Rows<P> {
+    let elem = t.dtype().size_in_bytes();
+    Rows {
+        base: region.base,
+        first: region.offset * elem,
+        stride_bytes: region.strides[0] * elem,
+        row_bytes: t.layout().row_elems().unwrap_or(0) * elem,
     }
 }
 
-/// Row `r` of a tensor as a strided region: the tensor's layout without dim 0, moved by `r`
-/// rows. Used when rows are not contiguous.
-struct RowLayouts {
-    stride0: usize,
-    offset: usize,
+/// Row `r` of a strided region: the region without dim 0, moved by `r` rows.
+fn row<P: Copy>(region: Strided<'_, P>, r: usize) -> Strided<'_, P> {
+    Strided {
+        base: region.base,
+        dims: &region.dims[1..],
+        strides: &region.strides[1..],
+        offset: region.offset + r * region.strides[0],
+    }
 }
 
-impl RowLayouts {
-    fn row<'t>(&self, t: &'t Tensor, r: usize) -> copy::Strided<'t, *const u8> {
-        let s = t.strided();
-        copy::Strided {
-            base: s.base,
-            dims: &s.dims[1..],
-            strides: &s.strides[1..],
-            offset: self.offset + r * self.stride0,
-        }
-    }
-
-    fn row_mut<'t>(&self, t: &'t Tensor, r: usize) -> copy::Strided<'t, *mut u8> {
-        let s = t.strided_mut();
-        copy::Strided {
-            base: s.base,
-            dims: &s.dims[1..],
-            strides: &s.strides[1..],
-            offset: self.offset + r * self.stride0,
-        }
+/// Copies row `src_row(k)` of `src` to row `dst_row(k)` of `dst` for `k` in `0..n`, one
+/// strided copy per row: the path for rows that are not contiguous.
+///
+/// # Safety
+/// The rows named are in range and have the same shape and dtype; the storages are distinct and
+/// locked (read for `src`, write for `dst`) by the caller.
+unsafe fn copy_rows_strided(
+    src: &Tensor,
+    dst: &Tensor,
+    n: usize,
+    src_row: impl Fn(usize) -> usize,
+    dst_row: impl Fn(usize) -> usize,
+) {
+    let elem = src.dtype().size_in_bytes();
+    for k in 0..n {
+        // SAFETY: the contract above, for one row.
+        unsafe { copy_strided(row(src.strided(), src_row(k)), row(dst.strided_mut(), dst_row(k)), elem) };
     }
 }
 

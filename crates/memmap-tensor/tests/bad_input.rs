@@ -1,34 +1,14 @@
 //! Bad files, names, sizes and layouts: each gives its specific error, never a fault.
 
+mod common;
+use common::ShmName;
 use std::io::ErrorKind;
 use std::os::unix::fs::PermissionsExt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use memmap_tensor::{Access, DType, Error, Layout, Location, Storage, Tensor};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
-
-/// A unique shm name for this process, unlinked on drop (even when the test fails).
-struct ShmName(String);
-
-impl ShmName {
-    fn new() -> Self {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        ShmName(format!("/mt-test-bad-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)))
-    }
-
-    fn location(&self) -> Location {
-        Location::Shm(self.0.clone())
-    }
-}
-
-impl Drop for ShmName {
-    fn drop(&mut self) {
-        // The name may never have been created, or already be gone.
-        let _ = Storage::unlink_shm(&self.0);
-    }
-}
 
 #[test]
 fn a_truncated_file_is_file_too_short() -> TestResult {
@@ -130,7 +110,7 @@ fn opening_a_read_only_file_for_writing_is_file_io() -> TestResult {
 fn zero_size_tensors_on_heap_file_and_shm() -> TestResult {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("empty.bin");
-    let name = ShmName::new();
+    let name = ShmName::new("bad");
     for location in [Location::Heap, Location::File(path.clone()), name.location()] {
         let mut t = Tensor::zeros([0, 84], DType::F32, &location)?;
         assert_eq!((t.elem_count(), t.nbytes(), t.storage().len_bytes()), (0, 0, 0), "{location:?}");
@@ -241,7 +221,7 @@ fn invalid_shm_names_are_refused() -> TestResult {
 
 #[test]
 fn a_missing_shm_object_is_shm_io() -> TestResult {
-    let name = ShmName::new();
+    let name = ShmName::new("bad");
     let err = Tensor::open_shm(&name.0, DType::U8, [2], Access::ReadOnly).unwrap_err();
     assert!(
         matches!(&err, Error::ShmIo { op: "shm_open", name: n, source } if *n == name.0 && source.kind() == ErrorKind::NotFound),
@@ -257,7 +237,7 @@ fn a_missing_shm_object_is_shm_io() -> TestResult {
 
 #[test]
 fn creating_an_existing_shm_name_is_shm_io() -> TestResult {
-    let name = ShmName::new();
+    let name = ShmName::new("bad");
     let mut first = Tensor::zeros([4], DType::I32, &name.location())?;
     first.as_mut_slice::<i32>()?.copy_from_slice(&[1, 2, 3, 4]);
     let err = Tensor::zeros([4], DType::I32, &name.location()).unwrap_err();
@@ -274,7 +254,7 @@ fn creating_an_existing_shm_name_is_shm_io() -> TestResult {
 
 #[test]
 fn an_undersized_shm_object_is_shm_too_short() -> TestResult {
-    let name = ShmName::new();
+    let name = ShmName::new("bad");
     let _small = Tensor::zeros([2], DType::F32, &name.location())?;
     let err = Tensor::open_shm(&name.0, DType::F32, [3], Access::ReadOnly).unwrap_err();
     assert!(
@@ -288,7 +268,7 @@ fn an_undersized_shm_object_is_shm_too_short() -> TestResult {
 
 #[test]
 fn shm_opened_read_only_refuses_writes() -> TestResult {
-    let name = ShmName::new();
+    let name = ShmName::new("bad");
     let _owner = Tensor::zeros([2, 2], DType::U16, &name.location())?;
     let mut ro = Tensor::open_shm(&name.0, DType::U16, [2, 2], Access::ReadOnly)?;
     let storage = format!("shm:{}", name.0);

@@ -1,36 +1,16 @@
 //! Round trips of every dtype through heap, file and shared-memory storage.
 
+mod common;
+use common::ShmName;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::{bf16, f16};
-use memmap_tensor::{Access, DType, Element, Error, Location, Storage, StorageKind, Tensor};
+use memmap_tensor::{Access, DType, Element, Error, Location, StorageKind, Tensor};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 const SHAPE: [usize; 3] = [2, 3, 4];
 const COUNT: usize = 24;
-
-/// A unique shm name for this process, unlinked on drop (even when the test fails).
-struct ShmName(String);
-
-impl ShmName {
-    fn new() -> Self {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        ShmName(format!("/mt-test-dtypes-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)))
-    }
-
-    fn location(&self) -> Location {
-        Location::Shm(self.0.clone())
-    }
-}
-
-impl Drop for ShmName {
-    fn drop(&mut self) {
-        // The name may never have been created, or already be gone.
-        let _ = Storage::unlink_shm(&self.0);
-    }
-}
 
 /// `COUNT` values of `T` with arbitrary bit patterns (including NaNs and infinities for the
 /// float types), so the round trips are checked bit for bit.
@@ -102,7 +82,7 @@ fn round_trip<T: Element>(place: Place) -> TestResult {
             check_file(&path, &values)?;
         }
         Place::Shm => {
-            let name = ShmName::new();
+            let name = ShmName::new("dtypes");
             let mut shm = Tensor::zeros(SHAPE, dtype, &name.location())?;
             assert_eq!(shm.storage().kind(), StorageKind::Shm);
             assert_eq!(shm.storage().shm_name(), Some(name.0.as_str()));
@@ -200,7 +180,7 @@ fn bool_round_trip(place: Place) -> TestResult {
             assert_holds_bools(&Tensor::open_file(&path, DType::Bool, SHAPE, Access::ReadOnly)?, &values)?;
         }
         Place::Shm => {
-            let name = ShmName::new();
+            let name = ShmName::new("dtypes");
             let mut shm = Tensor::zeros(SHAPE, DType::Bool, &name.location())?;
             for (dst, &b) in shm.as_mut_slice::<u8>()?.iter_mut().zip(&values) {
                 *dst = u8::from(b);
