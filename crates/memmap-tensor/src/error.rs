@@ -104,6 +104,34 @@ pub enum Error {
         /// The operation that was asked for.
         op: &'static str,
     },
+    /// A dimension that must have size 1 does not.
+    #[error("{op}: dim {dim} of shape {shape} has size {size}, not 1")]
+    DimSizeNotOne {
+        /// The operation that was asked for.
+        op: &'static str,
+        /// The dimension.
+        dim: usize,
+        /// Its size.
+        size: usize,
+        /// The shape.
+        shape: Shape,
+    },
+    /// A list of dims is not a permutation of `0..rank`.
+    #[error("permute: {perm:?} is not a permutation of the dims of shape {shape}: {reason}")]
+    InvalidPermutation {
+        /// The dims as given.
+        perm: Vec<usize>,
+        /// The shape they were to permute.
+        shape: Shape,
+        /// What is wrong with them.
+        reason: &'static str,
+    },
+    /// The operation needs at least one input tensor and got none.
+    #[error("{op}: needs at least one tensor, got none")]
+    EmptyInput {
+        /// The operation that was asked for.
+        op: &'static str,
+    },
     /// A layout reaches past the end of its storage.
     #[error("layout needs {required_bytes} bytes but the storage has {storage_bytes}")]
     LayoutOutOfBounds {

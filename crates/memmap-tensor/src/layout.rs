@@ -13,7 +13,9 @@ use crate::{Error, Result, Shape};
 ///
 /// Strides are unsigned: there are no flipped views. Views made by [`narrow`](Layout::narrow),
 /// [`slice`](Layout::slice), [`select`](Layout::select) and [`reshape`](Layout::reshape) reach a
-/// subset of what the original reaches, so they stay inside any storage the original fits.
+/// subset of what the original reaches, and [`unsqueeze`](Layout::unsqueeze),
+/// [`squeeze`](Layout::squeeze) and [`permute`](Layout::permute) reach exactly the same
+/// elements, so they all stay inside any storage the original fits.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Layout {
     shape: Shape,
@@ -188,6 +190,65 @@ impl Layout {
         }
         let strides = contiguous_strides(shape.dims())?;
         Layout::new(shape, strides, self.offset)
+    }
+
+    /// The same elements with a dim of size 1 inserted at `dim` (`0..=rank`), like
+    /// `torch.unsqueeze`. The new dim gets the stride torch gives it, `strides[dim] * dims[dim]`
+    /// (1 at the end), so a contiguous layout stays contiguous; any stride would do for a dim of
+    /// size 1, which reaches no further element.
+    pub fn unsqueeze(&self, dim: usize) -> Result<Self> {
+        if dim > self.rank() {
+            return Err(Error::DimOutOfRange { op: "unsqueeze", dim, shape: self.shape.clone() });
+        }
+        // The product may overflow: invariant 3 bounds `(d − 1) · s`, not `d · s`, and says
+        // nothing about the strides of an empty layout. The stride of a size-1 dim is only ever
+        // multiplied by 0, so 1 is then as good as any.
+        let stride = match (self.dims().get(dim), self.strides.get(dim)) {
+            (Some(&d), Some(&s)) => d.checked_mul(s).unwrap_or(1),
+            _ => 1,
+        };
+        let mut dims = self.dims().to_vec();
+        let mut strides = self.strides.clone();
+        dims.insert(dim, 1);
+        strides.insert(dim, stride);
+        // Same element count and same reachable offsets (the new dim adds `0 · stride`): the
+        // invariants carry over.
+        Ok(Layout { shape: Shape::from(dims), strides, offset: self.offset })
+    }
+
+    /// The same elements without dim `dim`, which must have size 1, like `torch.squeeze(dim)`.
+    pub fn squeeze(&self, dim: usize) -> Result<Self> {
+        let size = self.dim_size("squeeze", dim)?;
+        if size != 1 {
+            return Err(Error::DimSizeNotOne { op: "squeeze", dim, size, shape: self.shape.clone() });
+        }
+        let mut dims = self.dims().to_vec();
+        let mut strides = self.strides.clone();
+        dims.remove(dim);
+        strides.remove(dim);
+        // A size-1 dim contributes `0 · stride` to every offset: the invariants carry over.
+        Ok(Layout { shape: Shape::from(dims), strides, offset: self.offset })
+    }
+
+    /// The same elements with the dims reordered: dim `i` of the result is dim `perm[i]` of
+    /// `self`, like `torch.permute`. `perm` must hold each of `0..rank` exactly once.
+    pub fn permute(&self, perm: &[usize]) -> Result<Self> {
+        let invalid = |reason| Error::InvalidPermutation { perm: perm.to_vec(), shape: self.shape.clone(), reason };
+        if perm.len() != self.rank() {
+            return Err(invalid("its length is not the rank"));
+        }
+        let mut seen = vec![false; perm.len()];
+        for &p in perm {
+            match seen.get_mut(p) {
+                None => return Err(invalid("a dim is out of range")),
+                Some(true) => return Err(invalid("a dim is repeated")),
+                Some(slot) => *slot = true,
+            }
+        }
+        let dims: Vec<usize> = perm.iter().map(|&p| self.dims()[p]).collect();
+        let strides = perm.iter().map(|&p| self.strides[p]).collect();
+        // The same (dim, stride) pairs in another order: the same element count and reach.
+        Ok(Layout { shape: Shape::from(dims), strides, offset: self.offset })
     }
 
     /// Splits the layout into runs of equally many contiguous elements: returns the run length

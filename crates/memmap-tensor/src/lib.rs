@@ -4,9 +4,11 @@
 //! A [`Tensor`] is a dtype and a [`Layout`] (shape, strides and offset, in elements) over an
 //! `Arc<`[`Storage`]`>`: 64-byte aligned heap memory, a mapped file, or a named shm object
 //! that another process opens by name. Views ([`Tensor::narrow`], [`Tensor::slice`],
-//! [`Tensor::select`], [`Tensor::reshape`]) copy nothing; row operations along dim 0
-//! ([`Tensor::gather_rows_into`], [`Tensor::scatter_rows`], [`Tensor::copy_rows`]) copy whole
-//! rows, never single elements.
+//! [`Tensor::select`], [`Tensor::reshape`], [`Tensor::unsqueeze`], [`Tensor::squeeze`],
+//! [`Tensor::permute`]) copy nothing; row operations along dim 0 ([`Tensor::gather_rows_into`],
+//! [`Tensor::scatter_rows`], [`Tensor::copy_rows`]) copy whole rows, and batch operations along
+//! any dim ([`Tensor::cat`], [`Tensor::stack`], [`Tensor::index_select`],
+//! [`Tensor::index_copy`]) whole blocks, never single elements.
 //!
 //! ```
 //! use memmap_tensor::{Access, DType, Location, Tensor};
@@ -62,6 +64,7 @@ compile_error!("memmap-tensor supports 64-bit targets only");
 #[doc = include_str!("../../../README.md")]
 struct ReadmeDoctests;
 
+mod batch;
 mod copy;
 mod dtype;
 mod error;

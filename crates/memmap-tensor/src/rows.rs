@@ -1,23 +1,20 @@
 //! Row operations along dim 0: gather, scatter and range copies. The hot path of batch indexing.
 
 use std::ops::Range;
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use crate::copy::{self, Rows, Strided, copy_strided};
 use crate::tensor::normalize_index;
-use crate::{Error, Layout, Result, Shape, Storage, Tensor};
+use crate::{Error, Result, Shape, Storage, Tensor};
 
 impl Tensor {
     /// Gathers the rows `indices` of dim 0 into a new contiguous heap tensor of shape
     /// `[indices.len(), dims[1..]…]`. Negative indices count from the end; repeats are allowed;
     /// an index outside `-len..len` is [`Error::IndexOutOfRange`] and nothing is copied.
     pub fn gather_rows(&self, indices: &[i64]) -> Result<Tensor> {
-        let layout = Layout::contiguous(self.rows_shape("gather_rows", indices.len())?)?;
-        let len = layout.required_bytes(self.dtype().size_in_bytes())?;
         // The gather writes every byte of `out` (all of its rows) before returning it, and
         // nothing reads `out` if it fails, so its memory need not be zeroed first.
-        let storage = Arc::new(Storage::heap_for_overwrite(len)?);
-        let mut out = Tensor::from_storage(storage, 0, self.dtype(), layout)?;
+        let mut out = Tensor::for_overwrite(self.rows_shape("gather_rows", indices.len())?, self.dtype())?;
         self.gather_rows_into(indices, &mut out)?;
         Ok(out)
     }
@@ -30,7 +27,7 @@ impl Tensor {
         let expected = self.rows_shape(OP, indices.len())?;
         self.check_same_kind(OP, out, &expected)?;
         let size = self.dims()[0];
-        check_indices(OP, indices, size)?;
+        check_indices(OP, indices, 0, size)?;
         if self.shares_storage_with(out) {
             return out.copy_from(&self.gather_rows(indices)?);
         }
@@ -64,7 +61,7 @@ impl Tensor {
         let expected = self.rows_shape(OP, indices.len())?;
         self.check_same_kind(OP, src, &expected)?;
         let size = self.dims()[0];
-        check_indices(OP, indices, size)?;
+        check_indices(OP, indices, 0, size)?;
         if self.shares_storage_with(src) {
             return self.scatter_rows(indices, &src.deep_clone()?);
         }
@@ -165,9 +162,10 @@ fn gather_threads(bytes: usize) -> usize {
     cores.min(bytes / (PARALLEL_MIN_BYTES / 2))
 }
 
-fn check_indices(op: &'static str, indices: &[i64], size: usize) -> Result<()> {
+/// Checks that every index is in `-size..size`, where `size` is the size of dim `dim`.
+pub(crate) fn check_indices(op: &'static str, indices: &[i64], dim: usize, size: usize) -> Result<()> {
     match indices.iter().find(|&&i| normalize_index(i, size).is_none()) {
-        Some(&index) => Err(Error::IndexOutOfRange { op, index, dim: 0, size }),
+        Some(&index) => Err(Error::IndexOutOfRange { op, index, dim, size }),
         None => Ok(()),
     }
 }

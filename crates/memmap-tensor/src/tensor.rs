@@ -28,7 +28,8 @@ pub enum Location {
 ///
 /// Cloning a `Tensor` is cheap and shares the storage, as views do (like `torch.Tensor`). View
 /// operations ([`narrow`](Tensor::narrow), [`slice`](Tensor::slice), [`select`](Tensor::select),
-/// [`reshape`](Tensor::reshape)) touch no data. Writes take `&mut self` and go through to the
+/// [`reshape`](Tensor::reshape), [`unsqueeze`](Tensor::unsqueeze), [`squeeze`](Tensor::squeeze),
+/// [`permute`](Tensor::permute)) touch no data. Writes take `&mut self` and go through to the
 /// storage, so every view of it (and, for file and shm storage, every process mapping it) sees
 /// them. [`Tensor::deep_clone`] copies the data to the heap.
 ///
@@ -76,6 +77,15 @@ impl Tensor {
             Location::Shm(name) => Storage::create_shm(name, len)?,
         };
         Self::from_storage(Arc::new(storage), 0, dtype, layout)
+    }
+
+    /// A contiguous heap tensor whose bytes are **uninitialised** (see
+    /// [`Storage::heap_for_overwrite`]). Crate-internal: every caller writes all of its elements
+    /// through raw copies before returning it, and drops it unread if anything fails first.
+    pub(crate) fn for_overwrite(shape: impl Into<Shape>, dtype: DType) -> Result<Self> {
+        let layout = Layout::contiguous(shape)?;
+        let len = layout.required_bytes(dtype.size_in_bytes())?;
+        Self::from_storage(Arc::new(Storage::heap_for_overwrite(len)?), 0, dtype, layout)
     }
 
     /// A heap tensor holding a copy of `data` with the given shape.
@@ -224,7 +234,25 @@ impl Tensor {
         Ok(self.with_layout(self.layout.reshape(shape)?))
     }
 
-    fn with_layout(&self, layout: Layout) -> Self {
+    /// A view with a dim of size 1 inserted at `dim` (`0..=rank`), like `torch.unsqueeze`.
+    pub fn unsqueeze(&self, dim: usize) -> Result<Self> {
+        Ok(self.with_layout(self.layout.unsqueeze(dim)?))
+    }
+
+    /// A view without dim `dim`, which must have size 1 ([`Error::DimSizeNotOne`] otherwise).
+    pub fn squeeze(&self, dim: usize) -> Result<Self> {
+        Ok(self.with_layout(self.layout.squeeze(dim)?))
+    }
+
+    /// A view with the dims reordered: dim `i` of the result is dim `perm[i]` of `self`.
+    /// `perm` must hold each of `0..rank` exactly once ([`Error::InvalidPermutation`]).
+    pub fn permute(&self, perm: &[usize]) -> Result<Self> {
+        Ok(self.with_layout(self.layout.permute(perm)?))
+    }
+
+    /// A view of `self`'s storage with another layout. The layout must reach only elements that
+    /// `self`'s layout reaches (any view of it does).
+    pub(crate) fn with_layout(&self, layout: Layout) -> Self {
         // A view reaches a subset of what `self` reaches, so it stays within the storage.
         Tensor { storage: Arc::clone(&self.storage), byte_offset: self.byte_offset, dtype: self.dtype, layout }
     }
@@ -307,6 +335,12 @@ impl Tensor {
         let mut out = Self::zeros(self.shape(), self.dtype, &Location::Heap)?;
         out.copy_from(self)?;
         Ok(out)
+    }
+
+    /// This tensor if it is already contiguous (a clone sharing its storage), otherwise a
+    /// contiguous copy on the heap ([`Tensor::deep_clone`]).
+    pub fn contiguous(&self) -> Result<Self> {
+        if self.is_contiguous() { Ok(self.clone()) } else { self.deep_clone() }
     }
 
     /// Copies `src` into this tensor element by element (same shape and dtype). Any layouts;
