@@ -1,4 +1,45 @@
-//! Nested named tensors ("TensorDicts") stored in folders compatible with PyTorch's `tensordict`.
+//! Nested named tensors ("TensorDicts") with batch indexing, stored in folders that PyTorch's
+//! Python `tensordict` reads and writes.
 //!
-//! This crate is not built yet; it exports nothing.
+//! A [`TensorDict`] maps keys to tensors ([`memmap_tensor::Tensor`]), nested dicts and JSON
+//! values, all sharing leading batch dims. Index it like a tensor ([`TensorDict::index`],
+//! [`TensorDict::set_at`]); slices are views, integer lists gather every leaf at memory speed.
+//! [`TensorDict::memmap`] writes Python's folder layout and [`TensorDict::load_memmap`] opens
+//! one (written by either library); see `FORMAT.md` for the layout.
+//!
+//! ```
+//! use memmap_tensor::{Access, DType, Location, Tensor};
+//! use tensordict::{Index, TensorDict};
+//!
+//! let mut td = TensorDict::new([1000]);
+//! td.set("obs", Tensor::zeros([1000, 84], DType::F32, &Location::Heap)?)?;
+//! td.set(["next", "reward"], Tensor::zeros([1000, 1], DType::F32, &Location::Heap)?)?;
+//!
+//! let dir = tempfile::tempdir()?;
+//! let on_disk = td.memmap(dir.path().join("buffer"))?; // Python: TensorDict.load_memmap(...)
+//! let batch = on_disk.index(vec![3i64, -1, 42])?;       // gathers every leaf
+//! assert_eq!(batch.batch_size(), &[3]);
+//! assert_eq!(batch.get_tensor(["next", "reward"])?.dims(), &[3, 1]);
+//!
+//! let reopened = TensorDict::load_memmap(dir.path().join("buffer"), Access::ReadOnly)?;
+//! assert_eq!(reopened.index(Index::slice(Some(10), None, 2))?.batch_size(), &[495]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![forbid(unsafe_code)]
+#![deny(missing_docs)]
+#![doc(test(attr(deny(warnings))))]
+
+mod batch;
+mod dict;
+mod display;
+mod error;
+mod format;
+mod index;
+mod json;
+mod key;
+
+pub use dict::{Entry, TensorDict};
+pub use error::{Error, Result};
+pub use format::{FORMAT_VERSION, MAX_META_BYTES, WriteOptions};
+pub use index::Index;
+pub use key::KeyPath;

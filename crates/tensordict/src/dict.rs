@@ -1,0 +1,566 @@
+//! [`TensorDict`] and [`Entry`]: the nested dictionary and its invariants.
+
+use indexmap::IndexMap;
+use memmap_tensor::{StorageKind, Tensor};
+use serde_json::Value;
+
+use crate::error::WithKey;
+use crate::{Error, KeyPath, Result};
+
+/// One value of a [`TensorDict`].
+#[derive(Clone, Debug)]
+pub enum Entry {
+    /// A tensor whose shape starts with the dict's batch size.
+    Tensor(Tensor),
+    /// A nested dict whose batch size starts with the parent's.
+    Dict(TensorDict),
+    /// Any JSON value (tensordict's `NonTensorData`), shared by the whole batch.
+    NonTensor(Value),
+}
+
+impl Entry {
+    /// `"tensor"`, `"dict"` or `"non-tensor value"`, for messages.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Entry::Tensor(_) => "tensor",
+            Entry::Dict(_) => "dict",
+            Entry::NonTensor(_) => "non-tensor value",
+        }
+    }
+
+    /// The tensor, if this is one.
+    pub fn as_tensor(&self) -> Option<&Tensor> {
+        match self {
+            Entry::Tensor(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The nested dict, if this is one.
+    pub fn as_dict(&self) -> Option<&TensorDict> {
+        match self {
+            Entry::Dict(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// The non-tensor value, if this is one.
+    pub fn as_non_tensor(&self) -> Option<&Value> {
+        match self {
+            Entry::NonTensor(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl From<Tensor> for Entry {
+    fn from(t: Tensor) -> Self {
+        Entry::Tensor(t)
+    }
+}
+
+impl From<TensorDict> for Entry {
+    fn from(d: TensorDict) -> Self {
+        Entry::Dict(d)
+    }
+}
+
+impl From<Value> for Entry {
+    fn from(v: Value) -> Self {
+        Entry::NonTensor(v)
+    }
+}
+
+/// A dictionary of tensors sharing leading batch dims, nested to any depth, in insertion order.
+///
+/// **Invariant**, checked on every insertion: each tensor's shape starts with the dict's
+/// `batch_size`, and each nested dict's `batch_size` starts with its parent's.
+///
+/// `Clone` is cheap: the clone shares every tensor's storage, as views do; writes through one
+/// are seen by the other. [`TensorDict::deep_clone`] copies the data (Python's `td.clone()`).
+#[derive(Clone, Default)]
+pub struct TensorDict {
+    batch_size: Vec<usize>,
+    entries: IndexMap<String, Entry>,
+}
+
+impl TensorDict {
+    /// An empty dict with the given batch size.
+    pub fn new(batch_size: impl Into<Vec<usize>>) -> Self {
+        TensorDict { batch_size: batch_size.into(), entries: IndexMap::new() }
+    }
+
+    /// The leading dims shared by every entry.
+    pub fn batch_size(&self) -> &[usize] {
+        &self.batch_size
+    }
+
+    /// Number of batch dims.
+    pub fn batch_dims(&self) -> usize {
+        self.batch_size.len()
+    }
+
+    /// Number of direct entries (not counting nested ones).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when the dict has no entries.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The direct entries, in insertion order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Entry)> {
+        self.entries.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// The entry at `key`.
+    pub fn get(&self, key: impl Into<KeyPath>) -> Result<&Entry> {
+        let key = key.into();
+        self.lookup(&key).ok_or(Error::KeyNotFound { key })
+    }
+
+    /// The tensor at `key`.
+    pub fn get_tensor(&self, key: impl Into<KeyPath>) -> Result<&Tensor> {
+        let key = key.into();
+        match self.get(&key)? {
+            Entry::Tensor(t) => Ok(t),
+            other => Err(Error::WrongEntryKind { key, expected: "tensor", actual: other.kind_name() }),
+        }
+    }
+
+    /// The nested dict at `key`.
+    pub fn get_dict(&self, key: impl Into<KeyPath>) -> Result<&TensorDict> {
+        let key = key.into();
+        match self.get(&key)? {
+            Entry::Dict(d) => Ok(d),
+            other => Err(Error::WrongEntryKind { key, expected: "dict", actual: other.kind_name() }),
+        }
+    }
+
+    /// The non-tensor value at `key`.
+    pub fn get_non_tensor(&self, key: impl Into<KeyPath>) -> Result<&Value> {
+        let key = key.into();
+        match self.get(&key)? {
+            Entry::NonTensor(v) => Ok(v),
+            other => Err(Error::WrongEntryKind { key, expected: "non-tensor value", actual: other.kind_name() }),
+        }
+    }
+
+    /// The tensor at `key`, mutably: for in-place writes (`scatter_rows`, `as_mut_slice`, ...).
+    ///
+    /// Replacing the tensor through this reference with one of another shape breaks the batch
+    /// invariant; use [`TensorDict::set`] to replace entries. (Handles share storage, so a clone
+    /// from [`TensorDict::get_tensor`] writes to the same memory as well.)
+    pub fn get_tensor_mut(&mut self, key: impl Into<KeyPath>) -> Result<&mut Tensor> {
+        let key = key.into();
+        match self.lookup_mut(&key) {
+            Some(Entry::Tensor(t)) => Ok(t),
+            Some(other) => Err(Error::WrongEntryKind { key, expected: "tensor", actual: other.kind_name() }),
+            None => Err(Error::KeyNotFound { key }),
+        }
+    }
+
+    /// True when an entry exists at `key`.
+    pub fn contains(&self, key: impl Into<KeyPath>) -> bool {
+        self.lookup(&key.into()).is_some()
+    }
+
+    /// Sets `key` to `value`, replacing any entry there. Missing intermediate dicts of a nested
+    /// path are created with the batch size of their parent. Fails when the value's shape (or
+    /// batch size) does not start with the batch size of the dict it goes into.
+    pub fn set(&mut self, key: impl Into<KeyPath>, value: impl Into<Entry>) -> Result<()> {
+        self.insert(key, value).map(drop)
+    }
+
+    /// Like [`TensorDict::set`], returning the entry that was replaced.
+    pub fn insert(&mut self, key: impl Into<KeyPath>, value: impl Into<Entry>) -> Result<Option<Entry>> {
+        let key = key.into();
+        let value = value.into();
+        if key.is_empty() {
+            return Err(Error::EmptyKeyPath);
+        }
+        // Check before creating intermediate dicts, so that a failure changes nothing.
+        check_fits(&key, &value, &self.lookup_parent_batch(&key)?)?;
+        let (parent, name) = self.parent_mut(&key, true)?;
+        Ok(parent.entries.insert(name.to_owned(), value))
+    }
+
+    /// Removes and returns the entry at `key`; the order of the others is kept.
+    pub fn remove(&mut self, key: impl Into<KeyPath>) -> Result<Entry> {
+        let key = key.into();
+        let (parent, name) = self.parent_mut(&key, false)?;
+        parent.entries.shift_remove(name).ok_or(Error::KeyNotFound { key })
+    }
+
+    /// Moves the entry at `old` to `new` (which must not exist). Like Python's `rename_key_`,
+    /// the entry moves to the end of its new parent.
+    pub fn rename_key(&mut self, old: impl Into<KeyPath>, new: impl Into<KeyPath>) -> Result<()> {
+        let (old, new) = (old.into(), new.into());
+        if self.contains(&new) {
+            return Err(Error::InvalidArgument { op: "rename_key", detail: format!("key `{new}` already exists") });
+        }
+        // Check the destination before taking the entry out, so a failure changes nothing.
+        let entry = self.get(&old)?;
+        {
+            let probe = self.lookup_parent_batch(&new)?;
+            check_fits(&new, entry, &probe)?;
+        }
+        let entry = self.remove(&old)?;
+        self.insert(new, entry).map(drop)
+    }
+
+    /// Key paths in depth-first insertion order. With `include_nested`, entries of nested dicts
+    /// are listed too (after the dict's own key unless `leaves_only`); with `leaves_only`, dicts
+    /// themselves are left out (tensors and non-tensor values are leaves).
+    pub fn keys(&self, include_nested: bool, leaves_only: bool) -> Vec<KeyPath> {
+        let mut out = Vec::new();
+        self.collect_keys(&KeyPath::default(), include_nested, leaves_only, &mut out);
+        out
+    }
+
+    fn collect_keys(&self, prefix: &KeyPath, nested: bool, leaves_only: bool, out: &mut Vec<KeyPath>) {
+        for (name, entry) in &self.entries {
+            let path = prefix.join(name);
+            match entry {
+                Entry::Dict(d) => {
+                    if !leaves_only {
+                        out.push(path.clone());
+                    }
+                    if nested {
+                        d.collect_keys(&path, nested, leaves_only, out);
+                    }
+                }
+                _ => out.push(path),
+            }
+        }
+    }
+
+    /// Every tensor leaf with its key path, depth first in insertion order.
+    pub fn leaves(&self) -> Vec<(KeyPath, &Tensor)> {
+        let mut out = Vec::new();
+        self.visit(&KeyPath::default(), &mut |path, entry| {
+            if let Entry::Tensor(t) = entry {
+                out.push((path.clone(), t));
+            }
+        });
+        out
+    }
+
+    /// Every non-tensor value with its key path, depth first in insertion order.
+    pub fn non_tensors(&self) -> Vec<(KeyPath, &Value)> {
+        let mut out = Vec::new();
+        self.visit(&KeyPath::default(), &mut |path, entry| {
+            if let Entry::NonTensor(v) = entry {
+                out.push((path.clone(), v));
+            }
+        });
+        out
+    }
+
+    /// Calls `f` on every entry, nested ones included, depth first (a dict before its entries).
+    pub(crate) fn visit<'a>(&'a self, prefix: &KeyPath, f: &mut impl FnMut(&KeyPath, &'a Entry)) {
+        for (name, entry) in &self.entries {
+            let path = prefix.join(name);
+            f(&path, entry);
+            if let Entry::Dict(d) = entry {
+                d.visit(&path, f);
+            }
+        }
+    }
+
+    /// Sets every entry of `other` into `self`; nested dicts present in both are merged.
+    pub fn update(&mut self, other: &TensorDict) -> Result<()> {
+        // Check everything first so that a failure leaves `self` unchanged.
+        self.check_update(&KeyPath::default(), other)?;
+        self.apply_update(other);
+        Ok(())
+    }
+
+    fn check_update(&self, prefix: &KeyPath, other: &TensorDict) -> Result<()> {
+        for (name, entry) in &other.entries {
+            let path = prefix.join(name);
+            match (self.entries.get(name), entry) {
+                (Some(Entry::Dict(mine)), Entry::Dict(theirs)) => mine.check_update(&path, theirs)?,
+                _ => check_fits(&path, entry, &self.batch_size)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_update(&mut self, other: &TensorDict) {
+        for (name, entry) in &other.entries {
+            match (self.entries.get_mut(name), entry) {
+                (Some(Entry::Dict(mine)), Entry::Dict(theirs)) => mine.apply_update(theirs),
+                _ => {
+                    self.entries.insert(name.clone(), entry.clone());
+                }
+            }
+        }
+    }
+
+    /// A dict with only the entries at `keys` (and the nested dicts leading to them), in the
+    /// order of `self`. A missing key is an error.
+    pub fn select<K: Into<KeyPath> + Clone>(&self, keys: &[K]) -> Result<TensorDict> {
+        let mut out = TensorDict::new(self.batch_size.clone());
+        for key in keys {
+            let key: KeyPath = key.clone().into();
+            let entry = self.get(&key)?;
+            out.copy_structure_to(self, &key)?;
+            out.insert(&key, entry.clone())?;
+        }
+        Ok(out.reordered_like(self))
+    }
+
+    /// A dict without the entries at `keys`. Keys that do not exist are ignored.
+    pub fn exclude<K: Into<KeyPath> + Clone>(&self, keys: &[K]) -> TensorDict {
+        let mut out = self.clone();
+        for key in keys {
+            let _ = out.remove(key.clone());
+        }
+        out
+    }
+
+    /// For `select`: creates the nested dicts on the way to `key` with the batch sizes they have
+    /// in `source`.
+    fn copy_structure_to(&mut self, source: &TensorDict, key: &KeyPath) -> Result<()> {
+        let parts = key.parts();
+        for depth in 1..parts.len() {
+            let prefix = KeyPath::from(&parts[..depth]);
+            if !self.contains(&prefix) {
+                let batch = source.get_dict(&prefix)?.batch_size.clone();
+                self.insert(&prefix, TensorDict::new(batch))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The same entries ordered as in `model` (entries not in `model` keep their relative order
+    /// at the end).
+    fn reordered_like(mut self, model: &TensorDict) -> TensorDict {
+        self.entries.sort_by_cached_key(|k, _| model.entries.get_index_of(k).unwrap_or(usize::MAX));
+        for (name, entry) in &mut self.entries {
+            if let (Entry::Dict(d), Some(Entry::Dict(m))) = (entry, model.entries.get(name)) {
+                *d = std::mem::take(d).reordered_like(m);
+            }
+        }
+        self
+    }
+
+    /// A flat dict: entries of nested dicts move to the top with their path joined by `sep`
+    /// (`"next.obs"`). Fails if a joined key collides with an existing one.
+    pub fn flatten_keys(&self, sep: &str) -> Result<TensorDict> {
+        let mut out = TensorDict::new(self.batch_size.clone());
+        let mut result = Ok(());
+        self.visit(&KeyPath::default(), &mut |path, entry| {
+            if result.is_err() || matches!(entry, Entry::Dict(_)) {
+                return;
+            }
+            let flat = path.joined(sep);
+            result = if out.entries.contains_key(&flat) {
+                Err(Error::InvalidArgument { op: "flatten_keys", detail: format!("two keys flatten to `{flat}`") })
+            } else {
+                out.entries.insert(flat, entry.clone());
+                Ok(())
+            };
+        });
+        result.map(|()| out)
+    }
+
+    /// The inverse of [`TensorDict::flatten_keys`]: keys containing `sep` become nested paths;
+    /// the nested dicts get the batch size of their parent.
+    pub fn unflatten_keys(&self, sep: &str) -> Result<TensorDict> {
+        if sep.is_empty() {
+            return Err(Error::InvalidArgument { op: "unflatten_keys", detail: "empty separator".into() });
+        }
+        let mut out = TensorDict::new(self.batch_size.clone());
+        for (name, entry) in &self.entries {
+            let entry = match entry {
+                Entry::Dict(d) => Entry::Dict(d.unflatten_keys(sep)?),
+                other => other.clone(),
+            };
+            let path = KeyPath::new(name.split(sep));
+            if let Some(Entry::Dict(existing)) = out.lookup(&path)
+                && let Entry::Dict(incoming) = &entry
+            {
+                let mut merged = existing.clone();
+                merged.update(incoming)?;
+                out.insert(&path, merged)?;
+            } else if out.contains(&path) {
+                return Err(Error::InvalidArgument {
+                    op: "unflatten_keys",
+                    detail: format!("key `{path}` is both a value and a dict"),
+                });
+            } else {
+                out.insert(&path, entry)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// A dict of the same structure with `f` applied to every tensor. Each result must still
+    /// start with its dict's batch size.
+    pub fn apply(&self, mut f: impl FnMut(&Tensor) -> memmap_tensor::Result<Tensor>) -> Result<TensorDict> {
+        self.apply_with_path(&KeyPath::default(), &mut f)
+    }
+
+    fn apply_with_path(
+        &self,
+        prefix: &KeyPath,
+        f: &mut impl FnMut(&Tensor) -> memmap_tensor::Result<Tensor>,
+    ) -> Result<TensorDict> {
+        let mut out = TensorDict::new(self.batch_size.clone());
+        for (name, entry) in &self.entries {
+            let path = prefix.join(name);
+            let value = match entry {
+                Entry::Tensor(t) => Entry::Tensor(f(t).with_key(|| path.clone())?),
+                Entry::Dict(d) => Entry::Dict(d.apply_with_path(&path, f)?),
+                Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
+            };
+            check_fits(&path, &value, &self.batch_size)?;
+            out.entries.insert(name.clone(), value);
+        }
+        Ok(out)
+    }
+
+    /// A copy of every tensor in contiguous heap memory (Python's `td.clone()`).
+    pub fn deep_clone(&self) -> Result<TensorDict> {
+        self.apply(Tensor::deep_clone)
+    }
+
+    /// True when every tensor lives in a memory-mapped file (and there is at least one).
+    pub fn is_memmap(&self) -> bool {
+        self.all_leaves_on(StorageKind::File)
+    }
+
+    /// True when every tensor lives in shared memory (and there is at least one).
+    pub fn is_shared(&self) -> bool {
+        self.all_leaves_on(StorageKind::Shm)
+    }
+
+    fn all_leaves_on(&self, kind: StorageKind) -> bool {
+        let leaves = self.leaves();
+        !leaves.is_empty() && leaves.iter().all(|(_, t)| t.storage().kind() == kind)
+    }
+
+    /// Number of batch elements (the product of the batch size).
+    pub fn numel(&self) -> usize {
+        self.batch_size.iter().product()
+    }
+
+    /// Total bytes of tensor data.
+    pub fn nbytes(&self) -> usize {
+        self.leaves().iter().map(|(_, t)| t.nbytes()).sum()
+    }
+
+    /// Checks the batch invariant through the whole tree (it can only break through
+    /// [`TensorDict::get_tensor_mut`]).
+    pub fn validate(&self) -> Result<()> {
+        self.validate_at(&KeyPath::default())
+    }
+
+    fn validate_at(&self, prefix: &KeyPath) -> Result<()> {
+        for (name, entry) in &self.entries {
+            let path = prefix.join(name);
+            check_fits(&path, entry, &self.batch_size)?;
+            if let Entry::Dict(d) = entry {
+                d.validate_at(&path)?;
+            }
+        }
+        Ok(())
+    }
+
+    // === Crate-internal construction and navigation ===
+
+    /// A dict from parts already known to satisfy the invariant.
+    pub(crate) fn from_parts(batch_size: Vec<usize>, entries: IndexMap<String, Entry>) -> Self {
+        TensorDict { batch_size, entries }
+    }
+
+    pub(crate) fn entries(&self) -> &IndexMap<String, Entry> {
+        &self.entries
+    }
+
+    fn lookup(&self, key: &KeyPath) -> Option<&Entry> {
+        let (first, rest) = key.split_first()?;
+        let mut entry = self.entries.get(first)?;
+        for part in rest {
+            entry = entry.as_dict()?.entries.get(part)?;
+        }
+        Some(entry)
+    }
+
+    fn lookup_mut(&mut self, key: &KeyPath) -> Option<&mut Entry> {
+        let (first, rest) = key.split_first()?;
+        let mut entry = self.entries.get_mut(first)?;
+        for part in rest {
+            match entry {
+                Entry::Dict(d) => entry = d.entries.get_mut(part)?,
+                _ => return None,
+            }
+        }
+        Some(entry)
+    }
+
+    /// The batch size of the dict that would hold `key`.
+    fn lookup_parent_batch(&self, key: &KeyPath) -> Result<Vec<usize>> {
+        let parts = key.parts();
+        let mut dict = self;
+        for (depth, part) in parts.iter().enumerate().take(parts.len().saturating_sub(1)) {
+            match dict.entries.get(part) {
+                Some(Entry::Dict(d)) => dict = d,
+                Some(other) => {
+                    return Err(Error::WrongEntryKind {
+                        key: KeyPath::from(&parts[..=depth]),
+                        expected: "dict",
+                        actual: other.kind_name(),
+                    });
+                }
+                None => break,
+            }
+        }
+        Ok(dict.batch_size.clone())
+    }
+
+    /// The dict that holds (or would hold) `key`, and the last component of `key`. With
+    /// `create`, missing intermediate dicts are created with their parent's batch size.
+    fn parent_mut<'k>(&mut self, key: &'k KeyPath, create: bool) -> Result<(&mut TensorDict, &'k str)> {
+        let Some((last, prefix)) = key.parts().split_last() else {
+            return Err(Error::EmptyKeyPath);
+        };
+        let mut dict = self;
+        for (depth, part) in prefix.iter().enumerate() {
+            if create && !dict.entries.contains_key(part) {
+                let batch = dict.batch_size.clone();
+                dict.entries.insert(part.clone(), Entry::Dict(TensorDict::new(batch)));
+            }
+            dict = match dict.entries.get_mut(part) {
+                Some(Entry::Dict(d)) => d,
+                Some(other) => {
+                    return Err(Error::WrongEntryKind {
+                        key: KeyPath::from(&prefix[..=depth]),
+                        expected: "dict",
+                        actual: other.kind_name(),
+                    });
+                }
+                None => return Err(Error::KeyNotFound { key: KeyPath::from(&prefix[..=depth]) }),
+            };
+        }
+        Ok((dict, last.as_str()))
+    }
+}
+
+/// Checks that `value` may be stored at `key` in a dict of batch size `batch`.
+pub(crate) fn check_fits(key: &KeyPath, value: &Entry, batch: &[usize]) -> Result<()> {
+    let shape = match value {
+        Entry::Tensor(t) => t.dims(),
+        Entry::Dict(d) => d.batch_size(),
+        Entry::NonTensor(_) => return Ok(()),
+    };
+    if shape.starts_with(batch) {
+        Ok(())
+    } else {
+        Err(Error::BatchSizeMismatch { key: key.clone(), shape: shape.to_vec(), batch_size: batch.to_vec() })
+    }
+}

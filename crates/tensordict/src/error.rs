@@ -1,0 +1,142 @@
+//! The crate's one error type.
+
+use std::path::PathBuf;
+
+use crate::KeyPath;
+
+/// Everything that can go wrong with a [`TensorDict`](crate::TensorDict). Variants name the key
+/// path and, for folders, the file involved.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    // === Keys and structure ===
+    /// No entry at this key path.
+    #[error("key `{key}` not found")]
+    KeyNotFound {
+        /// The path asked for.
+        key: KeyPath,
+    },
+    /// A key path was empty (no components).
+    #[error("empty key path")]
+    EmptyKeyPath,
+    /// An entry is not of the kind the operation needs (a tensor, a dict, a non-tensor value).
+    #[error("key `{key}` holds a {actual}, not a {expected}")]
+    WrongEntryKind {
+        /// The key path.
+        key: KeyPath,
+        /// What the operation needs.
+        expected: &'static str,
+        /// What is there.
+        actual: &'static str,
+    },
+    /// A tensor's leading dims, or a nested dict's batch size, do not start with the batch size.
+    #[error("key `{key}`: shape {shape:?} does not start with the batch size {batch_size:?}")]
+    BatchSizeMismatch {
+        /// The key path.
+        key: KeyPath,
+        /// The shape (or nested batch size) offered.
+        shape: Vec<usize>,
+        /// The batch size it must start with.
+        batch_size: Vec<usize>,
+    },
+    /// A key cannot be stored in the tensordict format.
+    #[error("key `{key}` cannot be stored: {reason}")]
+    InvalidKey {
+        /// The key path.
+        key: KeyPath,
+        /// Why.
+        reason: &'static str,
+    },
+    /// Two dicts that must have the same keys, dtypes or shapes do not.
+    #[error("{op}: {detail}")]
+    Incompatible {
+        /// The operation asked for.
+        op: &'static str,
+        /// What differs.
+        detail: String,
+    },
+    /// A batch operation got arguments it cannot apply.
+    #[error("{op}: {detail}")]
+    InvalidArgument {
+        /// The operation asked for.
+        op: &'static str,
+        /// What is wrong.
+        detail: String,
+    },
+
+    // === Indexing ===
+    /// An index does not fit the batch dims.
+    #[error("index {index} invalid for batch size {batch_size:?}: {reason}")]
+    InvalidIndex {
+        /// The index, as written.
+        index: String,
+        /// The batch size it was applied to.
+        batch_size: Vec<usize>,
+        /// Why.
+        reason: String,
+    },
+
+    // === Folders ===
+    /// A folder's `meta.json` is missing, unreadable or malformed.
+    #[error("{}: {reason}", path.display())]
+    InvalidMeta {
+        /// The `meta.json` file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The folder was written by a newer tensordict format than this crate reads.
+    #[error("{}: _format_version {version} is newer than the supported version 1", path.display())]
+    UnsupportedFormatVersion {
+        /// The `meta.json` file.
+        path: PathBuf,
+        /// The version found.
+        version: i64,
+    },
+    /// An entry of a kind this crate does not read (pickled values, nested tensors, ...).
+    #[error("{}: key `{key}`: {what} is not supported", path.display())]
+    Unsupported {
+        /// The folder or file.
+        path: PathBuf,
+        /// The key path.
+        key: KeyPath,
+        /// What was found.
+        what: String,
+    },
+    /// A file or folder operation failed.
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        /// The call that failed.
+        op: &'static str,
+        /// The file or folder.
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+
+    // === Tensors ===
+    /// A tensor operation failed; `key` names the leaf.
+    #[error("key `{key}`: {source}")]
+    Tensor {
+        /// The key path of the leaf.
+        key: KeyPath,
+        /// The tensor error.
+        #[source]
+        source: memmap_tensor::Error,
+    },
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Attaches a key path to tensor errors.
+pub(crate) trait WithKey<T> {
+    fn with_key(self, key: impl FnOnce() -> KeyPath) -> Result<T>;
+}
+
+impl<T> WithKey<T> for std::result::Result<T, memmap_tensor::Error> {
+    fn with_key(self, key: impl FnOnce() -> KeyPath) -> Result<T> {
+        self.map_err(|source| Error::Tensor { key: key(), source })
+    }
+}
