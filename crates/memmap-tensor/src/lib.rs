@@ -71,6 +71,7 @@ mod error;
 mod layout;
 mod rows;
 mod shape;
+mod stats;
 mod storage;
 mod tensor;
 
@@ -78,5 +79,6 @@ pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use layout::{Layout, Runs};
 pub use shape::Shape;
+pub use stats::Stats;
 pub use storage::{Access, Advice, HEAP_ALIGN, Storage, StorageKind};
 pub use tensor::{ArrayMut, ArrayRef, Location, SliceMut, SliceRef, Tensor};

@@ -171,11 +171,30 @@ impl TensorDict {
     /// the leaf has no elements) and be at least as long as its shape needs, checked before it
     /// is mapped, and key names are mapped to file names that cannot leave the folder.
     pub fn load_memmap(prefix: impl AsRef<Path>, access: Access) -> Result<TensorDict> {
-        read_node(prefix.as_ref(), &KeyPath::default(), None, access)
+        read_node(prefix.as_ref(), &KeyPath::default(), None, access, &mut None)
+    }
+
+    /// Checks the memmap folder at `prefix` the way [`TensorDict::load_memmap`] does, but goes on
+    /// after a problem: returns every problem found (empty when the folder is sound). An entry
+    /// with a problem is skipped; a node whose `meta.json` is unusable is one problem.
+    pub fn verify_memmap(prefix: impl AsRef<Path>) -> Vec<Error> {
+        let mut problems = Vec::new();
+        if let Err(e) = read_node(prefix.as_ref(), &KeyPath::default(), None, Access::ReadOnly, &mut Some(&mut problems)) {
+            problems.push(e);
+        }
+        problems
     }
 }
 
-fn read_node(dir: &Path, path: &KeyPath, parent_batch: Option<&[usize]>, access: Access) -> Result<TensorDict> {
+/// Reads the node in `dir`. With `problems`, an entry that fails is recorded there and
+/// skipped instead of failing the whole read.
+fn read_node(
+    dir: &Path,
+    path: &KeyPath,
+    parent_batch: Option<&[usize]>,
+    access: Access,
+    problems: &mut Option<&mut Vec<Error>>,
+) -> Result<TensorDict> {
     let meta_path = dir.join("meta.json");
     let meta = read_meta(&meta_path)?;
     let invalid = |reason: String| Error::InvalidMeta { path: meta_path.clone(), reason };
@@ -206,17 +225,31 @@ fn read_node(dir: &Path, path: &KeyPath, parent_batch: Option<&[usize]>, access:
             continue;
         }
         let key = path.join(name);
-        let child = child.as_object().ok_or_else(|| invalid(format!("entry `{key}` is not an object")))?;
-        let stem = encode_name(name);
-        let entry = match child.get("type").and_then(Value::as_str) {
-            Some("TensorDict") => Entry::Dict(read_node(&dir.join(&stem), &key, Some(&batch), access)?),
-            Some("NonTensorData") => Entry::NonTensor(read_non_tensor(&dir.join(&stem), &key)?),
-            Some(other) => {
-                return Err(Error::Unsupported { path: meta_path.clone(), key, what: format!("entry type `{other}`") });
+        let entry = match child.as_object() {
+            None => Err(invalid(format!("entry `{key}` is not an object"))),
+            Some(child) => {
+                let stem = encode_name(name);
+                match child.get("type").and_then(Value::as_str) {
+                    Some("TensorDict") => {
+                        read_node(&dir.join(&stem), &key, Some(&batch), access, problems).map(Entry::Dict)
+                    }
+                    Some("NonTensorData") => read_non_tensor(&dir.join(&stem), &key).map(Entry::NonTensor),
+                    Some(other) => Err(Error::Unsupported {
+                        path: meta_path.clone(),
+                        key: key.clone(),
+                        what: format!("entry type `{other}`"),
+                    }),
+                    None => read_leaf(dir, &meta_path, &key, &stem, child, &batch, access).map(Entry::Tensor),
+                }
             }
-            None => Entry::Tensor(read_leaf(dir, &meta_path, &key, &stem, child, &batch, access)?),
         };
-        entries.insert(name.clone(), entry);
+        match (entry, problems.as_deref_mut()) {
+            (Ok(entry), _) => {
+                entries.insert(name.clone(), entry);
+            }
+            (Err(e), Some(problems)) => problems.push(e),
+            (Err(e), None) => return Err(e),
+        }
     }
     Ok(TensorDict::from_parts(batch, entries))
 }
@@ -306,7 +339,7 @@ fn check_version(obj: &Map<String, Value>, meta_path: &Path) -> Result<()> {
 }
 
 /// A JSON list of non-negative integers that fit in `usize`.
-fn dims_of(v: &Value) -> Option<Vec<usize>> {
+pub(crate) fn dims_of(v: &Value) -> Option<Vec<usize>> {
     v.as_array()?.iter().map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok())).collect()
 }
 

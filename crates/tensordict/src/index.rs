@@ -4,6 +4,7 @@
 //! its dim, a slice is a view (no copy, even for memmap storage), an integer list or a boolean
 //! mask gathers into new heap tensors, and a tuple applies one index per batch dim.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::ops::{Range, RangeFrom, RangeFull, RangeInclusive, RangeTo};
 
@@ -153,13 +154,14 @@ impl<A: Into<Index>, B: Into<Index>, C: Into<Index>> From<(A, B, C)> for Index {
 
 /// What an index does to one batch dim, resolved against its size.
 #[derive(Clone, Debug)]
-enum DimOp {
+enum DimOp<'a> {
     /// Keep one position and drop the dim.
     Select(usize),
     /// Keep `len` positions from `start`, `step` apart: a view.
     Slice { start: usize, len: usize, step: usize },
-    /// Gather these positions (all in range, non-negative).
-    Gather(Vec<i64>),
+    /// Gather these positions (all in range; negatives count from the end). Borrowed from a
+    /// list index, owned when made from a mask.
+    Gather(Cow<'a, [i64]>),
 }
 
 /// The gather part of a plan: the dim of the indexed view it applies to, and the positions.
@@ -167,12 +169,12 @@ type Gather<'a> = Option<(usize, &'a [i64])>;
 
 /// An index resolved against a batch size: one op per leading batch dim it touches.
 #[derive(Debug)]
-struct Plan {
-    ops: Vec<DimOp>,
+struct Plan<'a> {
+    ops: Vec<DimOp<'a>>,
 }
 
-impl Plan {
-    fn resolve(index: &Index, batch: &[usize]) -> Result<Plan> {
+impl<'a> Plan<'a> {
+    fn resolve(index: &'a Index, batch: &[usize]) -> Result<Plan<'a>> {
         let items: &[Index] = match index {
             Index::Tuple(items) => items,
             single => std::slice::from_ref(single),
@@ -198,19 +200,19 @@ impl Plan {
                     if let Some(bad) = list.iter().find(|&&i| normalize(i, size).is_none()) {
                         return Err(invalid(format!("{bad} out of range for dim {dim} of size {size}")));
                     }
-                    DimOp::Gather(list.clone())
+                    DimOp::Gather(Cow::Borrowed(list))
                 }
                 Index::Mask(mask) => {
                     if mask.len() != size {
                         return Err(invalid(format!("mask of length {} for dim {dim} of size {size}", mask.len())));
                     }
-                    DimOp::Gather(
+                    DimOp::Gather(Cow::Owned(
                         mask.iter()
                             .enumerate()
                             .filter(|&(_, &m)| m)
                             .map(|(i, _)| i64::try_from(i).unwrap_or(i64::MAX))
                             .collect(),
-                    )
+                    ))
                 }
                 Index::Tuple(_) => return Err(invalid("a tuple cannot hold another tuple".into())),
             };
@@ -236,7 +238,7 @@ impl Plan {
                     dim += 1;
                 }
                 DimOp::Gather(list) => {
-                    gather = Some((dim, list.as_slice()));
+                    gather = Some((dim, list.as_ref()));
                     dim += 1;
                 }
             }

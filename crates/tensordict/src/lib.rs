@@ -37,6 +37,7 @@ mod format;
 mod index;
 mod json;
 mod key;
+mod shared;
 
 pub use dict::{Entry, TensorDict};
 pub use error::{Error, Result};

@@ -1,0 +1,235 @@
+//! Dicts in named POSIX shared memory: [`TensorDict::share_memory`],
+//! [`TensorDict::open_shared`], [`TensorDict::unlink_shared`].
+//!
+//! Under a prefix `p`, tensor `i` (depth-first order) lives in the shm object `/p.i`, and the
+//! schema in `/p.meta`: an 8-byte little-endian length, then JSON
+//! `{"version": 1, "root": NODE}` where `NODE` is
+//! `{"batch_size": [..], "entries": {"key": {"tensor": {"dtype", "shape", "shm"}} | {"dict": NODE} | {"non_tensor": VALUE}}}`.
+//! The schema is written last: a reader that finds it finds every tensor.
+
+use indexmap::IndexMap;
+use memmap_tensor::{Access, DType, Location, Storage, Tensor};
+use serde_json::{Map, Value, json};
+
+use crate::error::WithKey;
+use crate::format::dims_of;
+use crate::{Entry, Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
+
+const SCHEMA_VERSION: u64 = 1;
+
+impl TensorDict {
+    /// Copies every tensor into a new named shared-memory object under `prefix` and returns the
+    /// dict backed by them. Another process opens it with [`TensorDict::open_shared`]`(prefix)`
+    /// and sees writes made through either handle. The objects stay until
+    /// [`TensorDict::unlink_shared`] removes them (shared memory outlives processes).
+    ///
+    /// `prefix` is a name without `/` (at most 200 bytes). Fails, creating nothing that stays
+    /// behind, if anything under `prefix` already exists.
+    pub fn share_memory(&self, prefix: &str) -> Result<TensorDict> {
+        check_prefix(prefix)?;
+        let mut created = Vec::new();
+        let result = self.share_into(prefix, &mut created);
+        if result.is_err() {
+            for name in &created {
+                // Best effort: these objects were created just now and nobody knows of them.
+                let _ = Storage::unlink_shm(name);
+            }
+        }
+        result
+    }
+
+    fn share_into(&self, prefix: &str, created: &mut Vec<String>) -> Result<TensorDict> {
+        let meta_name = meta_name(prefix);
+        if Storage::open_shm(&meta_name, Access::ReadOnly, 0).is_ok() {
+            return Err(Error::InvalidArgument { op: "share_memory", detail: format!("`{meta_name}` already exists") });
+        }
+        let mut counter = 0usize;
+        let (shared, schema) = share_node(self, prefix, &KeyPath::default(), &mut counter, created)?;
+        let text = serde_json::to_vec(&json!({"version": SCHEMA_VERSION, "root": schema}))
+            .map_err(|e| Error::InvalidArgument { op: "share_memory", detail: format!("schema: {e}") })?;
+        let len = u64::try_from(text.len()).unwrap_or(u64::MAX);
+        let mut blob =
+            Tensor::zeros([8 + text.len()], DType::U8, &Location::Shm(meta_name.clone())).with_key(KeyPath::default)?;
+        created.push(meta_name);
+        let mut bytes = blob.as_mut_slice::<u8>().with_key(KeyPath::default)?;
+        bytes[..8].copy_from_slice(&len.to_le_bytes());
+        bytes[8..].copy_from_slice(&text);
+        Ok(shared)
+    }
+
+    /// Opens the dict shared under `prefix` by [`TensorDict::share_memory`] (in any process).
+    /// The schema is validated like a `meta.json` and every object's size is checked before it
+    /// is mapped.
+    pub fn open_shared(prefix: &str, access: Access) -> Result<TensorDict> {
+        check_prefix(prefix)?;
+        let schema = read_schema(prefix)?;
+        let root = schema.get("root").ok_or_else(|| bad_schema(prefix, "no `root`"))?;
+        open_node(root, prefix, &KeyPath::default(), None, access)
+    }
+
+    /// Removes every shared-memory object of the dict shared under `prefix`. Processes that
+    /// mapped them keep their mappings until they drop them.
+    pub fn unlink_shared(prefix: &str) -> Result<()> {
+        check_prefix(prefix)?;
+        let schema = read_schema(prefix)?;
+        let mut names = Vec::new();
+        if let Some(root) = schema.get("root") {
+            collect_shm_names(root, prefix, &mut names)?;
+        }
+        for name in names {
+            match Storage::unlink_shm(&name) {
+                Ok(()) | Err(memmap_tensor::Error::ShmIo { .. }) => {}
+                Err(e) => return Err(Error::Tensor { key: KeyPath::default(), source: e }),
+            }
+        }
+        Storage::unlink_shm(&meta_name(prefix)).with_key(KeyPath::default)
+    }
+}
+
+fn share_node(
+    td: &TensorDict,
+    prefix: &str,
+    path: &KeyPath,
+    counter: &mut usize,
+    created: &mut Vec<String>,
+) -> Result<(TensorDict, Value)> {
+    let mut entries = IndexMap::with_capacity(td.len());
+    let mut schema = Map::new();
+    for (name, entry) in td.iter() {
+        let key = path.join(name);
+        let (value, node) = match entry {
+            Entry::Tensor(t) => {
+                let shm = format!("/{prefix}.{counter}");
+                *counter += 1;
+                let mut out =
+                    Tensor::zeros(t.dims(), t.dtype(), &Location::Shm(shm.clone())).with_key(|| key.clone())?;
+                created.push(shm.clone());
+                out.copy_from(t).with_key(|| key.clone())?;
+                let node = json!({"tensor": {"dtype": t.dtype().as_torch_str(), "shape": t.dims(), "shm": shm}});
+                (Entry::Tensor(out), node)
+            }
+            Entry::Dict(d) => {
+                let (shared, node) = share_node(d, prefix, &key, counter, created)?;
+                (Entry::Dict(shared), json!({ "dict": node }))
+            }
+            Entry::NonTensor(v) => (Entry::NonTensor(v.clone()), json!({ "non_tensor": v })),
+        };
+        entries.insert(name.to_owned(), value);
+        schema.insert(name.to_owned(), node);
+    }
+    let node = json!({"batch_size": td.batch_size(), "entries": schema});
+    Ok((TensorDict::from_parts(td.batch_size().to_vec(), entries), node))
+}
+
+fn open_node(
+    node: &Value,
+    prefix: &str,
+    path: &KeyPath,
+    parent: Option<&[usize]>,
+    access: Access,
+) -> Result<TensorDict> {
+    let batch = node
+        .get("batch_size")
+        .and_then(dims_of)
+        .ok_or_else(|| bad_schema(prefix, &format!("`{path}`: no valid batch_size")))?;
+    if let Some(parent) = parent
+        && !batch.starts_with(parent)
+    {
+        return Err(Error::BatchSizeMismatch { key: path.clone(), shape: batch, batch_size: parent.to_vec() });
+    }
+    let children = node
+        .get("entries")
+        .and_then(Value::as_object)
+        .ok_or_else(|| bad_schema(prefix, &format!("`{path}`: no entries")))?;
+    let mut entries = IndexMap::with_capacity(children.len());
+    for (name, child) in children {
+        let key = path.join(name);
+        let entry = if let Some(t) = child.get("tensor") {
+            let (dtype, shape, shm) = tensor_schema(t, prefix, &key)?;
+            if !shape.starts_with(&batch) {
+                return Err(Error::BatchSizeMismatch { key, shape, batch_size: batch });
+            }
+            Entry::Tensor(Tensor::open_shm(&shm, dtype, shape, access).with_key(|| key.clone())?)
+        } else if let Some(d) = child.get("dict") {
+            Entry::Dict(open_node(d, prefix, &key, Some(&batch), access)?)
+        } else if let Some(v) = child.get("non_tensor") {
+            Entry::NonTensor(v.clone())
+        } else {
+            return Err(bad_schema(prefix, &format!("`{key}`: unknown entry kind")));
+        };
+        entries.insert(name.clone(), entry);
+    }
+    Ok(TensorDict::from_parts(batch, entries))
+}
+
+fn tensor_schema(t: &Value, prefix: &str, key: &KeyPath) -> Result<(DType, Vec<usize>, String)> {
+    let dtype = t
+        .get("dtype")
+        .and_then(Value::as_str)
+        .and_then(|s| DType::from_torch_str(s).ok())
+        .ok_or_else(|| bad_schema(prefix, &format!("`{key}`: bad dtype")))?;
+    let shape = t.get("shape").and_then(dims_of).ok_or_else(|| bad_schema(prefix, &format!("`{key}`: bad shape")))?;
+    let shm =
+        t.get("shm").and_then(Value::as_str).ok_or_else(|| bad_schema(prefix, &format!("`{key}`: no shm name")))?;
+    check_leaf_name(shm, prefix)?;
+    Ok((dtype, shape, shm.to_owned()))
+}
+
+fn collect_shm_names(node: &Value, prefix: &str, out: &mut Vec<String>) -> Result<()> {
+    for child in node.get("entries").and_then(Value::as_object).into_iter().flat_map(|m| m.values()) {
+        if let Some(name) = child.get("tensor").and_then(|t| t.get("shm")).and_then(Value::as_str) {
+            check_leaf_name(name, prefix)?;
+            out.push(name.to_owned());
+        } else if let Some(d) = child.get("dict") {
+            collect_shm_names(d, prefix, out)?;
+        }
+    }
+    Ok(())
+}
+
+fn read_schema(prefix: &str) -> Result<Value> {
+    let name = meta_name(prefix);
+    let header = Tensor::open_shm(&name, DType::U8, [8], Access::ReadOnly).with_key(KeyPath::default)?;
+    let len_bytes: [u8; 8] = header.to_vec::<u8>().with_key(KeyPath::default)?.try_into().unwrap_or_default();
+    let len = u64::from_le_bytes(len_bytes);
+    if len > MAX_META_BYTES {
+        return Err(bad_schema(prefix, &format!("schema of {len} bytes is over the limit")));
+    }
+    let len = usize::try_from(len).map_err(|_| bad_schema(prefix, "schema length overflows"))?;
+    let blob = Tensor::open_shm(&name, DType::U8, [8 + len], Access::ReadOnly).with_key(KeyPath::default)?;
+    let bytes = blob.to_vec::<u8>().with_key(KeyPath::default)?;
+    let schema: Value =
+        serde_json::from_slice(&bytes[8..]).map_err(|e| bad_schema(prefix, &format!("invalid JSON: {e}")))?;
+    match schema.get("version").and_then(Value::as_u64) {
+        Some(SCHEMA_VERSION) => Ok(schema),
+        other => Err(bad_schema(prefix, &format!("unsupported schema version {other:?}"))),
+    }
+}
+
+fn meta_name(prefix: &str) -> String {
+    format!("/{prefix}.meta")
+}
+
+/// Leaf names must be `/<prefix>.<number>`: a schema cannot point at other objects.
+fn check_leaf_name(name: &str, prefix: &str) -> Result<()> {
+    let ok = name
+        .strip_prefix('/')
+        .and_then(|n| n.strip_prefix(prefix))
+        .and_then(|n| n.strip_prefix('.'))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    if ok { Ok(()) } else { Err(bad_schema(prefix, &format!("object name `{name}` is not one of this prefix"))) }
+}
+
+fn check_prefix(prefix: &str) -> Result<()> {
+    if prefix.is_empty() || prefix.len() > 200 || prefix.contains('/') || prefix.contains('\0') {
+        return Err(Error::InvalidArgument {
+            op: "shared memory",
+            detail: format!("prefix `{prefix}` must be 1 to 200 bytes without `/` or NUL"),
+        });
+    }
+    Ok(())
+}
+
+fn bad_schema(prefix: &str, reason: &str) -> Error {
+    Error::InvalidMeta { path: format!("shm:/{prefix}.meta").into(), reason: reason.to_owned() }
+}
