@@ -86,8 +86,13 @@ unsafe impl Send for Rows<*const u8> {}
 // SAFETY: as above; workers write disjoint destination rows under the caller's write lock.
 unsafe impl Send for Rows<*mut u8> {}
 
-/// How many rows ahead of the current one the gather prefetches.
+/// How many rows ahead of the current one the gather prefetches, at least and at most: about
+/// `PREFETCH_BYTES_AHEAD` bytes ahead. Short rows copy so quickly that the prefetch must run
+/// many rows ahead to hide a miss (measured on 1024 random rows of a 1M-row file: 8-byte rows
+/// 17.6 → 13.0 µs, 4-byte rows 15.7 → 9.9 µs, with 336-byte rows unchanged).
 const PREFETCH_DISTANCE: usize = 8;
+const PREFETCH_DISTANCE_MAX: usize = 64;
+const PREFETCH_BYTES_AHEAD: usize = 1024;
 
 /// Row number of a checked index in `-size..size` (negative counts from the end).
 #[inline(always)]
@@ -106,8 +111,9 @@ pub(crate) fn row_of(index: i64, size: usize) -> usize {
 /// - the regions do not overlap, and no reference into `dst`'s region is alive.
 pub(crate) unsafe fn gather_rows(src: Rows<*const u8>, rows: &[i64], size: usize, dst: Rows<*mut u8>) {
     let n = src.row_bytes;
+    let distance = (PREFETCH_BYTES_AHEAD / n.max(1)).clamp(PREFETCH_DISTANCE, PREFETCH_DISTANCE_MAX);
     for (k, &i) in rows.iter().enumerate() {
-        if let Some(&ahead) = rows.get(k + PREFETCH_DISTANCE) {
+        if let Some(&ahead) = rows.get(k + distance) {
             prefetch_bytes(src.base.wrapping_add(src.first + row_of(ahead, size) * src.stride_bytes), n);
         }
         let r = row_of(i, size);
@@ -134,22 +140,59 @@ pub(crate) unsafe fn scatter_rows(src: Rows<*const u8>, rows: &[i64], size: usiz
     }
 }
 
-/// Copies one row of `n` bytes. Rows are short (hundreds of bytes), where a library `memcpy`
-/// call costs as much as the copy: whole 64-byte blocks are copied inline, the tail by `memcpy`.
+/// Copies one row of `n` bytes. Rows under 64 bytes (a scalar per row: actions, rewards, flags)
+/// are copied in power-of-two pieces with fixed-size moves the compiler inlines, where a
+/// library `memcpy` call would cost more than the copy; longer rows go to `memcpy`, which
+/// measured faster than inline 64-byte blocks on rows not in cache.
 ///
 /// # Safety
 /// `src..src + n` is readable, `dst..dst + n` writable, and they do not overlap.
 #[inline(always)]
 unsafe fn copy_row(src: *const u8, dst: *mut u8, n: usize) {
-    const BLOCK: usize = 64;
-    let blocks = n / BLOCK;
-    for b in 0..blocks {
-        // SAFETY: block `b` ends at `(b + 1) * 64 <= n`, inside both ranges (contract).
-        unsafe { ptr::copy_nonoverlapping(src.add(b * BLOCK), dst.add(b * BLOCK), BLOCK) };
+    if n >= 64 {
+        // SAFETY: the contract above.
+        unsafe { ptr::copy_nonoverlapping(src, dst, n) };
+        return;
     }
-    let done = blocks * BLOCK;
-    // SAFETY: the tail `done..n` is inside both ranges (contract).
-    unsafe { ptr::copy_nonoverlapping(src.add(done), dst.add(done), n - done) };
+    let mut done = 0;
+    // The tail is below 64 bytes: one piece per set bit of its length.
+    let tail = n - done;
+    // SAFETY: the pieces add up to `tail`, so each lies inside both ranges (contract).
+    unsafe {
+        if tail & 32 != 0 {
+            copy_fixed::<32>(src.add(done), dst.add(done));
+            done += 32;
+        }
+        if tail & 16 != 0 {
+            copy_fixed::<16>(src.add(done), dst.add(done));
+            done += 16;
+        }
+        if tail & 8 != 0 {
+            copy_fixed::<8>(src.add(done), dst.add(done));
+            done += 8;
+        }
+        if tail & 4 != 0 {
+            copy_fixed::<4>(src.add(done), dst.add(done));
+            done += 4;
+        }
+        if tail & 2 != 0 {
+            copy_fixed::<2>(src.add(done), dst.add(done));
+            done += 2;
+        }
+        if tail & 1 != 0 {
+            copy_fixed::<1>(src.add(done), dst.add(done));
+        }
+    }
+}
+
+/// Copies `N` bytes with a copy of known size, which compiles to a few moves.
+///
+/// # Safety
+/// `src..src + N` is readable, `dst..dst + N` writable, and they do not overlap.
+#[inline(always)]
+unsafe fn copy_fixed<const N: usize>(src: *const u8, dst: *mut u8) {
+    // SAFETY: the contract above.
+    unsafe { ptr::copy_nonoverlapping(src, dst, N) };
 }
 
 /// Hints the CPU to start loading the cache lines of `p..p + len`.
