@@ -11,7 +11,7 @@ use serde_json::{Map, Value, json};
 
 use crate::error::WithKey;
 use crate::json::to_python_json;
-use crate::key::{RESERVED_KEYS, check_distinct_names, encode_name};
+use crate::key::{METADATA_KEYS, RESERVED_KEYS, candidate_names, encode_name};
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
 
 /// `_type` of a TensorDict node in `meta.json`.
@@ -221,25 +221,25 @@ fn read_node(
     }
     let mut entries = IndexMap::new();
     for (name, child) in obj {
-        if RESERVED_KEYS.contains(&name.as_str()) {
+        // Node metadata; `_format_version`, `_class` and `_names` holding an object are leaves
+        // that Python kept under those names.
+        if METADATA_KEYS.contains(&name.as_str()) || (RESERVED_KEYS.contains(&name.as_str()) && !child.is_object()) {
             continue;
         }
         let key = path.join(name);
         let entry = match child.as_object() {
             None => Err(invalid(format!("entry `{key}` is not an object"))),
             Some(child) => {
-                let stem = encode_name(name);
+                let folder = || existing(dir, candidate_names(name, true), "");
                 match child.get("type").and_then(Value::as_str) {
-                    Some("TensorDict") => {
-                        read_node(&dir.join(&stem), &key, Some(&batch), access, problems).map(Entry::Dict)
-                    }
-                    Some("NonTensorData") => read_non_tensor(&dir.join(&stem), &key).map(Entry::NonTensor),
+                    Some("TensorDict") => read_node(&folder(), &key, Some(&batch), access, problems).map(Entry::Dict),
+                    Some("NonTensorData") => read_non_tensor(&folder(), &key).map(Entry::NonTensor),
                     Some(other) => Err(Error::Unsupported {
                         path: meta_path.clone(),
                         key: key.clone(),
                         what: format!("entry type `{other}`"),
                     }),
-                    None => read_leaf(dir, &meta_path, &key, &stem, child, &batch, access).map(Entry::Tensor),
+                    None => read_leaf(dir, &meta_path, &key, child, &batch, access).map(Entry::Tensor),
                 }
             }
         };
@@ -258,7 +258,6 @@ fn read_leaf(
     dir: &Path,
     meta_path: &Path,
     key: &KeyPath,
-    stem: &str,
     meta: &Map<String, Value>,
     batch: &[usize],
     access: Access,
@@ -278,7 +277,8 @@ fn read_leaf(
     if !shape.starts_with(batch) {
         return Err(Error::BatchSizeMismatch { key: key.clone(), shape, batch_size: batch.to_vec() });
     }
-    let file = dir.join(format!("{stem}.memmap"));
+    let name = key.parts().last().map_or("", String::as_str);
+    let file = existing(dir, candidate_names(name, false), ".memmap");
     let count = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
     match count {
         None => Err(invalid(format!("shape {shape:?} overflows"))),
@@ -286,6 +286,13 @@ fn read_leaf(
         Some(0) if !file.exists() => Tensor::zeros(shape, dtype, &Location::Heap).with_key(|| key.clone()),
         Some(_) => Tensor::open_file(&file, dtype, shape, access).with_key(|| key.clone()),
     }
+}
+
+/// The first of `names` (plus `suffix`) that exists in `dir`, or the first one if none does
+/// (so that the error names the file Python would write).
+fn existing(dir: &Path, names: Vec<String>, suffix: &str) -> PathBuf {
+    let paths: Vec<PathBuf> = names.iter().map(|n| dir.join(format!("{n}{suffix}"))).collect();
+    paths.iter().find(|p| p.exists()).unwrap_or(&paths[0]).clone()
 }
 
 fn read_non_tensor(dir: &Path, key: &KeyPath) -> Result<Value> {
@@ -327,7 +334,9 @@ fn read_meta(path: &Path) -> Result<Value> {
 
 fn check_version(obj: &Map<String, Value>, meta_path: &Path) -> Result<()> {
     match obj.get("_format_version") {
+        // Absent: version 0. An object: a leaf of that name (Python reads the node as version 0).
         None => Ok(()),
+        Some(v) if v.is_object() => Ok(()),
         Some(v) => match v.as_i64() {
             Some(version) if version > FORMAT_VERSION => {
                 Err(Error::UnsupportedFormatVersion { path: meta_path.to_owned(), version })
@@ -355,16 +364,14 @@ fn resized(dims: &[usize], fill: Fill) -> Vec<usize> {
     dims
 }
 
-/// Refuses keys the format cannot hold: node metadata names, and keys whose file names
-/// collide.
+/// Refuses keys the format cannot hold: the names of node metadata.
 fn check_writable_keys(td: &TensorDict, path: &KeyPath) -> Result<()> {
     for (name, _) in td.iter() {
         if RESERVED_KEYS.contains(&name) {
             return Err(Error::InvalidKey { key: path.join(name), reason: "the name is used by meta.json itself" });
         }
     }
-    check_distinct_names(td.iter().map(|(k, _)| k))
-        .map_err(|(_, b)| Error::InvalidKey { key: path.join(&b), reason: "its file name collides with another key's" })
+    Ok(())
 }
 
 /// Creates `dir` if needed; refuses anything at that path that is not a real folder (a file,

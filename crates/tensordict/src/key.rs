@@ -109,35 +109,31 @@ impl From<&KeyPath> for KeyPath {
     }
 }
 
-/// Names that `meta.json` uses for the node itself; a child with one of these names would be
-/// overwritten by (or overwrite) the node's metadata, so such keys cannot be stored.
+/// Names that `meta.json` uses for the node itself. A child with one of these names cannot be
+/// written: Python would overwrite it with the node's metadata, or the metadata with it.
 pub(crate) const RESERVED_KEYS: [&str; 6] = ["shape", "device", "_type", "_format_version", "_class", "_names"];
 
-/// The file or folder name (without `.memmap`) for `key`.
-///
-/// A key that is a safe single path component is used as is, exactly as Python's tensordict
-/// names its files, so each library reads what the other writes. Other keys (empty, `.`, `..`,
-/// or holding `/`, NUL or another control character) are percent-encoded (`%XX`, uppercase hex,
-/// per UTF-8 byte, `%` included); the empty key becomes `%`. Python cannot write such keys, and
-/// an encoded name never leaves its folder. Since plain keys may contain `%` too, two keys of one
-/// dict could map to one name; the writer refuses that (see [`check_distinct_names`]).
+/// Node metadata that is never a child when reading. (`_format_version`, `_class` and `_names`
+/// are children when their value is an object: Python keeps a leaf of that name and skips the
+/// metadata.)
+pub(crate) const METADATA_KEYS: [&str; 3] = ["shape", "device", "_type"];
+
+/// The file or folder name (without `.memmap`) for `key`, as Python's tensordict writes it:
+/// the characters `/ < > : " | ? * \`, space, `%` and the control characters (bytes 0–31 and
+/// 127) become `%XX` (uppercase hex); the empty key is `%`; `.` and `..` are `%2E` and
+/// `%2E%2E`. Everything else, non-ASCII included, is kept. The result is one path component
+/// that cannot leave its folder, and different keys get different names.
 pub(crate) fn encode_name(key: &str) -> String {
-    if is_plain_name(key) {
-        return key.to_owned();
-    }
-    if key.is_empty() {
-        return "%".to_owned();
-    }
-    if key == "." || key == ".." {
-        return "%2E".repeat(key.len());
+    match key {
+        "" => return "%".to_owned(),
+        "." => return "%2E".to_owned(),
+        ".." => return "%2E%2E".to_owned(),
+        _ => {}
     }
     let mut out = String::with_capacity(key.len() + 8);
     for ch in key.chars() {
-        if ch == '%' || needs_escape(ch) {
-            let mut buf = [0u8; 4];
-            for b in ch.encode_utf8(&mut buf).bytes() {
-                out.push_str(&format!("%{b:02X}"));
-            }
+        if needs_escape(ch) {
+            out.push_str(&format!("%{:02X}", u32::from(ch)));
         } else {
             out.push(ch);
         }
@@ -145,25 +141,17 @@ pub(crate) fn encode_name(key: &str) -> String {
     out
 }
 
-/// True when `key` can be a file name as is: non-empty, not `.` or `..`, no `/`, NUL or
-/// other control character. Such a name stays inside its folder.
-pub(crate) fn is_plain_name(key: &str) -> bool {
-    !key.is_empty() && key != "." && key != ".." && !key.chars().any(needs_escape)
-}
-
 fn needs_escape(ch: char) -> bool {
-    ch == '/' || ch.is_control()
+    matches!(ch, '/' | '<' | '>' | ':' | '"' | '|' | '?' | '*' | '\\' | ' ' | '%') || ch.is_ascii_control()
 }
 
-/// Fails if two of `keys` map to the same file name (only possible with keys that contain `%`).
-pub(crate) fn check_distinct_names<'a>(keys: impl IntoIterator<Item = &'a str>) -> Result<(), (String, String)> {
-    let mut seen: std::collections::HashMap<String, &str> = std::collections::HashMap::new();
-    for key in keys {
-        if let Some(other) = seen.insert(encode_name(key), key) {
-            return Err((other.to_owned(), key.to_owned()));
-        }
-    }
-    Ok(())
+/// The names to look for, in order, when reading `key` from a folder: the encoded name, then
+/// (as Python does, for folders written without key encoding) the raw key, but only when it is
+/// a single safe path component.
+pub(crate) fn candidate_names(key: &str, is_folder: bool) -> Vec<String> {
+    let encoded = encode_name(key);
+    let unsafe_raw = key.contains(['/', '\\', '\0']) || (is_folder && matches!(key, "" | "." | ".."));
+    if unsafe_raw || key == encoded { vec![encoded] } else { vec![encoded, key.to_owned()] }
 }
 
 #[cfg(test)]
@@ -171,32 +159,50 @@ mod tests {
     use super::*;
 
     #[test]
-    fn plain_keys_keep_their_names() {
-        for key in ["obs", "a.b", "with space", "semi;colon", "unicodé", "UPPER", "x:y", "100%", "back\\slash"] {
-            assert_eq!(encode_name(key), key);
+    fn names_match_python_tensordict() {
+        // The table observed from tensordict 0.15.3 (tools/python/README.md).
+        let cases = [
+            ("a.b", "a.b"),
+            ("with space", "with%20space"),
+            ("semi;colon", "semi;colon"),
+            ("unicodé", "unicodé"),
+            ("percent%", "percent%25"),
+            ("x/y", "x%2Fy"),
+            ("", "%"),
+            (".", "%2E"),
+            ("..", "%2E%2E"),
+            ("tab\t", "tab%09"),
+            ("line\nfeed", "line%0Afeed"),
+            ("nul\0", "nul%00"),
+            ("del\u{7f}", "del%7F"),
+            ("q?", "q%3F"),
+            ("star*", "star%2A"),
+            ("colon:", "colon%3A"),
+            ("quote\"", "quote%22"),
+            ("pipe|", "pipe%7C"),
+            ("lt<gt>", "lt%3Cgt%3E"),
+            ("back\\slash", "back%5Cslash"),
+            ("plus+tilde~&=,'()[]{}!@#$^", "plus+tilde~&=,'()[]{}!@#$^"),
+        ];
+        for (key, name) in cases {
+            assert_eq!(encode_name(key), name, "{key:?}");
         }
     }
 
     #[test]
-    fn hostile_keys_are_encoded_and_stay_in_their_folder() {
-        assert_eq!(encode_name(""), "%");
-        assert_eq!(encode_name("."), "%2E");
-        assert_eq!(encode_name(".."), "%2E%2E");
-        assert_eq!(encode_name("../x"), "..%2Fx");
-        assert_eq!(encode_name("a/b"), "a%2Fb");
-        assert_eq!(encode_name("100%"), "100%");
-        assert_eq!(encode_name("50%/x"), "50%25%2Fx");
-        assert_eq!(encode_name("nul\0"), "nul%00");
-        assert_eq!(encode_name("line\n"), "line%0A");
-        for key in ["", ".", "..", "../x", "a/b", "/abs", "\\", "a\0b"] {
+    fn encoded_names_stay_in_their_folder() {
+        for key in ["", ".", "..", "../x", "a/b", "/abs", "\\", "a\0b", "../../etc/passwd"] {
             let name = encode_name(key);
             assert!(!name.contains('/') && name != "." && name != ".." && !name.contains('\0'), "{key:?} -> {name}");
         }
     }
 
     #[test]
-    fn colliding_names_are_detected() {
-        assert!(check_distinct_names(["a", "b", "100%"]).is_ok());
-        assert_eq!(check_distinct_names(["a/b", "a%2Fb"]), Err(("a/b".to_owned(), "a%2Fb".to_owned())));
+    fn raw_names_are_tried_only_when_safe() {
+        assert_eq!(candidate_names("obs", false), vec!["obs"]);
+        assert_eq!(candidate_names("with space", false), vec!["with%20space", "with space"]);
+        assert_eq!(candidate_names("../x", false), vec!["..%2Fx"]);
+        assert_eq!(candidate_names("..", true), vec!["%2E%2E"]);
+        assert_eq!(candidate_names("..", false), vec!["%2E%2E", ".."]);
     }
 }
