@@ -179,7 +179,9 @@ impl TensorDict {
     /// with a problem is skipped; a node whose `meta.json` is unusable is one problem.
     pub fn verify_memmap(prefix: impl AsRef<Path>) -> Vec<Error> {
         let mut problems = Vec::new();
-        if let Err(e) = read_node(prefix.as_ref(), &KeyPath::default(), None, Access::ReadOnly, &mut Some(&mut problems)) {
+        if let Err(e) =
+            read_node(prefix.as_ref(), &KeyPath::default(), None, Access::ReadOnly, &mut Some(&mut problems))
+        {
             problems.push(e);
         }
         problems

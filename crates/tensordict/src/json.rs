@@ -29,12 +29,15 @@ impl Formatter for PythonFormatter {
         writer.write_all(b": ")
     }
 
+    /// Python escapes everything outside printable ASCII (`' '..='~'`); serde_json already
+    /// escapes quotes, backslashes and the control characters below `' '` before this is called.
     fn write_string_fragment<W: ?Sized + io::Write>(&mut self, writer: &mut W, fragment: &str) -> io::Result<()> {
-        if fragment.is_ascii() {
+        let printable = |ch: char| (' '..='~').contains(&ch);
+        if fragment.chars().all(printable) {
             return writer.write_all(fragment.as_bytes());
         }
         for ch in fragment.chars() {
-            if ch.is_ascii() {
+            if printable(ch) {
                 writer.write_all(&[ch as u8])?;
             } else {
                 let mut units = [0u16; 2];
@@ -53,10 +56,12 @@ mod tests {
 
     #[test]
     fn matches_python_json_dumps() {
-        let v: Value =
-            serde_json::from_str(r#"{"b": [1, 2.5, "x"], "a": {"k": null, "t": true}, "é": "日本😀"}"#).unwrap();
-        // json.dumps({"b": [1, 2.5, "x"], "a": {"k": None, "t": True}, "é": "日本😀"})
-        let expected = r#"{"b": [1, 2.5, "x"], "a": {"k": null, "t": true}, "\u00e9": "\u65e5\u672c\ud83d\ude00"}"#;
+        let v: Value = serde_json::from_str(
+            r#"{"b": [1, 2.5, "x"], "a": {"k": null, "t": true}, "é": "日本😀", "d": "\u007f\t"}"#,
+        )
+        .unwrap();
+        // json.dumps({"b": [1, 2.5, "x"], "a": {"k": None, "t": True}, "é": "日本😀", "d": "\x7f\t"})
+        let expected = r#"{"b": [1, 2.5, "x"], "a": {"k": null, "t": true}, "\u00e9": "\u65e5\u672c\ud83d\ude00", "d": "\u007f\t"}"#;
         assert_eq!(String::from_utf8(to_python_json(&v)).unwrap(), expected);
     }
 }
