@@ -429,6 +429,15 @@ impl TensorDict {
         self.apply(Tensor::deep_clone)
     }
 
+    /// Writes the changes of every file-backed tensor back to its file and waits (`msync`), so
+    /// they survive a crash of the machine. Heap and shared-memory tensors have nothing to flush.
+    pub fn flush(&self) -> Result<()> {
+        for (key, t) in self.leaves() {
+            t.flush().with_key(|| key)?;
+        }
+        Ok(())
+    }
+
     /// True when every tensor lives in a memory-mapped file (and there is at least one).
     pub fn is_memmap(&self) -> bool {
         self.all_leaves_on(StorageKind::File)
