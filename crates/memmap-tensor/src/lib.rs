@@ -59,11 +59,6 @@
 #[cfg(not(target_pointer_width = "64"))]
 compile_error!("memmap-tensor supports 64-bit targets only");
 
-/// The README's Rust blocks run as doctests, so the README stays true.
-#[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
-struct ReadmeDoctests;
-
 mod batch;
 mod copy;
 mod dtype;
