@@ -77,9 +77,9 @@ fn gather(path: &str, batch: usize, iters: usize, as_json: bool) -> anyhow::Resu
     let gbps = (batch * row_bytes) as f64 / median / 1e3;
     let out = json!({"median_us": round(median), "p99_us": round(p99), "gbps": round(gbps), "batch": batch, "row_bytes": row_bytes});
     if as_json {
-        println!("{out}");
+        crate::out!("{out}");
     } else {
-        println!(
+        crate::out!(
             "gather of {batch} rows x {row_bytes} B over {} leaves: median {:.1} µs, p99 {:.1} µs, {:.2} GB/s ({iters} iterations)",
             leaves.len(),
             median,
@@ -118,6 +118,6 @@ fn make(path: &PathBuf, rows: usize) -> anyhow::Result<ExitCode> {
     for (key, t) in td.leaves() {
         t.flush().with_context(|| format!("flushing `{key}`"))?;
     }
-    println!("wrote {} ({rows} rows, {} bytes)", path.display(), td.nbytes());
+    crate::out!("wrote {} ({rows} rows, {} bytes)", path.display(), td.nbytes());
     Ok(ExitCode::SUCCESS)
 }

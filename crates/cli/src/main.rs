@@ -5,6 +5,15 @@
 //! 2 on bad arguments.
 #![forbid(unsafe_code)]
 
+/// `println!` that returns an error instead of panicking when stdout is closed.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*)?
+    }};
+}
+pub(crate) use out;
+
 mod bench;
 
 use std::path::PathBuf;
@@ -64,22 +73,42 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli.command) {
         Ok(code) => code,
+        // A reader that went away (`tdict info … | head -1`) is not an error worth a message.
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tdict: {e:#}");
+            eprintln!("tdict: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }
 }
 
+/// The error and its causes on one line, each cause only if the message does not already say
+/// it (library errors include their OS error in their own message), control characters escaped.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = e.to_string();
+    for cause in e.chain().skip(1) {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+    }
+    line.chars().flat_map(|c| if c.is_control() { c.escape_default().collect() } else { vec![c] }).collect()
+}
+
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe))
+}
+
 fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Info { path, json, stats } => info(&path, json, stats),
-        Command::Verify { path } => Ok(verify(&path)),
+        Command::Verify { path } => verify(&path),
         Command::Copy { src, dst, fsync } => {
             let td = open(&src, Access::ReadOnly)?;
             td.memmap_with(&dst, &tensordict::WriteOptions { fsync })
                 .with_context(|| format!("writing {}", dst.display()))?;
-            println!("copied {} leaves ({} bytes) to {}", td.leaves().len(), td.nbytes(), dst.display());
+            out!("copied {} leaves ({} bytes) to {}", td.leaves().len(), td.nbytes(), dst.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(cmd) => bench::run(cmd),
@@ -105,17 +134,21 @@ fn info(path: &str, as_json: bool, with_stats: bool) -> anyhow::Result<ExitCode>
             leaf["min"] = json!(s.min);
             leaf["max"] = json!(s.max);
         }
-        leaves.insert(key.to_string(), leaf);
+        leaves.insert(key.joined("."), leaf);
     }
-    let non_tensor: Map<String, Value> = td.non_tensors().into_iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+    let non_tensor: Map<String, Value> =
+        td.non_tensors().into_iter().map(|(k, v)| (k.joined("."), v.clone())).collect();
     if as_json {
         let out = json!({"batch_size": td.batch_size(), "leaves": leaves, "non_tensor": non_tensor});
-        println!("{out}");
+        out!("{out}");
         return Ok(ExitCode::SUCCESS);
     }
-    println!("batch_size: {:?}", td.batch_size());
-    let width = leaves.keys().map(String::len).max().unwrap_or(0);
+    // Text: keys printed with control characters escaped, one line per entry.
+    let shown = |key: &str| key.chars().flat_map(char::escape_debug).collect::<String>();
+    out!("batch_size: {:?}", td.batch_size());
+    let width = leaves.keys().chain(non_tensor.keys()).map(|k| shown(k).chars().count()).max().unwrap_or(0);
     for (key, leaf) in &leaves {
+        let key = shown(key);
         let mut line = format!(
             "{key:width$}  {:<15} {:<20} {:>12} bytes",
             leaf["dtype"].as_str().unwrap_or_default(),
@@ -125,22 +158,22 @@ fn info(path: &str, as_json: bool, with_stats: bool) -> anyhow::Result<ExitCode>
         if with_stats {
             line.push_str(&format!("  sum={} min={} max={}", leaf["sum"], leaf["min"], leaf["max"]));
         }
-        println!("{line}");
+        out!("{line}");
     }
     for (key, value) in &non_tensor {
-        println!("{key:width$}  (non-tensor) {value}");
+        out!("{:width$}  (non-tensor) {value}", shown(key));
     }
     Ok(ExitCode::SUCCESS)
 }
 
-fn verify(path: &PathBuf) -> ExitCode {
+fn verify(path: &PathBuf) -> anyhow::Result<ExitCode> {
     let problems = TensorDict::verify_memmap(path);
     if problems.is_empty() {
-        println!("{}: ok", path.display());
-        return ExitCode::SUCCESS;
+        out!("{}: ok", path.display());
+        return Ok(ExitCode::SUCCESS);
     }
-    for p in &problems {
-        println!("{p}");
+    for problem in problems {
+        out!("{}", one_line(&anyhow::Error::new(problem)));
     }
-    ExitCode::FAILURE
+    Ok(ExitCode::FAILURE)
 }

@@ -1,0 +1,792 @@
+//! Integration tests of the `tdict` binary: `info`, `verify`, `copy` and `bench` run as a real
+//! process against the Python-written fixtures, corrupted copies of them and a shared dict.
+
+use std::ffi::OsStr;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use memmap_tensor::{DType, Location, Tensor};
+use serde_json::{Map, Value, json};
+use tensordict::TensorDict;
+
+// === Helpers ===
+
+/// What one run of `tdict` did.
+struct Run {
+    /// The exit code (`None` if killed by a signal).
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    /// The command line, for messages.
+    cmd: String,
+}
+
+impl Run {
+    /// Panics, with the whole run in the message, if the exit code is not `code`.
+    fn expect_code(&self, code: i32) -> &Self {
+        assert_eq!(self.code, Some(code), "{self}");
+        self
+    }
+
+    /// Panics unless the run succeeded; returns stdout.
+    fn ok(&self) -> &str {
+        self.expect_code(0);
+        &self.stdout
+    }
+
+    /// stdout parsed as one JSON value.
+    fn json(&self) -> Value {
+        serde_json::from_str(self.ok().trim()).unwrap_or_else(|e| panic!("stdout is not one JSON value ({e}):\n{self}"))
+    }
+
+    /// The non-empty lines of stdout and stderr together.
+    fn output_lines(&self) -> Vec<&str> {
+        self.stdout.lines().chain(self.stderr.lines()).filter(|l| !l.trim().is_empty()).collect()
+    }
+
+    /// Panics if the run shows a panic or a backtrace hint.
+    fn assert_no_panic(&self) -> &Self {
+        for text in [&self.stdout, &self.stderr] {
+            assert!(!text.contains("panicked"), "panic:\n{self}");
+            assert!(!text.contains("RUST_BACKTRACE"), "backtrace hint:\n{self}");
+        }
+        assert!(self.code.is_some(), "killed by a signal:\n{self}");
+        self
+    }
+
+    /// The contract for errors: exit 1 and exactly one line on stderr, starting with `tdict:`,
+    /// no panic. Returns that line.
+    fn expect_error(&self) -> &str {
+        self.assert_no_panic().expect_code(1);
+        let lines: Vec<&str> = self.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "expected exactly one stderr line:\n{self}");
+        assert!(lines[0].starts_with("tdict:"), "stderr does not start with `tdict:`:\n{self}");
+        assert!(lines[0].len() > "tdict:".len() + 3, "the error line says nothing:\n{self}");
+        lines[0]
+    }
+
+    /// The contract for bad arguments: exit 2, a message on stderr, no panic.
+    fn expect_usage_error(&self) {
+        self.assert_no_panic().expect_code(2);
+        assert!(!self.stderr.trim().is_empty(), "no message for bad arguments:\n{self}");
+    }
+}
+
+impl std::fmt::Display for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "$ {}\nexit: {:?}\n--- stdout\n{}--- stderr\n{}---", self.cmd, self.code, self.stdout, self.stderr)
+    }
+}
+
+/// A `tdict` command with a predictable environment (no backtrace settings inherited).
+fn command<I, S>(args: I) -> (Command, String)
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tdict"));
+    let mut line = String::from("tdict");
+    for arg in args {
+        line.push(' ');
+        line.push_str(&arg.as_ref().to_string_lossy());
+        cmd.arg(arg);
+    }
+    cmd.env_remove("RUST_BACKTRACE").env_remove("RUST_LIB_BACKTRACE").stdin(Stdio::null());
+    (cmd, line)
+}
+
+/// Runs `tdict` with `args` and waits for it.
+fn tdict<I, S>(args: I) -> Run
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let (mut cmd, line) = command(args);
+    let out = cmd.output().expect("the tdict binary runs");
+    Run {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        cmd: line,
+    }
+}
+
+fn fixtures_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+/// Fixture folder `name` of tensordict 0.15.
+fn fixture(name: &str) -> PathBuf {
+    fixtures_root().join("tensordict-0.15").join(name)
+}
+
+/// `expected.json` of fixture `name`.
+fn expected(name: &str) -> Value {
+    let path = fixtures_root().join("tensordict-0.15").join(format!("{name}.expected.json"));
+    serde_json::from_slice(&fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .expect("valid expected.json")
+}
+
+/// The names of every 0.15 fixture (those with an `expected.json`), sorted.
+fn fixture_names() -> Vec<String> {
+    let dir = fixtures_root().join("tensordict-0.15");
+    let mut names: Vec<String> = fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.expect("readable").file_name().to_string_lossy().into_owned())
+        .filter_map(|n| n.strip_suffix(".expected.json").map(str::to_owned))
+        .collect();
+    names.sort();
+    assert!(names.len() >= 11, "0.15 fixtures missing: {names:?}");
+    names
+}
+
+/// The fixture this tool refuses on purpose (a Python `NonTensorStack`).
+const REFUSED: &str = "non_tensor_stack";
+
+/// Copies the folder `src` to `dst` (which must not exist), recursively.
+fn copy_dir(src: &Path, dst: &Path) {
+    fs::create_dir(dst).unwrap_or_else(|e| panic!("mkdir {}: {e}", dst.display()));
+    for entry in fs::read_dir(src).unwrap_or_else(|e| panic!("{}: {e}", src.display())) {
+        let entry = entry.expect("readable");
+        let to = dst.join(entry.file_name());
+        if entry.file_type().expect("file type").is_dir() {
+            copy_dir(&entry.path(), &to);
+        } else {
+            fs::copy(entry.path(), &to).unwrap_or_else(|e| panic!("copy {}: {e}", entry.path().display()));
+        }
+    }
+}
+
+/// A fresh temporary copy of fixture `name`: `(tempdir guard, folder)`.
+fn fixture_copy(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dst = tmp.path().join(name);
+    copy_dir(&fixture(name), &dst);
+    (tmp, dst)
+}
+
+/// `a` and `b` equal within a relative tolerance of 1e-9.
+fn close(a: f64, b: f64) -> bool {
+    a == b || (a - b).abs() <= 1e-9 * a.abs().max(b.abs())
+}
+
+fn as_f64_or_null(v: &Value, what: &str) -> Option<f64> {
+    match v {
+        Value::Null => None,
+        v => Some(v.as_f64().unwrap_or_else(|| panic!("{what}: not a number or null: {v}"))),
+    }
+}
+
+/// Checks `info --json --stats` output against an `expected.json`.
+fn check_info_against_expected(info: &Value, exp: &Value, ctx: &str) {
+    let top: Vec<&str> = info.as_object().expect("info is an object").keys().map(String::as_str).collect();
+    let mut top_sorted = top.clone();
+    top_sorted.sort_unstable();
+    assert_eq!(top_sorted, ["batch_size", "leaves", "non_tensor"], "{ctx}: top-level keys");
+    assert_eq!(info["batch_size"], exp["batch_size"], "{ctx}: batch_size");
+
+    let leaves = info["leaves"].as_object().expect("leaves is an object");
+    let exp_leaves = exp["leaves"].as_object().expect("expected leaves");
+    assert_eq!(
+        leaves.keys().collect::<Vec<_>>().len(),
+        exp_leaves.len(),
+        "{ctx}: leaf paths {:?} vs expected {:?}",
+        leaves.keys().collect::<Vec<_>>(),
+        exp_leaves.keys().collect::<Vec<_>>()
+    );
+    for (path, e) in exp_leaves {
+        // The map key of expected.json is the dot-joined key path; check it is.
+        let parts: Vec<&str> = e["key"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
+        assert_eq!(&parts.join("."), path, "{ctx}: expected.json leaf key");
+        let ctx = format!("{ctx}: leaf {path:?}");
+        let leaf = leaves.get(path).unwrap_or_else(|| panic!("{ctx}: missing from {:?}", leaves.keys()));
+        let mut fields: Vec<&str> = leaf.as_object().unwrap().keys().map(String::as_str).collect();
+        fields.sort_unstable();
+        assert_eq!(fields, ["dtype", "max", "min", "nbytes", "shape", "sum"], "{ctx}: fields");
+        assert_eq!(leaf["dtype"], e["dtype"], "{ctx}: dtype");
+        assert_eq!(leaf["shape"], e["shape"], "{ctx}: shape");
+        assert_eq!(leaf["nbytes"].as_u64(), e["nbytes"].as_u64(), "{ctx}: nbytes");
+        let sum = leaf["sum"].as_f64().unwrap_or_else(|| panic!("{ctx}: sum is not a number: {}", leaf["sum"]));
+        let exp_sum = e["sum_f64"].as_f64().unwrap();
+        assert!(close(sum, exp_sum), "{ctx}: sum {sum} vs expected {exp_sum}");
+        for (field, exp_field) in [("min", "min_f64"), ("max", "max_f64")] {
+            assert_eq!(as_f64_or_null(&leaf[field], &ctx), as_f64_or_null(&e[exp_field], &ctx), "{ctx}: {field}");
+        }
+    }
+    let no_values = Value::Object(Map::new());
+    let exp_non_tensor = exp.get("non_tensor").unwrap_or(&no_values);
+    assert_eq!(&info["non_tensor"], exp_non_tensor, "{ctx}: non_tensor");
+}
+
+/// The integers in `s`, in order.
+fn integers_in(s: &str) -> Vec<u64> {
+    s.split(|c: char| !c.is_ascii_digit()).filter(|t| !t.is_empty()).map(|t| t.parse().unwrap()).collect()
+}
+
+/// The line of `text` that lists `key`: it starts with the key followed by whitespace.
+fn line_of<'a>(text: &'a str, key: &str) -> Option<&'a str> {
+    text.lines().find(|l| l.strip_prefix(key).is_some_and(|rest| rest.starts_with(char::is_whitespace)))
+}
+
+/// The number written right after `sum` (`sum=1.5`, `sum: 1.5`, `sum 1.5`) in `line`.
+fn sum_in(line: &str) -> Option<f64> {
+    let rest = &line[line.find("sum")? + 3..];
+    let rest = rest.trim_start_matches(|c: char| c == '=' || c == ':' || c.is_whitespace());
+    rest.split(|c: char| c.is_whitespace() || c == ',').next()?.parse().ok()
+}
+
+/// Removes a shared dict when dropped (shared memory outlives the process otherwise).
+struct ShmGuard(String);
+
+impl Drop for ShmGuard {
+    fn drop(&mut self) {
+        // Best effort: the test may have unlinked it already, or failed before sharing.
+        let _ = TensorDict::unlink_shared(&self.0);
+    }
+}
+
+/// A shared-memory prefix unique to this process and test.
+fn shm_prefix(test: &str) -> String {
+    format!("tdict-cli-test-{}-{test}", std::process::id())
+}
+
+// === 1. info --json --stats against expected.json ===
+
+#[test]
+fn info_json_stats_matches_expected_json_for_every_fixture() {
+    for name in fixture_names() {
+        if name == REFUSED {
+            continue;
+        }
+        let run = tdict([OsStr::new("info"), fixture(&name).as_os_str(), "--json".as_ref(), "--stats".as_ref()]);
+        run.assert_no_panic();
+        check_info_against_expected(&run.json(), &expected(&name), &name);
+    }
+}
+
+#[test]
+fn info_refuses_non_tensor_stack_with_one_line() {
+    for extra in [&[][..], &["--json", "--stats"][..]] {
+        let folder = fixture(REFUSED);
+        let mut args = vec![OsStr::new("info"), folder.as_os_str()];
+        args.extend(extra.iter().map(OsStr::new));
+        let run = tdict(args);
+        let line = run.expect_error();
+        assert!(line.contains("NonTensorStack"), "the error does not name NonTensorStack:\n{run}");
+        assert!(run.stdout.trim().is_empty(), "stdout should be empty on error:\n{run}");
+    }
+}
+
+#[test]
+fn info_json_without_stats_has_no_statistics() {
+    let run = tdict([OsStr::new("info"), fixture("nested").as_os_str(), "--json".as_ref()]);
+    let info = run.json();
+    let exp = expected("nested");
+    assert_eq!(info["batch_size"], exp["batch_size"]);
+    let leaves = info["leaves"].as_object().unwrap();
+    assert_eq!(leaves.len(), exp["leaves"].as_object().unwrap().len());
+    for (path, leaf) in leaves {
+        let mut fields: Vec<&str> = leaf.as_object().unwrap().keys().map(String::as_str).collect();
+        fields.sort_unstable();
+        assert_eq!(fields, ["dtype", "nbytes", "shape"], "leaf {path}");
+        assert_eq!(leaf["dtype"], exp["leaves"][path]["dtype"], "leaf {path}");
+        assert_eq!(leaf["shape"], exp["leaves"][path]["shape"], "leaf {path}");
+    }
+}
+
+// === 2. info text output ===
+
+#[test]
+fn info_text_lists_batch_size_and_every_leaf() {
+    for name in ["nested", "batch2d", "dtypes", "empty", "non_tensor"] {
+        let exp = expected(name);
+        let run = tdict([OsStr::new("info"), fixture(name).as_os_str()]);
+        let out = run.ok();
+        let batch_line =
+            out.lines().find(|l| l.contains("batch_size")).unwrap_or_else(|| panic!("no batch size:\n{run}"));
+        let batch: Vec<u64> = exp["batch_size"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).collect();
+        assert_eq!(integers_in(batch_line), batch, "{name}: batch size line {batch_line:?}");
+        for (path, leaf) in exp["leaves"].as_object().unwrap() {
+            let line = line_of(out, path).unwrap_or_else(|| panic!("{name}: leaf {path} not listed:\n{run}"));
+            assert!(line.contains(leaf["dtype"].as_str().unwrap()), "{name}: dtype of {path} in {line:?}");
+            let nbytes = leaf["nbytes"].as_u64().unwrap().to_string();
+            assert!(line.split_whitespace().any(|t| t == nbytes), "{name}: bytes of {path} in {line:?}");
+            assert!(!line.contains("sum"), "{name}: sums without --stats: {line:?}");
+        }
+        if let Some(values) = exp.get("non_tensor").and_then(Value::as_object) {
+            for path in values.keys() {
+                assert!(line_of(out, path).is_some(), "{name}: non-tensor {path} not listed:\n{run}");
+            }
+        }
+    }
+}
+
+#[test]
+fn info_text_with_stats_adds_sums() {
+    for name in ["nested", "batch2d", "dtypes", "non_tensor"] {
+        let exp = expected(name);
+        let run = tdict([OsStr::new("info"), fixture(name).as_os_str(), "--stats".as_ref()]);
+        let out = run.ok();
+        for (path, leaf) in exp["leaves"].as_object().unwrap() {
+            let line = line_of(out, path).unwrap_or_else(|| panic!("{name}: leaf {path} not listed:\n{run}"));
+            let sum = sum_in(line).unwrap_or_else(|| panic!("{name}: no sum for {path} in {line:?}"));
+            let exp_sum = leaf["sum_f64"].as_f64().unwrap();
+            assert!(close(sum, exp_sum), "{name}: sum of {path}: {sum} vs {exp_sum}");
+        }
+    }
+}
+
+// === 3. verify ===
+
+#[test]
+fn verify_accepts_every_good_fixture() {
+    for name in fixture_names() {
+        if name == REFUSED {
+            continue;
+        }
+        let run = tdict([OsStr::new("verify"), fixture(&name).as_os_str()]);
+        run.assert_no_panic();
+        let out = run.ok();
+        assert!(out.lines().any(|l| l.contains("ok")), "{name}: no `ok` line:\n{run}");
+        assert!(run.stderr.trim().is_empty(), "{name}: stderr on success:\n{run}");
+    }
+}
+
+#[test]
+fn verify_reports_a_non_tensor_stack_per_entry() {
+    let run = tdict([OsStr::new("verify"), fixture(REFUSED).as_os_str()]);
+    run.assert_no_panic().expect_code(1);
+    let lines = run.output_lines();
+    assert_eq!(lines.len(), 2, "one line per NonTensorStack entry (names, numbers):\n{run}");
+    assert!(lines.iter().all(|l| l.contains("NonTensorStack")), "{run}");
+    assert!(lines.iter().any(|l| l.contains("names")) && lines.iter().any(|l| l.contains("numbers")), "{run}");
+}
+
+#[test]
+fn verify_reports_a_truncated_and_a_missing_leaf_in_one_pass() {
+    let (_tmp, dir) = fixture_copy("nested");
+    let pixels = dir.join("obs").join("pixels.memmap");
+    fs::OpenOptions::new().write(true).open(&pixels).unwrap().set_len(100).unwrap();
+    fs::remove_file(dir.join("reward.memmap")).unwrap();
+
+    let run = tdict([OsStr::new("verify"), dir.as_os_str()]);
+    run.assert_no_panic().expect_code(1);
+    let lines = run.output_lines();
+    assert_eq!(lines.len(), 2, "exactly one line per problem:\n{run}");
+    let truncated: Vec<_> = lines.iter().filter(|l| l.contains("obs.pixels") || l.contains("pixels.memmap")).collect();
+    let missing: Vec<_> = lines.iter().filter(|l| l.contains("reward")).collect();
+    assert_eq!(truncated.len(), 1, "one line names the truncated leaf:\n{run}");
+    assert_eq!(missing.len(), 1, "one line names the deleted leaf:\n{run}");
+    assert!(!lines.iter().any(|l| l.contains(": ok")), "{run}");
+}
+
+#[test]
+fn verify_reports_garbage_meta_json_once() {
+    let (_tmp, dir) = fixture_copy("nested");
+    fs::write(dir.join("meta.json"), b"{ this is not json \x00\xff").unwrap();
+    let run = tdict([OsStr::new("verify"), dir.as_os_str()]);
+    run.assert_no_panic().expect_code(1);
+    let lines = run.output_lines();
+    assert_eq!(lines.len(), 1, "{run}");
+    assert!(lines[0].contains("meta.json"), "the line names the file:\n{run}");
+}
+
+#[test]
+fn verify_reports_garbage_nested_meta_json_once() {
+    let (_tmp, dir) = fixture_copy("nested");
+    fs::write(dir.join("obs").join("meta.json"), b"[1, 2").unwrap();
+    let run = tdict([OsStr::new("verify"), dir.as_os_str()]);
+    run.assert_no_panic().expect_code(1);
+    let lines = run.output_lines();
+    assert_eq!(lines.len(), 1, "{run}");
+    assert!(lines[0].contains("meta.json"), "the line names the file:\n{run}");
+}
+
+#[test]
+fn verify_reports_a_newer_format_version_once() {
+    let (_tmp, dir) = fixture_copy("nested");
+    let meta_path = dir.join("meta.json");
+    let mut meta: Value = serde_json::from_slice(&fs::read(&meta_path).unwrap()).unwrap();
+    meta["_format_version"] = json!(2);
+    fs::write(&meta_path, serde_json::to_vec(&meta).unwrap()).unwrap();
+    let run = tdict([OsStr::new("verify"), dir.as_os_str()]);
+    run.assert_no_panic().expect_code(1);
+    let lines = run.output_lines();
+    assert_eq!(lines.len(), 1, "{run}");
+    assert!(lines[0].contains("version"), "the line says what is wrong:\n{run}");
+    assert!(lines[0].contains('2'), "the line names the version found:\n{run}");
+}
+
+#[test]
+fn verify_of_a_missing_folder_fails_with_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tdict([OsStr::new("verify"), tmp.path().join("nope").as_os_str()]);
+    run.assert_no_panic().expect_code(1);
+    assert_eq!(run.output_lines().len(), 1, "{run}");
+}
+
+#[test]
+fn verify_keeps_one_line_per_problem_for_a_key_with_a_newline() {
+    let (_tmp, dir) = fixture_copy("keys");
+    let file = dir.join("line%0Afeed.memmap");
+    fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(2).unwrap();
+    let run = tdict([OsStr::new("verify"), dir.as_os_str()]);
+    run.assert_no_panic().expect_code(1);
+    assert_eq!(run.output_lines().len(), 1, "one problem, one line:\n{run}");
+
+    // The same folder through `info`: one stderr line.
+    tdict([OsStr::new("info"), dir.as_os_str()]).expect_error();
+}
+
+// === 4. copy ===
+
+#[test]
+fn copy_round_trips_every_fixture() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in fixture_names() {
+        if name == REFUSED {
+            continue;
+        }
+        let src = fixture(&name);
+        let dst = tmp.path().join(&name);
+        let run = tdict([OsStr::new("copy"), src.as_os_str(), dst.as_os_str()]);
+        run.assert_no_panic().ok();
+        let args =
+            |p: &Path| [OsStr::new("info").to_owned(), p.as_os_str().to_owned(), "--json".into(), "--stats".into()];
+        let original = tdict(args(&src)).json();
+        let copied = tdict(args(&dst)).json();
+        assert_eq!(copied, original, "{name}: info of the copy differs");
+        // Same leaf order too.
+        let keys = |v: &Value| v["leaves"].as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+        assert_eq!(keys(&copied), keys(&original), "{name}: leaf order");
+        check_info_against_expected(&copied, &expected(&name), &format!("copy of {name}"));
+        tdict([OsStr::new("verify"), dst.as_os_str()]).ok();
+    }
+}
+
+#[test]
+fn copy_of_a_missing_source_fails_with_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dst = tmp.path().join("dst");
+    let run = tdict([OsStr::new("copy"), tmp.path().join("missing").as_os_str(), dst.as_os_str()]);
+    run.expect_error();
+    assert!(!dst.exists(), "nothing is written when the source cannot be read");
+}
+
+#[test]
+fn copy_into_a_regular_file_fails() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dst = tmp.path().join("a-file");
+    fs::write(&dst, b"keep me").unwrap();
+    let run = tdict([OsStr::new("copy"), fixture("flat").as_os_str(), dst.as_os_str()]);
+    run.expect_error();
+    assert_eq!(fs::read(&dst).unwrap(), b"keep me", "the file is left alone");
+}
+
+#[test]
+fn copy_refuses_non_tensor_stack() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dst = tmp.path().join("dst");
+    let run = tdict([OsStr::new("copy"), fixture(REFUSED).as_os_str(), dst.as_os_str()]);
+    assert!(run.expect_error().contains("NonTensorStack"), "{run}");
+}
+
+// === 5. bench ===
+
+#[test]
+fn bench_make_then_gather_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("bench");
+    tdict([OsStr::new("bench"), "make".as_ref(), dir.as_os_str(), "--rows".as_ref(), "5000".as_ref()])
+        .assert_no_panic()
+        .ok();
+
+    // The folder: {obs f32 [84], action i64, reward f32, done bool} x 5000 rows.
+    let info = tdict([OsStr::new("info"), dir.as_os_str(), "--json".as_ref()]).json();
+    assert_eq!(info["batch_size"], json!([5000]));
+    let leaves = info["leaves"].as_object().unwrap();
+    let schema = [
+        ("obs", "torch.float32", json!([5000, 84])),
+        ("action", "torch.int64", json!([5000])),
+        ("reward", "torch.float32", json!([5000])),
+        ("done", "torch.bool", json!([5000])),
+    ];
+    assert_eq!(leaves.len(), schema.len(), "{info}");
+    for (key, dtype, shape) in schema {
+        assert_eq!(leaves[key]["dtype"], dtype, "{key}");
+        assert_eq!(leaves[key]["shape"], shape, "{key}");
+    }
+    tdict([OsStr::new("verify"), dir.as_os_str()]).ok();
+
+    let run = tdict([
+        OsStr::new("bench"),
+        "gather".as_ref(),
+        dir.as_os_str(),
+        "--batch".as_ref(),
+        "64".as_ref(),
+        "--iters".as_ref(),
+        "50".as_ref(),
+        "--json".as_ref(),
+    ]);
+    run.assert_no_panic();
+    let out = run.json();
+    let mut keys: Vec<&str> = out.as_object().unwrap().keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(keys, ["batch", "gbps", "median_us", "p99_us", "row_bytes"], "{run}");
+    assert_eq!(out["batch"], json!(64), "{run}");
+    assert_eq!(out["row_bytes"], json!(349), "84 * 4 + 8 + 4 + 1:\n{run}");
+    let median = out["median_us"].as_f64().expect("median_us is a number");
+    let p99 = out["p99_us"].as_f64().expect("p99_us is a number");
+    let gbps = out["gbps"].as_f64().expect("gbps is a number");
+    assert!(median > 0.0, "{run}");
+    assert!(p99 >= median, "{run}");
+    assert!(gbps.is_finite() && gbps >= 0.0, "{run}");
+}
+
+#[test]
+fn bench_gather_text_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("bench");
+    tdict([OsStr::new("bench"), "make".as_ref(), dir.as_os_str(), "--rows".as_ref(), "100".as_ref()]).ok();
+    let run = tdict([
+        OsStr::new("bench"),
+        "gather".as_ref(),
+        dir.as_os_str(),
+        "--batch".as_ref(),
+        "8".as_ref(),
+        "--iters".as_ref(),
+        "5".as_ref(),
+    ]);
+    let out = run.assert_no_panic().ok();
+    assert!(!out.trim().is_empty(), "{run}");
+    assert!(out.contains("median"), "{run}");
+}
+
+/// `bench gather` refusing to run: exit 1 (an error, one `tdict:` line) or 2 (bad argument).
+fn expect_gather_refused(run: &Run) {
+    run.assert_no_panic();
+    match run.code {
+        Some(1) => {
+            run.expect_error();
+        }
+        Some(2) => run.expect_usage_error(),
+        _ => panic!("expected exit 1 or 2:\n{run}"),
+    }
+    assert!(run.stdout.trim().is_empty(), "no result printed:\n{run}");
+}
+
+#[test]
+fn bench_gather_refuses_an_empty_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("bench");
+    tdict([OsStr::new("bench"), "make".as_ref(), dir.as_os_str(), "--rows".as_ref(), "0".as_ref()]).ok();
+    let gather = |p: &Path| {
+        tdict([
+            OsStr::new("bench"),
+            "gather".as_ref(),
+            p.as_os_str(),
+            "--iters".as_ref(),
+            "5".as_ref(),
+            "--json".as_ref(),
+        ])
+    };
+    expect_gather_refused(&gather(&dir));
+    // A Python folder with batch size [0].
+    expect_gather_refused(&gather(&fixture("empty")));
+}
+
+#[test]
+fn bench_gather_refuses_a_dict_without_batch_dims() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("scalar");
+    let mut td = TensorDict::new(Vec::<usize>::new());
+    td.set("x", Tensor::from_slice(&[1.0f32, 2.0], [2]).unwrap()).unwrap();
+    td.memmap(&dir).unwrap();
+    let run = tdict([OsStr::new("bench"), "gather".as_ref(), dir.as_os_str(), "--iters".as_ref(), "5".as_ref()]);
+    expect_gather_refused(&run);
+}
+
+#[test]
+fn bench_gather_refuses_zero_batch_or_iters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("bench");
+    tdict([OsStr::new("bench"), "make".as_ref(), dir.as_os_str(), "--rows".as_ref(), "100".as_ref()]).ok();
+    for (flag, value) in [("--batch", "0"), ("--iters", "0")] {
+        let run = tdict([OsStr::new("bench"), "gather".as_ref(), dir.as_os_str(), flag.as_ref(), value.as_ref()]);
+        expect_gather_refused(&run);
+        assert!(run.stderr.contains(flag), "the message names {flag}:\n{run}");
+    }
+}
+
+// === 6. Bad arguments and errors ===
+
+#[test]
+fn bad_arguments_exit_2() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("bench");
+    tdict([OsStr::new("bench"), "make".as_ref(), dir.as_os_str(), "--rows".as_ref(), "10".as_ref()]).ok();
+    let d = dir.to_str().unwrap();
+    let cases: &[&[&str]] = &[
+        &[],
+        &["frobnicate"],
+        &["info"],
+        &["verify"],
+        &["copy"],
+        &["copy", d],
+        &["bench"],
+        &["bench", "gather"],
+        &["bench", "make"],
+        &["bench", "frobnicate", d],
+        &["info", d, "--no-such-flag"],
+        &["info", d, "extra"],
+        &["bench", "gather", d, "--batch", "abc"],
+        &["bench", "gather", d, "--batch", "-3"],
+        &["bench", "gather", d, "--iters", "1.5"],
+        &["bench", "make", d, "--rows", "many"],
+    ];
+    for args in cases {
+        tdict(*args).expect_usage_error();
+    }
+}
+
+#[test]
+fn errors_exit_1_with_one_tdict_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("missing");
+    let file = tmp.path().join("file");
+    fs::write(&file, b"not a folder").unwrap();
+    let empty_dir = tmp.path().join("empty-dir");
+    fs::create_dir(&empty_dir).unwrap();
+    let unshared = format!("shm:{}", shm_prefix("never-shared"));
+    let paths =
+        [missing.as_os_str(), file.as_os_str(), empty_dir.as_os_str(), OsStr::new(&unshared), OsStr::new("shm:")];
+    for path in paths {
+        tdict([OsStr::new("info"), path]).expect_error();
+        tdict([OsStr::new("info"), path, "--json".as_ref(), "--stats".as_ref()]).expect_error();
+        tdict([OsStr::new("copy"), path, tmp.path().join("out").as_os_str()]).expect_error();
+        tdict([OsStr::new("bench"), "gather".as_ref(), path, "--iters".as_ref(), "5".as_ref()]).expect_error();
+        assert!(!tmp.path().join("out").exists(), "{path:?}: copy wrote something");
+    }
+    // `bench make` where a file is in the way.
+    tdict([OsStr::new("bench"), "make".as_ref(), file.as_os_str(), "--rows".as_ref(), "10".as_ref()]).expect_error();
+    assert_eq!(fs::read(&file).unwrap(), b"not a folder");
+}
+
+#[test]
+fn error_lines_do_not_repeat_their_cause() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("file");
+    fs::write(&file, b"x").unwrap();
+    let unshared = format!("shm:{}", shm_prefix("never-shared-2"));
+    for (path, cause) in [
+        (tmp.path().join("missing").into_os_string(), "No such file or directory"),
+        (file.into_os_string(), "Not a directory"),
+        (unshared.into(), "No such file or directory"),
+    ] {
+        let run = tdict([OsStr::new("info"), path.as_os_str()]);
+        let line = run.expect_error();
+        assert_eq!(line.matches(cause).count(), 1, "the cause appears once:\n{run}");
+    }
+}
+
+#[test]
+fn closed_stdout_is_not_a_panic() {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let (mut cmd, line) = command([OsStr::new("info"), fixture("nested").as_os_str()]);
+    let out = cmd.stdout(writer).stderr(Stdio::piped()).output().unwrap();
+    let run = Run {
+        code: out.status.code(),
+        stdout: String::new(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        cmd: line,
+    };
+    assert!(!run.stderr.contains("panicked"), "{run}");
+    assert!(run.stderr.lines().count() <= 1, "{run}");
+    assert_ne!(run.code, Some(101), "{run}");
+}
+
+// === 7. Shared dicts ===
+
+/// A small dict: batch [6], `obs` f32 [6, 2], `next.done` bool [6], a non-tensor `note`.
+fn small_dict() -> TensorDict {
+    let mut td = TensorDict::new([6]);
+    let obs: Vec<f32> = (0..12u8).map(|i| f32::from(i) * 0.5 - 2.0).collect();
+    td.set("obs", Tensor::from_slice(&obs, [6, 2]).unwrap()).unwrap();
+    td.set(["next", "done"], Tensor::from_bools(&[true, false, false, true, true, false], [6]).unwrap()).unwrap();
+    td.set(["next", "step"], Tensor::from_slice(&[5i64, -7, 0, 1, 2, 3], [6]).unwrap()).unwrap();
+    td.set("note", json!({"env": "cartpole", "seed": 7})).unwrap();
+    td
+}
+
+/// expected.json-like description of [`small_dict`].
+fn small_dict_expected() -> Value {
+    json!({
+        "batch_size": [6],
+        "leaves": {
+            "obs": {"key": ["obs"], "dtype": "torch.float32", "shape": [6, 2], "nbytes": 48,
+                    "sum_f64": 9.0, "min_f64": -2.0, "max_f64": 3.5},
+            "next.done": {"key": ["next", "done"], "dtype": "torch.bool", "shape": [6], "nbytes": 6,
+                          "sum_f64": 3.0, "min_f64": 0.0, "max_f64": 1.0},
+            "next.step": {"key": ["next", "step"], "dtype": "torch.int64", "shape": [6], "nbytes": 48,
+                          "sum_f64": 4.0, "min_f64": -7.0, "max_f64": 5.0},
+        },
+        "non_tensor": {"note": {"env": "cartpole", "seed": 7}},
+    })
+}
+
+#[test]
+fn info_works_on_a_shared_dict() {
+    let prefix = shm_prefix("info");
+    let _guard = ShmGuard(prefix.clone());
+    let _shared = small_dict().share_memory(&prefix).expect("share_memory");
+    let target = format!("shm:{prefix}");
+
+    let run = tdict(["info", &target, "--json", "--stats"]);
+    run.assert_no_panic();
+    check_info_against_expected(&run.json(), &small_dict_expected(), &target);
+
+    let run = tdict(["info", &target]);
+    let out = run.ok();
+    for key in ["obs", "next.done", "next.step", "note"] {
+        assert!(line_of(out, key).is_some(), "{key} not listed:\n{run}");
+    }
+    assert_eq!(integers_in(out.lines().find(|l| l.contains("batch_size")).unwrap()), [6]);
+
+    // A copy of the shared dict to a folder reads back the same.
+    let tmp = tempfile::tempdir().unwrap();
+    let dst = tmp.path().join("from-shm");
+    tdict([OsStr::new("copy"), target.as_ref(), dst.as_os_str()]).ok();
+    let copied = tdict([OsStr::new("info"), dst.as_os_str(), "--json".as_ref(), "--stats".as_ref()]).json();
+    check_info_against_expected(&copied, &small_dict_expected(), "copy of the shared dict");
+
+    // And gather runs on it.
+    let run = tdict(["bench", "gather", &target, "--batch", "4", "--iters", "5", "--json"]);
+    let out = run.json();
+    assert_eq!(out["batch"], json!(4), "{run}");
+    assert_eq!(out["row_bytes"], json!(8 + 1 + 8), "{run}");
+
+    // Once unlinked, it is gone: a one-line error.
+    TensorDict::unlink_shared(&prefix).expect("unlink_shared");
+    tdict(["info", &target]).expect_error();
+}
+
+#[test]
+fn info_sees_writes_to_a_shared_dict() {
+    let prefix = shm_prefix("writes");
+    let _guard = ShmGuard(prefix.clone());
+    let mut td = TensorDict::new([3]);
+    td.set("v", Tensor::zeros([3], DType::I32, &Location::Heap).unwrap()).unwrap();
+    let mut shared = td.share_memory(&prefix).expect("share_memory");
+    let target = format!("shm:{prefix}");
+
+    let before = tdict(["info", &target, "--json", "--stats"]).json();
+    assert_eq!(before["leaves"]["v"]["sum"].as_f64(), Some(0.0));
+
+    shared.get_tensor_mut("v").unwrap().as_mut_slice::<i32>().unwrap().copy_from_slice(&[10, 20, -5]);
+    let after = tdict(["info", &target, "--json", "--stats"]).json();
+    assert_eq!(after["leaves"]["v"]["sum"].as_f64(), Some(25.0));
+    assert_eq!(after["leaves"]["v"]["min"].as_f64(), Some(-5.0));
+    assert_eq!(after["leaves"]["v"]["max"].as_f64(), Some(20.0));
+}
