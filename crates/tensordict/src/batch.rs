@@ -14,14 +14,13 @@ impl TensorDict {
         const OP: &str = "stack";
         let first = first_of(OP, dicts)?;
         check_dim(OP, dim, first.batch_dims() + 1)?;
-        for d in dicts {
-            if d.batch_size() != first.batch_size() {
-                return Err(incompatible(OP, format!("batch sizes {:?} and {:?}", first.batch_size(), d.batch_size())));
-            }
-        }
-        combine(OP, dicts, &KeyPath::default(), &|batch| insert_dim(batch, dim, dicts.len()), &|ts| {
-            Tensor::stack(ts, dim)
-        })
+        let plan = Combine {
+            op: OP,
+            compatible: &|a, b| a == b,
+            batch: &|batch| insert_dim(batch, dim, dicts.len()),
+            tensors: &|ts| Tensor::stack(ts, dim),
+        };
+        plan.combine(dicts, &KeyPath::default())
     }
 
     /// Concatenates dicts along batch dim `dim`; their batch sizes may differ only there.
@@ -39,17 +38,17 @@ impl TensorDict {
             }
             total = total.checked_add(b[dim]).ok_or_else(|| incompatible(OP, "total size overflows".into()))?;
         }
-        combine(
-            OP,
-            dicts,
-            &KeyPath::default(),
-            &|batch| {
+        let plan = Combine {
+            op: OP,
+            compatible: &|a, b| a.len() == b.len() && a.iter().zip(b).enumerate().all(|(i, (x, y))| i == dim || x == y),
+            batch: &|batch| {
                 let mut b = batch.to_vec();
                 b[dim] = total;
                 b
             },
-            &|ts| Tensor::cat(ts, dim),
-        )
+            tensors: &|ts| Tensor::cat(ts, dim),
+        };
+        plan.combine(dicts, &KeyPath::default())
     }
 
     /// Splits batch dim `dim` into consecutive parts of the given sizes (which must add up to the
@@ -180,51 +179,64 @@ impl TensorDict {
     }
 }
 
-/// Combines entry by entry dicts that must have the same structure (`stack`, `cat`).
-fn combine(
+/// How `stack` and `cat` combine dicts of the same structure, entry by entry.
+struct Combine<'a> {
     op: &'static str,
-    dicts: &[&TensorDict],
-    prefix: &KeyPath,
-    batch: &dyn Fn(&[usize]) -> Vec<usize>,
-    f: &dyn Fn(&[&Tensor]) -> memmap_tensor::Result<Tensor>,
-) -> Result<TensorDict> {
-    let first = dicts[0];
-    for d in &dicts[1..] {
-        if d.len() != first.len() || d.iter().any(|(k, _)| !first.entries().contains_key(k)) {
-            let mine: Vec<&str> = first.iter().map(|(k, _)| k).collect();
-            let theirs: Vec<&str> = d.iter().map(|(k, _)| k).collect();
-            return Err(incompatible(op, format!("keys at `{prefix}` differ: {mine:?} and {theirs:?}")));
+    /// Whether two batch sizes (of the dicts, or of nested dicts at the same key) can combine.
+    compatible: &'a dyn Fn(&[usize], &[usize]) -> bool,
+    /// The batch size of the result, from the first dict's.
+    batch: &'a dyn Fn(&[usize]) -> Vec<usize>,
+    /// The combined tensor, from the tensors at one key.
+    tensors: &'a dyn Fn(&[&Tensor]) -> memmap_tensor::Result<Tensor>,
+}
+
+impl Combine<'_> {
+    fn combine(&self, dicts: &[&TensorDict], prefix: &KeyPath) -> Result<TensorDict> {
+        let op = self.op;
+        let first = dicts[0];
+        for d in &dicts[1..] {
+            if !(self.compatible)(first.batch_size(), d.batch_size()) {
+                return Err(incompatible(
+                    op,
+                    format!("batch sizes {:?} and {:?} at `{prefix}` do not match", first.batch_size(), d.batch_size()),
+                ));
+            }
+            if d.len() != first.len() || d.iter().any(|(k, _)| !first.entries().contains_key(k)) {
+                let mine: Vec<&str> = first.iter().map(|(k, _)| k).collect();
+                let theirs: Vec<&str> = d.iter().map(|(k, _)| k).collect();
+                return Err(incompatible(op, format!("keys at `{prefix}` differ: {mine:?} and {theirs:?}")));
+            }
         }
-    }
-    let mut entries = IndexMap::with_capacity(first.len());
-    for (name, entry) in first.iter() {
-        let path = prefix.join(name);
-        let column: Vec<&Entry> = dicts.iter().map(|d| &d.entries()[name]).collect();
-        let value = match entry {
-            Entry::Tensor(_) => {
-                let tensors = column
-                    .iter()
-                    .map(|e| e.as_tensor().ok_or_else(|| kind_mismatch(op, &path)))
-                    .collect::<Result<Vec<_>>>()?;
-                Entry::Tensor(f(&tensors).with_key(|| path.clone())?)
-            }
-            Entry::Dict(_) => {
-                let nested = column
-                    .iter()
-                    .map(|e| e.as_dict().ok_or_else(|| kind_mismatch(op, &path)))
-                    .collect::<Result<Vec<_>>>()?;
-                Entry::Dict(combine(op, &nested, &path, batch, f)?)
-            }
-            Entry::NonTensor(v) => {
-                if column.iter().any(|e| e.as_non_tensor() != Some(v)) {
-                    return Err(incompatible(op, format!("non-tensor values at `{path}` differ")));
+        let mut entries = IndexMap::with_capacity(first.len());
+        for (name, entry) in first.iter() {
+            let path = prefix.join(name);
+            let column: Vec<&Entry> = dicts.iter().map(|d| &d.entries()[name]).collect();
+            let value = match entry {
+                Entry::Tensor(_) => {
+                    let tensors = column
+                        .iter()
+                        .map(|e| e.as_tensor().ok_or_else(|| kind_mismatch(op, &path)))
+                        .collect::<Result<Vec<_>>>()?;
+                    Entry::Tensor((self.tensors)(&tensors).with_key(|| path.clone())?)
                 }
-                Entry::NonTensor(v.clone())
-            }
-        };
-        entries.insert(name.to_owned(), value);
+                Entry::Dict(_) => {
+                    let nested = column
+                        .iter()
+                        .map(|e| e.as_dict().ok_or_else(|| kind_mismatch(op, &path)))
+                        .collect::<Result<Vec<_>>>()?;
+                    Entry::Dict(self.combine(&nested, &path)?)
+                }
+                Entry::NonTensor(v) => {
+                    if column.iter().any(|e| e.as_non_tensor() != Some(v)) {
+                        return Err(incompatible(op, format!("non-tensor values at `{path}` differ")));
+                    }
+                    Entry::NonTensor(v.clone())
+                }
+            };
+            entries.insert(name.to_owned(), value);
+        }
+        Ok(TensorDict::from_parts((self.batch)(first.batch_size()), entries))
     }
-    Ok(TensorDict::from_parts(batch(first.batch_size()), entries))
 }
 
 fn first_of<'a>(op: &'static str, dicts: &[&'a TensorDict]) -> Result<&'a TensorDict> {

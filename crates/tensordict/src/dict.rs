@@ -453,9 +453,14 @@ impl TensorDict {
         !leaves.is_empty() && leaves.iter().all(|(_, t)| t.storage().kind() == kind)
     }
 
-    /// Number of batch elements (the product of the batch size).
+    /// Number of batch elements (the product of the batch size). A product too large for
+    /// `usize` (only possible for a dict without tensors, which could not hold them) saturates
+    /// at `usize::MAX`.
     pub fn numel(&self) -> usize {
-        self.batch_size.iter().product()
+        if self.batch_size.contains(&0) {
+            return 0;
+        }
+        self.batch_size.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).unwrap_or(usize::MAX)
     }
 
     /// Total bytes of tensor data.

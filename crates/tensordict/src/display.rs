@@ -1,6 +1,6 @@
 //! `Debug` and `Display` for [`TensorDict`], in the shape of Python's repr.
 
-use std::fmt::{self, Write};
+use std::fmt;
 
 use memmap_tensor::{StorageKind, Tensor};
 
@@ -18,7 +18,7 @@ impl fmt::Display for TensorDict {
     ///     is_shared=False)
     /// ```
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&repr(self, 0))
+        f.write_str(&repr(self))
     }
 }
 
@@ -28,31 +28,38 @@ impl fmt::Debug for TensorDict {
     }
 }
 
-fn repr(td: &TensorDict, depth: usize) -> String {
-    let pad = "    ".repeat(depth + 1);
-    let mut out = String::from("TensorDict(\n");
-    let _ = write!(out, "{pad}fields={{");
-    let count = td.len();
-    for (i, (name, entry)) in td.iter().enumerate() {
-        let value = match entry {
-            Entry::Tensor(t) => tensor_repr(t),
-            Entry::Dict(d) => repr(d, depth + 2),
-            Entry::NonTensor(v) => {
-                format!("NonTensorData(data={v}, batch_size={}, device=None)", size_repr(td.batch_size()))
-            }
-        };
-        let _ = write!(out, "\n{pad}    {name}: {value}");
-        if i + 1 < count {
-            out.push(',');
-        }
-    }
-    let _ = write!(
-        out,
-        "}},\n{pad}batch_size={},\n{pad}device=None,\n{pad}is_shared={})",
-        size_repr(td.batch_size()),
-        py_bool(td.is_shared())
-    );
-    out
+/// Built the way Python's `TensorDictBase.__repr__` and `_td_fields` build it: field lines
+/// sorted, joined by `",\n"`, and indented by `textwrap.indent` (which skips blank lines).
+fn repr(td: &TensorDict) -> String {
+    let mut fields: Vec<String> = td
+        .iter()
+        .map(|(name, entry)| {
+            let value = match entry {
+                Entry::Tensor(t) => tensor_repr(t),
+                Entry::Dict(d) => repr(d),
+                Entry::NonTensor(v) => {
+                    format!("NonTensorData(data={v}, batch_size={}, device=None)", size_repr(td.batch_size()))
+                }
+            };
+            format!("{name}: {value}")
+        })
+        .collect();
+    fields.sort();
+    let fields = indent(&format!("\n{}", fields.join(",\n")));
+    let parts = [
+        indent(&format!("fields={{{fields}}}")),
+        indent(&format!("batch_size={}", size_repr(td.batch_size()))),
+        indent("device=None"),
+        indent(&format!("is_shared={}", py_bool(td.is_shared()))),
+    ];
+    format!("TensorDict(\n{})", parts.join(",\n"))
+}
+
+/// Python's `textwrap.indent(text, 4 * " ")`: four spaces before every line that is not blank.
+fn indent(text: &str) -> String {
+    text.split_inclusive('\n')
+        .map(|line| if line.trim().is_empty() { line.to_owned() } else { format!("    {line}") })
+        .collect()
 }
 
 fn tensor_repr(t: &Tensor) -> String {

@@ -24,6 +24,8 @@ pub(crate) const NON_TENSOR_TYPE: &str = "<class 'tensordict.tensorclass.NonTens
 pub const FORMAT_VERSION: i64 = 1;
 /// `meta.json` files larger than this are refused before they are read.
 pub const MAX_META_BYTES: u64 = 64 << 20;
+/// Folders nested deeper than this are refused (a hostile folder must not exhaust the stack).
+pub const MAX_DEPTH: usize = 128;
 
 /// Options for [`TensorDict::memmap_with`].
 #[derive(Clone, Debug, Default)]
@@ -198,6 +200,12 @@ fn read_node(
     problems: &mut Option<&mut Vec<Error>>,
 ) -> Result<TensorDict> {
     let meta_path = dir.join("meta.json");
+    if path.len() > MAX_DEPTH {
+        return Err(Error::InvalidMeta {
+            path: meta_path,
+            reason: format!("dicts nested deeper than {MAX_DEPTH} levels"),
+        });
+    }
     let meta = read_meta(&meta_path)?;
     let invalid = |reason: String| Error::InvalidMeta { path: meta_path.clone(), reason };
     let obj = meta.as_object().ok_or_else(|| invalid("not a JSON object".into()))?;
@@ -216,6 +224,9 @@ fn read_node(
         .get("shape")
         .ok_or_else(|| invalid("no `shape` (batch size)".into()))
         .and_then(|v| dims_of(v).ok_or_else(|| invalid(format!("`shape` is not a list of sizes: {v}"))))?;
+    if batch.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).is_none() {
+        return Err(invalid(format!("batch size {batch:?} overflows")));
+    }
     if let Some(parent) = parent_batch
         && !batch.starts_with(parent)
     {
@@ -368,9 +379,22 @@ fn resized(dims: &[usize], fill: Fill) -> Vec<usize> {
 
 /// Refuses keys the format cannot hold: the names of node metadata.
 fn check_writable_keys(td: &TensorDict, path: &KeyPath) -> Result<()> {
-    for (name, _) in td.iter() {
+    let mut names = std::collections::HashSet::new();
+    for (name, entry) in td.iter() {
         if RESERVED_KEYS.contains(&name) {
             return Err(Error::InvalidKey { key: path.join(name), reason: "the name is used by meta.json itself" });
+        }
+        // A leaf `x` is the file `x.memmap`; a nested dict `x.memmap` would be a folder of that
+        // same name.
+        let on_disk = match entry {
+            Entry::Tensor(_) => format!("{}.memmap", encode_name(name)),
+            Entry::Dict(_) | Entry::NonTensor(_) => encode_name(name),
+        };
+        if !names.insert(on_disk) {
+            return Err(Error::InvalidKey {
+                key: path.join(name),
+                reason: "its file or folder name is the same as another entry's",
+            });
         }
     }
     Ok(())
@@ -412,6 +436,16 @@ fn write_meta(dir: &Path, meta: &Value, options: &WriteOptions, pending: &mut Pe
 /// Renames every pending file into place: leaves first, then `meta.json` files from the
 /// deepest to the top one, which commits the write.
 fn commit(pending: &Pending, options: &WriteOptions) -> Result<()> {
+    // A rename onto a folder fails; find that before the first rename rather than halfway.
+    for (_, target) in pending.leaves.iter().chain(&pending.metas) {
+        if fs::symlink_metadata(target).is_ok_and(|m| m.is_dir()) {
+            return Err(Error::Io {
+                op: "replace",
+                path: target.clone(),
+                source: std::io::Error::new(std::io::ErrorKind::IsADirectory, "a folder is in the way of this file"),
+            });
+        }
+    }
     for (tmp, target) in pending.leaves.iter().chain(&pending.metas) {
         fs::rename(tmp, target).map_err(|source| Error::Io { op: "rename", path: target.clone(), source })?;
     }

@@ -47,6 +47,6 @@ mod shared;
 
 pub use dict::{Entry, TensorDict};
 pub use error::{Error, Result};
-pub use format::{FORMAT_VERSION, MAX_META_BYTES, WriteOptions};
+pub use format::{FORMAT_VERSION, MAX_DEPTH, MAX_META_BYTES, WriteOptions};
 pub use index::Index;
 pub use key::KeyPath;
