@@ -27,7 +27,7 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Write the benchmark folder: N rows of {obs f32 [84], action i64, reward f32, done bool}.
+    /// Write the benchmark folder: N rows of obs (84 x f32), action (i64), reward (f32), done (bool).
     Make {
         /// The folder to create.
         path: PathBuf,
