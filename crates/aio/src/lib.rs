@@ -1,3 +1,45 @@
-//! Asynchronous disk I/O for tensor data: an io_uring engine with a thread-pool fallback.
+//! Asynchronous disk I/O for tensor data: an io_uring engine with callbacks, futures and
+//! blocking calls, a thread-pool fallback, and an [`Offloader`] that keeps buffers in one file.
 //!
-//! This crate is not built yet; it exports nothing.
+//! ```no_run
+//! use std::sync::Arc;
+//! use aio::{AlignedBuf, Engine};
+//!
+//! let engine = Engine::new()?; // io_uring if the kernel allows it, else a thread pool
+//! let file = Arc::new(std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open("data.bin")?);
+//! let (written, buf) = engine.write_at_blocking(&file, vec![7u8; 4096], 0);
+//! assert_eq!(written?, 4096);
+//! // A callback runs on the engine's completion thread as soon as the read completes.
+//! engine.read_at_with(&file, AlignedBuf::new(4096)?, 0, |result, buf| {
+//!     assert_eq!(result.unwrap(), 4096);
+//!     assert_eq!(buf.as_slice()[0], 7);
+//! });
+//! engine.synchronize();
+//! # drop(buf);
+//! # Ok::<(), std::io::Error>(())
+//! ```
+//!
+//! The safety argument (who owns a buffer while the kernel may write it) is in `DESIGN.md`
+//! beside this crate.
+#![deny(missing_docs)]
+#![warn(clippy::pedantic)]
+// Allowed pedantic lints, with the reason:
+#![allow(
+    clippy::missing_errors_doc,   // `io::Error`s, described per operation
+    clippy::must_use_candidate,   // accessors
+    clippy::module_name_repetitions,
+    clippy::doc_markdown          // "io_uring" is a name, not code
+)]
+
+#[cfg(not(target_os = "linux"))]
+compile_error!("aio supports Linux only (io_uring, or pread/pwrite threads)");
+
+mod buf;
+mod engine;
+mod task;
+mod threads;
+mod uring;
+
+pub use buf::{AlignedBuf, DIRECT_ALIGN, IoBuf, IoBufMut};
+pub use engine::{BACKEND_ENV, BackendKind, Completion, Engine, EngineConfig};
+pub use task::OpError;
