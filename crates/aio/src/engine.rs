@@ -411,12 +411,12 @@ struct Slot<T> {
 }
 
 /// The producing side of a [`Completion`], moved into the callback.
-struct Filler<T> {
+pub(crate) struct Filler<T> {
     slot: Arc<Slot<T>>,
 }
 
 impl<T> Filler<T> {
-    fn fill(self, value: T) {
+    pub(crate) fn fill(self, value: T) {
         let mut state = self.slot.state.lock().unwrap_or_else(PoisonError::into_inner);
         state.0 = Some(value);
         let waker = state.1.take();
@@ -429,7 +429,7 @@ impl<T> Filler<T> {
 }
 
 impl<T> Completion<T> {
-    fn new() -> (Completion<T>, Filler<T>) {
+    pub(crate) fn new() -> (Completion<T>, Filler<T>) {
         let slot = Arc::new(Slot { state: Mutex::new((None, None)), ready: Condvar::new() });
         (Completion { slot: Arc::clone(&slot) }, Filler { slot })
     }

@@ -36,10 +36,14 @@ compile_error!("aio supports Linux only (io_uring, or pread/pwrite threads)");
 
 mod buf;
 mod engine;
+mod extent;
+mod offload;
 mod task;
 mod threads;
 mod uring;
 
 pub use buf::{AlignedBuf, DIRECT_ALIGN, IoBuf, IoBufMut};
 pub use engine::{BACKEND_ENV, BackendKind, Completion, Engine, EngineConfig};
+pub use extent::{EXTENT_ALIGN, Extent, ExtentAllocator};
+pub use offload::Offloader;
 pub use task::OpError;

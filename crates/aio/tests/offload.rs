@@ -1,0 +1,206 @@
+//! The offloader: round trips, overwrites, removal, group operations, reopening, corrupt
+//! indexes; and the extent allocator against a model (proptest).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use aio::{BackendKind, EXTENT_ALIGN, Engine, EngineConfig, Extent, ExtentAllocator, Offloader};
+use proptest::prelude::*;
+
+fn engines() -> Vec<Engine> {
+    let mut out = Vec::new();
+    for backend in [BackendKind::Threads, BackendKind::Uring] {
+        match Engine::with_config(&EngineConfig { backend: Some(backend), ..Default::default() }) {
+            Ok(e) => out.push(e),
+            Err(e) => eprintln!("{backend:?} unavailable: {e}"),
+        }
+    }
+    out
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+#[test]
+fn write_read_overwrite_remove_and_reopen() -> std::io::Result<()> {
+    for engine in engines() {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("offload.bin");
+        {
+            let off = Offloader::with_engine(&path, engine.clone())?;
+            let (r, _) = off.sync_write("a", pattern(1, 10_000));
+            r?;
+            let (r, _) = off.sync_write("b", pattern(2, 1));
+            r?;
+            let (r, _) = off.sync_write("empty", Vec::new());
+            r?;
+            let (n, back) = off.sync_read("a", Vec::with_capacity(20_000));
+            assert_eq!(n?, 10_000);
+            assert_eq!(back, pattern(1, 10_000));
+            // Overwrite with a different size; the old space is not reused before a save.
+            let (r, _) = off.sync_write("a", pattern(3, 5000));
+            r?;
+            assert_eq!(off.sync_read("a", Vec::with_capacity(5000)).1, pattern(3, 5000));
+            assert!(off.remove("b"));
+            assert!(!off.remove("b"));
+            off.synchronize()?;
+            let mut keys = off.keys();
+            keys.sort();
+            assert_eq!(keys, ["a", "empty"]);
+        }
+        // Reopened: the index was saved when the last handle went away.
+        let off = Offloader::with_engine(&path, engine.clone())?;
+        assert_eq!(off.len_of("a"), Some(5000));
+        assert_eq!(off.sync_read("a", Vec::with_capacity(5000)).1, pattern(3, 5000));
+        assert_eq!(off.sync_read("empty", Vec::new()).0?, 0);
+        let (missing, _) = off.sync_read("b", Vec::with_capacity(1));
+        assert_eq!(missing.unwrap_err().kind(), std::io::ErrorKind::NotFound);
+        let (small, buf) = off.sync_read("a", Vec::with_capacity(10));
+        assert_eq!(small.unwrap_err().kind(), std::io::ErrorKind::InvalidInput);
+        assert_eq!(buf.capacity(), 10, "the buffer comes back");
+    }
+    Ok(())
+}
+
+#[test]
+fn callbacks_fire_without_another_call() -> std::io::Result<()> {
+    for engine in engines() {
+        let dir = tempfile::tempdir()?;
+        let off = Offloader::with_engine(dir.path().join("o"), engine)?;
+        let fired = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&fired);
+        off.async_write("k", vec![1u8; 4096], move |r, _| {
+            r.unwrap();
+            flag.store(true, Ordering::SeqCst);
+        });
+        // No synchronize, no other call into the offloader: the callback must still run.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !fired.load(Ordering::SeqCst) {
+            assert!(Instant::now() < deadline, "the callback never ran");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn groups_write_and_read_many_keys_at_once() -> std::io::Result<()> {
+    for engine in engines() {
+        let dir = tempfile::tempdir()?;
+        let off = Offloader::with_engine(dir.path().join("o"), engine)?;
+        let items: Vec<(String, Vec<u8>)> =
+            (0..200).map(|i| (format!("k{i}"), pattern(i as u8, 100 + i * 37))).collect();
+        let expected = items.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        off.async_write_group(items, move |r, back| tx.send((r.is_ok(), back.len())).unwrap());
+        assert_eq!(rx.recv().unwrap(), (true, 200));
+        let bufs: Vec<(String, Vec<u8>)> =
+            (0..200).map(|i| (format!("k{i}"), Vec::with_capacity(100 + i * 37))).collect();
+        let (tx, rx) = std::sync::mpsc::channel();
+        off.async_read_group(bufs, move |r, back| tx.send((r.is_ok(), back)).unwrap());
+        let (ok, back) = rx.recv().unwrap();
+        assert!(ok);
+        assert_eq!(back, expected);
+        // A group with a missing key reports the error and still returns every buffer.
+        let (tx, rx) = std::sync::mpsc::channel();
+        off.async_read_group(
+            vec![("k1".to_owned(), Vec::with_capacity(200)), ("nope".to_owned(), Vec::new())],
+            move |r, back| tx.send((r.is_err(), back.len())).unwrap(),
+        );
+        assert_eq!(rx.recv().unwrap(), (true, 2));
+        off.synchronize()?;
+    }
+    Ok(())
+}
+
+#[test]
+fn corrupt_indexes_are_refused() -> std::io::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("o");
+    let index = dir.path().join("o.index");
+    let cases = [
+        "not json",
+        r#"{"version": 2, "entries": {}}"#,
+        r#"{"version": 1, "entries": {"a": [0, 4096]}}"#,
+        r#"{"version": 1, "entries": {"a": [1, 4096, 10]}}"#,
+        r#"{"version": 1, "entries": {"a": [0, 4096, 5000]}}"#,
+        r#"{"version": 1, "entries": {"a": [0, 8192, 10], "b": [4096, 4096, 10]}}"#,
+    ];
+    for text in cases {
+        std::fs::write(&index, text)?;
+        let err = Offloader::with_engine(&path, Engine::new()?).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData, "{text}: {err}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_truncated_offload_file_is_an_error_not_garbage() -> std::io::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("o");
+    {
+        let off = Offloader::with_engine(&path, Engine::new()?)?;
+        off.sync_write("a", pattern(9, 9000)).0?;
+    }
+    std::fs::OpenOptions::new().write(true).open(&path)?.set_len(100)?;
+    let off = Offloader::with_engine(&path, Engine::new()?)?;
+    let (r, _) = off.sync_read("a", Vec::with_capacity(9000));
+    assert_eq!(r.unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
+    Ok(())
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Alloc(u64),
+    Free(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![(1u64..50_000).prop_map(Op::Alloc), (0usize..64).prop_map(Op::Free)]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Allocated and free extents tile the file without overlap, free extents are coalesced, and
+    /// rebuilding from the allocated extents gives the same free space (what a reopen does).
+    #[test]
+    fn extent_allocator_matches_its_invariants(ops in prop::collection::vec(op(), 1..120)) {
+        let mut alloc = ExtentAllocator::new();
+        let mut used: Vec<Extent> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Alloc(n) => {
+                    let e = alloc.allocate(n).unwrap();
+                    prop_assert!(e.len >= n && e.len % EXTENT_ALIGN == 0 && e.offset % EXTENT_ALIGN == 0);
+                    prop_assert!(e.len < n + EXTENT_ALIGN);
+                    used.push(e);
+                }
+                Op::Free(i) if !used.is_empty() => {
+                    let e = used.swap_remove(i % used.len());
+                    alloc.free(e);
+                }
+                Op::Free(_) => {}
+            }
+            let free: Vec<Extent> = alloc.free_extents().collect();
+            for pair in free.windows(2) {
+                prop_assert!(pair[0].end() < pair[1].offset, "free extents {pair:?} touch or overlap");
+            }
+            let mut all: Vec<Extent> = used.iter().copied().chain(free.iter().copied()).collect();
+            all.sort();
+            let mut at = 0;
+            for e in &all {
+                prop_assert_eq!(e.offset, at, "gap or overlap at {}", at);
+                at = e.end();
+            }
+            prop_assert_eq!(at, alloc.end());
+            let rebuilt = ExtentAllocator::from_used(used.iter().copied()).unwrap();
+            let rebuilt_free: Vec<Extent> = rebuilt.free_extents().collect();
+            // A free tail is not recorded after a reopen (the file simply ends there).
+            let trimmed: Vec<Extent> = free.iter().copied().filter(|e| e.end() != alloc.end()).collect();
+            prop_assert_eq!(rebuilt_free, trimmed);
+        }
+    }
+}
