@@ -129,35 +129,35 @@ mod tests {
 
     #[test]
     fn best_fit_and_coalescing() {
-        let mut a = ExtentAllocator::new();
-        let x = a.allocate(1).unwrap();
-        let y = a.allocate(10_000).unwrap();
-        let z = a.allocate(4096).unwrap();
+        let mut alloc = ExtentAllocator::new();
+        let first = alloc.allocate(1).unwrap();
+        let second = alloc.allocate(10_000).unwrap();
+        let third = alloc.allocate(4096).unwrap();
         assert_eq!(
-            (x, y, z),
+            (first, second, third),
             (
                 Extent { offset: 0, len: 4096 },
                 Extent { offset: 4096, len: 12_288 },
                 Extent { offset: 16_384, len: 4096 }
             )
         );
-        a.free(y);
-        a.free(x); // coalesces with y's space
-        assert_eq!(a.free_extents().collect::<Vec<_>>(), vec![Extent { offset: 0, len: 16_384 }]);
+        alloc.free(second);
+        alloc.free(first); // coalesces with the second's space
+        assert_eq!(alloc.free_extents().collect::<Vec<_>>(), vec![Extent { offset: 0, len: 16_384 }]);
         // Best fit takes the smallest hole that fits.
-        let w = a.allocate(4096).unwrap();
-        assert_eq!(w.offset, 0);
-        a.free(z);
+        let reused = alloc.allocate(4096).unwrap();
+        assert_eq!(reused.offset, 0);
+        alloc.free(third);
         // Freeing the last extent leaves a free tail that a large allocation grows from.
-        let big = a.allocate(20_000).unwrap();
+        let big = alloc.allocate(20_000).unwrap();
         assert_eq!(big.offset, 4096);
-        assert_eq!(a.end(), 4096 + 20_480);
+        assert_eq!(alloc.end(), 4096 + 20_480);
     }
 
     #[test]
     fn rebuilding_from_used_extents() {
-        let a = ExtentAllocator::from_used([Extent { offset: 8192, len: 4096 }]).unwrap();
-        assert_eq!(a.free_extents().collect::<Vec<_>>(), vec![Extent { offset: 0, len: 8192 }]);
+        let alloc = ExtentAllocator::from_used([Extent { offset: 8192, len: 4096 }]).unwrap();
+        assert_eq!(alloc.free_extents().collect::<Vec<_>>(), vec![Extent { offset: 0, len: 8192 }]);
         assert!(ExtentAllocator::from_used([Extent { offset: 1, len: 4096 }]).is_none());
         assert!(
             ExtentAllocator::from_used([Extent { offset: 0, len: 8192 }, Extent { offset: 4096, len: 4096 }]).is_none()
