@@ -174,7 +174,7 @@ proptest! {
             match op {
                 Op::Alloc(n) => {
                     let e = alloc.allocate(n).unwrap();
-                    prop_assert!(e.len >= n && e.len % EXTENT_ALIGN == 0 && e.offset % EXTENT_ALIGN == 0);
+                    prop_assert!(e.len >= n && e.len.is_multiple_of(EXTENT_ALIGN) && e.offset.is_multiple_of(EXTENT_ALIGN));
                     prop_assert!(e.len < n + EXTENT_ALIGN);
                     used.push(e);
                 }
