@@ -216,6 +216,14 @@ pub enum Error {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// The operation needs sole ownership of a heap tensor's storage.
+    #[error("{op}: {reason}")]
+    NotExclusive {
+        /// The operation that was asked for.
+        op: &'static str,
+        /// Why the tensor does not qualify.
+        reason: &'static str,
+    },
     /// A heap allocation failed.
     #[error("cannot allocate {bytes} bytes on the heap")]
     OutOfMemory {

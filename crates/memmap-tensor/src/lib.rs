@@ -63,6 +63,7 @@ mod batch;
 mod copy;
 mod dtype;
 mod error;
+mod io;
 mod layout;
 mod rows;
 mod shape;
@@ -72,6 +73,7 @@ mod tensor;
 
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
+pub use io::TensorBuf;
 pub use layout::{Layout, Runs};
 pub use shape::Shape;
 pub use stats::Stats;

@@ -31,6 +31,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -100,6 +101,8 @@ enum Backing {
     File {
         path: PathBuf,
         map: Option<MmapRaw>,
+        /// The open file, for reads and writes that bypass the mapping (direct I/O).
+        file: Arc<File>,
     },
     Shm {
         name: String,
@@ -162,7 +165,9 @@ impl Storage {
             .and_then(|()| map_file(&file, path, len_bytes, Access::ReadWrite))
             .and_then(|map| std::fs::rename(&tmp, path).map(|()| map).map_err(|e| io_err("rename", e)));
         match built {
-            Ok(map) => Ok(Self::from_map(map, true, Backing::File { path: path.to_owned(), map: None })),
+            Ok(map) => {
+                Ok(Self::from_map(map, true, Backing::File { path: path.to_owned(), map: None, file: Arc::new(file) }))
+            }
             Err(e) => {
                 // Best effort: the temporary file holds nothing anyone needs.
                 let _ = std::fs::remove_file(&tmp);
@@ -200,7 +205,8 @@ impl Storage {
             });
         }
         let map = map_file(&file, path, len_bytes, access)?;
-        Ok(Self::from_map(map, access == Access::ReadWrite, Backing::File { path: path.to_owned(), map: None }))
+        let backing = Backing::File { path: path.to_owned(), map: None, file: Arc::new(file) };
+        Ok(Self::from_map(map, access == Access::ReadWrite, backing))
     }
 
     /// Creates the shared-memory object `name` (`/name`, as for `shm_open`) of `len_bytes` zero
@@ -300,6 +306,14 @@ impl Storage {
         }
     }
 
+    /// The open file, for file storage: for I/O that bypasses the mapping (see the `aio` crate).
+    pub fn file(&self) -> Option<&Arc<File>> {
+        match &self.backing {
+            Backing::File { file, .. } => Some(file),
+            _ => None,
+        }
+    }
+
     /// The shm name, for shm storage.
     pub fn shm_name(&self) -> Option<&str> {
         match &self.backing {
@@ -327,7 +341,7 @@ impl Storage {
     pub fn flush_range(&self, offset: usize, len: usize) -> Result<()> {
         self.check_range(offset, len)?;
         match &self.backing {
-            Backing::File { path, map: Some(map) } if len > 0 => {
+            Backing::File { path, map: Some(map), .. } if len > 0 => {
                 map.flush_range(offset, len).map_err(|source| Error::FileIo { op: "msync", path: path.clone(), source })
             }
             _ => Ok(()),
@@ -345,7 +359,7 @@ impl Storage {
             Advice::WillNeed => memmap2::Advice::WillNeed,
         };
         match &self.backing {
-            Backing::File { map: Some(map), path } if len > 0 => map
+            Backing::File { map: Some(map), path, .. } if len > 0 => map
                 .advise_range(advice, offset, len)
                 .map_err(|source| Error::FileIo { op: "madvise", path: path.clone(), source }),
             Backing::Shm { map: Some(map), name } if len > 0 => map
