@@ -2,6 +2,7 @@
 
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 /// Alignment (and length granularity) that `O_DIRECT` I/O needs: buffer address, file offset and
 /// length must all be multiples of it.
@@ -202,4 +203,93 @@ mod tests {
             assert_eq!(b.len(), len);
         }
     }
+}
+
+/// One of several disjoint parts of an [`AlignedBuf`], usable as a buffer on its own; the parts
+/// are joined back with [`BufPart::join`]. Made by [`AlignedBuf::split`], so that many reads
+/// (one per row, say) fill one allocation.
+pub struct BufPart {
+    whole: Arc<AlignedBuf>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    /// Splits the buffer into consecutive parts of the given lengths (which must add up to at
+    /// most its length).
+    pub fn split(self, lens: &[usize]) -> std::io::Result<Vec<BufPart>> {
+        let total = lens.iter().try_fold(0usize, |acc, &l| acc.checked_add(l));
+        if total.is_none_or(|t| t > self.len) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("parts of {total:?} bytes do not fit in a buffer of {}", self.len),
+            ));
+        }
+        let whole = Arc::new(self);
+        let mut start = 0;
+        Ok(lens
+            .iter()
+            .map(|&len| {
+                let part = BufPart { whole: Arc::clone(&whole), start, len };
+                start += len;
+                part
+            })
+            .collect())
+    }
+}
+
+impl BufPart {
+    /// Offset of this part in the whole buffer.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+
+    /// Length of this part.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for an empty part.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The whole buffer back, once every part of it is here. Returns the parts if some are
+    /// missing (still in flight, or kept elsewhere) or they come from different buffers.
+    pub fn join(parts: Vec<BufPart>) -> Result<AlignedBuf, Vec<BufPart>> {
+        let Some(first) = parts.first() else { return Err(parts) };
+        if parts.iter().any(|p| !Arc::ptr_eq(&p.whole, &first.whole)) {
+            return Err(parts);
+        }
+        let whole = Arc::clone(&first.whole);
+        if Arc::strong_count(&whole) != parts.len() + 1 {
+            return Err(parts);
+        }
+        drop(parts);
+        Arc::try_unwrap(whole).map_err(|whole| vec![BufPart { whole, start: 0, len: 0 }])
+    }
+}
+
+// SAFETY: each part points into the shared heap allocation, which does not move and lives as
+// long as any part (the `Arc`); parts made by `split` cover disjoint ranges, so an operation in
+// flight on one part never overlaps another, and nothing else can reach the allocation while
+// parts exist (the `AlignedBuf` is inside the `Arc`, private). All bytes are initialised.
+unsafe impl IoBuf for BufPart {
+    fn stable_ptr(&self) -> *const u8 {
+        self.whole.ptr.as_ptr().wrapping_add(self.start)
+    }
+    fn bytes_init(&self) -> usize {
+        self.len
+    }
+    fn bytes_total(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: as above; writes through a part stay inside its own range.
+unsafe impl IoBufMut for BufPart {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.whole.ptr.as_ptr().wrapping_add(self.start)
+    }
+    unsafe fn set_init(&mut self, _n: usize) {}
 }

@@ -294,6 +294,23 @@ impl Engine {
         self.submit(Box::new(crate::task::FsyncTask::new(Arc::clone(file), data_only, callback)));
     }
 
+    /// Submits every `(file, offset, buffer)` read at once (the backend keeps up to its queue
+    /// depth in flight) and waits for all of them; returns each result with its buffer, in
+    /// order. Not from a callback.
+    pub fn read_many<B: IoBufMut>(&self, reads: Vec<(Arc<File>, u64, B)>) -> Vec<(io::Result<usize>, B)> {
+        let n = reads.len();
+        let batch = Arc::new(Batch {
+            results: Mutex::new((0..n).map(|_| None).collect()),
+            left: Mutex::new(n),
+            done: Condvar::new(),
+        });
+        for (i, (file, offset, buf)) in reads.into_iter().enumerate() {
+            let batch = Arc::clone(&batch);
+            self.read_at_with(&file, buf, offset, move |r, b| batch.put(i, (r, b)));
+        }
+        batch.wait()
+    }
+
     // === Futures ===
 
     /// [`Engine::read_at_with`] as a future of `(result, buffer)`.
@@ -376,6 +393,34 @@ impl Engine {
     /// [`Engine::fsync_with`], waiting for the result. Not from a callback.
     pub fn fsync_blocking(&self, file: &Arc<File>, data_only: bool) -> io::Result<()> {
         self.fsync(file, data_only).wait()
+    }
+}
+
+/// The results of [`Engine::read_many`], filled by callbacks in any order.
+struct Batch<T> {
+    results: Mutex<Vec<Option<T>>>,
+    left: Mutex<usize>,
+    done: Condvar,
+}
+
+impl<T> Batch<T> {
+    fn put(&self, i: usize, value: T) {
+        self.results.lock().unwrap_or_else(PoisonError::into_inner)[i] = Some(value);
+        let mut left = self.left.lock().unwrap_or_else(PoisonError::into_inner);
+        *left -= 1;
+        if *left == 0 {
+            self.done.notify_all();
+        }
+    }
+
+    fn wait(&self) -> Vec<T> {
+        let mut left = self.left.lock().unwrap_or_else(PoisonError::into_inner);
+        while *left > 0 {
+            left = self.done.wait(left).unwrap_or_else(PoisonError::into_inner);
+        }
+        drop(left);
+        let mut results = self.results.lock().unwrap_or_else(PoisonError::into_inner);
+        results.drain(..).flatten().collect()
     }
 }
 

@@ -43,6 +43,7 @@ mod format;
 mod index;
 mod json;
 mod key;
+mod schema;
 mod shared;
 
 pub use dict::{Entry, TensorDict};

@@ -7,13 +7,12 @@
 //! `{"batch_size": [..], "entries": {"key": {"tensor": {"dtype", "shape", "shm"}} | {"dict": NODE} | {"non_tensor": VALUE}}}`.
 //! The schema is written last: a reader that finds it finds every tensor.
 
-use indexmap::IndexMap;
 use memmap_tensor::{Access, DType, Location, Storage, Tensor};
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
 use crate::error::WithKey;
-use crate::format::dims_of;
-use crate::{Entry, Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
+use crate::schema::{self, Described};
+use crate::{Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
 
 const SCHEMA_VERSION: u64 = 1;
 
@@ -44,17 +43,26 @@ impl TensorDict {
             return Err(Error::InvalidArgument { op: "share_memory", detail: format!("`{meta_name}` already exists") });
         }
         let mut counter = 0usize;
-        let (shared, schema) = share_node(self, prefix, &KeyPath::default(), &mut counter, created)?;
-        let text = serde_json::to_vec(&json!({"version": SCHEMA_VERSION, "root": schema}))
+        let root = schema::describe(self, &mut |key, t| {
+            let name = format!("/{prefix}.{counter}");
+            counter += 1;
+            let mut out = Tensor::zeros(t.dims(), t.dtype(), &Location::Shm(name.clone())).with_key(|| key.clone())?;
+            created.push(name.clone());
+            out.copy_from(t).with_key(|| key.clone())?;
+            Ok(name)
+        })?;
+        let text = serde_json::to_vec(&json!({"version": SCHEMA_VERSION, "root": root}))
             .map_err(|e| Error::InvalidArgument { op: "share_memory", detail: format!("schema: {e}") })?;
         let len = u64::try_from(text.len()).unwrap_or(u64::MAX);
         let mut blob =
             Tensor::zeros([8 + text.len()], DType::U8, &Location::Shm(meta_name.clone())).with_key(KeyPath::default)?;
         created.push(meta_name);
-        let mut bytes = blob.as_mut_slice::<u8>().with_key(KeyPath::default)?;
-        bytes[..8].copy_from_slice(&len.to_le_bytes());
-        bytes[8..].copy_from_slice(&text);
-        Ok(shared)
+        {
+            let mut bytes = blob.as_mut_slice::<u8>().with_key(KeyPath::default)?;
+            bytes[..8].copy_from_slice(&len.to_le_bytes());
+            bytes[8..].copy_from_slice(&text);
+        }
+        TensorDict::open_shared(prefix, Access::ReadWrite)
     }
 
     /// Opens the dict shared under `prefix` by [`TensorDict::share_memory`] (in any process).
@@ -63,8 +71,15 @@ impl TensorDict {
     pub fn open_shared(prefix: &str, access: Access) -> Result<TensorDict> {
         check_prefix(prefix)?;
         let schema = read_schema(prefix)?;
-        let root = schema.get("root").ok_or_else(|| bad_schema(prefix, "no `root`"))?;
-        open_node(root, prefix, &KeyPath::default(), None, access)
+        let root = schema.get("root").ok_or_else(|| bad_schema(prefix, "no `root`".into()))?;
+        schema::rebuild(
+            root,
+            &mut |key, Described { dtype, shape, name }| {
+                check_leaf_name(name, prefix)?;
+                Tensor::open_shm(name, dtype, shape, access).with_key(|| key.clone())
+            },
+            &|reason| bad_schema(prefix, reason),
+        )
     }
 
     /// Removes every shared-memory object of the dict shared under `prefix`. Processes that
@@ -74,9 +89,10 @@ impl TensorDict {
         let schema = read_schema(prefix)?;
         let mut names = Vec::new();
         if let Some(root) = schema.get("root") {
-            collect_shm_names(root, prefix, &mut names)?;
+            schema::names(root, &mut names);
         }
         for name in names {
+            check_leaf_name(&name, prefix)?;
             match Storage::unlink_shm(&name) {
                 Ok(()) | Err(memmap_tensor::Error::ShmIo { .. }) => {}
                 Err(e) => return Err(Error::Tensor { key: KeyPath::default(), source: e }),
@@ -86,123 +102,22 @@ impl TensorDict {
     }
 }
 
-fn share_node(
-    td: &TensorDict,
-    prefix: &str,
-    path: &KeyPath,
-    counter: &mut usize,
-    created: &mut Vec<String>,
-) -> Result<(TensorDict, Value)> {
-    let mut entries = IndexMap::with_capacity(td.len());
-    let mut schema = Map::new();
-    for (name, entry) in td.iter() {
-        let key = path.join(name);
-        let (value, node) = match entry {
-            Entry::Tensor(t) => {
-                let shm = format!("/{prefix}.{counter}");
-                *counter += 1;
-                let mut out =
-                    Tensor::zeros(t.dims(), t.dtype(), &Location::Shm(shm.clone())).with_key(|| key.clone())?;
-                created.push(shm.clone());
-                out.copy_from(t).with_key(|| key.clone())?;
-                let node = json!({"tensor": {"dtype": t.dtype().as_torch_str(), "shape": t.dims(), "shm": shm}});
-                (Entry::Tensor(out), node)
-            }
-            Entry::Dict(d) => {
-                let (shared, node) = share_node(d, prefix, &key, counter, created)?;
-                (Entry::Dict(shared), json!({ "dict": node }))
-            }
-            Entry::NonTensor(v) => (Entry::NonTensor(v.clone()), json!({ "non_tensor": v })),
-        };
-        entries.insert(name.to_owned(), value);
-        schema.insert(name.to_owned(), node);
-    }
-    let node = json!({"batch_size": td.batch_size(), "entries": schema});
-    Ok((TensorDict::from_parts(td.batch_size().to_vec(), entries), node))
-}
-
-fn open_node(
-    node: &Value,
-    prefix: &str,
-    path: &KeyPath,
-    parent: Option<&[usize]>,
-    access: Access,
-) -> Result<TensorDict> {
-    let batch = node
-        .get("batch_size")
-        .and_then(dims_of)
-        .ok_or_else(|| bad_schema(prefix, &format!("`{path}`: no valid batch_size")))?;
-    if let Some(parent) = parent
-        && !batch.starts_with(parent)
-    {
-        return Err(Error::BatchSizeMismatch { key: path.clone(), shape: batch, batch_size: parent.to_vec() });
-    }
-    let children = node
-        .get("entries")
-        .and_then(Value::as_object)
-        .ok_or_else(|| bad_schema(prefix, &format!("`{path}`: no entries")))?;
-    let mut entries = IndexMap::with_capacity(children.len());
-    for (name, child) in children {
-        let key = path.join(name);
-        let entry = if let Some(t) = child.get("tensor") {
-            let (dtype, shape, shm) = tensor_schema(t, prefix, &key)?;
-            if !shape.starts_with(&batch) {
-                return Err(Error::BatchSizeMismatch { key, shape, batch_size: batch });
-            }
-            Entry::Tensor(Tensor::open_shm(&shm, dtype, shape, access).with_key(|| key.clone())?)
-        } else if let Some(d) = child.get("dict") {
-            Entry::Dict(open_node(d, prefix, &key, Some(&batch), access)?)
-        } else if let Some(v) = child.get("non_tensor") {
-            Entry::NonTensor(v.clone())
-        } else {
-            return Err(bad_schema(prefix, &format!("`{key}`: unknown entry kind")));
-        };
-        entries.insert(name.clone(), entry);
-    }
-    Ok(TensorDict::from_parts(batch, entries))
-}
-
-fn tensor_schema(t: &Value, prefix: &str, key: &KeyPath) -> Result<(DType, Vec<usize>, String)> {
-    let dtype = t
-        .get("dtype")
-        .and_then(Value::as_str)
-        .and_then(|s| DType::from_torch_str(s).ok())
-        .ok_or_else(|| bad_schema(prefix, &format!("`{key}`: bad dtype")))?;
-    let shape = t.get("shape").and_then(dims_of).ok_or_else(|| bad_schema(prefix, &format!("`{key}`: bad shape")))?;
-    let shm =
-        t.get("shm").and_then(Value::as_str).ok_or_else(|| bad_schema(prefix, &format!("`{key}`: no shm name")))?;
-    check_leaf_name(shm, prefix)?;
-    Ok((dtype, shape, shm.to_owned()))
-}
-
-fn collect_shm_names(node: &Value, prefix: &str, out: &mut Vec<String>) -> Result<()> {
-    for child in node.get("entries").and_then(Value::as_object).into_iter().flat_map(|m| m.values()) {
-        if let Some(name) = child.get("tensor").and_then(|t| t.get("shm")).and_then(Value::as_str) {
-            check_leaf_name(name, prefix)?;
-            out.push(name.to_owned());
-        } else if let Some(d) = child.get("dict") {
-            collect_shm_names(d, prefix, out)?;
-        }
-    }
-    Ok(())
-}
-
 fn read_schema(prefix: &str) -> Result<Value> {
     let name = meta_name(prefix);
     let header = Tensor::open_shm(&name, DType::U8, [8], Access::ReadOnly).with_key(KeyPath::default)?;
     let len_bytes: [u8; 8] = header.to_vec::<u8>().with_key(KeyPath::default)?.try_into().unwrap_or_default();
     let len = u64::from_le_bytes(len_bytes);
     if len > MAX_META_BYTES {
-        return Err(bad_schema(prefix, &format!("schema of {len} bytes is over the limit")));
+        return Err(bad_schema(prefix, format!("schema of {len} bytes is over the limit")));
     }
-    let len = usize::try_from(len).map_err(|_| bad_schema(prefix, "schema length overflows"))?;
+    let len = usize::try_from(len).map_err(|_| bad_schema(prefix, "schema length overflows".into()))?;
     let blob = Tensor::open_shm(&name, DType::U8, [8 + len], Access::ReadOnly).with_key(KeyPath::default)?;
     let bytes = blob.to_vec::<u8>().with_key(KeyPath::default)?;
     let schema: Value =
-        serde_json::from_slice(&bytes[8..]).map_err(|e| bad_schema(prefix, &format!("invalid JSON: {e}")))?;
+        serde_json::from_slice(&bytes[8..]).map_err(|e| bad_schema(prefix, format!("invalid JSON: {e}")))?;
     match schema.get("version").and_then(Value::as_u64) {
         Some(SCHEMA_VERSION) => Ok(schema),
-        other => Err(bad_schema(prefix, &format!("unsupported schema version {other:?}"))),
+        other => Err(bad_schema(prefix, format!("unsupported schema version {other:?}"))),
     }
 }
 
@@ -217,7 +132,7 @@ fn check_leaf_name(name: &str, prefix: &str) -> Result<()> {
         .and_then(|n| n.strip_prefix(prefix))
         .and_then(|n| n.strip_prefix('.'))
         .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-    if ok { Ok(()) } else { Err(bad_schema(prefix, &format!("object name `{name}` is not one of this prefix"))) }
+    if ok { Ok(()) } else { Err(bad_schema(prefix, format!("object name `{name}` is not one of this prefix"))) }
 }
 
 fn check_prefix(prefix: &str) -> Result<()> {
@@ -230,6 +145,6 @@ fn check_prefix(prefix: &str) -> Result<()> {
     Ok(())
 }
 
-fn bad_schema(prefix: &str, reason: &str) -> Error {
-    Error::InvalidMeta { path: format!("shm:/{prefix}.meta").into(), reason: reason.to_owned() }
+fn bad_schema(prefix: &str, reason: String) -> Error {
+    Error::InvalidMeta { path: format!("shm:/{prefix}.meta").into(), reason }
 }
