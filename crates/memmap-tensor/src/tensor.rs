@@ -102,6 +102,27 @@ impl Tensor {
         Ok(t)
     }
 
+    /// A heap tensor holding a copy of `bytes`: the elements in C order, little-endian, exactly
+    /// `shape`'s element count × the dtype's size. Bool bytes are not checked (see
+    /// [`Tensor::to_vec_bool`]).
+    pub fn from_bytes(bytes: &[u8], dtype: DType, shape: impl Into<Shape>) -> Result<Self> {
+        let t = Self::zeros(shape, dtype, &Location::Heap)?;
+        if t.nbytes() != bytes.len() {
+            return Err(Error::ShapeMismatch {
+                op: "from_bytes",
+                expected: Shape::from(bytes.len() / dtype.size_in_bytes().max(1)),
+                actual: t.shape().clone(),
+            });
+        }
+        {
+            let _write = t.storage.write("from_bytes")?;
+            // SAFETY: `t` is a fresh contiguous heap tensor of exactly `bytes.len()` bytes from
+            // its base (offset 0); the write lock is held and `bytes` is another allocation.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), t.storage.base_ptr(), bytes.len()) };
+        }
+        Ok(t)
+    }
+
     /// A heap bool tensor holding `data` (one byte per element, 0 or 1).
     pub fn from_bools(data: &[bool], shape: impl Into<Shape>) -> Result<Self> {
         let mut t = Self::zeros(shape, DType::Bool, &Location::Heap)?;

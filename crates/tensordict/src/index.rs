@@ -287,7 +287,7 @@ impl<'a> Plan<'a> {
 }
 
 /// `index` normalized into `0..size`, or `None` when out of range.
-fn normalize(index: i64, size: usize) -> Option<usize> {
+pub(crate) fn normalize(index: i64, size: usize) -> Option<usize> {
     let size_i = i64::try_from(size).ok()?;
     let i = if index < 0 { index.checked_add(size_i)? } else { index };
     if (0..size_i).contains(&i) { usize::try_from(i).ok() } else { None }

@@ -37,6 +37,7 @@ struct ReadmeDoctests;
 
 mod batch;
 mod dict;
+mod direct;
 mod display;
 mod error;
 mod format;
@@ -47,6 +48,7 @@ mod schema;
 mod shared;
 
 pub use dict::{Entry, TensorDict};
+pub use direct::ReadMode;
 pub use error::{Error, Result};
 pub use format::{FORMAT_VERSION, MAX_DEPTH, MAX_META_BYTES, WriteOptions};
 pub use index::Index;

@@ -1,0 +1,226 @@
+//! Cold batch gathers and offloading through the `aio` engine:
+//! [`TensorDict::gather_direct`], [`TensorDict::offload`], [`TensorDict::restore`].
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::OpenOptionsExt;
+use std::sync::Arc;
+
+use aio::{AlignedBuf, BufPart, DIRECT_ALIGN, Engine, Offloader};
+use indexmap::IndexMap;
+use memmap_tensor::{Location, StorageKind, Tensor};
+use serde_json::{Value, json};
+
+use crate::error::WithKey;
+use crate::index::normalize;
+use crate::schema::{self, Described};
+use crate::{Entry, Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
+
+/// How [`TensorDict::gather_direct`] reads rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadMode {
+    /// Through the page cache: one read per row, exactly the row's bytes.
+    Buffered,
+    /// `O_DIRECT`: the 4 KiB-aligned blocks holding each row, bypassing the page cache; the row
+    /// is copied out of them. For datasets much larger than RAM, where caching random rows only
+    /// evicts useful pages.
+    Direct,
+}
+
+impl TensorDict {
+    /// `self.index(indices)` for rows along the first batch dim, read from the leaf files with
+    /// explicit reads (many in flight at once) instead of page faults on the mappings: much
+    /// faster when the rows are not in memory. Every tensor must be file-backed (a memmap
+    /// folder) with contiguous rows; tensors without elements are gathered from memory.
+    pub fn gather_direct(&self, engine: &Engine, indices: &[i64], mode: ReadMode) -> Result<TensorDict> {
+        let Some(&rows) = self.batch_size().first() else {
+            return Err(Error::InvalidArgument { op: "gather_direct", detail: "the dict has no batch dim".into() });
+        };
+        let mut resolved = Vec::with_capacity(indices.len());
+        for &i in indices {
+            resolved.push(normalize(i, rows).ok_or_else(|| Error::InvalidIndex {
+                index: format!("{indices:?}"),
+                batch_size: self.batch_size().to_vec(),
+                reason: format!("{i} out of range for dim 0 of size {rows}"),
+            })?);
+        }
+        gather_node(self, &KeyPath::default(), engine, &resolved, indices, mode)
+    }
+
+    /// Writes every tensor of the dict, and its structure, into `offloader` under `name`, all
+    /// at once, then saves the offloader's index. [`TensorDict::restore`] reads it back.
+    pub fn offload(&self, offloader: &Offloader, name: &str) -> Result<()> {
+        let io_err = |source| Error::Io { op: "offload", path: offloader.path().to_owned(), source };
+        let mut items = Vec::new();
+        let root = schema::describe(self, &mut |key, t| {
+            let stored = format!("{name}#{}", items.len());
+            let buf = t.deep_clone().and_then(Tensor::into_io_buf).with_key(|| key.clone())?;
+            items.push((stored.clone(), buf));
+            Ok(stored)
+        })?;
+        let text =
+            serde_json::to_vec(&json!({"version": 1, "root": root})).map_err(io::Error::other).map_err(io_err)?;
+        let (result, _) = offloader.sync_write(&format!("{name}#schema"), text);
+        result.map_err(io_err)?;
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        offloader.async_write_group(items, move |r, _| {
+            let _ = tx.send(r);
+        });
+        let written = rx.recv().unwrap_or_else(|_| Err(io::Error::other("the offloader dropped a callback")));
+        written.and_then(|()| offloader.synchronize()).map_err(io_err)
+    }
+
+    /// Reads back a dict written by [`TensorDict::offload`] under `name`, into new heap tensors
+    /// (read in place, all at once).
+    pub fn restore(offloader: &Offloader, name: &str) -> Result<TensorDict> {
+        let path = offloader.path().to_owned();
+        let bad = |reason: String| Error::InvalidMeta { path: path.clone(), reason: format!("`{name}`: {reason}") };
+        let schema_key = format!("{name}#schema");
+        let len = offloader.len_of(&schema_key).ok_or_else(|| bad("not in the offloader".into()))?;
+        if len > MAX_META_BYTES {
+            return Err(bad(format!("schema of {len} bytes is over the limit")));
+        }
+        let (result, text) = offloader.sync_read(&schema_key, Vec::with_capacity(usize::try_from(len).unwrap_or(0)));
+        result.map_err(|source| Error::Io { op: "restore", path: path.clone(), source })?;
+        let value: Value = serde_json::from_slice(&text).map_err(|e| bad(format!("invalid schema: {e}")))?;
+        let root = value.get("root").filter(|_| value.get("version").and_then(Value::as_u64) == Some(1));
+        let root = root.ok_or_else(|| bad("unsupported schema".into()))?;
+        // Pass 1 allocates every tensor (the dict built meanwhile is dropped, so each tensor's
+        // storage has one handle again); all are read in one group; pass 2 builds the dict.
+        let mut allocated: Vec<(String, Tensor)> = Vec::new();
+        drop(schema::rebuild(
+            root,
+            &mut |key, Described { dtype, shape, name: stored }| {
+                if !stored.starts_with(&format!("{name}#")) {
+                    return Err(bad(format!("`{key}` is stored under a foreign key `{stored}`")));
+                }
+                let t = Tensor::zeros(shape, dtype, &Location::Heap).with_key(|| key.clone())?;
+                allocated.push((stored.to_owned(), t.clone()));
+                Ok(t)
+            },
+            &|reason| bad(reason),
+        )?);
+        let items = allocated
+            .into_iter()
+            .map(|(stored, t)| t.into_io_buf().map(|buf| (stored, buf)).with_key(KeyPath::default))
+            .collect::<Result<Vec<_>>>()?;
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        offloader.async_read_group(items, move |r, back| {
+            let _ = tx.send((r, back));
+        });
+        let (result, back) = rx.recv().map_err(|_| bad("the offloader dropped a callback".into()))?;
+        result.map_err(|source| Error::Io { op: "restore", path: path.clone(), source })?;
+        let mut read: std::collections::HashMap<String, Tensor> =
+            back.into_iter().map(|(stored, buf)| (stored, buf.into_tensor())).collect();
+        schema::rebuild(
+            root,
+            &mut |_, Described { name: stored, .. }| {
+                read.remove(stored).ok_or_else(|| bad(format!("`{stored}` is named twice")))
+            },
+            &|reason| bad(reason),
+        )
+    }
+}
+
+fn gather_node(
+    td: &TensorDict,
+    path: &KeyPath,
+    engine: &Engine,
+    rows: &[usize],
+    indices: &[i64],
+    mode: ReadMode,
+) -> Result<TensorDict> {
+    let mut entries = IndexMap::with_capacity(td.len());
+    for (name, entry) in td.iter() {
+        let key = path.join(name);
+        let value = match entry {
+            // Nothing to read from a file: no rows asked for, or rows of no bytes.
+            Entry::Tensor(t) if t.elem_count() == 0 || rows.is_empty() => {
+                Entry::Tensor(t.gather_rows(indices).with_key(|| key.clone())?)
+            }
+            Entry::Tensor(t) => Entry::Tensor(gather_leaf(t, &key, engine, rows, mode)?),
+            Entry::Dict(d) => Entry::Dict(gather_node(d, &key, engine, rows, indices, mode)?),
+            Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
+        };
+        entries.insert(name.to_owned(), value);
+    }
+    let mut batch = td.batch_size().to_vec();
+    batch[0] = rows.len();
+    Ok(TensorDict::from_parts(batch, entries))
+}
+
+/// The rows of one file-backed tensor, read with one operation per row.
+fn gather_leaf(t: &Tensor, key: &KeyPath, engine: &Engine, rows: &[usize], mode: ReadMode) -> Result<Tensor> {
+    let unsupported =
+        |what: &str| Error::InvalidArgument { op: "gather_direct", detail: format!("key `{key}`: {what}") };
+    let storage = t.storage();
+    let (Some(file), Some(path)) = (storage.file(), storage.path()) else {
+        return Err(unsupported(&format!("its data is not in a file (it is {})", storage.describe())));
+    };
+    if storage.kind() != StorageKind::File || !t.layout().rows_contiguous() {
+        return Err(unsupported("its rows are not contiguous in the file"));
+    }
+    let elem = t.dtype().size_in_bytes();
+    let row_bytes = t.layout().row_elems().unwrap_or(1) * elem;
+    let row_offset =
+        |r: usize| (t.byte_offset() + (t.layout().offset_elems() + r * t.layout().strides()[0]) * elem) as u64;
+    let io_err = |source: io::Error| Error::Io { op: "gather_direct", path: path.to_owned(), source };
+    let align = DIRECT_ALIGN as u64;
+    // Per row: where the read starts in the file, how long it is, where the row starts in it.
+    let spans: Vec<(u64, usize, usize)> = rows
+        .iter()
+        .map(|&r| {
+            let start = row_offset(r);
+            match mode {
+                ReadMode::Buffered => (start, row_bytes, 0),
+                ReadMode::Direct => {
+                    let first = start / align * align;
+                    let end = (start + row_bytes as u64).div_ceil(align) * align;
+                    (
+                        first,
+                        usize::try_from(end - first).unwrap_or(usize::MAX),
+                        usize::try_from(start - first).unwrap_or(0),
+                    )
+                }
+            }
+        })
+        .collect();
+    let file: Arc<File> = match mode {
+        ReadMode::Buffered => Arc::clone(file),
+        ReadMode::Direct => {
+            Arc::new(OpenOptions::new().read(true).custom_flags(nix::libc::O_DIRECT).open(path).map_err(io_err)?)
+        }
+    };
+    let lens: Vec<usize> = spans.iter().map(|s| s.1).collect();
+    let total: usize = lens.iter().sum();
+    let parts = AlignedBuf::new(total).and_then(|b| b.split(&lens)).map_err(io_err)?;
+    let reads = spans.iter().zip(parts).map(|(s, part)| (Arc::clone(&file), s.0, part)).collect();
+    let mut back: Vec<BufPart> = Vec::with_capacity(rows.len());
+    for ((result, part), span) in engine.read_many(reads).into_iter().zip(&spans) {
+        let got = result.map_err(io_err)?;
+        if got < span.2 + row_bytes {
+            return Err(io_err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("a row read returned {got} bytes"),
+            )));
+        }
+        back.push(part);
+    }
+    let whole = BufPart::join(back).map_err(|_| io_err(io::Error::other("a read buffer did not come back")))?;
+    let mut dims = t.dims().to_vec();
+    dims[0] = rows.len();
+    let bytes = match mode {
+        // The parts were exactly the rows, in order.
+        ReadMode::Buffered => std::borrow::Cow::Borrowed(whole.as_slice()),
+        ReadMode::Direct => {
+            let mut out = Vec::with_capacity(rows.len() * row_bytes);
+            let mut at = 0;
+            for &(_, len, skip) in &spans {
+                out.extend_from_slice(&whole.as_slice()[at + skip..at + skip + row_bytes]);
+                at += len;
+            }
+            std::borrow::Cow::Owned(out)
+        }
+    };
+    Tensor::from_bytes(&bytes, t.dtype(), dims).with_key(|| key.clone())
+}
