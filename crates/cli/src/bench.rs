@@ -1,15 +1,18 @@
 //! `tdict bench`: the gather benchmark and the folder it runs on.
 
-use std::path::PathBuf;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
+use aio::{AlignedBuf, Engine};
 use anyhow::{Context, ensure};
 use clap::Subcommand;
 use memmap_tensor::{Access, Advice, DType, Location, Tensor};
 use rand::Rng;
 use serde_json::json;
-use tensordict::{Index, TensorDict};
+use tensordict::{Index, ReadMode, TensorDict};
 
 #[derive(Subcommand)]
 pub(crate) enum BenchCommand {
@@ -23,6 +26,16 @@ pub(crate) enum BenchCommand {
         /// Gathers to time.
         #[arg(long, default_value_t = 2000)]
         iters: usize,
+        /// `mmap`: index the mapped files; `direct`: read the rows with the I/O engine.
+        #[arg(long, value_enum, default_value_t = Mode::Mmap)]
+        mode: Mode,
+        /// With `--mode direct`: read with O_DIRECT (4 KiB-aligned blocks, no page cache).
+        #[arg(long)]
+        o_direct: bool,
+        /// Evict the folder's pages from the page cache before every gather (and map it anew,
+        /// in `mmap` mode), so that every gather reads from the disk.
+        #[arg(long)]
+        cold: bool,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -35,38 +48,101 @@ pub(crate) enum BenchCommand {
         #[arg(long, default_value_t = 1_000_000)]
         rows: usize,
     },
+    /// Sequential write, then read, of one file through the I/O engine (compare with fio).
+    Io {
+        /// The file to write (created or overwritten).
+        #[arg(long)]
+        file: PathBuf,
+        /// Bytes to write and read (suffixes K, M, G: powers of 1024).
+        #[arg(long, default_value = "1G", value_parser = parse_size)]
+        size: u64,
+        /// Block size of each operation.
+        #[arg(long, default_value = "1M", value_parser = parse_size)]
+        bs: u64,
+        /// Operations in flight.
+        #[arg(long, default_value_t = 32)]
+        qd: usize,
+        /// Open the file with O_DIRECT.
+        #[arg(long)]
+        direct: bool,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Mode {
+    Mmap,
+    Direct,
 }
 
 pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
-        BenchCommand::Gather { path, batch, iters, json } => gather(&path, batch, iters, json),
+        BenchCommand::Gather { path, batch, iters, mode, o_direct, cold, json } => {
+            gather(&path, &GatherOptions { batch, iters, mode, o_direct, cold }, json)
+        }
         BenchCommand::Make { path, rows } => make(&path, rows),
+        BenchCommand::Io { file, size, bs, qd, direct, json } => io(&file, size, bs, qd, direct, json),
     }
 }
 
-fn gather(path: &str, batch: usize, iters: usize, as_json: bool) -> anyhow::Result<ExitCode> {
-    ensure!(batch > 0 && iters > 0, "--batch and --iters must be positive");
-    let td = crate::open(path, Access::ReadOnly)?;
+struct GatherOptions {
+    batch: usize,
+    iters: usize,
+    mode: Mode,
+    o_direct: bool,
+    cold: bool,
+}
+
+fn gather(path: &str, opts: &GatherOptions, as_json: bool) -> anyhow::Result<ExitCode> {
+    ensure!(opts.batch > 0 && opts.iters > 0, "--batch and --iters must be positive");
+    ensure!(!opts.o_direct || opts.mode == Mode::Direct, "--o-direct needs --mode direct");
+    ensure!(!opts.cold || !path.starts_with("shm:"), "--cold needs a folder: shared memory has no page cache to evict");
+    let mut td = crate::open(path, Access::ReadOnly)?;
     let rows = *td.batch_size().first().context("the dict has no batch dim to gather along")?;
     ensure!(rows > 0, "the dict has no rows");
-    let leaves = td.leaves();
-    let row_bytes: usize = leaves.iter().map(|(_, t)| t.nbytes() / rows).sum();
-    // Warm the page cache and the page tables: touch every page of every leaf once.
-    for (key, t) in &leaves {
-        t.advise(Advice::WillNeed).with_context(|| format!("advising `{key}`"))?;
-        t.stats().with_context(|| format!("reading `{key}`"))?;
+    let files: Vec<PathBuf> = td.leaves().iter().filter_map(|(_, t)| t.storage().path().map(Path::to_owned)).collect();
+    let row_bytes: usize = td.leaves().iter().map(|(_, t)| t.nbytes() / rows).sum();
+    let engine = match opts.mode {
+        Mode::Direct => Some(Engine::new().context("starting the I/O engine")?),
+        Mode::Mmap => None,
+    };
+    if !opts.cold {
+        // Warm the page cache and the page tables: touch every page of every leaf once.
+        for (key, t) in td.leaves() {
+            t.advise(Advice::WillNeed).with_context(|| format!("advising `{key}`"))?;
+            t.stats().with_context(|| format!("reading `{key}`"))?;
+        }
     }
+    let read_mode = if opts.o_direct { ReadMode::Direct } else { ReadMode::Buffered };
     let rows_i = i64::try_from(rows)?;
     let mut rng = rand::rng();
-    let mut times_us = Vec::with_capacity(iters);
-    for i in 0..iters + iters / 10 {
+    let warmup = if opts.cold { 0 } else { opts.iters / 10 };
+    let mut times_us = Vec::with_capacity(opts.iters);
+    for i in 0..opts.iters + warmup {
         // Fresh indices every time, made before the clock starts.
-        let index = Index::List((0..batch).map(|_| rng.random_range(0..rows_i)).collect());
+        let index: Vec<i64> = (0..opts.batch).map(|_| rng.random_range(0..rows_i)).collect();
+        if opts.cold {
+            if engine.is_none() {
+                // Unmap first: pages mapped by this process would stay in the page cache.
+                td = TensorDict::default();
+            }
+            for file in &files {
+                evict(file)?;
+            }
+            if engine.is_none() {
+                td = crate::open(path, Access::ReadOnly)?;
+            }
+        }
         let started = Instant::now();
-        let out = td.index(index)?;
+        let out = match &engine {
+            None => td.index(Index::List(index))?,
+            Some(engine) => td.gather_direct(engine, &index, read_mode)?,
+        };
         let elapsed = started.elapsed();
         drop(out);
-        if i >= iters / 10 {
+        if i >= warmup {
             times_us.push(elapsed.as_secs_f64() * 1e6);
         }
     }
@@ -74,20 +150,139 @@ fn gather(path: &str, batch: usize, iters: usize, as_json: bool) -> anyhow::Resu
     let median = times_us[times_us.len() / 2];
     let p99 = times_us[(times_us.len() * 99 / 100).min(times_us.len() - 1)];
     #[allow(clippy::cast_precision_loss)]
-    let gbps = (batch * row_bytes) as f64 / median / 1e3;
-    let out = json!({"median_us": round(median), "p99_us": round(p99), "gbps": round(gbps), "batch": batch, "row_bytes": row_bytes});
+    let gbps = (opts.batch * row_bytes) as f64 / median / 1e3;
+    let mode = match (opts.mode, opts.o_direct) {
+        (Mode::Mmap, _) => "mmap",
+        (Mode::Direct, false) => "direct",
+        (Mode::Direct, true) => "direct+o_direct",
+    };
+    let backend = engine.as_ref().map(|e| e.backend().as_str());
+    let out = json!({
+        "median_us": round(median), "p99_us": round(p99), "gbps": round(gbps), "batch": opts.batch,
+        "row_bytes": row_bytes, "mode": mode, "cold": opts.cold, "backend": backend,
+    });
     if as_json {
         crate::out!("{out}");
     } else {
         crate::out!(
-            "gather of {batch} rows x {row_bytes} B over {} leaves: median {:.1} µs, p99 {:.1} µs, {:.2} GB/s ({iters} iterations)",
-            leaves.len(),
-            median,
-            p99,
-            gbps
+            "{mode}{} gather of {} rows x {row_bytes} B: median {median:.1} µs, p99 {p99:.1} µs, {gbps:.2} GB/s ({} iterations{})",
+            if opts.cold { " cold" } else { "" },
+            opts.batch,
+            opts.iters,
+            backend.map(|b| format!(", {b} backend")).unwrap_or_default()
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Drops the file's pages from the page cache (they are clean: the folder was flushed).
+fn evict(path: &Path) -> anyhow::Result<()> {
+    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    file.sync_data().with_context(|| format!("syncing {}", path.display()))?;
+    nix::fcntl::posix_fadvise(&file, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+        .with_context(|| format!("evicting {} from the page cache", path.display()))?;
+    Ok(())
+}
+
+/// Sequential write then read of `size` bytes in blocks of `bs`, `qd` in flight.
+fn io(path: &Path, size: u64, bs: u64, qd: usize, direct: bool, as_json: bool) -> anyhow::Result<ExitCode> {
+    ensure!(bs > 0 && size >= bs && qd > 0, "need --bs > 0, --size >= --bs and --qd > 0");
+    ensure!(!direct || bs.is_multiple_of(4096), "O_DIRECT needs --bs to be a multiple of 4096");
+    let engine = Engine::new().context("starting the I/O engine")?;
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true).write(true).create(true).truncate(true);
+    if direct {
+        options.custom_flags(nix::libc::O_DIRECT);
+    }
+    let file = Arc::new(options.open(path).with_context(|| format!("opening {}", path.display()))?);
+    let blocks = size / bs;
+    let bs_usize = usize::try_from(bs)?;
+    // Allocate the blocks first, as fio does (`fallocate=native`): writes that extend a file
+    // are slower, with O_DIRECT especially, and that is not what this measures.
+    nix::fcntl::posix_fallocate(file.as_ref(), 0, i64::try_from(blocks * bs)?)
+        .with_context(|| format!("allocating {} bytes for {}", blocks * bs, path.display()))?;
+    let write_secs = stream(&engine, &file, blocks, bs_usize, qd, true)?;
+    // Reads must come from the disk, as fio's (which invalidates the cache first).
+    evict(path)?;
+    let read_secs = stream(&engine, &file, blocks, bs_usize, qd, false)?;
+    #[allow(clippy::cast_precision_loss)]
+    let bytes = (blocks * bs) as f64;
+    let (write_gbps, read_gbps) = (bytes / write_secs / 1e9, bytes / read_secs / 1e9);
+    if as_json {
+        crate::out!(
+            "{}",
+            json!({"write_gbps": round(write_gbps), "read_gbps": round(read_gbps), "backend": engine.backend().as_str(),
+                   "size": blocks * bs, "bs": bs, "qd": qd, "direct": direct})
+        );
+    } else {
+        crate::out!(
+            "{} bytes in {bs}-byte blocks, {qd} in flight ({} backend{}): write {write_gbps:.2} GB/s, read {read_gbps:.2} GB/s",
+            blocks * bs,
+            engine.backend().as_str(),
+            if direct { ", O_DIRECT" } else { "" }
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Moves `blocks` blocks through the engine, keeping `qd` in flight; returns the seconds taken.
+fn stream(
+    engine: &Engine,
+    file: &Arc<std::fs::File>,
+    blocks: u64,
+    bs: usize,
+    qd: usize,
+    write: bool,
+) -> anyhow::Result<f64> {
+    let (tx, rx) = std::sync::mpsc::channel::<(std::io::Result<usize>, AlignedBuf)>();
+    let submit = |buf: AlignedBuf, block: u64| {
+        let tx = tx.clone();
+        let offset = block * bs as u64;
+        let done = move |r, b| {
+            let _ = tx.send((r, b));
+        };
+        if write {
+            engine.write_at_with(file, buf, offset, done);
+        } else {
+            engine.read_at_with(file, buf, offset, done);
+        }
+    };
+    let started = Instant::now();
+    let mut next = 0u64;
+    for _ in 0..qd.min(usize::try_from(blocks).unwrap_or(usize::MAX)) {
+        let mut buf = AlignedBuf::new(bs)?;
+        buf.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = (i % 251) as u8);
+        submit(buf, next);
+        next += 1;
+    }
+    let mut completed = 0u64;
+    while completed < blocks {
+        let (result, buf) = rx.recv().context("the engine dropped a callback")?;
+        let n = result?;
+        ensure!(n == bs, "a block moved {n} of {bs} bytes");
+        completed += 1;
+        if next < blocks {
+            submit(buf, next);
+            next += 1;
+        }
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => s.split_at(i),
+        None => (s, ""),
+    };
+    let n: u64 = digits.parse().map_err(|_| format!("`{s}` is not a size"))?;
+    let scale: u64 = match unit.to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "K" | "KB" | "KIB" => 1 << 10,
+        "M" | "MB" | "MIB" => 1 << 20,
+        "G" | "GB" | "GIB" => 1 << 30,
+        _ => return Err(format!("`{s}`: unknown unit `{unit}` (use K, M or G)")),
+    };
+    n.checked_mul(scale).ok_or_else(|| format!("`{s}` is too large"))
 }
 
 fn round(x: f64) -> f64 {
