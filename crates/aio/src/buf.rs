@@ -190,21 +190,6 @@ unsafe impl IoBufMut for AlignedBuf {
     unsafe fn set_init(&mut self, _n: usize) {}
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn aligned_buffers_are_aligned_and_zeroed() {
-        for len in [0, 1, 4096, 10_000] {
-            let b = AlignedBuf::new(len).unwrap();
-            assert_eq!(b.stable_ptr() as usize % DIRECT_ALIGN, 0);
-            assert!(b.as_slice().iter().all(|&x| x == 0));
-            assert_eq!(b.len(), len);
-        }
-    }
-}
-
 /// One of several disjoint parts of an [`AlignedBuf`], usable as a buffer on its own; the parts
 /// are joined back with [`BufPart::join`]. Made by [`AlignedBuf::split`], so that many reads
 /// (one per row, say) fill one allocation.
@@ -292,4 +277,19 @@ unsafe impl IoBufMut for BufPart {
         self.whole.ptr.as_ptr().wrapping_add(self.start)
     }
     unsafe fn set_init(&mut self, _n: usize) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_buffers_are_aligned_and_zeroed() {
+        for len in [0, 1, 4096, 10_000] {
+            let b = AlignedBuf::new(len).unwrap();
+            assert_eq!(b.stable_ptr() as usize % DIRECT_ALIGN, 0);
+            assert!(b.as_slice().iter().all(|&x| x == 0));
+            assert_eq!(b.len(), len);
+        }
+    }
 }

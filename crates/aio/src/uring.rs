@@ -38,7 +38,8 @@ impl Uring {
     /// Creates a ring of `depth` entries and checks that the kernel really runs it (a `NOP` is
     /// submitted and reaped), then starts the thread.
     pub(crate) fn start(depth: u32) -> io::Result<Uring> {
-        let mut ring = IoUring::new(depth)?;
+        // One entry more than the depth: the wake-up read always holds one.
+        let mut ring = IoUring::new(depth.saturating_add(1))?;
         probe(&mut ring)?;
         let wake = EventFd::from_flags(EfdFlags::EFD_CLOEXEC)?;
         let wake_fd = wake.as_fd().as_raw_fd();
