@@ -790,3 +790,62 @@ fn info_sees_writes_to_a_shared_dict() {
     assert_eq!(after["leaves"]["v"]["min"].as_f64(), Some(-5.0));
     assert_eq!(after["leaves"]["v"]["max"].as_f64(), Some(20.0));
 }
+
+/// `bench gather --mode direct` (buffered and O_DIRECT) and `--cold` print the same JSON
+/// contract as the plain form.
+#[test]
+fn bench_gather_modes_and_cold_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("bench");
+    tdict([OsStr::new("bench"), "make".as_ref(), dir.as_os_str(), "--rows".as_ref(), "3000".as_ref()]).ok();
+    for extra in [&["--mode", "mmap", "--cold"][..], &["--mode", "direct"], &["--mode", "direct", "--cold"]] {
+        let mut args = vec![OsStr::new("bench"), "gather".as_ref(), dir.as_os_str()];
+        args.extend(["--batch", "32", "--iters", "3", "--json"].iter().map(OsStr::new));
+        args.extend(extra.iter().map(OsStr::new));
+        let run = tdict(args);
+        let out = run.json();
+        let mut keys: Vec<&str> = out.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["batch", "gbps", "median_us", "p99_us", "row_bytes"], "{run}");
+        assert!(out["median_us"].as_f64().unwrap() > 0.0, "{run}");
+    }
+    tdict([OsStr::new("bench"), "gather".as_ref(), dir.as_os_str(), "--o-direct".as_ref()]).expect_error();
+    tdict([OsStr::new("bench"), "gather".as_ref(), dir.as_os_str(), "--mode".as_ref(), "fast".as_ref()])
+        .expect_usage_error();
+}
+
+/// `bench io` writes then reads through the engine and reports both rates.
+#[test]
+fn bench_io_reports_write_and_read_rates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("io.bin");
+    let run = tdict([
+        OsStr::new("bench"),
+        "io".as_ref(),
+        "--file".as_ref(),
+        file.as_os_str(),
+        "--size".as_ref(),
+        "8M".as_ref(),
+        "--bs".as_ref(),
+        "256K".as_ref(),
+        "--qd".as_ref(),
+        "4".as_ref(),
+        "--json".as_ref(),
+    ]);
+    let out = run.json();
+    assert!(out["write_gbps"].as_f64().unwrap() > 0.0 && out["read_gbps"].as_f64().unwrap() > 0.0, "{run}");
+    assert!(matches!(out["backend"].as_str(), Some("uring" | "threads")), "{run}");
+    assert_eq!(fs::metadata(&file).unwrap().len(), 8 << 20);
+    tdict([OsStr::new("bench"), "io".as_ref(), "--file".as_ref(), file.as_os_str(), "--size".as_ref(), "1X".as_ref()])
+        .expect_usage_error();
+    let missing_dir = tmp.path().join("no/such/dir/io.bin");
+    tdict([
+        OsStr::new("bench"),
+        "io".as_ref(),
+        "--file".as_ref(),
+        missing_dir.as_os_str(),
+        "--size".as_ref(),
+        "1M".as_ref(),
+    ])
+    .expect_error();
+}
