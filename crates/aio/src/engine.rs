@@ -56,19 +56,19 @@ impl Default for EngineConfig {
 }
 
 /// Counts operations from submission until their callback has returned, for
-/// [`Engine::synchronize`].
+/// [`Engine::synchronize`] and [`crate::Offloader::synchronize`].
 #[derive(Default)]
-struct Tracker {
+pub(crate) struct Tracker {
     in_flight: Mutex<usize>,
     idle: Condvar,
 }
 
 impl Tracker {
-    fn start(&self) {
+    pub(crate) fn start(&self) {
         *self.in_flight.lock().unwrap_or_else(PoisonError::into_inner) += 1;
     }
 
-    fn done(&self) {
+    pub(crate) fn done(&self) {
         let mut n = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
         *n -= 1;
         if *n == 0 {
@@ -76,7 +76,7 @@ impl Tracker {
         }
     }
 
-    fn wait_idle(&self) {
+    pub(crate) fn wait_idle(&self) {
         let mut n = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
         while *n > 0 {
             n = self.idle.wait(n).unwrap_or_else(PoisonError::into_inner);

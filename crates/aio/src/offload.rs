@@ -11,10 +11,11 @@ use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use serde_json::{Map, Value, json};
 
+use crate::engine::Tracker;
 use crate::extent::{Extent, ExtentAllocator};
 use crate::{Completion, Engine, IoBuf, IoBufMut};
 
@@ -42,8 +43,7 @@ struct Inner {
     path: PathBuf,
     index_path: PathBuf,
     state: Mutex<State>,
-    in_flight: Mutex<usize>,
-    idle: Condvar,
+    tracker: Tracker,
 }
 
 /// Buffers offloaded to one file under string keys (TensorNVMe's offloader, with an index that
@@ -90,8 +90,7 @@ impl Offloader {
                 path,
                 index_path,
                 state: Mutex::new(State { alloc, index, pending_free: Vec::new() }),
-                in_flight: Mutex::new(0),
-                idle: Condvar::new(),
+                tracker: Tracker::default(),
             }),
         })
     }
@@ -129,7 +128,7 @@ impl Offloader {
         };
         let inner = Arc::clone(&self.inner);
         let key = key.to_owned();
-        inner.start();
+        inner.tracker.start();
         self.inner.engine.write_at_with(&self.inner.file, buf, extent.offset, move |result, buf| {
             let result = result.and_then(|n| check_len("write", &key, n, len));
             {
@@ -145,7 +144,7 @@ impl Offloader {
                 }
             }
             callback(result, buf);
-            inner.done();
+            inner.tracker.done();
         });
     }
 
@@ -170,12 +169,12 @@ impl Offloader {
         }
         let inner = Arc::clone(&self.inner);
         let key = key.to_owned();
-        inner.start();
+        inner.tracker.start();
         let limited = Limit { inner: buf, limit: len };
         self.inner.engine.read_at_with(&self.inner.file, limited, slot.extent.offset, move |result, limited| {
             let result = result.and_then(|n| check_len("read", &key, n, slot.len).map(|()| n));
             callback(result, limited.inner);
-            inner.done();
+            inner.tracker.done();
         });
     }
 
@@ -241,7 +240,7 @@ impl Offloader {
     /// the index (atomically, by rename), and then makes space freed since the last save
     /// reusable. Must not be called from a callback.
     pub fn synchronize(&self) -> io::Result<()> {
-        self.inner.wait_idle();
+        self.inner.tracker.wait_idle();
         self.save_index()
     }
 
@@ -254,25 +253,6 @@ impl Inner {
     fn state(&self) -> MutexGuard<'_, State> {
         // A panicking user callback cannot leave the state half-updated: it runs outside the lock.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn start(&self) {
-        *self.in_flight.lock().unwrap_or_else(PoisonError::into_inner) += 1;
-    }
-
-    fn done(&self) {
-        let mut n = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
-        *n -= 1;
-        if *n == 0 {
-            self.idle.notify_all();
-        }
-    }
-
-    fn wait_idle(&self) {
-        let mut n = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
-        while *n > 0 {
-            n = self.idle.wait(n).unwrap_or_else(PoisonError::into_inner);
-        }
     }
 
     fn save_index(&self) -> io::Result<()> {
@@ -316,7 +296,7 @@ impl Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        self.wait_idle();
+        self.tracker.wait_idle();
         if let Err(e) = self.save_index() {
             eprintln!("aio: saving the offload index {} failed: {e}", self.index_path.display());
         }
