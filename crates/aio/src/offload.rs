@@ -13,6 +13,8 @@ use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
 use serde_json::{Map, Value, json};
 
 use crate::engine::Tracker;
@@ -40,6 +42,9 @@ struct State {
 struct Inner {
     engine: Engine,
     file: Arc<File>,
+    /// An exclusive `flock` on the file for as long as the offloader lives: two offloaders on
+    /// one file would overwrite each other's index.
+    _lock: Flock<File>,
     path: PathBuf,
     index_path: PathBuf,
     state: Mutex<State>,
@@ -78,6 +83,7 @@ impl Offloader {
         index_path.push(".index");
         let index_path = PathBuf::from(index_path);
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path)?;
+        let lock = lock_exclusive(&path)?;
         let (alloc, index) = match std::fs::File::open(&index_path) {
             Ok(f) => read_index(f, &index_path)?,
             Err(e) if e.kind() == io::ErrorKind::NotFound => (ExtentAllocator::new(), HashMap::new()),
@@ -87,6 +93,7 @@ impl Offloader {
             inner: Arc::new(Inner {
                 engine,
                 file: Arc::new(file),
+                _lock: lock,
                 path,
                 index_path,
                 state: Mutex::new(State { alloc, index, pending_free: Vec::new() }),
@@ -295,10 +302,35 @@ impl Inner {
 }
 
 impl Drop for Inner {
+    /// Runs when the last handle and the last operation are gone (every operation in flight
+    /// holds the inner state), so there is nothing to wait for: save the index.
     fn drop(&mut self) {
-        self.tracker.wait_idle();
         if let Err(e) = self.save_index() {
             eprintln!("aio: saving the offload index {} failed: {e}", self.index_path.display());
+        }
+    }
+}
+
+/// An exclusive `flock` on `path`. A previous offloader of this process may still be letting go
+/// (its last completion callback finishing on the engine thread), so a busy lock is retried for
+/// a moment before it is reported.
+fn lock_exclusive(path: &Path) -> io::Result<Flock<File>> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let mut file = File::open(path)?;
+    loop {
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => return Ok(lock),
+            Err((f, Errno::EWOULDBLOCK)) if std::time::Instant::now() < deadline => {
+                file = f;
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Err((_, Errno::EWOULDBLOCK)) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WouldBlock,
+                    format!("{} is in use by another offloader (in this or another process)", path.display()),
+                ));
+            }
+            Err((_, errno)) => return Err(errno.into()),
         }
     }
 }

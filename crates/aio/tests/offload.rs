@@ -116,6 +116,18 @@ fn groups_write_and_read_many_keys_at_once() -> std::io::Result<()> {
 }
 
 #[test]
+fn one_offload_file_has_one_offloader_at_a_time() -> std::io::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("o");
+    let first = Offloader::with_engine(&path, Engine::new()?)?;
+    let err = Offloader::with_engine(&path, Engine::new()?).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::WouldBlock, "{err}");
+    drop(first);
+    Offloader::with_engine(&path, Engine::new()?)?;
+    Ok(())
+}
+
+#[test]
 fn corrupt_indexes_are_refused() -> std::io::Result<()> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("o");
