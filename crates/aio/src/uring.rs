@@ -8,6 +8,8 @@
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::thread::JoinHandle;
 
@@ -31,6 +33,9 @@ enum Msg {
 pub(crate) struct Uring {
     tx: Sender<Msg>,
     wake: EventFd,
+    /// Set by the thread just before it blocks; a submitter that clears it pokes the eventfd.
+    /// Submissions to a busy thread need no system call (see `submit`).
+    sleeping: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -44,6 +49,8 @@ impl Uring {
         let wake = EventFd::from_flags(EfdFlags::EFD_CLOEXEC)?;
         let wake_fd = wake.as_fd().as_raw_fd();
         let (tx, rx) = mpsc::channel();
+        let sleeping = Arc::new(AtomicBool::new(false));
+        let driver_sleeping = Arc::clone(&sleeping);
         let thread = std::thread::Builder::new().name("aio-uring".into()).spawn(move || {
             let mut driver = Driver {
                 ring,
@@ -57,10 +64,11 @@ impl Uring {
                 wake_armed: false,
                 shutting_down: false,
                 cancels_sent: false,
+                sleeping: driver_sleeping,
             };
             driver.run();
         })?;
-        Ok(Uring { tx, wake, thread: Some(thread) })
+        Ok(Uring { tx, wake, sleeping, thread: Some(thread) })
     }
 
     /// Queues a task for the ring thread. If the thread is gone (it only stops after
@@ -70,7 +78,12 @@ impl Uring {
             task.finish(Err(io::Error::other("the io_uring thread has stopped")));
             return;
         }
-        self.poke();
+        // Pairs with the fence in `Driver::run`: either the thread sees this task when it looks
+        // at the channel after announcing sleep, or this sees `sleeping` and wakes it.
+        fence(Ordering::SeqCst);
+        if self.sleeping.swap(false, Ordering::SeqCst) {
+            self.poke();
+        }
     }
 
     fn poke(&self) {
@@ -127,6 +140,7 @@ struct Driver {
     wake_armed: bool,
     shutting_down: bool,
     cancels_sent: bool,
+    sleeping: Arc<AtomicBool>,
 }
 
 impl Driver {
@@ -142,7 +156,20 @@ impl Driver {
                 self.arm_wake();
             }
             self.push_queued();
-            if let Err(e) = self.submit_and_wait() {
+            // About to block: announce it, then look at the channel once more, so that a task
+            // sent meanwhile is either seen here or wakes the eventfd read (see `Uring::submit`).
+            self.sleeping.store(true, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            let (queued, stopping) = (self.queued.len(), self.shutting_down);
+            self.take_messages();
+            let block = self.queued.len() == queued && self.shutting_down == stopping;
+            if !block {
+                self.sleeping.store(false, Ordering::SeqCst);
+                self.push_queued();
+            }
+            let waited = self.submit_and_wait(block);
+            self.sleeping.store(false, Ordering::SeqCst);
+            if let Err(e) = waited {
                 self.fail_everything(&e);
                 return;
             }
@@ -227,8 +254,10 @@ impl Driver {
         }
     }
 
-    fn submit_and_wait(&mut self) -> io::Result<()> {
-        let want = usize::from(self.in_kernel > 0);
+    /// Submits what is queued; with `block`, also waits for at least one completion (there is
+    /// always one to come: the armed eventfd read, unless shutting down).
+    fn submit_and_wait(&mut self, block: bool) -> io::Result<()> {
+        let want = usize::from(block && self.in_kernel > 0);
         loop {
             match self.ring.submit_and_wait(want) {
                 Ok(_) => return Ok(()),
