@@ -55,6 +55,14 @@ pub(crate) trait Task: Send {
     fn finish(self: Box<Self>, result: io::Result<()>);
 }
 
+/// Finishes `task` on an engine thread, containing a panic of the user's callback: the panic
+/// hook has reported it, and the thread goes on serving (an unwinding ring thread would free
+/// buffers the kernel may still write into).
+pub(crate) fn finish_contained(task: Box<dyn Task>, result: io::Result<()>) {
+    let finished = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || task.finish(result)));
+    drop(finished);
+}
+
 /// An error of one operation, with where it happened. The `io::Error` that wraps it keeps the
 /// original kind, and [`std::error::Error::source`] gives the original error.
 #[derive(Debug)]

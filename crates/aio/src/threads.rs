@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 
 use nix::libc;
 
-use crate::task::{Progress, Step, Task};
+use crate::task::{Progress, Step, Task, finish_contained};
 
 /// Handle to the worker threads.
 pub(crate) struct Threads {
@@ -36,7 +36,7 @@ impl Threads {
                     let next = rx.lock().unwrap_or_else(PoisonError::into_inner).recv();
                     let Ok(task) = next else { return };
                     if stopping.load(Ordering::Acquire) {
-                        task.finish(Err(io::Error::from_raw_os_error(libc::ECANCELED)));
+                        finish_contained(task, Err(io::Error::from_raw_os_error(libc::ECANCELED)));
                     } else {
                         run(task);
                     }
@@ -111,7 +111,7 @@ fn run(mut task: Box<dyn Task>) {
             Err(e) => break Err(e),
         }
     };
-    task.finish(result);
+    finish_contained(task, result);
 }
 
 /// One blocking transfer of the task's next step; returns the bytes moved.

@@ -17,7 +17,7 @@ use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use slab::Slab;
 
-use crate::task::{Progress, Step, Task};
+use crate::task::{Progress, Step, Task, finish_contained};
 
 /// `user_data` of the eventfd read that wakes the thread.
 const WAKE: u64 = u64::MAX;
@@ -215,7 +215,7 @@ impl Driver {
                 // Never submitted: nothing to cancel in the kernel.
                 self.queued.pop_front();
                 let task = self.table.remove(key);
-                task.finish(Err(io::Error::from_raw_os_error(nix::libc::ECANCELED)));
+                finish_contained(task, Err(io::Error::from_raw_os_error(nix::libc::ECANCELED)));
                 continue;
             }
             let task = &mut self.table[key];
@@ -297,8 +297,8 @@ impl Driver {
         };
         match outcome {
             Ok(Progress::More) if !self.shutting_down => self.queued.push_front(key),
-            Ok(_) => self.table.remove(key).finish(Ok(())),
-            Err(e) => self.table.remove(key).finish(Err(e)),
+            Ok(_) => finish_contained(self.table.remove(key), Ok(())),
+            Err(e) => finish_contained(self.table.remove(key), Err(e)),
         }
     }
 
@@ -312,6 +312,18 @@ impl Driver {
             std::mem::forget(task);
         }
         eprintln!("aio: io_uring failed ({e}); tasks in flight were leaked to stay memory-safe");
+    }
+}
+
+impl Drop for Driver {
+    /// The driver only returns with nothing in the kernel. Should it ever be dropped otherwise
+    /// (a bug of ours unwinding), the memory the kernel may still write into is leaked rather
+    /// than freed.
+    fn drop(&mut self) {
+        if self.in_kernel > 0 {
+            std::mem::forget(std::mem::take(&mut self.table));
+            std::mem::forget(std::mem::replace(&mut self.wake_buf, Box::new([0; 8])));
+        }
     }
 }
 

@@ -1234,3 +1234,20 @@ fn backend_env_child() -> io::Result<()> {
     assert_eq!(Engine::with_config(&threads)?.backend(), BackendKind::Threads);
     Ok(())
 }
+
+/// A callback that panics is reported by the panic hook and contained: the engine thread goes
+/// on (an unwinding ring thread would free buffers the kernel may still write into), later
+/// operations complete, and `synchronize` does not hang.
+#[test]
+fn a_panicking_callback_does_not_stop_the_engine() -> io::Result<()> {
+    for engine in engines_with(&EngineConfig { threads: 1, ..EngineConfig::default() }) {
+        let dir = tempfile::tempdir()?;
+        let file = Arc::new(File::options().read(true).write(true).create_new(true).open(dir.path().join("f"))?);
+        engine.write_at_with(&file, vec![1u8; 64], 0, |_, _| panic!("a deliberate panic in a callback"));
+        engine.synchronize();
+        let (n, buf) = engine.read_at_blocking(&file, Vec::with_capacity(64), 0);
+        assert_eq!(n?, 64, "{:?}", engine.backend());
+        assert_eq!(buf, vec![1u8; 64]);
+    }
+    Ok(())
+}
