@@ -2,6 +2,7 @@
 
 use indexmap::IndexMap;
 use memmap_tensor::Tensor;
+use serde_json::Value;
 
 use crate::error::WithKey;
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
@@ -19,6 +20,7 @@ impl TensorDict {
             compatible: &|a, b| a == b,
             batch: &|batch| insert_dim(batch, dim, dicts.len()),
             tensors: &|ts| Tensor::stack(ts, dim),
+            stacks: if dim == 0 { Stacks::Refuse } else { Stacks::Same },
         };
         plan.combine(dicts, &KeyPath::default())
     }
@@ -47,6 +49,7 @@ impl TensorDict {
                 b
             },
             tensors: &|ts| Tensor::cat(ts, dim),
+            stacks: if dim == 0 { Stacks::Concat } else { Stacks::Same },
         };
         plan.combine(dicts, &KeyPath::default())
     }
@@ -74,6 +77,13 @@ impl TensorDict {
                     b
                 },
                 &|t| t.narrow(dim, start, len),
+                &|v| {
+                    Some(if dim == 0 {
+                        Entry::stack(v.iter().skip(start).take(len).cloned().collect())
+                    } else {
+                        keep(v)
+                    })
+                },
             )?);
             start += len;
         }
@@ -102,8 +112,10 @@ impl TensorDict {
         check_dim("unbind", dim, self.batch_dims())?;
         (0..self.batch_size()[dim])
             .map(|i| {
-                let i = i64::try_from(i).unwrap_or(i64::MAX);
-                self.transform(&KeyPath::default(), &|batch| remove_dim(batch, dim), &|t| t.select(dim, i))
+                let index = i64::try_from(i).unwrap_or(i64::MAX);
+                self.transform(&KeyPath::default(), &|batch| remove_dim(batch, dim), &|t| t.select(dim, index), &|v| {
+                    Some(if dim == 0 { Entry::NonTensor(v.get(i).cloned().unwrap_or_default()) } else { keep(v) })
+                })
             })
             .collect()
     }
@@ -125,20 +137,29 @@ impl TensorDict {
             b.extend_from_slice(&batch[old..]);
             b
         };
-        self.transform(&KeyPath::default(), &new_batch, &|t| {
-            let dims = new_batch(t.dims());
-            match t.reshape(dims.clone()) {
-                Ok(view) => Ok(view),
-                Err(memmap_tensor::Error::NotContiguous { .. }) => t.contiguous()?.reshape(dims),
-                Err(e) => Err(e),
-            }
-        })
+        // A stack keeps its values only if the first batch dim keeps its size.
+        let first_kept = old > 0 && batch_size.first() == self.batch_size().first();
+        self.transform(
+            &KeyPath::default(),
+            &new_batch,
+            &|t| {
+                let dims = new_batch(t.dims());
+                match t.reshape(dims.clone()) {
+                    Ok(view) => Ok(view),
+                    Err(memmap_tensor::Error::NotContiguous { .. }) => t.contiguous()?.reshape(dims),
+                    Err(e) => Err(e),
+                }
+            },
+            &|v| first_kept.then(|| keep(v)),
+        )
     }
 
     /// Inserts a batch dim of size 1 at `dim` (`0..=batch_dims`). Views.
     pub fn unsqueeze(&self, dim: usize) -> Result<TensorDict> {
         check_dim("unsqueeze", dim, self.batch_dims() + 1)?;
-        self.transform(&KeyPath::default(), &|batch| insert_dim(batch, dim, 1), &|t| t.unsqueeze(dim))
+        self.transform(&KeyPath::default(), &|batch| insert_dim(batch, dim, 1), &|t| t.unsqueeze(dim), &|v| {
+            (dim > 0).then(|| keep(v))
+        })
     }
 
     /// Removes batch dim `dim`, which must have size 1. Views.
@@ -155,23 +176,34 @@ impl TensorDict {
                 ),
             });
         }
-        self.transform(&KeyPath::default(), &|batch| remove_dim(batch, dim), &|t| t.squeeze(dim))
+        self.transform(&KeyPath::default(), &|batch| remove_dim(batch, dim), &|t| t.squeeze(dim), &|v| {
+            Some(if dim == 0 { Entry::NonTensor(v.first().cloned().unwrap_or_default()) } else { keep(v) })
+        })
     }
 
-    /// The same structure with `f` applied to every tensor and `batch` to every batch size.
+    /// The same structure with `f` applied to every tensor, `batch` to every batch size and
+    /// `stack` to the values of every non-tensor stack (`None`: the operation does not apply to
+    /// stacks).
     fn transform(
         &self,
         prefix: &KeyPath,
         batch: &dyn Fn(&[usize]) -> Vec<usize>,
         f: &dyn Fn(&Tensor) -> memmap_tensor::Result<Tensor>,
+        stack: &dyn Fn(&[Value]) -> Option<Entry>,
     ) -> Result<TensorDict> {
         let mut entries = IndexMap::with_capacity(self.len());
         for (name, entry) in self.iter() {
             let path = prefix.join(name);
             let value = match entry {
                 Entry::Tensor(t) => Entry::Tensor(f(t).with_key(|| path.clone())?),
-                Entry::Dict(d) => Entry::Dict(d.transform(&path, batch, f)?),
+                Entry::Dict(d) => Entry::Dict(d.transform(&path, batch, f, stack)?),
                 Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
+                Entry::NonTensorStack(v) => {
+                    stack(v.as_array().map_or(&[][..], Vec::as_slice)).ok_or_else(|| Error::InvalidArgument {
+                        op: "batch operation",
+                        detail: format!("key `{path}`: not supported for a non-tensor stack along its first dim"),
+                    })?
+                }
             };
             entries.insert(name.to_owned(), value);
         }
@@ -188,6 +220,19 @@ struct Combine<'a> {
     batch: &'a dyn Fn(&[usize]) -> Vec<usize>,
     /// The combined tensor, from the tensors at one key.
     tensors: &'a dyn Fn(&[&Tensor]) -> memmap_tensor::Result<Tensor>,
+    /// What happens to non-tensor stacks.
+    stacks: Stacks,
+}
+
+/// How `stack` and `cat` combine non-tensor stacks.
+#[derive(Clone, Copy)]
+enum Stacks {
+    /// `cat` along the first batch dim: the values follow each other.
+    Concat,
+    /// The first batch dim is unchanged: the stacks must be equal.
+    Same,
+    /// `stack` along the first batch dim would need a stack of stacks.
+    Refuse,
 }
 
 impl Combine<'_> {
@@ -227,10 +272,32 @@ impl Combine<'_> {
                     Entry::Dict(self.combine(&nested, &path)?)
                 }
                 Entry::NonTensor(v) => {
-                    if column.iter().any(|e| e.as_non_tensor() != Some(v)) {
+                    if column.iter().any(|e| !matches!(e, Entry::NonTensor(x) if x == v)) {
                         return Err(incompatible(op, format!("non-tensor values at `{path}` differ")));
                     }
                     Entry::NonTensor(v.clone())
+                }
+                Entry::NonTensorStack(v) => {
+                    let arrays = column
+                        .iter()
+                        .map(|e| match e {
+                            Entry::NonTensorStack(Value::Array(a)) => Ok(a.as_slice()),
+                            _ => Err(kind_mismatch(op, &path)),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    match self.stacks {
+                        Stacks::Concat => Entry::stack(arrays.concat()),
+                        Stacks::Same if arrays.iter().all(|a| Some(*a) == v.as_array().map(Vec::as_slice)) => {
+                            Entry::NonTensorStack(v.clone())
+                        }
+                        Stacks::Same => return Err(incompatible(op, format!("non-tensor stacks at `{path}` differ"))),
+                        Stacks::Refuse => {
+                            return Err(incompatible(
+                                op,
+                                format!("non-tensor stacks at `{path}` cannot be stacked along the first batch dim"),
+                            ));
+                        }
+                    }
                 }
             };
             entries.insert(name.to_owned(), value);
@@ -257,6 +324,11 @@ fn incompatible(op: &'static str, detail: String) -> Error {
 
 fn kind_mismatch(op: &'static str, path: &KeyPath) -> Error {
     incompatible(op, format!("entries at `{path}` are of different kinds"))
+}
+
+/// A non-tensor stack with the same values.
+fn keep(values: &[Value]) -> Entry {
+    Entry::stack(values.to_vec())
 }
 
 fn insert_dim(batch: &[usize], dim: usize, size: usize) -> Vec<usize> {

@@ -9,6 +9,7 @@ use crate::{Error, KeyPath, Result};
 
 /// One value of a [`TensorDict`].
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub enum Entry {
     /// A tensor whose shape starts with the dict's batch size.
     Tensor(Tensor),
@@ -16,6 +17,10 @@ pub enum Entry {
     Dict(TensorDict),
     /// Any JSON value (tensordict's `NonTensorData`), shared by the whole batch.
     NonTensor(Value),
+    /// One JSON value per index of the first batch dim (tensordict's `NonTensorStack`, what
+    /// Python makes of `td["names"] = ["a", "b", "c"]`): a JSON array as long as that dim.
+    /// Indexing the first batch dim indexes the array.
+    NonTensorStack(Value),
 }
 
 impl Entry {
@@ -25,6 +30,7 @@ impl Entry {
             Entry::Tensor(_) => "tensor",
             Entry::Dict(_) => "dict",
             Entry::NonTensor(_) => "non-tensor value",
+            Entry::NonTensorStack(_) => "non-tensor stack",
         }
     }
 
@@ -44,12 +50,17 @@ impl Entry {
         }
     }
 
-    /// The non-tensor value, if this is one.
+    /// The non-tensor value, or the array of a non-tensor stack.
     pub fn as_non_tensor(&self) -> Option<&Value> {
         match self {
-            Entry::NonTensor(v) => Some(v),
+            Entry::NonTensor(v) | Entry::NonTensorStack(v) => Some(v),
             _ => None,
         }
+    }
+
+    /// A non-tensor stack of `values`, one per index of the first batch dim.
+    pub fn stack(values: Vec<Value>) -> Entry {
+        Entry::NonTensorStack(Value::Array(values))
     }
 }
 
@@ -143,7 +154,7 @@ impl TensorDict {
     pub fn get_non_tensor(&self, key: impl Into<KeyPath>) -> Result<&Value> {
         let key = key.into();
         match self.get(&key)? {
-            Entry::NonTensor(v) => Ok(v),
+            Entry::NonTensor(v) | Entry::NonTensorStack(v) => Ok(v),
             other => Err(Error::WrongEntryKind { key, expected: "non-tensor value", actual: other.kind_name() }),
         }
     }
@@ -252,7 +263,7 @@ impl TensorDict {
     pub fn non_tensors(&self) -> Vec<(KeyPath, &Value)> {
         let mut out = Vec::new();
         self.visit(&KeyPath::default(), &mut |path, entry| {
-            if let Entry::NonTensor(v) = entry {
+            if let Entry::NonTensor(v) | Entry::NonTensorStack(v) = entry {
                 out.push((path.clone(), v));
             }
         });
@@ -416,7 +427,7 @@ impl TensorDict {
             let value = match entry {
                 Entry::Tensor(t) => Entry::Tensor(f(t).with_key(|| path.clone())?),
                 Entry::Dict(d) => Entry::Dict(d.apply_with_path(&path, f)?),
-                Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
+                other @ (Entry::NonTensor(_) | Entry::NonTensorStack(_)) => other.clone(),
             };
             check_fits(&path, &value, &self.batch_size)?;
             out.entries.insert(name.clone(), value);
@@ -571,6 +582,17 @@ pub(crate) fn check_fits(key: &KeyPath, value: &Entry, batch: &[usize]) -> Resul
         Entry::Tensor(t) => t.dims(),
         Entry::Dict(d) => d.batch_size(),
         Entry::NonTensor(_) => return Ok(()),
+        Entry::NonTensorStack(v) => {
+            let len = v.as_array().map(Vec::len);
+            return match (len, batch.first()) {
+                (Some(len), Some(&rows)) if len == rows => Ok(()),
+                _ => Err(Error::BatchSizeMismatch {
+                    key: key.clone(),
+                    shape: len.into_iter().collect(),
+                    batch_size: batch.to_vec(),
+                }),
+            };
+        }
     };
     if shape.starts_with(batch) {
         Ok(())

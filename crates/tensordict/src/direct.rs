@@ -141,6 +141,10 @@ fn gather_node(
             Entry::Tensor(t) => Entry::Tensor(gather_leaf(t, &key, engine, rows, mode)?),
             Entry::Dict(d) => Entry::Dict(gather_node(d, &key, engine, rows, indices, mode)?),
             Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
+            Entry::NonTensorStack(v) => {
+                let values = v.as_array().map_or(&[][..], Vec::as_slice);
+                Entry::stack(rows.iter().map(|&r| values.get(r).cloned().unwrap_or_default()).collect())
+            }
         };
         entries.insert(name.to_owned(), value);
     }

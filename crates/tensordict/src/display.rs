@@ -37,6 +37,12 @@ fn repr(td: &TensorDict) -> String {
             let value = match entry {
                 Entry::Tensor(t) => tensor_repr(t),
                 Entry::Dict(d) => repr(d),
+                Entry::NonTensorStack(v) => {
+                    format!(
+                        "NonTensorStack(\n    {v},\n    batch_size={},\n    device=None)",
+                        size_repr(td.batch_size())
+                    )
+                }
                 Entry::NonTensor(v) => {
                     format!("NonTensorData(data={v}, batch_size={}, device=None)", size_repr(td.batch_size()))
                 }

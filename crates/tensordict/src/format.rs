@@ -20,6 +20,8 @@ pub(crate) const TD_TYPE: &str = "<class 'tensordict._td.TensorDict'>";
 pub(crate) const TD_CLASS: &str = "tensordict:TensorDict";
 /// `_type` of a non-tensor value's `meta.json`.
 pub(crate) const NON_TENSOR_TYPE: &str = "<class 'tensordict.tensorclass.NonTensorData'>";
+/// `_type` of a non-tensor stack's `meta.json`.
+pub(crate) const NON_TENSOR_STACK_TYPE: &str = "<class 'tensordict.tensorclass.NonTensorStack'>";
 /// The newest format version this crate reads and the one it writes.
 pub const FORMAT_VERSION: i64 = 1;
 /// `meta.json` files larger than this are refused before they are read.
@@ -153,7 +155,22 @@ impl TensorDict {
                         "_metadata": null,
                         "_is_non_tensor": true,
                     });
-                    write_meta(&sub, &content, options, pending)?;
+                    write_meta(&sub, &to_python_json(&content), options, pending)?;
+                }
+                Entry::NonTensorStack(v) => {
+                    meta.insert(name.to_owned(), json!({"type": "NonTensorStack"}));
+                    let sub = dir.join(&stem);
+                    ensure_real_dir(&sub)?;
+                    // Python writes this one compact, with its own version and class.
+                    let content = json!({
+                        "_type": NON_TENSOR_STACK_TYPE,
+                        "_format_version": FORMAT_VERSION,
+                        "_class": "tensordict:NonTensorStack",
+                        "stack_dim": 0,
+                        "device": null,
+                        "data": v,
+                    });
+                    write_meta(&sub, &content.to_string().into_bytes(), options, pending)?;
                 }
             }
         }
@@ -162,7 +179,7 @@ impl TensorDict {
         meta.insert("_type".into(), json!(TD_TYPE));
         meta.insert("_format_version".into(), json!(FORMAT_VERSION));
         meta.insert("_class".into(), json!(TD_CLASS));
-        write_meta(dir, &Value::Object(meta), options, pending)
+        write_meta(dir, &to_python_json(&Value::Object(meta)), options, pending)
     }
 
     /// Opens the memmap folder at `prefix`, written by this crate or by Python tensordict
@@ -247,6 +264,7 @@ fn read_node(
                 match child.get("type").and_then(Value::as_str) {
                     Some("TensorDict") => read_node(&folder(), &key, Some(&batch), access, problems).map(Entry::Dict),
                     Some("NonTensorData") => read_non_tensor(&folder(), &key).map(Entry::NonTensor),
+                    Some("NonTensorStack") => read_non_tensor_stack(&folder(), &key, &batch),
                     Some(other) => Err(Error::Unsupported {
                         path: meta_path.clone(),
                         key: key.clone(),
@@ -329,6 +347,29 @@ fn read_non_tensor(dir: &Path, key: &KeyPath) -> Result<Value> {
     })
 }
 
+/// A `NonTensorStack` folder: JSON values stacked along the first batch dim.
+fn read_non_tensor_stack(dir: &Path, key: &KeyPath, batch: &[usize]) -> Result<Entry> {
+    let meta_path = dir.join("meta.json");
+    let meta = read_meta(&meta_path)?;
+    let unsupported = |what: String| Error::Unsupported { path: meta_path.clone(), key: key.clone(), what };
+    let obj = meta
+        .as_object()
+        .ok_or_else(|| Error::InvalidMeta { path: meta_path.clone(), reason: "not a JSON object".into() })?;
+    check_version(obj, &meta_path)?;
+    match obj.get("stack_dim").map(Value::as_u64) {
+        None | Some(Some(0)) => {}
+        Some(other) => return Err(unsupported(format!("a NonTensorStack along dim {other:?} (only 0 is read)"))),
+    }
+    let data = match obj.get("data") {
+        Some(Value::Array(values)) => Value::Array(values.clone()),
+        Some(Value::String(_)) => return Err(unsupported("a pickled NonTensorStack (`pickle.pkl`)".into())),
+        _ => return Err(unsupported("a NonTensorStack without JSON `data`".into())),
+    };
+    let stack = Entry::NonTensorStack(data);
+    crate::dict::check_fits(key, &stack, batch)?;
+    Ok(stack)
+}
+
 fn read_meta(path: &Path) -> Result<Value> {
     let io_err = |op, source| Error::Io { op, path: path.to_owned(), source };
     let file = fs::File::open(path).map_err(|e| io_err("open", e))?;
@@ -388,7 +429,7 @@ fn check_writable_keys(td: &TensorDict, path: &KeyPath) -> Result<()> {
         // same name.
         let on_disk = match entry {
             Entry::Tensor(_) => format!("{}.memmap", encode_name(name)),
-            Entry::Dict(_) | Entry::NonTensor(_) => encode_name(name),
+            Entry::Dict(_) | Entry::NonTensor(_) | Entry::NonTensorStack(_) => encode_name(name),
         };
         if !names.insert(on_disk) {
             return Err(Error::InvalidKey {
@@ -420,11 +461,11 @@ fn ensure_real_dir(dir: &Path) -> Result<()> {
     }
 }
 
-fn write_meta(dir: &Path, meta: &Value, options: &WriteOptions, pending: &mut Pending) -> Result<()> {
+fn write_meta(dir: &Path, text: &[u8], options: &WriteOptions, pending: &mut Pending) -> Result<()> {
     let target = dir.join("meta.json");
     let tmp = temp_name(&target);
     let io_err = |op, source| Error::Io { op, path: tmp.clone(), source };
-    fs::write(&tmp, to_python_json(meta)).map_err(|e| io_err("write", e))?;
+    fs::write(&tmp, text).map_err(|e| io_err("write", e))?;
     if options.fsync {
         sync_file(&tmp)?;
     }

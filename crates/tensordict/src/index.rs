@@ -10,6 +10,7 @@ use std::ops::{Range, RangeFrom, RangeFull, RangeInclusive, RangeTo};
 
 use indexmap::IndexMap;
 use memmap_tensor::Tensor;
+use serde_json::Value;
 
 use crate::error::WithKey;
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
@@ -264,10 +265,34 @@ impl<'a> Plan<'a> {
                 Entry::Tensor(t) => Entry::Tensor(self.apply(t).with_key(|| path.clone())?),
                 Entry::Dict(d) => Entry::Dict(self.apply_dict(d, &path)?),
                 Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
+                Entry::NonTensorStack(v) => self.apply_stack(v, td.batch_size(), &path)?,
             };
             entries.insert(name.to_owned(), value);
         }
         Ok(TensorDict::from_parts(self.batch_after(td.batch_size()), entries))
+    }
+
+    /// The plan applied to a non-tensor stack: its op on the first batch dim indexes the
+    /// array (an integer leaves one plain value). Ops on later dims must keep them whole.
+    fn apply_stack(&self, stack: &Value, batch: &[usize], path: &KeyPath) -> Result<Entry> {
+        let values = stack.as_array().map_or(&[][..], Vec::as_slice);
+        let Some((first, rest)) = self.ops.split_first() else { return Ok(Entry::NonTensorStack(stack.clone())) };
+        let whole =
+            |(op, &size): (&DimOp<'_>, &usize)| matches!(op, DimOp::Slice { start: 0, len, step: 1 } if *len == size);
+        if !rest.iter().zip(&batch[1..]).all(whole) {
+            return Err(Error::InvalidArgument {
+                op: "index",
+                detail: format!("key `{path}`: a non-tensor stack is indexed along the first batch dim only"),
+            });
+        }
+        let pick = |i: usize| values.get(i).cloned().unwrap_or(Value::Null);
+        Ok(match first {
+            DimOp::Select(i) => Entry::NonTensor(pick(*i)),
+            DimOp::Slice { start, len, step } => Entry::stack((0..*len).map(|k| pick(start + k * step)).collect()),
+            DimOp::Gather(list) => {
+                Entry::stack(list.iter().map(|&i| pick(normalize(i, values.len()).unwrap_or(usize::MAX))).collect())
+            }
+        })
     }
 
     /// The batch size after indexing, for a dict whose batch size starts with the one the plan

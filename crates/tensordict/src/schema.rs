@@ -33,6 +33,7 @@ fn describe_at(
             }
             Entry::Dict(d) => json!({ "dict": describe_at(d, &child, name)? }),
             Entry::NonTensor(v) => json!({ "non_tensor": v }),
+            Entry::NonTensorStack(v) => json!({ "non_tensor_stack": v }),
         };
         entries.insert(key.to_owned(), node);
     }
@@ -97,6 +98,10 @@ fn rebuild_at(
             Entry::Dict(rebuild_at(d, &child_path, Some(&batch), open, bad)?)
         } else if let Some(v) = child.get("non_tensor") {
             Entry::NonTensor(v.clone())
+        } else if let Some(v) = child.get("non_tensor_stack") {
+            let stack = Entry::NonTensorStack(v.clone());
+            crate::dict::check_fits(&child_path, &stack, &batch)?;
+            stack
         } else {
             return Err(bad(format!("`{child_path}`: unknown entry kind")));
         };

@@ -444,7 +444,6 @@ fn unsupported_entry_kinds() -> TestResult {
     let dir = tempfile::tempdir()?;
     let cases: Vec<(&str, Value)> = vec![
         ("lazy stack", json!({"type": "LazyStackedTensorDict"})),
-        ("non-tensor stack", json!({"type": "NonTensorStack"})),
         ("nested tensor", json!({"device": "cpu", "shape": [2, 3], "dtype": "torch.float32", "is_nested": true})),
     ];
     for (what, entry) in cases {

@@ -59,6 +59,8 @@ fn snapshot(td: &TensorDict) -> AnyResult<Vec<(KeyPath, String)>> {
             Entry::Tensor(t) => format!("tensor {} {:?} {:?}", t.dtype(), t.dims(), t.to_bytes()),
             Entry::Dict(d) => format!("dict {:?}", d.batch_size()),
             Entry::NonTensor(v) => format!("value {v}"),
+            Entry::NonTensorStack(v) => format!("stack {v}"),
+            other => format!("{other:?}"),
         };
         out.push((key, desc));
     }

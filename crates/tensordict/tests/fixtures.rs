@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use memmap_tensor::{Access, DType, Tensor};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use tensordict::{Error, KeyPath, TensorDict};
+use tensordict::{KeyPath, TensorDict};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -31,14 +31,6 @@ fn fixtures() -> Vec<(PathBuf, Value)> {
     out.sort_by(|a, b| a.0.cmp(&b.0));
     assert!(out.len() >= 12, "fixtures missing: found {}", out.len());
     out
-}
-
-/// Fixtures this crate refuses on purpose, with the reason.
-fn refused(folder: &Path) -> Option<&'static str> {
-    match folder.file_name()?.to_str()? {
-        "non_tensor_stack" => Some("NonTensorStack"),
-        _ => None,
-    }
 }
 
 fn hex_sha256(bytes: &[u8]) -> String {
@@ -125,12 +117,9 @@ fn check_against_expected(td: &TensorDict, expected: &Value, folder: &Path) {
 #[test]
 fn python_folders_read_as_expected() -> TestResult {
     for (folder, expected) in fixtures() {
-        match (TensorDict::load_memmap(&folder, Access::ReadOnly), refused(&folder)) {
-            (Ok(td), None) => check_against_expected(&td, &expected, &folder),
-            (Err(Error::Unsupported { what, .. }), Some(reason)) => assert!(what.contains(reason), "{what}"),
-            (Ok(_), Some(reason)) => panic!("{}: expected a refusal ({reason})", folder.display()),
-            (Err(e), _) => panic!("{}: {e}", folder.display()),
-        }
+        let td =
+            TensorDict::load_memmap(&folder, Access::ReadOnly).unwrap_or_else(|e| panic!("{}: {e}", folder.display()));
+        check_against_expected(&td, &expected, &folder);
     }
     Ok(())
 }
@@ -139,14 +128,7 @@ fn python_folders_read_as_expected() -> TestResult {
 fn verify_finds_python_folders_sound() {
     for (folder, _) in fixtures() {
         let problems = TensorDict::verify_memmap(&folder);
-        match refused(&folder) {
-            None => assert!(problems.is_empty(), "{}: {problems:?}", folder.display()),
-            Some(_) => assert!(
-                !problems.is_empty() && problems.iter().all(|p| matches!(p, Error::Unsupported { .. })),
-                "{}: {problems:?}",
-                folder.display()
-            ),
-        }
+        assert!(problems.is_empty(), "{}: {problems:?}", folder.display());
     }
 }
 
@@ -174,8 +156,8 @@ fn rewritten_folders_match_python_byte_for_byte() -> TestResult {
     for (folder, _) in fixtures() {
         let name = folder.file_name().unwrap().to_string_lossy().into_owned();
         // Format 0 is rewritten as format 1; raw (legacy) names are rewritten encoded; dim
-        // names are not kept; NonTensorStack is refused.
-        if refused(&folder).is_some() || matches!(name.as_str(), "format_v0" | "legacy_keys" | "names") {
+        // names are not kept.
+        if matches!(name.as_str(), "format_v0" | "legacy_keys" | "names") {
             continue;
         }
         let td = TensorDict::load_memmap(&folder, Access::ReadOnly)?;

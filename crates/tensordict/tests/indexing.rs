@@ -208,6 +208,7 @@ fn source_for(td: &TensorDict, index: &Index, seed: u8) -> AnyResult<TensorDict>
             }
             Entry::Dict(d) => src.set(&key, TensorDict::new(ref_dims(&plan, d.batch_size())))?,
             Entry::NonTensor(_) => src.set(&key, json!("ignored by set_at"))?,
+            other => panic!("unexpected entry {other:?}"),
         }
     }
     Ok(src)
