@@ -48,9 +48,23 @@ impl KeyPath {
     }
 }
 
+/// The components joined with `.`, control characters escaped (`\n`), so that a message
+/// naming a key stays on one line. Use [`KeyPath::joined`] for the raw form.
 impl fmt::Display for KeyPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.joined("."))
+        for (i, part) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(".")?;
+            }
+            for ch in part.chars() {
+                if ch.is_control() {
+                    write!(f, "{}", ch.escape_default())?;
+                } else {
+                    write!(f, "{ch}")?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -204,5 +218,11 @@ mod tests {
         assert_eq!(candidate_names("../x", false), vec!["..%2Fx"]);
         assert_eq!(candidate_names("..", true), vec!["%2E%2E"]);
         assert_eq!(candidate_names("..", false), vec!["%2E%2E", ".."]);
+    }
+
+    #[test]
+    fn displayed_paths_stay_on_one_line() {
+        assert_eq!(KeyPath::from(["next", "line\nfeed", "tab\t"]).to_string(), "next.line\\nfeed.tab\\t");
+        assert_eq!(KeyPath::from(["a.b", "c"]).joined("."), "a.b.c");
     }
 }
