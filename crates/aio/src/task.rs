@@ -98,6 +98,25 @@ struct RawPtr(*mut u8);
 // threads together with its owner.
 unsafe impl Send for RawPtr {}
 
+/// The `Task` methods that only forward to the task's `core` (a [`Linear`] or a
+/// [`Vectored`]); `$read` says whether data flows into the buffers.
+macro_rules! core_methods {
+    ($read:expr) => {
+        fn fd(&self) -> RawFd {
+            self.core.file.as_raw_fd()
+        }
+        fn is_read(&self) -> bool {
+            $read
+        }
+        fn step(&mut self) -> Step {
+            self.core.step()
+        }
+        fn advance(&mut self, n: usize) -> io::Result<Progress> {
+            advance(&mut self.core.done, self.core.total, n, $read)
+        }
+    };
+}
+
 /// The progress of a transfer through one buffer: `read_at` and `write_at`.
 struct Linear {
     file: Arc<File>,
@@ -132,18 +151,7 @@ impl<B: IoBufMut, F: FnOnce(io::Result<usize>, B) + Send + 'static> ReadTask<B, 
 }
 
 impl<B: IoBufMut, F: FnOnce(io::Result<usize>, B) + Send + 'static> Task for ReadTask<B, F> {
-    fn fd(&self) -> RawFd {
-        self.core.file.as_raw_fd()
-    }
-    fn is_read(&self) -> bool {
-        true
-    }
-    fn step(&mut self) -> Step {
-        self.core.step()
-    }
-    fn advance(&mut self, n: usize) -> io::Result<Progress> {
-        advance(&mut self.core.done, self.core.total, n, true)
-    }
+    core_methods!(true);
     fn finish(self: Box<Self>, result: io::Result<()>) {
         let ReadTask { core, mut buf, callback } = *self;
         // SAFETY: each completed transfer filled the bytes it reported, contiguously from the
@@ -169,18 +177,7 @@ impl<B: IoBuf, F: FnOnce(io::Result<usize>, B) + Send + 'static> WriteTask<B, F>
 }
 
 impl<B: IoBuf, F: FnOnce(io::Result<usize>, B) + Send + 'static> Task for WriteTask<B, F> {
-    fn fd(&self) -> RawFd {
-        self.core.file.as_raw_fd()
-    }
-    fn is_read(&self) -> bool {
-        false
-    }
-    fn step(&mut self) -> Step {
-        self.core.step()
-    }
-    fn advance(&mut self, n: usize) -> io::Result<Progress> {
-        advance(&mut self.core.done, self.core.total, n, false)
-    }
+    core_methods!(false);
     fn finish(self: Box<Self>, result: io::Result<()>) {
         let WriteTask { core, buf, callback } = *self;
         callback(result.map(|()| core.done).map_err(|e| op_error("write_at", core.offset + core.done as u64, e)), buf);
@@ -243,18 +240,7 @@ impl<B: IoBufMut, F: FnOnce(io::Result<usize>, Vec<B>) + Send + 'static> ReadvTa
 }
 
 impl<B: IoBufMut, F: FnOnce(io::Result<usize>, Vec<B>) + Send + 'static> Task for ReadvTask<B, F> {
-    fn fd(&self) -> RawFd {
-        self.core.file.as_raw_fd()
-    }
-    fn is_read(&self) -> bool {
-        true
-    }
-    fn step(&mut self) -> Step {
-        self.core.step()
-    }
-    fn advance(&mut self, n: usize) -> io::Result<Progress> {
-        advance(&mut self.core.done, self.core.total, n, true)
-    }
+    core_methods!(true);
     fn finish(self: Box<Self>, result: io::Result<()>) {
         let ReadvTask { core, mut bufs, callback } = *self;
         let mut left = core.done;
@@ -284,18 +270,7 @@ impl<B: IoBuf, F: FnOnce(io::Result<usize>, Vec<B>) + Send + 'static> WritevTask
 }
 
 impl<B: IoBuf, F: FnOnce(io::Result<usize>, Vec<B>) + Send + 'static> Task for WritevTask<B, F> {
-    fn fd(&self) -> RawFd {
-        self.core.file.as_raw_fd()
-    }
-    fn is_read(&self) -> bool {
-        false
-    }
-    fn step(&mut self) -> Step {
-        self.core.step()
-    }
-    fn advance(&mut self, n: usize) -> io::Result<Progress> {
-        advance(&mut self.core.done, self.core.total, n, false)
-    }
+    core_methods!(false);
     fn finish(self: Box<Self>, result: io::Result<()>) {
         let WritevTask { core, bufs, callback } = *self;
         callback(
