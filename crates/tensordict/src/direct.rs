@@ -153,7 +153,24 @@ fn gather_node(
     Ok(TensorDict::from_parts(batch, entries))
 }
 
-/// The rows of one file-backed tensor, read with one operation per row.
+/// Reads of neighbouring rows are merged up to this many bytes.
+const MAX_MERGED_READ: usize = 1 << 20;
+
+/// One read of a run of consecutive rows.
+struct Run {
+    /// The first row.
+    first: usize,
+    /// Rows in the run.
+    count: usize,
+    /// File offset and length of the read (aligned for O_DIRECT).
+    offset: u64,
+    len: usize,
+    /// Where the first row starts in what is read.
+    skip: usize,
+}
+
+/// The rows of one file-backed tensor, read through the engine: rows that follow each other
+/// in the file (a trajectory slice, duplicates) are read once, in file order, all in flight.
 fn gather_leaf(t: &Tensor, key: &KeyPath, engine: &Engine, rows: &[usize], mode: ReadMode) -> Result<Tensor> {
     let unsupported =
         |what: &str| Error::InvalidArgument { op: "gather_direct", detail: format!("key `{key}`: {what}") };
@@ -166,65 +183,74 @@ fn gather_leaf(t: &Tensor, key: &KeyPath, engine: &Engine, rows: &[usize], mode:
     }
     let elem = t.dtype().size_in_bytes();
     let row_bytes = t.layout().row_elems().unwrap_or(1) * elem;
-    let row_offset =
-        |r: usize| (t.byte_offset() + (t.layout().offset_elems() + r * t.layout().strides()[0]) * elem) as u64;
+    let stride_bytes = t.layout().strides()[0] * elem;
+    let row_offset = |r: usize| (t.byte_offset() + t.layout().offset_elems() * elem + r * stride_bytes) as u64;
     let io_err = |source: io::Error| Error::Io { op: "gather_direct", path: path.to_owned(), source };
+
+    // Runs of consecutive rows, in file order; rows only merge when they are adjacent in the
+    // file (not in a strided view).
+    let mut sorted = rows.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mergeable = stride_bytes == row_bytes;
     let align = DIRECT_ALIGN as u64;
-    // Per row: where the read starts in the file, how long it is, where the row starts in it.
-    let spans: Vec<(u64, usize, usize)> = rows
-        .iter()
-        .map(|&r| {
-            let start = row_offset(r);
-            match mode {
-                ReadMode::Buffered => (start, row_bytes, 0),
-                ReadMode::Direct => {
-                    let first = start / align * align;
-                    let end = (start + row_bytes as u64).div_ceil(align) * align;
-                    (
-                        first,
-                        usize::try_from(end - first).unwrap_or(usize::MAX),
-                        usize::try_from(start - first).unwrap_or(0),
-                    )
-                }
-            }
-        })
-        .collect();
+    let mut runs: Vec<Run> = Vec::new();
+    for &r in &sorted {
+        if let Some(run) = runs.last_mut()
+            && mergeable
+            && r == run.first + run.count
+            && (run.count + 1) * row_bytes <= MAX_MERGED_READ
+        {
+            run.count += 1;
+            continue;
+        }
+        runs.push(Run { first: r, count: 1, offset: 0, len: 0, skip: 0 });
+    }
+    for run in &mut runs {
+        let start = row_offset(run.first);
+        let end = start + (run.count * row_bytes) as u64;
+        let (first, last) = match mode {
+            ReadMode::Buffered => (start, end),
+            ReadMode::Direct => (start / align * align, end.div_ceil(align) * align),
+        };
+        run.offset = first;
+        run.len = usize::try_from(last - first).unwrap_or(usize::MAX);
+        run.skip = usize::try_from(start - first).unwrap_or(0);
+    }
+
     let file: Arc<File> = match mode {
         ReadMode::Buffered => Arc::clone(file),
         ReadMode::Direct => {
             Arc::new(OpenOptions::new().read(true).custom_flags(nix::libc::O_DIRECT).open(path).map_err(io_err)?)
         }
     };
-    let lens: Vec<usize> = spans.iter().map(|s| s.1).collect();
-    let total: usize = lens.iter().sum();
-    let parts = AlignedBuf::new(total).and_then(|b| b.split(&lens)).map_err(io_err)?;
-    let reads = spans.iter().zip(parts).map(|(s, part)| (Arc::clone(&file), s.0, part)).collect();
-    let mut back: Vec<BufPart> = Vec::with_capacity(rows.len());
-    for ((result, part), span) in engine.read_many(reads).into_iter().zip(&spans) {
+    let lens: Vec<usize> = runs.iter().map(|run| run.len).collect();
+    let parts = AlignedBuf::new(lens.iter().sum()).and_then(|b| b.split(&lens)).map_err(io_err)?;
+    let reads = runs.iter().zip(parts).map(|(run, part)| (Arc::clone(&file), run.offset, part)).collect();
+    let mut back: Vec<BufPart> = Vec::with_capacity(runs.len());
+    for ((result, part), run) in engine.read_many(reads).into_iter().zip(&runs) {
         let got = result.map_err(io_err)?;
-        if got < span.2 + row_bytes {
-            return Err(io_err(io::Error::new(
+        if got < run.skip + run.count * row_bytes {
+            let e = io::Error::new(
                 io::ErrorKind::UnexpectedEof,
-                format!("a row read returned {got} bytes"),
-            )));
+                format!("a read of {} rows returned {got} bytes", run.count),
+            );
+            return Err(io_err(e));
         }
         back.push(part);
     }
     let whole = BufPart::join(back).map_err(|_| io_err(io::Error::other("a read buffer did not come back")))?;
+
+    // Each requested row, in the order asked, from the run that holds it.
+    let starts: Vec<usize> = runs.iter().scan(0, |at, run| Some(std::mem::replace(at, *at + run.len))).collect();
+    let mut bytes = Vec::with_capacity(rows.len() * row_bytes);
+    for &r in rows {
+        let i = runs.partition_point(|run| run.first + run.count <= r);
+        let run = &runs[i];
+        let at = starts[i] + run.skip + (r - run.first) * row_bytes;
+        bytes.extend_from_slice(&whole.as_slice()[at..at + row_bytes]);
+    }
     let mut dims = t.dims().to_vec();
     dims[0] = rows.len();
-    let bytes = match mode {
-        // The parts were exactly the rows, in order.
-        ReadMode::Buffered => std::borrow::Cow::Borrowed(whole.as_slice()),
-        ReadMode::Direct => {
-            let mut out = Vec::with_capacity(rows.len() * row_bytes);
-            let mut at = 0;
-            for &(_, len, skip) in &spans {
-                out.extend_from_slice(&whole.as_slice()[at + skip..at + skip + row_bytes]);
-                at += len;
-            }
-            std::borrow::Cow::Owned(out)
-        }
-    };
     Tensor::from_bytes(&bytes, t.dtype(), dims).with_key(|| key.clone())
 }

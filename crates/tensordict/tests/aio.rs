@@ -92,3 +92,31 @@ fn a_dict_offloads_and_restores_as_a_group() -> TestResult {
     }
     Ok(())
 }
+
+/// Neighbouring rows are read together (a trajectory slice, repeats); the result is the same
+/// as indexing, also for a strided view, whose neighbouring rows are not adjacent in the file.
+#[test]
+fn runs_of_neighbouring_rows_gather_like_indexing() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    sample(5000)?.memmap(dir.path().join("td"))?;
+    let td = TensorDict::load_memmap(dir.path().join("td"), Access::ReadOnly)?;
+    // A slice of 300 rows (merged up to 1 MiB per read: obs rows are 336 B), the same slice
+    // again in reverse, a few stragglers.
+    let mut indices: Vec<i64> = (1000..4200).collect();
+    indices.extend((1000..1300).rev());
+    indices.extend([0, 4999, -2, 7, 7]);
+    let strided = td.index(Index::slice(Some(1), None, 2))?;
+    let strided_indices: Vec<i64> = vec![0, 1, 2, 3, 100, 101, -1];
+    for engine in engines() {
+        for mode in [ReadMode::Buffered, ReadMode::Direct] {
+            for (dict, idx) in [(&td, &indices), (&strided, &strided_indices)] {
+                match dict.gather_direct(&engine, idx, mode) {
+                    Ok(got) => same(&got, &dict.index(Index::List(idx.clone()))?),
+                    Err(Error::Io { source, .. }) if mode == ReadMode::Direct && source.raw_os_error() == Some(22) => {}
+                    Err(e) => panic!("{:?} {mode:?}: {e}", engine.backend()),
+                }
+            }
+        }
+    }
+    Ok(())
+}
