@@ -19,17 +19,18 @@ use crate::{Entry, Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
 /// How [`TensorDict::gather_direct`] reads rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReadMode {
-    /// Through the page cache: one read per row, exactly the row's bytes.
+    /// Through the page cache: exactly the rows' bytes.
     Buffered,
-    /// `O_DIRECT`: the 4 KiB-aligned blocks holding each row, bypassing the page cache; the row
-    /// is copied out of them. For datasets much larger than RAM, where caching random rows only
+    /// `O_DIRECT`: the 4 KiB-aligned blocks holding the rows, bypassing the page cache; the rows
+    /// are copied out of them. For datasets much larger than RAM, where caching random rows only
     /// evicts useful pages.
     Direct,
 }
 
 impl TensorDict {
     /// `self.index(indices)` for rows along the first batch dim, read from the leaf files with
-    /// explicit reads (many in flight at once) instead of page faults on the mappings: much
+    /// explicit reads (in file order, neighbouring rows merged into one read, all in flight at
+    /// once) instead of page faults on the mappings: much
     /// faster when the rows are not in memory. Every tensor must be file-backed (a memmap
     /// folder) with contiguous rows; tensors without elements are gathered from memory.
     pub fn gather_direct(&self, engine: &Engine, indices: &[i64], mode: ReadMode) -> Result<TensorDict> {
