@@ -30,9 +30,9 @@ pub enum ReadMode {
 impl TensorDict {
     /// `self.index(indices)` for rows along the first batch dim, read from the leaf files with
     /// explicit reads (in file order, neighbouring rows merged into one read, all in flight at
-    /// once) instead of page faults on the mappings: much
-    /// faster when the rows are not in memory. Every tensor must be file-backed (a memmap
-    /// folder) with contiguous rows; tensors without elements are gathered from memory.
+    /// once) instead of page faults on the mappings: much faster when the rows are not in
+    /// memory. Every tensor must be file-backed (a memmap folder) with contiguous rows; tensors
+    /// without elements are gathered from memory.
     pub fn gather_direct(&self, engine: &Engine, indices: &[i64], mode: ReadMode) -> Result<TensorDict> {
         let Some(&rows) = self.batch_size().first() else {
             return Err(Error::InvalidArgument { op: "gather_direct", detail: "the dict has no batch dim".into() });
