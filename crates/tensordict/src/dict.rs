@@ -449,19 +449,21 @@ impl TensorDict {
         Ok(())
     }
 
-    /// True when every tensor lives in a memory-mapped file (and there is at least one).
+    /// True when every tensor with data lives in a memory-mapped file (and there is at least
+    /// one). Tensors without elements have no file in the folder format, and do not count.
     pub fn is_memmap(&self) -> bool {
         self.all_leaves_on(StorageKind::File)
     }
 
-    /// True when every tensor lives in shared memory (and there is at least one).
+    /// True when every tensor with data lives in shared memory (and there is at least one).
     pub fn is_shared(&self) -> bool {
         self.all_leaves_on(StorageKind::Shm)
     }
 
     fn all_leaves_on(&self, kind: StorageKind) -> bool {
         let leaves = self.leaves();
-        !leaves.is_empty() && leaves.iter().all(|(_, t)| t.storage().kind() == kind)
+        let mut with_data = leaves.iter().filter(|(_, t)| t.nbytes() > 0).peekable();
+        with_data.peek().is_some() && with_data.all(|(_, t)| t.storage().kind() == kind)
     }
 
     /// Number of batch elements (the product of the batch size). A product too large for

@@ -650,6 +650,12 @@ fn storage_queries_numel_and_nbytes() -> TestResult {
     assert_eq!(mm.nbytes(), td.nbytes());
     assert_eq!(mm.numel(), 6);
 
+    // A leaf without elements has no file in the folder and does not count.
+    let mut with_empty = td.clone();
+    with_empty.set("empty", Tensor::zeros([2, 3, 0], DType::F32, &Location::Heap)?)?;
+    let loaded = with_empty.memmap(dir.path().join("with_empty"))?;
+    assert!(loaded.is_memmap());
+
     // Mixed storage is neither.
     let mut mixed = mm.clone();
     mixed.set("heap", counting(&[2, 3], 0)?)?;
