@@ -17,6 +17,7 @@ use crate::{Entry, Error, KeyPath, Result, TensorDict};
 
 /// An index over the batch dims of a [`TensorDict`].
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Index {
     /// One position of the dim, which is dropped. Negative counts from the end.
     Int(i64),
@@ -37,6 +38,15 @@ pub enum Index {
     Mask(Vec<bool>),
     /// One index per leading batch dim; the dims after the last are kept whole.
     Tuple(Vec<Index>),
+    /// A boolean mask over the leading batch dims `shape` (C order, one bool per element):
+    /// those dims become one, holding the positions that are `true`, as `td[mask]` does in
+    /// PyTorch with a mask of shape `batch_size[:k]`. Copies. Only valid as the whole index.
+    MaskNd {
+        /// One bool per element of the masked dims, in C order.
+        mask: Vec<bool>,
+        /// The masked dims: the first `shape.len()` batch dims.
+        shape: Vec<usize>,
+    },
 }
 
 impl Index {
@@ -66,6 +76,9 @@ impl fmt::Display for Index {
             }
             Index::List(v) => write!(f, "{v:?}"),
             Index::Mask(m) => write!(f, "mask(len={}, true={})", m.len(), m.iter().filter(|&&b| b).count()),
+            Index::MaskNd { mask, shape } => {
+                write!(f, "mask(shape={shape:?}, true={})", mask.iter().filter(|&&b| b).count())
+            }
             Index::Tuple(items) => {
                 let parts: Vec<String> = items.iter().map(ToString::to_string).collect();
                 write!(f, "({})", parts.join(", "))
@@ -216,6 +229,7 @@ impl<'a> Plan<'a> {
                     ))
                 }
                 Index::Tuple(_) => return Err(invalid("a tuple cannot hold another tuple".into())),
+                Index::MaskNd { .. } => return Err(invalid("a multi-dim mask must be the whole index".into())),
             };
             ops.push(op);
         }
@@ -339,8 +353,35 @@ impl TensorDict {
     /// are indexed the same way; non-tensor values are kept as they are.
     pub fn index(&self, index: impl Into<Index>) -> Result<TensorDict> {
         let index = index.into();
+        if let Index::MaskNd { mask, shape } = &index {
+            let (flat, positions) = self.flatten_for_mask(&index, mask, shape)?;
+            return flat.index(Index::List(positions));
+        }
         let plan = Plan::resolve(&index, self.batch_size())?;
         plan.apply_dict(self, &KeyPath::default())
+    }
+
+    /// For a multi-dim mask: this dict with the masked dims flattened into one (views where the
+    /// tensors are contiguous over them), and the positions the mask selects in it.
+    fn flatten_for_mask(&self, index: &Index, mask: &[bool], shape: &[usize]) -> Result<(TensorDict, Vec<i64>)> {
+        let invalid = |reason: String| Error::InvalidIndex {
+            index: index.to_string(),
+            batch_size: self.batch_size().to_vec(),
+            reason,
+        };
+        if shape.is_empty() || !self.batch_size().starts_with(shape) {
+            return Err(invalid(format!("the mask's shape {shape:?} is not a leading part of the batch size")));
+        }
+        let count: usize = shape.iter().product();
+        if mask.len() != count {
+            return Err(invalid(format!("{} mask values for shape {shape:?} ({count} elements)", mask.len())));
+        }
+        let mut flat_batch = vec![count];
+        flat_batch.extend_from_slice(&self.batch_size()[shape.len()..]);
+        let flat = self.reshape(&flat_batch)?;
+        let positions =
+            mask.iter().enumerate().filter(|&(_, &m)| m).map(|(i, _)| i64::try_from(i).unwrap_or(i64::MAX)).collect();
+        Ok((flat, positions))
     }
 
     /// `td[index] = src`: writes every tensor of `src` into the indexed rows of the tensor at
@@ -350,6 +391,19 @@ impl TensorDict {
     /// byte is written.
     pub fn set_at(&mut self, index: impl Into<Index>, src: &TensorDict) -> Result<()> {
         let index = index.into();
+        if let Index::MaskNd { mask, shape } = &index {
+            let (mut flat, positions) = self.flatten_for_mask(&index, mask, shape)?;
+            // Writes must land in this dict's memory: the flattening must have been a view.
+            for ((key, mine), (_, theirs)) in self.leaves().iter().zip(flat.leaves().iter()) {
+                if mine.nbytes() > 0 && !mine.shares_storage_with(theirs) {
+                    return Err(Error::InvalidArgument {
+                        op: "set_at",
+                        detail: format!("key `{key}`: a multi-dim mask needs tensors contiguous over the masked dims"),
+                    });
+                }
+            }
+            return flat.set_at(Index::List(positions), src);
+        }
         let plan = Plan::resolve(&index, self.batch_size())?;
         let mut writes: Vec<(KeyPath, Tensor, Gather<'_>, &Tensor)> = Vec::new();
         for (path, s) in src.leaves() {

@@ -100,7 +100,7 @@ fn ref_plan(index: &Index, batch: &[usize]) -> Vec<RefDim> {
             Index::Slice { start, stop, step } => RefDim::Keep(py_slice(*start, *stop, *step, n)),
             Index::List(list) => RefDim::Keep(list.iter().map(|&i| norm(i, n)).collect()),
             Index::Mask(mask) => RefDim::Keep(mask.iter().enumerate().filter(|(_, m)| **m).map(|(i, _)| i).collect()),
-            Index::Tuple(_) => panic!("the reference only takes valid indices"),
+            _ => panic!("the reference only takes valid per-dim indices"),
         })
         .collect()
 }
@@ -633,5 +633,61 @@ fn set_at_from_an_overlapping_view_of_itself() -> TestResult {
             Tensor::cat(&[&o.narrow(0, 0, 1)?, &o.narrow(0, 2, 1)?, &o.narrow(0, 1, 1)?, &o.narrow(0, 3, 2)?], 0)?;
         assert_eq!(t.to_bytes(), expected.to_bytes(), "{key}");
     }
+    Ok(())
+}
+
+/// A mask over several leading batch dims (PyTorch's `td[mask]` with `mask.shape ==
+/// batch_size[:k]`) flattens them and keeps the `true` positions, for reads and writes.
+#[test]
+fn multi_dim_masks_select_and_write_positions() -> TestResult {
+    let mut td = TensorDict::new([2, 3]);
+    let values: Vec<i32> = (0..24).collect();
+    td.set("x", Tensor::from_slice(&values, [2, 3, 4])?)?;
+    let mut nested = TensorDict::new([2, 3, 2]);
+    nested.set("y", Tensor::from_slice(&(0..12).map(|v| v as f32).collect::<Vec<_>>(), [2, 3, 2])?)?;
+    td.set("n", nested)?;
+    let mask = vec![true, false, true, false, false, true];
+    let index = Index::MaskNd { mask: mask.clone(), shape: vec![2, 3] };
+    let picked = td.index(index.clone())?;
+    assert_eq!(picked.batch_size(), &[3]);
+    assert_eq!(picked.get_dict("n")?.batch_size(), &[3, 2]);
+    // Flat positions 0, 2 and 5 of the [2, 3] grid.
+    assert_eq!(picked.get_tensor("x")?.to_vec::<i32>()?, [0, 1, 2, 3, 8, 9, 10, 11, 20, 21, 22, 23]);
+    assert_eq!(picked.get_tensor(["n", "y"])?.to_vec::<f32>()?, [0.0, 1.0, 4.0, 5.0, 10.0, 11.0]);
+
+    // A mask over the first dim only is the one-dim mask.
+    let first = td.index(Index::MaskNd { mask: vec![false, true], shape: vec![2] })?;
+    assert_eq!(first.batch_size(), &[1, 3]);
+
+    // Writes land in place.
+    let mut src = TensorDict::new([3]);
+    src.set("x", Tensor::from_slice(&[-1i32; 12], [3, 4])?)?;
+    td.set_at(index, &src)?;
+    let x = td.get_tensor("x")?.to_vec::<i32>()?;
+    assert_eq!(&x[0..4], &[-1; 4]);
+    assert_eq!(&x[4..8], &[4, 5, 6, 7]);
+    assert_eq!(&x[20..24], &[-1; 4]);
+
+    // Bad masks are errors naming the index and the batch size.
+    for bad in [
+        Index::MaskNd { mask: vec![true; 5], shape: vec![2, 3] },
+        Index::MaskNd { mask: vec![true; 6], shape: vec![3, 2] },
+        Index::MaskNd { mask: vec![], shape: vec![] },
+    ] {
+        assert!(matches!(td.index(bad.clone()), Err(Error::InvalidIndex { .. })), "{bad}");
+    }
+    assert!(matches!(
+        td.index(Index::Tuple(vec![Index::MaskNd { mask: vec![true; 2], shape: vec![2] }])),
+        Err(Error::InvalidIndex { .. })
+    ));
+    // Writing through a mask needs the masked dims contiguous (a strided view is not).
+    let mut strided = TensorDict::new([2, 2]);
+    strided.set("x", td.get_tensor("x")?.slice(1, 0, 3, 2)?)?;
+    let mut two = TensorDict::new([2]);
+    two.set("x", Tensor::from_slice(&[0i32; 8], [2, 4])?)?;
+    assert!(matches!(
+        strided.set_at(Index::MaskNd { mask: vec![true, false, false, true], shape: vec![2, 2] }, &two),
+        Err(Error::InvalidArgument { .. })
+    ));
     Ok(())
 }
