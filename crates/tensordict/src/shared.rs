@@ -2,10 +2,9 @@
 //! [`TensorDict::open_shared`], [`TensorDict::unlink_shared`].
 //!
 //! Under a prefix `p`, tensor `i` (depth-first order) lives in the shm object `/p.i`, and the
-//! schema in `/p.meta`: an 8-byte little-endian length, then JSON
-//! `{"version": 1, "root": NODE}` where `NODE` is
-//! `{"batch_size": [..], "entries": {"key": {"tensor": {"dtype", "shape", "shm"}} | {"dict": NODE} | {"non_tensor": VALUE}}}`.
-//! The schema is written last: a reader that finds it finds every tensor.
+//! schema in `/p.meta`: an 8-byte little-endian length, then JSON `{"version": 1, "root": NODE}`
+//! with `NODE` as in the `schema` module, each tensor's `name` being its object. The schema is
+//! written last: a reader that finds it finds every tensor.
 
 use memmap_tensor::{Access, DType, Location, Storage, Tensor};
 use serde_json::{Value, json};
