@@ -216,3 +216,36 @@ proptest! {
         }
     }
 }
+
+fn index_value() -> impl Strategy<Value = serde_json::Value> {
+    let num = prop_oneof![Just(0u64), Just(4096), Just(8192), Just(u64::MAX), Just(u64::MAX - 4095), any::<u64>()];
+    let entry = prop_oneof![
+        prop::collection::vec(num, 0..5).prop_map(serde_json::Value::from),
+        Just(serde_json::Value::Null),
+        "[a-z]{0,4}".prop_map(serde_json::Value::from),
+    ];
+    (prop_oneof![Just(1u64), any::<u64>()], prop::collection::btree_map("[a-c]{1,2}", entry, 0..6)).prop_map(
+        |(version, entries)| serde_json::json!({"version": version, "entries": entries.into_iter().collect::<serde_json::Map<_, _>>()}),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// Whatever the index file holds, opening gives an offloader or an error, and an offloader
+    /// opened from it reads every key it lists without panicking.
+    #[test]
+    fn hostile_indexes_never_panic(index in index_value(), garbage in prop::collection::vec(any::<u8>(), 0..64), raw in any::<bool>()) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("o");
+        let bytes = if raw { garbage } else { serde_json::to_vec(&index).unwrap() };
+        std::fs::write(dir.path().join("o.index"), bytes).unwrap();
+        if let Ok(off) = Offloader::with_engine(&path, Engine::new().unwrap()) {
+            for key in off.keys() {
+                let len = usize::try_from(off.len_of(&key).unwrap()).unwrap_or(usize::MAX).min(1 << 20);
+                let _ = off.sync_read(&key, Vec::with_capacity(len));
+            }
+            let _ = off.sync_write("new", vec![1u8; 100]);
+        }
+    }
+}
