@@ -191,7 +191,8 @@ fn io(path: &Path, size: u64, bs: u64, qd: usize, direct: bool, as_json: bool) -
     ensure!(!direct || bs.is_multiple_of(4096), "O_DIRECT needs --bs to be a multiple of 4096");
     let engine = Engine::new().context("starting the I/O engine")?;
     let mut options = std::fs::OpenOptions::new();
-    options.read(true).write(true).create(true).truncate(true);
+    // Not truncated: like fio, a second run overwrites the blocks the first one wrote.
+    options.read(true).write(true).create(true).truncate(false);
     if direct {
         options.custom_flags(nix::libc::O_DIRECT);
     }
@@ -227,47 +228,75 @@ fn io(path: &Path, size: u64, bs: u64, qd: usize, direct: bool, as_json: bool) -
 }
 
 /// Moves `blocks` blocks through the engine, keeping `qd` in flight; returns the seconds taken.
-fn stream(
-    engine: &Engine,
-    file: &Arc<std::fs::File>,
-    blocks: u64,
-    bs: usize,
-    qd: usize,
-    write: bool,
-) -> anyhow::Result<f64> {
-    let (tx, rx) = std::sync::mpsc::channel::<(std::io::Result<usize>, AlignedBuf)>();
-    let submit = |buf: AlignedBuf, block: u64| {
-        let tx = tx.clone();
-        let offset = block * bs as u64;
-        let done = move |r, b| {
-            let _ = tx.send((r, b));
-        };
-        if write {
-            engine.write_at_with(file, buf, offset, done);
-        } else {
-            engine.read_at_with(file, buf, offset, done);
-        }
-    };
-    let started = Instant::now();
-    let mut next = 0u64;
-    for _ in 0..qd.min(usize::try_from(blocks).unwrap_or(usize::MAX)) {
+/// Each completion submits the next block straight from its callback, so the pipeline never
+/// waits for this thread.
+fn stream(engine: &Engine, file: &Arc<std::fs::File>, blocks: u64, bs: usize, qd: usize, write: bool) -> anyhow::Result<f64> {
+    let lanes = qd.min(usize::try_from(blocks).unwrap_or(usize::MAX));
+    // The buffers are made (and filled) before the clock starts.
+    let mut buffers = Vec::with_capacity(lanes);
+    for lane in 0..lanes {
         let mut buf = AlignedBuf::new(bs)?;
-        buf.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = (i % 251) as u8);
-        submit(buf, next);
-        next += 1;
+        buf.as_mut_slice().fill(u8::try_from(lane % 251).unwrap_or(0));
+        buffers.push(buf);
     }
-    let mut completed = 0u64;
-    while completed < blocks {
-        let (result, buf) = rx.recv().context("the engine dropped a callback")?;
-        let n = result?;
-        ensure!(n == bs, "a block moved {n} of {bs} bytes");
-        completed += 1;
-        if next < blocks {
-            submit(buf, next);
-            next += 1;
-        }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stream = Arc::new(Stream {
+        engine: engine.clone(),
+        file: Arc::clone(file),
+        next: std::sync::atomic::AtomicU64::new(0),
+        blocks,
+        bs,
+        write,
+        finished: tx,
+    });
+    let started = Instant::now();
+    for buf in buffers {
+        stream.next_block(buf);
+    }
+    for _ in 0..lanes {
+        rx.recv().context("the engine dropped a callback")??;
     }
     Ok(started.elapsed().as_secs_f64())
+}
+
+/// The state `stream` shares with its callbacks.
+struct Stream {
+    engine: Engine,
+    file: Arc<std::fs::File>,
+    /// The next block to hand out.
+    next: std::sync::atomic::AtomicU64,
+    blocks: u64,
+    bs: usize,
+    write: bool,
+    /// One message per lane: `Ok` when no block is left, or the first error.
+    finished: std::sync::mpsc::Sender<anyhow::Result<()>>,
+}
+
+impl Stream {
+    /// Submits the next block with `buf`, or reports the lane finished.
+    fn next_block(self: &Arc<Self>, buf: AlignedBuf) {
+        let block = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if block >= self.blocks {
+            let _ = self.finished.send(Ok(()));
+            return;
+        }
+        let me = Arc::clone(self);
+        let done = move |result: std::io::Result<usize>, buf| match result {
+            Ok(n) if n == me.bs => me.next_block(buf),
+            Ok(n) => {
+                let _ = me.finished.send(Err(anyhow::anyhow!("a block moved {n} of {} bytes", me.bs)));
+            }
+            Err(e) => {
+                let _ = me.finished.send(Err(e.into()));
+            }
+        };
+        let offset = block * self.bs as u64;
+        if self.write {
+            self.engine.write_at_with(&self.file, buf, offset, done);
+        } else {
+            self.engine.read_at_with(&self.file, buf, offset, done);
+        }
+    }
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
