@@ -230,7 +230,14 @@ fn io(path: &Path, size: u64, bs: u64, qd: usize, direct: bool, as_json: bool) -
 /// Moves `blocks` blocks through the engine, keeping `qd` in flight; returns the seconds taken.
 /// Each completion submits the next block straight from its callback, so the pipeline never
 /// waits for this thread.
-fn stream(engine: &Engine, file: &Arc<std::fs::File>, blocks: u64, bs: usize, qd: usize, write: bool) -> anyhow::Result<f64> {
+fn stream(
+    engine: &Engine,
+    file: &Arc<std::fs::File>,
+    blocks: u64,
+    bs: usize,
+    qd: usize,
+    write: bool,
+) -> anyhow::Result<f64> {
     let lanes = qd.min(usize::try_from(blocks).unwrap_or(usize::MAX));
     // The buffers are made (and filled) before the clock starts.
     let mut buffers = Vec::with_capacity(lanes);
