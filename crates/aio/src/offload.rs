@@ -231,6 +231,22 @@ impl Offloader {
         }
     }
 
+    /// [`Offloader::async_write_group`], waiting; then saves the index, so every key survives a
+    /// restart. Must not be called from a callback.
+    pub fn sync_write_group<B: IoBuf>(&self, items: Vec<(String, B)>) -> (io::Result<()>, Vec<(String, B)>) {
+        let (completion, filler) = Completion::new();
+        self.async_write_group(items, move |r, back| filler.fill((r, back)));
+        let (result, back) = completion.wait();
+        (result.and_then(|()| self.save_index()), back)
+    }
+
+    /// [`Offloader::async_read_group`], waiting. Must not be called from a callback.
+    pub fn sync_read_group<B: IoBufMut>(&self, items: Vec<(String, B)>) -> (io::Result<()>, Vec<(String, B)>) {
+        let (completion, filler) = Completion::new();
+        self.async_read_group(items, move |r, back| filler.fill((r, back)));
+        completion.wait()
+    }
+
     /// Removes `key`; returns whether it existed. Its space is reused after the next save.
     pub fn remove(&self, key: &str) -> bool {
         let mut state = self.inner.state();

@@ -63,12 +63,7 @@ impl TensorDict {
             serde_json::to_vec(&json!({"version": 1, "root": root})).map_err(io::Error::other).map_err(io_err)?;
         let (result, _) = offloader.sync_write(&format!("{name}#schema"), text);
         result.map_err(io_err)?;
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        offloader.async_write_group(items, move |r, _| {
-            let _ = tx.send(r);
-        });
-        let written = rx.recv().unwrap_or_else(|_| Err(io::Error::other("the offloader dropped a callback")));
-        written.and_then(|()| offloader.synchronize()).map_err(io_err)
+        offloader.sync_write_group(items).0.map_err(io_err)
     }
 
     /// Reads back a dict written by [`TensorDict::offload`] under `name`, into new heap tensors
@@ -105,11 +100,7 @@ impl TensorDict {
             .into_iter()
             .map(|(stored, t)| t.into_io_buf().map(|buf| (stored, buf)).with_key(KeyPath::default))
             .collect::<Result<Vec<_>>>()?;
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        offloader.async_read_group(items, move |r, back| {
-            let _ = tx.send((r, back));
-        });
-        let (result, back) = rx.recv().map_err(|_| bad("the offloader dropped a callback".into()))?;
+        let (result, back) = offloader.sync_read_group(items);
         result.map_err(|source| Error::Io { op: "restore", path: path.clone(), source })?;
         let mut read: std::collections::HashMap<String, Tensor> =
             back.into_iter().map(|(stored, buf)| (stored, buf.into_tensor())).collect();
