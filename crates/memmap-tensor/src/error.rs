@@ -230,6 +230,14 @@ pub enum Error {
         /// The size asked for.
         bytes: usize,
     },
+    /// An operation that needs a file was asked of heap or shm storage.
+    #[error("{op}: the storage is not a file (it is {storage})")]
+    NotAFile {
+        /// The operation that was asked for.
+        op: &'static str,
+        /// What the storage is (`heap`, `shm:/name`).
+        storage: String,
+    },
     /// An I/O call on a file failed.
     #[error("{op} {}: {source}", path.display())]
     FileIo {

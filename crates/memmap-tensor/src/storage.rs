@@ -31,7 +31,6 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -98,11 +97,12 @@ enum Backing {
         layout: AllocLayout,
     },
     /// `map` is `None` for a zero-length region, which `mmap` refuses.
+    /// No file descriptor is kept: a dict of thousands of leaves must not hold thousands of
+    /// descriptors. `id` recognises the mapped file when it is opened again by path.
     File {
         path: PathBuf,
         map: Option<MmapRaw>,
-        /// The open file, for reads and writes that bypass the mapping (direct I/O).
-        file: Arc<File>,
+        id: FileId,
     },
     Shm {
         name: String,
@@ -163,11 +163,10 @@ impl Storage {
         let built = preallocate(&file, len_bytes)
             .map_err(|e| io_err("allocate", e))
             .and_then(|()| map_file(&file, path, len_bytes, Access::ReadWrite))
-            .and_then(|map| std::fs::rename(&tmp, path).map(|()| map).map_err(|e| io_err("rename", e)));
+            .and_then(|map| Ok((map, FileId::of(&file).map_err(|e| io_err("stat", e))?)))
+            .and_then(|built| std::fs::rename(&tmp, path).map(|()| built).map_err(|e| io_err("rename", e)));
         match built {
-            Ok(map) => {
-                Ok(Self::from_map(map, true, Backing::File { path: path.to_owned(), map: None, file: Arc::new(file) }))
-            }
+            Ok((map, id)) => Ok(Self::from_map(map, true, Backing::File { path: path.to_owned(), map: None, id })),
             Err(e) => {
                 // Best effort: the temporary file holds nothing anyone needs.
                 let _ = std::fs::remove_file(&tmp);
@@ -179,18 +178,28 @@ impl Storage {
     /// Maps the first `len_bytes` of the file at `path`.
     ///
     /// The file's length is checked before mapping: a file shorter than `len_bytes` is
-    /// [`Error::FileTooShort`]. A longer file is fine; the rest is not mapped.
+    /// [`Error::FileTooShort`]. A longer file is fine; the rest is not mapped. Anything but a
+    /// regular file (a FIFO, a device, a folder) is refused without blocking.
     pub fn open_file(path: impl AsRef<Path>, access: Access, len_bytes: usize) -> Result<Self> {
         let path = path.as_ref();
-        let io_err = |op, source| Error::FileIo { op, path: path.to_owned(), source };
         // O_NONBLOCK: opening a FIFO planted at `path` must not hang; it has no effect on
-        // regular files, and anything else is refused just below.
+        // regular files, and anything else is refused by `from_file`.
         let file = OpenOptions::new()
             .read(true)
             .write(access == Access::ReadWrite)
-            .custom_flags(OFlag::O_NONBLOCK.bits())
+            .custom_flags(OFlag::O_NONBLOCK.bits() | OFlag::O_CLOEXEC.bits())
             .open(path)
-            .map_err(|e| io_err("open", e))?;
+            .map_err(|source| Error::FileIo { op: "open", path: path.to_owned(), source })?;
+        Self::from_file(&file, path, access, len_bytes)
+    }
+
+    /// Maps the first `len_bytes` of an open file, as [`Storage::open_file`] does; `path` names
+    /// the file in errors and is where [`Storage::reopen_file`] finds it again. For callers that
+    /// open files their own way (relative to a folder's descriptor, without following links).
+    /// The descriptor is not kept: the caller may close `file` once this returns.
+    pub fn from_file(file: &File, path: impl AsRef<Path>, access: Access, len_bytes: usize) -> Result<Self> {
+        let path = path.as_ref();
+        let io_err = |op, source| Error::FileIo { op, path: path.to_owned(), source };
         let meta = file.metadata().map_err(|e| io_err("stat", e))?;
         if !meta.is_file() {
             let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file");
@@ -204,8 +213,8 @@ impl Storage {
                 required_bytes: len_bytes as u64,
             });
         }
-        let map = map_file(&file, path, len_bytes, access)?;
-        let backing = Backing::File { path: path.to_owned(), map: None, file: Arc::new(file) };
+        let map = map_file(file, path, len_bytes, access)?;
+        let backing = Backing::File { path: path.to_owned(), map: None, id: FileId::from_metadata(&meta) };
         Ok(Self::from_map(map, access == Access::ReadWrite, backing))
     }
 
@@ -306,12 +315,29 @@ impl Storage {
         }
     }
 
-    /// The open file, for file storage: for I/O that bypasses the mapping (see the `aio` crate).
-    pub fn file(&self) -> Option<&Arc<File>> {
-        match &self.backing {
-            Backing::File { file, .. } => Some(file),
-            _ => None,
+    /// Opens the mapped file again, read-only, adding `custom_flags` to `open(2)` (`O_DIRECT`,
+    /// say): for I/O that bypasses the mapping (see the `aio` crate). Fails if this is not file
+    /// storage, or if the path now names another file than the one mapped (the folder was
+    /// rewritten since it was opened), so such reads never mix two versions of a file.
+    pub fn reopen_file(&self, custom_flags: i32) -> Result<File> {
+        let Backing::File { path, id, .. } = &self.backing else {
+            return Err(Error::NotAFile { op: "reopen_file", storage: self.describe() });
+        };
+        let io_err = |op, source| Error::FileIo { op, path: path.clone(), source };
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(custom_flags | OFlag::O_NONBLOCK.bits() | OFlag::O_CLOEXEC.bits())
+            .open(path)
+            .map_err(|e| io_err("open", e))?;
+        let now = FileId::of(&file).map_err(|e| io_err("stat", e))?;
+        if now != *id {
+            let e = std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "the path names another file than the one mapped (it was replaced); open the folder again",
+            );
+            return Err(io_err("reopen", e));
         }
+        Ok(file)
     }
 
     /// The shm name, for shm storage.
@@ -485,6 +511,24 @@ fn preallocate(file: &File, len: usize) -> std::io::Result<()> {
         // Filesystems without fallocate: set the size; blocks get allocated on first write.
         Err(Errno::EOPNOTSUPP) => file.set_len(len as u64),
         Err(e) => Err(e.into()),
+    }
+}
+
+/// Identity of a file: device and inode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+}
+
+impl FileId {
+    fn from_metadata(meta: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        FileId { dev: meta.dev(), ino: meta.ino() }
+    }
+
+    fn of(file: &File) -> std::io::Result<Self> {
+        file.metadata().map(|m| Self::from_metadata(&m))
     }
 }
 

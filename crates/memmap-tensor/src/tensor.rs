@@ -164,6 +164,21 @@ impl Tensor {
         Self::from_storage(Arc::new(storage), 0, dtype, layout)
     }
 
+    /// [`Tensor::open_file`] of a file the caller opened (see [`Storage::from_file`]): `path`
+    /// names it in errors. The descriptor is not kept.
+    pub fn from_file(
+        file: &std::fs::File,
+        path: impl AsRef<Path>,
+        dtype: DType,
+        shape: impl Into<Shape>,
+        access: Access,
+    ) -> Result<Self> {
+        let layout = Layout::contiguous(shape)?;
+        let len = layout.required_bytes(dtype.size_in_bytes())?;
+        let storage = Storage::from_file(file, path, access, len)?;
+        Self::from_storage(Arc::new(storage), 0, dtype, layout)
+    }
+
     /// Maps the tensor stored C-contiguously at the start of the shm object `name`.
     pub fn open_shm(name: &str, dtype: DType, shape: impl Into<Shape>, access: Access) -> Result<Self> {
         let layout = Layout::contiguous(shape)?;
@@ -322,7 +337,11 @@ impl Tensor {
     /// Copies the elements, in C order, into a new `Vec`. Works for any layout and alignment.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.check_elem::<T>("to_vec")?;
-        let mut out = vec![T::zeroed(); self.elem_count()];
+        let count = self.elem_count();
+        let mut out = Vec::new();
+        // A mapping can be far larger than memory: a failed allocation is an error, not an abort.
+        out.try_reserve_exact(count).map_err(|_| Error::OutOfMemory { bytes: self.nbytes() })?;
+        out.resize(count, T::zeroed());
         self.copy_out(bytemuck::cast_slice_mut(&mut out));
         Ok(out)
     }

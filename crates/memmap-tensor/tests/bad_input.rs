@@ -340,3 +340,59 @@ fn non_regular_files_are_refused_without_blocking() -> TestResult {
     }
     Ok(())
 }
+
+/// A mapping can be far larger than memory; copying it out is an error, not an abort.
+#[test]
+fn to_vec_of_a_leaf_larger_than_memory_is_an_error() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("huge.bin");
+    let file = std::fs::File::create(&path)?;
+    file.set_len(1 << 40)?; // sparse: no blocks are used
+    let t = Tensor::open_file(&path, DType::U8, [1usize << 40], Access::ReadOnly)?;
+    let err = t.to_vec::<u8>().unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { bytes } if bytes == 1 << 40), "{err:?}");
+    Ok(())
+}
+
+/// Opening a file keeps no descriptor: thousands of leaves fit in a small descriptor limit.
+#[test]
+fn mapped_files_hold_no_descriptor() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("t.bin");
+    std::fs::write(&path, [7u8; 64])?;
+    let fd_target = |fd: &std::fs::DirEntry| std::fs::read_link(fd.path()).ok();
+    let tensors: Vec<Tensor> =
+        (0..50).map(|_| Tensor::open_file(&path, DType::U8, [64], Access::ReadOnly)).collect::<Result<_, _>>()?;
+    // Other tests run in this process at the same time, so count only descriptors of this file.
+    let open_here = std::fs::read_dir("/proc/self/fd")?
+        .filter_map(Result::ok)
+        .filter(|fd| fd_target(fd).is_some_and(|target| target == path))
+        .count();
+    assert_eq!(open_here, 0, "descriptors of {} still open", path.display());
+    assert_eq!(tensors[49].to_vec::<u8>()?, [7u8; 64]);
+    Ok(())
+}
+
+/// I/O that bypasses the mapping reopens the mapped file, and refuses a file that replaced it.
+#[test]
+fn reopen_file_refuses_a_replaced_file() -> TestResult {
+    use std::io::Read;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("t.bin");
+    std::fs::write(&path, [1u8; 16])?;
+    let t = Tensor::open_file(&path, DType::U8, [16], Access::ReadOnly)?;
+    let mut bytes = Vec::new();
+    t.storage().reopen_file(0)?.read_to_end(&mut bytes)?;
+    assert_eq!(bytes, [1u8; 16]);
+
+    let tmp = dir.path().join("t.new");
+    std::fs::write(&tmp, [2u8; 16])?;
+    std::fs::rename(&tmp, &path)?;
+    let err = t.storage().reopen_file(0).unwrap_err();
+    assert!(err.to_string().contains("replaced"), "{err}");
+    assert!(matches!(
+        Tensor::zeros([2], DType::U8, &Location::Heap)?.storage().reopen_file(0),
+        Err(Error::NotAFile { .. })
+    ));
+    Ok(())
+}

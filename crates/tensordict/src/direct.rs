@@ -1,9 +1,7 @@
 //! Cold batch gathers and offloading through the `aio` engine:
 //! [`TensorDict::gather_direct`], [`TensorDict::offload`], [`TensorDict::restore`].
 
-use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::OpenOptionsExt;
 use std::sync::Arc;
 
 use aio::{AlignedBuf, BufPart, DIRECT_ALIGN, Engine, Offloader};
@@ -167,7 +165,7 @@ fn gather_leaf(t: &Tensor, key: &KeyPath, engine: &Engine, rows: &[usize], mode:
     let unsupported =
         |what: &str| Error::InvalidArgument { op: "gather_direct", detail: format!("key `{key}`: {what}") };
     let storage = t.storage();
-    let (Some(file), Some(path)) = (storage.file(), storage.path()) else {
+    let Some(path) = storage.path() else {
         return Err(unsupported(&format!("its data is not in a file (it is {})", storage.describe())));
     };
     if storage.kind() != StorageKind::File || !t.layout().rows_contiguous() {
@@ -210,12 +208,13 @@ fn gather_leaf(t: &Tensor, key: &KeyPath, engine: &Engine, rows: &[usize], mode:
         run.skip = usize::try_from(start - first).unwrap_or(0);
     }
 
-    let file: Arc<File> = match mode {
-        ReadMode::Buffered => Arc::clone(file),
-        ReadMode::Direct => {
-            Arc::new(OpenOptions::new().read(true).custom_flags(nix::libc::O_DIRECT).open(path).map_err(io_err)?)
-        }
+    // The file that is mapped, not whatever the path names now (the folder may have been
+    // rewritten since it was opened).
+    let flags = match mode {
+        ReadMode::Buffered => 0,
+        ReadMode::Direct => nix::libc::O_DIRECT,
     };
+    let file = Arc::new(storage.reopen_file(flags).with_key(|| key.clone())?);
     let lens: Vec<usize> = runs.iter().map(|run| run.len).collect();
     let parts = AlignedBuf::new(lens.iter().sum()).and_then(|b| b.split(&lens)).map_err(io_err)?;
     let reads = runs.iter().zip(parts).map(|(run, part)| (Arc::clone(&file), run.offset, part)).collect();
