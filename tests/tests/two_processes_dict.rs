@@ -82,6 +82,6 @@ fn a_peer_given_a_missing_folder_fails_cleanly() -> anyhow::Result<()> {
         .output()?;
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("meta.json") && !stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("absent") && !stderr.contains("panicked"), "{stderr}");
     Ok(())
 }

@@ -106,7 +106,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Verify { path } => verify(&path),
         Command::Copy { src, dst, fsync } => {
             let td = open(&src, Access::ReadOnly)?;
-            td.memmap_with(&dst, &tensordict::WriteOptions { fsync })
+            td.memmap_with(&dst, &tensordict::WriteOptions::default().fsync(fsync))
                 .with_context(|| format!("writing {}", dst.display()))?;
             out!("copied {} leaves ({} bytes) to {}", td.leaves().len(), td.nbytes(), dst.display());
             Ok(ExitCode::SUCCESS)

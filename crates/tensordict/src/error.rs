@@ -103,6 +103,22 @@ pub enum Error {
         /// What was found.
         what: String,
     },
+    /// A write would replace data without being asked to, or would replace something that is
+    /// not a dict.
+    #[error("{}: {reason}", path.display())]
+    DestinationExists {
+        /// The destination.
+        path: PathBuf,
+        /// What is there, and what to do.
+        reason: String,
+    },
+    /// A hidden file or folder left by a writer (reported by
+    /// [`TensorDict::verify_memmap`](crate::TensorDict::verify_memmap)).
+    #[error("{}: {} left by {}", leftover.path.display(), crate::replace::human_bytes(leftover.bytes), describe_writer(leftover))]
+    Leftover {
+        /// What was found.
+        leftover: crate::Leftover,
+    },
     /// A file or folder operation failed.
     #[error("{op} {}: {source}", path.display())]
     Io {
@@ -125,6 +141,17 @@ pub enum Error {
         #[source]
         source: memmap_tensor::Error,
     },
+}
+
+fn describe_writer(leftover: &crate::Leftover) -> String {
+    let who = leftover.pid.map_or_else(|| "a writer".to_owned(), |pid| format!("the writer with pid {pid}"));
+    match leftover.state {
+        crate::WriterState::Alive => format!("{who}, which is still running"),
+        crate::WriterState::Dead => {
+            format!("{who}, which is gone; `tdict clean` or TensorDict::remove_leftovers removes it")
+        }
+        _ => format!("{who} on another machine or container; remove it by hand once that writer is gone"),
+    }
 }
 
 /// `Result` with this crate's [`Error`].

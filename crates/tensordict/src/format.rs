@@ -2,16 +2,18 @@
 //! [`TensorDict::memmap`], [`TensorDict::memmap_like`], [`TensorDict::load_memmap`].
 
 use std::fs;
-use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use std::sync::Arc;
 
 use indexmap::IndexMap;
 use memmap_tensor::{Access, DType, Location, Tensor};
 use serde_json::{Map, Value, json};
 
+use crate::dir::Dir;
 use crate::error::WithKey;
 use crate::json::to_python_json;
 use crate::key::{METADATA_KEYS, RESERVED_KEYS, candidate_names, encode_name};
+use crate::replace::{self, Destination, Existing, Leftover, WriterState};
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
 
 /// `_type` of a TensorDict node in `meta.json`.
@@ -29,13 +31,56 @@ pub const MAX_META_BYTES: u64 = 64 << 20;
 /// Folders nested deeper than this are refused (a hostile folder must not exhaust the stack).
 pub const MAX_DEPTH: usize = 128;
 
-/// Options for [`TensorDict::memmap_with`].
-#[derive(Clone, Debug, Default)]
+/// Options for [`TensorDict::memmap_with`] and [`TensorDict::memmap_like_with`].
+///
+/// ```
+/// let options = tensordict::WriteOptions::default().overwrite(true).fsync(true);
+/// assert!(options.overwrite && options.fsync);
+/// ```
+#[derive(Clone, Default)]
+#[non_exhaustive]
 pub struct WriteOptions {
-    /// `fsync` every file written and every folder changed before the commit (the final rename
-    /// of the top `meta.json`) and after it, so a power loss cannot leave the commit without its
-    /// data. Off by default, as in Python.
+    /// `fsync` every file and folder written before the new folder is put in place, and the
+    /// folder that holds it after, so that a power loss cannot lose a write that returned. Off
+    /// by default, as in Python.
     pub fsync: bool,
+    /// Replace a dict already at the destination (TorchRL's `existsok`). Off by default: writing
+    /// onto a non-empty folder is then an [`Error::DestinationExists`], so that re-running a
+    /// script does not silently wipe its data. A non-empty folder that holds no dict (no
+    /// `meta.json`) is never replaced.
+    pub overwrite: bool,
+    /// Called as tensor bytes are written, with the bytes written so far and the total.
+    pub progress: Option<Arc<dyn Fn(u64, u64) + Send + Sync>>,
+}
+
+impl WriteOptions {
+    /// Sets [`WriteOptions::fsync`].
+    pub fn fsync(mut self, yes: bool) -> Self {
+        self.fsync = yes;
+        self
+    }
+
+    /// Sets [`WriteOptions::overwrite`].
+    pub fn overwrite(mut self, yes: bool) -> Self {
+        self.overwrite = yes;
+        self
+    }
+
+    /// Sets [`WriteOptions::progress`].
+    pub fn progress(mut self, report: impl Fn(u64, u64) + Send + Sync + 'static) -> Self {
+        self.progress = Some(Arc::new(report));
+        self
+    }
+}
+
+impl std::fmt::Debug for WriteOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriteOptions")
+            .field("fsync", &self.fsync)
+            .field("overwrite", &self.overwrite)
+            .field("progress", &self.progress.is_some())
+            .finish()
+    }
 }
 
 /// What the writer puts into each leaf file.
@@ -47,22 +92,22 @@ enum Fill {
     Zeros(Option<usize>),
 }
 
-/// Files written under temporary names, renamed into place once everything is written.
-#[derive(Default)]
-struct Pending {
-    /// Leaf files, `(temporary, final)`.
-    leaves: Vec<(PathBuf, PathBuf)>,
-    /// `meta.json` files, children before parents; the last is the commit point.
-    metas: Vec<(PathBuf, PathBuf)>,
-    /// Folders whose entries change, for fsync.
-    dirs: Vec<PathBuf>,
+/// Bytes copied between progress reports (and per copy of a large leaf).
+const PROGRESS_CHUNK_BYTES: usize = 64 << 20;
+
+/// The state of one write: options and progress.
+struct Writing<'a> {
+    options: &'a WriteOptions,
+    fill: Fill,
+    done_bytes: u64,
+    total_bytes: u64,
 }
 
-impl Pending {
-    fn discard(&self) {
-        for (tmp, _) in self.leaves.iter().chain(&self.metas) {
-            // Best effort: a leftover temporary file is harmless (it is never read).
-            let _ = fs::remove_file(tmp);
+impl Writing<'_> {
+    fn advance(&mut self, bytes: usize) {
+        self.done_bytes += bytes as u64;
+        if let Some(report) = &self.options.progress {
+            report(self.done_bytes, self.total_bytes);
         }
     }
 }
@@ -71,53 +116,103 @@ impl TensorDict {
     /// Writes the dict to the folder `prefix` in Python tensordict's memmap layout (readable with
     /// `TensorDict.load_memmap(prefix)`) and returns it opened from there, read-write.
     ///
-    /// Writing is crash-safe: every file is written under a temporary name, then leaf files are
-    /// renamed into place, then `meta.json` files, the top one last. Until that last rename a
-    /// reader sees the previous version's `meta.json`. Files that may be mapped are replaced,
-    /// never truncated.
+    /// `prefix` must not exist, or be an empty folder; to replace a dict there, use
+    /// [`TensorDict::memmap_with`] and [`WriteOptions::overwrite`].
+    ///
+    /// Writing is atomic: the complete folder is built under a hidden name beside `prefix`,
+    /// loaded back as a check, and then put in place in one step (see `FORMAT.md`, "Writing").
+    /// After a crash at any point, or an error, `prefix` holds the complete old dict or the
+    /// complete new one, never a mix; an `Err` means the old one is intact.
     pub fn memmap(&self, prefix: impl AsRef<Path>) -> Result<TensorDict> {
         self.memmap_with(prefix, &WriteOptions::default())
     }
 
-    /// [`TensorDict::memmap`] with options (fsync).
+    /// [`TensorDict::memmap`] with options (replace an existing dict, fsync, progress).
     pub fn memmap_with(&self, prefix: impl AsRef<Path>, options: &WriteOptions) -> Result<TensorDict> {
         self.write_folder(prefix.as_ref(), Fill::Copy, options)
     }
 
     /// Allocates a zero-filled folder with the same schema (keys, dtypes, shapes, non-tensor
     /// values) at `prefix` and returns it opened read-write. With `batch0`, dim 0 of the batch
-    /// size, and of every tensor, becomes `batch0` (a replay buffer's capacity, say).
+    /// size, and of every tensor, becomes `batch0` (a replay buffer's capacity, say). Like
+    /// [`TensorDict::memmap`], it refuses to replace existing data.
     pub fn memmap_like(&self, prefix: impl AsRef<Path>, batch0: Option<usize>) -> Result<TensorDict> {
+        self.memmap_like_with(prefix, batch0, &WriteOptions::default())
+    }
+
+    /// [`TensorDict::memmap_like`] with options.
+    pub fn memmap_like_with(
+        &self,
+        prefix: impl AsRef<Path>,
+        batch0: Option<usize>,
+        options: &WriteOptions,
+    ) -> Result<TensorDict> {
         if batch0.is_some() && self.batch_dims() == 0 {
             return Err(Error::InvalidArgument {
                 op: "memmap_like",
                 detail: "the dict has no batch dim to resize".into(),
             });
         }
-        self.write_folder(prefix.as_ref(), Fill::Zeros(batch0), &WriteOptions::default())
+        self.write_folder(prefix.as_ref(), Fill::Zeros(batch0), options)
+    }
+
+    /// Hidden files and folders that writers left beside or inside the folder `prefix` (a
+    /// killed writer leaves its unfinished copy), with whether each writer still runs.
+    pub fn leftovers(prefix: impl AsRef<Path>) -> Result<Vec<Leftover>> {
+        Ok(Destination::new(prefix.as_ref())?.leftovers())
+    }
+
+    /// Removes the [`TensorDict::leftovers`] of writers that are known to be gone, and returns
+    /// what it removed. Leftovers of running writers, or of writers on another machine or in
+    /// another container (which this process cannot see), are kept.
+    pub fn remove_leftovers(prefix: impl AsRef<Path>) -> Result<Vec<Leftover>> {
+        let destination = Destination::new(prefix.as_ref())?;
+        destination.recover()?;
+        let mut removed = Vec::new();
+        for leftover in destination.leftovers() {
+            if leftover.state == WriterState::Dead {
+                replace::remove(&leftover)?;
+                removed.push(leftover);
+            }
+        }
+        Ok(removed)
     }
 
     fn write_folder(&self, prefix: &Path, fill: Fill, options: &WriteOptions) -> Result<TensorDict> {
         self.validate()?;
-        let mut pending = Pending::default();
-        let written = self.write_node(prefix, &KeyPath::default(), fill, options, &mut pending);
-        if let Err(e) = written.and_then(|()| commit(&pending, options)) {
-            pending.discard();
-            return Err(e);
+        let destination = Destination::new(prefix)?;
+        let existing = destination.existing()?;
+        if existing == Existing::Dict && !options.overwrite {
+            return Err(Error::DestinationExists {
+                path: prefix.to_owned(),
+                reason: "it already holds a TensorDict; replacing it must be asked for \
+                         (WriteOptions::overwrite, `tdict copy --force`)"
+                    .into(),
+            });
         }
-        TensorDict::load_memmap(prefix, Access::ReadWrite)
+        // Best effort: what a killed writer left here is garbage; a failure to remove it is
+        // no reason to fail this write.
+        let _ = Self::remove_leftovers(prefix);
+        let staging = destination.stage()?;
+        let total_bytes = self.leaves().iter().map(|(_, t)| resized_bytes(t, fill)).sum();
+        let mut writing = Writing { options, fill, done_bytes: 0, total_bytes };
+        self.write_node(staging.path(), &KeyPath::default(), &mut writing)?;
+        if options.fsync {
+            sync_tree(staging.path(), 0)?;
+        }
+        // Whatever is put in place must load: check it before, through the names it will have.
+        let top = Dir::open_at_path(staging.path(), prefix.to_owned())?;
+        let written = read_node(&top, &KeyPath::default(), None, Access::ReadWrite, &mut None)?;
+        destination.commit(staging, options.overwrite, options.fsync)?;
+        Ok(written)
     }
 
-    fn write_node(
-        &self,
-        dir: &Path,
-        path: &KeyPath,
-        fill: Fill,
-        options: &WriteOptions,
-        pending: &mut Pending,
-    ) -> Result<()> {
+    /// Writes this node into `dir`, a folder of the staging tree that nobody else reads, so
+    /// files go straight to their final names.
+    fn write_node(&self, dir: &Path, path: &KeyPath, writing: &mut Writing<'_>) -> Result<()> {
         check_writable_keys(self, path)?;
         ensure_real_dir(dir)?;
+        let fill = writing.fill;
         let mut meta = Map::new();
         for (name, entry) in self.iter() {
             let key = path.join(name);
@@ -127,23 +222,21 @@ impl TensorDict {
                     let dims = resized(t.dims(), fill);
                     meta.insert(name.to_owned(), leaf_meta(t.dtype(), &dims));
                     if dims.iter().product::<usize>() > 0 {
-                        let target = dir.join(format!("{stem}.memmap"));
-                        let tmp = temp_name(&target);
+                        let file = dir.join(format!("{stem}.memmap"));
                         let mut out =
-                            Tensor::zeros(dims, t.dtype(), &Location::File(tmp.clone())).with_key(|| key.clone())?;
-                        if let Fill::Copy = fill {
-                            out.copy_from(t).with_key(|| key.clone())?;
+                            Tensor::zeros(dims, t.dtype(), &Location::File(file.clone())).with_key(|| key.clone())?;
+                        match fill {
+                            Fill::Copy => copy_reporting(&mut out, t, writing).with_key(|| key.clone())?,
+                            Fill::Zeros(_) => writing.advance(out.nbytes()),
                         }
-                        if options.fsync {
+                        if writing.options.fsync {
                             out.flush().with_key(|| key.clone())?;
-                            sync_file(&tmp)?;
                         }
-                        pending.leaves.push((tmp, target));
                     }
                 }
                 Entry::Dict(d) => {
                     meta.insert(name.to_owned(), json!({"type": "TensorDict"}));
-                    d.write_node(&dir.join(&stem), &key, fill, options, pending)?;
+                    d.write_node(&dir.join(&stem), &key, writing)?;
                 }
                 Entry::NonTensor(v) => {
                     meta.insert(name.to_owned(), json!({"type": "NonTensorData"}));
@@ -155,7 +248,7 @@ impl TensorDict {
                         "_metadata": null,
                         "_is_non_tensor": true,
                     });
-                    write_meta(&sub, &to_python_json(&content), options, pending)?;
+                    write_meta(&sub, &to_python_json(&content))?;
                 }
                 Entry::NonTensorStack(v) => {
                     meta.insert(name.to_owned(), json!({"type": "NonTensorStack"}));
@@ -170,7 +263,7 @@ impl TensorDict {
                         "device": null,
                         "data": v,
                     });
-                    write_meta(&sub, &content.to_string().into_bytes(), options, pending)?;
+                    write_meta(&sub, &content.to_string().into_bytes())?;
                 }
             }
         }
@@ -179,7 +272,7 @@ impl TensorDict {
         meta.insert("_type".into(), json!(TD_TYPE));
         meta.insert("_format_version".into(), json!(FORMAT_VERSION));
         meta.insert("_class".into(), json!(TD_CLASS));
-        write_meta(dir, &to_python_json(&Value::Object(meta)), options, pending)
+        write_meta(dir, &to_python_json(&Value::Object(meta)))
     }
 
     /// Opens the memmap folder at `prefix`, written by this crate or by Python tensordict
@@ -189,41 +282,77 @@ impl TensorDict {
     /// that nest, dtypes, shapes whose sizes do not overflow), every leaf file must exist (unless
     /// the leaf has no elements) and be at least as long as its shape needs, checked before it
     /// is mapped, and key names are mapped to file names that cannot leave the folder.
+    ///
+    /// Links inside the folder are not followed and FIFOs or devices are refused (the folder
+    /// is read relative to its own descriptors; see `FORMAT.md`), so nothing outside the
+    /// folder is ever mapped. A load that runs while a writer replaces the folder returns one
+    /// version, old or new, never a mix.
     pub fn load_memmap(prefix: impl AsRef<Path>, access: Access) -> Result<TensorDict> {
-        read_node(prefix.as_ref(), &KeyPath::default(), None, access, &mut None)
+        let prefix = prefix.as_ref();
+        let mut attempts = 0;
+        loop {
+            let top = open_top(prefix)?;
+            match read_node(&top, &KeyPath::default(), None, access, &mut None) {
+                // The folder was swapped for a newer one while it was read: read that one.
+                Err(_) if attempts < MAX_LOAD_ATTEMPTS && top.is_replaced() => attempts += 1,
+                read => return read,
+            }
+        }
     }
 
     /// Checks the memmap folder at `prefix` the way [`TensorDict::load_memmap`] does, but goes on
     /// after a problem: returns every problem found (empty when the folder is sound). An entry
     /// with a problem is skipped; a node whose `meta.json` is unusable is one problem.
+    ///
+    /// Hidden files and folders left by writers ([`TensorDict::leftovers`]) are problems too
+    /// ([`Error::Leftover`]).
     pub fn verify_memmap(prefix: impl AsRef<Path>) -> Vec<Error> {
+        let prefix = prefix.as_ref();
         let mut problems = Vec::new();
-        if let Err(e) =
-            read_node(prefix.as_ref(), &KeyPath::default(), None, Access::ReadOnly, &mut Some(&mut problems))
-        {
+        let read = open_top(prefix)
+            .and_then(|top| read_node(&top, &KeyPath::default(), None, Access::ReadOnly, &mut Some(&mut problems)));
+        if let Err(e) = read {
             problems.push(e);
         }
+        match Self::leftovers(prefix) {
+            Ok(leftovers) => problems.extend(leftovers.into_iter().map(|leftover| Error::Leftover { leftover })),
+            Err(e) => problems.push(e),
+        }
         problems
+    }
+}
+
+/// How often a load starts again because the folder was replaced while it was read.
+const MAX_LOAD_ATTEMPTS: usize = 8;
+
+/// Opens the top folder of a dict, after putting back a folder whose writer died mid-swap.
+fn open_top(prefix: &Path) -> Result<Dir> {
+    match Dir::open_top(prefix) {
+        Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            Destination::new(prefix)?.recover()?;
+            Dir::open_top(prefix)
+        }
+        opened => opened,
     }
 }
 
 /// Reads the node in `dir`. With `problems`, an entry that fails is recorded there and
 /// skipped instead of failing the whole read.
 fn read_node(
-    dir: &Path,
+    dir: &Dir,
     path: &KeyPath,
     parent_batch: Option<&[usize]>,
     access: Access,
     problems: &mut Option<&mut Vec<Error>>,
 ) -> Result<TensorDict> {
-    let meta_path = dir.join("meta.json");
+    let meta_path = dir.child("meta.json");
     if path.len() > MAX_DEPTH {
         return Err(Error::InvalidMeta {
             path: meta_path,
             reason: format!("dicts nested deeper than {MAX_DEPTH} levels"),
         });
     }
-    let meta = read_meta(&meta_path)?;
+    let meta = read_meta(dir)?;
     let invalid = |reason: String| Error::InvalidMeta { path: meta_path.clone(), reason };
     let obj = meta.as_object().ok_or_else(|| invalid("not a JSON object".into()))?;
     check_version(obj, &meta_path)?;
@@ -260,11 +389,13 @@ fn read_node(
         let entry = match child.as_object() {
             None => Err(invalid(format!("entry `{key}` is not an object"))),
             Some(child) => {
-                let folder = || existing(dir, candidate_names(name, true), "");
+                let folder = || existing(dir, candidate_names(name, true), "").and_then(|n| dir.open_dir(&n));
                 match child.get("type").and_then(Value::as_str) {
-                    Some("TensorDict") => read_node(&folder(), &key, Some(&batch), access, problems).map(Entry::Dict),
-                    Some("NonTensorData") => read_non_tensor(&folder(), &key).map(Entry::NonTensor),
-                    Some("NonTensorStack") => read_non_tensor_stack(&folder(), &key, &batch),
+                    Some("TensorDict") => {
+                        folder().and_then(|sub| read_node(&sub, &key, Some(&batch), access, problems)).map(Entry::Dict)
+                    }
+                    Some("NonTensorData") => folder().and_then(|sub| read_non_tensor(&sub, &key)).map(Entry::NonTensor),
+                    Some("NonTensorStack") => folder().and_then(|sub| read_non_tensor_stack(&sub, &key, &batch)),
                     Some(other) => Err(Error::Unsupported {
                         path: meta_path.clone(),
                         key: key.clone(),
@@ -286,7 +417,7 @@ fn read_node(
 }
 
 fn read_leaf(
-    dir: &Path,
+    dir: &Dir,
     meta_path: &Path,
     key: &KeyPath,
     meta: &Map<String, Value>,
@@ -309,33 +440,47 @@ fn read_leaf(
         return Err(Error::BatchSizeMismatch { key: key.clone(), shape, batch_size: batch.to_vec() });
     }
     let name = key.parts().last().map_or("", String::as_str);
-    let file = existing(dir, candidate_names(name, false), ".memmap");
+    let file = existing(dir, candidate_names(name, false), ".memmap")?;
     let count = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
     match count {
         None => Err(invalid(format!("shape {shape:?} overflows"))),
         // A leaf without elements has no file in Python's layout; use one if it is there.
-        Some(0) if !file.exists() => Tensor::zeros(shape, dtype, &Location::Heap).with_key(|| key.clone()),
-        Some(_) => Tensor::open_file(&file, dtype, shape, access).with_key(|| key.clone()),
+        Some(0) if dir.kind(&file)?.is_none() => Tensor::zeros(shape, dtype, &Location::Heap).with_key(|| key.clone()),
+        Some(_) => {
+            // A leaf's file problems name the leaf.
+            let opened = dir.open_file(&file, access).map_err(|e| match e {
+                Error::Io { op, path, source } => {
+                    Error::Tensor { key: key.clone(), source: memmap_tensor::Error::FileIo { op, path, source } }
+                }
+                other => other,
+            })?;
+            Tensor::from_file(&opened, dir.child(&file), dtype, shape, access).with_key(|| key.clone())
+        }
     }
 }
 
 /// The first of `names` (plus `suffix`) that exists in `dir`, or the first one if none does
 /// (so that the error names the file Python would write).
-fn existing(dir: &Path, names: Vec<String>, suffix: &str) -> PathBuf {
-    let paths: Vec<PathBuf> = names.iter().map(|n| dir.join(format!("{n}{suffix}"))).collect();
-    paths.iter().find(|p| p.exists()).unwrap_or(&paths[0]).clone()
+fn existing(dir: &Dir, names: Vec<String>, suffix: &str) -> Result<String> {
+    let names: Vec<String> = names.into_iter().map(|n| format!("{n}{suffix}")).collect();
+    for name in &names {
+        if dir.kind(name)?.is_some() {
+            return Ok(name.clone());
+        }
+    }
+    Ok(names.into_iter().next().unwrap_or_default())
 }
 
-fn read_non_tensor(dir: &Path, key: &KeyPath) -> Result<Value> {
-    let meta_path = dir.join("meta.json");
-    if dir.join("other.pickle").exists() {
+fn read_non_tensor(dir: &Dir, key: &KeyPath) -> Result<Value> {
+    let meta_path = dir.child("meta.json");
+    if dir.kind("other.pickle")?.is_some() {
         return Err(Error::Unsupported {
-            path: dir.to_owned(),
+            path: dir.path().to_owned(),
             key: key.clone(),
             what: "a pickled non-tensor value (`other.pickle`); only JSON values are read".into(),
         });
     }
-    let meta = read_meta(&meta_path)?;
+    let meta = read_meta(dir)?;
     let obj = meta
         .as_object()
         .ok_or_else(|| Error::InvalidMeta { path: meta_path.clone(), reason: "not a JSON object".into() })?;
@@ -348,9 +493,9 @@ fn read_non_tensor(dir: &Path, key: &KeyPath) -> Result<Value> {
 }
 
 /// A `NonTensorStack` folder: JSON values stacked along the first batch dim.
-fn read_non_tensor_stack(dir: &Path, key: &KeyPath, batch: &[usize]) -> Result<Entry> {
-    let meta_path = dir.join("meta.json");
-    let meta = read_meta(&meta_path)?;
+fn read_non_tensor_stack(dir: &Dir, key: &KeyPath, batch: &[usize]) -> Result<Entry> {
+    let meta_path = dir.child("meta.json");
+    let meta = read_meta(dir)?;
     let unsupported = |what: String| Error::Unsupported { path: meta_path.clone(), key: key.clone(), what };
     let obj = meta
         .as_object()
@@ -370,20 +515,11 @@ fn read_non_tensor_stack(dir: &Path, key: &KeyPath, batch: &[usize]) -> Result<E
     Ok(stack)
 }
 
-fn read_meta(path: &Path) -> Result<Value> {
-    let io_err = |op, source| Error::Io { op, path: path.to_owned(), source };
-    let file = fs::File::open(path).map_err(|e| io_err("open", e))?;
-    let len = file.metadata().map_err(|e| io_err("stat", e))?.len();
-    if len > MAX_META_BYTES {
-        return Err(Error::InvalidMeta {
-            path: path.to_owned(),
-            reason: format!("{len} bytes, over the {MAX_META_BYTES}-byte limit"),
-        });
-    }
-    let mut text = Vec::new();
-    file.take(MAX_META_BYTES + 1).read_to_end(&mut text).map_err(|e| io_err("read", e))?;
+/// The `meta.json` of the folder `dir`, size-capped, never through a link or a FIFO.
+fn read_meta(dir: &Dir) -> Result<Value> {
+    let text = dir.read_small("meta.json", MAX_META_BYTES)?;
     serde_json::from_slice(&text)
-        .map_err(|e| Error::InvalidMeta { path: path.to_owned(), reason: format!("invalid JSON: {e}") })
+        .map_err(|e| Error::InvalidMeta { path: dir.child("meta.json"), reason: format!("invalid JSON: {e}") })
 }
 
 fn check_version(obj: &Map<String, Value>, meta_path: &Path) -> Result<()> {
@@ -461,56 +597,45 @@ fn ensure_real_dir(dir: &Path) -> Result<()> {
     }
 }
 
-fn write_meta(dir: &Path, text: &[u8], options: &WriteOptions, pending: &mut Pending) -> Result<()> {
-    let target = dir.join("meta.json");
-    let tmp = temp_name(&target);
-    let io_err = |op, source| Error::Io { op, path: tmp.clone(), source };
-    fs::write(&tmp, text).map_err(|e| io_err("write", e))?;
-    if options.fsync {
-        sync_file(&tmp)?;
-    }
-    pending.metas.push((tmp, target));
-    pending.dirs.push(dir.to_owned());
-    Ok(())
+fn write_meta(dir: &Path, text: &[u8]) -> Result<()> {
+    let path = dir.join("meta.json");
+    fs::write(&path, text).map_err(|source| Error::Io { op: "write", path, source })
 }
 
-/// Renames every pending file into place: leaves first, then `meta.json` files from the
-/// deepest to the top one, which commits the write.
-fn commit(pending: &Pending, options: &WriteOptions) -> Result<()> {
-    // A rename onto a folder fails; find that before the first rename rather than halfway.
-    for (_, target) in pending.leaves.iter().chain(&pending.metas) {
-        if fs::symlink_metadata(target).is_ok_and(|m| m.is_dir()) {
-            return Err(Error::Io {
-                op: "replace",
-                path: target.clone(),
-                source: std::io::Error::new(std::io::ErrorKind::IsADirectory, "a folder is in the way of this file"),
-            });
-        }
+/// Copies `src` into `out` (same shape) in chunks of rows, reporting progress after each.
+fn copy_reporting(out: &mut Tensor, src: &Tensor, writing: &mut Writing<'_>) -> memmap_tensor::Result<()> {
+    let rows = src.dims().first().copied().unwrap_or(1);
+    let row_bytes = src.nbytes() / rows.max(1);
+    if src.dims().is_empty() || src.nbytes() <= PROGRESS_CHUNK_BYTES || row_bytes == 0 {
+        out.copy_from(src)?;
+        writing.advance(src.nbytes());
+        return Ok(());
     }
-    for (tmp, target) in pending.leaves.iter().chain(&pending.metas) {
-        fs::rename(tmp, target).map_err(|source| Error::Io { op: "rename", path: target.clone(), source })?;
-    }
-    if options.fsync {
-        for dir in &pending.dirs {
-            sync_file(dir)?;
-        }
+    let step = (PROGRESS_CHUNK_BYTES / row_bytes).max(1);
+    let mut start = 0;
+    while start < rows {
+        let count = step.min(rows - start);
+        out.copy_rows(start..start + count, &src.narrow(0, start, count)?)?;
+        writing.advance(count * row_bytes);
+        start += count;
     }
     Ok(())
 }
 
-/// `fsync` of a file or folder.
-fn sync_file(path: &Path) -> Result<()> {
-    fs::File::open(path).and_then(|f| f.sync_all()).map_err(|source| Error::Io {
-        op: "fsync",
-        path: path.to_owned(),
-        source,
-    })
+/// `fsync` of every file and folder of a tree written by this process (no links in it).
+fn sync_tree(path: &Path, depth: usize) -> Result<()> {
+    let io_err = |op, source| Error::Io { op, path: path.to_owned(), source };
+    let meta = fs::symlink_metadata(path).map_err(|e| io_err("stat", e))?;
+    if meta.is_dir() && depth <= MAX_DEPTH {
+        for entry in fs::read_dir(path).map_err(|e| io_err("list", e))? {
+            sync_tree(&entry.map_err(|e| io_err("list", e))?.path(), depth + 1)?;
+        }
+    }
+    fs::File::open(path).and_then(|f| f.sync_all()).map_err(|e| io_err("fsync", e))
 }
 
-/// A short hidden temporary name in the folder of `target`, unique within this process (short,
-/// so that a key near the file-name length limit still gets one).
-fn temp_name(target: &Path) -> PathBuf {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    target.with_file_name(format!(".tdict-{}-{}.tmp", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)))
+/// The bytes a leaf takes in the written folder.
+fn resized_bytes(t: &Tensor, fill: Fill) -> u64 {
+    let dims = resized(t.dims(), fill);
+    dims.iter().try_fold(t.dtype().size_in_bytes() as u64, |acc, &d| acc.checked_mul(d as u64)).unwrap_or(u64::MAX)
 }

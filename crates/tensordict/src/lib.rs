@@ -37,6 +37,7 @@ struct ReadmeDoctests;
 
 mod batch;
 mod dict;
+mod dir;
 mod direct;
 mod display;
 mod error;
@@ -44,6 +45,7 @@ mod format;
 mod index;
 mod json;
 mod key;
+mod replace;
 mod schema;
 mod shared;
 
@@ -53,3 +55,4 @@ pub use error::{Error, Result};
 pub use format::{FORMAT_VERSION, MAX_DEPTH, MAX_META_BYTES, WriteOptions};
 pub use index::Index;
 pub use key::KeyPath;
+pub use replace::{Leftover, WriterState};

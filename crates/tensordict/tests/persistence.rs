@@ -230,7 +230,11 @@ fn rewriting_a_mapped_folder_leaves_old_handles_on_the_old_data() -> TestResult 
     }
     second.set("float32", patterned(DType::F32, &[3, 9], 9)?)?;
     second.remove("v_obj")?;
-    let second_handle = second.memmap(&prefix)?;
+    // Replacing data must be asked for.
+    let refused = second.memmap(&prefix);
+    assert!(matches!(refused, Err(Error::DestinationExists { .. })), "{refused:?}");
+    assert_same(&TensorDict::load_memmap(&prefix, Access::ReadOnly)?, &first, "after a refused write")?;
+    let second_handle = second.memmap_with(&prefix, &replace())?;
 
     assert_same(&reader, &first, "old read-only handle")?;
     assert_same(&first_handle, &first, "old read-write handle")?;
@@ -246,7 +250,7 @@ fn rewriting_a_mapped_folder_leaves_old_handles_on_the_old_data() -> TestResult 
 
     // A folder rewritten from its own mapping.
     let reloaded = TensorDict::load_memmap(&prefix, Access::ReadWrite)?;
-    let rewritten = reloaded.memmap(&prefix)?;
+    let rewritten = reloaded.memmap_with(&prefix, &replace())?;
     assert_same(&rewritten, &second, "rewritten from itself")?;
     assert_same(&TensorDict::load_memmap(&prefix, Access::ReadOnly)?, &second, "reloaded after self-rewrite")?;
     Ok(())
@@ -301,7 +305,7 @@ fn memmap_like_allocates_zeros_of_the_same_schema() -> TestResult {
 fn fsync_option_writes_the_same_folder() -> TestResult {
     let dir = tempfile::tempdir()?;
     let td = full_sample()?;
-    let written = td.memmap_with(dir.path().join("synced"), &WriteOptions { fsync: true })?;
+    let written = td.memmap_with(dir.path().join("synced"), &WriteOptions::default().fsync(true))?;
     assert_same(&written, &td, "fsync")?;
     assert_same(&TensorDict::load_memmap(dir.path().join("synced"), Access::ReadOnly)?, &td, "fsync, reloaded")?;
     td.memmap(dir.path().join("plain"))?;
@@ -503,7 +507,7 @@ fn a_colliding_write_leaves_the_previous_version_intact() -> TestResult {
     new.set("a", Tensor::from_slice(&[8u8, 9], [2])?)?;
     new.set("x", patterned(DType::U8, &[2], 1)?)?;
     new.set(["x.memmap", "y"], patterned(DType::U8, &[2], 0)?)?;
-    match new.memmap(&prefix) {
+    match new.memmap_with(&prefix, &replace()) {
         Err(Error::InvalidKey { key, .. }) => assert_eq!(key, KeyPath::from("x.memmap")),
         other => panic!("expected InvalidKey, got {other:?}"),
     }
@@ -511,74 +515,72 @@ fn a_colliding_write_leaves_the_previous_version_intact() -> TestResult {
     Ok(())
 }
 
+/// A dict folder whose entries are links to the outside is replaced as a whole: nothing is
+/// written through the links, and what they point to stays as it was.
 #[cfg(unix)]
 #[test]
-fn symlinks_in_the_prefix_never_lead_writes_outside() -> TestResult {
+fn replacing_a_folder_of_links_never_writes_outside() -> TestResult {
     use std::os::unix::fs::symlink;
 
     let dir = tempfile::tempdir()?;
     let outside = dir.path().join("outside");
     fs::create_dir(&outside)?;
+    fs::create_dir(outside.join("sub"))?;
+    fs::write(outside.join("sub").join("meta.json"), b"keep")?;
+    fs::write(outside.join("target.bin"), b"keep me")?;
+    fs::write(outside.join("meta-target"), b"{}")?;
 
-    // A symlink where a nested dict's folder goes.
     let prefix = dir.path().join("dict");
     fs::create_dir(&prefix)?;
-    symlink(&outside, prefix.join("n"))?;
-    let mut td = TensorDict::new([2]);
-    td.set("top", patterned(DType::F32, &[2], 0)?)?;
-    td.set(["n", "x"], patterned(DType::F32, &[2, 3], 1)?)?;
-    let err = td.memmap(&prefix);
-    assert!(matches!(err, Err(Error::Io { .. })), "{err:?}");
-    assert!(names(&outside)?.is_empty(), "written outside: {:?}", names(&outside)?);
-    assert!(!prefix.join("meta.json").exists());
-    assert!(!names(&prefix)?.iter().any(|n| n.ends_with(".memmap") || n.ends_with(".tmp")), "{:?}", names(&prefix)?);
+    symlink(outside.join("sub"), prefix.join("n"))?;
+    symlink(outside.join("sub"), prefix.join("v"))?;
+    symlink(outside.join("target.bin"), prefix.join("x.memmap"))?;
+    symlink(outside.join("meta-target"), prefix.join("meta.json"))?;
+    let before = names(&outside)?;
 
-    // A symlink where a JSON value's folder goes.
-    let prefix = dir.path().join("value");
-    fs::create_dir(&prefix)?;
-    symlink(&outside, prefix.join("v"))?;
-    let mut td = TensorDict::new([2]);
-    td.set("v", json!("x"))?;
-    let err = td.memmap(&prefix);
-    assert!(matches!(err, Err(Error::Io { .. })), "{err:?}");
-    assert!(names(&outside)?.is_empty());
-
-    // A symlink where a leaf file goes is replaced, not written through.
-    let target = outside.join("target.bin");
-    fs::write(&target, b"keep me")?;
-    let prefix = dir.path().join("leaf");
-    fs::create_dir(&prefix)?;
-    symlink(&target, prefix.join("x.memmap"))?;
     let mut td = TensorDict::new([2]);
     td.set("x", patterned(DType::U8, &[2, 8], 3)?)?;
-    let back = td.memmap(&prefix)?;
-    assert_same(&back, &td, "leaf over a symlink")?;
-    assert_eq!(fs::read(&target)?, b"keep me");
-    assert!(fs::symlink_metadata(prefix.join("x.memmap"))?.file_type().is_file());
-    assert_eq!(names(&outside)?, BTreeSet::from(["target.bin".to_owned()]));
-
-    // A symlink where meta.json goes is replaced too.
-    let meta_target = outside.join("meta-target");
-    fs::write(&meta_target, b"{}")?;
-    let prefix = dir.path().join("meta");
-    fs::create_dir(&prefix)?;
-    symlink(&meta_target, prefix.join("meta.json"))?;
-    let back = td.memmap(&prefix)?;
-    assert_same(&back, &td, "meta.json over a symlink")?;
-    assert_eq!(fs::read(&meta_target)?, b"{}");
+    td.set(["n", "x"], patterned(DType::F32, &[2, 3], 1)?)?;
+    td.set("v", json!("x"))?;
+    let back = td.memmap_with(&prefix, &replace())?;
+    assert_same(&back, &td, "written over links")?;
+    assert_same(&TensorDict::load_memmap(&prefix, Access::ReadOnly)?, &td, "reloaded")?;
+    for name in ["n", "v", "x.memmap", "meta.json"] {
+        assert!(!fs::symlink_metadata(prefix.join(name))?.file_type().is_symlink(), "{name}");
+    }
+    assert_eq!(names(&outside)?, before);
+    assert_eq!(fs::read(outside.join("target.bin"))?, b"keep me");
+    assert_eq!(fs::read(outside.join("meta-target"))?, b"{}");
+    assert_eq!(fs::read(outside.join("sub").join("meta.json"))?, b"keep");
     Ok(())
 }
 
+/// A destination that is a file, or a non-empty folder without a dict, is never replaced.
 #[test]
-fn a_prefix_that_is_a_file_is_an_error() -> TestResult {
+fn a_prefix_that_is_not_a_dict_is_never_replaced() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let prefix = dir.path().join("file");
-    fs::write(&prefix, b"not a folder")?;
     let mut td = TensorDict::new([2]);
     td.set("x", patterned(DType::U8, &[2], 0)?)?;
-    let err = td.memmap(&prefix);
-    assert!(matches!(err, Err(Error::Io { .. })), "{err:?}");
-    assert_eq!(fs::read(&prefix)?, b"not a folder");
+
+    let file = dir.path().join("file");
+    fs::write(&file, b"not a folder")?;
+    let other = dir.path().join("photos");
+    fs::create_dir(&other)?;
+    fs::write(other.join("cat.jpg"), b"meow")?;
+    for prefix in [&file, &other] {
+        for options in [WriteOptions::default(), replace()] {
+            let err = td.memmap_with(prefix, &options);
+            assert!(matches!(err, Err(Error::DestinationExists { .. })), "{err:?}");
+        }
+    }
+    assert_eq!(fs::read(&file)?, b"not a folder");
+    assert_eq!(fs::read(other.join("cat.jpg"))?, b"meow");
+    assert_eq!(names(dir.path())?, BTreeSet::from(["file".to_owned(), "photos".to_owned()]), "nothing left");
+
+    // An empty folder is fine (a fresh temporary folder, say).
+    let empty = dir.path().join("empty");
+    fs::create_dir(&empty)?;
+    assert_same(&td.memmap(&empty)?, &td, "into an empty folder")?;
     Ok(())
 }
 
@@ -593,4 +595,9 @@ fn values_that_break_the_invariant_are_not_written() -> TestResult {
     assert!(matches!(err, Err(Error::BatchSizeMismatch { ref key, .. }) if *key == KeyPath::from("x")), "{err:?}");
     assert!(!dir.path().join("td").join("meta.json").exists());
     Ok(())
+}
+
+/// Options that replace an existing dict.
+fn replace() -> WriteOptions {
+    WriteOptions::default().overwrite(true)
 }

@@ -1,0 +1,472 @@
+//! Writing a folder as one atomic step, and cleaning up after writers that were killed.
+//!
+//! A dict is written in full into a hidden sibling of its destination (the *staging* folder,
+//! `.tdict-new-…`), checked by loading it back, and only then put in place:
+//! - a destination that does not exist, or is an empty folder, is replaced by `rename(2)`;
+//! - an existing dict (with overwrite asked for) is swapped with the staging folder by
+//!   `renameat2(RENAME_EXCHANGE)`, one atomic step; the old tree, now under the staging name,
+//!   is then removed. Readers that mapped old files keep them (unlinked files live on while
+//!   mapped).
+//! - Filesystems without the exchange (some network filesystems; `TDICT_RENAME_EXCHANGE=0`
+//!   forces this path) get two renames: the old folder to `.tdict-old-…`, then the staging folder
+//!   into place. Between the two the destination is missing; a reader that finds it missing
+//!   waits for a live writer, and the old folder is renamed back by the next reader or writer if
+//!   its writer died in between. Either way nobody sees a mix.
+//!
+//! So after a crash at any point, or any error, the destination holds the complete old or the
+//! complete new dict. What a crash can leave is hidden siblings. Their names carry their
+//! writer's identity (pid, process start time, boot id and pid namespace), so that
+//! [`leftovers`] can tell whether their writer is still running, and only the leftovers of
+//! writers known to be dead are removed, by the next write to the same destination or by
+//! [`TensorDict::remove_leftovers`](crate::TensorDict::remove_leftovers).
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::fcntl::{AT_FDCWD, RenameFlags, renameat2};
+
+use crate::{Error, Result};
+
+/// How long a reader waits for a live writer that is between the two renames of the fallback.
+const SWAP_WAIT: Duration = Duration::from_secs(2);
+
+/// Who wrote a hidden folder: enough to tell, on this machine, whether it still runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Writer {
+    pid: u32,
+    /// Start time of the process in clock ticks since boot (`/proc/PID/stat`, field 22).
+    start: u64,
+    /// The first 8 hex digits of the kernel's boot id.
+    boot: String,
+    /// The inode of the pid namespace.
+    pidns: u64,
+}
+
+/// Whether the writer of a leftover still runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WriterState {
+    /// It runs: its folder is work in progress.
+    Alive,
+    /// It is gone: its folder is garbage.
+    Dead,
+    /// It ran on another machine, boot or container: this process cannot tell.
+    Unknown,
+}
+
+/// A hidden file or folder left beside or inside a dict folder by a writer.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Leftover {
+    /// Where it is.
+    pub path: PathBuf,
+    /// Bytes of the files in it.
+    pub bytes: u64,
+    /// The writer's process id, if the name records one.
+    pub pid: Option<u32>,
+    /// Whether that writer still runs.
+    pub state: WriterState,
+}
+
+impl Writer {
+    /// This process.
+    pub(crate) fn me() -> &'static Writer {
+        static ME: OnceLock<Writer> = OnceLock::new();
+        ME.get_or_init(|| {
+            let pid = std::process::id();
+            Writer { pid, start: start_time(pid).unwrap_or(0), boot: boot_id(), pidns: pid_namespace() }
+        })
+    }
+
+    fn state(&self) -> WriterState {
+        let me = Writer::me();
+        if self.boot != me.boot || self.pidns != me.pidns {
+            return WriterState::Unknown;
+        }
+        match start_time(self.pid) {
+            Some(start) if start == self.start => WriterState::Alive,
+            _ => WriterState::Dead,
+        }
+    }
+}
+
+/// The hidden sibling names for the dict folder named `name`: `.tdict-KIND-HASH-PID-START-BOOT-NS-N`.
+fn hidden_name(kind: &str, name: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let w = Writer::me();
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!(".tdict-{kind}-{:016x}-{}-{}-{}-{}-{n}", name_hash(name), w.pid, w.start, w.boot, w.pidns)
+}
+
+/// Parses a hidden sibling name: its kind, the hash of its destination's name and its writer.
+fn parse_hidden(file_name: &str) -> Option<(&str, u64, Writer)> {
+    let rest = file_name.strip_prefix(".tdict-")?;
+    let parts: Vec<&str> = rest.split('-').collect();
+    let [kind @ ("new" | "old"), hash, pid, start, boot, pidns, n] = parts[..] else { return None };
+    n.parse::<u64>().ok()?;
+    let writer = Writer {
+        pid: pid.parse().ok()?,
+        start: start.parse().ok()?,
+        boot: boot.to_owned(),
+        pidns: pidns.parse().ok()?,
+    };
+    Some((kind, u64::from_str_radix(hash, 16).ok()?, writer))
+}
+
+/// FNV-1a: stable across builds, so leftovers of another version of this program are found.
+fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: count from the last `)`.
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.split_whitespace().nth(19)?.parse().ok()
+}
+
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|id| id.chars().filter(char::is_ascii_hexdigit).take(8).collect())
+        .unwrap_or_else(|_| "00000000".into())
+}
+
+fn pid_namespace() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0)
+}
+
+/// Where a dict folder goes: the real folder (a link at the destination is followed) and the
+/// folder that holds it.
+#[derive(Debug)]
+pub(crate) struct Destination {
+    /// The path as given, for messages and for the returned dict.
+    pub(crate) shown: PathBuf,
+    /// The path that is renamed (the link's target if `shown` is a link).
+    real: PathBuf,
+    parent: PathBuf,
+    name: String,
+}
+
+/// What is at a destination before a write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Existing {
+    Nothing,
+    EmptyFolder,
+    Dict,
+}
+
+impl Destination {
+    pub(crate) fn new(path: &Path) -> Result<Destination> {
+        let io_err = |op, source| Error::Io { op, path: path.to_owned(), source };
+        let real = match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_symlink() => {
+                std::fs::canonicalize(path).map_err(|e| io_err("resolve link", e))?
+            }
+            _ => path.to_owned(),
+        };
+        let name = real.file_name().and_then(|n| n.to_str()).map(str::to_owned).ok_or_else(|| {
+            io_err("write", std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path has no UTF-8 folder name"))
+        })?;
+        let parent = match real.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
+            _ => PathBuf::from("."),
+        };
+        Ok(Destination { shown: path.to_owned(), real, parent, name })
+    }
+
+    /// What is there now, after putting back an old folder whose writer died mid-swap.
+    pub(crate) fn existing(&self) -> Result<Existing> {
+        self.recover()?;
+        let io_err = |op, source| Error::Io { op, path: self.shown.clone(), source };
+        match std::fs::symlink_metadata(&self.real) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Existing::Nothing),
+            Err(e) => Err(io_err("stat", e)),
+            Ok(m) if !m.is_dir() => Err(Error::DestinationExists {
+                path: self.shown.clone(),
+                reason: "it is a file, not a folder; remove it first".into(),
+            }),
+            Ok(_) => {
+                let mut entries = std::fs::read_dir(&self.real).map_err(|e| io_err("list", e))?;
+                if entries.next().is_none() {
+                    Ok(Existing::EmptyFolder)
+                } else if self.real.join("meta.json").exists() {
+                    Ok(Existing::Dict)
+                } else {
+                    Err(Error::DestinationExists {
+                        path: self.shown.clone(),
+                        reason: "it is a non-empty folder that holds no TensorDict (no meta.json); \
+                                 refusing to replace it"
+                            .into(),
+                    })
+                }
+            }
+        }
+    }
+
+    /// Creates an empty staging folder beside the destination.
+    pub(crate) fn stage(&self) -> Result<Staging> {
+        let path = self.parent.join(hidden_name("new", &self.name));
+        std::fs::create_dir(&path).map_err(|source| Error::Io { op: "create folder", path: path.clone(), source })?;
+        Ok(Staging { path: Some(path) })
+    }
+
+    /// Puts the complete staging folder in place of the destination. With `replace`, an existing
+    /// dict is swapped out and removed; without, a non-empty destination is an error.
+    pub(crate) fn commit(&self, mut staging: Staging, replace: bool, fsync: bool) -> Result<()> {
+        let Some(new) = staging.path.clone() else { return Ok(()) };
+        let io_err = |op, source: Errno| Error::Io { op, path: self.shown.clone(), source: source.into() };
+        // Without `replace`, rename(2) itself refuses a non-empty folder: no window for a race.
+        let exchange = replace && self.real.exists();
+        if !exchange {
+            match nix::fcntl::renameat(AT_FDCWD, &new, AT_FDCWD, &self.real) {
+                Ok(()) => staging.path = None,
+                Err(Errno::ENOTEMPTY | Errno::EEXIST) => {
+                    return Err(Error::DestinationExists { path: self.shown.clone(), reason: replace_hint() });
+                }
+                Err(e) => return Err(io_err("rename", e)),
+            }
+        } else if exchange_supported() {
+            match renameat2(AT_FDCWD, &new, AT_FDCWD, &self.real, RenameFlags::RENAME_EXCHANGE) {
+                // The staging name now holds the old tree: dropping `staging` removes it.
+                Ok(()) => {}
+                Err(Errno::EINVAL | Errno::ENOSYS | Errno::EOPNOTSUPP) => {
+                    EXCHANGE_UNSUPPORTED.store(true, Ordering::Relaxed);
+                    return self.commit(staging, replace, fsync);
+                }
+                Err(e) => return Err(io_err("swap folders", e)),
+            }
+        } else {
+            let old = self.parent.join(hidden_name("old", &self.name));
+            nix::fcntl::renameat(AT_FDCWD, &self.real, AT_FDCWD, &old).map_err(|e| io_err("rename", e))?;
+            if let Err(e) = nix::fcntl::renameat(AT_FDCWD, &new, AT_FDCWD, &self.real) {
+                // Put the old folder back; if even that fails, the next reader or writer does.
+                let _ = nix::fcntl::renameat(AT_FDCWD, &old, AT_FDCWD, &self.real);
+                return Err(io_err("rename", e));
+            }
+            staging.path = Some(old);
+        }
+        if fsync {
+            sync_dir(&self.parent)?;
+        }
+        drop(staging);
+        Ok(())
+    }
+
+    /// If the destination is missing and an `old` folder of a dead writer is beside it, the
+    /// writer died between the two renames of the fallback swap: put the old folder back. Waits
+    /// for a live writer in that window.
+    pub(crate) fn recover(&self) -> Result<()> {
+        let deadline = Instant::now() + SWAP_WAIT;
+        while !self.real.exists() {
+            let hash = name_hash(&self.name);
+            let olds: Vec<(PathBuf, WriterState)> = hidden_siblings(&self.parent)
+                .into_iter()
+                .filter(|(_, kind, h, _)| kind == "old" && *h == hash)
+                .map(|(path, _, _, writer)| (path, writer.state()))
+                .collect();
+            if let Some((old, _)) = olds.iter().find(|(_, state)| *state == WriterState::Dead) {
+                match nix::fcntl::renameat(AT_FDCWD, old, AT_FDCWD, &self.real) {
+                    Ok(()) | Err(Errno::ENOENT | Errno::ENOTEMPTY | Errno::EEXIST) => continue,
+                    Err(e) => return Err(Error::Io { op: "restore", path: self.shown.clone(), source: e.into() }),
+                }
+            }
+            if olds.is_empty() || Instant::now() > deadline {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(())
+    }
+
+    /// Leftovers of this destination: hidden siblings of its writers, and temporary files
+    /// inside it.
+    pub(crate) fn leftovers(&self) -> Vec<Leftover> {
+        let hash = name_hash(&self.name);
+        let mut found: Vec<Leftover> = hidden_siblings(&self.parent)
+            .into_iter()
+            .filter(|(_, _, h, _)| *h == hash)
+            .map(|(path, _, _, writer)| Leftover {
+                bytes: tree_bytes(&path, 0),
+                pid: Some(writer.pid),
+                state: writer.state(),
+                path,
+            })
+            .collect();
+        temp_files(&self.real, 0, &mut found);
+        found
+    }
+}
+
+/// The reason given when a destination holds data and replacing it was not asked for.
+fn replace_hint() -> String {
+    "it already holds data; replacing it must be asked for (WriteOptions::overwrite, `tdict copy --force`)".into()
+}
+
+/// A staging folder; removed when dropped unless it was committed.
+#[derive(Debug)]
+pub(crate) struct Staging {
+    path: Option<PathBuf>,
+}
+
+impl Staging {
+    pub(crate) fn path(&self) -> &Path {
+        self.path.as_deref().unwrap_or(Path::new(""))
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if let Some(path) = self.path.take() {
+            // Best effort: what stays is a hidden leftover of a dead writer once this process
+            // ends, found and removed by the next write.
+            let _ = std::fs::remove_dir_all(&path);
+        }
+    }
+}
+
+static EXCHANGE_UNSUPPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn exchange_supported() -> bool {
+    !EXCHANGE_UNSUPPORTED.load(Ordering::Relaxed) && std::env::var("TDICT_RENAME_EXCHANGE").map_or(true, |v| v != "0")
+}
+
+/// The hidden siblings in `parent`: path, kind, destination hash, writer.
+fn hidden_siblings(parent: &Path) -> Vec<(PathBuf, String, u64, Writer)> {
+    let Ok(entries) = std::fs::read_dir(parent) else { return Vec::new() };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name();
+            let (kind, hash, writer) = parse_hidden(name.to_str()?)?;
+            Some((e.path(), kind.to_owned(), hash, writer))
+        })
+        .collect()
+}
+
+/// Temporary files inside a dict folder (and its subfolders, links not followed), as the file
+/// writer names them: `.NAME.PID.N.tmp`, and `.tdict-PID-N.tmp` of older versions.
+fn temp_files(dir: &Path, depth: usize, found: &mut Vec<Leftover>) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.filter_map(|e| e.ok()) {
+        let Ok(file_type) = entry.file_type() else { continue };
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if file_type.is_dir() && depth < crate::MAX_DEPTH {
+            temp_files(&entry.path(), depth + 1, found);
+        } else if file_type.is_file()
+            && let Some(pid) = temp_file_pid(name)
+        {
+            let alive = Path::new(&format!("/proc/{pid}")).exists();
+            found.push(Leftover {
+                path: entry.path(),
+                bytes: entry.metadata().map(|m| m.len()).unwrap_or(0),
+                pid: Some(pid),
+                state: if alive { WriterState::Alive } else { WriterState::Dead },
+            });
+        }
+    }
+}
+
+fn temp_file_pid(name: &str) -> Option<u32> {
+    let stem = name.strip_prefix('.')?.strip_suffix(".tmp")?;
+    if let Some(rest) = stem.strip_prefix("tdict-") {
+        let (pid, n) = rest.split_once('-')?;
+        n.parse::<u64>().ok()?;
+        return pid.parse().ok();
+    }
+    let mut parts = stem.rsplitn(3, '.');
+    let (n, pid, _file) = (parts.next()?, parts.next()?, parts.next()?);
+    n.parse::<u64>().ok()?;
+    pid.parse().ok()
+}
+
+/// Bytes of the regular files under `path` (links not followed).
+fn tree_bytes(path: &Path, depth: usize) -> u64 {
+    let Ok(meta) = std::fs::symlink_metadata(path) else { return 0 };
+    if !meta.is_dir() {
+        return if meta.is_file() { meta.len() } else { 0 };
+    }
+    if depth > crate::MAX_DEPTH {
+        return 0;
+    }
+    let Ok(entries) = std::fs::read_dir(path) else { return 0 };
+    entries.filter_map(|e| e.ok()).map(|e| tree_bytes(&e.path(), depth + 1)).sum()
+}
+
+/// Removes a leftover (a file or a whole hidden folder).
+pub(crate) fn remove(leftover: &Leftover) -> Result<()> {
+    let io_err = |source| Error::Io { op: "remove", path: leftover.path.clone(), source };
+    match std::fs::symlink_metadata(&leftover.path) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(&leftover.path).map_err(io_err),
+        Ok(_) => std::fs::remove_file(&leftover.path).map_err(io_err),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io_err(e)),
+    }
+}
+
+/// `1.6 GB`, `12 kB`, `900 B`: decimal units, three significant digits.
+pub(crate) fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["kB", "MB", "GB", "TB", "PB", "EB"];
+    if bytes < 1000 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 999.5 && unit < UNITS.len() {
+        value /= 1000.0;
+        unit += 1;
+    }
+    let digits = if value >= 99.95 {
+        0
+    } else if value >= 9.995 {
+        1
+    } else {
+        2
+    };
+    format!("{value:.digits$} {}", UNITS[unit - 1])
+}
+
+/// `fsync` of a folder.
+pub(crate) fn sync_dir(path: &Path) -> Result<()> {
+    std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(|source| Error::Io {
+        op: "fsync",
+        path: path.to_owned(),
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hidden_names_parse_back() {
+        let name = hidden_name("new", "buffer");
+        let (kind, hash, writer) = parse_hidden(&name).expect("parses");
+        assert_eq!((kind, hash, &writer), ("new", name_hash("buffer"), Writer::me()));
+        assert_eq!(writer.state(), WriterState::Alive);
+        assert!(parse_hidden(".tdict-new-zz-1-2-3-4-5").is_none());
+        assert!(parse_hidden("buffer").is_none());
+    }
+
+    #[test]
+    fn temp_file_names_give_their_pid() {
+        assert_eq!(temp_file_pid(".obs.memmap.1234.7.tmp"), Some(1234));
+        assert_eq!(temp_file_pid(".tdict-99-0.tmp"), Some(99));
+        assert_eq!(temp_file_pid("obs.memmap"), None);
+        assert_eq!(temp_file_pid(".x.tmp"), None);
+    }
+
+    #[test]
+    fn a_dead_writer_is_dead() {
+        let mut w = Writer::me().clone();
+        w.start += 1; // the same pid, started at another time: a reused pid
+        assert_eq!(w.state(), WriterState::Dead);
+        w.boot = "ffffffff".into();
+        assert_eq!(w.state(), WriterState::Unknown);
+    }
+}
