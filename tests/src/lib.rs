@@ -1,3 +1,43 @@
-//! Integration tests that span crates or need real processes. The `tensor-peer` binary is the
-//! second process of the multi-process tests.
+//! Integration tests that span crates or need real processes. The `tensor-peer`, `dict-peer`
+//! and `dict-writer` binaries are the second processes of the multi-process tests.
 #![forbid(unsafe_code)]
+
+use memmap_tensor::{DType, Location, Tensor};
+use serde_json::json;
+use tensordict::TensorDict;
+
+/// Rows of version `v` of the crash tests' dict: versions shrink and grow.
+pub fn version_rows(v: u32) -> usize {
+    64 + (v as usize % 5) * 200
+}
+
+/// Version `v` of the crash tests' dict: batch `[version_rows(v)]`, every element of every
+/// tensor equal to `v`, a nested dict, and the non-tensor `version = v`.
+pub fn version(v: u32) -> anyhow::Result<TensorDict> {
+    let rows = version_rows(v);
+    let mut td = TensorDict::new([rows]);
+    td.set("obs", Tensor::from_slice(&vec![v as f32; rows * 256], [rows, 256])?)?;
+    td.set("id", Tensor::from_slice(&vec![i64::from(v); rows], [rows])?)?;
+    td.set(["next", "reward"], Tensor::from_slice(&vec![f64::from(v); rows], [rows])?)?;
+    td.set(["next", "done"], Tensor::zeros([rows, 1], DType::Bool, &Location::Heap)?)?;
+    td.set("version", json!(v))?;
+    Ok(td)
+}
+
+/// Which version a loaded dict is, after checking that it is one version, whole: its shapes are
+/// that version's and every element holds `v` (or 0, for a dict written by `memmap_like`).
+pub fn check_version(td: &TensorDict, zeros: bool) -> anyhow::Result<u32> {
+    let v = td.get_non_tensor("version")?.as_u64().ok_or_else(|| anyhow::anyhow!("no version"))?;
+    let v = u32::try_from(v)?;
+    let rows = version_rows(v);
+    anyhow::ensure!(td.batch_size() == [rows], "version {v} with batch {:?}", td.batch_size());
+    let want = if zeros { 0.0 } else { f64::from(v) };
+    let obs = td.get_tensor("obs")?;
+    anyhow::ensure!(obs.dims() == [rows, 256], "version {v}: obs {:?}", obs.dims());
+    anyhow::ensure!(obs.to_vec::<f32>()?.iter().all(|&x| f64::from(x) == want), "version {v}: mixed obs");
+    anyhow::ensure!(td.get_tensor("id")?.to_vec::<i64>()?.iter().all(|&x| x as f64 == want), "version {v}: mixed id");
+    let reward = td.get_tensor(["next", "reward"])?.to_vec::<f64>()?;
+    anyhow::ensure!(reward.len() == rows && reward.iter().all(|&x| x == want), "version {v}: mixed reward");
+    anyhow::ensure!(td.get_tensor(["next", "done"])?.dims() == [rows, 1], "version {v}: done");
+    Ok(v)
+}
