@@ -23,7 +23,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use memmap_tensor::Access;
 use serde_json::{Map, Value, json};
-use tensordict::TensorDict;
+use tensordict::{Error, TensorDict};
 
 /// Inspect, verify, copy and benchmark TensorDict folders.
 ///
@@ -63,6 +63,16 @@ enum Command {
         /// fsync every file and folder written.
         #[arg(long)]
         fsync: bool,
+        /// Replace a dict already at DST (the swap is atomic: DST holds the old or the new dict,
+        /// never a mix).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Remove the hidden copies that killed writers left beside or inside a folder (`verify`
+    /// reports them). Those of running writers, or of writers on other machines, are kept.
+    Clean {
+        /// The folder.
+        path: PathBuf,
     },
     /// Benchmarks.
     #[command(subcommand)]
@@ -104,13 +114,14 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Info { path, json, stats } => info(&path, json, stats),
         Command::Verify { path } => verify(&path),
-        Command::Copy { src, dst, fsync } => {
+        Command::Copy { src, dst, fsync, force } => {
             let td = open(&src, Access::ReadOnly)?;
-            td.memmap_with(&dst, &tensordict::WriteOptions::default().fsync(fsync))
+            td.memmap_with(&dst, &tensordict::WriteOptions::default().fsync(fsync).overwrite(force))
                 .with_context(|| format!("writing {}", dst.display()))?;
             out!("copied {} leaves ({} bytes) to {}", td.leaves().len(), td.nbytes(), dst.display());
             Ok(ExitCode::SUCCESS)
         }
+        Command::Clean { path } => clean(&path),
         Command::Bench(cmd) => bench::run(cmd),
     }
 }
@@ -176,4 +187,17 @@ fn verify(path: &PathBuf) -> anyhow::Result<ExitCode> {
         out!("{}", one_line(&anyhow::Error::new(problem)));
     }
     Ok(ExitCode::FAILURE)
+}
+
+fn clean(path: &PathBuf) -> anyhow::Result<ExitCode> {
+    let removed = TensorDict::remove_leftovers(path)?;
+    for leftover in &removed {
+        out!("removed {} ({} bytes)", leftover.path.display(), leftover.bytes);
+    }
+    let kept = TensorDict::leftovers(path)?;
+    for leftover in &kept {
+        out!("kept {}", one_line(&anyhow::Error::new(Error::Leftover { leftover: leftover.clone() })));
+    }
+    out!("{}: removed {}, kept {}", path.display(), removed.len(), kept.len());
+    Ok(ExitCode::SUCCESS)
 }
