@@ -50,6 +50,7 @@ impl TensorDict {
     /// at once, then saves the offloader's index. [`TensorDict::restore`] reads it back.
     pub fn offload(&self, offloader: &Offloader, name: &str) -> Result<()> {
         let io_err = |source| Error::Io { op: "offload", path: offloader.path().to_owned(), source };
+        schema::check_limits(self)?;
         let mut items = Vec::new();
         let root = schema::describe(self, &mut |key, t| {
             let stored = format!("{name}#{}", items.len());
@@ -76,7 +77,8 @@ impl TensorDict {
         }
         let (result, text) = offloader.sync_read(&schema_key, Vec::with_capacity(usize::try_from(len).unwrap_or(0)));
         result.map_err(|source| Error::Io { op: "restore", path: path.clone(), source })?;
-        let value: Value = serde_json::from_slice(&text).map_err(|e| bad(format!("invalid schema: {e}")))?;
+        let value = schema::parse_bounded(&text, schema::MAX_SCHEMA_JSON_DEPTH)
+            .map_err(|e| bad(format!("invalid schema: {e}")))?;
         let root = value.get("root").filter(|_| value.get("version").and_then(Value::as_u64) == Some(1));
         let root = root.ok_or_else(|| bad("unsupported schema".into()))?;
         // Pass 1 allocates every tensor (the dict built meanwhile is dropped, so each tensor's

@@ -180,6 +180,7 @@ impl TensorDict {
 
     fn write_folder(&self, prefix: &Path, fill: Fill, options: &WriteOptions) -> Result<TensorDict> {
         self.validate()?;
+        crate::schema::check_limits(self)?;
         let destination = Destination::new(prefix)?;
         let existing = destination.existing()?;
         if existing == Existing::Dict && !options.overwrite {

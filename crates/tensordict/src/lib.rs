@@ -56,3 +56,4 @@ pub use format::{FORMAT_VERSION, MAX_DEPTH, MAX_META_BYTES, WriteOptions};
 pub use index::Index;
 pub use key::KeyPath;
 pub use replace::{Leftover, WriterState};
+pub use schema::MAX_VALUE_DEPTH;

@@ -25,6 +25,7 @@ impl TensorDict {
     /// behind, if anything under `prefix` already exists.
     pub fn share_memory(&self, prefix: &str) -> Result<TensorDict> {
         check_prefix(prefix)?;
+        schema::check_limits(self)?;
         let mut created = Vec::new();
         let result = self.share_into(prefix, &mut created);
         if result.is_err() {
@@ -112,8 +113,8 @@ fn read_schema(prefix: &str) -> Result<Value> {
     let len = usize::try_from(len).map_err(|_| bad_schema(prefix, "schema length overflows".into()))?;
     let blob = Tensor::open_shm(&name, DType::U8, [8 + len], Access::ReadOnly).with_key(KeyPath::default)?;
     let bytes = blob.to_vec::<u8>().with_key(KeyPath::default)?;
-    let schema: Value =
-        serde_json::from_slice(&bytes[8..]).map_err(|e| bad_schema(prefix, format!("invalid JSON: {e}")))?;
+    let schema = schema::parse_bounded(&bytes[8..], schema::MAX_SCHEMA_JSON_DEPTH)
+        .map_err(|e| bad_schema(prefix, format!("invalid JSON: {e}")))?;
     match schema.get("version").and_then(Value::as_u64) {
         Some(SCHEMA_VERSION) => Ok(schema),
         other => Err(bad_schema(prefix, format!("unsupported schema version {other:?}"))),
