@@ -169,7 +169,8 @@ impl Destination {
             _ => path.to_owned(),
         };
         let name = real.file_name().and_then(|n| n.to_str()).map(str::to_owned).ok_or_else(|| {
-            io_err("write", std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path has no UTF-8 folder name"))
+            let e = "the path does not end in a folder name (it is `.`, `..` or `/`), or the name is not UTF-8";
+            io_err("write", std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
         })?;
         let parent = match real.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
@@ -210,6 +211,12 @@ impl Destination {
     /// Creates an empty staging folder beside the destination.
     pub(crate) fn stage(&self) -> Result<Staging> {
         let path = self.parent.join(hidden_name("new", &self.name));
+        // Like Python's `memmap`, missing parent folders are created.
+        std::fs::create_dir_all(&self.parent).map_err(|source| Error::Io {
+            op: "create folder",
+            path: self.parent.clone(),
+            source,
+        })?;
         std::fs::create_dir(&path).map_err(|source| Error::Io { op: "create folder", path: path.clone(), source })?;
         Ok(Staging { path: Some(path) })
     }

@@ -555,6 +555,22 @@ fn replacing_a_folder_of_links_never_writes_outside() -> TestResult {
     Ok(())
 }
 
+/// Missing parent folders are created, as Python does; `.` and `..` are no folder names.
+#[test]
+fn parents_are_created_and_dot_names_refused() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let mut td = TensorDict::new([2]);
+    td.set("x", patterned(DType::U8, &[2], 0)?)?;
+    let deep = dir.path().join("a").join("b").join("td");
+    assert_same(&td.memmap(&deep)?, &td, "under new parents")?;
+    let err = td.memmap_with(dir.path().join("a").join(".."), &replace()).unwrap_err();
+    assert!(err.to_string().contains("folder name"), "{err}");
+    // `a/.` is the folder `a`: not a dict, so never replaced.
+    let err = td.memmap_with(dir.path().join("a").join("."), &replace()).unwrap_err();
+    assert!(matches!(err, tensordict::Error::DestinationExists { .. }), "{err}");
+    Ok(())
+}
+
 /// A destination that is a file, or a non-empty folder without a dict, is never replaced.
 #[test]
 fn a_prefix_that_is_not_a_dict_is_never_replaced() -> TestResult {
