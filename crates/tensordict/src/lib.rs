@@ -53,3 +53,4 @@ pub use error::{Error, Result};
 pub use format::{FORMAT_VERSION, MAX_DEPTH, MAX_META_BYTES, WriteOptions};
 pub use index::Index;
 pub use key::KeyPath;
+pub use shared::{Creator, CreatorState, SharedDictInfo};
