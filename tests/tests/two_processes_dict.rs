@@ -3,19 +3,11 @@
 
 use std::process::Command;
 
+use integration_tests::ShmPrefix;
 use memmap_tensor::{Access, DType, Location, Tensor};
 use tensordict::{Index, TensorDict};
 
 const ROWS: usize = 32;
-
-/// Unlinks a shared dict when the test ends, whether it passes or not.
-struct SharedPrefix(String);
-
-impl Drop for SharedPrefix {
-    fn drop(&mut self) {
-        let _ = TensorDict::unlink_shared(&self.0);
-    }
-}
 
 fn schema() -> anyhow::Result<TensorDict> {
     let mut td = TensorDict::new([ROWS]);
@@ -65,11 +57,11 @@ fn a_peer_process_writes_into_a_memmap_folder() -> anyhow::Result<()> {
 
 #[test]
 fn a_peer_process_writes_into_a_shared_memory_dict() -> anyhow::Result<()> {
-    let prefix = SharedPrefix(format!("tdict-it-{}", std::process::id()));
-    let td = schema()?.share_memory(&prefix.0)?;
+    let prefix = ShmPrefix::new("peer");
+    let td = schema()?.share_memory(prefix.as_str())?;
     assert!(td.is_shared());
-    exchange(td, "shm", &prefix.0)?;
-    let reopened = TensorDict::open_shared(&prefix.0, Access::ReadOnly)?;
+    exchange(td, "shm", prefix.as_str())?;
+    let reopened = TensorDict::open_shared(prefix.as_str(), Access::ReadOnly)?;
     assert_eq!(reopened.get_non_tensor("env")?["name"], "CartPole");
     Ok(())
 }

@@ -9,23 +9,40 @@ use std::time::Instant;
 use aio::{AlignedBuf, Engine};
 use anyhow::{Context, ensure};
 use clap::Subcommand;
-use memmap_tensor::{Access, Advice, DType, Location, Tensor};
+use memmap_tensor::{Access, Advice, DType, Tensor};
 use rand::Rng;
 use serde_json::json;
 use tensordict::{Index, ReadMode, TensorDict};
+
+use crate::location::{Location, LocationParser};
+use crate::progress::{Progress, Unit};
+
+/// Most rows per gather: the index and the output are built in memory.
+const MAX_BATCH: u64 = 1 << 20;
+/// Most bytes one gather may produce.
+const MAX_GATHER_BYTES: u64 = 1 << 30;
+/// Most timed gathers.
+const MAX_ITERS: u64 = 10_000_000;
+/// Most rows of the benchmark folder (349 bytes each: about 384 TB).
+const MAX_ROWS: u64 = 1 << 40;
+/// Most operations in flight for `bench io`.
+const MAX_QD: u64 = 4096;
+/// Largest block for `bench io` (each one in flight is a buffer in memory).
+const MAX_BS: u64 = 1 << 30;
 
 #[derive(Subcommand)]
 pub(crate) enum BenchCommand {
     /// Time `td[idx]` for fresh random integer indices over the first batch dim (all leaves).
     Gather {
-        /// The folder (or shm:PREFIX).
-        path: String,
-        /// Rows per gather.
-        #[arg(long, default_value_t = 1024)]
-        batch: usize,
-        /// Gathers to time.
-        #[arg(long, default_value_t = 2000)]
-        iters: usize,
+        /// The folder or shm:PREFIX.
+        #[arg(value_parser = LocationParser)]
+        location: Location,
+        /// Rows per gather (1 to 1048576).
+        #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=MAX_BATCH))]
+        batch: u64,
+        /// Gathers to time (1 to 10000000).
+        #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..=MAX_ITERS))]
+        iters: u64,
         /// `mmap`: index the mapped files; `direct`: read the rows with the I/O engine.
         #[arg(long, value_enum, default_value_t = Mode::Mmap)]
         mode: Mode,
@@ -36,7 +53,7 @@ pub(crate) enum BenchCommand {
         /// in `mmap` mode), so that every gather reads from the disk.
         #[arg(long)]
         cold: bool,
-        /// Print one JSON object.
+        /// Print one JSON object: the times, the mode, the I/O backend and the iterations.
         #[arg(long)]
         json: bool,
     },
@@ -44,9 +61,9 @@ pub(crate) enum BenchCommand {
     Make {
         /// The folder to create.
         path: PathBuf,
-        /// Number of rows.
-        #[arg(long, default_value_t = 1_000_000)]
-        rows: usize,
+        /// Number of rows (at most 2^40).
+        #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(0..=MAX_ROWS))]
+        rows: u64,
     },
     /// Sequential write, then read, of one file through the I/O engine (compare with fio).
     Io {
@@ -56,12 +73,12 @@ pub(crate) enum BenchCommand {
         /// Bytes to write and read (suffixes K, M, G: powers of 1024).
         #[arg(long, default_value = "1G", value_parser = parse_size)]
         size: u64,
-        /// Block size of each operation.
-        #[arg(long, default_value = "1M", value_parser = parse_size)]
+        /// Block size of each operation (at most 1G).
+        #[arg(long, default_value = "1M", value_parser = parse_block_size)]
         bs: u64,
-        /// Operations in flight.
-        #[arg(long, default_value_t = 32)]
-        qd: usize,
+        /// Operations in flight (1 to 4096).
+        #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=MAX_QD))]
+        qd: u64,
         /// Open the file with O_DIRECT.
         #[arg(long)]
         direct: bool,
@@ -79,11 +96,14 @@ pub(crate) enum Mode {
 
 pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
-        BenchCommand::Gather { path, batch, iters, mode, o_direct, cold, json } => {
-            gather(&path, &GatherOptions { batch, iters, mode, o_direct, cold }, json)
+        BenchCommand::Gather { location, batch, iters, mode, o_direct, cold, json } => {
+            let (batch, iters) = (usize::try_from(batch)?, usize::try_from(iters)?);
+            gather(&location, &GatherOptions { batch, iters, mode, o_direct, cold }, json)
         }
-        BenchCommand::Make { path, rows } => make(&path, rows),
-        BenchCommand::Io { file, size, bs, qd, direct, json } => io(&file, size, bs, qd, direct, json),
+        BenchCommand::Make { path, rows } => make(&path, usize::try_from(rows)?),
+        BenchCommand::Io { file, size, bs, qd, direct, json } => {
+            io(&file, size, bs, usize::try_from(qd)?, direct, json)
+        }
     }
 }
 
@@ -95,24 +115,37 @@ struct GatherOptions {
     cold: bool,
 }
 
-fn gather(path: &str, opts: &GatherOptions, as_json: bool) -> anyhow::Result<ExitCode> {
+fn gather(location: &Location, opts: &GatherOptions, as_json: bool) -> anyhow::Result<ExitCode> {
     ensure!(opts.batch > 0 && opts.iters > 0, "--batch and --iters must be positive");
     ensure!(!opts.o_direct || opts.mode == Mode::Direct, "--o-direct needs --mode direct");
-    ensure!(!opts.cold || !path.starts_with("shm:"), "--cold needs a folder: shared memory has no page cache to evict");
-    let mut td = crate::open(path, Access::ReadOnly)?;
+    ensure!(
+        !opts.cold || matches!(location, Location::Folder(_)),
+        "--cold needs a folder: shared memory has no page cache to evict"
+    );
+    let mut td = location.open(Access::ReadOnly)?;
     let rows = *td.batch_size().first().context("the dict has no batch dim to gather along")?;
     ensure!(rows > 0, "the dict has no rows");
     let files: Vec<PathBuf> = td.leaves().iter().filter_map(|(_, t)| t.storage().path().map(Path::to_owned)).collect();
     let row_bytes: usize = td.leaves().iter().map(|(_, t)| t.nbytes() / rows).sum();
+    let gather_bytes = (opts.batch as u64).saturating_mul(row_bytes as u64);
+    ensure!(
+        gather_bytes <= MAX_GATHER_BYTES,
+        "--batch {} of {row_bytes}-byte rows makes {} per gather, over the limit of {}",
+        opts.batch,
+        indicatif::DecimalBytes(gather_bytes),
+        indicatif::DecimalBytes(MAX_GATHER_BYTES)
+    );
     let engine = match opts.mode {
         Mode::Direct => Some(Engine::new().context("starting the I/O engine")?),
         Mode::Mmap => None,
     };
     if !opts.cold {
         // Warm the page cache and the page tables: touch every page of every leaf once.
+        let progress = Progress::bar("warming", td.nbytes() as u64, Unit::Bytes, !as_json);
         for (key, t) in td.leaves() {
             t.advise(Advice::WillNeed).with_context(|| format!("advising `{key}`"))?;
             t.stats().with_context(|| format!("reading `{key}`"))?;
+            progress.inc(t.nbytes() as u64);
         }
     }
     let read_mode = if opts.o_direct { ReadMode::Direct } else { ReadMode::Buffered };
@@ -120,6 +153,8 @@ fn gather(path: &str, opts: &GatherOptions, as_json: bool) -> anyhow::Result<Exi
     let mut rng = rand::rng();
     let warmup = if opts.cold { 0 } else { opts.iters / 10 };
     let mut times_us = Vec::with_capacity(opts.iters);
+    let what = if opts.cold { "cold gathers" } else { "gathers" };
+    let progress = Progress::bar(what, (opts.iters + warmup) as u64, Unit::Items("gathers"), !as_json);
     for i in 0..opts.iters + warmup {
         // Fresh indices every time, made before the clock starts.
         let index: Vec<i64> = (0..opts.batch).map(|_| rng.random_range(0..rows_i)).collect();
@@ -132,7 +167,7 @@ fn gather(path: &str, opts: &GatherOptions, as_json: bool) -> anyhow::Result<Exi
                 evict(file)?;
             }
             if engine.is_none() {
-                td = crate::open(path, Access::ReadOnly)?;
+                td = location.open(Access::ReadOnly)?;
             }
         }
         let started = Instant::now();
@@ -145,7 +180,9 @@ fn gather(path: &str, opts: &GatherOptions, as_json: bool) -> anyhow::Result<Exi
         if i >= warmup {
             times_us.push(elapsed.as_secs_f64() * 1e6);
         }
+        progress.inc(1);
     }
+    drop(progress);
     times_us.sort_by(f64::total_cmp);
     let median = times_us[times_us.len() / 2];
     let p99 = times_us[(times_us.len() * 99 / 100).min(times_us.len() - 1)];
@@ -157,10 +194,11 @@ fn gather(path: &str, opts: &GatherOptions, as_json: bool) -> anyhow::Result<Exi
         (Mode::Direct, true) => "direct+o_direct",
     };
     let backend = engine.as_ref().map(|e| e.backend().as_str());
-    // The JSON is a contract: the same five fields whatever the mode.
+    // The JSON is a contract: the same fields whatever the mode (`backend` is null for `mmap`,
+    // which uses no I/O engine).
     let out = json!({
         "median_us": round(median), "p99_us": round(p99), "gbps": round(gbps), "batch": opts.batch,
-        "row_bytes": row_bytes,
+        "row_bytes": row_bytes, "mode": mode, "backend": backend, "cold": opts.cold, "iters": opts.iters,
     });
     if as_json {
         crate::out!("{out}");
@@ -196,12 +234,14 @@ fn io(path: &Path, size: u64, bs: u64, qd: usize, direct: bool, as_json: bool) -
     if direct {
         options.custom_flags(nix::libc::O_DIRECT);
     }
-    let file = Arc::new(options.open(path).with_context(|| format!("opening {}", path.display()))?);
     let blocks = size / bs;
     let bs_usize = usize::try_from(bs)?;
+    let total =
+        i64::try_from(blocks * bs).map_err(|_| anyhow::anyhow!("--size {size} is larger than a file can be"))?;
+    let file = Arc::new(options.open(path).with_context(|| format!("opening {}", path.display()))?);
     // Allocate the blocks first, as fio does (`fallocate=native`): writes that extend a file
     // are slower, with O_DIRECT especially, and that is not what this measures.
-    nix::fcntl::posix_fallocate(file.as_ref(), 0, i64::try_from(blocks * bs)?)
+    nix::fcntl::posix_fallocate(file.as_ref(), 0, total)
         .with_context(|| format!("allocating {} bytes for {}", blocks * bs, path.display()))?;
     let write_secs = stream(&engine, &file, blocks, bs_usize, qd, true)?;
     // Reads must come from the disk, as fio's (which invalidates the cache first).
@@ -322,23 +362,38 @@ fn parse_size(s: &str) -> Result<u64, String> {
     n.checked_mul(scale).ok_or_else(|| format!("`{s}` is too large"))
 }
 
+/// A `--bs` value: a size of at most [`MAX_BS`].
+fn parse_block_size(s: &str) -> Result<u64, String> {
+    let bs = parse_size(s)?;
+    if bs > MAX_BS {
+        return Err(format!("`{s}` is over the largest block size, 1G"));
+    }
+    Ok(bs)
+}
+
 fn round(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
-fn make(path: &PathBuf, rows: usize) -> anyhow::Result<ExitCode> {
+fn make(path: &Path, rows: usize) -> anyhow::Result<ExitCode> {
     let mut schema = TensorDict::new([1]);
-    schema.set("obs", Tensor::zeros([1, 84], DType::F32, &Location::Heap)?)?;
-    schema.set("action", Tensor::zeros([1], DType::I64, &Location::Heap)?)?;
-    schema.set("reward", Tensor::zeros([1], DType::F32, &Location::Heap)?)?;
-    schema.set("done", Tensor::zeros([1], DType::Bool, &Location::Heap)?)?;
+    schema.set("obs", Tensor::zeros([1, 84], DType::F32, &memmap_tensor::Location::Heap)?)?;
+    schema.set("action", Tensor::zeros([1], DType::I64, &memmap_tensor::Location::Heap)?)?;
+    schema.set("reward", Tensor::zeros([1], DType::F32, &memmap_tensor::Location::Heap)?)?;
+    schema.set("done", Tensor::zeros([1], DType::Bool, &memmap_tensor::Location::Heap)?)?;
     let mut td = schema.memmap_like(path, Some(rows))?;
+    // Rows are filled, then flushed, a chunk at a time: 2 steps per chunk on the bar.
+    const CHUNK_ROWS: usize = 1 << 16;
+    let progress = Progress::bar("writing", 2 * rows as u64, Unit::Items("row steps"), true);
     {
         let obs = td.get_tensor_mut("obs")?;
         let mut data = obs.as_mut_slice::<f32>()?;
-        for (r, row) in data.chunks_exact_mut(84).enumerate() {
-            #[allow(clippy::cast_precision_loss)]
-            row.fill(r as f32);
+        for (c, chunk) in data.chunks_mut(84 * CHUNK_ROWS).enumerate() {
+            for (r, row) in chunk.chunks_exact_mut(84).enumerate() {
+                #[allow(clippy::cast_precision_loss)]
+                row.fill((c * CHUNK_ROWS + r) as f32);
+            }
+            progress.inc((chunk.len() / 84) as u64);
         }
     }
     {
@@ -348,8 +403,16 @@ fn make(path: &PathBuf, rows: usize) -> anyhow::Result<ExitCode> {
         }
     }
     for (key, t) in td.leaves() {
-        t.flush().with_context(|| format!("flushing `{key}`"))?;
+        let row_bytes = t.nbytes() / rows.max(1);
+        for start in (0..rows).step_by(CHUNK_ROWS) {
+            let len = CHUNK_ROWS.min(rows - start);
+            t.storage().flush_range(start * row_bytes, len * row_bytes).with_context(|| format!("flushing `{key}`"))?;
+            if key.parts() == ["obs"] {
+                progress.inc(len as u64);
+            }
+        }
     }
-    crate::out!("wrote {} ({rows} rows, {} bytes)", path.display(), td.nbytes());
+    drop(progress);
+    crate::out!("wrote {} ({rows} rows, {})", path.display(), indicatif::DecimalBytes(td.nbytes() as u64));
     Ok(ExitCode::SUCCESS)
 }

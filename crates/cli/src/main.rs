@@ -1,5 +1,5 @@
-//! `tdict`: inspect, verify, copy and benchmark TensorDict folders (Python tensordict's memmap
-//! layout) and shared dicts. Thin: the work is done by the `tensordict` library.
+//! `tdict`: inspect, verify, copy, remove and benchmark TensorDict folders (Python tensordict's
+//! memmap layout) and shared dicts. Thin: the work is done by the `tensordict` library.
 //!
 //! Exit status: 0 on success, 1 on an error (one line on stderr) or a failed verification,
 //! 2 on bad arguments.
@@ -15,22 +15,29 @@ macro_rules! out {
 pub(crate) use out;
 
 mod bench;
+mod location;
+mod progress;
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::process::ExitCode;
 
-use anyhow::Context;
+use anyhow::{Context, ensure};
 use clap::{Parser, Subcommand};
+use indicatif::DecimalBytes;
 use memmap_tensor::Access;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 use tensordict::{Error, TensorDict};
 
-/// Inspect, verify, copy and benchmark TensorDict folders.
+use crate::location::{Location, LocationParser};
+use crate::progress::{Progress, Unit};
+
+/// Inspect, verify, copy, remove and benchmark TensorDict folders and shared dicts.
 ///
-/// PATH is a memmap folder (written by Python `TensorDict.memmap` or by this tool) or
-/// `shm:PREFIX` for a dict shared in memory with `TensorDict::share_memory`.
+/// A LOCATION is a memmap folder (written by Python `TensorDict.memmap` or by this tool) or
+/// `shm:PREFIX` for a dict in shared memory (`TensorDict::share_memory`). A folder whose name
+/// starts with `shm:` is written `./shm:…`.
 #[derive(Parser)]
-#[command(version, about, long_about = None)]
+#[command(name = "tdict", version, about, long_about)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -38,29 +45,33 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Print the batch size and every leaf: key path, dtype, shape and bytes.
+    /// Print the batch size and every leaf: key path, dtype, shape and size.
     Info {
-        /// The folder (or shm:PREFIX).
-        path: String,
-        /// Print one JSON object.
+        /// The folder or shm:PREFIX.
+        #[arg(value_parser = LocationParser)]
+        location: Location,
+        /// Print one JSON object (key paths as lists of strings, sizes in bytes).
         #[arg(long)]
         json: bool,
         /// Add the sum, min and max of every leaf (bool as 0/1).
         #[arg(long)]
         stats: bool,
     },
-    /// Check a folder fully; print one line per problem and exit 1 if there is any.
+    /// Check a folder or shared dict fully; print one line per problem and exit 1 if there is any.
     Verify {
-        /// The folder.
-        path: PathBuf,
+        /// The folder or shm:PREFIX.
+        #[arg(value_parser = LocationParser)]
+        location: Location,
     },
-    /// Load SRC and write it to the folder DST.
+    /// Load SRC and write it to DST: a new folder, or a new shared dict for shm:PREFIX.
     Copy {
-        /// The source folder (or shm:PREFIX).
-        src: String,
-        /// The destination folder.
-        dst: PathBuf,
-        /// fsync every file and folder written.
+        /// The source folder or shm:PREFIX.
+        #[arg(value_parser = LocationParser)]
+        src: Location,
+        /// The destination folder or shm:PREFIX.
+        #[arg(value_parser = LocationParser)]
+        dst: Location,
+        /// fsync every file and folder written (folders only).
         #[arg(long)]
         fsync: bool,
         /// Replace a dict already at DST (the swap is atomic: DST holds the old or the new dict,
@@ -72,11 +83,31 @@ enum Command {
     /// reports them). Those of running writers, or of writers on other machines, are kept.
     Clean {
         /// The folder.
-        path: PathBuf,
+        path: std::path::PathBuf,
     },
+    /// Remove a TensorDict folder (it must have a meta.json) or every shm object of shm:PREFIX,
+    /// also when its creator was killed before finishing it.
+    Rm {
+        /// The folder or shm:PREFIX.
+        #[arg(value_parser = LocationParser)]
+        location: Location,
+    },
+    /// Shared dicts of this machine.
+    #[command(subcommand)]
+    Shm(ShmCommand),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum ShmCommand {
+    /// List shared dicts: prefix, objects, size, whether complete, and whether the creator runs.
+    Ls {
+        /// Print one JSON object (sizes in bytes).
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -112,75 +143,103 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 
 fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Info { path, json, stats } => info(&path, json, stats),
-        Command::Verify { path } => verify(&path),
+        Command::Info { location, json, stats } => info(&location, json, stats),
+        Command::Verify { location } => verify(&location),
         Command::Copy { src, dst, fsync, force } => {
-            let td = open(&src, Access::ReadOnly)?;
-            td.memmap_with(&dst, &tensordict::WriteOptions::default().fsync(fsync).overwrite(force))
-                .with_context(|| format!("writing {}", dst.display()))?;
-            out!("copied {} leaves ({} bytes) to {}", td.leaves().len(), td.nbytes(), dst.display());
+            let td = src.open(Access::ReadOnly)?;
+            match &dst {
+                Location::Folder(dst) => {
+                    let options = tensordict::WriteOptions::default().fsync(fsync).overwrite(force);
+                    td.memmap_with(dst, &options).with_context(|| format!("writing {}", dst.display()))?;
+                }
+                Location::Shm(prefix) => {
+                    ensure!(!fsync, "--fsync applies to folders: shared memory has no disk to sync");
+                    ensure!(!force, "--force applies to folders: remove the shared dict first (`tdict rm {dst}`)");
+                    td.share_memory(prefix).with_context(|| format!("writing {dst}"))?;
+                }
+            }
+            out!("copied {} leaves ({}) to {dst}", td.leaves().len(), DecimalBytes(td.nbytes() as u64));
             Ok(ExitCode::SUCCESS)
         }
         Command::Clean { path } => clean(&path),
+        Command::Rm { location } => {
+            match &location {
+                Location::Shm(prefix) => TensorDict::unlink_shared(prefix)?,
+                Location::Folder(path) => remove_folder(path)?,
+            }
+            out!("removed {location}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Shm(ShmCommand::Ls { json }) => shm_ls(json),
         Command::Bench(cmd) => bench::run(cmd),
     }
 }
 
-/// Opens a folder, or a shared dict given as `shm:PREFIX`.
-pub(crate) fn open(path: &str, access: Access) -> anyhow::Result<TensorDict> {
-    match path.strip_prefix("shm:") {
-        Some(prefix) => Ok(TensorDict::open_shared(prefix, access)?),
-        None => Ok(TensorDict::load_memmap(path, access)?),
-    }
-}
-
-fn info(path: &str, as_json: bool, with_stats: bool) -> anyhow::Result<ExitCode> {
-    let td = open(path, Access::ReadOnly)?;
-    let mut leaves = Map::new();
-    for (key, t) in td.leaves() {
-        let mut leaf = json!({"dtype": t.dtype().as_torch_str(), "shape": t.dims(), "nbytes": t.nbytes()});
-        if with_stats {
+fn info(location: &Location, as_json: bool, with_stats: bool) -> anyhow::Result<ExitCode> {
+    let td = location.open(Access::ReadOnly)?;
+    let leaves = td.leaves();
+    let progress = with_stats.then(|| {
+        let total = leaves.iter().map(|(_, t)| t.nbytes() as u64).sum();
+        Progress::bar("statistics", total, Unit::Bytes, !as_json)
+    });
+    let mut rows = Vec::with_capacity(leaves.len());
+    for (key, t) in &leaves {
+        let mut leaf = json!({
+            "key": key.parts(), "dtype": t.dtype().as_torch_str(), "shape": t.dims(), "nbytes": t.nbytes(),
+        });
+        if let Some(progress) = &progress {
             let s = t.stats().with_context(|| format!("statistics of `{key}`"))?;
             leaf["sum"] = json!(s.sum);
             leaf["min"] = json!(s.min);
             leaf["max"] = json!(s.max);
+            progress.inc(t.nbytes() as u64);
         }
-        leaves.insert(key.joined("."), leaf);
+        rows.push(leaf);
     }
-    let non_tensor: Map<String, Value> =
-        td.non_tensors().into_iter().map(|(k, v)| (k.joined("."), v.clone())).collect();
+    drop(progress);
+    let non_tensor: Vec<Value> =
+        td.non_tensors().into_iter().map(|(k, v)| json!({"key": k.parts(), "value": v})).collect();
     if as_json {
-        let out = json!({"batch_size": td.batch_size(), "leaves": leaves, "non_tensor": non_tensor});
+        let out = json!({"batch_size": td.batch_size(), "leaves": rows, "non_tensor": non_tensor});
         out!("{out}");
         return Ok(ExitCode::SUCCESS);
     }
-    // Text: keys printed with control characters escaped, one line per entry.
-    let shown = |key: &str| key.chars().flat_map(char::escape_debug).collect::<String>();
+    // Text: key paths dot-joined with control characters escaped, one line per entry.
+    let shown = |entry: &Value| {
+        let parts: Vec<&str> = entry["key"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+        parts.join(".").chars().flat_map(char::escape_debug).collect::<String>()
+    };
     out!("batch_size: {:?}", td.batch_size());
-    let width = leaves.keys().chain(non_tensor.keys()).map(|k| shown(k).chars().count()).max().unwrap_or(0);
-    for (key, leaf) in &leaves {
-        let key = shown(key);
+    let width = rows.iter().chain(&non_tensor).map(|e| shown(e).chars().count()).max().unwrap_or(0);
+    for leaf in &rows {
         let mut line = format!(
-            "{key:width$}  {:<15} {:<20} {:>12} bytes",
+            "{:width$}  {:<15} {:<20} {:>10}",
+            shown(leaf),
             leaf["dtype"].as_str().unwrap_or_default(),
             leaf["shape"].to_string(),
-            leaf["nbytes"]
+            DecimalBytes(leaf["nbytes"].as_u64().unwrap_or_default()).to_string(),
         );
         if with_stats {
             line.push_str(&format!("  sum={} min={} max={}", leaf["sum"], leaf["min"], leaf["max"]));
         }
         out!("{line}");
     }
-    for (key, value) in &non_tensor {
-        out!("{:width$}  (non-tensor) {value}", shown(key));
+    for entry in &non_tensor {
+        out!("{:width$}  (non-tensor) {}", shown(entry), entry["value"]);
     }
     Ok(ExitCode::SUCCESS)
 }
 
-fn verify(path: &PathBuf) -> anyhow::Result<ExitCode> {
-    let problems = TensorDict::verify_memmap(path);
+fn verify(location: &Location) -> anyhow::Result<ExitCode> {
+    let problems = {
+        let _progress = Progress::spinner(&format!("verifying {location}"), true);
+        match location {
+            Location::Folder(path) => TensorDict::verify_memmap(path),
+            Location::Shm(prefix) => TensorDict::verify_shared(prefix),
+        }
+    };
     if problems.is_empty() {
-        out!("{}: ok", path.display());
+        out!("{location}: ok");
         return Ok(ExitCode::SUCCESS);
     }
     for problem in problems {
@@ -189,10 +248,62 @@ fn verify(path: &PathBuf) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::FAILURE)
 }
 
-fn clean(path: &PathBuf) -> anyhow::Result<ExitCode> {
+/// Removes a TensorDict folder: one with a `meta.json` at its top. The folder is first renamed
+/// to a hidden name beside it, so that it disappears at once and a half-removed folder never
+/// shows under its own name; an interrupted removal leaves `.NAME.PID.removing`.
+fn remove_folder(path: &Path) -> anyhow::Result<()> {
+    let meta = std::fs::symlink_metadata(path).with_context(|| format!("{}", path.display()))?;
+    ensure!(meta.is_dir(), "{} is not a folder: refusing to remove it", path.display());
+    let has_meta = std::fs::symlink_metadata(path.join("meta.json")).is_ok_and(|m| m.is_file());
+    ensure!(has_meta, "{} is not a TensorDict folder (no meta.json at its top): refusing to remove it", path.display());
+    let name = path.file_name().with_context(|| format!("{} has no folder name", path.display()))?;
+    let mut hidden = std::ffi::OsString::from(".");
+    hidden.push(name);
+    hidden.push(format!(".{}.removing", std::process::id()));
+    let doomed = path.with_file_name(hidden);
+    std::fs::rename(path, &doomed).with_context(|| format!("renaming {} to remove it", path.display()))?;
+    std::fs::remove_dir_all(&doomed).with_context(|| format!("removing {}", doomed.display()))?;
+    Ok(())
+}
+
+fn shm_ls(as_json: bool) -> anyhow::Result<ExitCode> {
+    let dicts = TensorDict::list_shared()?;
+    if as_json {
+        let list: Vec<Value> = dicts
+            .iter()
+            .map(|d| {
+                json!({
+                    "prefix": d.prefix, "objects": d.objects, "bytes": d.bytes, "complete": d.complete,
+                    "creator": d.creator.state.as_str(), "creator_pid": d.creator.pid,
+                })
+            })
+            .collect();
+        out!("{}", json!({ "shared": list }));
+        return Ok(ExitCode::SUCCESS);
+    }
+    let shown = |p: &str| p.chars().flat_map(char::escape_debug).collect::<String>();
+    let width = dicts.iter().map(|d| shown(&d.prefix).chars().count()).max().unwrap_or(0).max("PREFIX".len());
+    out!("{:width$}  {:>7}  {:>10}  {:<8}  CREATOR", "PREFIX", "OBJECTS", "SIZE", "COMPLETE");
+    for d in &dicts {
+        let creator = match d.creator.pid {
+            Some(pid) => format!("{} (pid {pid})", d.creator.state),
+            None => d.creator.state.to_string(),
+        };
+        out!(
+            "{:width$}  {:>7}  {:>10}  {:<8}  {creator}",
+            shown(&d.prefix),
+            d.objects,
+            DecimalBytes(d.bytes).to_string(),
+            if d.complete { "yes" } else { "no" },
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn clean(path: &Path) -> anyhow::Result<ExitCode> {
     let removed = TensorDict::remove_leftovers(path)?;
     for leftover in &removed {
-        out!("removed {} ({} bytes)", leftover.path.display(), leftover.bytes);
+        out!("removed {} ({})", leftover.path.display(), DecimalBytes(leftover.bytes));
     }
     let kept = TensorDict::leftovers(path)?;
     for leftover in &kept {

@@ -175,6 +175,24 @@ fn as_f64_or_null(v: &Value, what: &str) -> Option<f64> {
     }
 }
 
+/// The key path of a JSON leaf or non-tensor entry of `info --json`: its `key` list of strings.
+fn key_of(entry: &Value) -> Vec<String> {
+    entry["key"]
+        .as_array()
+        .unwrap_or_else(|| panic!("`key` is not a list: {entry}"))
+        .iter()
+        .map(|p| p.as_str().unwrap_or_else(|| panic!("a key part is not a string: {entry}")).to_owned())
+        .collect()
+}
+
+/// The leaf of `info --json` output with key path `key`.
+fn leaf<'a>(info: &'a Value, key: &[&str]) -> &'a Value {
+    let leaves = info["leaves"].as_array().unwrap_or_else(|| panic!("`leaves` is not a list: {info}"));
+    let found: Vec<&Value> = leaves.iter().filter(|l| key_of(l) == key).collect();
+    assert_eq!(found.len(), 1, "leaf {key:?} must be listed once: {info}");
+    found[0]
+}
+
 /// Checks `info --json --stats` output against an `expected.json`.
 fn check_info_against_expected(info: &Value, exp: &Value, ctx: &str) {
     let top: Vec<&str> = info.as_object().expect("info is an object").keys().map(String::as_str).collect();
@@ -183,24 +201,23 @@ fn check_info_against_expected(info: &Value, exp: &Value, ctx: &str) {
     assert_eq!(top_sorted, ["batch_size", "leaves", "non_tensor"], "{ctx}: top-level keys");
     assert_eq!(info["batch_size"], exp["batch_size"], "{ctx}: batch_size");
 
-    let leaves = info["leaves"].as_object().expect("leaves is an object");
+    let leaves = info["leaves"].as_array().expect("leaves is a list");
     let exp_leaves = exp["leaves"].as_object().expect("expected leaves");
     assert_eq!(
-        leaves.keys().collect::<Vec<_>>().len(),
+        leaves.len(),
         exp_leaves.len(),
         "{ctx}: leaf paths {:?} vs expected {:?}",
-        leaves.keys().collect::<Vec<_>>(),
+        leaves.iter().map(key_of).collect::<Vec<_>>(),
         exp_leaves.keys().collect::<Vec<_>>()
     );
     for (path, e) in exp_leaves {
-        // The map key of expected.json is the dot-joined key path; check it is.
         let parts: Vec<&str> = e["key"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
-        assert_eq!(&parts.join("."), path, "{ctx}: expected.json leaf key");
-        let ctx = format!("{ctx}: leaf {path:?}");
-        let leaf = leaves.get(path).unwrap_or_else(|| panic!("{ctx}: missing from {:?}", leaves.keys()));
+        let ctx = format!("{ctx}: leaf {parts:?}");
+        let leaf = leaf(info, &parts);
+        assert_eq!(leaf["key"], e["key"], "{ctx}: key of {path}");
         let mut fields: Vec<&str> = leaf.as_object().unwrap().keys().map(String::as_str).collect();
         fields.sort_unstable();
-        assert_eq!(fields, ["dtype", "max", "min", "nbytes", "shape", "sum"], "{ctx}: fields");
+        assert_eq!(fields, ["dtype", "key", "max", "min", "nbytes", "shape", "sum"], "{ctx}: fields");
         assert_eq!(leaf["dtype"], e["dtype"], "{ctx}: dtype");
         assert_eq!(leaf["shape"], e["shape"], "{ctx}: shape");
         assert_eq!(leaf["nbytes"].as_u64(), e["nbytes"].as_u64(), "{ctx}: nbytes");
@@ -211,9 +228,16 @@ fn check_info_against_expected(info: &Value, exp: &Value, ctx: &str) {
             assert_eq!(as_f64_or_null(&leaf[field], &ctx), as_f64_or_null(&e[exp_field], &ctx), "{ctx}: {field}");
         }
     }
-    let no_values = Value::Object(Map::new());
-    let exp_non_tensor = exp.get("non_tensor").unwrap_or(&no_values);
-    assert_eq!(&info["non_tensor"], exp_non_tensor, "{ctx}: non_tensor");
+    // expected.json keys non-tensor values by the dot-joined path; none of the fixtures has a
+    // dot inside a non-tensor key, so the join is unambiguous here.
+    let no_values = Map::new();
+    let exp_non_tensor = exp.get("non_tensor").and_then(Value::as_object).unwrap_or(&no_values);
+    let non_tensor = info["non_tensor"].as_array().expect("non_tensor is a list");
+    assert_eq!(non_tensor.len(), exp_non_tensor.len(), "{ctx}: non_tensor {non_tensor:?}");
+    for entry in non_tensor {
+        let joined = key_of(entry).join(".");
+        assert_eq!(Some(&entry["value"]), exp_non_tensor.get(&joined), "{ctx}: non_tensor {joined}");
+    }
 }
 
 /// The integers in `s`, in order.
@@ -233,19 +257,57 @@ fn sum_in(line: &str) -> Option<f64> {
     rest.split(|c: char| c.is_whitespace() || c == ',').next()?.parse().ok()
 }
 
-/// Removes a shared dict when dropped (shared memory outlives the process otherwise).
+/// The sizes for humans that the text output uses: a number and a unit (`B`, `kB`, `MB`, `GB`,
+/// `TB`; powers of 1000) in `line`, close to `bytes`.
+fn assert_human_size(line: &str, bytes: u64) {
+    let tokens: Vec<&str> = line.split_whitespace().map(|t| t.trim_matches(|c| matches!(c, '(' | ')' | ','))).collect();
+    let shown = tokens.windows(2).find_map(|w| {
+        let scale = match w[1] {
+            "B" => 1.0,
+            "kB" => 1e3,
+            "MB" => 1e6,
+            "GB" => 1e9,
+            "TB" => 1e12,
+            _ => return None,
+        };
+        w[0].parse::<f64>().ok().map(|v| v * scale)
+    });
+    let shown = shown.unwrap_or_else(|| panic!("no size for humans in {line:?}"));
+    #[allow(clippy::cast_precision_loss)]
+    let exact = bytes as f64;
+    assert!((shown - exact).abs() <= exact * 0.005 + 0.5, "{line:?} shows {shown} for {bytes} bytes");
+    if bytes >= 1000 {
+        assert!(!tokens.contains(&bytes.to_string().as_str()), "raw byte count in text: {line:?}");
+    }
+}
+
+/// Removes a shared dict, and everything else under its prefix, when dropped (shared memory
+/// outlives the process otherwise). The one cleanup guard of these tests.
 struct ShmGuard(String);
 
 impl Drop for ShmGuard {
     fn drop(&mut self) {
-        // Best effort: the test may have unlinked it already, or failed before sharing.
+        // Best effort: the test may have removed it already, or failed before sharing.
         let _ = TensorDict::unlink_shared(&self.0);
     }
 }
 
-/// A shared-memory prefix unique to this process and test.
+/// A shared-memory prefix unique to this process and test, with nothing under it yet.
 fn shm_prefix(test: &str) -> String {
-    format!("tdict-cli-test-{}-{test}", std::process::id())
+    let prefix = format!("tdict-cli-test-{}-{test}", std::process::id());
+    let _ = TensorDict::unlink_shared(&prefix);
+    prefix
+}
+
+/// The shm objects under `prefix` (`/prefix.S`, `S` without dots).
+fn shm_objects(prefix: &str) -> Vec<String> {
+    let start = format!("/{prefix}.");
+    memmap_tensor::Storage::list_shm()
+        .unwrap()
+        .into_iter()
+        .filter(|o| o.name.strip_prefix(&start).is_some_and(|rest| !rest.contains('.')))
+        .map(|o| o.name)
+        .collect()
 }
 
 // === 1. info --json --stats against expected.json ===
@@ -264,8 +326,11 @@ fn info_json_stats_matches_expected_json_for_every_fixture() {
 fn info_shows_a_non_tensor_stack_as_a_list() {
     let run = tdict([OsStr::new("info"), fixture("non_tensor_stack").as_os_str(), "--json".as_ref()]);
     let out = run.json();
-    assert_eq!(out["non_tensor"]["names"], json!(["a", "b", "c"]), "{run}");
-    assert_eq!(out["non_tensor"]["numbers"], json!([1, 2.5, null]), "{run}");
+    assert_eq!(
+        out["non_tensor"],
+        json!([{"key": ["names"], "value": ["a", "b", "c"]}, {"key": ["numbers"], "value": [1, 2.5, null]}]),
+        "{run}"
+    );
 }
 
 #[test]
@@ -274,14 +339,15 @@ fn info_json_without_stats_has_no_statistics() {
     let info = run.json();
     let exp = expected("nested");
     assert_eq!(info["batch_size"], exp["batch_size"]);
-    let leaves = info["leaves"].as_object().unwrap();
+    let leaves = info["leaves"].as_array().unwrap();
     assert_eq!(leaves.len(), exp["leaves"].as_object().unwrap().len());
-    for (path, leaf) in leaves {
+    for leaf in leaves {
+        let path = key_of(leaf).join(".");
         let mut fields: Vec<&str> = leaf.as_object().unwrap().keys().map(String::as_str).collect();
         fields.sort_unstable();
-        assert_eq!(fields, ["dtype", "nbytes", "shape"], "leaf {path}");
-        assert_eq!(leaf["dtype"], exp["leaves"][path]["dtype"], "leaf {path}");
-        assert_eq!(leaf["shape"], exp["leaves"][path]["shape"], "leaf {path}");
+        assert_eq!(fields, ["dtype", "key", "nbytes", "shape"], "leaf {path}");
+        assert_eq!(leaf["dtype"], exp["leaves"][&path]["dtype"], "leaf {path}");
+        assert_eq!(leaf["shape"], exp["leaves"][&path]["shape"], "leaf {path}");
     }
 }
 
@@ -300,8 +366,8 @@ fn info_text_lists_batch_size_and_every_leaf() {
         for (path, leaf) in exp["leaves"].as_object().unwrap() {
             let line = line_of(out, path).unwrap_or_else(|| panic!("{name}: leaf {path} not listed:\n{run}"));
             assert!(line.contains(leaf["dtype"].as_str().unwrap()), "{name}: dtype of {path} in {line:?}");
-            let nbytes = leaf["nbytes"].as_u64().unwrap().to_string();
-            assert!(line.split_whitespace().any(|t| t == nbytes), "{name}: bytes of {path} in {line:?}");
+            let nbytes = leaf["nbytes"].as_u64().unwrap();
+            assert_human_size(line, nbytes);
             assert!(!line.contains("sum"), "{name}: sums without --stats: {line:?}");
         }
         if let Some(values) = exp.get("non_tensor").and_then(Value::as_object) {
@@ -432,7 +498,7 @@ fn copy_round_trips_every_fixture() {
         let copied = tdict(args(&dst)).json();
         assert_eq!(copied, original, "{name}: info of the copy differs");
         // Same leaf order too.
-        let keys = |v: &Value| v["leaves"].as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+        let keys = |v: &Value| v["leaves"].as_array().unwrap().iter().map(key_of).collect::<Vec<_>>();
         assert_eq!(keys(&copied), keys(&original), "{name}: leaf order");
         check_info_against_expected(&copied, &expected(&name), &format!("copy of {name}"));
         tdict([OsStr::new("verify"), dst.as_os_str()]).ok();
@@ -471,7 +537,7 @@ fn bench_make_then_gather_json() {
     // The folder: {obs f32 [84], action i64, reward f32, done bool} x 5000 rows.
     let info = tdict([OsStr::new("info"), dir.as_os_str(), "--json".as_ref()]).json();
     assert_eq!(info["batch_size"], json!([5000]));
-    let leaves = info["leaves"].as_object().unwrap();
+    let leaves = info["leaves"].as_array().unwrap();
     let schema = [
         ("obs", "torch.float32", json!([5000, 84])),
         ("action", "torch.int64", json!([5000])),
@@ -480,8 +546,8 @@ fn bench_make_then_gather_json() {
     ];
     assert_eq!(leaves.len(), schema.len(), "{info}");
     for (key, dtype, shape) in schema {
-        assert_eq!(leaves[key]["dtype"], dtype, "{key}");
-        assert_eq!(leaves[key]["shape"], shape, "{key}");
+        assert_eq!(leaf(&info, &[key])["dtype"], dtype, "{key}");
+        assert_eq!(leaf(&info, &[key])["shape"], shape, "{key}");
     }
     tdict([OsStr::new("verify"), dir.as_os_str()]).ok();
 
@@ -499,8 +565,14 @@ fn bench_make_then_gather_json() {
     let out = run.json();
     let mut keys: Vec<&str> = out.as_object().unwrap().keys().map(String::as_str).collect();
     keys.sort_unstable();
-    assert_eq!(keys, ["batch", "gbps", "median_us", "p99_us", "row_bytes"], "{run}");
+    assert_eq!(
+        keys,
+        ["backend", "batch", "cold", "gbps", "iters", "median_us", "mode", "p99_us", "row_bytes"],
+        "{run}"
+    );
     assert_eq!(out["batch"], json!(64), "{run}");
+    assert_eq!(out["iters"], json!(50), "{run}");
+    assert_eq!((&out["mode"], &out["backend"], &out["cold"]), (&json!("mmap"), &Value::Null, &json!(false)), "{run}");
     assert_eq!(out["row_bytes"], json!(349), "84 * 4 + 8 + 4 + 1:\n{run}");
     let median = out["median_us"].as_f64().expect("median_us is a number");
     let p99 = out["p99_us"].as_f64().expect("p99_us is a number");
@@ -610,6 +682,21 @@ fn bad_arguments_exit_2() {
         &["bench", "gather", d, "--batch", "-3"],
         &["bench", "gather", d, "--iters", "1.5"],
         &["bench", "make", d, "--rows", "many"],
+        // Numbers that are valid integers but out of range: each a clear message, never a panic.
+        &["bench", "gather", d, "--batch", "18446744073709551615"],
+        &["bench", "gather", d, "--batch", "1048577"],
+        &["bench", "gather", d, "--iters", "18446744073709551615"],
+        &["bench", "gather", d, "--iters", "99999999999"],
+        &["bench", "make", d, "--rows", "18446744073709551615"],
+        &["bench", "make", d, "--rows", "1099511627777"],
+        &["bench", "io", "--file", d, "--qd", "18446744073709551615"],
+        &["bench", "io", "--file", d, "--qd", "0"],
+        &["bench", "io", "--file", d, "--bs", "2G"],
+        &["bench", "io", "--file", d, "--bs", "99999999999999G"],
+        &["bench", "io", "--file", d, "--size", "99999999999999999999"],
+        &["rm"],
+        &["shm"],
+        &["shm", "ls", "extra"],
     ];
     for args in cases {
         tdict(*args).expect_usage_error();
@@ -648,7 +735,7 @@ fn error_lines_do_not_repeat_their_cause() {
     for (path, cause) in [
         (tmp.path().join("missing").into_os_string(), "No such file or directory"),
         (file.into_os_string(), "Not a directory"),
-        (unshared.into(), "No such file or directory"),
+        (unshared.into(), "no shared dict"),
     ] {
         let run = tdict([OsStr::new("info"), path.as_os_str()]);
         let line = run.expect_error();
@@ -748,13 +835,13 @@ fn info_sees_writes_to_a_shared_dict() {
     let target = format!("shm:{prefix}");
 
     let before = tdict(["info", &target, "--json", "--stats"]).json();
-    assert_eq!(before["leaves"]["v"]["sum"].as_f64(), Some(0.0));
+    assert_eq!(leaf(&before, &["v"])["sum"].as_f64(), Some(0.0));
 
     shared.get_tensor_mut("v").unwrap().as_mut_slice::<i32>().unwrap().copy_from_slice(&[10, 20, -5]);
     let after = tdict(["info", &target, "--json", "--stats"]).json();
-    assert_eq!(after["leaves"]["v"]["sum"].as_f64(), Some(25.0));
-    assert_eq!(after["leaves"]["v"]["min"].as_f64(), Some(-5.0));
-    assert_eq!(after["leaves"]["v"]["max"].as_f64(), Some(20.0));
+    assert_eq!(leaf(&after, &["v"])["sum"].as_f64(), Some(25.0));
+    assert_eq!(leaf(&after, &["v"])["min"].as_f64(), Some(-5.0));
+    assert_eq!(leaf(&after, &["v"])["max"].as_f64(), Some(20.0));
 }
 
 /// `bench gather --mode direct` (buffered and O_DIRECT) and `--cold` print the same JSON
@@ -772,8 +859,21 @@ fn bench_gather_modes_and_cold_runs() {
         let out = run.json();
         let mut keys: Vec<&str> = out.as_object().unwrap().keys().map(String::as_str).collect();
         keys.sort_unstable();
-        assert_eq!(keys, ["batch", "gbps", "median_us", "p99_us", "row_bytes"], "{run}");
+        assert_eq!(
+            keys,
+            ["backend", "batch", "cold", "gbps", "iters", "median_us", "mode", "p99_us", "row_bytes"],
+            "{run}"
+        );
         assert!(out["median_us"].as_f64().unwrap() > 0.0, "{run}");
+        assert_eq!(out["iters"], json!(3), "{run}");
+        assert_eq!(out["cold"], json!(extra.contains(&"--cold")), "{run}");
+        let (mode, backend) = (out["mode"].as_str().unwrap(), &out["backend"]);
+        if extra.contains(&"direct") {
+            assert_eq!(mode, "direct", "{run}");
+            assert!(matches!(backend.as_str(), Some("uring" | "threads")), "{run}");
+        } else {
+            assert_eq!((mode, backend), ("mmap", &Value::Null), "{run}");
+        }
     }
     tdict([OsStr::new("bench"), "gather".as_ref(), dir.as_os_str(), "--o-direct".as_ref()]).expect_error();
     tdict([OsStr::new("bench"), "gather".as_ref(), dir.as_os_str(), "--mode".as_ref(), "fast".as_ref()])
@@ -814,4 +914,289 @@ fn bench_io_reports_write_and_read_rates() {
         "1M".as_ref(),
     ])
     .expect_error();
+}
+
+// === 8. Locations, sizes for humans, key paths, version ===
+
+#[test]
+fn version_names_the_binary() {
+    let run = tdict(["--version"]);
+    assert_eq!(run.ok().trim(), format!("tdict {}", env!("CARGO_PKG_VERSION")), "{run}");
+}
+
+/// A leaf named `a.b` and a leaf `b` nested under `a` are two leaves in the JSON output.
+#[test]
+fn info_json_keeps_a_dotted_key_and_a_nested_path_apart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("dots");
+    let mut td = TensorDict::new([2]);
+    td.set("a.b", Tensor::from_slice(&[1i32, 2], [2]).unwrap()).unwrap();
+    td.set(["a", "b"], Tensor::from_slice(&[10i32, 20], [2]).unwrap()).unwrap();
+    td.set("n.v", json!("dotted")).unwrap();
+    td.set(["n", "v"], json!("nested")).unwrap();
+    td.memmap(&dir).unwrap();
+    let run = tdict([OsStr::new("info"), dir.as_os_str(), "--json".as_ref(), "--stats".as_ref()]);
+    let info = run.json();
+    assert_eq!(info["leaves"].as_array().unwrap().len(), 2, "{run}");
+    assert_eq!(leaf(&info, &["a.b"])["sum"].as_f64(), Some(3.0), "{run}");
+    assert_eq!(leaf(&info, &["a", "b"])["sum"].as_f64(), Some(30.0), "{run}");
+    let non_tensor = info["non_tensor"].as_array().unwrap();
+    assert_eq!(non_tensor.len(), 2, "{run}");
+    let value_of = |key: &[&str]| non_tensor.iter().find(|e| key_of(e) == key).map(|e| e["value"].clone());
+    assert_eq!(value_of(&["n.v"]), Some(json!("dotted")), "{run}");
+    assert_eq!(value_of(&["n", "v"]), Some(json!("nested")), "{run}");
+}
+
+/// Text output gives sizes for humans; JSON gives exact bytes.
+#[test]
+fn text_output_shows_sizes_for_humans() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("bench");
+    let run = tdict([OsStr::new("bench"), "make".as_ref(), dir.as_os_str(), "--rows".as_ref(), "5000".as_ref()]);
+    assert_human_size(run.ok(), 5000 * 349);
+    let text = tdict([OsStr::new("info"), dir.as_os_str()]);
+    let line = line_of(text.ok(), "obs").unwrap_or_else(|| panic!("{text}"));
+    assert_human_size(line, 5000 * 84 * 4);
+    let info = tdict([OsStr::new("info"), dir.as_os_str(), "--json".as_ref()]).json();
+    assert_eq!(leaf(&info, &["obs"])["nbytes"], 5000 * 84 * 4);
+    let copy = tdict([OsStr::new("copy"), dir.as_os_str(), tmp.path().join("copy").as_os_str()]);
+    assert_human_size(copy.ok(), 5000 * 349);
+}
+
+/// `shm:NAME` means a shared dict for every subcommand: `copy` creates one (no folder named
+/// `shm:NAME`), `info` and `verify` read it, `rm` removes it; `./shm:NAME` is a folder.
+#[test]
+fn shm_locations_mean_shared_dicts_everywhere() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = shm_prefix("copy-into");
+    let _guard = ShmGuard(prefix.clone());
+    let target = format!("shm:{prefix}");
+    let (mut cmd, line) = command([OsStr::new("copy"), fixture("nested").as_os_str(), target.as_ref()]);
+    let out = cmd.current_dir(tmp.path()).output().unwrap();
+    assert!(out.status.success(), "{line}: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(fs::read_dir(tmp.path()).unwrap().count(), 0, "copy into shm: wrote into the current folder");
+    let shared = TensorDict::open_shared(&prefix, memmap_tensor::Access::ReadOnly).expect("copy made a shared dict");
+    assert_eq!(shared.leaves().len(), expected("nested")["leaves"].as_object().unwrap().len());
+    drop(shared);
+
+    let from_shm = tdict(["info", &target, "--json", "--stats"]).json();
+    let from_folder =
+        tdict([OsStr::new("info"), fixture("nested").as_os_str(), "--json".as_ref(), "--stats".as_ref()]).json();
+    assert_eq!(from_shm, from_folder);
+    let run = tdict(["verify", &target]);
+    assert!(run.ok().contains(&format!("{target}: ok")), "{run}");
+
+    // A second copy onto the same prefix is refused and says how to clean.
+    let line = tdict([OsStr::new("copy"), fixture("flat").as_os_str(), target.as_ref()]).expect_error().to_owned();
+    assert!(line.contains(&format!("tdict rm {target}")), "{line}");
+    // --fsync has no meaning for shared memory.
+    let other = shm_prefix("copy-fsync");
+    let _other_guard = ShmGuard(other.clone());
+    tdict([OsStr::new("copy"), fixture("flat").as_os_str(), format!("shm:{other}").as_ref(), "--fsync".as_ref()])
+        .expect_error();
+    assert!(shm_objects(&other).is_empty());
+
+    // `./shm:…` is a folder.
+    let (mut cmd, _) = command([OsStr::new("copy"), fixture("flat").as_os_str(), format!("./shm:{prefix}").as_ref()]);
+    assert!(cmd.current_dir(tmp.path()).stdout(Stdio::null()).status().unwrap().success());
+    assert!(tmp.path().join(format!("shm:{prefix}")).join("meta.json").is_file());
+
+    let run = tdict(["rm", &target]);
+    run.ok();
+    assert!(shm_objects(&prefix).is_empty(), "{run}");
+    tdict(["verify", &target]).assert_no_panic().expect_code(1);
+    tdict(["rm", &target]).expect_error();
+}
+
+/// `verify shm:P` opens every object and reports each problem on its own line.
+#[test]
+fn verify_of_a_shared_dict_reports_a_short_object_and_a_leftover() {
+    let prefix = shm_prefix("verify-bad");
+    let _guard = ShmGuard(prefix.clone());
+    let shared = small_dict().share_memory(&prefix).unwrap();
+    drop(shared);
+    // Shrink the object of the first tensor (`obs`, 48 bytes) and add one no schema names.
+    let first = Path::new("/dev/shm").join(format!("{prefix}.0"));
+    fs::OpenOptions::new().write(true).open(&first).unwrap().set_len(10).unwrap();
+    memmap_tensor::Storage::create_shm_bytes(&format!("/{prefix}.9"), &[0; 16]).unwrap();
+    let run = tdict(["verify", &format!("shm:{prefix}")]);
+    run.assert_no_panic().expect_code(1);
+    let lines = run.output_lines();
+    assert_eq!(lines.len(), 2, "{run}");
+    assert!(lines.iter().any(|l| l.contains("obs") && l.contains("10") && l.contains("48")), "{run}");
+    assert!(lines.iter().any(|l| l.contains(&format!("/{prefix}.9"))), "{run}");
+}
+
+#[test]
+fn shm_ls_lists_shared_dicts_and_rm_removes_them() {
+    let (p1, p2) = (shm_prefix("ls-one"), shm_prefix("ls-two"));
+    let _guards = (ShmGuard(p1.clone()), ShmGuard(p2.clone()));
+    let one = small_dict().share_memory(&p1).unwrap();
+    let mut big = TensorDict::new([1000]);
+    big.set("x", Tensor::zeros([1000, 1000], DType::U8, &Location::Heap).unwrap()).unwrap();
+    let two = big.share_memory(&p2).unwrap();
+
+    let listed = tdict(["shm", "ls", "--json"]).json();
+    let entries = listed["shared"].as_array().unwrap_or_else(|| panic!("{listed}"));
+    let entry = |p: &str| entries.iter().find(|e| e["prefix"] == p).unwrap_or_else(|| panic!("{p} not in {listed}"));
+    let e2 = entry(&p2);
+    assert_eq!(e2["objects"], 3, "{e2}");
+    assert!(e2["bytes"].as_u64().unwrap() >= 1_000_000, "{e2}");
+    assert_eq!((&e2["complete"], &e2["creator"]), (&json!(true), &json!("alive")), "{e2}");
+    assert_eq!(e2["creator_pid"], std::process::id(), "{e2}");
+    assert_eq!(entry(&p1)["objects"], 5, "owner, 3 tensors, schema");
+
+    let run = tdict(["shm", "ls"]);
+    let line = line_of(run.ok(), &p2).unwrap_or_else(|| panic!("{run}"));
+    assert_human_size(line, e2["bytes"].as_u64().unwrap());
+    assert!(line.contains("yes") && line.contains("alive") && line.contains(&std::process::id().to_string()), "{line}");
+
+    drop((one, two));
+    tdict(["rm", &format!("shm:{p2}")]).ok();
+    assert!(shm_objects(&p2).is_empty());
+    let listed = tdict(["shm", "ls", "--json"]).json();
+    assert!(!listed["shared"].as_array().unwrap().iter().any(|e| e["prefix"] == p2.as_str()), "{listed}");
+    assert!(listed["shared"].as_array().unwrap().iter().any(|e| e["prefix"] == p1.as_str()), "{listed}");
+    let line = tdict(["rm", &format!("shm:{p2}")]).expect_error().to_owned();
+    assert!(line.contains(&p2), "{line}");
+}
+
+#[test]
+fn rm_removes_tensordict_folders_only() {
+    let (tmp, dir) = fixture_copy("nested");
+    let run = tdict([OsStr::new("rm"), dir.as_os_str()]);
+    run.ok();
+    assert!(!dir.exists(), "{run}");
+    assert_eq!(fs::read_dir(tmp.path()).unwrap().count(), 0, "nothing left beside it: {run}");
+
+    let plain = tmp.path().join("plain");
+    fs::create_dir_all(plain.join("sub")).unwrap();
+    fs::write(plain.join("sub").join("meta.json"), b"{}").unwrap();
+    let line = tdict([OsStr::new("rm"), plain.as_os_str()]).expect_error().to_owned();
+    assert!(line.contains("meta.json"), "{line}");
+    assert!(plain.join("sub").join("meta.json").exists(), "the folder is left alone");
+
+    let file = tmp.path().join("file");
+    fs::write(&file, b"keep").unwrap();
+    tdict([OsStr::new("rm"), file.as_os_str()]).expect_error();
+    assert_eq!(fs::read(&file).unwrap(), b"keep");
+    tdict([OsStr::new("rm"), tmp.path().join("missing").as_os_str()]).expect_error();
+    // A symbolic link to a TensorDict folder is not removed, nor is its target.
+    let (_tmp2, target) = fixture_copy("flat");
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    tdict([OsStr::new("rm"), link.as_os_str()]).expect_error();
+    assert!(target.join("meta.json").exists() && link.exists());
+}
+
+#[test]
+fn a_prefix_that_is_not_utf8_is_a_bad_argument() {
+    use std::os::unix::ffi::OsStrExt;
+    for sub in ["info", "verify", "rm"] {
+        tdict([OsStr::new(sub), OsStr::from_bytes(b"shm:\xff")]).expect_usage_error();
+    }
+}
+
+// === 9. Crashes ===
+
+/// `tdict copy SRC shm:P` killed with SIGKILL at points spread over the copy: `shm ls` shows the
+/// prefix incomplete with a dead creator, a new copy onto it is refused with the way to clean
+/// it, `tdict rm shm:P` removes every object, and the prefix works again.
+#[test]
+fn a_killed_copy_into_shared_memory_is_listed_refused_and_removed() {
+    const LEAVES: usize = 16;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    let mut td = TensorDict::new([1 << 20]);
+    for i in 0..LEAVES {
+        td.set(format!("l{i}").as_str(), Tensor::zeros([1 << 20], DType::F32, &Location::Heap).unwrap()).unwrap();
+    }
+    td.memmap(&src).unwrap();
+    let mut incomplete = 0;
+    let runs = 8;
+    for run in 0..runs {
+        let prefix = shm_prefix(&format!("killed-{run}"));
+        let _guard = ShmGuard(prefix.clone());
+        let target = format!("shm:{prefix}");
+        let (mut cmd, _) = command([OsStr::new("copy"), src.as_os_str(), target.as_ref()]);
+        let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let pid = child.id();
+        // Kill once some of the LEAVES + 2 objects exist: spread over the whole copy.
+        let wait_for = 1 + run * (LEAVES + 1) / runs;
+        while shm_objects(&prefix).len() < wait_for && child.try_wait().unwrap().is_none() {
+            std::thread::yield_now();
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+
+        let listed = tdict(["shm", "ls", "--json"]).json();
+        let entry = listed["shared"].as_array().unwrap().iter().find(|e| e["prefix"] == prefix.as_str()).cloned();
+        if let Some(entry) = entry {
+            assert_eq!(entry["objects"].as_u64(), Some(shm_objects(&prefix).len() as u64), "{entry}");
+            if entry["creator_pid"].is_u64() {
+                assert_eq!((&entry["creator"], entry["creator_pid"].as_u64()), (&json!("dead"), Some(u64::from(pid))));
+            }
+            if entry["complete"] == json!(false) {
+                incomplete += 1;
+                let text = tdict(["shm", "ls"]);
+                let line = line_of(text.ok(), &prefix).unwrap_or_else(|| panic!("{text}"));
+                assert!(line.split_whitespace().any(|t| t == "no"), "{line}");
+                let refused = tdict([OsStr::new("copy"), fixture("flat").as_os_str(), target.as_ref()]);
+                let message = refused.expect_error();
+                assert!(message.contains(&format!("tdict rm {target}")) && message.contains("incomplete"), "{refused}");
+                assert!(tdict(["info", &target]).expect_error().contains("incomplete"));
+                tdict(["verify", &target]).assert_no_panic().expect_code(1);
+            }
+            tdict(["rm", &target]).ok();
+        }
+        assert!(shm_objects(&prefix).is_empty(), "run {run}: {:?}", shm_objects(&prefix));
+        tdict([OsStr::new("copy"), fixture("flat").as_os_str(), target.as_ref()]).ok();
+        tdict(["verify", &target]).ok();
+        tdict(["rm", &target]).ok();
+        assert!(shm_objects(&prefix).is_empty());
+    }
+    assert!(incomplete >= runs / 2, "only {incomplete} of {runs} copies were killed mid-way");
+}
+
+// === 10. Progress ===
+
+/// Runs `shell_command` with a terminal as stdin, stdout and stderr (through `script`) and
+/// returns what the terminal showed.
+fn on_a_terminal(shell_command: &str) -> String {
+    let out = Command::new("script")
+        .args(["-qec", shell_command, "/dev/null"])
+        .env_remove("RUST_BACKTRACE")
+        .stdin(Stdio::null())
+        .output()
+        .expect("`script` (util-linux) runs");
+    assert!(out.status.success(), "{shell_command}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Progress is drawn on a terminal, and never into JSON nor into a pipe.
+#[test]
+fn progress_shows_on_a_terminal_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("bench");
+    let exe = env!("CARGO_BIN_EXE_tdict");
+    let shown = on_a_terminal(&format!("{exe} bench make {} --rows 200000", dir.display()));
+    assert!(shown.contains("writing") && shown.contains("row steps"), "no progress on the terminal: {shown:?}");
+    let shown = on_a_terminal(&format!("{exe} info {} --stats", dir.display()));
+    assert!(shown.contains("statistics"), "no progress on the terminal: {shown:?}");
+
+    // With --json the terminal shows nothing and stdout holds the JSON alone.
+    let json_out = tmp.path().join("out.json");
+    let shown = on_a_terminal(&format!("{exe} info {} --stats --json > {}", dir.display(), json_out.display()));
+    assert!(shown.trim().is_empty(), "output on the terminal with --json: {shown:?}");
+    let info: Value = serde_json::from_slice(&fs::read(&json_out).unwrap()).expect("stdout is pure JSON");
+    assert_eq!(leaf(&info, &["obs"])["shape"], json!([200000, 84]));
+
+    // Into pipes: no progress either.
+    let run = tdict([OsStr::new("info"), dir.as_os_str(), "--stats".as_ref()]);
+    assert!(run.ok().contains("sum") && run.stderr.is_empty(), "{run}");
+    let b2 = tmp.path().join("b2");
+    let run = tdict([OsStr::new("bench"), "make".as_ref(), b2.as_os_str(), "--rows".as_ref(), "1000".as_ref()]);
+    assert!(run.stderr.is_empty(), "{run}");
+    let run = tdict([OsStr::new("verify"), dir.as_os_str()]);
+    assert!(run.stderr.is_empty(), "{run}");
 }

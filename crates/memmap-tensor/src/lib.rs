@@ -77,5 +77,5 @@ pub use io::TensorBuf;
 pub use layout::{Layout, Runs};
 pub use shape::Shape;
 pub use stats::Stats;
-pub use storage::{Access, Advice, HEAP_ALIGN, Storage, StorageKind};
+pub use storage::{Access, Advice, HEAP_ALIGN, ShmObject, Storage, StorageKind};
 pub use tensor::{ArrayMut, ArrayRef, Location, SliceMut, SliceRef, Tensor};

@@ -79,6 +79,19 @@ pub enum Advice {
     WillNeed,
 }
 
+/// Where Linux keeps named POSIX shared-memory objects (`shm_open` names are files here).
+const SHM_DIR: &str = "/dev/shm";
+
+/// A named shared-memory object, as listed by [`Storage::list_shm`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct ShmObject {
+    /// The name as `shm_open` takes it, with its leading `/`.
+    pub name: String,
+    /// Its size in bytes.
+    pub len_bytes: u64,
+}
+
 /// A flat, fixed-size byte region that tensors view. Shared between tensors through `Arc`.
 ///
 /// Heap storage is private to the process. File and shm storage are shared with every process
@@ -274,6 +287,65 @@ impl Storage {
             name: name.to_owned(),
             source: e.into(),
         })
+    }
+
+    /// Creates the shared-memory object `name` holding exactly `bytes`, without mapping it.
+    /// Fails if the name exists (`O_EXCL`): the caller that succeeds is the only creator, which
+    /// makes such an object usable as a lock. A process killed during the call may leave the
+    /// object shorter than `bytes` (down to empty), never longer.
+    pub fn create_shm_bytes(name: &str, bytes: &[u8]) -> Result<()> {
+        check_shm_name(name)?;
+        let shm_err = |op, source| Error::ShmIo { op, name: name.to_owned(), source };
+        let fd = nix::sys::mman::shm_open(
+            name,
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+            Mode::S_IRUSR | Mode::S_IWUSR,
+        )
+        .map_err(|e| shm_err("shm_open", e.into()))?;
+        let mut file = File::from(fd);
+        if let Err(e) = std::io::Write::write_all(&mut file, bytes) {
+            // Best effort: we created the name and nobody can have used it yet.
+            let _ = nix::sys::mman::shm_unlink(name);
+            return Err(shm_err("write", e));
+        }
+        Ok(())
+    }
+
+    /// Reads the first `max_bytes` bytes (or fewer, if the object is smaller) of the
+    /// shared-memory object `name`, without mapping it.
+    pub fn read_shm_bytes(name: &str, max_bytes: usize) -> Result<Vec<u8>> {
+        check_shm_name(name)?;
+        let shm_err = |op, source| Error::ShmIo { op, name: name.to_owned(), source };
+        let fd = nix::sys::mman::shm_open(name, OFlag::O_RDONLY, Mode::empty())
+            .map_err(|e| shm_err("shm_open", e.into()))?;
+        let file = File::from(fd);
+        let mut out = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::Read::take(file, max_bytes as u64), &mut out)
+            .map_err(|e| shm_err("read", e))?;
+        Ok(out)
+    }
+
+    /// Every shared-memory object of this system that this process can see: the regular files
+    /// of `/dev/shm`, where Linux keeps them, with their sizes, sorted by name. Names that are
+    /// not UTF-8 are skipped (`shm_open` callers of this crate cannot make them). An object
+    /// removed while the folder is read is left out.
+    pub fn list_shm() -> Result<Vec<ShmObject>> {
+        let list_err = |source| Error::ShmIo { op: "list", name: SHM_DIR.to_owned(), source };
+        let mut objects = Vec::new();
+        for entry in std::fs::read_dir(SHM_DIR).map_err(list_err)? {
+            let entry = entry.map_err(list_err)?;
+            let Ok(file_name) = entry.file_name().into_string() else { continue };
+            let meta = match entry.metadata() {
+                Ok(meta) => meta,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(list_err(e)),
+            };
+            if meta.is_file() {
+                objects.push(ShmObject { name: format!("/{file_name}"), len_bytes: meta.len() });
+            }
+        }
+        objects.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(objects)
     }
 
     fn from_map(map: Option<MmapRaw>, writable: bool, mut backing: Backing) -> Self {
@@ -573,6 +645,27 @@ mod tests {
         }
         assert!(check_shm_name(&format!("/{}", "a".repeat(256))).is_err());
         check_shm_name("/tdict-ok.1").unwrap();
+    }
+
+    #[test]
+    fn shm_bytes_are_created_once_read_back_and_listed() {
+        let name = format!("/tdict-storage-bytes-{}", std::process::id());
+        let _ = Storage::unlink_shm(&name);
+        Storage::create_shm_bytes(&name, b"hello").unwrap();
+        let again = Storage::create_shm_bytes(&name, b"other");
+        let listed = Storage::list_shm().unwrap().into_iter().find(|o| o.name == name);
+        let (whole, head) = (Storage::read_shm_bytes(&name, 100), Storage::read_shm_bytes(&name, 2));
+        Storage::unlink_shm(&name).unwrap();
+        assert!(
+            matches!(&again, Err(Error::ShmIo { source, .. }) if source.kind() == std::io::ErrorKind::AlreadyExists),
+            "{again:?}"
+        );
+        assert_eq!(listed, Some(ShmObject { name: name.clone(), len_bytes: 5 }));
+        assert_eq!(whole.unwrap(), b"hello");
+        assert_eq!(head.unwrap(), b"he");
+        assert!(!Storage::list_shm().unwrap().iter().any(|o| o.name == name));
+        assert!(matches!(Storage::read_shm_bytes(&name, 1), Err(Error::ShmIo { .. })));
+        assert!(matches!(Storage::create_shm_bytes("/a/b", b""), Err(Error::InvalidShmName { .. })));
     }
 
     #[test]

@@ -131,6 +131,41 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    // === Shared memory ===
+    /// A shared-memory prefix is taken: a dict, one being created, or what a killed creator left.
+    #[error(
+        "shared memory prefix `{prefix}` is in use ({}, creator {creator}); if it is not needed, remove it with \
+         `TensorDict::unlink_shared(\"{prefix}\")` or `tdict rm shm:{prefix}`",
+        if *complete { "a complete dict" } else { "incomplete: no schema" }
+    )]
+    SharedPrefixInUse {
+        /// The prefix.
+        prefix: String,
+        /// Whether a complete dict is there (its schema was written).
+        complete: bool,
+        /// Who created what is there.
+        creator: crate::Creator,
+    },
+    /// Objects exist under a shared-memory prefix but its schema was never written: its creator
+    /// was killed while sharing it (or is still sharing it).
+    #[error(
+        "shared dict `{prefix}` is incomplete: its schema was never written (creator {creator}{}); remove it \
+         with `TensorDict::unlink_shared(\"{prefix}\")` or `tdict rm shm:{prefix}`",
+        if creator.state == crate::CreatorState::Alive { ", perhaps still writing it" } else { "" }
+    )]
+    SharedIncomplete {
+        /// The prefix.
+        prefix: String,
+        /// Who created it.
+        creator: crate::Creator,
+    },
+    /// No shared-memory object exists under a prefix.
+    #[error("no shared dict under prefix `{prefix}`: no object `/dev/shm/{prefix}.*`")]
+    SharedNotFound {
+        /// The prefix.
+        prefix: String,
+    },
+
     // === Tensors ===
     /// A tensor operation failed; `key` names the leaf.
     #[error("key `{key}`: {source}")]

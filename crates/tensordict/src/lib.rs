@@ -57,3 +57,4 @@ pub use index::Index;
 pub use key::KeyPath;
 pub use replace::{Leftover, WriterState};
 pub use schema::MAX_VALUE_DEPTH;
+pub use shared::{Creator, CreatorState, SharedDictInfo};

@@ -205,17 +205,6 @@ fn rebuild_at(
     Ok(TensorDict::from_parts(batch, entries))
 }
 
-/// Every stored name in a schema (for cleanup), without validating anything else.
-pub(crate) fn names(node: &Value, out: &mut Vec<String>) {
-    for child in node.get("entries").and_then(Value::as_object).into_iter().flat_map(|m| m.values()) {
-        if let Some(name) = child.get("tensor").and_then(|t| t.get("name")).and_then(Value::as_str) {
-            out.push(name.to_owned());
-        } else if let Some(d) = child.get("dict") {
-            names(d, out);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,12 +1,40 @@
 //! Dicts in named POSIX shared memory: [`TensorDict::share_memory`],
-//! [`TensorDict::open_shared`], [`TensorDict::unlink_shared`].
+//! [`TensorDict::open_shared`], [`TensorDict::verify_shared`], [`TensorDict::list_shared`],
+//! [`TensorDict::unlink_shared`].
 //!
-//! Under a prefix `p`, tensor `i` (depth-first order) lives in the shm object `/p.i`, and the
-//! schema in `/p.meta`: an 8-byte little-endian length, then JSON `{"version": 1, "root": NODE}`
-//! with `NODE` as in the `schema` module, each tensor's `name` being its object. The schema is
-//! written last: a reader that finds it finds every tensor.
+//! # Names
+//!
+//! Under a prefix `p` (1 to 200 bytes, no `/`, no NUL) a dict is made of these shm objects, in
+//! the order they are created:
+//!
+//! 1. `/p.owner`: who created the prefix (see below). Created first, with `O_EXCL`, so it is the
+//!    lock on the prefix: of two processes sharing under the same prefix one fails at once.
+//! 2. `/p.0`, `/p.1`, …: tensor `i` (depth-first order), in decimal without leading zeros.
+//! 3. `/p.meta`: the schema, an 8-byte little-endian length then JSON
+//!    `{"version": 1, "root": NODE}` with `NODE` as in the `schema` module, each tensor's `name`
+//!    being its object. It is written last and its length last of all: a reader that finds a
+//!    non-zero length finds every tensor and the whole schema.
+//!
+//! An object belongs to prefix `p` exactly when its name is `/p.S` with `S` one of `owner`,
+//! `meta` or a decimal number. None of these suffixes contains a dot, so the prefix of a name is
+//! everything before its last dot: each name belongs to at most one prefix. Prefix `a` never
+//! claims `/a.b.0` (prefix `a.b`) nor `/ab.0` (prefix `ab`). Objects of this pattern are found by
+//! listing `/dev/shm`, so a prefix is removed whole even when its schema was never written.
+//!
+//! # Owner record
+//!
+//! `/p.owner` holds JSON `{"version": 1, "pid", "start_time", "boot_id", "pid_ns"}`: the
+//! creator's pid, its start time (field 22 of `/proc/<pid>/stat`, clock ticks since boot), the
+//! boot id (`/proc/sys/kernel/random/boot_id`) and its pid namespace (`/proc/self/ns/pid`). A
+//! reader in the same boot and pid namespace calls the creator alive when a process with that
+//! pid and start time runs (and is not a zombie), dead otherwise; so a reused pid is not taken
+//! for the creator. From another boot or namespace, or without a readable record (a creator
+//! killed while writing it), the creator is unknown.
 
-use memmap_tensor::{Access, DType, Location, Storage, Tensor};
+use std::collections::{BTreeMap, HashSet};
+use std::io::ErrorKind;
+
+use memmap_tensor::{Access, DType, Location, ShmObject, Storage, Tensor};
 use serde_json::{Value, json};
 
 use crate::error::WithKey;
@@ -14,23 +42,107 @@ use crate::schema::{self, Described};
 use crate::{Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
 
 const SCHEMA_VERSION: u64 = 1;
+const OWNER_VERSION: u64 = 1;
+/// An owner record is a few hundred bytes; more is not one of ours.
+const MAX_OWNER_BYTES: usize = 4096;
+
+/// Whether the process that created a shared dict still runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CreatorState {
+    /// The creator runs (same pid and start time, not a zombie).
+    Alive,
+    /// No process with the creator's pid and start time runs in this boot and pid namespace.
+    Dead,
+    /// Cannot be told from here: the creator ran in another boot or pid namespace, or left no
+    /// readable record.
+    Unknown,
+}
+
+impl CreatorState {
+    /// `alive`, `dead` or `unknown`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CreatorState::Alive => "alive",
+            CreatorState::Dead => "dead",
+            CreatorState::Unknown => "unknown",
+        }
+    }
+}
+
+impl std::fmt::Display for CreatorState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The process that created a shared dict, as far as it can be told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct Creator {
+    /// Its pid (in its own pid namespace), if its record could be read.
+    pub pid: Option<u32>,
+    /// Whether it still runs.
+    pub state: CreatorState,
+}
+
+impl std::fmt::Display for Creator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.state, self.pid) {
+            (CreatorState::Unknown, Some(pid)) => write!(f, "unknown (pid {pid} of another boot or pid namespace)"),
+            (CreatorState::Unknown, None) => write!(f, "unknown (no creator record)"),
+            (state, Some(pid)) => write!(f, "{state} (pid {pid})"),
+            (state, None) => write!(f, "{state}"),
+        }
+    }
+}
+
+/// A shared dict, or what a killed creator left of one, as listed by
+/// [`TensorDict::list_shared`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SharedDictInfo {
+    /// The prefix (without the leading `/`).
+    pub prefix: String,
+    /// The number of shm objects under the prefix (owner record, tensors, schema).
+    pub objects: usize,
+    /// Their total size in bytes.
+    pub bytes: u64,
+    /// Whether the schema was written in full: [`TensorDict::open_shared`] can open it.
+    pub complete: bool,
+    /// Who created it.
+    pub creator: Creator,
+}
 
 impl TensorDict {
     /// Copies every tensor into a new named shared-memory object under `prefix` and returns the
     /// dict backed by them. Another process opens it with [`TensorDict::open_shared`]`(prefix)`
     /// and sees writes made through either handle. The objects stay until
-    /// [`TensorDict::unlink_shared`] removes them (shared memory outlives processes).
+    /// [`TensorDict::unlink_shared`] removes them (shared memory outlives processes). The
+    /// module documentation of `shared.rs` lists the objects and their names.
     ///
-    /// `prefix` is a name without `/` (at most 200 bytes). Fails, creating nothing that stays
-    /// behind, if anything under `prefix` already exists.
+    /// `prefix` is a name without `/` (at most 200 bytes). Fails with
+    /// [`Error::SharedPrefixInUse`] if anything under `prefix` already exists (a dict, one being
+    /// created, or what a killed creator left), creating nothing that stays behind. A process
+    /// killed during the call leaves an incomplete prefix that [`TensorDict::list_shared`]
+    /// reports and [`TensorDict::unlink_shared`] removes.
     pub fn share_memory(&self, prefix: &str) -> Result<TensorDict> {
         check_prefix(prefix)?;
         schema::check_limits(self)?;
+        let owner = object_name(prefix, Part::Owner);
+        match Storage::create_shm_bytes(&owner, &owner_record()) {
+            Ok(()) => {}
+            Err(memmap_tensor::Error::ShmIo { ref source, .. }) if source.kind() == ErrorKind::AlreadyExists => {
+                return Err(in_use(prefix));
+            }
+            Err(e) => return Err(Error::Tensor { key: KeyPath::default(), source: e }),
+        }
         let mut created = Vec::new();
         let result = self.share_into(prefix, &mut created);
         if result.is_err() {
-            for name in &created {
-                // Best effort: these objects were created just now and nobody knows of them.
+            // Best effort: these objects were created just now and nobody knows of them. The
+            // owner record goes last, so the prefix stays locked until the rest is gone.
+            for name in created.iter().rev().chain([&owner]) {
                 let _ = Storage::unlink_shm(name);
             }
         }
@@ -38,13 +150,15 @@ impl TensorDict {
     }
 
     fn share_into(&self, prefix: &str, created: &mut Vec<String>) -> Result<TensorDict> {
-        let meta_name = meta_name(prefix);
-        if Storage::open_shm(&meta_name, Access::ReadOnly, 0).is_ok() {
-            return Err(Error::InvalidArgument { op: "share_memory", detail: format!("`{meta_name}` already exists") });
+        // The owner record is ours; anything else here was left by someone (an older version of
+        // this crate, or a creator whose record was removed by hand).
+        if objects_of(prefix)?.iter().any(|(part, _)| *part != Part::Owner) {
+            let _ = Storage::unlink_shm(&object_name(prefix, Part::Owner));
+            return Err(in_use(prefix));
         }
-        let mut counter = 0usize;
+        let mut counter = 0u64;
         let root = schema::describe(self, &mut |key, t| {
-            let name = format!("/{prefix}.{counter}");
+            let name = object_name(prefix, Part::Tensor(counter));
             counter += 1;
             let mut out = Tensor::zeros(t.dims(), t.dtype(), &Location::Shm(name.clone())).with_key(|| key.clone())?;
             created.push(name.clone());
@@ -54,20 +168,24 @@ impl TensorDict {
         let text = serde_json::to_vec(&json!({"version": SCHEMA_VERSION, "root": root}))
             .map_err(|e| Error::InvalidArgument { op: "share_memory", detail: format!("schema: {e}") })?;
         let len = u64::try_from(text.len()).unwrap_or(u64::MAX);
+        let meta_name = object_name(prefix, Part::Meta);
         let mut blob =
             Tensor::zeros([8 + text.len()], DType::U8, &Location::Shm(meta_name.clone())).with_key(KeyPath::default)?;
         created.push(meta_name);
         {
             let mut bytes = blob.as_mut_slice::<u8>().with_key(KeyPath::default)?;
-            bytes[..8].copy_from_slice(&len.to_le_bytes());
             bytes[8..].copy_from_slice(&text);
+            // The length makes the dict complete: it must not land before the schema does.
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            bytes[..8].copy_from_slice(&len.to_le_bytes());
         }
         TensorDict::open_shared(prefix, Access::ReadWrite)
     }
 
     /// Opens the dict shared under `prefix` by [`TensorDict::share_memory`] (in any process).
     /// The schema is validated like a `meta.json` and every object's size is checked before it
-    /// is mapped.
+    /// is mapped. A prefix whose schema was never written is [`Error::SharedIncomplete`]; one
+    /// with no object at all is [`Error::SharedNotFound`].
     pub fn open_shared(prefix: &str, access: Access) -> Result<TensorDict> {
         check_prefix(prefix)?;
         let schema = read_schema(prefix)?;
@@ -82,37 +200,218 @@ impl TensorDict {
         )
     }
 
-    /// Removes every shared-memory object of the dict shared under `prefix`. Processes that
-    /// mapped them keep their mappings until they drop them.
+    /// Checks the dict shared under `prefix` fully and returns every problem found (empty if
+    /// none): a missing or incomplete schema, each tensor whose object is missing or too small
+    /// for its dtype and shape, and each tensor object of the prefix that the schema does not
+    /// name (left over).
+    pub fn verify_shared(prefix: &str) -> Vec<Error> {
+        if let Err(e) = check_prefix(prefix) {
+            return vec![e];
+        }
+        let schema = match read_schema(prefix) {
+            Ok(schema) => schema,
+            Err(e) => return vec![e],
+        };
+        let mut problems = Vec::new();
+        let mut named = HashSet::new();
+        let rebuilt = match schema.get("root") {
+            None => Err(bad_schema(prefix, "no `root`".into())),
+            Some(root) => schema::rebuild(
+                root,
+                &mut |key, Described { dtype, shape, name }| {
+                    // A problem with one tensor is recorded and the walk goes on with an empty
+                    // stand-in, so that one pass reports every tensor.
+                    let opened = check_leaf_name(name, prefix).and_then(|()| {
+                        named.insert(name.to_owned());
+                        Tensor::open_shm(name, dtype, shape, Access::ReadOnly).with_key(|| key.clone())
+                    });
+                    match opened {
+                        Ok(t) => Ok(t),
+                        Err(e) => {
+                            problems.push(e);
+                            Tensor::zeros([0], dtype, &Location::Heap).with_key(|| key.clone())
+                        }
+                    }
+                },
+                &|reason| bad_schema(prefix, reason),
+            ),
+        };
+        if let Err(e) = rebuilt {
+            problems.push(e);
+        }
+        match objects_of(prefix) {
+            Ok(objects) => {
+                for (part, object) in objects {
+                    if matches!(part, Part::Tensor(_)) && !named.contains(&object.name) {
+                        problems.push(bad_schema(
+                            prefix,
+                            format!("object `{}` ({} bytes) is not named by the schema", object.name, object.len_bytes),
+                        ));
+                    }
+                }
+            }
+            Err(e) => problems.push(e),
+        }
+        problems
+    }
+
+    /// Every shared dict of this system, complete or not, sorted by prefix: each prefix that has
+    /// an owner record or a schema object (see the module documentation of `shared.rs`), with
+    /// its object count, total size, completeness and creator.
+    pub fn list_shared() -> Result<Vec<SharedDictInfo>> {
+        let mut groups: BTreeMap<String, Vec<(Part, ShmObject)>> = BTreeMap::new();
+        for object in Storage::list_shm().with_key(KeyPath::default)? {
+            if let Some((prefix, part)) = split_name(&object.name) {
+                groups.entry(prefix.to_owned()).or_default().push((part, object));
+            }
+        }
+        Ok(groups
+            .into_iter()
+            .filter(|(_, objects)| objects.iter().any(|(part, _)| matches!(part, Part::Owner | Part::Meta)))
+            .map(|(prefix, objects)| summarize(prefix, &objects))
+            .collect())
+    }
+
+    /// Removes every shared-memory object under `prefix` (see the module documentation of
+    /// `shared.rs`), whether its schema was written or not: this cleans up after a creator that
+    /// was killed. The schema goes first (the dict stops opening), the owner record last (the
+    /// prefix stays locked until it is empty). Processes that mapped the objects keep their
+    /// mappings until they drop them. A creator that is still running is not stopped: remove
+    /// only prefixes whose creator is done with them.
+    ///
+    /// Fails with [`Error::SharedNotFound`] if there is no object under `prefix`.
     pub fn unlink_shared(prefix: &str) -> Result<()> {
         check_prefix(prefix)?;
-        let schema = read_schema(prefix)?;
-        let mut names = Vec::new();
-        if let Some(root) = schema.get("root") {
-            schema::names(root, &mut names);
+        let mut objects = objects_of(prefix)?;
+        if objects.is_empty() {
+            return Err(Error::SharedNotFound { prefix: prefix.to_owned() });
         }
-        for name in names {
-            check_leaf_name(&name, prefix)?;
-            match Storage::unlink_shm(&name) {
-                Ok(()) | Err(memmap_tensor::Error::ShmIo { .. }) => {}
+        objects.sort_by_key(|(part, _)| match part {
+            Part::Meta => 0,
+            Part::Tensor(_) => 1,
+            Part::Owner => 2,
+        });
+        for (_, object) in objects {
+            match Storage::unlink_shm(&object.name) {
+                Ok(()) => {}
+                // Removed meanwhile by another process: as good.
+                Err(memmap_tensor::Error::ShmIo { ref source, .. }) if source.kind() == ErrorKind::NotFound => {}
                 Err(e) => return Err(Error::Tensor { key: KeyPath::default(), source: e }),
             }
         }
-        Storage::unlink_shm(&meta_name(prefix)).with_key(KeyPath::default)
+        Ok(())
     }
 }
 
+/// What an object is within its prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    Owner,
+    Meta,
+    Tensor(u64),
+}
+
+fn object_name(prefix: &str, part: Part) -> String {
+    match part {
+        Part::Owner => format!("/{prefix}.owner"),
+        Part::Meta => format!("/{prefix}.meta"),
+        Part::Tensor(i) => format!("/{prefix}.{i}"),
+    }
+}
+
+/// The prefix and part of an shm object name, if it is one of a shared dict's.
+fn split_name(name: &str) -> Option<(&str, Part)> {
+    let (prefix, suffix) = name.strip_prefix('/')?.rsplit_once('.')?;
+    let part = match suffix {
+        "owner" => Part::Owner,
+        "meta" => Part::Meta,
+        // Decimal without leading zeros: exactly the names `object_name` makes.
+        s if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) && (s == "0" || !s.starts_with('0')) => {
+            Part::Tensor(s.parse().ok()?)
+        }
+        _ => return None,
+    };
+    check_prefix(prefix).ok()?;
+    Some((prefix, part))
+}
+
+/// The objects under `prefix`, from a listing of `/dev/shm`.
+fn objects_of(prefix: &str) -> Result<Vec<(Part, ShmObject)>> {
+    Ok(Storage::list_shm()
+        .with_key(KeyPath::default)?
+        .into_iter()
+        .filter_map(|object| match split_name(&object.name) {
+            Some((p, part)) if p == prefix => Some((part, object)),
+            _ => None,
+        })
+        .collect())
+}
+
+fn summarize(prefix: String, objects: &[(Part, ShmObject)]) -> SharedDictInfo {
+    let has = |wanted: Part| objects.iter().any(|(part, _)| *part == wanted);
+    let complete = has(Part::Meta) && schema_len(&prefix).is_ok_and(|len| len.is_some());
+    let creator =
+        if has(Part::Owner) { creator_of(&prefix) } else { Creator { pid: None, state: CreatorState::Unknown } };
+    SharedDictInfo {
+        objects: objects.len(),
+        bytes: objects.iter().map(|(_, o)| o.len_bytes).sum(),
+        complete,
+        creator,
+        prefix,
+    }
+}
+
+/// The error for a prefix that is taken, saying what is there.
+fn in_use(prefix: &str) -> Error {
+    let info = objects_of(prefix).ok().map(|objects| summarize(prefix.to_owned(), &objects));
+    Error::SharedPrefixInUse {
+        prefix: prefix.to_owned(),
+        complete: info.as_ref().is_some_and(|i| i.complete),
+        creator: info.map_or(Creator { pid: None, state: CreatorState::Unknown }, |i| i.creator),
+    }
+}
+
+/// The error for a prefix without a (complete) schema: incomplete if anything is there.
+fn missing_schema(prefix: &str) -> Error {
+    match objects_of(prefix) {
+        Ok(objects) if objects.is_empty() => Error::SharedNotFound { prefix: prefix.to_owned() },
+        Ok(objects) => {
+            let has_owner = objects.iter().any(|(part, _)| *part == Part::Owner);
+            let creator =
+                if has_owner { creator_of(prefix) } else { Creator { pid: None, state: CreatorState::Unknown } };
+            Error::SharedIncomplete { prefix: prefix.to_owned(), creator }
+        }
+        Err(e) => e,
+    }
+}
+
+/// The schema length written in `/p.meta`: `None` while it is zero (not written yet).
+fn schema_len(prefix: &str) -> Result<Option<u64>> {
+    let header = Storage::read_shm_bytes(&object_name(prefix, Part::Meta), 8).with_key(KeyPath::default)?;
+    let len = header.try_into().map(u64::from_le_bytes).unwrap_or(0);
+    Ok((len > 0).then_some(len))
+}
+
 fn read_schema(prefix: &str) -> Result<Value> {
-    let name = meta_name(prefix);
-    let header = Tensor::open_shm(&name, DType::U8, [8], Access::ReadOnly).with_key(KeyPath::default)?;
-    let len_bytes: [u8; 8] = header.to_vec::<u8>().with_key(KeyPath::default)?.try_into().unwrap_or_default();
-    let len = u64::from_le_bytes(len_bytes);
+    let name = object_name(prefix, Part::Meta);
+    let len = match schema_len(prefix) {
+        Ok(Some(len)) => len,
+        Ok(None) => return Err(missing_schema(prefix)),
+        Err(Error::Tensor { source: memmap_tensor::Error::ShmIo { ref source, .. }, .. })
+            if source.kind() == ErrorKind::NotFound =>
+        {
+            return Err(missing_schema(prefix));
+        }
+        Err(e) => return Err(e),
+    };
     if len > MAX_META_BYTES {
         return Err(bad_schema(prefix, format!("schema of {len} bytes is over the limit")));
     }
     let len = usize::try_from(len).map_err(|_| bad_schema(prefix, "schema length overflows".into()))?;
-    let blob = Tensor::open_shm(&name, DType::U8, [8 + len], Access::ReadOnly).with_key(KeyPath::default)?;
-    let bytes = blob.to_vec::<u8>().with_key(KeyPath::default)?;
+    let bytes = Storage::read_shm_bytes(&name, 8 + len).with_key(KeyPath::default)?;
+    if bytes.len() != 8 + len {
+        return Err(bad_schema(prefix, format!("schema of {len} bytes, but the object holds {}", bytes.len() - 8)));
+    }
     let schema = schema::parse_bounded(&bytes[8..], schema::MAX_SCHEMA_JSON_DEPTH)
         .map_err(|e| bad_schema(prefix, format!("invalid JSON: {e}")))?;
     match schema.get("version").and_then(Value::as_u64) {
@@ -121,18 +420,12 @@ fn read_schema(prefix: &str) -> Result<Value> {
     }
 }
 
-fn meta_name(prefix: &str) -> String {
-    format!("/{prefix}.meta")
-}
-
 /// Leaf names must be `/<prefix>.<number>`: a schema cannot point at other objects.
 fn check_leaf_name(name: &str, prefix: &str) -> Result<()> {
-    let ok = name
-        .strip_prefix('/')
-        .and_then(|n| n.strip_prefix(prefix))
-        .and_then(|n| n.strip_prefix('.'))
-        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-    if ok { Ok(()) } else { Err(bad_schema(prefix, format!("object name `{name}` is not one of this prefix"))) }
+    match split_name(name) {
+        Some((p, Part::Tensor(_))) if p == prefix => Ok(()),
+        _ => Err(bad_schema(prefix, format!("object name `{name}` is not one of this prefix"))),
+    }
 }
 
 fn check_prefix(prefix: &str) -> Result<()> {
@@ -147,4 +440,113 @@ fn check_prefix(prefix: &str) -> Result<()> {
 
 fn bad_schema(prefix: &str, reason: String) -> Error {
     Error::InvalidMeta { path: format!("shm:/{prefix}.meta").into(), reason }
+}
+
+// === Owner records ===
+
+/// The owner record of this process (see the module documentation).
+fn owner_record() -> Vec<u8> {
+    let pid = std::process::id();
+    let record = json!({
+        "version": OWNER_VERSION,
+        "pid": pid,
+        "start_time": process_stat(pid).ok().flatten().map(|s| s.start_time),
+        "boot_id": boot_id(),
+        "pid_ns": pid_namespace(),
+    });
+    record.to_string().into_bytes()
+}
+
+/// The creator of `prefix`, from its owner record.
+fn creator_of(prefix: &str) -> Creator {
+    let unknown = Creator { pid: None, state: CreatorState::Unknown };
+    let Ok(bytes) = Storage::read_shm_bytes(&object_name(prefix, Part::Owner), MAX_OWNER_BYTES) else {
+        return unknown;
+    };
+    let Ok(record) = serde_json::from_slice::<Value>(&bytes) else { return unknown };
+    if record.get("version").and_then(Value::as_u64) != Some(OWNER_VERSION) {
+        return unknown;
+    }
+    let Some(pid) = record.get("pid").and_then(Value::as_u64).and_then(|p| u32::try_from(p).ok()) else {
+        return unknown;
+    };
+    let text = |field: &str| record.get(field).and_then(Value::as_str).map(str::to_owned);
+    let start_time = record.get("start_time").and_then(Value::as_u64);
+    let same_place = matches!((text("boot_id"), boot_id()), (Some(a), Some(b)) if a == b)
+        && matches!((text("pid_ns"), pid_namespace()), (Some(a), Some(b)) if a == b);
+    let state = match (same_place, start_time) {
+        (false, _) | (true, None) => CreatorState::Unknown,
+        (true, Some(start_time)) => match process_stat(pid) {
+            Ok(Some(stat)) if stat.start_time == start_time && !stat.finished => CreatorState::Alive,
+            Ok(_) => CreatorState::Dead,
+            Err(_) => CreatorState::Unknown,
+        },
+    };
+    Creator { pid: Some(pid), state }
+}
+
+/// What `/proc/<pid>/stat` says of a process.
+struct ProcStat {
+    /// Clock ticks after boot at which it started (field 22).
+    start_time: u64,
+    /// A zombie or dead process (state `Z`, `X` or `x`): it runs no more.
+    finished: bool,
+}
+
+/// The stat of process `pid`: `Ok(None)` if there is no such process.
+fn process_stat(pid: u32) -> std::io::Result<Option<ProcStat>> {
+    let text = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(text) => text,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    // `pid (comm) state ppid …`: comm may hold spaces and parentheses, so fields are counted
+    // from the last `)`. After it, field 3 (state) comes first and field 22 (starttime) 20th.
+    let bad = || std::io::Error::new(ErrorKind::InvalidData, format!("/proc/{pid}/stat: unexpected format"));
+    let rest = text.rsplit_once(')').ok_or_else(bad)?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let state = fields.first().ok_or_else(bad)?;
+    let start_time = fields.get(19).and_then(|f| f.parse().ok()).ok_or_else(bad)?;
+    Ok(Some(ProcStat { start_time, finished: matches!(*state, "Z" | "X" | "x") }))
+}
+
+fn boot_id() -> Option<String> {
+    let id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    Some(id.trim().to_owned())
+}
+
+fn pid_namespace() -> Option<String> {
+    Some(std::fs::read_link("/proc/self/ns/pid").ok()?.to_string_lossy().into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_split_at_their_last_dot() {
+        assert_eq!(split_name("/a.0"), Some(("a", Part::Tensor(0))));
+        assert_eq!(split_name("/a.b.17"), Some(("a.b", Part::Tensor(17))));
+        assert_eq!(split_name("/a.meta"), Some(("a", Part::Meta)));
+        assert_eq!(split_name("/a.meta.owner"), Some(("a.meta", Part::Owner)));
+        assert_eq!(split_name("/ab.owner"), Some(("ab", Part::Owner)));
+        for foreign in ["/a", "/a.", "/.0", "/a.01", "/a.x", "/a.-1", "a.0", "/a.0x", "/a.99999999999999999999999"] {
+            assert_eq!(split_name(foreign), None, "{foreign}");
+        }
+        // Every name made for a prefix splits back to exactly that prefix.
+        for prefix in ["a", "a.b", "ab", "a.0", "a.meta", "x.owner.3"] {
+            for part in [Part::Owner, Part::Meta, Part::Tensor(0), Part::Tensor(12)] {
+                assert_eq!(split_name(&object_name(prefix, part)), Some((prefix, part)));
+            }
+        }
+    }
+
+    #[test]
+    fn this_process_is_alive_by_its_own_record() {
+        let stat = process_stat(std::process::id()).unwrap().unwrap();
+        assert!(!stat.finished);
+        assert!(process_stat(u32::MAX).unwrap().is_none());
+        assert!(boot_id().is_some_and(|id| !id.is_empty()));
+        assert!(pid_namespace().is_some_and(|ns| ns.starts_with("pid:")));
+    }
 }
