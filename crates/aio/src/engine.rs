@@ -9,6 +9,7 @@ use std::task::{Context, Poll, Waker};
 
 use nix::fcntl::{FcntlArg, OFlag, fcntl};
 
+use crate::join::Join;
 use crate::task::{ReadTask, ReadvTask, Task, WriteTask, WritevTask};
 use crate::threads::Threads;
 use crate::uring::Uring;
@@ -40,13 +41,43 @@ impl BackendKind {
 /// How to build an [`Engine`].
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
-    /// Operations in flight at once (io_uring ring size). Default 256.
+    /// Operations in flight at once (io_uring ring size), 1 to [`EngineConfig::MAX_QUEUE_DEPTH`].
+    /// Default 256.
     pub queue_depth: u32,
     /// The backend; `None` reads [`BACKEND_ENV`], and without it probes io_uring and falls back
     /// to threads.
     pub backend: Option<BackendKind>,
-    /// Worker threads of the thread-pool backend. Default 8.
+    /// Worker threads of the thread-pool backend, 1 to [`EngineConfig::MAX_THREADS`]. Default 8.
     pub threads: usize,
+}
+
+impl EngineConfig {
+    /// The largest `queue_depth`: the ring holds one more entry (for its wake-up read), and
+    /// Linux refuses rings of more than 32768 entries (sizes are rounded up to a power of two).
+    pub const MAX_QUEUE_DEPTH: u32 = 16_384;
+    /// The largest `threads`. Far more threads than any disk has queues only cost memory, and
+    /// past the process's limits thread creation fails half-way.
+    pub const MAX_THREADS: usize = 1024;
+
+    /// Refuses a configuration outside the limits, naming the field and the limit.
+    pub fn validate(&self) -> io::Result<()> {
+        let refuse = |what: String| Err(io::Error::new(io::ErrorKind::InvalidInput, what));
+        if !(1..=Self::MAX_QUEUE_DEPTH).contains(&self.queue_depth) {
+            return refuse(format!(
+                "EngineConfig::queue_depth = {}: must be between 1 and {}",
+                self.queue_depth,
+                Self::MAX_QUEUE_DEPTH
+            ));
+        }
+        if !(1..=Self::MAX_THREADS).contains(&self.threads) {
+            return refuse(format!(
+                "EngineConfig::threads = {}: must be between 1 and {}",
+                self.threads,
+                Self::MAX_THREADS
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for EngineConfig {
@@ -56,7 +87,7 @@ impl Default for EngineConfig {
 }
 
 /// Counts operations from submission until their callback has returned, for
-/// [`Engine::synchronize`] and [`crate::Offloader::synchronize`].
+/// [`Engine::synchronize`].
 #[derive(Default)]
 pub(crate) struct Tracker {
     in_flight: Mutex<usize>,
@@ -170,7 +201,12 @@ impl Engine {
     /// An engine with the given configuration. An explicitly requested backend that cannot start
     /// is an error; without a request, io_uring is probed with a real operation and the thread
     /// pool is used if it fails.
+    ///
+    /// A configuration outside the limits (see [`EngineConfig::validate`]) is an
+    /// `InvalidInput` error; failing to create the ring or a thread is the `io::Error` of that
+    /// failure.
     pub fn with_config(config: &EngineConfig) -> io::Result<Engine> {
+        config.validate()?;
         let requested = match config.backend {
             Some(kind) => Some(kind),
             None => match std::env::var(BACKEND_ENV) {
@@ -186,7 +222,7 @@ impl Engine {
                 Err(_) => None,
             },
         };
-        let depth = config.queue_depth.max(1);
+        let depth = config.queue_depth;
         let backend = match requested {
             Some(BackendKind::Uring) => Backend::Uring(Uring::start(depth)?),
             Some(BackendKind::Threads) => Backend::Threads(Threads::start(config.threads)?),
@@ -298,17 +334,13 @@ impl Engine {
     /// depth in flight) and waits for all of them; returns each result with its buffer, in
     /// order. Not from a callback.
     pub fn read_many<B: IoBufMut>(&self, reads: Vec<(Arc<File>, u64, B)>) -> Vec<(io::Result<usize>, B)> {
-        let n = reads.len();
-        let batch = Arc::new(Batch {
-            results: Mutex::new((0..n).map(|_| None).collect()),
-            left: Mutex::new(n),
-            done: Condvar::new(),
-        });
+        let (completion, filler) = Completion::new();
+        let join = Join::new(reads.len(), move |results| filler.fill(results));
         for (i, (file, offset, buf)) in reads.into_iter().enumerate() {
-            let batch = Arc::clone(&batch);
-            self.read_at_with(&file, buf, offset, move |r, b| batch.put(i, (r, b)));
+            let join = Arc::clone(&join);
+            self.read_at_with(&file, buf, offset, move |r, b| join.put(i, (r, b)));
         }
-        batch.wait()
+        completion.wait()
     }
 
     // === Futures ===
@@ -393,34 +425,6 @@ impl Engine {
     /// [`Engine::fsync_with`], waiting for the result. Not from a callback.
     pub fn fsync_blocking(&self, file: &Arc<File>, data_only: bool) -> io::Result<()> {
         self.fsync(file, data_only).wait()
-    }
-}
-
-/// The results of [`Engine::read_many`], filled by callbacks in any order.
-struct Batch<T> {
-    results: Mutex<Vec<Option<T>>>,
-    left: Mutex<usize>,
-    done: Condvar,
-}
-
-impl<T> Batch<T> {
-    fn put(&self, i: usize, value: T) {
-        self.results.lock().unwrap_or_else(PoisonError::into_inner)[i] = Some(value);
-        let mut left = self.left.lock().unwrap_or_else(PoisonError::into_inner);
-        *left -= 1;
-        if *left == 0 {
-            self.done.notify_all();
-        }
-    }
-
-    fn wait(&self) -> Vec<T> {
-        let mut left = self.left.lock().unwrap_or_else(PoisonError::into_inner);
-        while *left > 0 {
-            left = self.done.wait(left).unwrap_or_else(PoisonError::into_inner);
-        }
-        drop(left);
-        let mut results = self.results.lock().unwrap_or_else(PoisonError::into_inner);
-        results.drain(..).flatten().collect()
     }
 }
 
