@@ -832,6 +832,10 @@ fn unframe_index(bytes: &[u8]) -> Result<&[u8], String> {
     }
     let len: u64 = len.parse().map_err(|_| format!("bad body length `{}`", len.escape_debug()))?;
     let crc = u32::from_str_radix(crc, 16).map_err(|_| format!("bad checksum `{}`", crc.escape_debug()))?;
+    // Only the one spelling this writes (no `+`, no leading zeros, lowercase hex).
+    if head != format!("{INDEX_MAGIC} {INDEX_VERSION} {len} {crc:08x}") {
+        return Err(format!("bad header line `{}`", head.escape_debug()));
+    }
     if body.len() as u64 != len {
         return Err(format!(
             "the header announces {len} bytes of entries, the file holds {} (torn write?)",
@@ -917,5 +921,53 @@ unsafe impl<B: IoBufMut> IoBufMut for Limit<B> {
     unsafe fn set_init(&mut self, n: usize) {
         // SAFETY: the caller's guarantee, passed on.
         unsafe { self.inner.set_init(n) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> State {
+        State {
+            alloc: ExtentAllocator::new(),
+            index: BTreeMap::new(),
+            version: 0,
+            pending_free: Vec::new(),
+            reading: HashMap::new(),
+            released_while_read: HashMap::new(),
+        }
+    }
+
+    /// An extent released while two reads are reading it is reused only after the second.
+    #[test]
+    fn released_extents_wait_for_their_reads() {
+        let mut s = state();
+        let a = s.alloc.allocate(4096).unwrap();
+        let b = s.alloc.allocate(4096).unwrap();
+        s.pin(a);
+        s.pin(a);
+        s.release(a);
+        s.release(b);
+        assert_eq!(s.alloc.free_extents().collect::<Vec<_>>(), vec![b], "only the unread extent is free");
+        s.unpin(a);
+        assert_eq!(s.alloc.allocate(4096), Some(b), "a is still being read");
+        s.unpin(a);
+        assert_eq!(s.alloc.allocate(4096), Some(a), "free once the last read is done");
+    }
+
+    #[test]
+    fn index_framing_round_trips_and_refuses_damage() {
+        let body = br#"{"version": 2}"#;
+        let framed = frame_index(body);
+        assert_eq!(unframe_index(&framed), Ok(&body[..]));
+        for cut in 0..framed.len() {
+            assert!(unframe_index(&framed[..cut]).is_err(), "cut at {cut}");
+        }
+        for i in 0..framed.len() {
+            let mut flipped = framed.clone();
+            flipped[i] ^= 0x20;
+            assert!(unframe_index(&flipped).is_err(), "byte {i} flipped");
+        }
     }
 }
