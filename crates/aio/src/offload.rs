@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use nix::errno::Errno;
-use nix::fcntl::{FcntlArg, Flock, FlockArg, OFlag, fcntl};
+use nix::fcntl::{FallocateFlags, FcntlArg, Flock, FlockArg, OFlag, fallocate, fcntl};
 use nix::libc;
 use serde_json::{Map, Value, json};
 
@@ -460,9 +460,12 @@ impl Offloader {
                     }
                     state.version += 1;
                 } else {
-                    // Nothing refers to the new extents, and nothing reads them: free them now.
+                    // Nothing refers to the new extents, and nothing reads them: free them now,
+                    // and give the disk space the failed writes took back to the filesystem
+                    // (after a full disk, the next write needs it).
                     for slot in targets {
                         state.alloc.free(slot.extent);
+                        punch_hole(&op.inner.file, slot.extent);
                     }
                 }
             }
@@ -793,6 +796,14 @@ fn sync_parent(path: &Path) -> io::Result<()> {
         None => Path::new("."),
     };
     OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC).open(dir)?.sync_all()
+}
+
+/// Deallocates the disk blocks of `extent`, keeping the file's size. Filesystems without hole
+/// punching keep the blocks; the extent is reused either way.
+fn punch_hole(file: &File, extent: Extent) {
+    let (Ok(offset), Ok(len)) = (i64::try_from(extent.offset), i64::try_from(extent.len)) else { return };
+    let flags = FallocateFlags::FALLOC_FL_PUNCH_HOLE | FallocateFlags::FALLOC_FL_KEEP_SIZE;
+    let _ = fallocate(file, flags, offset, len);
 }
 
 fn check_len(op: &str, key: &str, got: usize, expected: u64) -> io::Result<()> {
