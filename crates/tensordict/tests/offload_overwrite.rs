@@ -25,7 +25,7 @@ const MARK: &str = "@report ";
 fn generation(g: u64) -> TensorDict {
     let mut td = TensorDict::new([2]);
     td.set("gen", Tensor::from_slice(&[g as i64, g as i64], [2]).unwrap()).unwrap();
-    if g % 2 == 0 {
+    if g.is_multiple_of(2) {
         let cols = 3 + (g % 5) as usize;
         let obs: Vec<f32> = (0..2 * cols).map(|i| g as f32 + i as f32).collect();
         td.set("obs", Tensor::from_slice(&obs, [2, cols]).unwrap()).unwrap();
