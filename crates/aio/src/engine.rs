@@ -115,10 +115,11 @@ impl Tracker {
     }
 }
 
-/// A task that tells the tracker when its callback has run.
+/// A task that tells the tracker when it is done: its callback has returned (or unwound), or
+/// it was abandoned or dropped unrun.
 struct Tracked {
     task: Box<dyn Task>,
-    tracker: Arc<Tracker>,
+    done: Done,
 }
 
 impl Task for Tracked {
@@ -135,9 +136,14 @@ impl Task for Tracked {
         self.task.advance(n)
     }
     fn finish(self: Box<Self>, result: io::Result<()>) {
-        let Tracked { task, tracker } = *self;
-        let _done = Done(tracker);
+        let Tracked { task, done } = *self;
         task.finish(result);
+        drop(done);
+    }
+    fn abandon(self: Box<Self>) {
+        let Tracked { task, done } = *self;
+        task.abandon();
+        drop(done);
     }
 }
 
@@ -250,7 +256,7 @@ impl Engine {
 
     fn submit(&self, task: Box<dyn Task>) {
         self.inner.tracker.start();
-        let task = Box::new(Tracked { task, tracker: Arc::clone(&self.inner.tracker) });
+        let task = Box::new(Tracked { task, done: Done(Arc::clone(&self.inner.tracker)) });
         match &self.inner.backend {
             Backend::Uring(ring) => ring.submit(task),
             Backend::Threads(pool) => pool.submit(task),
@@ -455,9 +461,19 @@ pub struct Completion<T> {
 }
 
 struct Slot<T> {
-    state: Mutex<(Option<T>, Option<Waker>)>,
+    state: Mutex<SlotState<T>>,
     ready: Condvar,
 }
+
+struct SlotState<T> {
+    value: Option<T>,
+    waker: Option<Waker>,
+    /// The producer was dropped without a value: the engine abandoned the operation.
+    abandoned: bool,
+}
+
+const ABANDONED: &str = "aio: the operation was abandoned: the io_uring ring failed while it was in the kernel, \
+                         and its buffer was leaked to stay memory-safe";
 
 /// The producing side of a [`Completion`], moved into the callback.
 pub(crate) struct Filler<T> {
@@ -466,9 +482,19 @@ pub(crate) struct Filler<T> {
 
 impl<T> Filler<T> {
     pub(crate) fn fill(self, value: T) {
+        self.slot.state.lock().unwrap_or_else(PoisonError::into_inner).value = Some(value);
+        // `Drop` wakes the waiter.
+    }
+}
+
+impl<T> Drop for Filler<T> {
+    /// Wakes the waiter, with the value if `fill` put one, else as abandoned.
+    fn drop(&mut self) {
         let mut state = self.slot.state.lock().unwrap_or_else(PoisonError::into_inner);
-        state.0 = Some(value);
-        let waker = state.1.take();
+        if state.value.is_none() {
+            state.abandoned = true;
+        }
+        let waker = state.waker.take();
         drop(state);
         self.slot.ready.notify_all();
         if let Some(w) = waker {
@@ -479,17 +505,23 @@ impl<T> Filler<T> {
 
 impl<T> Completion<T> {
     pub(crate) fn new() -> (Completion<T>, Filler<T>) {
-        let slot = Arc::new(Slot { state: Mutex::new((None, None)), ready: Condvar::new() });
+        let state = SlotState { value: None, waker: None, abandoned: false };
+        let slot = Arc::new(Slot { state: Mutex::new(state), ready: Condvar::new() });
         (Completion { slot: Arc::clone(&slot) }, Filler { slot })
     }
 
     /// Blocks the calling thread until the operation completes.
+    ///
+    /// # Panics
+    /// If the engine abandoned the operation: the io_uring ring failed while the operation was
+    /// in the kernel, so its buffer can never be given back (it is leaked, to stay memory-safe).
     pub fn wait(self) -> T {
         let mut state = self.slot.state.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
-            if let Some(v) = state.0.take() {
+            if let Some(v) = state.value.take() {
                 return v;
             }
+            assert!(!state.abandoned, "{ABANDONED}");
             state = self.slot.ready.wait(state).unwrap_or_else(PoisonError::into_inner);
         }
     }
@@ -498,12 +530,15 @@ impl<T> Completion<T> {
 impl<T> Future for Completion<T> {
     type Output = T;
 
+    /// # Panics
+    /// As [`Completion::wait`].
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
         let mut state = self.slot.state.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(v) = state.0.take() {
+        if let Some(v) = state.value.take() {
             return Poll::Ready(v);
         }
-        state.1 = Some(cx.waker().clone());
+        assert!(!state.abandoned, "{ABANDONED}");
+        state.waker = Some(cx.waker().clone());
         Poll::Pending
     }
 }
