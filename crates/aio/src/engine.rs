@@ -9,6 +9,7 @@ use std::task::{Context, Poll, Waker};
 
 use nix::fcntl::{FcntlArg, OFlag, fcntl};
 
+use crate::join::Join;
 use crate::task::{ReadTask, ReadvTask, Task, WriteTask, WritevTask};
 use crate::threads::Threads;
 use crate::uring::Uring;
@@ -40,13 +41,43 @@ impl BackendKind {
 /// How to build an [`Engine`].
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
-    /// Operations in flight at once (io_uring ring size). Default 256.
+    /// Operations in flight at once (io_uring ring size), 1 to [`EngineConfig::MAX_QUEUE_DEPTH`].
+    /// Default 256.
     pub queue_depth: u32,
     /// The backend; `None` reads [`BACKEND_ENV`], and without it probes io_uring and falls back
     /// to threads.
     pub backend: Option<BackendKind>,
-    /// Worker threads of the thread-pool backend. Default 8.
+    /// Worker threads of the thread-pool backend, 1 to [`EngineConfig::MAX_THREADS`]. Default 8.
     pub threads: usize,
+}
+
+impl EngineConfig {
+    /// The largest `queue_depth`: the ring holds one more entry (for its wake-up read), and
+    /// Linux refuses rings of more than 32768 entries (sizes are rounded up to a power of two).
+    pub const MAX_QUEUE_DEPTH: u32 = 16_384;
+    /// The largest `threads`. Far more threads than any disk has queues only cost memory, and
+    /// past the process's limits thread creation fails half-way.
+    pub const MAX_THREADS: usize = 1024;
+
+    /// Refuses a configuration outside the limits, naming the field and the limit.
+    pub fn validate(&self) -> io::Result<()> {
+        let refuse = |what: String| Err(io::Error::new(io::ErrorKind::InvalidInput, what));
+        if !(1..=Self::MAX_QUEUE_DEPTH).contains(&self.queue_depth) {
+            return refuse(format!(
+                "EngineConfig::queue_depth = {}: must be between 1 and {}",
+                self.queue_depth,
+                Self::MAX_QUEUE_DEPTH
+            ));
+        }
+        if !(1..=Self::MAX_THREADS).contains(&self.threads) {
+            return refuse(format!(
+                "EngineConfig::threads = {}: must be between 1 and {}",
+                self.threads,
+                Self::MAX_THREADS
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for EngineConfig {
@@ -56,7 +87,7 @@ impl Default for EngineConfig {
 }
 
 /// Counts operations from submission until their callback has returned, for
-/// [`Engine::synchronize`] and [`crate::Offloader::synchronize`].
+/// [`Engine::synchronize`].
 #[derive(Default)]
 pub(crate) struct Tracker {
     in_flight: Mutex<usize>,
@@ -84,10 +115,11 @@ impl Tracker {
     }
 }
 
-/// A task that tells the tracker when its callback has run.
+/// A task that tells the tracker when it is done: its callback has returned (or unwound), or
+/// it was abandoned or dropped unrun.
 struct Tracked {
     task: Box<dyn Task>,
-    tracker: Arc<Tracker>,
+    done: Done,
 }
 
 impl Task for Tracked {
@@ -104,9 +136,14 @@ impl Task for Tracked {
         self.task.advance(n)
     }
     fn finish(self: Box<Self>, result: io::Result<()>) {
-        let Tracked { task, tracker } = *self;
-        let _done = Done(tracker);
+        let Tracked { task, done } = *self;
         task.finish(result);
+        drop(done);
+    }
+    fn abandon(self: Box<Self>) {
+        let Tracked { task, done } = *self;
+        task.abandon();
+        drop(done);
     }
 }
 
@@ -170,7 +207,12 @@ impl Engine {
     /// An engine with the given configuration. An explicitly requested backend that cannot start
     /// is an error; without a request, io_uring is probed with a real operation and the thread
     /// pool is used if it fails.
+    ///
+    /// A configuration outside the limits (see [`EngineConfig::validate`]) is an
+    /// `InvalidInput` error; failing to create the ring or a thread is the `io::Error` of that
+    /// failure.
     pub fn with_config(config: &EngineConfig) -> io::Result<Engine> {
+        config.validate()?;
         let requested = match config.backend {
             Some(kind) => Some(kind),
             None => match std::env::var(BACKEND_ENV) {
@@ -186,7 +228,7 @@ impl Engine {
                 Err(_) => None,
             },
         };
-        let depth = config.queue_depth.max(1);
+        let depth = config.queue_depth;
         let backend = match requested {
             Some(BackendKind::Uring) => Backend::Uring(Uring::start(depth)?),
             Some(BackendKind::Threads) => Backend::Threads(Threads::start(config.threads)?),
@@ -214,7 +256,7 @@ impl Engine {
 
     fn submit(&self, task: Box<dyn Task>) {
         self.inner.tracker.start();
-        let task = Box::new(Tracked { task, tracker: Arc::clone(&self.inner.tracker) });
+        let task = Box::new(Tracked { task, done: Done(Arc::clone(&self.inner.tracker)) });
         match &self.inner.backend {
             Backend::Uring(ring) => ring.submit(task),
             Backend::Threads(pool) => pool.submit(task),
@@ -298,17 +340,13 @@ impl Engine {
     /// depth in flight) and waits for all of them; returns each result with its buffer, in
     /// order. Not from a callback.
     pub fn read_many<B: IoBufMut>(&self, reads: Vec<(Arc<File>, u64, B)>) -> Vec<(io::Result<usize>, B)> {
-        let n = reads.len();
-        let batch = Arc::new(Batch {
-            results: Mutex::new((0..n).map(|_| None).collect()),
-            left: Mutex::new(n),
-            done: Condvar::new(),
-        });
+        let (completion, filler) = Completion::new();
+        let join = Join::new(reads.len(), move |results| filler.fill(results));
         for (i, (file, offset, buf)) in reads.into_iter().enumerate() {
-            let batch = Arc::clone(&batch);
-            self.read_at_with(&file, buf, offset, move |r, b| batch.put(i, (r, b)));
+            let join = Arc::clone(&join);
+            self.read_at_with(&file, buf, offset, move |r, b| join.put(i, (r, b)));
         }
-        batch.wait()
+        completion.wait()
     }
 
     // === Futures ===
@@ -396,34 +434,6 @@ impl Engine {
     }
 }
 
-/// The results of [`Engine::read_many`], filled by callbacks in any order.
-struct Batch<T> {
-    results: Mutex<Vec<Option<T>>>,
-    left: Mutex<usize>,
-    done: Condvar,
-}
-
-impl<T> Batch<T> {
-    fn put(&self, i: usize, value: T) {
-        self.results.lock().unwrap_or_else(PoisonError::into_inner)[i] = Some(value);
-        let mut left = self.left.lock().unwrap_or_else(PoisonError::into_inner);
-        *left -= 1;
-        if *left == 0 {
-            self.done.notify_all();
-        }
-    }
-
-    fn wait(&self) -> Vec<T> {
-        let mut left = self.left.lock().unwrap_or_else(PoisonError::into_inner);
-        while *left > 0 {
-            left = self.done.wait(left).unwrap_or_else(PoisonError::into_inner);
-        }
-        drop(left);
-        let mut results = self.results.lock().unwrap_or_else(PoisonError::into_inner);
-        results.drain(..).flatten().collect()
-    }
-}
-
 /// Refuses an `O_DIRECT` transfer whose buffer address, length or offset is not a multiple of
 /// 4096, before it reaches the kernel (which would fail it with a bare `EINVAL`).
 fn check_direct(file: &File, op: &str, ptr: *const u8, len: usize, offset: u64) -> io::Result<()> {
@@ -451,9 +461,19 @@ pub struct Completion<T> {
 }
 
 struct Slot<T> {
-    state: Mutex<(Option<T>, Option<Waker>)>,
+    state: Mutex<SlotState<T>>,
     ready: Condvar,
 }
+
+struct SlotState<T> {
+    value: Option<T>,
+    waker: Option<Waker>,
+    /// The producer was dropped without a value: the engine abandoned the operation.
+    abandoned: bool,
+}
+
+const ABANDONED: &str = "aio: the operation was abandoned: the io_uring ring failed while it was in the kernel, \
+                         and its buffer was leaked to stay memory-safe";
 
 /// The producing side of a [`Completion`], moved into the callback.
 pub(crate) struct Filler<T> {
@@ -462,9 +482,19 @@ pub(crate) struct Filler<T> {
 
 impl<T> Filler<T> {
     pub(crate) fn fill(self, value: T) {
+        self.slot.state.lock().unwrap_or_else(PoisonError::into_inner).value = Some(value);
+        // `Drop` wakes the waiter.
+    }
+}
+
+impl<T> Drop for Filler<T> {
+    /// Wakes the waiter, with the value if `fill` put one, else as abandoned.
+    fn drop(&mut self) {
         let mut state = self.slot.state.lock().unwrap_or_else(PoisonError::into_inner);
-        state.0 = Some(value);
-        let waker = state.1.take();
+        if state.value.is_none() {
+            state.abandoned = true;
+        }
+        let waker = state.waker.take();
         drop(state);
         self.slot.ready.notify_all();
         if let Some(w) = waker {
@@ -475,17 +505,23 @@ impl<T> Filler<T> {
 
 impl<T> Completion<T> {
     pub(crate) fn new() -> (Completion<T>, Filler<T>) {
-        let slot = Arc::new(Slot { state: Mutex::new((None, None)), ready: Condvar::new() });
+        let state = SlotState { value: None, waker: None, abandoned: false };
+        let slot = Arc::new(Slot { state: Mutex::new(state), ready: Condvar::new() });
         (Completion { slot: Arc::clone(&slot) }, Filler { slot })
     }
 
     /// Blocks the calling thread until the operation completes.
+    ///
+    /// # Panics
+    /// If the engine abandoned the operation: the io_uring ring failed while the operation was
+    /// in the kernel, so its buffer can never be given back (it is leaked, to stay memory-safe).
     pub fn wait(self) -> T {
         let mut state = self.slot.state.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
-            if let Some(v) = state.0.take() {
+            if let Some(v) = state.value.take() {
                 return v;
             }
+            assert!(!state.abandoned, "{ABANDONED}");
             state = self.slot.ready.wait(state).unwrap_or_else(PoisonError::into_inner);
         }
     }
@@ -494,12 +530,15 @@ impl<T> Completion<T> {
 impl<T> Future for Completion<T> {
     type Output = T;
 
+    /// # Panics
+    /// As [`Completion::wait`].
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
         let mut state = self.slot.state.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(v) = state.0.take() {
+        if let Some(v) = state.value.take() {
             return Poll::Ready(v);
         }
-        state.1 = Some(cx.waker().clone());
+        assert!(!state.abandoned, "{ABANDONED}");
+        state.waker = Some(cx.waker().clone());
         Poll::Pending
     }
 }

@@ -37,6 +37,7 @@ compile_error!("aio supports Linux only (io_uring, or pread/pwrite threads)");
 mod buf;
 mod engine;
 mod extent;
+mod join;
 mod offload;
 mod task;
 mod threads;

@@ -1,28 +1,41 @@
 //! [`Offloader`]: buffers parked under string keys in one file, written and read through the
-//! engine, with an index that survives a restart.
+//! engine, with an index that survives a restart or a crash.
 //!
 //! Space is managed in 4 KiB-aligned extents (best fit, free neighbours coalesced). A key is
 //! never overwritten in place: new data goes to a new extent and the key moves to it when the
-//! write completes, so a crash leaves either the old or the new value. Space freed by `remove`
-//! or by an overwrite is reused only after [`Offloader::synchronize`] has saved an index that no
-//! longer mentions it.
+//! write completes. Space stops being used by a key (overwrite, `remove`) long before it may be
+//! reused: only once a saved index no longer mentions it and no read is still reading it.
+//!
+//! The index file is a header line (`aio-offload-index 2 <body bytes> <crc32 of the body>`)
+//! followed by a JSON body; it is replaced atomically (unique temporary file, `fsync`, `rename`,
+//! `fsync` of the folder), so a reader sees an old or a new index, and a damaged one is refused.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
+use std::ops::Bound;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use nix::errno::Errno;
-use nix::fcntl::{Flock, FlockArg};
+use nix::fcntl::{FallocateFlags, FcntlArg, Flock, FlockArg, OFlag, fallocate, fcntl};
+use nix::libc;
 use serde_json::{Map, Value, json};
 
-use crate::engine::Tracker;
-use crate::extent::{Extent, ExtentAllocator};
+use crate::extent::{EXTENT_ALIGN, Extent, ExtentAllocator};
+use crate::join::Join;
 use crate::{Completion, Engine, IoBuf, IoBufMut};
 
 /// Index files larger than this are refused before they are read.
 const MAX_INDEX_BYTES: u64 = 256 << 20;
+/// The first word of an index file.
+const INDEX_MAGIC: &str = "aio-offload-index";
+/// The index format written and read.
+const INDEX_VERSION: u64 = 2;
+/// The header line is at most this long (magic, version, two numbers, spaces, newline).
+const MAX_HEADER_BYTES: usize = 80;
 
 /// Where one key's bytes are.
 #[derive(Clone, Copy, Debug)]
@@ -34,9 +47,59 @@ struct Slot {
 
 struct State {
     alloc: ExtentAllocator,
-    index: HashMap<String, Slot>,
-    /// Extents the saved index may still mention: reusable after the next save.
+    index: BTreeMap<String, Slot>,
+    /// Bumped by every change of `index`: a save records the version it wrote.
+    version: u64,
+    /// Extents no key uses any more but the saved index may still mention: released after the
+    /// next save.
     pending_free: Vec<Extent>,
+    /// In-flight reads per extent (by offset).
+    reading: HashMap<u64, usize>,
+    /// Extents released while reads were still reading them: freed by the last of those reads.
+    released_while_read: HashMap<u64, Extent>,
+}
+
+impl State {
+    /// Makes `extent` reusable, or as soon as the reads reading it are done.
+    fn release(&mut self, extent: Extent) {
+        if self.reading.contains_key(&extent.offset) {
+            self.released_while_read.insert(extent.offset, extent);
+        } else {
+            self.alloc.free(extent);
+        }
+    }
+
+    fn pin(&mut self, extent: Extent) {
+        *self.reading.entry(extent.offset).or_insert(0) += 1;
+    }
+
+    fn unpin(&mut self, extent: Extent) {
+        let Some(n) = self.reading.get_mut(&extent.offset) else { return };
+        *n -= 1;
+        if *n == 0 {
+            self.reading.remove(&extent.offset);
+            if let Some(released) = self.released_while_read.remove(&extent.offset) {
+                self.alloc.free(released);
+            }
+        }
+    }
+
+    /// Puts `slot` under `key`; the extent it replaces waits for the next save.
+    fn install(&mut self, key: String, slot: Slot) {
+        if let Some(old) = self.index.insert(key, slot) {
+            self.pending_free.push(old.extent);
+        }
+    }
+}
+
+/// What the saving side knows: the version of the index last saved, and whether the data can
+/// still be trusted to reach the disk.
+struct Saved {
+    version: u64,
+    /// Set when an `fsync` of the data failed: the kernel may have dropped the pages it could
+    /// not write, so a later successful `fsync` would not mean the data is there. No index is
+    /// saved after that.
+    broken: Option<String>,
 }
 
 struct Inner {
@@ -48,16 +111,51 @@ struct Inner {
     path: PathBuf,
     index_path: PathBuf,
     state: Mutex<State>,
-    tracker: Tracker,
+    /// Held for the whole of a save, so that saves happen one at a time and in order.
+    saved: Mutex<Saved>,
+    ops: Tickets,
 }
 
 /// Buffers offloaded to one file under string keys (TensorNVMe's offloader, with an index that
-/// survives restarts and without reusing space a crash could still need).
+/// survives restarts and crashes, and without reusing space a crash could still need).
 ///
-/// Cheap to clone. Callbacks run on the engine's completion thread as soon as the I/O
-/// completes. The index is saved to `<path>.index` by [`Offloader::synchronize`],
-/// [`Offloader::sync_write`] and when the last handle is dropped; a reopened offloader finds
-/// every key whose write completed before the last save.
+/// Cheap to clone, and usable from many threads at once: every method takes `&self`.
+/// Callbacks run on the engine's completion thread as soon as the I/O completes.
+///
+/// # Visibility
+///
+/// A write becomes visible (to `contains`, `len_of`, reads) when it has completed; until then
+/// the key keeps its previous value. When writes of one key overlap, the one that completes
+/// last wins. A group write ([`Offloader::async_write_group`]) changes all its keys in one
+/// step, once every write of the group has completed, and changes none if any of them failed.
+/// A group read ([`Offloader::async_read_group`]) reads every key as of one instant.
+///
+/// # Durability
+///
+/// The index, `<path>.index`, is saved by [`Offloader::synchronize`], [`Offloader::sync_write`],
+/// [`Offloader::sync_write_group`], [`Offloader::sync_replace_prefix`], and when the last
+/// handle is dropped. A save:
+///
+/// 1. takes a snapshot of the keys (every write completed before this point is in it);
+/// 2. `fdatasync`s the offload file, so every byte the snapshot points at is on disk;
+/// 3. writes the snapshot to a new, uniquely named file beside the index, `fsync`s it, renames
+///    it over the index and `fsync`s the folder;
+/// 4. only then lets space that the previous index still mentioned be reused.
+///
+/// So after a crash (of the process, or of the machine on a filesystem that honours `fsync`
+/// and atomic `rename`, as ext4, xfs and btrfs do), a reopened offloader has exactly the keys
+/// of the last save that returned `Ok`, or of a later one, each with its exact bytes: every
+/// key whose `sync_write` returned `Ok`, and every key whose write completed before a
+/// `synchronize` that returned `Ok`. Writes that completed after the last save may be missing;
+/// a key never holds bytes other than those of one of its completed writes. If an `fsync` of
+/// the data fails, the offloader stops saving its index (every later save returns the error),
+/// since the kernel may have dropped the pages it could not write. On filesystems where `fsync`
+/// is a no-op (tmpfs) or that are mounted without barriers, a machine crash can lose more;
+/// a process crash still cannot.
+///
+/// Opening checks the index's framing and checksum, its shape, that extents neither overlap
+/// nor leave the offload file: a damaged or stale index is an error naming the problem, never
+/// silently fewer keys or wrong bytes.
 #[derive(Clone)]
 pub struct Offloader {
     inner: Arc<Inner>,
@@ -72,6 +170,11 @@ impl std::fmt::Debug for Offloader {
 impl Offloader {
     /// Opens (or creates) the offload file at `path` with the process-wide engine, reading its
     /// index if there is one.
+    ///
+    /// The offload file and the index must be regular files (or symlinks to regular files): a
+    /// FIFO, a device or a folder in their place is an `InvalidInput` error, found without
+    /// blocking. A damaged index is an `InvalidData` error; an offload file in use by another
+    /// offloader is a `WouldBlock` error.
     pub fn new(path: impl AsRef<Path>) -> io::Result<Offloader> {
         Self::with_engine(path, Engine::global()?)
     }
@@ -82,11 +185,12 @@ impl Offloader {
         let mut index_path = path.clone().into_os_string();
         index_path.push(".index");
         let index_path = PathBuf::from(index_path);
-        let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path)?;
-        let lock = lock_exclusive(&path)?;
-        let (alloc, index) = match std::fs::File::open(&index_path) {
-            Ok(f) => read_index(f, &index_path)?,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => (ExtentAllocator::new(), HashMap::new()),
+        let file = open_regular(&path, true)?;
+        let lock = lock_exclusive(&file, &path)?;
+        remove_stale_temporaries(&index_path);
+        let (alloc, index) = match open_regular(&index_path, false) {
+            Ok(f) => read_index(f, &index_path, file.metadata()?.len())?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => (ExtentAllocator::new(), BTreeMap::new()),
             Err(e) => return Err(e),
         };
         Ok(Offloader {
@@ -96,8 +200,16 @@ impl Offloader {
                 _lock: lock,
                 path,
                 index_path,
-                state: Mutex::new(State { alloc, index, pending_free: Vec::new() }),
-                tracker: Tracker::default(),
+                state: Mutex::new(State {
+                    alloc,
+                    index,
+                    version: 0,
+                    pending_free: Vec::new(),
+                    reading: HashMap::new(),
+                    released_while_read: HashMap::new(),
+                }),
+                saved: Mutex::new(Saved { version: 0, broken: None }),
+                ops: Tickets::default(),
             }),
         })
     }
@@ -117,201 +229,382 @@ impl Offloader {
         self.inner.state().index.get(key).map(|s| s.len)
     }
 
-    /// Every key, in no particular order.
+    /// Every key, in order.
     pub fn keys(&self) -> Vec<String> {
         self.inner.state().index.keys().cloned().collect()
     }
 
     /// Writes `buf`'s initialised bytes under `key` (replacing what was there once the write
     /// completes). The callback gets the result and the buffer.
+    #[allow(clippy::missing_panics_doc)] // `expect` states an invariant of `write_group`
     pub fn async_write<B, F>(&self, key: &str, buf: B, callback: F)
     where
         B: IoBuf,
         F: FnOnce(io::Result<()>, B) + Send + 'static,
     {
-        let len = buf.bytes_init() as u64;
-        let Some(extent) = self.inner.state().alloc.allocate(len) else {
-            return callback(Err(io::Error::new(io::ErrorKind::InvalidInput, "write too large")), buf);
-        };
-        let inner = Arc::clone(&self.inner);
-        let key = key.to_owned();
-        inner.tracker.start();
-        self.inner.engine.write_at_with(&self.inner.file, buf, extent.offset, move |result, buf| {
-            let result = result.and_then(|n| check_len("write", &key, n, len));
-            {
-                let mut state = inner.state();
-                match result {
-                    Ok(()) => {
-                        if let Some(old) = state.index.insert(key, Slot { extent, len }) {
-                            state.pending_free.push(old.extent);
-                        }
-                    }
-                    // Nothing refers to the new extent: free it now.
-                    Err(_) => state.alloc.free(extent),
-                }
-            }
+        self.write_group(vec![(key.to_owned(), buf)], None, move |result, mut back| {
+            let (_, buf) = back.pop().expect("a group of one gives one buffer back");
             callback(result, buf);
-            inner.tracker.done();
         });
     }
 
     /// Reads the bytes stored under `key` into `buf`, whose capacity must hold them. The
     /// callback gets the byte count and the buffer.
+    #[allow(clippy::missing_panics_doc)] // `expect` states an invariant of `read_group`
     pub fn async_read<B, F>(&self, key: &str, buf: B, callback: F)
     where
         B: IoBufMut,
         F: FnOnce(io::Result<usize>, B) + Send + 'static,
     {
-        let slot = self.inner.state().index.get(key).copied();
-        let Some(slot) = slot else {
-            return callback(Err(io::Error::new(io::ErrorKind::NotFound, format!("no key `{key}`"))), buf);
-        };
-        let len = usize::try_from(slot.len).unwrap_or(usize::MAX);
-        if buf.bytes_total() < len {
-            let e = io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("key `{key}` holds {len} bytes; the buffer has room for {}", buf.bytes_total()),
-            );
-            return callback(Err(e), buf);
-        }
-        let inner = Arc::clone(&self.inner);
-        let key = key.to_owned();
-        inner.tracker.start();
-        let limited = Limit { inner: buf, limit: len };
-        self.inner.engine.read_at_with(&self.inner.file, limited, slot.extent.offset, move |result, limited| {
-            let result = result.and_then(|n| check_len("read", &key, n, slot.len).map(|()| n));
-            callback(result, limited.inner);
-            inner.tracker.done();
+        self.read_group(vec![(key.to_owned(), buf)], move |mut back| {
+            let (result, (_, buf)) = back.pop().expect("a group of one gives one buffer back");
+            callback(result, buf);
         });
     }
 
     /// [`Offloader::async_write`], waiting; then saves the index, so the key survives a
-    /// restart.
+    /// restart or a crash once this returns `Ok`. Not from a callback (an error there).
     pub fn sync_write<B: IoBuf>(&self, key: &str, buf: B) -> (io::Result<()>, B) {
+        if let Err(e) = self.not_in_callback("sync_write") {
+            return (Err(e), buf);
+        }
         let (completion, filler) = Completion::new();
         self.async_write(key, buf, move |r, b| filler.fill((r, b)));
         let (result, buf) = completion.wait();
-        (result.and_then(|()| self.save_index()), buf)
+        (result.and_then(|()| self.inner.save_index()), buf)
     }
 
-    /// [`Offloader::async_read`], waiting.
+    /// [`Offloader::async_read`], waiting. Not from a callback (an error there).
     pub fn sync_read<B: IoBufMut>(&self, key: &str, buf: B) -> (io::Result<usize>, B) {
+        if let Err(e) = self.not_in_callback("sync_read") {
+            return (Err(e), buf);
+        }
         let (completion, filler) = Completion::new();
         self.async_read(key, buf, move |r, b| filler.fill((r, b)));
         completion.wait()
     }
 
-    /// Writes every `(key, buffer)` at once (all in flight together); the callback gets the
-    /// first error, if any, and every buffer back in order.
+    /// Writes every `(key, buffer)` at once (all in flight together). The keys change together,
+    /// in one step, once every write has completed; if any write fails, none of them changes.
+    /// The callback gets the first error, if any, and every buffer back in order. A key named
+    /// twice takes its last buffer.
     pub fn async_write_group<B, F>(&self, items: Vec<(String, B)>, callback: F)
     where
         B: IoBuf,
         F: FnOnce(io::Result<()>, Vec<(String, B)>) + Send + 'static,
     {
-        let group = Group::new(items.len(), callback);
-        for (i, (key, buf)) in items.into_iter().enumerate() {
-            let group = Arc::clone(&group);
-            let k = key.clone();
-            self.async_write(&key, buf, move |r, b| group.finish_one(i, r, (k, b)));
-        }
+        self.write_group(items, None, callback);
     }
 
-    /// Reads every `(key, buffer)` at once; the callback gets the first error, if any, and every
-    /// buffer back in order.
+    /// Reads every `(key, buffer)` at once, each key as it was at one instant (a group write
+    /// completing meanwhile is seen whole or not at all). The callback gets the byte count of
+    /// every key in order (or the first error) and every buffer back in order.
     pub fn async_read_group<B, F>(&self, items: Vec<(String, B)>, callback: F)
     where
         B: IoBufMut,
-        F: FnOnce(io::Result<()>, Vec<(String, B)>) + Send + 'static,
+        F: FnOnce(io::Result<Vec<usize>>, Vec<(String, B)>) + Send + 'static,
     {
-        let group = Group::new(items.len(), callback);
-        for (i, (key, buf)) in items.into_iter().enumerate() {
-            let group = Arc::clone(&group);
-            let k = key.clone();
-            self.async_read(&key, buf, move |r, b| group.finish_one(i, r.map(drop), (k, b)));
-        }
+        self.read_group(items, move |back| {
+            let mut counts = Ok(Vec::with_capacity(back.len()));
+            let bufs = back
+                .into_iter()
+                .map(|(result, item)| {
+                    match (&mut counts, result) {
+                        (Ok(counts), Ok(n)) => counts.push(n),
+                        (Ok(_), Err(e)) => counts = Err(e),
+                        (Err(_), _) => {}
+                    }
+                    item
+                })
+                .collect();
+            callback(counts, bufs);
+        });
     }
 
-    /// [`Offloader::async_write_group`], waiting; then saves the index, so every key survives a
-    /// restart. Must not be called from a callback.
+    /// [`Offloader::async_write_group`], waiting; then saves the index, so the group survives a
+    /// restart or a crash, whole, once this returns `Ok`. Not from a callback (an error there).
     pub fn sync_write_group<B: IoBuf>(&self, items: Vec<(String, B)>) -> (io::Result<()>, Vec<(String, B)>) {
-        let (completion, filler) = Completion::new();
-        self.async_write_group(items, move |r, back| filler.fill((r, back)));
-        let (result, back) = completion.wait();
-        (result.and_then(|()| self.save_index()), back)
+        self.sync_group("sync_write_group", items, None)
     }
 
-    /// [`Offloader::async_read_group`], waiting. Must not be called from a callback.
-    pub fn sync_read_group<B: IoBufMut>(&self, items: Vec<(String, B)>) -> (io::Result<()>, Vec<(String, B)>) {
+    /// Replaces every key that starts with `prefix` by `items` in one step: once every write
+    /// has completed, the keys of `items` take their new bytes and every other key starting
+    /// with `prefix` is removed, together; on an error nothing changes. Then saves the index,
+    /// as [`Offloader::sync_write_group`]. The keys of `items` need not start with `prefix`.
+    /// Not from a callback (an error there).
+    pub fn sync_replace_prefix<B: IoBuf>(
+        &self,
+        prefix: &str,
+        items: Vec<(String, B)>,
+    ) -> (io::Result<()>, Vec<(String, B)>) {
+        self.sync_group("sync_replace_prefix", items, Some(prefix.to_owned()))
+    }
+
+    /// [`Offloader::async_read_group`], waiting. Not from a callback (an error there).
+    pub fn sync_read_group<B: IoBufMut>(&self, items: Vec<(String, B)>) -> (io::Result<Vec<usize>>, Vec<(String, B)>) {
+        if let Err(e) = self.not_in_callback("sync_read_group") {
+            return (Err(e), items);
+        }
         let (completion, filler) = Completion::new();
         self.async_read_group(items, move |r, back| filler.fill((r, back)));
         completion.wait()
     }
 
-    /// Removes `key`; returns whether it existed. Its space is reused after the next save.
+    /// Removes `key`; returns whether it existed. The removal is saved by the next save; its
+    /// space is reused after that.
     pub fn remove(&self, key: &str) -> bool {
         let mut state = self.inner.state();
         match state.index.remove(key) {
             Some(slot) => {
                 state.pending_free.push(slot.extent);
+                state.version += 1;
                 true
             }
             None => false,
         }
     }
 
-    /// Waits for every operation of this offloader, makes the data durable (`fsync`), saves
-    /// the index (atomically, by rename), and then makes space freed since the last save
-    /// reusable. Must not be called from a callback.
+    /// Waits for every operation of this offloader started before the call (from any thread),
+    /// then saves the index as described under "Durability": when this returns `Ok`, every
+    /// write completed before it survives a crash. Operations started meanwhile (by other
+    /// threads, or by callbacks) are not waited for. Not from a callback (an error there).
     pub fn synchronize(&self) -> io::Result<()> {
-        self.inner.tracker.wait_idle();
-        self.save_index()
+        self.not_in_callback("synchronize")?;
+        self.inner.ops.wait_for_started_before(self.inner.ops.now());
+        self.inner.save_index()
     }
 
-    fn save_index(&self) -> io::Result<()> {
-        self.inner.save_index()
+    fn not_in_callback(&self, op: &str) -> io::Result<()> {
+        if self.inner.engine.is_engine_thread() {
+            return Err(io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!("Offloader::{op} was called from a completion callback, where it would wait forever"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn sync_group<B: IoBuf>(
+        &self,
+        op: &str,
+        items: Vec<(String, B)>,
+        replace: Option<String>,
+    ) -> (io::Result<()>, Vec<(String, B)>) {
+        if let Err(e) = self.not_in_callback(op) {
+            return (Err(e), items);
+        }
+        let (completion, filler) = Completion::new();
+        self.write_group(items, replace, move |r, back| filler.fill((r, back)));
+        let (result, back) = completion.wait();
+        (result.and_then(|()| self.inner.save_index()), back)
+    }
+
+    /// Every write of the offloader: allocate an extent per item, write them all, and install
+    /// the keys in one step (removing the other keys under `replace`) when all succeeded.
+    fn write_group<B, F>(&self, items: Vec<(String, B)>, replace: Option<String>, callback: F)
+    where
+        B: IoBuf,
+        F: FnOnce(io::Result<()>, Vec<(String, B)>) + Send + 'static,
+    {
+        let mut slots = Vec::with_capacity(items.len());
+        {
+            let mut state = self.inner.state();
+            for (key, buf) in &items {
+                let len = buf.bytes_init() as u64;
+                if let Some(extent) = state.alloc.allocate(len) {
+                    slots.push(Slot { extent, len });
+                } else {
+                    for slot in slots {
+                        state.alloc.free(slot.extent);
+                    }
+                    drop(state);
+                    let e =
+                        io::Error::new(io::ErrorKind::InvalidInput, format!("key `{key}`: {len} bytes is too large"));
+                    return callback(Err(e), items);
+                }
+            }
+        }
+        let op = self.inner.start_op();
+        let keys: Vec<String> = items.iter().map(|(k, _)| k.clone()).collect();
+        let targets: Vec<Slot> = slots.clone();
+        let join = Join::new(items.len(), move |results: Vec<(io::Result<()>, (String, B))>| {
+            let mut error = None;
+            let mut back = Vec::with_capacity(results.len());
+            for (result, item) in results {
+                if let Err(e) = result {
+                    error.get_or_insert(e);
+                }
+                back.push(item);
+            }
+            {
+                let mut state = op.inner.state();
+                if error.is_none() {
+                    if let Some(prefix) = &replace {
+                        let fresh: HashSet<&str> = keys.iter().map(String::as_str).collect();
+                        let superseded: Vec<String> = state
+                            .index
+                            .range::<str, _>((Bound::Included(prefix.as_str()), Bound::Unbounded))
+                            .map(|(k, _)| k)
+                            .take_while(|k| k.starts_with(prefix.as_str()))
+                            .filter(|k| !fresh.contains(k.as_str()))
+                            .cloned()
+                            .collect();
+                        for key in superseded {
+                            if let Some(slot) = state.index.remove(&key) {
+                                state.pending_free.push(slot.extent);
+                            }
+                        }
+                    }
+                    for (key, slot) in keys.into_iter().zip(targets) {
+                        state.install(key, slot);
+                    }
+                    state.version += 1;
+                } else {
+                    // Nothing refers to the new extents, and nothing reads them: free them now,
+                    // and give the disk space the failed writes took back to the filesystem
+                    // (after a full disk, the next write needs it).
+                    for slot in targets {
+                        state.alloc.free(slot.extent);
+                        punch_hole(&op.inner.file, slot.extent);
+                    }
+                }
+            }
+            callback(error.map_or(Ok(()), Err), back);
+            drop(op);
+        });
+        for (i, ((key, buf), slot)) in items.into_iter().zip(slots).enumerate() {
+            let join = Arc::clone(&join);
+            self.inner.engine.write_at_with(&self.inner.file, buf, slot.extent.offset, move |result, buf| {
+                let result = result.and_then(|n| check_len("write", &key, n, slot.len));
+                join.put(i, (result, (key, buf)));
+            });
+        }
+    }
+
+    /// Every read of the offloader: resolve every key at one instant, keep the extents from
+    /// being reused until the reads are done, read them all.
+    #[allow(clippy::type_complexity)]
+    fn read_group<B, F>(&self, items: Vec<(String, B)>, done: F)
+    where
+        B: IoBufMut,
+        F: FnOnce(Vec<(io::Result<usize>, (String, B))>) + Send + 'static,
+    {
+        let plan: Vec<io::Result<Slot>> = {
+            let mut state = self.inner.state();
+            items
+                .iter()
+                .map(|(key, buf)| {
+                    let slot = *state
+                        .index
+                        .get(key)
+                        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no key `{key}`")))?;
+                    if (buf.bytes_total() as u64) < slot.len {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidInput,
+                            format!(
+                                "key `{key}` holds {} bytes; the buffer has room for {}",
+                                slot.len,
+                                buf.bytes_total()
+                            ),
+                        ));
+                    }
+                    state.pin(slot.extent);
+                    Ok(slot)
+                })
+                .collect()
+        };
+        let op = self.inner.start_op();
+        let pinned: Vec<Extent> = plan.iter().filter_map(|p| p.as_ref().ok().map(|s| s.extent)).collect();
+        let join = Join::new(items.len(), move |results| {
+            {
+                let mut state = op.inner.state();
+                for extent in pinned {
+                    state.unpin(extent);
+                }
+            }
+            done(results);
+            drop(op);
+        });
+        for (i, ((key, buf), slot)) in items.into_iter().zip(plan).enumerate() {
+            let slot = match slot {
+                Ok(slot) if slot.len > 0 => slot,
+                Ok(_) => {
+                    join.put(i, (Ok(0), (key, buf)));
+                    continue;
+                }
+                Err(e) => {
+                    join.put(i, (Err(e), (key, buf)));
+                    continue;
+                }
+            };
+            let join = Arc::clone(&join);
+            // `len <= bytes_total`, a `usize`.
+            let limit = usize::try_from(slot.len).unwrap_or(usize::MAX);
+            let limited = Limit { inner: buf, limit };
+            self.inner.engine.read_at_with(&self.inner.file, limited, slot.extent.offset, move |result, limited| {
+                let result = result.and_then(|n| check_len("read", &key, n, slot.len).map(|()| n));
+                join.put(i, (result, (key, limited.inner)));
+            });
+        }
     }
 }
 
 impl Inner {
     fn state(&self) -> MutexGuard<'_, State> {
-        // A panicking user callback cannot leave the state half-updated: it runs outside the lock.
+        // Nothing panics while holding the lock: user callbacks run outside it.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn start_op(self: &Arc<Self>) -> OpGuard {
+        OpGuard { ticket: self.ops.start(), inner: Arc::clone(self) }
+    }
+
+    /// Saves the index (see "Durability" on [`Offloader`]). Saves run one at a time; a save
+    /// finding that a later one already covered every change it would write returns at once.
     fn save_index(&self) -> io::Result<()> {
-        // Data first: the index must never point at bytes a crash could lose.
-        self.file.sync_data()?;
-        let (text, freed) = {
+        let mut saved = self.saved.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(why) = &saved.broken {
+            return Err(io::Error::other(format!(
+                "{}: no index is saved since an fsync of the offload file failed ({why})",
+                self.path.display()
+            )));
+        }
+        // 1. The snapshot: every write completed before here is in it.
+        let (text, freed, version) = {
             let mut state = self.state();
+            if state.version == saved.version {
+                return Ok(());
+            }
             let mut entries = Map::new();
             for (key, slot) in &state.index {
                 entries.insert(key.clone(), json!([slot.extent.offset, slot.extent.len, slot.len]));
             }
-            let text =
-                serde_json::to_vec(&json!({"version": 1, "align": crate::extent::EXTENT_ALIGN, "entries": entries}))
+            let body =
+                serde_json::to_vec(&json!({"version": INDEX_VERSION, "align": EXTENT_ALIGN, "entries": entries}))
                     .map_err(io::Error::other)?;
-            (text, std::mem::take(&mut state.pending_free))
+            (body, std::mem::take(&mut state.pending_free), state.version)
         };
-        let mut tmp = self.index_path.clone().into_os_string();
-        tmp.push(format!(".{}.tmp", std::process::id()));
-        let tmp = PathBuf::from(tmp);
-        let written = std::fs::write(&tmp, &text)
-            .and_then(|()| File::open(&tmp)?.sync_all())
-            .and_then(|()| std::fs::rename(&tmp, &self.index_path))
-            .and_then(|()| sync_parent(&self.index_path));
-        let mut state = self.state();
-        match written {
+        // 2. The bytes it points at reach the disk before it does.
+        if let Err(e) = self.file.sync_data() {
+            saved.broken = Some(e.to_string());
+            self.state().pending_free.extend(freed);
+            return Err(io::Error::new(e.kind(), format!("fsync of {}: {e}", self.path.display())));
+        }
+        // 3. Replace the index atomically.
+        match write_atomically(&self.index_path, &frame_index(&text)) {
             Ok(()) => {
+                saved.version = version;
+                // 4. The saved index no longer mentions these.
+                let mut state = self.state();
                 for extent in freed {
-                    state.alloc.free(extent);
+                    state.release(extent);
                 }
                 Ok(())
             }
             Err(e) => {
                 // The saved index may still mention them: keep them out of use.
-                state.pending_free.extend(freed);
-                let _ = std::fs::remove_file(&tmp);
-                Err(e)
+                self.state().pending_free.extend(freed);
+                Err(io::Error::new(e.kind(), format!("saving the offload index {}: {e}", self.index_path.display())))
             }
         }
     }
@@ -327,17 +620,118 @@ impl Drop for Inner {
     }
 }
 
-/// An exclusive `flock` on `path`. A previous offloader of this process may still be letting go
-/// (its last completion callback finishing on the engine thread), so a busy lock is retried for
-/// a moment before it is reported.
-fn lock_exclusive(path: &Path) -> io::Result<Flock<File>> {
+/// One operation of an offloader, from its start until its callback has returned (or
+/// unwound): dropped last in the operation's final closure.
+struct OpGuard {
+    inner: Arc<Inner>,
+    ticket: u64,
+}
+
+impl Drop for OpGuard {
+    fn drop(&mut self) {
+        self.inner.ops.finish(self.ticket);
+    }
+}
+
+/// Numbered operations in flight, so that [`Offloader::synchronize`] waits for those started
+/// before it and not for a stream of later ones.
+#[derive(Default)]
+struct Tickets {
+    state: Mutex<TicketState>,
+    finished: Condvar,
+}
+
+#[derive(Default)]
+struct TicketState {
+    next: u64,
+    open: BTreeSet<u64>,
+}
+
+impl Tickets {
+    fn lock(&self) -> MutexGuard<'_, TicketState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn start(&self) -> u64 {
+        let mut s = self.lock();
+        let ticket = s.next;
+        s.next += 1;
+        s.open.insert(ticket);
+        ticket
+    }
+
+    fn finish(&self, ticket: u64) {
+        self.lock().open.remove(&ticket);
+        self.finished.notify_all();
+    }
+
+    /// The ticket the next operation gets.
+    fn now(&self) -> u64 {
+        self.lock().next
+    }
+
+    fn wait_for_started_before(&self, ticket: u64) {
+        let mut s = self.lock();
+        while s.open.first().is_some_and(|&t| t < ticket) {
+            s = self.finished.wait(s).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
+
+/// Opens `path` without blocking (a FIFO would block an ordinary open) and refuses anything
+/// but a regular file, naming what it is. `for_data` opens it read-write, creating it.
+fn open_regular(path: &Path, for_data: bool) -> io::Result<File> {
+    let mut options = OpenOptions::new();
+    options.read(true).custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC);
+    if for_data {
+        options.write(true).create(true).truncate(false).mode(0o644);
+    }
+    let file = options.open(path).map_err(|e| match e.raw_os_error() {
+        Some(libc::EISDIR) => not_regular(path, "a folder"),
+        Some(libc::ENXIO) => not_regular(path, "a special file"),
+        _ => io::Error::new(e.kind(), format!("{}: {e}", path.display())),
+    })?;
+    let kind = file.metadata()?.file_type();
+    if !kind.is_file() {
+        let what = if kind.is_dir() {
+            "a folder"
+        } else if kind.is_fifo() {
+            "a FIFO"
+        } else if kind.is_char_device() {
+            "a character device"
+        } else if kind.is_block_device() {
+            "a block device"
+        } else if kind.is_socket() {
+            "a socket"
+        } else {
+            "not a regular file"
+        };
+        return Err(not_regular(path, what));
+    }
+    // Regular files ignore O_NONBLOCK for blocking reads, but io_uring would pass `EAGAIN` on to
+    // us for reads that have to wait for the disk: clear it.
+    let flags = OFlag::from_bits_truncate(fcntl(&file, FcntlArg::F_GETFL).map_err(io::Error::from)?);
+    fcntl(&file, FcntlArg::F_SETFL(flags - OFlag::O_NONBLOCK)).map_err(io::Error::from)?;
+    Ok(file)
+}
+
+fn not_regular(path: &Path, what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, format!("{} is {what}, not a regular file", path.display()))
+}
+
+/// An exclusive `flock` on the open offload file. A previous offloader of this process may
+/// still be letting go (its last completion callback finishing on the engine thread), so a busy
+/// lock is retried for a moment before it is reported.
+fn lock_exclusive(file: &File, path: &Path) -> io::Result<Flock<File>> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
-    let mut file = File::open(path)?;
+    // A second descriptor of the same open file: the lock belongs to the open file, and is
+    // released when the `Flock` is dropped.
+    let mut handle = file.try_clone()?;
     loop {
-        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        match Flock::lock(handle, FlockArg::LockExclusiveNonblock) {
             Ok(lock) => return Ok(lock),
             Err((f, Errno::EWOULDBLOCK)) if std::time::Instant::now() < deadline => {
-                file = f;
+                handle = f;
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
             Err((_, Errno::EWOULDBLOCK)) => {
@@ -351,11 +745,65 @@ fn lock_exclusive(path: &Path) -> io::Result<Flock<File>> {
     }
 }
 
-fn sync_parent(path: &Path) -> io::Result<()> {
-    match path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        Some(dir) => File::open(dir)?.sync_all(),
-        None => File::open(".")?.sync_all(),
+/// Temporary index files are named `<index name>.<pid>.<n>.tmp`, unique within the process
+/// (and between processes: one offloader per file at a time, by the lock).
+fn temporary_name(index_path: &Path) -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let mut name = index_path.as_os_str().to_owned();
+    name.push(format!(".{}.{}.tmp", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
+    PathBuf::from(name)
+}
+
+/// Removes temporary index files a crashed save left behind (the caller holds the lock).
+fn remove_stale_temporaries(index_path: &Path) {
+    let (Some(dir), Some(name)) = (index_path.parent(), index_path.file_name()) else { return };
+    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let prefix = format!("{}.", name.to_string_lossy());
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(rest) = file_name.to_str().and_then(|n| n.strip_prefix(&prefix)) else { continue };
+        let Some(numbers) = rest.strip_suffix(".tmp") else { continue };
+        let is_ours = numbers.split('.').count() == 2
+            && numbers.split('.').all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        if is_ours {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
+}
+
+/// Writes `bytes` to a new uniquely named file beside `path`, `fsync`s it, renames it over
+/// `path` and `fsync`s the folder.
+fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let tmp = temporary_name(path);
+    let written = (|| {
+        let mut f = OpenOptions::new().write(true).create_new(true).mode(0o644).open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written?;
+    sync_parent(path)
+}
+
+fn sync_parent(path: &Path) -> io::Result<()> {
+    let dir = match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(dir) => dir,
+        None => Path::new("."),
+    };
+    OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC).open(dir)?.sync_all()
+}
+
+/// Deallocates the disk blocks of `extent`, keeping the file's size. Filesystems without hole
+/// punching keep the blocks; the extent is reused either way.
+fn punch_hole(file: &File, extent: Extent) {
+    let (Ok(offset), Ok(len)) = (i64::try_from(extent.offset), i64::try_from(extent.len)) else { return };
+    let flags = FallocateFlags::FALLOC_FL_PUNCH_HOLE | FallocateFlags::FALLOC_FL_KEEP_SIZE;
+    let _ = fallocate(file, flags, offset, len);
 }
 
 fn check_len(op: &str, key: &str, got: usize, expected: u64) -> io::Result<()> {
@@ -369,20 +817,72 @@ fn check_len(op: &str, key: &str, got: usize, expected: u64) -> io::Result<()> {
     }
 }
 
-fn read_index(mut file: File, path: &Path) -> io::Result<(ExtentAllocator, HashMap<String, Slot>)> {
-    let bad = |why: String| io::Error::new(io::ErrorKind::InvalidData, format!("{}: {why}", path.display()));
+/// The header line and the body.
+fn frame_index(body: &[u8]) -> Vec<u8> {
+    let mut out = format!("{INDEX_MAGIC} {INDEX_VERSION} {} {:08x}\n", body.len(), crc32fast::hash(body)).into_bytes();
+    out.extend_from_slice(body);
+    out
+}
+
+/// Checks the header line (magic, version, length, checksum) and returns the body.
+fn unframe_index(bytes: &[u8]) -> Result<&[u8], String> {
+    let head_len = bytes.iter().take(MAX_HEADER_BYTES).position(|&b| b == b'\n').ok_or_else(|| {
+        if bytes.is_empty() { "empty file".to_owned() } else { format!("no `{INDEX_MAGIC}` header line") }
+    })?;
+    let head = std::str::from_utf8(&bytes[..head_len]).map_err(|_| "the header line is not text".to_owned())?;
+    let body = &bytes[head_len + 1..];
+    let fields: Vec<&str> = head.split(' ').collect();
+    let [magic, version, len, crc] = fields[..] else {
+        return Err(format!("bad header line `{}`", head.escape_debug()));
+    };
+    if magic != INDEX_MAGIC {
+        return Err(format!("no `{INDEX_MAGIC}` header line"));
+    }
+    if version != INDEX_VERSION.to_string() {
+        return Err(format!("index format {} is not supported (this reads {INDEX_VERSION})", version.escape_debug()));
+    }
+    let len: u64 = len.parse().map_err(|_| format!("bad body length `{}`", len.escape_debug()))?;
+    let crc = u32::from_str_radix(crc, 16).map_err(|_| format!("bad checksum `{}`", crc.escape_debug()))?;
+    // Only the one spelling this writes (no `+`, no leading zeros, lowercase hex).
+    if head != format!("{INDEX_MAGIC} {INDEX_VERSION} {len} {crc:08x}") {
+        return Err(format!("bad header line `{}`", head.escape_debug()));
+    }
+    if body.len() as u64 != len {
+        return Err(format!(
+            "the header announces {len} bytes of entries, the file holds {} (torn write?)",
+            body.len()
+        ));
+    }
+    let actual = crc32fast::hash(body);
+    if actual != crc {
+        return Err(format!("checksum mismatch (header {crc:08x}, entries {actual:08x})"));
+    }
+    Ok(body)
+}
+
+fn read_index(file: File, path: &Path, data_len: u64) -> io::Result<(ExtentAllocator, BTreeMap<String, Slot>)> {
+    let bad =
+        |why: String| io::Error::new(io::ErrorKind::InvalidData, format!("offload index {}: {why}", path.display()));
     let size = file.metadata()?.len();
     if size > MAX_INDEX_BYTES {
         return Err(bad(format!("{size} bytes, over the {MAX_INDEX_BYTES}-byte limit")));
     }
-    let mut text = Vec::new();
-    file.read_to_end(&mut text)?;
-    let value: Value = serde_json::from_slice(&text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
-    if value.get("version").and_then(Value::as_u64) != Some(1) {
+    // Bounded while reading too: the file may grow meanwhile.
+    let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+    file.take(MAX_INDEX_BYTES + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_INDEX_BYTES {
+        return Err(bad(format!("over the {MAX_INDEX_BYTES}-byte limit")));
+    }
+    let body = unframe_index(&bytes).map_err(bad)?;
+    let value: Value = serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+    if value.get("version").and_then(Value::as_u64) != Some(INDEX_VERSION) {
         return Err(bad("unsupported index version".into()));
     }
+    if value.get("align").and_then(Value::as_u64) != Some(EXTENT_ALIGN) {
+        return Err(bad(format!("extents are not aligned to {EXTENT_ALIGN} bytes")));
+    }
     let entries = value.get("entries").and_then(Value::as_object).ok_or_else(|| bad("no entries".into()))?;
-    let mut index = HashMap::with_capacity(entries.len());
+    let mut index = BTreeMap::new();
     for (key, v) in entries {
         let nums: Option<Vec<u64>> = v.as_array().and_then(|a| a.iter().map(Value::as_u64).collect());
         let Some([offset, len, data]) = nums.as_deref().and_then(|n| <[u64; 3]>::try_from(n).ok()) else {
@@ -390,6 +890,13 @@ fn read_index(mut file: File, path: &Path) -> io::Result<(ExtentAllocator, HashM
         };
         if data > len {
             return Err(bad(format!("entry `{key}` stores {data} bytes in an extent of {len}")));
+        }
+        if data > 0 && offset.checked_add(data).is_none_or(|end| end > data_len) {
+            return Err(bad(format!(
+                "key `{key}` has bytes {offset}..{} but the offload file has {data_len} (truncated, or the index \
+                 belongs to another file)",
+                offset.saturating_add(data)
+            )));
         }
         index.insert(key.clone(), Slot { extent: Extent { offset, len }, len: data });
     }
@@ -428,58 +935,50 @@ unsafe impl<B: IoBufMut> IoBufMut for Limit<B> {
     }
 }
 
-/// Collects the results of a group of operations and calls the group's callback once, after
-/// the last.
-struct Group<T, F> {
-    state: Mutex<GroupState<T, F>>,
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-struct GroupState<T, F> {
-    items: Vec<Option<T>>,
-    remaining: usize,
-    error: Option<io::Error>,
-    callback: Option<F>,
-}
-
-impl<T, F: FnOnce(io::Result<()>, Vec<T>)> Group<T, F> {
-    fn new(n: usize, callback: F) -> Arc<Self> {
-        let group = Arc::new(Group {
-            state: Mutex::new(GroupState {
-                items: (0..n).map(|_| None).collect(),
-                remaining: n,
-                error: None,
-                callback: Some(callback),
-            }),
-        });
-        if n == 0 {
-            group.complete_if_done();
+    fn state() -> State {
+        State {
+            alloc: ExtentAllocator::new(),
+            index: BTreeMap::new(),
+            version: 0,
+            pending_free: Vec::new(),
+            reading: HashMap::new(),
+            released_while_read: HashMap::new(),
         }
-        group
     }
 
-    fn finish_one(&self, i: usize, result: io::Result<()>, item: T) {
-        {
-            let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            s.items[i] = Some(item);
-            s.remaining -= 1;
-            if let Err(e) = result {
-                s.error.get_or_insert(e);
-            }
-        }
-        self.complete_if_done();
+    /// An extent released while two reads are reading it is reused only after the second.
+    #[test]
+    fn released_extents_wait_for_their_reads() {
+        let mut s = state();
+        let a = s.alloc.allocate(4096).unwrap();
+        let b = s.alloc.allocate(4096).unwrap();
+        s.pin(a);
+        s.pin(a);
+        s.release(a);
+        s.release(b);
+        assert_eq!(s.alloc.free_extents().collect::<Vec<_>>(), vec![b], "only the unread extent is free");
+        s.unpin(a);
+        assert_eq!(s.alloc.allocate(4096), Some(b), "a is still being read");
+        s.unpin(a);
+        assert_eq!(s.alloc.allocate(4096), Some(a), "free once the last read is done");
     }
 
-    fn complete_if_done(&self) {
-        let ready = {
-            let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            if s.remaining > 0 {
-                return;
-            }
-            let items: Vec<T> = s.items.drain(..).map(|t| t.expect("every item is back")).collect();
-            s.callback.take().map(|cb| (cb, s.error.take(), items))
-        };
-        if let Some((callback, error, items)) = ready {
-            callback(error.map_or(Ok(()), Err), items);
+    #[test]
+    fn index_framing_round_trips_and_refuses_damage() {
+        let body = br#"{"version": 2}"#;
+        let framed = frame_index(body);
+        assert_eq!(unframe_index(&framed), Ok(&body[..]));
+        for cut in 0..framed.len() {
+            assert!(unframe_index(&framed[..cut]).is_err(), "cut at {cut}");
+        }
+        for i in 0..framed.len() {
+            let mut flipped = framed.clone();
+            flipped[i] ^= 0x20;
+            assert!(unframe_index(&flipped).is_err(), "byte {i} flipped");
         }
     }
 }

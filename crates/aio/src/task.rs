@@ -53,6 +53,10 @@ pub(crate) trait Task: Send {
     /// Hands the buffers back through the callback: the number of bytes moved on success, or
     /// the error with the operation and offset added.
     fn finish(self: Box<Self>, result: io::Result<()>);
+    /// Gives up on a task the kernel may still be using (the ring failed, so no completion will
+    /// say when it is done): the memory the kernel may touch (buffers, iovecs) is leaked, never
+    /// freed, and the callback is dropped without running.
+    fn abandon(self: Box<Self>);
 }
 
 /// Finishes `task` on an engine thread, containing a panic of the user's callback: the panic
@@ -159,6 +163,11 @@ impl<B: IoBufMut, F: FnOnce(io::Result<usize>, B) + Send + 'static> Task for Rea
         unsafe { buf.set_init(core.done) };
         callback(result.map(|()| core.done).map_err(|e| op_error("read_at", core.offset + core.done as u64, e)), buf);
     }
+    fn abandon(self: Box<Self>) {
+        let ReadTask { core, buf, callback } = *self;
+        std::mem::forget((core, buf));
+        drop(callback);
+    }
 }
 
 /// `write_at`: writes a buffer's initialised bytes.
@@ -181,6 +190,11 @@ impl<B: IoBuf, F: FnOnce(io::Result<usize>, B) + Send + 'static> Task for WriteT
     fn finish(self: Box<Self>, result: io::Result<()>) {
         let WriteTask { core, buf, callback } = *self;
         callback(result.map(|()| core.done).map_err(|e| op_error("write_at", core.offset + core.done as u64, e)), buf);
+    }
+    fn abandon(self: Box<Self>) {
+        let WriteTask { core, buf, callback } = *self;
+        std::mem::forget((core, buf));
+        drop(callback);
     }
 }
 
@@ -253,6 +267,11 @@ impl<B: IoBufMut, F: FnOnce(io::Result<usize>, Vec<B>) + Send + 'static> Task fo
         }
         callback(result.map(|()| core.done).map_err(|e| op_error("readv_at", core.offset + core.done as u64, e)), bufs);
     }
+    fn abandon(self: Box<Self>) {
+        let ReadvTask { core, bufs, callback } = *self;
+        std::mem::forget((core, bufs));
+        drop(callback);
+    }
 }
 
 /// `writev_at`: writes each buffer's initialised bytes, in order.
@@ -277,6 +296,11 @@ impl<B: IoBuf, F: FnOnce(io::Result<usize>, Vec<B>) + Send + 'static> Task for W
             result.map(|()| core.done).map_err(|e| op_error("writev_at", core.offset + core.done as u64, e)),
             bufs,
         );
+    }
+    fn abandon(self: Box<Self>) {
+        let WritevTask { core, bufs, callback } = *self;
+        std::mem::forget((core, bufs));
+        drop(callback);
     }
 }
 
@@ -312,6 +336,11 @@ impl<F: FnOnce(io::Result<()>) + Send + 'static> Task for FsyncTask<F> {
 
     fn finish(self: Box<Self>, result: io::Result<()>) {
         (self.callback)(result.map_err(|e| op_error("fsync", 0, e)));
+    }
+
+    fn abandon(self: Box<Self>) {
+        // No memory of ours is in the kernel's hands; the file stays open in the kernel's.
+        drop(self);
     }
 }
 

@@ -23,14 +23,19 @@ pub(crate) struct Threads {
 }
 
 impl Threads {
+    /// Starts `threads` workers and waits until each has started. A worker that cannot be
+    /// created is the error of its creation; the workers already started then stop.
     pub(crate) fn start(threads: usize) -> io::Result<Threads> {
         let (tx, rx) = mpsc::channel::<Box<dyn Task>>();
         let rx = Arc::new(Mutex::new(rx));
         let stopping = Arc::new(AtomicBool::new(false));
+        let (started_tx, started_rx) = mpsc::channel::<()>();
         let mut workers = Vec::with_capacity(threads);
-        for i in 0..threads.max(1) {
-            let (rx, stopping) = (Arc::clone(&rx), Arc::clone(&stopping));
-            workers.push(std::thread::Builder::new().name(format!("aio-worker-{i}")).spawn(move || {
+        for i in 0..threads {
+            let (rx, stopping, started) = (Arc::clone(&rx), Arc::clone(&stopping), started_tx.clone());
+            let spawned = std::thread::Builder::new().name(format!("aio-worker-{i}")).spawn(move || {
+                let _ = started.send(());
+                drop(started);
                 loop {
                     // The lock guards only the receiver; a panicking callback poisons nothing.
                     let next = rx.lock().unwrap_or_else(PoisonError::into_inner).recv();
@@ -41,7 +46,24 @@ impl Threads {
                         run(task);
                     }
                 }
-            })?);
+            });
+            match spawned {
+                Ok(worker) => workers.push(worker),
+                // Dropping `tx` (on return) makes the started workers exit.
+                Err(e) => {
+                    return Err(io::Error::new(
+                        e.kind(),
+                        format!("starting aio worker thread {} of {threads}: {e}", i + 1),
+                    ));
+                }
+            }
+        }
+        drop(started_tx);
+        // Every worker announces itself; one that died before (its sender dropped unsent)
+        // ends the wait early.
+        let started = started_rx.iter().take(threads).count();
+        if started < threads {
+            return Err(io::Error::other(format!("only {started} of {threads} aio worker threads started")));
         }
         Ok(Threads { tx: Some(tx), rx, stopping, workers })
     }

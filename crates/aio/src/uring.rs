@@ -264,6 +264,10 @@ impl Driver {
                 Err(e) if e.raw_os_error() == Some(nix::libc::EINTR) => {}
                 // The completion queue is full: reap first (the caller does), then go on.
                 Err(e) if e.raw_os_error() == Some(nix::libc::EBUSY) => return Ok(()),
+                // The kernel is short of memory for the moment: wait a little and try again.
+                Err(e) if matches!(e.raw_os_error(), Some(nix::libc::EAGAIN | nix::libc::ENOMEM)) => {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -302,16 +306,27 @@ impl Driver {
         }
     }
 
-    /// The ring itself failed: no completion will come. Every task still in the table may be
-    /// referenced by the kernel, so they are leaked rather than freed, and their callbacks get
-    /// the error without their buffers.
+    /// The ring itself failed: no completion will come. Tasks never submitted finish with the
+    /// error (their buffers come back). Tasks in the kernel may still be referenced by it, so
+    /// they are abandoned: their memory is leaked rather than freed, and their callbacks are
+    /// dropped unrun (a blocking waiter is told, and `synchronize` stops waiting for them).
     fn fail_everything(&mut self, e: &io::Error) {
+        let queued: Vec<usize> = self.queued.drain(..).collect();
+        for key in queued {
+            let task = self.table.remove(key);
+            finish_contained(task, Err(io::Error::new(e.kind(), format!("the io_uring ring failed: {e}"))));
+        }
+        let abandoned = self.table.len();
         // A ring that cannot submit or wait has no way to tell us when the kernel is done with
         // the memory; freeing it could let the kernel write into reused memory.
         for task in self.table.drain() {
-            std::mem::forget(task);
+            task.abandon();
         }
-        eprintln!("aio: io_uring failed ({e}); tasks in flight were leaked to stay memory-safe");
+        // Tasks sent meanwhile were never submitted: they get the error too.
+        while let Ok(Msg::Task(task)) = self.rx.try_recv() {
+            finish_contained(task, Err(io::Error::new(e.kind(), format!("the io_uring ring failed: {e}"))));
+        }
+        eprintln!("aio: io_uring failed ({e}); {abandoned} operations in flight were abandoned, their buffers leaked");
     }
 }
 

@@ -1251,3 +1251,43 @@ fn a_panicking_callback_does_not_stop_the_engine() -> io::Result<()> {
     }
     Ok(())
 }
+
+// === Limits ===
+
+/// Absurd configurations are refused before anything starts, with a message naming the field
+/// and the limit; a configuration at the limits starts.
+#[test]
+fn absurd_configurations_are_refused_up_front() {
+    let cases = [
+        (EngineConfig { threads: 100_000, ..EngineConfig::default() }, "threads = 100000", "1024"),
+        (EngineConfig { threads: 0, ..EngineConfig::default() }, "threads = 0", "1024"),
+        (EngineConfig { queue_depth: 1 << 20, ..EngineConfig::default() }, "queue_depth = 1048576", "16384"),
+        (EngineConfig { queue_depth: 0, ..EngineConfig::default() }, "queue_depth = 0", "16384"),
+    ];
+    for (config, field, limit) in cases {
+        for backend in [None, Some(BackendKind::Threads), Some(BackendKind::Uring)] {
+            let err = Engine::with_config(&EngineConfig { backend, ..config.clone() }).unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{config:?}: {err}");
+            let text = err.to_string();
+            assert!(text.contains(field) && text.contains(limit), "{config:?}: {text}");
+        }
+    }
+    let most = EngineConfig {
+        threads: EngineConfig::MAX_THREADS,
+        backend: Some(BackendKind::Threads),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::with_config(&most).expect("the most threads allowed start");
+    assert!(writes_complete(&engine, 64).is_ok());
+    if uring_available() {
+        let deepest = EngineConfig {
+            queue_depth: EngineConfig::MAX_QUEUE_DEPTH,
+            backend: Some(BackendKind::Uring),
+            ..EngineConfig::default()
+        };
+        let engine = Engine::with_config(&deepest).expect("the deepest ring allowed starts");
+        assert!(writes_complete(&engine, 64).is_ok());
+    } else {
+        println!("skipped: the deepest io_uring ring (io_uring is unavailable here)");
+    }
+}

@@ -19,6 +19,13 @@ fn engines() -> Vec<Engine> {
     out
 }
 
+/// An index file as the offloader writes it: the header line, then the JSON body.
+fn framed(body: &[u8]) -> Vec<u8> {
+    let mut out = format!("aio-offload-index 2 {} {:08x}\n", body.len(), crc32fast::hash(body)).into_bytes();
+    out.extend_from_slice(body);
+    out
+}
+
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
@@ -99,9 +106,9 @@ fn groups_write_and_read_many_keys_at_once() -> std::io::Result<()> {
         let bufs: Vec<(String, Vec<u8>)> =
             (0..200).map(|i| (format!("k{i}"), Vec::with_capacity(100 + i * 37))).collect();
         let (tx, rx) = std::sync::mpsc::channel();
-        off.async_read_group(bufs, move |r, back| tx.send((r.is_ok(), back)).unwrap());
-        let (ok, back) = rx.recv().unwrap();
-        assert!(ok);
+        off.async_read_group(bufs, move |r, back| tx.send((r.unwrap(), back)).unwrap());
+        let (counts, back) = rx.recv().unwrap();
+        assert_eq!(counts, (0..200).map(|i| 100 + i * 37).collect::<Vec<_>>());
         assert_eq!(back, expected);
         // A group with a missing key reports the error and still returns every buffer.
         let (tx, rx) = std::sync::mpsc::channel();
@@ -131,25 +138,44 @@ fn one_offload_file_has_one_offloader_at_a_time() -> std::io::Result<()> {
 fn corrupt_indexes_are_refused() -> std::io::Result<()> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("o");
+    std::fs::write(&path, vec![0u8; 3 * 4096])?;
     let index = dir.path().join("o.index");
-    let cases = [
-        "not json",
-        r#"{"version": 2, "entries": {}}"#,
-        r#"{"version": 1, "entries": {"a": [0, 4096]}}"#,
-        r#"{"version": 1, "entries": {"a": [1, 4096, 10]}}"#,
-        r#"{"version": 1, "entries": {"a": [0, 4096, 5000]}}"#,
-        r#"{"version": 1, "entries": {"a": [0, 8192, 10], "b": [4096, 4096, 10]}}"#,
+    let good = br#"{"version": 2, "align": 4096, "entries": {"a": [0, 4096, 10]}}"#;
+    let mut cases: Vec<(&str, Vec<u8>)> = vec![
+        ("empty file", Vec::new()),
+        ("unframed JSON", good.to_vec()),
+        ("not JSON", framed(b"not json")),
+        ("old version", framed(br#"{"version": 1, "align": 4096, "entries": {}}"#)),
+        ("no align", framed(br#"{"version": 2, "entries": {}}"#)),
+        ("two numbers", framed(br#"{"version": 2, "align": 4096, "entries": {"a": [0, 4096]}}"#)),
+        ("misaligned", framed(br#"{"version": 2, "align": 4096, "entries": {"a": [1, 4096, 10]}}"#)),
+        ("over the extent", framed(br#"{"version": 2, "align": 4096, "entries": {"a": [0, 4096, 5000]}}"#)),
+        (
+            "overlapping",
+            framed(br#"{"version": 2, "align": 4096, "entries": {"a": [0, 8192, 10], "b": [4096, 4096, 10]}}"#),
+        ),
+        ("beyond the file", framed(br#"{"version": 2, "align": 4096, "entries": {"a": [8192, 4096, 4097]}}"#)),
+        ("bad magic", b"aio-offload-indez 2 2 00000000\n{}".to_vec()),
     ];
-    for text in cases {
-        std::fs::write(&index, text)?;
+    // Torn: the body cut short, or a byte of it changed.
+    let whole = framed(good);
+    cases.push(("torn", whole[..whole.len() - 3].to_vec()));
+    let mut flipped = whole.clone();
+    *flipped.last_mut().unwrap() ^= 1;
+    cases.push(("flipped byte", flipped));
+    std::fs::write(&index, &whole)?;
+    assert_eq!(Offloader::with_engine(&path, Engine::new()?)?.len_of("a"), Some(10), "the good index opens");
+    for (what, bytes) in cases {
+        std::fs::write(&index, &bytes)?;
         let err = Offloader::with_engine(&path, Engine::new()?).unwrap_err();
-        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData, "{text}: {err}");
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData, "{what}: {err}");
+        assert!(err.to_string().contains("o.index"), "{what}: the error names the index: {err}");
     }
     Ok(())
 }
 
 #[test]
-fn a_truncated_offload_file_is_an_error_not_garbage() -> std::io::Result<()> {
+fn a_truncated_offload_file_is_refused_on_open() -> std::io::Result<()> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("o");
     {
@@ -157,9 +183,9 @@ fn a_truncated_offload_file_is_an_error_not_garbage() -> std::io::Result<()> {
         off.sync_write("a", pattern(9, 9000)).0?;
     }
     std::fs::OpenOptions::new().write(true).open(&path)?.set_len(100)?;
-    let off = Offloader::with_engine(&path, Engine::new()?)?;
-    let (r, _) = off.sync_read("a", Vec::with_capacity(9000));
-    assert_eq!(r.unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
+    let err = Offloader::with_engine(&path, Engine::new()?).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidData, "{err}");
+    assert!(err.to_string().contains("key `a`") && err.to_string().contains("100"), "{err}");
     Ok(())
 }
 
@@ -224,8 +250,8 @@ fn index_value() -> impl Strategy<Value = serde_json::Value> {
         Just(serde_json::Value::Null),
         "[a-z]{0,4}".prop_map(serde_json::Value::from),
     ];
-    (prop_oneof![Just(1u64), any::<u64>()], prop::collection::btree_map("[a-c]{1,2}", entry, 0..6)).prop_map(
-        |(version, entries)| serde_json::json!({"version": version, "entries": entries.into_iter().collect::<serde_json::Map<_, _>>()}),
+    (prop_oneof![Just(2u64), any::<u64>()], prop::collection::btree_map("[a-c]{1,2}", entry, 0..6)).prop_map(
+        |(version, entries)| serde_json::json!({"version": version, "align": 4096, "entries": entries.into_iter().collect::<serde_json::Map<_, _>>()}),
     )
 }
 
@@ -238,7 +264,9 @@ proptest! {
     fn hostile_indexes_never_panic(index in index_value(), garbage in prop::collection::vec(any::<u8>(), 0..64), raw in any::<bool>()) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("o");
-        let bytes = if raw { garbage } else { serde_json::to_vec(&index).unwrap() };
+        let bytes = if raw { garbage } else { framed(&serde_json::to_vec(&index).unwrap()) };
+        // Room for some of the extents the index may name.
+        std::fs::write(&path, vec![0u8; 64 << 10]).unwrap();
         std::fs::write(dir.path().join("o.index"), bytes).unwrap();
         if let Ok(off) = Offloader::with_engine(&path, Engine::new().unwrap()) {
             for key in off.keys() {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use aio::{AlignedBuf, BufPart, DIRECT_ALIGN, Engine, Offloader};
 use indexmap::IndexMap;
-use memmap_tensor::{Location, StorageKind, Tensor};
+use memmap_tensor::{DType, Location, StorageKind, Tensor};
 use serde_json::{Value, json};
 
 use crate::error::WithKey;
@@ -48,70 +48,172 @@ impl TensorDict {
 
     /// Writes every tensor of the dict, and its structure, into `offloader` under `name`, all
     /// at once, then saves the offloader's index. [`TensorDict::restore`] reads it back.
+    ///
+    /// The structure and the tensors become visible together, in one step, once every byte is
+    /// written, replacing what was offloaded under `name` before: after an error (a full disk)
+    /// or a crash, `name` holds the complete old dict or the complete new one. Once this returns
+    /// `Ok`, the new one survives a crash (see [`Offloader`] for the durability contract).
     pub fn offload(&self, offloader: &Offloader, name: &str) -> Result<()> {
         let io_err = |source| Error::Io { op: "offload", path: offloader.path().to_owned(), source };
         schema::check_limits(self)?;
+        let prefix = key_prefix(name);
         let mut items = Vec::new();
         let root = schema::describe(self, &mut |key, t| {
-            let stored = format!("{name}#{}", items.len());
+            let stored = format!("{prefix}{}", items.len());
             let buf = t.deep_clone().and_then(Tensor::into_io_buf).with_key(|| key.clone())?;
             items.push((stored.clone(), buf));
             Ok(stored)
         })?;
         let text =
             serde_json::to_vec(&json!({"version": 1, "root": root})).map_err(io::Error::other).map_err(io_err)?;
-        let (result, _) = offloader.sync_write(&format!("{name}#schema"), text);
-        result.map_err(io_err)?;
-        offloader.sync_write_group(items).0.map_err(io_err)
+        let schema = Tensor::from_bytes(&text, DType::U8, [text.len()])
+            .and_then(Tensor::into_io_buf)
+            .with_key(KeyPath::default)?;
+        items.push((format!("{prefix}schema"), schema));
+        // One commit point: the schema, the tensors, and the removal of the old dict's other
+        // tensors.
+        offloader.sync_replace_prefix(&prefix, items).0.map_err(io_err)
     }
 
     /// Reads back a dict written by [`TensorDict::offload`] under `name`, into new heap tensors
     /// (read in place, all at once).
+    ///
+    /// The result is the complete dict of one `offload`, even while other threads offload under
+    /// the same name; every tensor's stored byte count is checked against the structure.
     pub fn restore(offloader: &Offloader, name: &str) -> Result<TensorDict> {
-        let path = offloader.path().to_owned();
-        let bad = |reason: String| Error::InvalidMeta { path: path.clone(), reason: format!("`{name}`: {reason}") };
-        let schema_key = format!("{name}#schema");
-        let len = offloader.len_of(&schema_key).ok_or_else(|| bad("not in the offloader".into()))?;
-        if len > MAX_META_BYTES {
-            return Err(bad(format!("schema of {len} bytes is over the limit")));
+        // A restore only starts over when an offload under the same name completed between its
+        // reading the structure and reading the tensors.
+        const ATTEMPTS: usize = 8;
+        let mut last = None;
+        for _ in 0..ATTEMPTS {
+            match restore_once(offloader, name)? {
+                Attempt::Done(td) => return Ok(td),
+                Attempt::Changed(e) => last = Some(e),
+            }
         }
-        let (result, text) = offloader.sync_read(&schema_key, Vec::with_capacity(usize::try_from(len).unwrap_or(0)));
-        result.map_err(|source| Error::Io { op: "restore", path: path.clone(), source })?;
-        let value = schema::parse_bounded(&text, schema::MAX_SCHEMA_JSON_DEPTH)
-            .map_err(|e| bad(format!("invalid schema: {e}")))?;
-        let root = value.get("root").filter(|_| value.get("version").and_then(Value::as_u64) == Some(1));
-        let root = root.ok_or_else(|| bad("unsupported schema".into()))?;
-        // Pass 1 allocates every tensor (the dict built meanwhile is dropped, so each tensor's
-        // storage has one handle again); all are read in one group; pass 2 builds the dict.
-        let mut allocated: Vec<(String, Tensor)> = Vec::new();
-        drop(schema::rebuild(
-            root,
-            &mut |key, Described { dtype, shape, name: stored }| {
-                if !stored.starts_with(&format!("{name}#")) {
-                    return Err(bad(format!("`{key}` is stored under a foreign key `{stored}`")));
-                }
-                let t = Tensor::zeros(shape, dtype, &Location::Heap).with_key(|| key.clone())?;
-                allocated.push((stored.to_owned(), t.clone()));
-                Ok(t)
-            },
-            &|reason| bad(reason),
-        )?);
-        let items = allocated
-            .into_iter()
-            .map(|(stored, t)| t.into_io_buf().map(|buf| (stored, buf)).with_key(KeyPath::default))
-            .collect::<Result<Vec<_>>>()?;
-        let (result, back) = offloader.sync_read_group(items);
-        result.map_err(|source| Error::Io { op: "restore", path: path.clone(), source })?;
-        let mut read: std::collections::HashMap<String, Tensor> =
-            back.into_iter().map(|(stored, buf)| (stored, buf.into_tensor())).collect();
-        schema::rebuild(
-            root,
-            &mut |_, Described { name: stored, .. }| {
-                read.remove(stored).ok_or_else(|| bad(format!("`{stored}` is named twice")))
-            },
-            &|reason| bad(reason),
-        )
+        Err(last.unwrap_or_else(|| Error::InvalidMeta {
+            path: offloader.path().to_owned(),
+            reason: format!("`{name}` kept changing while it was read"),
+        }))
     }
+}
+
+/// The offloader keys of the dict `name` are `<prefix>schema` and `<prefix><i>`, the prefix
+/// being the name with `%` and `#` written `%25` and `%23`, then `#`: so no dict's prefix starts
+/// another dict's keys.
+fn key_prefix(name: &str) -> String {
+    let mut prefix = String::with_capacity(name.len() + 1);
+    for c in name.chars() {
+        match c {
+            '%' => prefix.push_str("%25"),
+            '#' => prefix.push_str("%23"),
+            c => prefix.push(c),
+        }
+    }
+    prefix.push('#');
+    prefix
+}
+
+/// What one read of an offloaded dict gave.
+enum Attempt {
+    /// The dict.
+    Done(TensorDict),
+    /// It changed between the read of its structure and the read of its tensors (or looks as
+    /// if it did): the error to report if it keeps changing.
+    Changed(Error),
+}
+
+fn restore_once(offloader: &Offloader, name: &str) -> Result<Attempt> {
+    let path = offloader.path().to_owned();
+    let bad = |reason: String| Error::InvalidMeta { path: path.clone(), reason: format!("`{name}`: {reason}") };
+    let io_err = |source| Error::Io { op: "restore", path: path.clone(), source };
+    // An error that a concurrent offload or removal of `name` can cause.
+    let changing = |e: &io::Error| matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::InvalidInput);
+    let prefix = key_prefix(name);
+    let schema_key = format!("{prefix}schema");
+    let len = offloader.len_of(&schema_key).ok_or_else(|| bad("not in the offloader".into()))?;
+    if len > MAX_META_BYTES {
+        return Err(bad(format!("schema of {len} bytes is over the {MAX_META_BYTES}-byte limit")));
+    }
+    let (result, text) = offloader.sync_read(&schema_key, Vec::with_capacity(usize::try_from(len).unwrap_or(0)));
+    match result {
+        Ok(_) => {}
+        Err(e) if changing(&e) => return Ok(Attempt::Changed(io_err(e))),
+        Err(e) => return Err(io_err(e)),
+    }
+    let value =
+        schema::parse_bounded(&text, schema::MAX_SCHEMA_JSON_DEPTH).map_err(|e| bad(format!("invalid schema: {e}")))?;
+    let root = value.get("root").filter(|_| value.get("version").and_then(Value::as_u64) == Some(1));
+    let root = root.ok_or_else(|| bad("unsupported schema".into()))?;
+    // Pass 1 allocates every tensor (the dict built meanwhile is dropped, so each tensor's
+    // storage has one handle again); all are read in one group, together with the schema again,
+    // so that the tensors are known to belong to this schema; pass 2 builds the dict.
+    let mut allocated: Vec<(String, Tensor)> = Vec::new();
+    let mut sizes_differ = false;
+    let built = schema::rebuild(
+        root,
+        &mut |key, Described { dtype, shape, name: stored }| {
+            if stored.strip_prefix(&prefix).is_none_or(|i| i.is_empty() || !i.bytes().all(|b| b.is_ascii_digit())) {
+                return Err(bad(format!("`{key}` is stored under a foreign key `{stored}`")));
+            }
+            let nbytes = shape
+                .iter()
+                .try_fold(dtype.size_in_bytes(), |acc, &d| acc.checked_mul(d))
+                .ok_or_else(|| bad(format!("`{key}`: the byte size of shape {shape:?} overflows")))?;
+            // Checked again after the read; checking here keeps a damaged schema from making
+            // this allocate more than is stored.
+            let held = offloader.len_of(stored);
+            if held != Some(nbytes as u64) {
+                sizes_differ = true;
+                let held = held.map_or_else(|| "nothing".to_owned(), |n| format!("{n} bytes"));
+                return Err(bad(format!("`{key}` needs {nbytes} bytes; `{stored}` holds {held}")));
+            }
+            let t = Tensor::zeros(shape, dtype, &Location::Heap).with_key(|| key.clone())?;
+            allocated.push((stored.to_owned(), t.clone()));
+            Ok(t)
+        },
+        &|reason| bad(reason),
+    );
+    match built {
+        Ok(dict) => drop(dict),
+        Err(e) if sizes_differ => return Ok(Attempt::Changed(e)),
+        Err(e) => return Err(e),
+    }
+    let schema_again =
+        Tensor::from_bytes(&text, DType::U8, [text.len()]).and_then(Tensor::into_io_buf).with_key(KeyPath::default)?;
+    let mut items = vec![(schema_key, schema_again)];
+    let mut expected = vec![text.len()];
+    for (stored, t) in allocated {
+        expected.push(t.nbytes());
+        items.push((stored, t.into_io_buf().with_key(KeyPath::default)?));
+    }
+    let (result, back) = offloader.sync_read_group(items);
+    let counts = match result {
+        Ok(counts) => counts,
+        Err(e) if changing(&e) => return Ok(Attempt::Changed(io_err(e))),
+        Err(e) => return Err(io_err(e)),
+    };
+    let mut back = back.into_iter();
+    let schema_read = back.next().map(|(_, buf)| buf.into_tensor().to_bytes());
+    if counts.first() != Some(&text.len()) || schema_read.as_deref() != Some(&text[..]) {
+        return Ok(Attempt::Changed(bad("the schema changed while the tensors were read".into())));
+    }
+    // The same schema as the tensors, read at one instant: a wrong size now is damage.
+    for ((stored, _), (&got, &want)) in back.as_slice().iter().zip(counts.iter().zip(&expected).skip(1)) {
+        if got != want {
+            return Err(bad(format!("`{stored}` holds {got} bytes; the schema says {want}")));
+        }
+    }
+    let mut read: std::collections::HashMap<String, Tensor> =
+        back.map(|(stored, buf)| (stored, buf.into_tensor())).collect();
+    schema::rebuild(
+        root,
+        &mut |_, Described { name: stored, .. }| {
+            read.remove(stored).ok_or_else(|| bad(format!("`{stored}` is named twice")))
+        },
+        &|reason| bad(reason),
+    )
+    .map(Attempt::Done)
 }
 
 fn gather_node(
