@@ -149,7 +149,9 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             let td = src.open(Access::ReadOnly)?;
             match &dst {
                 Location::Folder(dst) => {
-                    let options = tensordict::WriteOptions::default().fsync(fsync).overwrite(force);
+                    let progress = Progress::bar("copying", td.nbytes() as u64, Unit::Bytes, true);
+                    let options =
+                        tensordict::WriteOptions::default().fsync(fsync).overwrite(force).progress(progress.callback());
                     td.memmap_with(dst, &options).with_context(|| format!("writing {}", dst.display()))?;
                 }
                 Location::Shm(prefix) => {

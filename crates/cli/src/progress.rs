@@ -59,7 +59,6 @@ impl Progress {
     }
 
     /// A callback for library calls that report `(done, total)`: it moves this bar.
-    #[allow(dead_code, reason = "for `copy`, once the library reports its progress")]
     pub(crate) fn callback(&self) -> impl Fn(u64, u64) + Send + Sync + 'static {
         let bar = self.bar.clone();
         move |done, total| {

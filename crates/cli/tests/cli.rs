@@ -1183,6 +1183,9 @@ fn progress_shows_on_a_terminal_only() {
     assert!(shown.contains("writing") && shown.contains("row steps"), "no progress on the terminal: {shown:?}");
     let shown = on_a_terminal(&format!("{exe} info {} --stats", dir.display()));
     assert!(shown.contains("statistics"), "no progress on the terminal: {shown:?}");
+    let copy = tmp.path().join("copy");
+    let shown = on_a_terminal(&format!("{exe} copy {} {}", dir.display(), copy.display()));
+    assert!(shown.contains("copying") && shown.contains("MB"), "no progress on the terminal: {shown:?}");
 
     // With --json the terminal shows nothing and stdout holds the JSON alone.
     let json_out = tmp.path().join("out.json");
@@ -1199,4 +1202,6 @@ fn progress_shows_on_a_terminal_only() {
     assert!(run.stderr.is_empty(), "{run}");
     let run = tdict([OsStr::new("verify"), dir.as_os_str()]);
     assert!(run.stderr.is_empty(), "{run}");
+    let run = tdict([OsStr::new("copy"), dir.as_os_str(), tmp.path().join("copy2").as_os_str()]);
+    assert!(run.ok().contains("copied") && run.stderr.is_empty(), "{run}");
 }
