@@ -222,7 +222,8 @@ impl TensorDict {
                 Entry::Tensor(t) => {
                     let dims = resized(t.dims(), fill);
                     meta.insert(name.to_owned(), leaf_meta(t.dtype(), &dims));
-                    if dims.iter().product::<usize>() > 0 {
+                    // An overflowing count is not zero: `Tensor::zeros` names the overflow.
+                    if dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) != Some(0) {
                         let file = dir.join(format!("{stem}.memmap"));
                         let mut out =
                             Tensor::zeros(dims, t.dtype(), &Location::File(file.clone())).with_key(|| key.clone())?;

@@ -617,3 +617,16 @@ fn values_that_break_the_invariant_are_not_written() -> TestResult {
 fn replace() -> WriteOptions {
     WriteOptions::default().overwrite(true)
 }
+
+/// A capacity whose element count overflows is an error naming the leaf, and nothing is stored.
+#[test]
+fn memmap_like_with_an_overflowing_capacity_is_an_error() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let mut td = TensorDict::new([2]);
+    td.set("obs", patterned(DType::F32, &[2, 84], 0)?)?;
+    let prefix = dir.path().join("huge");
+    let err = td.memmap_like(&prefix, Some(usize::MAX / 8)).unwrap_err();
+    assert!(matches!(&err, Error::Tensor { key, .. } if *key == KeyPath::from("obs")), "{err:?}");
+    assert_eq!(names(dir.path())?, BTreeSet::new(), "nothing is left");
+    Ok(())
+}
