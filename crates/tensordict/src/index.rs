@@ -263,13 +263,13 @@ impl Plan {
             return Err(invalid("an index can only have one ellipsis".into()));
         }
         if used > batch.len() {
-            return Err(invalid(format!("too many indices: {used} dims indexed, the batch has {}", batch.len())));
+            return Err(invalid(format!("too many indices: {used} indices for {} batch dims", batch.len())));
         }
         let mut steps = Vec::with_capacity(items.len());
         let mut raw: Vec<RawAdvanced> = Vec::new();
         let mut dim = 0usize;
         let out_of_range = |i: i64, dim: usize, size: usize| {
-            invalid(format!("index {i} is out of bounds for dim {dim} of size {size}"))
+            invalid(format!("index {i} out of range for dim {dim} of size {size}"))
         };
         for item in items {
             match item {
