@@ -52,4 +52,5 @@ pub use direct::ReadMode;
 pub use error::{Error, Result};
 pub use format::{FORMAT_VERSION, MAX_DEPTH, MAX_META_BYTES, WriteOptions};
 pub use index::Index;
+pub use json::{NON_FINITE_KEY, json_as_f64, json_float};
 pub use key::KeyPath;
