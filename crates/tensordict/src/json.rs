@@ -15,7 +15,10 @@
 //! makes one from an `f64` and [`json_as_f64`] reads either form back. The writers write that
 //! object as the bare token, as Python writes `float("nan")`. (So an object of exactly that
 //! shape cannot be stored as itself.) A float literal too large for `f64` (`1e400`) is read as
-//! its text and written as `Infinity`, as Python does.
+//! `Infinity`, as Python reads it.
+//!
+//! Numbers keep their text, so `==` on values compares that text: `1e-05` read from a file is
+//! not `==` to `json!(0.00001)`; compare floats with [`json_as_f64`].
 
 use serde_json::{Map, Number, Value};
 
@@ -74,7 +77,26 @@ fn non_finite_token(value: &Value) -> Option<&'static str> {
 /// `Infinity` and `-Infinity`, which become non-finite floats' objects. Nesting deeper than
 /// serde_json's limit (128 levels) is an error, not a stack overflow.
 pub(crate) fn parse(text: &[u8]) -> serde_json::Result<Value> {
-    serde_json::from_slice(&rewrite_non_finite(text))
+    let mut value = serde_json::from_slice(&rewrite_non_finite(text))?;
+    // A float literal too large for f64 is infinite to Python: hold it as such, so that reading
+    // what we write gives the same value.
+    let mut pending = vec![&mut value];
+    while let Some(v) = pending.pop() {
+        match v {
+            Value::Number(n) => {
+                if let Ok(x) = n.as_str().parse::<f64>()
+                    && x.is_infinite()
+                    && !n.as_str().bytes().all(|b| b.is_ascii_digit() || b == b'-')
+                {
+                    *v = json_float(x);
+                }
+            }
+            Value::Array(items) => pending.extend(items.iter_mut()),
+            Value::Object(map) => pending.extend(map.values_mut()),
+            _ => {}
+        }
+    }
+    Ok(value)
 }
 
 /// `text` with the tokens `NaN`, `Infinity` and `-Infinity` outside strings replaced by the

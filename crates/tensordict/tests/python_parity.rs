@@ -327,3 +327,25 @@ fn memmap_like_with_a_new_first_dim_repeats_the_first_row_of_stacks() -> TestRes
     assert!(!dir.path().join("empty/meta.json").exists());
     Ok(())
 }
+
+// === chunk and squeeze ===
+
+#[test]
+fn chunk_of_an_empty_dim_gives_every_chunk_and_squeeze_keeps_other_sizes() -> TestResult {
+    // Python: TensorDict(batch [0, 3]).chunk(n, 0) gives n dicts of batch [0, 3].
+    let mut td = TensorDict::new([0, 3]);
+    td.set("a", Tensor::zeros([0, 3], DType::F32, &Location::Heap)?)?;
+    for n in [1, 2, 3, 5] {
+        let parts = td.chunk(n, 0)?;
+        assert_eq!(parts.len(), n);
+        assert!(parts.iter().all(|p| p.batch_size() == [0, 3]));
+    }
+    // Python: TensorDict(batch [5, 3]).chunk(4, 0) sizes 2, 2, 1; squeeze(0) keeps [5, 3].
+    let mut five = TensorDict::new([5, 3]);
+    five.set("a", Tensor::zeros([5, 3], DType::F32, &Location::Heap)?)?;
+    let sizes: Vec<usize> = five.chunk(4, 0)?.iter().map(|p| p.batch_size()[0]).collect();
+    assert_eq!(sizes, [2, 2, 1]);
+    assert_eq!(five.squeeze(0)?.batch_size(), &[5, 3]);
+    assert!(matches!(five.squeeze(2), Err(Error::InvalidArgument { .. })));
+    Ok(())
+}
