@@ -141,18 +141,14 @@ impl TensorDict {
             b.extend_from_slice(&batch[old..]);
             b
         };
-        self.transform(
-            &KeyPath::default(),
-            &new_batch,
-            &|t| {
-                let dims = new_batch(t.dims());
-                match t.reshape(dims.clone()) {
-                    Ok(view) => Ok(view),
-                    Err(memmap_tensor::Error::NotContiguous { .. }) => t.contiguous()?.reshape(dims),
-                    Err(e) => Err(e),
-                }
-            },
-        )
+        self.transform(&KeyPath::default(), &new_batch, &|t| {
+            let dims = new_batch(t.dims());
+            match t.reshape(dims.clone()) {
+                Ok(view) => Ok(view),
+                Err(memmap_tensor::Error::NotContiguous { .. }) => t.contiguous()?.reshape(dims),
+                Err(e) => Err(e),
+            }
+        })
     }
 
     /// Inserts a batch dim of size 1 at `dim` (`0..=batch_dims`). Views.

@@ -15,11 +15,14 @@ pub enum Entry {
     Tensor(Tensor),
     /// A nested dict whose batch size starts with the parent's.
     Dict(TensorDict),
-    /// Any JSON value (tensordict's `NonTensorData`), shared by the whole batch.
+    /// Any JSON value (tensordict's `NonTensorData`), shared by the whole batch. A non-finite
+    /// float is held as [`crate::json_float`] makes it.
     NonTensor(Value),
-    /// One JSON value per index of the first batch dim (tensordict's `NonTensorStack`, what
-    /// Python makes of `td["names"] = ["a", "b", "c"]`): a JSON array as long as that dim.
-    /// Indexing the first batch dim indexes the array.
+    /// One JSON value per batch element (tensordict's `NonTensorStack`, what Python makes of
+    /// `td["names"] = ["a", "b", "c"]`): nested JSON arrays, one level per batch dim of the dict
+    /// that holds it, each as long as its dim (batch `[3, 4]`: three arrays of four values).
+    /// Indexing and batch operations move the values as they move the elements of a tensor;
+    /// an index that leaves no batch dim leaves one [`Entry::NonTensor`].
     NonTensorStack(Value),
 }
 
@@ -58,7 +61,8 @@ impl Entry {
         }
     }
 
-    /// A non-tensor stack of `values`, one per index of the first batch dim.
+    /// A non-tensor stack of `values`, one per index of the first batch dim (for a dict of one
+    /// batch dim; with more, each value is the array of the next dim).
     pub fn stack(values: Vec<Value>) -> Entry {
         Entry::NonTensorStack(Value::Array(values))
     }
@@ -588,7 +592,11 @@ pub(crate) fn check_fits(key: &KeyPath, value: &Entry, batch: &[usize]) -> Resul
             return if !batch.is_empty() && stack_values(v, batch).is_some() {
                 Ok(())
             } else {
-                Err(Error::BatchSizeMismatch { key: key.clone(), shape: nested_shape(v, batch.len()), batch_size: batch.to_vec() })
+                Err(Error::BatchSizeMismatch {
+                    key: key.clone(),
+                    shape: nested_shape(v, batch.len()),
+                    batch_size: batch.to_vec(),
+                })
             };
         }
     };
@@ -661,7 +669,11 @@ pub(crate) fn stack_from_positions(values: &[&Value], picked: &Tensor, key: &Key
         .iter()
         .map(|&p| usize::try_from(p).ok().and_then(|p| values.get(p)).map_or(Value::Null, |v| (*v).clone()))
         .collect();
-    Ok(if shape.is_empty() { Entry::NonTensor(nest(&chosen, &shape)) } else { Entry::NonTensorStack(nest(&chosen, &shape)) })
+    Ok(if shape.is_empty() {
+        Entry::NonTensor(nest(&chosen, &shape))
+    } else {
+        Entry::NonTensorStack(nest(&chosen, &shape))
+    })
 }
 
 /// A non-tensor stack held by a dict of batch size `batch` after a batch operation, given as

@@ -122,8 +122,7 @@ fn nested_list(values: &[i64], shape: &[usize]) -> String {
         None => values.first().map(ToString::to_string).unwrap_or_default(),
         Some((&n, rest)) => {
             let inner: usize = rest.iter().product();
-            let parts: Vec<String> =
-                (0..n).map(|i| nested_list(&values[i * inner..(i + 1) * inner], rest)).collect();
+            let parts: Vec<String> = (0..n).map(|i| nested_list(&values[i * inner..(i + 1) * inner], rest)).collect();
             format!("[{}]", parts.join(", "))
         }
     }
@@ -268,9 +267,8 @@ impl Plan {
         let mut steps = Vec::with_capacity(items.len());
         let mut raw: Vec<RawAdvanced> = Vec::new();
         let mut dim = 0usize;
-        let out_of_range = |i: i64, dim: usize, size: usize| {
-            invalid(format!("index {i} out of range for dim {dim} of size {size}"))
-        };
+        let out_of_range =
+            |i: i64, dim: usize, size: usize| invalid(format!("index {i} out of range for dim {dim} of size {size}"));
         for item in items {
             match item {
                 Index::Ellipsis => {

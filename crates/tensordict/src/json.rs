@@ -262,10 +262,9 @@ mod tests {
 
     #[test]
     fn matches_python_json_dumps() {
-        let v: Value = parse(
-            r#"{"b": [1, 2.5, "x"], "a": {"k": null, "t": true}, "é": "日本😀", "d": "\u007f\t"}"#.as_bytes(),
-        )
-        .unwrap();
+        let v: Value =
+            parse(r#"{"b": [1, 2.5, "x"], "a": {"k": null, "t": true}, "é": "日本😀", "d": "\u007f\t"}"#.as_bytes())
+                .unwrap();
         // json.dumps({"b": [1, 2.5, "x"], "a": {"k": None, "t": True}, "é": "日本😀", "d": "\x7f\t"})
         let expected = r#"{"b": [1, 2.5, "x"], "a": {"k": null, "t": true}, "\u00e9": "\u65e5\u672c\ud83d\ude00", "d": "\u007f\t"}"#;
         assert_eq!(String::from_utf8(to_python_json(&v)).unwrap(), expected);

@@ -677,7 +677,10 @@ fn multi_dim_masks_select_and_write_positions() -> TestResult {
         assert!(matches!(td.index(bad.clone()), Err(Error::InvalidIndex { .. })), "{bad}");
     }
     // A mask inside a tuple is an index like any other.
-    assert_eq!(td.index(Index::Tuple(vec![Index::MaskNd { mask: vec![true; 2], shape: vec![2] }]))?.batch_size(), &[2, 3]);
+    assert_eq!(
+        td.index(Index::Tuple(vec![Index::MaskNd { mask: vec![true; 2], shape: vec![2] }]))?.batch_size(),
+        &[2, 3]
+    );
     // Writing through a mask into a strided view (masked dims that cannot merge) lands in place.
     let mut strided = TensorDict::new([2, 2]);
     strided.set("x", td.get_tensor("x")?.slice(1, 0, 3, 2)?)?;

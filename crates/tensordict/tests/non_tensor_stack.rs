@@ -32,7 +32,10 @@ fn a_stack_must_have_one_value_per_row() -> TestResult {
     // Over two batch dims, one list per row, each as long as the second dim.
     let mut two = TensorDict::new([2, 2]);
     two.set("ok", Entry::NonTensorStack(json!([[1, 2], [3, 4]])))?;
-    assert!(matches!(two.set("bad", Entry::NonTensorStack(json!([[1, 2], [3]]))), Err(Error::BatchSizeMismatch { .. })));
+    assert!(matches!(
+        two.set("bad", Entry::NonTensorStack(json!([[1, 2], [3]]))),
+        Err(Error::BatchSizeMismatch { .. })
+    ));
     assert!(matches!(two.set("bad", Entry::stack(names(2))), Err(Error::BatchSizeMismatch { .. })));
     assert_eq!(td.get_non_tensor("names")?, &json!(["ep0", "ep1", "ep2"]));
     Ok(())
@@ -47,7 +50,10 @@ fn indexing_the_first_dim_indexes_the_values() -> TestResult {
     assert_eq!(td.index(vec![4i64, 0, 0])?.get_non_tensor("names")?, &json!(["ep4", "ep0", "ep0"]));
     assert_eq!(td.index(vec![true, false, false, false, true])?.get_non_tensor("names")?, &json!(["ep0", "ep4"]));
     // A new dim nests the values one level deeper.
-    assert_eq!(td.index((Index::NewDim, Index::slice(None, Some(2), 1)))?.get_non_tensor("names")?, &json!([["ep0", "ep1"]]));
+    assert_eq!(
+        td.index((Index::NewDim, Index::slice(None, Some(2), 1)))?.get_non_tensor("names")?,
+        &json!([["ep0", "ep1"]])
+    );
     // Over two dims, every dim can be indexed, the values move with the elements.
     let mut grid = TensorDict::new([2, 3]);
     grid.set("v", Entry::NonTensorStack(json!([[0, 1, 2], [10, 11, 12]])))?;
