@@ -325,7 +325,7 @@ impl Plan {
                             dim + shape.len()
                         )));
                     }
-                    if mask.len() != dims.iter().product::<usize>() {
+                    if Some(mask.len()) != dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) {
                         return Err(invalid(format!("{} mask values for shape {shape:?}", mask.len())));
                     }
                     // As torch does: the mask becomes the lists of its true positions' coordinates,
