@@ -4,13 +4,15 @@ use indexmap::IndexMap;
 use memmap_tensor::Tensor;
 use serde_json::Value;
 
+use crate::dict::{map_stack, positions, stack_from_positions, stack_values};
 use crate::error::WithKey;
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
 
 impl TensorDict {
     /// Stacks dicts of one batch size and structure along a new batch dim `dim`
-    /// (`0..=batch_dims`). Tensors are copied into new heap tensors; non-tensor values must be
-    /// equal across the dicts.
+    /// (`0..=batch_dims`). Tensors are copied into new heap tensors; non-tensor values and
+    /// stacks at one key become a non-tensor stack (even when the values are equal, as in
+    /// Python).
     pub fn stack(dicts: &[&TensorDict], dim: usize) -> Result<TensorDict> {
         const OP: &str = "stack";
         let first = first_of(OP, dicts)?;
@@ -20,12 +22,16 @@ impl TensorDict {
             compatible: &|a, b| a == b,
             batch: &|batch| insert_dim(batch, dim, dicts.len()),
             tensors: &|ts| Tensor::stack(ts, dim),
-            stacks: if dim == 0 { Stacks::Refuse } else { Stacks::Same },
+            // Python's default (`capture_non_tensor_stack()` is False): stacking non-tensor
+            // values always gives a stack, even when they are all equal.
+            equal_values_stay: false,
         };
         plan.combine(dicts, &KeyPath::default())
     }
 
-    /// Concatenates dicts along batch dim `dim`; their batch sizes may differ only there.
+    /// Concatenates dicts along batch dim `dim`; their batch sizes may differ only there. A
+    /// non-tensor value equal in every dict stays one value; otherwise the values and stacks at
+    /// that key become one non-tensor stack (as in Python).
     pub fn cat(dicts: &[&TensorDict], dim: usize) -> Result<TensorDict> {
         const OP: &str = "cat";
         let first = first_of(OP, dicts)?;
@@ -49,7 +55,9 @@ impl TensorDict {
                 b
             },
             tensors: &|ts| Tensor::cat(ts, dim),
-            stacks: if dim == 0 { Stacks::Concat } else { Stacks::Same },
+            // Python keeps one value when every dict holds the same one, and makes a stack
+            // otherwise.
+            equal_values_stay: true,
         };
         plan.combine(dicts, &KeyPath::default())
     }
@@ -77,21 +85,15 @@ impl TensorDict {
                     b
                 },
                 &|t| t.narrow(dim, start, len),
-                &|v| {
-                    Some(if dim == 0 {
-                        Entry::stack(v.iter().skip(start).take(len).cloned().collect())
-                    } else {
-                        keep(v)
-                    })
-                },
             )?);
             start += len;
         }
         Ok(parts)
     }
 
-    /// Splits batch dim `dim` into `chunks` views of equal size (the last may be smaller), as
-    /// `torch.chunk` does.
+    /// Splits batch dim `dim` into views of `ceil(size / chunks)` positions (the last may be
+    /// smaller), as `torch.chunk` does: fewer than `chunks` parts when the size does not allow
+    /// more (size 5 in 4 chunks gives 2, 2, 1), and `chunks` empty parts for a dim of size 0.
     pub fn chunk(&self, chunks: usize, dim: usize) -> Result<Vec<TensorDict>> {
         const OP: &str = "chunk";
         check_dim(OP, dim, self.batch_dims())?;
@@ -99,7 +101,11 @@ impl TensorDict {
             return Err(Error::InvalidArgument { op: OP, detail: "chunks must be positive".into() });
         }
         let size = self.batch_size()[dim];
-        let step = size.div_ceil(chunks).max(1);
+        if size == 0 {
+            // torch.chunk (and tensordict) give `chunks` empty parts for an empty dim, not none.
+            return self.split(&vec![0; chunks], dim);
+        }
+        let step = size.div_ceil(chunks);
         let mut sizes = vec![step; size / step];
         if !size.is_multiple_of(step) {
             sizes.push(size % step);
@@ -113,9 +119,7 @@ impl TensorDict {
         (0..self.batch_size()[dim])
             .map(|i| {
                 let index = i64::try_from(i).unwrap_or(i64::MAX);
-                self.transform(&KeyPath::default(), &|batch| remove_dim(batch, dim), &|t| t.select(dim, index), &|v| {
-                    Some(if dim == 0 { Entry::NonTensor(v.get(i).cloned().unwrap_or_default()) } else { keep(v) })
-                })
+                self.transform(&KeyPath::default(), &|batch| remove_dim(batch, dim), &|t| t.select(dim, index))
             })
             .collect()
     }
@@ -137,73 +141,50 @@ impl TensorDict {
             b.extend_from_slice(&batch[old..]);
             b
         };
-        // A stack keeps its values only if the first batch dim keeps its size.
-        let first_kept = old > 0 && batch_size.first() == self.batch_size().first();
-        self.transform(
-            &KeyPath::default(),
-            &new_batch,
-            &|t| {
-                let dims = new_batch(t.dims());
-                match t.reshape(dims.clone()) {
-                    Ok(view) => Ok(view),
-                    Err(memmap_tensor::Error::NotContiguous { .. }) => t.contiguous()?.reshape(dims),
-                    Err(e) => Err(e),
-                }
-            },
-            &|v| first_kept.then(|| keep(v)),
-        )
+        self.transform(&KeyPath::default(), &new_batch, &|t| {
+            let dims = new_batch(t.dims());
+            match t.reshape(dims.clone()) {
+                Ok(view) => Ok(view),
+                Err(memmap_tensor::Error::NotContiguous { .. }) => t.contiguous()?.reshape(dims),
+                Err(e) => Err(e),
+            }
+        })
     }
 
     /// Inserts a batch dim of size 1 at `dim` (`0..=batch_dims`). Views.
     pub fn unsqueeze(&self, dim: usize) -> Result<TensorDict> {
         check_dim("unsqueeze", dim, self.batch_dims() + 1)?;
-        self.transform(&KeyPath::default(), &|batch| insert_dim(batch, dim, 1), &|t| t.unsqueeze(dim), &|v| {
-            (dim > 0).then(|| keep(v))
-        })
+        self.transform(&KeyPath::default(), &|batch| insert_dim(batch, dim, 1), &|t| t.unsqueeze(dim))
     }
 
-    /// Removes batch dim `dim`, which must have size 1. Views.
+    /// Removes batch dim `dim` if it has size 1 (views); a dim of another size is kept and the
+    /// dict returned unchanged, as `td.squeeze(dim)` does in Python. A dim out of range is an
+    /// error.
     pub fn squeeze(&self, dim: usize) -> Result<TensorDict> {
         const OP: &str = "squeeze";
         check_dim(OP, dim, self.batch_dims())?;
         if self.batch_size()[dim] != 1 {
-            return Err(Error::InvalidArgument {
-                op: OP,
-                detail: format!(
-                    "dim {dim} of batch {:?} has size {}, not 1",
-                    self.batch_size(),
-                    self.batch_size()[dim]
-                ),
-            });
+            return Ok(self.clone());
         }
-        self.transform(&KeyPath::default(), &|batch| remove_dim(batch, dim), &|t| t.squeeze(dim), &|v| {
-            Some(if dim == 0 { Entry::NonTensor(v.first().cloned().unwrap_or_default()) } else { keep(v) })
-        })
+        self.transform(&KeyPath::default(), &|batch| remove_dim(batch, dim), &|t| t.squeeze(dim))
     }
 
-    /// The same structure with `f` applied to every tensor, `batch` to every batch size and
-    /// `stack` to the values of every non-tensor stack (`None`: the operation does not apply to
-    /// stacks).
+    /// The same structure with `f` applied to every tensor, and `batch` to every batch size. A
+    /// non-tensor stack moves its values as `f` moves the elements of a tensor of its shape.
     fn transform(
         &self,
         prefix: &KeyPath,
         batch: &dyn Fn(&[usize]) -> Vec<usize>,
         f: &dyn Fn(&Tensor) -> memmap_tensor::Result<Tensor>,
-        stack: &dyn Fn(&[Value]) -> Option<Entry>,
     ) -> Result<TensorDict> {
         let mut entries = IndexMap::with_capacity(self.len());
         for (name, entry) in self.iter() {
             let path = prefix.join(name);
             let value = match entry {
                 Entry::Tensor(t) => Entry::Tensor(f(t).with_key(|| path.clone())?),
-                Entry::Dict(d) => Entry::Dict(d.transform(&path, batch, f, stack)?),
+                Entry::Dict(d) => Entry::Dict(d.transform(&path, batch, f)?),
                 Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
-                Entry::NonTensorStack(v) => {
-                    stack(v.as_array().map_or(&[][..], Vec::as_slice)).ok_or_else(|| Error::InvalidArgument {
-                        op: "batch operation",
-                        detail: format!("key `{path}`: not supported for a non-tensor stack along its first dim"),
-                    })?
-                }
+                Entry::NonTensorStack(v) => map_stack(v, self.batch_size(), &path, f)?,
             };
             entries.insert(name.to_owned(), value);
         }
@@ -220,19 +201,9 @@ struct Combine<'a> {
     batch: &'a dyn Fn(&[usize]) -> Vec<usize>,
     /// The combined tensor, from the tensors at one key.
     tensors: &'a dyn Fn(&[&Tensor]) -> memmap_tensor::Result<Tensor>,
-    /// What happens to non-tensor stacks.
-    stacks: Stacks,
-}
-
-/// How `stack` and `cat` combine non-tensor stacks.
-#[derive(Clone, Copy)]
-enum Stacks {
-    /// `cat` along the first batch dim: the values follow each other.
-    Concat,
-    /// The first batch dim is unchanged: the stacks must be equal.
-    Same,
-    /// `stack` along the first batch dim would need a stack of stacks.
-    Refuse,
+    /// Whether non-tensor values that are equal in every dict stay one value (otherwise, and
+    /// when they differ or any is a stack, they combine into a non-tensor stack).
+    equal_values_stay: bool,
 }
 
 impl Combine<'_> {
@@ -271,38 +242,51 @@ impl Combine<'_> {
                         .collect::<Result<Vec<_>>>()?;
                     Entry::Dict(self.combine(&nested, &path)?)
                 }
-                Entry::NonTensor(v) => {
-                    if column.iter().any(|e| !matches!(e, Entry::NonTensor(x) if x == v)) {
-                        return Err(incompatible(op, format!("non-tensor values at `{path}` differ")));
-                    }
+                Entry::NonTensor(v)
+                    if self.equal_values_stay && column.iter().all(|e| matches!(e, Entry::NonTensor(x) if x == v)) =>
+                {
                     Entry::NonTensor(v.clone())
                 }
-                Entry::NonTensorStack(v) => {
-                    let arrays = column
-                        .iter()
-                        .map(|e| match e {
-                            Entry::NonTensorStack(Value::Array(a)) => Ok(a.as_slice()),
-                            _ => Err(kind_mismatch(op, &path)),
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    match self.stacks {
-                        Stacks::Concat => Entry::stack(arrays.concat()),
-                        Stacks::Same if arrays.iter().all(|a| Some(*a) == v.as_array().map(Vec::as_slice)) => {
-                            Entry::NonTensorStack(v.clone())
-                        }
-                        Stacks::Same => return Err(incompatible(op, format!("non-tensor stacks at `{path}` differ"))),
-                        Stacks::Refuse => {
-                            return Err(incompatible(
-                                op,
-                                format!("non-tensor stacks at `{path}` cannot be stacked along the first batch dim"),
-                            ));
-                        }
-                    }
-                }
+                Entry::NonTensor(_) | Entry::NonTensorStack(_) => self.combine_values(dicts, &column, &path)?,
             };
             entries.insert(name.to_owned(), value);
         }
         Ok(TensorDict::from_parts((self.batch)(first.batch_size()), entries))
+    }
+}
+
+impl Combine<'_> {
+    /// Non-tensor values and stacks at one key combined as their tensors would be: each dict's
+    /// entry becomes a tensor of positions into the list of all values (a plain value is one
+    /// value at every position), those tensors combine, and the result picks the values.
+    fn combine_values(&self, dicts: &[&TensorDict], column: &[&Entry], path: &KeyPath) -> Result<Entry> {
+        let mut values: Vec<&Value> = Vec::new();
+        let mut tensors = Vec::with_capacity(column.len());
+        for (d, entry) in dicts.iter().zip(column) {
+            let batch = d.batch_size();
+            let offset = values.len();
+            let positions = match entry {
+                Entry::NonTensor(v) => {
+                    values.push(v);
+                    let at = i64::try_from(offset).unwrap_or(i64::MAX);
+                    Tensor::from_slice(&vec![at; batch.iter().product()], batch.to_vec())
+                }
+                Entry::NonTensorStack(v) => {
+                    let stacked = stack_values(v, batch).ok_or_else(|| Error::BatchSizeMismatch {
+                        key: path.clone(),
+                        shape: Vec::new(),
+                        batch_size: batch.to_vec(),
+                    })?;
+                    values.extend(stacked);
+                    positions(batch, offset)
+                }
+                _ => return Err(kind_mismatch(self.op, path)),
+            };
+            tensors.push(positions.with_key(|| path.clone())?);
+        }
+        let refs: Vec<&Tensor> = tensors.iter().collect();
+        let picked = (self.tensors)(&refs).with_key(|| path.clone())?;
+        stack_from_positions(&values, &picked, path)
     }
 }
 
@@ -324,11 +308,6 @@ fn incompatible(op: &'static str, detail: String) -> Error {
 
 fn kind_mismatch(op: &'static str, path: &KeyPath) -> Error {
     incompatible(op, format!("entries at `{path}` are of different kinds"))
-}
-
-/// A non-tensor stack with the same values.
-fn keep(values: &[Value]) -> Entry {
-    Entry::stack(values.to_vec())
 }
 
 fn insert_dim(batch: &[usize], dim: usize, size: usize) -> Vec<usize> {

@@ -15,11 +15,14 @@ pub enum Entry {
     Tensor(Tensor),
     /// A nested dict whose batch size starts with the parent's.
     Dict(TensorDict),
-    /// Any JSON value (tensordict's `NonTensorData`), shared by the whole batch.
+    /// Any JSON value (tensordict's `NonTensorData`), shared by the whole batch. A non-finite
+    /// float is held as [`crate::json_float`] makes it.
     NonTensor(Value),
-    /// One JSON value per index of the first batch dim (tensordict's `NonTensorStack`, what
-    /// Python makes of `td["names"] = ["a", "b", "c"]`): a JSON array as long as that dim.
-    /// Indexing the first batch dim indexes the array.
+    /// One JSON value per batch element (tensordict's `NonTensorStack`, what Python makes of
+    /// `td["names"] = ["a", "b", "c"]`): nested JSON arrays, one level per batch dim of the dict
+    /// that holds it, each as long as its dim (batch `[3, 4]`: three arrays of four values).
+    /// Indexing and batch operations move the values as they move the elements of a tensor;
+    /// an index that leaves no batch dim leaves one [`Entry::NonTensor`].
     NonTensorStack(Value),
 }
 
@@ -58,7 +61,8 @@ impl Entry {
         }
     }
 
-    /// A non-tensor stack of `values`, one per index of the first batch dim.
+    /// A non-tensor stack of `values`, one per index of the first batch dim (for a dict of one
+    /// batch dim; with more, each value is the array of the next dim).
     pub fn stack(values: Vec<Value>) -> Entry {
         Entry::NonTensorStack(Value::Array(values))
     }
@@ -585,14 +589,14 @@ pub(crate) fn check_fits(key: &KeyPath, value: &Entry, batch: &[usize]) -> Resul
         Entry::Dict(d) => d.batch_size(),
         Entry::NonTensor(_) => return Ok(()),
         Entry::NonTensorStack(v) => {
-            let len = v.as_array().map(Vec::len);
-            return match (len, batch.first()) {
-                (Some(len), Some(&rows)) if len == rows => Ok(()),
-                _ => Err(Error::BatchSizeMismatch {
+            return if !batch.is_empty() && stack_values(v, batch).is_some() {
+                Ok(())
+            } else {
+                Err(Error::BatchSizeMismatch {
                     key: key.clone(),
-                    shape: len.into_iter().collect(),
+                    shape: nested_shape(v, batch.len()),
                     batch_size: batch.to_vec(),
-                }),
+                })
             };
         }
     };
@@ -601,4 +605,90 @@ pub(crate) fn check_fits(key: &KeyPath, value: &Entry, batch: &[usize]) -> Resul
     } else {
         Err(Error::BatchSizeMismatch { key: key.clone(), shape: shape.to_vec(), batch_size: batch.to_vec() })
     }
+}
+
+/// The values of a non-tensor stack held by a dict of batch size `batch`, in C order: the stack
+/// nests one array level per batch dim, each as long as its dim. `None` if it does not.
+pub(crate) fn stack_values<'a>(stack: &'a Value, batch: &[usize]) -> Option<Vec<&'a Value>> {
+    let mut level = vec![stack];
+    for &size in batch {
+        let mut next = Vec::with_capacity(level.len().saturating_mul(size));
+        for v in level {
+            match v.as_array() {
+                Some(items) if items.len() == size => next.extend(items),
+                _ => return None,
+            }
+        }
+        level = next;
+    }
+    Some(level)
+}
+
+/// The shape of the nested arrays of `v`, following first elements, at most `depth` levels (for
+/// messages).
+fn nested_shape(v: &Value, depth: usize) -> Vec<usize> {
+    let mut shape = Vec::new();
+    let mut at = v;
+    while shape.len() < depth
+        && let Some(items) = at.as_array()
+    {
+        shape.push(items.len());
+        match items.first() {
+            Some(first) => at = first,
+            None => break,
+        }
+    }
+    shape
+}
+
+/// `values` (C order) nested into arrays of shape `shape`; the value itself for an empty shape.
+pub(crate) fn nest(values: &[Value], shape: &[usize]) -> Value {
+    match shape.split_first() {
+        None => values.first().cloned().unwrap_or(Value::Null),
+        Some((&n, rest)) => {
+            let inner: usize = rest.iter().product();
+            Value::Array((0..n).map(|i| nest(&values[i * inner..(i + 1) * inner], rest)).collect())
+        }
+    }
+}
+
+/// The positions `0..n` of a dict of batch size `batch`, as an i64 tensor of that shape: what a
+/// batch operation does to them says where each value of a non-tensor stack goes.
+pub(crate) fn positions(batch: &[usize], offset: usize) -> memmap_tensor::Result<Tensor> {
+    let count: usize = batch.iter().product();
+    let values: Vec<i64> = (offset..offset + count).map(|i| i64::try_from(i).unwrap_or(i64::MAX)).collect();
+    Tensor::from_slice(&values, batch.to_vec())
+}
+
+/// The entry made of `values` picked by a tensor of positions: a stack of its shape, or one
+/// plain value when it has no dims (an integer index of every batch dim).
+pub(crate) fn stack_from_positions(values: &[&Value], picked: &Tensor, key: &KeyPath) -> Result<Entry> {
+    let shape = picked.dims().to_vec();
+    let picked = picked.contiguous().with_key(|| key.clone())?.to_vec::<i64>().with_key(|| key.clone())?;
+    let chosen: Vec<Value> = picked
+        .iter()
+        .map(|&p| usize::try_from(p).ok().and_then(|p| values.get(p)).map_or(Value::Null, |v| (*v).clone()))
+        .collect();
+    Ok(if shape.is_empty() {
+        Entry::NonTensor(nest(&chosen, &shape))
+    } else {
+        Entry::NonTensorStack(nest(&chosen, &shape))
+    })
+}
+
+/// A non-tensor stack held by a dict of batch size `batch` after a batch operation, given as
+/// `f`, what the operation does to a tensor of exactly that shape.
+pub(crate) fn map_stack(
+    stack: &Value,
+    batch: &[usize],
+    key: &KeyPath,
+    f: impl FnOnce(&Tensor) -> memmap_tensor::Result<Tensor>,
+) -> Result<Entry> {
+    let values = stack_values(stack, batch).ok_or_else(|| Error::BatchSizeMismatch {
+        key: key.clone(),
+        shape: nested_shape(stack, batch.len()),
+        batch_size: batch.to_vec(),
+    })?;
+    let picked = f(&positions(batch, 0).with_key(|| key.clone())?).with_key(|| key.clone())?;
+    stack_from_positions(&values, &picked, key)
 }

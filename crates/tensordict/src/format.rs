@@ -11,7 +11,7 @@ use serde_json::{Map, Value, json};
 
 use crate::dir::Dir;
 use crate::error::WithKey;
-use crate::json::to_python_json;
+use crate::json::{to_python_json, to_python_json_compact};
 use crate::key::{METADATA_KEYS, RESERVED_KEYS, candidate_names, encode_name};
 use crate::replace::{self, Destination, Existing, Leftover, WriterState};
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
@@ -256,16 +256,22 @@ impl TensorDict {
                     meta.insert(name.to_owned(), json!({"type": "NonTensorStack"}));
                     let sub = dir.join(&stem);
                     ensure_real_dir(&sub)?;
-                    // Python writes this one compact, with its own version and class.
+                    let data = match fill {
+                        Fill::Zeros(Some(rows)) => repeat_first_row(v, rows, &key)?,
+                        Fill::Copy | Fill::Zeros(None) => v.clone(),
+                    };
+                    // Python writes this one compact (`separators=(",", ":")`, still ASCII-only),
+                    // with its own version and class. Python writes the `stack_dim` it was built
+                    // along but reads every stack as nested lists in batch order; so do we.
                     let content = json!({
                         "_type": NON_TENSOR_STACK_TYPE,
                         "_format_version": FORMAT_VERSION,
                         "_class": "tensordict:NonTensorStack",
                         "stack_dim": 0,
                         "device": null,
-                        "data": v,
+                        "data": data,
                     });
-                    write_meta(&sub, &content.to_string().into_bytes())?;
+                    write_meta(&sub, &to_python_json_compact(&content))?;
                 }
             }
         }
@@ -494,7 +500,21 @@ fn read_non_tensor(dir: &Dir, key: &KeyPath) -> Result<Value> {
     })
 }
 
-/// A `NonTensorStack` folder: JSON values stacked along the first batch dim.
+/// For `memmap_like` with a new size of dim 0: the stack with every row of dim 0 a copy of its
+/// first row, which is what Python's `td[0].expand(rows, ...).memmap_like(...)` (a buffer made
+/// from one sample) holds. A stack without rows has no value to repeat.
+fn repeat_first_row(stack: &Value, rows: usize, key: &KeyPath) -> Result<Value> {
+    match stack.as_array().and_then(|a| a.first()) {
+        Some(first) => Ok(Value::Array(vec![first.clone(); rows])),
+        None if rows == 0 => Ok(Value::Array(Vec::new())),
+        None => Err(Error::InvalidArgument {
+            op: "memmap_like",
+            detail: format!("key `{key}`: a non-tensor stack without rows has no value to fill {rows} rows with"),
+        }),
+    }
+}
+
+/// A `NonTensorStack` folder: JSON values nested one list level per batch dim.
 fn read_non_tensor_stack(dir: &Dir, key: &KeyPath, batch: &[usize]) -> Result<Entry> {
     let meta_path = dir.child("meta.json");
     let meta = read_meta(dir)?;
@@ -503,9 +523,12 @@ fn read_non_tensor_stack(dir: &Dir, key: &KeyPath, batch: &[usize]) -> Result<En
         .as_object()
         .ok_or_else(|| Error::InvalidMeta { path: meta_path.clone(), reason: "not a JSON object".into() })?;
     check_version(obj, &meta_path)?;
-    match obj.get("stack_dim").map(Value::as_u64) {
-        None | Some(Some(0)) => {}
-        Some(other) => return Err(unsupported(format!("a NonTensorStack along dim {other:?} (only 0 is read)"))),
+    // `data` holds the values as nested lists in batch order whatever dim the stack was built
+    // along (Python writes `tolist()` and reads it back with `stack_dim` 0).
+    if let Some(dim) = obj.get("stack_dim")
+        && dim.as_u64().is_none()
+    {
+        return Err(Error::InvalidMeta { path: meta_path.clone(), reason: format!("`stack_dim` is {dim}") });
     }
     let data = match obj.get("data") {
         Some(Value::Array(values)) => Value::Array(values.clone()),
@@ -520,7 +543,7 @@ fn read_non_tensor_stack(dir: &Dir, key: &KeyPath, batch: &[usize]) -> Result<En
 /// The `meta.json` of the folder `dir`, size-capped, never through a link or a FIFO.
 fn read_meta(dir: &Dir) -> Result<Value> {
     let text = dir.read_small("meta.json", MAX_META_BYTES)?;
-    serde_json::from_slice(&text)
+    crate::json::parse(&text)
         .map_err(|e| Error::InvalidMeta { path: dir.child("meta.json"), reason: format!("invalid JSON: {e}") })
 }
 

@@ -1,16 +1,22 @@
 //! Batch indexing: [`Index`], [`TensorDict::index`] and [`TensorDict::set_at`].
 //!
 //! The meaning is PyTorch's, applied to the leading batch dims of every entry: an integer drops
-//! its dim, a slice is a view (no copy, even for memmap storage), an integer list or a boolean
-//! mask gathers into new heap tensors, and a tuple applies one index per batch dim.
+//! its dim, a slice is a view (no copy, even for memmap storage), `None` inserts a dim of size
+//! 1, `...` stands for the dims not otherwise indexed, and integer lists and boolean masks
+//! ("advanced" indices) gather into new heap tensors.
+//!
+//! Advanced indices follow torch's rules: all of them in one tuple are broadcast together (a
+//! mask counts as the lists of its `true` positions, one per masked dim) and pick elements
+//! pointwise, so `td[[0, 1], [1, 2]]` takes `(0, 1)` and `(1, 2)`. The broadcast dims replace the
+//! indexed dims in place when the advanced indices are next to each other (integers between
+//! them do not separate them, as in torch, unlike numpy), and go first when a slice, `...` or
+//! `None` separates them.
 
-use std::borrow::Cow;
 use std::fmt;
 use std::ops::{Range, RangeFrom, RangeFull, RangeInclusive, RangeTo};
 
 use indexmap::IndexMap;
-use memmap_tensor::Tensor;
-use serde_json::Value;
+use memmap_tensor::{Location, Tensor};
 
 use crate::error::WithKey;
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
@@ -33,20 +39,35 @@ pub enum Index {
     },
     /// Positions to gather, in order: duplicates and negatives allowed. Copies.
     List(Vec<i64>),
+    /// Positions to gather from one dim, as an array of any shape (`td[[[0], [1]], :, [1, 2]]`
+    /// holds one of shape `[2, 1]`): broadcast with the other advanced indices of the tuple, its
+    /// shape replaces the dim. Copies.
+    ListNd {
+        /// The positions, in C order (negatives count from the end).
+        indices: Vec<i64>,
+        /// The shape of the array; its product is `indices.len()`.
+        shape: Vec<usize>,
+    },
     /// A boolean mask over one dim (its length is the size of the dim): gathers the positions
     /// that are `true`. Copies.
     Mask(Vec<bool>),
-    /// One index per leading batch dim; the dims after the last are kept whole.
-    Tuple(Vec<Index>),
-    /// A boolean mask over the leading batch dims `shape` (C order, one bool per element):
-    /// those dims become one, holding the positions that are `true`, as `td[mask]` does in
-    /// PyTorch with a mask of shape `batch_size[:k]`. Copies. Only valid as the whole index.
+    /// A boolean mask over `shape.len()` consecutive batch dims (C order, one bool per element),
+    /// as `td[mask]` or `td[:, mask]` in PyTorch: those dims become one, holding the positions
+    /// that are `true`. Copies.
     MaskNd {
         /// One bool per element of the masked dims, in C order.
         mask: Vec<bool>,
-        /// The masked dims: the first `shape.len()` batch dims.
+        /// The sizes of the masked dims.
         shape: Vec<usize>,
     },
+    /// Python's `...`: full slices over every batch dim the other indices of the tuple leave
+    /// (at most one per tuple).
+    Ellipsis,
+    /// Python's `None`: a new batch dim of size 1 at this place.
+    NewDim,
+    /// One index per batch dim, in order (with `...` and `None` as in Python); the dims after
+    /// the last are kept whole.
+    Tuple(Vec<Index>),
 }
 
 impl Index {
@@ -62,7 +83,8 @@ impl Index {
 }
 
 impl fmt::Display for Index {
-    /// Python's spelling: `3`, `1:10:2`, `[4, -1]`, `mask(len=5, true=2)`, `(0, :)`.
+    /// Python's spelling: `3`, `1:10:2`, `[4, -1]`, `[[0], [1]]`, `mask(len=5, true=2)`, `...`,
+    /// `None`, `(0, :)`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let opt = |v: &Option<i64>| v.map(|x| x.to_string()).unwrap_or_default();
         match self {
@@ -79,10 +101,29 @@ impl fmt::Display for Index {
             Index::MaskNd { mask, shape } => {
                 write!(f, "mask(shape={shape:?}, true={})", mask.iter().filter(|&&b| b).count())
             }
+            Index::ListNd { indices, shape } => f.write_str(&nested_list(indices, shape)),
+            Index::Ellipsis => f.write_str("..."),
+            Index::NewDim => f.write_str("None"),
             Index::Tuple(items) => {
                 let parts: Vec<String> = items.iter().map(ToString::to_string).collect();
                 write!(f, "({})", parts.join(", "))
             }
+        }
+    }
+}
+
+/// `values` of shape `shape` as nested Python lists (`[[0], [1]]`); the values alone if the
+/// product of `shape` does not match.
+fn nested_list(values: &[i64], shape: &[usize]) -> String {
+    if shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) != Some(values.len()) {
+        return format!("{values:?}");
+    }
+    match shape.split_first() {
+        None => values.first().map(ToString::to_string).unwrap_or_default(),
+        Some((&n, rest)) => {
+            let inner: usize = rest.iter().product();
+            let parts: Vec<String> = (0..n).map(|i| nested_list(&values[i * inner..(i + 1) * inner], rest)).collect();
+            format!("[{}]", parts.join(", "))
         }
     }
 }
@@ -166,108 +207,329 @@ impl<A: Into<Index>, B: Into<Index>, C: Into<Index>> From<(A, B, C)> for Index {
     }
 }
 
-/// What an index does to one batch dim, resolved against its size.
+/// What one item of an index does, resolved against the batch size.
 #[derive(Clone, Debug)]
-enum DimOp<'a> {
-    /// Keep one position and drop the dim.
+enum Step {
+    /// Keep one position of the next source dim and drop the dim.
     Select(usize),
-    /// Keep `len` positions from `start`, `step` apart: a view.
+    /// Keep `len` positions of the next source dim from `start`, `step` apart: a view.
     Slice { start: usize, len: usize, step: usize },
-    /// Gather these positions (all in range; negatives count from the end). Borrowed from a
-    /// list index, owned when made from a mask.
-    Gather(Cow<'a, [i64]>),
+    /// Insert a dim of size 1.
+    New,
+    /// An advanced index on the next source dim (the next of `Plan::advanced`).
+    Advanced,
 }
 
-/// The gather part of a plan: the dim of the indexed view it applies to, and the positions.
-type Gather<'a> = Option<(usize, &'a [i64])>;
-
-/// An index resolved against a batch size: one op per leading batch dim it touches.
+/// An index resolved against a batch size.
 #[derive(Debug)]
-struct Plan<'a> {
-    ops: Vec<DimOp<'a>>,
+struct Plan {
+    steps: Vec<Step>,
+    /// The shape all advanced indices broadcast to.
+    broadcast: Vec<usize>,
+    /// Per advanced index, its positions (in range) broadcast to `broadcast`, in C order.
+    advanced: Vec<Vec<i64>>,
+    /// Whether the advanced indices are next to each other in the view (their broadcast dims
+    /// then replace them in place; otherwise they go first).
+    adjacent: bool,
 }
 
-impl<'a> Plan<'a> {
-    fn resolve(index: &'a Index, batch: &[usize]) -> Result<Plan<'a>> {
+/// An advanced index before broadcasting: its shape and its positions (in range).
+struct RawAdvanced {
+    shape: Vec<usize>,
+    positions: Vec<i64>,
+}
+
+impl Plan {
+    fn resolve(index: &Index, batch: &[usize]) -> Result<Plan> {
         let items: &[Index] = match index {
             Index::Tuple(items) => items,
             single => std::slice::from_ref(single),
         };
         let invalid =
             |reason: String| Error::InvalidIndex { index: index.to_string(), batch_size: batch.to_vec(), reason };
-        if items.len() > batch.len() {
-            return Err(invalid(format!("{} indices for {} batch dims", items.len(), batch.len())));
+        let mut used = 0usize;
+        let mut ellipses = 0;
+        for item in items {
+            match item {
+                Index::Ellipsis => ellipses += 1,
+                Index::NewDim => {}
+                Index::MaskNd { shape, .. } => used += shape.len(),
+                Index::Tuple(_) => return Err(invalid("a tuple cannot hold another tuple".into())),
+                _ => used += 1,
+            }
         }
-        let mut ops = Vec::with_capacity(items.len());
-        for (dim, (item, &size)) in items.iter().zip(batch).enumerate() {
-            let op = match item {
-                Index::Int(i) => DimOp::Select(
-                    normalize(*i, size)
-                        .ok_or_else(|| invalid(format!("{i} out of range for dim {dim} of size {size}")))?,
-                ),
+        if ellipses > 1 {
+            return Err(invalid("an index can only have one ellipsis".into()));
+        }
+        if used > batch.len() {
+            return Err(invalid(format!("too many indices: {used} indices for {} batch dims", batch.len())));
+        }
+        let mut steps = Vec::with_capacity(items.len());
+        let mut raw: Vec<RawAdvanced> = Vec::new();
+        let mut dim = 0usize;
+        let out_of_range =
+            |i: i64, dim: usize, size: usize| invalid(format!("index {i} out of range for dim {dim} of size {size}"));
+        for item in items {
+            match item {
+                Index::Ellipsis => {
+                    for _ in 0..batch.len() - used {
+                        steps.push(Step::Slice { start: 0, len: batch[dim], step: 1 });
+                        dim += 1;
+                    }
+                }
+                Index::NewDim => steps.push(Step::New),
+                Index::Int(i) => {
+                    let size = batch[dim];
+                    steps.push(Step::Select(normalize(*i, size).ok_or_else(|| out_of_range(*i, dim, size))?));
+                    dim += 1;
+                }
                 Index::Slice { start, stop, step } => {
-                    let (start, len, step) = resolve_slice(*start, *stop, *step, size)
+                    let (start, len, step) = resolve_slice(*start, *stop, *step, batch[dim])
                         .ok_or_else(|| invalid(format!("step {step} must be positive")))?;
-                    DimOp::Slice { start, len, step }
+                    steps.push(Step::Slice { start, len, step });
+                    dim += 1;
                 }
                 Index::List(list) => {
-                    if let Some(bad) = list.iter().find(|&&i| normalize(i, size).is_none()) {
-                        return Err(invalid(format!("{bad} out of range for dim {dim} of size {size}")));
+                    let positions = in_range(list, batch[dim]).map_err(|i| out_of_range(i, dim, batch[dim]))?;
+                    steps.push(Step::Advanced);
+                    raw.push(RawAdvanced { shape: vec![list.len()], positions });
+                    dim += 1;
+                }
+                Index::ListNd { indices, shape } => {
+                    if shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) != Some(indices.len()) {
+                        return Err(invalid(format!("{} positions for an index of shape {shape:?}", indices.len())));
                     }
-                    DimOp::Gather(Cow::Borrowed(list))
+                    let positions = in_range(indices, batch[dim]).map_err(|i| out_of_range(i, dim, batch[dim]))?;
+                    steps.push(Step::Advanced);
+                    raw.push(RawAdvanced { shape: shape.clone(), positions });
+                    dim += 1;
                 }
                 Index::Mask(mask) => {
-                    if mask.len() != size {
-                        return Err(invalid(format!("mask of length {} for dim {dim} of size {size}", mask.len())));
+                    if mask.len() != batch[dim] {
+                        return Err(invalid(format!(
+                            "mask of length {} for dim {dim} of size {}",
+                            mask.len(),
+                            batch[dim]
+                        )));
                     }
-                    DimOp::Gather(Cow::Owned(
-                        mask.iter()
-                            .enumerate()
-                            .filter(|&(_, &m)| m)
-                            .map(|(i, _)| i64::try_from(i).unwrap_or(i64::MAX))
-                            .collect(),
-                    ))
+                    let positions: Vec<i64> = true_positions(mask).map(to_i64).collect();
+                    steps.push(Step::Advanced);
+                    raw.push(RawAdvanced { shape: vec![positions.len()], positions });
+                    dim += 1;
                 }
-                Index::Tuple(_) => return Err(invalid("a tuple cannot hold another tuple".into())),
-                Index::MaskNd { .. } => return Err(invalid("a multi-dim mask must be the whole index".into())),
-            };
-            ops.push(op);
+                Index::MaskNd { mask, shape } => {
+                    let dims = &batch[dim..dim + shape.len()];
+                    if shape.as_slice() != dims || shape.is_empty() {
+                        return Err(invalid(format!(
+                            "mask of shape {shape:?} for dims {dim}..{} of sizes {dims:?}",
+                            dim + shape.len()
+                        )));
+                    }
+                    if Some(mask.len()) != dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) {
+                        return Err(invalid(format!("{} mask values for shape {shape:?}", mask.len())));
+                    }
+                    // As torch does: the mask becomes the lists of its true positions' coordinates,
+                    // one per masked dim.
+                    let trues: Vec<usize> = true_positions(mask).collect();
+                    for (k, _) in shape.iter().enumerate() {
+                        let inner: usize = shape[k + 1..].iter().product();
+                        let positions = trues.iter().map(|&flat| to_i64((flat / inner) % shape[k])).collect();
+                        steps.push(Step::Advanced);
+                        raw.push(RawAdvanced { shape: vec![trues.len()], positions });
+                    }
+                    dim += shape.len();
+                }
+                // Refused in the first pass.
+                Index::Tuple(_) => {}
+            }
         }
-        if ops.iter().filter(|op| matches!(op, DimOp::Gather(_))).count() > 1 {
-            return Err(invalid("at most one list or mask index is supported per tuple".into()));
-        }
-        Ok(Plan { ops })
+        let broadcast = broadcast_shapes(raw.iter().map(|r| r.shape.as_slice())).ok_or_else(|| {
+            let shapes: Vec<String> = raw.iter().map(|r| format!("{:?}", r.shape)).collect();
+            invalid(format!("shape mismatch: the index arrays cannot be broadcast together ({})", shapes.join(", ")))
+        })?;
+        let advanced = raw
+            .iter()
+            .map(|r| broadcast_to(&r.positions, &r.shape, &broadcast))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| invalid(format!("the broadcast index shape {broadcast:?} is too large")))?;
+        let view_dims: Vec<usize> = view_positions(&steps);
+        let adjacent = view_dims.windows(2).all(|w| w[1] == w[0] + 1);
+        Ok(Plan { steps, broadcast, advanced, adjacent })
     }
 
-    /// The view part of the plan (integers and slices), and where the gather (if any) lands.
-    fn view(&self, t: &Tensor) -> memmap_tensor::Result<(Tensor, Gather<'_>)> {
+    /// The shape of the result for a tensor (or batch) of shape `dims`, which starts with the
+    /// batch size the plan was resolved against.
+    fn shape_after(&self, dims: &[usize]) -> Vec<usize> {
+        let mut view: Vec<Option<usize>> = Vec::with_capacity(dims.len() + self.steps.len());
+        let mut src = 0;
+        for step in &self.steps {
+            match step {
+                Step::Select(_) => src += 1,
+                Step::Slice { len, .. } => {
+                    view.push(Some(*len));
+                    src += 1;
+                }
+                Step::New => view.push(Some(1)),
+                Step::Advanced => {
+                    view.push(None);
+                    src += 1;
+                }
+            }
+        }
+        view.extend(dims[src..].iter().map(|&d| Some(d)));
+        self.place_broadcast(&view)
+    }
+
+    /// The view's dims with the advanced ones (`None`) replaced by the broadcast dims, in place
+    /// or first.
+    fn place_broadcast(&self, view: &[Option<usize>]) -> Vec<usize> {
+        let Some(first) = view.iter().position(Option::is_none) else {
+            return view.iter().flatten().copied().collect();
+        };
+        let kept = view.iter().flatten().copied();
+        if self.adjacent {
+            let mut out: Vec<usize> = view[..first].iter().flatten().copied().collect();
+            out.extend_from_slice(&self.broadcast);
+            out.extend(view[first..].iter().flatten().copied());
+            out
+        } else {
+            self.broadcast.iter().copied().chain(kept).collect()
+        }
+    }
+
+    /// The basic part of the plan (integers, slices, new dims) applied to `t` as a view, and the
+    /// dims of that view that the advanced indices apply to.
+    fn view(&self, t: &Tensor) -> memmap_tensor::Result<(Tensor, Vec<usize>)> {
         let mut view = t.clone();
         let mut dim = 0;
-        let mut gather = None;
-        for op in &self.ops {
-            match op {
-                DimOp::Select(i) => view = view.select(dim, i64::try_from(*i).unwrap_or(i64::MAX))?,
-                DimOp::Slice { start, len, step } => {
+        let mut advanced = Vec::new();
+        for step in &self.steps {
+            match step {
+                Step::Select(i) => view = view.select(dim, to_i64(*i))?,
+                Step::Slice { start, len, step } => {
                     let stop = if *len == 0 { *start } else { start + (len - 1) * step + 1 };
                     view = view.slice(dim, *start, stop, *step)?;
                     dim += 1;
                 }
-                DimOp::Gather(list) => {
-                    gather = Some((dim, list.as_ref()));
+                Step::New => {
+                    view = view.unsqueeze(dim)?;
+                    dim += 1;
+                }
+                Step::Advanced => {
+                    advanced.push(dim);
                     dim += 1;
                 }
             }
         }
-        Ok((view, gather))
+        Ok((view, advanced))
+    }
+
+    /// The permutation that brings the advanced dims of a view of rank `rank` to the front.
+    fn front_permutation(advanced_dims: &[usize], rank: usize) -> Vec<usize> {
+        let rest = (0..rank).filter(|d| !advanced_dims.contains(d));
+        advanced_dims.iter().copied().chain(rest).collect()
     }
 
     /// The plan applied to one tensor: views, then the gather into a new heap tensor.
     fn apply(&self, t: &Tensor) -> memmap_tensor::Result<Tensor> {
-        match self.view(t)? {
-            (view, None) => Ok(view),
-            (view, Some((0, list))) => view.gather_rows(list),
-            (view, Some((dim, list))) => view.index_select(dim, list),
+        let (view, adv_dims) = self.view(t)?;
+        if adv_dims.is_empty() {
+            return Ok(view);
         }
+        // One list along one dim: a row gather (or torch's index_select), in place.
+        if let ([dim], [_]) = (adv_dims.as_slice(), self.broadcast.as_slice()) {
+            return view.index_select(*dim, &self.advanced[0]);
+        }
+        let front = view.permute(&Self::front_permutation(&adv_dims, view.rank()))?;
+        let m = adv_dims.len();
+        let rest = front.dims()[m..].to_vec();
+        let gathered = match merge_front(&front, m)? {
+            Some(merged) => merged.gather_rows(&self.linear(front.dims()))?,
+            None => {
+                let mut dims = vec![self.count()];
+                dims.extend_from_slice(&rest);
+                let out = Tensor::zeros(dims, t.dtype(), &Location::Heap)?;
+                for e in 0..self.count() {
+                    out.select(0, to_i64(e))?.copy_from(&self.element(&front, e)?)?;
+                }
+                out
+            }
+        };
+        let b = self.broadcast.len();
+        let shaped = gathered.reshape([self.broadcast.as_slice(), &rest].concat())?;
+        let first = adv_dims[0];
+        if !self.adjacent || first == 0 {
+            return Ok(shaped);
+        }
+        // Adjacent advanced dims after other dims: move the broadcast dims back in place.
+        let perm: Vec<usize> = (b..b + first).chain(0..b).chain(b + first..shaped.rank()).collect();
+        shaped.permute(&perm)?.contiguous()
+    }
+
+    /// The plan's write: `src` (of the shape [`Plan::apply`] gives) into the indexed elements of
+    /// `target`, in place.
+    fn write(&self, target: &Tensor, src: &Tensor) -> memmap_tensor::Result<()> {
+        let (mut view, adv_dims) = self.view(target)?;
+        if adv_dims.is_empty() {
+            return view.copy_from(src);
+        }
+        if let ([dim], [_]) = (adv_dims.as_slice(), self.broadcast.as_slice()) {
+            return view.index_copy(*dim, &self.advanced[0], src);
+        }
+        let b = self.broadcast.len();
+        let first = adv_dims[0];
+        // `src` with the broadcast dims first, then flattened into one.
+        let src_front = if self.adjacent && first > 0 {
+            let perm: Vec<usize> = (first..first + b).chain(0..first).chain(first + b..src.rank()).collect();
+            src.permute(&perm)?
+        } else {
+            src.clone()
+        };
+        let m = adv_dims.len();
+        let mut front = view.permute(&Self::front_permutation(&adv_dims, view.rank()))?;
+        let mut flat_dims = vec![self.count()];
+        flat_dims.extend_from_slice(&front.dims()[m..]);
+        let src_flat = src_front.contiguous()?.reshape(flat_dims)?;
+        if m == 1 {
+            return front.scatter_rows(&self.advanced[0], &src_flat);
+        }
+        match merge_front(&front, m)? {
+            Some(mut merged) => merged.scatter_rows(&self.linear(front.dims()), &src_flat),
+            None => {
+                for e in 0..self.count() {
+                    self.element(&front, e)?.copy_from(&src_flat.select(0, to_i64(e))?)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Number of elements the advanced indices pick.
+    fn count(&self) -> usize {
+        self.advanced.first().map_or(0, Vec::len)
+    }
+
+    /// For a view whose first dims are the advanced ones: the flat position of each picked
+    /// element among those dims merged into one (C order).
+    fn linear(&self, front_dims: &[usize]) -> Vec<i64> {
+        (0..self.count())
+            .map(|e| {
+                let mut flat = 0i64;
+                for (k, positions) in self.advanced.iter().enumerate() {
+                    flat = flat * to_i64(front_dims[k]) + positions[e];
+                }
+                flat
+            })
+            .collect()
+    }
+
+    /// Element `e` of the advanced indices in a view whose first dims are the advanced ones.
+    fn element(&self, front: &Tensor, e: usize) -> memmap_tensor::Result<Tensor> {
+        let mut out = front.clone();
+        for positions in &self.advanced {
+            out = out.select(0, positions[e])?;
+        }
+        Ok(out)
     }
 
     /// The plan applied to a dict and its nested dicts.
@@ -279,50 +541,111 @@ impl<'a> Plan<'a> {
                 Entry::Tensor(t) => Entry::Tensor(self.apply(t).with_key(|| path.clone())?),
                 Entry::Dict(d) => Entry::Dict(self.apply_dict(d, &path)?),
                 Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
-                Entry::NonTensorStack(v) => self.apply_stack(v, td.batch_size(), &path)?,
+                Entry::NonTensorStack(v) => {
+                    crate::dict::map_stack(v, td.batch_size(), &path, |positions| self.apply(positions))?
+                }
             };
             entries.insert(name.to_owned(), value);
         }
-        Ok(TensorDict::from_parts(self.batch_after(td.batch_size()), entries))
+        Ok(TensorDict::from_parts(self.shape_after(td.batch_size()), entries))
     }
+}
 
-    /// The plan applied to a non-tensor stack: its op on the first batch dim indexes the
-    /// array (an integer leaves one plain value). Ops on later dims must keep them whole.
-    fn apply_stack(&self, stack: &Value, batch: &[usize], path: &KeyPath) -> Result<Entry> {
-        let values = stack.as_array().map_or(&[][..], Vec::as_slice);
-        let Some((first, rest)) = self.ops.split_first() else { return Ok(Entry::NonTensorStack(stack.clone())) };
-        let whole =
-            |(op, &size): (&DimOp<'_>, &usize)| matches!(op, DimOp::Slice { start: 0, len, step: 1 } if *len == size);
-        if !rest.iter().zip(&batch[1..]).all(whole) {
-            return Err(Error::InvalidArgument {
-                op: "index",
-                detail: format!("key `{path}`: a non-tensor stack is indexed along the first batch dim only"),
-            });
-        }
-        let pick = |i: usize| values.get(i).cloned().unwrap_or(Value::Null);
-        Ok(match first {
-            DimOp::Select(i) => Entry::NonTensor(pick(*i)),
-            DimOp::Slice { start, len, step } => Entry::stack((0..*len).map(|k| pick(start + k * step)).collect()),
-            DimOp::Gather(list) => {
-                Entry::stack(list.iter().map(|&i| pick(normalize(i, values.len()).unwrap_or(usize::MAX))).collect())
-            }
-        })
-    }
-
-    /// The batch size after indexing, for a dict whose batch size starts with the one the plan
-    /// was resolved against (nested dicts may have more dims, which are kept).
-    fn batch_after(&self, batch: &[usize]) -> Vec<usize> {
-        let mut out = Vec::with_capacity(batch.len());
-        for op in &self.ops {
-            match op {
-                DimOp::Select(_) => {}
-                DimOp::Slice { len, .. } => out.push(*len),
-                DimOp::Gather(list) => out.push(list.len()),
+/// The view dims of the advanced steps.
+fn view_positions(steps: &[Step]) -> Vec<usize> {
+    let mut dim = 0;
+    let mut out = Vec::new();
+    for step in steps {
+        match step {
+            Step::Select(_) => {}
+            Step::Slice { .. } | Step::New => dim += 1,
+            Step::Advanced => {
+                out.push(dim);
+                dim += 1;
             }
         }
-        out.extend_from_slice(&batch[self.ops.len()..]);
-        out
     }
+    out
+}
+
+/// The first `m` dims of `t` merged into one, as a view, when their strides allow it.
+fn merge_front(t: &Tensor, m: usize) -> memmap_tensor::Result<Option<Tensor>> {
+    let (dims, strides) = (t.dims(), t.layout().strides());
+    let mergeable = (0..m.saturating_sub(1)).all(|k| strides[k] == strides[k + 1] * dims[k + 1]);
+    if m == 0 || !mergeable {
+        return Ok(None);
+    }
+    let mut shape = vec![dims[..m].iter().product()];
+    shape.extend_from_slice(&dims[m..]);
+    let mut new_strides = vec![strides[m - 1]];
+    new_strides.extend_from_slice(&strides[m..]);
+    let layout = memmap_tensor::Layout::new(shape, new_strides, t.layout().offset_elems())?;
+    Tensor::from_storage(std::sync::Arc::clone(t.storage()), t.byte_offset(), t.dtype(), layout).map(Some)
+}
+
+/// The positions of `list` normalized into `0..size`, or the first one out of range.
+fn in_range(list: &[i64], size: usize) -> std::result::Result<Vec<i64>, i64> {
+    list.iter().map(|&i| normalize(i, size).map(to_i64).ok_or(i)).collect()
+}
+
+fn true_positions(mask: &[bool]) -> impl Iterator<Item = usize> + '_ {
+    mask.iter().enumerate().filter(|&(_, &m)| m).map(|(i, _)| i)
+}
+
+fn to_i64(i: usize) -> i64 {
+    i64::try_from(i).unwrap_or(i64::MAX)
+}
+
+/// numpy's broadcasting of shapes: aligned at the end, each dim equal or 1.
+fn broadcast_shapes<'a>(shapes: impl Iterator<Item = &'a [usize]>) -> Option<Vec<usize>> {
+    let mut out: Vec<usize> = Vec::new();
+    for shape in shapes {
+        if shape.len() > out.len() {
+            let mut grown = vec![1; shape.len() - out.len()];
+            grown.extend_from_slice(&out);
+            out = grown;
+        }
+        let offset = out.len() - shape.len();
+        for (k, &d) in shape.iter().enumerate() {
+            let o = &mut out[offset + k];
+            match (*o, d) {
+                (a, b) if a == b => {}
+                (1, b) => *o = b,
+                (_, 1) => {}
+                _ => return None,
+            }
+        }
+    }
+    Some(out)
+}
+
+/// `values` of shape `shape` broadcast to `target` (C order); `None` if that many elements
+/// cannot be allocated.
+fn broadcast_to(values: &[i64], shape: &[usize], target: &[usize]) -> Option<Vec<i64>> {
+    let count = target.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+    let mut out = Vec::new();
+    out.try_reserve_exact(count).ok()?;
+    // Strides of `shape` aligned at the end of `target`; 0 along broadcast dims.
+    let offset = target.len() - shape.len();
+    let mut strides = vec![0usize; target.len()];
+    let mut stride = 1;
+    for k in (0..shape.len()).rev() {
+        strides[offset + k] = if shape[k] == 1 { 0 } else { stride };
+        stride *= shape[k];
+    }
+    let mut coords = vec![0usize; target.len()];
+    for _ in 0..count {
+        let at: usize = coords.iter().zip(&strides).map(|(c, s)| c * s).sum();
+        out.push(values[at]);
+        for k in (0..target.len()).rev() {
+            coords[k] += 1;
+            if coords[k] < target[k] {
+                break;
+            }
+            coords[k] = 0;
+        }
+    }
+    Some(out)
 }
 
 /// `index` normalized into `0..size`, or `None` when out of range.
@@ -348,71 +671,29 @@ fn resolve_slice(start: Option<i64>, stop: Option<i64>, step: i64, size: usize) 
 }
 
 impl TensorDict {
-    /// `td[index]`: integers and slices give views (no copy, even of memmap storage); an integer
-    /// list or a mask gathers every tensor into new heap memory at row-copy speed. Nested dicts
-    /// are indexed the same way; non-tensor values are kept as they are.
+    /// `td[index]`: integers, slices, `None` and `...` give views (no copy, even of memmap
+    /// storage); integer lists and masks gather every tensor into new heap memory (at row-copy
+    /// speed for one list over one dim). Nested dicts are indexed the same way over their
+    /// leading dims; a non-tensor value is kept as it is; a non-tensor stack is indexed like a
+    /// tensor of its batch size (an index that leaves no dim leaves one plain value).
     pub fn index(&self, index: impl Into<Index>) -> Result<TensorDict> {
         let index = index.into();
-        if let Index::MaskNd { mask, shape } = &index {
-            let (flat, positions) = self.flatten_for_mask(&index, mask, shape)?;
-            return flat.index(Index::List(positions));
-        }
         let plan = Plan::resolve(&index, self.batch_size())?;
         plan.apply_dict(self, &KeyPath::default())
     }
 
-    /// For a multi-dim mask: this dict with the masked dims flattened into one (views where the
-    /// tensors are contiguous over them), and the positions the mask selects in it.
-    fn flatten_for_mask(&self, index: &Index, mask: &[bool], shape: &[usize]) -> Result<(TensorDict, Vec<i64>)> {
-        let invalid = |reason: String| Error::InvalidIndex {
-            index: index.to_string(),
-            batch_size: self.batch_size().to_vec(),
-            reason,
-        };
-        if shape.is_empty() || !self.batch_size().starts_with(shape) {
-            return Err(invalid(format!("the mask's shape {shape:?} is not a leading part of the batch size")));
-        }
-        let count: usize = shape.iter().product();
-        if mask.len() != count {
-            return Err(invalid(format!("{} mask values for shape {shape:?} ({count} elements)", mask.len())));
-        }
-        let mut flat_batch = vec![count];
-        flat_batch.extend_from_slice(&self.batch_size()[shape.len()..]);
-        let flat = self.reshape(&flat_batch)?;
-        let positions =
-            mask.iter().enumerate().filter(|&(_, &m)| m).map(|(i, _)| i64::try_from(i).unwrap_or(i64::MAX)).collect();
-        Ok((flat, positions))
-    }
-
-    /// `td[index] = src`: writes every tensor of `src` into the indexed rows of the tensor at
-    /// the same key, in place (through to files and shared memory). Each tensor of `src` must
-    /// have a counterpart here with the same dtype and the shape `self.index(index)` would
+    /// `td[index] = src`: writes every tensor of `src` into the indexed elements of the tensor
+    /// at the same key, in place (through to files and shared memory). Each tensor of `src`
+    /// must have a counterpart here with the same dtype and the shape `self.index(index)` would
     /// give it. Non-tensor values of `src` are ignored. Everything is checked before the first
-    /// byte is written.
+    /// byte is written; a position picked twice keeps the last value written.
     pub fn set_at(&mut self, index: impl Into<Index>, src: &TensorDict) -> Result<()> {
         let index = index.into();
-        if let Index::MaskNd { mask, shape } = &index {
-            let (mut flat, positions) = self.flatten_for_mask(&index, mask, shape)?;
-            // Writes must land in this dict's memory: the flattening must have been a view.
-            for ((key, mine), (_, theirs)) in self.leaves().iter().zip(flat.leaves().iter()) {
-                if mine.nbytes() > 0 && !mine.shares_storage_with(theirs) {
-                    return Err(Error::InvalidArgument {
-                        op: "set_at",
-                        detail: format!("key `{key}`: a multi-dim mask needs tensors contiguous over the masked dims"),
-                    });
-                }
-            }
-            return flat.set_at(Index::List(positions), src);
-        }
         let plan = Plan::resolve(&index, self.batch_size())?;
-        let mut writes: Vec<(KeyPath, Tensor, Gather<'_>, &Tensor)> = Vec::new();
+        let mut writes: Vec<(KeyPath, &Tensor, &Tensor)> = Vec::new();
         for (path, s) in src.leaves() {
             let target = self.get_tensor(&path)?;
-            let (view, gather) = plan.view(target).with_key(|| path.clone())?;
-            let mut expected = view.dims().to_vec();
-            if let Some((dim, list)) = gather {
-                expected[dim] = list.len();
-            }
+            let expected = plan.shape_after(target.dims());
             if s.dims() != expected.as_slice() || s.dtype() != target.dtype() {
                 return Err(Error::Incompatible {
                     op: "set_at",
@@ -431,15 +712,10 @@ impl TensorDict {
                     source: memmap_tensor::Error::ReadOnly { op: "set_at", storage: target.storage().describe() },
                 });
             }
-            writes.push((path, view, gather, s));
+            writes.push((path, target, s));
         }
-        for (path, mut view, gather, s) in writes {
-            match gather {
-                None => view.copy_from(s),
-                Some((0, list)) => view.scatter_rows(list, s),
-                Some((dim, list)) => view.index_copy(dim, list, s),
-            }
-            .with_key(|| path)?;
+        for (path, target, s) in writes {
+            plan.write(target, s).with_key(|| path)?;
         }
         Ok(())
     }

@@ -54,6 +54,7 @@ pub use direct::ReadMode;
 pub use error::{Error, Result};
 pub use format::{FORMAT_VERSION, MAX_DEPTH, MAX_META_BYTES, WriteOptions};
 pub use index::Index;
+pub use json::{NON_FINITE_KEY, json_as_f64, json_float};
 pub use key::KeyPath;
 pub use replace::{Leftover, WriterState};
 pub use schema::MAX_VALUE_DEPTH;

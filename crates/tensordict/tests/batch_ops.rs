@@ -4,7 +4,7 @@
 
 use memmap_tensor::{DType, Tensor};
 use serde_json::json;
-use tensordict::{Entry, Error, KeyPath, TensorDict};
+use tensordict::{Entry, Error, Index, KeyPath, TensorDict};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
@@ -89,6 +89,16 @@ fn check_like(
                 assert_eq!(g.batch_size(), batch(m.batch_size()), "{what}: batch size of {key}");
             }
             (Entry::NonTensor(m), Entry::NonTensor(g)) => assert_eq!(g, m, "{what}: {key}"),
+            // Stacking makes a stack of the value (Python does too, even for equal values).
+            (Entry::NonTensor(m), Entry::NonTensorStack(g)) => {
+                let parent = KeyPath::from(&key.parts()[..key.len() - 1]);
+                let depth = if parent.is_empty() { got.batch_dims() } else { got.get_dict(&parent)?.batch_dims() };
+                let mut level = vec![g];
+                for _ in 0..depth {
+                    level = level.iter().flat_map(|v| v.as_array().expect("a nested array").iter()).collect();
+                }
+                assert!(level.iter().all(|v| *v == m), "{what}: {key}: {g}");
+            }
             (m, g) => panic!("{what}: {key} is a {} instead of a {}", g.kind_name(), m.kind_name()),
         }
     }
@@ -167,12 +177,13 @@ fn stack_errors() -> TestResult {
 
     let mut other_value = b.clone();
     other_value.set("s", json!({"cfg": [1, 3]}))?;
-    let err = expect_err(TensorDict::stack(&[&a, &other_value], 0), "different JSON values");
-    assert!(matches!(err, Error::Incompatible { op: "stack", ref detail } if detail.contains("`s`")), "{err:?}");
-    let mut other_nested_value = b.clone();
-    other_nested_value.set(["n", "tag"], json!("other"))?;
-    let err = expect_err(TensorDict::stack(&[&a, &other_nested_value], 0), "different nested JSON values");
-    assert!(matches!(err, Error::Incompatible { ref detail, .. } if detail.contains("n.tag")), "{err:?}");
+    // Different JSON values make a stack, one value per dict along the new dim (as in Python).
+    let stacked = TensorDict::stack(&[&a, &other_value], 0)?;
+    let (va, vb) = (a.get_non_tensor("s")?, other_value.get_non_tensor("s")?);
+    assert!(matches!(stacked.get("s")?, Entry::NonTensorStack(_)));
+    let unbound = stacked.unbind(0)?;
+    assert_eq!(unbound[0].index(Index::Tuple(vec![0i64.into(), 0i64.into()]))?.get_non_tensor("s")?, va);
+    assert_eq!(unbound[1].index(Index::Tuple(vec![0i64.into(), 0i64.into()]))?.get_non_tensor("s")?, vb);
 
     let mut kinds = b.clone();
     kinds.set("a", json!(0))?;
@@ -262,7 +273,12 @@ fn cat_errors() -> TestResult {
     assert_incompatible(TensorDict::cat(&[&a, &missing], 0), "cat", "a missing nested key");
     let mut value = sample(&[1, 3], 0)?;
     value.set("s", json!(null))?;
-    assert_incompatible(TensorDict::cat(&[&a, &value], 0), "cat", "different JSON values");
+    // Different JSON values become a stack: the rows of each dict keep its value (as in Python).
+    let joined = TensorDict::cat(&[&a, &value], 0)?;
+    assert!(matches!(joined.get("s")?, Entry::NonTensorStack(_)));
+    assert_eq!(joined.index(vec![2i64])?.get_non_tensor("s")?, &json!([[null, null, null]]));
+    // Equal values stay one value.
+    assert!(matches!(TensorDict::cat(&[&a, &a], 0)?.get("s")?, Entry::NonTensor(_)));
     let mut trailing = sample(&[1, 3], 0)?;
     trailing.set("b", halves(&[1, 3, 7], 0.0)?)?;
     let err = expect_err(TensorDict::cat(&[&a, &trailing], 0), "trailing dims");
@@ -437,9 +453,11 @@ fn unsqueeze_and_squeeze_are_views_and_inverse() -> TestResult {
 
     let ones = sample(&[1, 3, 1], 0)?;
     check_like(&ones.squeeze(2)?, &ones, &|b| remove_dim(b, 2), &|_, t| Ok(t.squeeze(2)?), "squeeze 2")?;
-    assert_invalid_argument(ones.squeeze(1), "squeeze", "dim of size 3");
+    // A dim whose size is not 1 is kept, as in Python.
+    let kept = ones.squeeze(1)?;
+    check_like(&kept, &ones, &|b| b.to_vec(), &|_, t| Ok(t.clone()), "squeeze of a dim of size 3")?;
     assert_invalid_argument(ones.squeeze(3), "squeeze", "dim out of range");
-    assert_invalid_argument(sample(&[0], 0)?.squeeze(0), "squeeze", "dim of size 0");
+    assert_eq!(sample(&[0], 0)?.squeeze(0)?.batch_size(), &[0], "a dim of size 0 is kept");
     // The nested dict's own dims (past the root's batch) are not squeezed.
     assert_eq!(ones.squeeze(0)?.get_dict(["n", "m"])?.batch_size(), &[3, 1, 4]);
     Ok(())

@@ -389,11 +389,11 @@ fn invalid_indices_are_errors_naming_the_index_and_batch_size() -> TestResult {
         (Index::slice(Some(3), Some(0), -1), "3:0:-1".into(), "step -1"),
         (Index::Tuple(vec![Index::full(), Index::slice(None, None, min)]), format!("(:, ::{min})"), "step"),
         (Index::Tuple(vec![Index::Int(0); 3]), "(0, 0, 0)".into(), "3 indices for 2 batch dims"),
-        (Index::Tuple(vec![list(&[0]), list(&[1])]), "([0], [1])".into(), "at most one list or mask"),
+        (Index::Tuple(vec![list(&[0, 1]), list(&[1, 2, 0])]), "([0, 1], [1, 2, 0])".into(), "cannot be broadcast"),
         (
-            Index::Tuple(vec![Index::Mask(vec![true; 4]), list(&[1])]),
-            "(mask(len=4, true=4), [1])".into(),
-            "at most one",
+            Index::Tuple(vec![Index::Mask(vec![true; 4]), list(&[1, 0])]),
+            "(mask(len=4, true=4), [1, 0])".into(),
+            "cannot be broadcast",
         ),
         (Index::Tuple(vec![Index::Tuple(vec![Index::Int(0)])]), "((0))".into(), "tuple"),
         (Index::Tuple(vec![Index::Int(0), Index::Tuple(vec![])]), "(0, ())".into(), "tuple"),
@@ -676,18 +676,22 @@ fn multi_dim_masks_select_and_write_positions() -> TestResult {
     ] {
         assert!(matches!(td.index(bad.clone()), Err(Error::InvalidIndex { .. })), "{bad}");
     }
-    assert!(matches!(
-        td.index(Index::Tuple(vec![Index::MaskNd { mask: vec![true; 2], shape: vec![2] }])),
-        Err(Error::InvalidIndex { .. })
-    ));
-    // Writing through a mask needs the masked dims contiguous (a strided view is not).
+    // A mask inside a tuple is an index like any other.
+    assert_eq!(
+        td.index(Index::Tuple(vec![Index::MaskNd { mask: vec![true; 2], shape: vec![2] }]))?.batch_size(),
+        &[2, 3]
+    );
+    // Writing through a mask into a strided view (masked dims that cannot merge) lands in place.
     let mut strided = TensorDict::new([2, 2]);
     strided.set("x", td.get_tensor("x")?.slice(1, 0, 3, 2)?)?;
     let mut two = TensorDict::new([2]);
-    two.set("x", Tensor::from_slice(&[0i32; 8], [2, 4])?)?;
-    assert!(matches!(
-        strided.set_at(Index::MaskNd { mask: vec![true, false, false, true], shape: vec![2, 2] }, &two),
-        Err(Error::InvalidArgument { .. })
-    ));
+    two.set("x", Tensor::from_slice(&[7i32; 8], [2, 4])?)?;
+    strided.set_at(Index::MaskNd { mask: vec![true, false, false, true], shape: vec![2, 2] }, &two)?;
+    let x = td.get_tensor("x")?.to_vec::<i32>()?;
+    // Positions (0, 0) and (1, 1) of the strided view are (0, 0) and (1, 2) of `x`.
+    assert_eq!(&x[0..4], &[7; 4]);
+    assert_eq!(&x[20..24], &[7; 4]);
+    assert_eq!(&x[4..8], &[4, 5, 6, 7]);
+    assert_eq!(&x[12..16], &[12, 13, 14, 15]);
     Ok(())
 }
