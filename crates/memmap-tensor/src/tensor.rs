@@ -351,7 +351,7 @@ impl Tensor {
         if self.dtype != DType::Bool {
             return Err(Error::DTypeMismatch { op: "to_vec_bool", actual: self.dtype, requested: DType::Bool });
         }
-        let bytes = self.to_bytes();
+        let bytes = self.to_bytes()?;
         bytes
             .iter()
             .enumerate()
@@ -363,11 +363,15 @@ impl Tensor {
             .collect()
     }
 
-    /// Copies the raw bytes of the elements, in C order, into a new `Vec`.
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.nbytes()];
+    /// Copies the raw bytes of the elements, in C order, into a new `Vec`. A tensor larger than
+    /// the memory left is [`Error::OutOfMemory`], not an abort.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let len = self.nbytes();
+        let mut out = Vec::new();
+        out.try_reserve_exact(len).map_err(|_| Error::OutOfMemory { bytes: len })?;
+        out.resize(len, 0);
         self.copy_out(&mut out);
-        out
+        Ok(out)
     }
 
     /// A contiguous copy of this tensor on the heap, sharing nothing with it.

@@ -115,7 +115,7 @@ fn zero_size_tensors_on_heap_file_and_shm() -> TestResult {
         let mut t = Tensor::zeros([0, 84], DType::F32, &location)?;
         assert_eq!((t.elem_count(), t.nbytes(), t.storage().len_bytes()), (0, 0, 0), "{location:?}");
         assert!(t.to_vec::<f32>()?.is_empty());
-        assert!(t.to_bytes().is_empty());
+        assert!(t.to_bytes()?.is_empty());
         assert!(t.as_slice::<f32>()?.is_empty());
         assert!(t.as_mut_slice::<f32>()?.is_empty());
         assert_eq!(t.array_view::<f32>()?.view().shape(), &[0, 84]);
@@ -175,7 +175,7 @@ fn a_misaligned_typed_view_is_refused_but_copies_work() -> TestResult {
     assert!(matches!(t.array_view_mut::<f32>(), Err(Error::Misaligned { op: "array_view_mut", .. })));
     // Element copies do not care about alignment.
     assert_eq!(t.to_vec::<f32>()?, values);
-    assert_eq!(t.to_bytes(), bytemuck::cast_slice::<f32, u8>(&values));
+    assert_eq!(t.to_bytes()?, bytemuck::cast_slice::<f32, u8>(&values));
     assert_eq!(t.gather_rows(&[3, 0])?.to_vec::<f32>()?, [f32::MAX, 1.5]);
     let aligned = t.deep_clone()?;
     assert_eq!(&*aligned.as_slice::<f32>()?, &values);
@@ -394,5 +394,17 @@ fn reopen_file_refuses_a_replaced_file() -> TestResult {
         Tensor::zeros([2], DType::U8, &Location::Heap)?.storage().reopen_file(0),
         Err(Error::NotAFile { .. })
     ));
+    Ok(())
+}
+
+/// `to_bytes` of a leaf larger than memory is an error too.
+#[test]
+fn to_bytes_of_a_leaf_larger_than_memory_is_an_error() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("huge.bin");
+    std::fs::File::create(&path)?.set_len(1 << 40)?;
+    let t = Tensor::open_file(&path, DType::U8, [1usize << 40], Access::ReadOnly)?;
+    assert!(matches!(t.to_bytes(), Err(Error::OutOfMemory { bytes }) if bytes == 1 << 40));
+    assert!(matches!(t.to_vec_bool(), Err(Error::DTypeMismatch { .. })));
     Ok(())
 }

@@ -34,7 +34,7 @@ fn assert_holds<T: Element>(t: &Tensor, expected: &[T]) -> TestResult {
     assert_eq!(t.dtype(), T::DTYPE);
     assert_eq!(t.shape(), &SHAPE);
     assert_eq!(t.nbytes(), want.len());
-    assert_eq!(t.to_bytes(), want, "to_bytes of {}", T::DTYPE);
+    assert_eq!(t.to_bytes()?, want, "to_bytes of {}", T::DTYPE);
     assert_eq!(bytes_of(&t.to_vec::<T>()?), want, "to_vec of {}", T::DTYPE);
     assert_eq!(bytes_of(&t.as_slice::<T>()?), want, "as_slice of {}", T::DTYPE);
     let array = t.array_view::<T>()?;
@@ -74,7 +74,7 @@ fn round_trip<T: Element>(place: Place) -> TestResult {
             let mut file = Tensor::zeros(SHAPE, dtype, &Location::File(path.clone()))?;
             assert_eq!(file.storage().kind(), StorageKind::File);
             assert_eq!(file.storage().path(), Some(path.as_path()));
-            assert!(file.to_bytes().iter().all(|&b| b == 0), "a new file tensor is zeroed");
+            assert!(file.to_bytes()?.iter().all(|&b| b == 0), "a new file tensor is zeroed");
             file.copy_from(&heap)?;
             file.flush()?;
             assert_holds(&file, &values)?;
@@ -86,7 +86,7 @@ fn round_trip<T: Element>(place: Place) -> TestResult {
             let mut shm = Tensor::zeros(SHAPE, dtype, &name.location())?;
             assert_eq!(shm.storage().kind(), StorageKind::Shm);
             assert_eq!(shm.storage().shm_name(), Some(name.0.as_str()));
-            assert!(shm.to_bytes().iter().all(|&b| b == 0), "a new shm tensor is zeroed");
+            assert!(shm.to_bytes()?.iter().all(|&b| b == 0), "a new shm tensor is zeroed");
             shm.copy_from(&heap)?;
             assert_holds(&shm, &values)?;
 
@@ -159,7 +159,7 @@ fn assert_holds_bools(t: &Tensor, expected: &[bool]) -> TestResult {
     assert_eq!(t.to_vec_bool()?, expected);
     assert_eq!(t.to_vec::<u8>()?, bytes);
     assert_eq!(&*t.as_slice::<u8>()?, &bytes[..]);
-    assert_eq!(t.to_bytes(), bytes);
+    assert_eq!(t.to_bytes()?, bytes);
     Ok(())
 }
 
@@ -244,7 +244,7 @@ fn dtype_sizes_and_names_are_consistent() -> TestResult {
         assert_eq!(dtype.to_string(), dtype.as_str());
         let zeros = Tensor::zeros(SHAPE, dtype, &Location::Heap)?;
         assert_eq!(zeros.nbytes(), COUNT * expected);
-        assert!(zeros.to_bytes().iter().all(|&b| b == 0));
+        assert!(zeros.to_bytes()?.iter().all(|&b| b == 0));
     }
     assert!(
         matches!(DType::from_torch_str("torch.complex64"), Err(Error::UnknownDType { name }) if name == "torch.complex64")
@@ -258,7 +258,7 @@ fn half_precision_values_survive() -> TestResult {
     let t = Tensor::from_slice(&halves, [5])?;
     assert_eq!(t.dtype(), DType::F16);
     assert_eq!(t.to_vec::<f16>()?, halves);
-    assert_eq!(t.to_bytes(), bytes_of(&halves));
+    assert_eq!(t.to_bytes()?, bytes_of(&halves));
 
     let brains = [bf16::from_f32(-2.25), bf16::from_f32(3.0e38), bf16::NEG_INFINITY, bf16::EPSILON];
     let t = Tensor::from_slice(&brains, [2, 2])?;

@@ -9,7 +9,7 @@ type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 /// The rows of dim 0 as bytes, read one by one through `select` (the slow, obvious way).
 fn rows_of(t: &Tensor) -> memmap_tensor::Result<Vec<Vec<u8>>> {
-    (0..t.dims()[0]).map(|i| Ok(t.select(0, i as i64)?.to_bytes())).collect()
+    (0..t.dims()[0]).map(|i| t.select(0, i as i64)?.to_bytes()).collect()
 }
 
 fn normalize(index: i64, size: usize) -> usize {
@@ -64,13 +64,13 @@ fn every_dtype_gathers_and_scatters_like_the_reference() -> TestResult {
         assert_eq!(gathered.dtype(), dtype);
         assert!(gathered.is_contiguous());
         assert!(!gathered.shares_storage_with(&t));
-        assert_eq!(gathered.to_bytes(), reference_gather(&t, &indices)?, "gather {dtype}");
+        assert_eq!(gathered.to_bytes()?, reference_gather(&t, &indices)?, "gather {dtype}");
 
         let mut src = Tensor::zeros([6, 3, 2], dtype, &Location::Heap)?;
         fill_bytes(&mut src, 100)?;
         let expected = reference_scatter(&t, &indices, &src)?;
         t.scatter_rows(&indices, &src)?;
-        assert_eq!(t.to_bytes(), expected, "scatter {dtype}");
+        assert_eq!(t.to_bytes()?, expected, "scatter {dtype}");
     }
     Ok(())
 }
@@ -82,7 +82,7 @@ fn gather_rows_into_an_existing_tensor() -> TestResult {
     let mut out = counting(&[3, 4], 1000)?;
     t.gather_rows_into(&indices, &mut out)?;
     assert_eq!(out.to_vec::<i32>()?, [12, 13, 14, 15, 12, 13, 14, 15, 0, 1, 2, 3]);
-    assert_eq!(out.to_bytes(), reference_gather(&t, &indices)?);
+    assert_eq!(out.to_bytes()?, reference_gather(&t, &indices)?);
     Ok(())
 }
 
@@ -184,14 +184,14 @@ fn non_row_contiguous_sources_and_destinations() -> TestResult {
     let indices = [4, -4, 0, 4];
     let gathered = src.gather_rows(&indices)?;
     assert_eq!(gathered.dims(), &[4, 3, 2]);
-    assert_eq!(gathered.to_bytes(), reference_gather(&src, &indices)?);
+    assert_eq!(gathered.to_bytes()?, reference_gather(&src, &indices)?);
 
     // Non-contiguous destination for gather_rows_into.
     let out_base = counting(&[4, 6, 2], -1000)?;
     let mut out = out_base.slice(1, 1, 6, 2)?;
     let untouched = out_base.slice(1, 0, 6, 2)?.to_vec::<i32>()?;
     big.narrow(1, 0, 3)?.gather_rows_into(&indices, &mut out)?;
-    assert_eq!(out.to_bytes(), reference_gather(&big.narrow(1, 0, 3)?, &indices)?);
+    assert_eq!(out.to_bytes()?, reference_gather(&big.narrow(1, 0, 3)?, &indices)?);
     assert_eq!(out_base.slice(1, 0, 6, 2)?.to_vec::<i32>()?, untouched, "the other columns are untouched");
 
     // Non-contiguous destination and source for scatter_rows.
@@ -200,17 +200,17 @@ fn non_row_contiguous_sources_and_destinations() -> TestResult {
     let scatter_src = out_base.slice(1, 0, 6, 2)?.narrow(0, 0, 4)?;
     let expected = reference_scatter(&dst, &indices, &scatter_src)?;
     dst.scatter_rows(&indices, &scatter_src)?;
-    assert_eq!(dst.to_bytes(), expected);
-    assert_eq!(dst_other.to_bytes(), expected);
+    assert_eq!(dst.to_bytes()?, expected);
+    assert_eq!(dst_other.to_bytes()?, expected);
 
     // Mixed: contiguous source rows into a non-contiguous destination and back.
     let contiguous_src = counting(&[4, 3, 2], 500)?;
     let expected = reference_scatter(&dst, &indices, &contiguous_src)?;
     dst.scatter_rows(&indices, &contiguous_src)?;
-    assert_eq!(dst.to_bytes(), expected);
+    assert_eq!(dst.to_bytes()?, expected);
     let mut contiguous_out = Tensor::zeros([4, 3, 2], DType::I32, &Location::Heap)?;
     dst.gather_rows_into(&indices, &mut contiguous_out)?;
-    assert_eq!(contiguous_out.to_bytes(), reference_gather(&dst, &indices)?);
+    assert_eq!(contiguous_out.to_bytes()?, reference_gather(&dst, &indices)?);
     Ok(())
 }
 
@@ -221,7 +221,7 @@ fn strided_rows_along_dim_zero() -> TestResult {
     assert_eq!(every_third.dims(), &[3, 4]);
     assert!(every_third.layout().rows_contiguous());
     let gathered = every_third.gather_rows(&[2, 0, -2])?;
-    assert_eq!(gathered.to_bytes(), reference_gather(&every_third, &[2, 0, -2])?);
+    assert_eq!(gathered.to_bytes()?, reference_gather(&every_third, &[2, 0, -2])?);
     assert_eq!(gathered.select(0, 0)?.to_vec::<i32>()?, [28, 29, 30, 31]);
 
     let src = counting(&[2, 4], 100)?;
@@ -241,9 +241,9 @@ fn strided_rows_along_dim_zero() -> TestResult {
     let mut out = out_base.slice(0, 0, 6, 2)?;
     base.gather_rows_into(&[9, 0, 4], &mut out)?;
     let rows = rows_of(&out_base)?;
-    assert_eq!(rows[0], base.select(0, 9)?.to_bytes());
-    assert_eq!(rows[2], base.select(0, 0)?.to_bytes());
-    assert_eq!(rows[4], base.select(0, 4)?.to_bytes());
+    assert_eq!(rows[0], base.select(0, 9)?.to_bytes()?);
+    assert_eq!(rows[2], base.select(0, 0)?.to_bytes()?);
+    assert_eq!(rows[4], base.select(0, 4)?.to_bytes()?);
     for i in [1, 3, 5] {
         assert!(rows[i].iter().all(|&b| b == 0), "row {i} is untouched");
     }
@@ -287,7 +287,7 @@ fn gather_into_a_file_backed_tensor() -> TestResult {
     t.gather_rows_into(&indices, &mut out)?;
     out.flush()?;
     let expected = reference_gather(&t, &indices)?;
-    assert_eq!(out.to_bytes(), expected);
+    assert_eq!(out.to_bytes()?, expected);
     drop(out);
     assert_eq!(std::fs::read(&path)?, expected);
 
@@ -310,7 +310,7 @@ fn scatter_from_a_view_of_itself_acts_on_a_copy() -> TestResult {
     assert!(src.shares_storage_with(&t));
     let expected = reference_scatter(&t, &[1, 2, 3], &src)?;
     t.scatter_rows(&[1, 2, 3], &src)?;
-    assert_eq!(t.to_bytes(), expected);
+    assert_eq!(t.to_bytes()?, expected);
     // Rows 1..4 now hold the old rows 0..3, not row 0 three times.
     assert_eq!(t.to_vec::<i32>()?, [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 14, 15, 16, 17]);
 
@@ -328,7 +328,7 @@ fn gather_into_a_view_of_itself_acts_on_a_copy() -> TestResult {
     let expected_rows = reference_gather(&t, &[2, 3, 4])?;
     let mut tail = t.narrow(0, 3, 3)?;
     t.gather_rows_into(&[2, 3, 4], &mut tail)?;
-    assert_eq!(tail.to_bytes(), expected_rows);
+    assert_eq!(tail.to_bytes()?, expected_rows);
     assert_eq!(t.to_vec::<i32>()?, [0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 8, 9]);
     Ok(())
 }
@@ -339,19 +339,19 @@ fn copy_rows_matches_the_reference() -> TestResult {
     let src = counting(&[2, 3], 100)?;
     let expected = reference_scatter(&t, &[2, 3], &src)?;
     t.copy_rows(2..4, &src)?;
-    assert_eq!(t.to_bytes(), expected);
+    assert_eq!(t.to_bytes()?, expected);
 
     // A non-contiguous source.
     let wide = counting(&[3, 6], 200)?;
     let strided = wide.slice(1, 0, 6, 2)?;
     let expected = reference_scatter(&t, &[3, 4, 5], &strided)?;
     t.copy_rows(3..6, &strided)?;
-    assert_eq!(t.to_bytes(), expected);
+    assert_eq!(t.to_bytes()?, expected);
 
     // An empty range.
-    let before = t.to_bytes();
+    let before = t.to_bytes()?;
     t.copy_rows(6..6, &Tensor::zeros([0, 3], DType::I32, &Location::Heap)?)?;
-    assert_eq!(t.to_bytes(), before);
+    assert_eq!(t.to_bytes()?, before);
 
     // A source that overlaps the destination rows behaves like memmove.
     let mut t = counting(&[5, 2], 0)?;
@@ -478,30 +478,30 @@ fn check_gather_scatter(
     let src = make(n, a, b, src_variant, 0)?;
     let gathered = src.gather_rows(&indices)?;
     prop_assert_eq!(gathered.dims(), &[k, a, b][..]);
-    prop_assert_eq!(gathered.to_bytes(), reference_gather(&src, &indices)?);
+    prop_assert_eq!(gathered.to_bytes()?, reference_gather(&src, &indices)?);
 
     let mut out = make(k, a, b, out_variant, -1)?;
     src.gather_rows_into(&indices, &mut out)?;
-    prop_assert_eq!(out.to_bytes(), reference_gather(&src, &indices)?);
+    prop_assert_eq!(out.to_bytes()?, reference_gather(&src, &indices)?);
 
     let mut dst = make(n, a, b, dst_variant, 10_000)?;
     let values = make(k, a, b, src_variant.wrapping_add(1), 20_000)?;
     let expected = reference_scatter(&dst, &indices, &values)?;
     dst.scatter_rows(&indices, &values)?;
-    prop_assert_eq!(dst.to_bytes(), expected);
+    prop_assert_eq!(dst.to_bytes()?, expected);
 
     // Out-of-range indices change nothing.
     let mut bad = indices.clone();
     bad.push(size);
     let mut bad_values = make(k + 1, a, b, 0, 30_000)?;
-    let before = dst.to_bytes();
+    let before = dst.to_bytes()?;
     let refused = matches!(dst.scatter_rows(&bad, &bad_values), Err(Error::IndexOutOfRange { .. }));
     prop_assert!(refused, "scatter_rows with index {} of {}", size, size);
-    prop_assert_eq!(dst.to_bytes(), before);
-    let out_before = bad_values.to_bytes();
+    prop_assert_eq!(dst.to_bytes()?, before);
+    let out_before = bad_values.to_bytes()?;
     let refused = matches!(dst.gather_rows_into(&bad, &mut bad_values), Err(Error::IndexOutOfRange { .. }));
     prop_assert!(refused, "gather_rows_into with index {} of {}", size, size);
-    prop_assert_eq!(bad_values.to_bytes(), out_before);
+    prop_assert_eq!(bad_values.to_bytes()?, out_before);
     Ok(())
 }
 

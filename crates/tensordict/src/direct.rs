@@ -194,7 +194,8 @@ fn restore_once(offloader: &Offloader, name: &str) -> Result<Attempt> {
         Err(e) => return Err(io_err(e)),
     };
     let mut back = back.into_iter();
-    let schema_read = back.next().map(|(_, buf)| buf.into_tensor().to_bytes());
+    let schema_read =
+        back.next().map(|(_, buf)| buf.into_tensor().to_bytes()).transpose().with_key(KeyPath::default)?;
     if counts.first() != Some(&text.len()) || schema_read.as_deref() != Some(&text[..]) {
         return Ok(Attempt::Changed(bad("the schema changed while the tensors were read".into())));
     }

@@ -33,7 +33,7 @@ fn same(a: &TensorDict, b: &TensorDict) {
     for ((ka, ta), (kb, tb)) in la.iter().zip(lb.iter()) {
         assert_eq!(ka, kb);
         assert_eq!(ta.dims(), tb.dims(), "{ka}");
-        assert_eq!(ta.to_bytes(), tb.to_bytes(), "{ka}");
+        assert_eq!(ta.to_bytes().expect("bytes"), tb.to_bytes().expect("bytes"), "{ka}");
     }
     assert_eq!(a.non_tensors(), b.non_tensors());
 }

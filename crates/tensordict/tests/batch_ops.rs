@@ -83,7 +83,7 @@ fn check_like(
                 let expected = leaf(&key, m)?;
                 assert_eq!(g.dtype(), expected.dtype(), "{what}: {key}");
                 assert_eq!(g.dims(), expected.dims(), "{what}: {key}");
-                assert_eq!(g.to_bytes(), expected.to_bytes(), "{what}: {key}");
+                assert_eq!(g.to_bytes()?, expected.to_bytes()?, "{what}: {key}");
             }
             (Entry::Dict(m), Entry::Dict(g)) => {
                 assert_eq!(g.batch_size(), batch(m.batch_size()), "{what}: batch size of {key}");

@@ -56,7 +56,7 @@ fn snapshot(td: &TensorDict) -> AnyResult<Vec<(KeyPath, String)>> {
     let mut out = Vec::new();
     for key in td.keys(true, false) {
         let desc = match td.get(&key)? {
-            Entry::Tensor(t) => format!("tensor {} {:?} {:?}", t.dtype(), t.dims(), t.to_bytes()),
+            Entry::Tensor(t) => format!("tensor {} {:?} {:?}", t.dtype(), t.dims(), t.to_bytes()?),
             Entry::Dict(d) => format!("dict {:?}", d.batch_size()),
             Entry::NonTensor(v) => format!("value {v}"),
             Entry::NonTensorStack(v) => format!("stack {v}"),

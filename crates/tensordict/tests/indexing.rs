@@ -138,7 +138,7 @@ fn block_bytes(plan: &[RefDim], t: &Tensor) -> usize {
 
 /// `t[index]` by brute force: (shape, bytes).
 fn ref_index(plan: &[RefDim], t: &Tensor) -> (Vec<usize>, Vec<u8>) {
-    let bytes = t.to_bytes();
+    let bytes = t.to_bytes().expect("bytes");
     let block = block_bytes(plan, t);
     let mut out = Vec::new();
     for p in ref_positions(plan, t.dims()) {
@@ -149,8 +149,8 @@ fn ref_index(plan: &[RefDim], t: &Tensor) -> (Vec<usize>, Vec<u8>) {
 
 /// `t[index] = src` by brute force (later positions overwrite earlier ones): the new bytes.
 fn ref_assign(plan: &[RefDim], t: &Tensor, src: &Tensor) -> Vec<u8> {
-    let mut bytes = t.to_bytes();
-    let src_bytes = src.to_bytes();
+    let mut bytes = t.to_bytes().expect("bytes");
+    let src_bytes = src.to_bytes().expect("bytes");
     let block = block_bytes(plan, t);
     for (k, p) in ref_positions(plan, t.dims()).into_iter().enumerate() {
         bytes[p * block..(p + 1) * block].copy_from_slice(&src_bytes[k * block..(k + 1) * block]);
@@ -177,7 +177,7 @@ fn check_index(td: &TensorDict, index: &Index) -> TestResult {
                 let (dims, bytes) = ref_index(&plan, t);
                 assert_eq!(got.dtype(), t.dtype(), "{key} for {index}");
                 assert_eq!(got.dims(), dims.as_slice(), "{key} for {index}");
-                assert_eq!(got.to_bytes(), bytes, "{key} for {index}");
+                assert_eq!(got.to_bytes()?, bytes, "{key} for {index}");
                 if has_gather(index) {
                     assert_eq!(got.storage().kind(), StorageKind::Heap, "{key} for {index}: a gather copies");
                     assert!(!got.shares_storage_with(t), "{key} for {index}: a gather copies");
@@ -224,7 +224,7 @@ fn check_set_at(td: &mut TensorDict, index: &Index, src: &TensorDict) -> TestRes
     let values_before: Vec<_> = td.non_tensors().into_iter().map(|(k, v)| (k, v.clone())).collect();
     td.set_at(index.clone(), src)?;
     for (key, bytes) in expected {
-        assert_eq!(td.get_tensor(&key)?.to_bytes(), bytes, "{key} after set_at {index}");
+        assert_eq!(td.get_tensor(&key)?.to_bytes()?, bytes, "{key} after set_at {index}");
     }
     let values_after: Vec<_> = td.non_tensors().into_iter().map(|(k, v)| (k, v.clone())).collect();
     assert_eq!(values_after, values_before, "set_at must not touch non-tensor values");
@@ -496,7 +496,7 @@ fn set_at_writes_through_to_the_memmap_folder() -> TestResult {
         // What a new reader of the folder sees.
         let reread = TensorDict::load_memmap(dir.path().join("td"), Access::ReadOnly)?;
         for (key, t) in mm.leaves() {
-            assert_eq!(reread.get_tensor(&key)?.to_bytes(), t.to_bytes(), "{key} after {index}");
+            assert_eq!(reread.get_tensor(&key)?.to_bytes()?, t.to_bytes()?, "{key} after {index}");
         }
         assert!(mm.is_memmap(), "set_at must not replace the mapped tensors");
     }
@@ -506,7 +506,7 @@ fn set_at_writes_through_to_the_memmap_folder() -> TestResult {
 /// The bytes of every leaf of the folder at `path`, read afresh.
 fn folder_bytes(path: &std::path::Path) -> AnyResult<Vec<(KeyPath, Vec<u8>)>> {
     let td = TensorDict::load_memmap(path, Access::ReadOnly)?;
-    Ok(td.leaves().into_iter().map(|(k, t)| (k, t.to_bytes())).collect())
+    Ok(td.leaves().into_iter().map(|(k, t)| (k, t.to_bytes().expect("bytes"))).collect())
 }
 
 #[test]
@@ -563,13 +563,13 @@ fn set_at_on_a_read_only_folder_fails_and_writes_nothing() -> TestResult {
 
     // A writable heap leaf listed before the read-only ones is not written either.
     ro.set("heap", patterned(DType::U8, &[6, 2], 0)?)?;
-    let heap_before = ro.get_tensor("heap")?.to_bytes();
+    let heap_before = ro.get_tensor("heap")?.to_bytes()?;
     let mut src = TensorDict::new([2]);
     src.set("heap", patterned(DType::U8, &[2, 2], 77)?)?;
     src.set("i64", patterned(DType::I64, &[2, 2], 78)?)?;
     let err = ro.set_at(index, &src);
     assert!(matches!(err, Err(Error::Tensor { source: memmap_tensor::Error::ReadOnly { .. }, .. })), "{err:?}");
-    assert_eq!(ro.get_tensor("heap")?.to_bytes(), heap_before);
+    assert_eq!(ro.get_tensor("heap")?.to_bytes()?, heap_before);
     assert_eq!(folder_bytes(&path)?, before);
     Ok(())
 }
@@ -577,7 +577,7 @@ fn set_at_on_a_read_only_folder_fails_and_writes_nothing() -> TestResult {
 #[test]
 fn set_at_needs_every_source_key_in_the_target() -> TestResult {
     let mut td = build(&[4, 3], 2, 1)?;
-    let before: Vec<_> = td.leaves().into_iter().map(|(k, t)| (k, t.to_bytes())).collect();
+    let before: Vec<_> = td.leaves().into_iter().map(|(k, t)| (k, t.to_bytes().expect("bytes"))).collect();
     let index = Index::from(0i64);
     for missing in [KeyPath::from("zz"), KeyPath::from(["n", "zz"]), KeyPath::from(["zz", "y"])] {
         let mut src = TensorDict::new([3]);
@@ -593,7 +593,7 @@ fn set_at_needs_every_source_key_in_the_target() -> TestResult {
     src.set("info", patterned(DType::F32, &[3], 0)?)?;
     let err = td.set_at(index.clone(), &src);
     assert!(matches!(err, Err(Error::WrongEntryKind { .. })), "{err:?}");
-    let after: Vec<_> = td.leaves().into_iter().map(|(k, t)| (k, t.to_bytes())).collect();
+    let after: Vec<_> = td.leaves().into_iter().map(|(k, t)| (k, t.to_bytes().expect("bytes"))).collect();
     assert_eq!(after, before);
 
     // A source with a subset of the keys writes only those; its JSON values are ignored.
@@ -606,7 +606,7 @@ fn set_at_needs_every_source_key_in_the_target() -> TestResult {
     assert_eq!(td.get_non_tensor("info")?, &json!(["a", 1, null]));
     for (key, bytes) in before {
         if key != KeyPath::from("i64") {
-            assert_eq!(td.get_tensor(&key)?.to_bytes(), bytes, "{key}");
+            assert_eq!(td.get_tensor(&key)?.to_bytes()?, bytes, "{key}");
         }
     }
     Ok(())
@@ -621,7 +621,7 @@ fn set_at_from_an_overlapping_view_of_itself() -> TestResult {
     td.set_at(1..5i64, &src)?;
     let shifted = TensorDict::cat(&[&original.index(0..1i64)?, &original.index(0..4i64)?], 0)?;
     for (key, t) in td.leaves() {
-        assert_eq!(t.to_bytes(), shifted.get_tensor(&key)?.to_bytes(), "{key}");
+        assert_eq!(t.to_bytes()?, shifted.get_tensor(&key)?.to_bytes()?, "{key}");
     }
     // The same with a gather whose source is a view of the target.
     let mut td = original.deep_clone()?;
@@ -631,7 +631,7 @@ fn set_at_from_an_overlapping_view_of_itself() -> TestResult {
         let o = original.get_tensor(&key)?;
         let expected =
             Tensor::cat(&[&o.narrow(0, 0, 1)?, &o.narrow(0, 2, 1)?, &o.narrow(0, 1, 1)?, &o.narrow(0, 3, 2)?], 0)?;
-        assert_eq!(t.to_bytes(), expected.to_bytes(), "{key}");
+        assert_eq!(t.to_bytes()?, expected.to_bytes()?, "{key}");
     }
     Ok(())
 }

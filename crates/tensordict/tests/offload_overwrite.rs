@@ -46,14 +46,17 @@ fn generation(g: u64) -> TensorDict {
 
 /// The generation `td` is, if it is exactly one (structure and every byte).
 fn generation_of(td: &TensorDict) -> Option<u64> {
-    let bytes = td.get_tensor("gen").ok()?.to_bytes();
+    let bytes = td.get_tensor("gen").ok()?.to_bytes().expect("bytes");
     let g = u64::try_from(i64::from_le_bytes(bytes.get(..8)?.try_into().ok()?)).ok()?;
     let expected = generation(g);
     let (la, lb) = (td.leaves(), expected.leaves());
     let same = td.batch_size() == expected.batch_size()
         && la.len() == lb.len()
         && la.iter().zip(lb.iter()).all(|((ka, ta), (kb, tb))| {
-            ka == kb && ta.dims() == tb.dims() && ta.dtype() == tb.dtype() && ta.to_bytes() == tb.to_bytes()
+            ka == kb
+                && ta.dims() == tb.dims()
+                && ta.dtype() == tb.dtype()
+                && ta.to_bytes().expect("bytes") == tb.to_bytes().expect("bytes")
         });
     same.then_some(g)
 }
