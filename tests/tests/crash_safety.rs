@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use integration_tests::{check_version, version};
 use memmap_tensor::Access;
 use rand::Rng;
-use tensordict::{TensorDict, WriteOptions, WriterState};
+use tensordict::{ProcessState, TensorDict, WriteOptions};
 
 const RUNS: usize = 25;
 
@@ -57,7 +57,7 @@ fn kill_at_random_times(mode: &str, fallback: bool) -> anyhow::Result<()> {
 
         // What the killed writer left is found, and its writer known to be dead.
         for leftover in TensorDict::leftovers(&prefix)? {
-            anyhow::ensure!(leftover.state == WriterState::Dead, "run {run}: {leftover:?}");
+            anyhow::ensure!(leftover.state == ProcessState::Dead, "run {run}: {leftover:?}");
         }
     }
     let removed = TensorDict::remove_leftovers(&prefix)?;

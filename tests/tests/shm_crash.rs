@@ -10,7 +10,7 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use integration_tests::ShmPrefix;
 use memmap_tensor::{Access, Storage, Tensor};
 use rand::Rng;
-use tensordict::{CreatorState, Error, SharedDictInfo, TensorDict};
+use tensordict::{Error, ProcessState, SharedDictInfo, TensorDict};
 
 const LEAVES: usize = 24;
 const LEAF_BYTES: usize = 1 << 20;
@@ -112,10 +112,10 @@ fn a_sharer_killed_at_random_points_leaves_a_prefix_that_is_reported_and_removed
                 assert_eq!(info.objects, prefix.objects().len(), "run {run}");
                 if info.creator.pid.is_some() {
                     assert_eq!(info.creator.pid, Some(pid), "run {run}: {info:?}");
-                    assert_eq!(info.creator.state, CreatorState::Dead, "run {run}: {info:?}");
+                    assert_eq!(info.creator.state, ProcessState::Dead, "run {run}: {info:?}");
                 } else {
                     // Killed while writing its owner record: the creator cannot be named.
-                    assert_eq!(info.creator.state, CreatorState::Unknown, "run {run}: {info:?}");
+                    assert_eq!(info.creator.state, ProcessState::Unknown, "run {run}: {info:?}");
                 }
                 let refused = small_dict().share_memory(prefix.as_str()).expect_err("the prefix is taken");
                 let message = refused.to_string();
@@ -165,13 +165,13 @@ fn a_running_creator_is_alive_and_a_killed_one_dead() {
     assert!(info.complete, "{info:?}");
     assert_eq!(info.objects, 5, "owner, 3 tensors, schema: {info:?}");
     assert!(info.bytes >= 3 * 4096, "{info:?}");
-    assert_eq!((info.creator.pid, info.creator.state), (Some(sharer.pid()), CreatorState::Alive));
+    assert_eq!((info.creator.pid, info.creator.state), (Some(sharer.pid()), ProcessState::Alive));
     let refused = small_dict().share_memory(prefix.as_str()).expect_err("taken");
     assert!(refused.to_string().contains("alive"), "{refused}");
     let pid = sharer.pid();
     sharer.kill();
     let info = info_of(prefix.as_str()).expect("still listed");
-    assert_eq!((info.creator.pid, info.creator.state, info.complete), (Some(pid), CreatorState::Dead, true));
+    assert_eq!((info.creator.pid, info.creator.state, info.complete), (Some(pid), ProcessState::Dead, true));
     // The dict outlives its creator and still opens.
     let td = TensorDict::open_shared(prefix.as_str(), Access::ReadOnly).unwrap();
     assert_eq!(td.get_tensor("l2").unwrap().to_vec::<u8>().unwrap(), vec![2; 4096]);
@@ -202,20 +202,20 @@ fn owner_records_tell_reused_pids_and_foreign_creators_apart() {
     let cases = [
         (
             serde_json::json!({"version": 1, "pid": pid, "start_time": own_start_time(), "boot_id": own_boot_id(), "pid_ns": own_pid_ns()}),
-            CreatorState::Alive,
+            ProcessState::Alive,
         ),
         // Same pid, other start time: the creator died and its pid was reused (by us).
         (
             serde_json::json!({"version": 1, "pid": pid, "start_time": own_start_time() + 1, "boot_id": own_boot_id(), "pid_ns": own_pid_ns()}),
-            CreatorState::Dead,
+            ProcessState::Dead,
         ),
         (
             serde_json::json!({"version": 1, "pid": pid, "start_time": own_start_time(), "boot_id": "another-boot", "pid_ns": own_pid_ns()}),
-            CreatorState::Unknown,
+            ProcessState::Unknown,
         ),
         (
             serde_json::json!({"version": 1, "pid": pid, "start_time": own_start_time(), "boot_id": own_boot_id(), "pid_ns": "pid:[1]"}),
-            CreatorState::Unknown,
+            ProcessState::Unknown,
         ),
     ];
     for (i, (record, state)) in cases.into_iter().enumerate() {
@@ -231,7 +231,7 @@ fn owner_records_tell_reused_pids_and_foreign_creators_apart() {
     let prefix = ShmPrefix::new("record-empty");
     Storage::create_shm_bytes(&format!("/{}.owner", prefix.as_str()), b"").unwrap();
     let info = info_of(prefix.as_str()).expect("listed");
-    assert_eq!((info.creator.pid, info.creator.state), (None, CreatorState::Unknown));
+    assert_eq!((info.creator.pid, info.creator.state), (None, ProcessState::Unknown));
     let err = TensorDict::open_shared(prefix.as_str(), Access::ReadOnly).unwrap_err();
     assert!(matches!(err, Error::SharedIncomplete { .. }), "{err:?}");
     TensorDict::unlink_shared(prefix.as_str()).unwrap();

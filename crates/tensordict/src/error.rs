@@ -151,7 +151,7 @@ pub enum Error {
     #[error(
         "shared dict `{prefix}` is incomplete: its schema was never written (creator {creator}{}); remove it \
          with `TensorDict::unlink_shared(\"{prefix}\")` or `tdict rm shm:{prefix}`",
-        if creator.state == crate::CreatorState::Alive { ", perhaps still writing it" } else { "" }
+        if creator.state == crate::ProcessState::Alive { ", perhaps still writing it" } else { "" }
     )]
     SharedIncomplete {
         /// The prefix.
@@ -181,8 +181,8 @@ pub enum Error {
 fn describe_writer(leftover: &crate::Leftover) -> String {
     let who = leftover.pid.map_or_else(|| "a writer".to_owned(), |pid| format!("the writer with pid {pid}"));
     match leftover.state {
-        crate::WriterState::Alive => format!("{who}, which is still running"),
-        crate::WriterState::Dead => {
+        crate::ProcessState::Alive => format!("{who}, which is still running"),
+        crate::ProcessState::Dead => {
             format!("{who}, which is gone; `tdict clean` or TensorDict::remove_leftovers removes it")
         }
         _ => format!("{who} on another machine or container; remove it by hand once that writer is gone"),

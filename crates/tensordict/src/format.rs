@@ -13,7 +13,8 @@ use crate::dir::Dir;
 use crate::error::WithKey;
 use crate::json::{to_python_json, to_python_json_compact};
 use crate::key::{METADATA_KEYS, RESERVED_KEYS, candidate_names, encode_name};
-use crate::replace::{self, Destination, Existing, Leftover, WriterState};
+use crate::process::ProcessState;
+use crate::replace::{self, Destination, Existing, Leftover};
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
 
 /// `_type` of a TensorDict node in `meta.json`.
@@ -170,7 +171,7 @@ impl TensorDict {
         destination.recover()?;
         let mut removed = Vec::new();
         for leftover in destination.leftovers() {
-            if leftover.state == WriterState::Dead {
+            if leftover.state == ProcessState::Dead {
                 replace::remove(&leftover)?;
                 removed.push(leftover);
             }

@@ -21,41 +21,17 @@
 //! [`TensorDict::remove_leftovers`](crate::TensorDict::remove_leftovers).
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::fcntl::{AT_FDCWD, RenameFlags, renameat2};
 
+use crate::process::{ProcessId, ProcessState};
 use crate::{Error, Result};
 
 /// How long a reader waits for a live writer that is between the two renames of the fallback.
 const SWAP_WAIT: Duration = Duration::from_secs(2);
-
-/// Who wrote a hidden folder: enough to tell, on this machine, whether it still runs.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Writer {
-    pid: u32,
-    /// Start time of the process in clock ticks since boot (`/proc/PID/stat`, field 22).
-    start: u64,
-    /// The first 8 hex digits of the kernel's boot id.
-    boot: String,
-    /// The inode of the pid namespace.
-    pidns: u64,
-}
-
-/// Whether the writer of a leftover still runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum WriterState {
-    /// It runs: its folder is work in progress.
-    Alive,
-    /// It is gone: its folder is garbage.
-    Dead,
-    /// It ran on another machine, boot or container: this process cannot tell.
-    Unknown,
-}
 
 /// A hidden file or folder left beside or inside a dict folder by a writer.
 #[derive(Clone, Debug)]
@@ -68,75 +44,32 @@ pub struct Leftover {
     /// The writer's process id, if the name records one.
     pub pid: Option<u32>,
     /// Whether that writer still runs.
-    pub state: WriterState,
-}
-
-impl Writer {
-    /// This process.
-    pub(crate) fn me() -> &'static Writer {
-        static ME: OnceLock<Writer> = OnceLock::new();
-        ME.get_or_init(|| {
-            let pid = std::process::id();
-            Writer { pid, start: start_time(pid).unwrap_or(0), boot: boot_id(), pidns: pid_namespace() }
-        })
-    }
-
-    fn state(&self) -> WriterState {
-        let me = Writer::me();
-        if self.boot != me.boot || self.pidns != me.pidns {
-            return WriterState::Unknown;
-        }
-        match start_time(self.pid) {
-            Some(start) if start == self.start => WriterState::Alive,
-            _ => WriterState::Dead,
-        }
-    }
+    pub state: ProcessState,
 }
 
 /// The hidden sibling names for the dict folder named `name`: `.tdict-KIND-HASH-PID-START-BOOT-NS-N`.
 fn hidden_name(kind: &str, name: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let w = Writer::me();
+    let me = ProcessId::me();
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!(".tdict-{kind}-{:016x}-{}-{}-{}-{}-{n}", name_hash(name), w.pid, w.start, w.boot, w.pidns)
+    let start = me.start.unwrap_or(0);
+    format!(".tdict-{kind}-{:016x}-{}-{start}-{}-{}-{n}", name_hash(name), me.pid, me.boot, me.pidns)
 }
 
 /// Parses a hidden sibling name: its kind, the hash of its destination's name and its writer.
-fn parse_hidden(file_name: &str) -> Option<(&str, u64, Writer)> {
+fn parse_hidden(file_name: &str) -> Option<(&str, u64, ProcessId)> {
     let rest = file_name.strip_prefix(".tdict-")?;
     let parts: Vec<&str> = rest.split('-').collect();
     let [kind @ ("new" | "old"), hash, pid, start, boot, pidns, n] = parts[..] else { return None };
     n.parse::<u64>().ok()?;
-    let writer = Writer {
-        pid: pid.parse().ok()?,
-        start: start.parse().ok()?,
-        boot: boot.to_owned(),
-        pidns: pidns.parse().ok()?,
-    };
+    let start = start.parse::<u64>().ok()?;
+    let writer = ProcessId::new(pid.parse().ok()?, (start != 0).then_some(start), boot, pidns);
     Some((kind, u64::from_str_radix(hash, 16).ok()?, writer))
 }
 
 /// FNV-1a: stable across builds, so leftovers of another version of this program are found.
 fn name_hash(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
-}
-
-fn start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may hold spaces and parentheses: count from the last `)`.
-    let after = &stat[stat.rfind(')')? + 1..];
-    after.split_whitespace().nth(19)?.parse().ok()
-}
-
-fn boot_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|id| id.chars().filter(char::is_ascii_hexdigit).take(8).collect())
-        .unwrap_or_else(|_| "00000000".into())
-}
-
-fn pid_namespace() -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0)
 }
 
 /// Where a dict folder goes: the real folder (a link at the destination is followed) and the
@@ -270,12 +203,12 @@ impl Destination {
         let deadline = Instant::now() + SWAP_WAIT;
         while !self.real.exists() {
             let hash = name_hash(&self.name);
-            let olds: Vec<(PathBuf, WriterState)> = hidden_siblings(&self.parent)
+            let olds: Vec<(PathBuf, ProcessState)> = hidden_siblings(&self.parent)
                 .into_iter()
                 .filter(|(_, kind, h, _)| kind == "old" && *h == hash)
                 .map(|(path, _, _, writer)| (path, writer.state()))
                 .collect();
-            if let Some((old, _)) = olds.iter().find(|(_, state)| *state == WriterState::Dead) {
+            if let Some((old, _)) = olds.iter().find(|(_, state)| *state == ProcessState::Dead) {
                 match nix::fcntl::renameat(AT_FDCWD, old, AT_FDCWD, &self.real) {
                     Ok(()) | Err(Errno::ENOENT | Errno::ENOTEMPTY | Errno::EEXIST) => continue,
                     Err(e) => return Err(Error::Io { op: "restore", path: self.shown.clone(), source: e.into() }),
@@ -342,7 +275,7 @@ fn exchange_supported() -> bool {
 }
 
 /// The hidden siblings in `parent`: path, kind, destination hash, writer.
-fn hidden_siblings(parent: &Path) -> Vec<(PathBuf, String, u64, Writer)> {
+fn hidden_siblings(parent: &Path) -> Vec<(PathBuf, String, u64, ProcessId)> {
     let Ok(entries) = std::fs::read_dir(parent) else { return Vec::new() };
     entries
         .filter_map(|e| e.ok())
@@ -372,7 +305,7 @@ fn temp_files(dir: &Path, depth: usize, found: &mut Vec<Leftover>) {
                 path: entry.path(),
                 bytes: entry.metadata().map(|m| m.len()).unwrap_or(0),
                 pid: Some(pid),
-                state: if alive { WriterState::Alive } else { WriterState::Dead },
+                state: if alive { ProcessState::Alive } else { ProcessState::Dead },
             });
         }
     }
@@ -454,8 +387,8 @@ mod tests {
     fn hidden_names_parse_back() {
         let name = hidden_name("new", "buffer");
         let (kind, hash, writer) = parse_hidden(&name).expect("parses");
-        assert_eq!((kind, hash, &writer), ("new", name_hash("buffer"), Writer::me()));
-        assert_eq!(writer.state(), WriterState::Alive);
+        assert_eq!((kind, hash, &writer), ("new", name_hash("buffer"), ProcessId::me()));
+        assert_eq!(writer.state(), ProcessState::Alive);
         assert!(parse_hidden(".tdict-new-zz-1-2-3-4-5").is_none());
         assert!(parse_hidden("buffer").is_none());
     }
@@ -466,14 +399,5 @@ mod tests {
         assert_eq!(temp_file_pid(".tdict-99-0.tmp"), Some(99));
         assert_eq!(temp_file_pid("obs.memmap"), None);
         assert_eq!(temp_file_pid(".x.tmp"), None);
-    }
-
-    #[test]
-    fn a_dead_writer_is_dead() {
-        let mut w = Writer::me().clone();
-        w.start += 1; // the same pid, started at another time: a reused pid
-        assert_eq!(w.state(), WriterState::Dead);
-        w.boot = "ffffffff".into();
-        assert_eq!(w.state(), WriterState::Unknown);
     }
 }

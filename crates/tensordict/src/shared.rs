@@ -25,7 +25,8 @@
 //!
 //! `/p.owner` holds JSON `{"version": 1, "pid", "start_time", "boot_id", "pid_ns"}`: the
 //! creator's pid, its start time (field 22 of `/proc/<pid>/stat`, clock ticks since boot), the
-//! boot id (`/proc/sys/kernel/random/boot_id`) and its pid namespace (`/proc/self/ns/pid`). A
+//! first 8 hex digits of the boot id (`/proc/sys/kernel/random/boot_id`; a whole boot id is read
+//! too) and its pid namespace (`pid:[N]`, from `/proc/self/ns/pid`). A
 //! reader in the same boot and pid namespace calls the creator alive when a process with that
 //! pid and start time runs (and is not a zombie), dead otherwise; so a reused pid is not taken
 //! for the creator. From another boot or namespace, or without a readable record (a creator
@@ -38,6 +39,7 @@ use memmap_tensor::{Access, DType, Location, ShmObject, Storage, Tensor};
 use serde_json::{Value, json};
 
 use crate::error::WithKey;
+use crate::process::{ProcessId, ProcessState};
 use crate::schema::{self, Described};
 use crate::{Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
 
@@ -46,36 +48,6 @@ const OWNER_VERSION: u64 = 1;
 /// An owner record is a few hundred bytes; more is not one of ours.
 const MAX_OWNER_BYTES: usize = 4096;
 
-/// Whether the process that created a shared dict still runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum CreatorState {
-    /// The creator runs (same pid and start time, not a zombie).
-    Alive,
-    /// No process with the creator's pid and start time runs in this boot and pid namespace.
-    Dead,
-    /// Cannot be told from here: the creator ran in another boot or pid namespace, or left no
-    /// readable record.
-    Unknown,
-}
-
-impl CreatorState {
-    /// `alive`, `dead` or `unknown`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CreatorState::Alive => "alive",
-            CreatorState::Dead => "dead",
-            CreatorState::Unknown => "unknown",
-        }
-    }
-}
-
-impl std::fmt::Display for CreatorState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
 /// The process that created a shared dict, as far as it can be told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -83,14 +55,14 @@ pub struct Creator {
     /// Its pid (in its own pid namespace), if its record could be read.
     pub pid: Option<u32>,
     /// Whether it still runs.
-    pub state: CreatorState,
+    pub state: ProcessState,
 }
 
 impl std::fmt::Display for Creator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match (self.state, self.pid) {
-            (CreatorState::Unknown, Some(pid)) => write!(f, "unknown (pid {pid} of another boot or pid namespace)"),
-            (CreatorState::Unknown, None) => write!(f, "unknown (no creator record)"),
+            (ProcessState::Unknown, Some(pid)) => write!(f, "unknown (pid {pid} of another boot or pid namespace)"),
+            (ProcessState::Unknown, None) => write!(f, "unknown (no creator record)"),
             (state, Some(pid)) => write!(f, "{state} (pid {pid})"),
             (state, None) => write!(f, "{state}"),
         }
@@ -351,7 +323,7 @@ fn summarize(prefix: String, objects: &[(Part, ShmObject)]) -> SharedDictInfo {
     let has = |wanted: Part| objects.iter().any(|(part, _)| *part == wanted);
     let complete = has(Part::Meta) && schema_len(&prefix).is_ok_and(|len| len.is_some());
     let creator =
-        if has(Part::Owner) { creator_of(&prefix) } else { Creator { pid: None, state: CreatorState::Unknown } };
+        if has(Part::Owner) { creator_of(&prefix) } else { Creator { pid: None, state: ProcessState::Unknown } };
     SharedDictInfo {
         objects: objects.len(),
         bytes: objects.iter().map(|(_, o)| o.len_bytes).sum(),
@@ -367,7 +339,7 @@ fn in_use(prefix: &str) -> Error {
     Error::SharedPrefixInUse {
         prefix: prefix.to_owned(),
         complete: info.as_ref().is_some_and(|i| i.complete),
-        creator: info.map_or(Creator { pid: None, state: CreatorState::Unknown }, |i| i.creator),
+        creator: info.map_or(Creator { pid: None, state: ProcessState::Unknown }, |i| i.creator),
     }
 }
 
@@ -378,7 +350,7 @@ fn missing_schema(prefix: &str) -> Error {
         Ok(objects) => {
             let has_owner = objects.iter().any(|(part, _)| *part == Part::Owner);
             let creator =
-                if has_owner { creator_of(prefix) } else { Creator { pid: None, state: CreatorState::Unknown } };
+                if has_owner { creator_of(prefix) } else { Creator { pid: None, state: ProcessState::Unknown } };
             Error::SharedIncomplete { prefix: prefix.to_owned(), creator }
         }
         Err(e) => e,
@@ -446,20 +418,20 @@ fn bad_schema(prefix: &str, reason: String) -> Error {
 
 /// The owner record of this process (see the module documentation).
 fn owner_record() -> Vec<u8> {
-    let pid = std::process::id();
+    let me = ProcessId::me();
     let record = json!({
         "version": OWNER_VERSION,
-        "pid": pid,
-        "start_time": process_stat(pid).ok().flatten().map(|s| s.start_time),
-        "boot_id": boot_id(),
-        "pid_ns": pid_namespace(),
+        "pid": me.pid,
+        "start_time": me.start,
+        "boot_id": me.boot,
+        "pid_ns": format!("pid:[{}]", me.pidns),
     });
     record.to_string().into_bytes()
 }
 
 /// The creator of `prefix`, from its owner record.
 fn creator_of(prefix: &str) -> Creator {
-    let unknown = Creator { pid: None, state: CreatorState::Unknown };
+    let unknown = Creator { pid: None, state: ProcessState::Unknown };
     let Ok(bytes) = Storage::read_shm_bytes(&object_name(prefix, Part::Owner), MAX_OWNER_BYTES) else {
         return unknown;
     };
@@ -470,53 +442,10 @@ fn creator_of(prefix: &str) -> Creator {
     let Some(pid) = record.get("pid").and_then(Value::as_u64).and_then(|p| u32::try_from(p).ok()) else {
         return unknown;
     };
-    let text = |field: &str| record.get(field).and_then(Value::as_str).map(str::to_owned);
-    let start_time = record.get("start_time").and_then(Value::as_u64);
-    let same_place = matches!((text("boot_id"), boot_id()), (Some(a), Some(b)) if a == b)
-        && matches!((text("pid_ns"), pid_namespace()), (Some(a), Some(b)) if a == b);
-    let state = match (same_place, start_time) {
-        (false, _) | (true, None) => CreatorState::Unknown,
-        (true, Some(start_time)) => match process_stat(pid) {
-            Ok(Some(stat)) if stat.start_time == start_time && !stat.finished => CreatorState::Alive,
-            Ok(_) => CreatorState::Dead,
-            Err(_) => CreatorState::Unknown,
-        },
-    };
-    Creator { pid: Some(pid), state }
-}
-
-/// What `/proc/<pid>/stat` says of a process.
-struct ProcStat {
-    /// Clock ticks after boot at which it started (field 22).
-    start_time: u64,
-    /// A zombie or dead process (state `Z`, `X` or `x`): it runs no more.
-    finished: bool,
-}
-
-/// The stat of process `pid`: `Ok(None)` if there is no such process.
-fn process_stat(pid: u32) -> std::io::Result<Option<ProcStat>> {
-    let text = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(text) => text,
-        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    // `pid (comm) state ppid …`: comm may hold spaces and parentheses, so fields are counted
-    // from the last `)`. After it, field 3 (state) comes first and field 22 (starttime) 20th.
-    let bad = || std::io::Error::new(ErrorKind::InvalidData, format!("/proc/{pid}/stat: unexpected format"));
-    let rest = text.rsplit_once(')').ok_or_else(bad)?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let state = fields.first().ok_or_else(bad)?;
-    let start_time = fields.get(19).and_then(|f| f.parse().ok()).ok_or_else(bad)?;
-    Ok(Some(ProcStat { start_time, finished: matches!(*state, "Z" | "X" | "x") }))
-}
-
-fn boot_id() -> Option<String> {
-    let id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
-    Some(id.trim().to_owned())
-}
-
-fn pid_namespace() -> Option<String> {
-    Some(std::fs::read_link("/proc/self/ns/pid").ok()?.to_string_lossy().into_owned())
+    let text = |field: &str| record.get(field).and_then(Value::as_str).unwrap_or_default();
+    let start = record.get("start_time").and_then(Value::as_u64);
+    let id = ProcessId::new(pid, start, text("boot_id"), text("pid_ns"));
+    Creator { pid: Some(pid), state: id.state() }
 }
 
 #[cfg(test)]
@@ -539,14 +468,5 @@ mod tests {
                 assert_eq!(split_name(&object_name(prefix, part)), Some((prefix, part)));
             }
         }
-    }
-
-    #[test]
-    fn this_process_is_alive_by_its_own_record() {
-        let stat = process_stat(std::process::id()).unwrap().unwrap();
-        assert!(!stat.finished);
-        assert!(process_stat(u32::MAX).unwrap().is_none());
-        assert!(boot_id().is_some_and(|id| !id.is_empty()));
-        assert!(pid_namespace().is_some_and(|ns| ns.starts_with("pid:")));
     }
 }
