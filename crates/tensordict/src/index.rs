@@ -348,8 +348,11 @@ impl Plan {
             invalid(format!("shape mismatch: the index arrays cannot be broadcast together ({})", shapes.join(", ")))
         })?;
         let advanced = raw
-            .iter()
-            .map(|r| broadcast_to(&r.positions, &r.shape, &broadcast))
+            .into_iter()
+            // An index already of the broadcast shape (always, for a single list) is used as is.
+            .map(|r| {
+                if r.shape == broadcast { Some(r.positions) } else { broadcast_to(&r.positions, &r.shape, &broadcast) }
+            })
             .collect::<Option<Vec<_>>>()
             .ok_or_else(|| invalid(format!("the broadcast index shape {broadcast:?} is too large")))?;
         let view_dims: Vec<usize> = view_positions(&steps);
@@ -438,7 +441,10 @@ impl Plan {
         }
         // One list along one dim: a row gather (or torch's index_select), in place.
         if let ([dim], [_]) = (adv_dims.as_slice(), self.broadcast.as_slice()) {
-            return view.index_select(*dim, &self.advanced[0]);
+            return match dim {
+                0 => view.gather_rows(&self.advanced[0]),
+                _ => view.index_select(*dim, &self.advanced[0]),
+            };
         }
         let front = view.permute(&Self::front_permutation(&adv_dims, view.rank()))?;
         let m = adv_dims.len();
@@ -585,7 +591,13 @@ fn merge_front(t: &Tensor, m: usize) -> memmap_tensor::Result<Option<Tensor>> {
 
 /// The positions of `list` normalized into `0..size`, or the first one out of range.
 fn in_range(list: &[i64], size: usize) -> std::result::Result<Vec<i64>, i64> {
-    list.iter().map(|&i| normalize(i, size).map(to_i64).ok_or(i)).collect()
+    // Two plain passes (a check, then an exact-size map) rather than one fallible collect: this
+    // runs on every gather, over every index.
+    let size = to_i64(size);
+    if let Some(&bad) = list.iter().find(|&&i| i < -size || i >= size) {
+        return Err(bad);
+    }
+    Ok(list.iter().map(|&i| if i < 0 { i + size } else { i }).collect())
 }
 
 fn true_positions(mask: &[bool]) -> impl Iterator<Item = usize> + '_ {
