@@ -50,7 +50,7 @@ pub struct WriteOptions {
     /// script does not silently wipe its data. A non-empty folder that holds no dict (no
     /// `meta.json`) is never replaced.
     pub overwrite: bool,
-    /// Called as tensor bytes are written, with the bytes written so far and the total.
+    /// Called after each tensor is written, with the bytes written so far and the total.
     pub progress: Option<Arc<dyn Fn(u64, u64) + Send + Sync>>,
 }
 
@@ -92,9 +92,6 @@ enum Fill {
     /// Zeros, with dim 0 of every batch (and leaf) replaced by this size if given.
     Zeros(Option<usize>),
 }
-
-/// Bytes copied between progress reports (and per copy of a large leaf).
-const PROGRESS_CHUNK_BYTES: usize = 64 << 20;
 
 /// The state of one write: options and progress.
 struct Writing<'a> {
@@ -229,9 +226,12 @@ impl TensorDict {
                         let mut out =
                             Tensor::zeros(dims, t.dtype(), &Location::File(file.clone())).with_key(|| key.clone())?;
                         match fill {
-                            Fill::Copy => copy_reporting(&mut out, t, writing).with_key(|| key.clone())?,
-                            Fill::Zeros(_) => writing.advance(out.nbytes()),
+                            // One copy per leaf: copied in chunks of rows, a 336 MB leaf took three times
+                            // as long (9x the page faults) on ext4.
+                            Fill::Copy => out.copy_from(t).with_key(|| key.clone())?,
+                            Fill::Zeros(_) => {}
                         }
+                        writing.advance(out.nbytes());
                         if writing.options.fsync {
                             out.flush().with_key(|| key.clone())?;
                         }
@@ -626,26 +626,6 @@ fn ensure_real_dir(dir: &Path) -> Result<()> {
 fn write_meta(dir: &Path, text: &[u8]) -> Result<()> {
     let path = dir.join("meta.json");
     fs::write(&path, text).map_err(|source| Error::Io { op: "write", path, source })
-}
-
-/// Copies `src` into `out` (same shape) in chunks of rows, reporting progress after each.
-fn copy_reporting(out: &mut Tensor, src: &Tensor, writing: &mut Writing<'_>) -> memmap_tensor::Result<()> {
-    let rows = src.dims().first().copied().unwrap_or(1);
-    let row_bytes = src.nbytes() / rows.max(1);
-    if src.dims().is_empty() || src.nbytes() <= PROGRESS_CHUNK_BYTES || row_bytes == 0 {
-        out.copy_from(src)?;
-        writing.advance(src.nbytes());
-        return Ok(());
-    }
-    let step = (PROGRESS_CHUNK_BYTES / row_bytes).max(1);
-    let mut start = 0;
-    while start < rows {
-        let count = step.min(rows - start);
-        out.copy_rows(start..start + count, &src.narrow(0, start, count)?)?;
-        writing.advance(count * row_bytes);
-        start += count;
-    }
-    Ok(())
 }
 
 /// `fsync` of every file and folder of a tree written by this process (no links in it).
