@@ -108,19 +108,10 @@ fn rewrite_non_finite(text: &[u8]) -> std::borrow::Cow<'_, [u8]> {
         return std::borrow::Cow::Borrowed(text);
     }
     let mut out = Vec::with_capacity(text.len() + 64);
-    let (mut in_string, mut escaped) = (false, false);
+    let mut strings = Strings::default();
     let mut i = 0;
     'bytes: while let Some(&b) = text.get(i) {
-        if in_string {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_string = false,
-                _ => {}
-            }
-        } else if b == b'"' {
-            in_string = true;
-        } else {
+        if strings.is_outside(b) {
             for (token, name) in TOKENS {
                 if text[i..].starts_with(token) {
                     out.extend_from_slice(format!("{{\"{NON_FINITE_KEY}\":\"{name}\"}}").as_bytes());
@@ -133,6 +124,32 @@ fn rewrite_non_finite(text: &[u8]) -> std::borrow::Cow<'_, [u8]> {
         i += 1;
     }
     std::borrow::Cow::Owned(out)
+}
+
+/// Tells, byte by byte, whether JSON text is outside its strings (tokens that are not JSON do
+/// not confuse it: it only follows quotes and escapes).
+#[derive(Default)]
+pub(crate) struct Strings {
+    inside: bool,
+    escaped: bool,
+}
+
+impl Strings {
+    /// Takes the next byte: true if it is outside every string (a quote counts as inside).
+    pub(crate) fn is_outside(&mut self, b: u8) -> bool {
+        if self.inside {
+            match (self.escaped, b) {
+                (true, _) => self.escaped = false,
+                (false, b'\\') => self.escaped = true,
+                (false, b'"') => self.inside = false,
+                _ => {}
+            }
+            false
+        } else {
+            self.inside = b == b'"';
+            !self.inside
+        }
+    }
 }
 
 /// `value` serialised like Python's `json.dumps(value)`.

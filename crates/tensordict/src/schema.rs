@@ -83,19 +83,13 @@ pub(crate) fn parse_bounded(bytes: &[u8], max_depth: usize) -> std::result::Resu
 /// The deepest nesting of `[` and `{` in JSON text, outside strings. For text that is not JSON
 /// the result is still a bound on what a parser would recurse into.
 fn json_depth(bytes: &[u8]) -> usize {
-    let (mut depth, mut deepest, mut in_string, mut escaped) = (0usize, 0usize, false, false);
+    let (mut depth, mut deepest) = (0usize, 0usize);
+    let mut strings = crate::json::Strings::default();
     for &b in bytes {
-        if in_string {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_string = false,
-                _ => {}
-            }
+        if !strings.is_outside(b) {
             continue;
         }
         match b {
-            b'"' => in_string = true,
             b'[' | b'{' => {
                 depth += 1;
                 deepest = deepest.max(depth);
