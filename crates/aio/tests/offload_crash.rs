@@ -6,6 +6,8 @@
 //! The child is this test binary run again with `CRASH_CHILD_DIR` set (the test
 //! `child_writes_until_killed`, ignored in ordinary runs).
 
+mod common;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -22,28 +24,15 @@ const KEYS: u64 = 12;
 /// Starts every line of the child's report.
 const MARK: &str = "@report ";
 
-/// The bytes of `key` at `version`: a header (version, length) then a pattern of both, so
-/// that the parent can tell exactly which write a key's bytes come from.
+/// Written values hold up to this many bytes after their 16-byte header.
+const MAX_EXTRA: u64 = 20_000;
+
 fn content(key: &str, version: u64) -> Vec<u8> {
-    let seed = key.bytes().fold(version.wrapping_mul(0x9e37_79b9_7f4a_7c15), |h, b| h.rotate_left(7) ^ u64::from(b));
-    let len = 16 + (seed % 20_000) as usize;
-    let mut out = Vec::with_capacity(len);
-    out.extend_from_slice(&version.to_le_bytes());
-    out.extend_from_slice(&(len as u64).to_le_bytes());
-    let mut x = seed | 1;
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.push(x as u8);
-    }
-    out
+    common::content(key, version, MAX_EXTRA)
 }
 
-/// The version whose bytes `bytes` are, if they are exactly those of one.
 fn version_of(key: &str, bytes: &[u8]) -> Option<u64> {
-    let version = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
-    (content(key, version) == bytes).then_some(version)
+    common::version_of(key, bytes, MAX_EXTRA)
 }
 
 /// A small random generator (xorshift), seeded per run.

@@ -1,6 +1,8 @@
 //! One offloader, many threads: every operation at once, then a reopen that must find every key
 //! holding exactly what was last completed for it.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -18,27 +20,15 @@ fn engines() -> Vec<Engine> {
     out
 }
 
-/// The bytes of `key` at `version`: version and length, then a pattern of both.
+/// Written values hold up to this many bytes after their 16-byte header.
+const MAX_EXTRA: u64 = 9000;
+
 fn content(key: &str, version: u64) -> Vec<u8> {
-    let seed = key.bytes().fold(version.wrapping_mul(0x9e37_79b9_7f4a_7c15), |h, b| h.rotate_left(5) ^ u64::from(b));
-    let len = 16 + (seed % 9000) as usize;
-    let mut out = Vec::with_capacity(len);
-    out.extend_from_slice(&version.to_le_bytes());
-    out.extend_from_slice(&(len as u64).to_le_bytes());
-    let mut x = seed | 1;
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.push(x as u8);
-    }
-    out
+    common::content(key, version, MAX_EXTRA)
 }
 
-/// The version whose bytes these are, if they are exactly some version's.
 fn version_of(key: &str, bytes: &[u8]) -> Option<u64> {
-    let version = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
-    (content(key, version) == bytes).then_some(version)
+    common::version_of(key, bytes, MAX_EXTRA)
 }
 
 fn read(off: &Offloader, key: &str) -> Option<Vec<u8>> {

@@ -238,13 +238,7 @@ impl Storage {
     pub fn create_shm(name: &str, len_bytes: usize) -> Result<Self> {
         check_shm_name(name)?;
         let shm_err = |op, source| Error::ShmIo { op, name: name.to_owned(), source };
-        let fd = nix::sys::mman::shm_open(
-            name,
-            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
-            Mode::S_IRUSR | Mode::S_IWUSR,
-        )
-        .map_err(|e| shm_err("shm_open", e.into()))?;
-        let file = File::from(fd);
+        let file = create_shm_exclusive(name)?;
         let built = preallocate(&file, len_bytes)
             .map_err(|e| shm_err("allocate", e))
             .and_then(|()| map_fd(&file, len_bytes, Access::ReadWrite).map_err(|e| shm_err("mmap", e)));
@@ -296,13 +290,7 @@ impl Storage {
     pub fn create_shm_bytes(name: &str, bytes: &[u8]) -> Result<()> {
         check_shm_name(name)?;
         let shm_err = |op, source| Error::ShmIo { op, name: name.to_owned(), source };
-        let fd = nix::sys::mman::shm_open(
-            name,
-            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
-            Mode::S_IRUSR | Mode::S_IWUSR,
-        )
-        .map_err(|e| shm_err("shm_open", e.into()))?;
-        let mut file = File::from(fd);
+        let mut file = create_shm_exclusive(name)?;
         if let Err(e) = std::io::Write::write_all(&mut file, bytes) {
             // Best effort: we created the name and nobody can have used it yet.
             let _ = nix::sys::mman::shm_unlink(name);
@@ -584,6 +572,17 @@ fn preallocate(file: &File, len: usize) -> std::io::Result<()> {
         Err(Errno::EOPNOTSUPP) => file.set_len(len as u64),
         Err(e) => Err(e.into()),
     }
+}
+
+/// Creates the shm object `name`, owner read-write; fails if it exists.
+fn create_shm_exclusive(name: &str) -> Result<File> {
+    let flags = OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR;
+    let fd = nix::sys::mman::shm_open(name, flags, Mode::S_IRUSR | Mode::S_IWUSR).map_err(|e| Error::ShmIo {
+        op: "shm_open",
+        name: name.to_owned(),
+        source: e.into(),
+    })?;
+    Ok(File::from(fd))
 }
 
 /// Identity of a file: device and inode.
