@@ -258,8 +258,7 @@ impl Storage {
         check_shm_name(name)?;
         let shm_err = |op, source| Error::ShmIo { op, name: name.to_owned(), source };
         let flags = if access == Access::ReadWrite { OFlag::O_RDWR } else { OFlag::O_RDONLY };
-        let fd = nix::sys::mman::shm_open(name, flags, Mode::empty()).map_err(|e| shm_err("shm_open", e.into()))?;
-        let file = File::from(fd);
+        let file = open_shm_existing(name, flags)?;
         let actual = file.metadata().map_err(|e| shm_err("fstat", e))?.len();
         if actual < len_bytes as u64 {
             return Err(Error::ShmTooShort {
@@ -304,9 +303,7 @@ impl Storage {
     pub fn read_shm_bytes(name: &str, max_bytes: usize) -> Result<Vec<u8>> {
         check_shm_name(name)?;
         let shm_err = |op, source| Error::ShmIo { op, name: name.to_owned(), source };
-        let fd = nix::sys::mman::shm_open(name, OFlag::O_RDONLY, Mode::empty())
-            .map_err(|e| shm_err("shm_open", e.into()))?;
-        let file = File::from(fd);
+        let file = open_shm_existing(name, OFlag::O_RDONLY)?;
         let mut out = Vec::new();
         std::io::Read::read_to_end(&mut std::io::Read::take(file, max_bytes as u64), &mut out)
             .map_err(|e| shm_err("read", e))?;
@@ -583,6 +580,20 @@ fn create_shm_exclusive(name: &str) -> Result<File> {
         source: e.into(),
     })?;
     Ok(File::from(fd))
+}
+
+/// Opens the existing shm object `name`. Without blocking: `/dev/shm` is writable by everyone,
+/// and a FIFO planted there under an expected name would hang a plain open; anything but a
+/// regular file is refused.
+fn open_shm_existing(name: &str, flags: OFlag) -> Result<File> {
+    let shm_err = |op, source| Error::ShmIo { op, name: name.to_owned(), source };
+    let fd = nix::sys::mman::shm_open(name, flags | OFlag::O_NONBLOCK, Mode::empty())
+        .map_err(|e| shm_err("shm_open", e.into()))?;
+    let file = File::from(fd);
+    if !file.metadata().map_err(|e| shm_err("fstat", e))?.is_file() {
+        return Err(shm_err("shm_open", std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file")));
+    }
+    Ok(file)
 }
 
 /// Identity of a file: device and inode.

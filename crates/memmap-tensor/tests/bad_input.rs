@@ -408,3 +408,29 @@ fn to_bytes_of_a_leaf_larger_than_memory_is_an_error() -> TestResult {
     assert!(matches!(t.to_vec_bool(), Err(Error::DTypeMismatch { .. })));
     Ok(())
 }
+
+/// `/dev/shm` is writable by everyone: a FIFO planted under an expected name is refused at
+/// once, by every way of opening an existing object.
+#[test]
+fn a_fifo_in_dev_shm_is_refused_without_blocking() -> TestResult {
+    let name = format!("/tdict-fifo-{}", std::process::id());
+    let path = format!("/dev/shm{name}");
+    nix::unistd::mkfifo(path.as_str(), nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR)?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let probe = name.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send((
+            Storage::open_shm(&probe, Access::ReadOnly, 0).map(drop),
+            Storage::open_shm(&probe, Access::ReadWrite, 0).map(drop),
+            Storage::read_shm_bytes(&probe, 16).map(drop),
+        ));
+    });
+    let results = rx.recv_timeout(std::time::Duration::from_secs(10));
+    std::fs::remove_file(&path)?;
+    let (ro, rw, bytes) = results.map_err(|_| "opening a FIFO in /dev/shm blocked")?;
+    for result in [ro, rw, bytes] {
+        let err = result.expect_err("a FIFO opened as shared memory");
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+    }
+    Ok(())
+}

@@ -167,8 +167,9 @@ pub enum Error {
     },
 
     // === Tensors ===
-    /// A tensor operation failed; `key` names the leaf.
-    #[error("key `{key}`: {source}")]
+    /// A tensor operation failed; `key` names the leaf (empty for the dict's own storage, such as
+    /// a shared dict's schema object).
+    #[error("{}{source}", key_prefix(key))]
     Tensor {
         /// The key path of the leaf.
         key: KeyPath,
@@ -176,6 +177,11 @@ pub enum Error {
         #[source]
         source: memmap_tensor::Error,
     },
+}
+
+/// `key `a.b`: `, or nothing for the empty key path.
+fn key_prefix(key: &KeyPath) -> String {
+    if key.is_empty() { String::new() } else { format!("key `{key}`: ") }
 }
 
 fn describe_writer(leftover: &crate::Leftover) -> String {
