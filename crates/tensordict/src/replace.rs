@@ -15,9 +15,9 @@
 //!
 //! So after a crash at any point, or any error, the destination holds the complete old or the
 //! complete new dict. What a crash can leave is hidden siblings. Their names carry their
-//! writer's identity (pid, process start time, boot id and pid namespace), so that
-//! `Destination::leftovers` can tell whether their writer is still running, and only the leftovers of
-//! writers known to be dead are removed, by the next write to the same destination or by
+//! writer's identity (pid, process start time, boot id and pid namespace), so that a later
+//! process can tell whether their writer still runs; only the leftovers of writers known to be
+//! dead are removed, by the next write to the same destination or by
 //! [`TensorDict::remove_leftovers`](crate::TensorDict::remove_leftovers).
 
 use std::path::{Path, PathBuf};
