@@ -7,11 +7,10 @@ use std::sync::Arc;
 use aio::{AlignedBuf, BufPart, DIRECT_ALIGN, Engine, Offloader};
 use indexmap::IndexMap;
 use memmap_tensor::{DType, Location, StorageKind, Tensor};
-use serde_json::{Value, json};
 
 use crate::error::WithKey;
 use crate::index::normalize;
-use crate::schema::{self, Described};
+use crate::schema::{self, Schema};
 use crate::{Entry, Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
 
 /// How [`TensorDict::gather_direct`] reads rows.
@@ -58,14 +57,13 @@ impl TensorDict {
         schema::check_limits(self)?;
         let prefix = key_prefix(name);
         let mut items = Vec::new();
-        let root = schema::describe(self, &mut |key, t| {
+        let schema = Schema::of(self, &mut |key, t| {
             let stored = format!("{prefix}{}", items.len());
             let buf = t.deep_clone().and_then(Tensor::into_io_buf).with_key(|| key.clone())?;
             items.push((stored.clone(), buf));
             Ok(stored)
         })?;
-        let text =
-            serde_json::to_vec(&json!({"version": 1, "root": root})).map_err(io::Error::other).map_err(io_err)?;
+        let text = schema.to_json();
         let schema = Tensor::from_bytes(&text, DType::U8, [text.len()])
             .and_then(Tensor::into_io_buf)
             .with_key(KeyPath::default)?;
@@ -141,43 +139,29 @@ fn restore_once(offloader: &Offloader, name: &str) -> Result<Attempt> {
         Err(e) if changing(&e) => return Ok(Attempt::Changed(io_err(e))),
         Err(e) => return Err(io_err(e)),
     }
-    let value =
-        schema::parse_bounded(&text, schema::MAX_SCHEMA_JSON_DEPTH).map_err(|e| bad(format!("invalid schema: {e}")))?;
-    let root = value.get("root").filter(|_| value.get("version").and_then(Value::as_u64) == Some(1));
-    let root = root.ok_or_else(|| bad("unsupported schema".into()))?;
-    // Pass 1 allocates every tensor (the dict built meanwhile is dropped, so each tensor's
-    // storage has one handle again); all are read in one group, together with the schema again,
-    // so that the tensors are known to belong to this schema; pass 2 builds the dict.
+    let schema = Schema::from_json(&text).map_err(|e| match e {
+        Error::InvalidSchema { reason } => bad(format!("invalid schema: {reason}")),
+        other => other,
+    })?;
+    // Every tensor is allocated, then all are read in one group, together with the schema
+    // again, so that the tensors are known to belong to this schema; then the dict is built.
     let mut allocated: Vec<(String, Tensor)> = Vec::new();
-    let mut sizes_differ = false;
-    let built = schema::rebuild(
-        root,
-        &mut |key, Described { dtype, shape, name: stored }| {
-            if stored.strip_prefix(&prefix).is_none_or(|i| i.is_empty() || !i.bytes().all(|b| b.is_ascii_digit())) {
-                return Err(bad(format!("`{key}` is stored under a foreign key `{stored}`")));
-            }
-            let nbytes = shape
-                .iter()
-                .try_fold(dtype.size_in_bytes(), |acc, &d| acc.checked_mul(d))
-                .ok_or_else(|| bad(format!("`{key}`: the byte size of shape {shape:?} overflows")))?;
-            // Checked again after the read; checking here keeps a damaged schema from making
-            // this allocate more than is stored.
-            let held = offloader.len_of(stored);
-            if held != Some(nbytes as u64) {
-                sizes_differ = true;
-                let held = held.map_or_else(|| "nothing".to_owned(), |n| format!("{n} bytes"));
-                return Err(bad(format!("`{key}` needs {nbytes} bytes; `{stored}` holds {held}")));
-            }
-            let t = Tensor::zeros(shape, dtype, &Location::Heap).with_key(|| key.clone())?;
-            allocated.push((stored.to_owned(), t.clone()));
-            Ok(t)
-        },
-        &|reason| bad(reason),
-    );
-    match built {
-        Ok(dict) => drop(dict),
-        Err(e) if sizes_differ => return Ok(Attempt::Changed(e)),
-        Err(e) => return Err(e),
+    for (key, t) in schema.tensors() {
+        let stored = &t.name;
+        if stored.strip_prefix(&prefix).is_none_or(|i| i.is_empty() || !i.bytes().all(|b| b.is_ascii_digit())) {
+            return Err(bad(format!("`{key}` is stored under a foreign key `{stored}`")));
+        }
+        // The schema was validated: the byte size does not overflow.
+        let nbytes = t.shape.iter().product::<usize>() * t.dtype.size_in_bytes();
+        // Checked again after the read; checking here keeps a damaged schema from making this
+        // allocate more than is stored.
+        let held = offloader.len_of(stored);
+        if held != Some(nbytes as u64) {
+            let held = held.map_or_else(|| "nothing".to_owned(), |n| format!("{n} bytes"));
+            return Ok(Attempt::Changed(bad(format!("`{key}` needs {nbytes} bytes; `{stored}` holds {held}"))));
+        }
+        let tensor = Tensor::zeros(t.shape.as_slice(), t.dtype, &Location::Heap).with_key(|| key.clone())?;
+        allocated.push((stored.clone(), tensor));
     }
     let schema_again =
         Tensor::from_bytes(&text, DType::U8, [text.len()]).and_then(Tensor::into_io_buf).with_key(KeyPath::default)?;
@@ -207,14 +191,9 @@ fn restore_once(offloader: &Offloader, name: &str) -> Result<Attempt> {
     }
     let mut read: std::collections::HashMap<String, Tensor> =
         back.map(|(stored, buf)| (stored, buf.into_tensor())).collect();
-    schema::rebuild(
-        root,
-        &mut |_, Described { name: stored, .. }| {
-            read.remove(stored).ok_or_else(|| bad(format!("`{stored}` is named twice")))
-        },
-        &|reason| bad(reason),
-    )
-    .map(Attempt::Done)
+    schema
+        .build(&mut |_, t| read.remove(&t.name).ok_or_else(|| bad(format!("`{}` is named twice", t.name))))
+        .map(Attempt::Done)
 }
 
 fn gather_node(

@@ -119,6 +119,13 @@ pub enum Error {
         /// What was found.
         leftover: crate::Leftover,
     },
+    /// A schema (of a shared dict, an offload or a reference) breaks a rule of
+    /// [`Schema`](crate::Schema).
+    #[error("invalid schema: {reason}")]
+    InvalidSchema {
+        /// What is wrong, naming the key path.
+        reason: String,
+    },
     /// A file or folder operation failed.
     #[error("{op} {}: {source}", path.display())]
     Io {

@@ -59,5 +59,5 @@ pub use json::{NON_FINITE_KEY, json_as_f64, json_float};
 pub use key::KeyPath;
 pub use process::ProcessState;
 pub use replace::Leftover;
-pub use schema::MAX_VALUE_DEPTH;
+pub use schema::{EntrySchema, MAX_VALUE_DEPTH, Schema, TensorSchema};
 pub use shared::{Creator, SharedDictInfo};

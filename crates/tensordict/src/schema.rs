@@ -1,15 +1,12 @@
-//! A dict's structure as JSON, with each tensor's bytes stored somewhere else under a name:
-//! the format of shared-memory dicts and of offloaded dicts.
-//!
-//! `NODE` is `{"batch_size": [..], "entries": {"key": ENTRY, ..}}` (in insertion order) and
-//! `ENTRY` is `{"tensor": {"dtype", "shape", "name"}}`, `{"dict": NODE}` or
-//! `{"non_tensor": VALUE}`. Everything read back is validated as `meta.json` is.
+//! [`Schema`]: a dict's structure, typed, with each tensor's bytes stored somewhere else under a
+//! name: the format of shared-memory dicts and offloads, and what references carry. Also the
+//! limits every writer checks before it stores anything.
 
 use indexmap::IndexMap;
 use memmap_tensor::{DType, Tensor};
-use serde_json::{Map, Value, json};
+use serde::Deserialize;
+use serde_json::Value;
 
-use crate::format::dims_of;
 use crate::{Entry, Error, KeyPath, MAX_DEPTH, Result, TensorDict};
 
 /// Non-tensor values (and the values of a non-tensor stack) nested deeper than this are refused
@@ -101,106 +98,289 @@ fn json_depth(bytes: &[u8]) -> usize {
     deepest
 }
 
-/// The schema of `td`; `name` is called for every tensor (depth first, in insertion order) and
-/// says where its bytes are stored, storing them if it likes.
-pub(crate) fn describe(td: &TensorDict, name: &mut dyn FnMut(&KeyPath, &Tensor) -> Result<String>) -> Result<Value> {
-    describe_at(td, &KeyPath::default(), name)
+/// The structure of a dict without its data: batch size, keys in order, each tensor's dtype,
+/// shape and the name its bytes are stored under (a shm object, a file in a folder, an offload
+/// key), nested dicts, and JSON values. It is what shared-memory dicts and offloads store, and
+/// what references to a dict carry between processes.
+///
+/// As JSON (see [`Schema::to_json`]): `{"version": 1, "root": NODE}`, `NODE` being
+/// `{"batch_size": [..], "entries": {"key": ENTRY, ..}}` in insertion order and `ENTRY` one of
+/// `{"tensor": {"dtype": "torch.float32", "shape": [..], "name": ".."}}`, `{"dict": NODE}`,
+/// `{"non_tensor": VALUE}` or `{"non_tensor_stack": VALUE}`.
+///
+/// A schema read from anywhere is checked by [`Schema::validate`] (the one place that knows the
+/// rules): nesting within [`MAX_DEPTH`], batch sizes that nest, shapes that start with their
+/// dict's batch size and whose byte sizes do not overflow, values within [`MAX_VALUE_DEPTH`].
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct Schema {
+    /// The batch size.
+    pub batch_size: Vec<usize>,
+    /// The entries, in insertion order.
+    pub entries: IndexMap<String, EntrySchema>,
 }
 
-fn describe_at(
-    td: &TensorDict,
-    path: &KeyPath,
-    name: &mut dyn FnMut(&KeyPath, &Tensor) -> Result<String>,
-) -> Result<Value> {
-    let mut entries = Map::new();
-    for (key, entry) in td.iter() {
-        let child = path.join(key);
-        let node = match entry {
-            Entry::Tensor(t) => {
-                let stored = name(&child, t)?;
-                json!({"tensor": {"dtype": t.dtype().as_torch_str(), "shape": t.dims(), "name": stored}})
+/// One entry of a [`Schema`].
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum EntrySchema {
+    /// A tensor.
+    Tensor(TensorSchema),
+    /// A nested dict.
+    Dict(Schema),
+    /// A JSON value (Python's `NonTensorData`).
+    NonTensor(Value),
+    /// JSON values, one per batch element (Python's `NonTensorStack`).
+    NonTensorStack(Value),
+}
+
+/// A tensor of a [`Schema`]: its dtype, its full shape and where its bytes are stored.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct TensorSchema {
+    /// The element type, spelled as torch spells it on disk.
+    #[serde(with = "torch_dtype")]
+    pub dtype: DType,
+    /// The full shape, starting with the batch size of the dict that holds it.
+    pub shape: Vec<usize>,
+    /// Where the bytes are: a shm object, a file in a folder, an offload key.
+    pub name: String,
+}
+
+/// The version of the JSON envelope of a schema.
+const SCHEMA_VERSION: u64 = 1;
+
+impl Schema {
+    /// The schema of `td`; `name` is called for every tensor (depth first, in insertion order)
+    /// and says where its bytes are stored, storing them if it likes.
+    pub fn of(td: &TensorDict, name: &mut dyn FnMut(&KeyPath, &Tensor) -> Result<String>) -> Result<Schema> {
+        Self::of_at(td, &KeyPath::default(), name)
+    }
+
+    fn of_at(
+        td: &TensorDict,
+        path: &KeyPath,
+        name: &mut dyn FnMut(&KeyPath, &Tensor) -> Result<String>,
+    ) -> Result<Schema> {
+        let mut entries = IndexMap::with_capacity(td.len());
+        for (key, entry) in td.iter() {
+            let child = path.join(key);
+            let described = match entry {
+                Entry::Tensor(t) => EntrySchema::Tensor(TensorSchema {
+                    dtype: t.dtype(),
+                    shape: t.dims().to_vec(),
+                    name: name(&child, t)?,
+                }),
+                Entry::Dict(d) => EntrySchema::Dict(Self::of_at(d, &child, name)?),
+                Entry::NonTensor(v) => EntrySchema::NonTensor(v.clone()),
+                Entry::NonTensorStack(v) => EntrySchema::NonTensorStack(v.clone()),
+            };
+            entries.insert(key.to_owned(), described);
+        }
+        Ok(Schema { batch_size: td.batch_size().to_vec(), entries })
+    }
+
+    /// Checks every rule of the type documentation; the error names the key path at fault.
+    pub fn validate(&self) -> Result<()> {
+        self.check(&KeyPath::default(), None).map_err(|reason| Error::InvalidSchema { reason })
+    }
+
+    fn check(&self, path: &KeyPath, parent: Option<&[usize]>) -> std::result::Result<(), String> {
+        if path.len() > MAX_DEPTH {
+            return Err(format!("dicts nested deeper than {MAX_DEPTH} levels"));
+        }
+        let at = |what: &str| if path.is_empty() { what.to_owned() } else { format!("`{path}`: {what}") };
+        if self.batch_size.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).is_none() {
+            return Err(at(&format!("batch size {:?} overflows", self.batch_size)));
+        }
+        if let Some(parent) = parent
+            && !self.batch_size.starts_with(parent)
+        {
+            return Err(at(&format!("batch size {:?} does not start with {parent:?}", self.batch_size)));
+        }
+        for (key, entry) in &self.entries {
+            let child = path.join(key);
+            match entry {
+                EntrySchema::Tensor(t) => {
+                    if !t.shape.starts_with(&self.batch_size) {
+                        return Err(format!(
+                            "`{child}`: shape {:?} does not start with the batch size {:?}",
+                            t.shape, self.batch_size
+                        ));
+                    }
+                    if t.shape.iter().try_fold(t.dtype.size_in_bytes(), |acc, &d| acc.checked_mul(d)).is_none() {
+                        return Err(format!("`{child}`: the byte size of shape {:?} overflows", t.shape));
+                    }
+                }
+                EntrySchema::Dict(d) => d.check(&child, Some(&self.batch_size))?,
+                EntrySchema::NonTensor(v) | EntrySchema::NonTensorStack(v) if value_depth(v) > MAX_VALUE_DEPTH => {
+                    return Err(format!("`{child}`: a value nested deeper than {MAX_VALUE_DEPTH} levels"));
+                }
+                EntrySchema::NonTensor(_) => {}
+                EntrySchema::NonTensorStack(v) => {
+                    crate::dict::check_fits(&child, &Entry::NonTensorStack(v.clone()), &self.batch_size)
+                        .map_err(|e| e.to_string())?;
+                }
             }
-            Entry::Dict(d) => json!({ "dict": describe_at(d, &child, name)? }),
-            Entry::NonTensor(v) => json!({ "non_tensor": v }),
-            Entry::NonTensorStack(v) => json!({ "non_tensor_stack": v }),
-        };
-        entries.insert(key.to_owned(), node);
+        }
+        Ok(())
     }
-    Ok(json!({"batch_size": td.batch_size(), "entries": entries}))
-}
 
-/// A tensor named in a schema, validated: its dtype, shape and stored name.
-pub(crate) struct Described<'a> {
-    pub(crate) dtype: DType,
-    pub(crate) shape: Vec<usize>,
-    pub(crate) name: &'a str,
-}
+    /// Every tensor, depth first in insertion order, with its key path.
+    pub fn tensors(&self) -> Vec<(KeyPath, &TensorSchema)> {
+        let mut out = Vec::new();
+        self.tensors_at(&KeyPath::default(), &mut out);
+        out
+    }
 
-/// Rebuilds a dict from its schema; `open` makes each tensor from its description. `bad` makes
-/// the error for a malformed schema.
-pub(crate) fn rebuild(
-    node: &Value,
-    open: &mut dyn FnMut(&KeyPath, Described<'_>) -> Result<Tensor>,
-    bad: &dyn Fn(String) -> Error,
-) -> Result<TensorDict> {
-    rebuild_at(node, &KeyPath::default(), None, open, bad)
-}
-
-fn rebuild_at(
-    node: &Value,
-    path: &KeyPath,
-    parent: Option<&[usize]>,
-    open: &mut dyn FnMut(&KeyPath, Described<'_>) -> Result<Tensor>,
-    bad: &dyn Fn(String) -> Error,
-) -> Result<TensorDict> {
-    if path.len() > MAX_DEPTH {
-        return Err(bad(format!("dicts nested deeper than {MAX_DEPTH} levels")));
-    }
-    let batch =
-        node.get("batch_size").and_then(dims_of).ok_or_else(|| bad(format!("`{path}`: no valid batch_size")))?;
-    if batch.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).is_none() {
-        return Err(bad(format!("`{path}`: batch size {batch:?} overflows")));
-    }
-    if let Some(parent) = parent
-        && !batch.starts_with(parent)
-    {
-        return Err(Error::BatchSizeMismatch { key: path.clone(), shape: batch, batch_size: parent.to_vec() });
-    }
-    let children =
-        node.get("entries").and_then(Value::as_object).ok_or_else(|| bad(format!("`{path}`: no entries")))?;
-    let mut entries = IndexMap::with_capacity(children.len());
-    for (key, child) in children {
-        let child_path = path.join(key);
-        let entry = if let Some(t) = child.get("tensor") {
-            let dtype = t
-                .get("dtype")
-                .and_then(Value::as_str)
-                .and_then(|s| DType::from_torch_str(s).ok())
-                .ok_or_else(|| bad(format!("`{child_path}`: bad dtype")))?;
-            let shape = t.get("shape").and_then(dims_of).ok_or_else(|| bad(format!("`{child_path}`: bad shape")))?;
-            if !shape.starts_with(&batch) {
-                return Err(Error::BatchSizeMismatch { key: child_path, shape, batch_size: batch });
+    fn tensors_at<'a>(&'a self, path: &KeyPath, out: &mut Vec<(KeyPath, &'a TensorSchema)>) {
+        for (key, entry) in &self.entries {
+            match entry {
+                EntrySchema::Tensor(t) => out.push((path.join(key), t)),
+                EntrySchema::Dict(d) => d.tensors_at(&path.join(key), out),
+                _ => {}
             }
-            let name = t.get("name").and_then(Value::as_str).ok_or_else(|| bad(format!("`{child_path}`: no name")))?;
-            Entry::Tensor(open(&child_path, Described { dtype, shape, name })?)
-        } else if let Some(d) = child.get("dict") {
-            Entry::Dict(rebuild_at(d, &child_path, Some(&batch), open, bad)?)
-        } else if let Some(v) = child.get("non_tensor") {
-            Entry::NonTensor(v.clone())
-        } else if let Some(v) = child.get("non_tensor_stack") {
-            let stack = Entry::NonTensorStack(v.clone());
-            crate::dict::check_fits(&child_path, &stack, &batch)?;
-            stack
-        } else {
-            return Err(bad(format!("`{child_path}`: unknown entry kind")));
-        };
-        entries.insert(key.clone(), entry);
+        }
     }
-    Ok(TensorDict::from_parts(batch, entries))
+
+    /// Builds the dict, `open` making each tensor from its description (and the result checked
+    /// against it: a tensor of another dtype or shape is an error). Validate first.
+    pub(crate) fn build(&self, open: &mut dyn FnMut(&KeyPath, &TensorSchema) -> Result<Tensor>) -> Result<TensorDict> {
+        self.build_at(&KeyPath::default(), open)
+    }
+
+    fn build_at(
+        &self,
+        path: &KeyPath,
+        open: &mut dyn FnMut(&KeyPath, &TensorSchema) -> Result<Tensor>,
+    ) -> Result<TensorDict> {
+        let mut entries = IndexMap::with_capacity(self.entries.len());
+        for (key, entry) in &self.entries {
+            let child = path.join(key);
+            let built = match entry {
+                EntrySchema::Tensor(t) => {
+                    let tensor = open(&child, t)?;
+                    if tensor.dtype() != t.dtype || tensor.dims() != t.shape {
+                        return Err(Error::InvalidSchema {
+                            reason: format!(
+                                "`{child}`: a {} {:?} tensor where the schema says {} {:?}",
+                                tensor.dtype(),
+                                tensor.dims(),
+                                t.dtype,
+                                t.shape
+                            ),
+                        });
+                    }
+                    Entry::Tensor(tensor)
+                }
+                EntrySchema::Dict(d) => Entry::Dict(d.build_at(&child, open)?),
+                EntrySchema::NonTensor(v) => Entry::NonTensor(v.clone()),
+                EntrySchema::NonTensorStack(v) => Entry::NonTensorStack(v.clone()),
+            };
+            entries.insert(key.clone(), built);
+        }
+        Ok(TensorDict::from_parts(self.batch_size.clone(), entries))
+    }
+
+    /// The schema as JSON: `{"version": 1, "root": NODE}`.
+    pub fn to_json(&self) -> Vec<u8> {
+        #[derive(serde::Serialize)]
+        struct Envelope<'a> {
+            version: u64,
+            root: &'a Schema,
+        }
+        // Serializing plain data with string keys cannot fail.
+        serde_json::to_vec(&Envelope { version: SCHEMA_VERSION, root: self }).unwrap_or_default()
+    }
+
+    /// A schema from [`Schema::to_json`]'s JSON, validated. The nesting depth is bounded before
+    /// parsing, so hostile bytes cannot exhaust the stack.
+    pub fn from_json(bytes: &[u8]) -> Result<Schema> {
+        let invalid = |reason: String| Error::InvalidSchema { reason };
+        let value = parse_bounded(bytes, MAX_SCHEMA_JSON_DEPTH).map_err(|e| invalid(format!("invalid JSON: {e}")))?;
+        match value.get("version").and_then(Value::as_u64) {
+            Some(SCHEMA_VERSION) => {}
+            other => return Err(invalid(format!("unsupported schema version {other:?}"))),
+        }
+        let root = value.get("root").ok_or_else(|| invalid("no `root`".into()))?;
+        let schema = Schema::deserialize(root).map_err(|e| invalid(e.to_string()))?;
+        schema.validate()?;
+        Ok(schema)
+    }
+
+    /// The first way `other` differs from this schema, ignoring where bytes are stored (tensor
+    /// names), or `None` if they describe the same dict.
+    pub fn difference(&self, other: &Schema) -> Option<String> {
+        self.difference_at(other, &KeyPath::default())
+    }
+
+    fn difference_at(&self, other: &Schema, path: &KeyPath) -> Option<String> {
+        let at = |what: String| if path.is_empty() { what } else { format!("`{path}`: {what}") };
+        if self.batch_size != other.batch_size {
+            return Some(at(format!("batch size {:?}, not {:?}", other.batch_size, self.batch_size)));
+        }
+        let keys = |s: &Schema| s.entries.keys().cloned().collect::<Vec<_>>();
+        if keys(self) != keys(other) {
+            return Some(at(format!("keys {:?}, not {:?}", keys(other), keys(self))));
+        }
+        for ((key, mine), theirs) in self.entries.iter().zip(other.entries.values()) {
+            let child = path.join(key);
+            let differs = |what: String| Some(format!("`{child}`: {what}"));
+            match (mine, theirs) {
+                (EntrySchema::Tensor(a), EntrySchema::Tensor(b)) => {
+                    if (a.dtype, &a.shape) != (b.dtype, &b.shape) {
+                        return differs(format!("{} {:?}, not {} {:?}", b.dtype, b.shape, a.dtype, a.shape));
+                    }
+                }
+                (EntrySchema::Dict(a), EntrySchema::Dict(b)) => {
+                    if let Some(d) = a.difference_at(b, &child) {
+                        return Some(d);
+                    }
+                }
+                (EntrySchema::NonTensor(a), EntrySchema::NonTensor(b))
+                | (EntrySchema::NonTensorStack(a), EntrySchema::NonTensorStack(b)) => {
+                    if a != b {
+                        return differs("another value".into());
+                    }
+                }
+                (a, b) => return differs(format!("a {}, not a {}", b.kind(), a.kind())),
+            }
+        }
+        None
+    }
+}
+
+impl EntrySchema {
+    fn kind(&self) -> &'static str {
+        match self {
+            EntrySchema::Tensor(_) => "tensor",
+            EntrySchema::Dict(_) => "dict",
+            EntrySchema::NonTensor(_) => "non-tensor value",
+            EntrySchema::NonTensorStack(_) => "non-tensor stack",
+        }
+    }
+}
+
+/// `DType` as torch spells it (`torch.float32`).
+mod torch_dtype {
+    use memmap_tensor::DType;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(dtype: &DType, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(dtype.as_torch_str())
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DType, D::Error> {
+        let name = String::deserialize(d)?;
+        DType::from_torch_str(&name).map_err(|_| serde::de::Error::custom(format!("unknown dtype `{name}`")))
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     #[test]
@@ -224,5 +404,55 @@ mod tests {
     fn value_depth_counts_levels() {
         assert_eq!(value_depth(&json!(1)), 0);
         assert_eq!(value_depth(&json!([1, {"a": [2]}])), 3);
+    }
+
+    /// The JSON of a schema is the format shared dicts and offloads always stored.
+    #[test]
+    fn schemas_keep_their_json_format() {
+        let text = br#"{"version":1,"root":{"batch_size":[2],"entries":{"x":{"tensor":{"dtype":"torch.float32","shape":[2,3],"name":"/p.0"}},"n":{"dict":{"batch_size":[2,1],"entries":{}}},"v":{"non_tensor":{"a":1}},"s":{"non_tensor_stack":["a","b"]}}}}"#;
+        let schema = Schema::from_json(text).expect("parses");
+        assert_eq!(schema.to_json(), text.to_vec());
+        assert_eq!(schema.tensors().len(), 1);
+        let bad = [
+            (r#"{"version":2,"root":{"batch_size":[],"entries":{}}}"#, "version"),
+            (
+                r#"{"version":1,"root":{"batch_size":[2],"entries":{"x":{"tensor":{"dtype":"torch.float32","shape":[3],"name":""}}}}}"#,
+                "does not start",
+            ),
+            (
+                r#"{"version":1,"root":{"batch_size":[2],"entries":{"x":{"tensor":{"dtype":"torch.float99","shape":[2],"name":""}}}}}"#,
+                "unknown dtype",
+            ),
+            (r#"{"version":1,"root":{"batch_size":[9223372036854775807,4],"entries":{}}}"#, "overflows"),
+            (
+                r#"{"version":1,"root":{"batch_size":[2],"entries":{"n":{"dict":{"batch_size":[3],"entries":{}}}}}}"#,
+                "does not start",
+            ),
+            (r#"{"version":1,"root":{"batch_size":[2],"entries":{"s":{"non_tensor_stack":["a"]}}}}"#, "`s`"),
+        ];
+        for (text, what) in bad {
+            let err = Schema::from_json(text.as_bytes()).unwrap_err();
+            assert!(err.to_string().contains(what), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn differences_are_named() {
+        let a = Schema::from_json(br#"{"version":1,"root":{"batch_size":[2],"entries":{"n":{"dict":{"batch_size":[2],"entries":{"x":{"tensor":{"dtype":"torch.int64","shape":[2],"name":"a"}}}}}}}}"#).unwrap();
+        let mut b = a.clone();
+        assert_eq!(a.difference(&b), None);
+        fn x(s: &mut Schema) -> &mut TensorSchema {
+            match s.entries.get_mut("n") {
+                Some(EntrySchema::Dict(n)) => match n.entries.get_mut("x") {
+                    Some(EntrySchema::Tensor(x)) => x,
+                    _ => unreachable!("built above"),
+                },
+                _ => unreachable!("built above"),
+            }
+        }
+        x(&mut b).name = "elsewhere".into();
+        assert_eq!(a.difference(&b), None, "names are where bytes live, not what the dict is");
+        x(&mut b).shape = vec![2, 1];
+        assert_eq!(a.difference(&b).as_deref(), Some("`n.x`: int64 [2, 1], not int64 [2]"));
     }
 }

@@ -40,10 +40,9 @@ use serde_json::{Value, json};
 
 use crate::error::WithKey;
 use crate::process::{ProcessId, ProcessState};
-use crate::schema::{self, Described};
+use crate::schema::{self, Schema};
 use crate::{Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
 
-const SCHEMA_VERSION: u64 = 1;
 const OWNER_VERSION: u64 = 1;
 /// An owner record is a few hundred bytes; more is not one of ours.
 const MAX_OWNER_BYTES: usize = 4096;
@@ -129,7 +128,7 @@ impl TensorDict {
             return Err(in_use(prefix));
         }
         let mut counter = 0u64;
-        let root = schema::describe(self, &mut |key, t| {
+        let schema = Schema::of(self, &mut |key, t| {
             let name = object_name(prefix, Part::Tensor(counter));
             counter += 1;
             let mut out = Tensor::zeros(t.dims(), t.dtype(), &Location::Shm(name.clone())).with_key(|| key.clone())?;
@@ -137,8 +136,7 @@ impl TensorDict {
             out.copy_from(t).with_key(|| key.clone())?;
             Ok(name)
         })?;
-        let text = serde_json::to_vec(&json!({"version": SCHEMA_VERSION, "root": root}))
-            .map_err(|e| Error::InvalidArgument { op: "share_memory", detail: format!("schema: {e}") })?;
+        let text = schema.to_json();
         let len = u64::try_from(text.len()).unwrap_or(u64::MAX);
         let meta_name = object_name(prefix, Part::Meta);
         let mut blob =
@@ -160,16 +158,10 @@ impl TensorDict {
     /// with no object at all is [`Error::SharedNotFound`].
     pub fn open_shared(prefix: &str, access: Access) -> Result<TensorDict> {
         check_prefix(prefix)?;
-        let schema = read_schema(prefix)?;
-        let root = schema.get("root").ok_or_else(|| bad_schema(prefix, "no `root`".into()))?;
-        schema::rebuild(
-            root,
-            &mut |key, Described { dtype, shape, name }| {
-                check_leaf_name(name, prefix)?;
-                Tensor::open_shm(name, dtype, shape, access).with_key(|| key.clone())
-            },
-            &|reason| bad_schema(prefix, reason),
-        )
+        read_schema(prefix)?.build(&mut |key, t| {
+            check_leaf_name(&t.name, prefix)?;
+            Tensor::open_shm(&t.name, t.dtype, t.shape.as_slice(), access).with_key(|| key.clone())
+        })
     }
 
     /// Checks the dict shared under `prefix` fully and returns every problem found (empty if
@@ -186,30 +178,16 @@ impl TensorDict {
         };
         let mut problems = Vec::new();
         let mut named = HashSet::new();
-        let rebuilt = match schema.get("root") {
-            None => Err(bad_schema(prefix, "no `root`".into())),
-            Some(root) => schema::rebuild(
-                root,
-                &mut |key, Described { dtype, shape, name }| {
-                    // A problem with one tensor is recorded and the walk goes on with an empty
-                    // stand-in, so that one pass reports every tensor.
-                    let opened = check_leaf_name(name, prefix).and_then(|()| {
-                        named.insert(name.to_owned());
-                        Tensor::open_shm(name, dtype, shape, Access::ReadOnly).with_key(|| key.clone())
-                    });
-                    match opened {
-                        Ok(t) => Ok(t),
-                        Err(e) => {
-                            problems.push(e);
-                            Tensor::zeros([0], dtype, &Location::Heap).with_key(|| key.clone())
-                        }
-                    }
-                },
-                &|reason| bad_schema(prefix, reason),
-            ),
-        };
-        if let Err(e) = rebuilt {
-            problems.push(e);
+        // A problem with one tensor is recorded and the next is checked, so that one pass reports
+        // every tensor.
+        for (key, t) in schema.tensors() {
+            let opened = check_leaf_name(&t.name, prefix).and_then(|()| {
+                named.insert(t.name.clone());
+                Tensor::open_shm(&t.name, t.dtype, t.shape.as_slice(), Access::ReadOnly).with_key(|| key.clone())
+            });
+            if let Err(e) = opened {
+                problems.push(e);
+            }
         }
         match objects_of(prefix) {
             Ok(objects) => {
@@ -364,7 +342,7 @@ fn schema_len(prefix: &str) -> Result<Option<u64>> {
     Ok((len > 0).then_some(len))
 }
 
-fn read_schema(prefix: &str) -> Result<Value> {
+fn read_schema(prefix: &str) -> Result<Schema> {
     let name = object_name(prefix, Part::Meta);
     let len = match schema_len(prefix) {
         Ok(Some(len)) => len,
@@ -384,12 +362,10 @@ fn read_schema(prefix: &str) -> Result<Value> {
     if bytes.len() != 8 + len {
         return Err(bad_schema(prefix, format!("schema of {len} bytes, but the object holds {}", bytes.len() - 8)));
     }
-    let schema = schema::parse_bounded(&bytes[8..], schema::MAX_SCHEMA_JSON_DEPTH)
-        .map_err(|e| bad_schema(prefix, format!("invalid JSON: {e}")))?;
-    match schema.get("version").and_then(Value::as_u64) {
-        Some(SCHEMA_VERSION) => Ok(schema),
-        other => Err(bad_schema(prefix, format!("unsupported schema version {other:?}"))),
-    }
+    Schema::from_json(&bytes[8..]).map_err(|e| match e {
+        Error::InvalidSchema { reason } => bad_schema(prefix, reason),
+        other => other,
+    })
 }
 
 /// Leaf names must be `/<prefix>.<number>`: a schema cannot point at other objects.
