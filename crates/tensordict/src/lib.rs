@@ -35,6 +35,7 @@
 #[doc = include_str!("../../../README.md")]
 struct ReadmeDoctests;
 
+mod backing;
 mod batch;
 mod dict;
 mod dir;
@@ -50,6 +51,7 @@ mod replace;
 mod schema;
 mod shared;
 
+pub use backing::{Backing, DictLocation, Generation};
 pub use dict::{Entry, TensorDict};
 pub use direct::ReadMode;
 pub use error::{Error, Result};

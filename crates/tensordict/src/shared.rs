@@ -14,9 +14,10 @@
 //!    `{"version": 1, "root": NODE}` with `NODE` as in the `schema` module, each tensor's `name`
 //!    being its object. It is written last and its length last of all: a reader that finds a
 //!    non-zero length finds every tensor and the whole schema.
+//! 4. `/p.gen`: the generation (see the `backing` module), made when first asked for.
 //!
 //! An object belongs to prefix `p` exactly when its name is `/p.S` with `S` one of `owner`,
-//! `meta` or a decimal number. None of these suffixes contains a dot, so the prefix of a name is
+//! `meta`, `gen` or a decimal number. None of these suffixes contains a dot, so the prefix of a name is
 //! everything before its last dot: each name belongs to at most one prefix. Prefix `a` never
 //! claims `/a.b.0` (prefix `a.b`) nor `/ab.0` (prefix `ab`). Objects of this pattern are found by
 //! listing `/dev/shm`, so a prefix is removed whole even when its schema was never written.
@@ -238,7 +239,7 @@ impl TensorDict {
         }
         objects.sort_by_key(|(part, _)| match part {
             Part::Meta => 0,
-            Part::Tensor(_) => 1,
+            Part::Tensor(_) | Part::Gen => 1,
             Part::Owner => 2,
         });
         for (_, object) in objects {
@@ -258,6 +259,8 @@ impl TensorDict {
 enum Part {
     Owner,
     Meta,
+    /// The generation (see the `backing` module), made on first use.
+    Gen,
     Tensor(u64),
 }
 
@@ -265,6 +268,7 @@ fn object_name(prefix: &str, part: Part) -> String {
     match part {
         Part::Owner => format!("/{prefix}.owner"),
         Part::Meta => format!("/{prefix}.meta"),
+        Part::Gen => format!("/{prefix}.gen"),
         Part::Tensor(i) => format!("/{prefix}.{i}"),
     }
 }
@@ -275,6 +279,7 @@ fn split_name(name: &str) -> Option<(&str, Part)> {
     let part = match suffix {
         "owner" => Part::Owner,
         "meta" => Part::Meta,
+        "gen" => Part::Gen,
         // Decimal without leading zeros: exactly the names `object_name` makes.
         s if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) && (s == "0" || !s.starts_with('0')) => {
             Part::Tensor(s.parse().ok()?)
@@ -283,6 +288,14 @@ fn split_name(name: &str) -> Option<(&str, Part)> {
     };
     check_prefix(prefix).ok()?;
     Some((prefix, part))
+}
+
+/// The prefix of the shared dict whose tensor is the shm object `name`.
+pub(crate) fn prefix_of_tensor(name: &str) -> Option<&str> {
+    match split_name(name)? {
+        (prefix, Part::Tensor(_)) => Some(prefix),
+        _ => None,
+    }
 }
 
 /// The objects under `prefix`, from a listing of `/dev/shm`.

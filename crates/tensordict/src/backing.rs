@@ -1,0 +1,362 @@
+//! Where a dict's data lives, so that another process can map the same bytes: its [`Backing`]
+//! (one folder or one shared-memory prefix, and the rows of it a view covers), and the
+//! [`Generation`] of that folder or prefix.
+//!
+//! # Generations
+//!
+//! A generation is a pair: a random `id`, given to a folder or prefix when its generation is
+//! first asked for (so a folder replaced by a write, or a prefix removed and shared again, gets a
+//! new one), and a `counter` that writers bump when they publish changed rows. It is stored in a
+//! 16-byte file (`id`, then `counter`, little-endian): `.tdict-generation` in the top folder of a
+//! dict (Python tensordict ignores the file), or `/dev/shm/<prefix>.gen` for a shared dict.
+//!
+//! The protocol: a writer that changed rows flushes them (`msync`; see
+//! [`TensorDict::publish`]) and only then bumps the counter, under an exclusive `flock` of the
+//! generation file, so a reader that sees the new counter finds the new rows on disk. A reader
+//! holding a reference of an older generation knows its data was replaced or changed: on one
+//! machine a mapping shows later writes anyway, but on a network filesystem an existing mapping
+//! never sees another node's writes, and only a reopen after the new generation is seen does.
+
+use std::fs::File;
+use std::io::ErrorKind;
+use std::ops::Range;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use memmap_tensor::{Access, StorageKind, Tensor};
+use nix::fcntl::{Flock, FlockArg};
+
+use crate::key::{candidate_names, encode_name};
+use crate::{Entry, Error, KeyPath, Result, TensorDict};
+
+/// The name of a folder's generation file.
+const GENERATION_FILE: &str = ".tdict-generation";
+
+/// The generation of a folder or shared dict (see the module documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct Generation {
+    /// Random, given when the folder or prefix was first asked for its generation.
+    pub id: u64,
+    /// Bumped by every publish of changed rows.
+    pub counter: u64,
+}
+
+impl std::fmt::Display for Generation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}:{}", self.id, self.counter)
+    }
+}
+
+/// Where the data of a dict lives.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DictLocation {
+    /// The top folder of a memmap dict (as [`TensorDict::load_memmap`] opens it).
+    Folder(PathBuf),
+    /// The prefix of a shared-memory dict (as [`TensorDict::open_shared`] opens it).
+    Shm(String),
+}
+
+impl std::fmt::Display for DictLocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DictLocation::Folder(path) => write!(f, "{}", path.display()),
+            DictLocation::Shm(prefix) => write!(f, "shm:{prefix}"),
+        }
+    }
+}
+
+/// Where a dict's data lives: the folder or prefix, and which rows of the whole dict stored
+/// there this dict is (`None`: all of it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Backing {
+    /// The folder or prefix.
+    pub location: DictLocation,
+    /// The rows along dim 0 of the stored dict that this dict views, if not all.
+    pub rows: Option<Range<usize>>,
+}
+
+impl DictLocation {
+    /// Opens the whole dict stored here.
+    pub fn open(&self, access: Access) -> Result<TensorDict> {
+        match self {
+            DictLocation::Folder(path) => TensorDict::load_memmap(path, access),
+            DictLocation::Shm(prefix) => TensorDict::open_shared(prefix, access),
+        }
+    }
+
+    /// The generation of the dict stored here; the first call gives it a random id.
+    pub fn generation(&self) -> Result<Generation> {
+        let path = self.generation_path();
+        loop {
+            match read_generation(&path) {
+                Err(Error::Io { source, .. }) if source.kind() == ErrorKind::NotFound => self.create_generation()?,
+                read => return read,
+            }
+        }
+    }
+
+    /// Adds one to the generation's counter (under an exclusive lock of the generation file) and
+    /// returns the new generation. Flush the changed rows first: see [`TensorDict::publish`].
+    pub fn bump_generation(&self) -> Result<Generation> {
+        self.generation()?;
+        let path = self.generation_path();
+        let io_err = |op, source| Error::Io { op, path: path.clone(), source };
+        let file = open_generation(&path, true)?;
+        let locked = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| io_err("lock", e.into()))?;
+        let mut now = read_from(&locked, &path)?;
+        now.counter += 1;
+        locked.write_all_at(&now.counter.to_le_bytes(), 8).map_err(|e| io_err("write", e))?;
+        if matches!(self, DictLocation::Folder(_)) {
+            locked.sync_data().map_err(|e| io_err("fsync", e))?;
+        }
+        Ok(now)
+    }
+
+    fn generation_path(&self) -> PathBuf {
+        match self {
+            DictLocation::Folder(root) => root.join(GENERATION_FILE),
+            DictLocation::Shm(prefix) => PathBuf::from(format!("/dev/shm/{prefix}.gen")),
+        }
+    }
+
+    /// Creates the generation file with a random id, complete or not at all: written under a
+    /// temporary name, then linked into place (which fails if another process was first).
+    fn create_generation(&self) -> Result<()> {
+        let path = self.generation_path();
+        let io_err = |op, source| Error::Io { op, path: path.clone(), source };
+        if let DictLocation::Folder(root) = self {
+            // The folder must be a dict: never plant a file in some other folder.
+            if !root.join("meta.json").exists() {
+                return Err(Error::DestinationExists {
+                    path: root.clone(),
+                    reason: "it holds no TensorDict (no meta.json)".into(),
+                });
+            }
+        }
+        let id = loop {
+            let id = rand::random::<u64>();
+            if id != 0 {
+                break id;
+            }
+        };
+        let mut bytes = id.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&0u64.to_le_bytes());
+        let mut tmp = path.clone().into_os_string();
+        tmp.push(format!(".{}.{id:x}.tmp", std::process::id()));
+        let tmp = PathBuf::from(tmp);
+        std::fs::write(&tmp, &bytes).map_err(|e| io_err("write", e))?;
+        let linked = std::fs::hard_link(&tmp, &path);
+        // Best effort: the temporary name is ours alone.
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(()),
+            Err(e) => Err(io_err("create", e)),
+        }
+    }
+}
+
+fn open_generation(path: &Path, write: bool) -> Result<File> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|source| Error::Io { op: "open", path: path.to_owned(), source })?;
+    let regular = file.metadata().map(|m| m.is_file()).unwrap_or(false);
+    if !regular {
+        let source = std::io::Error::new(ErrorKind::InvalidInput, "not a regular file");
+        return Err(Error::Io { op: "open", path: path.to_owned(), source });
+    }
+    Ok(file)
+}
+
+fn read_generation(path: &Path) -> Result<Generation> {
+    read_from(&open_generation(path, false)?, path)
+}
+
+fn read_from(file: &File, path: &Path) -> Result<Generation> {
+    let mut bytes = [0u8; 17];
+    let mut len = 0;
+    // A generation file is 16 bytes; read one more to notice anything else.
+    while len < bytes.len() {
+        match file.read_at(&mut bytes[len..], len as u64) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(source) => return Err(Error::Io { op: "read", path: path.to_owned(), source }),
+        }
+    }
+    if len != 16 {
+        return Err(Error::InvalidMeta {
+            path: path.to_owned(),
+            reason: format!("a generation file holds 16 bytes, not {len}{}", if len > 16 { " or more" } else { "" }),
+        });
+    }
+    let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap_or_default());
+    Ok(Generation { id: word(0), counter: word(8) })
+}
+
+impl TensorDict {
+    /// Where this dict's data lives: one folder or one shared-memory prefix, and the rows of the
+    /// dict stored there that this dict views (a dict opened from a folder, or a range of rows
+    /// of one, `td.index(a..b)`).
+    ///
+    /// Fails, saying why, for a dict with data on the heap (write it with
+    /// [`TensorDict::memmap`] or [`TensorDict::share_memory`] first), with data in several
+    /// places, or that is another kind of view (a selected row, a step, a gather).
+    pub fn backing(&self) -> Result<Backing> {
+        let mut found = Found::default();
+        self.find_backing(&KeyPath::default(), self.batch_dims() > 0, &mut found)?;
+        let not_shareable = |detail: String| Error::InvalidArgument { op: "backing", detail };
+        let location = found.location.ok_or_else(|| {
+            not_shareable("the dict has no tensor data in a file or shared memory to refer to".into())
+        })?;
+        let rows = match found.rows {
+            Some((start, len, full)) if !(start == 0 && len == full) => Some(start..start + len),
+            _ => None,
+        };
+        Ok(Backing { location, rows })
+    }
+
+    /// Flushes every file-backed tensor (`msync`), then bumps the generation of the folder or
+    /// prefix holding this dict, and returns the new generation: a writer calls this after it
+    /// changed rows and before it tells anyone (see the `backing` module documentation).
+    pub fn publish(&self) -> Result<Generation> {
+        let backing = self.backing()?;
+        self.flush()?;
+        backing.location.bump_generation()
+    }
+
+    /// `by_rows`: the top dict has a batch dim, so a view of a range of its rows is allowed.
+    fn find_backing(&self, path: &KeyPath, by_rows: bool, found: &mut Found) -> Result<()> {
+        for (name, entry) in self.iter() {
+            let key = path.join(name);
+            match entry {
+                Entry::Dict(d) => d.find_backing(&key, by_rows, found)?,
+                Entry::Tensor(t) if t.elem_count() > 0 => {
+                    let location = tensor_location(t, &key)?;
+                    let rows = tensor_rows(t, &key, by_rows)?;
+                    found.add(location, rows, &key)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the walk found so far: one location, and the rows `(start, len, full)` every tensor
+/// covers of its stored tensor.
+#[derive(Default)]
+struct Found {
+    location: Option<DictLocation>,
+    rows: Option<(usize, usize, usize)>,
+}
+
+impl Found {
+    fn add(&mut self, location: DictLocation, rows: (usize, usize, usize), key: &KeyPath) -> Result<()> {
+        let differs = |detail: String| Error::InvalidArgument { op: "backing", detail };
+        match &self.location {
+            Some(known) if *known != location => {
+                return Err(differs(format!("`{key}` is stored in {location}, other tensors in {known}")));
+            }
+            _ => self.location = Some(location),
+        }
+        match self.rows {
+            Some(known) if known != rows => Err(differs(format!(
+                "`{key}` views rows {}..{} of {}, other tensors rows {}..{} of {}",
+                rows.0,
+                rows.0 + rows.1,
+                rows.2,
+                known.0,
+                known.0 + known.1,
+                known.2
+            ))),
+            _ => {
+                self.rows = Some(rows);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The folder or prefix of the dict a tensor was opened from, found from its file path (which
+/// ends in the names its key path is stored under) or its shm object name.
+fn tensor_location(t: &Tensor, key: &KeyPath) -> Result<DictLocation> {
+    let storage = t.storage();
+    let unshareable = |detail: String| Error::InvalidArgument { op: "backing", detail: format!("`{key}`: {detail}") };
+    match storage.kind() {
+        StorageKind::File => {
+            let path = storage.path().ok_or_else(|| unshareable("a file storage without a path".into()))?;
+            folder_root(path, key.parts())
+                .map(DictLocation::Folder)
+                .ok_or_else(|| unshareable(format!("{} is not where a dict folder keeps this key", path.display())))
+        }
+        StorageKind::Shm => {
+            let name = storage.shm_name().unwrap_or_default();
+            crate::shared::prefix_of_tensor(name)
+                .map(|prefix| DictLocation::Shm(prefix.to_owned()))
+                .ok_or_else(|| unshareable(format!("shm object `{name}` is not one of a shared dict")))
+        }
+        _ => Err(unshareable(
+            "its data is on the heap: write the dict with memmap(path) or share_memory(prefix) and refer to that"
+                .into(),
+        )),
+    }
+}
+
+/// The top folder of a dict whose leaf at `parts` is the file `path`.
+fn folder_root(path: &Path, parts: &[String]) -> Option<PathBuf> {
+    let (leaf, dicts) = parts.split_last()?;
+    let file = path.file_name()?.to_str()?;
+    let leaf_names = candidate_names(leaf, false);
+    if !leaf_names.iter().any(|n| format!("{n}.memmap") == file) {
+        return None;
+    }
+    let mut dir = path.parent()?;
+    for part in dicts.iter().rev() {
+        let name = dir.file_name()?.to_str()?;
+        if !candidate_names(part, true).iter().any(|n| n == name) && encode_name(part) != name {
+            return None;
+        }
+        dir = dir.parent()?;
+    }
+    Some(dir.to_owned())
+}
+
+/// The rows `(start, len, full)` of its stored tensor that `t` covers along dim 0: all of them
+/// for a tensor as it was opened; a range for a narrowed one. Any other view is an error.
+fn tensor_rows(t: &Tensor, key: &KeyPath, by_rows: bool) -> Result<(usize, usize, usize)> {
+    let other_view = || Error::InvalidArgument {
+        op: "backing",
+        detail: format!(
+            "`{key}` is a view that is not a range of rows of the stored dict (a selected row, a step or a \
+             transposition): copy it into a folder or shared memory of its own first"
+        ),
+    };
+    let layout = t.layout();
+    let elem = t.dtype().size_in_bytes();
+    let start_elems = t.byte_offset() / elem + layout.offset_elems();
+    let stored_elems = t.storage().len_bytes() / elem;
+    if !by_rows || layout.rank() == 0 {
+        // A whole tensor, as stored.
+        return if layout.is_contiguous() && start_elems == 0 && t.elem_count() == stored_elems {
+            Ok((0, 1, 1))
+        } else {
+            Err(other_view())
+        };
+    }
+    let row_elems = layout.row_elems().unwrap_or(1);
+    let rows = t.dims()[0];
+    if !layout.rows_contiguous() || (rows > 1 && layout.strides()[0] != row_elems) || row_elems == 0 {
+        return Err(other_view());
+    }
+    if !start_elems.is_multiple_of(row_elems) || !stored_elems.is_multiple_of(row_elems) {
+        return Err(other_view());
+    }
+    Ok((start_elems / row_elems, rows, stored_elems / row_elems))
+}

@@ -1,0 +1,123 @@
+//! Where a dict's data lives (`backing`) and the generation of that folder or shared dict:
+//! found for dicts opened from folders and shared memory and for ranges of their rows, refused
+//! with a reason for anything else, and bumped by writers that publish.
+
+use memmap_tensor::{Access, DType, Location, Tensor};
+use serde_json::json;
+use tensordict::{DictLocation, Index, TensorDict};
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+fn sample() -> Result<TensorDict, Box<dyn std::error::Error>> {
+    let mut td = TensorDict::new([100]);
+    td.set("obs", Tensor::zeros([100, 4], DType::F32, &Location::Heap)?)?;
+    td.set(["next", "with space"], Tensor::zeros([100], DType::I64, &Location::Heap)?)?;
+    td.set(["deep", "a/b", "c"], Tensor::zeros([100, 2, 3], DType::U8, &Location::Heap)?)?;
+    td.set("empty", Tensor::zeros([100, 0], DType::F32, &Location::Heap)?)?;
+    td.set("env", json!("Pong"))?;
+    Ok(td)
+}
+
+#[test]
+fn a_folder_dict_and_ranges_of_its_rows_know_their_folder() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let root = dir.path().join("buffer");
+    let td = sample()?.memmap(&root)?;
+    let backing = td.backing()?;
+    assert_eq!(backing.location, DictLocation::Folder(root.clone()));
+    assert_eq!(backing.rows, None);
+    let loaded = TensorDict::load_memmap(&root, Access::ReadOnly)?;
+    assert_eq!(loaded.backing()?.location, DictLocation::Folder(root.clone()));
+
+    let view = loaded.index(10..30)?;
+    assert_eq!(view.backing()?.rows, Some(10..30));
+    assert_eq!(view.index(5..10)?.backing()?.rows, Some(15..20));
+    assert_eq!(loaded.index(0..100)?.backing()?.rows, None);
+
+    // The same rows, opened again and viewed: the same data.
+    let again = backing.location.open(Access::ReadOnly)?.index(10..30)?;
+    assert_eq!(again.batch_size(), view.batch_size());
+    Ok(())
+}
+
+#[test]
+fn other_views_and_heap_dicts_are_refused_with_a_reason() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let td = sample()?.memmap(dir.path().join("buffer"))?;
+    for (view, what) in [
+        (td.index(Index::slice(Some(0), Some(100), 2))?, "not a range of rows"),
+        (td.index(vec![1i64, 5])?, "heap"),
+        (td.index(3)?, "not a range of rows"),
+    ] {
+        let err = view.backing().unwrap_err();
+        assert!(err.to_string().contains(what), "{err}");
+    }
+    let err = sample()?.backing().unwrap_err();
+    assert!(err.to_string().contains("memmap(path) or share_memory(prefix)"), "{err}");
+
+    // Tensors from two places.
+    let other = sample()?.memmap(dir.path().join("other"))?;
+    let mut mixed = td.clone();
+    mixed.set("obs", other.get_tensor("obs")?.clone())?;
+    let err = mixed.backing().unwrap_err();
+    assert!(err.to_string().contains("other tensors in"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn a_shared_dict_knows_its_prefix_and_generation() -> TestResult {
+    let prefix = format!("tdict-backing-{}", std::process::id());
+    let _ = TensorDict::unlink_shared(&prefix);
+    let td = sample()?.share_memory(&prefix)?;
+    let result = (|| -> TestResult {
+        let backing = td.index(2..4)?.backing()?;
+        assert_eq!(backing.location, DictLocation::Shm(prefix.clone()));
+        assert_eq!(backing.rows, Some(2..4));
+        let first = backing.location.generation()?;
+        assert_eq!(first.counter, 0);
+        assert_eq!(td.publish()?.counter, 1);
+        let now = backing.location.generation()?;
+        assert_eq!((now.id, now.counter), (first.id, 1));
+        Ok(())
+    })();
+    TensorDict::unlink_shared(&prefix)?;
+    assert!(!std::path::Path::new(&format!("/dev/shm/{prefix}.gen")).exists(), "unlink removes the generation");
+    result
+}
+
+#[test]
+fn generations_count_publishes_and_change_with_the_folder() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let root = dir.path().join("buffer");
+    let td = sample()?.memmap(&root)?;
+    let location = td.backing()?.location;
+    let first = location.generation()?;
+    assert_eq!((first.counter, location.generation()?), (0, first));
+    // Threads publishing at once: every bump counts.
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for _ in 0..25 {
+                    td.publish().expect("publish");
+                }
+            });
+        }
+    });
+    assert_eq!(location.generation()?.counter, 100);
+    assert_eq!(location.generation()?.id, first.id);
+
+    // A replaced folder is another dict: another id.
+    sample()?.memmap_with(&root, &tensordict::WriteOptions::default().overwrite(true))?;
+    assert_ne!(location.generation()?.id, first.id);
+
+    // A damaged generation file is an error, not a guess; a folder without a dict gets none.
+    std::fs::write(root.join(".tdict-generation"), b"short")?;
+    assert!(location.generation().unwrap_err().to_string().contains("16 bytes"));
+    let not_a_dict = DictLocation::Folder(dir.path().to_owned());
+    assert!(not_a_dict.generation().is_err());
+    assert!(!dir.path().join(".tdict-generation").exists());
+    // Python ignores the file; this crate's reader does too.
+    TensorDict::load_memmap(&root, Access::ReadOnly)?;
+    assert!(TensorDict::verify_memmap(&root).is_empty());
+    Ok(())
+}
