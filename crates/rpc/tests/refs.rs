@@ -1,0 +1,151 @@
+//! References to dicts in folders and shared memory: small, opened in another process onto the
+//! same bytes, and refused, with the difference named, when the storage changed generation,
+//! holds another dict, or is shared memory of another node.
+
+use std::process::Command;
+
+use memmap_tensor::{Access, DType, Location, Tensor};
+use rpc::{RefLocation, TensorDictRef, ToRef};
+use serde_json::json;
+use tensordict::{Index, TensorDict};
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+/// Ten leaves (three nested), `rows` rows.
+fn ten_leaves(rows: usize) -> Result<TensorDict, Box<dyn std::error::Error>> {
+    let mut td = TensorDict::new([rows]);
+    for i in 0..7 {
+        td.set(format!("leaf{i}"), Tensor::zeros([rows, 3], DType::F32, &Location::Heap)?)?;
+    }
+    for name in ["reward", "done", "obs"] {
+        td.set(["next", name], Tensor::zeros([rows, 2], DType::U8, &Location::Heap)?)?;
+    }
+    td.set("env", json!({"name": "Pong"}))?;
+    Ok(td)
+}
+
+/// The peer half of the two-process tests: run as this test binary again, with the reference in
+/// `REF_PEER`; writes ones into every row of the reference's view, publishes, and prints the new
+/// reference. Does nothing when run on its own.
+#[test]
+fn ref_peer() -> TestResult {
+    let Ok(text) = std::env::var("REF_PEER") else { return Ok(()) };
+    let reference: TensorDictRef = serde_json::from_str(&text)?;
+    let mut view = reference.open(Access::ReadWrite)?;
+    let rows = view.batch_size()[0];
+    let mut ones = TensorDict::new([rows]);
+    ones.set("leaf0", Tensor::from_slice(&vec![1.0f32; rows * 3], [rows, 3])?)?;
+    view.set_at(Index::full(), &ones)?;
+    view.publish()?;
+    println!("REF {}", serde_json::to_string(&view.to_ref()?)?);
+    Ok(())
+}
+
+/// Runs the peer on `reference`; returns the reference it printed.
+fn run_peer(reference: &TensorDictRef) -> Result<TensorDictRef, Box<dyn std::error::Error>> {
+    let out = Command::new(std::env::current_exe()?)
+        .args(["--exact", "ref_peer", "--nocapture"])
+        .env("REF_PEER", serde_json::to_string(reference)?)
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("REF "))
+        .ok_or_else(|| format!("the peer printed no reference:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr)))?;
+    Ok(serde_json::from_str(line)?)
+}
+
+#[test]
+fn a_reference_is_small_whatever_the_rows() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let mut sizes = Vec::new();
+    for rows in [10usize, 1_000_000] {
+        let td = ten_leaves(rows)?.memmap(dir.path().join(format!("r{rows}")))?;
+        let text = serde_json::to_vec(&td.to_ref()?)?;
+        sizes.push(text.len());
+        assert!(text.len() < 2048, "{} bytes", text.len());
+    }
+    // Only the digits of the row count (in 10 shapes and 2 batch sizes), the folder name and the
+    // random generation id differ.
+    assert!(sizes[1].abs_diff(sizes[0]) <= 12 * 5 + 5 + 20, "{sizes:?}");
+    Ok(())
+}
+
+#[test]
+fn another_process_writes_rows_through_a_folder_reference() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let td = ten_leaves(1000)?.memmap(dir.path().join("buffer"))?;
+    let view = td.index(Index::slice(Some(4), Some(8), 1))?;
+    let sent = view.to_ref()?;
+    assert_eq!(sent.rows, Some(4..8));
+    let back = run_peer(&sent)?;
+    assert_eq!(back.rows, Some(4..8));
+    assert_eq!(back.generation.counter, sent.generation.counter + 1);
+
+    // The writes are in this process's mapping, in exactly those rows.
+    let leaf0 = td.get_tensor("leaf0")?.to_vec::<f32>()?;
+    for (row, values) in leaf0.chunks(3).enumerate() {
+        let want = if (4..8).contains(&row) { 1.0 } else { 0.0 };
+        assert!(values.iter().all(|&v| v == want), "row {row}: {values:?}");
+    }
+    // The old reference is stale now; the returned one opens.
+    let err = sent.open(Access::ReadOnly).unwrap_err().to_string();
+    assert!(err.contains("generation") && err.contains(&back.generation.to_string()), "{err}");
+    assert_eq!(back.open(Access::ReadOnly)?.get_tensor("leaf0")?.to_vec::<f32>()?, vec![1.0; 12]);
+    Ok(())
+}
+
+#[test]
+fn another_process_writes_rows_through_a_shared_memory_reference() -> TestResult {
+    let prefix = format!("tdict-refs-{}", std::process::id());
+    let _ = TensorDict::unlink_shared(&prefix);
+    let td = ten_leaves(16)?.share_memory(&prefix)?;
+    let result = (|| -> TestResult {
+        let sent = td.index(Index::slice(Some(2), Some(5), 1))?.to_ref()?;
+        assert!(matches!(&sent.location, RefLocation::Shm { prefix: p, .. } if *p == prefix));
+        run_peer(&sent)?;
+        let leaf0 = td.get_tensor("leaf0")?.to_vec::<f32>()?;
+        assert_eq!(leaf0.iter().filter(|&&v| v == 1.0).count(), 9);
+
+        // Shared memory of another node is refused, naming both nodes.
+        let mut elsewhere = serde_json::to_value(&sent)?;
+        elsewhere["location"]["Shm"]["node"] = json!({"key": "another-node", "hostname": "far"});
+        let elsewhere: TensorDictRef = serde_json::from_value(elsewhere)?;
+        let err = elsewhere.open(Access::ReadOnly).unwrap_err().to_string();
+        assert!(err.contains("far (another-node)") && err.contains("this is node"), "{err}");
+        Ok(())
+    })();
+    TensorDict::unlink_shared(&prefix)?;
+    result
+}
+
+#[test]
+fn a_reference_to_another_dict_or_generation_is_refused() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("buffer");
+    let td = ten_leaves(100)?.memmap(&path)?;
+    let reference = td.to_ref()?;
+
+    // A schema that differs from what is stored: the difference is named.
+    let mut other = serde_json::to_value(&reference)?;
+    let schema = other["schema"].as_str().unwrap_or_default().replace("[100,3]", "[100,4]");
+    other["schema"] = json!(schema);
+    let other: TensorDictRef = serde_json::from_value(other)?;
+    let err = other.open(Access::ReadOnly).unwrap_err().to_string();
+    assert!(err.contains("`leaf0`") && err.contains("[100, 3], not float32 [100, 4]"), "{err}");
+
+    // A hostile schema does not even deserialize.
+    let mut hostile = serde_json::to_value(&reference)?;
+    hostile["schema"] = json!(format!("{}{}", "[".repeat(100_000), "]".repeat(100_000)));
+    assert!(serde_json::from_value::<TensorDictRef>(hostile).is_err());
+
+    // The folder replaced by another write: another id.
+    ten_leaves(100)?.memmap_with(&path, &tensordict::WriteOptions::default().overwrite(true))?;
+    let err = reference.open(Access::ReadOnly).unwrap_err().to_string();
+    assert!(err.contains("generation"), "{err}");
+
+    // A heap dict has nothing to refer to, and says what to do.
+    let err = ten_leaves(3)?.to_ref().unwrap_err().to_string();
+    assert!(err.contains("memmap(path) or share_memory(prefix)"), "{err}");
+    Ok(())
+}
