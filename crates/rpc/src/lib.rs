@@ -27,5 +27,7 @@
 #![deny(missing_docs)]
 
 mod reference;
+mod wire;
 
 pub use reference::{NodeId, RefLocation, TensorDictRef, ToRef};
+pub use wire::{IndexItem, InlineDict, WireIndex};

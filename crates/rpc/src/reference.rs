@@ -86,7 +86,7 @@ impl std::fmt::Display for RefLocation {
 pub struct TensorDictRef {
     /// The dict's schema (of the view, if it is one); tensor names say where each tensor's bytes
     /// are: a file relative to the folder, or a shm object.
-    #[serde(with = "schema_json")]
+    #[serde(with = "crate::wire::schema_json")]
     pub schema: Schema,
     /// Where the bytes are.
     pub location: RefLocation,
@@ -186,22 +186,5 @@ impl TensorDictRef {
         }
         check_generation("after it was opened")?;
         Ok(dict)
-    }
-}
-
-/// The schema as its JSON text: bincode cannot carry JSON values, and text is parsed with a
-/// bounded depth ([`Schema::from_json`]), so a hostile frame cannot exhaust the stack.
-mod schema_json {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use tensordict::Schema;
-
-    pub(super) fn serialize<S: Serializer>(schema: &Schema, s: S) -> Result<S::Ok, S::Error> {
-        let json = schema.to_json();
-        s.serialize_str(std::str::from_utf8(&json).map_err(serde::ser::Error::custom)?)
-    }
-
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Schema, D::Error> {
-        let text = String::deserialize(d)?;
-        Schema::from_json(text.as_bytes()).map_err(serde::de::Error::custom)
     }
 }

@@ -246,7 +246,7 @@ impl Schema {
 
     /// Builds the dict, `open` making each tensor from its description (and the result checked
     /// against it: a tensor of another dtype or shape is an error). Validate first.
-    pub(crate) fn build(&self, open: &mut dyn FnMut(&KeyPath, &TensorSchema) -> Result<Tensor>) -> Result<TensorDict> {
+    pub fn build(&self, open: &mut dyn FnMut(&KeyPath, &TensorSchema) -> Result<Tensor>) -> Result<TensorDict> {
         self.build_at(&KeyPath::default(), open)
     }
 

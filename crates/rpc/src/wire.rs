@@ -1,0 +1,265 @@
+//! Data that crosses the wire besides references: batch indices ([`WireIndex`]) and small dicts
+//! sent by value ([`InlineDict`]). Both are flat (no recursive types), so decoding a hostile
+//! frame cannot recurse deeply, and both are checked when they are turned back into the
+//! library's types.
+
+use memmap_tensor::Tensor;
+use serde::{Deserialize, Serialize};
+use tensordict::{Error, Index, Result, Schema, TensorDict};
+
+/// An index over batch dims, as [`Index`] but flat: a tuple of items (one item is a plain index).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireIndex(pub Vec<IndexItem>);
+
+/// One item of a [`WireIndex`]: the non-tuple forms of [`Index`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum IndexItem {
+    /// [`Index::Int`].
+    Int(i64),
+    /// [`Index::Slice`].
+    Slice {
+        /// First position.
+        start: Option<i64>,
+        /// One past the last position.
+        stop: Option<i64>,
+        /// Step, positive.
+        step: i64,
+    },
+    /// [`Index::List`].
+    List(Vec<i64>),
+    /// [`Index::ListNd`].
+    ListNd {
+        /// Positions in C order.
+        indices: Vec<i64>,
+        /// Shape of the index array.
+        shape: Vec<usize>,
+    },
+    /// [`Index::Mask`].
+    Mask(Vec<bool>),
+    /// [`Index::MaskNd`].
+    MaskNd {
+        /// One bool per element, C order.
+        mask: Vec<bool>,
+        /// The masked dims.
+        shape: Vec<usize>,
+    },
+    /// [`Index::Ellipsis`].
+    Ellipsis,
+    /// [`Index::NewDim`].
+    NewDim,
+}
+
+impl WireIndex {
+    /// The wire form of `index`; an index of a kind the wire does not carry (a tuple inside a
+    /// tuple) is an error.
+    pub fn new(index: &Index) -> Result<WireIndex> {
+        match index {
+            Index::Tuple(items) => items.iter().map(IndexItem::new).collect::<Result<Vec<_>>>().map(WireIndex),
+            single => Ok(WireIndex(vec![IndexItem::new(single)?])),
+        }
+    }
+
+    /// The index; it is checked against the dict's batch size when it is applied.
+    pub fn to_index(&self) -> Index {
+        match self.0.as_slice() {
+            [single] => single.to_index(),
+            items => Index::Tuple(items.iter().map(IndexItem::to_index).collect()),
+        }
+    }
+}
+
+impl IndexItem {
+    fn new(index: &Index) -> Result<IndexItem> {
+        Ok(match index {
+            Index::Int(i) => IndexItem::Int(*i),
+            Index::Slice { start, stop, step } => IndexItem::Slice { start: *start, stop: *stop, step: *step },
+            Index::List(v) => IndexItem::List(v.clone()),
+            Index::ListNd { indices, shape } => IndexItem::ListNd { indices: indices.clone(), shape: shape.clone() },
+            Index::Mask(m) => IndexItem::Mask(m.clone()),
+            Index::MaskNd { mask, shape } => IndexItem::MaskNd { mask: mask.clone(), shape: shape.clone() },
+            Index::Ellipsis => IndexItem::Ellipsis,
+            Index::NewDim => IndexItem::NewDim,
+            other => {
+                return Err(Error::InvalidArgument {
+                    op: "WireIndex::new",
+                    detail: format!("the index {other} cannot be sent (a tuple inside a tuple)"),
+                });
+            }
+        })
+    }
+
+    fn to_index(&self) -> Index {
+        match self {
+            IndexItem::Int(i) => Index::Int(*i),
+            IndexItem::Slice { start, stop, step } => Index::Slice { start: *start, stop: *stop, step: *step },
+            IndexItem::List(v) => Index::List(v.clone()),
+            IndexItem::ListNd { indices, shape } => Index::ListNd { indices: indices.clone(), shape: shape.clone() },
+            IndexItem::Mask(m) => Index::Mask(m.clone()),
+            IndexItem::MaskNd { mask, shape } => Index::MaskNd { mask: mask.clone(), shape: shape.clone() },
+            IndexItem::Ellipsis => Index::Ellipsis,
+            IndexItem::NewDim => Index::NewDim,
+        }
+    }
+}
+
+/// A small dict sent by value: its schema and each tensor's bytes (C order, little-endian), for
+/// batches too small to be worth a shared folder or shared memory.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct InlineDict {
+    #[serde(with = "schema_json")]
+    schema: Schema,
+    #[serde(with = "bytes_list")]
+    data: Vec<Vec<u8>>,
+}
+
+impl InlineDict {
+    /// The dict's schema and bytes.
+    pub fn new(td: &TensorDict) -> Result<InlineDict> {
+        let mut data = Vec::new();
+        let schema = Schema::of(td, &mut |key, t| {
+            data.push(t.to_bytes().map_err(|source| Error::Tensor { key: key.clone(), source })?);
+            Ok((data.len() - 1).to_string())
+        })?;
+        Ok(InlineDict { schema, data })
+    }
+
+    /// Bytes of tensor data carried.
+    pub fn nbytes(&self) -> usize {
+        self.data.iter().map(Vec::len).sum()
+    }
+
+    /// The dict, on the heap; every tensor's byte count is checked against its shape.
+    pub fn to_dict(&self) -> Result<TensorDict> {
+        self.schema.validate()?;
+        let tensors = self.schema.tensors();
+        if tensors.len() != self.data.len() {
+            return Err(Error::InvalidSchema {
+                reason: format!("{} tensors but {} byte buffers", tensors.len(), self.data.len()),
+            });
+        }
+        let mut next = self.data.iter();
+        self.schema.build(&mut |key, t| {
+            let bytes = next.next().map(Vec::as_slice).unwrap_or_default();
+            Tensor::from_bytes(bytes, t.dtype, t.shape.as_slice())
+                .map_err(|source| Error::Tensor { key: key.clone(), source })
+        })
+    }
+}
+
+/// A schema as its JSON text: bincode cannot carry JSON values, and text is parsed with a
+/// bounded depth ([`Schema::from_json`]), so a hostile frame cannot exhaust the stack.
+pub(crate) mod schema_json {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use tensordict::Schema;
+
+    pub(crate) fn serialize<S: Serializer>(schema: &Schema, s: S) -> Result<S::Ok, S::Error> {
+        let json = schema.to_json();
+        s.serialize_str(std::str::from_utf8(&json).map_err(serde::ser::Error::custom)?)
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Schema, D::Error> {
+        let text = String::deserialize(d)?;
+        Schema::from_json(text.as_bytes()).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Byte buffers as byte strings (one length and a copy each), not as sequences of numbers.
+mod bytes_list {
+    use serde::de::{SeqAccess, Visitor};
+    use serde::ser::SerializeSeq;
+    use serde::{Deserializer, Serializer};
+
+    struct Bytes<'a>(&'a [u8]);
+
+    impl serde::Serialize for Bytes<'_> {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_bytes(self.0)
+        }
+    }
+
+    struct ByteBuf(Vec<u8>);
+
+    impl<'de> serde::Deserialize<'de> for ByteBuf {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = ByteBuf;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("bytes")
+                }
+                fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<ByteBuf, E> {
+                    Ok(ByteBuf(v.to_vec()))
+                }
+                fn visit_byte_buf<E: serde::de::Error>(self, v: Vec<u8>) -> Result<ByteBuf, E> {
+                    Ok(ByteBuf(v))
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ByteBuf, A::Error> {
+                    let mut out = Vec::new();
+                    while let Some(b) = seq.next_element::<u8>()? {
+                        out.push(b);
+                    }
+                    Ok(ByteBuf(out))
+                }
+            }
+            d.deserialize_byte_buf(V)
+        }
+    }
+
+    pub(super) fn serialize<S: Serializer>(data: &[Vec<u8>], s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(data.len()))?;
+        for buf in data {
+            seq.serialize_element(&Bytes(buf))?;
+        }
+        seq.end()
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<u8>>, D::Error> {
+        let bufs: Vec<ByteBuf> = serde::Deserialize::deserialize(d)?;
+        Ok(bufs.into_iter().map(|b| b.0).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use memmap_tensor::{DType, Location};
+
+    use super::*;
+
+    #[test]
+    fn indices_cross_the_wire_whole() {
+        let indices = [
+            Index::Int(-1),
+            Index::slice(Some(1), None, 2),
+            Index::List(vec![4, 5, 998]),
+            Index::Tuple(vec![Index::Mask(vec![true, false]), Index::Ellipsis, Index::NewDim]),
+        ];
+        for index in indices {
+            let wire = WireIndex::new(&index).expect("sendable");
+            let json = serde_json::to_string(&wire).expect("serializes");
+            let back: WireIndex = serde_json::from_str(&json).expect("deserializes");
+            assert_eq!(back.to_index(), index);
+        }
+        assert!(WireIndex::new(&Index::Tuple(vec![Index::Tuple(vec![])])).is_err());
+    }
+
+    #[test]
+    fn inline_dicts_round_trip_and_check_their_bytes() {
+        let mut td = TensorDict::new([2]);
+        td.set("obs", Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], [2, 2]).unwrap()).unwrap();
+        td.set(["next", "done"], Tensor::zeros([2], DType::Bool, &Location::Heap).unwrap()).unwrap();
+        let inline = InlineDict::new(&td).unwrap();
+        assert_eq!(inline.nbytes(), 18);
+        let json = serde_json::to_string(&inline).unwrap();
+        let back: InlineDict = serde_json::from_str(&json).unwrap();
+        let dict = back.to_dict().unwrap();
+        assert_eq!(dict.get_tensor("obs").unwrap().to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+
+        let mut short = back.clone();
+        short.data[0].pop();
+        assert!(short.to_dict().is_err());
+        let mut missing = back;
+        missing.data.pop();
+        assert!(missing.to_dict().is_err());
+    }
+}
