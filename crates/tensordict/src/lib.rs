@@ -29,12 +29,6 @@
 #![deny(missing_docs)]
 #![doc(test(attr(deny(warnings))))]
 
-/// The README's Rust blocks run as doctests (here, where both crates are in scope), so the README
-/// stays true.
-#[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
-struct ReadmeDoctests;
-
 mod backing;
 mod batch;
 mod dict;
