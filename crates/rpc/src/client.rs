@@ -191,8 +191,10 @@ async fn connect_once(endpoint: &Endpoint, options: &ClientOptions) -> Result<St
 /// # async fn demo() -> rpc::Result<()> {
 /// let endpoint: rpc::Endpoint = "uds:echo".parse()?;
 /// let client: rpc::Client<EchoClient> = rpc::connect(&endpoint, &rpc::ClientOptions::default()).await?;
-/// let back = client.call(|c, ctx| c.echo(ctx, b"hi".to_vec())).await?;
+/// let back = client.call(async |c, ctx| c.echo(ctx, b"hi".to_vec()).await).await?;
+/// assert_eq!(back, b"hi");
 /// # Ok(()) }
+/// # let _ = demo;
 /// ```
 pub async fn connect<C, Req, Resp>(endpoint: &Endpoint, options: &ClientOptions) -> Result<Client<C>>
 where
@@ -243,7 +245,7 @@ impl<C> Client<C> {
     }
 
     /// Runs one call of the generated client with a fresh [`Client::context`]:
-    /// `client.call(|c, ctx| c.echo(ctx, x)).await?`.
+    /// `client.call(async |c, ctx| c.echo(ctx, x).await).await?`.
     pub async fn call<T, F>(&self, f: F) -> Result<T>
     where
         F: AsyncFnOnce(&C, Context) -> std::result::Result<T, RpcError>,
@@ -300,8 +302,10 @@ fn caused_by_frame_limit(error: &RpcError) -> bool {
 /// let endpoint: rpc::Endpoint = "uds:echo".parse()?;
 /// let client: rpc::BlockingClient<EchoClient> =
 ///     rpc::BlockingClient::connect(&endpoint, &rpc::ClientOptions::default())?;
-/// let back = client.call(|c, ctx| c.echo(ctx, b"hi".to_vec()))?;
+/// let back = client.call(async |c, ctx| c.echo(ctx, b"hi".to_vec()).await)?;
+/// assert_eq!(back, b"hi");
 /// # Ok(()) }
+/// # let _ = demo;
 /// ```
 #[derive(Debug)]
 pub struct BlockingClient<C> {
@@ -330,7 +334,7 @@ impl<C> BlockingClient<C> {
 
     /// Runs one call of the generated client with a fresh context (deadline
     /// [`ClientOptions::call_timeout`]) and blocks until it completes:
-    /// `client.call(|c, ctx| c.echo(ctx, x))?`.
+    /// `client.call(async |c, ctx| c.echo(ctx, x).await)?`.
     ///
     /// Returns [`Error::BlockingInAsync`] when called inside an async runtime.
     pub fn call<T, F>(&self, f: F) -> Result<T>

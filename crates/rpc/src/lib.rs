@@ -20,7 +20,6 @@
 //! ```
 //! use rpc::{ClientOptions, Endpoint, ServerOptions, WireError};
 //! use tarpc::context::Context;
-//! use tarpc::server::Serve as _;
 //!
 //! /// The contract: the trait is the schema.
 //! #[tarpc::service]
@@ -43,8 +42,8 @@
 //!
 //! fn main() -> Result<(), rpc::Error> {
 //!     # let dir = tempfile::tempdir().unwrap();
-//!     # let options = ServerOptions::default().runtime_dir(dir.path());
-//!     # let client_options = ClientOptions::default().runtime_dir(dir.path());
+//!     # let options = ServerOptions::default().runtime_dir(dir.path().join("run"));
+//!     # let client_options = ClientOptions::default().runtime_dir(dir.path().join("run"));
 //!     # /*
 //!     let options = ServerOptions::default();
 //!     let client_options = ClientOptions::default();
@@ -56,9 +55,9 @@
 //!     // A blocking client, for code without an async runtime.
 //!     let client: rpc::BlockingClient<GreeterClient> =
 //!         rpc::BlockingClient::connect(&endpoint, &client_options)?;
-//!     let greeting = client.call(|c, ctx| c.hello(ctx, "world".into()))?;
+//!     let greeting = client.call(async |c, ctx| c.hello(ctx, "world".into()).await)?;
 //!     assert_eq!(greeting, Ok("hello, world".to_string()));
-//!     let refused = client.call(|c, ctx| c.hello(ctx, String::new()))?;
+//!     let refused = client.call(async |c, ctx| c.hello(ctx, String::new()).await)?;
 //!     assert!(matches!(refused, Err(WireError::InvalidRequest { .. })));
 //!
 //!     drop(server); // stops serving and removes the socket
