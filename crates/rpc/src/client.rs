@@ -3,6 +3,7 @@
 use std::error::Error as StdError;
 use std::ops::Deref;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -280,15 +281,25 @@ impl<C> Client<C> {
 fn caused_by_frame_limit(error: &RpcError) -> bool {
     let mut current: Option<&(dyn StdError + 'static)> = Some(error);
     while let Some(e) = current {
-        if e.is::<LengthDelimitedCodecError>() {
-            return true;
-        }
-        if let Some(io) = e.downcast_ref::<std::io::Error>()
-            && io.get_ref().is_some_and(|inner| inner.is::<LengthDelimitedCodecError>())
-        {
+        if is_frame_limit(e) {
             return true;
         }
         current = e.source();
+    }
+    false
+}
+
+/// `io::Error` and `Arc<dyn Error>` (in tarpc's `ChannelError`) wrap errors whose `source()`
+/// skips the wrapped error itself, so look inside them.
+fn is_frame_limit(error: &(dyn StdError + 'static)) -> bool {
+    if error.is::<LengthDelimitedCodecError>() {
+        return true;
+    }
+    if let Some(io) = error.downcast_ref::<std::io::Error>() {
+        return io.get_ref().is_some_and(|inner| is_frame_limit(inner));
+    }
+    if let Some(shared) = error.downcast_ref::<Arc<dyn StdError + Send + Sync>>() {
+        return is_frame_limit(&**shared);
     }
     false
 }
