@@ -5,7 +5,8 @@
 //! ```text
 //! rpc-test-peer serve ENDPOINT [TOKEN_FILE]     prints the endpoint, then `ready`; serves until killed
 //! rpc-test-peer sleep ENDPOINT MS [TOKEN_FILE]  prints `calling`, calls sleep(MS), prints `done` or `error: …`
-//! rpc-test-peer echo ENDPOINT                   prints `ok` or `error: …` (exit status 2)
+//! rpc-test-peer echo ENDPOINT [SERVER_UID]      prints `ok` or `error: …` (exit status 2);
+//!                                               SERVER_UID: a server uid to trust besides our own
 //! ```
 
 use std::io::Write;
@@ -35,7 +36,7 @@ type Failure = Box<dyn std::error::Error>;
 
 fn run(args: &[String]) -> Result<(), Failure> {
     let usage = || -> Failure {
-        format!("usage: serve ENDPOINT [TOKEN_FILE] | sleep ENDPOINT MS [TOKEN_FILE] | echo ENDPOINT; got {args:?}")
+        format!("usage: serve ENDPOINT [TOKEN_FILE] | sleep ENDPOINT MS [TOKEN_FILE] | echo ENDPOINT [SERVER_UID]; got {args:?}")
             .into()
     };
     let (command, endpoint) = match args {
@@ -67,7 +68,10 @@ fn run(args: &[String]) -> Result<(), Failure> {
             Ok(())
         }
         "echo" => {
-            let options = rpc::ClientOptions::default().connect_timeout(std::time::Duration::from_secs(2));
+            let mut options = rpc::ClientOptions::default().connect_timeout(std::time::Duration::from_secs(2));
+            if let Some(uid) = args.get(2) {
+                options = options.allow_server_uid(uid.parse()?);
+            }
             let client: rpc::BlockingClient<EchoClient> = rpc::BlockingClient::connect(&endpoint, &options)?;
             let back = client.call(async |c, ctx| c.echo(ctx, b"peer".to_vec()).await)?;
             if back != b"peer" {
