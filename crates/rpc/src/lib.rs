@@ -1,6 +1,8 @@
-//! References to TensorDicts passed between processes and nodes: a [`TensorDictRef`] is a
-//! dict's schema and where its bytes live (a folder, or shared memory on one node), a few hundred
-//! bytes whatever the data size; the receiver maps the same storage.
+//! TensorDicts passed between processes and nodes by reference, over tarpc.
+//!
+//! A [`TensorDictRef`] is a dict's schema and where its bytes live (a folder, or shared memory on
+//! one node), with the generation of that storage and the rows it covers: a few hundred bytes
+//! whatever the data size. The receiver maps the same storage ([`TensorDictRef::open`]).
 //!
 //! ```
 //! use memmap_tensor::{Access, DType, Location, Tensor};
@@ -23,8 +25,76 @@
 //! assert_eq!(rows.batch_size(), &[100]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! # Transports
+//!
+//! Any `#[tarpc::service]` can be served on an [`Endpoint`] and called from async code
+//! ([`connect`], [`Client`]) or from code without a runtime ([`BlockingClient`]):
+//!
+//! - `uds:NAME`: a Unix socket in a private per-user directory ([`endpoint`]); only processes of
+//!   the same uid are served (checked with `SO_PEERCRED`).
+//! - `tcp:HOST:PORT`: TCP with a shared [`Token`] and a mutual challenge-response, so neither side
+//!   talks to a peer that does not know the token; the token never crosses the wire. Plain TCP is
+//!   **not encrypted**: use it on trusted networks, or tunnel it.
+//!
+//! Messages are bincode in length-delimited frames bounded by `max_frame_bytes` (1 MiB by
+//! default), so a hostile peer cannot make either side allocate more ([`transport`]). Servers bound
+//! connections and requests in flight, survive peers that vanish or send garbage, and remove their
+//! socket when their [`ServerHandle`] is dropped. Clients retry until a connect deadline and give
+//! every call a deadline.
+//!
+//! # A complete service over a Unix socket
+//!
+//! ```
+//! use rpc::{ClientOptions, Endpoint, ServerOptions, WireError};
+//! use tarpc::context::Context;
+//!
+//! /// The contract: the trait is the schema.
+//! #[tarpc::service]
+//! pub trait Greeter {
+//!     /// Greets `name`; an empty name is an application error.
+//!     async fn hello(name: String) -> Result<String, WireError>;
+//! }
+//!
+//! #[derive(Clone)]
+//! struct GreeterServer;
+//!
+//! impl Greeter for GreeterServer {
+//!     async fn hello(self, _: Context, name: String) -> Result<String, WireError> {
+//!         if name.is_empty() {
+//!             return Err(WireError::InvalidRequest { detail: "empty name".into() });
+//!         }
+//!         Ok(format!("hello, {name}"))
+//!     }
+//! }
+//!
+//! fn main() -> Result<(), rpc::Error> {
+//!     # let dir = tempfile::tempdir().unwrap();
+//!     # let options = ServerOptions::default().runtime_dir(dir.path().join("run"));
+//!     # let client_options = ClientOptions::default().runtime_dir(dir.path().join("run"));
+//!     # /*
+//!     let options = ServerOptions::default();
+//!     let client_options = ClientOptions::default();
+//!     # */
+//!     let endpoint: Endpoint = "uds:greeter".parse()?;
+//!     // The server runs on threads of its own until `server` is dropped.
+//!     let server = rpc::serve(&endpoint, GreeterServer.serve(), options)?;
+//!
+//!     // A blocking client, for code without an async runtime.
+//!     let client: rpc::BlockingClient<GreeterClient> =
+//!         rpc::BlockingClient::connect(&endpoint, &client_options)?;
+//!     let greeting = client.call(async |c, ctx| c.hello(ctx, "world".into()).await)?;
+//!     assert_eq!(greeting, Ok("hello, world".to_string()));
+//!     let refused = client.call(async |c, ctx| c.hello(ctx, String::new()).await)?;
+//!     assert!(matches!(refused, Err(WireError::InvalidRequest { .. })));
+//!
+//!     drop(server); // stops serving and removes the socket
+//!     Ok(())
+//! }
+//! ```
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
+#![doc(test(attr(deny(warnings))))]
 
 /// The README's Rust blocks run as doctests here, where every crate they use is in scope, so the
 /// README stays true.
@@ -32,8 +102,21 @@
 #[doc = include_str!("../../../README.md")]
 struct ReadmeDoctests;
 
+mod auth;
+mod client;
+pub mod endpoint;
+mod error;
 mod reference;
+mod server;
+pub mod transport;
 mod wire;
+pub mod worker;
 
+pub use auth::{MAX_TOKEN_FILE_BYTES, MIN_TOKEN_BYTES, Token};
+pub use client::{BlockingClient, Client, ClientOptions, connect, connect_stream};
+pub use endpoint::{Endpoint, RUNTIME_DIR_ENV};
+pub use error::{Error, Result, WireError};
 pub use reference::{NodeId, RefLocation, TensorDictRef, ToRef};
+pub use server::{ServerHandle, ServerOptions, serve};
+pub use transport::{DEFAULT_MAX_FRAME_BYTES, Stream};
 pub use wire::{IndexItem, InlineDict, WireIndex};

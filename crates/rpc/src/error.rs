@@ -1,0 +1,343 @@
+//! The crate's one error type, and the serializable error that crosses the wire.
+
+use std::io;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::endpoint::Endpoint;
+
+/// Everything that can go wrong in this crate.
+///
+/// Variants carry the endpoint, path or size involved, so a message alone tells the user what to
+/// fix. Failures a user can act on differently (a timeout, a refused token, a refused uid, a frame
+/// that is too large, a busy server) are distinct variants.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    // === Endpoints and the runtime directory ===
+    /// An endpoint string is not `uds:NAME` or `tcp:HOST:PORT`.
+    #[error("invalid endpoint `{input}`: {reason}")]
+    InvalidEndpoint {
+        /// The text as given.
+        input: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A socket name is empty, too long, or holds characters other than `A-Z a-z 0-9 . _ -`.
+    #[error("invalid socket name `{name}`: {reason}")]
+    InvalidSocketName {
+        /// The name as given.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The socket path does not fit in `sun_path`.
+    #[error("socket path {path:?} is {len} bytes, more than the {max} a Unix socket address holds")]
+    SocketPathTooLong {
+        /// The path.
+        path: PathBuf,
+        /// Its length in bytes.
+        len: usize,
+        /// The most a socket address holds (without the trailing NUL).
+        max: usize,
+    },
+    /// The runtime directory is a symbolic link; it is refused because it may point anywhere.
+    #[error("runtime directory {path:?} is a symbolic link; refusing to place sockets there")]
+    RuntimeDirSymlink {
+        /// The directory.
+        path: PathBuf,
+    },
+    /// The runtime directory path exists but is not a directory.
+    #[error("runtime directory {path:?} exists and is not a directory")]
+    RuntimeDirNotDirectory {
+        /// The path.
+        path: PathBuf,
+    },
+    /// The runtime directory belongs to another user.
+    #[error("runtime directory {path:?} is owned by uid {owner}, not by this process's uid {uid}")]
+    RuntimeDirOwner {
+        /// The directory.
+        path: PathBuf,
+        /// Its owner.
+        owner: u32,
+        /// This process's effective uid.
+        uid: u32,
+    },
+    /// The runtime directory lets group or others in.
+    #[error(
+        "runtime directory {path:?} has mode {mode:04o}: group or others can reach it; \
+         `chmod 700` it or remove it"
+    )]
+    RuntimeDirMode {
+        /// The directory.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// Creating or inspecting the runtime directory failed.
+    #[error("runtime directory {path:?}")]
+    RuntimeDirIo {
+        /// The directory.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+
+    // === Serving ===
+    /// Another live server already serves this name.
+    #[error("{endpoint}: already serving (lock {lock:?} is held by a live process)")]
+    AlreadyServing {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// The lock file held by the live server.
+        lock: PathBuf,
+    },
+    /// Something that is not a socket sits where the socket would go; it is never deleted.
+    #[error("{path:?} exists and is not a socket; refusing to replace it")]
+    NotASocket {
+        /// The path.
+        path: PathBuf,
+    },
+    /// Binding the listening socket failed.
+    #[error("{endpoint}: cannot listen")]
+    Bind {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// Starting the threads or runtimes that serve or call failed.
+    #[error("cannot start the {what}")]
+    Runtime {
+        /// What was being started.
+        what: &'static str,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// A blocking call was made from inside an async runtime, where it would block the runtime.
+    #[error("BlockingClient::{method} called from inside an async runtime; use the async Client there")]
+    BlockingInAsync {
+        /// The method that was called.
+        method: &'static str,
+    },
+
+    // === Tokens ===
+    /// A TCP endpoint was used without a shared token.
+    #[error("{endpoint}: a TCP endpoint needs a shared token (none was given)")]
+    TokenRequired {
+        /// The endpoint.
+        endpoint: Endpoint,
+    },
+    /// The token is too short to resist guessing.
+    #[error("token is {len} bytes, fewer than the {min} required")]
+    TokenTooShort {
+        /// Its length in bytes.
+        len: usize,
+        /// The least accepted.
+        min: usize,
+    },
+    /// Reading the token file failed.
+    #[error("token file {path:?}")]
+    TokenFileIo {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// The token file is not a regular file.
+    #[error("token file {path:?} is not a regular file")]
+    TokenFileNotRegular {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The token file is larger than a token can be.
+    #[error("token file {path:?} is {len} bytes, more than the {max} a token file may hold")]
+    TokenFileTooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Its length in bytes.
+        len: u64,
+        /// The most accepted.
+        max: u64,
+    },
+    /// The token file can be read or written by group or others.
+    #[error("token file {path:?} has mode {mode:04o}: group or others can access it; `chmod 600` it")]
+    TokenFilePermissions {
+        /// The file.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
+
+    // === Connecting and the handshake ===
+    /// No connection could be made before the connect deadline.
+    #[error("{endpoint}: could not connect within {waited:?} ({attempts} attempts)")]
+    ConnectTimeout {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// How long connecting was tried.
+        waited: Duration,
+        /// How many attempts were made.
+        attempts: u32,
+        /// The error of the last attempt.
+        #[source]
+        last: Box<Error>,
+    },
+    /// Opening the connection failed.
+    #[error("{endpoint}: cannot connect")]
+    Connect {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// The peer did not complete the handshake in time.
+    #[error("{endpoint}: handshake not completed within {timeout:?}")]
+    HandshakeTimeout {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// The handshake time limit.
+        timeout: Duration,
+    },
+    /// The connection failed during the handshake (closed, reset).
+    #[error("{endpoint}: connection failed during the handshake")]
+    HandshakeIo {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// The peer does not speak this protocol (wrong magic or an unknown message).
+    #[error("{endpoint}: peer does not speak this protocol: {detail}")]
+    Protocol {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// What was unexpected.
+        detail: String,
+    },
+    /// The server refused the client's token.
+    #[error("{endpoint}: the server refused our token")]
+    AuthRefused {
+        /// The endpoint.
+        endpoint: Endpoint,
+    },
+    /// The server could not prove it knows the token: it may be an impostor. No request was sent.
+    #[error("{endpoint}: the server did not prove it knows the token; no request was sent")]
+    ServerAuthFailed {
+        /// The endpoint.
+        endpoint: Endpoint,
+    },
+    /// The server refused this process's uid.
+    #[error("{endpoint}: the server refused our uid {uid}")]
+    UidRefused {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// This process's effective uid.
+        uid: u32,
+    },
+    /// The process serving the socket runs as another uid.
+    #[error("{endpoint}: the server runs as uid {server_uid}, not as our uid {uid}")]
+    ServerUid {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// The server's uid.
+        server_uid: u32,
+        /// This process's effective uid.
+        uid: u32,
+    },
+    /// The server is at its connection limit.
+    #[error("{endpoint}: the server is at its connection limit")]
+    Busy {
+        /// The endpoint.
+        endpoint: Endpoint,
+    },
+
+    // === Calls ===
+    /// A call did not complete before its deadline.
+    #[error("{endpoint}: call not completed within its deadline ({timeout:?})")]
+    DeadlineExceeded {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// The deadline the call had when it was made.
+        timeout: Duration,
+    },
+    /// A frame was larger than the configured maximum (sent or received).
+    #[error("{endpoint}: a frame exceeded the {max_frame_bytes}-byte limit")]
+    FrameTooLarge {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// The configured limit.
+        max_frame_bytes: usize,
+    },
+    /// The connection was lost before the call completed (the server died or closed it).
+    #[error("{endpoint}: connection lost")]
+    ConnectionLost {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// What tarpc reported.
+        #[source]
+        source: tarpc::client::RpcError,
+    },
+    /// Any other failure reported by tarpc.
+    #[error(transparent)]
+    Rpc(#[from] tarpc::client::RpcError),
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An application error that crosses the wire.
+///
+/// `std::io::Error` and this crate's [`Error`] do not serialize; a service method returns
+/// `Result<T, WireError>` instead, and transport failures arrive separately on the client as
+/// [`Error`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// A named thing was not found.
+    #[error("not found: {what}")]
+    NotFound {
+        /// What was looked up.
+        what: String,
+    },
+    /// The request was malformed or refers to something invalid.
+    #[error("invalid request: {detail}")]
+    InvalidRequest {
+        /// What is wrong.
+        detail: String,
+    },
+    /// An I/O error on the server, flattened to its kind and message.
+    #[error("I/O error on the server ({kind}): {message}")]
+    Io {
+        /// `std::io::ErrorKind` printed with `Debug`.
+        kind: String,
+        /// The error's message.
+        message: String,
+    },
+    /// Any other failure on the server.
+    #[error("{message}")]
+    Other {
+        /// The error's message.
+        message: String,
+    },
+}
+
+impl From<io::Error> for WireError {
+    fn from(err: io::Error) -> Self {
+        WireError::Io { kind: format!("{:?}", err.kind()), message: err.to_string() }
+    }
+}
+
+impl From<Error> for WireError {
+    fn from(err: Error) -> Self {
+        WireError::Other { message: err.to_string() }
+    }
+}

@@ -1,0 +1,446 @@
+//! Serving any tarpc service on an [`Endpoint`].
+//!
+//! [`serve`] binds the endpoint in the calling thread (so binding errors come back at once) and
+//! serves on its own threads, each running a single-threaded tokio runtime: connections are spread
+//! over the threads, and the requests of one connection run concurrently on its thread. Request
+//! futures therefore need not be `Send`, which is what lets `serve` take any
+//! `S: tarpc::server::Serve + Clone + Send`, the type the generated `serve()` returns; and `serve`
+//! works the same from synchronous code and from inside an async runtime.
+//!
+//! Every connection first passes the handshake (see [`crate::transport`]): the peer uid on a Unix
+//! socket, the token on TCP. A connection that sends garbage, a frame over the limit, or
+//! disappears mid-call is closed and logged (`tracing`, at debug level); the server goes on.
+
+use std::fs;
+use std::io;
+use std::net::SocketAddr;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tarpc::server::{BaseChannel, Channel, Serve};
+use tarpc::{ClientMessage, Response};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{Semaphore, mpsc, watch};
+
+use crate::auth::Token;
+use crate::endpoint::{Endpoint, current_uid};
+use crate::error::{Error, Result};
+use crate::transport::{self, Admission, DEFAULT_MAX_FRAME_BYTES, Refusal, Stream};
+
+/// How a server listens and what it admits.
+///
+/// Built with [`ServerOptions::default`] and the setters, which read well chained:
+/// `ServerOptions::default().token(token).max_connections(64)`.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ServerOptions {
+    /// Overrides the runtime directory of Unix sockets (see [`crate::endpoint`]).
+    pub runtime_dir: Option<PathBuf>,
+    /// The shared token; required to serve a TCP endpoint.
+    pub token: Option<Token>,
+    /// The largest frame accepted or sent, in bytes (default 1 MiB).
+    pub max_frame_bytes: usize,
+    /// The most connections served at once (default 256); others are told the server is busy.
+    pub max_connections: usize,
+    /// The most requests of one connection run at once (default 64); more wait their turn.
+    pub max_in_flight_per_connection: usize,
+    /// How long a new connection may take to complete the handshake (default 5 s).
+    pub handshake_timeout: Duration,
+    /// Uids served on a Unix socket besides this process's own (none by default; root is not
+    /// special).
+    pub allowed_uids: Vec<u32>,
+    /// Threads that serve connections (default: the available parallelism, at most 4).
+    pub threads: usize,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            runtime_dir: None,
+            token: None,
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+            max_connections: 256,
+            max_in_flight_per_connection: 64,
+            handshake_timeout: Duration::from_secs(5),
+            allowed_uids: Vec::new(),
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
+        }
+    }
+}
+
+impl ServerOptions {
+    /// Sets [`ServerOptions::runtime_dir`].
+    pub fn runtime_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.runtime_dir = Some(dir.into());
+        self
+    }
+    /// Sets [`ServerOptions::token`].
+    pub fn token(mut self, token: Token) -> Self {
+        self.token = Some(token);
+        self
+    }
+    /// Sets [`ServerOptions::max_frame_bytes`].
+    pub fn max_frame_bytes(mut self, bytes: usize) -> Self {
+        self.max_frame_bytes = bytes;
+        self
+    }
+    /// Sets [`ServerOptions::max_connections`].
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n;
+        self
+    }
+    /// Sets [`ServerOptions::max_in_flight_per_connection`].
+    pub fn max_in_flight_per_connection(mut self, n: usize) -> Self {
+        self.max_in_flight_per_connection = n;
+        self
+    }
+    /// Sets [`ServerOptions::handshake_timeout`].
+    pub fn handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.handshake_timeout = timeout;
+        self
+    }
+    /// Adds a uid to [`ServerOptions::allowed_uids`].
+    pub fn allow_uid(mut self, uid: u32) -> Self {
+        self.allowed_uids.push(uid);
+        self
+    }
+    /// Sets [`ServerOptions::threads`].
+    pub fn threads(mut self, n: usize) -> Self {
+        self.threads = n;
+        self
+    }
+}
+
+/// A running server. Dropping it (or calling [`ServerHandle::shutdown`]) stops accepting, closes
+/// every connection, stops the server's threads and removes its socket file.
+#[derive(Debug)]
+pub struct ServerHandle {
+    endpoint: Endpoint,
+    local_addr: Option<SocketAddr>,
+    socket: Option<SocketFile>,
+    stop: Option<watch::Sender<bool>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// The socket file a server created, and the lock that makes it ours.
+#[derive(Debug)]
+struct SocketFile {
+    path: PathBuf,
+    dev: u64,
+    ino: u64,
+    /// Held (locked) for the server's lifetime; the lock file stays, the lock goes with the
+    /// process.
+    _lock: fs::File,
+}
+
+impl ServerHandle {
+    /// The endpoint served; for TCP, with the port actually bound (useful after port 0).
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// The bound TCP address, for TCP endpoints.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.local_addr
+    }
+
+    /// The socket file, for Unix socket endpoints.
+    pub fn socket_path(&self) -> Option<&Path> {
+        self.socket.as_ref().map(|s| s.path.as_path())
+    }
+
+    /// Stops the server now; the same as dropping the handle.
+    pub fn shutdown(self) {}
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(true);
+        }
+        for thread in self.threads.drain(..) {
+            // A thread ends promptly once told to stop: its runtime drops every task.
+            let _ = thread.join();
+        }
+        if let Some(socket) = self.socket.take() {
+            // Remove the file only if it is still the socket this server bound.
+            if let Ok(meta) = fs::symlink_metadata(&socket.path)
+                && meta.dev() == socket.dev
+                && meta.ino() == socket.ino
+            {
+                let _ = fs::remove_file(&socket.path);
+            }
+        }
+    }
+}
+
+enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+/// What every connection task of one server shares.
+struct Shared {
+    endpoint: Endpoint,
+    token: Option<Token>,
+    max_frame_bytes: usize,
+    max_in_flight: usize,
+    handshake_timeout: Duration,
+    uid: u32,
+    allowed_uids: Vec<u32>,
+    connections: Arc<Semaphore>,
+}
+
+/// Serves `service` on `endpoint` until the returned handle is dropped.
+///
+/// `service` is what the `#[tarpc::service]`-generated `serve()` returns (for a service type
+/// `MyServer`: `MyServer.serve()`), or any other [`Serve`]. It is cloned for each request.
+///
+/// A Unix socket endpoint gets its socket in the runtime directory (see [`crate::endpoint`]); a
+/// stale socket left by a dead server is replaced, a live server of the same name is
+/// [`Error::AlreadyServing`]. A TCP endpoint needs [`ServerOptions::token`]; `tcp:HOST:0` binds
+/// a free port, shown by [`ServerHandle::endpoint`].
+///
+/// Callable from synchronous code and from inside a tokio runtime alike: the server runs on
+/// threads of its own.
+pub fn serve<S>(endpoint: &Endpoint, service: S, options: ServerOptions) -> Result<ServerHandle>
+where
+    S: Serve + Clone + Send + 'static,
+    S::Req: DeserializeOwned + 'static,
+    S::Resp: Serialize + 'static,
+{
+    endpoint.validate()?;
+    if matches!(endpoint, Endpoint::Tcp(_)) && options.token.is_none() {
+        return Err(Error::TokenRequired { endpoint: endpoint.clone() });
+    }
+    let threads = options.threads.max(1);
+    let runtime_err = |source| Error::Runtime { what: "server runtime", source };
+    let runtimes = (0..threads)
+        .map(|_| tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(runtime_err))
+        .collect::<Result<Vec<_>>>()?;
+
+    let (listener, served, local_addr, socket) = {
+        // Listeners register with the first thread's runtime, where the accept loop runs.
+        let _entered = runtimes[0].enter();
+        bind(endpoint, options.runtime_dir.as_deref())?
+    };
+
+    let shared = Arc::new(Shared {
+        endpoint: served.clone(),
+        token: options.token,
+        max_frame_bytes: options.max_frame_bytes,
+        max_in_flight: options.max_in_flight_per_connection.max(1),
+        handshake_timeout: options.handshake_timeout,
+        uid: current_uid(),
+        allowed_uids: options.allowed_uids,
+        connections: Arc::new(Semaphore::new(options.max_connections)),
+    });
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut senders = Vec::with_capacity(threads);
+    let mut receivers = Vec::with_capacity(threads);
+    for _ in 0..threads {
+        let (tx, rx) = mpsc::unbounded_channel::<Accepted>();
+        senders.push(tx);
+        receivers.push(rx);
+    }
+
+    let mut listener = Some(listener);
+    let mut senders = Some(senders);
+    let mut handles = Vec::with_capacity(threads);
+    for (index, (runtime, connections)) in runtimes.into_iter().zip(receivers).enumerate() {
+        let shared = Arc::clone(&shared);
+        let service = service.clone();
+        let mut stop = stop_rx.clone();
+        let acceptor = listener.take().zip(senders.take());
+        let spawned = std::thread::Builder::new().name(format!("rpc-server-{index}")).spawn(move || {
+            let local = tokio::task::LocalSet::new();
+            local.block_on(&runtime, async move {
+                let work = async {
+                    if let Some((listener, senders)) = acceptor {
+                        tokio::task::spawn_local(accept_loop(listener, senders, Arc::clone(&shared)));
+                    }
+                    serve_connections(connections, service, shared).await;
+                };
+                tokio::select! {
+                    _ = stop.wait_for(|stopped| *stopped) => {}
+                    () = work => {}
+                }
+            });
+            // Dropping the LocalSet and then the runtime drops every connection task.
+            drop(local);
+            drop(runtime);
+        });
+        match spawned {
+            Ok(handle) => handles.push(handle),
+            Err(source) => {
+                // Stop the threads already started before reporting.
+                let _ = stop_tx.send(true);
+                for handle in handles {
+                    let _ = handle.join();
+                }
+                return Err(Error::Runtime { what: "server thread", source });
+            }
+        }
+    }
+
+    Ok(ServerHandle { endpoint: served, local_addr, socket, stop: Some(stop_tx), threads: handles })
+}
+
+/// Binds the endpoint; for Unix sockets, takes the name's lock and replaces a stale socket.
+fn bind(
+    endpoint: &Endpoint,
+    runtime_dir: Option<&Path>,
+) -> Result<(Listener, Endpoint, Option<SocketAddr>, Option<SocketFile>)> {
+    let bind_err = |source| Error::Bind { endpoint: endpoint.clone(), source };
+    match endpoint {
+        Endpoint::Uds(_) => {
+            let path = endpoint.socket_path(runtime_dir)?.expect("a Unix socket endpoint has a socket path");
+            let lock_path = path.with_extension("lock");
+            let lock = fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .custom_flags(nix::libc::O_NOFOLLOW)
+                .open(&lock_path)
+                .map_err(bind_err)?;
+            match lock.try_lock() {
+                Ok(()) => {}
+                Err(fs::TryLockError::WouldBlock) => {
+                    return Err(Error::AlreadyServing { endpoint: endpoint.clone(), lock: lock_path });
+                }
+                Err(fs::TryLockError::Error(source)) => return Err(bind_err(source)),
+            }
+            // We hold the lock: a socket file here was left by a server that is gone.
+            match fs::symlink_metadata(&path) {
+                Ok(meta) if meta.file_type().is_socket() => {
+                    fs::remove_file(&path).map_err(bind_err)?;
+                }
+                Ok(_) => return Err(Error::NotASocket { path }),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(source) => return Err(bind_err(source)),
+            }
+            let listener = UnixListener::bind(&path).map_err(bind_err)?;
+            let meta = fs::symlink_metadata(&path).map_err(bind_err)?;
+            let socket = SocketFile { path, dev: meta.dev(), ino: meta.ino(), _lock: lock };
+            Ok((Listener::Unix(listener), endpoint.clone(), None, Some(socket)))
+        }
+        Endpoint::Tcp(addr) => {
+            let std_listener = std::net::TcpListener::bind(addr.as_str()).map_err(bind_err)?;
+            std_listener.set_nonblocking(true).map_err(bind_err)?;
+            let local = std_listener.local_addr().map_err(bind_err)?;
+            let listener = TcpListener::from_std(std_listener).map_err(bind_err)?;
+            Ok((Listener::Tcp(listener), Endpoint::Tcp(local.to_string()), Some(local), None))
+        }
+    }
+}
+
+/// An accepted connection on its way to a serving thread, with its connection slot (`None`: the
+/// server is busy, the peer is told so).
+struct Accepted {
+    stream: std::result::Result<std::os::unix::net::UnixStream, std::net::TcpStream>,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+async fn accept_loop(listener: Listener, senders: Vec<mpsc::UnboundedSender<Accepted>>, shared: Arc<Shared>) {
+    let mut next = 0usize;
+    loop {
+        let accepted = match &listener {
+            Listener::Unix(l) => l.accept().await.and_then(|(s, _)| s.into_std()).map(Ok),
+            Listener::Tcp(l) => l.accept().await.and_then(|(s, _)| s.into_std()).map(Err),
+        };
+        let stream = match accepted {
+            Ok(stream) => stream,
+            Err(e) => {
+                // Out of descriptors or memory, or an aborted connection: wait a little, go on.
+                tracing::warn!(endpoint = %shared.endpoint, "accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let permit = Arc::clone(&shared.connections).try_acquire_owned().ok();
+        let sender = &senders[next % senders.len()];
+        next = next.wrapping_add(1);
+        if sender.send(Accepted { stream, permit }).is_err() {
+            return;
+        }
+    }
+}
+
+async fn serve_connections<S>(mut connections: mpsc::UnboundedReceiver<Accepted>, service: S, shared: Arc<Shared>)
+where
+    S: Serve + Clone + 'static,
+    S::Req: DeserializeOwned + 'static,
+    S::Resp: Serialize + 'static,
+{
+    while let Some(accepted) = connections.recv().await {
+        tokio::task::spawn_local(serve_connection(accepted, service.clone(), Arc::clone(&shared)));
+    }
+}
+
+async fn serve_connection<S>(accepted: Accepted, service: S, shared: Arc<Shared>)
+where
+    S: Serve + Clone + 'static,
+    S::Req: DeserializeOwned + 'static,
+    S::Resp: Serialize + 'static,
+{
+    let Accepted { stream, permit } = accepted;
+    let stream = match stream {
+        Ok(s) => tokio::net::UnixStream::from_std(s).map(Stream::Unix),
+        Err(s) => tokio::net::TcpStream::from_std(s).map(Stream::Tcp),
+    };
+    let mut stream = match stream {
+        Ok(stream) => stream,
+        Err(e) => {
+            tracing::warn!(endpoint = %shared.endpoint, "cannot register a connection: {e}");
+            return;
+        }
+    };
+    let admission = match (&permit, &stream) {
+        (None, _) => Admission::Busy,
+        (Some(_), Stream::Unix(s)) => {
+            let uid_allowed = match s.peer_cred() {
+                Ok(cred) => cred.uid() == shared.uid || shared.allowed_uids.contains(&cred.uid()),
+                Err(e) => {
+                    tracing::warn!(endpoint = %shared.endpoint, "cannot read the peer's uid: {e}");
+                    false
+                }
+            };
+            if !uid_allowed {
+                tracing::info!(endpoint = %shared.endpoint, "refused a peer of another uid");
+            }
+            Admission::Uds { uid_allowed }
+        }
+        (Some(_), Stream::Tcp(_)) => match &shared.token {
+            Some(token) => Admission::Tcp { token },
+            // `serve` refuses a TCP endpoint without a token; never serve one unauthenticated.
+            None => return,
+        },
+    };
+    if let Err(refusal) = transport::server_handshake(&mut stream, admission, shared.handshake_timeout).await {
+        match refusal {
+            Refusal::Token | Refusal::BadMagic => {
+                tracing::info!(endpoint = %shared.endpoint, "refused a connection: {refusal}")
+            }
+            _ => tracing::debug!(endpoint = %shared.endpoint, "handshake ended: {refusal}"),
+        }
+        return;
+    }
+    let transport = transport::framed::<ClientMessage<S::Req>, Response<S::Resp>>(stream, shared.max_frame_bytes);
+    let mut config = tarpc::server::Config::default();
+    // Responses of every running request must fit in the queue, or a full queue would stall
+    // the requests that free it.
+    config.pending_response_buffer = config.pending_response_buffer.max(shared.max_in_flight);
+    BaseChannel::new(config, transport)
+        .execute(service)
+        .for_each_concurrent(shared.max_in_flight, |request| request)
+        .await;
+    drop(permit);
+}

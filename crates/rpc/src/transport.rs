@@ -1,0 +1,283 @@
+//! Byte streams, the handshake that opens every connection, and the framing of tarpc messages.
+//!
+//! # The handshake
+//!
+//! Before any tarpc frame, the server speaks first, with small fixed-size messages read under a
+//! time limit ([`ServerOptions::handshake_timeout`], [`ClientOptions::handshake_timeout`]), so a
+//! peer can neither make either side allocate nor hold it forever:
+//!
+//! ```text
+//! server -> client   MAGIC (8 bytes) | status (1 byte) [| server nonce (32 bytes) if CHALLENGE]
+//!                    status: OK (Unix socket, uid accepted), CHALLENGE (TCP),
+//!                            UID_REFUSED, BUSY (then the server closes)
+//! TCP only:
+//! client -> server   MAGIC | client nonce (32) | HMAC-SHA256(token, "…client proof" | nonces)
+//! server -> client   OK | HMAC-SHA256(token, "…server proof" | nonces)     or   TOKEN_REFUSED
+//! ```
+//!
+//! The client sends no request before it has checked the server's proof, so it never talks to a
+//! server that does not know the token; the token itself never crosses the wire. On a Unix
+//! socket, the server checks the peer's uid (`SO_PEERCRED`) and the client checks the server's.
+//!
+//! Plain TCP is **not encrypted**: the token is safe, the requests and responses are not. Use TCP
+//! endpoints on trusted networks, or tunnel them (SSH, WireGuard).
+//!
+//! # Framing
+//!
+//! After the handshake, tarpc messages are bincode, each in a frame with a 4-byte big-endian
+//! length prefix. A frame longer than `max_frame_bytes` (1 MiB by default) is refused before any
+//! of it is buffered and ends the connection.
+//!
+//! [`ServerOptions::handshake_timeout`]: crate::ServerOptions::handshake_timeout
+//! [`ClientOptions::handshake_timeout`]: crate::ClientOptions::handshake_timeout
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tarpc::serde_transport;
+use tarpc::tokio_serde::formats::Bincode;
+use tarpc::tokio_util::codec::LengthDelimitedCodec;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpStream, UnixStream};
+
+use crate::auth::{self, NONCE_BYTES, PROOF_BYTES, Token};
+use crate::endpoint::Endpoint;
+use crate::error::{Error, Result};
+
+/// The default largest frame, in bytes (1 MiB).
+pub const DEFAULT_MAX_FRAME_BYTES: usize = 1 << 20;
+
+/// The first bytes the server sends on every connection.
+const MAGIC: [u8; 8] = *b"TDRPC\0v1";
+
+const STATUS_OK: u8 = 0;
+const STATUS_CHALLENGE: u8 = 1;
+const STATUS_UID_REFUSED: u8 = 2;
+const STATUS_BUSY: u8 = 3;
+const STATUS_TOKEN_REFUSED: u8 = 4;
+
+/// A connected byte stream: a Unix socket or a TCP connection.
+///
+/// [`connect_stream`](crate::connect_stream) returns one that has passed the handshake, for
+/// protocols of one's own on top of it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Stream {
+    /// A Unix socket.
+    Unix(UnixStream),
+    /// A TCP connection.
+    Tcp(TcpStream),
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Unix(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Unix(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Unix(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tcp(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Unix(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+/// A tarpc transport: bincode in length-delimited frames of at most `max_frame_bytes`.
+pub(crate) type Framed<Item, SinkItem> = serde_transport::Transport<Stream, Item, SinkItem, Bincode<Item, SinkItem>>;
+
+/// Wraps a stream that passed the handshake into a tarpc transport.
+pub(crate) fn framed<Item, SinkItem>(stream: Stream, max_frame_bytes: usize) -> Framed<Item, SinkItem>
+where
+    Item: for<'de> Deserialize<'de>,
+    SinkItem: Serialize,
+{
+    let frames = LengthDelimitedCodec::builder().max_frame_length(max_frame_bytes).new_framed(stream);
+    serde_transport::new(frames, Bincode::default())
+}
+
+/// How a server admits one connection.
+pub(crate) enum Admission<'a> {
+    /// A Unix socket whose peer uid was checked: `Ok` or refused.
+    Uds { uid_allowed: bool },
+    /// A TCP connection: challenge with this token.
+    Tcp { token: &'a Token },
+    /// The server is at its connection limit.
+    Busy,
+}
+
+/// Why a server closed a connection during the handshake (logged, never sent as detail).
+#[derive(Debug)]
+pub(crate) enum Refusal {
+    Uid,
+    Busy,
+    Token,
+    BadMagic,
+    Timeout,
+    Io(io::Error),
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::Uid => f.write_str("peer uid not allowed"),
+            Refusal::Busy => f.write_str("at the connection limit"),
+            Refusal::Token => f.write_str("wrong token"),
+            Refusal::BadMagic => f.write_str("the peer does not speak this protocol"),
+            Refusal::Timeout => f.write_str("handshake timed out"),
+            Refusal::Io(e) => write!(f, "connection failed: {e}"),
+        }
+    }
+}
+
+/// The server's side of the handshake; `Ok` means tarpc frames follow.
+pub(crate) async fn server_handshake(
+    stream: &mut Stream,
+    admission: Admission<'_>,
+    timeout: Duration,
+) -> std::result::Result<(), Refusal> {
+    match tokio::time::timeout(timeout, server_exchange(stream, admission)).await {
+        Ok(result) => result,
+        Err(_) => Err(Refusal::Timeout),
+    }
+}
+
+async fn server_exchange(stream: &mut Stream, admission: Admission<'_>) -> std::result::Result<(), Refusal> {
+    let mut hello = MAGIC.to_vec();
+    match admission {
+        Admission::Busy => {
+            hello.push(STATUS_BUSY);
+            stream.write_all(&hello).await.map_err(Refusal::Io)?;
+            let _ = stream.shutdown().await;
+            Err(Refusal::Busy)
+        }
+        Admission::Uds { uid_allowed: false } => {
+            hello.push(STATUS_UID_REFUSED);
+            stream.write_all(&hello).await.map_err(Refusal::Io)?;
+            let _ = stream.shutdown().await;
+            Err(Refusal::Uid)
+        }
+        Admission::Uds { uid_allowed: true } => {
+            hello.push(STATUS_OK);
+            stream.write_all(&hello).await.map_err(Refusal::Io)
+        }
+        Admission::Tcp { token } => {
+            let server_nonce = auth::nonce();
+            hello.push(STATUS_CHALLENGE);
+            hello.extend_from_slice(&server_nonce);
+            stream.write_all(&hello).await.map_err(Refusal::Io)?;
+
+            let mut reply = [0u8; MAGIC.len() + NONCE_BYTES + PROOF_BYTES];
+            stream.read_exact(&mut reply).await.map_err(Refusal::Io)?;
+            let (magic, rest) = reply.split_at(MAGIC.len());
+            let (client_nonce, proof) = rest.split_at(NONCE_BYTES);
+            if magic != MAGIC {
+                let _ = stream.write_all(&[STATUS_TOKEN_REFUSED]).await;
+                return Err(Refusal::BadMagic);
+            }
+            if !token.verify_client(&server_nonce, client_nonce, proof) {
+                let _ = stream.write_all(&[STATUS_TOKEN_REFUSED]).await;
+                let _ = stream.shutdown().await;
+                return Err(Refusal::Token);
+            }
+            let mut verdict = vec![STATUS_OK];
+            verdict.extend_from_slice(&token.server_proof(&server_nonce, client_nonce));
+            stream.write_all(&verdict).await.map_err(Refusal::Io)
+        }
+    }
+}
+
+/// The client's side of the handshake; `Ok` means the server accepted us and (on TCP) proved it
+/// knows the token.
+pub(crate) async fn client_handshake(
+    stream: &mut Stream,
+    endpoint: &Endpoint,
+    token: Option<&Token>,
+    timeout: Duration,
+) -> Result<()> {
+    match tokio::time::timeout(timeout, client_exchange(stream, endpoint, token)).await {
+        Ok(result) => result,
+        Err(_) => Err(Error::HandshakeTimeout { endpoint: endpoint.clone(), timeout }),
+    }
+}
+
+async fn client_exchange(stream: &mut Stream, endpoint: &Endpoint, token: Option<&Token>) -> Result<()> {
+    let io_err = |source| Error::HandshakeIo { endpoint: endpoint.clone(), source };
+    let protocol = |detail: String| Error::Protocol { endpoint: endpoint.clone(), detail };
+    let mut hello = [0u8; MAGIC.len() + 1];
+    stream.read_exact(&mut hello).await.map_err(io_err)?;
+    if hello[..MAGIC.len()] != MAGIC {
+        return Err(protocol(format!(
+            "the server's first bytes {:02x?} are not this protocol's greeting",
+            &hello[..MAGIC.len()]
+        )));
+    }
+    let status = hello[MAGIC.len()];
+    match (status, stream) {
+        (STATUS_BUSY, _) => Err(Error::Busy { endpoint: endpoint.clone() }),
+        (STATUS_UID_REFUSED, _) => {
+            Err(Error::UidRefused { endpoint: endpoint.clone(), uid: crate::endpoint::current_uid() })
+        }
+        (STATUS_OK, Stream::Unix(_)) => Ok(()),
+        (STATUS_CHALLENGE, stream @ Stream::Tcp(_)) => {
+            let token = token.ok_or_else(|| Error::TokenRequired { endpoint: endpoint.clone() })?;
+            let mut server_nonce = [0u8; NONCE_BYTES];
+            stream.read_exact(&mut server_nonce).await.map_err(io_err)?;
+            let client_nonce = auth::nonce();
+            let mut reply = MAGIC.to_vec();
+            reply.extend_from_slice(&client_nonce);
+            reply.extend_from_slice(&token.client_proof(&server_nonce, &client_nonce));
+            stream.write_all(&reply).await.map_err(io_err)?;
+
+            let mut verdict = [0u8; 1];
+            match stream.read_exact(&mut verdict).await {
+                Ok(_) => {}
+                // A server that refuses closes at once; a reset may hide its verdict byte.
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => {
+                    return Err(Error::AuthRefused { endpoint: endpoint.clone() });
+                }
+                Err(e) => return Err(io_err(e)),
+            }
+            match verdict[0] {
+                STATUS_OK => {}
+                STATUS_TOKEN_REFUSED => {
+                    return Err(Error::AuthRefused { endpoint: endpoint.clone() });
+                }
+                other => return Err(protocol(format!("unknown verdict {other}"))),
+            }
+            let mut proof = [0u8; PROOF_BYTES];
+            stream.read_exact(&mut proof).await.map_err(io_err)?;
+            if token.verify_server(&server_nonce, &client_nonce, &proof) {
+                Ok(())
+            } else {
+                Err(Error::ServerAuthFailed { endpoint: endpoint.clone() })
+            }
+        }
+        (STATUS_OK, Stream::Tcp(_)) => {
+            Err(protocol("a TCP server offered no challenge; refusing a server that does not prove the token".into()))
+        }
+        (STATUS_CHALLENGE, Stream::Unix(_)) => Err(protocol("a token challenge on a Unix socket".into())),
+        (other, _) => Err(protocol(format!("unknown status {other}"))),
+    }
+}
