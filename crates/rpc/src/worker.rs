@@ -1,0 +1,275 @@
+//! The worker service: operations on dicts passed by reference, run where the data is. The
+//! caller sends a [`TensorDictRef`] (a few hundred bytes) instead of the rows, the worker maps
+//! the same storage and writes or gathers there, and only references come back.
+//!
+//! A worker keeps the dicts it opened, by location, rows and generation: a caller that sent a
+//! reference once can send the short [`Handle`] it got back instead (what TorchRL calls passing
+//! the reference beforehand). A reference of a generation the worker has not seen is opened
+//! again, with every check of [`TensorDictRef::open`].
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use memmap_tensor::Access;
+use serde::{Deserialize, Serialize};
+use tarpc::context::Context;
+use tensordict::TensorDict;
+
+use crate::{InlineDict, RefLocation, TensorDictRef, ToRef, WireError, WireIndex};
+
+/// How many dicts a worker keeps open; the least recently used is let go first.
+pub const MAX_OPEN_DICTS: usize = 64;
+
+/// The worker service (see the module documentation).
+#[tarpc::service]
+pub trait Worker {
+    /// Opens the dict `target` points to (checked as [`TensorDictRef::open`] checks it) and keeps
+    /// it open; the handle stands for it in later calls.
+    async fn open(target: TensorDictRef) -> Result<Handle, WireError>;
+    /// `target[index] = source`, written into the target's storage; then the target is flushed
+    /// and its generation published. Returns the target's reference at the new generation.
+    async fn set_at(target: Target, index: WireIndex, source: Source) -> Result<TensorDictRef, WireError>;
+    /// `target[index]`, written to `out` (a new folder or shared-memory prefix, which the caller
+    /// then owns) and returned by reference.
+    async fn index(target: Target, index: WireIndex, out: Output) -> Result<TensorDictRef, WireError>;
+    /// Flushes the target to its storage and publishes a new generation.
+    async fn flush(target: Target) -> Result<TensorDictRef, WireError>;
+    /// The target's reference at the generation the worker holds.
+    async fn describe(target: Target) -> Result<TensorDictRef, WireError>;
+    /// Lets go of a handle (a later call with it is an error).
+    async fn close(handle: Handle) -> Result<(), WireError>;
+}
+
+/// A dict a worker holds open, for calls that would otherwise resend its reference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Handle(pub u64);
+
+/// What a worker call operates on.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Target {
+    /// A reference (opened, or found among the dicts the worker holds).
+    Ref(TensorDictRef),
+    /// A dict the worker holds, from [`Worker::open`].
+    Handle(Handle),
+}
+
+/// The rows written by [`Worker::set_at`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Source {
+    /// A dict by reference: the worker maps it, read-only.
+    Ref(TensorDictRef),
+    /// A small dict by value.
+    Inline(InlineDict),
+}
+
+/// Where [`Worker::index`] writes its result.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Output {
+    /// A new memmap folder.
+    Folder(PathBuf),
+    /// A new shared-memory prefix on the worker's node.
+    Shm(String),
+}
+
+/// The worker: cheap to clone (every request gets a clone), its state shared.
+#[derive(Clone, Default)]
+pub struct WorkerServer {
+    state: Arc<Mutex<Held>>,
+}
+
+/// The dicts a worker holds.
+#[derive(Default)]
+struct Held {
+    next: u64,
+    dicts: HashMap<u64, Entry>,
+    by_place: HashMap<Place, u64>,
+    /// Handles, least recently used first.
+    order: VecDeque<u64>,
+}
+
+/// A held dict: the view the reference describes, and its reference now.
+struct Entry {
+    dict: TensorDict,
+    reference: TensorDictRef,
+}
+
+/// Where a held dict is: its location and rows (one entry per place, at the newest generation
+/// seen).
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct Place {
+    location: String,
+    rows: Option<Range<usize>>,
+}
+
+impl Place {
+    fn of(reference: &TensorDictRef) -> Place {
+        let location = match &reference.location {
+            RefLocation::Folder { path } => format!("folder:{}", path.display()),
+            RefLocation::Shm { prefix, node } => format!("shm:{prefix}@{}", node.key),
+        };
+        Place { location, rows: reference.rows.clone() }
+    }
+}
+
+impl WorkerServer {
+    /// A worker that holds nothing yet.
+    pub fn new() -> WorkerServer {
+        WorkerServer::default()
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        // A panic while holding the lock leaves the maps consistent (each change is one insert
+        // or remove), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The handle and dict for `target`, opening (and holding) a reference not held yet.
+    fn resolve(&self, target: Target) -> Result<(u64, TensorDict), WireError> {
+        let reference = match target {
+            Target::Handle(Handle(h)) => {
+                let mut held = self.held();
+                let dict = held.dicts.get(&h).map(|e| e.dict.clone());
+                return match dict {
+                    Some(dict) => {
+                        held.touch(h);
+                        Ok((h, dict))
+                    }
+                    None => Err(WireError::NotFound { what: format!("handle {h} (closed, or let go of)") }),
+                };
+            }
+            Target::Ref(reference) => reference,
+        };
+        let place = Place::of(&reference);
+        {
+            let mut held = self.held();
+            if let Some(&h) = held.by_place.get(&place)
+                && let Some(entry) = held.dicts.get(&h)
+                && entry.reference.generation == reference.generation
+            {
+                let dict = entry.dict.clone();
+                held.touch(h);
+                return Ok((h, dict));
+            }
+        }
+        // Not held at this generation: open it, outside the lock (it maps files).
+        let dict = reference.open(Access::ReadWrite).map_err(invalid)?;
+        let mut held = self.held();
+        let h = held.insert(place, Entry { dict: dict.clone(), reference });
+        Ok((h, dict))
+    }
+
+    /// Publishes the dict held as `h` and returns its new reference.
+    fn publish(&self, h: u64, dict: &TensorDict) -> Result<TensorDictRef, WireError> {
+        dict.publish().map_err(invalid)?;
+        let reference = dict.to_ref().map_err(invalid)?;
+        self.remember(h, &reference);
+        Ok(reference)
+    }
+
+    fn remember(&self, h: u64, reference: &TensorDictRef) {
+        if let Some(entry) = self.held().dicts.get_mut(&h) {
+            entry.reference = reference.clone();
+        }
+    }
+}
+
+impl Held {
+    fn insert(&mut self, place: Place, entry: Entry) -> u64 {
+        if let Some(old) = self.by_place.remove(&place) {
+            self.dicts.remove(&old);
+            self.order.retain(|&h| h != old);
+        }
+        while self.dicts.len() >= MAX_OPEN_DICTS {
+            let Some(oldest) = self.order.pop_front() else { break };
+            self.dicts.remove(&oldest);
+            self.by_place.retain(|_, h| *h != oldest);
+        }
+        self.next += 1;
+        let h = self.next;
+        self.dicts.insert(h, entry);
+        self.by_place.insert(place, h);
+        self.order.push_back(h);
+        h
+    }
+
+    fn touch(&mut self, h: u64) {
+        if let Some(at) = self.order.iter().position(|&x| x == h) {
+            self.order.remove(at);
+            self.order.push_back(h);
+        }
+    }
+}
+
+/// A library error as the caller sees it.
+fn invalid(e: tensordict::Error) -> WireError {
+    WireError::InvalidRequest { detail: e.to_string() }
+}
+
+impl Worker for WorkerServer {
+    async fn open(self, _: Context, target: TensorDictRef) -> Result<Handle, WireError> {
+        let (h, _) = self.resolve(Target::Ref(target))?;
+        Ok(Handle(h))
+    }
+
+    async fn set_at(
+        self,
+        _: Context,
+        target: Target,
+        index: WireIndex,
+        source: Source,
+    ) -> Result<TensorDictRef, WireError> {
+        let (h, mut dict) = self.resolve(target)?;
+        let source = match source {
+            Source::Ref(reference) => reference.open(Access::ReadOnly).map_err(invalid)?,
+            Source::Inline(inline) => inline.to_dict().map_err(invalid)?,
+        };
+        dict.set_at(index.to_index(), &source).map_err(invalid)?;
+        self.publish(h, &dict)
+    }
+
+    async fn index(
+        self,
+        _: Context,
+        target: Target,
+        index: WireIndex,
+        out: Output,
+    ) -> Result<TensorDictRef, WireError> {
+        let (_, dict) = self.resolve(target)?;
+        let gathered = dict.index(index.to_index()).map_err(invalid)?;
+        let written = match out {
+            Output::Folder(path) => gathered.memmap(&path),
+            Output::Shm(prefix) => gathered.share_memory(&prefix),
+        }
+        .map_err(invalid)?;
+        written.to_ref().map_err(invalid)
+    }
+
+    async fn flush(self, _: Context, target: Target) -> Result<TensorDictRef, WireError> {
+        let (h, dict) = self.resolve(target)?;
+        self.publish(h, &dict)
+    }
+
+    async fn describe(self, _: Context, target: Target) -> Result<TensorDictRef, WireError> {
+        let (h, _) = self.resolve(target)?;
+        self.held()
+            .dicts
+            .get(&h)
+            .map(|e| e.reference.clone())
+            .ok_or_else(|| WireError::NotFound { what: format!("handle {h}") })
+    }
+
+    async fn close(self, _: Context, Handle(h): Handle) -> Result<(), WireError> {
+        let mut held = self.held();
+        if held.dicts.remove(&h).is_none() {
+            return Err(WireError::NotFound { what: format!("handle {h}") });
+        }
+        held.by_place.retain(|_, x| *x != h);
+        held.order.retain(|&x| x != h);
+        Ok(())
+    }
+}
