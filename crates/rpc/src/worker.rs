@@ -7,7 +7,7 @@
 //! the reference beforehand). A reference of a generation the worker has not seen is opened
 //! again, with every check of [`TensorDictRef::open`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -92,10 +92,14 @@ struct Held {
     order: VecDeque<u64>,
 }
 
-/// A held dict: the view the reference describes, and its reference now.
+/// A held dict: the view the reference describes, its reference, and the generation counters
+/// this worker published beyond it (calls in flight at once publish in any order).
 struct Entry {
     dict: TensorDict,
     reference: TensorDictRef,
+    own: BTreeSet<u64>,
+    /// Publishes of this worker under way (their counters not known yet).
+    publishing: usize,
 }
 
 /// Where a held dict is: its location and rows (one entry per place, at the newest generation
@@ -128,53 +132,81 @@ impl WorkerServer {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The handle and dict for `target`, opening (and holding) a reference not held yet.
+    /// The handle and dict for `target`, opening (and holding) a reference not held yet. A held
+    /// dict is used only while its storage is still at the generation the worker knows (one
+    /// read of the generation file): a folder replaced meanwhile, or rows another writer
+    /// published, make the caller send a fresh reference.
     fn resolve(&self, target: Target) -> Result<(u64, TensorDict), WireError> {
         let reference = match target {
             Target::Handle(Handle(h)) => {
-                let mut held = self.held();
-                let dict = held.dicts.get(&h).map(|e| e.dict.clone());
-                return match dict {
-                    Some(dict) => {
-                        held.touch(h);
-                        Ok((h, dict))
-                    }
-                    None => Err(WireError::NotFound { what: format!("handle {h} (closed, or let go of)") }),
-                };
+                let dict = self.current(h)?;
+                return Ok((h, dict));
             }
             Target::Ref(reference) => reference,
         };
         let place = Place::of(&reference);
+        let cached = self.held().by_place.get(&place).copied();
+        if let Some(h) = cached
+            && self.held().dicts.get(&h).is_some_and(|e| e.reference.generation == reference.generation)
+            && let Ok(dict) = self.current(h)
         {
-            let mut held = self.held();
-            if let Some(&h) = held.by_place.get(&place)
-                && let Some(entry) = held.dicts.get(&h)
-                && entry.reference.generation == reference.generation
-            {
-                let dict = entry.dict.clone();
-                held.touch(h);
-                return Ok((h, dict));
-            }
+            return Ok((h, dict));
         }
         // Not held at this generation: open it, outside the lock (it maps files).
         let dict = reference.open(Access::ReadWrite).map_err(invalid)?;
         let mut held = self.held();
-        let h = held.insert(place, Entry { dict: dict.clone(), reference });
+        let h = held.insert(place, Entry { dict: dict.clone(), reference, own: BTreeSet::new(), publishing: 0 });
         Ok((h, dict))
+    }
+
+    /// The dict held as `h`, if its storage is still at the generation the worker knows: the
+    /// same id, and every publish since was this worker's own (one read of the generation file).
+    /// A folder replaced meanwhile, or rows another writer published, make the caller send a
+    /// current reference.
+    fn current(&self, h: u64) -> Result<TensorDict, WireError> {
+        let gone = || WireError::NotFound { what: format!("handle {h} (closed, or let go of)") };
+        let known = self.held().dicts.get(&h).map(|e| e.reference.clone()).ok_or_else(gone)?;
+        let now = location_of(&known).generation().map_err(invalid)?;
+        let mut held = self.held();
+        let entry = held.dicts.get_mut(&h).ok_or_else(gone)?;
+        let known = entry.reference.generation;
+        // Bumps not explained by this worker's finished publishes must be its publishes under way.
+        let unexplained = (known.counter.saturating_add(1)..=now.counter).filter(|c| !entry.own.contains(c)).count();
+        let ours = now.id == known.id && now.counter >= known.counter && unexplained <= entry.publishing;
+        if !ours {
+            return Err(WireError::InvalidRequest {
+                detail: format!(
+                    "{} is at generation {now}; the worker holds generation {known}: send a current reference",
+                    entry.reference.location
+                ),
+            });
+        }
+        if unexplained == 0 {
+            entry.reference.generation = now;
+            entry.own.retain(|&c| c > now.counter);
+        }
+        let dict = entry.dict.clone();
+        held.touch(h);
+        Ok(dict)
     }
 
     /// Publishes the dict held as `h` and returns its new reference.
     fn publish(&self, h: u64, dict: &TensorDict) -> Result<TensorDictRef, WireError> {
-        dict.publish().map_err(invalid)?;
-        let reference = dict.to_ref().map_err(invalid)?;
-        self.remember(h, &reference);
-        Ok(reference)
-    }
-
-    fn remember(&self, h: u64, reference: &TensorDictRef) {
         if let Some(entry) = self.held().dicts.get_mut(&h) {
-            entry.reference = reference.clone();
+            entry.publishing += 1;
         }
+        let published = dict.publish();
+        if let Some(entry) = self.held().dicts.get_mut(&h) {
+            entry.publishing -= 1;
+            if let Ok(generation) = &published {
+                entry.own.insert(generation.counter);
+            }
+        }
+        let generation = published.map_err(invalid)?;
+        let mut reference = dict.to_ref().map_err(invalid)?;
+        // Another call's publish may have come in between; the reference names this one's.
+        reference.generation = generation;
+        Ok(reference)
     }
 }
 
@@ -202,6 +234,14 @@ impl Held {
             self.order.remove(at);
             self.order.push_back(h);
         }
+    }
+}
+
+/// The library's location of what a reference points to.
+fn location_of(reference: &TensorDictRef) -> tensordict::DictLocation {
+    match &reference.location {
+        RefLocation::Folder { path } => tensordict::DictLocation::Folder(path.clone()),
+        RefLocation::Shm { prefix, .. } => tensordict::DictLocation::Shm(prefix.clone()),
     }
 }
 
