@@ -1,0 +1,147 @@
+//! PyTorch tensordict's distributed "remote update" example, in Rust, with two real processes.
+//!
+//! The first process creates a memmap dict `{"memmap": u8 [1000, 640, 640, 3]}` (1.2 GB, in
+//! sparse files) and starts a worker process. It sends the worker a reference to the dict (a
+//! few hundred bytes) and the rows `[4, 5, 6, 7, 998]`; the worker maps the same file, writes
+//! ones into those rows, publishes and returns the reference. The first process then checks
+//! `memmap[idx, :1, :1, :1]` is all ones.
+//!
+//! It also makes the same call by value, as an RPC framework without references must: the
+//! dict's bytes sent to the worker and sent back. The two times are printed side by side.
+//!
+//! This is also the pattern for a service of your own that takes and returns references: a
+//! `#[tarpc::service]` whose methods take [`TensorDictRef`]s, served with [`rpc::serve`].
+//!
+//! ```sh
+//! cargo run --release --example remote_update
+//! ```
+
+use std::time::Instant;
+
+use anyhow::{Context as _, ensure};
+use memmap_tensor::{Access, DType, Location, Tensor};
+use rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, ServerOptions, TensorDictRef, ToRef, WireError};
+use tarpc::context::Context;
+use tensordict::{Index, TensorDict};
+
+const ROWS: [i64; 5] = [4, 5, 6, 7, 998];
+/// By-value calls carry the whole dict in one message.
+const BIG_FRAMES: usize = 2 << 30;
+
+/// What the worker does. The trait is the contract between the two processes.
+#[tarpc::service]
+trait Updater {
+    /// Writes ones into `rows` of the dict `target` refers to; returns its reference at the
+    /// generation that holds them.
+    async fn fill_ones(target: TensorDictRef, rows: Vec<i64>) -> Result<TensorDictRef, WireError>;
+    /// The same by value: the dict comes in whole and goes back whole.
+    async fn fill_ones_by_value(dict: InlineDict, rows: Vec<i64>) -> Result<InlineDict, WireError>;
+}
+
+#[derive(Clone)]
+struct UpdaterServer;
+
+/// `td[rows] = 1`.
+fn fill(td: &mut TensorDict, rows: &[i64]) -> tensordict::Result<()> {
+    let mut ones = TensorDict::new([rows.len()]);
+    for (key, t) in td.leaves() {
+        let mut dims = t.dims().to_vec();
+        dims[0] = rows.len();
+        let count: usize = dims.iter().product();
+        let bytes = vec![1u8; count * t.dtype().size_in_bytes()];
+        let one = Tensor::from_bytes(&bytes, t.dtype(), dims).map_err(|source| tensordict::Error::Tensor {
+            key: key.clone(),
+            source,
+        })?;
+        ones.set(key, one)?;
+    }
+    td.set_at(Index::List(rows.to_vec()), &ones)
+}
+
+fn wire(e: tensordict::Error) -> WireError {
+    WireError::InvalidRequest { detail: e.to_string() }
+}
+
+impl Updater for UpdaterServer {
+    async fn fill_ones(self, _: Context, target: TensorDictRef, rows: Vec<i64>) -> Result<TensorDictRef, WireError> {
+        let mut td = target.open(Access::ReadWrite).map_err(wire)?;
+        fill(&mut td, &rows).map_err(wire)?;
+        td.publish().map_err(wire)?;
+        td.to_ref().map_err(wire)
+    }
+
+    async fn fill_ones_by_value(self, _: Context, dict: InlineDict, rows: Vec<i64>) -> Result<InlineDict, WireError> {
+        let mut td = dict.to_dict().map_err(wire)?;
+        fill(&mut td, &rows).map_err(wire)?;
+        InlineDict::new(&td).map_err(wire)
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if let [_, role, endpoint] = args.as_slice()
+        && role == "worker"
+    {
+        return worker(endpoint);
+    }
+    let dir = tempfile::tempdir()?;
+    let endpoint: Endpoint = format!("uds:remote-update-{}", std::process::id()).parse()?;
+
+    // The dict: 1000 frames of 640 x 640 x 3 bytes, in a sparse file.
+    let mut schema = TensorDict::new([1]);
+    schema.set("memmap", Tensor::zeros([1, 640, 640, 3], DType::U8, &Location::Heap)?)?;
+    let td = schema.memmap_like(dir.path().join("data"), Some(1000))?;
+    println!("dict: {} MB in {}", td.nbytes() / 1_000_000, dir.path().join("data").display());
+
+    let mut worker = std::process::Command::new(std::env::current_exe()?)
+        .args(["worker", &endpoint.to_string()])
+        .spawn()
+        .context("starting the worker")?;
+    let result = drive(&endpoint, &td);
+    // Whatever happened: the worker goes.
+    let _ = worker.kill();
+    let _ = worker.wait();
+    result
+}
+
+/// The worker process: serves until killed.
+fn worker(endpoint: &str) -> anyhow::Result<()> {
+    let endpoint: Endpoint = endpoint.parse()?;
+    let _server = rpc::serve(&endpoint, UpdaterServer.serve(), ServerOptions::default().max_frame_bytes(BIG_FRAMES))?;
+    loop {
+        std::thread::park();
+    }
+}
+
+fn drive(endpoint: &Endpoint, td: &TensorDict) -> anyhow::Result<()> {
+    let options = ClientOptions::default().max_frame_bytes(BIG_FRAMES).call_timeout(std::time::Duration::from_secs(300));
+    // Retries until the worker listens.
+    let client: BlockingClient<UpdaterClient> = BlockingClient::connect(endpoint, &options)?;
+
+    let reference = td.to_ref()?;
+    let sent_bytes = serde_json::to_vec(&reference)?.len();
+    let started = Instant::now();
+    let back = client.call(async |c, ctx| c.fill_ones(ctx, reference.clone(), ROWS.to_vec()).await)??;
+    let by_ref = started.elapsed();
+
+    // memmap[idx, :1, :1, :1] is all ones, seen through this process's own mapping.
+    let rows = td.index(Index::List(ROWS.to_vec()))?;
+    let corner = rows.get_tensor("memmap")?.narrow(1, 0, 1)?.narrow(2, 0, 1)?.narrow(3, 0, 1)?;
+    ensure!(corner.to_vec::<u8>()? == [1u8; 5], "the worker's writes are not in the file");
+    ensure!(back.generation.counter == reference.generation.counter + 1, "the worker did not publish");
+    // The untouched rows stay zero.
+    ensure!(td.get_tensor("memmap")?.select(0, 3)?.to_vec::<u8>()?.iter().all(|&b| b == 0));
+
+    // The same call by value.
+    let started = Instant::now();
+    let dict = InlineDict::new(td)?;
+    let returned = client.call(async |c, ctx| c.fill_ones_by_value(ctx, dict, ROWS.to_vec()).await)??;
+    let updated = returned.to_dict()?;
+    let by_value = started.elapsed();
+    ensure!(updated.get_tensor("memmap")?.select(0, 998)?.to_vec::<u8>()?.iter().all(|&b| b == 1));
+
+    println!("by reference: {by_ref:>10.2?}  ({sent_bytes} bytes of reference each way)");
+    println!("by value:     {by_value:>10.2?}  ({} MB each way)", td.nbytes() / 1_000_000);
+    println!("memmap[idx, :1, :1, :1] is all ones: ok");
+    Ok(())
+}
