@@ -115,3 +115,33 @@ async fn a_server_at_its_connection_limit_says_busy_and_recovers() -> TestResult
     drop(first);
     honest_call(&endpoint, &sandbox.client_options()).await
 }
+
+/// A server that accepts and never greets: each attempt ends at the handshake time limit, and
+/// connecting ends at its deadline with that as the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_server_ends_in_a_handshake_timeout() -> TestResult {
+    let sandbox = Sandbox::new();
+    let endpoint = name("silent");
+    let path = endpoint.socket_path(Some(&sandbox.run_dir()))?.expect("path");
+    let listener = tokio::net::UnixListener::bind(&path)?;
+    let silent = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            held.push(conn);
+        }
+    });
+    let options = sandbox
+        .client_options()
+        .handshake_timeout(Duration::from_millis(100))
+        .connect_timeout(Duration::from_millis(400));
+    let result = rpc::connect_stream(&endpoint, &options).await;
+    silent.abort();
+    match result {
+        Err(Error::ConnectTimeout { last, attempts, .. }) => {
+            assert!(matches!(*last, Error::HandshakeTimeout { .. }), "{last:?}");
+            assert!(attempts >= 2, "{attempts} attempts");
+        }
+        other => panic!("expected a handshake timeout, got {:?}", other.map(|_| ())),
+    }
+    Ok(())
+}
