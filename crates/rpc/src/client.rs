@@ -120,29 +120,40 @@ pub async fn connect_stream(endpoint: &Endpoint, options: &ClientOptions) -> Res
     let deadline = start + options.connect_timeout;
     let mut pause = options.retry_initial;
     let mut attempts = 0u32;
+    let mut last_error: Option<Error> = None;
     loop {
         attempts += 1;
         let remaining = deadline.saturating_duration_since(Instant::now());
         let attempt = tokio::time::timeout(remaining, connect_once(endpoint, options)).await;
-        let error = match attempt {
+        match attempt {
             Ok(Ok(stream)) => return Ok(stream),
             Ok(Err(e)) if !retryable(&e) => return Err(e),
-            Ok(Err(e)) => e,
-            Err(_) => Error::Connect {
-                endpoint: endpoint.clone(),
-                source: std::io::Error::new(std::io::ErrorKind::TimedOut, "connect deadline reached during an attempt"),
-            },
-        };
+            Ok(Err(e)) => last_error = Some(e),
+            // An attempt cut short by the deadline says less than the failure before it.
+            Err(_) => {
+                last_error = last_error.or_else(|| {
+                    Some(Error::Connect {
+                        endpoint: endpoint.clone(),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "no answer before the connect deadline",
+                        ),
+                    })
+                })
+            }
+        }
         let now = Instant::now();
         if now >= deadline {
             return Err(Error::ConnectTimeout {
                 endpoint: endpoint.clone(),
                 waited: now - start,
                 attempts,
-                last: Box::new(error),
+                last: Box::new(last_error.expect("a failed attempt leaves an error")),
             });
         }
-        tracing::debug!(%endpoint, attempts, "connect attempt failed, retrying: {error}");
+        if let Some(error) = &last_error {
+            tracing::debug!(%endpoint, attempts, "connect attempt failed, retrying: {error}");
+        }
         tokio::time::sleep(pause.min(deadline - now)).await;
         pause = (pause * 2).min(options.retry_max);
     }

@@ -10,6 +10,9 @@
 //! Every connection first passes the handshake (see [`crate::transport`]): the peer uid on a Unix
 //! socket, the token on TCP. A connection that sends garbage, a frame over the limit, or
 //! disappears mid-call is closed and logged (`tracing`, at debug level); the server goes on.
+//! When a client stops sending (its end of the connection closed, or its process died), its
+//! running requests are cancelled (their futures dropped) and its connection slot is freed at
+//! once, rather than when those requests would have finished.
 
 use std::fs;
 use std::io;
@@ -31,7 +34,7 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use crate::auth::Token;
 use crate::endpoint::{Endpoint, current_uid};
 use crate::error::{Error, Result};
-use crate::transport::{self, Admission, DEFAULT_MAX_FRAME_BYTES, Refusal, Stream};
+use crate::transport::{self, Admission, DEFAULT_MAX_FRAME_BYTES, PeerWatch, Refusal, Stream};
 
 /// How a server listens and what it admits.
 ///
@@ -433,14 +436,19 @@ where
         }
         return;
     }
-    let transport = transport::framed::<ClientMessage<S::Req>, Response<S::Resp>>(stream, shared.max_frame_bytes);
+    let (watched, peer_gone) = PeerWatch::new(stream);
+    let transport = transport::framed::<_, ClientMessage<S::Req>, Response<S::Resp>>(watched, shared.max_frame_bytes);
     let mut config = tarpc::server::Config::default();
     // Responses of every running request must fit in the queue, or a full queue would stall
     // the requests that free it.
     config.pending_response_buffer = config.pending_response_buffer.max(shared.max_in_flight);
-    BaseChannel::new(config, transport)
+    let serving = BaseChannel::new(config, transport)
         .execute(service)
-        .for_each_concurrent(shared.max_in_flight, |request| request)
-        .await;
+        .for_each_concurrent(shared.max_in_flight, |request| request);
+    tokio::select! {
+        () = serving => {}
+        // The client is gone: dropping `serving` cancels its running requests and frees the slot.
+        _ = peer_gone => tracing::debug!(endpoint = %shared.endpoint, "peer gone; its running requests are cancelled"),
+    }
     drop(permit);
 }

@@ -105,16 +105,70 @@ impl AsyncWrite for Stream {
 }
 
 /// A tarpc transport: bincode in length-delimited frames of at most `max_frame_bytes`.
-pub(crate) type Framed<Item, SinkItem> = serde_transport::Transport<Stream, Item, SinkItem, Bincode<Item, SinkItem>>;
+pub(crate) type Framed<S, Item, SinkItem> = serde_transport::Transport<S, Item, SinkItem, Bincode<Item, SinkItem>>;
 
 /// Wraps a stream that passed the handshake into a tarpc transport.
-pub(crate) fn framed<Item, SinkItem>(stream: Stream, max_frame_bytes: usize) -> Framed<Item, SinkItem>
+pub(crate) fn framed<S, Item, SinkItem>(stream: S, max_frame_bytes: usize) -> Framed<S, Item, SinkItem>
 where
+    S: AsyncRead + AsyncWrite,
     Item: for<'de> Deserialize<'de>,
     SinkItem: Serialize,
 {
     let frames = LengthDelimitedCodec::builder().max_frame_length(max_frame_bytes).new_framed(stream);
     serde_transport::new(frames, Bincode::default())
+}
+
+/// A stream that reports, once, when its peer has stopped sending: end of stream or a read error.
+///
+/// tarpc keeps serving a connection whose read side is closed until its running requests are
+/// done, to deliver their responses; but our clients never half-close, so a closed read side
+/// means the client is gone (dropped, or its process died), and the server cancels its requests.
+pub(crate) struct PeerWatch {
+    inner: Stream,
+    gone: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl PeerWatch {
+    /// Watches `inner`; `gone` resolves when the peer stops sending (or the watch is dropped).
+    pub(crate) fn new(inner: Stream) -> (PeerWatch, tokio::sync::oneshot::Receiver<()>) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        (PeerWatch { inner, gone: Some(tx) }, rx)
+    }
+
+    fn report_gone(&mut self) {
+        if let Some(gone) = self.gone.take() {
+            let _ = gone.send(());
+        }
+    }
+}
+
+impl AsyncRead for PeerWatch {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let asked = buf.remaining() > 0;
+        let result = Pin::new(&mut this.inner).poll_read(cx, buf);
+        match &result {
+            Poll::Ready(Ok(())) if asked && buf.filled().len() == before => this.report_gone(),
+            Poll::Ready(Err(_)) => this.report_gone(),
+            _ => {}
+        }
+        result
+    }
+}
+
+impl AsyncWrite for PeerWatch {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
 }
 
 /// How a server admits one connection.

@@ -1,0 +1,147 @@
+//! Hostile and broken peers: random bytes, a 4 GiB length prefix, frames cut short, garbage
+//! bincode, silent connections, too many connections. The server stays up, serves the next honest
+//! client. (Random streams and memory: `hostile_random.rs`, a binary of its own so that no other
+//! test shares the process whose memory it measures.)
+
+mod common;
+
+use std::time::Duration;
+
+use common::{EchoClient, Sandbox, TestResult, name, serve_echo};
+use rpc::{ClientOptions, Endpoint, Error, ServerHandle};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Reads until the server closes the connection; `Err` if it does not within 10 s (a hang guard:
+/// a server that honoured a 4 GiB prefix would wait for the rest and never close).
+async fn server_closes<S: tokio::io::AsyncRead + Unpin>(stream: &mut S) -> Result<(), String> {
+    let mut sink = Vec::new();
+    match tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut sink)).await {
+        Ok(_) => Ok(()),
+        Err(_) => Err("the server kept the connection open".into()),
+    }
+}
+
+async fn honest_call(endpoint: &Endpoint, options: &ClientOptions) -> TestResult {
+    let client: rpc::Client<EchoClient> = rpc::connect(endpoint, options).await?;
+    let back = client.call(async |c, ctx| c.echo(ctx, b"honest".to_vec()).await).await?;
+    assert_eq!(back, b"honest");
+    Ok(())
+}
+
+struct Target {
+    _server: ServerHandle,
+    endpoint: Endpoint,
+    options: ClientOptions,
+}
+
+fn targets(sandbox: &Sandbox, test: &str) -> Result<Vec<Target>, Box<dyn std::error::Error>> {
+    let token = rpc::Token::generate();
+    let uds = name(test);
+    let (uds_server, _) = serve_echo(&uds, sandbox.server_options())?;
+    let (tcp_server, _) = serve_echo(&"tcp:127.0.0.1:0".parse()?, sandbox.server_options().token(token.clone()))?;
+    let tcp = tcp_server.endpoint().clone();
+    Ok(vec![
+        Target { _server: uds_server, endpoint: uds, options: sandbox.client_options() },
+        Target { _server: tcp_server, endpoint: tcp, options: sandbox.client_options().token(token) },
+    ])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_frames_after_the_handshake_close_only_their_connection() -> TestResult {
+    let sandbox = Sandbox::new();
+    for target in targets(&sandbox, "broken-frames")? {
+        let cases: Vec<(&str, Vec<u8>, bool)> = vec![
+            // A length prefix of 4 GiB - 1: refused at once, before any body arrives.
+            ("4 GiB prefix", vec![0xff, 0xff, 0xff, 0xff], true),
+            // Just over the 1 MiB limit.
+            ("limit + 1", ((1u32 << 20) + 1).to_be_bytes().to_vec(), true),
+            // A valid length with bytes that are not a tarpc message.
+            ("garbage bincode", [&16u32.to_be_bytes()[..], &[0xee; 16]].concat(), true),
+            // A frame cut short: the peer closes its side halfway.
+            ("cut short", [&100u32.to_be_bytes()[..], &[1; 50]].concat(), false),
+        ];
+        for (what, bytes, server_must_close) in cases {
+            let mut stream = rpc::connect_stream(&target.endpoint, &target.options).await?;
+            stream.write_all(&bytes).await?;
+            if server_must_close {
+                server_closes(&mut stream).await.map_err(|e| format!("{}: {what}: {e}", target.endpoint))?;
+            } else {
+                stream.shutdown().await?;
+                server_closes(&mut stream).await.map_err(|e| format!("{}: {what}: {e}", target.endpoint))?;
+            }
+            honest_call(&target.endpoint, &target.options).await?;
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_before_the_handshake_and_silent_peers_are_dropped() -> TestResult {
+    let sandbox = Sandbox::new();
+    let token = rpc::Token::generate();
+    let options = sandbox.server_options().token(token.clone()).handshake_timeout(Duration::from_millis(200));
+    let (server, _) = serve_echo(&"tcp:127.0.0.1:0".parse()?, options)?;
+    let addr = server.local_addr().expect("tcp address");
+    let client_options = sandbox.client_options().token(token);
+
+    // Random bytes instead of the client's handshake reply.
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream.write_all(&[0x42; 200]).await?;
+    server_closes(&mut stream).await?;
+
+    // A peer that says nothing is dropped after the handshake time limit.
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    server_closes(&mut stream).await?;
+
+    honest_call(server.endpoint(), &client_options).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_at_its_connection_limit_says_busy_and_recovers() -> TestResult {
+    let sandbox = Sandbox::new();
+    let endpoint = name("busy");
+    let (_server, _) = serve_echo(&endpoint, sandbox.server_options().max_connections(1))?;
+    let first: rpc::Client<EchoClient> = rpc::connect(&endpoint, &sandbox.client_options()).await?;
+    first.call(async |c, ctx| c.echo(ctx, vec![1]).await).await?;
+
+    let impatient = sandbox.client_options().connect_timeout(Duration::from_millis(300));
+    let result = rpc::connect::<EchoClient, _, _>(&endpoint, &impatient).await;
+    match result {
+        Err(Error::ConnectTimeout { last, .. }) => assert!(matches!(*last, Error::Busy { .. }), "{last:?}"),
+        other => panic!("expected busy until the deadline, got {other:?}"),
+    }
+
+    // The slot is freed when the first client goes away; connecting retries until then.
+    drop(first);
+    honest_call(&endpoint, &sandbox.client_options()).await
+}
+
+/// A server that accepts and never greets: each attempt ends at the handshake time limit, and
+/// connecting ends at its deadline with that as the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_server_ends_in_a_handshake_timeout() -> TestResult {
+    let sandbox = Sandbox::new();
+    let endpoint = name("silent");
+    let path = endpoint.socket_path(Some(&sandbox.run_dir()))?.expect("path");
+    let listener = tokio::net::UnixListener::bind(&path)?;
+    let silent = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            held.push(conn);
+        }
+    });
+    let options = sandbox
+        .client_options()
+        .handshake_timeout(Duration::from_millis(100))
+        .connect_timeout(Duration::from_millis(400));
+    let result = rpc::connect_stream(&endpoint, &options).await;
+    silent.abort();
+    match result {
+        Err(Error::ConnectTimeout { last, attempts, .. }) => {
+            assert!(matches!(*last, Error::HandshakeTimeout { .. }), "{last:?}");
+            assert!(attempts >= 2, "{attempts} attempts");
+        }
+        other => panic!("expected a handshake timeout, got {:?}", other.map(|_| ())),
+    }
+    Ok(())
+}
