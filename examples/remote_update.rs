@@ -49,10 +49,8 @@ fn fill(td: &mut TensorDict, rows: &[i64]) -> tensordict::Result<()> {
         dims[0] = rows.len();
         let count: usize = dims.iter().product();
         let bytes = vec![1u8; count * t.dtype().size_in_bytes()];
-        let one = Tensor::from_bytes(&bytes, t.dtype(), dims).map_err(|source| tensordict::Error::Tensor {
-            key: key.clone(),
-            source,
-        })?;
+        let one = Tensor::from_bytes(&bytes, t.dtype(), dims)
+            .map_err(|source| tensordict::Error::Tensor { key: key.clone(), source })?;
         ones.set(key, one)?;
     }
     td.set_at(Index::List(rows.to_vec()), &ones)
@@ -114,7 +112,8 @@ fn worker(endpoint: &str) -> anyhow::Result<()> {
 }
 
 fn drive(endpoint: &Endpoint, td: &TensorDict) -> anyhow::Result<()> {
-    let options = ClientOptions::default().max_frame_bytes(BIG_FRAMES).call_timeout(std::time::Duration::from_secs(300));
+    let options =
+        ClientOptions::default().max_frame_bytes(BIG_FRAMES).call_timeout(std::time::Duration::from_secs(300));
     // Retries until the worker listens.
     let client: BlockingClient<UpdaterClient> = BlockingClient::connect(endpoint, &options)?;
 
