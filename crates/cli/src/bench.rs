@@ -65,6 +65,19 @@ pub(crate) enum BenchCommand {
         #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(0..=MAX_ROWS))]
         rows: u64,
     },
+    /// Passing dicts by reference over the rpc transports: a bare round trip, a reference's
+    /// round trip and size, and a remote update by reference against the same by value.
+    Rpc {
+        /// The transport: a Unix socket, or TCP on the loopback (with a token).
+        #[arg(long, value_enum, default_value_t = crate::bench_rpc::Transport::Uds)]
+        transport: crate::bench_rpc::Transport,
+        /// Round trips to time of each kind (10 to 1000000).
+        #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..=1_000_000))]
+        iters: u64,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Sequential write, then read, of one file through the I/O engine (compare with fio).
     Io {
         /// The file to write (created or overwritten).
@@ -101,6 +114,7 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
             gather(&location, &GatherOptions { batch, iters, mode, o_direct, cold }, json)
         }
         BenchCommand::Make { path, rows } => make(&path, usize::try_from(rows)?),
+        BenchCommand::Rpc { transport, iters, json } => crate::bench_rpc::run(transport, usize::try_from(iters)?, json),
         BenchCommand::Io { file, size, bs, qd, direct, json } => {
             io(&file, size, bs, usize::try_from(qd)?, direct, json)
         }

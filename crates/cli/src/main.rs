@@ -15,6 +15,7 @@ macro_rules! out {
 pub(crate) use out;
 
 mod bench;
+mod bench_rpc;
 mod location;
 mod progress;
 

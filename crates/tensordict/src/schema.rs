@@ -297,16 +297,37 @@ impl Schema {
     /// A schema from [`Schema::to_json`]'s JSON, validated. The nesting depth is bounded before
     /// parsing, so hostile bytes cannot exhaust the stack.
     pub fn from_json(bytes: &[u8]) -> Result<Schema> {
-        let invalid = |reason: String| Error::InvalidSchema { reason };
-        let value = parse_bounded(bytes, MAX_SCHEMA_JSON_DEPTH).map_err(|e| invalid(format!("invalid JSON: {e}")))?;
-        match value.get("version").and_then(Value::as_u64) {
-            Some(SCHEMA_VERSION) => {}
-            other => return Err(invalid(format!("unsupported schema version {other:?}"))),
+        #[derive(serde::Deserialize)]
+        struct Envelope {
+            version: u64,
+            root: Schema,
         }
-        let root = value.get("root").ok_or_else(|| invalid("no `root`".into()))?;
-        let schema = Schema::deserialize(root).map_err(|e| invalid(e.to_string()))?;
-        schema.validate()?;
-        Ok(schema)
+        let invalid = |reason: String| Error::InvalidSchema { reason };
+        let depth = json_depth(bytes);
+        if depth > MAX_SCHEMA_JSON_DEPTH {
+            return Err(invalid(format!("nested {depth} levels deep, over the limit of {MAX_SCHEMA_JSON_DEPTH}")));
+        }
+        // Straight into the typed schema (references arrive on every call); the depth is bounded
+        // above, so serde_json's own recursion limit can be lifted.
+        let mut de = serde_json::Deserializer::from_slice(bytes);
+        de.disable_recursion_limit();
+        let parsed = Envelope::deserialize(&mut de).and_then(|envelope| de.end().map(|()| envelope));
+        let envelope = match parsed {
+            Ok(envelope) if envelope.version == SCHEMA_VERSION => envelope,
+            Ok(envelope) => return Err(invalid(format!("unsupported schema version {}", envelope.version))),
+            Err(e) => {
+                // Another version may have another shape: say that rather than what failed.
+                let version = parse_bounded(bytes, MAX_SCHEMA_JSON_DEPTH)
+                    .ok()
+                    .and_then(|v| v.get("version").and_then(Value::as_u64));
+                return Err(match version {
+                    Some(v) if v != SCHEMA_VERSION => invalid(format!("unsupported schema version {v}")),
+                    _ => invalid(format!("invalid JSON: {e}")),
+                });
+            }
+        };
+        envelope.root.validate()?;
+        Ok(envelope.root)
     }
 
     /// The first way `other` differs from this schema, ignoring where bytes are stored (tensor
