@@ -1205,3 +1205,28 @@ fn progress_shows_on_a_terminal_only() {
     let run = tdict([OsStr::new("copy"), dir.as_os_str(), tmp.path().join("copy2").as_os_str()]);
     assert!(run.ok().contains("copied") && run.stderr.is_empty(), "{run}");
 }
+
+/// `bench rpc` runs over both transports and reports every figure it promises, in JSON alone.
+#[test]
+fn bench_rpc_reports_every_figure_over_both_transports() {
+    for transport in ["uds", "tcp"] {
+        let run = tdict(["bench", "rpc", "--transport", transport, "--iters", "10", "--json"]);
+        let report = run.json();
+        assert_eq!(report["transport"], transport, "{run}");
+        for key in [
+            "echo_p50_us",
+            "echo_p99_us",
+            "ref_p50_us",
+            "ref_p99_us",
+            "update_by_ref_us",
+            "update_by_value_us",
+            "update_rows_by_value_us",
+        ] {
+            assert!(report[key].as_f64().is_some_and(|t| t > 0.0), "{key}: {run}");
+        }
+        let ref_bytes = report["ref_bytes"].as_u64().expect("ref_bytes");
+        assert!(ref_bytes > 0 && ref_bytes < 2048, "{run}");
+        assert_eq!(report["dict_bytes"], 122_880_000, "{run}");
+    }
+    tdict(["bench", "rpc", "--iters", "1"]).expect_code(2);
+}
