@@ -150,17 +150,57 @@ impl InlineDict {
 /// A schema as its JSON text: bincode cannot carry JSON values, and text is parsed with a
 /// bounded depth ([`Schema::from_json`]), so a hostile frame cannot exhaust the stack.
 pub(crate) mod schema_json {
+    use std::collections::VecDeque;
+    use std::sync::{Mutex, PoisonError};
+
     use serde::{Deserialize, Deserializer, Serializer};
     use tensordict::Schema;
 
+    /// Schemas sent or received lately, with their exact text: the same dict's references cross
+    /// the wire again and again (every call of a worker or store), and encoding, decoding and
+    /// checking one costs more than the rest of a round trip. Only schemas that passed every
+    /// check (or were made here) are kept; entries are bounded in number and size.
+    static DECODED: Mutex<VecDeque<(Box<str>, Schema)>> = Mutex::new(VecDeque::new());
+    const CACHED_SCHEMAS: usize = 64;
+    const MAX_CACHED_TEXT: usize = 16 << 10;
+
     pub(crate) fn serialize<S: Serializer>(schema: &Schema, s: S) -> Result<S::Ok, S::Error> {
+        // A schema that came in (or went out) lately has its text at hand.
+        if let Some((text, _)) = cache().iter().find(|(_, known)| known == schema) {
+            return s.serialize_str(text);
+        }
         let json = schema.to_json();
-        s.serialize_str(std::str::from_utf8(&json).map_err(serde::ser::Error::custom)?)
+        let text = std::str::from_utf8(&json).map_err(serde::ser::Error::custom)?;
+        remember(text, schema);
+        s.serialize_str(text)
+    }
+
+    fn cache() -> std::sync::MutexGuard<'static, VecDeque<(Box<str>, Schema)>> {
+        DECODED.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn remember(text: &str, schema: &Schema) {
+        if text.len() <= MAX_CACHED_TEXT {
+            let mut cache = cache();
+            if cache.len() >= CACHED_SCHEMAS {
+                cache.pop_front();
+            }
+            cache.push_back((text.into(), schema.clone()));
+        }
     }
 
     pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Schema, D::Error> {
         let text = String::deserialize(d)?;
-        Schema::from_json(text.as_bytes()).map_err(serde::de::Error::custom)
+        decode(&text).map_err(serde::de::Error::custom)
+    }
+
+    fn decode(text: &str) -> tensordict::Result<Schema> {
+        if let Some((_, schema)) = cache().iter().find(|(known, _)| **known == *text) {
+            return Ok(schema.clone());
+        }
+        let schema = Schema::from_json(text.as_bytes())?;
+        remember(text, &schema);
+        Ok(schema)
     }
 }
 
