@@ -155,6 +155,15 @@ impl WorkerServer {
         // Not held at this generation: open it, outside the lock (it maps files).
         let dict = reference.open(Access::ReadWrite).map_err(invalid)?;
         let mut held = self.held();
+        // Another call may have opened the same place and generation meanwhile: share its handle.
+        if let Some(&h) = held.by_place.get(&place)
+            && let Some(entry) = held.dicts.get(&h)
+            && entry.reference.generation == reference.generation
+        {
+            let dict = entry.dict.clone();
+            held.touch(h);
+            return Ok((h, dict));
+        }
         let h = held.insert(place, Entry { dict: dict.clone(), reference, own: BTreeSet::new(), publishing: 0 });
         Ok((h, dict))
     }
@@ -211,11 +220,9 @@ impl WorkerServer {
 }
 
 impl Held {
+    /// Holds `entry` as the dict of `place`. A handle held before for the same place stays valid
+    /// until it is let go of (calls with it find its storage moved on, and say so).
     fn insert(&mut self, place: Place, entry: Entry) -> u64 {
-        if let Some(old) = self.by_place.remove(&place) {
-            self.dicts.remove(&old);
-            self.order.retain(|&h| h != old);
-        }
         while self.dicts.len() >= MAX_OPEN_DICTS {
             let Some(oldest) = self.order.pop_front() else { break };
             self.dicts.remove(&oldest);
