@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use memmap_tensor::Access;
 use serde::{Deserialize, Serialize};
 use tarpc::context::Context;
-use tensordict::TensorDict;
+use tensordict::{Generation, TensorDict};
 
 use crate::{InlineDict, RefLocation, TensorDictRef, ToRef, WireError, WireIndex};
 
@@ -139,16 +139,17 @@ impl WorkerServer {
     fn resolve(&self, target: Target) -> Result<(u64, TensorDict), WireError> {
         let reference = match target {
             Target::Handle(Handle(h)) => {
-                let dict = self.current(h)?;
+                let (dict, _) = self.current(h)?;
                 return Ok((h, dict));
             }
             Target::Ref(reference) => reference,
         };
         let place = Place::of(&reference);
+        // A held dict serves a reference only of the generation its storage is at now.
         let cached = self.held().by_place.get(&place).copied();
         if let Some(h) = cached
-            && self.held().dicts.get(&h).is_some_and(|e| e.reference.generation == reference.generation)
-            && let Ok(dict) = self.current(h)
+            && let Ok((dict, now)) = self.current(h)
+            && now == reference.generation
         {
             return Ok((h, dict));
         }
@@ -168,11 +169,11 @@ impl WorkerServer {
         Ok((h, dict))
     }
 
-    /// The dict held as `h`, if its storage is still at the generation the worker knows: the
+    /// The dict held as `h`, and its storage's generation now, if that is still the generation the worker knows: the
     /// same id, and every publish since was this worker's own (one read of the generation file).
     /// A folder replaced meanwhile, or rows another writer published, make the caller send a
     /// current reference.
-    fn current(&self, h: u64) -> Result<TensorDict, WireError> {
+    fn current(&self, h: u64) -> Result<(TensorDict, Generation), WireError> {
         let gone = || WireError::NotFound { what: format!("handle {h} (closed, or let go of)") };
         let known = self.held().dicts.get(&h).map(|e| e.reference.clone()).ok_or_else(gone)?;
         let now = location_of(&known).generation().map_err(invalid)?;
@@ -196,7 +197,7 @@ impl WorkerServer {
         }
         let dict = entry.dict.clone();
         held.touch(h);
-        Ok(dict)
+        Ok((dict, now))
     }
 
     /// Publishes the dict held as `h` and returns its new reference.

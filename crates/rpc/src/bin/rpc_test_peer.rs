@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! rpc-test-peer serve ENDPOINT [TOKEN_FILE]     prints the endpoint, then `ready`; serves until killed
+//! rpc-test-peer worker ENDPOINT [TOKEN_FILE]    the same with the worker service (`rpc::worker`)
 //! rpc-test-peer sleep ENDPOINT MS [TOKEN_FILE]  prints `calling`, calls sleep(MS), prints `done` or `error: …`
 //! rpc-test-peer echo ENDPOINT [SERVER_UID]      prints `ok` or `error: …` (exit status 2);
 //!                                               SERVER_UID: a server uid to trust besides our own
@@ -16,6 +17,7 @@ use std::process::ExitCode;
 mod echo;
 
 use echo::{Echo, EchoClient, EchoServer};
+use rpc::worker::Worker;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -49,6 +51,17 @@ fn run(args: &[String]) -> Result<(), Failure> {
             options.token = token(args.get(2))?;
             let server = EchoServer { announce: true, ..EchoServer::default() };
             let handle = rpc::serve(&endpoint, server.serve(), options)?;
+            println!("{}", handle.endpoint());
+            println!("ready");
+            std::io::stdout().flush().ok();
+            loop {
+                std::thread::park();
+            }
+        }
+        "worker" => {
+            let mut options = rpc::ServerOptions::default();
+            options.token = token(args.get(2))?;
+            let handle = rpc::serve(&endpoint, rpc::worker::WorkerServer::new().serve(), options)?;
             println!("{}", handle.endpoint());
             println!("ready");
             std::io::stdout().flush().ok();

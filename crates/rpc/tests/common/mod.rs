@@ -1,7 +1,7 @@
 //! Helpers shared by the integration tests: a private runtime directory, servers of the test
 //! service, second processes.
 // Each test file uses a different subset of these helpers.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 pub(crate) mod echo;
 
