@@ -169,10 +169,10 @@ impl WorkerServer {
         Ok((h, dict))
     }
 
-    /// The dict held as `h`, and its storage's generation now, if that is still the generation the worker knows: the
-    /// same id, and every publish since was this worker's own (one read of the generation file).
-    /// A folder replaced meanwhile, or rows another writer published, make the caller send a
-    /// current reference.
+    /// The dict held as `h`, and its storage's generation now, if that is still a generation the
+    /// worker knows: the same id, and every publish since was this worker's own (one read of the
+    /// generation file). A folder replaced meanwhile, or rows another writer published, make the
+    /// caller send a current reference.
     fn current(&self, h: u64) -> Result<(TensorDict, Generation), WireError> {
         let gone = || WireError::NotFound { what: format!("handle {h} (closed, or let go of)") };
         let known = self.held().dicts.get(&h).map(|e| e.reference.clone()).ok_or_else(gone)?;
@@ -181,8 +181,16 @@ impl WorkerServer {
         let entry = held.dicts.get_mut(&h).ok_or_else(gone)?;
         let known = entry.reference.generation;
         // Bumps not explained by this worker's finished publishes must be its publishes under way.
-        let unexplained = (known.counter.saturating_add(1)..=now.counter).filter(|c| !entry.own.contains(c)).count();
-        let ours = now.id == known.id && now.counter >= known.counter && unexplained <= entry.publishing;
+        // (A counter far ahead is refused before it is counted: the file may say anything.)
+        let possible = now.id == known.id
+            && now.counter >= known.counter
+            && now.counter - known.counter <= (entry.own.len() + entry.publishing) as u64;
+        let unexplained = if possible {
+            (known.counter + 1..=now.counter).filter(|c| !entry.own.contains(c)).count()
+        } else {
+            usize::MAX
+        };
+        let ours = possible && unexplained <= entry.publishing;
         if !ours {
             return Err(WireError::InvalidRequest {
                 detail: format!(

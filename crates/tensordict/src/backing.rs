@@ -107,7 +107,10 @@ impl DictLocation {
         let file = open_generation(&path, true)?;
         let locked = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| io_err("lock", e.into()))?;
         let mut now = read_from(&locked, &path)?;
-        now.counter += 1;
+        now.counter = now.counter.checked_add(1).ok_or_else(|| Error::InvalidMeta {
+            path: path.clone(),
+            reason: "the generation counter is at its largest value".into(),
+        })?;
         locked.write_all_at(&now.counter.to_le_bytes(), 8).map_err(|e| io_err("write", e))?;
         if matches!(self, DictLocation::Folder(_)) {
             locked.sync_data().map_err(|e| io_err("fsync", e))?;

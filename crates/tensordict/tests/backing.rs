@@ -121,3 +121,17 @@ fn generations_count_publishes_and_change_with_the_folder() -> TestResult {
     assert!(TensorDict::verify_memmap(&root).is_empty());
     Ok(())
 }
+
+/// A generation file holding the largest counter is an error to bump, not an overflow.
+#[test]
+fn a_counter_at_its_largest_value_is_an_error() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let root = dir.path().join("buffer");
+    let td = sample()?.memmap(&root)?;
+    let mut bytes = 7u64.to_le_bytes().to_vec();
+    bytes.extend_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(root.join(".tdict-generation"), bytes)?;
+    let err = td.publish().unwrap_err();
+    assert!(err.to_string().contains("largest value"), "{err}");
+    Ok(())
+}
