@@ -141,6 +141,19 @@ impl InlineDict {
         let mut next = self.data.iter();
         self.schema.build(&mut |key, t| {
             let bytes = next.next().map(Vec::as_slice).unwrap_or_default();
+            // Checked before anything is allocated: the shape comes from the peer. (A validated
+            // schema's byte sizes do not overflow.)
+            let want = t.shape.iter().product::<usize>() * t.dtype.size_in_bytes();
+            if bytes.len() != want {
+                return Err(Error::InvalidSchema {
+                    reason: format!(
+                        "`{key}`: {} bytes sent for a {} {:?} tensor ({want} bytes)",
+                        bytes.len(),
+                        t.dtype,
+                        t.shape
+                    ),
+                });
+            }
             Tensor::from_bytes(bytes, t.dtype, t.shape.as_slice())
                 .map_err(|source| Error::Tensor { key: key.clone(), source })
         })
