@@ -123,7 +123,19 @@ impl Destination {
                 path: self.shown.clone(),
                 reason: "it is a file, not a folder; remove it first".into(),
             }),
-            Ok(_) => {
+            Ok(m) => {
+                // A folder that is a mount point cannot be renamed over or swapped (EBUSY), and
+                // its parent may be another filesystem: say so before any work is done.
+                use std::os::unix::fs::MetadataExt;
+                let parent_dev = std::fs::metadata(&self.parent).map(|p| p.dev()).map_err(|e| io_err("stat", e))?;
+                if m.dev() != parent_dev {
+                    return Err(Error::DestinationExists {
+                        path: self.shown.clone(),
+                        reason: "it is a mount point, which a new folder cannot be swapped in place of; write the \
+                                 dict to a folder inside it"
+                            .into(),
+                    });
+                }
                 let mut entries = std::fs::read_dir(&self.real).map_err(|e| io_err("list", e))?;
                 if entries.next().is_none() {
                     Ok(Existing::EmptyFolder)

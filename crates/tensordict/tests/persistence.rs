@@ -630,3 +630,31 @@ fn memmap_like_with_an_overflowing_capacity_is_an_error() -> TestResult {
     assert_eq!(names(dir.path())?, BTreeSet::new(), "nothing is left");
     Ok(())
 }
+
+/// A mount point cannot be replaced by a rename: the write says so before doing any work, and a
+/// folder inside it works.
+#[test]
+fn a_mount_point_destination_is_refused_with_a_way_out() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let mount = dir.path().join("volume");
+    fs::create_dir(&mount)?;
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .arg(&mount)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        println!("skipped: cannot mount a tmpfs here (needs root)");
+        return Ok(());
+    }
+    let mut td = TensorDict::new([2]);
+    td.set("x", patterned(DType::U8, &[2], 0)?)?;
+    let refused = td.memmap(&mount);
+    let inside = td.memmap(mount.join("buffer")).map(|written| written.batch_size().to_vec());
+    let unmounted = std::process::Command::new("umount").arg(&mount).status()?;
+    assert!(unmounted.success());
+    let err = refused.unwrap_err();
+    assert!(matches!(err, Error::DestinationExists { .. }) && err.to_string().contains("mount point"), "{err}");
+    assert_eq!(inside?, [2]);
+    Ok(())
+}
