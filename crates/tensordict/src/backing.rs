@@ -89,7 +89,7 @@ impl DictLocation {
 
     /// The generation of the dict stored here; the first call gives it a random id.
     pub fn generation(&self) -> Result<Generation> {
-        let path = self.generation_path();
+        let path = self.generation_path()?;
         loop {
             match read_generation(&path) {
                 Err(Error::Io { source, .. }) if source.kind() == ErrorKind::NotFound => self.create_generation()?,
@@ -102,7 +102,7 @@ impl DictLocation {
     /// returns the new generation. Flush the changed rows first: see [`TensorDict::publish`].
     pub fn bump_generation(&self) -> Result<Generation> {
         self.generation()?;
-        let path = self.generation_path();
+        let path = self.generation_path()?;
         let io_err = |op, source| Error::Io { op, path: path.clone(), source };
         let file = open_generation(&path, true)?;
         let locked = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| io_err("lock", e.into()))?;
@@ -118,26 +118,33 @@ impl DictLocation {
         Ok(now)
     }
 
-    fn generation_path(&self) -> PathBuf {
-        match self {
+    /// Where the generation is kept. A prefix comes from a reference, perhaps from a peer: it is
+    /// checked as `share_memory` checks it, so the path stays in `/dev/shm`.
+    fn generation_path(&self) -> Result<PathBuf> {
+        Ok(match self {
             DictLocation::Folder(root) => root.join(GENERATION_FILE),
-            DictLocation::Shm(prefix) => PathBuf::from(format!("/dev/shm/{prefix}.gen")),
-        }
+            DictLocation::Shm(prefix) => {
+                crate::shared::check_prefix(prefix)?;
+                PathBuf::from(format!("/dev/shm/{prefix}.gen"))
+            }
+        })
     }
 
     /// Creates the generation file with a random id, complete or not at all: written under a
     /// temporary name, then linked into place (which fails if another process was first).
     fn create_generation(&self) -> Result<()> {
-        let path = self.generation_path();
+        let path = self.generation_path()?;
         let io_err = |op, source| Error::Io { op, path: path.clone(), source };
-        if let DictLocation::Folder(root) = self {
-            // The folder must be a dict: never plant a file in some other folder.
-            if !root.join("meta.json").exists() {
-                return Err(Error::DestinationExists {
-                    path: root.clone(),
-                    reason: "it holds no TensorDict (no meta.json)".into(),
-                });
+        // There must be a dict: never plant a file in some other folder, or for a prefix that
+        // holds nothing.
+        let (dict, holder) = match self {
+            DictLocation::Folder(root) => (root.join("meta.json"), root.clone()),
+            DictLocation::Shm(prefix) => {
+                (PathBuf::from(format!("/dev/shm/{prefix}.meta")), PathBuf::from(format!("shm:{prefix}")))
             }
+        };
+        if !dict.exists() {
+            return Err(Error::DestinationExists { path: holder, reason: "it holds no TensorDict".into() });
         }
         let id = loop {
             let id = rand::random::<u64>();

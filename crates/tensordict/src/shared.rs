@@ -389,7 +389,7 @@ fn check_leaf_name(name: &str, prefix: &str) -> Result<()> {
     }
 }
 
-fn check_prefix(prefix: &str) -> Result<()> {
+pub(crate) fn check_prefix(prefix: &str) -> Result<()> {
     if prefix.is_empty() || prefix.len() > 200 || prefix.contains('/') || prefix.contains('\0') {
         return Err(Error::InvalidArgument {
             op: "shared memory",

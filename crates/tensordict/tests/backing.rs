@@ -135,3 +135,18 @@ fn a_counter_at_its_largest_value_is_an_error() -> TestResult {
     assert!(err.to_string().contains("largest value"), "{err}");
     Ok(())
 }
+
+/// A prefix from a reference names an object in /dev/shm, nothing else, and only a shared dict
+/// that exists gets a generation.
+#[test]
+fn a_shared_prefix_cannot_reach_outside_dev_shm() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let outside = dir.path().join("planted");
+    let hostile = DictLocation::Shm(format!("../..{}", outside.display()));
+    assert!(hostile.generation().is_err());
+    assert!(!dir.path().join("planted.gen").exists());
+    let absent = DictLocation::Shm(format!("tdict-absent-{}", std::process::id()));
+    assert!(absent.generation().is_err());
+    assert!(!std::path::Path::new(&format!("/dev/shm/tdict-absent-{}.gen", std::process::id())).exists());
+    Ok(())
+}
