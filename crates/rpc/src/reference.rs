@@ -66,6 +66,16 @@ pub enum RefLocation {
     },
 }
 
+impl RefLocation {
+    /// The folder or prefix, as the library opens it (on whichever node this runs).
+    pub fn to_dict_location(&self) -> DictLocation {
+        match self {
+            RefLocation::Folder { path } => DictLocation::Folder(path.clone()),
+            RefLocation::Shm { prefix, .. } => DictLocation::Shm(prefix.clone()),
+        }
+    }
+}
+
 impl std::fmt::Display for RefLocation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -148,19 +158,16 @@ impl TensorDictRef {
     pub fn open(&self, access: Access) -> Result<TensorDict> {
         let mismatch = |detail: String| Error::Incompatible { op: "open a reference", detail };
         self.schema.validate()?;
-        let location = match &self.location {
-            RefLocation::Folder { path } => DictLocation::Folder(path.clone()),
-            RefLocation::Shm { prefix, node } => {
-                let here = NodeId::local();
-                if !node.same_as(&here) {
-                    return Err(mismatch(format!(
-                        "shm:{prefix} is shared memory of node {node}; this is node {here} (set TDICT_NODE_ID if \
-                         both see the same /dev/shm)"
-                    )));
-                }
-                DictLocation::Shm(prefix.clone())
+        if let RefLocation::Shm { prefix, node } = &self.location {
+            let here = NodeId::local();
+            if !node.same_as(&here) {
+                return Err(mismatch(format!(
+                    "shm:{prefix} is shared memory of node {node}; this is node {here} (set TDICT_NODE_ID if \
+                     both see the same /dev/shm)"
+                )));
             }
-        };
+        }
+        let location = self.location.to_dict_location();
         let check_generation = |when: &str| -> Result<()> {
             let now = location.generation()?;
             if now != self.generation {

@@ -176,7 +176,7 @@ impl WorkerServer {
     fn current(&self, h: u64) -> Result<(TensorDict, Generation), WireError> {
         let gone = || WireError::NotFound { what: format!("handle {h} (closed, or let go of)") };
         let known = self.held().dicts.get(&h).map(|e| e.reference.clone()).ok_or_else(gone)?;
-        let now = location_of(&known).generation().map_err(invalid)?;
+        let now = known.location.to_dict_location().generation().map_err(invalid)?;
         let mut held = self.held();
         let entry = held.dicts.get_mut(&h).ok_or_else(gone)?;
         let known = entry.reference.generation;
@@ -250,14 +250,6 @@ impl Held {
             self.order.remove(at);
             self.order.push_back(h);
         }
-    }
-}
-
-/// The library's location of what a reference points to.
-fn location_of(reference: &TensorDictRef) -> tensordict::DictLocation {
-    match &reference.location {
-        RefLocation::Folder { path } => tensordict::DictLocation::Folder(path.clone()),
-        RefLocation::Shm { prefix, .. } => tensordict::DictLocation::Shm(prefix.clone()),
     }
 }
 
