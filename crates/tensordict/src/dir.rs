@@ -80,17 +80,21 @@ impl Dir {
     /// Opens the subfolder `name` (not a link to one).
     pub(crate) fn open_dir(&self, name: &str) -> Result<Dir> {
         let path = self.child(name);
-        self.refuse_link(name, &path)?;
         let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-        let fd = openat(&self.fd, name, flags, Mode::empty()).map_err(|e| io_error("open folder", &path, e))?;
-        Ok(Dir { fd, path })
+        match openat(&self.fd, name, flags, Mode::empty()) {
+            Ok(fd) => Ok(Dir { fd, path }),
+            // With O_DIRECTORY a link is ENOTDIR: look only then, to say it is a link.
+            Err(Errno::ENOTDIR) if self.kind(name)? == Some(Kind::Symlink) => {
+                Err(io_error("open folder", &path, Errno::ELOOP))
+            }
+            Err(e) => Err(io_error("open folder", &path, e)),
+        }
     }
 
     /// Opens the regular file `name` (not a link, FIFO or device) for reading, and for writing
     /// with [`Access::ReadWrite`].
     pub(crate) fn open_file(&self, name: &str, access: Access) -> Result<File> {
         let path = self.child(name);
-        self.refuse_link(name, &path)?;
         let mode = if access == Access::ReadWrite { OFlag::O_RDWR } else { OFlag::O_RDONLY };
         let flags = mode | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
         let file = File::from(openat(&self.fd, name, flags, Mode::empty()).map_err(|e| io_error("open", &path, e))?);
@@ -133,17 +137,6 @@ impl Dir {
         let Ok(now) = nix::sys::stat::stat(&self.path) else { return true };
         let Ok(then) = fstat(&self.fd) else { return true };
         (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino)
-    }
-
-    fn refuse_link(&self, name: &str, path: &Path) -> Result<()> {
-        if self.kind(name)? == Some(Kind::Symlink) {
-            let e = std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "is a symbolic link; links inside a TensorDict folder are not followed",
-            );
-            return Err(Error::Io { op: "open", path: path.to_owned(), source: e });
-        }
-        Ok(())
     }
 }
 
