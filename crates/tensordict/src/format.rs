@@ -13,8 +13,7 @@ use crate::dir::Dir;
 use crate::error::WithKey;
 use crate::json::{to_python_json, to_python_json_compact};
 use crate::key::{METADATA_KEYS, RESERVED_KEYS, candidate_names, encode_name};
-use crate::process::ProcessState;
-use crate::replace::{self, Destination, Existing, Leftover};
+use crate::replace::{Destination, Existing, Leftover};
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
 
 /// `_type` of a TensorDict node in `meta.json`.
@@ -166,14 +165,7 @@ impl TensorDict {
     pub fn remove_leftovers(prefix: impl AsRef<Path>) -> Result<Vec<Leftover>> {
         let destination = Destination::new(prefix.as_ref())?;
         destination.recover()?;
-        let mut removed = Vec::new();
-        for leftover in destination.leftovers() {
-            if leftover.state == ProcessState::Dead {
-                replace::remove(&leftover)?;
-                removed.push(leftover);
-            }
-        }
-        Ok(removed)
+        destination.remove_dead_leftovers()
     }
 
     fn write_folder(&self, prefix: &Path, fill: Fill, options: &WriteOptions) -> Result<TensorDict> {
@@ -191,7 +183,7 @@ impl TensorDict {
         }
         // Best effort: what a killed writer left here is garbage; a failure to remove it is
         // no reason to fail this write.
-        let _ = Self::remove_leftovers(prefix);
+        let _ = destination.remove_dead_leftovers();
         let staging = destination.stage()?;
         let total_bytes = self.leaves().iter().map(|(_, t)| resized_bytes(t, fill)).sum();
         let mut writing = Writing { options, fill, done_bytes: 0, total_bytes };

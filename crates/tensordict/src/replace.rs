@@ -234,6 +234,18 @@ impl Destination {
         Ok(())
     }
 
+    /// Removes the [`Destination::leftovers`] whose writers are gone; returns what it removed.
+    pub(crate) fn remove_dead_leftovers(&self) -> Result<Vec<Leftover>> {
+        let mut removed = Vec::new();
+        for leftover in self.leftovers() {
+            if leftover.state == ProcessState::Dead {
+                remove(&leftover)?;
+                removed.push(leftover);
+            }
+        }
+        Ok(removed)
+    }
+
     /// Leftovers of this destination: hidden siblings of its writers, and temporary files
     /// inside it.
     pub(crate) fn leftovers(&self) -> Vec<Leftover> {
@@ -350,7 +362,7 @@ fn tree_bytes(path: &Path, depth: usize) -> u64 {
 }
 
 /// Removes a leftover (a file or a whole hidden folder).
-pub(crate) fn remove(leftover: &Leftover) -> Result<()> {
+fn remove(leftover: &Leftover) -> Result<()> {
     let io_err = |source| Error::Io { op: "remove", path: leftover.path.clone(), source };
     match std::fs::symlink_metadata(&leftover.path) {
         Ok(m) if m.is_dir() => std::fs::remove_dir_all(&leftover.path).map_err(io_err),
