@@ -275,7 +275,7 @@ impl<C> Client<C> {
         self.inner
     }
 
-    fn classify(&self, error: RpcError) -> Error {
+    pub(crate) fn classify(&self, error: RpcError) -> Error {
         let endpoint = self.endpoint.clone();
         match error {
             RpcError::DeadlineExceeded => Error::DeadlineExceeded { endpoint, timeout: self.call_timeout },
@@ -384,7 +384,7 @@ impl<C> Drop for BlockingClient<C> {
     }
 }
 
-fn refuse_inside_runtime(method: &'static str) -> Result<()> {
+pub(crate) fn refuse_inside_runtime(method: &'static str) -> Result<()> {
     if tokio::runtime::Handle::try_current().is_ok() {
         return Err(Error::BlockingInAsync { method });
     }

@@ -289,6 +289,54 @@ pub enum Error {
     /// Any other failure reported by tarpc.
     #[error(transparent)]
     Rpc(#[from] tarpc::client::RpcError),
+    /// The server answered with an application error.
+    #[error("{endpoint}: {error}")]
+    Remote {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// What the server said.
+        error: WireError,
+    },
+
+    // === The store ===
+    /// A store name is empty, too long, or holds characters other than `A-Z a-z 0-9 _ -`.
+    #[error("invalid store name `{name}`: {reason}")]
+    InvalidStoreName {
+        /// The name as given.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A store of this name is already served from this runtime directory.
+    #[error("store `{name}` is already served (its lock {} is held by a live process)", lock.display())]
+    StoreRunning {
+        /// The store's name.
+        name: String,
+        /// The lock file.
+        lock: PathBuf,
+    },
+    /// A file or folder of the store could not be used.
+    #[error("store: {op} {}: {source}", path.display())]
+    StoreIo {
+        /// What was being done.
+        op: &'static str,
+        /// The path involved.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// A store's persisted index is damaged.
+    #[error("store: the index {} is not usable: {reason}", path.display())]
+    StoreIndex {
+        /// The index file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A dict could not be stored, mapped or built.
+    #[error(transparent)]
+    Dict(#[from] tensordict::Error),
 }
 
 /// `Result` with this crate's [`Error`].
@@ -322,6 +370,30 @@ pub enum WireError {
         /// The error's message.
         message: String,
     },
+    /// The store has no room for a new entry of this size.
+    #[error(
+        "the store is full: {requested} more bytes asked for, {used} of {capacity} in use \
+         ({unreferenced} of them in entries nobody holds; remove some, or give entries a TTL)"
+    )]
+    CapacityExceeded {
+        /// The size of the entry asked for.
+        requested: u64,
+        /// Bytes in use: sealed entries, allocations, and replaced or removed entries still held.
+        used: u64,
+        /// The store's capacity.
+        capacity: u64,
+        /// Bytes of sealed entries that no client holds now.
+        unreferenced: u64,
+    },
+    /// The request conflicts with what another client holds.
+    #[error("conflict: {detail}")]
+    Conflict {
+        /// What conflicts.
+        detail: String,
+    },
+    /// The server is shutting down.
+    #[error("the server is shutting down")]
+    ShuttingDown,
     /// Any other failure on the server.
     #[error("{message}")]
     Other {

@@ -108,6 +108,7 @@ pub mod endpoint;
 mod error;
 mod reference;
 mod server;
+pub mod store;
 pub mod transport;
 mod wire;
 pub mod worker;
@@ -117,6 +118,6 @@ pub use client::{BlockingClient, Client, ClientOptions, connect, connect_stream}
 pub use endpoint::{Endpoint, RUNTIME_DIR_ENV};
 pub use error::{Error, Result, WireError};
 pub use reference::{NodeId, RefLocation, TensorDictRef, ToRef};
-pub use server::{ServerHandle, ServerOptions, serve};
+pub use server::{Peer, ServerHandle, ServerOptions, serve, serve_per_connection};
 pub use transport::{DEFAULT_MAX_FRAME_BYTES, Stream};
 pub use wire::{IndexItem, InlineDict, WireIndex};

@@ -218,6 +218,48 @@ where
     S::Req: DeserializeOwned + 'static,
     S::Resp: Serialize + 'static,
 {
+    serve_per_connection(endpoint, move |_: &Peer| service.clone(), options)
+}
+
+/// Who is at the other end of a connection, as [`serve_per_connection`] tells its factory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Peer {
+    /// A process on this node, over a Unix socket (from `SO_PEERCRED`).
+    Local {
+        /// Its pid.
+        pid: Option<i32>,
+        /// Its uid.
+        uid: u32,
+    },
+    /// A peer over TCP.
+    Tcp {
+        /// Its address.
+        addr: SocketAddr,
+    },
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Peer::Local { pid: Some(pid), uid } => write!(f, "pid {pid} (uid {uid})"),
+            Peer::Local { pid: None, uid } => write!(f, "a process of uid {uid}"),
+            Peer::Tcp { addr } => write!(f, "tcp:{addr}"),
+        }
+    }
+}
+
+/// [`serve`] with a service made for each connection: `make` is called once a connection has
+/// passed its handshake, and the service it returns (cloned for each request of that
+/// connection) is dropped when the connection ends, including when the peer process dies. A
+/// service that holds per-connection state (leases, say) releases it in `Drop`.
+pub fn serve_per_connection<S, F>(endpoint: &Endpoint, make: F, options: ServerOptions) -> Result<ServerHandle>
+where
+    F: Fn(&Peer) -> S + Clone + Send + 'static,
+    S: Serve + Clone + 'static,
+    S::Req: DeserializeOwned + 'static,
+    S::Resp: Serialize + 'static,
+{
     endpoint.validate()?;
     if matches!(endpoint, Endpoint::Tcp(_)) && options.token.is_none() {
         return Err(Error::TokenRequired { endpoint: endpoint.clone() });
@@ -258,7 +300,7 @@ where
     let mut handles = Vec::with_capacity(threads);
     for (index, (runtime, connections)) in runtimes.into_iter().zip(receivers).enumerate() {
         let shared = Arc::clone(&shared);
-        let service = service.clone();
+        let make = make.clone();
         let mut stop = stop_rx.clone();
         let acceptor = listener.take().zip(senders.take());
         let spawned = std::thread::Builder::new().name(format!("rpc-server-{index}")).spawn(move || {
@@ -268,7 +310,7 @@ where
                     if let Some((listener, senders)) = acceptor {
                         tokio::task::spawn_local(accept_loop(listener, senders, Arc::clone(&shared)));
                     }
-                    serve_connections(connections, service, shared).await;
+                    serve_connections(connections, make, shared).await;
                 };
                 tokio::select! {
                     _ = stop.wait_for(|stopped| *stopped) => {}
@@ -377,19 +419,21 @@ async fn accept_loop(listener: Listener, senders: Vec<mpsc::UnboundedSender<Acce
     }
 }
 
-async fn serve_connections<S>(mut connections: mpsc::UnboundedReceiver<Accepted>, service: S, shared: Arc<Shared>)
+async fn serve_connections<S, F>(mut connections: mpsc::UnboundedReceiver<Accepted>, make: F, shared: Arc<Shared>)
 where
+    F: Fn(&Peer) -> S + Clone + 'static,
     S: Serve + Clone + 'static,
     S::Req: DeserializeOwned + 'static,
     S::Resp: Serialize + 'static,
 {
     while let Some(accepted) = connections.recv().await {
-        tokio::task::spawn_local(serve_connection(accepted, service.clone(), Arc::clone(&shared)));
+        tokio::task::spawn_local(serve_connection(accepted, make.clone(), Arc::clone(&shared)));
     }
 }
 
-async fn serve_connection<S>(accepted: Accepted, service: S, shared: Arc<Shared>)
+async fn serve_connection<S, F>(accepted: Accepted, make: F, shared: Arc<Shared>)
 where
+    F: Fn(&Peer) -> S + 'static,
     S: Serve + Clone + 'static,
     S::Req: DeserializeOwned + 'static,
     S::Resp: Serialize + 'static,
@@ -436,6 +480,20 @@ where
         }
         return;
     }
+    let peer = match &stream {
+        Stream::Unix(s) => {
+            let cred = s.peer_cred().ok();
+            Peer::Local { pid: cred.and_then(|c| c.pid()), uid: cred.map_or(shared.uid, |c| c.uid()) }
+        }
+        Stream::Tcp(s) => match s.peer_addr() {
+            Ok(addr) => Peer::Tcp { addr },
+            Err(e) => {
+                tracing::debug!(endpoint = %shared.endpoint, "peer left during the handshake: {e}");
+                return;
+            }
+        },
+    };
+    let service = make(&peer);
     let (watched, peer_gone) = PeerWatch::new(stream);
     let transport = transport::framed::<_, ClientMessage<S::Req>, Response<S::Resp>>(watched, shared.max_frame_bytes);
     let mut config = tarpc::server::Config::default();

@@ -1,0 +1,449 @@
+//! The store's client: [`Store`], and what it hands out ([`Loaded`], [`Allocation`]).
+
+use std::ops::{Deref, DerefMut};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use memmap_tensor::{Access, Storage};
+use tarpc::client::RpcError;
+use tarpc::context::Context;
+use tensordict::{Schema, TensorDict};
+
+use super::layout::EntryLayout;
+use super::server::StoreServer;
+use super::service::{EntryInfo, Leased, Place, StoreInfo, StoreServiceClient};
+use super::{StoreOptions, Wait};
+use crate::client::{Client, connect, refuse_inside_runtime};
+use crate::error::{Error, Result};
+use crate::{ClientOptions, Endpoint, NodeId, WireError};
+
+/// How long one `load` call waits at most when told to wait forever; it is then made again.
+const WAIT_WINDOW: Duration = Duration::from_secs(60);
+
+/// A connection to a store (see the [module documentation](super)). Usable from many threads at
+/// once; every method blocks (do not call them inside an async runtime).
+pub struct Store {
+    inner: Arc<Inner>,
+    /// The server, when this process serves the store ([`Store::start`]); dropped after the
+    /// connection.
+    server: Option<StoreServer>,
+}
+
+struct Inner {
+    client: Client<StoreServiceClient>,
+    runtime: Option<tokio::runtime::Runtime>,
+    info: StoreInfo,
+    /// The store's node is this one: its shared memory can be mapped.
+    same_node: bool,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Never block in drop: releases under way are dropped, the closed connection releases
+        // the leases anyway.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("info", &self.inner.info).finish_non_exhaustive()
+    }
+}
+
+impl Store {
+    /// Connects to the store `name` on this node, retrying until it answers or 10 s pass (a
+    /// peer may be starting it right now).
+    pub fn connect(name: &str) -> Result<Store> {
+        Store::connect_with(name, &ClientOptions::default())
+    }
+
+    /// [`Store::connect`] with options (runtime directory, connect deadline, call deadline).
+    pub fn connect_with(name: &str, options: &ClientOptions) -> Result<Store> {
+        super::check_name(name)?;
+        Store::connect_to(&super::endpoint(name), options)
+    }
+
+    /// Connects to a store at `endpoint`: its Unix socket, or the TCP address it listens on
+    /// (with [`ClientOptions::token`]).
+    pub fn connect_to(endpoint: &Endpoint, options: &ClientOptions) -> Result<Store> {
+        refuse_inside_runtime("connect")?;
+        // One worker thread runs the connection, so that a dropped value's release goes out
+        // without waiting for the next call.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("store-client")
+            .enable_all()
+            .build()
+            .map_err(|source| Error::Runtime { what: "store client runtime", source })?;
+        let mut options = options.clone();
+        options.max_frame_bytes = options.max_frame_bytes.max(super::MAX_FRAME_BYTES);
+        let client: Client<StoreServiceClient> = runtime.block_on(connect(endpoint, &options))?;
+        let info = runtime.block_on(call(&client, client.context(), async |c, ctx| c.hello(ctx).await))?;
+        let same_node = info.node.same_as(&NodeId::local());
+        Ok(Store { inner: Arc::new(Inner { client, runtime: Some(runtime), info, same_node }), server: None })
+    }
+
+    /// Serves the store `name` from this process (see [`StoreServer::start`]) and connects to
+    /// it. Dropping the returned store stops the service and frees what it owned.
+    pub fn start(name: &str) -> Result<Store> {
+        Store::start_with(name, StoreOptions::default())
+    }
+
+    /// [`Store::start`] with options.
+    pub fn start_with(name: &str, options: StoreOptions) -> Result<Store> {
+        let runtime_dir = options.runtime_dir.clone();
+        let server = StoreServer::start(name, options)?;
+        let mut client_options = ClientOptions::default();
+        if let Some(dir) = runtime_dir {
+            client_options = client_options.runtime_dir(dir);
+        }
+        let mut store = Store::connect_to(server.endpoint(), &client_options)?;
+        store.server = Some(server);
+        Ok(store)
+    }
+
+    /// What the store says about itself (name, node, storage, capacity, pid).
+    pub fn info(&self) -> &StoreInfo {
+        &self.inner.info
+    }
+
+    /// The server, if this process serves the store.
+    pub fn server(&self) -> Option<&StoreServer> {
+        self.server.as_ref()
+    }
+
+    /// Saves a copy of `value` under `key`, replacing what the key held in one step (holders of
+    /// the old value keep it; new loads get the new one). A state dict is a flat dict; a list of
+    /// tensors is a dict keyed `"0"`, `"1"`, …. In shared memory, leaves that view one storage
+    /// are stored once and load as views of one storage. `ttl`: delete the entry that long after
+    /// nobody holds it.
+    pub fn save(&self, key: &str, value: &TensorDict, ttl: Option<Duration>) -> Result<()> {
+        let in_folder = self.inner.info.dir.is_some();
+        let packed = EntryLayout::pack(value, !in_folder)?;
+        let mut allocation = self.allocate_layout(packed.layout.clone())?;
+        packed.copy_into(allocation.storage.as_ref(), &mut allocation.dict)?;
+        allocation.seal_with_ttl(key, ttl)
+    }
+
+    /// Storage owned by the store, shaped like `like` (keys, dtypes, shapes, values; the data
+    /// is zeros), mapped writable: fill it, then [`Allocation::seal`] it. Nothing is copied.
+    pub fn allocate(&self, like: &TensorDict) -> Result<Allocation> {
+        self.allocate_layout(EntryLayout::contiguous_like(like)?)
+    }
+
+    fn allocate_layout(&self, layout: EntryLayout) -> Result<Allocation> {
+        let allocated = self.call(async |c, ctx| c.allocate(ctx, layout.clone()).await)?;
+        // From here the allocation is freed if anything fails (by `Allocation`'s drop).
+        let mut allocation = Allocation {
+            dict: TensorDict::new(Vec::<usize>::new()),
+            storage: None,
+            id: allocated.id,
+            store: Arc::clone(&self.inner),
+            sealed: false,
+        };
+        (allocation.dict, allocation.storage) = self.inner.map(&allocated.place, &layout, Access::ReadWrite)?;
+        Ok(allocation)
+    }
+
+    /// Loads the entry `key`, mapped read-only, waiting for it as `wait` says.
+    pub fn load(&self, key: &str, wait: impl Into<Wait>) -> Result<Loaded> {
+        Ok(self.load_keys(vec![key.to_owned()], wait.into(), false)?.remove(0))
+    }
+
+    /// Loads several entries with one request and one deadline: all of them, or an error naming
+    /// those missing when the wait ends.
+    pub fn load_many<K: AsRef<str>>(&self, keys: &[K], wait: impl Into<Wait>) -> Result<Vec<Loaded>> {
+        self.load_keys(keys.iter().map(|k| k.as_ref().to_owned()).collect(), wait.into(), false)
+    }
+
+    /// Loads the entry `key` mapped writable: writes are seen by every holder. One writable load
+    /// per version at a time (a second is [`WireError::Conflict`]).
+    pub fn load_writable(&self, key: &str, wait: impl Into<Wait>) -> Result<Loaded> {
+        Ok(self.load_keys(vec![key.to_owned()], wait.into(), true)?.remove(0))
+    }
+
+    fn load_keys(&self, keys: Vec<String>, wait: Wait, writable: bool) -> Result<Vec<Loaded>> {
+        let leased = match wait {
+            Wait::For(d) => self.load_call(&keys, Some(d), writable)?,
+            Wait::Forever => loop {
+                match self.load_call(&keys, Some(WAIT_WINDOW), writable) {
+                    Err(Error::Remote { error: WireError::NotFound { .. }, .. }) => continue,
+                    other => break other?,
+                }
+            },
+        };
+        // Every lease is held by a `Loaded` before anything is mapped, so a failure releases all.
+        let mut loaded: Vec<Loaded> = leased
+            .iter()
+            .zip(keys)
+            .map(|(l, key)| Loaded {
+                dict: TensorDict::new(Vec::<usize>::new()),
+                key,
+                version: l.version,
+                lease: l.lease,
+                writable,
+                store: Arc::downgrade(&self.inner),
+            })
+            .collect();
+        let access = if writable { Access::ReadWrite } else { Access::ReadOnly };
+        for (out, l) in loaded.iter_mut().zip(&leased) {
+            out.dict = self.inner.map(&l.place, &l.layout, access)?.0;
+        }
+        Ok(loaded)
+    }
+
+    fn load_call(&self, keys: &[String], wait: Option<Duration>, writable: bool) -> Result<Vec<Leased>> {
+        let inner = &self.inner;
+        let mut ctx = inner.client.context();
+        // The call may wait on the server: its deadline is the wait plus the usual one.
+        ctx.deadline += wait.unwrap_or_default();
+        let keys = keys.to_vec();
+        inner.block_on(call(&inner.client, ctx, async move |c, ctx| c.load(ctx, keys, wait, writable).await))
+    }
+
+    /// Whether `key` holds an entry.
+    pub fn contains(&self, key: &str) -> Result<bool> {
+        self.call(async |c, ctx| c.contains(ctx, key.to_owned()).await)
+    }
+
+    /// The keys that start with `prefix`, sorted.
+    pub fn keys(&self, prefix: &str) -> Result<Vec<String>> {
+        self.call(async |c, ctx| c.keys(ctx, prefix.to_owned()).await)
+    }
+
+    /// Removes `key`: no new loads; holders keep their mapping and the memory is freed when the
+    /// last lets go. Returns whether the key was there.
+    pub fn remove(&self, key: &str) -> Result<bool> {
+        self.call(async |c, ctx| c.remove(ctx, key.to_owned()).await)
+    }
+
+    /// Every version in the store, sorted by key (see [`EntryInfo`]).
+    pub fn list(&self) -> Result<Vec<EntryInfo>> {
+        self.call(async |c, ctx| c.list(ctx).await)
+    }
+
+    /// Asks the store's server to stop (what `tdict store stop` does).
+    pub fn shutdown(&self) -> Result<()> {
+        self.call(async |c, ctx| c.shutdown(ctx).await)
+    }
+
+    fn call<T, F>(&self, f: F) -> Result<T>
+    where
+        F: AsyncFnOnce(
+            &StoreServiceClient,
+            Context,
+        ) -> std::result::Result<std::result::Result<T, WireError>, RpcError>,
+    {
+        let inner = &self.inner;
+        inner.block_on(call(&inner.client, inner.client.context(), f))
+    }
+}
+
+/// One call with `ctx`, its transport errors classified and the server's error flattened.
+async fn call<T, F>(client: &Client<StoreServiceClient>, ctx: Context, f: F) -> Result<T>
+where
+    F: AsyncFnOnce(&StoreServiceClient, Context) -> std::result::Result<std::result::Result<T, WireError>, RpcError>,
+{
+    let timeout = ctx.deadline.saturating_duration_since(Instant::now());
+    match f(client, ctx).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => Err(Error::Remote { endpoint: client.endpoint().clone(), error }),
+        Err(RpcError::DeadlineExceeded) => {
+            Err(Error::DeadlineExceeded { endpoint: client.endpoint().clone(), timeout })
+        }
+        Err(e) => Err(client.classify(e)),
+    }
+}
+
+impl Inner {
+    fn block_on<T>(&self, f: impl Future<Output = Result<T>>) -> Result<T> {
+        refuse_inside_runtime("a store call")?;
+        self.runtime.as_ref().expect("the runtime lives until the store is dropped").block_on(f)
+    }
+
+    /// Maps a version: the dict, and for shared memory the one storage under it.
+    fn map(&self, place: &Place, layout: &EntryLayout, access: Access) -> Result<(TensorDict, Option<Arc<Storage>>)> {
+        match place {
+            Place::Shm(name) => {
+                if !self.same_node {
+                    return Err(Error::Remote {
+                        endpoint: self.client.endpoint().clone(),
+                        error: WireError::InvalidRequest {
+                            detail: format!(
+                                "the entry is in shared memory on node {}; serve the store with a folder on a \
+                                 shared filesystem (--dir) to load it from other nodes",
+                                self.info.node
+                            ),
+                        },
+                    });
+                }
+                let len = usize::try_from(layout.bytes.max(1)).unwrap_or(usize::MAX);
+                let storage = Arc::new(
+                    Storage::open_shm(name, access, len)
+                        .map_err(|source| tensordict::Error::Tensor { key: Default::default(), source })?,
+                );
+                Ok((layout.build(&storage)?, Some(storage)))
+            }
+            Place::Folder(path) => {
+                let dict = TensorDict::load_memmap(path, access)?;
+                let found = Schema::of(&dict, &mut |_, _| Ok(String::new()))?;
+                if let Some(difference) = layout.schema.difference(&found) {
+                    return Err(tensordict::Error::InvalidSchema {
+                        reason: format!("{} is not the entry the store describes: {difference}", path.display()),
+                    }
+                    .into());
+                }
+                Ok((dict, None))
+            }
+        }
+    }
+
+    /// Sends a release without waiting for it (from a drop).
+    fn release_later(&self, lease: u64) {
+        let Some(runtime) = &self.runtime else { return };
+        let client = self.client.clone();
+        runtime.spawn(async move {
+            let ctx = client.context();
+            if let Err(e) = client.release(ctx, vec![lease]).await {
+                tracing::debug!("store: a release did not reach the store: {e}");
+            }
+        });
+    }
+
+    fn abort_later(&self, allocation: u64) {
+        let Some(runtime) = &self.runtime else { return };
+        let client = self.client.clone();
+        runtime.spawn(async move {
+            let ctx = client.context();
+            if let Err(e) = client.abort(ctx, allocation).await {
+                tracing::debug!("store: an abort did not reach the store: {e}");
+            }
+        });
+    }
+}
+
+/// An entry loaded from a store: the dict (through `Deref`), and the lease that keeps the
+/// version alive, released when this is dropped.
+///
+/// Clones of the dict taken from it stay valid after the drop (the mapping is theirs), but the
+/// store no longer counts them: a version removed or replaced meanwhile is then freed, which
+/// unmaps nothing but lets its memory go once they are dropped too.
+pub struct Loaded {
+    dict: TensorDict,
+    key: String,
+    version: u64,
+    lease: u64,
+    writable: bool,
+    store: Weak<Inner>,
+}
+
+impl Loaded {
+    /// The key it was loaded as.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The version loaded (a new one each time the key is saved).
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Whether it is mapped writable ([`Store::load_writable`]).
+    pub fn is_writable(&self) -> bool {
+        self.writable
+    }
+}
+
+impl Deref for Loaded {
+    type Target = TensorDict;
+    fn deref(&self) -> &TensorDict {
+        &self.dict
+    }
+}
+
+impl DerefMut for Loaded {
+    /// Mutable access; the tensors of a read-only load refuse writes.
+    fn deref_mut(&mut self) -> &mut TensorDict {
+        &mut self.dict
+    }
+}
+
+impl std::fmt::Debug for Loaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loaded")
+            .field("key", &self.key)
+            .field("version", &self.version)
+            .field("writable", &self.writable)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        if let Some(store) = self.store.upgrade() {
+            store.release_later(self.lease);
+        }
+    }
+}
+
+/// Writable storage owned by a store ([`Store::allocate`]): fill the dict (through `DerefMut`),
+/// then [`Allocation::seal`] it. Dropped unsealed, it is freed.
+pub struct Allocation {
+    dict: TensorDict,
+    /// The one shared-memory storage under the dict (none for folders).
+    storage: Option<Arc<Storage>>,
+    id: u64,
+    /// Held: the connection stays open while an allocation is being filled.
+    store: Arc<Inner>,
+    sealed: bool,
+}
+
+impl Allocation {
+    /// Publishes the allocation under `key` (replacing what the key held) without copying.
+    pub fn seal(self, key: &str) -> Result<()> {
+        self.seal_with_ttl(key, None)
+    }
+
+    /// [`Allocation::seal`] with a time to live once nobody holds the entry.
+    pub fn seal_with_ttl(mut self, key: &str, ttl: Option<Duration>) -> Result<()> {
+        let store = Arc::clone(&self.store);
+        if self.storage.is_none() {
+            // A folder: what was written goes to disk before the entry is published.
+            self.dict.flush()?;
+        }
+        let (id, key) = (self.id, key.to_owned());
+        store.block_on(call(&store.client, store.client.context(), async |c, ctx| c.seal(ctx, id, key, ttl).await))?;
+        self.sealed = true;
+        Ok(())
+    }
+}
+
+impl Deref for Allocation {
+    type Target = TensorDict;
+    fn deref(&self) -> &TensorDict {
+        &self.dict
+    }
+}
+
+impl DerefMut for Allocation {
+    fn deref_mut(&mut self) -> &mut TensorDict {
+        &mut self.dict
+    }
+}
+
+impl std::fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Allocation").field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        if !self.sealed {
+            self.store.abort_later(self.id);
+        }
+    }
+}

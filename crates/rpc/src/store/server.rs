@@ -1,0 +1,862 @@
+//! The store's server: entries, versions, leases, TTLs and capacity, over shared memory or a
+//! folder.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs;
+use std::io::ErrorKind;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use memmap_tensor::{Access, Layout, Storage, Tensor};
+use serde::{Deserialize, Serialize};
+use tarpc::context::Context;
+use tensordict::{TensorDict, WriteOptions};
+use tokio::sync::watch;
+
+use super::layout::EntryLayout;
+use super::service::{Allocated, EntryInfo, Leased, Place, StoreInfo, StoreService};
+use super::{StoreOptions, check_key, files, shm_base};
+use crate::endpoint::resolve_runtime_dir;
+use crate::error::{Error, Result};
+use crate::server::{Peer, ServerHandle, serve_per_connection};
+use crate::{Endpoint, NodeId, ServerOptions, WireError};
+
+/// How often entries whose TTL ran out are looked for.
+const EXPIRY_TICK: Duration = Duration::from_millis(100);
+/// The most keys one `load` may ask for.
+const MAX_KEYS_PER_LOAD: usize = 4096;
+/// The version of the folder store's index file.
+const INDEX_VERSION: u64 = 1;
+
+/// A running store: serves its name (and a TCP address, if asked) until dropped.
+///
+/// Dropping it stops serving, ends every session (their leases with them) and frees what the
+/// store owns: every shared-memory object, or, with a folder, every allocation not sealed and
+/// every version replaced or removed (sealed entries stay, listed in the folder's index, for the
+/// next start).
+pub struct StoreServer {
+    shared: Arc<Shared>,
+    uds: Option<ServerHandle>,
+    tcp: Option<ServerHandle>,
+    expiry: Option<JoinHandle<()>>,
+    /// The lock that makes this process the store's only server; released on drop.
+    _lock: fs::File,
+}
+
+impl std::fmt::Debug for StoreServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreServer").field("info", &self.shared.info).finish_non_exhaustive()
+    }
+}
+
+/// What the sessions, the expiry thread and the server share.
+struct Shared {
+    info: StoreInfo,
+    backend: Backend,
+    state: Mutex<State>,
+    /// Bumped when an entry is sealed or the store stops: `load`s waiting for keys look again.
+    changed: watch::Sender<u64>,
+    /// Serializes writes of the folder store's index.
+    persisting: Mutex<()>,
+    /// Set when the store is asked to stop; the expiry thread and `wait` sleep on it.
+    stop: (Mutex<bool>, Condvar),
+}
+
+enum Backend {
+    /// Objects `/{base}.{version}`.
+    Shm { base: String },
+    /// Folders `{root}/entries/v{version}`, indexed by `{root}/store-index.json`.
+    Dir { root: PathBuf },
+}
+
+#[derive(Default)]
+struct State {
+    next_version: u64,
+    next_lease: u64,
+    next_session: u64,
+    /// Each key's current version.
+    keys: BTreeMap<String, u64>,
+    versions: HashMap<u64, Version>,
+    leases: HashMap<u64, Lease>,
+    /// Bytes of every version that exists.
+    used: u64,
+    stopping: bool,
+}
+
+struct Version {
+    /// The key it was sealed under (empty while unsealed).
+    key: String,
+    layout: Arc<EntryLayout>,
+    place: Place,
+    /// The session filling it, until it is sealed.
+    filler: Option<u64>,
+    /// Still its key's value.
+    current: bool,
+    refcount: u64,
+    /// Whether a writable lease is out.
+    writer: bool,
+    ttl: Option<Duration>,
+    /// Since when nobody holds it.
+    idle_since: Instant,
+}
+
+impl Version {
+    fn sealed(&self) -> bool {
+        self.filler.is_none()
+    }
+}
+
+struct Lease {
+    session: u64,
+    version: u64,
+    writable: bool,
+}
+
+/// The folder store's index: the sealed entries, for the next start.
+#[derive(Serialize, Deserialize)]
+struct Index {
+    version: u64,
+    next_version: u64,
+    entries: Vec<IndexEntry>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct IndexEntry {
+    key: String,
+    version: u64,
+    ttl_ms: Option<u64>,
+}
+
+impl StoreServer {
+    /// Starts serving the store `name` (1 to 48 bytes of `A-Z a-z 0-9 _ -`) from this process.
+    ///
+    /// Fails with [`Error::StoreRunning`] if a live process serves that name already. What a
+    /// killed server of the same name left in shared memory is removed first; with
+    /// [`StoreOptions::dir`], its sealed entries are served again and anything else in the folder
+    /// it made is removed.
+    pub fn start(name: &str, options: StoreOptions) -> Result<StoreServer> {
+        super::check_name(name)?;
+        let runtime_dir = resolve_runtime_dir(options.runtime_dir.as_deref())?;
+        let paths = files(&runtime_dir, name);
+        let lock = lock_file(&paths.lock, name)?;
+        let backend = match &options.dir {
+            None => Backend::Shm { base: shm_base(&runtime_dir, name) },
+            Some(dir) => Backend::Dir { root: dir.clone() },
+        };
+        let mut state = State { next_version: 1, ..State::default() };
+        match &backend {
+            Backend::Shm { base } => reap_shm(base),
+            Backend::Dir { root } => restore_dir(root, &mut state)?,
+        }
+        let info = StoreInfo {
+            name: name.to_owned(),
+            node: NodeId::local(),
+            dir: options.dir.clone(),
+            capacity: options.capacity,
+            pid: std::process::id(),
+        };
+        let (changed, _) = watch::channel(0);
+        let shared = Arc::new(Shared {
+            info,
+            backend,
+            state: Mutex::new(state),
+            changed,
+            persisting: Mutex::new(()),
+            stop: (Mutex::new(false), Condvar::new()),
+        });
+        let server_options = |runtime: bool| {
+            let mut o = ServerOptions::default().max_frame_bytes(super::MAX_FRAME_BYTES);
+            if runtime {
+                o = o.runtime_dir(&runtime_dir);
+            }
+            if let Some(token) = &options.token {
+                o = o.token(token.clone());
+            }
+            o
+        };
+        let make = {
+            let shared = Arc::clone(&shared);
+            move |peer: &Peer| Session::new(Arc::clone(&shared), peer).serve()
+        };
+        let mut server = StoreServer { shared: Arc::clone(&shared), uds: None, tcp: None, expiry: None, _lock: lock };
+        server.uds = Some(serve_per_connection(&super::endpoint(name), make.clone(), server_options(true))?);
+        if let Some(listen) = &options.listen {
+            server.tcp = Some(serve_per_connection(listen, make, server_options(false))?);
+        }
+        let expiring = Arc::clone(&shared);
+        server.expiry = Some(
+            std::thread::Builder::new()
+                .name(format!("store-{name}-expiry"))
+                .spawn(move || expiring.expire_loop())
+                .map_err(|source| Error::Runtime { what: "store expiry thread", source })?,
+        );
+        tracing::info!(store = name, "serving");
+        Ok(server)
+    }
+
+    /// What the store says about itself.
+    pub fn info(&self) -> &StoreInfo {
+        &self.shared.info
+    }
+
+    /// The Unix socket endpoint served.
+    pub fn endpoint(&self) -> &Endpoint {
+        self.uds.as_ref().expect("served until dropped").endpoint()
+    }
+
+    /// The TCP endpoint served, if any (with the port actually bound).
+    pub fn tcp_endpoint(&self) -> Option<&Endpoint> {
+        self.tcp.as_ref().map(ServerHandle::endpoint)
+    }
+
+    /// Blocks until the store is asked to stop (a client's `shutdown`, or [`StoreServer::stop`]).
+    pub fn wait(&self) {
+        let (lock, wake) = &self.shared.stop;
+        let mut stopped = lock.lock().unwrap_or_else(PoisonError::into_inner);
+        while !*stopped {
+            stopped = wake.wait(stopped).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Asks the store to stop: [`StoreServer::wait`] returns, and new requests are refused. The
+    /// store is freed when this server is dropped.
+    pub fn stop(&self) {
+        self.shared.request_stop();
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.shared.request_stop();
+        // Closing the servers ends every session, which releases its leases and allocations.
+        self.uds.take();
+        self.tcp.take();
+        if let Some(expiry) = self.expiry.take() {
+            let _ = expiry.join();
+        }
+        let freed: Vec<Place> = {
+            let mut state = self.shared.state();
+            let keep_sealed = matches!(self.shared.backend, Backend::Dir { .. });
+            let gone: Vec<u64> = state
+                .versions
+                .iter()
+                .filter(|(_, v)| !(keep_sealed && v.sealed() && v.current))
+                .map(|(&id, _)| id)
+                .collect();
+            gone.into_iter().filter_map(|id| state.versions.remove(&id)).map(|v| v.place).collect()
+        };
+        self.shared.delete(freed);
+        if let Err(e) = self.shared.persist() {
+            tracing::warn!("store: could not write the index on exit: {e}");
+        }
+        if let Backend::Shm { base } = &self.shared.backend {
+            reap_shm(base);
+        }
+    }
+}
+
+impl Shared {
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Every change to the state is completed before the lock is let go, so a panic elsewhere
+        // leaves it consistent.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn request_stop(&self) {
+        self.state().stopping = true;
+        let (lock, wake) = &self.stop;
+        *lock.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        wake.notify_all();
+        self.changed.send_modify(|n| *n += 1);
+    }
+
+    /// Removes entries whose time to live ran out, until the store stops.
+    fn expire_loop(&self) {
+        let (lock, wake) = &self.stop;
+        loop {
+            {
+                let stopped = lock.lock().unwrap_or_else(PoisonError::into_inner);
+                let (stopped, _) =
+                    wake.wait_timeout_while(stopped, EXPIRY_TICK, |s| !*s).unwrap_or_else(PoisonError::into_inner);
+                if *stopped {
+                    return;
+                }
+            }
+            let now = Instant::now();
+            let freed: Vec<Place> = {
+                let mut state = self.state();
+                let expired: Vec<u64> = state
+                    .versions
+                    .iter()
+                    .filter(|(_, v)| {
+                        v.sealed()
+                            && v.current
+                            && v.refcount == 0
+                            && v.ttl.is_some_and(|ttl| now.saturating_duration_since(v.idle_since) >= ttl)
+                    })
+                    .map(|(&id, _)| id)
+                    .collect();
+                expired.into_iter().filter_map(|id| state.drop_version(id, true)).collect()
+            };
+            if !freed.is_empty() {
+                tracing::debug!(count = freed.len(), "store: entries expired");
+                self.delete(freed);
+                if let Err(e) = self.persist() {
+                    tracing::warn!("store: could not write the index: {e}");
+                }
+            }
+        }
+    }
+
+    /// Deletes the storage of versions already taken out of the state.
+    fn delete(&self, places: Vec<Place>) {
+        for place in places {
+            let deleted = match &place {
+                Place::Shm(name) => match Storage::unlink_shm(name) {
+                    Err(memmap_tensor::Error::ShmIo { source, .. }) if source.kind() == ErrorKind::NotFound => Ok(()),
+                    other => other.map_err(|e| e.to_string()),
+                },
+                Place::Folder(path) => remove_path(path).map_err(|e| e.to_string()),
+            };
+            if let Err(e) = deleted {
+                tracing::warn!("store: could not delete {place:?}: {e}");
+            }
+        }
+    }
+
+    /// Writes the folder store's index (nothing for shared memory): the sealed entries, written
+    /// to a temporary file, synced and renamed over the index.
+    fn persist(&self) -> Result<()> {
+        let Backend::Dir { root } = &self.backend else { return Ok(()) };
+        let _one_at_a_time = self.persisting.lock().unwrap_or_else(PoisonError::into_inner);
+        // Read under the writers' lock, so the last write holds the latest state.
+        let index = {
+            let state = self.state();
+            let entries = state
+                .keys
+                .iter()
+                .filter_map(|(key, id)| {
+                    let v = state.versions.get(id)?;
+                    Some(IndexEntry {
+                        key: key.clone(),
+                        version: *id,
+                        ttl_ms: v.ttl.map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+                    })
+                })
+                .collect();
+            Index { version: INDEX_VERSION, next_version: state.next_version, entries }
+        };
+        let path = index_path(root);
+        let io_err = |op, source| Error::StoreIo { op, path: path.clone(), source };
+        let tmp = root.join(format!(".store-index.{}.tmp", std::process::id()));
+        let text = serde_json::to_vec_pretty(&index)
+            .map_err(|e| Error::StoreIndex { path: path.clone(), reason: e.to_string() })?;
+        let written = (|| {
+            let mut file = fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .custom_flags(nix::libc::O_NOFOLLOW)
+                .open(&tmp)?;
+            std::io::Write::write_all(&mut file, &text)?;
+            file.sync_all()?;
+            fs::rename(&tmp, &path)?;
+            fs::File::open(root)?.sync_all()
+        })();
+        if written.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        written.map_err(|e| io_err("write", e))
+    }
+}
+
+impl State {
+    /// Takes version `id` out (its key too if it is current and `unkey`), returning its storage
+    /// to delete. Only versions nobody holds are taken out.
+    fn drop_version(&mut self, id: u64, unkey: bool) -> Option<Place> {
+        let v = self.versions.get(&id)?;
+        if v.refcount > 0 {
+            return None;
+        }
+        if unkey && v.current && self.keys.get(&v.key) == Some(&id) {
+            self.keys.remove(&v.key);
+        }
+        let v = self.versions.remove(&id)?;
+        self.used = self.used.saturating_sub(v.layout.bytes);
+        Some(v.place)
+    }
+
+    /// Bytes of sealed current entries that nobody holds.
+    fn unreferenced(&self) -> u64 {
+        self.versions.values().filter(|v| v.sealed() && v.current && v.refcount == 0).map(|v| v.layout.bytes).sum()
+    }
+
+    /// Lets go of lease `id`; returns the version's storage if that freed it.
+    fn release(&mut self, id: u64) -> Option<Place> {
+        let lease = self.leases.remove(&id)?;
+        let v = self.versions.get_mut(&lease.version)?;
+        v.refcount = v.refcount.saturating_sub(1);
+        if lease.writable {
+            v.writer = false;
+        }
+        if v.refcount == 0 {
+            v.idle_since = Instant::now();
+            if !v.current {
+                return self.drop_version(lease.version, false);
+            }
+        }
+        None
+    }
+}
+
+/// One connection's session: what it holds is let go of when the connection ends.
+#[derive(Clone)]
+struct Session(Arc<SessionInner>);
+
+struct SessionInner {
+    id: u64,
+    shared: Arc<Shared>,
+    peer: String,
+}
+
+impl Session {
+    fn new(shared: Arc<Shared>, peer: &Peer) -> Session {
+        let id = {
+            let mut state = shared.state();
+            state.next_session += 1;
+            state.next_session
+        };
+        tracing::debug!(session = id, %peer, "store: session opened");
+        Session(Arc::new(SessionInner { id, shared, peer: peer.to_string() }))
+    }
+
+    fn shared(&self) -> &Shared {
+        &self.0.shared
+    }
+
+    fn refuse_if_stopping(state: &State) -> Result<(), WireError> {
+        if state.stopping { Err(WireError::ShuttingDown) } else { Ok(()) }
+    }
+
+    /// Makes the storage of a new version.
+    fn create(&self, id: u64, layout: &EntryLayout) -> Result<Place, WireError> {
+        match &self.shared().backend {
+            Backend::Shm { base } => {
+                let name = format!("/{base}.{id}");
+                let len = usize::try_from(layout.bytes.max(1)).map_err(|_| invalid("the entry is too large"))?;
+                Storage::create_shm(&name, len).map_err(|e| WireError::Other { message: e.to_string() })?;
+                Ok(Place::Shm(name))
+            }
+            Backend::Dir { root } => {
+                let path = entries_dir(root).join(format!("v{id}"));
+                let like = zeros_like(layout).map_err(|e| invalid(&e.to_string()))?;
+                like.memmap_like_with(&path, None, &WriteOptions::default())
+                    .map_err(|e| WireError::Other { message: e.to_string() })?;
+                Ok(Place::Folder(path))
+            }
+        }
+    }
+
+    /// Leases every key's current version, or says which keys are missing.
+    fn try_lease(
+        &self,
+        keys: &[String],
+        writable: bool,
+    ) -> Result<std::result::Result<Vec<Leased>, Vec<String>>, WireError> {
+        let mut state = self.shared().state();
+        Self::refuse_if_stopping(&state)?;
+        let mut found = Vec::with_capacity(keys.len());
+        let mut missing = Vec::new();
+        for key in keys {
+            match state.keys.get(key) {
+                Some(&id) => found.push(id),
+                None => missing.push(key.clone()),
+            }
+        }
+        if !missing.is_empty() {
+            return Ok(Err(missing));
+        }
+        if writable {
+            let mut seen = HashSet::new();
+            for (key, id) in keys.iter().zip(&found) {
+                if state.versions.get(id).is_some_and(|v| v.writer) || !seen.insert(*id) {
+                    return Err(WireError::Conflict { detail: format!("`{key}` is already loaded writable") });
+                }
+            }
+        }
+        let mut leased = Vec::with_capacity(found.len());
+        for id in found {
+            state.next_lease += 1;
+            let lease = state.next_lease;
+            state.leases.insert(lease, Lease { session: self.0.id, version: id, writable });
+            let v = state.versions.get_mut(&id).expect("keys name existing versions");
+            v.refcount += 1;
+            v.writer |= writable;
+            leased.push(Leased { lease, version: id, place: v.place.clone(), layout: Arc::clone(&v.layout) });
+        }
+        Ok(Ok(leased))
+    }
+}
+
+impl Drop for SessionInner {
+    fn drop(&mut self) {
+        let freed: Vec<Place> = {
+            let mut state = self.shared.state();
+            let leases: Vec<u64> =
+                state.leases.iter().filter(|(_, l)| l.session == self.id).map(|(&id, _)| id).collect();
+            let mut freed: Vec<Place> = leases.into_iter().filter_map(|id| state.release(id)).collect();
+            let filled: Vec<u64> =
+                state.versions.iter().filter(|(_, v)| v.filler == Some(self.id)).map(|(&id, _)| id).collect();
+            freed.extend(filled.into_iter().filter_map(|id| state.drop_version(id, false)));
+            freed
+        };
+        tracing::debug!(session = self.id, peer = %self.peer, freed = freed.len(), "store: session closed");
+        self.shared.delete(freed);
+    }
+}
+
+impl StoreService for Session {
+    async fn hello(self, _: Context) -> Result<StoreInfo, WireError> {
+        Ok(self.shared().info.clone())
+    }
+
+    async fn allocate(self, _: Context, layout: EntryLayout) -> Result<Allocated, WireError> {
+        layout.check().map_err(|e| invalid(&e))?;
+        let id = {
+            let mut state = self.shared().state();
+            Self::refuse_if_stopping(&state)?;
+            if let Some(capacity) = self.shared().info.capacity
+                && state.used.saturating_add(layout.bytes) > capacity
+            {
+                return Err(WireError::CapacityExceeded {
+                    requested: layout.bytes,
+                    used: state.used,
+                    capacity,
+                    unreferenced: state.unreferenced(),
+                });
+            }
+            state.used += layout.bytes;
+            state.next_version += 1;
+            state.next_version - 1
+        };
+        // Made outside the lock: it may take a while (pages of shared memory, files).
+        let place = match self.create(id, &layout) {
+            Ok(place) => place,
+            Err(e) => {
+                let mut state = self.shared().state();
+                state.used = state.used.saturating_sub(layout.bytes);
+                return Err(e);
+            }
+        };
+        let version = Version {
+            key: String::new(),
+            layout: Arc::new(layout),
+            place: place.clone(),
+            filler: Some(self.0.id),
+            current: false,
+            refcount: 0,
+            writer: false,
+            ttl: None,
+            idle_since: Instant::now(),
+        };
+        let stopping = {
+            let mut state = self.shared().state();
+            state.versions.insert(id, version);
+            state.stopping
+        };
+        if stopping {
+            // The store stopped meanwhile: it may have freed everything already.
+            let freed = self.shared().state().drop_version(id, false);
+            self.shared().delete(freed.into_iter().collect());
+            return Err(WireError::ShuttingDown);
+        }
+        Ok(Allocated { id, place })
+    }
+
+    async fn seal(self, _: Context, allocation: u64, key: String, ttl: Option<Duration>) -> Result<(), WireError> {
+        check_key(&key).map_err(|e| invalid(&e))?;
+        let freed = {
+            let mut state = self.shared().state();
+            Self::refuse_if_stopping(&state)?;
+            let v = state
+                .versions
+                .get_mut(&allocation)
+                .filter(|v| v.filler == Some(self.0.id))
+                .ok_or_else(|| WireError::NotFound { what: format!("allocation {allocation} of this client") })?;
+            v.filler = None;
+            v.key = key.clone();
+            v.current = true;
+            v.ttl = ttl;
+            v.idle_since = Instant::now();
+            let old = state.keys.insert(key, allocation);
+            old.and_then(|old| {
+                let v = state.versions.get_mut(&old)?;
+                v.current = false;
+                state.drop_version(old, false)
+            })
+        };
+        self.shared().delete(freed.into_iter().collect());
+        self.shared().persist().map_err(WireError::from)?;
+        self.shared().changed.send_modify(|n| *n += 1);
+        Ok(())
+    }
+
+    async fn abort(self, _: Context, allocation: u64) -> Result<(), WireError> {
+        let freed = {
+            let mut state = self.shared().state();
+            if state.versions.get(&allocation).is_none_or(|v| v.filler != Some(self.0.id)) {
+                return Err(WireError::NotFound { what: format!("allocation {allocation} of this client") });
+            }
+            state.drop_version(allocation, false)
+        };
+        self.shared().delete(freed.into_iter().collect());
+        Ok(())
+    }
+
+    async fn load(
+        self,
+        _: Context,
+        keys: Vec<String>,
+        wait: Option<Duration>,
+        writable: bool,
+    ) -> Result<Vec<Leased>, WireError> {
+        if keys.is_empty() || keys.len() > MAX_KEYS_PER_LOAD {
+            return Err(invalid(&format!("a load names 1 to {MAX_KEYS_PER_LOAD} keys, not {}", keys.len())));
+        }
+        for key in &keys {
+            check_key(key).map_err(|e| invalid(&e))?;
+        }
+        let start = Instant::now();
+        let deadline = wait.map(|w| start + w);
+        let mut changed = self.shared().changed.subscribe();
+        loop {
+            changed.borrow_and_update();
+            let missing = match self.try_lease(&keys, writable)? {
+                Ok(leased) => return Ok(leased),
+                Err(missing) => missing,
+            };
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                let waited =
+                    if wait == Some(Duration::ZERO) { String::new() } else { format!(" after {:?}", now - start) };
+                return Err(WireError::NotFound { what: format!("key {}{waited}", quoted(&missing)) });
+            }
+            match deadline {
+                Some(d) => {
+                    let _ = tokio::time::timeout_at(d.into(), changed.changed()).await;
+                }
+                None => {
+                    let _ = changed.changed().await;
+                }
+            }
+        }
+    }
+
+    async fn release(self, _: Context, leases: Vec<u64>) -> Result<(), WireError> {
+        let freed: Vec<Place> = {
+            let mut state = self.shared().state();
+            let mine: Vec<u64> =
+                leases.into_iter().filter(|id| state.leases.get(id).is_some_and(|l| l.session == self.0.id)).collect();
+            mine.into_iter().filter_map(|id| state.release(id)).collect()
+        };
+        self.shared().delete(freed);
+        Ok(())
+    }
+
+    async fn contains(self, _: Context, key: String) -> Result<bool, WireError> {
+        Ok(self.shared().state().keys.contains_key(&key))
+    }
+
+    async fn keys(self, _: Context, prefix: String) -> Result<Vec<String>, WireError> {
+        let state = self.shared().state();
+        Ok(state.keys.range(prefix.clone()..).map(|(k, _)| k).take_while(|k| k.starts_with(&prefix)).cloned().collect())
+    }
+
+    async fn remove(self, _: Context, key: String) -> Result<bool, WireError> {
+        let (found, freed) = {
+            let mut state = self.shared().state();
+            Self::refuse_if_stopping(&state)?;
+            match state.keys.remove(&key) {
+                None => (false, None),
+                Some(id) => {
+                    if let Some(v) = state.versions.get_mut(&id) {
+                        v.current = false;
+                    }
+                    (true, state.drop_version(id, false))
+                }
+            }
+        };
+        self.shared().delete(freed.into_iter().collect());
+        if found {
+            self.shared().persist().map_err(WireError::from)?;
+        }
+        Ok(found)
+    }
+
+    async fn list(self, _: Context) -> Result<Vec<EntryInfo>, WireError> {
+        let state = self.shared().state();
+        let mut entries: Vec<EntryInfo> = state
+            .versions
+            .iter()
+            .map(|(&id, v)| EntryInfo {
+                key: v.key.clone(),
+                version: id,
+                bytes: v.layout.bytes,
+                refcount: v.refcount,
+                ttl: v.ttl,
+                sealed: v.sealed(),
+                current: v.current,
+                place: v.place.clone(),
+            })
+            .collect();
+        entries.sort_by(|a, b| (&a.key, a.version).cmp(&(&b.key, b.version)));
+        Ok(entries)
+    }
+
+    async fn shutdown(self, _: Context) -> Result<(), WireError> {
+        tracing::info!(peer = %self.0.peer, "store: asked to stop");
+        self.shared().request_stop();
+        Ok(())
+    }
+}
+
+fn invalid(detail: &str) -> WireError {
+    WireError::InvalidRequest { detail: detail.to_owned() }
+}
+
+fn quoted(keys: &[String]) -> String {
+    keys.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
+}
+
+/// A dict of this layout's shape whose tensors take no memory (every element is the one zero
+/// of a one-element storage): what `memmap_like` needs to write zero files.
+fn zeros_like(layout: &EntryLayout) -> tensordict::Result<TensorDict> {
+    layout.schema.build(&mut |key, t| {
+        let tensor_err = |source| tensordict::Error::Tensor { key: key.clone(), source };
+        let one = Arc::new(Storage::heap(t.dtype.size_in_bytes()).map_err(tensor_err)?);
+        let broadcast = Layout::new(t.shape.clone(), vec![0; t.shape.len()], 0).map_err(tensor_err)?;
+        Tensor::from_storage(one, 0, t.dtype, broadcast).map_err(tensor_err)
+    })
+}
+
+/// Takes the store's lock (held while it is served).
+fn lock_file(path: &Path, name: &str) -> Result<fs::File> {
+    let io_err = |source| Error::StoreIo { op: "lock", path: path.to_owned(), source };
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(io_err)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(fs::TryLockError::WouldBlock) => Err(Error::StoreRunning { name: name.to_owned(), lock: path.to_owned() }),
+        Err(fs::TryLockError::Error(source)) => Err(io_err(source)),
+    }
+}
+
+/// Removes every object a server of `base` made (called with the store's lock held, so none of
+/// them is in use by a live server).
+fn reap_shm(base: &str) {
+    let Ok(objects) = Storage::list_shm() else { return };
+    let prefix = format!("/{base}.");
+    for object in objects {
+        let ours = object
+            .name
+            .strip_prefix(&prefix)
+            .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()));
+        if ours {
+            tracing::info!(object = %object.name, bytes = object.len_bytes, "store: removing what a previous server left");
+            let _ = Storage::unlink_shm(&object.name);
+        }
+    }
+}
+
+fn entries_dir(root: &Path) -> PathBuf {
+    root.join("entries")
+}
+
+fn index_path(root: &Path) -> PathBuf {
+    root.join("store-index.json")
+}
+
+fn remove_path(path: &Path) -> std::io::Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => fs::remove_dir_all(path),
+        Ok(_) => fs::remove_file(path),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Reads the folder store's index into `state` and removes anything in `entries/` it does not
+/// list (allocations of a server that was killed, versions replaced before it was).
+fn restore_dir(root: &Path, state: &mut State) -> Result<()> {
+    let io_err = |op, path: &Path, source| Error::StoreIo { op, path: path.to_owned(), source };
+    let entries = entries_dir(root);
+    fs::DirBuilder::new().recursive(true).mode(0o700).create(&entries).map_err(|e| io_err("create", &entries, e))?;
+    let path = index_path(root);
+    let index = match fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice::<Index>(&bytes)
+            .map_err(|e| Error::StoreIndex { path: path.clone(), reason: e.to_string() })?,
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            Index { version: INDEX_VERSION, next_version: 1, entries: Vec::new() }
+        }
+        Err(e) => return Err(io_err("read", &path, e)),
+    };
+    if index.version != INDEX_VERSION {
+        return Err(Error::StoreIndex {
+            path,
+            reason: format!("index version {} (this build reads {INDEX_VERSION})", index.version),
+        });
+    }
+    state.next_version = index.next_version.max(1);
+    let mut kept = HashSet::new();
+    for entry in index.entries {
+        let folder = entries.join(format!("v{}", entry.version));
+        let opened = TensorDict::load_memmap(&folder, Access::ReadOnly)
+            .map_err(Error::from)
+            .and_then(|td| EntryLayout::contiguous_like(&td));
+        let layout = match opened {
+            Ok(layout) => layout,
+            Err(e) => {
+                tracing::warn!(key = %entry.key, "store: entry {} is not usable and is dropped: {e}", folder.display());
+                continue;
+            }
+        };
+        state.next_version = state.next_version.max(entry.version + 1);
+        state.used += layout.bytes;
+        kept.insert(format!("v{}", entry.version));
+        state.keys.insert(entry.key.clone(), entry.version);
+        state.versions.insert(
+            entry.version,
+            Version {
+                key: entry.key,
+                layout: Arc::new(layout),
+                place: Place::Folder(folder),
+                filler: None,
+                current: true,
+                refcount: 0,
+                writer: false,
+                ttl: entry.ttl_ms.map(Duration::from_millis),
+                idle_since: Instant::now(),
+            },
+        );
+    }
+    for found in fs::read_dir(&entries).map_err(|e| io_err("list", &entries, e))? {
+        let found = found.map_err(|e| io_err("list", &entries, e))?;
+        let name = found.file_name();
+        if !name.to_str().is_some_and(|n| kept.contains(n)) {
+            tracing::info!(path = %found.path().display(), "store: removing what a previous server left");
+            remove_path(&found.path()).map_err(|e| io_err("remove", &found.path(), e))?;
+        }
+    }
+    Ok(())
+}

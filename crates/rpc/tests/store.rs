@@ -1,0 +1,184 @@
+//! The store through its public API, served in this process: saving, loading, leases, versions,
+//! allocations, TTL and capacity.
+
+use std::time::{Duration, Instant};
+
+use memmap_tensor::{DType, Location, Tensor};
+use rpc::WireError;
+use rpc::store::{Store, StoreOptions, Wait};
+use tensordict::TensorDict;
+
+fn start(name: &str) -> (tempfile::TempDir, Store) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::start_with(name, StoreOptions::default().runtime_dir(dir.path().join("run"))).unwrap();
+    (dir, store)
+}
+
+fn state_dict(scale: f32) -> TensorDict {
+    let mut td = TensorDict::new(Vec::<usize>::new());
+    let w: Vec<f32> = (0..12).map(|x| x as f32 * scale).collect();
+    let weight = Tensor::from_slice(&w, [3, 4]).unwrap();
+    td.set("encoder.weight", weight.clone()).unwrap();
+    // A tied weight: a view of the same storage.
+    td.set("decoder.weight", weight.permute(&[1, 0]).unwrap()).unwrap();
+    td.set("bias", Tensor::from_slice(&[scale; 4], [4]).unwrap()).unwrap();
+    td
+}
+
+fn remote(e: rpc::Error) -> WireError {
+    match e {
+        rpc::Error::Remote { error, .. } => error,
+        other => panic!("expected an error from the store, got {other}"),
+    }
+}
+
+#[test]
+fn save_load_keeps_values_and_views() {
+    let (_dir, store) = start("basic");
+    let td = state_dict(1.0);
+    store.save("model", &td, None).unwrap();
+    let loaded = store.load("model", Wait::NOW).unwrap();
+    for key in ["encoder.weight", "decoder.weight", "bias"] {
+        assert_eq!(
+            loaded.get_tensor(key).unwrap().to_vec::<f32>().unwrap(),
+            td.get_tensor(key).unwrap().to_vec::<f32>().unwrap(),
+            "{key}"
+        );
+    }
+    let enc = loaded.get_tensor("encoder.weight").unwrap();
+    assert!(enc.shares_storage_with(loaded.get_tensor("decoder.weight").unwrap()));
+    // Read-only: a write is an error.
+    let mut loaded = loaded;
+    assert!(loaded.get_tensor_mut("bias").unwrap().as_mut_slice::<f32>().is_err());
+    assert!(store.contains("model").unwrap());
+    assert_eq!(store.keys("mo").unwrap(), ["model"]);
+    assert_eq!(store.keys("x").unwrap(), Vec::<String>::new());
+}
+
+#[test]
+fn replace_keeps_old_holders_and_remove_frees_after_last_lease() {
+    let (_dir, store) = start("versions");
+    store.save("m", &state_dict(1.0), None).unwrap();
+    let old = store.load("m", Wait::NOW).unwrap();
+    store.save("m", &state_dict(2.0), None).unwrap();
+    let new = store.load("m", Wait::NOW).unwrap();
+    assert_ne!(old.version(), new.version());
+    assert_eq!(old.get_tensor("bias").unwrap().to_vec::<f32>().unwrap(), [1.0; 4]);
+    assert_eq!(new.get_tensor("bias").unwrap().to_vec::<f32>().unwrap(), [2.0; 4]);
+    assert_eq!(store.list().unwrap().len(), 2);
+    drop(old);
+    wait_until(|| store.list().unwrap().len() == 1);
+    assert!(store.remove("m").unwrap());
+    assert!(!store.contains("m").unwrap());
+    assert!(matches!(remote(store.load("m", Wait::NOW).unwrap_err()), WireError::NotFound { .. }));
+    // Still mapped by its holder, and listed until it lets go.
+    assert_eq!(new.get_tensor("bias").unwrap().to_vec::<f32>().unwrap(), [2.0; 4]);
+    assert_eq!(store.list().unwrap().len(), 1);
+    drop(new);
+    wait_until(|| store.list().unwrap().is_empty());
+}
+
+#[test]
+fn allocate_then_seal_and_unsealed_is_invisible() {
+    let (_dir, store) = start("alloc");
+    let mut like = TensorDict::new([8]);
+    like.set("obs", Tensor::zeros([8, 3], DType::F32, &Location::Heap).unwrap()).unwrap();
+    let mut alloc = store.allocate(&like).unwrap();
+    alloc.get_tensor_mut("obs").unwrap().as_mut_slice::<f32>().unwrap().fill(7.0);
+    assert!(!store.contains("a").unwrap());
+    assert_eq!(store.list().unwrap().len(), 1);
+    assert!(!store.list().unwrap()[0].sealed);
+    alloc.seal("a").unwrap();
+    let loaded = store.load("a", Wait::NOW).unwrap();
+    assert_eq!(loaded.get_tensor("obs").unwrap().to_vec::<f32>().unwrap(), vec![7.0; 24]);
+    // Dropped unsealed: freed.
+    let dropped = store.allocate(&like).unwrap();
+    assert_eq!(store.list().unwrap().len(), 2);
+    drop(dropped);
+    wait_until(|| store.list().unwrap().len() == 1);
+}
+
+#[test]
+fn load_waits_for_a_key_and_times_out() {
+    let (_dir, store) = start("waits");
+    let start = Instant::now();
+    let err = remote(store.load("late", Duration::from_millis(300)).unwrap_err());
+    assert!(matches!(err, WireError::NotFound { .. }), "{err}");
+    assert!(start.elapsed() >= Duration::from_millis(300));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            store.save("late", &state_dict(3.0), None).unwrap();
+        });
+        let loaded = store.load("late", Wait::Forever).unwrap();
+        assert_eq!(loaded.get_tensor("bias").unwrap().to_vec::<f32>().unwrap(), [3.0; 4]);
+    });
+    store.save("other", &state_dict(4.0), None).unwrap();
+    let both = store.load_many(&["late", "other"], Wait::NOW).unwrap();
+    assert_eq!(both.len(), 2);
+    let err = remote(store.load_many(&["late", "missing"], Wait::NOW).unwrap_err());
+    assert!(err.to_string().contains("`missing`"), "{err}");
+}
+
+#[test]
+fn ttl_deletes_unheld_entries() {
+    let (_dir, store) = start("ttl");
+    store.save("t", &state_dict(1.0), Some(Duration::from_millis(300))).unwrap();
+    let held = store.load("t", Wait::NOW).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(store.contains("t").unwrap(), "held entries do not expire");
+    drop(held);
+    wait_until(|| !store.contains("t").unwrap());
+}
+
+#[test]
+fn capacity_is_enforced() {
+    let dir = tempfile::tempdir().unwrap();
+    let store =
+        Store::start_with("cap", StoreOptions::default().runtime_dir(dir.path().join("run")).capacity(4096)).unwrap();
+    let mut big = TensorDict::new(Vec::<usize>::new());
+    big.set("x", Tensor::zeros([2048], DType::F32, &Location::Heap).unwrap()).unwrap();
+    let err = remote(store.save("big", &big, None).unwrap_err());
+    assert!(matches!(err, WireError::CapacityExceeded { requested: 8192, capacity: 4096, .. }), "{err}");
+    store.save("small", &state_dict(1.0), None).unwrap();
+}
+
+#[test]
+fn writable_loads_are_exclusive_and_seen_by_readers() {
+    let (_dir, store) = start("writable");
+    store.save("w", &state_dict(1.0), None).unwrap();
+    let reader = store.load("w", Wait::NOW).unwrap();
+    let mut writer = store.load_writable("w", Wait::NOW).unwrap();
+    assert!(matches!(remote(store.load_writable("w", Wait::NOW).unwrap_err()), WireError::Conflict { .. }));
+    writer.get_tensor_mut("bias").unwrap().as_mut_slice::<f32>().unwrap().fill(9.0);
+    assert_eq!(reader.get_tensor("bias").unwrap().to_vec::<f32>().unwrap(), [9.0; 4]);
+    drop(writer);
+    wait_until(|| store.load_writable("w", Wait::NOW).is_ok());
+}
+
+#[test]
+fn folder_store_keeps_entries_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = StoreOptions::default().runtime_dir(dir.path().join("run")).dir(dir.path().join("data"));
+    {
+        let store = Store::start_with("folder", options.clone()).unwrap();
+        store.save("m", &state_dict(5.0), None).unwrap();
+        let mut like = TensorDict::new([2]);
+        like.set("x", Tensor::zeros([2], DType::I64, &Location::Heap).unwrap()).unwrap();
+        let _unsealed = store.allocate(&like).unwrap();
+    }
+    let store = Store::start_with("folder", options).unwrap();
+    let loaded = store.load("m", Wait::NOW).unwrap();
+    assert_eq!(loaded.get_tensor("bias").unwrap().to_vec::<f32>().unwrap(), [5.0; 4]);
+    assert_eq!(store.list().unwrap().len(), 1);
+    let entries: Vec<_> = std::fs::read_dir(dir.path().join("data/entries")).unwrap().collect();
+    assert_eq!(entries.len(), 1);
+}
+
+fn wait_until(mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !done() {
+        assert!(Instant::now() < deadline, "condition not reached within 5 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
