@@ -38,8 +38,7 @@ impl Tensor {
         if Arc::strong_count(self.storage()) != 1 || Arc::weak_count(self.storage()) != 0 {
             return Err(Error::NotExclusive { op: OP, reason: "another handle shares the storage" });
         }
-        let first = self.byte_offset() + self.layout().offset_elems() * self.dtype().size_in_bytes();
-        let ptr = self.storage().base_ptr().wrapping_add(first);
+        let ptr = self.storage().base_ptr().wrapping_add(self.byte_span().start);
         let len = self.nbytes();
         Ok(TensorBuf { tensor: self, ptr, len })
     }

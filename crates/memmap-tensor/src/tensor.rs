@@ -442,10 +442,21 @@ impl Tensor {
         if self.elem_count() == 0 || self.storage.kind() == StorageKind::Heap {
             return Ok(());
         }
+        let span = self.byte_span();
+        f(span.start, span.len())
+    }
+
+    /// The bytes of its storage this tensor reaches: from its first element to the end of its
+    /// last (empty for a tensor without elements). Views of one storage whose spans overlap may
+    /// share bytes.
+    pub fn byte_span(&self) -> std::ops::Range<usize> {
         let elem = self.dtype.size_in_bytes();
+        // `from_storage` checked that the view fits in its storage, so none of this overflows.
         let start = self.byte_offset + self.layout.offset_elems() * elem;
-        let end = self.byte_offset + self.layout.required_elems() * elem;
-        f(start, end - start)
+        if self.elem_count() == 0 {
+            return start..start;
+        }
+        start..self.byte_offset + self.layout.required_elems() * elem
     }
 
     fn range_error(&self, op: &'static str, rows: &std::ops::Range<usize>) -> Error {
@@ -466,8 +477,7 @@ impl Tensor {
     /// checking dtype and alignment.
     fn typed_ptr<T: Element>(&self, op: &'static str) -> Result<NonNull<T>> {
         self.check_elem::<T>(op)?;
-        let first = self.byte_offset + self.layout.offset_elems() * self.dtype.size_in_bytes();
-        let ptr = self.storage.base_ptr().wrapping_add(first);
+        let ptr = self.storage.base_ptr().wrapping_add(self.byte_span().start);
         if !(ptr as usize).is_multiple_of(std::mem::align_of::<T>()) {
             return Err(Error::Misaligned {
                 op,

@@ -217,14 +217,8 @@ impl Packed {
 
 /// The bytes of its storage a tensor reaches, `[start, end)`; `None` for an empty tensor.
 fn span(t: &Tensor) -> Option<(usize, usize)> {
-    if t.elem_count() == 0 {
-        return None;
-    }
-    let elem = t.dtype().size_in_bytes();
-    let start = t.byte_offset() + t.layout().offset_elems() * elem;
-    // `from_storage` checked that the view fits, so this does not overflow.
-    let end = t.byte_offset() + t.layout().required_bytes(elem).ok()?;
-    Some((start, end))
+    let span = t.byte_span();
+    (!span.is_empty()).then_some((span.start, span.end))
 }
 
 fn tensor_err(source: memmap_tensor::Error) -> Error {

@@ -88,7 +88,7 @@ pub const MAX_NAME_BYTES: usize = 48;
 pub const MAX_KEY_BYTES: usize = 4096;
 /// The frame limit of store connections: listings and schemas of large entries are bigger than
 /// the default.
-const MAX_FRAME_BYTES: usize = 64 << 20;
+const MAX_FRAME_BYTES: usize = 16 << 20;
 
 /// How a store is served ([`StoreServer::start`], [`Store::start_with`]).
 #[derive(Clone, Debug, Default)]
