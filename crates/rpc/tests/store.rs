@@ -182,3 +182,19 @@ fn wait_until(mut done: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+#[test]
+fn objects_and_sockets_are_private_to_the_user() {
+    use std::os::unix::fs::PermissionsExt;
+    let (dir, store) = start("private");
+    store.save("m", &state_dict(1.0), None).unwrap();
+    let entries = store.list().unwrap();
+    let rpc::store::Place::Shm(name) = &entries[0].place else { panic!("a shared-memory store") };
+    let mode = std::fs::metadata(format!("/dev/shm{name}")).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "{name}");
+    let run = std::fs::metadata(dir.path().join("run")).unwrap().permissions().mode();
+    assert_eq!(run & 0o777, 0o700);
+    // Dropping the store frees its objects.
+    drop(store);
+    assert!(!std::path::Path::new(&format!("/dev/shm{name}")).exists());
+}
