@@ -476,10 +476,10 @@ fn connect(at: &StoreArgs) -> anyhow::Result<Store> {
     };
     // One plain attempt first: retrying cannot help a socket that is missing or that nobody
     // listens on (left by a server that was killed).
-    match std::os::unix::net::UnixStream::connect(&socket) {
+    match probe(&socket, at.connect_timeout) {
         Err(e) if e.kind() == ErrorKind::NotFound => return Err(not_running(": not found".into())),
         Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
-            return Err(not_running(format!(": nobody listens on it ({e})")));
+            return Err(not_running(": nobody listens on it; a server that was killed left it".into()));
         }
         _ => {}
     }
@@ -611,7 +611,19 @@ fn stop(at: &StoreArgs, timeout: Duration) -> anyhow::Result<ExitCode> {
 
 /// Whether something listens on the socket.
 fn answers(socket: &Path) -> bool {
-    std::os::unix::net::UnixStream::connect(socket).is_ok()
+    probe(socket, STOP_POLL).is_ok()
+}
+
+/// Connects to `socket` and hangs up politely: our side is closed for writing, and what the
+/// server says is read until it closes too (or `timeout` passes), so that it sees a client that
+/// left, not a connection reset with its greeting unread.
+fn probe(socket: &Path, timeout: Duration) -> std::io::Result<()> {
+    let stream = std::os::unix::net::UnixStream::connect(socket)?;
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    if stream.set_read_timeout(Some(timeout.max(Duration::from_millis(1)))).is_ok() {
+        let _ = stream.take(1 << 16).read_to_end(&mut Vec::new());
+    }
+    Ok(())
 }
 
 // === Printing and parsing ===
