@@ -566,13 +566,9 @@ fn load(at: &StoreArgs, key: &str, out: &Location, wait: Wait, force: bool) -> a
             loaded.share_memory(prefix).with_context(|| format!("writing {out}"))?;
         }
     }
-    out!(
-        "loaded `{}` (version {}, {}) from store `{}` into {out}",
-        shown(key),
-        loaded.version(),
-        DecimalBytes(loaded.nbytes() as u64),
-        at.name
-    );
+    let (version, bytes) = (loaded.version(), loaded.nbytes() as u64);
+    loaded.release()?;
+    out!("loaded `{}` (version {version}, {}) from store `{}` into {out}", shown(key), DecimalBytes(bytes), at.name);
     Ok(ExitCode::SUCCESS)
 }
 

@@ -354,6 +354,11 @@ fn a_folder_saved_then_loaded_to_a_new_folder_keeps_every_value() {
     let run = w.store("load", ["model".as_ref(), other.as_os_str(), "--force".as_ref()]);
     run.one_line_error();
     assert_eq!(fs::read_to_string(other.join("notes.txt")).unwrap(), "mine");
+
+    // Commands that come and go leave nothing alarming in the daemon's log (no connection
+    // reset by a client that hung up with data unread, no release reaching a closed client).
+    let log = fs::read_to_string(w.files().log).unwrap();
+    assert!(!log.contains("WARN") && !log.contains("ERROR"), "{log}");
 }
 
 #[test]
