@@ -554,20 +554,22 @@ fn rm(at: &StoreArgs, keys: &[String]) -> anyhow::Result<ExitCode> {
 }
 
 fn load(at: &StoreArgs, key: &str, out: &Location, wait: Wait, force: bool) -> anyhow::Result<ExitCode> {
+    if matches!(out, Location::Shm(_)) {
+        ensure!(!force, "--force applies to folders: remove the shared dict first (`tdict rm {out}`)");
+    }
     let store = connect(at)?;
     let loaded = store.load(key, wait)?;
-    match out {
-        Location::Folder(path) => {
-            let options = WriteOptions::default().overwrite(force);
-            loaded.memmap_with(path, &options).with_context(|| format!("writing {}", path.display()))?;
-        }
-        Location::Shm(prefix) => {
-            ensure!(!force, "--force applies to folders: remove the shared dict first (`tdict rm {out}`)");
-            loaded.share_memory(prefix).with_context(|| format!("writing {out}"))?;
-        }
-    }
+    let written = match out {
+        Location::Folder(path) => loaded
+            .memmap_with(path, &WriteOptions::default().overwrite(force))
+            .with_context(|| format!("writing {}", path.display())),
+        Location::Shm(prefix) => loaded.share_memory(prefix).with_context(|| format!("writing {out}")),
+    };
     let (version, bytes) = (loaded.version(), loaded.nbytes() as u64);
-    loaded.release()?;
+    // Released before the process exits, written or not.
+    let released = loaded.release();
+    written?;
+    released?;
     out!("loaded `{}` (version {version}, {}) from store `{}` into {out}", shown(key), DecimalBytes(bytes), at.name);
     Ok(ExitCode::SUCCESS)
 }
