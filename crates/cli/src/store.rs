@@ -659,8 +659,8 @@ fn parse_tcp(s: &str) -> Result<Endpoint, String> {
 /// Seconds, as a whole or decimal number.
 fn parse_seconds(s: &str) -> Result<Duration, String> {
     let secs: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
-    if !(secs >= 0.0) {
-        return Err(format!("`{s}`: seconds cannot be negative"));
+    if secs.is_nan() || secs < 0.0 {
+        return Err(format!("`{s}` is not zero or more seconds"));
     }
     Duration::try_from_secs_f64(secs).map_err(|_| format!("`{s}` seconds is too long"))
 }
