@@ -4,12 +4,12 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use memmap_tensor::{DType, Location, Tensor};
+//! use memmap_tensor::Tensor;
 //! use rpc::store::{Store, StoreOptions, Wait};
 //! use tensordict::TensorDict;
 //!
 //! # let dir = tempfile::tempdir()?;
-//! # let options = StoreOptions::default().runtime_dir(dir.path());
+//! # let options = StoreOptions::default().runtime_dir(dir.path().join("run"));
 //! # /*
 //! let options = StoreOptions::default();
 //! # */
