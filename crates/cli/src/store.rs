@@ -355,7 +355,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Err(e) => return Err(e.into()),
     };
     // The store's lock is held from here: whatever a pid file says, it is stale.
-    write_pid(&paths.pid).with_context(|| format!("writing the pid file {}", paths.pid.display()))?;
+    let pid_file = PidFile::write(&paths.pid)?;
 
     let socket = rpc::store::endpoint(&args.name).socket_path(Some(&paths.runtime))?.expect("a Unix socket");
     let mut ready = format!(
@@ -404,11 +404,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let _ = watcher.join();
     // Removed while the lock is still held, so that a pid file of the next server is never
     // removed by this one.
-    if read_pid(&paths.pid) == Some(std::process::id())
-        && let Err(e) = fs::remove_file(&paths.pid)
-    {
-        tracing::warn!("could not remove the pid file {}: {e}", paths.pid.display());
-    }
+    drop(pid_file);
     drop(Arc::into_inner(server).expect("the signal thread has ended"));
     tracing::info!(store = args.name, "stopped");
     Ok(ExitCode::SUCCESS)
@@ -422,6 +418,28 @@ fn init_logging(file: Option<&Path>) -> anyhow::Result<()> {
         None => builder.with_ansi(std::io::stderr().is_terminal()).with_writer(std::io::stderr).init(),
     }
     Ok(())
+}
+
+/// The pid file of a running server: written atomically once the store's lock is held (so a
+/// pid file already there is stale and replaced), removed when dropped if it still names this
+/// process.
+struct PidFile(PathBuf);
+
+impl PidFile {
+    fn write(path: &Path) -> anyhow::Result<PidFile> {
+        write_pid(path).with_context(|| format!("writing the pid file {}", path.display()))?;
+        Ok(PidFile(path.to_owned()))
+    }
+}
+
+impl Drop for PidFile {
+    fn drop(&mut self) {
+        if read_pid(&self.0) == Some(std::process::id())
+            && let Err(e) = fs::remove_file(&self.0)
+        {
+            tracing::warn!("could not remove the pid file {}: {e}", self.0.display());
+        }
+    }
 }
 
 /// Writes this process's pid to `path` atomically (a temporary file renamed over it).
