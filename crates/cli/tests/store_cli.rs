@@ -586,3 +586,21 @@ fn tcp_with_a_token_file() {
     let remote = Store::connect_to(&endpoint, &options).unwrap();
     assert!(remote.list().unwrap().is_empty());
 }
+
+#[test]
+fn a_daemon_that_cannot_start_says_why() {
+    let w = World::new("cli-no-start");
+    let not_a_folder = w.path("file");
+    fs::write(&not_a_folder, "x").unwrap();
+    let run = w.store("serve", ["--dir".as_ref(), not_a_folder.as_os_str()]);
+    let err = run.error();
+    assert!(
+        err.contains("store `cli-no-start` did not start") && err.contains(&not_a_folder.display().to_string()),
+        "{run}"
+    );
+    assert!(!w.files().pid.exists(), "{run}");
+    let log = fs::read_to_string(w.files().log).unwrap();
+    assert!(log.contains(&not_a_folder.display().to_string()), "the log keeps the reason:\n{log}");
+    let run = w.store("ls", [] as [&str; 0]);
+    assert!(run.one_line_error().contains("is running"), "{run}");
+}
