@@ -1,5 +1,6 @@
 //! `tdict`: inspect, verify, copy, remove and benchmark TensorDict folders (Python tensordict's
-//! memmap layout) and shared dicts. Thin: the work is done by the `tensordict` library.
+//! memmap layout) and shared dicts, and serve named stores of them. Thin: the work is done by the
+//! `tensordict` and `rpc` libraries.
 //!
 //! Exit status: 0 on success, 1 on an error (one line on stderr) or a failed verification,
 //! 2 on bad arguments.
@@ -18,6 +19,7 @@ mod bench;
 mod bench_rpc;
 mod location;
 mod progress;
+mod store;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -32,7 +34,8 @@ use tensordict::{Error, TensorDict};
 use crate::location::{Location, LocationParser};
 use crate::progress::{Progress, Unit};
 
-/// Inspect, verify, copy, remove and benchmark TensorDict folders and shared dicts.
+/// Inspect, verify, copy, remove and benchmark TensorDict folders and shared dicts; serve named
+/// stores of them.
 ///
 /// A LOCATION is a memmap folder (written by Python `TensorDict.memmap` or by this tool) or
 /// `shm:PREFIX` for a dict in shared memory (`TensorDict::share_memory`). A folder whose name
@@ -99,6 +102,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// A named store of dicts served by a daemon: serve, ls, save, load, rm, stop.
+    #[command(subcommand)]
+    Store(store::StoreCommand),
 }
 
 #[derive(Subcommand)]
@@ -175,6 +181,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Shm(ShmCommand::Ls { json }) => shm_ls(json),
         Command::Bench(cmd) => bench::run(cmd),
+        Command::Store(cmd) => store::run(cmd),
     }
 }
 

@@ -79,6 +79,24 @@ fn replace_keeps_old_holders_and_remove_frees_after_last_lease() {
 }
 
 #[test]
+fn release_waits_until_the_store_let_go() {
+    let (_dir, store) = start("release");
+    store.save("m", &state_dict(1.0), None).unwrap();
+    let held = store.load("m", Wait::NOW).unwrap();
+    store.save("m", &state_dict(2.0), None).unwrap();
+    assert_eq!(store.list().unwrap().len(), 2, "the held version stays");
+    // Released when `release` returns: no waiting for the store to catch up.
+    held.release().unwrap();
+    let list = store.list().unwrap();
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0].refcount, 0);
+    let again = store.load("m", Wait::NOW).unwrap();
+    assert_eq!(store.list().unwrap()[0].refcount, 1);
+    again.release().unwrap();
+    assert_eq!(store.list().unwrap()[0].refcount, 0);
+}
+
+#[test]
 fn allocate_then_seal_and_unsealed_is_invisible() {
     let (_dir, store) = start("alloc");
     let mut like = TensorDict::new([8]);

@@ -355,6 +355,18 @@ impl Loaded {
     pub fn is_writable(&self) -> bool {
         self.writable
     }
+
+    /// Releases the lease now and waits until the store has let it go (dropping releases it
+    /// without waiting). For a process about to exit: a release still on its way when the
+    /// connection closes reaches a server whose client is gone.
+    pub fn release(mut self) -> Result<()> {
+        // From here the drop sends nothing.
+        let Some(store) = std::mem::take(&mut self.store).upgrade() else { return Ok(()) };
+        let lease = self.lease;
+        store.block_on(call(&store.client, store.client.context(), async move |c, ctx| {
+            c.release(ctx, vec![lease]).await
+        }))
+    }
 }
 
 impl Deref for Loaded {

@@ -1,0 +1,606 @@
+//! `tdict store` as a user runs it: real daemons started by `serve`, stopped by `stop`, signals
+//! and `kill -9`, and the client commands against them. Every test has its own runtime directory
+//! (`TDICT_RUNTIME_DIR`) and store name; every server a test starts is killed by a guard, also
+//! when the test fails.
+
+use std::ffi::OsStr;
+use std::fs;
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use memmap_tensor::{Access, DType, Tensor};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use rpc::store::{Store, StoreOptions, Wait};
+use rpc::{ClientOptions, Endpoint, Token};
+use serde_json::Value;
+use tensordict::TensorDict;
+
+// === Helpers ===
+
+/// What one run of `tdict` did.
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    cmd: String,
+}
+
+impl Run {
+    fn ok(&self) -> &str {
+        assert_eq!(self.code, Some(0), "{self}");
+        &self.stdout
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(self.ok().trim()).unwrap_or_else(|e| panic!("stdout is not one JSON value ({e}):\n{self}"))
+    }
+
+    /// Exit 1, no panic, and the last stderr line is the `tdict:` error; returns it.
+    fn error(&self) -> &str {
+        assert_eq!(self.code, Some(1), "{self}");
+        assert!(!self.stderr.contains("panicked"), "panic:\n{self}");
+        let last = self.stderr.lines().last().unwrap_or_default();
+        assert!(last.starts_with("tdict: "), "the last stderr line is not the error:\n{self}");
+        last
+    }
+
+    /// Exactly one stderr line: the error.
+    fn one_line_error(&self) -> &str {
+        let line = self.error();
+        assert_eq!(self.stderr.lines().count(), 1, "expected one stderr line:\n{self}");
+        line
+    }
+
+    fn usage_error(&self) -> &str {
+        assert_eq!(self.code, Some(2), "{self}");
+        assert!(!self.stderr.contains("panicked"), "panic:\n{self}");
+        &self.stderr
+    }
+}
+
+impl std::fmt::Display for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "$ {}\nexit: {:?}\n--- stdout\n{}--- stderr\n{}---", self.cmd, self.code, self.stdout, self.stderr)
+    }
+}
+
+/// One test's world: a private runtime directory, a store name, and a guard that kills every
+/// server started in it when dropped.
+struct World {
+    dir: tempfile::TempDir,
+    name: String,
+    servers: Vec<u32>,
+}
+
+impl World {
+    fn new(name: &str) -> World {
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir(dir.path().join("run")).unwrap();
+        fs::set_permissions(dir.path().join("run"), fs::Permissions::from_mode(0o700)).unwrap();
+        World { dir, name: name.to_owned(), servers: Vec::new() }
+    }
+
+    fn runtime(&self) -> PathBuf {
+        self.dir.path().join("run")
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn files(&self) -> rpc::store::StoreFiles {
+        rpc::store::files(&self.runtime(), &self.name)
+    }
+
+    fn command<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> (Command, String) {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tdict"));
+        let mut line = String::from("tdict");
+        for arg in args {
+            line.push(' ');
+            line.push_str(&arg.as_ref().to_string_lossy());
+            cmd.arg(arg);
+        }
+        cmd.env("TDICT_RUNTIME_DIR", self.runtime())
+            .env_remove("RUST_BACKTRACE")
+            .env_remove("RUST_LIB_BACKTRACE")
+            .stdin(Stdio::null());
+        (cmd, line)
+    }
+
+    fn tdict<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> Run {
+        let (mut cmd, line) = self.command(args);
+        let out = cmd.output().expect("the tdict binary runs");
+        Run {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            cmd: line,
+        }
+    }
+
+    /// `tdict store SUB --name NAME ARGS…`.
+    fn store<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, sub: &str, args: I) -> Run {
+        let mut all: Vec<std::ffi::OsString> =
+            vec!["store".into(), sub.into(), "--name".into(), self.name.clone().into()];
+        all.extend(args.into_iter().map(|a| a.as_ref().to_owned()));
+        self.tdict(all)
+    }
+
+    /// `tdict store serve` (a daemon): returns its ready line and pid (from the pid file), and
+    /// remembers the pid for the guard.
+    fn serve(&mut self, args: &[&str]) -> (String, u32) {
+        let run = self.store("serve", args);
+        // Remembered before anything is asserted, so that the guard kills it whatever happens.
+        let pid = read_pid(&self.files().pid);
+        if let Some(pid) = pid {
+            self.servers.push(pid);
+        }
+        let line = run.ok().trim().to_owned();
+        let pid = pid.unwrap_or_else(|| panic!("no pid file after serve:\n{run}"));
+        assert_eq!(line.lines().count(), 1, "serve prints one line:\n{run}");
+        assert!(line.contains(&format!("pid {pid}")), "{line}");
+        assert!(alive(pid), "the daemon {pid} does not run after serve returned");
+        (line, pid)
+    }
+
+    /// A client of the store through the library.
+    fn client(&self) -> Store {
+        Store::connect_with(&self.name, &ClientOptions::default().runtime_dir(self.runtime())).unwrap()
+    }
+
+    fn ls_json(&self) -> Vec<Value> {
+        self.store("ls", ["--json"]).json().as_array().expect("ls --json prints an array").clone()
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        for &pid in &self.servers {
+            if !alive(pid) {
+                continue;
+            }
+            // A clean stop frees its shared memory; a server that does not stop is killed.
+            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+            if !wait_until(Duration::from_secs(10), || !alive(pid)) {
+                let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            }
+        }
+    }
+}
+
+fn read_pid(path: &Path) -> Option<u32> {
+    fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Whether `pid` runs (a zombie does not).
+fn alive(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().to_owned()))
+        .is_some_and(|rest| !rest.starts_with('Z') && !rest.starts_with('X'))
+}
+
+/// Polls `done` until it holds or `limit` passes; returns whether it held.
+fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    done()
+}
+
+fn kill9(pid: u32) {
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || !alive(pid)), "pid {pid} survived kill -9");
+}
+
+/// A dict with several dtypes, a nested dict, a batch size and a non-tensor value, written as a
+/// memmap folder at `path` by the library.
+fn write_sample(path: &Path, scale: f32) -> TensorDict {
+    let mut td = TensorDict::new(vec![4]);
+    let obs: Vec<f32> = (0..12).map(|x| x as f32 * scale).collect();
+    td.set("obs", Tensor::from_slice(&obs, [4, 3]).unwrap()).unwrap();
+    td.set("action", Tensor::from_slice(&[1i64, -2, 3, -4], [4]).unwrap()).unwrap();
+    td.set(["next", "done"], Tensor::from_bytes(&[1, 0, 0, 1], DType::Bool, [4]).unwrap()).unwrap();
+    td.set(["next", "reward"], Tensor::from_slice(&[0.5f64 * f64::from(scale); 4], [4]).unwrap()).unwrap();
+    td.set("label", serde_json::json!({"run": "store-cli", "scale": scale})).unwrap();
+    td.memmap_with(path, &tensordict::WriteOptions::default()).unwrap();
+    TensorDict::load_memmap(path, Access::ReadOnly).unwrap()
+}
+
+/// Same batch size, keys, dtypes, shapes, bytes and non-tensor values.
+fn assert_same_dict(a: &TensorDict, b: &TensorDict, what: &str) {
+    assert_eq!(a.batch_size(), b.batch_size(), "{what}: batch size");
+    let (la, lb) = (a.leaves(), b.leaves());
+    assert_eq!(la.len(), lb.len(), "{what}: leaves");
+    for ((ka, ta), (kb, tb)) in la.iter().zip(&lb) {
+        assert_eq!(ka, kb, "{what}");
+        assert_eq!(ta.dtype(), tb.dtype(), "{what}: {ka}");
+        assert_eq!(ta.dims(), tb.dims(), "{what}: {ka}");
+        assert_eq!(ta.to_bytes().unwrap(), tb.to_bytes().unwrap(), "{what}: values of {ka}");
+    }
+    assert_eq!(a.non_tensors(), b.non_tensors(), "{what}: non-tensor values");
+}
+
+fn shm_exists(object: &str) -> bool {
+    Path::new("/dev/shm").join(object.trim_start_matches('/')).exists()
+}
+
+fn entry<'a>(list: &'a [Value], key: &str) -> &'a Value {
+    list.iter().find(|e| e["key"] == key).unwrap_or_else(|| panic!("no `{key}` in {list:?}"))
+}
+
+// === Tests ===
+
+#[test]
+fn serve_returns_with_a_daemon_then_ls_rm_and_stop() {
+    let mut w = World::new("cli-basic");
+    let (line, pid) = w.serve(&["--capacity", "10M"]);
+    let files = w.files();
+    for part in ["store `cli-basic`", "uds:tdict-store-cli-basic", "shared memory", "capacity 10.00 MB"] {
+        assert!(line.contains(part), "`{part}` missing from: {line}");
+    }
+    assert!(line.contains(&files.log.display().to_string()), "{line}");
+    let log = fs::read_to_string(&files.log).unwrap();
+    assert!(log.contains("INFO") && log.contains("serving"), "log:\n{log}");
+    // Timestamps: lines start with the year.
+    assert!(log.lines().all(|l| l.starts_with("20")), "log without timestamps:\n{log}");
+
+    let client = w.client();
+    assert_eq!(client.info().pid, pid);
+    client.save("alpha", &write_sample(&w.path("a"), 1.0), Some(Duration::from_secs(30))).unwrap();
+    client.save("beta", &write_sample(&w.path("b"), 2.0), None).unwrap();
+    let held = client.load("beta", Wait::NOW).unwrap();
+
+    let text = w.store("ls", [] as [&str; 0]);
+    let out = text.ok();
+    assert!(out.lines().next().unwrap().starts_with("KEY"), "{text}");
+    let alpha_line = out.lines().find(|l| l.starts_with("alpha")).unwrap_or_else(|| panic!("{text}"));
+    assert!(alpha_line.contains("30s") && alpha_line.contains("shm /tdict-store-"), "{alpha_line}");
+    assert!(out.contains("2 entries"), "{text}");
+
+    let list = w.ls_json();
+    assert_eq!(list.len(), 2);
+    let alpha = entry(&list, "alpha");
+    let beta = entry(&list, "beta");
+    for e in [alpha, beta] {
+        let keys: Vec<&str> = e.as_object().unwrap().keys().map(String::as_str).collect();
+        for k in ["key", "version", "bytes", "refcount", "ttl", "sealed", "current", "place"] {
+            assert!(keys.contains(&k), "`{k}` missing from {e}");
+        }
+        assert_eq!(e["sealed"], true);
+        assert_eq!(e["current"], true);
+        assert_eq!(e["storage"], "shm");
+        assert!(e["bytes"].as_u64().unwrap() > 0);
+        assert!(shm_exists(e["place"].as_str().unwrap()), "{e}");
+    }
+    assert_eq!(alpha["ttl"].as_f64(), Some(30.0));
+    assert!(beta["ttl"].is_null());
+    assert_eq!(alpha["refcount"], 0);
+    assert_eq!(beta["refcount"], 1, "the lease held by this test");
+    let places: Vec<String> = list.iter().map(|e| e["place"].as_str().unwrap().to_owned()).collect();
+
+    // rm: a missing key is an error naming it; the keys that are there are removed anyway.
+    let run = w.store("rm", ["alpha", "nope", "beta"]);
+    let err = run.one_line_error();
+    assert!(err.contains("`nope`") && !err.contains("`alpha`"), "{run}");
+    assert!(run.stdout.contains("removed `alpha`") && run.stdout.contains("removed `beta`"), "{run}");
+    assert!(!client.contains("alpha").unwrap() && !client.contains("beta").unwrap());
+    // The held version stays until its lease goes.
+    let list = w.ls_json();
+    assert_eq!(list.len(), 1, "{list:?}");
+    assert_eq!(list[0]["current"], false);
+    drop(held);
+    drop(client);
+
+    let run = w.store("stop", [] as [&str; 0]);
+    assert!(run.ok().contains(&format!("stopped (pid {pid} exited)")), "{run}");
+    assert!(!alive(pid));
+    assert!(!files.pid.exists(), "the pid file is removed on a clean stop");
+    for place in &places {
+        assert!(!shm_exists(place), "{place} outlived the store");
+    }
+    let run = w.store("ls", [] as [&str; 0]);
+    assert!(run.one_line_error().contains("no store `cli-basic` is running"), "{run}");
+}
+
+#[test]
+fn a_folder_saved_then_loaded_to_a_new_folder_keeps_every_value() {
+    let mut w = World::new("cli-roundtrip");
+    w.serve(&[]);
+    let src = w.path("src");
+    let original = write_sample(&src, 3.0);
+    let run = w.store("save", ["model".as_ref(), src.as_os_str(), "--ttl".as_ref(), "60".as_ref()]);
+    assert!(run.ok().contains("saved"), "{run}");
+    let out = w.path("out");
+    let run = w.store("load", ["model".as_ref(), out.as_os_str()]);
+    assert!(run.ok().contains("loaded `model`"), "{run}");
+    assert_same_dict(&original, &TensorDict::load_memmap(&out, Access::ReadOnly).unwrap(), "loaded folder");
+
+    // Folders Python's tensordict wrote go through the store unchanged too.
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tensordict-0.15");
+    for name in ["nested", "dtypes", "non_tensor"] {
+        let fixture = fixtures.join(name);
+        let run = w.store("save", [name.as_ref(), fixture.as_os_str()]);
+        run.ok();
+        let out = w.path(&format!("out-{name}"));
+        w.store("load", [name.as_ref(), out.as_os_str()]).ok();
+        assert_same_dict(
+            &TensorDict::load_memmap(&fixture, Access::ReadOnly).unwrap(),
+            &TensorDict::load_memmap(&out, Access::ReadOnly).unwrap(),
+            name,
+        );
+    }
+
+    // An existing dict is replaced only with --force.
+    let newer = write_sample(&w.path("src2"), 5.0);
+    w.store("save", ["model".as_ref(), w.path("src2").as_os_str()]).ok();
+    let run = w.store("load", ["model".as_ref(), out.as_os_str()]);
+    assert!(run.one_line_error().contains(&out.display().to_string()), "{run}");
+    assert_same_dict(&original, &TensorDict::load_memmap(&out, Access::ReadOnly).unwrap(), "kept");
+    w.store("load", ["model".as_ref(), out.as_os_str(), "--force".as_ref()]).ok();
+    assert_same_dict(&newer, &TensorDict::load_memmap(&out, Access::ReadOnly).unwrap(), "replaced");
+    // A non-empty folder that holds no dict is never replaced.
+    let other = w.path("other");
+    fs::create_dir(&other).unwrap();
+    fs::write(other.join("notes.txt"), "mine").unwrap();
+    let run = w.store("load", ["model".as_ref(), other.as_os_str(), "--force".as_ref()]);
+    run.one_line_error();
+    assert_eq!(fs::read_to_string(other.join("notes.txt")).unwrap(), "mine");
+
+    // Commands that come and go leave nothing alarming in the daemon's log (no connection
+    // reset by a client that hung up with data unread, no release reaching a closed client).
+    let log = fs::read_to_string(w.files().log).unwrap();
+    assert!(!log.contains("WARN") && !log.contains("ERROR"), "{log}");
+}
+
+#[test]
+fn a_killed_daemon_leaves_no_shared_memory_after_a_restart() {
+    let mut w = World::new("cli-kill-shm");
+    let (_, pid) = w.serve(&[]);
+    let src = w.path("src");
+    write_sample(&src, 1.0);
+    w.store("save", ["a".as_ref(), src.as_os_str()]).ok();
+    w.store("save", ["b".as_ref(), src.as_os_str()]).ok();
+    let places: Vec<String> = w.ls_json().iter().map(|e| e["place"].as_str().unwrap().to_owned()).collect();
+    assert_eq!(places.len(), 2);
+
+    kill9(pid);
+    for place in &places {
+        assert!(shm_exists(place), "{place}: kill -9 gives the server no chance to remove it");
+    }
+    // The socket is left behind, and nobody listens: said at once, even with a long deadline.
+    let started = Instant::now();
+    let run = w.store("ls", ["--connect-timeout", "60"]);
+    let err = run.one_line_error();
+    assert!(
+        err.contains("no store `cli-kill-shm` is running") && err.contains("tdict store serve --name cli-kill-shm")
+    );
+    assert!(started.elapsed() < Duration::from_secs(30), "a dead store took {:?} to report", started.elapsed());
+
+    // The stale pid file is replaced; what the killed server left is removed before serving.
+    let (_, again) = w.serve(&[]);
+    assert_ne!(again, pid);
+    assert_eq!(read_pid(&w.files().pid), Some(again));
+    for place in &places {
+        assert!(!shm_exists(place), "{place} survived the restart");
+    }
+    assert!(w.ls_json().is_empty());
+}
+
+#[test]
+fn a_killed_daemon_with_a_folder_serves_its_entries_again() {
+    let mut w = World::new("cli-kill-dir");
+    let dir = w.path("entries-root");
+    let dir_arg = dir.display().to_string();
+    let (_, pid) = w.serve(&["--dir", &dir_arg]);
+    let src = w.path("src");
+    let original = write_sample(&src, 7.0);
+    w.store("save", ["policy".as_ref(), src.as_os_str()]).ok();
+    let before = w.ls_json();
+    kill9(pid);
+
+    let (line, again) = w.serve(&["--dir", &dir_arg]);
+    assert!(line.contains(&format!("folder {dir_arg}")), "{line}");
+    assert_ne!(again, pid);
+    let after = w.ls_json();
+    assert_eq!(after.len(), 1, "{after:?}");
+    let e = entry(&after, "policy");
+    assert_eq!(e["storage"], "folder");
+    assert_eq!(e["version"], before[0]["version"]);
+    // The place is a folder Python's `TensorDict.load_memmap` (and this library) opens.
+    let place = PathBuf::from(e["place"].as_str().unwrap());
+    assert!(place.starts_with(dir.join("entries")), "{}", place.display());
+    assert_same_dict(&original, &TensorDict::load_memmap(&place, Access::ReadOnly).unwrap(), "entry folder");
+    let text = w.store("ls", [] as [&str; 0]);
+    assert!(text.ok().contains(&format!("folder {}", place.display())), "{text}");
+
+    let out = w.path("out");
+    w.store("load", ["policy".as_ref(), out.as_os_str()]).ok();
+    assert_same_dict(&original, &TensorDict::load_memmap(&out, Access::ReadOnly).unwrap(), "loaded");
+}
+
+#[test]
+fn serving_a_running_store_again_fails_clearly() {
+    let mut w = World::new("cli-twice");
+    let (_, pid) = w.serve(&[]);
+    for args in [vec![], vec!["--no-fork"]] {
+        let run = w.store("serve", &args);
+        let err = run.error();
+        assert!(err.contains("already served") && err.contains(&format!("pid {pid}")), "{run}");
+        assert_eq!(read_pid(&w.files().pid), Some(pid), "the running server's pid file is kept");
+    }
+    assert!(alive(pid));
+    w.store("ls", [] as [&str; 0]).ok();
+}
+
+#[test]
+fn a_capacity_refuses_what_does_not_fit_and_says_why() {
+    let mut w = World::new("cli-capacity");
+    w.serve(&["--capacity", "1KiB"]);
+    let big = w.path("big");
+    let mut td = TensorDict::new(Vec::<usize>::new());
+    td.set("w", Tensor::from_slice(&vec![1.0f32; 1024], [1024]).unwrap()).unwrap();
+    td.memmap_with(&big, &tensordict::WriteOptions::default()).unwrap();
+    let run = w.store("save", ["big".as_ref(), big.as_os_str()]);
+    let err = run.one_line_error();
+    assert!(err.contains("the store is full") && err.contains("1024"), "{run}");
+    assert!(w.ls_json().is_empty());
+    // A capacity that is not one: a usage error naming the units.
+    let run = w.store("serve", ["--capacity", "12XB"]);
+    assert!(run.usage_error().contains("KiB"), "{run}");
+    let run = w.store("serve", ["--capacity", "0"]);
+    assert!(run.usage_error().contains("0"), "{run}");
+}
+
+#[test]
+fn load_waits_as_long_as_it_is_told() {
+    let mut w = World::new("cli-wait");
+    w.serve(&[]);
+    let run = w.store("load", ["absent", w.path("o1").to_str().unwrap()]);
+    assert!(run.one_line_error().contains("`absent`"), "{run}");
+    let started = Instant::now();
+    let run = w.store("load", ["absent", w.path("o2").to_str().unwrap(), "--timeout", "0.5"]);
+    assert!(run.one_line_error().contains("`absent`"), "{run}");
+    assert!(started.elapsed() >= Duration::from_millis(500), "gave up after {:?}", started.elapsed());
+    assert!(!w.path("o2").exists());
+
+    // `forever`: a load started before the key exists returns once it is saved.
+    let out = w.path("o3");
+    let (mut cmd, line) =
+        w.command(["store", "load", "--name", &w.name, "late", out.to_str().unwrap(), "--timeout", "forever"]);
+    let mut waiting: Child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let src = w.path("src");
+    let original = write_sample(&src, 9.0);
+    w.store("save", ["late".as_ref(), src.as_os_str()]).ok();
+    let status = waiting.wait().unwrap();
+    assert!(status.success(), "{line}: {status}");
+    assert_same_dict(&original, &TensorDict::load_memmap(&out, Access::ReadOnly).unwrap(), "waited for");
+    let run = w.store("load", ["late", out.to_str().unwrap(), "--timeout", "soon"]);
+    assert!(run.usage_error().contains("forever"), "{run}");
+}
+
+#[test]
+fn bad_names_and_stores_that_do_not_run() {
+    let w = World::new("cli-absent");
+    for bad in ["bad name", "a/b", "", &"x".repeat(49)] {
+        for sub in ["serve", "ls"] {
+            let run = w.tdict(["store", sub, "--name", bad]);
+            assert!(run.usage_error().contains("invalid store name"), "{run}");
+        }
+    }
+    let started = Instant::now();
+    let run = w.store("ls", ["--connect-timeout", "60"]);
+    let err = run.one_line_error();
+    assert!(err.contains("no store `cli-absent` is running"), "{run}");
+    assert!(err.contains(&w.runtime().join("tdict-store-cli-absent.sock").display().to_string()), "{run}");
+    assert!(err.contains("start it with `tdict store serve --name cli-absent`"), "{run}");
+    assert!(started.elapsed() < Duration::from_secs(30), "a missing store took {:?} to report", started.elapsed());
+    for sub in ["stop", "rm"] {
+        let run = w.store(sub, ["k"].into_iter().filter(|_| sub == "rm"));
+        assert!(run.one_line_error().contains("is running"), "{run}");
+    }
+}
+
+#[test]
+fn signals_stop_a_server_cleanly_in_the_foreground_and_as_a_daemon() {
+    let mut w = World::new("cli-signals");
+    let src = w.path("src");
+    write_sample(&src, 1.0);
+
+    // Foreground: the ready line on stdout, timestamped logs on stderr, SIGINT stops it.
+    let (mut cmd, line) = w.command(["store", "serve", "--name", &w.name, "--no-fork"]);
+    let mut fg = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    w.servers.push(fg.id());
+    let mut ready = String::new();
+    BufReader::new(fg.stdout.take().unwrap()).read_line(&mut ready).unwrap();
+    assert!(ready.contains(&format!("pid {}", fg.id())) && ready.contains("log stderr"), "{line}: {ready}");
+    assert_eq!(read_pid(&w.files().pid), Some(fg.id()));
+    w.store("save", ["k".as_ref(), src.as_os_str()]).ok();
+    let place = w.ls_json()[0]["place"].as_str().unwrap().to_owned();
+    kill(Pid::from_raw(fg.id() as i32), Signal::SIGINT).unwrap();
+    let out = fg.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("stopping on a signal") && stderr.contains("stopped"), "{stderr}");
+    assert!(stderr.lines().all(|l| l.starts_with("20")), "{stderr}");
+    assert!(!shm_exists(&place), "SIGINT left {place}");
+    assert!(!w.files().pid.exists());
+
+    // Daemon: SIGTERM.
+    let (_, pid) = w.serve(&[]);
+    w.store("save", ["k".as_ref(), src.as_os_str()]).ok();
+    let place = w.ls_json()[0]["place"].as_str().unwrap().to_owned();
+    kill(Pid::from_raw(pid as i32), Signal::SIGTERM).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || !alive(pid)), "SIGTERM did not stop {pid}");
+    assert!(!shm_exists(&place), "SIGTERM left {place}");
+    assert!(!w.files().pid.exists());
+    let log = fs::read_to_string(w.files().log).unwrap();
+    assert!(log.contains("stopping on a signal") && log.contains("signal=15"), "{log}");
+}
+
+#[test]
+fn stop_of_a_store_served_inside_a_program() {
+    let w = World::new("cli-in-process");
+    let store = Store::start_with(&w.name, StoreOptions::default().runtime_dir(w.runtime())).unwrap();
+    let pid = store.info().pid;
+    let serving = std::thread::spawn(move || {
+        store.server().unwrap().wait();
+        drop(store);
+    });
+    let run = w.store("stop", [] as [&str; 0]);
+    assert!(run.ok().contains(&format!("stopped serving (pid {pid}")), "{run}");
+    serving.join().unwrap();
+    assert!(alive(pid));
+}
+
+#[test]
+fn tcp_with_a_token_file() {
+    let mut w = World::new("cli-tcp");
+    let token_file = w.path("token");
+    fs::write(&token_file, Token::generate().as_bytes()).unwrap();
+    fs::set_permissions(&token_file, fs::Permissions::from_mode(0o644)).unwrap();
+    let token_arg = token_file.display().to_string();
+    let args = ["--listen", "tcp:127.0.0.1:0", "--token-file", &token_arg];
+    // A token file others can read is refused before anything starts.
+    let run = w.store("serve", args);
+    assert!(run.one_line_error().contains("chmod 600"), "{run}");
+    assert!(!w.files().pid.exists());
+    let run = w.store("serve", ["--listen", "tcp:127.0.0.1:0"]);
+    assert!(run.usage_error().contains("--token-file"), "{run}");
+    let run = w.store("serve", ["--listen", "uds:x", "--token-file", &token_arg]);
+    assert!(run.usage_error().contains("tcp:HOST:PORT"), "{run}");
+
+    fs::set_permissions(&token_file, fs::Permissions::from_mode(0o600)).unwrap();
+    let (line, _) = w.serve(&args);
+    let tcp = line.rsplit_once(", tcp ").unwrap_or_else(|| panic!("no tcp endpoint in: {line}")).1;
+    let endpoint: Endpoint = tcp.parse().unwrap();
+    let options = ClientOptions::default().token(Token::from_file(&token_file).unwrap());
+    let remote = Store::connect_to(&endpoint, &options).unwrap();
+    assert!(remote.list().unwrap().is_empty());
+}
+
+#[test]
+fn a_daemon_that_cannot_start_says_why() {
+    let w = World::new("cli-no-start");
+    let not_a_folder = w.path("file");
+    fs::write(&not_a_folder, "x").unwrap();
+    let run = w.store("serve", ["--dir".as_ref(), not_a_folder.as_os_str()]);
+    let err = run.error();
+    assert!(
+        err.contains("store `cli-no-start` did not start") && err.contains(&not_a_folder.display().to_string()),
+        "{run}"
+    );
+    assert!(!w.files().pid.exists(), "{run}");
+    let log = fs::read_to_string(w.files().log).unwrap();
+    assert!(log.contains(&not_a_folder.display().to_string()), "the log keeps the reason:\n{log}");
+    let run = w.store("ls", [] as [&str; 0]);
+    assert!(run.one_line_error().contains("is running"), "{run}");
+}
