@@ -422,7 +422,7 @@ fn is_inside(root: &Path, path: &Path) -> bool {
 }
 
 /// A load that waits a bounded time for a missing key fails after that time, not much later;
-/// one that waits without bound gets the key once a
+/// one that waits without bound (even as `Wait::For(Duration::MAX)`) gets the key once a
 /// second process saves it.
 #[test]
 fn load_deadlines_are_kept() -> TestResult {
@@ -437,7 +437,7 @@ fn load_deadlines_are_kept() -> TestResult {
     assert!(err.to_string().contains("`missing`"), "{err}");
     assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(5), "failed after {waited:?}");
 
-    for (key, wait) in [("late", Wait::Forever)] {
+    for (key, wait) in [("late", Wait::Forever), ("later", Wait::For(Duration::MAX))] {
         let saver = std::thread::spawn({
             let (sandbox_run, name, key) = (sandbox.run_dir(), name.clone(), key.to_owned());
             move || {

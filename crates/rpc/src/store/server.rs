@@ -631,7 +631,8 @@ impl StoreService for Session {
             check_key(key).map_err(|e| invalid(&e))?;
         }
         let start = Instant::now();
-        let deadline = wait.map(|w| start + w);
+        // A wait past what an `Instant` can hold has no end.
+        let deadline = wait.and_then(|w| start.checked_add(w));
         let mut changed = self.shared().changed.subscribe();
         loop {
             changed.borrow_and_update();
