@@ -227,7 +227,8 @@ fn mixed(store: &rpc::store::Store, seed: u64, n: u64) -> Result<String, Failure
                 store.save(&k, &mixed_dict(&k, counter), None).map_err(|e| fail(format!("save `{k}`: {e}")))?;
             }
             1 | 2 => {
-                let keys: Vec<String> = (0..if op == 1 { 1 } else { 2 + rng.below(2) }).map(|_| key(&mut rng)).collect();
+                let keys: Vec<String> =
+                    (0..if op == 1 { 1 } else { 2 + rng.below(2) }).map(|_| key(&mut rng)).collect();
                 match store.load_many(&keys, Wait::NOW) {
                     Ok(loaded) => {
                         for (k, l) in keys.iter().zip(loaded) {
@@ -268,7 +269,9 @@ fn mixed(store: &rpc::store::Store, seed: u64, n: u64) -> Result<String, Failure
                 for (path, source) in want.leaves() {
                     allocation
                         .get_tensor_mut(path.clone())
-                        .and_then(|t| t.copy_from(source).map_err(|source| tensordict::Error::Tensor { key: path, source }))
+                        .and_then(|t| {
+                            t.copy_from(source).map_err(|source| tensordict::Error::Tensor { key: path, source })
+                        })
                         .map_err(|e| fail(format!("fill: {e}")))?;
                 }
                 if op == 6 {
