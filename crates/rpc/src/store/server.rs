@@ -526,6 +526,13 @@ impl StoreService for Session {
 
     async fn allocate(self, _: Context, layout: EntryLayout) -> Result<Allocated, WireError> {
         layout.check().map_err(|e| invalid(&e))?;
+        // A folder holds every tensor whole, in a file of its own, whatever placements were
+        // asked for (a stride of 0 describes a large tensor in a few bytes): its size is what
+        // is counted and made.
+        let layout = match &self.shared().backend {
+            Backend::Shm { .. } => layout,
+            Backend::Dir { .. } => EntryLayout::contiguous(layout.schema).map_err(|e| invalid(&e.to_string()))?,
+        };
         let id = {
             let mut state = self.shared().state();
             Self::refuse_if_stopping(&state)?;
