@@ -448,14 +448,21 @@ impl Session {
             Backend::Shm { base } => {
                 let name = format!("/{base}.{id}");
                 let len = usize::try_from(layout.bytes.max(1)).map_err(|_| invalid("the entry is too large"))?;
-                Storage::create_shm(&name, len).map_err(|e| WireError::Other { message: e.to_string() })?;
+                Storage::create_shm(&name, len).map_err(|e| WireError::Other {
+                    message: format!("cannot make {len} bytes of shared memory: {e}"),
+                })?;
                 Ok(Place::Shm(name))
             }
             Backend::Dir { root } => {
                 let path = entries_dir(root).join(format!("v{id}"));
                 let like = zeros_like(layout).map_err(|e| invalid(&e.to_string()))?;
-                like.memmap_like_with(&path, None, &WriteOptions::default())
-                    .map_err(|e| WireError::Other { message: e.to_string() })?;
+                if let Err(e) = like.memmap_like_with(&path, None, &WriteOptions::default()) {
+                    // Nothing may stay of what was written before the failure (a full disk).
+                    let _ = remove_path(&path);
+                    return Err(WireError::Other {
+                        message: format!("cannot make the {} bytes of {}: {e}", layout.bytes, path.display()),
+                    });
+                }
                 Ok(Place::Folder(path))
             }
         }
