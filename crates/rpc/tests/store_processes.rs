@@ -259,9 +259,7 @@ fn eight_clients_of_mixed_operations_leave_a_consistent_store() -> TestResult {
     // The clients are gone; the server lets go of what their sessions held as it sees each
     // connection close.
     let settled = |list: &[EntryInfo]| list.iter().all(|e| e.sealed && e.current && e.refcount == 0);
-    wait_until(Duration::from_secs(10), "the dead clients' sessions to end", || {
-        settled(&store.list().expect("list"))
-    });
+    wait_until(Duration::from_secs(10), "the dead clients' sessions to end", || settled(&store.list().expect("list")));
     let list = store.list()?;
     assert!(!list.is_empty());
     for e in &list {
@@ -460,6 +458,43 @@ fn load_deadlines_are_kept() -> TestResult {
         let loaded = store.load(key, wait)?;
         assert_eq!(store_data::check_mixed(key, &loaded)?, 9);
         saver.join().expect("saver");
+    }
+    Ok(())
+}
+
+/// A folder store whose index cannot be written when a key is replaced or removed, then killed:
+/// the next server serves the key's old value (what the index on disk names), never nothing.
+/// (The index is written through `.store-index.PID.tmp`; a folder in that place makes the
+/// write fail.)
+#[test]
+fn a_folder_store_killed_after_a_failed_index_write_serves_the_old_value() -> TestResult {
+    let sandbox = Sandbox::new();
+    let name = store_name("index-fails");
+    let data = sandbox.root.path().join("data");
+    let data_arg = data.to_str().expect("utf-8 path");
+    for replace in [true, false] {
+        let mut command = peer_command(&sandbox.run_dir());
+        command.args(["store-serve", &name, "--dir", data_arg]);
+        let mut server = Peer::spawn(command);
+        let pid = expect_prefix(&mut server, "ready ");
+        let store = connect(&sandbox, &name);
+        store.save("m", &store_data::mixed_dict("m", 1), None)?;
+
+        let blocker = data.join(format!(".store-index.{pid}.tmp"));
+        std::fs::create_dir(&blocker)?;
+        let result =
+            if replace { store.save("m", &store_data::mixed_dict("m", 2), None) } else { store.remove("m").map(drop) };
+        assert!(result.is_err(), "the index could not be written, yet the change reported success");
+        server.kill();
+        std::fs::remove_dir(&blocker)?;
+        drop(store);
+
+        let _next = serve(&sandbox, &name, &["--dir", data_arg]);
+        let store = connect(&sandbox, &name);
+        let loaded = store.load("m", Wait::NOW)?;
+        assert_eq!(store_data::check_mixed("m", &loaded)?, 1, "replace: {replace}");
+        drop(loaded);
+        assert!(store.remove("m")?);
     }
     Ok(())
 }

@@ -303,8 +303,7 @@ impl Shared {
             };
             if !freed.is_empty() {
                 tracing::debug!(count = freed.len(), "store: entries expired");
-                self.delete(freed);
-                if let Err(e) = self.persist() {
+                if let Err(e) = self.commit(freed) {
                     tracing::warn!("store: could not write the index: {e}");
                 }
             }
@@ -323,6 +322,25 @@ impl Shared {
             };
             if let Err(e) = deleted {
                 tracing::warn!("store: could not delete {place:?}: {e}");
+            }
+        }
+    }
+
+    /// Records a change of keys in the index, then deletes the storage it freed. The index goes
+    /// first: until it is written, the index on disk may name what was freed, and a server
+    /// killed in between must find it there. If the index cannot be written, the freed folders
+    /// stay (the next start removes those the index does not name).
+    fn commit(&self, freed: Vec<Place>) -> Result<()> {
+        match self.persist() {
+            Ok(()) => {
+                self.delete(freed);
+                Ok(())
+            }
+            Err(e) => {
+                if !freed.is_empty() {
+                    tracing::warn!(count = freed.len(), "store: the index was not written; freed entries are kept");
+                }
+                Err(e)
             }
         }
     }
@@ -613,10 +631,10 @@ impl StoreService for Session {
                 state.drop_version(old, false)
             })
         };
-        self.shared().delete(freed.into_iter().collect());
-        self.shared().persist().map_err(WireError::from)?;
+        let committed = self.shared().commit(freed.into_iter().collect());
+        // Sealed in memory either way: waiting loads see it.
         self.shared().changed.send_modify(|n| *n += 1);
-        Ok(())
+        committed.map_err(WireError::from)
     }
 
     async fn abort(self, _: Context, allocation: u64) -> Result<(), WireError> {
@@ -705,9 +723,8 @@ impl StoreService for Session {
                 }
             }
         };
-        self.shared().delete(freed.into_iter().collect());
         if found {
-            self.shared().persist().map_err(WireError::from)?;
+            self.shared().commit(freed.into_iter().collect()).map_err(WireError::from)?;
         }
         Ok(found)
     }
