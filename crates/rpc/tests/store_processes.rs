@@ -186,7 +186,7 @@ fn a_killed_server_fails_its_clients_promptly_and_the_next_one_reaps_its_memory(
 }
 
 /// A folder store killed with SIGKILL keeps its sealed entries: the next server serves them,
-/// and removes the folder of an allocation that was never sealed.
+/// and removes the folder of an allocation that was never sealed and a half-written index.
 #[test]
 fn a_killed_folder_stores_entries_survive_and_load_back() -> TestResult {
     let sandbox = Sandbox::new();
@@ -204,8 +204,12 @@ fn a_killed_folder_stores_entries_survive_and_load_back() -> TestResult {
     server.kill();
     drop(old);
     drop(store);
+    // What a server killed while writing its index leaves.
+    let torn_index = data.join(".store-index.4242.tmp");
+    std::fs::write(&torn_index, b"{\"version\": 1, \"next_ver")?;
 
     let _next = serve(&sandbox, &name, &["--dir", data_arg]);
+    assert!(!torn_index.exists(), "a torn index file was left in place");
     let store = connect(&sandbox, &name);
     let list = store.list()?;
     assert_eq!(list.iter().map(|e| e.key.as_str()).collect::<Vec<_>>(), ["a", "b"], "{list:?}");

@@ -882,6 +882,15 @@ fn restore_dir(root: &Path, state: &mut State) -> Result<()> {
             },
         );
     }
+    // Index files a killed server was writing (we hold the lock: no live server writes one).
+    for found in fs::read_dir(root).map_err(|e| io_err("list", root, e))? {
+        let found = found.map_err(|e| io_err("list", root, e))?;
+        let name = found.file_name();
+        if name.to_str().is_some_and(|n| n.starts_with(".store-index.") && n.ends_with(".tmp")) {
+            tracing::info!(path = %found.path().display(), "store: removing what a previous server left");
+            remove_path(&found.path()).map_err(|e| io_err("remove", &found.path(), e))?;
+        }
+    }
     for found in fs::read_dir(&entries).map_err(|e| io_err("list", &entries, e))? {
         let found = found.map_err(|e| io_err("list", &entries, e))?;
         let name = found.file_name();
