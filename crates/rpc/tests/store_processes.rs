@@ -502,3 +502,81 @@ fn a_folder_store_killed_after_a_failed_index_write_serves_the_old_value() -> Te
     }
     Ok(())
 }
+
+/// Every entry a store lists loads and holds exactly what was saved under it; every listed
+/// entry is sealed, current and unheld once its holders are gone.
+fn check_every_entry(store: &Store) -> TestResult {
+    let settled = |list: &[EntryInfo]| list.iter().all(|e| e.sealed && e.current && e.refcount == 0);
+    wait_until(Duration::from_secs(10), "the killed clients' sessions to end", || {
+        settled(&store.list().expect("list"))
+    });
+    for e in store.list()? {
+        let loaded = store.load(&e.key, Wait::NOW)?;
+        store_data::check_mixed(&e.key, &loaded).map_err(|m| format!("after the kills: {m}"))?;
+    }
+    Ok(())
+}
+
+/// Clients killed with SIGKILL at arbitrary points of their work (mid-save, mid-fill of an
+/// allocation, holding leases): the store ends with only whole entries, nothing held, and
+/// exactly its entries in /dev/shm.
+#[test]
+fn clients_killed_at_any_point_leave_only_whole_entries() -> TestResult {
+    let sandbox = Sandbox::new();
+    let name = store_name("kill-clients");
+    let _server = serve(&sandbox, &name, &[]);
+    let store = connect(&sandbox, &name);
+    for round in 0..4u64 {
+        let mut clients: Vec<Peer> = (0..4u64)
+            .map(|i| peer(&sandbox, &["store-mixed", &name, &(100 + round * 4 + i).to_string(), "1000000"]))
+            .collect();
+        // Arbitrary points: spread over the first half second of their work.
+        std::thread::sleep(Duration::from_millis(150 + 100 * round));
+        for client in &mut clients {
+            assert!(client.child.try_wait()?.is_none(), "a client ended early (a mismatch?)");
+            client.kill();
+        }
+        check_every_entry(&store)?;
+        let list = store.list()?;
+        let places: BTreeSet<String> = list.iter().map(|e| shm_name(&e.place).to_owned()).collect();
+        if let Some(first) = places.first() {
+            let stem = &first[..=first.rfind('.').expect("STEM.VERSION")];
+            let objects: BTreeSet<String> = shm_objects().into_iter().filter(|o| o.starts_with(stem)).collect();
+            assert_eq!(objects, places, "round {round}: the store's objects are exactly its entries");
+        }
+    }
+    Ok(())
+}
+
+/// A folder store killed with SIGKILL at arbitrary points while clients save, replace, remove
+/// and allocate: the next server serves only whole entries, each holding what was saved under
+/// its key, and its folder holds exactly those.
+#[test]
+fn a_folder_store_killed_at_any_point_serves_only_whole_entries() -> TestResult {
+    let sandbox = Sandbox::new();
+    let name = store_name("kill-folder");
+    let data = sandbox.root.path().join("data");
+    let data_arg = data.to_str().expect("utf-8 path");
+    for round in 0..4u64 {
+        let mut server = serve(&sandbox, &name, &["--dir", data_arg]);
+        let _clients: Vec<Peer> = (0..3u64)
+            .map(|i| peer(&sandbox, &["store-mixed", &name, &(200 + round * 3 + i).to_string(), "1000000"]))
+            .collect();
+        std::thread::sleep(Duration::from_millis(200 + 100 * round));
+        server.kill();
+        // The clients fail on their own (the server is gone); their guards kill them otherwise.
+    }
+    let _server = serve(&sandbox, &name, &["--dir", data_arg]);
+    let store = connect(&sandbox, &name);
+    check_every_entry(&store)?;
+    let list = store.list()?;
+    assert!(!list.is_empty(), "nothing was saved in four rounds");
+    let mut folders: Vec<String> = std::fs::read_dir(data.join("entries"))?
+        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<_, _>>()?;
+    folders.sort();
+    let mut listed: Vec<String> = list.iter().map(|e| format!("v{}", e.version)).collect();
+    listed.sort();
+    assert_eq!(folders, listed);
+    Ok(())
+}
