@@ -4,7 +4,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use memmap_tensor::{DType, Location, Tensor};
+//! use memmap_tensor::Tensor;
 //! use rpc::store::{Store, StoreOptions, Wait};
 //! use tensordict::TensorDict;
 //!
