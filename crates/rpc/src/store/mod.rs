@@ -9,7 +9,7 @@
 //! use tensordict::TensorDict;
 //!
 //! # let dir = tempfile::tempdir()?;
-//! # let options = StoreOptions::default().runtime_dir(dir.path());
+//! # let options = StoreOptions::default().runtime_dir(dir.path().join("run"));
 //! # /*
 //! let options = StoreOptions::default();
 //! # */
