@@ -466,6 +466,17 @@ impl Session {
             Backend::Shm { base } => {
                 let name = format!("/{base}.{id}");
                 let len = usize::try_from(layout.bytes.max(1)).map_err(|_| invalid("the entry is too large"))?;
+                // Making the object takes its pages at once. Asked for more than is free, the
+                // system would take every free page (tmpfs may be larger than memory) before it
+                // said no, and other processes (or this one) may be killed for want of memory
+                // meanwhile: refuse such a request before touching anything.
+                if let Some((room, what)) = shm_room()
+                    && len as u64 > room
+                {
+                    return Err(WireError::Other {
+                        message: format!("cannot make {len} bytes of shared memory: {what} has {room} bytes free"),
+                    });
+                }
                 Storage::create_shm(&name, len).map_err(|e| WireError::Other {
                     message: format!("cannot make {len} bytes of shared memory: {e}"),
                 })?;
@@ -773,6 +784,28 @@ fn zeros_like(layout: &EntryLayout) -> tensordict::Result<TensorDict> {
         let broadcast = Layout::new(t.shape.clone(), vec![0; t.shape.len()], 0).map_err(tensor_err)?;
         Tensor::from_storage(one, 0, t.dtype, broadcast).map_err(tensor_err)
     })
+}
+
+/// The bytes a new shared-memory object can take now: the free space of `/dev/shm` or the
+/// memory available (`MemAvailable` and free swap, from `/proc/meminfo`), whichever is less, and
+/// which of the two that is. `None` if neither can be read.
+fn shm_room() -> Option<(u64, &'static str)> {
+    let shm = nix::sys::statvfs::statvfs("/dev/shm")
+        .ok()
+        .map(|s| (s.blocks_available().saturating_mul(s.fragment_size()), "/dev/shm"));
+    let memory = fs::read_to_string("/proc/meminfo").ok().and_then(|info| {
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+                .and_then(|rest| rest.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+        };
+        let kib = field("MemAvailable")?.saturating_add(field("SwapFree").unwrap_or(0));
+        Some((kib.saturating_mul(1024), "memory"))
+    });
+    match (shm, memory) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
 }
 
 /// Takes the store's lock (held while it is served).
