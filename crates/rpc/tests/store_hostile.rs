@@ -7,36 +7,21 @@
 mod common;
 #[path = "common/store_data.rs"]
 mod store_data;
+#[path = "common/store_server.rs"]
+mod store_server;
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use common::{Peer, Sandbox, TestResult, peer_command};
+use common::{Sandbox, TestResult};
 use memmap_tensor::{DType, Location, Storage, Tensor};
 use rpc::store::{EntryLayout, Placement, Store, StoreServiceClient, Wait};
 use rpc::{BlockingClient, ClientOptions, Error, WireError};
+use store_server::{Served, serve, store_name};
 use tensordict::{Schema, TensorDict};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 type Raw = BlockingClient<StoreServiceClient>;
-
-fn store_name(test: &str) -> String {
-    format!("{test}-{}", std::process::id())
-}
-
-/// A store server process, ready.
-fn serve(sandbox: &Sandbox, name: &str, args: &[&str]) -> Peer {
-    let mut command = peer_command(&sandbox.run_dir());
-    command.args(["store-serve", name]).args(args);
-    let mut server = Peer::spawn(command);
-    loop {
-        let line = server.next_line();
-        assert!(!line.is_empty(), "the store server ended before it was ready");
-        if line.starts_with("ready ") {
-            return server;
-        }
-    }
-}
 
 fn options(sandbox: &Sandbox) -> ClientOptions {
     ClientOptions::default().runtime_dir(sandbox.run_dir()).connect_timeout(Duration::from_secs(10))
@@ -77,8 +62,8 @@ fn small(n: usize) -> (TensorDict, EntryLayout) {
 }
 
 /// The store still serves an honest client, and its server process is alive.
-fn still_serving(sandbox: &Sandbox, name: &str, server: &mut Peer, round: u64) -> TestResult {
-    assert!(server.child.try_wait()?.is_none(), "the store server died");
+fn still_serving(sandbox: &Sandbox, name: &str, server: &mut Served, round: u64) -> TestResult {
+    assert!(server.peer.child.try_wait()?.is_none(), "the store server died");
     let store = Store::connect_with(name, &options(sandbox))?;
     let key = format!("honest{round}");
     store.save(&key, &store_data::mixed_dict(&key, round), None)?;

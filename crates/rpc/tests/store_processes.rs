@@ -6,6 +6,8 @@
 mod common;
 #[path = "common/store_data.rs"]
 mod store_data;
+#[path = "common/store_server.rs"]
+mod store_server;
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -15,34 +17,8 @@ use common::{Peer, Sandbox, TestResult, peer_command, wait_until};
 use memmap_tensor::{DType, Layout, Storage, Tensor};
 use rpc::store::{EntryInfo, Place, Store, Wait};
 use rpc::{ClientOptions, Error, WireError};
+use store_server::{expect_prefix, serve, store_name};
 use tensordict::TensorDict;
-
-/// A store name unique to this test and process.
-fn store_name(test: &str) -> String {
-    format!("{test}-{}", std::process::id())
-}
-
-/// Reads lines until one starts with `prefix`; returns the rest of it.
-fn expect_prefix(peer: &mut Peer, prefix: &str) -> String {
-    let mut seen = Vec::new();
-    loop {
-        let line = peer.next_line();
-        if let Some(rest) = line.strip_prefix(prefix) {
-            return rest.to_owned();
-        }
-        assert!(!line.is_empty(), "peer ended before printing {prefix:?}; it printed {seen:?}");
-        seen.push(line);
-    }
-}
-
-/// A store server process (`store-serve NAME ARGS…`), ready to serve.
-fn serve(sandbox: &Sandbox, name: &str, args: &[&str]) -> Peer {
-    let mut command = peer_command(&sandbox.run_dir());
-    command.args(["store-serve", name]).args(args);
-    let mut server = Peer::spawn(command);
-    expect_prefix(&mut server, "ready ");
-    server
-}
 
 fn peer(sandbox: &Sandbox, args: &[&str]) -> Peer {
     let mut command = peer_command(&sandbox.run_dir());
@@ -385,11 +361,8 @@ fn a_tcp_store_serves_token_holders_and_refuses_others() -> TestResult {
     let (token, token_path) = sandbox.token_file("token");
     let token_arg = token_path.to_str().expect("utf-8 path");
     let name = store_name("tcp");
-    let mut command = peer_command(&sandbox.run_dir());
-    command.args(["store-serve", &name, "--listen", "tcp:127.0.0.1:0", "--token-file", token_arg]);
-    let mut server = Peer::spawn(command);
-    let tcp: rpc::Endpoint = expect_prefix(&mut server, "tcp ").parse()?;
-    expect_prefix(&mut server, "ready ");
+    let server = serve(&sandbox, &name, &["--listen", "tcp:127.0.0.1:0", "--token-file", token_arg]);
+    let tcp = server.tcp.clone().expect("served on TCP");
 
     connect(&sandbox, &name).save("m", &store_data::mixed_dict("m", 5), None)?;
     let remote_store = Store::connect_to(&tcp, &client_options(&sandbox).token(token.clone()))?;
@@ -407,12 +380,10 @@ fn a_tcp_store_serves_token_holders_and_refuses_others() -> TestResult {
     // A folder store over TCP.
     let folder_name = store_name("tcp-folder");
     let data = sandbox.root.path().join("data");
-    let mut command = peer_command(&sandbox.run_dir());
-    command.args(["store-serve", &folder_name, "--dir", data.to_str().expect("utf-8 path")]);
-    command.args(["--listen", "tcp:127.0.0.1:0", "--token-file", token_arg]);
-    let mut folder_server = Peer::spawn(command);
-    let folder_tcp: rpc::Endpoint = expect_prefix(&mut folder_server, "tcp ").parse()?;
-    expect_prefix(&mut folder_server, "ready ");
+    let data_arg = data.to_str().expect("utf-8 path");
+    let folder_server =
+        serve(&sandbox, &folder_name, &["--dir", data_arg, "--listen", "tcp:127.0.0.1:0", "--token-file", token_arg]);
+    let folder_tcp = folder_server.tcp.clone().expect("served on TCP");
     let folder_store = Store::connect_to(&folder_tcp, &client_options(&sandbox).token(token))?;
     assert_eq!(folder_store.info().dir.as_deref(), Some(data.as_path()));
     folder_store.save("f", &store_data::mixed_dict("f", 6), None)?;
@@ -477,10 +448,8 @@ fn a_folder_store_killed_after_a_failed_index_write_serves_the_old_value() -> Te
     let data = sandbox.root.path().join("data");
     let data_arg = data.to_str().expect("utf-8 path");
     for replace in [true, false] {
-        let mut command = peer_command(&sandbox.run_dir());
-        command.args(["store-serve", &name, "--dir", data_arg]);
-        let mut server = Peer::spawn(command);
-        let pid = expect_prefix(&mut server, "ready ");
+        let mut server = serve(&sandbox, &name, &["--dir", data_arg]);
+        let pid = server.pid;
         let store = connect(&sandbox, &name);
         store.save("m", &store_data::mixed_dict("m", 1), None)?;
 
