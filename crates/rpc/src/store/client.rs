@@ -17,7 +17,7 @@ use crate::client::{Client, connect, refuse_inside_runtime};
 use crate::error::{Error, Result};
 use crate::{ClientOptions, Endpoint, NodeId, WireError};
 
-/// How long one `load` call waits at most when told to wait forever; it is then made again.
+/// How long one `load` call waits at most; a longer wait makes it again.
 const WAIT_WINDOW: Duration = Duration::from_secs(60);
 
 /// A connection to a store (see the [module documentation](super)). Usable from many threads at
@@ -166,14 +166,22 @@ impl Store {
     }
 
     fn load_keys(&self, keys: Vec<String>, wait: Wait, writable: bool) -> Result<Vec<Loaded>> {
-        let leased = match wait {
-            Wait::For(d) => self.load_call(&keys, Some(d), writable)?,
-            Wait::Forever => loop {
-                match self.load_call(&keys, Some(WAIT_WINDOW), writable) {
-                    Err(Error::Remote { error: WireError::NotFound { .. }, .. }) => continue,
-                    other => break other?,
+        // Long waits are made of calls of at most `WAIT_WINDOW`; a wait too long to have an end
+        // an `Instant` can hold is a wait without end.
+        let deadline = match wait {
+            Wait::For(d) => Instant::now().checked_add(d),
+            Wait::Forever => None,
+        };
+        let leased = loop {
+            let window = deadline.map_or(WAIT_WINDOW, |d| d.saturating_duration_since(Instant::now()).min(WAIT_WINDOW));
+            match self.load_call(&keys, Some(window), writable) {
+                Err(Error::Remote { error: WireError::NotFound { .. }, .. })
+                    if deadline.is_none_or(|d| Instant::now() < d) =>
+                {
+                    continue;
                 }
-            },
+                other => break other?,
+            }
         };
         // Every lease is held by a `Loaded` before anything is mapped, so a failure releases all.
         let mut loaded: Vec<Loaded> = leased

@@ -119,7 +119,11 @@ impl EntryLayout {
     /// The layout of an entry shaped like `like`, with every leaf contiguous in a place of its
     /// own (what `allocate` hands out).
     pub(crate) fn contiguous_like(like: &TensorDict) -> Result<EntryLayout> {
-        let schema = Schema::of(like, &mut |_, _| Ok(String::new()))?;
+        Self::contiguous(Schema::of(like, &mut |_, _| Ok(String::new()))?)
+    }
+
+    /// The layout of an entry of this schema, with every leaf contiguous in a place of its own.
+    pub(crate) fn contiguous(schema: Schema) -> Result<EntryLayout> {
         let mut placements = Vec::new();
         let mut end = 0usize;
         for (_, t) in schema.tensors() {

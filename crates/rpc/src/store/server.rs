@@ -303,8 +303,7 @@ impl Shared {
             };
             if !freed.is_empty() {
                 tracing::debug!(count = freed.len(), "store: entries expired");
-                self.delete(freed);
-                if let Err(e) = self.persist() {
+                if let Err(e) = self.commit(freed) {
                     tracing::warn!("store: could not write the index: {e}");
                 }
             }
@@ -323,6 +322,25 @@ impl Shared {
             };
             if let Err(e) = deleted {
                 tracing::warn!("store: could not delete {place:?}: {e}");
+            }
+        }
+    }
+
+    /// Records a change of keys in the index, then deletes the storage it freed. The index goes
+    /// first: until it is written, the index on disk may name what was freed, and a server
+    /// killed in between must find it there. If the index cannot be written, the freed folders
+    /// stay (the next start removes those the index does not name).
+    fn commit(&self, freed: Vec<Place>) -> Result<()> {
+        match self.persist() {
+            Ok(()) => {
+                self.delete(freed);
+                Ok(())
+            }
+            Err(e) => {
+                if !freed.is_empty() {
+                    tracing::warn!(count = freed.len(), "store: the index was not written; freed entries are kept");
+                }
+                Err(e)
             }
         }
     }
@@ -448,14 +466,32 @@ impl Session {
             Backend::Shm { base } => {
                 let name = format!("/{base}.{id}");
                 let len = usize::try_from(layout.bytes.max(1)).map_err(|_| invalid("the entry is too large"))?;
-                Storage::create_shm(&name, len).map_err(|e| WireError::Other { message: e.to_string() })?;
+                // Making the object takes its pages at once. Asked for more than is free, the
+                // system would take every free page (tmpfs may be larger than memory) before it
+                // said no, and other processes (or this one) may be killed for want of memory
+                // meanwhile: refuse such a request before touching anything.
+                if let Some((room, what)) = shm_room()
+                    && len as u64 > room
+                {
+                    return Err(WireError::Other {
+                        message: format!("cannot make {len} bytes of shared memory: {what} has {room} bytes free"),
+                    });
+                }
+                Storage::create_shm(&name, len).map_err(|e| WireError::Other {
+                    message: format!("cannot make {len} bytes of shared memory: {e}"),
+                })?;
                 Ok(Place::Shm(name))
             }
             Backend::Dir { root } => {
                 let path = entries_dir(root).join(format!("v{id}"));
                 let like = zeros_like(layout).map_err(|e| invalid(&e.to_string()))?;
-                like.memmap_like_with(&path, None, &WriteOptions::default())
-                    .map_err(|e| WireError::Other { message: e.to_string() })?;
+                if let Err(e) = like.memmap_like_with(&path, None, &WriteOptions::default()) {
+                    // Nothing may stay of what was written before the failure (a full disk).
+                    let _ = remove_path(&path);
+                    return Err(WireError::Other {
+                        message: format!("cannot make the {} bytes of {}: {e}", layout.bytes, path.display()),
+                    });
+                }
                 Ok(Place::Folder(path))
             }
         }
@@ -526,6 +562,13 @@ impl StoreService for Session {
 
     async fn allocate(self, _: Context, layout: EntryLayout) -> Result<Allocated, WireError> {
         layout.check().map_err(|e| invalid(&e))?;
+        // A folder holds every tensor whole, in a file of its own, whatever placements were
+        // asked for (a stride of 0 describes a large tensor in a few bytes): its size is what
+        // is counted and made.
+        let layout = match &self.shared().backend {
+            Backend::Shm { .. } => layout,
+            Backend::Dir { .. } => EntryLayout::contiguous(layout.schema).map_err(|e| invalid(&e.to_string()))?,
+        };
         let id = {
             let mut state = self.shared().state();
             Self::refuse_if_stopping(&state)?;
@@ -599,10 +642,10 @@ impl StoreService for Session {
                 state.drop_version(old, false)
             })
         };
-        self.shared().delete(freed.into_iter().collect());
-        self.shared().persist().map_err(WireError::from)?;
+        let committed = self.shared().commit(freed.into_iter().collect());
+        // Sealed in memory either way: waiting loads see it.
         self.shared().changed.send_modify(|n| *n += 1);
-        Ok(())
+        committed.map_err(WireError::from)
     }
 
     async fn abort(self, _: Context, allocation: u64) -> Result<(), WireError> {
@@ -631,7 +674,8 @@ impl StoreService for Session {
             check_key(key).map_err(|e| invalid(&e))?;
         }
         let start = Instant::now();
-        let deadline = wait.map(|w| start + w);
+        // A wait past what an `Instant` can hold has no end.
+        let deadline = wait.and_then(|w| start.checked_add(w));
         let mut changed = self.shared().changed.subscribe();
         loop {
             changed.borrow_and_update();
@@ -690,9 +734,8 @@ impl StoreService for Session {
                 }
             }
         };
-        self.shared().delete(freed.into_iter().collect());
         if found {
-            self.shared().persist().map_err(WireError::from)?;
+            self.shared().commit(freed.into_iter().collect()).map_err(WireError::from)?;
         }
         Ok(found)
     }
@@ -741,6 +784,28 @@ fn zeros_like(layout: &EntryLayout) -> tensordict::Result<TensorDict> {
         let broadcast = Layout::new(t.shape.clone(), vec![0; t.shape.len()], 0).map_err(tensor_err)?;
         Tensor::from_storage(one, 0, t.dtype, broadcast).map_err(tensor_err)
     })
+}
+
+/// The bytes a new shared-memory object can take now: the free space of `/dev/shm` or the
+/// memory available (`MemAvailable` and free swap, from `/proc/meminfo`), whichever is less, and
+/// which of the two that is. `None` if neither can be read.
+fn shm_room() -> Option<(u64, &'static str)> {
+    let shm = nix::sys::statvfs::statvfs("/dev/shm")
+        .ok()
+        .map(|s| (s.blocks_available().saturating_mul(s.fragment_size()), "/dev/shm"));
+    let memory = fs::read_to_string("/proc/meminfo").ok().and_then(|info| {
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+                .and_then(|rest| rest.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+        };
+        let kib = field("MemAvailable")?.saturating_add(field("SwapFree").unwrap_or(0));
+        Some((kib.saturating_mul(1024), "memory"))
+    });
+    match (shm, memory) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
 }
 
 /// Takes the store's lock (held while it is served).
@@ -849,6 +914,15 @@ fn restore_dir(root: &Path, state: &mut State) -> Result<()> {
                 idle_since: Instant::now(),
             },
         );
+    }
+    // Index files a killed server was writing (we hold the lock: no live server writes one).
+    for found in fs::read_dir(root).map_err(|e| io_err("list", root, e))? {
+        let found = found.map_err(|e| io_err("list", root, e))?;
+        let name = found.file_name();
+        if name.to_str().is_some_and(|n| n.starts_with(".store-index.") && n.ends_with(".tmp")) {
+            tracing::info!(path = %found.path().display(), "store: removing what a previous server left");
+            remove_path(&found.path()).map_err(|e| io_err("remove", &found.path(), e))?;
+        }
     }
     for found in fs::read_dir(&entries).map_err(|e| io_err("list", &entries, e))? {
         let found = found.map_err(|e| io_err("list", &entries, e))?;
