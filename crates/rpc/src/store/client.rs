@@ -1,7 +1,8 @@
 //! The store's client: [`Store`], and what it hands out ([`Loaded`], [`Allocation`]).
 
+use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use memmap_tensor::{Access, Storage};
@@ -19,6 +20,10 @@ use crate::{ClientOptions, Endpoint, NodeId, WireError};
 
 /// How long one `load` call waits at most when told to wait forever; it is then made again.
 const WAIT_WINDOW: Duration = Duration::from_secs(60);
+/// The most keys whose last loaded layout a client keeps.
+const CACHED_LAYOUT_KEYS: usize = 1024;
+/// The most tensors, all kept layouts together (about 100 bytes each).
+const CACHED_LAYOUT_TENSORS: usize = 1 << 16;
 
 /// A connection to a store (see the [module documentation](super)). Usable from many threads at
 /// once; every method blocks (do not call them inside an async runtime).
@@ -35,6 +40,57 @@ struct Inner {
     info: StoreInfo,
     /// The store's node is this one: its shared memory can be mapped.
     same_node: bool,
+    /// The layout of the version each key had when last loaded, so that loading the same
+    /// version again sends and decodes no layout.
+    layouts: Mutex<LayoutCache>,
+}
+
+/// Layouts of versions loaded lately, by key (see [`Inner::layouts`]). A version's layout never
+/// changes, so an entry is right for as long as the key holds that version.
+#[derive(Default)]
+struct LayoutCache {
+    by_key: HashMap<String, (u64, Arc<EntryLayout>)>,
+    /// Tensors of every kept layout.
+    tensors: usize,
+}
+
+impl LayoutCache {
+    fn get(&self, key: &str) -> Option<(u64, Arc<EntryLayout>)> {
+        self.by_key.get(key).cloned()
+    }
+
+    /// Keeps `layout` as `key`'s, making room if needed; a layout too large to keep is not.
+    fn insert(&mut self, key: &str, version: u64, layout: &Arc<EntryLayout>) {
+        if self.by_key.get(key).is_some_and(|(v, _)| *v == version) {
+            return;
+        }
+        let size = layout.placements.len();
+        if size > CACHED_LAYOUT_TENSORS {
+            self.remove(key);
+            return;
+        }
+        self.remove(key);
+        while self.by_key.len() >= CACHED_LAYOUT_KEYS || self.tensors + size > CACHED_LAYOUT_TENSORS {
+            let Some(evicted) = self.by_key.keys().next().cloned() else { break };
+            self.remove(&evicted);
+        }
+        self.tensors += size;
+        self.by_key.insert(key.to_owned(), (version, Arc::clone(layout)));
+    }
+
+    fn remove(&mut self, key: &str) {
+        if let Some((_, layout)) = self.by_key.remove(key) {
+            self.tensors -= layout.placements.len();
+        }
+    }
+}
+
+/// A lease with its layout, known or received.
+struct Granted {
+    lease: u64,
+    version: u64,
+    place: Place,
+    layout: Arc<EntryLayout>,
 }
 
 impl Drop for Inner {
@@ -83,7 +139,8 @@ impl Store {
         let client: Client<StoreServiceClient> = runtime.block_on(connect(endpoint, &options))?;
         let info = runtime.block_on(call(&client, client.context(), async |c, ctx| c.hello(ctx).await))?;
         let same_node = info.node.same_as(&NodeId::local());
-        Ok(Store { inner: Arc::new(Inner { client, runtime: Some(runtime), info, same_node }), server: None })
+        let layouts = Mutex::new(LayoutCache::default());
+        Ok(Store { inner: Arc::new(Inner { client, runtime: Some(runtime), info, same_node, layouts }), server: None })
     }
 
     /// Serves the store `name` from this process (see [`StoreServer::start`]) and connects to
@@ -195,13 +252,57 @@ impl Store {
         Ok(loaded)
     }
 
-    fn load_call(&self, keys: &[String], wait: Option<Duration>, writable: bool) -> Result<Vec<Leased>> {
+    /// One `load` request: the leases, each with its layout (sent by the store, or known here
+    /// from an earlier load of the same version).
+    fn load_call(&self, keys: &[String], wait: Option<Duration>, writable: bool) -> Result<Vec<Granted>> {
         let inner = &self.inner;
         let mut ctx = inner.client.context();
         // The call may wait on the server: its deadline is the wait plus the usual one.
         ctx.deadline += wait.unwrap_or_default();
-        let keys = keys.to_vec();
-        inner.block_on(call(&inner.client, ctx, async move |c, ctx| c.load(ctx, keys, wait, writable).await))
+        // Held until the answer is in: the store leaves out exactly these layouts.
+        let known: Vec<(u64, Arc<EntryLayout>)> = {
+            let cache = inner.layouts.lock().unwrap_or_else(PoisonError::into_inner);
+            keys.iter().filter_map(|key| cache.get(key)).collect()
+        };
+        let mut versions: Vec<u64> = known.iter().map(|(v, _)| *v).collect();
+        versions.sort_unstable();
+        versions.dedup();
+        let request = keys.to_vec();
+        let leased: Vec<Leased> = inner.block_on(call(&inner.client, ctx, async move |c, ctx| {
+            c.load(ctx, request, wait, writable, versions).await
+        }))?;
+        let refuse = |message: String| {
+            // Nothing hands these leases out: let go of them now.
+            for l in &leased {
+                inner.release_later(l.lease);
+            }
+            Err(Error::Remote { endpoint: inner.client.endpoint().clone(), error: WireError::Other { message } })
+        };
+        if leased.len() != keys.len() {
+            return refuse(format!("the store answered {} leases for {} keys", leased.len(), keys.len()));
+        }
+        let mut granted = Vec::with_capacity(leased.len());
+        let mut cache = inner.layouts.lock().unwrap_or_else(PoisonError::into_inner);
+        for (l, key) in leased.iter().zip(keys) {
+            let layout = match &l.layout {
+                Some(layout) => {
+                    cache.insert(key, l.version, layout);
+                    Arc::clone(layout)
+                }
+                None => match known.iter().find(|(v, _)| *v == l.version) {
+                    Some((_, layout)) => Arc::clone(layout),
+                    None => {
+                        return refuse(format!(
+                            "the store sent version {} of `{key}` without its layout, which this client does \
+                             not have",
+                            l.version
+                        ));
+                    }
+                },
+            };
+            granted.push(Granted { lease: l.lease, version: l.version, place: l.place.clone(), layout });
+        }
+        Ok(granted)
     }
 
     /// Whether `key` holds an entry.
