@@ -2,13 +2,14 @@
 
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use memmap_tensor::{Access, Storage};
 use tarpc::client::RpcError;
 use tarpc::context::Context;
 use tensordict::{Schema, TensorDict};
+use tokio::runtime::Runtime;
 
 use super::layout::EntryLayout;
 use super::server::StoreServer;
@@ -24,6 +25,8 @@ const WAIT_WINDOW: Duration = Duration::from_secs(60);
 const CACHED_LAYOUT_KEYS: usize = 1024;
 /// The most tensors, all kept layouts together (about 100 bytes each).
 const CACHED_LAYOUT_TENSORS: usize = 1 << 16;
+/// How long the sender thread leaves what a drop let go of for a call to take along.
+const SEND_GRACE: Duration = Duration::from_millis(1);
 
 /// A connection to a store (see the [module documentation](super)). Usable from many threads at
 /// once; every method blocks (do not call them inside an async runtime).
@@ -36,7 +39,11 @@ pub struct Store {
 
 struct Inner {
     client: Client<StoreServiceClient>,
-    runtime: Option<tokio::runtime::Runtime>,
+    /// A current-thread runtime, driven by the thread making a call (no other thread is woken
+    /// for it) and by the sender thread; handed to the sender thread to be dropped.
+    runtime: Option<Arc<Runtime>>,
+    /// What drops let go of, not sent yet.
+    unsent: Arc<Unsent>,
     info: StoreInfo,
     /// The store's node is this one: its shared memory can be mapped.
     same_node: bool,
@@ -95,11 +102,115 @@ struct Granted {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // Never block in drop: releases under way are dropped, the closed connection releases
-        // the leases anyway.
-        if let Some(runtime) = self.runtime.take() {
-            runtime.shutdown_background();
+        // Never block in drop (nor drop the runtime here: this may run inside an async
+        // context). The sender thread stops, shuts the runtime down, and the closed connection
+        // lets go of every lease and allocation of it.
+        let mut unsent = self.unsent.lock();
+        unsent.closed = true;
+        unsent.runtime = self.runtime.take();
+        self.unsent.wake.notify_one();
+    }
+}
+
+/// Leases and allocations let go of by drops, on their way to the store: the next call takes
+/// them along, or else the sender thread sends them [`SEND_GRACE`] later. Either way a call
+/// waits for nothing more, and no thread is woken per call.
+#[derive(Default)]
+struct Unsent {
+    state: Mutex<UnsentState>,
+    /// Wakes the sender thread.
+    wake: Condvar,
+}
+
+#[derive(Default)]
+struct UnsentState {
+    leases: Vec<u64>,
+    allocations: Vec<u64>,
+    /// The connection is being dropped: the sender thread stops.
+    closed: bool,
+    /// The sender thread waits to be woken (else it looks again by itself).
+    sender_idle: bool,
+    /// The connection's runtime, for the sender thread to shut down.
+    runtime: Option<Arc<Runtime>>,
+}
+
+impl UnsentState {
+    fn is_empty(&self) -> bool {
+        self.leases.is_empty() && self.allocations.is_empty()
+    }
+}
+
+impl Unsent {
+    fn lock(&self) -> MutexGuard<'_, UnsentState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn push(&self, add: impl FnOnce(&mut UnsentState)) {
+        let mut state = self.lock();
+        add(&mut state);
+        // Waking a thread costs more than a call on a small machine: only an idle sender is
+        // woken, at most once per grace period however many drops there are.
+        if std::mem::take(&mut state.sender_idle) {
+            self.wake.notify_one();
         }
+    }
+
+    /// Takes what is waiting to be sent.
+    fn take(&self) -> (Vec<u64>, Vec<u64>) {
+        let mut state = self.lock();
+        (std::mem::take(&mut state.leases), std::mem::take(&mut state.allocations))
+    }
+}
+
+/// Sends releases (one request) and aborts, and waits for the answers.
+async fn send_unsent(client: &Client<StoreServiceClient>, leases: Vec<u64>, allocations: Vec<u64>) {
+    let release = async {
+        if leases.is_empty() {
+            return;
+        }
+        match client.release(client.context(), leases).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!("store: a release was refused: {e}"),
+            Err(e) => tracing::debug!("store: a release did not reach the store: {e}"),
+        }
+    };
+    let aborts = futures::future::join_all(allocations.into_iter().map(|id| async move {
+        match client.abort(client.context(), id).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!("store: an abort was refused: {e}"),
+            Err(e) => tracing::debug!("store: an abort did not reach the store: {e}"),
+        }
+    }));
+    futures::future::join(release, aborts).await;
+}
+
+/// The sender thread: sends what drops let go of when no call took it along within
+/// [`SEND_GRACE`], until the connection is dropped; then shuts the runtime down.
+fn send_loop(unsent: &Unsent, runtime: Arc<Runtime>, client: Client<StoreServiceClient>) {
+    loop {
+        {
+            let mut state = unsent.lock();
+            while state.is_empty() && !state.closed {
+                state.sender_idle = true;
+                state = unsent.wake.wait(state).unwrap_or_else(PoisonError::into_inner);
+            }
+            state.sender_idle = false;
+            if state.closed {
+                break;
+            }
+        }
+        std::thread::sleep(SEND_GRACE);
+        let (leases, allocations) = unsent.take();
+        if !(leases.is_empty() && allocations.is_empty()) {
+            runtime.block_on(send_unsent(&client, leases, allocations));
+        }
+    }
+    drop(client);
+    // The connection's own handle is here now (or already gone): this is the last one.
+    let handed = unsent.lock().runtime.take();
+    drop(handed);
+    if let Ok(runtime) = Arc::try_unwrap(runtime) {
+        runtime.shutdown_background();
     }
 }
 
@@ -126,11 +237,10 @@ impl Store {
     /// (with [`ClientOptions::token`]).
     pub fn connect_to(endpoint: &Endpoint, options: &ClientOptions) -> Result<Store> {
         refuse_inside_runtime("connect")?;
-        // One worker thread runs the connection, so that a dropped value's release goes out
-        // without waiting for the next call.
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("store-client")
+        // The calling thread runs the connection while it waits for an answer: on a small
+        // machine, waking another thread to write a request and read its answer costs more
+        // than the call itself.
+        let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|source| Error::Runtime { what: "store client runtime", source })?;
@@ -140,7 +250,17 @@ impl Store {
         let info = runtime.block_on(call(&client, client.context(), async |c, ctx| c.hello(ctx).await))?;
         let same_node = info.node.same_as(&NodeId::local());
         let layouts = Mutex::new(LayoutCache::default());
-        Ok(Store { inner: Arc::new(Inner { client, runtime: Some(runtime), info, same_node, layouts }), server: None })
+        let runtime = Arc::new(runtime);
+        let unsent = Arc::new(Unsent::default());
+        {
+            let (unsent, runtime, client) = (Arc::clone(&unsent), Arc::clone(&runtime), client.clone());
+            std::thread::Builder::new()
+                .name("store-sender".into())
+                .spawn(move || send_loop(&unsent, runtime, client))
+                .map_err(|source| Error::Runtime { what: "store sender thread", source })?;
+        }
+        let inner = Inner { client, runtime: Some(runtime), unsent, info, same_node, layouts };
+        Ok(Store { inner: Arc::new(inner), server: None })
     }
 
     /// Serves the store `name` from this process (see [`StoreServer::start`]) and connects to
@@ -360,9 +480,15 @@ where
 }
 
 impl Inner {
+    /// Runs a call on this thread, with what drops let go of since the last call.
     fn block_on<T>(&self, f: impl Future<Output = Result<T>>) -> Result<T> {
         refuse_inside_runtime("a store call")?;
-        self.runtime.as_ref().expect("the runtime lives until the store is dropped").block_on(f)
+        let runtime = self.runtime.as_ref().expect("the runtime lives until the store is dropped");
+        let (leases, allocations) = self.unsent.take();
+        if leases.is_empty() && allocations.is_empty() {
+            return runtime.block_on(f);
+        }
+        runtime.block_on(async { futures::future::join(f, send_unsent(&self.client, leases, allocations)).await.0 })
     }
 
     /// Maps a version: the dict, and for shared memory the one storage under it.
@@ -402,32 +528,21 @@ impl Inner {
         }
     }
 
-    /// Sends a release without waiting for it (from a drop).
+    /// Releases a lease without waiting (from a drop): with the next call, or within
+    /// [`SEND_GRACE`].
     fn release_later(&self, lease: u64) {
-        let Some(runtime) = &self.runtime else { return };
-        let client = self.client.clone();
-        runtime.spawn(async move {
-            let ctx = client.context();
-            if let Err(e) = client.release(ctx, vec![lease]).await {
-                tracing::debug!("store: a release did not reach the store: {e}");
-            }
-        });
+        self.unsent.push(|s| s.leases.push(lease));
     }
 
+    /// Frees an allocation without waiting (from a drop), as [`Inner::release_later`] does.
     fn abort_later(&self, allocation: u64) {
-        let Some(runtime) = &self.runtime else { return };
-        let client = self.client.clone();
-        runtime.spawn(async move {
-            let ctx = client.context();
-            if let Err(e) = client.abort(ctx, allocation).await {
-                tracing::debug!("store: an abort did not reach the store: {e}");
-            }
-        });
+        self.unsent.push(|s| s.allocations.push(allocation));
     }
 }
 
 /// An entry loaded from a store: the dict (through `Deref`), and the lease that keeps the
-/// version alive, released when this is dropped.
+/// version alive, released when this is dropped (sent with the connection's next call, or
+/// within about a millisecond by a thread of the connection; the drop never waits).
 ///
 /// Clones of the dict taken from it stay valid after the drop (the mapping is theirs), but the
 /// store no longer counts them: a version removed or replaced meanwhile is then freed, which
