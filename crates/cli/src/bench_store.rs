@@ -26,6 +26,8 @@ use tensordict::TensorDict;
 const SAVE_LEAVES: usize = 8;
 /// Layers of the small model `load` is timed on: a weight and a bias each, 100 leaves.
 const LOAD_LAYERS: usize = 50;
+/// Loads, then echoes, timed in a row.
+const BLOCK: usize = 50;
 /// Threads of the mixed-operations part.
 const OPS_THREADS: usize = 4;
 /// How long the mixed-operations part runs.
@@ -275,18 +277,28 @@ fn load_and_echo(
     let warmup = (iters / 10).max(10);
     let mut loads = Vec::with_capacity(iters);
     let mut echoes = Vec::with_capacity(iters);
-    for i in 0..iters + warmup {
-        let started = Instant::now();
-        let loaded = store.load("model", Wait::NOW)?;
-        drop(loaded);
-        let load_time = started.elapsed();
-        let started = Instant::now();
-        let x = client.call(async |c, ctx| c.echo(ctx, i as u64).await)?;
-        let echo_time = started.elapsed();
-        ensure!(x == i as u64, "echo returned {x} for {i}");
-        if i >= warmup {
-            loads.push(load_time);
-            echoes.push(echo_time);
+    // In alternating blocks, so that both see the same machine, and an echo never shares it
+    // with a release a load's drop left to send.
+    let mut i = 0;
+    while echoes.len() < iters {
+        for _ in 0..BLOCK {
+            let started = Instant::now();
+            let loaded = store.load("model", Wait::NOW)?;
+            drop(loaded);
+            let load_time = started.elapsed();
+            if i >= warmup && loads.len() < iters {
+                loads.push(load_time);
+            }
+            i += 1;
+        }
+        for n in 0..BLOCK as u64 {
+            let started = Instant::now();
+            let x = client.call(async |c, ctx| c.echo(ctx, n).await)?;
+            let echo_time = started.elapsed();
+            ensure!(x == n, "echo returned {x} for {n}");
+            if i >= warmup + BLOCK && echoes.len() < iters {
+                echoes.push(echo_time);
+            }
         }
     }
     // What was timed loads what was saved.
