@@ -78,6 +78,20 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// The named store, served by this process: saving by copy and by allocate + seal (time
+    /// and memory beyond the data), load latency next to a bare rpc echo, and small mixed
+    /// operations from 4 clients.
+    Store {
+        /// Bytes saved by each save path (8 f32 leaves; suffixes K, M, G: powers of 1024).
+        #[arg(long, default_value = "1G", value_parser = parse_size)]
+        size: u64,
+        /// Loads (and echoes) to time (10 to 1000000).
+        #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..=1_000_000))]
+        iters: u64,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Sequential write, then read, of one file through the I/O engine (compare with fio).
     Io {
         /// The file to write (created or overwritten).
@@ -115,6 +129,7 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         }
         BenchCommand::Make { path, rows } => make(&path, usize::try_from(rows)?),
         BenchCommand::Rpc { transport, iters, json } => crate::bench_rpc::run(transport, usize::try_from(iters)?, json),
+        BenchCommand::Store { size, iters, json } => crate::bench_store::run(size, usize::try_from(iters)?, json),
         BenchCommand::Io { file, size, bs, qd, direct, json } => {
             io(&file, size, bs, usize::try_from(qd)?, direct, json)
         }

@@ -17,6 +17,7 @@ pub(crate) use out;
 
 mod bench;
 mod bench_rpc;
+mod bench_store;
 mod location;
 mod progress;
 mod store;

@@ -1,13 +1,15 @@
 //! The store's client: [`Store`], and what it hands out ([`Loaded`], [`Allocation`]).
 
+use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use memmap_tensor::{Access, Storage};
 use tarpc::client::RpcError;
 use tarpc::context::Context;
 use tensordict::{Schema, TensorDict};
+use tokio::runtime::Runtime;
 
 use super::layout::EntryLayout;
 use super::server::StoreServer;
@@ -19,6 +21,12 @@ use crate::{ClientOptions, Endpoint, NodeId, WireError};
 
 /// How long one `load` call waits at most; a longer wait makes it again.
 const WAIT_WINDOW: Duration = Duration::from_secs(60);
+/// The most keys whose last loaded layout a client keeps.
+const CACHED_LAYOUT_KEYS: usize = 1024;
+/// The most tensors, all kept layouts together (about 100 bytes each).
+const CACHED_LAYOUT_TENSORS: usize = 1 << 16;
+/// How long the sender thread leaves what a drop let go of for a call to take along.
+const SEND_GRACE: Duration = Duration::from_millis(1);
 
 /// A connection to a store (see the [module documentation](super)). Usable from many threads at
 /// once; every method blocks (do not call them inside an async runtime).
@@ -31,19 +39,178 @@ pub struct Store {
 
 struct Inner {
     client: Client<StoreServiceClient>,
-    runtime: Option<tokio::runtime::Runtime>,
+    /// A current-thread runtime, driven by the thread making a call (no other thread is woken
+    /// for it) and by the sender thread; handed to the sender thread to be dropped.
+    runtime: Option<Arc<Runtime>>,
+    /// What drops let go of, not sent yet.
+    unsent: Arc<Unsent>,
     info: StoreInfo,
     /// The store's node is this one: its shared memory can be mapped.
     same_node: bool,
+    /// The layout of the version each key had when last loaded, so that loading the same
+    /// version again sends and decodes no layout.
+    layouts: Mutex<LayoutCache>,
+}
+
+/// Layouts of versions loaded lately, by key (see [`Inner::layouts`]). A version's layout never
+/// changes, so an entry is right for as long as the key holds that version.
+#[derive(Default)]
+struct LayoutCache {
+    by_key: HashMap<String, (u64, Arc<EntryLayout>)>,
+    /// Tensors of every kept layout.
+    tensors: usize,
+}
+
+impl LayoutCache {
+    fn get(&self, key: &str) -> Option<(u64, Arc<EntryLayout>)> {
+        self.by_key.get(key).cloned()
+    }
+
+    /// Keeps `layout` as `key`'s, making room if needed; a layout too large to keep is not.
+    fn insert(&mut self, key: &str, version: u64, layout: &Arc<EntryLayout>) {
+        if self.by_key.get(key).is_some_and(|(v, _)| *v == version) {
+            return;
+        }
+        let size = layout.placements.len();
+        if size > CACHED_LAYOUT_TENSORS {
+            self.remove(key);
+            return;
+        }
+        self.remove(key);
+        while self.by_key.len() >= CACHED_LAYOUT_KEYS || self.tensors + size > CACHED_LAYOUT_TENSORS {
+            let Some(evicted) = self.by_key.keys().next().cloned() else { break };
+            self.remove(&evicted);
+        }
+        self.tensors += size;
+        self.by_key.insert(key.to_owned(), (version, Arc::clone(layout)));
+    }
+
+    fn remove(&mut self, key: &str) {
+        if let Some((_, layout)) = self.by_key.remove(key) {
+            self.tensors -= layout.placements.len();
+        }
+    }
+}
+
+/// A lease with its layout, known or received.
+struct Granted {
+    lease: u64,
+    version: u64,
+    place: Place,
+    layout: Arc<EntryLayout>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // Never block in drop: releases under way are dropped, the closed connection releases
-        // the leases anyway.
-        if let Some(runtime) = self.runtime.take() {
-            runtime.shutdown_background();
+        // Never block in drop (nor drop the runtime here: this may run inside an async
+        // context). The sender thread stops, shuts the runtime down, and the closed connection
+        // lets go of every lease and allocation of it.
+        let mut unsent = self.unsent.lock();
+        unsent.closed = true;
+        unsent.runtime = self.runtime.take();
+        self.unsent.wake.notify_one();
+    }
+}
+
+/// Leases and allocations let go of by drops, on their way to the store: the next call takes
+/// them along, or else the sender thread sends them [`SEND_GRACE`] later. Either way a call
+/// waits for nothing more, and no thread is woken per call.
+#[derive(Default)]
+struct Unsent {
+    state: Mutex<UnsentState>,
+    /// Wakes the sender thread.
+    wake: Condvar,
+}
+
+#[derive(Default)]
+struct UnsentState {
+    leases: Vec<u64>,
+    allocations: Vec<u64>,
+    /// The connection is being dropped: the sender thread stops.
+    closed: bool,
+    /// The sender thread waits to be woken (else it looks again by itself).
+    sender_idle: bool,
+    /// The connection's runtime, for the sender thread to shut down.
+    runtime: Option<Arc<Runtime>>,
+}
+
+impl UnsentState {
+    fn is_empty(&self) -> bool {
+        self.leases.is_empty() && self.allocations.is_empty()
+    }
+}
+
+impl Unsent {
+    fn lock(&self) -> MutexGuard<'_, UnsentState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn push(&self, add: impl FnOnce(&mut UnsentState)) {
+        let mut state = self.lock();
+        add(&mut state);
+        // Waking a thread costs more than a call on a small machine: only an idle sender is
+        // woken, at most once per grace period however many drops there are.
+        if std::mem::take(&mut state.sender_idle) {
+            self.wake.notify_one();
         }
+    }
+
+    /// Takes what is waiting to be sent.
+    fn take(&self) -> (Vec<u64>, Vec<u64>) {
+        let mut state = self.lock();
+        (std::mem::take(&mut state.leases), std::mem::take(&mut state.allocations))
+    }
+}
+
+/// Sends releases (one request) and aborts, and waits for the answers.
+async fn send_unsent(client: &Client<StoreServiceClient>, leases: Vec<u64>, allocations: Vec<u64>) {
+    let release = async {
+        if leases.is_empty() {
+            return;
+        }
+        match client.release(client.context(), leases).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!("store: a release was refused: {e}"),
+            Err(e) => tracing::debug!("store: a release did not reach the store: {e}"),
+        }
+    };
+    let aborts = futures::future::join_all(allocations.into_iter().map(|id| async move {
+        match client.abort(client.context(), id).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!("store: an abort was refused: {e}"),
+            Err(e) => tracing::debug!("store: an abort did not reach the store: {e}"),
+        }
+    }));
+    futures::future::join(release, aborts).await;
+}
+
+/// The sender thread: sends what drops let go of when no call took it along within
+/// [`SEND_GRACE`], until the connection is dropped; then shuts the runtime down.
+fn send_loop(unsent: &Unsent, runtime: Arc<Runtime>, client: Client<StoreServiceClient>) {
+    loop {
+        {
+            let mut state = unsent.lock();
+            while state.is_empty() && !state.closed {
+                state.sender_idle = true;
+                state = unsent.wake.wait(state).unwrap_or_else(PoisonError::into_inner);
+            }
+            state.sender_idle = false;
+            if state.closed {
+                break;
+            }
+        }
+        std::thread::sleep(SEND_GRACE);
+        let (leases, allocations) = unsent.take();
+        if !(leases.is_empty() && allocations.is_empty()) {
+            runtime.block_on(send_unsent(&client, leases, allocations));
+        }
+    }
+    drop(client);
+    // The connection's own handle is here now (or already gone): this is the last one.
+    let handed = unsent.lock().runtime.take();
+    drop(handed);
+    if let Ok(runtime) = Arc::try_unwrap(runtime) {
+        runtime.shutdown_background();
     }
 }
 
@@ -70,11 +237,10 @@ impl Store {
     /// (with [`ClientOptions::token`]).
     pub fn connect_to(endpoint: &Endpoint, options: &ClientOptions) -> Result<Store> {
         refuse_inside_runtime("connect")?;
-        // One worker thread runs the connection, so that a dropped value's release goes out
-        // without waiting for the next call.
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("store-client")
+        // The calling thread runs the connection while it waits for an answer: on a small
+        // machine, waking another thread to write a request and read its answer costs more
+        // than the call itself.
+        let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|source| Error::Runtime { what: "store client runtime", source })?;
@@ -83,7 +249,18 @@ impl Store {
         let client: Client<StoreServiceClient> = runtime.block_on(connect(endpoint, &options))?;
         let info = runtime.block_on(call(&client, client.context(), async |c, ctx| c.hello(ctx).await))?;
         let same_node = info.node.same_as(&NodeId::local());
-        Ok(Store { inner: Arc::new(Inner { client, runtime: Some(runtime), info, same_node }), server: None })
+        let layouts = Mutex::new(LayoutCache::default());
+        let runtime = Arc::new(runtime);
+        let unsent = Arc::new(Unsent::default());
+        {
+            let (unsent, runtime, client) = (Arc::clone(&unsent), Arc::clone(&runtime), client.clone());
+            std::thread::Builder::new()
+                .name("store-sender".into())
+                .spawn(move || send_loop(&unsent, runtime, client))
+                .map_err(|source| Error::Runtime { what: "store sender thread", source })?;
+        }
+        let inner = Inner { client, runtime: Some(runtime), unsent, info, same_node, layouts };
+        Ok(Store { inner: Arc::new(inner), server: None })
     }
 
     /// Serves the store `name` from this process (see [`StoreServer::start`]) and connects to
@@ -203,13 +380,57 @@ impl Store {
         Ok(loaded)
     }
 
-    fn load_call(&self, keys: &[String], wait: Option<Duration>, writable: bool) -> Result<Vec<Leased>> {
+    /// One `load` request: the leases, each with its layout (sent by the store, or known here
+    /// from an earlier load of the same version).
+    fn load_call(&self, keys: &[String], wait: Option<Duration>, writable: bool) -> Result<Vec<Granted>> {
         let inner = &self.inner;
         let mut ctx = inner.client.context();
         // The call may wait on the server: its deadline is the wait plus the usual one.
         ctx.deadline += wait.unwrap_or_default();
-        let keys = keys.to_vec();
-        inner.block_on(call(&inner.client, ctx, async move |c, ctx| c.load(ctx, keys, wait, writable).await))
+        // Held until the answer is in: the store leaves out exactly these layouts.
+        let known: Vec<(u64, Arc<EntryLayout>)> = {
+            let cache = inner.layouts.lock().unwrap_or_else(PoisonError::into_inner);
+            keys.iter().filter_map(|key| cache.get(key)).collect()
+        };
+        let mut versions: Vec<u64> = known.iter().map(|(v, _)| *v).collect();
+        versions.sort_unstable();
+        versions.dedup();
+        let request = keys.to_vec();
+        let leased: Vec<Leased> = inner.block_on(call(&inner.client, ctx, async move |c, ctx| {
+            c.load(ctx, request, wait, writable, versions).await
+        }))?;
+        let refuse = |message: String| {
+            // Nothing hands these leases out: let go of them now.
+            for l in &leased {
+                inner.release_later(l.lease);
+            }
+            Err(Error::Remote { endpoint: inner.client.endpoint().clone(), error: WireError::Other { message } })
+        };
+        if leased.len() != keys.len() {
+            return refuse(format!("the store answered {} leases for {} keys", leased.len(), keys.len()));
+        }
+        let mut granted = Vec::with_capacity(leased.len());
+        let mut cache = inner.layouts.lock().unwrap_or_else(PoisonError::into_inner);
+        for (l, key) in leased.iter().zip(keys) {
+            let layout = match &l.layout {
+                Some(layout) => {
+                    cache.insert(key, l.version, layout);
+                    Arc::clone(layout)
+                }
+                None => match known.iter().find(|(v, _)| *v == l.version) {
+                    Some((_, layout)) => Arc::clone(layout),
+                    None => {
+                        return refuse(format!(
+                            "the store sent version {} of `{key}` without its layout, which this client does \
+                             not have",
+                            l.version
+                        ));
+                    }
+                },
+            };
+            granted.push(Granted { lease: l.lease, version: l.version, place: l.place.clone(), layout });
+        }
+        Ok(granted)
     }
 
     /// Whether `key` holds an entry.
@@ -267,9 +488,15 @@ where
 }
 
 impl Inner {
+    /// Runs a call on this thread, with what drops let go of since the last call.
     fn block_on<T>(&self, f: impl Future<Output = Result<T>>) -> Result<T> {
         refuse_inside_runtime("a store call")?;
-        self.runtime.as_ref().expect("the runtime lives until the store is dropped").block_on(f)
+        let runtime = self.runtime.as_ref().expect("the runtime lives until the store is dropped");
+        let (leases, allocations) = self.unsent.take();
+        if leases.is_empty() && allocations.is_empty() {
+            return runtime.block_on(f);
+        }
+        runtime.block_on(async { futures::future::join(f, send_unsent(&self.client, leases, allocations)).await.0 })
     }
 
     /// Maps a version: the dict, and for shared memory the one storage under it.
@@ -309,32 +536,21 @@ impl Inner {
         }
     }
 
-    /// Sends a release without waiting for it (from a drop).
+    /// Releases a lease without waiting (from a drop): with the next call, or within
+    /// [`SEND_GRACE`].
     fn release_later(&self, lease: u64) {
-        let Some(runtime) = &self.runtime else { return };
-        let client = self.client.clone();
-        runtime.spawn(async move {
-            let ctx = client.context();
-            if let Err(e) = client.release(ctx, vec![lease]).await {
-                tracing::debug!("store: a release did not reach the store: {e}");
-            }
-        });
+        self.unsent.push(|s| s.leases.push(lease));
     }
 
+    /// Frees an allocation without waiting (from a drop), as [`Inner::release_later`] does.
     fn abort_later(&self, allocation: u64) {
-        let Some(runtime) = &self.runtime else { return };
-        let client = self.client.clone();
-        runtime.spawn(async move {
-            let ctx = client.context();
-            if let Err(e) = client.abort(ctx, allocation).await {
-                tracing::debug!("store: an abort did not reach the store: {e}");
-            }
-        });
+        self.unsent.push(|s| s.allocations.push(allocation));
     }
 }
 
 /// An entry loaded from a store: the dict (through `Deref`), and the lease that keeps the
-/// version alive, released when this is dropped.
+/// version alive, released when this is dropped (sent with the connection's next call, or
+/// within about a millisecond by a thread of the connection; the drop never waits).
 ///
 /// Clones of the dict taken from it stay valid after the drop (the mapping is theirs), but the
 /// store no longer counts them: a version removed or replaced meanwhile is then freed, which

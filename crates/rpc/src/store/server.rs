@@ -502,6 +502,7 @@ impl Session {
         &self,
         keys: &[String],
         writable: bool,
+        known: &HashSet<u64>,
     ) -> Result<std::result::Result<Vec<Leased>, Vec<String>>, WireError> {
         let mut state = self.shared().state();
         Self::refuse_if_stopping(&state)?;
@@ -532,7 +533,8 @@ impl Session {
             let v = state.versions.get_mut(&id).expect("keys name existing versions");
             v.refcount += 1;
             v.writer |= writable;
-            leased.push(Leased { lease, version: id, place: v.place.clone(), layout: Arc::clone(&v.layout) });
+            let layout = (!known.contains(&id)).then(|| Arc::clone(&v.layout));
+            leased.push(Leased { lease, version: id, place: v.place.clone(), layout });
         }
         Ok(Ok(leased))
     }
@@ -666,10 +668,19 @@ impl StoreService for Session {
         keys: Vec<String>,
         wait: Option<Duration>,
         writable: bool,
+        known: Vec<u64>,
     ) -> Result<Vec<Leased>, WireError> {
         if keys.is_empty() || keys.len() > MAX_KEYS_PER_LOAD {
             return Err(invalid(&format!("a load names 1 to {MAX_KEYS_PER_LOAD} keys, not {}", keys.len())));
         }
+        if known.len() > keys.len() {
+            return Err(invalid(&format!(
+                "{} known versions for {} keys (at most one per key)",
+                known.len(),
+                keys.len()
+            )));
+        }
+        let known: HashSet<u64> = known.into_iter().collect();
         for key in &keys {
             check_key(key).map_err(|e| invalid(&e))?;
         }
@@ -679,7 +690,7 @@ impl StoreService for Session {
         let mut changed = self.shared().changed.subscribe();
         loop {
             changed.borrow_and_update();
-            let missing = match self.try_lease(&keys, writable)? {
+            let missing = match self.try_lease(&keys, writable, &known)? {
                 Ok(leased) => return Ok(leased),
                 Err(missing) => missing,
             };

@@ -24,8 +24,14 @@ pub trait StoreService {
     /// Frees an allocation of this session that was not sealed.
     async fn abort(allocation: u64) -> Result<(), WireError>;
     /// Leases the entries of `keys` (all of them, or none), waiting until `wait` for those not
-    /// there yet (`None`: without end).
-    async fn load(keys: Vec<String>, wait: Option<Duration>, writable: bool) -> Result<Vec<Leased>, WireError>;
+    /// there yet (`None`: without end). `known` names versions whose layouts the caller has (a
+    /// version's layout never changes): their [`Leased::layout`] is left out.
+    async fn load(
+        keys: Vec<String>,
+        wait: Option<Duration>,
+        writable: bool,
+        known: Vec<u64>,
+    ) -> Result<Vec<Leased>, WireError>;
     /// Lets go of leases of this session.
     async fn release(leases: Vec<u64>) -> Result<(), WireError>;
     /// Whether `key` holds a sealed entry.
@@ -87,8 +93,8 @@ pub struct Leased {
     pub version: u64,
     /// Where its bytes are.
     pub place: Place,
-    /// Its layout.
-    pub layout: Arc<EntryLayout>,
+    /// Its layout; `None` for a version the request named as known.
+    pub layout: Option<Arc<EntryLayout>>,
 }
 
 /// One entry as listed by [`StoreService::list`].
