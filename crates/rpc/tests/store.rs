@@ -216,3 +216,19 @@ fn objects_and_sockets_are_private_to_the_user() {
     drop(store);
     assert!(!std::path::Path::new(&format!("/dev/shm{name}")).exists());
 }
+
+#[test]
+fn leases_dropped_between_loads_never_pile_up() {
+    let (_dir, store) = start("piggyback");
+    store.save("m", &state_dict(1.0), None).unwrap();
+    for _ in 0..20 {
+        let loaded = store.load("m", Wait::NOW).unwrap();
+        drop(loaded);
+    }
+    // Each load took the release of the one before along: by the time a load returns, the
+    // leases dropped before it are let go of.
+    let held = store.load("m", Wait::NOW).unwrap();
+    let refcount = store.list().unwrap()[0].refcount;
+    assert_eq!(refcount, 1, "leases released by drops before the last load");
+    drop(held);
+}

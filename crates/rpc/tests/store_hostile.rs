@@ -204,7 +204,8 @@ fn sessions_cannot_touch_each_others_allocations_and_leases() -> TestResult {
     answer(owner.call(async |c, ctx| c.seal(ctx, id, "mine".into(), None).await))?;
     assert!(!answer(thief.call(async |c, ctx| c.contains(ctx, "stolen".into()).await))?);
 
-    let leased = answer(owner.call(async |c, ctx| c.load(ctx, vec!["mine".into()], None, false, Vec::new()).await))?;
+    let leased =
+        answer(owner.call(async |c, ctx| c.load(ctx, vec!["mine".into()], None, false, Vec::new(), Vec::new()).await))?;
     let lease = leased[0].lease;
     answer(thief.call(async |c, ctx| c.release(ctx, vec![lease, lease, u64::MAX]).await))?;
     let refcount = |client: &Raw| answer(client.call(async |c, ctx| c.list(ctx).await)).expect("list")[0].refcount;
@@ -234,7 +235,9 @@ fn bad_keys_key_counts_and_waits_are_refused_clearly() -> TestResult {
     for key in [long.clone(), "a\0b".to_owned(), String::new()] {
         invalid(client.call(async |c, ctx| c.seal(ctx, id, key.clone(), None).await), "no NUL");
         invalid(
-            client.call(async |c, ctx| c.load(ctx, vec![key.clone()], Some(Duration::ZERO), false, Vec::new()).await),
+            client.call(async |c, ctx| {
+                c.load(ctx, vec![key.clone()], Some(Duration::ZERO), false, Vec::new(), Vec::new()).await
+            }),
             "no NUL",
         );
         assert!(!answer(client.call(async |c, ctx| c.contains(ctx, key.clone()).await))?);
@@ -243,26 +246,29 @@ fn bad_keys_key_counts_and_waits_are_refused_clearly() -> TestResult {
     }
     answer(client.call(async |c, ctx| c.seal(ctx, id, "ok".into(), None).await))?;
 
-    invalid(client.call(async |c, ctx| c.load(ctx, Vec::new(), None, false, Vec::new()).await), "not 0");
+    invalid(client.call(async |c, ctx| c.load(ctx, Vec::new(), None, false, Vec::new(), Vec::new()).await), "not 0");
     let many: Vec<String> = (0..10_000).map(|i| format!("k{i}")).collect();
-    invalid(client.call(async |c, ctx| c.load(ctx, many, None, false, Vec::new()).await), "not 10000");
+    invalid(client.call(async |c, ctx| c.load(ctx, many, None, false, Vec::new(), Vec::new()).await), "not 10000");
     let twice = vec!["ok".to_owned(), "ok".to_owned()];
-    match answer(client.call(async |c, ctx| c.load(ctx, twice, None, true, Vec::new()).await)) {
+    match answer(client.call(async |c, ctx| c.load(ctx, twice, None, true, Vec::new(), Vec::new()).await)) {
         Err(WireError::Conflict { .. }) => {}
         other => panic!("expected a conflict loading one entry writable twice, got {other:?}"),
     }
 
     // A held lease, then a load that waits "for ever" as a Duration: the call ends at the
     // client's deadline, the session lives on.
-    let leased = answer(client.call(async |c, ctx| c.load(ctx, vec!["ok".into()], None, false, Vec::new()).await))?;
+    let leased =
+        answer(client.call(async |c, ctx| c.load(ctx, vec!["ok".into()], None, false, Vec::new(), Vec::new()).await))?;
     let impatient: Raw = BlockingClient::connect(
         &rpc::store::endpoint(&name),
         &options(&sandbox).call_timeout(Duration::from_millis(500)),
     )?;
-    let held = answer(impatient.call(async |c, ctx| c.load(ctx, vec!["ok".into()], None, false, Vec::new()).await))?;
+    let held = answer(
+        impatient.call(async |c, ctx| c.load(ctx, vec!["ok".into()], None, false, Vec::new(), Vec::new()).await),
+    )?;
     for wait in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
-        let result =
-            impatient.call(async |c, ctx| c.load(ctx, vec!["missing".into()], Some(wait), false, Vec::new()).await);
+        let result = impatient
+            .call(async |c, ctx| c.load(ctx, vec!["missing".into()], Some(wait), false, Vec::new(), Vec::new()).await);
         assert!(matches!(result, Err(Error::DeadlineExceeded { .. })), "{result:?}");
     }
     assert!(answer(impatient.call(async |c, ctx| c.contains(ctx, "ok".into()).await))?, "the session lives");

@@ -38,7 +38,7 @@ fn known_versions_are_sent_without_their_layout() -> TestResult {
     store.save("m", &dict(3, 4, 1.0), None)?;
     let client = raw(&dir, "layouts-raw")?;
     let load = |known: Vec<u64>| {
-        client.call(async |c, ctx| c.load(ctx, vec!["m".into()], Some(Duration::ZERO), false, known).await)
+        client.call(async |c, ctx| c.load(ctx, vec!["m".into()], Some(Duration::ZERO), false, known, Vec::new()).await)
     };
     let first = load(Vec::new())??;
     let version = first[0].version;

@@ -37,6 +37,16 @@ impl KeyPath {
         KeyPath(parts)
     }
 
+    /// Appends `key` (walks that build a path level by level reuse one path).
+    pub(crate) fn push(&mut self, key: &str) {
+        self.0.push(key.to_owned());
+    }
+
+    /// Removes the last component.
+    pub(crate) fn pop(&mut self) {
+        self.0.pop();
+    }
+
     /// The first component and the rest, or `None` for the empty path.
     pub fn split_first(&self) -> Option<(&str, &[String])> {
         self.0.split_first().map(|(first, rest)| (first.as_str(), rest))

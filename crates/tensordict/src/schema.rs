@@ -247,24 +247,26 @@ impl Schema {
     /// Builds the dict, `open` making each tensor from its description (and the result checked
     /// against it: a tensor of another dtype or shape is an error). Validate first.
     pub fn build(&self, open: &mut dyn FnMut(&KeyPath, &TensorSchema) -> Result<Tensor>) -> Result<TensorDict> {
-        self.build_at(&KeyPath::default(), open)
+        self.build_at(&mut KeyPath::default(), open)
     }
 
+    /// Builds this node; `path` is its path on entry and on return (one path, pushed and popped
+    /// level by level: a load builds every tensor of a large dict, and a fresh path per entry
+    /// would be most of the work).
     fn build_at(
         &self,
-        path: &KeyPath,
+        path: &mut KeyPath,
         open: &mut dyn FnMut(&KeyPath, &TensorSchema) -> Result<Tensor>,
     ) -> Result<TensorDict> {
         let mut entries = IndexMap::with_capacity(self.entries.len());
         for (key, entry) in &self.entries {
-            let child = path.join(key);
+            path.push(key);
             let built = match entry {
-                EntrySchema::Tensor(t) => {
-                    let tensor = open(&child, t)?;
+                EntrySchema::Tensor(t) => open(path, t).and_then(|tensor| {
                     if tensor.dtype() != t.dtype || tensor.dims() != t.shape {
                         return Err(Error::InvalidSchema {
                             reason: format!(
-                                "`{child}`: a {} {:?} tensor where the schema says {} {:?}",
+                                "`{path}`: a {} {:?} tensor where the schema says {} {:?}",
                                 tensor.dtype(),
                                 tensor.dims(),
                                 t.dtype,
@@ -272,13 +274,14 @@ impl Schema {
                             ),
                         });
                     }
-                    Entry::Tensor(tensor)
-                }
-                EntrySchema::Dict(d) => Entry::Dict(d.build_at(&child, open)?),
-                EntrySchema::NonTensor(v) => Entry::NonTensor(v.clone()),
-                EntrySchema::NonTensorStack(v) => Entry::NonTensorStack(v.clone()),
+                    Ok(Entry::Tensor(tensor))
+                }),
+                EntrySchema::Dict(d) => d.build_at(path, open).map(Entry::Dict),
+                EntrySchema::NonTensor(v) => Ok(Entry::NonTensor(v.clone())),
+                EntrySchema::NonTensorStack(v) => Ok(Entry::NonTensorStack(v.clone())),
             };
-            entries.insert(key.clone(), built);
+            path.pop();
+            entries.insert(key.clone(), built?);
         }
         Ok(TensorDict::from_parts(self.batch_size.clone(), entries))
     }

@@ -155,6 +155,11 @@ impl Unsent {
         }
     }
 
+    /// Takes the leases waiting to be released.
+    fn take_leases(&self) -> Vec<u64> {
+        std::mem::take(&mut self.lock().leases)
+    }
+
     /// Takes what is waiting to be sent.
     fn take(&self) -> (Vec<u64>, Vec<u64>) {
         let mut state = self.lock();
@@ -396,9 +401,20 @@ impl Store {
         versions.sort_unstable();
         versions.dedup();
         let request = keys.to_vec();
-        let leased: Vec<Leased> = inner.block_on(call(&inner.client, ctx, async move |c, ctx| {
-            c.load(ctx, request, wait, writable, versions).await
-        }))?;
+        // Leases dropped since the last call go in the same request (no second request to
+        // serve). Lease ids are never reused, so after a failure they are simply sent again.
+        let release = inner.unsent.take_leases();
+        let sent = release.clone();
+        let answer = inner.block_on(call(&inner.client, ctx, async move |c, ctx| {
+            c.load(ctx, request, wait, writable, versions, sent).await
+        }));
+        let leased: Vec<Leased> = match answer {
+            Ok(leased) => leased,
+            Err(e) => {
+                inner.unsent.push(|state| state.leases.extend(release));
+                return Err(e);
+            }
+        };
         let refuse = |message: String| {
             // Nothing hands these leases out: let go of them now.
             for l in &leased {

@@ -452,6 +452,20 @@ impl Session {
         Session(Arc::new(SessionInner { id, shared, peer: peer.to_string() }))
     }
 
+    /// Lets go of the leases of this session among `leases` (others are left alone).
+    fn release_leases(&self, leases: Vec<u64>) {
+        if leases.is_empty() {
+            return;
+        }
+        let freed: Vec<Place> = {
+            let mut state = self.shared().state();
+            let mine: Vec<u64> =
+                leases.into_iter().filter(|id| state.leases.get(id).is_some_and(|l| l.session == self.0.id)).collect();
+            mine.into_iter().filter_map(|id| state.release(id)).collect()
+        };
+        self.shared().delete(freed);
+    }
+
     fn shared(&self) -> &Shared {
         &self.0.shared
     }
@@ -669,7 +683,9 @@ impl StoreService for Session {
         wait: Option<Duration>,
         writable: bool,
         known: Vec<u64>,
+        release: Vec<u64>,
     ) -> Result<Vec<Leased>, WireError> {
+        self.release_leases(release);
         if keys.is_empty() || keys.len() > MAX_KEYS_PER_LOAD {
             return Err(invalid(&format!("a load names 1 to {MAX_KEYS_PER_LOAD} keys, not {}", keys.len())));
         }
@@ -712,13 +728,7 @@ impl StoreService for Session {
     }
 
     async fn release(self, _: Context, leases: Vec<u64>) -> Result<(), WireError> {
-        let freed: Vec<Place> = {
-            let mut state = self.shared().state();
-            let mine: Vec<u64> =
-                leases.into_iter().filter(|id| state.leases.get(id).is_some_and(|l| l.session == self.0.id)).collect();
-            mine.into_iter().filter_map(|id| state.release(id)).collect()
-        };
-        self.shared().delete(freed);
+        self.release_leases(leases);
         Ok(())
     }
 

@@ -25,12 +25,15 @@ pub trait StoreService {
     async fn abort(allocation: u64) -> Result<(), WireError>;
     /// Leases the entries of `keys` (all of them, or none), waiting until `wait` for those not
     /// there yet (`None`: without end). `known` names versions whose layouts the caller has (a
-    /// version's layout never changes): their [`Leased::layout`] is left out.
+    /// version's layout never changes): their [`Leased::layout`] is left out. `release` lets go
+    /// of leases of this session first, as [`StoreService::release`] does (a client sends the
+    /// leases its dropped values let go of along with its next load, in the same request).
     async fn load(
         keys: Vec<String>,
         wait: Option<Duration>,
         writable: bool,
         known: Vec<u64>,
+        release: Vec<u64>,
     ) -> Result<Vec<Leased>, WireError>;
     /// Lets go of leases of this session.
     async fn release(leases: Vec<u64>) -> Result<(), WireError>;
