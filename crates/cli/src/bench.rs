@@ -91,6 +91,10 @@ pub(crate) enum BenchCommand {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
+        /// Serve the echo the loads are compared with on this endpoint, until stdin closes (the
+        /// benchmark runs itself so, as a process of its own).
+        #[arg(long, hide = true)]
+        echo_server: Option<rpc::Endpoint>,
     },
     /// Sequential write, then read, of one file through the I/O engine (compare with fio).
     Io {
@@ -129,7 +133,10 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         }
         BenchCommand::Make { path, rows } => make(&path, usize::try_from(rows)?),
         BenchCommand::Rpc { transport, iters, json } => crate::bench_rpc::run(transport, usize::try_from(iters)?, json),
-        BenchCommand::Store { size, iters, json } => crate::bench_store::run(size, usize::try_from(iters)?, json),
+        BenchCommand::Store { echo_server: Some(endpoint), .. } => crate::bench_store::serve_echo(&endpoint),
+        BenchCommand::Store { size, iters, json, echo_server: None } => {
+            crate::bench_store::run(size, usize::try_from(iters)?, json)
+        }
         BenchCommand::Io { file, size, bs, qd, direct, json } => {
             io(&file, size, bs, usize::try_from(qd)?, direct, json)
         }

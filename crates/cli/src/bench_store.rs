@@ -1,5 +1,7 @@
-//! `tdict bench store`: what the named store costs, in one run, with the store served by this
-//! process (a temporary runtime directory, shared memory):
+//! `tdict bench store`: what the named store costs, in one run, with the store served as it is
+//! deployed, by a daemon (`tdict store serve --no-fork`, a process of its own, with a temporary
+//! runtime directory, in shared memory), and the echo it is compared with served by a process of
+//! its own too:
 //!
 //! - saving `size` bytes (8 f32 leaves) copied from the heap (`Store::save`), and the same by
 //!   `allocate`, writing every leaf in place, `seal`; for both, the memory used beyond the data
@@ -17,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
 use memmap_tensor::{DType, Layout, Location, Storage, Tensor};
-use rpc::store::{Store, StoreOptions, Wait};
+use rpc::store::{Store, Wait};
 use rpc::{BlockingClient, ClientOptions, Endpoint, ServerOptions};
 use serde_json::json;
 use tarpc::context::Context;
@@ -65,6 +67,7 @@ struct Report {
     echo_p50_us: f64,
     echo_p99_us: f64,
     ops_per_s: f64,
+    daemon_pid: u32,
 }
 
 pub(crate) fn run(size: u64, iters: usize, as_json: bool) -> anyhow::Result<ExitCode> {
@@ -76,8 +79,13 @@ pub(crate) fn run(size: u64, iters: usize, as_json: bool) -> anyhow::Result<Exit
     let dir = tempfile::tempdir()?;
     let run_dir = dir.path().join("run");
     let name = format!("bench-{}", std::process::id());
-    let store =
-        Store::start_with(&name, StoreOptions::default().runtime_dir(&run_dir)).context("starting the store")?;
+    let options = ClientOptions::default().runtime_dir(&run_dir);
+    let mut daemon = Server::spawn(
+        &["store", "serve", "--name", &name, "--no-fork", "--log", &run_dir.join("store.log").to_string_lossy()],
+        &run_dir,
+    )?;
+    let store = Store::connect_with(&name, &options).context("connecting to the store daemon")?;
+    let daemon_pid = store.info().pid;
 
     let (save_copy_s, save_copy_extra_bytes) = save_copy(&store, leaf_elems, size)?;
     let (save_seal_s, seal_extra_bytes) = save_seal(&store, leaf_elems, size)?;
@@ -87,8 +95,11 @@ pub(crate) fn run(size: u64, iters: usize, as_json: bool) -> anyhow::Result<Exit
     store.save("model", &model, None)?;
     let (load, dropped, echo) = load_and_echo(&store, &run_dir, iters)?;
 
-    let options = ClientOptions::default().runtime_dir(&run_dir);
     let ops_per_s = mixed_ops(&name, &options)?;
+    // Stopped cleanly, so that its shared memory goes with it.
+    store.shutdown().context("stopping the store daemon")?;
+    drop(store);
+    daemon.wait()?;
 
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     let report = Report {
@@ -105,9 +116,9 @@ pub(crate) fn run(size: u64, iters: usize, as_json: bool) -> anyhow::Result<Exit
         echo_p50_us: us(echo.0),
         echo_p99_us: us(echo.1),
         ops_per_s,
+        daemon_pid,
     };
     print(&report, as_json)?;
-    drop(store);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -133,6 +144,8 @@ fn print(r: &Report, as_json: bool) -> anyhow::Result<()> {
                 "echo_p50_us": r.echo_p50_us,
                 "echo_p99_us": r.echo_p99_us,
                 "drop_p50_us": r.drop_p50_us,
+                "bench_pid": std::process::id(),
+                "daemon_pid": r.daemon_pid,
                 "load_over_echo": ratio,
                 "ops_per_s": r.ops_per_s,
                 "ops_threads": OPS_THREADS,
@@ -276,10 +289,10 @@ fn load_and_echo(
     iters: usize,
 ) -> anyhow::Result<(Percentiles, Percentiles, Percentiles)> {
     let endpoint: Endpoint = format!("uds:bench-echo-{}", std::process::id()).parse()?;
-    let server = rpc::serve(&endpoint, EchoServer.serve(), ServerOptions::default().runtime_dir(run_dir))
-        .context("starting the echo server")?;
+    let _server = Server::spawn(&["bench", "store", "--echo-server", &endpoint.to_string()], run_dir)?;
     let client: BlockingClient<EchoClient> =
-        BlockingClient::connect(server.endpoint(), &ClientOptions::default().runtime_dir(run_dir))?;
+        BlockingClient::connect(&endpoint, &ClientOptions::default().runtime_dir(run_dir))
+            .context("connecting to the echo server")?;
     let last = format!("layers.{}.bias", LOAD_LAYERS - 1);
     let warmup = (iters / 10).max(10);
     let mut loads = Vec::with_capacity(iters);
@@ -409,4 +422,47 @@ fn kib_field(path: &str, field: &str) -> anyhow::Result<u64> {
         .parse()
         .with_context(|| format!("{path}: `{field}{line}` is not a size in kB"))?;
     Ok(kib * 1024)
+}
+
+/// Serves the echo on `endpoint` until stdin closes (see [`Server`]).
+pub(crate) fn serve_echo(endpoint: &Endpoint) -> anyhow::Result<ExitCode> {
+    let _server = rpc::serve(endpoint, EchoServer.serve(), ServerOptions::default()).context("serving the echo")?;
+    // The benchmark holds our stdin: when it ends (or dies), so do we.
+    std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink())?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A server run as a process of its own (this binary with `args`), killed if the benchmark ends
+/// without stopping it. Its stdin is a pipe the benchmark holds.
+struct Server {
+    child: std::process::Child,
+}
+
+impl Server {
+    fn spawn(args: &[&str], run_dir: &std::path::Path) -> anyhow::Result<Server> {
+        let child = std::process::Command::new(std::env::current_exe()?)
+            .args(args)
+            .env(rpc::RUNTIME_DIR_ENV, run_dir)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting `tdict {}`", args.join(" ")))?;
+        Ok(Server { child })
+    }
+
+    /// Waits for the process to exit by itself.
+    fn wait(&mut self) -> anyhow::Result<()> {
+        let status = self.child.wait()?;
+        ensure!(status.success(), "the store daemon exited with {status}");
+        Ok(())
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
 }

@@ -1230,3 +1230,35 @@ fn bench_rpc_reports_every_figure_over_both_transports() {
     }
     tdict(["bench", "rpc", "--iters", "1"]).expect_code(2);
 }
+
+#[test]
+fn bench_store_json_has_every_key_and_leaves_nothing_behind() {
+    let run = tdict([
+        OsStr::new("bench"),
+        "store".as_ref(),
+        "--size".as_ref(),
+        "4M".as_ref(),
+        "--iters".as_ref(),
+        "20".as_ref(),
+        "--json".as_ref(),
+    ]);
+    run.assert_no_panic();
+    let out = run.json();
+    for key in
+        ["save_copy_s", "save_seal_s", "seal_extra_bytes", "load_p50_us", "load_p99_us", "echo_p50_us", "ops_per_s"]
+    {
+        let value = out[key].as_f64().unwrap_or_else(|| panic!("`{key}` is a number:\n{run}"));
+        assert!(value.is_finite() && value >= 0.0, "{key}:\n{run}");
+    }
+    assert!(out["load_p99_us"].as_f64() >= out["load_p50_us"].as_f64(), "{run}");
+    assert!(out["ops_per_s"].as_f64().unwrap() > 0.0, "{run}");
+    // The daemon was stopped cleanly: none of its shared memory stays.
+    let pid = out["daemon_pid"].as_u64().expect("daemon_pid");
+    let ours = format!("-bench-{}.", out["bench_pid"].as_u64().expect("bench_pid"));
+    let left: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.contains(&ours))
+        .collect();
+    assert!(left.is_empty(), "left by the store daemon (pid {pid}): {left:?}");
+}
