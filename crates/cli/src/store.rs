@@ -2,7 +2,6 @@
 //! list, save, load, remove and stop it from the command line. The store itself is
 //! `rpc::store`; this module parses, daemonizes, waits and prints.
 
-use std::ffi::OsString;
 use std::fs;
 use std::io::{BufRead, BufReader, ErrorKind, IsTerminal, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -452,28 +451,14 @@ impl Drop for PidFile {
     }
 }
 
-/// Writes this process's pid to `path` atomically (a temporary file renamed over it).
+/// Writes this process's pid to `path` atomically (a temporary file beside it, mode 0600,
+/// renamed over it).
 fn write_pid(path: &Path) -> std::io::Result<()> {
-    let mut tmp_name = OsString::from(".");
-    tmp_name.push(path.file_name().unwrap_or_default());
-    tmp_name.push(format!(".{}.tmp", std::process::id()));
-    let tmp = path.with_file_name(tmp_name);
-    let written = (|| {
-        let mut file = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(&tmp)?;
-        writeln!(file, "{}", std::process::id())?;
-        file.sync_all()?;
-        fs::rename(&tmp, path)
-    })();
-    if written.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    written
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut tmp = tempfile::Builder::new().prefix(".tdict-store-pid.").tempfile_in(dir)?;
+    writeln!(tmp, "{}", std::process::id())?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map(drop).map_err(|e| e.error)
 }
 
 /// The pid a pid file names, if it is readable and holds one.

@@ -347,22 +347,9 @@ fn bind(
         Endpoint::Uds(_) => {
             let path = endpoint.socket_path(runtime_dir)?.expect("a Unix socket endpoint has a socket path");
             let lock_path = path.with_extension("lock");
-            let lock = fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .mode(0o600)
-                .custom_flags(nix::libc::O_NOFOLLOW)
-                .open(&lock_path)
-                .map_err(bind_err)?;
-            match lock.try_lock() {
-                Ok(()) => {}
-                Err(fs::TryLockError::WouldBlock) => {
-                    return Err(Error::AlreadyServing { endpoint: endpoint.clone(), lock: lock_path });
-                }
-                Err(fs::TryLockError::Error(source)) => return Err(bind_err(source)),
-            }
+            let Some(lock) = lock_exclusive(&lock_path).map_err(bind_err)? else {
+                return Err(Error::AlreadyServing { endpoint: endpoint.clone(), lock: lock_path });
+            };
             // We hold the lock: a socket file here was left by a server that is gone.
             match fs::symlink_metadata(&path) {
                 Ok(meta) if meta.file_type().is_socket() => {
@@ -384,6 +371,25 @@ fn bind(
             let listener = TcpListener::from_std(std_listener).map_err(bind_err)?;
             Ok((Listener::Tcp(listener), Endpoint::Tcp(local.to_string()), Some(local), None))
         }
+    }
+}
+
+/// Opens (creating it, mode 0600, never through a link) and locks the lock file `path`: the file,
+/// holding the lock until it is closed (by the process's death too), or `None` if a live process
+/// holds it.
+pub(crate) fn lock_exclusive(path: &Path) -> io::Result<Option<fs::File>> {
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(path)?;
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(fs::TryLockError::WouldBlock) => Ok(None),
+        Err(fs::TryLockError::Error(e)) => Err(e),
     }
 }
 

@@ -439,7 +439,7 @@ fn load_deadlines_are_kept() -> TestResult {
 
 /// A folder store whose index cannot be written when a key is replaced or removed, then killed:
 /// the next server serves the key's old value (what the index on disk names), never nothing.
-/// (The index is written through `.store-index.PID.tmp`; a folder in that place makes the
+/// (The index is written through `.store-index.json.PID.tmp`; a folder in that place makes the
 /// write fail.)
 #[test]
 fn a_folder_store_killed_after_a_failed_index_write_serves_the_old_value() -> TestResult {
@@ -453,7 +453,7 @@ fn a_folder_store_killed_after_a_failed_index_write_serves_the_old_value() -> Te
         let store = connect(&sandbox, &name);
         store.save("m", &store_data::mixed_dict("m", 1), None)?;
 
-        let blocker = data.join(format!(".store-index.{pid}.tmp"));
+        let blocker = data.join(format!(".store-index.json.{pid}.tmp"));
         std::fs::create_dir(&blocker)?;
         let result =
             if replace { store.save("m", &store_data::mixed_dict("m", 2), None) } else { store.remove("m").map(drop) };

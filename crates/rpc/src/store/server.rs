@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs;
 use std::io::ErrorKind;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -21,7 +21,7 @@ use super::service::{Allocated, EntryInfo, Leased, Place, StoreInfo, StoreServic
 use super::{StoreOptions, check_key, files, shm_base};
 use crate::endpoint::resolve_runtime_dir;
 use crate::error::{Error, Result};
-use crate::server::{Peer, ServerHandle, serve_per_connection};
+use crate::server::{Peer, ServerHandle, lock_exclusive, serve_per_connection};
 use crate::{Endpoint, NodeId, ServerOptions, WireError};
 
 /// How often entries whose TTL ran out are looked for.
@@ -368,27 +368,9 @@ impl Shared {
             Index { version: INDEX_VERSION, next_version: state.next_version, entries }
         };
         let path = index_path(root);
-        let io_err = |op, source| Error::StoreIo { op, path: path.clone(), source };
-        let tmp = root.join(format!(".store-index.{}.tmp", std::process::id()));
         let text = serde_json::to_vec_pretty(&index)
             .map_err(|e| Error::StoreIndex { path: path.clone(), reason: e.to_string() })?;
-        let written = (|| {
-            let mut file = fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .custom_flags(nix::libc::O_NOFOLLOW)
-                .open(&tmp)?;
-            std::io::Write::write_all(&mut file, &text)?;
-            file.sync_all()?;
-            fs::rename(&tmp, &path)?;
-            fs::File::open(root)?.sync_all()
-        })();
-        if written.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
-        written.map_err(|e| io_err("write", e))
+        replace_file(&path, &text).map_err(|source| Error::StoreIo { op: "write", path, source })
     }
 }
 
@@ -831,21 +813,9 @@ fn shm_room() -> Option<(u64, &'static str)> {
 
 /// Takes the store's lock (held while it is served).
 fn lock_file(path: &Path, name: &str) -> Result<fs::File> {
-    let io_err = |source| Error::StoreIo { op: "lock", path: path.to_owned(), source };
-    let file = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(path)
-        .map_err(io_err)?;
-    match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(fs::TryLockError::WouldBlock) => Err(Error::StoreRunning { name: name.to_owned(), lock: path.to_owned() }),
-        Err(fs::TryLockError::Error(source)) => Err(io_err(source)),
-    }
+    lock_exclusive(path)
+        .map_err(|source| Error::StoreIo { op: "lock", path: path.to_owned(), source })?
+        .ok_or_else(|| Error::StoreRunning { name: name.to_owned(), lock: path.to_owned() })
 }
 
 /// Removes every object a server of `base` made (called with the store's lock held, so none of
@@ -863,6 +833,23 @@ fn reap_shm(base: &str) {
             let _ = Storage::unlink_shm(&object.name);
         }
     }
+}
+
+/// Writes `bytes` to `path` in one step: a temporary file beside it (mode 0600, created new,
+/// named `.NAME.PID.tmp`; writes are serialized), synced, renamed over `path`; then the folder
+/// is synced. After a crash, `path` holds the old bytes or the new ones.
+fn replace_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}.{}", std::process::id()))
+        .rand_bytes(0)
+        .suffix(".tmp")
+        .tempfile_in(dir)?;
+    std::io::Write::write_all(&mut tmp, bytes)?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    fs::File::open(dir)?.sync_all()
 }
 
 fn entries_dir(root: &Path) -> PathBuf {
