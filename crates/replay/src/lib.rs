@@ -1,0 +1,5 @@
+//! Replay buffers on TensorDicts, composed as TorchRL composes them: a storage (memmap folder,
+//! heap or shared memory) that holds the rows, a writer that chooses where new rows go, and a
+//! sampler that chooses which rows a batch reads.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
