@@ -232,3 +232,21 @@ fn leases_dropped_between_loads_never_pile_up() {
     assert_eq!(refcount, 1, "leases released by drops before the last load");
     drop(held);
 }
+
+#[test]
+fn one_folder_is_served_by_one_store_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let first =
+        Store::start_with("folder-a", StoreOptions::default().runtime_dir(dir.path().join("run")).dir(&data)).unwrap();
+    first.save("m", &state_dict(1.0), None).unwrap();
+    // Another store on the same folder would remove what the first wrote: it is refused.
+    let second = Store::start_with("folder-b", StoreOptions::default().runtime_dir(dir.path().join("run")).dir(&data));
+    let err = second.unwrap_err().to_string();
+    assert!(err.contains("another store serves this folder"), "{err}");
+    assert_eq!(first.load("m", Wait::NOW).unwrap().get_tensor("bias").unwrap().to_vec::<f32>().unwrap(), [1.0; 4]);
+    drop(first);
+    let again =
+        Store::start_with("folder-b", StoreOptions::default().runtime_dir(dir.path().join("run")).dir(&data)).unwrap();
+    assert!(again.contains("m").unwrap());
+}

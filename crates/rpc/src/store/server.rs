@@ -44,6 +44,8 @@ pub struct StoreServer {
     expiry: Option<JoinHandle<()>>,
     /// The lock that makes this process the store's only server; released on drop.
     _lock: fs::File,
+    /// With a folder, the lock that makes this store the folder's only server.
+    _dir_lock: Option<fs::File>,
 }
 
 impl std::fmt::Debug for StoreServer {
@@ -147,10 +149,17 @@ impl StoreServer {
             Some(dir) => Backend::Dir { root: dir.clone() },
         };
         let mut state = State { next_version: 1, ..State::default() };
-        match &backend {
-            Backend::Shm { base } => reap_shm(base),
-            Backend::Dir { root } => restore_dir(root, &mut state)?,
-        }
+        let dir_lock = match &backend {
+            Backend::Shm { base } => {
+                reap_shm(base);
+                None
+            }
+            Backend::Dir { root } => {
+                let lock = lock_dir(root)?;
+                restore_dir(root, &mut state)?;
+                Some(lock)
+            }
+        };
         let info = StoreInfo {
             name: name.to_owned(),
             node: NodeId::local(),
@@ -181,7 +190,14 @@ impl StoreServer {
             let shared = Arc::clone(&shared);
             move |peer: &Peer| Session::new(Arc::clone(&shared), peer).serve()
         };
-        let mut server = StoreServer { shared: Arc::clone(&shared), uds: None, tcp: None, expiry: None, _lock: lock };
+        let mut server = StoreServer {
+            shared: Arc::clone(&shared),
+            uds: None,
+            tcp: None,
+            expiry: None,
+            _lock: lock,
+            _dir_lock: dir_lock,
+        };
         server.uds = Some(serve_per_connection(&super::endpoint(name), make.clone(), server_options(true))?);
         if let Some(listen) = &options.listen {
             server.tcp = Some(serve_per_connection(listen, make, server_options(false))?);
@@ -816,6 +832,20 @@ fn lock_file(path: &Path, name: &str) -> Result<fs::File> {
     lock_exclusive(path)
         .map_err(|source| Error::StoreIo { op: "lock", path: path.to_owned(), source })?
         .ok_or_else(|| Error::StoreRunning { name: name.to_owned(), lock: path.to_owned() })
+}
+
+/// Takes the lock of a store folder (`D/store.lock`, held while it is served): two stores
+/// serving one folder would each remove what the other wrote. (`flock` guards processes of one
+/// node; a network filesystem may not pass it on to other nodes.)
+fn lock_dir(root: &Path) -> Result<fs::File> {
+    let io_err = |op, source| Error::StoreIo { op, path: root.to_owned(), source };
+    fs::DirBuilder::new().recursive(true).mode(0o700).create(root).map_err(|e| io_err("create", e))?;
+    let path = root.join("store.lock");
+    lock_exclusive(&path).map_err(|e| io_err("lock", e))?.ok_or_else(|| Error::StoreIo {
+        op: "lock",
+        path,
+        source: std::io::Error::new(std::io::ErrorKind::WouldBlock, "another store serves this folder"),
+    })
 }
 
 /// Removes every object a server of `base` made (called with the store's lock held, so none of
