@@ -107,12 +107,10 @@ impl Rows {
     fn resolve(self, len: usize) -> Result<Vec<usize>> {
         let out_of_range = |index: i64| Error::IndexOutOfRange { index, len };
         match self {
-            Rows::Usize(v) => {
-                match v.iter().find(|&&i| i >= len) {
-                    Some(&i) => Err(out_of_range(i64::try_from(i).unwrap_or(i64::MAX))),
-                    None => Ok(v),
-                }
-            }
+            Rows::Usize(v) => match v.iter().find(|&&i| i >= len) {
+                Some(&i) => Err(out_of_range(i64::try_from(i).unwrap_or(i64::MAX))),
+                None => Ok(v),
+            },
             Rows::Range(r) => {
                 if r.start > r.end || r.end > len {
                     let bad = if r.start > r.end { r.start } else { r.end - 1 };
@@ -208,7 +206,12 @@ impl ReplayBuffer {
 
     /// A buffer over an existing storage whose rows `0..len` are valid (a loaded checkpoint),
     /// with its writer and sampler in their saved state.
-    pub fn from_parts(storage: Storage, len: usize, writer: Box<dyn Writer>, sampler: Box<dyn Sampler>) -> Result<Self> {
+    pub fn from_parts(
+        storage: Storage,
+        len: usize,
+        writer: Box<dyn Writer>,
+        sampler: Box<dyn Sampler>,
+    ) -> Result<Self> {
         let capacity = storage.capacity();
         if len > capacity {
             return Err(Error::IndexOutOfRange { index: i64::try_from(len).unwrap_or(i64::MAX), len: capacity });
@@ -267,7 +270,10 @@ impl ReplayBuffer {
     pub fn extend(&self, batch: &TensorDict) -> Result<Vec<usize>> {
         const OP: &str = "extend";
         let Some(&n) = batch.batch_size().first() else {
-            return Err(Error::BadBatch { op: OP, detail: "the batch has no batch dim (use `add` for one row)".into() });
+            return Err(Error::BadBatch {
+                op: OP,
+                detail: "the batch has no batch dim (use `add` for one row)".into(),
+            });
         };
         if n == 0 {
             return Ok(Vec::new());

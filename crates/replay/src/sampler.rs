@@ -11,10 +11,10 @@
 use std::fmt;
 
 use parking_lot::Mutex;
+use rand::Rng as _;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
-use rand::Rng as _;
 
 use crate::error::{Error, Result};
 
@@ -169,7 +169,9 @@ impl Sampler for WithoutReplacement {
         if self.drop_last && batch > len {
             return Err(Error::Sampler {
                 sampler: self.name(),
-                detail: format!("batch of {batch} rows with drop_last from {len} valid rows: every batch would be dropped"),
+                detail: format!(
+                    "batch of {batch} rows with drop_last from {len} valid rows: every batch would be dropped"
+                ),
             });
         }
         let mut epoch = self.epoch.lock();

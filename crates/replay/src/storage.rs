@@ -255,7 +255,14 @@ impl Storage {
             if t.dtype() != leaf.dtype || t.dims() != want.as_slice() {
                 return Err(mismatch(
                     &leaf.key,
-                    format!("is {} {:?}, a sample of {} rows needs {} {:?}", t.dtype(), t.dims(), rows.len(), leaf.dtype, want),
+                    format!(
+                        "is {} {:?}, a sample of {} rows needs {} {:?}",
+                        t.dtype(),
+                        t.dims(),
+                        rows.len(),
+                        leaf.dtype,
+                        want
+                    ),
                 ));
             }
             if !t.storage().is_writable() {

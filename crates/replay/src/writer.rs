@@ -194,7 +194,8 @@ impl MaxValue {
     fn ranks(&self, batch: &TensorDict) -> Result<Vec<f64>> {
         let n = batch_rows(batch)?;
         let key = self.rank_key.to_string();
-        let t = batch.get_tensor(&self.rank_key).map_err(|e| Error::RankKey { key: key.clone(), detail: e.to_string() })?;
+        let t =
+            batch.get_tensor(&self.rank_key).map_err(|e| Error::RankKey { key: key.clone(), detail: e.to_string() })?;
         let values = to_f64(t).map_err(|detail| Error::RankKey { key: key.clone(), detail })?;
         let per_row = t.dims()[1..].iter().product::<usize>();
         if per_row == 0 {

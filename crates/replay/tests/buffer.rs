@@ -6,9 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use memmap_tensor::{Access, Tensor};
-use replay::{
-    Error, MaxValue, ReplayBuffer, RoundRobin, Sampler, StorageConfig, Uniform, WithoutReplacement, Writer,
-};
+use replay::{Error, MaxValue, ReplayBuffer, RoundRobin, Sampler, StorageConfig, Uniform, WithoutReplacement, Writer};
 use tensordict::{Index, TensorDict};
 
 type R = anyhow::Result<()>;
@@ -150,7 +148,8 @@ fn without_replacement_covers_every_row_once_per_epoch() -> R {
 
 #[test]
 fn max_value_writer_keeps_the_top_rows_like_torchrl() -> R {
-    let buffer = ReplayBuffer::new(StorageConfig::heap(16), Box::new(MaxValue::new("reward")), Box::new(Uniform::new()))?;
+    let buffer =
+        ReplayBuffer::new(StorageConfig::heap(16), Box::new(MaxValue::new("reward")), Box::new(Uniform::new()))?;
     // The fixture offered rows 0..40 with reward (7·i) mod 40.
     let ids: Vec<i64> = (0..40).collect();
     let reward = |i: i64| ((7 * i) % 40) as f32;
@@ -246,7 +245,10 @@ fn sample_into_fills_a_caller_owned_batch() -> R {
         for key in ["obs", "reward"] {
             assert_eq!(f32s(&out, key), f32s(&expect, key));
         }
-        assert_eq!(out.get_tensor(["next", "done"])?.to_vec_bool()?, expect.get_tensor(["next", "done"])?.to_vec_bool()?);
+        assert_eq!(
+            out.get_tensor(["next", "done"])?.to_vec_bool()?,
+            expect.get_tensor(["next", "done"])?.to_vec_bool()?
+        );
     }
     // A batch of the wrong size or schema is refused.
     let mut small = rows(&[0; 4], |_| 0.0)?;
@@ -423,5 +425,54 @@ fn samplers_plug_in_through_the_trait() -> R {
     assert_eq!(info.weights, Some(vec![0.5, 0.5]));
     buffer.update_priority(0..2, &[1.0, 2.0])?;
     assert!(matches!(buffer.update_priority(0..5, &[1.0; 5]), Err(Error::IndexOutOfRange { .. })));
+    Ok(())
+}
+
+/// The environment variable that makes the test below run as the writer process.
+const CHILD_FOLDER: &str = "REPLAY_TEST_KILLED_WRITER_FOLDER";
+
+#[test]
+fn a_killed_writer_leaves_a_len_that_covers_only_whole_rows() -> R {
+    const CAPACITY: usize = 1 << 16;
+    if let Some(folder) = std::env::var_os(CHILD_FOLDER) {
+        // The writer process: rows whose fields all derive from their row number, until killed.
+        let buffer = ReplayBuffer::uniform(StorageConfig::memmap_in(PathBuf::from(folder), CAPACITY))?;
+        let mut next = 0i64;
+        while (next as usize) + 7 <= CAPACITY {
+            buffer.extend(&derived_rows(&(next..next + 7).collect::<Vec<_>>())?)?;
+            next += 7;
+        }
+        loop {
+            std::thread::park();
+        }
+    }
+    let dir = tempfile::tempdir()?;
+    let folder = dir.path().join("rb");
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args(["--exact", "a_killed_writer_leaves_a_len_that_covers_only_whole_rows", "--test-threads", "1"])
+        .env(CHILD_FOLDER, &folder)
+        .stdout(std::process::Stdio::null())
+        .spawn()?;
+    // Wait until the writer has published some rows, then kill it mid-stream.
+    loop {
+        if let Ok(len) = replay::Storage::read_len(&folder)
+            && len >= 2000
+        {
+            break;
+        }
+        if let Some(status) = child.try_wait()? {
+            anyhow::bail!("the writer process ended early: {status}");
+        }
+        std::thread::yield_now();
+    }
+    child.kill()?; // SIGKILL
+    child.wait()?;
+    let len = replay::Storage::read_len(&folder)?;
+    assert!((2000..=CAPACITY).contains(&len));
+    let td = TensorDict::load_memmap(&folder, Access::ReadOnly)?;
+    let valid = td.index(Index::slice(Some(0), Some(len as i64), 1))?;
+    check_whole(&valid);
+    let a = valid.get_tensor("a")?.to_vec::<i64>()?;
+    assert!(a.iter().enumerate().all(|(r, &v)| v == r as i64), "rows below len hold their own data");
     Ok(())
 }
