@@ -1,5 +1,41 @@
 //! Replay buffers on TensorDicts, composed as TorchRL composes them: a storage (memmap folder,
 //! heap or shared memory) that holds the rows, a writer that chooses where new rows go, and a
 //! sampler that chooses which rows a batch reads.
+//!
+//! ```
+//! use memmap_tensor::Tensor;
+//! use replay::{ReplayBuffer, StorageConfig};
+//! use tensordict::TensorDict;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let buffer = ReplayBuffer::uniform(StorageConfig::heap(4))?;
+//! let mut batch = TensorDict::new([6]);
+//! batch.set("obs", Tensor::from_slice(&[0f32, 1., 2., 3., 4., 5.], [6])?)?;
+//! // Six rows into four: the last two wrap around to rows 0 and 1.
+//! assert_eq!(buffer.extend(&batch)?, vec![0, 1, 2, 3, 0, 1]);
+//! assert_eq!(buffer.len(), 4);
+//! let (sample, info) = buffer.sample(3)?;
+//! assert_eq!(sample.batch_size(), &[3]);
+//! assert_eq!(info.indices.len(), 3);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! TorchRL's sources (`torchrl/data/replay_buffers/{storages,writers,samplers,replay_buffers}.py`)
+//! are the reference for the semantics; each module says which TorchRL class it follows.
+//! Rows are dim 0 of every tensor of the storage. How concurrent writes and samples keep rows
+//! whole is described in the docs of [`ReplayBuffer`]'s module, `buffer`.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
+
+pub mod buffer;
+pub mod error;
+pub mod sampler;
+pub mod storage;
+pub mod writer;
+
+pub use buffer::{ReplayBuffer, Rows, SampleInfo};
+pub use error::{Error, Result};
+pub use sampler::{Draw, Sampler, Uniform, WithoutReplacement};
+pub use storage::{Backend, STORAGE_METADATA, Storage, StorageConfig};
+pub use writer::{MaxValue, Reduction, RoundRobin, Writer};

@@ -1,0 +1,530 @@
+//! [`ReplayBuffer`]: a storage, a writer and a sampler behind one `&self` API.
+//!
+//! # No torn rows
+//!
+//! Many threads may extend and sample at once. A row is *visible* (samplers and reads may use
+//! it) when it has been completely written at least once and no write of it is under way. The
+//! buffer keeps, under one short state lock:
+//!
+//! - `in_flight`: for each row being written, the tickets of the writes that reserved it, in
+//!   reservation order;
+//! - `pins`: for each row, how many reads are copying it out;
+//! - `filled` and `len`: which rows were completely written; `len` is the length of the run of
+//!   filled rows from row 0 (the valid rows, TorchRL's `len`).
+//!
+//! A write takes the lock, lets the writer choose its rows, queues its ticket on each of them
+//! (which hides them from new reads) and releases the lock. It then waits until it is first in
+//! the queue of every row it reserved and no read pins them, copies its rows with no buffer
+//! lock held, and finally takes the lock again to leave the queues, mark the rows filled,
+//! advance `len` and tell the sampler (`on_write`). A read takes the lock, has the sampler
+//! draw among rows `0..len`, draws again for any drawn row that is not visible, pins the rows
+//! it keeps and releases the lock; it copies the rows out with no buffer lock held and unpins
+//! them. So a write never copies into a row a read is copying out, and a read never sees a row
+//! a write has started on: every row a read returns is whole.
+//!
+//! Writes reserve all their rows at once, and wait only for earlier tickets and for reads
+//! (which never wait while pinning), so writers cannot deadlock; reads wait only when every
+//! row they drew again is being written.
+//!
+//! For a memmap folder, `storage_metadata.json` is rewritten with the new `len` after the
+//! rows it covers are complete.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
+use tensordict::{Index, TensorDict};
+
+use crate::error::{Error, Result, WithOp};
+use crate::sampler::{Sampler, Uniform};
+use crate::storage::{Storage, StorageConfig};
+use crate::writer::{RoundRobin, Writer};
+
+/// How often a sample draws again for rows being written before it waits for a write to end.
+const REDRAWS_BEFORE_WAIT: usize = 8;
+
+/// What a sample read: the storage rows, and the sampler's importance weights if it has any.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SampleInfo {
+    /// The storage row of each sampled row, in batch order.
+    pub indices: Vec<usize>,
+    /// One weight per sampled row, for samplers that weight their draws.
+    pub weights: Option<Vec<f64>>,
+}
+
+/// Row indices: `usize` slices, vectors and ranges, or `i64` ones where negatives count from
+/// the end of the valid rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rows {
+    /// Non-negative positions.
+    Usize(Vec<usize>),
+    /// Positions that may count from the end.
+    I64(Vec<i64>),
+    /// A range of positions.
+    Range(Range<usize>),
+}
+
+impl From<&[usize]> for Rows {
+    fn from(v: &[usize]) -> Self {
+        Rows::Usize(v.to_vec())
+    }
+}
+impl From<Vec<usize>> for Rows {
+    fn from(v: Vec<usize>) -> Self {
+        Rows::Usize(v)
+    }
+}
+impl From<&[i64]> for Rows {
+    fn from(v: &[i64]) -> Self {
+        Rows::I64(v.to_vec())
+    }
+}
+impl From<Vec<i64>> for Rows {
+    fn from(v: Vec<i64>) -> Self {
+        Rows::I64(v)
+    }
+}
+impl From<Range<usize>> for Rows {
+    fn from(r: Range<usize>) -> Self {
+        Rows::Range(r)
+    }
+}
+impl From<usize> for Rows {
+    fn from(i: usize) -> Self {
+        Rows::Usize(vec![i])
+    }
+}
+impl From<i64> for Rows {
+    fn from(i: i64) -> Self {
+        Rows::I64(vec![i])
+    }
+}
+
+impl Rows {
+    /// The rows as positions in `0..len`, or the first one outside.
+    fn resolve(self, len: usize) -> Result<Vec<usize>> {
+        let out_of_range = |index: i64| Error::IndexOutOfRange { index, len };
+        match self {
+            Rows::Usize(v) => match v.iter().find(|&&i| i >= len) {
+                Some(&i) => Err(out_of_range(i64::try_from(i).unwrap_or(i64::MAX))),
+                None => Ok(v),
+            },
+            Rows::Range(r) => {
+                if r.start > r.end || r.end > len {
+                    let bad = if r.start > r.end { r.start } else { r.end - 1 };
+                    return Err(out_of_range(i64::try_from(bad).unwrap_or(i64::MAX)));
+                }
+                Ok(r.collect())
+            }
+            Rows::I64(v) => v
+                .into_iter()
+                .map(|i| {
+                    let len_i = i64::try_from(len).unwrap_or(i64::MAX);
+                    let j = if i < 0 { i + len_i } else { i };
+                    if (0..len_i).contains(&j) { Ok(j as usize) } else { Err(out_of_range(i)) }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The state the lock guards (see the module docs).
+struct State {
+    writer: Box<dyn Writer>,
+    next_ticket: u64,
+    filled: Vec<bool>,
+    len: usize,
+    in_flight: HashMap<usize, VecDeque<u64>>,
+    pins: Vec<u32>,
+}
+
+impl State {
+    fn visible(&self, row: usize) -> bool {
+        row < self.len && !self.in_flight.contains_key(&row)
+    }
+
+    fn unpin(&mut self, rows: &[usize]) {
+        for &r in rows {
+            self.pins[r] -= 1;
+        }
+    }
+}
+
+/// A replay buffer: rows kept in a [`Storage`], placed by a [`Writer`], drawn by a
+/// [`Sampler`]. `Sync`: every method takes `&self`, and rows are never read half-written
+/// (see the module docs of `buffer.rs`).
+pub struct ReplayBuffer {
+    config: StorageConfig,
+    sampler: Box<dyn Sampler>,
+    storage: OnceLock<Storage>,
+    state: Mutex<State>,
+    changed: Condvar,
+    /// The `len` last recorded in the storage (memmap folders).
+    stored_len: Mutex<usize>,
+}
+
+impl fmt::Debug for ReplayBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReplayBuffer")
+            .field("config", &self.config)
+            .field("sampler", &self.sampler)
+            .field("len", &self.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReplayBuffer {
+    /// A buffer whose storage is created from `config` with the schema of the first batch.
+    pub fn new(config: StorageConfig, writer: Box<dyn Writer>, sampler: Box<dyn Sampler>) -> Result<Self> {
+        if config.capacity == 0 {
+            return Err(Error::ZeroCapacity);
+        }
+        let capacity = config.capacity;
+        Ok(ReplayBuffer {
+            config,
+            sampler,
+            storage: OnceLock::new(),
+            state: Mutex::new(State {
+                writer,
+                next_ticket: 0,
+                filled: vec![false; capacity],
+                len: 0,
+                in_flight: HashMap::new(),
+                pins: vec![0; capacity],
+            }),
+            changed: Condvar::new(),
+            stored_len: Mutex::new(0),
+        })
+    }
+
+    /// A buffer with a round-robin writer and a uniform sampler.
+    pub fn uniform(config: StorageConfig) -> Result<Self> {
+        Self::new(config, Box::new(RoundRobin::new()), Box::new(Uniform::new()))
+    }
+
+    /// A buffer over an existing storage whose rows `0..len` are valid (a loaded checkpoint),
+    /// with its writer and sampler in their saved state.
+    pub fn from_parts(
+        storage: Storage,
+        len: usize,
+        writer: Box<dyn Writer>,
+        sampler: Box<dyn Sampler>,
+    ) -> Result<Self> {
+        let capacity = storage.capacity();
+        if len > capacity {
+            return Err(Error::IndexOutOfRange { index: i64::try_from(len).unwrap_or(i64::MAX), len: capacity });
+        }
+        let config = StorageConfig { backend: crate::storage::Backend::Heap, capacity };
+        let buffer = Self::new(config, writer, sampler)?;
+        {
+            let mut state = buffer.state.lock();
+            state.filled[..len].fill(true);
+            state.len = len;
+        }
+        *buffer.stored_len.lock() = len;
+        let _ = buffer.storage.set(storage);
+        Ok(buffer)
+    }
+
+    /// The number of rows.
+    pub fn capacity(&self) -> usize {
+        self.config.capacity
+    }
+
+    /// The number of valid rows (rows `0..len`, all completely written).
+    pub fn len(&self) -> usize {
+        self.state.lock().len
+    }
+
+    /// Whether no row is valid yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The storage, once the first batch has created it.
+    pub fn storage(&self) -> Option<&Storage> {
+        self.storage.get()
+    }
+
+    /// The sampler.
+    pub fn sampler(&self) -> &dyn Sampler {
+        &*self.sampler
+    }
+
+    /// The writer's cursor and write count.
+    pub fn writer_state(&self) -> (usize, u64) {
+        let state = self.state.lock();
+        (state.writer.cursor(), state.writer.write_count())
+    }
+
+    /// Runs `f` on the writer (to save its state), under the state lock.
+    pub fn with_writer<R>(&self, f: impl FnOnce(&dyn Writer) -> R) -> R {
+        f(&*self.state.lock().writer)
+    }
+
+    /// Writes the rows of `batch` (batch size `[n, ...]`) where the writer puts them and
+    /// returns the storage row of each row written, in batch order (a max-value writer may
+    /// leave rows out). The first batch creates the storage.
+    pub fn extend(&self, batch: &TensorDict) -> Result<Vec<usize>> {
+        const OP: &str = "extend";
+        let Some(&n) = batch.batch_size().first() else {
+            return Err(Error::BadBatch {
+                op: OP,
+                detail: "the batch has no batch dim (use `add` for one row)".into(),
+            });
+        };
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let storage = self.storage_for(batch)?;
+        storage.check_batch(OP, batch)?;
+
+        // Reserve.
+        let mut state = self.state.lock();
+        let chosen = state.writer.reserve(batch, self.config.capacity)?;
+        // Storage row -> the last batch row written there.
+        let mut last: HashMap<usize, usize> = HashMap::new();
+        for (k, row) in chosen.iter().enumerate() {
+            if let Some(row) = row {
+                last.insert(*row, k);
+            }
+        }
+        let mut targets: Vec<(usize, usize)> = last.into_iter().collect();
+        targets.sort_unstable_by_key(|&(_, k)| k);
+        let written: Vec<usize> = chosen.iter().flatten().copied().collect();
+        if targets.is_empty() {
+            return Ok(written);
+        }
+        let rows: Vec<usize> = targets.iter().map(|&(r, _)| r).collect();
+        let ticket = state.next_ticket;
+        state.next_ticket += 1;
+        for &r in &rows {
+            state.in_flight.entry(r).or_default().push_back(ticket);
+        }
+        // Wait for earlier writes of these rows and for reads copying them out.
+        while !rows.iter().all(|r| state.pins[*r] == 0 && state.in_flight[r].front() == Some(&ticket)) {
+            self.changed.wait(&mut state);
+        }
+        drop(state);
+
+        // Copy, with no buffer lock held.
+        let identity = targets.len() == n && targets.iter().enumerate().all(|(i, &(_, k))| i == k);
+        let copied = if identity {
+            storage.write_rows(&rows, batch)
+        } else {
+            let src: Vec<i64> = targets.iter().map(|&(_, k)| k as i64).collect();
+            batch.index(Index::List(src)).op(OP).and_then(|src| storage.write_rows(&rows, &src))
+        };
+
+        // Publish.
+        let mut state = self.state.lock();
+        for r in &rows {
+            let queue = state.in_flight.get_mut(r).expect("a reserved row has a queue");
+            queue.pop_front();
+            if queue.is_empty() {
+                state.in_flight.remove(r);
+            }
+        }
+        match &copied {
+            Ok(()) => {
+                for &r in &rows {
+                    state.filled[r] = true;
+                }
+                let mut len = state.len;
+                while len < self.config.capacity && state.filled[len] {
+                    len += 1;
+                }
+                state.len = len;
+                self.sampler.on_write(&rows);
+            }
+            Err(_) => {
+                // A failed copy may have written part of a row: those rows are no longer valid.
+                for &r in &rows {
+                    state.filled[r] = false;
+                }
+                let first = rows.iter().copied().min().unwrap_or(state.len);
+                state.len = state.len.min(first);
+            }
+        }
+        drop(state);
+        self.changed.notify_all();
+        copied?;
+        self.record_len(storage)?;
+        Ok(written)
+    }
+
+    /// Writes one row (`row` has the batch size of a storage row, `[]` for flat buffers) and
+    /// returns its storage row, or `None` if the writer dropped it.
+    pub fn add(&self, row: &TensorDict) -> Result<Option<usize>> {
+        let batch = row.unsqueeze(0).op("add")?;
+        Ok(self.extend(&batch)?.first().copied())
+    }
+
+    /// Draws `batch_size` rows with the sampler and returns them gathered into a new heap
+    /// dict, with their indices (and weights). A sampler without replacement may return fewer
+    /// rows at the end of an epoch.
+    pub fn sample(&self, batch_size: usize) -> Result<(TensorDict, SampleInfo)> {
+        let storage = self.storage.get().ok_or(Error::Empty)?;
+        let info = self.draw(batch_size)?;
+        let out = self.with_pins(&info.indices, || storage.gather(&info.indices))?;
+        Ok((out, info))
+    }
+
+    /// Like [`ReplayBuffer::sample`], gathering into `out`, a caller-owned dict with the
+    /// storage's keys and dtypes and `batch_size` rows. If the sampler returns fewer rows, the
+    /// first rows of `out` are filled and the info says how many.
+    pub fn sample_into(&self, out: &mut TensorDict, batch_size: usize) -> Result<SampleInfo> {
+        let storage = self.storage.get().ok_or(Error::Empty)?;
+        if out.batch_size().first() != Some(&batch_size) {
+            return Err(Error::OutputMismatch {
+                key: String::new(),
+                detail: format!("batch size {:?} does not start with {batch_size}", out.batch_size()),
+            });
+        }
+        let info = self.draw(batch_size)?;
+        let k = info.indices.len();
+        if k == batch_size {
+            self.with_pins(&info.indices, || storage.gather_into(&info.indices, out))?;
+        } else {
+            let mut head = out.index(Index::slice(Some(0), Some(k as i64), 1)).op("sample_into")?;
+            self.with_pins(&info.indices, || storage.gather_into(&info.indices, &mut head))?;
+        }
+        Ok(info)
+    }
+
+    /// Rows `rows` of the valid rows, gathered into a new heap dict. Rows being written are
+    /// waited for.
+    pub fn get(&self, rows: impl Into<Rows>) -> Result<TensorDict> {
+        let storage = self.storage.get().ok_or(Error::Empty)?;
+        let mut state = self.state.lock();
+        let rows = rows.into().resolve(state.len)?;
+        while !rows.iter().all(|&r| state.visible(r)) {
+            self.changed.wait(&mut state);
+        }
+        for &r in &rows {
+            state.pins[r] += 1;
+        }
+        drop(state);
+        let out = storage.gather(&rows);
+        self.state.lock().unpin(&rows);
+        self.changed.notify_all();
+        out
+    }
+
+    /// The valid rows in storage order, one dict per row (the row's batch size, without dim
+    /// 0). The rows are those valid when the iteration starts.
+    pub fn iter(&self) -> impl Iterator<Item = Result<TensorDict>> + '_ {
+        (0..self.len()).map(move |i| self.get(i).and_then(|td| td.index(Index::Int(0)).op("iter")))
+    }
+
+    /// Sets the priorities of rows `indices` in the sampler (an error for samplers without
+    /// priorities). Indices must be valid rows.
+    pub fn update_priority(&self, indices: impl Into<Rows>, priorities: &[f64]) -> Result<()> {
+        let rows = indices.into().resolve(self.len())?;
+        self.sampler.update_priority(&rows, priorities)
+    }
+
+    /// The storage, created from `batch`'s schema if this is the first batch.
+    fn storage_for(&self, batch: &TensorDict) -> Result<&Storage> {
+        if let Some(s) = self.storage.get() {
+            return Ok(s);
+        }
+        let _state = self.state.lock();
+        if let Some(s) = self.storage.get() {
+            return Ok(s);
+        }
+        let created = Storage::create(&self.config, batch)?;
+        Ok(self.storage.get_or_init(|| created))
+    }
+
+    /// Draws `batch_size` visible rows and pins them (see the module docs).
+    fn draw(&self, batch_size: usize) -> Result<SampleInfo> {
+        if batch_size == 0 {
+            return Err(Error::ZeroBatchSize);
+        }
+        let mut state = self.state.lock();
+        let mut indices = Vec::with_capacity(batch_size);
+        let mut weights: Option<Vec<f64>> = None;
+        let mut rounds = 0;
+        loop {
+            let len = state.len;
+            if len == 0 {
+                return Err(Error::Empty);
+            }
+            let want = batch_size - indices.len();
+            let (drawn, w) = self.sampler.sample(want, len)?;
+            if let Some(&bad) = drawn.iter().find(|&&i| i >= len) {
+                return Err(Error::Sampler {
+                    sampler: self.sampler.name(),
+                    detail: format!("drew row {bad} from {len} valid rows"),
+                });
+            }
+            if w.as_ref().is_some_and(|w| w.len() != drawn.len()) {
+                return Err(Error::Sampler {
+                    sampler: self.sampler.name(),
+                    detail: format!("gave {} weights for {} rows", w.map_or(0, |w| w.len()), drawn.len()),
+                });
+            }
+            if drawn.is_empty() {
+                return Err(Error::Sampler {
+                    sampler: self.sampler.name(),
+                    detail: format!("drew no rows from {len} valid rows"),
+                });
+            }
+            let short = drawn.len() < want;
+            for (j, &i) in drawn.iter().enumerate() {
+                if state.visible(i) {
+                    indices.push(i);
+                    if let Some(w) = &w {
+                        weights.get_or_insert_with(Vec::new).push(w[j]);
+                    }
+                }
+            }
+            if indices.len() == batch_size || (short && !indices.is_empty()) {
+                break;
+            }
+            rounds += 1;
+            if rounds % REDRAWS_BEFORE_WAIT == 0 || short {
+                self.changed.wait(&mut state);
+            }
+        }
+        for &r in &indices {
+            state.pins[r] += 1;
+        }
+        Ok(SampleInfo { indices, weights })
+    }
+
+    /// Runs `copy` (which reads the pinned `rows`), then unpins them.
+    fn with_pins<R>(&self, rows: &[usize], copy: impl FnOnce() -> Result<R>) -> Result<R> {
+        struct Unpin<'a>(&'a ReplayBuffer, &'a [usize]);
+        impl Drop for Unpin<'_> {
+            fn drop(&mut self) {
+                let mut state: MutexGuard<'_, State> = self.0.state.lock();
+                state.unpin(self.1);
+                drop(state);
+                self.0.changed.notify_all();
+            }
+        }
+        let _unpin = Unpin(self, rows);
+        copy()
+    }
+
+    /// Records the current `len` in the storage if it changed.
+    fn record_len(&self, storage: &Storage) -> Result<()> {
+        let mut stored = self.stored_len.lock();
+        let len = self.state.lock().len;
+        if *stored != len {
+            storage.store_len(len)?;
+            *stored = len;
+        }
+        Ok(())
+    }
+}
+
+// The buffer is shared between threads by reference.
+const _: fn() = || {
+    fn sync<T: Send + Sync>() {}
+    sync::<ReplayBuffer>();
+};

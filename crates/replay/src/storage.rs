@@ -1,0 +1,343 @@
+//! Where the rows live: a memmap folder (temporary or named), the heap, or shared memory.
+//!
+//! A [`Storage`] is made from the first batch a buffer receives: every tensor keeps its dtype
+//! and its dims after the first, and dim 0 becomes the capacity (TorchRL's `LazyTensorStorage`
+//! and `LazyMemmapStorage` do the same). Non-tensor values of that batch are kept as they are.
+//!
+//! A memmap folder is a tensordict folder of the full capacity (readable by
+//! [`TensorDict::load_memmap`] here and by Python's `TensorDict.load_memmap`) plus TorchRL's
+//! `storage_metadata.json`, `{"metadata": {}, "is_pytree": false, "len": N}`, which says how
+//! many rows, from row 0, are completely written. The file is replaced atomically (a
+//! temporary file renamed over it) each time that number changes, and only after those rows'
+//! bytes are in the mapping, so another process that reads `len` and then the rows sees whole
+//! rows.
+
+use std::fs;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use memmap_tensor::DType;
+use tensordict::{Index, KeyPath, TensorDict, WriteOptions};
+
+use crate::error::{Error, Result, WithOp};
+
+/// The name of TorchRL's storage metadata file inside a memmap storage folder.
+pub const STORAGE_METADATA: &str = "storage_metadata.json";
+
+/// Where a buffer's storage is created.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Backend {
+    /// A tensordict memmap folder. `folder: None` makes a temporary folder that is removed
+    /// when the buffer is dropped; a named folder must be missing or empty unless `overwrite`.
+    Memmap {
+        /// The folder, or `None` for a temporary one.
+        folder: Option<PathBuf>,
+        /// Replace a dict already in `folder`.
+        overwrite: bool,
+    },
+    /// Private heap memory.
+    Heap,
+    /// POSIX shared memory under this prefix ([`TensorDict::share_memory`]); another process
+    /// opens it with [`TensorDict::open_shared`]. The objects are unlinked when the buffer that
+    /// created them is dropped.
+    Shared {
+        /// The shared-memory prefix.
+        prefix: String,
+    },
+}
+
+/// A storage's backend and capacity, before the first batch gives it a schema.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StorageConfig {
+    /// Where the rows go.
+    pub backend: Backend,
+    /// The number of rows.
+    pub capacity: usize,
+}
+
+impl StorageConfig {
+    /// A memmap storage in a temporary folder (the default).
+    pub fn memmap(capacity: usize) -> Self {
+        StorageConfig { backend: Backend::Memmap { folder: None, overwrite: false }, capacity }
+    }
+
+    /// A memmap storage in `folder`, which must be missing or empty.
+    pub fn memmap_in(folder: impl Into<PathBuf>, capacity: usize) -> Self {
+        StorageConfig { backend: Backend::Memmap { folder: Some(folder.into()), overwrite: false }, capacity }
+    }
+
+    /// A memmap storage in `folder`, replacing a tensordict folder already there.
+    pub fn memmap_overwrite(folder: impl Into<PathBuf>, capacity: usize) -> Self {
+        StorageConfig { backend: Backend::Memmap { folder: Some(folder.into()), overwrite: true }, capacity }
+    }
+
+    /// A heap storage.
+    pub fn heap(capacity: usize) -> Self {
+        StorageConfig { backend: Backend::Heap, capacity }
+    }
+
+    /// A shared-memory storage under `prefix`.
+    pub fn shared(prefix: impl Into<String>, capacity: usize) -> Self {
+        StorageConfig { backend: Backend::Shared { prefix: prefix.into() }, capacity }
+    }
+}
+
+/// One tensor of the row schema: its key, dtype and dims after dim 0.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Leaf {
+    key: KeyPath,
+    dtype: DType,
+    row_dims: Vec<usize>,
+}
+
+/// The rows of a buffer: a [`TensorDict`] of batch size `[capacity, ...]`.
+///
+/// Row writes and gathers take `&self`: tensors share their storage between clones, and each
+/// tensor's storage serialises its own writes and reads. Keeping rows whole across tensors is
+/// the buffer's job (see `buffer.rs`).
+pub struct Storage {
+    td: TensorDict,
+    capacity: usize,
+    leaves: Vec<Leaf>,
+    folder: Option<PathBuf>,
+    shm_prefix: Option<String>,
+    // Removed on drop, after `td` (fields drop in order), so the mappings go first.
+    _temp: Option<tempfile::TempDir>,
+}
+
+impl std::fmt::Debug for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Storage")
+            .field("capacity", &self.capacity)
+            .field("folder", &self.folder)
+            .field("shm_prefix", &self.shm_prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Storage {
+    /// Creates the storage for `config` with the schema of `batch` (batch size `[n, ...]`,
+    /// `n >= 1`).
+    pub fn create(config: &StorageConfig, batch: &TensorDict) -> Result<Storage> {
+        const OP: &str = "create storage";
+        if config.capacity == 0 {
+            return Err(Error::ZeroCapacity);
+        }
+        if batch.batch_dims() == 0 || batch.batch_size()[0] == 0 {
+            return Err(Error::BadBatch {
+                op: OP,
+                detail: format!("the first batch has batch size {:?}; it needs a non-empty dim 0", batch.batch_size()),
+            });
+        }
+        let capacity = config.capacity;
+        let (td, folder, shm_prefix, temp) = match &config.backend {
+            Backend::Memmap { folder, overwrite } => {
+                let (temp, prefix) = match folder {
+                    Some(folder) => {
+                        if !overwrite && folder_has_entries(folder)? {
+                            return Err(Error::FolderNotEmpty { path: folder.clone() });
+                        }
+                        (None, folder.clone())
+                    }
+                    None => {
+                        let temp = tempfile::Builder::new()
+                            .prefix("replay-")
+                            .tempdir()
+                            .map_err(|source| Error::Io { path: std::env::temp_dir(), source })?;
+                        let prefix = temp.path().join("storage");
+                        (Some(temp), prefix)
+                    }
+                };
+                let options = WriteOptions::default().overwrite(*overwrite);
+                let td = batch.memmap_like_with(&prefix, Some(capacity), &options).op(OP)?;
+                (td, Some(prefix), None, temp)
+            }
+            Backend::Heap => (heap_like(batch, capacity)?, None, None, None),
+            Backend::Shared { prefix } => {
+                let td = heap_like(batch, capacity)?.share_memory(prefix).op(OP)?;
+                (td, None, Some(prefix.clone()), None)
+            }
+        };
+        let leaves = td
+            .leaves()
+            .into_iter()
+            .map(|(key, t)| Leaf { key, dtype: t.dtype(), row_dims: t.dims()[1..].to_vec() })
+            .collect();
+        let storage = Storage { td, capacity, leaves, folder, shm_prefix, _temp: temp };
+        storage.store_len(0)?;
+        Ok(storage)
+    }
+
+    /// The number of rows.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The dict of all `capacity` rows, valid or not (a clone shares the storage).
+    pub fn tensordict(&self) -> &TensorDict {
+        &self.td
+    }
+
+    /// The memmap folder, if the storage is one.
+    pub fn folder(&self) -> Option<&Path> {
+        self.folder.as_deref()
+    }
+
+    /// The shared-memory prefix, if the storage is shared memory.
+    pub fn shm_prefix(&self) -> Option<&str> {
+        self.shm_prefix.as_deref()
+    }
+
+    /// Checks that `batch` (batch size `[n, ...]`) has exactly the storage's tensors, with the
+    /// same dtypes and row shapes. Run before anything is reserved or written.
+    pub fn check_batch(&self, op: &'static str, batch: &TensorDict) -> Result<()> {
+        let storage_batch = &self.td.batch_size()[1..];
+        if batch.batch_dims() == 0 || &batch.batch_size()[1..] != storage_batch {
+            return Err(Error::SchemaMismatch {
+                op,
+                detail: format!(
+                    "batch size {:?}, the storage's rows need [n, {}]",
+                    batch.batch_size(),
+                    storage_batch.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+                ),
+            });
+        }
+        let offered = batch.leaves();
+        if offered.len() != self.leaves.len() {
+            let have: Vec<String> = offered.iter().map(|(k, _)| k.to_string()).collect();
+            let want: Vec<String> = self.leaves.iter().map(|l| l.key.to_string()).collect();
+            return Err(Error::SchemaMismatch { op, detail: format!("keys {have:?}, the storage holds {want:?}") });
+        }
+        for leaf in &self.leaves {
+            let t = batch.get_tensor(&leaf.key).map_err(|_| Error::SchemaMismatch {
+                op,
+                detail: format!("key `{}` is missing (or not a tensor)", leaf.key),
+            })?;
+            if t.dtype() != leaf.dtype || t.dims()[1..] != leaf.row_dims[..] {
+                return Err(Error::SchemaMismatch {
+                    op,
+                    detail: format!(
+                        "key `{}` is {} {:?}, the storage's rows are {} {:?}",
+                        leaf.key,
+                        t.dtype(),
+                        &t.dims()[1..],
+                        leaf.dtype,
+                        leaf.row_dims
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes row `k` of `src` to row `rows[k]`, for every `k` (rows must be distinct and
+    /// below the capacity; `src` must have passed [`Storage::check_batch`]).
+    pub fn write_rows(&self, rows: &[usize], src: &TensorDict) -> Result<()> {
+        let mut td = self.td.clone();
+        td.set_at(Index::List(to_i64(rows)), src).op("write rows")
+    }
+
+    /// Rows `rows` gathered into a new heap dict of batch size `[rows.len(), ...]`.
+    pub fn gather(&self, rows: &[usize]) -> Result<TensorDict> {
+        self.td.index(Index::List(to_i64(rows))).op("gather rows")
+    }
+
+    /// Rows `rows` gathered into `out`, whose tensors must have the storage's keys and dtypes
+    /// and shapes `[rows.len(), row dims...]`.
+    pub fn gather_into(&self, rows: &[usize], out: &mut TensorDict) -> Result<()> {
+        let mismatch = |key: &KeyPath, detail: String| Error::OutputMismatch { key: key.to_string(), detail };
+        // Check everything first, so a mismatch leaves `out` untouched.
+        for leaf in &self.leaves {
+            let t = out.get_tensor(&leaf.key).map_err(|_| mismatch(&leaf.key, "missing (or not a tensor)".into()))?;
+            let mut want = vec![rows.len()];
+            want.extend_from_slice(&leaf.row_dims);
+            if t.dtype() != leaf.dtype || t.dims() != want.as_slice() {
+                return Err(mismatch(
+                    &leaf.key,
+                    format!(
+                        "is {} {:?}, a sample of {} rows needs {} {:?}",
+                        t.dtype(),
+                        t.dims(),
+                        rows.len(),
+                        leaf.dtype,
+                        want
+                    ),
+                ));
+            }
+            if !t.storage().is_writable() {
+                return Err(mismatch(&leaf.key, "is read-only".into()));
+            }
+        }
+        let indices = to_i64(rows);
+        for leaf in &self.leaves {
+            let src = self.td.get_tensor(&leaf.key).op("gather rows")?;
+            let dst = out.get_tensor_mut(&leaf.key).op("gather rows")?;
+            src.gather_rows_into(&indices, dst)
+                .map_err(|source| Error::TensorDict { op: "gather rows", source: tensor_error(&leaf.key, source) })?;
+        }
+        Ok(())
+    }
+
+    /// Records that rows `0..len` are valid: rewrites `storage_metadata.json` of a memmap
+    /// folder (atomically); nothing for other backends.
+    pub fn store_len(&self, len: usize) -> Result<()> {
+        let Some(folder) = &self.folder else { return Ok(()) };
+        let path = folder.join(STORAGE_METADATA);
+        let io = |source| Error::Io { path: path.clone(), source };
+        let mut file = tempfile::Builder::new().prefix(".storage_metadata.").tempfile_in(folder).map_err(io)?;
+        let body = serde_json::json!({"metadata": {}, "is_pytree": false, "len": len});
+        file.write_all(body.to_string().as_bytes()).map_err(io)?;
+        file.persist(&path).map_err(|e| io(e.error))?;
+        Ok(())
+    }
+
+    /// The `len` recorded in the `storage_metadata.json` of a storage folder.
+    pub fn read_len(folder: impl AsRef<Path>) -> Result<usize> {
+        let path = folder.as_ref().join(STORAGE_METADATA);
+        let bytes = fs::read(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+        let invalid = |detail: String| Error::Io {
+            path: path.clone(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, detail),
+        };
+        let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| invalid(e.to_string()))?;
+        value
+            .get("len")
+            .and_then(serde_json::Value::as_u64)
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| invalid("no non-negative integer `len`".into()))
+    }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if let Some(prefix) = &self.shm_prefix {
+            // The objects were made by this storage; a failure leaves them for `tdict` to list.
+            let _ = TensorDict::unlink_shared(prefix);
+        }
+    }
+}
+
+/// Whether `folder` exists and holds anything.
+fn folder_has_entries(folder: &Path) -> Result<bool> {
+    match fs::read_dir(folder) {
+        Ok(mut entries) => Ok(entries.next().is_some()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(source) => Err(Error::Io { path: folder.to_path_buf(), source }),
+    }
+}
+
+/// A heap dict with `batch`'s schema and `capacity` rows (every row a copy of row 0).
+fn heap_like(batch: &TensorDict, capacity: usize) -> Result<TensorDict> {
+    batch.index(Index::List(vec![0; capacity])).op("create storage")
+}
+
+/// Row numbers as tensordict indices.
+pub(crate) fn to_i64(rows: &[usize]) -> Vec<i64> {
+    rows.iter().map(|&r| i64::try_from(r).unwrap_or(i64::MAX)).collect()
+}
+
+/// A tensor error as a tensordict error naming its key.
+fn tensor_error(key: &KeyPath, source: memmap_tensor::Error) -> tensordict::Error {
+    tensordict::Error::Tensor { key: key.clone(), source }
+}
