@@ -3,3 +3,5 @@
 //! sampler that chooses which rows a batch reads.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
+
+pub mod checkpoint;
