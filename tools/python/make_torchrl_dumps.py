@@ -46,14 +46,15 @@ def rows(start, stop, reward=None):
     )
 
 
-def build(name, scratch):
-    """The buffer named `name`, filled, and the extra fields of its expected.json."""
+def build(name, scratch, fill=True):
+    """The buffer named `name`, filled unless `fill` is false, and the extra fields of its
+    expected.json (only meaningful when filled)."""
     extra = {}
     if name == "uniform_wrapped":
         rb = TensorDictReplayBuffer(
             storage=LazyMemmapStorage(64, scratch_dir=scratch), sampler=RandomSampler(), batch_size=16
         )
-        for start in range(0, 150, 10):
+        for start in range(0, 150 if fill else 0, 10):
             rb.extend(rows(start, start + 10))
         extra["sampler"] = "RandomSampler"
         chosen = [0, 21, 22, 63]
@@ -67,17 +68,21 @@ def build(name, scratch):
         )
         data = rows(0, 20)
         data["td_error"] = torch.linspace(0.5, 2.0, 20)
-        rb.extend(data)
-        rb.update_priority(torch.tensor([0, 5, 19]), torch.tensor([3.0, 0.25, 7.5]))
+        if fill:
+            rb.extend(data)
+            rb.update_priority(torch.tensor([0, 5, 19]), torch.tensor([3.0, 0.25, 7.5]))
         extra.update(
             sampler="PrioritizedSampler",
             alpha=sampler._alpha,
             beta=sampler._beta,
             eps=sampler._eps,
-            max_priority=float(sampler._max_priority[0]),
-            sum_tree={str(k): sampler._sum_tree[k] for k in (0, 1, 5, 19)},
-            sum_tree_total=sampler._sum_tree.query(0, 32),
         )
+        if fill:
+            extra.update(
+                max_priority=float(sampler._max_priority[0]),
+                sum_tree={str(k): sampler._sum_tree[k] for k in (0, 1, 5, 19)},
+                sum_tree_total=sampler._sum_tree.query(0, 32),
+            )
         chosen = [0, 5, 19]
     elif name == "slices":
         rb = TensorDictReplayBuffer(
@@ -85,7 +90,7 @@ def build(name, scratch):
             sampler=SliceSampler(num_slices=4, traj_key="episode"),
             batch_size=32,
         )
-        for start in range(0, 100, 10):
+        for start in range(0, 100 if fill else 0, 10):
             rb.extend(rows(start, start + 10))
         extra.update(sampler="SliceSampler", num_slices=4, traj_key="episode")
         chosen = [0, 9, 10, 99]
@@ -96,9 +101,13 @@ def build(name, scratch):
             batch_size=4,
         )
         data = rows(0, 40, reward=lambda i: ((7 * i) % 40).float())
-        rb.extend(data)
+        if fill:
+            rb.extend(data)
         extra.update(writer="TensorDictMaxValueWriter", rank_key="reward")
-        extra["kept_rewards_sorted"] = sorted(rb._storage._storage["reward"][: len(rb)].tolist())
+        if fill:
+            extra["kept_rewards_sorted"] = sorted(
+                rb._storage._storage["reward"][: len(rb)].tolist()
+            )
         chosen = None
     else:
         raise ValueError(name)
@@ -147,8 +156,8 @@ def main():
             if not (args.out / name).exists():
                 continue
             scratch = args.out / f".{name}.scratch"
-            rb, extra, chosen = build(name, str(scratch))
-            rb.empty()
+            rb, _, chosen = build(name, str(scratch), fill=False)
+            assert len(rb) == 0
             rb.loads(args.out / name)
             got = report(name, rb, {}, chosen)
             sampler = rb._sampler
