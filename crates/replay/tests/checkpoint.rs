@@ -344,3 +344,70 @@ fn write_refuses_a_non_empty_destination_and_fills_an_empty_one() {
     dump.write(&out).unwrap();
     assert_eq!(Dump::read(&out).unwrap().storage.len, 100);
 }
+
+/// Set in the child process of the crash test: the folder it writes dumps into.
+const CHILD_ENV: &str = "REPLAY_CHECKPOINT_CRASH_DIR";
+
+/// The child of `a_killed_write_leaves_no_partial_dump`: writes the prioritized fixture to
+/// `out-0`, `out-1`, ... until it is killed. Without the variable (a normal test run) it
+/// checks that one such write works.
+#[test]
+fn crash_child_writes_dumps_until_killed() {
+    let dump = Dump::read(fixtures().join("prioritized")).unwrap();
+    let Some(dir) = std::env::var_os(CHILD_ENV) else {
+        let dir = tempfile::tempdir().unwrap();
+        dump.write(dir.path().join("out-0")).unwrap();
+        assert_eq!(files(&dir.path().join("out-0")), files(&fixtures().join("prioritized")));
+        return;
+    };
+    for i in 0.. {
+        dump.write(Path::new(&dir).join(format!("out-{i}"))).unwrap();
+    }
+}
+
+#[test]
+fn a_killed_write_leaves_no_partial_dump() {
+    let want = files(&fixtures().join("prioritized"));
+    for round in 0..4 {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "crash_child_writes_dumps_until_killed", "--test-threads", "1"])
+            .env(CHILD_ENV, dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        // Kill it while a write is under way: once `round` dumps are complete and the next one
+        // is being built (or, should no hidden folder ever show, after a while of looking).
+        let mut looked = 0u32;
+        loop {
+            let names: Vec<String> = fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            let done = names.iter().filter(|n| n.starts_with("out-")).count();
+            if done >= round {
+                looked += 1;
+                if names.iter().any(|n| n.starts_with('.')) || looked > 100_000 {
+                    break;
+                }
+            }
+            assert!(child.try_wait().unwrap().is_none(), "the child stopped by itself");
+            std::thread::yield_now();
+        }
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        let mut complete = 0;
+        for entry in fs::read_dir(dir.path()).unwrap() {
+            let entry = entry.unwrap();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') {
+                continue; // a folder being built when the process died: never at a dump's name
+            }
+            assert_eq!(files(&entry.path()), want, "round {round}: {name} is not a complete dump");
+            Dump::read(entry.path()).unwrap();
+            complete += 1;
+        }
+        assert!(complete >= round, "round {round}: {complete} dumps");
+    }
+}
