@@ -411,3 +411,27 @@ fn a_killed_write_leaves_no_partial_dump() {
         assert!(complete >= round, "round {round}: {complete} dumps");
     }
 }
+
+#[test]
+fn a_without_replacement_sampler_state_round_trips() {
+    use memmap_tensor::Tensor;
+    // The state dict TorchRL's SamplerWithoutReplacement memmaps: scalars and the pending list.
+    let mut state = TensorDict::new(Vec::<usize>::new());
+    state.set("len_storage", Tensor::from_slice(&[64i64], Vec::<usize>::new()).unwrap()).unwrap();
+    state.set("_sample_list", Tensor::from_slice(&[9i64, 2, 5, 8], [4]).unwrap()).unwrap();
+    state.set("drop_last", Tensor::from_bools(&[false], Vec::<usize>::new()).unwrap()).unwrap();
+    state.set("_ran_out", Tensor::from_bools(&[true], Vec::<usize>::new()).unwrap()).unwrap();
+    let mut dump = Dump::read(fixtures().join("uniform_wrapped")).unwrap();
+    dump.sampler = SamplerDump::WithoutReplacement(state);
+    let dir = tempfile::tempdir().unwrap();
+    dump.write(dir.path().join("d")).unwrap();
+    let back = Dump::read(dir.path().join("d")).unwrap();
+    let SamplerDump::WithoutReplacement(state) = &back.sampler else { panic!("{:?}", back.sampler) };
+    assert_eq!(state.get_tensor("len_storage").unwrap().to_vec::<i64>().unwrap(), [64]);
+    assert_eq!(state.get_tensor("_sample_list").unwrap().to_vec::<i64>().unwrap(), [9, 2, 5, 8]);
+    assert_eq!(state.get_tensor("drop_last").unwrap().to_vec_bool().unwrap(), [false]);
+    assert_eq!(state.get_tensor("_ran_out").unwrap().to_vec_bool().unwrap(), [true]);
+    // The rest of the dump is untouched by the sampler's kind.
+    assert_eq!(back.storage.len, 64);
+    assert_eq!(back.writer, dump.writer);
+}
