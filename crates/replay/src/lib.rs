@@ -29,6 +29,7 @@
 #![deny(missing_docs)]
 
 pub mod buffer;
+pub mod checkpoint;
 pub mod error;
 pub mod sampler;
 pub mod storage;

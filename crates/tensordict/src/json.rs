@@ -76,7 +76,7 @@ fn non_finite_token(value: &Value) -> Option<&'static str> {
 /// Parses JSON text as Python's `json.loads` does: standard JSON plus the bare tokens `NaN`,
 /// `Infinity` and `-Infinity`, which become non-finite floats' objects. Nesting deeper than
 /// serde_json's limit (128 levels) is an error, not a stack overflow.
-pub(crate) fn parse(text: &[u8]) -> serde_json::Result<Value> {
+pub fn parse(text: &[u8]) -> serde_json::Result<Value> {
     let mut value = serde_json::from_slice(&rewrite_non_finite(text))?;
     // A float literal too large for f64 is infinite to Python: hold it as such, so that reading
     // what we write gives the same value.
@@ -153,7 +153,7 @@ impl Strings {
 }
 
 /// `value` serialised like Python's `json.dumps(value)`.
-pub(crate) fn to_python_json(value: &Value) -> Vec<u8> {
+pub fn to_python_json(value: &Value) -> Vec<u8> {
     let mut out = Vec::new();
     write_value(&mut out, value, b", ", b": ");
     out

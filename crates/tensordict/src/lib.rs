@@ -51,7 +51,7 @@ pub use direct::ReadMode;
 pub use error::{Error, Result};
 pub use format::{FORMAT_VERSION, MAX_DEPTH, MAX_META_BYTES, WriteOptions};
 pub use index::Index;
-pub use json::{NON_FINITE_KEY, json_as_f64, json_float};
+pub use json::{NON_FINITE_KEY, json_as_f64, json_float, parse as parse_python_json, to_python_json};
 pub use key::KeyPath;
 pub use process::ProcessState;
 pub use replace::Leftover;
