@@ -3,3 +3,9 @@
 //! sampler that chooses which rows a batch reads.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
+
+mod prioritized;
+mod tree;
+
+pub use prioritized::{MaxPriority, PrioritizedParts, PrioritizedState, SAMPLER_SCHEMA_VERSION, SamplerMetadata};
+pub use tree::{MinTree, PriorityError, PriorityResult, SumTree};
