@@ -195,10 +195,11 @@ impl PrioritizedState {
         &self.min_tree
     }
 
-    /// The tree value for raw priority `p`: `(p + eps)^alpha` in `f32`, as TorchRL computes it
-    /// on a float32 priority tensor.
+    /// The tree value for raw priority `p`: `(p + eps)^alpha` as TorchRL computes it on a
+    /// float32 priority tensor: the sum in `f32`, the power correctly rounded to `f32` (done in
+    /// `f64` here; `f32::powf` is off by one ulp on some inputs where PyTorch is not).
     pub fn tree_value(&self, priority: f32) -> f32 {
-        (priority + self.eps as f32).powf(self.alpha as f32)
+        f64::from(priority + self.eps as f32).powf(self.alpha) as f32
     }
 
     /// Rows `indices` were (over)written: they get the default priority (TorchRL's
@@ -207,12 +208,8 @@ impl PrioritizedState {
         if let Some(&bad) = indices.iter().find(|&&i| i >= self.capacity()) {
             return Err(PriorityError::IndexOutOfRange { index: bad, capacity: self.capacity() });
         }
-        if self.max_priority_within_buffer {
-            if let Some(max) = self.max_priority {
-                if indices.contains(&max.index) {
-                    self.max_priority = None;
-                }
-            }
+        if self.max_priority_within_buffer && self.max_priority.is_some_and(|m| indices.contains(&m.index)) {
+            self.max_priority = None;
         }
         let default = self.default_priority();
         self.update_priority(indices, &[default])
@@ -262,12 +259,8 @@ impl PrioritizedState {
         let values: Vec<f32> = (0..indices.len()).map(|k| self.tree_value(priority_of(k))).collect();
         self.sum_tree.set_many(indices, &values)?;
         self.min_tree.set_many(indices, &values)?;
-        if self.max_priority_within_buffer && self.alpha != 0.0 {
-            if let Some(tracked) = tracked {
-                if indices.contains(&tracked) {
-                    self.recompute_max_priority_from_tree();
-                }
-            }
+        if self.max_priority_within_buffer && self.alpha != 0.0 && tracked.is_some_and(|t| indices.contains(&t)) {
+            self.recompute_max_priority_from_tree();
         }
         Ok(())
     }

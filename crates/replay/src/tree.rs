@@ -222,7 +222,7 @@ impl SumTree {
             }
             if hi & 1 == 1 {
                 hi -= 1;
-                right = self.nodes[hi] + right;
+                right += self.nodes[hi];
             }
             lo >>= 1;
             hi >>= 1;
