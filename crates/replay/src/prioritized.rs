@@ -153,6 +153,37 @@ impl PrioritizedState {
         self.alpha
     }
 
+    /// Sets the priority exponent (annealed during training) and rewrites every written row's
+    /// tree value from `(p + eps)^old` to `(p + eps)^alpha` in one O(n) pass, as TorchRL's
+    /// `alpha` setter does. From `alpha = 0` the raw priorities cannot be recovered (every
+    /// written row holds 1): the tree keeps its values until rows are updated again.
+    pub fn set_alpha(&mut self, alpha: f64) -> PriorityResult<()> {
+        check_param("alpha", alpha)?;
+        let old = self.alpha;
+        self.alpha = alpha;
+        if old == alpha || old == 0.0 {
+            return Ok(());
+        }
+        let mut rows = Vec::new();
+        let mut values = Vec::new();
+        for (row, &v) in self.sum_tree.leaves().iter().enumerate() {
+            // Rows never written hold 0; written rows hold (p + eps)^old > 0.
+            if v > 0.0 {
+                let raw = (f64::from(v).powf(1.0 / old) - self.eps).max(0.0);
+                let value = (raw + self.eps).powf(alpha) as f32;
+                if !value.is_finite() {
+                    self.alpha = old;
+                    return Err(PriorityError::InvalidPriority { index: row, value: f64::from(value) });
+                }
+                rows.push(row);
+                values.push(value);
+            }
+        }
+        self.sum_tree.set_many(&rows, &values)?;
+        self.min_tree.set_many(&rows, &values)?;
+        Ok(())
+    }
+
     /// Importance-weight exponent.
     pub fn beta(&self) -> f64 {
         self.beta
@@ -320,9 +351,10 @@ impl PrioritizedState {
         Ok((indices, weights))
     }
 
-    /// Importance weight of tree value `p` given the smallest tree value `p_min`.
+    /// Importance weight `(p / p_min)^(-beta)` of tree value `p` given the smallest tree value
+    /// `p_min`, rounded as TorchRL's float32 tensors round it: the ratio in `f32`, then the power.
     pub fn weight(&self, p: f32, p_min: f32) -> f32 {
-        (f64::from(p) / f64::from(p_min)).powf(-self.beta) as f32
+        f64::from(p / p_min).powf(-self.beta) as f32
     }
 
     /// The dump's contents: metadata as TorchRL writes it and both trees' leaves.

@@ -493,3 +493,25 @@ fn metadata_without_max_priority_or_schema_version_loads() {
     assert_eq!(state.default_priority(), 1.0);
     assert_eq!(state.to_parts().metadata.max_priority, [None, None]);
 }
+
+#[test]
+fn set_alpha_rewrites_tree_values_from_raw_priorities() {
+    let mut state = PrioritizedState::new(4, 0.5, 0.4, 0.0).unwrap();
+    state.update_priority(&[0, 1, 2], &[4.0, 16.0, 1.0]).unwrap();
+    assert_eq!(&state.sum_tree().leaves()[..3], &[2.0, 4.0, 1.0]);
+    state.set_alpha(1.0).unwrap();
+    assert_eq!(state.sum_tree().leaves(), &[4.0, 16.0, 1.0, 0.0]);
+    assert_eq!(state.min_tree().min(), 1.0);
+    assert_eq!(state.sum_tree().total(), 21.0);
+    // Same result as writing the priorities under the new alpha directly.
+    let mut direct = PrioritizedState::new(4, 1.0, 0.4, 0.0).unwrap();
+    direct.update_priority(&[0, 1, 2], &[4.0, 16.0, 1.0]).unwrap();
+    assert_eq!(state.sum_tree(), direct.sum_tree());
+    // From alpha 0 the tree cannot be inverted: values stay until updated.
+    let mut flat = PrioritizedState::new(2, 0.0, 0.4, 0.0).unwrap();
+    flat.update_priority(&[0, 1], &[3.0, 5.0]).unwrap();
+    flat.set_alpha(1.0).unwrap();
+    assert_eq!(flat.sum_tree().leaves(), &[1.0, 1.0]);
+    assert!(matches!(flat.set_alpha(f64::NAN), Err(PriorityError::InvalidParameter { name: "alpha", .. })));
+    assert_eq!(flat.alpha(), 1.0);
+}
