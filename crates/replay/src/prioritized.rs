@@ -259,6 +259,7 @@ impl PrioritizedState {
         }
         let capacity = self.capacity();
         let priority_of = |k: usize| if priorities.len() == 1 { priorities[0] } else { priorities[k] };
+        let mut values = Vec::with_capacity(indices.len());
         for (k, &index) in indices.iter().enumerate() {
             if index >= capacity {
                 return Err(PriorityError::IndexOutOfRange { index, capacity });
@@ -271,6 +272,7 @@ impl PrioritizedState {
             if !value.is_finite() {
                 return Err(PriorityError::InvalidPriority { index, value: f64::from(value) });
             }
+            values.push(value);
         }
         if indices.is_empty() {
             return Ok(());
@@ -287,7 +289,6 @@ impl PrioritizedState {
             _ => self.max_priority = Some(MaxPriority { value: max_p, index: indices[max_k] }),
         }
         let tracked = self.max_priority.map(|m| m.index);
-        let values: Vec<f32> = (0..indices.len()).map(|k| self.tree_value(priority_of(k))).collect();
         self.sum_tree.set_many(indices, &values)?;
         self.min_tree.set_many(indices, &values)?;
         if self.max_priority_within_buffer && self.alpha != 0.0 && tracked.is_some_and(|t| indices.contains(&t)) {
