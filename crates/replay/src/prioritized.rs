@@ -388,6 +388,13 @@ impl PrioritizedState {
         max_priority_within_buffer: bool,
     ) -> PriorityResult<Self> {
         let meta = &parts.metadata;
+        if !(meta.max_capacity >= 0.0 && meta.max_capacity.fract() == 0.0) {
+            return Err(PriorityError::InvalidParameter {
+                name: "_max_capacity",
+                value: meta.max_capacity,
+                reason: "must be a whole number of rows",
+            });
+        }
         if meta.max_capacity != capacity as f64 {
             return Err(PriorityError::CapacityMismatch {
                 what: "_max_capacity",

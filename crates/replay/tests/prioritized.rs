@@ -375,6 +375,10 @@ fn fixture_parts_round_trip_through_the_state() {
     // The metadata serializes to what TorchRL wrote (compared as parsed values: Python writes
     // 1e-06 where Rust writes 1e-6).
     let json = serde_json::to_string(&back.metadata).unwrap();
+    assert_eq!(
+        json,
+        r#"{"_alpha":0.6,"_beta":0.4,"_eps":1e-6,"_max_priority":[7.5,19.0],"_max_capacity":32.0,"_schema_version":1}"#
+    );
     let reparsed: SamplerMetadata = serde_json::from_str(&json).unwrap();
     assert_eq!(reparsed, parts.metadata);
 
@@ -460,6 +464,13 @@ fn from_parts_refuses_inconsistent_dumps() {
     assert!(matches!(
         PrioritizedState::from_parts(32, &bad_max, false),
         Err(PriorityError::IndexOutOfRange { index: 40, .. })
+    ));
+
+    let mut fractional = good.clone();
+    fractional.metadata.max_capacity = 32.5;
+    assert!(matches!(
+        PrioritizedState::from_parts(32, &fractional, false),
+        Err(PriorityError::InvalidParameter { name: "_max_capacity", .. })
     ));
 
     let mut bad_alpha = good;
