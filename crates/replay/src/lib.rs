@@ -31,12 +31,16 @@
 pub mod buffer;
 pub mod checkpoint;
 pub mod error;
+mod prioritized;
 pub mod sampler;
 pub mod storage;
+mod tree;
 pub mod writer;
 
 pub use buffer::{ReplayBuffer, Rows, SampleInfo};
 pub use error::{Error, Result};
+pub use prioritized::{MaxPriority, PrioritizedParts, PrioritizedState, SAMPLER_SCHEMA_VERSION, SamplerMetadata};
 pub use sampler::{Draw, Sampler, Uniform, WithoutReplacement};
 pub use storage::{Backend, STORAGE_METADATA, Storage, StorageConfig};
+pub use tree::{MinTree, PriorityError, PriorityResult, SumTree};
 pub use writer::{MaxValue, Reduction, RoundRobin, Writer};

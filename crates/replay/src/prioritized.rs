@@ -1,0 +1,430 @@
+//! Prioritized sampling state: TorchRL's `PrioritizedSampler` (TorchRL 0.14,
+//! `torchrl/data/replay_buffers/samplers/prioritized.py`) without the storage around it.
+//!
+//! What TorchRL does, and what this module reproduces:
+//!
+//! - A row's tree value is `(p + eps)^alpha`, computed in `f32` when priorities are `f32`
+//!   tensors, and written to both a sum tree and a min tree of `f32` leaves.
+//! - New rows get the *raw* max priority seen so far (`default_priority`, 1.0 before any
+//!   update), passed through the same `(p + eps)^alpha` transform (`mark_update`).
+//! - `_max_priority` is a `(value, index)` pair in the raw priority domain. It only grows,
+//!   unless `max_priority_within_buffer` is set: then overwriting its row forgets it, and an
+//!   update that touches its row recomputes it from the sum tree's largest leaf, mapped back
+//!   with `leaf^(1/alpha) - eps` (clamped at 0).
+//! - Sampling draws `mass ~ U[0, sum(rows 0..len))`, finds the row whose cumulative sum passes
+//!   it, and weights it by `(p_i / p_min)^(-beta)` where `p_i` is the row's tree value and
+//!   `p_min` the min tree over rows `0..len`: this is `(N·P(i))^(-beta)` normalised by its
+//!   largest value, since the smallest priority has the largest weight. A non-positive sum or
+//!   min is an error, as in TorchRL.
+//! - `dumps` writes `sampler_metadata.json` (`_alpha`, `_beta`, `_eps`, `_max_priority` as
+//!   `[value, index]`, `_max_capacity` as a float, `_schema_version` 1) and both trees' leaves
+//!   as **float64** `sumtree.memmap` / `mintree.memmap` (the trees themselves are float32; the
+//!   dump widens them). Rows never written hold 0 in the sum tree and `f32::MAX` in the min tree.
+//!
+//! Where this differs on purpose: TorchRL's tree search can land on a zero leaf and then steps
+//! back row by row; here the descent itself never picks a zero leaf (see [`SumTree::find_prefix`]),
+//! so sampling stays O(batch · log n). Invalid priorities (NaN, infinite, negative) are refused
+//! with an error instead of entering the trees.
+
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::tree::{MinTree, PriorityError, PriorityResult, SumTree};
+
+/// The schema version TorchRL writes in `sampler_metadata.json` (raw-domain `_max_priority`).
+pub const SAMPLER_SCHEMA_VERSION: u32 = 1;
+
+/// Prioritized-sampling state: parameters, the tracked max priority and the two trees.
+///
+/// It holds plain data (`Send + Sync`); a buffer keeps it behind a lock. Sampling borrows it
+/// immutably, updates mutably.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrioritizedState {
+    alpha: f64,
+    beta: f64,
+    eps: f64,
+    max_priority: Option<MaxPriority>,
+    max_priority_within_buffer: bool,
+    sum_tree: SumTree,
+    min_tree: MinTree,
+}
+
+/// The largest raw priority tracked, and the row it was given to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MaxPriority {
+    /// Raw priority (before `eps` and `alpha` are applied).
+    pub value: f32,
+    /// Row index.
+    pub index: usize,
+}
+
+/// What a dump holds: TorchRL's `sampler_metadata.json` fields and both trees' leaves.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrioritizedParts {
+    /// The metadata file's contents.
+    pub metadata: SamplerMetadata,
+    /// Sum-tree leaves, one per row, widened to `f64` as TorchRL dumps them.
+    pub sum_leaves: Vec<f64>,
+    /// Min-tree leaves, one per row, widened to `f64` as TorchRL dumps them.
+    pub min_leaves: Vec<f64>,
+}
+
+/// `sampler_metadata.json` as TorchRL writes it (every number a JSON float).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplerMetadata {
+    /// Priority exponent.
+    #[serde(rename = "_alpha")]
+    pub alpha: f64,
+    /// Importance-weight exponent.
+    #[serde(rename = "_beta")]
+    pub beta: f64,
+    /// Added to each priority before the exponent.
+    #[serde(rename = "_eps")]
+    pub eps: f64,
+    /// `[value, index]`, both `null` when nothing was tracked yet.
+    #[serde(rename = "_max_priority")]
+    pub max_priority: [Option<f64>; 2],
+    /// Number of rows (a float in TorchRL's file).
+    #[serde(rename = "_max_capacity")]
+    pub max_capacity: f64,
+    /// Absent in dumps older than the raw-domain max priority; then read as 0.
+    #[serde(rename = "_schema_version", default, skip_serializing_if = "Option::is_none")]
+    pub schema_version: Option<u32>,
+}
+
+fn check_param(name: &'static str, value: f64) -> PriorityResult<()> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(())
+    } else {
+        Err(PriorityError::InvalidParameter { name, value, reason: "must be finite and >= 0" })
+    }
+}
+
+fn narrow_leaves(what: &'static str, leaves: &[f64], capacity: usize) -> PriorityResult<Vec<f32>> {
+    if leaves.len() != capacity {
+        return Err(PriorityError::CapacityMismatch { what, expected: capacity, got: leaves.len() });
+    }
+    leaves
+        .iter()
+        .enumerate()
+        .map(|(index, &v)| {
+            let narrow = v as f32;
+            if narrow.is_finite() && narrow >= 0.0 {
+                Ok(narrow)
+            } else {
+                Err(PriorityError::InvalidPriority { index, value: v })
+            }
+        })
+        .collect()
+}
+
+impl PrioritizedState {
+    /// A state for `capacity` rows. `alpha`, `beta` and `eps` must be finite and `>= 0`
+    /// (TorchRL's defaults are `eps = 1e-8`; its constructor refuses negative `alpha`/`beta`).
+    pub fn new(capacity: usize, alpha: f64, beta: f64, eps: f64) -> PriorityResult<Self> {
+        check_param("alpha", alpha)?;
+        check_param("beta", beta)?;
+        check_param("eps", eps)?;
+        Ok(Self {
+            alpha,
+            beta,
+            eps,
+            max_priority: None,
+            max_priority_within_buffer: false,
+            sum_tree: SumTree::new(capacity),
+            min_tree: MinTree::new(capacity),
+        })
+    }
+
+    /// Tracks the max priority among rows in the buffer (TorchRL's
+    /// `max_priority_within_buffer=True`) instead of the max ever seen.
+    pub fn with_max_priority_within_buffer(mut self, within: bool) -> Self {
+        self.max_priority_within_buffer = within;
+        self
+    }
+
+    /// Number of rows.
+    pub fn capacity(&self) -> usize {
+        self.sum_tree.capacity()
+    }
+
+    /// Priority exponent.
+    pub fn alpha(&self) -> f64 {
+        self.alpha
+    }
+
+    /// Sets the priority exponent (annealed during training) and rewrites every written row's
+    /// tree value from `(p + eps)^old` to `(p + eps)^alpha` in one O(n) pass, as TorchRL's
+    /// `alpha` setter does. From `alpha = 0` the raw priorities cannot be recovered (every
+    /// written row holds 1): the tree keeps its values until rows are updated again.
+    pub fn set_alpha(&mut self, alpha: f64) -> PriorityResult<()> {
+        check_param("alpha", alpha)?;
+        let old = self.alpha;
+        self.alpha = alpha;
+        if old == alpha || old == 0.0 {
+            return Ok(());
+        }
+        let mut rows = Vec::new();
+        let mut values = Vec::new();
+        for (row, &v) in self.sum_tree.leaves().iter().enumerate() {
+            // Rows never written hold 0; written rows hold (p + eps)^old > 0.
+            if v > 0.0 {
+                let raw = (f64::from(v).powf(1.0 / old) - self.eps).max(0.0);
+                let value = (raw + self.eps).powf(alpha) as f32;
+                if !value.is_finite() {
+                    self.alpha = old;
+                    return Err(PriorityError::InvalidPriority { index: row, value: f64::from(value) });
+                }
+                rows.push(row);
+                values.push(value);
+            }
+        }
+        self.sum_tree.set_many(&rows, &values)?;
+        self.min_tree.set_many(&rows, &values)?;
+        Ok(())
+    }
+
+    /// Importance-weight exponent.
+    pub fn beta(&self) -> f64 {
+        self.beta
+    }
+
+    /// Sets the importance-weight exponent (annealed during training).
+    pub fn set_beta(&mut self, beta: f64) -> PriorityResult<()> {
+        check_param("beta", beta)?;
+        self.beta = beta;
+        Ok(())
+    }
+
+    /// Added to priorities before the exponent.
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+
+    /// Whether the max priority is tracked among rows in the buffer only.
+    pub fn max_priority_within_buffer(&self) -> bool {
+        self.max_priority_within_buffer
+    }
+
+    /// The tracked max raw priority and its row, if any.
+    pub fn max_priority(&self) -> Option<MaxPriority> {
+        self.max_priority
+    }
+
+    /// The raw priority new rows get: the tracked max, or 1.0 before any.
+    pub fn default_priority(&self) -> f32 {
+        self.max_priority.map_or(1.0, |m| m.value)
+    }
+
+    /// The sum tree (tree values `(p + eps)^alpha`).
+    pub fn sum_tree(&self) -> &SumTree {
+        &self.sum_tree
+    }
+
+    /// The min tree (same values; unset rows hold `f32::MAX`).
+    pub fn min_tree(&self) -> &MinTree {
+        &self.min_tree
+    }
+
+    /// The tree value for raw priority `p`: `(p + eps)^alpha` as TorchRL computes it on a
+    /// float32 priority tensor: the sum in `f32`, the power correctly rounded to `f32` (done in
+    /// `f64` here; `f32::powf` is off by one ulp on some inputs where PyTorch is not).
+    pub fn tree_value(&self, priority: f32) -> f32 {
+        f64::from(priority + self.eps as f32).powf(self.alpha) as f32
+    }
+
+    /// Rows `indices` were (over)written: they get the default priority (TorchRL's
+    /// `extend` + `mark_update`).
+    pub fn on_write(&mut self, indices: &[usize]) -> PriorityResult<()> {
+        if let Some(&bad) = indices.iter().find(|&&i| i >= self.capacity()) {
+            return Err(PriorityError::IndexOutOfRange { index: bad, capacity: self.capacity() });
+        }
+        if self.max_priority_within_buffer && self.max_priority.is_some_and(|m| indices.contains(&m.index)) {
+            self.max_priority = None;
+        }
+        let default = self.default_priority();
+        self.update_priority(indices, &[default])
+    }
+
+    /// Sets the raw priorities of rows `indices`: `priorities` has one value per index, or a
+    /// single value for all. Every value must be finite and `>= 0` and every index in range;
+    /// otherwise nothing changes.
+    pub fn update_priority(&mut self, indices: &[usize], priorities: &[f32]) -> PriorityResult<()> {
+        if priorities.len() != indices.len() && priorities.len() != 1 {
+            return Err(PriorityError::LengthMismatch {
+                what: "priorities for indices",
+                expected: indices.len(),
+                got: priorities.len(),
+            });
+        }
+        let capacity = self.capacity();
+        let priority_of = |k: usize| if priorities.len() == 1 { priorities[0] } else { priorities[k] };
+        let mut values = Vec::with_capacity(indices.len());
+        for (k, &index) in indices.iter().enumerate() {
+            if index >= capacity {
+                return Err(PriorityError::IndexOutOfRange { index, capacity });
+            }
+            let p = priority_of(k);
+            if !(p.is_finite() && p >= 0.0) {
+                return Err(PriorityError::InvalidPriority { index, value: f64::from(p) });
+            }
+            let value = self.tree_value(p);
+            if !value.is_finite() {
+                return Err(PriorityError::InvalidPriority { index, value: f64::from(value) });
+            }
+            values.push(value);
+        }
+        if indices.is_empty() {
+            return Ok(());
+        }
+        // The first occurrence of the batch's largest priority, as `torch.max(dim=0)` reports.
+        let (mut max_k, mut max_p) = (0, priority_of(0));
+        for k in 1..indices.len() {
+            if priority_of(k) > max_p {
+                (max_k, max_p) = (k, priority_of(k));
+            }
+        }
+        match self.max_priority {
+            Some(cur) if max_p <= cur.value => {}
+            _ => self.max_priority = Some(MaxPriority { value: max_p, index: indices[max_k] }),
+        }
+        let tracked = self.max_priority.map(|m| m.index);
+        self.sum_tree.set_many(indices, &values)?;
+        self.min_tree.set_many(indices, &values)?;
+        if self.max_priority_within_buffer && self.alpha != 0.0 && tracked.is_some_and(|t| indices.contains(&t)) {
+            self.recompute_max_priority_from_tree();
+        }
+        Ok(())
+    }
+
+    /// Sets the max priority from the sum tree's largest leaf, mapped back to the raw domain.
+    fn recompute_max_priority_from_tree(&mut self) {
+        if self.alpha == 0.0 {
+            return;
+        }
+        let leaves = self.sum_tree.leaves();
+        let mut best: Option<(usize, f32)> = None;
+        for (i, &v) in leaves.iter().enumerate() {
+            if best.is_none_or(|(_, b)| v > b) {
+                best = Some((i, v));
+            }
+        }
+        self.max_priority = match best {
+            Some((index, value)) if value > 0.0 => {
+                let raw = (f64::from(value).powf(1.0 / self.alpha) - self.eps).max(0.0);
+                Some(MaxPriority { value: raw as f32, index })
+            }
+            _ => None,
+        };
+    }
+
+    /// Draws `batch` rows among `0..len` with probability proportional to their tree values,
+    /// and their importance weights `(p_i / p_min)^(-beta)`. O(batch · log n).
+    pub fn sample<R: Rng + ?Sized>(
+        &self,
+        batch: usize,
+        len: usize,
+        rng: &mut R,
+    ) -> PriorityResult<(Vec<usize>, Vec<f32>)> {
+        let p_sum = self.sum_tree.sum(0..len)?;
+        let p_min = self.min_tree.min_in(0..len)?;
+        if p_sum <= 0.0 {
+            return Err(PriorityError::NonPositiveMass { what: "sum", len, value: p_sum });
+        }
+        if p_min <= 0.0 {
+            return Err(PriorityError::NonPositiveMass { what: "min", len, value: f64::from(p_min) });
+        }
+        let mut indices = Vec::with_capacity(batch);
+        let mut weights = Vec::with_capacity(batch);
+        for _ in 0..batch {
+            let mass = rng.random::<f64>() * p_sum;
+            let index = match self.sum_tree.find_prefix(mass) {
+                Some(i) if i < len => i,
+                // Only reachable through rounding at the `len` boundary or rows past `len`
+                // holding priority: take the last positive row below `len` (one exists,
+                // since `p_sum > 0`).
+                _ => self.sum_tree.last_positive_before(len).unwrap_or(len - 1),
+            };
+            let p = self.sum_tree.leaves()[index];
+            indices.push(index);
+            weights.push(self.weight(p, p_min));
+        }
+        Ok((indices, weights))
+    }
+
+    /// Importance weight `(p / p_min)^(-beta)` of tree value `p` given the smallest tree value
+    /// `p_min`, rounded as TorchRL's float32 tensors round it: the ratio in `f32`, then the power.
+    pub fn weight(&self, p: f32, p_min: f32) -> f32 {
+        f64::from(p / p_min).powf(-self.beta) as f32
+    }
+
+    /// The dump's contents: metadata as TorchRL writes it and both trees' leaves.
+    pub fn to_parts(&self) -> PrioritizedParts {
+        let max_priority = match self.max_priority {
+            Some(m) => [Some(f64::from(m.value)), Some(m.index as f64)],
+            None => [None, None],
+        };
+        PrioritizedParts {
+            metadata: SamplerMetadata {
+                alpha: self.alpha,
+                beta: self.beta,
+                eps: self.eps,
+                max_priority,
+                max_capacity: self.capacity() as f64,
+                schema_version: Some(SAMPLER_SCHEMA_VERSION),
+            },
+            sum_leaves: self.sum_tree.leaves().iter().map(|&v| f64::from(v)).collect(),
+            min_leaves: self.min_tree.leaves().iter().map(|&v| f64::from(v)).collect(),
+        }
+    }
+
+    /// Rebuilds a state from a dump. `capacity` is the buffer's; the metadata's
+    /// `_max_capacity` and both leaf arrays must agree with it. Dumps without a schema version
+    /// (older TorchRL) have their max priority recomputed from the tree when
+    /// `max_priority_within_buffer` is set, as TorchRL's `loads` does.
+    pub fn from_parts(
+        capacity: usize,
+        parts: &PrioritizedParts,
+        max_priority_within_buffer: bool,
+    ) -> PriorityResult<Self> {
+        let meta = &parts.metadata;
+        if !(meta.max_capacity >= 0.0 && meta.max_capacity.fract() == 0.0) {
+            return Err(PriorityError::InvalidParameter {
+                name: "_max_capacity",
+                value: meta.max_capacity,
+                reason: "must be a whole number of rows",
+            });
+        }
+        if meta.max_capacity != capacity as f64 {
+            return Err(PriorityError::CapacityMismatch {
+                what: "_max_capacity",
+                expected: capacity,
+                got: meta.max_capacity as usize,
+            });
+        }
+        let mut state = Self::new(capacity, meta.alpha, meta.beta, meta.eps)?
+            .with_max_priority_within_buffer(max_priority_within_buffer);
+        state.sum_tree = SumTree::from_leaves(&narrow_leaves("sumtree leaves", &parts.sum_leaves, capacity)?)?;
+        state.min_tree = MinTree::from_leaves(&narrow_leaves("mintree leaves", &parts.min_leaves, capacity)?)?;
+        state.max_priority = match meta.max_priority {
+            [None, _] | [_, None] => None,
+            [Some(value), Some(index)] => {
+                let value32 = value as f32;
+                if !(value32.is_finite() && value32 >= 0.0) {
+                    return Err(PriorityError::InvalidPriority { index: index as usize, value });
+                }
+                if !(index >= 0.0 && index.fract() == 0.0 && index < capacity as f64) {
+                    return Err(PriorityError::IndexOutOfRange {
+                        index: if index >= 0.0 { index as usize } else { usize::MAX },
+                        capacity,
+                    });
+                }
+                Some(MaxPriority { value: value32, index: index as usize })
+            }
+        };
+        if meta.schema_version.unwrap_or(0) < 1 && max_priority_within_buffer && state.max_priority.is_some() {
+            state.recompute_max_priority_from_tree();
+        }
+        Ok(state)
+    }
+}

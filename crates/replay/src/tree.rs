@@ -1,0 +1,407 @@
+//! Segment trees over `f32` leaves: a sum tree (prefix-sum search for proportional sampling) and
+//! a min tree (the smallest priority, for importance-weight normalisation).
+//!
+//! TorchRL (`torchrl/csrc/segment_tree.h`, `SumSegmentTreeFp32` / `MinSegmentTreeFp32`) keeps one
+//! array of `2·cap` values where `cap` is a power of two and the leaves sit at `cap..cap + len`.
+//! The trees here use the same array layout, iterative updates and an iterative descent. The leaves
+//! are `f32` as in TorchRL; the sum tree's inner nodes are `f64`, so totals over many leaves do not
+//! drift the way an `f32` running sum does, and a node's sum is zero exactly when every leaf below
+//! it is zero (a sum of non-negative numbers cannot round to zero). The descent in
+//! [`SumTree::find_prefix`] relies on that to never land on a zero leaf.
+//!
+//! Values are checked when set: NaN, infinite and negative priorities are refused, so the
+//! invariants above hold for every tree reachable through the public API.
+
+use std::ops::Range;
+
+use thiserror::Error;
+
+/// What can go wrong when setting, loading or sampling priorities.
+#[derive(Debug, Error, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum PriorityError {
+    /// A priority (or tree leaf) that is NaN, infinite or negative.
+    #[error("priority {value} for row {index} is not a finite non-negative number")]
+    InvalidPriority {
+        /// Row the value was meant for.
+        index: usize,
+        /// The refused value.
+        value: f64,
+    },
+    /// A row index at or beyond the tree's capacity.
+    #[error("row index {index} is out of range for capacity {capacity}")]
+    IndexOutOfRange {
+        /// The refused index.
+        index: usize,
+        /// Number of leaves.
+        capacity: usize,
+    },
+    /// Two inputs that should have matching lengths do not.
+    #[error("{what}: expected {expected} values, got {got}")]
+    LengthMismatch {
+        /// Which input was wrong.
+        what: &'static str,
+        /// The length it should have had.
+        expected: usize,
+        /// The length it had.
+        got: usize,
+    },
+    /// A range of rows that is empty or reaches beyond the capacity.
+    #[error("row range {start}..{end} is empty or exceeds capacity {capacity}")]
+    InvalidRange {
+        /// First row.
+        start: usize,
+        /// One past the last row.
+        end: usize,
+        /// Number of leaves.
+        capacity: usize,
+    },
+    /// Sampling needs a positive priority mass (sum) and a positive smallest priority (min).
+    #[error("cannot sample rows 0..{len}: the {what} of their priorities is {value}, not positive")]
+    NonPositiveMass {
+        /// `"sum"` or `"min"`.
+        what: &'static str,
+        /// Number of rows sampled from.
+        len: usize,
+        /// The offending value.
+        value: f64,
+    },
+    /// A sampler parameter outside its domain (`alpha`, `beta`, `eps`).
+    #[error("parameter {name} = {value} is invalid: {reason}")]
+    InvalidParameter {
+        /// Parameter name.
+        name: &'static str,
+        /// The refused value.
+        value: f64,
+        /// What the value must satisfy.
+        reason: &'static str,
+    },
+    /// Loaded parts whose capacity disagrees with the leaves or the expected capacity.
+    #[error("capacity mismatch: {what} says {got}, expected {expected}")]
+    CapacityMismatch {
+        /// Which part disagreed.
+        what: &'static str,
+        /// Capacity expected.
+        expected: usize,
+        /// Capacity found.
+        got: usize,
+    },
+}
+
+/// Result alias for the priority trees and the prioritized state.
+pub type PriorityResult<T> = std::result::Result<T, PriorityError>;
+
+fn check_priority(index: usize, value: f32) -> PriorityResult<()> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(())
+    } else {
+        Err(PriorityError::InvalidPriority { index, value: f64::from(value) })
+    }
+}
+
+/// Number of leaf slots: the smallest power of two holding `capacity` leaves (at least 1).
+fn leaf_slots(capacity: usize) -> usize {
+    capacity.max(1).next_power_of_two()
+}
+
+/// A sum tree over `capacity` `f32` leaves, all zero at first.
+///
+/// `set` and `get` are O(log n) and O(1); [`total`](Self::total) is O(1);
+/// [`find_prefix`](Self::find_prefix) is one root-to-leaf descent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SumTree {
+    capacity: usize,
+    /// Power of two, `>= capacity`: leaf `i` is node `slots + i`.
+    slots: usize,
+    leaves: Vec<f32>,
+    /// `nodes[1]` is the root; `nodes[slots + i]` holds leaf `i` widened to `f64`.
+    nodes: Vec<f64>,
+}
+
+impl SumTree {
+    /// A tree of `capacity` leaves, all zero.
+    pub fn new(capacity: usize) -> Self {
+        let slots = leaf_slots(capacity);
+        Self { capacity, slots, leaves: vec![0.0; capacity], nodes: vec![0.0; 2 * slots] }
+    }
+
+    /// A tree holding `leaves` (checked: each finite and non-negative), built in O(n).
+    pub fn from_leaves(leaves: &[f32]) -> PriorityResult<Self> {
+        for (i, &v) in leaves.iter().enumerate() {
+            check_priority(i, v)?;
+        }
+        let mut tree = Self::new(leaves.len());
+        tree.leaves.copy_from_slice(leaves);
+        for (i, &v) in leaves.iter().enumerate() {
+            tree.nodes[tree.slots + i] = f64::from(v);
+        }
+        for node in (1..tree.slots).rev() {
+            tree.nodes[node] = tree.nodes[2 * node] + tree.nodes[2 * node + 1];
+        }
+        Ok(tree)
+    }
+
+    /// Number of leaves.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The leaves, in row order (what a dump writes).
+    pub fn leaves(&self) -> &[f32] {
+        &self.leaves
+    }
+
+    /// Leaf `index`.
+    pub fn get(&self, index: usize) -> PriorityResult<f32> {
+        self.leaves.get(index).copied().ok_or(PriorityError::IndexOutOfRange { index, capacity: self.capacity })
+    }
+
+    /// Sets leaf `index` to `value` (finite, non-negative) and updates its ancestors.
+    pub fn set(&mut self, index: usize, value: f32) -> PriorityResult<()> {
+        self.check_index(index)?;
+        check_priority(index, value)?;
+        self.set_unchecked(index, value);
+        Ok(())
+    }
+
+    /// Sets `indices[k]` to `values[k]`; nothing changes unless every pair is valid.
+    pub fn set_many(&mut self, indices: &[usize], values: &[f32]) -> PriorityResult<()> {
+        if indices.len() != values.len() {
+            return Err(PriorityError::LengthMismatch {
+                what: "sum tree values for indices",
+                expected: indices.len(),
+                got: values.len(),
+            });
+        }
+        for (&i, &v) in indices.iter().zip(values) {
+            self.check_index(i)?;
+            check_priority(i, v)?;
+        }
+        for (&i, &v) in indices.iter().zip(values) {
+            self.set_unchecked(i, v);
+        }
+        Ok(())
+    }
+
+    fn check_index(&self, index: usize) -> PriorityResult<()> {
+        if index < self.capacity {
+            Ok(())
+        } else {
+            Err(PriorityError::IndexOutOfRange { index, capacity: self.capacity })
+        }
+    }
+
+    fn set_unchecked(&mut self, index: usize, value: f32) {
+        self.leaves[index] = value;
+        let mut node = self.slots + index;
+        self.nodes[node] = f64::from(value);
+        while node > 1 {
+            node >>= 1;
+            self.nodes[node] = self.nodes[2 * node] + self.nodes[2 * node + 1];
+        }
+    }
+
+    /// Sum of all leaves.
+    pub fn total(&self) -> f64 {
+        self.nodes[1]
+    }
+
+    /// Sum of the leaves in `range` (non-empty, within capacity), in O(log n).
+    pub fn sum(&self, range: Range<usize>) -> PriorityResult<f64> {
+        let (mut lo, mut hi) = check_range(&range, self.capacity)?;
+        if lo == 0 && hi == self.capacity {
+            return Ok(self.total());
+        }
+        lo += self.slots;
+        hi += self.slots;
+        let (mut left, mut right) = (0.0, 0.0);
+        while lo < hi {
+            if lo & 1 == 1 {
+                left += self.nodes[lo];
+                lo += 1;
+            }
+            if hi & 1 == 1 {
+                hi -= 1;
+                right += self.nodes[hi];
+            }
+            lo >>= 1;
+            hi >>= 1;
+        }
+        Ok(left + right)
+    }
+
+    /// The leaf where the running sum of leaves first exceeds `mass`: the smallest `i` with
+    /// `leaf[0] + … + leaf[i] > mass`, for `mass` in `[0, total)`.
+    ///
+    /// A `mass` at or above the total (or NaN) gives the last positive leaf; a negative `mass`
+    /// gives the first positive leaf. A zero leaf is never returned. `None` only when every
+    /// leaf is zero.
+    pub fn find_prefix(&self, mass: f64) -> Option<usize> {
+        if self.total() <= 0.0 {
+            return None;
+        }
+        let mut remaining = if mass.is_nan() { f64::INFINITY } else { mass.max(0.0) };
+        let mut node = 1;
+        while node < self.slots {
+            let left = 2 * node;
+            let left_sum = self.nodes[left];
+            let right_sum = self.nodes[left + 1];
+            // Go left while the mass falls inside the left subtree, or when the right one is
+            // all zeros (rounding can leave `remaining` a hair above a subtree's sum).
+            if (remaining < left_sum || right_sum <= 0.0) && left_sum > 0.0 {
+                node = left;
+            } else {
+                remaining -= left_sum;
+                node = left + 1;
+            }
+        }
+        Some(node - self.slots)
+    }
+
+    /// The last leaf before `end` that is positive, in O(log n); `None` if all are zero.
+    pub fn last_positive_before(&self, end: usize) -> Option<usize> {
+        let end = end.min(self.capacity);
+        if end == 0 {
+            return None;
+        }
+        let mut node = self.slots + end - 1;
+        if self.nodes[node] > 0.0 {
+            return Some(end - 1);
+        }
+        // Climb until a left sibling holds mass, then descend to its rightmost positive leaf.
+        while node > 1 {
+            if node & 1 == 1 && self.nodes[node - 1] > 0.0 {
+                let mut down = node - 1;
+                while down < self.slots {
+                    down = if self.nodes[2 * down + 1] > 0.0 { 2 * down + 1 } else { 2 * down };
+                }
+                return Some(down - self.slots);
+            }
+            node >>= 1;
+        }
+        None
+    }
+}
+
+fn check_range(range: &Range<usize>, capacity: usize) -> PriorityResult<(usize, usize)> {
+    if range.start < range.end && range.end <= capacity {
+        Ok((range.start, range.end))
+    } else {
+        Err(PriorityError::InvalidRange { start: range.start, end: range.end, capacity })
+    }
+}
+
+/// A min tree over `capacity` `f32` leaves. Unset leaves hold `f32::MAX`, the neutral value
+/// TorchRL's `MinSegmentTreeFp32` uses (and dumps for rows never written).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MinTree {
+    capacity: usize,
+    slots: usize,
+    /// `nodes[1]` is the root; `nodes[slots + i]` is leaf `i`; slots past capacity hold `f32::MAX`.
+    nodes: Vec<f32>,
+}
+
+impl MinTree {
+    /// The value a leaf holds until it is set.
+    pub const EMPTY: f32 = f32::MAX;
+
+    /// A tree of `capacity` leaves, all [`MinTree::EMPTY`].
+    pub fn new(capacity: usize) -> Self {
+        let slots = leaf_slots(capacity);
+        Self { capacity, slots, nodes: vec![Self::EMPTY; 2 * slots] }
+    }
+
+    /// A tree holding `leaves` (checked: each finite and non-negative), built in O(n).
+    pub fn from_leaves(leaves: &[f32]) -> PriorityResult<Self> {
+        for (i, &v) in leaves.iter().enumerate() {
+            check_priority(i, v)?;
+        }
+        let mut tree = Self::new(leaves.len());
+        tree.nodes[tree.slots..tree.slots + leaves.len()].copy_from_slice(leaves);
+        for node in (1..tree.slots).rev() {
+            tree.nodes[node] = tree.nodes[2 * node].min(tree.nodes[2 * node + 1]);
+        }
+        Ok(tree)
+    }
+
+    /// Number of leaves.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The leaves, in row order (what a dump writes).
+    pub fn leaves(&self) -> &[f32] {
+        &self.nodes[self.slots..self.slots + self.capacity]
+    }
+
+    /// Leaf `index`.
+    pub fn get(&self, index: usize) -> PriorityResult<f32> {
+        self.leaves().get(index).copied().ok_or(PriorityError::IndexOutOfRange { index, capacity: self.capacity })
+    }
+
+    /// Sets leaf `index` to `value` (finite, non-negative) and updates its ancestors.
+    pub fn set(&mut self, index: usize, value: f32) -> PriorityResult<()> {
+        if index >= self.capacity {
+            return Err(PriorityError::IndexOutOfRange { index, capacity: self.capacity });
+        }
+        check_priority(index, value)?;
+        self.set_unchecked(index, value);
+        Ok(())
+    }
+
+    /// Sets `indices[k]` to `values[k]`; nothing changes unless every pair is valid.
+    pub fn set_many(&mut self, indices: &[usize], values: &[f32]) -> PriorityResult<()> {
+        if indices.len() != values.len() {
+            return Err(PriorityError::LengthMismatch {
+                what: "min tree values for indices",
+                expected: indices.len(),
+                got: values.len(),
+            });
+        }
+        for (&i, &v) in indices.iter().zip(values) {
+            if i >= self.capacity {
+                return Err(PriorityError::IndexOutOfRange { index: i, capacity: self.capacity });
+            }
+            check_priority(i, v)?;
+        }
+        for (&i, &v) in indices.iter().zip(values) {
+            self.set_unchecked(i, v);
+        }
+        Ok(())
+    }
+
+    fn set_unchecked(&mut self, index: usize, value: f32) {
+        let mut node = self.slots + index;
+        self.nodes[node] = value;
+        while node > 1 {
+            node >>= 1;
+            self.nodes[node] = self.nodes[2 * node].min(self.nodes[2 * node + 1]);
+        }
+    }
+
+    /// Smallest leaf ([`MinTree::EMPTY`] if none was set).
+    pub fn min(&self) -> f32 {
+        self.nodes[1]
+    }
+
+    /// Smallest leaf in `range` (non-empty, within capacity), in O(log n).
+    pub fn min_in(&self, range: Range<usize>) -> PriorityResult<f32> {
+        let (mut lo, mut hi) = check_range(&range, self.capacity)?;
+        lo += self.slots;
+        hi += self.slots;
+        let mut out = Self::EMPTY;
+        while lo < hi {
+            if lo & 1 == 1 {
+                out = out.min(self.nodes[lo]);
+                lo += 1;
+            }
+            if hi & 1 == 1 {
+                hi -= 1;
+                out = out.min(self.nodes[hi]);
+            }
+            lo >>= 1;
+            hi >>= 1;
+        }
+        Ok(out)
+    }
+}
