@@ -83,6 +83,13 @@ fn read(path: &Path) -> anyhow::Result<Dump> {
         DumpError::Missing { path: missing } if *missing == storage_meta => {
             anyhow::Error::new(e).context(format!("{} is not a TorchRL replay-buffer dump", path.display()))
         }
+        // The tensor and dict libraries name the file in their own messages: say it once.
+        DumpError::Tensor { path, source } if source.to_string().contains(&path.display().to_string()) => {
+            anyhow::anyhow!("{source}")
+        }
+        DumpError::Dict { path, source } if source.to_string().contains(&path.display().to_string()) => {
+            anyhow::anyhow!("{source}")
+        }
         _ => anyhow::Error::new(e),
     })
 }
