@@ -242,10 +242,12 @@ fn print_text(d: &Value) -> anyhow::Result<()> {
             lines.push(("  write count".into(), text(&w["write_count"])));
             if kind == "max_value" {
                 lines.push(("  rank key".into(), format!("{} ({})", text(&w["rank_key"]), text(&w["rank_dtype"]))));
-                lines.push((
-                    "  kept".into(),
-                    format!("{} rows, ranks {} to {}", w["kept"], text(&w["kept_min"]), text(&w["kept_max"])),
-                ));
+                let kept = if w["kept"] == json!(0) {
+                    "none".to_owned()
+                } else {
+                    format!("{} rows, ranks {} to {}", w["kept"], text(&w["kept_min"]), text(&w["kept_max"]))
+                };
+                lines.push(("  kept".into(), kept));
             } else {
                 let generations = if w["generations"] == json!(true) { "tracked" } else { "not tracked" };
                 lines.push(("  generations".into(), generations.into()));

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use memmap_tensor::{Access, Tensor};
-use replay::checkpoint::{Dump, SamplerDump};
+use replay::checkpoint::{Dump, SamplerDump, WriterKind};
 use serde_json::Value;
 use tensordict::TensorDict;
 
@@ -320,6 +320,24 @@ fn a_without_replacement_sampler_and_a_writer_that_saves_nothing_are_described()
     assert_eq!(field(text, "len storage"), "64");
     assert_eq!(field(text, "ran out"), "true");
     assert_eq!(field(text, "writer"), "none saved");
+}
+
+#[test]
+fn a_max_value_writer_with_an_empty_heap_has_no_rank_range() {
+    let mut dump = Dump::read(fixtures().join("max_value_writer")).unwrap();
+    let writer = dump.writer.as_mut().unwrap();
+    let WriterKind::MaxValue { top_values, .. } = &mut writer.kind else { panic!("{:?}", writer.kind) };
+    top_values.clear();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("d");
+    dump.write(&path).unwrap();
+    let got = info(&path, true).json();
+    assert_eq!(got["writer"]["kind"], "max_value");
+    assert_eq!(got["writer"]["kept"], 0);
+    assert_eq!(got["writer"]["kept_min"], Value::Null);
+    assert_eq!(got["writer"]["kept_max"], Value::Null);
+    let run = info(&path, false);
+    assert_eq!(field(run.ok(), "kept"), "none");
 }
 
 // === Errors ===
