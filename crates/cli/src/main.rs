@@ -1,6 +1,6 @@
 //! `tdict`: inspect, verify, copy, remove and benchmark TensorDict folders (Python tensordict's
-//! memmap layout) and shared dicts, and serve named stores of them. Thin: the work is done by the
-//! `tensordict` and `rpc` libraries.
+//! memmap layout) and shared dicts, serve named stores of them, and describe TorchRL replay-buffer
+//! dumps. Thin: the work is done by the `tensordict`, `rpc` and `replay` libraries.
 //!
 //! Exit status: 0 on success, 1 on an error (one line on stderr) or a failed verification,
 //! 2 on bad arguments.
@@ -20,6 +20,7 @@ mod bench_rpc;
 mod bench_store;
 mod location;
 mod progress;
+mod replay;
 mod store;
 
 use std::path::Path;
@@ -106,6 +107,9 @@ enum Command {
     /// A named store of dicts served by a daemon: serve, ls, save, load, rm, stop.
     #[command(subcommand)]
     Store(store::StoreCommand),
+    /// Replay buffers dumped by TorchRL: info.
+    #[command(subcommand)]
+    Replay(replay::ReplayCommand),
 }
 
 #[derive(Subcommand)]
@@ -183,6 +187,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Shm(ShmCommand::Ls { json }) => shm_ls(json),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Store(cmd) => store::run(cmd),
+        Command::Replay(cmd) => replay::run(cmd),
     }
 }
 
