@@ -16,6 +16,8 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
+use tensordict::TensorDict;
+
 use crate::error::{Error, Result};
 
 /// Row indices and, for samplers that weight their draws, one importance weight per index.
@@ -30,6 +32,31 @@ pub trait Sampler: Send + Sync + fmt::Debug {
     /// default does nothing.
     fn on_write(&self, indices: &[usize]) {
         let _ = indices;
+    }
+
+    /// Checks a batch before any of it is written: a sampler that reads keys of the written
+    /// rows ([`Sampler::on_write_rows`]) refuses a batch without them, naming the key. The
+    /// default accepts every batch.
+    fn check_batch(&self, batch: &TensorDict) -> Result<()> {
+        let _ = batch;
+        Ok(())
+    }
+
+    /// Rows `indices` were just completely written with `rows` (row `k` of `rows` went to
+    /// storage row `indices[k]`); `cursor` is the writer's cursor (the row its next write
+    /// starts at) and `capacity` the storage's number of rows. Samplers that need the rows'
+    /// contents (trajectory ids, done flags) read them here. The default calls
+    /// [`Sampler::on_write`].
+    fn on_write_rows(&self, indices: &[usize], rows: &TensorDict, cursor: usize, capacity: usize) {
+        let _ = (rows, cursor, capacity);
+        self.on_write(indices);
+    }
+
+    /// Whether a draw is usable only whole (its rows form runs that must stay together): a
+    /// buffer then draws again from scratch when any drawn row is being written, instead of
+    /// replacing that row alone. The default is `false`.
+    fn whole_draws(&self) -> bool {
+        false
     }
 
     /// Draws `batch` row indices among rows `0..len` (`len >= 1`), with weights if the sampler
