@@ -74,7 +74,7 @@ pub trait Sampler: Send + Sync + fmt::Debug {
 }
 
 /// A random generator from `seed`, or from the OS when `None`.
-fn rng_from(seed: Option<u64>) -> StdRng {
+pub(crate) fn rng_from(seed: Option<u64>) -> StdRng {
     match seed {
         Some(seed) => StdRng::seed_from_u64(seed),
         None => StdRng::from_os_rng(),
