@@ -278,9 +278,10 @@ impl ReplayBuffer {
         if n == 0 {
             return Ok(Vec::new());
         }
+        // Before the first batch creates the storage, so that a refused batch fixes no schema.
+        self.sampler.check_batch(batch)?;
         let storage = self.storage_for(batch)?;
         storage.check_batch(OP, batch)?;
-        self.sampler.check_batch(batch)?;
 
         // Reserve.
         let mut state = self.state.lock();
