@@ -217,6 +217,10 @@ impl ReplayBuffer {
             return Err(Error::IndexOutOfRange { index: i64::try_from(len).unwrap_or(i64::MAX), len: capacity });
         }
         let config = StorageConfig { backend: crate::storage::Backend::Heap, capacity };
+        if len > 0 {
+            let valid = storage.tensordict().index(Index::slice(Some(0), Some(len as i64), 1)).op("from_parts")?;
+            sampler.on_load(&valid, writer.cursor(), capacity)?;
+        }
         let buffer = Self::new(config, writer, sampler)?;
         {
             let mut state = buffer.state.lock();

@@ -52,6 +52,15 @@ pub trait Sampler: Send + Sync + fmt::Debug {
         self.on_write(indices);
     }
 
+    /// A buffer was rebuilt over a saved storage whose rows `0..n` (`rows`, batch size `[n]`)
+    /// are valid; `cursor` and `capacity` as in [`Sampler::on_write_rows`]. Samplers that read
+    /// the rows' contents learn them here and refuse rows without what they read. The default
+    /// does nothing (a sampler's saved state is restored by its own constructor).
+    fn on_load(&self, rows: &TensorDict, cursor: usize, capacity: usize) -> Result<()> {
+        let _ = (rows, cursor, capacity);
+        Ok(())
+    }
+
     /// Whether a draw is usable only whole (its rows form runs that must stay together): a
     /// buffer then draws again from scratch when any drawn row is being written, instead of
     /// replacing that row alone. The default is `false`.

@@ -215,15 +215,8 @@ impl Slice {
         }
         let at_capacity = known.capacity > 0 && len >= known.capacity;
         let traj = matches!(self.episodes, Episodes::TrajKey(_));
-        let mut end: Vec<bool> = (0..len)
-            .map(|i| {
-                if traj {
-                    values[i] != values[(i + 1) % len]
-                } else {
-                    values[i] != 0
-                }
-            })
-            .collect();
+        let mut end: Vec<bool> =
+            (0..len).map(|i| if traj { values[i] != values[(i + 1) % len] } else { values[i] != 0 }).collect();
         if at_capacity {
             end[(known.cursor + len - 1) % len] = true;
             if !end.iter().any(|&e| e) {
@@ -294,6 +287,14 @@ impl Sampler for Slice {
             // and sampling over it is refused by name.
             known.values[row] = values.as_ref().and_then(|v| v.get(k).copied());
         }
+    }
+
+    fn on_load(&self, rows: &TensorDict, cursor: usize, capacity: usize) -> Result<()> {
+        self.check_batch(rows)?;
+        self.reset();
+        let n = rows.batch_size().first().copied().unwrap_or(0);
+        self.on_write_rows(&(0..n).collect::<Vec<_>>(), rows, cursor, capacity);
+        Ok(())
     }
 
     fn whole_draws(&self) -> bool {

@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 
 use memmap_tensor::{Access, Tensor};
-use replay::{Episodes, Error, ReplayBuffer, RoundRobin, Slice, StorageConfig};
+use replay::checkpoint::Dump;
+use replay::{Episodes, Error, ReplayBuffer, RoundRobin, Slice, Storage, StorageConfig};
 use tensordict::{Index, TensorDict};
 
 type R = anyhow::Result<()>;
@@ -313,5 +314,33 @@ fn slices_drawn_while_writers_wrap_the_buffer_stay_whole() -> R {
         }
         writer.join().expect("writer thread")
     })?;
+    Ok(())
+}
+
+#[test]
+fn a_buffer_rebuilt_from_the_torchrl_dump_samples_slices() -> R {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1/slices");
+    let dump = Dump::read(dir)?;
+    let (len, capacity) = (dump.storage.len, dump.storage.capacity());
+    let storage = Storage::create(&StorageConfig::heap(capacity), &dump.storage.data)?;
+    storage.write_rows(&(0..capacity).collect::<Vec<_>>(), &dump.storage.data)?;
+    let saved = dump.writer.as_ref().expect("the dump has a writer");
+    let writer = RoundRobin::from_state(usize::try_from(saved.cursor)?, saved.write_count.unwrap_or(saved.cursor));
+    let sampler = Slice::num_slices(4, traj_key())?.seeded(8);
+    let buffer = ReplayBuffer::from_parts(storage, len, Box::new(writer), Box::new(sampler))?;
+    for _ in 0..50 {
+        let (sample, info) = buffer.sample(32)?;
+        let eps = i64s(&sample, "episode");
+        for s in 0..4 {
+            let r = s * 8..(s + 1) * 8;
+            assert!(eps[r.clone()].iter().all(|&e| e == eps[r.start]), "slice {:?}", &info.indices[r]);
+        }
+    }
+
+    // A sampler reading a key the saved rows lack is refused when the buffer is rebuilt.
+    let storage = Storage::create(&StorageConfig::heap(capacity), &dump.storage.data)?;
+    let sampler = Slice::num_slices(4, Episodes::TrajKey("traj".into()))?;
+    let err = ReplayBuffer::from_parts(storage, len, Box::new(RoundRobin::new()), Box::new(sampler)).unwrap_err();
+    assert!(err.to_string().contains("`traj`"), "{err}");
     Ok(())
 }
