@@ -170,7 +170,7 @@ impl Slice {
             SliceShape::NumSlices(n) => (n, "num_slices"),
             SliceShape::SliceLen(n) => (n, "slice_len"),
         };
-        if batch % n != 0 {
+        if !batch.is_multiple_of(n) {
             return Err(Error::Sampler {
                 sampler: NAME,
                 detail: format!("batch size {batch} is not a multiple of {what} {n}"),
