@@ -7,6 +7,8 @@
 //! `SamplerWithoutReplacement` (a permutation per epoch, handed out batch by batch; with
 //! `drop_last` an epoch ends when fewer than a batch of rows remain, without it the last batch
 //! of an epoch is shorter; the epoch restarts when the number of valid rows has changed).
+//! Runs of consecutive steps of one trajectory (TorchRL's `SliceSampler`) are drawn by
+//! [`crate::slice::Slice`], which reads the written rows through [`Sampler::on_write_rows`].
 
 use std::fmt;
 
