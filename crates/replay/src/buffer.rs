@@ -217,6 +217,10 @@ impl ReplayBuffer {
             return Err(Error::IndexOutOfRange { index: i64::try_from(len).unwrap_or(i64::MAX), len: capacity });
         }
         let config = StorageConfig { backend: crate::storage::Backend::Heap, capacity };
+        if len > 0 {
+            let valid = storage.tensordict().index(Index::slice(Some(0), Some(len as i64), 1)).op("from_parts")?;
+            sampler.on_load(&valid, writer.cursor(), capacity)?;
+        }
         let buffer = Self::new(config, writer, sampler)?;
         {
             let mut state = buffer.state.lock();
@@ -278,6 +282,8 @@ impl ReplayBuffer {
         if n == 0 {
             return Ok(Vec::new());
         }
+        // Before the first batch creates the storage, so that a refused batch fixes no schema.
+        self.sampler.check_batch(batch)?;
         let storage = self.storage_for(batch)?;
         storage.check_batch(OP, batch)?;
 
@@ -311,12 +317,17 @@ impl ReplayBuffer {
 
         // Copy, with no buffer lock held.
         let identity = targets.len() == n && targets.iter().enumerate().all(|(i, &(_, k))| i == k);
-        let copied = if identity {
-            storage.write_rows(&rows, batch)
+        // The rows written, in the order of `rows`: the batch itself, or its reordered rows.
+        let reordered: Result<Option<TensorDict>> = if identity {
+            Ok(None)
         } else {
             let src: Vec<i64> = targets.iter().map(|&(_, k)| k as i64).collect();
-            batch.index(Index::List(src)).op(OP).and_then(|src| storage.write_rows(&rows, &src))
+            batch.index(Index::List(src)).op(OP).map(Some)
         };
+        let copied = reordered.and_then(|src| {
+            storage.write_rows(&rows, src.as_ref().unwrap_or(batch))?;
+            Ok(src)
+        });
 
         // Publish.
         let mut state = self.state.lock();
@@ -328,7 +339,7 @@ impl ReplayBuffer {
             }
         }
         match &copied {
-            Ok(()) => {
+            Ok(src) => {
                 for &r in &rows {
                     state.filled[r] = true;
                 }
@@ -337,7 +348,8 @@ impl ReplayBuffer {
                     len += 1;
                 }
                 state.len = len;
-                self.sampler.on_write(&rows);
+                let cursor = state.writer.cursor();
+                self.sampler.on_write_rows(&rows, src.as_ref().unwrap_or(batch), cursor, self.config.capacity);
             }
             Err(_) => {
                 // A failed copy may have written part of a row: those rows are no longer valid.
@@ -474,6 +486,14 @@ impl ReplayBuffer {
                 });
             }
             let short = drawn.len() < want;
+            if self.sampler.whole_draws() && !drawn.iter().all(|&i| state.visible(i)) {
+                // A run with a row being written: the whole draw is dropped and made again.
+                rounds += 1;
+                if rounds % REDRAWS_BEFORE_WAIT == 0 {
+                    self.changed.wait(&mut state);
+                }
+                continue;
+            }
             for (j, &i) in drawn.iter().enumerate() {
                 if state.visible(i) {
                     indices.push(i);

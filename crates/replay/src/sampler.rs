@@ -7,6 +7,8 @@
 //! `SamplerWithoutReplacement` (a permutation per epoch, handed out batch by batch; with
 //! `drop_last` an epoch ends when fewer than a batch of rows remain, without it the last batch
 //! of an epoch is shorter; the epoch restarts when the number of valid rows has changed).
+//! Runs of consecutive steps of one trajectory (TorchRL's `SliceSampler`) are drawn by
+//! [`crate::slice::Slice`], which reads the written rows through [`Sampler::on_write_rows`].
 
 use std::fmt;
 
@@ -15,6 +17,8 @@ use rand::Rng as _;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
+
+use tensordict::TensorDict;
 
 use crate::error::{Error, Result};
 
@@ -32,6 +36,40 @@ pub trait Sampler: Send + Sync + fmt::Debug {
         let _ = indices;
     }
 
+    /// Checks a batch before any of it is written: a sampler that reads keys of the written
+    /// rows ([`Sampler::on_write_rows`]) refuses a batch without them, naming the key. The
+    /// default accepts every batch.
+    fn check_batch(&self, batch: &TensorDict) -> Result<()> {
+        let _ = batch;
+        Ok(())
+    }
+
+    /// Rows `indices` were just completely written with `rows` (row `k` of `rows` went to
+    /// storage row `indices[k]`); `cursor` is the writer's cursor (the row its next write
+    /// starts at) and `capacity` the storage's number of rows. Samplers that need the rows'
+    /// contents (trajectory ids, done flags) read them here. The default calls
+    /// [`Sampler::on_write`].
+    fn on_write_rows(&self, indices: &[usize], rows: &TensorDict, cursor: usize, capacity: usize) {
+        let _ = (rows, cursor, capacity);
+        self.on_write(indices);
+    }
+
+    /// A buffer was rebuilt over a saved storage whose rows `0..n` (`rows`, batch size `[n]`)
+    /// are valid; `cursor` and `capacity` as in [`Sampler::on_write_rows`]. Samplers that read
+    /// the rows' contents learn them here and refuse rows without what they read. The default
+    /// does nothing (a sampler's saved state is restored by its own constructor).
+    fn on_load(&self, rows: &TensorDict, cursor: usize, capacity: usize) -> Result<()> {
+        let _ = (rows, cursor, capacity);
+        Ok(())
+    }
+
+    /// Whether a draw is usable only whole (its rows form runs that must stay together): a
+    /// buffer then draws again from scratch when any drawn row is being written, instead of
+    /// replacing that row alone. The default is `false`.
+    fn whole_draws(&self) -> bool {
+        false
+    }
+
     /// Draws `batch` row indices among rows `0..len` (`len >= 1`), with weights if the sampler
     /// has them. May return fewer than `batch` (the end of an epoch without `drop_last`).
     fn sample(&self, batch: usize, len: usize) -> Result<Draw>;
@@ -47,7 +85,7 @@ pub trait Sampler: Send + Sync + fmt::Debug {
 }
 
 /// A random generator from `seed`, or from the OS when `None`.
-fn rng_from(seed: Option<u64>) -> StdRng {
+pub(crate) fn rng_from(seed: Option<u64>) -> StdRng {
     match seed {
         Some(seed) => StdRng::seed_from_u64(seed),
         None => StdRng::from_os_rng(),

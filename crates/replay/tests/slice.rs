@@ -1,0 +1,346 @@
+//! The slice sampler through the buffer's public API: slices stay inside one trajectory and
+//! never run from the newest row into the oldest, lengths and `strict_length` as TorchRL's
+//! `SliceSampler`, uniform draws, both trajectory sources, TorchRL's `slices` fixture.
+
+use std::path::PathBuf;
+
+use memmap_tensor::{Access, Tensor};
+use replay::checkpoint::Dump;
+use replay::{Episodes, Error, ReplayBuffer, RoundRobin, Slice, Storage, StorageConfig};
+use tensordict::{Index, TensorDict};
+
+type R = anyhow::Result<()>;
+
+fn traj_key() -> Episodes {
+    Episodes::TrajKey("episode".into())
+}
+
+fn end_key() -> Episodes {
+    Episodes::EndKey(["next", "done"].into())
+}
+
+/// Rows of consecutive episodes of the given lengths, from global step `first` on: `step` i64
+/// (the global write order), `episode` i64 (from `first_episode` on), `next/done` bool
+/// (`[n, 1]`, as TorchRL stores it; set on each episode's last step).
+fn episodes(lengths: &[usize], first_episode: i64, first: i64) -> anyhow::Result<TensorDict> {
+    let (mut step, mut ep, mut done) = (Vec::new(), Vec::new(), Vec::new());
+    let mut s = first;
+    for (e, &n) in lengths.iter().enumerate() {
+        for k in 0..n {
+            step.push(s);
+            ep.push(first_episode + e as i64);
+            done.push(k + 1 == n);
+            s += 1;
+        }
+    }
+    let n = step.len();
+    let mut td = TensorDict::new([n]);
+    td.set("step", Tensor::from_slice(&step, [n])?)?;
+    td.set("episode", Tensor::from_slice(&ep, [n])?)?;
+    td.set(["next", "done"], Tensor::from_bools(&done, [n, 1])?)?;
+    Ok(td)
+}
+
+/// Writes `data` in chunks of `chunk` rows.
+fn extend_in_chunks(buffer: &ReplayBuffer, data: &TensorDict, chunk: usize) -> R {
+    let n = data.batch_size()[0];
+    let mut at = 0;
+    while at < n {
+        let end = (at + chunk).min(n);
+        buffer.extend(&data.index(Index::slice(Some(at as i64), Some(end as i64), 1))?)?;
+        at = end;
+    }
+    Ok(())
+}
+
+fn buffer(capacity: usize, sampler: Slice) -> anyhow::Result<ReplayBuffer> {
+    Ok(ReplayBuffer::new(StorageConfig::heap(capacity), Box::new(RoundRobin::new()), Box::new(sampler))?)
+}
+
+fn i64s(td: &TensorDict, key: &str) -> Vec<i64> {
+    td.get_tensor(key).unwrap().to_vec::<i64>().unwrap()
+}
+
+fn dones(td: &TensorDict) -> Vec<bool> {
+    td.get_tensor(["next", "done"]).unwrap().to_vec_bool().unwrap()
+}
+
+/// Checks every slice of a sample (slices of `slice_len` rows): its rows are consecutive storage
+/// rows (wrapping at `len`), one episode, consecutive global steps (so written one right after
+/// the other: a slice from the newest row into the oldest would jump back), and no done flag
+/// but possibly on its last row. Returns the slices' first storage rows.
+fn check_slices(sample: &TensorDict, indices: &[usize], slice_len: usize, len: usize) -> Vec<usize> {
+    assert_eq!(indices.len() % slice_len, 0, "indices {indices:?}");
+    let (steps, eps, done) = (i64s(sample, "step"), i64s(sample, "episode"), dones(sample));
+    let mut starts = Vec::new();
+    for s in 0..indices.len() / slice_len {
+        let r = s * slice_len..(s + 1) * slice_len;
+        for i in r.start + 1..r.end {
+            assert_eq!(indices[i], (indices[i - 1] + 1) % len, "slice {s} rows {:?}", &indices[r.clone()]);
+            assert_eq!(steps[i], steps[i - 1] + 1, "slice {s} steps {:?}", &steps[r.clone()]);
+            assert_eq!(eps[i], eps[r.start], "slice {s} episodes {:?}", &eps[r.clone()]);
+            assert!(!done[i - 1], "slice {s} runs past a done flag: {:?}", &done[r.clone()]);
+        }
+        starts.push(indices[r.start]);
+    }
+    starts
+}
+
+/// Episodes of lengths 3..=12 in turn, `total` rows.
+fn mixed_lengths(total: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut sum = 0;
+    let mut n = 3;
+    while sum < total {
+        let take = n.min(total - sum);
+        out.push(take);
+        sum += take;
+        n = if n == 12 { 3 } else { n + 1 };
+    }
+    out
+}
+
+#[test]
+fn slices_stay_in_one_trajectory_after_wrap_around_for_both_sources() -> R {
+    for episodes_of in [traj_key(), end_key()] {
+        let buffer = buffer(64, Slice::slice_len(4, episodes_of.clone())?.seeded(1))?;
+        // 150 rows into 64: wrapped twice, the cursor at row 22, an episode cut by it.
+        extend_in_chunks(&buffer, &episodes(&mixed_lengths(150), 0, 0)?, 7)?;
+        assert_eq!(buffer.len(), 64);
+        assert_eq!(buffer.writer_state().0, 150 % 64);
+        let mut wrapped = 0;
+        for _ in 0..300 {
+            let (sample, info) = buffer.sample(32)?;
+            assert_eq!(info.indices.len(), 32);
+            for start in check_slices(&sample, &info.indices, 4, 64) {
+                wrapped += usize::from(start > 60);
+            }
+        }
+        // Trajectories running from row 63 into row 0 are sampled, as TorchRL does.
+        assert!(wrapped > 0, "{episodes_of:?}: no slice wrapped from the last row to row 0");
+    }
+    Ok(())
+}
+
+#[test]
+fn one_long_trajectory_is_cut_at_the_cursor() -> R {
+    // A single episode longer than the buffer: ids and flags both say it goes on, only the
+    // cursor separates the newest row from the oldest.
+    for episodes_of in [traj_key(), end_key()] {
+        let buffer = buffer(16, Slice::slice_len(5, episodes_of.clone())?.seeded(2))?;
+        extend_in_chunks(&buffer, &episodes(&[40], 0, 0)?, 3)?;
+        let cursor = buffer.writer_state().0;
+        assert_eq!(cursor, 40 % 16);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..200 {
+            let (sample, info) = buffer.sample(10)?;
+            seen.extend(check_slices(&sample, &info.indices, 5, 16));
+        }
+        // The 16 rows form one trajectory of 16 steps starting at the cursor (the oldest):
+        // 12 starts, all of them seen, none within 4 rows before the cursor.
+        let valid: std::collections::HashSet<usize> = (0..12).map(|k| (cursor + k) % 16).collect();
+        assert_eq!(seen, valid, "{episodes_of:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn batches_are_cut_by_num_slices_or_slice_len() -> R {
+    let data = episodes(&[10; 10], 0, 0)?;
+    let by_count = buffer(128, Slice::num_slices(4, traj_key())?)?;
+    by_count.extend(&data)?;
+    let (sample, info) = by_count.sample(20)?;
+    assert_eq!(sample.batch_size(), &[20]);
+    check_slices(&sample, &info.indices, 5, 100);
+    let (_, info) = by_count.sample(36)?;
+    assert_eq!(info.indices.len(), 36);
+    let err = by_count.sample(22).unwrap_err();
+    assert!(matches!(&err, Error::Sampler { .. }), "{err}");
+    assert!(err.to_string().contains("22") && err.to_string().contains("num_slices 4"), "{err}");
+
+    let by_len = buffer(128, Slice::slice_len(3, traj_key())?)?;
+    by_len.extend(&data)?;
+    let (sample, info) = by_len.sample(12)?;
+    check_slices(&sample, &info.indices, 3, 100);
+    let err = by_len.sample(10).unwrap_err();
+    assert!(err.to_string().contains("slice_len 3"), "{err}");
+
+    let err = Slice::num_slices(0, traj_key()).unwrap_err();
+    assert!(err.to_string().contains("num_slices"), "{err}");
+    let err = Slice::slice_len(0, end_key()).unwrap_err();
+    assert!(err.to_string().contains("slice_len"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn strict_length_leaves_out_or_refuses_short_trajectories() -> R {
+    // Episodes 0 (2 steps) and 1 (8 steps).
+    let data = episodes(&[2, 8], 0, 0)?;
+    let strict = buffer(32, Slice::slice_len(4, traj_key())?.seeded(3))?;
+    strict.extend(&data)?;
+    for _ in 0..100 {
+        let (sample, info) = strict.sample(16)?;
+        check_slices(&sample, &info.indices, 4, 10);
+        assert!(i64s(&sample, "episode").iter().all(|&e| e == 1), "a slice of the short episode");
+    }
+    let too_long = buffer(32, Slice::slice_len(9, traj_key())?)?;
+    too_long.extend(&data)?;
+    let err = too_long.sample(9).unwrap_err();
+    assert!(matches!(&err, Error::Sampler { .. }), "{err}");
+    assert!(err.to_string().contains("at least 9 rows") && err.to_string().contains("longest has 8"), "{err}");
+
+    // Without strict_length, a short episode is sampled whole as a shorter slice.
+    let loose = buffer(32, Slice::slice_len(4, end_key())?.strict_length(false).seeded(4))?;
+    loose.extend(&data)?;
+    let (mut short, mut full) = (0, 0);
+    for _ in 0..100 {
+        let (sample, info) = loose.sample(4)?;
+        let eps = i64s(&sample, "episode");
+        match eps[0] {
+            0 => {
+                assert_eq!(info.indices, vec![0, 1]);
+                short += 1;
+            }
+            _ => {
+                check_slices(&sample, &info.indices, 4, 10);
+                full += 1;
+            }
+        }
+    }
+    assert!(short > 0 && full > 0, "short {short}, full {full}");
+    Ok(())
+}
+
+#[test]
+fn starts_are_uniform_over_the_valid_starts() -> R {
+    // Two episodes of 20 steps, slices of 5: 16 starts each, 32 in all, every one equally
+    // likely (trajectories are picked uniformly, then a start in the trajectory).
+    let buffer = buffer(64, Slice::slice_len(5, end_key())?.seeded(5))?;
+    buffer.extend(&episodes(&[20, 20], 0, 0)?)?;
+    let mut counts = [0u64; 40];
+    let batches = 400;
+    for _ in 0..batches {
+        let (sample, info) = buffer.sample(5 * 80)?;
+        for start in check_slices(&sample, &info.indices, 5, 40) {
+            counts[start] += 1;
+        }
+    }
+    let valid: Vec<usize> = (0..16).chain(20..36).collect();
+    for (row, &c) in counts.iter().enumerate() {
+        assert_eq!(c > 0, valid.contains(&row), "row {row} drawn {c} times");
+    }
+    // Pearson's chi-square over the 32 starts (31 degrees of freedom): 80 is far in the tail
+    // (p < 1e-5), while a fair draw lands near 31.
+    let total = (batches * 80) as f64;
+    let expected = total / valid.len() as f64;
+    let chi2: f64 = valid.iter().map(|&r| (counts[r] as f64 - expected).powi(2) / expected).sum();
+    assert!(chi2 < 80.0, "chi-square {chi2} over counts {counts:?}");
+    Ok(())
+}
+
+#[test]
+fn torchrl_slices_fixture_rows_sample_into_single_episode_slices() -> R {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1/slices/storage");
+    let stored = TensorDict::load_memmap(dir, Access::ReadOnly)?;
+    // TorchRL recorded len 100 of capacity 128: rows 0..100 are the 10-step episodes.
+    let rows = stored.index(Index::slice(Some(0), Some(100), 1))?;
+    for episodes_of in [traj_key(), end_key()] {
+        let buffer = buffer(128, Slice::num_slices(4, episodes_of.clone())?.seeded(6))?;
+        buffer.extend(&rows)?;
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..200 {
+            let (sample, info) = buffer.sample(4 * 6)?;
+            let (eps, index) = (i64s(&sample, "episode"), i64s(&sample, "index"));
+            let done = dones(&sample);
+            for s in 0..4 {
+                let r = s * 6..(s + 1) * 6;
+                for i in r.start + 1..r.end {
+                    assert_eq!(eps[i], eps[r.start], "{episodes_of:?}: slice {:?}", &index[r.clone()]);
+                    assert_eq!(index[i], index[i - 1] + 1);
+                    assert!(!done[i - 1]);
+                }
+                assert_eq!(index[r.start] as usize, info.indices[r.start]);
+                seen.insert(info.indices[r.start]);
+            }
+        }
+        // Starts 0..=4 of every 10-step episode, and only those.
+        let valid: std::collections::HashSet<usize> = (0..10).flat_map(|e| (0..5).map(move |k| 10 * e + k)).collect();
+        assert_eq!(seen, valid, "{episodes_of:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_batch_without_a_usable_key_is_refused_by_name() -> R {
+    let data = episodes(&[5], 0, 0)?;
+    let missing = buffer(16, Slice::slice_len(2, Episodes::TrajKey("traj".into()))?)?;
+    let err = missing.extend(&data).unwrap_err();
+    assert!(err.to_string().contains("`traj`"), "{err}");
+    assert!(missing.is_empty());
+
+    let mut floats = TensorDict::new([3]);
+    floats.set("episode", Tensor::from_slice(&[0f32, 0., 1.], [3])?)?;
+    let float_ids = buffer(16, Slice::slice_len(2, traj_key())?)?;
+    let err = float_ids.extend(&floats).unwrap_err();
+    assert!(err.to_string().contains("`episode`") && err.to_string().contains("float32"), "{err}");
+    // The refused batch fixed no schema: a good one is taken.
+    float_ids.extend(&data)?;
+    assert_eq!(float_ids.len(), 5);
+
+    let mut wide = TensorDict::new([3]);
+    wide.set("episode", Tensor::from_slice(&[0i64; 6], [3, 2])?)?;
+    let wide_ids = buffer(16, Slice::slice_len(2, traj_key())?)?;
+    let err = wide_ids.extend(&wide).unwrap_err();
+    assert!(err.to_string().contains("[3, 2]"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn slices_drawn_while_writers_wrap_the_buffer_stay_whole() -> R {
+    let buffer = buffer(48, Slice::slice_len(6, traj_key())?.seeded(7))?;
+    buffer.extend(&episodes(&[12; 4], 0, 0)?)?;
+    std::thread::scope(|scope| -> R {
+        let writer = scope.spawn(|| -> R {
+            // Episodes of 12 steps written 5 rows at a time, ids and steps going on.
+            for round in 1..40i64 {
+                let data = episodes(&[12; 4], 4 * round, 48 * round)?;
+                extend_in_chunks(&buffer, &data, 5)?;
+            }
+            Ok(())
+        });
+        while !writer.is_finished() {
+            let (sample, info) = buffer.sample(24)?;
+            check_slices(&sample, &info.indices, 6, 48);
+        }
+        writer.join().expect("writer thread")
+    })?;
+    Ok(())
+}
+
+#[test]
+fn a_buffer_rebuilt_from_the_torchrl_dump_samples_slices() -> R {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1/slices");
+    let dump = Dump::read(dir)?;
+    let (len, capacity) = (dump.storage.len, dump.storage.capacity());
+    let storage = Storage::create(&StorageConfig::heap(capacity), &dump.storage.data)?;
+    storage.write_rows(&(0..capacity).collect::<Vec<_>>(), &dump.storage.data)?;
+    let saved = dump.writer.as_ref().expect("the dump has a writer");
+    let writer = RoundRobin::from_state(usize::try_from(saved.cursor)?, saved.write_count.unwrap_or(saved.cursor));
+    let sampler = Slice::num_slices(4, traj_key())?.seeded(8);
+    let buffer = ReplayBuffer::from_parts(storage, len, Box::new(writer), Box::new(sampler))?;
+    for _ in 0..50 {
+        let (sample, info) = buffer.sample(32)?;
+        let eps = i64s(&sample, "episode");
+        for s in 0..4 {
+            let r = s * 8..(s + 1) * 8;
+            assert!(eps[r.clone()].iter().all(|&e| e == eps[r.start]), "slice {:?}", &info.indices[r]);
+        }
+    }
+
+    // A sampler reading a key the saved rows lack is refused when the buffer is rebuilt.
+    let storage = Storage::create(&StorageConfig::heap(capacity), &dump.storage.data)?;
+    let sampler = Slice::num_slices(4, Episodes::TrajKey("traj".into()))?;
+    let err = ReplayBuffer::from_parts(storage, len, Box::new(RoundRobin::new()), Box::new(sampler)).unwrap_err();
+    assert!(err.to_string().contains("`traj`"), "{err}");
+    Ok(())
+}
