@@ -42,5 +42,5 @@ pub use error::{Error, Result};
 pub use prioritized::{MaxPriority, PrioritizedParts, PrioritizedState, SAMPLER_SCHEMA_VERSION, SamplerMetadata};
 pub use sampler::{Draw, Sampler, Uniform, WithoutReplacement};
 pub use storage::{Backend, STORAGE_METADATA, Storage, StorageConfig};
-pub use tree::{MinTree, PriorityError, PriorityResult, SumTree};
+pub use tree::{MinTree, SumTree};
 pub use writer::{MaxValue, Reduction, RoundRobin, Writer};
