@@ -602,10 +602,8 @@ impl ReplayBuffer {
         };
         let config = StorageConfig { backend: options.backend.clone(), capacity };
         let storage = Storage::create(&config, &dump.storage.data)?;
-        if len > 0 {
-            let head = dump.storage.data.index(Index::slice(Some(0), Some(len as i64), 1)).op("loads")?;
-            storage.write_rows(&(0..len).collect::<Vec<_>>(), &head)?;
-        }
+        // Every row, valid or not, so that dumping the loaded buffer gives back the same files.
+        storage.write_rows(&(0..capacity).collect::<Vec<_>>(), &dump.storage.data)?;
         storage.store_len(len)?;
         Self::over_storage(options.backend, storage, len, writer, sampler)
     }
