@@ -386,3 +386,81 @@ fn concurrent_writers_samplers_and_priority_updates_keep_weights_with_rows() {
     });
     assert_eq!(buffer.len(), 64);
 }
+
+const CHILD_ENV: &str = "REPLAY_DUMPS_CRASH_DIR";
+
+/// The child of `a_buffer_killed_while_dumping_leaves_only_complete_dumps`: a prioritized
+/// buffer that writes rows, updates priorities and dumps itself to `out-0`, `out-1`, ... until
+/// it is killed. Without the variable (a normal test run) it checks one such round.
+#[test]
+fn crash_child_dumps_a_changing_buffer_until_killed() {
+    let buffer = ReplayBuffer::prioritized(StorageConfig::heap(64), 0.6, 0.4, 1e-6).unwrap();
+    let (dir, rounds) = match std::env::var_os(CHILD_ENV) {
+        Some(dir) => (PathBuf::from(dir), usize::MAX),
+        None => (tempfile::tempdir().unwrap().keep(), 1),
+    };
+    for i in 0..rounds {
+        // Round i: rows 0..5(i+1) written, row i % 64 at priority i + 1.
+        buffer.extend(&rows(5 * i, 5)).unwrap();
+        buffer.update_priority(vec![i % buffer.len()], &[(i + 1) as f64]).unwrap();
+        buffer.dumps(dir.join(format!("out-{i}"))).unwrap();
+    }
+    if rounds == 1 {
+        let back = ReplayBuffer::loads(dir.join("out-0"), LoadOptions::default()).unwrap();
+        assert_same_buffer(&buffer, &back);
+        fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+#[test]
+fn a_buffer_killed_while_dumping_leaves_only_complete_dumps() {
+    for round in 0..3 {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "crash_child_dumps_a_changing_buffer_until_killed", "--test-threads", "1"])
+            .env(CHILD_ENV, dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        // Kill it while a dump is being built, once `round + 1` dumps are complete (or after a
+        // while of looking, should no hidden folder ever show).
+        let mut looked = 0u32;
+        loop {
+            let names: Vec<String> = fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            if names.iter().filter(|n| n.starts_with("out-")).count() > round {
+                looked += 1;
+                if names.iter().any(|n| n.starts_with('.')) || looked > 100_000 {
+                    break;
+                }
+            }
+            assert!(child.try_wait().unwrap().is_none(), "the child stopped by itself");
+            std::thread::yield_now();
+        }
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        let mut complete = 0;
+        for entry in fs::read_dir(dir.path()).unwrap() {
+            let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+            let Some(i) = name.strip_prefix("out-") else { continue };
+            let i: usize = i.parse().unwrap();
+            // A dump at its name is whole: it loads, with the rows and priority of its round.
+            let back = ReplayBuffer::loads(dir.path().join(&name), LoadOptions::default()).unwrap();
+            assert_eq!(back.len(), (5 * (i + 1)).min(64), "{name}");
+            let p = prioritized_dump(&back);
+            assert_eq!(p.max_priority.value, Some((i + 1) as f64), "{name}");
+            // Row r holds the last step written there: r + 64 k, below the 5 (i + 1) written.
+            let n = 5 * (i + 1);
+            let obs = back.get(0..back.len()).unwrap().get_tensor("obs").unwrap().to_vec::<f32>().unwrap();
+            for (r, chunk) in obs.chunks(4).enumerate() {
+                let step = r + 64 * ((n - 1 - r) / 64);
+                assert_eq!(chunk, [0., 1., 2., 3.].map(|j| (10 * step) as f32 + j), "{name}: row {r}");
+            }
+            complete += 1;
+        }
+        assert!(complete > round, "round {round}: {complete} dumps");
+    }
+}
