@@ -72,7 +72,12 @@ fn main() -> anyhow::Result<()> {
     let loaded = ReplayBuffer::loads(&dump, LoadOptions::default())?;
 
     ensure!(loaded.len() == buffer.len(), "len {} != {}", loaded.len(), buffer.len());
-    ensure!(loaded.writer_state() == buffer.writer_state(), "writer {:?} != {:?}", loaded.writer_state(), buffer.writer_state());
+    ensure!(
+        loaded.writer_state() == buffer.writer_state(),
+        "writer {:?} != {:?}",
+        loaded.writer_state(),
+        buffer.writer_state()
+    );
     ensure!(
         contents(&loaded.get(0..loaded.len())?)? == contents(&buffer.get(0..buffer.len())?)?,
         "the loaded rows differ"

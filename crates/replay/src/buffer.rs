@@ -576,13 +576,7 @@ impl ReplayBuffer {
                 match &w.kind {
                     WriterKind::MaxValue { rank_key, top_values, .. } => {
                         let top: Vec<(f64, usize)> = top_values.iter().map(|&(r, i)| (r, i as usize)).collect();
-                        Box::new(MaxValue::from_state(
-                            rank_key.as_str(),
-                            options.reduction,
-                            cursor,
-                            write_count,
-                            &top,
-                        ))
+                        Box::new(MaxValue::from_state(rank_key.as_str(), options.reduction, cursor, write_count, &top))
                     }
                     WriterKind::RoundRobin { .. } => Box::new(RoundRobin::from_state(cursor, write_count)),
                 }

@@ -37,16 +37,15 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use crate::error::{Error, Result};
 use memmap_tensor::{Access, DType, Tensor};
 use serde_json::{Map, Value, json};
-use crate::error::{Error, Result};
 use tensordict::{TensorDict, WriteOptions, json_as_f64, json_float, parse_python_json, to_python_json};
 
 /// JSON files larger than this are refused before they are read.
 pub const MAX_JSON_BYTES: u64 = 1 << 20;
 /// Opaque files (`transform.t`) larger than this are refused before they are read.
 pub const MAX_OPAQUE_BYTES: u64 = 256 << 20;
-
 
 /// A TorchRL `ReplayBuffer.dumps()` folder, read into memory (the storage stays mapped).
 #[derive(Debug)]

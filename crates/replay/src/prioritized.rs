@@ -321,12 +321,7 @@ impl PrioritizedState {
 
     /// Draws `batch` rows among `0..len` with probability proportional to their tree values,
     /// and their importance weights `(p_i / p_min)^(-beta)`. O(batch · log n).
-    pub fn sample<R: Rng + ?Sized>(
-        &self,
-        batch: usize,
-        len: usize,
-        rng: &mut R,
-    ) -> Result<(Vec<usize>, Vec<f32>)> {
+    pub fn sample<R: Rng + ?Sized>(&self, batch: usize, len: usize, rng: &mut R) -> Result<(Vec<usize>, Vec<f32>)> {
         let p_sum = self.sum_tree.sum(0..len)?;
         let p_min = self.min_tree.min_in(0..len)?;
         if p_sum <= 0.0 {
@@ -383,11 +378,7 @@ impl PrioritizedState {
     /// `_max_capacity` and both leaf arrays must agree with it. Dumps without a schema version
     /// (older TorchRL) have their max priority recomputed from the tree when
     /// `max_priority_within_buffer` is set, as TorchRL's `loads` does.
-    pub fn from_parts(
-        capacity: usize,
-        parts: &PrioritizedParts,
-        max_priority_within_buffer: bool,
-    ) -> Result<Self> {
+    pub fn from_parts(capacity: usize, parts: &PrioritizedParts, max_priority_within_buffer: bool) -> Result<Self> {
         let meta = &parts.metadata;
         if !(meta.max_capacity >= 0.0 && meta.max_capacity.fract() == 0.0) {
             return Err(Error::InvalidParameter {

@@ -16,7 +16,6 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 
-
 fn check_priority(index: usize, value: f32) -> Result<()> {
     if value.is_finite() && value >= 0.0 {
         Ok(())
@@ -110,11 +109,7 @@ impl SumTree {
     }
 
     fn check_index(&self, index: usize) -> Result<()> {
-        if index < self.capacity {
-            Ok(())
-        } else {
-            Err(Error::RowOutOfRange { index, capacity: self.capacity })
-        }
+        if index < self.capacity { Ok(()) } else { Err(Error::RowOutOfRange { index, capacity: self.capacity }) }
     }
 
     fn set_unchecked(&mut self, index: usize, value: f32) {

@@ -304,10 +304,7 @@ fn update_priority_refuses_bad_input_and_changes_nothing() {
         let err = state.update_priority(&[0, 2], &[1.0, bad]).unwrap_err();
         assert!(matches!(err, Error::InvalidPriority { index: 2, .. }), "{err}");
     }
-    assert!(matches!(
-        state.update_priority(&[1, 4], &[1.0, 1.0]),
-        Err(Error::RowOutOfRange { index: 4, capacity: 4 })
-    ));
+    assert!(matches!(state.update_priority(&[1, 4], &[1.0, 1.0]), Err(Error::RowOutOfRange { index: 4, capacity: 4 })));
     assert!(matches!(state.update_priority(&[0, 1, 2], &[1.0, 2.0]), Err(Error::LengthMismatch { .. })));
     assert!(matches!(state.on_write(&[7]), Err(Error::RowOutOfRange { index: 7, .. })));
     // A priority whose (p + eps)^alpha overflows f32 is refused too.
@@ -447,24 +444,15 @@ fn from_parts_refuses_inconsistent_dumps() {
 
     let mut nan = good.clone();
     nan.sum_leaves[3] = f64::NAN;
-    assert!(matches!(
-        PrioritizedState::from_parts(32, &nan, false),
-        Err(Error::InvalidPriority { index: 3, .. })
-    ));
+    assert!(matches!(PrioritizedState::from_parts(32, &nan, false), Err(Error::InvalidPriority { index: 3, .. })));
 
     let mut huge = good.clone();
     huge.sum_leaves[4] = 1e300;
-    assert!(matches!(
-        PrioritizedState::from_parts(32, &huge, false),
-        Err(Error::InvalidPriority { index: 4, .. })
-    ));
+    assert!(matches!(PrioritizedState::from_parts(32, &huge, false), Err(Error::InvalidPriority { index: 4, .. })));
 
     let mut bad_max = good.clone();
     bad_max.metadata.max_priority = [Some(1.0), Some(40.0)];
-    assert!(matches!(
-        PrioritizedState::from_parts(32, &bad_max, false),
-        Err(Error::RowOutOfRange { index: 40, .. })
-    ));
+    assert!(matches!(PrioritizedState::from_parts(32, &bad_max, false), Err(Error::RowOutOfRange { index: 40, .. })));
 
     let mut fractional = good.clone();
     fractional.metadata.max_capacity = 32.5;
