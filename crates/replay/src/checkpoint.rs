@@ -29,6 +29,9 @@
 //! - `rng_state/` (when the buffer has a generator): a tensordict memmap folder.
 //!   `transform.t` (a `torch.save` of the transforms' state) is kept as opaque bytes.
 //!
+//! [`crate::ReplayBuffer::dumps`] and [`crate::ReplayBuffer::loads`] go through [`Dump`]; a dump
+//! read here is plain data, a buffer built from it is the buffer TorchRL dumped.
+//!
 //! JSON files are written as Python's `json.dump` writes them (same key order, `", "` and
 //! `": "` separators, floats as Python's `repr`), so a dump read and written again is byte for
 //! byte the dump TorchRL wrote.
