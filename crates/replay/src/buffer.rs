@@ -28,19 +28,30 @@
 //!
 //! For a memmap folder, `storage_metadata.json` is rewritten with the new `len` after the
 //! rows it covers are complete.
+//!
+//! # Checkpoints
+//!
+//! [`ReplayBuffer::dumps`] writes a TorchRL 0.14.1 dump folder (see [`crate::checkpoint`]) and
+//! [`ReplayBuffer::loads`] builds a buffer from one. A dump is a consistent snapshot: it waits
+//! for the writes under way to finish, then pins every row (new writes wait) while the rows,
+//! the writer state and the sampler state are saved.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::ops::Range;
+use std::path::Path;
 use std::sync::OnceLock;
+
+use memmap_tensor::DType;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use tensordict::{Index, TensorDict};
 
+use crate::checkpoint::{BufferMetadata, Dump, Prefetch, SamplerDump, StorageDump, WriterDump, WriterKind};
 use crate::error::{Error, Result, WithOp};
-use crate::sampler::{Sampler, Uniform};
-use crate::storage::{Storage, StorageConfig};
-use crate::writer::{RoundRobin, Writer};
+use crate::sampler::{Prioritized, Sampler, Uniform, WithoutReplacement};
+use crate::storage::{Backend, Storage, StorageConfig};
+use crate::writer::{MaxValue, Reduction, RoundRobin, Writer};
 
 /// How often a sample draws again for rows being written before it waits for a write to end.
 const REDRAWS_BEFORE_WAIT: usize = 8;
@@ -130,6 +141,53 @@ impl Rows {
     }
 }
 
+/// What [`ReplayBuffer::loads`] needs beyond the dump: where the rows go and the settings
+/// TorchRL keeps in its constructors rather than in the dump.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct LoadOptions {
+    /// Where the loaded rows are kept (heap by default).
+    pub backend: Backend,
+    /// How a max-value writer reduces a row's rank values (sum by default, as TorchRL).
+    pub reduction: Reduction,
+    /// TorchRL's `max_priority_within_buffer` for a prioritized sampler (false by default).
+    pub max_priority_within_buffer: bool,
+    /// A seed for the sampler's generator (from the OS when `None`).
+    pub seed: Option<u64>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { backend: Backend::Heap, reduction: Reduction::Sum, max_priority_within_buffer: false, seed: None }
+    }
+}
+
+impl LoadOptions {
+    /// The defaults with rows kept by `backend`.
+    pub fn with_backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// The options with the sampler's generator seeded by `seed`.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+
+    /// The options with a max-value writer reducing rank values by `reduction`.
+    pub fn with_reduction(mut self, reduction: Reduction) -> Self {
+        self.reduction = reduction;
+        self
+    }
+
+    /// The options with TorchRL's `max_priority_within_buffer` set to `within`.
+    pub fn with_max_priority_within_buffer(mut self, within: bool) -> Self {
+        self.max_priority_within_buffer = within;
+        self
+    }
+}
+
 /// The state the lock guards (see the module docs).
 struct State {
     writer: Box<dyn Writer>,
@@ -177,9 +235,13 @@ impl fmt::Debug for ReplayBuffer {
 
 impl ReplayBuffer {
     /// A buffer whose storage is created from `config` with the schema of the first batch.
+    /// A sampler that keeps per-row state must have been built for `config.capacity` rows.
     pub fn new(config: StorageConfig, writer: Box<dyn Writer>, sampler: Box<dyn Sampler>) -> Result<Self> {
         if config.capacity == 0 {
             return Err(Error::ZeroCapacity);
+        }
+        if let Some(got) = sampler.capacity().filter(|&c| c != config.capacity) {
+            return Err(Error::CapacityMismatch { what: "the sampler's capacity", expected: config.capacity, got });
         }
         let capacity = config.capacity;
         Ok(ReplayBuffer {
@@ -204,9 +266,34 @@ impl ReplayBuffer {
         Self::new(config, Box::new(RoundRobin::new()), Box::new(Uniform::new()))
     }
 
+    /// A buffer with a round-robin writer and a prioritized sampler (TorchRL's
+    /// `PrioritizedReplayBuffer`): new rows get the largest priority seen so far, samples
+    /// carry importance weights in [`SampleInfo::weights`], and
+    /// [`ReplayBuffer::update_priority`] sets priorities. `alpha`, `beta` and `eps` must be
+    /// finite and `>= 0`.
+    pub fn prioritized(config: StorageConfig, alpha: f64, beta: f64, eps: f64) -> Result<Self> {
+        let sampler = Prioritized::new(config.capacity, alpha, beta, eps)?;
+        Self::new(config, Box::new(RoundRobin::new()), Box::new(sampler))
+    }
+
     /// A buffer over an existing storage whose rows `0..len` are valid (a loaded checkpoint),
     /// with its writer and sampler in their saved state.
     pub fn from_parts(
+        storage: Storage,
+        len: usize,
+        writer: Box<dyn Writer>,
+        sampler: Box<dyn Sampler>,
+    ) -> Result<Self> {
+        let backend = match (storage.folder(), storage.shm_prefix()) {
+            (Some(folder), _) => Backend::Memmap { folder: Some(folder.to_owned()), overwrite: false },
+            (None, Some(prefix)) => Backend::Shared { prefix: prefix.to_owned() },
+            (None, None) => Backend::Heap,
+        };
+        Self::over_storage(backend, storage, len, writer, sampler)
+    }
+
+    fn over_storage(
+        backend: Backend,
         storage: Storage,
         len: usize,
         writer: Box<dyn Writer>,
@@ -216,7 +303,7 @@ impl ReplayBuffer {
         if len > capacity {
             return Err(Error::IndexOutOfRange { index: i64::try_from(len).unwrap_or(i64::MAX), len: capacity });
         }
-        let config = StorageConfig { backend: crate::storage::Backend::Heap, capacity };
+        let config = StorageConfig { backend, capacity };
         if len > 0 {
             let valid = storage.tensordict().index(Index::slice(Some(0), Some(len as i64), 1)).op("from_parts")?;
             sampler.on_load(&valid, writer.cursor(), capacity)?;
@@ -438,6 +525,95 @@ impl ReplayBuffer {
         self.sampler.update_priority(&rows, priorities)
     }
 
+    /// Writes the buffer as a TorchRL dump folder at `path` (which must be missing or an empty
+    /// folder), as TorchRL's `ReplayBuffer.dumps` does: the storage with its `len`, the writer's
+    /// cursor and write count (and a max-value writer's kept ranks), the sampler's state
+    /// (nothing for uniform, the trees for prioritized, the epoch for without-replacement).
+    /// The folder appears complete or not at all (see [`Dump::write`]). A buffer that has
+    /// never been written to has no storage to dump.
+    pub fn dumps(&self, path: impl AsRef<Path>) -> Result<()> {
+        let storage = self.storage.get().ok_or(Error::Empty)?;
+        let mut state = self.state.lock();
+        while !state.in_flight.is_empty() {
+            self.changed.wait(&mut state);
+        }
+        let len = state.len;
+        let writer = writer_dump(&*state.writer)?;
+        let sampler = self.sampler.to_dump()?;
+        let all: Vec<usize> = (0..self.config.capacity).collect();
+        for &r in &all {
+            state.pins[r] += 1;
+        }
+        drop(state);
+        self.with_pins(&all, || {
+            let dump = Dump {
+                storage: StorageDump { data: storage.tensordict().clone(), len },
+                writer: Some(writer),
+                sampler,
+                buffer: BufferMetadata { batch_size: None, consume_after_n_samples: None },
+                prefetch: Some(Prefetch { capacity: 0 }),
+                rng_state: None,
+                transform: None,
+            };
+            dump.write(path)
+        })
+    }
+
+    /// Builds a buffer from the TorchRL dump folder at `path` (TorchRL's `ReplayBuffer.loads`):
+    /// the rows are copied into a new storage kept by `options.backend`, and the writer and
+    /// sampler are rebuilt in their saved state. Writers: round-robin and max-value; samplers:
+    /// none saved (uniform), prioritized and without-replacement. The dump's generator state
+    /// and transforms are not read (this crate has neither).
+    pub fn loads(path: impl AsRef<Path>, options: LoadOptions) -> Result<Self> {
+        let path = path.as_ref();
+        let dump = Dump::read(path)?;
+        let capacity = dump.storage.capacity();
+        let len = dump.storage.len;
+        let writer: Box<dyn Writer> = match &dump.writer {
+            None => {
+                return Err(Error::Unsupported {
+                    path: path.join("writer"),
+                    what: "a dump without writer state (an immutable dataset writer)".into(),
+                });
+            }
+            Some(WriterDump { kind: WriterKind::RoundRobin { generation: Some(_) }, .. }) => {
+                return Err(Error::Unsupported {
+                    path: path.join("writer").join("generation.memmap"),
+                    what: "a round-robin writer tracking generations".into(),
+                });
+            }
+            Some(w) => {
+                let cursor = usize::try_from(w.cursor).unwrap_or(usize::MAX);
+                let write_count = w.write_count.unwrap_or(0);
+                match &w.kind {
+                    WriterKind::MaxValue { rank_key, top_values, .. } => {
+                        let top: Vec<(f64, usize)> = top_values.iter().map(|&(r, i)| (r, i as usize)).collect();
+                        Box::new(MaxValue::from_state(rank_key.as_str(), options.reduction, cursor, write_count, &top))
+                    }
+                    WriterKind::RoundRobin { .. } => Box::new(RoundRobin::from_state(cursor, write_count)),
+                }
+            }
+        };
+        let sampler: Box<dyn Sampler> = match &dump.sampler {
+            SamplerDump::Stateless => Box::new(match options.seed {
+                Some(seed) => Uniform::seeded(seed),
+                None => Uniform::new(),
+            }),
+            SamplerDump::Prioritized(p) => {
+                Box::new(Prioritized::from_dump(p, capacity, options.max_priority_within_buffer, options.seed)?)
+            }
+            SamplerDump::WithoutReplacement(td) => {
+                Box::new(WithoutReplacement::from_state_dict(td, capacity, options.seed)?)
+            }
+        };
+        let config = StorageConfig { backend: options.backend.clone(), capacity };
+        let storage = Storage::create(&config, &dump.storage.data)?;
+        // Every row, valid or not, so that dumping the loaded buffer gives back the same files.
+        storage.write_rows(&(0..capacity).collect::<Vec<_>>(), &dump.storage.data)?;
+        storage.store_len(len)?;
+        Self::over_storage(options.backend, storage, len, writer, sampler)
+    }
+
     /// The storage, created from `batch`'s schema if this is the first batch.
     fn storage_for(&self, batch: &TensorDict) -> Result<&Storage> {
         if let Some(s) = self.storage.get() {
@@ -541,6 +717,33 @@ impl ReplayBuffer {
         }
         Ok(())
     }
+}
+
+/// The writer's part of a dump: cursor, write count and, for a max-value writer, its ranks.
+fn writer_dump(writer: &dyn Writer) -> Result<WriterDump> {
+    let kind = match writer.ranked() {
+        Some((key, top)) => {
+            let [rank_key] = key.parts() else {
+                return Err(Error::RankKey {
+                    key: key.to_string(),
+                    detail: "a nested rank key has no form in a TorchRL dump's writer metadata".into(),
+                });
+            };
+            WriterKind::MaxValue {
+                rank_key: rank_key.clone(),
+                top_values: top.into_iter().map(|(r, i)| (r, i as u64)).collect(),
+                dtype: DType::F32,
+            }
+        }
+        None if writer.name() == "round-robin" => WriterKind::RoundRobin { generation: None },
+        None => {
+            return Err(Error::Unsupported {
+                path: "writer".into(),
+                what: format!("the {} writer has no TorchRL dump form", writer.name()),
+            });
+        }
+    };
+    Ok(WriterDump { cursor: writer.cursor() as u64, write_count: Some(writer.write_count()), kind })
 }
 
 // The buffer is shared between threads by reference.

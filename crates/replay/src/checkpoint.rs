@@ -29,6 +29,9 @@
 //! - `rng_state/` (when the buffer has a generator): a tensordict memmap folder.
 //!   `transform.t` (a `torch.save` of the transforms' state) is kept as opaque bytes.
 //!
+//! [`crate::ReplayBuffer::dumps`] and [`crate::ReplayBuffer::loads`] go through [`Dump`]; a dump
+//! read here is plain data, a buffer built from it is the buffer TorchRL dumped.
+//!
 //! JSON files are written as Python's `json.dump` writes them (same key order, `", "` and
 //! `": "` separators, floats as Python's `repr`), so a dump read and written again is byte for
 //! byte the dump TorchRL wrote.
@@ -37,6 +40,7 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use crate::error::{Error, Result};
 use memmap_tensor::{Access, DType, Tensor};
 use serde_json::{Map, Value, json};
 use tensordict::{TensorDict, WriteOptions, json_as_f64, json_float, parse_python_json, to_python_json};
@@ -45,85 +49,6 @@ use tensordict::{TensorDict, WriteOptions, json_as_f64, json_float, parse_python
 pub const MAX_JSON_BYTES: u64 = 1 << 20;
 /// Opaque files (`transform.t`) larger than this are refused before they are read.
 pub const MAX_OPAQUE_BYTES: u64 = 256 << 20;
-
-/// What can go wrong reading or writing a dump. Every variant names the file or folder.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum DumpError {
-    /// A file or folder the layout needs is not there.
-    #[error("{path}: missing (a TorchRL dump needs it)")]
-    Missing {
-        /// The path looked for.
-        path: PathBuf,
-    },
-    /// Reading or writing a file failed.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// A JSON file is not valid JSON (or is too large).
-    #[error("{path}: not valid JSON: {problem}")]
-    Json {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        problem: String,
-    },
-    /// A field of a JSON file is missing or has the wrong type or value.
-    #[error("{path}: field `{field}`: {problem}")]
-    Field {
-        /// The file.
-        path: PathBuf,
-        /// The field.
-        field: &'static str,
-        /// What is wrong.
-        problem: String,
-    },
-    /// A tensordict folder could not be read or written.
-    #[error("{path}: {source}")]
-    Dict {
-        /// The folder.
-        path: PathBuf,
-        /// The cause.
-        source: tensordict::Error,
-    },
-    /// A `.memmap` file could not be read or written.
-    #[error("{path}: {source}")]
-    Tensor {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: memmap_tensor::Error,
-    },
-    /// The parts disagree with each other (a length larger than the capacity, say).
-    #[error("{path}: {problem}")]
-    Inconsistent {
-        /// The file whose value is out of range.
-        path: PathBuf,
-        /// What disagrees.
-        problem: String,
-    },
-    /// A part TorchRL writes that this crate does not read.
-    #[error("{path}: not supported: {what}")]
-    Unsupported {
-        /// The file or folder.
-        path: PathBuf,
-        /// What it holds.
-        what: String,
-    },
-    /// [`Dump::write`] was given a destination that exists and is not empty.
-    #[error("{path}: exists and is not empty; a dump is only written to a new or empty folder")]
-    DestinationExists {
-        /// The destination.
-        path: PathBuf,
-    },
-}
-
-/// The result of this module's operations.
-pub type DumpResult<T> = std::result::Result<T, DumpError>;
 
 /// A TorchRL `ReplayBuffer.dumps()` folder, read into memory (the storage stays mapped).
 #[derive(Debug)]
@@ -313,45 +238,45 @@ impl Prefetch {
     }
 }
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DumpError + '_ {
-    move |source| DumpError::Io { path: path.to_owned(), source }
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io { path: path.to_owned(), source }
 }
 
-fn dict_err(path: &Path) -> impl FnOnce(tensordict::Error) -> DumpError + '_ {
-    move |source| DumpError::Dict { path: path.to_owned(), source }
+fn dict_err(path: &Path) -> impl FnOnce(tensordict::Error) -> Error + '_ {
+    move |source| Error::Dict { path: path.to_owned(), source }
 }
 
-fn tensor_err(path: &Path) -> impl FnOnce(memmap_tensor::Error) -> DumpError + '_ {
-    move |source| DumpError::Tensor { path: path.to_owned(), source }
+fn tensor_err(path: &Path) -> impl FnOnce(memmap_tensor::Error) -> Error + '_ {
+    move |source| Error::Tensor { path: path.to_owned(), source }
 }
 
-fn field(path: &Path, field: &'static str, problem: impl Into<String>) -> DumpError {
-    DumpError::Field { path: path.to_owned(), field, problem: problem.into() }
+fn field(path: &Path, field: &'static str, problem: impl Into<String>) -> Error {
+    Error::Field { path: path.to_owned(), field, problem: problem.into() }
 }
 
 /// Whether `path` exists (a link counts as existing; errors other than "not found" are errors).
-fn exists(path: &Path) -> DumpResult<bool> {
+fn exists(path: &Path) -> Result<bool> {
     match fs::symlink_metadata(path) {
         Ok(_) => Ok(true),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(DumpError::Io { path: path.to_owned(), source: e }),
+        Err(e) => Err(Error::Io { path: path.to_owned(), source: e }),
     }
 }
 
 /// Reads a file of at most `max` bytes (size checked before reading).
-fn read_capped(path: &Path, max: u64) -> DumpResult<Vec<u8>> {
+fn read_capped(path: &Path, max: u64) -> Result<Vec<u8>> {
     let meta = fs::metadata(path).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
-            DumpError::Missing { path: path.to_owned() }
+            Error::Missing { path: path.to_owned() }
         } else {
-            DumpError::Io { path: path.to_owned(), source: e }
+            Error::Io { path: path.to_owned(), source: e }
         }
     })?;
     if !meta.is_file() {
-        return Err(DumpError::Inconsistent { path: path.to_owned(), problem: "not a regular file".into() });
+        return Err(Error::Inconsistent { path: path.to_owned(), problem: "not a regular file".into() });
     }
     if meta.len() > max {
-        return Err(DumpError::Inconsistent {
+        return Err(Error::Inconsistent {
             path: path.to_owned(),
             problem: format!("{} bytes, more than the {max} allowed", meta.len()),
         });
@@ -360,37 +285,37 @@ fn read_capped(path: &Path, max: u64) -> DumpResult<Vec<u8>> {
 }
 
 /// Reads a JSON object file.
-fn read_json(path: &Path) -> DumpResult<Map<String, Value>> {
+fn read_json(path: &Path) -> Result<Map<String, Value>> {
     let bytes = read_capped(path, MAX_JSON_BYTES)?;
     match parse_python_json(&bytes) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(DumpError::Json { path: path.to_owned(), problem: "not a JSON object".into() }),
-        Err(e) => Err(DumpError::Json { path: path.to_owned(), problem: e.to_string() }),
+        Ok(_) => Err(Error::Json { path: path.to_owned(), problem: "not a JSON object".into() }),
+        Err(e) => Err(Error::Json { path: path.to_owned(), problem: e.to_string() }),
     }
 }
 
-fn get<'a>(map: &'a Map<String, Value>, path: &Path, key: &'static str) -> DumpResult<&'a Value> {
+fn get<'a>(map: &'a Map<String, Value>, path: &Path, key: &'static str) -> Result<&'a Value> {
     map.get(key).ok_or_else(|| field(path, key, "missing"))
 }
 
-fn as_u64(value: &Value, path: &Path, key: &'static str) -> DumpResult<u64> {
+fn as_u64(value: &Value, path: &Path, key: &'static str) -> Result<u64> {
     value.as_u64().ok_or_else(|| field(path, key, format!("{value} is not a non-negative integer")))
 }
 
-fn as_opt_u64(value: Option<&Value>, path: &Path, key: &'static str) -> DumpResult<Option<u64>> {
+fn as_opt_u64(value: Option<&Value>, path: &Path, key: &'static str) -> Result<Option<u64>> {
     match value {
         None | Some(Value::Null) => Ok(None),
         Some(v) => as_u64(v, path, key).map(Some),
     }
 }
 
-fn as_f64(value: &Value, path: &Path, key: &'static str) -> DumpResult<f64> {
+fn as_f64(value: &Value, path: &Path, key: &'static str) -> Result<f64> {
     json_as_f64(value).ok_or_else(|| field(path, key, format!("{value} is not a number")))
 }
 
 /// A float that must hold a whole non-negative number (TorchRL writes `_max_capacity` and the
 /// max priority's row as floats).
-fn as_whole(value: &Value, path: &Path, key: &'static str) -> DumpResult<u64> {
+fn as_whole(value: &Value, path: &Path, key: &'static str) -> Result<u64> {
     let x = as_f64(value, path, key)?;
     if x.is_finite() && x >= 0.0 && x.fract() == 0.0 && x < 2f64.powi(53) {
         Ok(x as u64)
@@ -399,7 +324,7 @@ fn as_whole(value: &Value, path: &Path, key: &'static str) -> DumpResult<u64> {
     }
 }
 
-fn as_shape(value: &Value, path: &Path, key: &'static str) -> DumpResult<Vec<usize>> {
+fn as_shape(value: &Value, path: &Path, key: &'static str) -> Result<Vec<usize>> {
     let items = value.as_array().ok_or_else(|| field(path, key, format!("{value} is not a list")))?;
     items
         .iter()
@@ -411,25 +336,25 @@ fn as_shape(value: &Value, path: &Path, key: &'static str) -> DumpResult<Vec<usi
         .collect()
 }
 
-fn as_dtype(value: &Value, path: &Path, key: &'static str) -> DumpResult<DType> {
+fn as_dtype(value: &Value, path: &Path, key: &'static str) -> Result<DType> {
     let name = value.as_str().ok_or_else(|| field(path, key, format!("{value} is not a string")))?;
     DType::from_torch_str(name).map_err(|e| field(path, key, e.to_string()))
 }
 
 /// Reads a `.memmap` file holding `shape` of `dtype` as f64 values.
-fn read_floats(path: &Path, dtype: DType, shape: &[usize]) -> DumpResult<Vec<f64>> {
+fn read_floats(path: &Path, dtype: DType, shape: &[usize]) -> Result<Vec<f64>> {
     let count: usize = shape.iter().product();
     if count == 0 {
         return Ok(Vec::new());
     }
     if !exists(path)? {
-        return Err(DumpError::Missing { path: path.to_owned() });
+        return Err(Error::Missing { path: path.to_owned() });
     }
     let tensor = Tensor::open_file(path, dtype, shape.to_vec(), Access::ReadOnly).map_err(tensor_err(path))?;
     match dtype {
         DType::F64 => tensor.to_vec::<f64>().map_err(tensor_err(path)),
         DType::F32 => Ok(tensor.to_vec::<f32>().map_err(tensor_err(path))?.into_iter().map(f64::from).collect()),
-        other => Err(DumpError::Unsupported {
+        other => Err(Error::Unsupported {
             path: path.to_owned(),
             what: format!("dtype {other:?} (float32 or float64 expected)"),
         }),
@@ -447,10 +372,10 @@ impl Dump {
     /// Reads the dump folder at `path`. Every part is checked: a missing or malformed file is
     /// an error naming it, never a panic; nothing is allocated from a size read from a file
     /// before the file is known to hold that many bytes.
-    pub fn read(path: impl AsRef<Path>) -> DumpResult<Dump> {
+    pub fn read(path: impl AsRef<Path>) -> Result<Dump> {
         let path = path.as_ref();
         if !fs::metadata(path).map(|m| m.is_dir()).unwrap_or(false) {
-            return Err(DumpError::Missing { path: path.to_owned() });
+            return Err(Error::Missing { path: path.to_owned() });
         }
         let storage = read_storage(&path.join("storage"))?;
         let writer = read_writer(&path.join("writer"), storage.capacity())?;
@@ -459,7 +384,7 @@ impl Dump {
         let prefetch_path = path.join("prefetch.pkl");
         let prefetch = if exists(&prefetch_path)? {
             let bytes = read_capped(&prefetch_path, MAX_JSON_BYTES)?;
-            Some(Prefetch::from_pickle(&bytes).ok_or_else(|| DumpError::Unsupported {
+            Some(Prefetch::from_pickle(&bytes).ok_or_else(|| Error::Unsupported {
                 path: prefetch_path.clone(),
                 what: "only the pickle of an empty prefetch queue ({\"version\": 1, \"capacity\": k, \"queue\": ()}) is read".into(),
             })?)
@@ -484,19 +409,19 @@ impl Dump {
     /// The folder is built and flushed to disk under a hidden name beside `path` and renamed
     /// into place in one step: after a crash `path` is absent (or still empty) or complete,
     /// never partly written. A crash can leave the hidden folder behind (`.<name>.dump-*`).
-    pub fn write(&self, path: impl AsRef<Path>) -> DumpResult<()> {
+    pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         if exists(path)? {
             let empty = fs::read_dir(path).map_err(io_err(path))?.next().is_none();
             if !empty {
-                return Err(DumpError::DestinationExists { path: path.to_owned() });
+                return Err(Error::DestinationExists { path: path.to_owned() });
             }
         }
         let parent = match path.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
             _ => PathBuf::from("."),
         };
-        let name = path.file_name().ok_or_else(|| DumpError::Inconsistent {
+        let name = path.file_name().ok_or_else(|| Error::Inconsistent {
             path: path.to_owned(),
             problem: "has no file name to write the dump to".into(),
         })?;
@@ -510,12 +435,12 @@ impl Dump {
         if let Err(e) = fs::rename(&built, path) {
             // Best effort: the error is the rename's.
             let _ = fs::remove_dir_all(&built);
-            return Err(DumpError::Io { path: path.to_owned(), source: e });
+            return Err(Error::Io { path: path.to_owned(), source: e });
         }
         sync_dir(&parent)
     }
 
-    fn write_contents(&self, dir: &Path) -> DumpResult<()> {
+    fn write_contents(&self, dir: &Path) -> Result<()> {
         let options = WriteOptions::default().fsync(true);
         let storage_dir = dir.join("storage");
         self.storage.data.memmap_with(&storage_dir, &options).map_err(dict_err(&storage_dir))?;
@@ -558,18 +483,18 @@ impl Dump {
 }
 
 /// Creates `path` with `bytes` and flushes it to disk.
-fn write_file(path: &Path, bytes: &[u8]) -> DumpResult<()> {
+fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut file = fs::File::create_new(path).map_err(io_err(path))?;
     file.write_all(bytes).map_err(io_err(path))?;
     file.sync_all().map_err(io_err(path))
 }
 
-fn create_dir(path: &Path) -> DumpResult<()> {
+fn create_dir(path: &Path) -> Result<()> {
     fs::create_dir(path).map_err(io_err(path))
 }
 
 /// Flushes a folder's entries (and, recursively, its subfolders' entries) to disk.
-fn sync_dir(path: &Path) -> DumpResult<()> {
+fn sync_dir(path: &Path) -> Result<()> {
     for entry in fs::read_dir(path).map_err(io_err(path))? {
         let entry = entry.map_err(io_err(path))?;
         if entry.file_type().map_err(io_err(path))?.is_dir() {
@@ -579,14 +504,14 @@ fn sync_dir(path: &Path) -> DumpResult<()> {
     fs::File::open(path).and_then(|d| d.sync_all()).map_err(io_err(path))
 }
 
-fn read_storage(dir: &Path) -> DumpResult<StorageDump> {
+fn read_storage(dir: &Path) -> Result<StorageDump> {
     let meta_path = dir.join("storage_metadata.json");
     let meta = read_json(&meta_path)?;
     let is_pytree = get(&meta, &meta_path, "is_pytree")?;
     match is_pytree {
         Value::Bool(false) => {}
         Value::Bool(true) => {
-            return Err(DumpError::Unsupported {
+            return Err(Error::Unsupported {
                 path: meta_path,
                 what: "a pytree storage (only tensordict storages are read)".into(),
             });
@@ -597,13 +522,13 @@ fn read_storage(dir: &Path) -> DumpResult<StorageDump> {
     let data = TensorDict::load_memmap(dir, Access::ReadOnly).map_err(dict_err(dir))?;
     let storage = StorageDump { len: usize::try_from(len).unwrap_or(usize::MAX), data };
     if storage.data.batch_dims() == 0 {
-        return Err(DumpError::Inconsistent {
+        return Err(Error::Inconsistent {
             path: dir.join("meta.json"),
             problem: "the storage has no batch dims (a replay buffer's storage has rows)".into(),
         });
     }
     if storage.len > storage.capacity() {
-        return Err(DumpError::Inconsistent {
+        return Err(Error::Inconsistent {
             path: meta_path,
             problem: format!("len {len} is larger than the storage's {} rows", storage.capacity()),
         });
@@ -611,7 +536,7 @@ fn read_storage(dir: &Path) -> DumpResult<StorageDump> {
     Ok(storage)
 }
 
-fn read_writer(dir: &Path, capacity: usize) -> DumpResult<Option<WriterDump>> {
+fn read_writer(dir: &Path, capacity: usize) -> Result<Option<WriterDump>> {
     if !exists(dir)? {
         return Ok(None);
     }
@@ -619,7 +544,7 @@ fn read_writer(dir: &Path, capacity: usize) -> DumpResult<Option<WriterDump>> {
     let meta = read_json(&meta_path)?;
     let cursor = as_u64(get(&meta, &meta_path, "cursor")?, &meta_path, "cursor")?;
     if capacity > 0 && cursor >= capacity as u64 {
-        return Err(DumpError::Inconsistent {
+        return Err(Error::Inconsistent {
             path: meta_path,
             problem: format!("cursor {cursor} is outside the storage's {capacity} rows"),
         });
@@ -641,7 +566,7 @@ fn read_writer(dir: &Path, capacity: usize) -> DumpResult<Option<WriterDump>> {
         for pair in flat.chunks_exact(2) {
             let index = pair[1];
             if !(index.is_finite() && index >= 0.0 && index.fract() == 0.0 && index < capacity.max(1) as f64) {
-                return Err(DumpError::Inconsistent {
+                return Err(Error::Inconsistent {
                     path: values_path,
                     problem: format!("row index {index} is not a row of the storage's {capacity}"),
                 });
@@ -663,7 +588,7 @@ fn read_writer(dir: &Path, capacity: usize) -> DumpResult<Option<WriterDump>> {
     Ok(Some(WriterDump { cursor, write_count, kind }))
 }
 
-fn write_writer(dir: &Path, writer: &WriterDump) -> DumpResult<()> {
+fn write_writer(dir: &Path, writer: &WriterDump) -> Result<()> {
     create_dir(dir)?;
     let mut meta = Map::new();
     meta.insert("cursor".into(), json!(writer.cursor));
@@ -687,7 +612,7 @@ fn write_writer(dir: &Path, writer: &WriterDump) -> DumpResult<()> {
     write_file(&dir.join("metadata.json"), &to_python_json(&Value::Object(meta)))
 }
 
-fn read_sampler(dir: &Path) -> DumpResult<SamplerDump> {
+fn read_sampler(dir: &Path) -> Result<SamplerDump> {
     if !exists(dir)? {
         return Ok(SamplerDump::Stateless);
     }
@@ -702,19 +627,19 @@ fn read_sampler(dir: &Path) -> DumpResult<SamplerDump> {
     let mut names: Vec<String> = fs::read_dir(dir)
         .map_err(io_err(dir))?
         .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
-        .collect::<Result<_, _>>()
+        .collect::<std::result::Result<_, _>>()
         .map_err(io_err(dir))?;
     if names.is_empty() {
         return Ok(SamplerDump::Stateless);
     }
     names.sort();
-    Err(DumpError::Unsupported {
+    Err(Error::Unsupported {
         path: dir.to_owned(),
         what: format!("a sampler state made of {names:?} (prioritized and without-replacement samplers are read)"),
     })
 }
 
-fn read_prioritized(dir: &Path, meta_path: &Path) -> DumpResult<PrioritizedDump> {
+fn read_prioritized(dir: &Path, meta_path: &Path) -> Result<PrioritizedDump> {
     let meta = read_json(meta_path)?;
     let alpha = as_f64(get(&meta, meta_path, "_alpha")?, meta_path, "_alpha")?;
     let beta = as_f64(get(&meta, meta_path, "_beta")?, meta_path, "_beta")?;
@@ -743,7 +668,7 @@ fn read_prioritized(dir: &Path, meta_path: &Path) -> DumpResult<PrioritizedDump>
     let sum_tree = read_floats(&dir.join("sumtree.memmap"), DType::F64, &[max_capacity])?;
     let min_tree = read_floats(&dir.join("mintree.memmap"), DType::F64, &[max_capacity])?;
     if let Some((row, x)) = sum_tree.iter().enumerate().find(|(_, x)| !(x.is_finite() && **x >= 0.0)) {
-        return Err(DumpError::Inconsistent {
+        return Err(Error::Inconsistent {
             path: dir.join("sumtree.memmap"),
             problem: format!("leaf {row} is {x}, not a finite non-negative priority"),
         });
@@ -751,10 +676,10 @@ fn read_prioritized(dir: &Path, meta_path: &Path) -> DumpResult<PrioritizedDump>
     Ok(PrioritizedDump { alpha, beta, eps, max_priority, max_capacity, schema_version, sum_tree, min_tree })
 }
 
-fn write_prioritized(dir: &Path, p: &PrioritizedDump) -> DumpResult<()> {
+fn write_prioritized(dir: &Path, p: &PrioritizedDump) -> Result<()> {
     create_dir(dir)?;
     if p.sum_tree.len() != p.max_capacity || p.min_tree.len() != p.max_capacity {
-        return Err(DumpError::Inconsistent {
+        return Err(Error::Inconsistent {
             path: dir.to_owned(),
             problem: format!(
                 "trees of {} and {} leaves for a capacity of {}",
@@ -782,7 +707,7 @@ fn write_prioritized(dir: &Path, p: &PrioritizedDump) -> DumpResult<()> {
     write_file(&dir.join("sampler_metadata.json"), &to_python_json(&Value::Object(meta)))
 }
 
-fn read_buffer_metadata(path: &Path) -> DumpResult<BufferMetadata> {
+fn read_buffer_metadata(path: &Path) -> Result<BufferMetadata> {
     let meta = read_json(path)?;
     Ok(BufferMetadata {
         batch_size: as_opt_u64(Some(get(&meta, path, "batch_size")?), path, "batch_size")?,

@@ -94,6 +94,137 @@ pub enum Error {
         /// What is wrong.
         detail: String,
     },
+    /// A priority (or tree leaf) that is NaN, infinite or negative.
+    #[error("priority {value} for row {index} is not a finite non-negative number")]
+    InvalidPriority {
+        /// Row the value was meant for.
+        index: usize,
+        /// The refused value.
+        value: f64,
+    },
+    /// A row index at or beyond the capacity of a priority tree or sampler.
+    #[error("row index {index} is out of range for capacity {capacity}")]
+    RowOutOfRange {
+        /// The refused index.
+        index: usize,
+        /// Number of rows.
+        capacity: usize,
+    },
+    /// Two inputs that should have matching lengths do not.
+    #[error("{what}: expected {expected} values, got {got}")]
+    LengthMismatch {
+        /// Which input was wrong.
+        what: &'static str,
+        /// The length it should have had.
+        expected: usize,
+        /// The length it had.
+        got: usize,
+    },
+    /// A range of rows that is empty or reaches beyond the capacity.
+    #[error("row range {start}..{end} is empty or exceeds capacity {capacity}")]
+    InvalidRange {
+        /// First row.
+        start: usize,
+        /// One past the last row.
+        end: usize,
+        /// Number of rows.
+        capacity: usize,
+    },
+    /// Prioritized sampling needs a positive priority mass (sum) and a positive smallest
+    /// priority (min).
+    #[error("cannot sample rows 0..{len}: the {what} of their priorities is {value}, not positive")]
+    NonPositiveMass {
+        /// `"sum"` or `"min"`.
+        what: &'static str,
+        /// Number of rows sampled from.
+        len: usize,
+        /// The offending value.
+        value: f64,
+    },
+    /// A sampler parameter outside its domain (`alpha`, `beta`, `eps`, `_max_capacity`).
+    #[error("parameter {name} = {value} is invalid: {reason}")]
+    InvalidParameter {
+        /// Parameter name.
+        name: &'static str,
+        /// The refused value.
+        value: f64,
+        /// What the value must satisfy.
+        reason: &'static str,
+    },
+    /// Loaded parts whose capacity disagrees with the leaves or the expected capacity.
+    #[error("capacity mismatch: {what} says {got}, expected {expected}")]
+    CapacityMismatch {
+        /// Which part disagreed.
+        what: &'static str,
+        /// Capacity expected.
+        expected: usize,
+        /// Capacity found.
+        got: usize,
+    },
+    /// A file or folder a TorchRL dump needs is not there.
+    #[error("{path}: missing (a TorchRL dump needs it)")]
+    Missing {
+        /// The path looked for.
+        path: PathBuf,
+    },
+    /// A JSON file is not valid JSON (or is too large).
+    #[error("{path}: not valid JSON: {problem}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A field of a JSON file is missing or has the wrong type or value.
+    #[error("{path}: field `{field}`: {problem}")]
+    Field {
+        /// The file.
+        path: PathBuf,
+        /// The field.
+        field: &'static str,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A tensordict folder of a dump could not be read or written.
+    #[error("{path}: {source}")]
+    Dict {
+        /// The folder.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: tensordict::Error,
+    },
+    /// A `.memmap` file of a dump could not be read or written.
+    #[error("{path}: {source}")]
+    Tensor {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: memmap_tensor::Error,
+    },
+    /// The parts of a dump disagree with each other (a length larger than the capacity, say).
+    #[error("{path}: {problem}")]
+    Inconsistent {
+        /// The file whose value is out of range.
+        path: PathBuf,
+        /// What disagrees.
+        problem: String,
+    },
+    /// A part of a TorchRL dump that this crate does not read.
+    #[error("{path}: not supported: {what}")]
+    Unsupported {
+        /// The file or folder.
+        path: PathBuf,
+        /// What it holds.
+        what: String,
+    },
+    /// A dump was to be written to a destination that exists and is not empty.
+    #[error("{path}: exists and is not empty; a dump is only written to a new or empty folder")]
+    DestinationExists {
+        /// The destination.
+        path: PathBuf,
+    },
 }
 
 /// The crate's result type.

@@ -38,11 +38,11 @@ pub mod storage;
 mod tree;
 pub mod writer;
 
-pub use buffer::{ReplayBuffer, Rows, SampleInfo};
+pub use buffer::{LoadOptions, ReplayBuffer, Rows, SampleInfo};
 pub use error::{Error, Result};
 pub use prioritized::{MaxPriority, PrioritizedParts, PrioritizedState, SAMPLER_SCHEMA_VERSION, SamplerMetadata};
-pub use sampler::{Draw, Sampler, Uniform, WithoutReplacement};
+pub use sampler::{Draw, Prioritized, Sampler, Uniform, WithoutReplacement};
 pub use slice::{Episodes, Slice, SliceShape};
 pub use storage::{Backend, STORAGE_METADATA, Storage, StorageConfig};
-pub use tree::{MinTree, PriorityError, PriorityResult, SumTree};
+pub use tree::{MinTree, SumTree};
 pub use writer::{MaxValue, Reduction, RoundRobin, Writer};

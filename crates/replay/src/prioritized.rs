@@ -29,7 +29,8 @@
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::tree::{MinTree, PriorityError, PriorityResult, SumTree};
+use crate::error::{Error, Result};
+use crate::tree::{MinTree, SumTree};
 
 /// The schema version TorchRL writes in `sampler_metadata.json` (raw-domain `_max_priority`).
 pub const SAMPLER_SCHEMA_VERSION: u32 = 1;
@@ -92,17 +93,17 @@ pub struct SamplerMetadata {
     pub schema_version: Option<u32>,
 }
 
-fn check_param(name: &'static str, value: f64) -> PriorityResult<()> {
+fn check_param(name: &'static str, value: f64) -> Result<()> {
     if value.is_finite() && value >= 0.0 {
         Ok(())
     } else {
-        Err(PriorityError::InvalidParameter { name, value, reason: "must be finite and >= 0" })
+        Err(Error::InvalidParameter { name, value, reason: "must be finite and >= 0" })
     }
 }
 
-fn narrow_leaves(what: &'static str, leaves: &[f64], capacity: usize) -> PriorityResult<Vec<f32>> {
+fn narrow_leaves(what: &'static str, leaves: &[f64], capacity: usize) -> Result<Vec<f32>> {
     if leaves.len() != capacity {
-        return Err(PriorityError::CapacityMismatch { what, expected: capacity, got: leaves.len() });
+        return Err(Error::CapacityMismatch { what, expected: capacity, got: leaves.len() });
     }
     leaves
         .iter()
@@ -112,7 +113,7 @@ fn narrow_leaves(what: &'static str, leaves: &[f64], capacity: usize) -> Priorit
             if narrow.is_finite() && narrow >= 0.0 {
                 Ok(narrow)
             } else {
-                Err(PriorityError::InvalidPriority { index, value: v })
+                Err(Error::InvalidPriority { index, value: v })
             }
         })
         .collect()
@@ -121,7 +122,7 @@ fn narrow_leaves(what: &'static str, leaves: &[f64], capacity: usize) -> Priorit
 impl PrioritizedState {
     /// A state for `capacity` rows. `alpha`, `beta` and `eps` must be finite and `>= 0`
     /// (TorchRL's defaults are `eps = 1e-8`; its constructor refuses negative `alpha`/`beta`).
-    pub fn new(capacity: usize, alpha: f64, beta: f64, eps: f64) -> PriorityResult<Self> {
+    pub fn new(capacity: usize, alpha: f64, beta: f64, eps: f64) -> Result<Self> {
         check_param("alpha", alpha)?;
         check_param("beta", beta)?;
         check_param("eps", eps)?;
@@ -157,7 +158,7 @@ impl PrioritizedState {
     /// tree value from `(p + eps)^old` to `(p + eps)^alpha` in one O(n) pass, as TorchRL's
     /// `alpha` setter does. From `alpha = 0` the raw priorities cannot be recovered (every
     /// written row holds 1): the tree keeps its values until rows are updated again.
-    pub fn set_alpha(&mut self, alpha: f64) -> PriorityResult<()> {
+    pub fn set_alpha(&mut self, alpha: f64) -> Result<()> {
         check_param("alpha", alpha)?;
         let old = self.alpha;
         self.alpha = alpha;
@@ -173,7 +174,7 @@ impl PrioritizedState {
                 let value = (raw + self.eps).powf(alpha) as f32;
                 if !value.is_finite() {
                     self.alpha = old;
-                    return Err(PriorityError::InvalidPriority { index: row, value: f64::from(value) });
+                    return Err(Error::InvalidPriority { index: row, value: f64::from(value) });
                 }
                 rows.push(row);
                 values.push(value);
@@ -190,7 +191,7 @@ impl PrioritizedState {
     }
 
     /// Sets the importance-weight exponent (annealed during training).
-    pub fn set_beta(&mut self, beta: f64) -> PriorityResult<()> {
+    pub fn set_beta(&mut self, beta: f64) -> Result<()> {
         check_param("beta", beta)?;
         self.beta = beta;
         Ok(())
@@ -235,9 +236,9 @@ impl PrioritizedState {
 
     /// Rows `indices` were (over)written: they get the default priority (TorchRL's
     /// `extend` + `mark_update`).
-    pub fn on_write(&mut self, indices: &[usize]) -> PriorityResult<()> {
+    pub fn on_write(&mut self, indices: &[usize]) -> Result<()> {
         if let Some(&bad) = indices.iter().find(|&&i| i >= self.capacity()) {
-            return Err(PriorityError::IndexOutOfRange { index: bad, capacity: self.capacity() });
+            return Err(Error::RowOutOfRange { index: bad, capacity: self.capacity() });
         }
         if self.max_priority_within_buffer && self.max_priority.is_some_and(|m| indices.contains(&m.index)) {
             self.max_priority = None;
@@ -249,9 +250,9 @@ impl PrioritizedState {
     /// Sets the raw priorities of rows `indices`: `priorities` has one value per index, or a
     /// single value for all. Every value must be finite and `>= 0` and every index in range;
     /// otherwise nothing changes.
-    pub fn update_priority(&mut self, indices: &[usize], priorities: &[f32]) -> PriorityResult<()> {
+    pub fn update_priority(&mut self, indices: &[usize], priorities: &[f32]) -> Result<()> {
         if priorities.len() != indices.len() && priorities.len() != 1 {
-            return Err(PriorityError::LengthMismatch {
+            return Err(Error::LengthMismatch {
                 what: "priorities for indices",
                 expected: indices.len(),
                 got: priorities.len(),
@@ -262,15 +263,15 @@ impl PrioritizedState {
         let mut values = Vec::with_capacity(indices.len());
         for (k, &index) in indices.iter().enumerate() {
             if index >= capacity {
-                return Err(PriorityError::IndexOutOfRange { index, capacity });
+                return Err(Error::RowOutOfRange { index, capacity });
             }
             let p = priority_of(k);
             if !(p.is_finite() && p >= 0.0) {
-                return Err(PriorityError::InvalidPriority { index, value: f64::from(p) });
+                return Err(Error::InvalidPriority { index, value: f64::from(p) });
             }
             let value = self.tree_value(p);
             if !value.is_finite() {
-                return Err(PriorityError::InvalidPriority { index, value: f64::from(value) });
+                return Err(Error::InvalidPriority { index, value: f64::from(value) });
             }
             values.push(value);
         }
@@ -320,19 +321,14 @@ impl PrioritizedState {
 
     /// Draws `batch` rows among `0..len` with probability proportional to their tree values,
     /// and their importance weights `(p_i / p_min)^(-beta)`. O(batch · log n).
-    pub fn sample<R: Rng + ?Sized>(
-        &self,
-        batch: usize,
-        len: usize,
-        rng: &mut R,
-    ) -> PriorityResult<(Vec<usize>, Vec<f32>)> {
+    pub fn sample<R: Rng + ?Sized>(&self, batch: usize, len: usize, rng: &mut R) -> Result<(Vec<usize>, Vec<f32>)> {
         let p_sum = self.sum_tree.sum(0..len)?;
         let p_min = self.min_tree.min_in(0..len)?;
         if p_sum <= 0.0 {
-            return Err(PriorityError::NonPositiveMass { what: "sum", len, value: p_sum });
+            return Err(Error::NonPositiveMass { what: "sum", len, value: p_sum });
         }
         if p_min <= 0.0 {
-            return Err(PriorityError::NonPositiveMass { what: "min", len, value: f64::from(p_min) });
+            return Err(Error::NonPositiveMass { what: "min", len, value: f64::from(p_min) });
         }
         let mut indices = Vec::with_capacity(batch);
         let mut weights = Vec::with_capacity(batch);
@@ -382,21 +378,17 @@ impl PrioritizedState {
     /// `_max_capacity` and both leaf arrays must agree with it. Dumps without a schema version
     /// (older TorchRL) have their max priority recomputed from the tree when
     /// `max_priority_within_buffer` is set, as TorchRL's `loads` does.
-    pub fn from_parts(
-        capacity: usize,
-        parts: &PrioritizedParts,
-        max_priority_within_buffer: bool,
-    ) -> PriorityResult<Self> {
+    pub fn from_parts(capacity: usize, parts: &PrioritizedParts, max_priority_within_buffer: bool) -> Result<Self> {
         let meta = &parts.metadata;
         if !(meta.max_capacity >= 0.0 && meta.max_capacity.fract() == 0.0) {
-            return Err(PriorityError::InvalidParameter {
+            return Err(Error::InvalidParameter {
                 name: "_max_capacity",
                 value: meta.max_capacity,
                 reason: "must be a whole number of rows",
             });
         }
         if meta.max_capacity != capacity as f64 {
-            return Err(PriorityError::CapacityMismatch {
+            return Err(Error::CapacityMismatch {
                 what: "_max_capacity",
                 expected: capacity,
                 got: meta.max_capacity as usize,
@@ -411,10 +403,10 @@ impl PrioritizedState {
             [Some(value), Some(index)] => {
                 let value32 = value as f32;
                 if !(value32.is_finite() && value32 >= 0.0) {
-                    return Err(PriorityError::InvalidPriority { index: index as usize, value });
+                    return Err(Error::InvalidPriority { index: index as usize, value });
                 }
                 if !(index >= 0.0 && index.fract() == 0.0 && index < capacity as f64) {
-                    return Err(PriorityError::IndexOutOfRange {
+                    return Err(Error::RowOutOfRange {
                         index: if index >= 0.0 { index as usize } else { usize::MAX },
                         capacity,
                     });

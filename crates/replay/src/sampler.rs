@@ -6,21 +6,25 @@
 //! independently and uniformly from the valid rows), [`WithoutReplacement`] is
 //! `SamplerWithoutReplacement` (a permutation per epoch, handed out batch by batch; with
 //! `drop_last` an epoch ends when fewer than a batch of rows remain, without it the last batch
-//! of an epoch is shorter; the epoch restarts when the number of valid rows has changed).
-//! Runs of consecutive steps of one trajectory (TorchRL's `SliceSampler`) are drawn by
+//! of an epoch is shorter; the epoch restarts when the number of valid rows has changed),
+//! [`Prioritized`] is `PrioritizedSampler` (draws proportional to `(p + eps)^alpha`, importance
+//! weights `(p_i / p_min)^(-beta)`; see [`PrioritizedState`] for the exact rules). Runs of
+//! consecutive steps of one trajectory (TorchRL's `SliceSampler`) are drawn by
 //! [`crate::slice::Slice`], which reads the written rows through [`Sampler::on_write_rows`].
 
 use std::fmt;
 
-use parking_lot::Mutex;
+use memmap_tensor::{DType, Tensor};
+use parking_lot::{Mutex, RwLock};
 use rand::Rng as _;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
-
 use tensordict::TensorDict;
 
+use crate::checkpoint::{self, PrioritizedDump, SamplerDump};
 use crate::error::{Error, Result};
+use crate::prioritized::{PrioritizedParts, PrioritizedState, SAMPLER_SCHEMA_VERSION, SamplerMetadata};
 
 /// Row indices and, for samplers that weight their draws, one importance weight per index.
 pub type Draw = (Vec<usize>, Option<Vec<f64>>);
@@ -82,6 +86,18 @@ pub trait Sampler: Send + Sync + fmt::Debug {
 
     /// Forgets everything (the buffer was emptied). The default does nothing.
     fn reset(&self) {}
+
+    /// The number of rows the sampler was built for, for samplers that keep per-row state.
+    /// A buffer refuses a sampler whose capacity differs from its own.
+    fn capacity(&self) -> Option<usize> {
+        None
+    }
+
+    /// The sampler's state as a TorchRL dump holds it (`sampler/`). Samplers without a
+    /// TorchRL form refuse.
+    fn to_dump(&self) -> Result<SamplerDump> {
+        Err(Error::Sampler { sampler: self.name(), detail: "has no TorchRL checkpoint form".into() })
+    }
 }
 
 /// A random generator from `seed`, or from the OS when `None`.
@@ -132,6 +148,10 @@ impl Sampler for Uniform {
         }
         let mut rng = self.rng.lock();
         Ok(((0..batch).map(|_| rng.random_range(0..len)).collect(), None))
+    }
+
+    fn to_dump(&self) -> Result<SamplerDump> {
+        Ok(SamplerDump::Stateless)
     }
 }
 
@@ -231,5 +251,203 @@ impl Sampler for WithoutReplacement {
         let mut epoch = self.epoch.lock();
         epoch.remaining.clear();
         epoch.len = 0;
+    }
+
+    /// TorchRL's state dict: `len_storage` (i64), `_sample_list` (the rows still to hand out,
+    /// in order, i64), `drop_last` and `_ran_out` (bool). An exhausted epoch is written as
+    /// `_ran_out = True` so that TorchRL starts a new one, as this sampler would.
+    fn to_dump(&self) -> Result<SamplerDump> {
+        let epoch = self.epoch.lock();
+        let list: Vec<i64> = epoch.remaining.iter().rev().map(|&r| r as i64).collect();
+        let op = |source| Error::TensorDict { op: "dump without-replacement sampler", source };
+        let tensor = |source| Error::Tensor { path: "sampler".into(), source };
+        let mut td = TensorDict::new(Vec::new());
+        td.set("len_storage", Tensor::from_slice(&[epoch.len as i64], Vec::new()).map_err(tensor)?).map_err(op)?;
+        td.set("_sample_list", Tensor::from_slice(&list, vec![list.len()]).map_err(tensor)?).map_err(op)?;
+        td.set("drop_last", Tensor::from_bools(&[self.drop_last], Vec::new()).map_err(tensor)?).map_err(op)?;
+        td.set("_ran_out", Tensor::from_bools(&[list.is_empty()], Vec::new()).map_err(tensor)?).map_err(op)?;
+        Ok(SamplerDump::WithoutReplacement(td))
+    }
+}
+
+impl WithoutReplacement {
+    /// A shuffling sampler resuming from TorchRL's state dict (see
+    /// [`Sampler::to_dump`] for its fields) over a storage of `capacity` rows.
+    pub fn from_state_dict(state: &TensorDict, capacity: usize, seed: Option<u64>) -> Result<Self> {
+        let bad = |detail: String| Error::Sampler { sampler: "without-replacement", detail };
+        let get = |key: &str| state.get_tensor(key).map_err(|e| bad(format!("state dict: `{key}`: {e}")));
+        let ints = |key: &str| -> Result<Vec<i64>> {
+            let t = get(key)?;
+            if t.dtype() != DType::I64 {
+                return Err(bad(format!("state dict: `{key}` is {}, not int64", t.dtype())));
+            }
+            t.to_vec::<i64>().map_err(|e| bad(format!("state dict: `{key}`: {e}")))
+        };
+        let flag = |key: &str| -> Result<bool> {
+            let v = get(key)?.to_vec_bool().map_err(|e| bad(format!("state dict: `{key}`: {e}")))?;
+            match v.as_slice() {
+                [b] => Ok(*b),
+                _ => Err(bad(format!("state dict: `{key}` holds {} values, not one", v.len()))),
+            }
+        };
+        let len = match ints("len_storage")?.as_slice() {
+            [n] if *n >= 0 && (*n as u64) <= capacity as u64 => *n as usize,
+            other => return Err(bad(format!("state dict: len_storage {other:?} is not a row count <= {capacity}"))),
+        };
+        let list = ints("_sample_list")?;
+        if let Some(bad_row) = list.iter().find(|&&r| r < 0 || r as u64 >= len as u64) {
+            return Err(bad(format!("state dict: _sample_list holds row {bad_row}, outside 0..{len}")));
+        }
+        let drop_last = flag("drop_last")?;
+        let ran_out = flag("_ran_out")?;
+        let sampler = Self::build(drop_last, true, seed);
+        {
+            let mut epoch = sampler.epoch.lock();
+            epoch.len = len;
+            if !ran_out {
+                epoch.remaining = list.iter().rev().map(|&r| r as usize).collect();
+            }
+        }
+        Ok(sampler)
+    }
+}
+
+/// Prioritized sampling (TorchRL's `PrioritizedSampler`) around a [`PrioritizedState`].
+///
+/// The state sits behind a read-write lock: samples share it, while new rows and priority
+/// updates take it alone for the time of a tree update. The generator has its own lock.
+pub struct Prioritized {
+    state: RwLock<PrioritizedState>,
+    rng: Mutex<StdRng>,
+}
+
+impl Prioritized {
+    /// A sampler for `capacity` rows, seeded from the OS. `alpha`, `beta` and `eps` must be
+    /// finite and `>= 0`.
+    pub fn new(capacity: usize, alpha: f64, beta: f64, eps: f64) -> Result<Self> {
+        Ok(Self::from_state(PrioritizedState::new(capacity, alpha, beta, eps)?, None))
+    }
+
+    /// A sampler around `state`, seeded by `seed` (from the OS when `None`).
+    pub fn from_state(state: PrioritizedState, seed: Option<u64>) -> Self {
+        Prioritized { state: RwLock::new(state), rng: Mutex::new(rng_from(seed)) }
+    }
+
+    /// A sampler resuming from a TorchRL dump's `sampler/` for a storage of `capacity` rows.
+    /// `max_priority_within_buffer` is TorchRL's constructor argument of that name (not in the
+    /// dump).
+    pub fn from_dump(
+        dump: &PrioritizedDump,
+        capacity: usize,
+        max_priority_within_buffer: bool,
+        seed: Option<u64>,
+    ) -> Result<Self> {
+        let parts = PrioritizedParts {
+            metadata: SamplerMetadata {
+                alpha: dump.alpha,
+                beta: dump.beta,
+                eps: dump.eps,
+                max_priority: [dump.max_priority.value, dump.max_priority.index.map(|i| i as f64)],
+                max_capacity: dump.max_capacity as f64,
+                schema_version: match dump.schema_version {
+                    None => None,
+                    Some(v) => Some(u32::try_from(v).map_err(|_| Error::InvalidParameter {
+                        name: "_schema_version",
+                        value: v as f64,
+                        reason: "must be a small non-negative integer",
+                    })?),
+                },
+            },
+            sum_leaves: dump.sum_tree.clone(),
+            min_leaves: dump.min_tree.clone(),
+        };
+        let state = PrioritizedState::from_parts(capacity, &parts, max_priority_within_buffer)?;
+        Ok(Self::from_state(state, seed))
+    }
+
+    /// A copy of the current state (parameters, max priority, trees).
+    pub fn state(&self) -> PrioritizedState {
+        self.state.read().clone()
+    }
+
+    /// Sets the priority exponent (see [`PrioritizedState::set_alpha`]).
+    pub fn set_alpha(&self, alpha: f64) -> Result<()> {
+        self.state.write().set_alpha(alpha)
+    }
+
+    /// Sets the importance-weight exponent.
+    pub fn set_beta(&self, beta: f64) -> Result<()> {
+        self.state.write().set_beta(beta)
+    }
+}
+
+impl fmt::Debug for Prioritized {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.state.read();
+        f.debug_struct("Prioritized")
+            .field("capacity", &state.capacity())
+            .field("alpha", &state.alpha())
+            .field("beta", &state.beta())
+            .field("eps", &state.eps())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sampler for Prioritized {
+    fn name(&self) -> &'static str {
+        "prioritized"
+    }
+
+    fn on_write(&self, indices: &[usize]) {
+        // The buffer only builds over a sampler of its own capacity (`capacity` below), so
+        // every row it writes is in range and the update cannot fail.
+        let _ = self.state.write().on_write(indices);
+    }
+
+    fn sample(&self, batch: usize, len: usize) -> Result<Draw> {
+        if len == 0 {
+            return Err(Error::Empty);
+        }
+        let state = self.state.read();
+        let (indices, weights) = state.sample(batch, len, &mut *self.rng.lock())?;
+        Ok((indices, Some(weights.into_iter().map(f64::from).collect())))
+    }
+
+    /// Priorities are narrowed to `f32` (TorchRL's tree precision); a value that does not fit
+    /// is refused as invalid, naming its row.
+    fn update_priority(&self, indices: &[usize], priorities: &[f64]) -> Result<()> {
+        let narrow: Vec<f32> = priorities.iter().map(|&p| p as f32).collect();
+        self.state.write().update_priority(indices, &narrow)
+    }
+
+    fn reset(&self) {
+        let mut state = self.state.write();
+        let fresh = PrioritizedState::new(state.capacity(), state.alpha(), state.beta(), state.eps())
+            .map(|s| s.with_max_priority_within_buffer(state.max_priority_within_buffer()));
+        if let Ok(fresh) = fresh {
+            *state = fresh;
+        }
+    }
+
+    fn capacity(&self) -> Option<usize> {
+        Some(self.state.read().capacity())
+    }
+
+    fn to_dump(&self) -> Result<SamplerDump> {
+        let parts = self.state.read().to_parts();
+        let meta = parts.metadata;
+        Ok(SamplerDump::Prioritized(PrioritizedDump {
+            alpha: meta.alpha,
+            beta: meta.beta,
+            eps: meta.eps,
+            max_priority: checkpoint::MaxPriority {
+                value: meta.max_priority[0],
+                index: meta.max_priority[1].map(|i| i as u64),
+            },
+            max_capacity: parts.sum_leaves.len(),
+            schema_version: Some(i64::from(SAMPLER_SCHEMA_VERSION)),
+            sum_tree: parts.sum_leaves,
+            min_tree: parts.min_leaves,
+        }))
     }
 }

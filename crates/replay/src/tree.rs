@@ -14,88 +14,13 @@
 
 use std::ops::Range;
 
-use thiserror::Error;
+use crate::error::{Error, Result};
 
-/// What can go wrong when setting, loading or sampling priorities.
-#[derive(Debug, Error, Clone, PartialEq)]
-#[non_exhaustive]
-pub enum PriorityError {
-    /// A priority (or tree leaf) that is NaN, infinite or negative.
-    #[error("priority {value} for row {index} is not a finite non-negative number")]
-    InvalidPriority {
-        /// Row the value was meant for.
-        index: usize,
-        /// The refused value.
-        value: f64,
-    },
-    /// A row index at or beyond the tree's capacity.
-    #[error("row index {index} is out of range for capacity {capacity}")]
-    IndexOutOfRange {
-        /// The refused index.
-        index: usize,
-        /// Number of leaves.
-        capacity: usize,
-    },
-    /// Two inputs that should have matching lengths do not.
-    #[error("{what}: expected {expected} values, got {got}")]
-    LengthMismatch {
-        /// Which input was wrong.
-        what: &'static str,
-        /// The length it should have had.
-        expected: usize,
-        /// The length it had.
-        got: usize,
-    },
-    /// A range of rows that is empty or reaches beyond the capacity.
-    #[error("row range {start}..{end} is empty or exceeds capacity {capacity}")]
-    InvalidRange {
-        /// First row.
-        start: usize,
-        /// One past the last row.
-        end: usize,
-        /// Number of leaves.
-        capacity: usize,
-    },
-    /// Sampling needs a positive priority mass (sum) and a positive smallest priority (min).
-    #[error("cannot sample rows 0..{len}: the {what} of their priorities is {value}, not positive")]
-    NonPositiveMass {
-        /// `"sum"` or `"min"`.
-        what: &'static str,
-        /// Number of rows sampled from.
-        len: usize,
-        /// The offending value.
-        value: f64,
-    },
-    /// A sampler parameter outside its domain (`alpha`, `beta`, `eps`).
-    #[error("parameter {name} = {value} is invalid: {reason}")]
-    InvalidParameter {
-        /// Parameter name.
-        name: &'static str,
-        /// The refused value.
-        value: f64,
-        /// What the value must satisfy.
-        reason: &'static str,
-    },
-    /// Loaded parts whose capacity disagrees with the leaves or the expected capacity.
-    #[error("capacity mismatch: {what} says {got}, expected {expected}")]
-    CapacityMismatch {
-        /// Which part disagreed.
-        what: &'static str,
-        /// Capacity expected.
-        expected: usize,
-        /// Capacity found.
-        got: usize,
-    },
-}
-
-/// Result alias for the priority trees and the prioritized state.
-pub type PriorityResult<T> = std::result::Result<T, PriorityError>;
-
-fn check_priority(index: usize, value: f32) -> PriorityResult<()> {
+fn check_priority(index: usize, value: f32) -> Result<()> {
     if value.is_finite() && value >= 0.0 {
         Ok(())
     } else {
-        Err(PriorityError::InvalidPriority { index, value: f64::from(value) })
+        Err(Error::InvalidPriority { index, value: f64::from(value) })
     }
 }
 
@@ -126,7 +51,7 @@ impl SumTree {
     }
 
     /// A tree holding `leaves` (checked: each finite and non-negative), built in O(n).
-    pub fn from_leaves(leaves: &[f32]) -> PriorityResult<Self> {
+    pub fn from_leaves(leaves: &[f32]) -> Result<Self> {
         for (i, &v) in leaves.iter().enumerate() {
             check_priority(i, v)?;
         }
@@ -152,12 +77,12 @@ impl SumTree {
     }
 
     /// Leaf `index`.
-    pub fn get(&self, index: usize) -> PriorityResult<f32> {
-        self.leaves.get(index).copied().ok_or(PriorityError::IndexOutOfRange { index, capacity: self.capacity })
+    pub fn get(&self, index: usize) -> Result<f32> {
+        self.leaves.get(index).copied().ok_or(Error::RowOutOfRange { index, capacity: self.capacity })
     }
 
     /// Sets leaf `index` to `value` (finite, non-negative) and updates its ancestors.
-    pub fn set(&mut self, index: usize, value: f32) -> PriorityResult<()> {
+    pub fn set(&mut self, index: usize, value: f32) -> Result<()> {
         self.check_index(index)?;
         check_priority(index, value)?;
         self.set_unchecked(index, value);
@@ -165,9 +90,9 @@ impl SumTree {
     }
 
     /// Sets `indices[k]` to `values[k]`; nothing changes unless every pair is valid.
-    pub fn set_many(&mut self, indices: &[usize], values: &[f32]) -> PriorityResult<()> {
+    pub fn set_many(&mut self, indices: &[usize], values: &[f32]) -> Result<()> {
         if indices.len() != values.len() {
-            return Err(PriorityError::LengthMismatch {
+            return Err(Error::LengthMismatch {
                 what: "sum tree values for indices",
                 expected: indices.len(),
                 got: values.len(),
@@ -183,12 +108,8 @@ impl SumTree {
         Ok(())
     }
 
-    fn check_index(&self, index: usize) -> PriorityResult<()> {
-        if index < self.capacity {
-            Ok(())
-        } else {
-            Err(PriorityError::IndexOutOfRange { index, capacity: self.capacity })
-        }
+    fn check_index(&self, index: usize) -> Result<()> {
+        if index < self.capacity { Ok(()) } else { Err(Error::RowOutOfRange { index, capacity: self.capacity }) }
     }
 
     fn set_unchecked(&mut self, index: usize, value: f32) {
@@ -207,7 +128,7 @@ impl SumTree {
     }
 
     /// Sum of the leaves in `range` (non-empty, within capacity), in O(log n).
-    pub fn sum(&self, range: Range<usize>) -> PriorityResult<f64> {
+    pub fn sum(&self, range: Range<usize>) -> Result<f64> {
         let (mut lo, mut hi) = check_range(&range, self.capacity)?;
         if lo == 0 && hi == self.capacity {
             return Ok(self.total());
@@ -283,11 +204,11 @@ impl SumTree {
     }
 }
 
-fn check_range(range: &Range<usize>, capacity: usize) -> PriorityResult<(usize, usize)> {
+fn check_range(range: &Range<usize>, capacity: usize) -> Result<(usize, usize)> {
     if range.start < range.end && range.end <= capacity {
         Ok((range.start, range.end))
     } else {
-        Err(PriorityError::InvalidRange { start: range.start, end: range.end, capacity })
+        Err(Error::InvalidRange { start: range.start, end: range.end, capacity })
     }
 }
 
@@ -312,7 +233,7 @@ impl MinTree {
     }
 
     /// A tree holding `leaves` (checked: each finite and non-negative), built in O(n).
-    pub fn from_leaves(leaves: &[f32]) -> PriorityResult<Self> {
+    pub fn from_leaves(leaves: &[f32]) -> Result<Self> {
         for (i, &v) in leaves.iter().enumerate() {
             check_priority(i, v)?;
         }
@@ -335,14 +256,14 @@ impl MinTree {
     }
 
     /// Leaf `index`.
-    pub fn get(&self, index: usize) -> PriorityResult<f32> {
-        self.leaves().get(index).copied().ok_or(PriorityError::IndexOutOfRange { index, capacity: self.capacity })
+    pub fn get(&self, index: usize) -> Result<f32> {
+        self.leaves().get(index).copied().ok_or(Error::RowOutOfRange { index, capacity: self.capacity })
     }
 
     /// Sets leaf `index` to `value` (finite, non-negative) and updates its ancestors.
-    pub fn set(&mut self, index: usize, value: f32) -> PriorityResult<()> {
+    pub fn set(&mut self, index: usize, value: f32) -> Result<()> {
         if index >= self.capacity {
-            return Err(PriorityError::IndexOutOfRange { index, capacity: self.capacity });
+            return Err(Error::RowOutOfRange { index, capacity: self.capacity });
         }
         check_priority(index, value)?;
         self.set_unchecked(index, value);
@@ -350,9 +271,9 @@ impl MinTree {
     }
 
     /// Sets `indices[k]` to `values[k]`; nothing changes unless every pair is valid.
-    pub fn set_many(&mut self, indices: &[usize], values: &[f32]) -> PriorityResult<()> {
+    pub fn set_many(&mut self, indices: &[usize], values: &[f32]) -> Result<()> {
         if indices.len() != values.len() {
-            return Err(PriorityError::LengthMismatch {
+            return Err(Error::LengthMismatch {
                 what: "min tree values for indices",
                 expected: indices.len(),
                 got: values.len(),
@@ -360,7 +281,7 @@ impl MinTree {
         }
         for (&i, &v) in indices.iter().zip(values) {
             if i >= self.capacity {
-                return Err(PriorityError::IndexOutOfRange { index: i, capacity: self.capacity });
+                return Err(Error::RowOutOfRange { index: i, capacity: self.capacity });
             }
             check_priority(i, v)?;
         }
@@ -385,7 +306,7 @@ impl MinTree {
     }
 
     /// Smallest leaf in `range` (non-empty, within capacity), in O(log n).
-    pub fn min_in(&self, range: Range<usize>) -> PriorityResult<f32> {
+    pub fn min_in(&self, range: Range<usize>) -> Result<f32> {
         let (mut lo, mut hi) = check_range(&range, self.capacity)?;
         lo += self.slots;
         hi += self.slots;

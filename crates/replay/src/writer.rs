@@ -40,6 +40,12 @@ pub trait Writer: Send + fmt::Debug {
 
     /// Back to the empty state.
     fn reset(&mut self);
+
+    /// For a writer that ranks rows: its rank key and kept `(rank, row)` pairs, smallest rank
+    /// first (what a checkpoint saves). `None` for writers that keep no ranks.
+    fn ranked(&self) -> Option<(&KeyPath, Vec<(f64, usize)>)> {
+        None
+    }
 }
 
 /// Round-robin writing (TorchRL's `RoundRobinWriter`).
@@ -258,6 +264,10 @@ impl Writer for MaxValue {
         self.cursor = 0;
         self.write_count = 0;
         self.top.clear();
+    }
+
+    fn ranked(&self) -> Option<(&KeyPath, Vec<(f64, usize)>)> {
+        Some((&self.rank_key, self.top_values()))
     }
 }
 

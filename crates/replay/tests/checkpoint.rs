@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use replay::checkpoint::{Dump, DumpError, Prefetch, SamplerDump, WriterKind};
+use replay::Error;
+use replay::checkpoint::{Dump, Prefetch, SamplerDump, WriterKind};
 use serde_json::Value;
 use tensordict::TensorDict;
 
@@ -210,7 +211,7 @@ fn copy_fixture(name: &str) -> (tempfile::TempDir, PathBuf) {
     (dir, dst)
 }
 
-fn read_err(path: &Path) -> DumpError {
+fn read_err(path: &Path) -> Error {
     Dump::read(path).expect_err("a spoiled dump must not read")
 }
 
@@ -220,19 +221,19 @@ fn missing_parts_are_named() {
         let (_dir, dump) = copy_fixture("prioritized");
         fs::remove_file(dump.join(part)).unwrap();
         match read_err(&dump) {
-            DumpError::Missing { path } => assert!(path.ends_with(part), "{part}: {}", path.display()),
+            Error::Missing { path } => assert!(path.ends_with(part), "{part}: {}", path.display()),
             other => panic!("{part}: {other}"),
         }
     }
     let (_dir, dump) = copy_fixture("prioritized");
     fs::remove_file(dump.join("sampler/sumtree.memmap")).unwrap();
     let err = read_err(&dump);
-    assert!(matches!(&err, DumpError::Missing { path } if path.ends_with("sampler/sumtree.memmap")), "{err}");
+    assert!(matches!(&err, Error::Missing { path } if path.ends_with("sampler/sumtree.memmap")), "{err}");
     let (_dir, dump) = copy_fixture("uniform_wrapped");
     fs::remove_dir_all(dump.join("storage")).unwrap();
     let err = read_err(&dump);
     assert!(err.to_string().contains("storage"), "{err}");
-    assert!(matches!(read_err(&dump.join("nowhere")), DumpError::Missing { .. }));
+    assert!(matches!(read_err(&dump.join("nowhere")), Error::Missing { .. }));
 }
 
 #[test]
@@ -269,7 +270,7 @@ fn malformed_json_and_fields_are_named() {
     let (_dir, dump) = copy_fixture("slices");
     fs::write(dump.join("storage/storage_metadata.json"), b"{\"metadata\": {}, \"is_pytree\": true, \"len\": 1}")
         .unwrap();
-    assert!(matches!(read_err(&dump), DumpError::Unsupported { .. }));
+    assert!(matches!(read_err(&dump), Error::Unsupported { .. }));
 }
 
 #[test]
@@ -278,7 +279,7 @@ fn short_or_hostile_binary_parts_are_errors() {
     let (_dir, dump) = copy_fixture("prioritized");
     fs::write(dump.join("sampler/sumtree.memmap"), [0u8; 100]).unwrap();
     let err = read_err(&dump);
-    assert!(matches!(&err, DumpError::Tensor { path, .. } if path.ends_with("sumtree.memmap")), "{err}");
+    assert!(matches!(&err, Error::Tensor { path, .. } if path.ends_with("sumtree.memmap")), "{err}");
     // A capacity far beyond the file is refused before anything that size is allocated.
     let (_dir, dump) = copy_fixture("prioritized");
     fs::write(
@@ -286,7 +287,7 @@ fn short_or_hostile_binary_parts_are_errors() {
         b"{\"_alpha\": 0.6, \"_beta\": 0.4, \"_eps\": 1e-06, \"_max_priority\": [7.5, 19.0], \"_max_capacity\": 1e15, \"_schema_version\": 1}",
     )
     .unwrap();
-    assert!(matches!(read_err(&dump), DumpError::Tensor { .. }));
+    assert!(matches!(read_err(&dump), Error::Tensor { .. }));
     // A NaN priority.
     let (_dir, dump) = copy_fixture("prioritized");
     let mut tree = fs::read(dump.join("sampler/sumtree.memmap")).unwrap();
@@ -306,7 +307,7 @@ fn short_or_hostile_binary_parts_are_errors() {
     pickle[at] = b'(';
     fs::write(dump.join("prefetch.pkl"), &pickle).unwrap();
     let err = read_err(&dump);
-    assert!(matches!(&err, DumpError::Unsupported { path, .. } if path.ends_with("prefetch.pkl")), "{err}");
+    assert!(matches!(&err, Error::Unsupported { path, .. } if path.ends_with("prefetch.pkl")), "{err}");
     // A sampler folder of an unknown kind.
     let (_dir, dump) = copy_fixture("slices");
     fs::create_dir(dump.join("sampler")).unwrap();
@@ -337,7 +338,7 @@ fn write_refuses_a_non_empty_destination_and_fills_an_empty_one() {
     fs::create_dir(&out).unwrap();
     fs::write(out.join("keep.txt"), b"mine").unwrap();
     let err = dump.write(&out).unwrap_err();
-    assert!(matches!(&err, DumpError::DestinationExists { path } if *path == out), "{err}");
+    assert!(matches!(&err, Error::DestinationExists { path } if *path == out), "{err}");
     assert_eq!(fs::read(out.join("keep.txt")).unwrap(), b"mine");
     assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1, "nothing left beside");
     fs::remove_file(out.join("keep.txt")).unwrap();

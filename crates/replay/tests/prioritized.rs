@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use replay::{MinTree, PrioritizedParts, PrioritizedState, PriorityError, SamplerMetadata, SumTree};
+use replay::{Error, MinTree, PrioritizedParts, PrioritizedState, SamplerMetadata, SumTree};
 
 fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1")
@@ -123,8 +123,8 @@ fn sum_and_min_range_queries_match_brute_force() {
             let want = leaves[..end.min(n)].iter().rposition(|&v| v > 0.0);
             assert_eq!(sum.last_positive_before(end), want, "end {end} of {leaves:?}");
         }
-        assert!(matches!(sum.sum(0..0), Err(PriorityError::InvalidRange { .. })));
-        assert!(matches!(min.min_in(0..n + 1), Err(PriorityError::InvalidRange { .. })));
+        assert!(matches!(sum.sum(0..0), Err(Error::InvalidRange { .. })));
+        assert!(matches!(min.min_in(0..n + 1), Err(Error::InvalidRange { .. })));
     }
 }
 
@@ -167,17 +167,17 @@ fn trees_refuse_bad_values_and_indices_without_changing() {
     let mut min = MinTree::from_leaves(&[1.0, 2.0, 3.0]).unwrap();
     let before = (sum.clone(), min.clone());
     for bad in [f32::NAN, -1.0, f32::INFINITY, -0.5] {
-        assert!(matches!(sum.set(1, bad), Err(PriorityError::InvalidPriority { index: 1, .. })));
-        assert!(matches!(min.set(1, bad), Err(PriorityError::InvalidPriority { index: 1, .. })));
+        assert!(matches!(sum.set(1, bad), Err(Error::InvalidPriority { index: 1, .. })));
+        assert!(matches!(min.set(1, bad), Err(Error::InvalidPriority { index: 1, .. })));
         // A batch with one bad value changes nothing, not even the valid rows before it.
         assert!(sum.set_many(&[0, 2], &[5.0, bad]).is_err());
         assert!(min.set_many(&[0, 2], &[5.0, bad]).is_err());
         assert!(SumTree::from_leaves(&[1.0, bad]).is_err());
         assert!(MinTree::from_leaves(&[1.0, bad]).is_err());
     }
-    assert_eq!(sum.set(3, 1.0), Err(PriorityError::IndexOutOfRange { index: 3, capacity: 3 }));
-    assert_eq!(min.get(9), Err(PriorityError::IndexOutOfRange { index: 9, capacity: 3 }));
-    assert!(matches!(sum.set_many(&[0], &[1.0, 2.0]), Err(PriorityError::LengthMismatch { .. })));
+    assert!(matches!(sum.set(3, 1.0), Err(Error::RowOutOfRange { index: 3, capacity: 3 })));
+    assert!(matches!(min.get(9), Err(Error::RowOutOfRange { index: 9, capacity: 3 })));
+    assert!(matches!(sum.set_many(&[0], &[1.0, 2.0]), Err(Error::LengthMismatch { .. })));
     assert_eq!((sum, min), before);
     let msg = SumTree::new(2).set(0, f32::NAN).unwrap_err().to_string();
     assert!(msg.contains("row 0") && msg.contains("NaN"), "{msg}");
@@ -302,22 +302,19 @@ fn update_priority_refuses_bad_input_and_changes_nothing() {
     let before = state.clone();
     for bad in [f32::NAN, -1.0, f32::INFINITY] {
         let err = state.update_priority(&[0, 2], &[1.0, bad]).unwrap_err();
-        assert!(matches!(err, PriorityError::InvalidPriority { index: 2, .. }), "{err}");
+        assert!(matches!(err, Error::InvalidPriority { index: 2, .. }), "{err}");
     }
-    assert_eq!(
-        state.update_priority(&[1, 4], &[1.0, 1.0]),
-        Err(PriorityError::IndexOutOfRange { index: 4, capacity: 4 })
-    );
-    assert!(matches!(state.update_priority(&[0, 1, 2], &[1.0, 2.0]), Err(PriorityError::LengthMismatch { .. })));
-    assert!(matches!(state.on_write(&[7]), Err(PriorityError::IndexOutOfRange { index: 7, .. })));
+    assert!(matches!(state.update_priority(&[1, 4], &[1.0, 1.0]), Err(Error::RowOutOfRange { index: 4, capacity: 4 })));
+    assert!(matches!(state.update_priority(&[0, 1, 2], &[1.0, 2.0]), Err(Error::LengthMismatch { .. })));
+    assert!(matches!(state.on_write(&[7]), Err(Error::RowOutOfRange { index: 7, .. })));
     // A priority whose (p + eps)^alpha overflows f32 is refused too.
     let mut steep = PrioritizedState::new(2, 4.0, 0.4, 0.0).unwrap();
-    assert!(matches!(steep.update_priority(&[0], &[1e20]), Err(PriorityError::InvalidPriority { .. })));
+    assert!(matches!(steep.update_priority(&[0], &[1e20]), Err(Error::InvalidPriority { .. })));
     assert_eq!(state, before);
 
     for (name, a, b, e) in [("alpha", -0.1, 0.4, 0.0), ("beta", 0.6, -1.0, 0.0), ("eps", 0.6, 0.4, f64::NAN)] {
         let err = PrioritizedState::new(4, a, b, e).unwrap_err();
-        assert!(matches!(err, PriorityError::InvalidParameter { name: n, .. } if n == name), "{err}");
+        assert!(matches!(err, Error::InvalidParameter { name: n, .. } if n == name), "{err}");
     }
 }
 
@@ -325,14 +322,14 @@ fn update_priority_refuses_bad_input_and_changes_nothing() {
 fn sampling_refuses_empty_and_zero_mass_ranges() {
     let mut rng = StdRng::seed_from_u64(5);
     let mut state = PrioritizedState::new(4, 1.0, 0.4, 0.0).unwrap();
-    assert!(matches!(state.sample(1, 0, &mut rng), Err(PriorityError::InvalidRange { .. })));
-    assert!(matches!(state.sample(1, 5, &mut rng), Err(PriorityError::InvalidRange { .. })));
+    assert!(matches!(state.sample(1, 0, &mut rng), Err(Error::InvalidRange { .. })));
+    assert!(matches!(state.sample(1, 5, &mut rng), Err(Error::InvalidRange { .. })));
     // No row written: the sum is zero.
-    assert!(matches!(state.sample(1, 4, &mut rng), Err(PriorityError::NonPositiveMass { what: "sum", .. })));
+    assert!(matches!(state.sample(1, 4, &mut rng), Err(Error::NonPositiveMass { what: "sum", .. })));
     // A zero-priority row with eps 0 makes p_min zero: weights would be infinite.
     state.update_priority(&[0, 1], &[0.0, 2.0]).unwrap();
     let err = state.sample(1, 2, &mut rng).unwrap_err();
-    assert!(matches!(err, PriorityError::NonPositiveMass { what: "min", len: 2, .. }), "{err}");
+    assert!(matches!(err, Error::NonPositiveMass { what: "min", len: 2, .. }), "{err}");
     assert!(err.to_string().contains("rows 0..2"), "{err}");
 }
 
@@ -436,48 +433,39 @@ fn fixture_trees_reproduced_from_the_same_priorities() {
 fn from_parts_refuses_inconsistent_dumps() {
     let good = fixture_parts();
     let err = PrioritizedState::from_parts(16, &good, false).unwrap_err();
-    assert!(matches!(err, PriorityError::CapacityMismatch { what: "_max_capacity", expected: 16, got: 32 }), "{err}");
+    assert!(matches!(err, Error::CapacityMismatch { what: "_max_capacity", expected: 16, got: 32 }), "{err}");
 
     let mut short = good.clone();
     short.min_leaves.pop();
     assert!(matches!(
         PrioritizedState::from_parts(32, &short, false),
-        Err(PriorityError::CapacityMismatch { what: "mintree leaves", expected: 32, got: 31 })
+        Err(Error::CapacityMismatch { what: "mintree leaves", expected: 32, got: 31 })
     ));
 
     let mut nan = good.clone();
     nan.sum_leaves[3] = f64::NAN;
-    assert!(matches!(
-        PrioritizedState::from_parts(32, &nan, false),
-        Err(PriorityError::InvalidPriority { index: 3, .. })
-    ));
+    assert!(matches!(PrioritizedState::from_parts(32, &nan, false), Err(Error::InvalidPriority { index: 3, .. })));
 
     let mut huge = good.clone();
     huge.sum_leaves[4] = 1e300;
-    assert!(matches!(
-        PrioritizedState::from_parts(32, &huge, false),
-        Err(PriorityError::InvalidPriority { index: 4, .. })
-    ));
+    assert!(matches!(PrioritizedState::from_parts(32, &huge, false), Err(Error::InvalidPriority { index: 4, .. })));
 
     let mut bad_max = good.clone();
     bad_max.metadata.max_priority = [Some(1.0), Some(40.0)];
-    assert!(matches!(
-        PrioritizedState::from_parts(32, &bad_max, false),
-        Err(PriorityError::IndexOutOfRange { index: 40, .. })
-    ));
+    assert!(matches!(PrioritizedState::from_parts(32, &bad_max, false), Err(Error::RowOutOfRange { index: 40, .. })));
 
     let mut fractional = good.clone();
     fractional.metadata.max_capacity = 32.5;
     assert!(matches!(
         PrioritizedState::from_parts(32, &fractional, false),
-        Err(PriorityError::InvalidParameter { name: "_max_capacity", .. })
+        Err(Error::InvalidParameter { name: "_max_capacity", .. })
     ));
 
     let mut bad_alpha = good;
     bad_alpha.metadata.alpha = -1.0;
     assert!(matches!(
         PrioritizedState::from_parts(32, &bad_alpha, false),
-        Err(PriorityError::InvalidParameter { name: "alpha", .. })
+        Err(Error::InvalidParameter { name: "alpha", .. })
     ));
 }
 
@@ -523,6 +511,6 @@ fn set_alpha_rewrites_tree_values_from_raw_priorities() {
     flat.update_priority(&[0, 1], &[3.0, 5.0]).unwrap();
     flat.set_alpha(1.0).unwrap();
     assert_eq!(flat.sum_tree().leaves(), &[1.0, 1.0]);
-    assert!(matches!(flat.set_alpha(f64::NAN), Err(PriorityError::InvalidParameter { name: "alpha", .. })));
+    assert!(matches!(flat.set_alpha(f64::NAN), Err(Error::InvalidParameter { name: "alpha", .. })));
     assert_eq!(flat.alpha(), 1.0);
 }
