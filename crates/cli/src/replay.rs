@@ -9,7 +9,8 @@ use anyhow::{Context, bail};
 use clap::Subcommand;
 use indicatif::DecimalBytes;
 use memmap_tensor::{DType, Tensor};
-use replay::checkpoint::{Dump, DumpError, PrioritizedDump, SamplerDump, WriterDump, WriterKind};
+use replay::Error;
+use replay::checkpoint::{Dump, PrioritizedDump, SamplerDump, WriterDump, WriterKind};
 use serde_json::{Value, json};
 use tensordict::TensorDict;
 
@@ -80,14 +81,14 @@ fn read(path: &Path) -> anyhow::Result<Dump> {
     }
     let storage_meta = path.join("storage").join(replay::STORAGE_METADATA);
     Dump::read(path).map_err(|e| match &e {
-        DumpError::Missing { path: missing } if *missing == storage_meta => {
+        Error::Missing { path: missing } if *missing == storage_meta => {
             anyhow::Error::new(e).context(format!("{} is not a TorchRL replay-buffer dump", path.display()))
         }
         // The tensor and dict libraries name the file in their own messages: say it once.
-        DumpError::Tensor { path, source } if source.to_string().contains(&path.display().to_string()) => {
+        Error::Tensor { path, source } if source.to_string().contains(&path.display().to_string()) => {
             anyhow::anyhow!("{source}")
         }
-        DumpError::Dict { path, source } if source.to_string().contains(&path.display().to_string()) => {
+        Error::Dict { path, source } if source.to_string().contains(&path.display().to_string()) => {
             anyhow::anyhow!("{source}")
         }
         _ => anyhow::Error::new(e),
