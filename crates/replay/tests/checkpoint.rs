@@ -1,7 +1,6 @@
 //! TorchRL dump folders: the fixtures written by TorchRL 0.14.1 are read with the values the
 //! buffer reported, written back byte for byte, and bad folders are clear errors.
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -10,42 +9,9 @@ use replay::checkpoint::{Dump, Prefetch, SamplerDump, WriterKind};
 use serde_json::Value;
 use tensordict::TensorDict;
 
-const FIXTURES: [&str; 4] = ["uniform_wrapped", "prioritized", "slices", "max_value_writer"];
+mod common;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1")
-}
-
-fn expected(name: &str) -> Value {
-    let text = fs::read(fixtures().join(format!("{name}.expected.json"))).unwrap();
-    serde_json::from_slice(&text).unwrap()
-}
-
-fn f64_of(v: &Value) -> f64 {
-    tensordict::json_as_f64(v).unwrap()
-}
-
-/// Every file under `dir`, by relative path, with its bytes.
-fn files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    let mut pending = vec![dir.to_owned()];
-    while let Some(d) = pending.pop() {
-        for entry in fs::read_dir(&d).unwrap() {
-            let entry = entry.unwrap();
-            if entry.file_type().unwrap().is_dir() {
-                pending.push(entry.path());
-            } else {
-                out.insert(entry.path().strip_prefix(dir).unwrap().to_owned(), fs::read(entry.path()).unwrap());
-            }
-        }
-    }
-    out
-}
-
-/// Every leaf of a dict, by key, with its bytes.
-fn leaves(td: &TensorDict) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
-    td.leaves().into_iter().map(|(k, t)| (k.joined("/"), (t.dims().to_vec(), t.to_bytes().unwrap()))).collect()
-}
+use common::{FIXTURES, expected, f64_of, files, fixtures, leaves};
 
 /// Checks the rows named by `values.index` of an expected.json against the storage.
 fn check_rows(dump: &Dump, values: &Value) {

@@ -2,9 +2,8 @@
 //! load into buffers that report what TorchRL reported and keep working; a buffer dumped and
 //! loaded back is the same buffer; bad input is an error that names it.
 
-use std::collections::BTreeMap;
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use memmap_tensor::Tensor;
 use replay::checkpoint::SamplerDump;
@@ -15,41 +14,9 @@ use replay::{
 use serde_json::Value;
 use tensordict::TensorDict;
 
-const FIXTURES: [&str; 4] = ["uniform_wrapped", "prioritized", "slices", "max_value_writer"];
+mod common;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1")
-}
-
-fn expected(name: &str) -> Value {
-    serde_json::from_slice(&fs::read(fixtures().join(format!("{name}.expected.json"))).unwrap()).unwrap()
-}
-
-fn f64_of(v: &Value) -> f64 {
-    tensordict::json_as_f64(v).unwrap()
-}
-
-/// Every file under `dir`, by relative path, with its bytes.
-fn files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    let mut pending = vec![dir.to_owned()];
-    while let Some(d) = pending.pop() {
-        for entry in fs::read_dir(&d).unwrap() {
-            let entry = entry.unwrap();
-            if entry.file_type().unwrap().is_dir() {
-                pending.push(entry.path());
-            } else {
-                out.insert(entry.path().strip_prefix(dir).unwrap().to_owned(), fs::read(entry.path()).unwrap());
-            }
-        }
-    }
-    out
-}
-
-/// Every leaf of `td` by key, with its shape and bytes.
-fn leaves(td: &TensorDict) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
-    td.leaves().into_iter().map(|(k, t)| (k.joined("/"), (t.dims().to_vec(), t.to_bytes().unwrap()))).collect()
-}
+use common::{FIXTURES, expected, f64_of, files, fixtures, leaves};
 
 /// `n` rows `i = start..start + n`: `obs` = 10 i + (0, 1, 2, 3), `reward` = i / 100.
 fn rows(start: usize, n: usize) -> TensorDict {

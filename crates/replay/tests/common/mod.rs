@@ -1,0 +1,50 @@
+//! What the replay tests share: the TorchRL fixtures and ways to compare folders and dicts.
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use tensordict::TensorDict;
+
+/// The dumps written by TorchRL 0.14.1 (see the README beside them).
+pub const FIXTURES: [&str; 4] = ["uniform_wrapped", "prioritized", "slices", "max_value_writer"];
+
+/// The folder of the TorchRL fixtures.
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1")
+}
+
+/// What TorchRL reported about the buffer of fixture `name` before dumping it.
+pub fn expected(name: &str) -> Value {
+    let text = fs::read(fixtures().join(format!("{name}.expected.json"))).unwrap();
+    serde_json::from_slice(&text).unwrap()
+}
+
+/// A JSON number (as tensordict's JSON keeps it) as `f64`.
+pub fn f64_of(v: &Value) -> f64 {
+    tensordict::json_as_f64(v).unwrap()
+}
+
+/// Every file under `dir`, by relative path, with its bytes.
+pub fn files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut pending = vec![dir.to_owned()];
+    while let Some(d) = pending.pop() {
+        for entry in fs::read_dir(&d).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_type().unwrap().is_dir() {
+                pending.push(entry.path());
+            } else {
+                out.insert(entry.path().strip_prefix(dir).unwrap().to_owned(), fs::read(entry.path()).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// Every leaf of `td` by key, with its shape and bytes.
+pub fn leaves(td: &TensorDict) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
+    td.leaves().into_iter().map(|(k, t)| (k.joined("/"), (t.dims().to_vec(), t.to_bytes().unwrap()))).collect()
+}
