@@ -96,6 +96,20 @@ pub(crate) enum BenchCommand {
         #[arg(long, hide = true)]
         echo_server: Option<rpc::Endpoint>,
     },
+    /// Replay buffers on memmap storage, filled first: extend of 32 rows, uniform sample of
+    /// 256 (and into a reused batch), prioritized sample of 256 with a priority update, and
+    /// 8 slices of 32 steps; medians per call (compare with tools/python/bench_torchrl_replay.py).
+    Replay {
+        /// Capacity of each buffer, and rows written before timing (at least 356).
+        #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(crate::bench_replay::MIN_ROWS..=MAX_ROWS))]
+        rows: u64,
+        /// Calls to time of each kind (1 to 10000000).
+        #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..=MAX_ITERS))]
+        iters: u64,
+        /// Print one JSON object: the medians, `rows` and `iters`.
+        #[arg(long)]
+        json: bool,
+    },
     /// Sequential write, then read, of one file through the I/O engine (compare with fio).
     Io {
         /// The file to write (created or overwritten).
@@ -137,6 +151,7 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Store { size, iters, json, echo_server: None } => {
             crate::bench_store::run(size, usize::try_from(iters)?, json)
         }
+        BenchCommand::Replay { rows, iters, json } => crate::bench_replay::run(rows, iters, json),
         BenchCommand::Io { file, size, bs, qd, direct, json } => {
             io(&file, size, bs, usize::try_from(qd)?, direct, json)
         }

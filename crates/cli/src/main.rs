@@ -16,6 +16,7 @@ macro_rules! out {
 pub(crate) use out;
 
 mod bench;
+mod bench_replay;
 mod bench_rpc;
 mod bench_store;
 mod location;

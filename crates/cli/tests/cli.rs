@@ -583,6 +583,35 @@ fn bench_make_then_gather_json() {
 }
 
 #[test]
+fn bench_replay_json_keys() {
+    let run = tdict(["bench", "replay", "--rows", "1000", "--iters", "5", "--json"]);
+    run.assert_no_panic();
+    let out = run.json();
+    let mut keys: Vec<&str> = out.as_object().unwrap().keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        ["extend_us", "iters", "prio_sample_us", "rows", "sample_into_us", "sample_us", "slice_sample_us"],
+        "{run}"
+    );
+    assert_eq!((&out["rows"], &out["iters"]), (&json!(1000), &json!(5)), "{run}");
+    for key in ["extend_us", "prio_sample_us", "sample_into_us", "sample_us", "slice_sample_us"] {
+        let v = out[key].as_f64().unwrap_or_else(|| panic!("{key} is a number:\n{run}"));
+        assert!(v > 0.0 && v.is_finite(), "{key}:\n{run}");
+    }
+}
+
+#[test]
+fn bench_replay_refuses_too_few_rows() {
+    let run = tdict(["bench", "replay", "--rows", "100", "--iters", "5"]);
+    run.assert_no_panic().expect_code(2);
+    assert!(
+        run.stderr.contains("--rows") && run.stderr.contains("356"),
+        "the message names the option and its least:\n{run}"
+    );
+}
+
+#[test]
 fn bench_gather_text_output() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("bench");
