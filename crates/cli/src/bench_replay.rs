@@ -151,11 +151,16 @@ pub(crate) fn run(rows_total: u64, iters: u64, as_json: bool) -> anyhow::Result<
         crate::out!("{out}");
     } else {
         crate::out!("replay buffer of {rows_total} memmap rows, median per call over {iters} calls:");
-        crate::out!("  extend {EXTEND_ROWS} rows              {:>10.1} µs", m.extend);
-        crate::out!("  uniform sample {SAMPLE_ROWS}           {:>10.1} µs", m.sample);
-        crate::out!("  uniform sample_into {SAMPLE_ROWS}      {:>10.1} µs", m.sample_into);
-        crate::out!("  prioritized sample {SAMPLE_ROWS} + update {:>7.1} µs", m.prio_sample);
-        crate::out!("  slice sample {SLICES} x {}         {:>10.1} µs", SAMPLE_ROWS / SLICES, m.slice_sample);
+        let lines = [
+            (format!("extend of {EXTEND_ROWS} rows"), m.extend),
+            (format!("uniform sample of {SAMPLE_ROWS}"), m.sample),
+            (format!("uniform sample_into of {SAMPLE_ROWS}"), m.sample_into),
+            (format!("prioritized sample of {SAMPLE_ROWS} + update_priority"), m.prio_sample),
+            (format!("slice sample of {SLICES} x {}", SAMPLE_ROWS / SLICES), m.slice_sample),
+        ];
+        for (what, us) in lines {
+            crate::out!("  {what:<44} {us:>10.1} µs");
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
