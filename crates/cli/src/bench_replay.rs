@@ -30,7 +30,7 @@ const BETA: f64 = 0.4;
 /// The prioritized sampler's `eps` (TorchRL's default).
 const EPS: f64 = 1e-8;
 
-/// Rows `start..start + n` of the benchmark data: `obs` and `next/obs` f32[84], `action` i64,
+/// Rows `start..start + n` of the benchmark data: `obs` and `next/obs` `f32[84]`, `action` i64,
 /// `reward` f32, `done` bool and `episode` i64 (a new episode every `EPISODE_LEN` rows).
 fn rows(start: usize, n: usize) -> anyhow::Result<TensorDict> {
     let ids: Vec<usize> = (start..start + n).collect();
