@@ -24,6 +24,23 @@ fn check_priority(index: usize, value: f32) -> Result<()> {
     }
 }
 
+fn check_index(index: usize, capacity: usize) -> Result<()> {
+    if index < capacity { Ok(()) } else { Err(Error::RowOutOfRange { index, capacity }) }
+}
+
+/// Checks a batched set of either tree: one value per index, every index in range, every value a
+/// valid priority (so that nothing changes unless all of it can).
+fn check_updates(what: &'static str, capacity: usize, indices: &[usize], values: &[f32]) -> Result<()> {
+    if indices.len() != values.len() {
+        return Err(Error::LengthMismatch { what, expected: indices.len(), got: values.len() });
+    }
+    for (&i, &v) in indices.iter().zip(values) {
+        check_index(i, capacity)?;
+        check_priority(i, v)?;
+    }
+    Ok(())
+}
+
 /// Number of leaf slots: the smallest power of two holding `capacity` leaves (at least 1).
 fn leaf_slots(capacity: usize) -> usize {
     capacity.max(1).next_power_of_two()
@@ -83,7 +100,7 @@ impl SumTree {
 
     /// Sets leaf `index` to `value` (finite, non-negative) and updates its ancestors.
     pub fn set(&mut self, index: usize, value: f32) -> Result<()> {
-        self.check_index(index)?;
+        check_index(index, self.capacity)?;
         check_priority(index, value)?;
         self.set_unchecked(index, value);
         Ok(())
@@ -91,25 +108,11 @@ impl SumTree {
 
     /// Sets `indices[k]` to `values[k]`; nothing changes unless every pair is valid.
     pub fn set_many(&mut self, indices: &[usize], values: &[f32]) -> Result<()> {
-        if indices.len() != values.len() {
-            return Err(Error::LengthMismatch {
-                what: "sum tree values for indices",
-                expected: indices.len(),
-                got: values.len(),
-            });
-        }
-        for (&i, &v) in indices.iter().zip(values) {
-            self.check_index(i)?;
-            check_priority(i, v)?;
-        }
+        check_updates("sum tree values for indices", self.capacity, indices, values)?;
         for (&i, &v) in indices.iter().zip(values) {
             self.set_unchecked(i, v);
         }
         Ok(())
-    }
-
-    fn check_index(&self, index: usize) -> Result<()> {
-        if index < self.capacity { Ok(()) } else { Err(Error::RowOutOfRange { index, capacity: self.capacity }) }
     }
 
     fn set_unchecked(&mut self, index: usize, value: f32) {
@@ -262,9 +265,7 @@ impl MinTree {
 
     /// Sets leaf `index` to `value` (finite, non-negative) and updates its ancestors.
     pub fn set(&mut self, index: usize, value: f32) -> Result<()> {
-        if index >= self.capacity {
-            return Err(Error::RowOutOfRange { index, capacity: self.capacity });
-        }
+        check_index(index, self.capacity)?;
         check_priority(index, value)?;
         self.set_unchecked(index, value);
         Ok(())
@@ -272,19 +273,7 @@ impl MinTree {
 
     /// Sets `indices[k]` to `values[k]`; nothing changes unless every pair is valid.
     pub fn set_many(&mut self, indices: &[usize], values: &[f32]) -> Result<()> {
-        if indices.len() != values.len() {
-            return Err(Error::LengthMismatch {
-                what: "min tree values for indices",
-                expected: indices.len(),
-                got: values.len(),
-            });
-        }
-        for (&i, &v) in indices.iter().zip(values) {
-            if i >= self.capacity {
-                return Err(Error::RowOutOfRange { index: i, capacity: self.capacity });
-            }
-            check_priority(i, v)?;
-        }
+        check_updates("min tree values for indices", self.capacity, indices, values)?;
         for (&i, &v) in indices.iter().zip(values) {
             self.set_unchecked(i, v);
         }
