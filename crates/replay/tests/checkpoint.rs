@@ -11,7 +11,7 @@ use tensordict::TensorDict;
 
 mod common;
 
-use common::{FIXTURES, expected, f64_of, files, fixtures, leaves};
+use common::{FIXTURES, expected, f64_of, files, fixtures, kill_while_dumping, leaves};
 
 /// Checks the rows named by `values.index` of an expected.json against the storage.
 fn check_rows(dump: &Dump, values: &Value) {
@@ -337,33 +337,7 @@ fn a_killed_write_leaves_no_partial_dump() {
     let want = files(&fixtures().join("prioritized"));
     for round in 0..4 {
         let dir = tempfile::tempdir().unwrap();
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "crash_child_writes_dumps_until_killed", "--test-threads", "1"])
-            .env(CHILD_ENV, dir.path())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        // Kill it while a write is under way: once `round` dumps are complete and the next one
-        // is being built (or, should no hidden folder ever show, after a while of looking).
-        let mut looked = 0u32;
-        loop {
-            let names: Vec<String> = fs::read_dir(dir.path())
-                .unwrap()
-                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .collect();
-            let done = names.iter().filter(|n| n.starts_with("out-")).count();
-            if done >= round {
-                looked += 1;
-                if names.iter().any(|n| n.starts_with('.')) || looked > 100_000 {
-                    break;
-                }
-            }
-            assert!(child.try_wait().unwrap().is_none(), "the child stopped by itself");
-            std::thread::yield_now();
-        }
-        child.kill().unwrap(); // SIGKILL
-        child.wait().unwrap();
+        kill_while_dumping("crash_child_writes_dumps_until_killed", CHILD_ENV, dir.path(), round);
         let mut complete = 0;
         for entry in fs::read_dir(dir.path()).unwrap() {
             let entry = entry.unwrap();

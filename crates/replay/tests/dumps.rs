@@ -16,7 +16,7 @@ use tensordict::TensorDict;
 
 mod common;
 
-use common::{FIXTURES, expected, f64_of, files, fixtures, leaves};
+use common::{FIXTURES, expected, f64_of, files, fixtures, kill_while_dumping, leaves};
 
 /// `n` rows `i = start..start + n`: `obs` = 10 i + (0, 1, 2, 3), `reward` = i / 100.
 fn rows(start: usize, n: usize) -> TensorDict {
@@ -383,32 +383,7 @@ fn crash_child_dumps_a_changing_buffer_until_killed() {
 fn a_buffer_killed_while_dumping_leaves_only_complete_dumps() {
     for round in 0..3 {
         let dir = tempfile::tempdir().unwrap();
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "crash_child_dumps_a_changing_buffer_until_killed", "--test-threads", "1"])
-            .env(CHILD_ENV, dir.path())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        // Kill it while a dump is being built, once `round + 1` dumps are complete (or after a
-        // while of looking, should no hidden folder ever show).
-        let mut looked = 0u32;
-        loop {
-            let names: Vec<String> = fs::read_dir(dir.path())
-                .unwrap()
-                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .collect();
-            if names.iter().filter(|n| n.starts_with("out-")).count() > round {
-                looked += 1;
-                if names.iter().any(|n| n.starts_with('.')) || looked > 100_000 {
-                    break;
-                }
-            }
-            assert!(child.try_wait().unwrap().is_none(), "the child stopped by itself");
-            std::thread::yield_now();
-        }
-        child.kill().unwrap(); // SIGKILL
-        child.wait().unwrap();
+        kill_while_dumping("crash_child_dumps_a_changing_buffer_until_killed", CHILD_ENV, dir.path(), round + 1);
         let mut complete = 0;
         for entry in fs::read_dir(dir.path()).unwrap() {
             let name = entry.unwrap().file_name().to_string_lossy().into_owned();

@@ -48,3 +48,32 @@ pub fn files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
 pub fn leaves(td: &TensorDict) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
     td.leaves().into_iter().map(|(k, t)| (k.joined("/"), (t.dims().to_vec(), t.to_bytes().unwrap()))).collect()
 }
+
+/// Runs this test binary's test `child` as a process of its own (with `env` set to `dir`), and
+/// kills it with SIGKILL while a dump is under way: once at least `done` dumps named `out-N`
+/// are complete in `dir` and a hidden folder (one being built) shows, or after a while of
+/// looking should none ever show.
+pub fn kill_while_dumping(child: &str, env: &str, dir: &Path, done: usize) {
+    let mut process = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", child, "--test-threads", "1"])
+        .env(env, dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut looked = 0u32;
+    loop {
+        let names: Vec<String> =
+            fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        if names.iter().filter(|n| n.starts_with("out-")).count() >= done {
+            looked += 1;
+            if names.iter().any(|n| n.starts_with('.')) || looked > 100_000 {
+                break;
+            }
+        }
+        assert!(process.try_wait().unwrap().is_none(), "the child stopped by itself");
+        std::thread::yield_now();
+    }
+    process.kill().unwrap(); // SIGKILL
+    process.wait().unwrap();
+}
