@@ -41,6 +41,8 @@ use std::fmt;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use memmap_tensor::DType;
 
@@ -49,12 +51,56 @@ use tensordict::{Index, TensorDict};
 
 use crate::checkpoint::{BufferMetadata, Dump, Prefetch, SamplerDump, StorageDump, WriterDump, WriterKind};
 use crate::error::{Error, Result, WithOp};
+use crate::rate::{RateCounts, RateLimiter};
 use crate::sampler::{Prioritized, Sampler, Uniform, WithoutReplacement};
 use crate::storage::{Backend, Storage, StorageConfig};
 use crate::writer::{MaxValue, Reduction, RoundRobin, Writer};
 
 /// How often a sample draws again for rows being written before it waits for a write to end.
 const REDRAWS_BEFORE_WAIT: usize = 8;
+
+/// How many draws in a row may find only rows that are not valid (left by a write that
+/// failed or was aborted, and not written since) before a sample gives up.
+const MAX_FRUITLESS_DRAWS: usize = 1000;
+
+/// Numbers buffers, so that a reservation or lease is only accepted by its own buffer.
+static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Rows reserved by [`ReplayBuffer::reserve`]: write them, then [`ReplayBuffer::commit`] or
+/// [`ReplayBuffer::abort`]. Until then the rows are hidden from samples, and later writes of
+/// the same rows wait; a reservation that is neither committed nor aborted holds its rows for
+/// the life of the buffer.
+#[must_use = "a reservation holds its rows until it is committed or aborted"]
+#[derive(Debug, PartialEq, Eq)]
+pub struct Reservation {
+    buffer: u64,
+    ticket: u64,
+    rows: Vec<usize>,
+}
+
+impl Reservation {
+    /// The storage rows to write, in the order the writer placed them.
+    pub fn rows(&self) -> &[usize] {
+        &self.rows
+    }
+}
+
+/// Sampled rows that stay pinned (no write touches them) until [`ReplayBuffer::release`]:
+/// what lets a sample's rows be read by someone else than the buffer (another process mapping
+/// the same storage). A lease that is never released keeps its rows from being written again.
+#[must_use = "a lease keeps its rows from being written until it is released"]
+#[derive(Debug, PartialEq, Eq)]
+pub struct Lease {
+    buffer: u64,
+    rows: Vec<usize>,
+}
+
+impl Lease {
+    /// The pinned rows (a row sampled twice is pinned twice).
+    pub fn rows(&self) -> &[usize] {
+        &self.rows
+    }
+}
 
 /// What a sample read: the storage rows, and the sampler's importance weights if it has any.
 #[derive(Clone, Debug, PartialEq)]
@@ -194,13 +240,54 @@ struct State {
     next_ticket: u64,
     filled: Vec<bool>,
     len: usize,
+    /// The tickets queued on each row being written.
     in_flight: HashMap<usize, VecDeque<u64>>,
+    /// How many tickets are queued on each row (the cheap test of `in_flight`).
+    queued: Vec<u32>,
     pins: Vec<u32>,
+    counts: RateCounts,
 }
 
 impl State {
     fn visible(&self, row: usize) -> bool {
-        row < self.len && !self.in_flight.contains_key(&row)
+        row < self.len && self.filled[row] && self.queued[row] == 0
+    }
+
+    /// Queues a new ticket on `rows` (which hides them from new reads) and returns it.
+    fn queue(&mut self, rows: &[usize]) -> u64 {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        for &r in rows {
+            self.in_flight.entry(r).or_default().push_back(ticket);
+            self.queued[r] += 1;
+        }
+        ticket
+    }
+
+    /// Whether `ticket` is first in the queue of every row of `rows` and no read pins them.
+    fn writable(&self, rows: &[usize], ticket: u64) -> bool {
+        rows.iter().all(|r| self.pins[*r] == 0 && self.in_flight[r].front() == Some(&ticket))
+    }
+
+    /// Takes the first ticket off the queues of `rows`, and marks them filled (`written`) or
+    /// not valid. Returns whether `len` grew.
+    fn dequeue(&mut self, rows: &[usize], written: bool, capacity: usize) {
+        for &r in rows {
+            let queue = self.in_flight.get_mut(&r).expect("a reserved row has a queue");
+            queue.pop_front();
+            if queue.is_empty() {
+                self.in_flight.remove(&r);
+            }
+            self.queued[r] -= 1;
+            self.filled[r] = written;
+        }
+        if written {
+            let mut len = self.len;
+            while len < capacity && self.filled[len] {
+                len += 1;
+            }
+            self.len = len;
+        }
     }
 
     fn unpin(&mut self, rows: &[usize]) {
@@ -214,8 +301,10 @@ impl State {
 /// [`Sampler`]. `Sync`: every method takes `&self`, and rows are never read half-written
 /// (see the module docs of `buffer.rs`).
 pub struct ReplayBuffer {
+    id: u64,
     config: StorageConfig,
     sampler: Box<dyn Sampler>,
+    limiter: Option<RateLimiter>,
     storage: OnceLock<Storage>,
     state: Mutex<State>,
     changed: Condvar,
@@ -245,8 +334,10 @@ impl ReplayBuffer {
         }
         let capacity = config.capacity;
         Ok(ReplayBuffer {
+            id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
             config,
             sampler,
+            limiter: None,
             storage: OnceLock::new(),
             state: Mutex::new(State {
                 writer,
@@ -254,7 +345,9 @@ impl ReplayBuffer {
                 filled: vec![false; capacity],
                 len: 0,
                 in_flight: HashMap::new(),
+                queued: vec![0; capacity],
                 pins: vec![0; capacity],
+                counts: RateCounts::default(),
             }),
             changed: Condvar::new(),
             stored_len: Mutex::new(0),
@@ -319,6 +412,24 @@ impl ReplayBuffer {
         Ok(buffer)
     }
 
+    /// The buffer with its inserts and samples paced by `limiter` (see [`crate::rate`]):
+    /// `sample` and `sample_into` wait until the limiter allows them, `extend` and `add` wait
+    /// while samples lag behind, each for at most [`RateLimiter::timeout`].
+    pub fn with_rate_limiter(mut self, limiter: RateLimiter) -> Self {
+        self.limiter = Some(limiter);
+        self
+    }
+
+    /// The rate limiter, if the buffer has one.
+    pub fn rate_limiter(&self) -> Option<&RateLimiter> {
+        self.limiter.as_ref()
+    }
+
+    /// The rows inserted and sampled so far, as the rate limiter counts them.
+    pub fn rate_counts(&self) -> RateCounts {
+        self.state.lock().counts
+    }
+
     /// The number of rows.
     pub fn capacity(&self) -> usize {
         self.config.capacity
@@ -376,6 +487,7 @@ impl ReplayBuffer {
 
         // Reserve.
         let mut state = self.state.lock();
+        self.wait_for_inserts(&mut state, n, self.limiter_timeout(), OP)?;
         let chosen = state.writer.reserve(batch, self.config.capacity)?;
         // Storage row -> the last batch row written there.
         let mut last: HashMap<usize, usize> = HashMap::new();
@@ -391,13 +503,10 @@ impl ReplayBuffer {
             return Ok(written);
         }
         let rows: Vec<usize> = targets.iter().map(|&(r, _)| r).collect();
-        let ticket = state.next_ticket;
-        state.next_ticket += 1;
-        for &r in &rows {
-            state.in_flight.entry(r).or_default().push_back(ticket);
-        }
+        state.counts.inserts += written.len() as u64;
+        let ticket = state.queue(&rows);
         // Wait for earlier writes of these rows and for reads copying them out.
-        while !rows.iter().all(|r| state.pins[*r] == 0 && state.in_flight[r].front() == Some(&ticket)) {
+        while !state.writable(&rows, ticket) {
             self.changed.wait(&mut state);
         }
         drop(state);
@@ -416,36 +525,13 @@ impl ReplayBuffer {
             Ok(src)
         });
 
-        // Publish.
+        // Publish. A failed copy may have written part of a row: those rows are no longer
+        // valid (samples skip them until they are written again).
         let mut state = self.state.lock();
-        for r in &rows {
-            let queue = state.in_flight.get_mut(r).expect("a reserved row has a queue");
-            queue.pop_front();
-            if queue.is_empty() {
-                state.in_flight.remove(r);
-            }
-        }
-        match &copied {
-            Ok(src) => {
-                for &r in &rows {
-                    state.filled[r] = true;
-                }
-                let mut len = state.len;
-                while len < self.config.capacity && state.filled[len] {
-                    len += 1;
-                }
-                state.len = len;
-                let cursor = state.writer.cursor();
-                self.sampler.on_write_rows(&rows, src.as_ref().unwrap_or(batch), cursor, self.config.capacity);
-            }
-            Err(_) => {
-                // A failed copy may have written part of a row: those rows are no longer valid.
-                for &r in &rows {
-                    state.filled[r] = false;
-                }
-                let first = rows.iter().copied().min().unwrap_or(state.len);
-                state.len = state.len.min(first);
-            }
+        state.dequeue(&rows, copied.is_ok(), self.config.capacity);
+        if let Ok(src) = &copied {
+            let cursor = state.writer.cursor();
+            self.sampler.on_write_rows(&rows, src.as_ref().unwrap_or(batch), cursor, self.config.capacity);
         }
         drop(state);
         self.changed.notify_all();
@@ -461,12 +547,114 @@ impl ReplayBuffer {
         Ok(self.extend(&batch)?.first().copied())
     }
 
+    /// Reserves the next `n` rows of a writer that places rows without looking at them
+    /// (round-robin), for a caller that writes them itself, straight into the storage's
+    /// rows (another process mapping the same storage, say): write the rows of
+    /// [`Reservation::rows`], then [`ReplayBuffer::commit`] them, or [`ReplayBuffer::abort`].
+    /// Until the commit the rows are hidden from samples; after an abort they stay hidden until
+    /// they are written again (they may hold half a write). Waits, at most `timeout`, for the
+    /// rate limiter; then waits for earlier writes of the same rows and for reads of them.
+    /// `n` must be between 1 and the capacity, and the storage must exist
+    /// ([`ReplayBuffer::create_storage`] or a first `extend`).
+    pub fn reserve(&self, n: usize, timeout: Option<Duration>) -> Result<Reservation> {
+        const OP: &str = "reserve";
+        if n == 0 || n > self.config.capacity {
+            return Err(Error::BadBatch {
+                op: OP,
+                detail: format!("{n} rows asked for; a reservation takes 1 to {} rows", self.config.capacity),
+            });
+        }
+        if self.storage.get().is_none() {
+            return Err(Error::BadBatch {
+                op: OP,
+                detail: "the buffer has no storage yet (create it with `create_storage` or a first `extend`)".into(),
+            });
+        }
+        let mut state = self.state.lock();
+        self.wait_for_inserts(&mut state, n, timeout, OP)?;
+        let capacity = self.config.capacity;
+        let Some(rows) = state.writer.reserve_rows(n, capacity) else {
+            return Err(Error::WriterCannot { writer: state.writer.name(), op: "reserve rows ahead of their values" });
+        };
+        state.counts.inserts += rows.len() as u64;
+        let ticket = state.queue(&rows);
+        while !state.writable(&rows, ticket) {
+            self.changed.wait(&mut state);
+        }
+        Ok(Reservation { buffer: self.id, ticket, rows })
+    }
+
+    /// Publishes the rows of `reservation`, which the caller has written: samples may draw
+    /// them from now on, and the sampler learns their contents (read back from the storage).
+    pub fn commit(&self, reservation: Reservation) -> Result<()> {
+        self.check_own(reservation.buffer, "reservation")?;
+        let storage = self.storage.get().ok_or(Error::Empty)?;
+        // What the sampler reads of the rows, read before they are published (nobody else
+        // writes them while the reservation holds them).
+        let written = storage.gather(&reservation.rows);
+        let mut state = self.state.lock();
+        debug_assert!(reservation.rows.iter().all(|r| state.in_flight[r].front() == Some(&reservation.ticket)));
+        state.dequeue(&reservation.rows, written.is_ok(), self.config.capacity);
+        if let Ok(rows) = &written {
+            let cursor = state.writer.cursor();
+            self.sampler.on_write_rows(&reservation.rows, rows, cursor, self.config.capacity);
+        }
+        drop(state);
+        self.changed.notify_all();
+        written?;
+        self.record_len(storage)
+    }
+
+    /// Gives up the rows of `reservation`: they stay hidden from samples until written again,
+    /// since they may hold part of a write. The rate limiter stops counting them.
+    pub fn abort(&self, reservation: Reservation) -> Result<()> {
+        self.check_own(reservation.buffer, "reservation")?;
+        let mut state = self.state.lock();
+        state.dequeue(&reservation.rows, false, self.config.capacity);
+        state.counts.inserts = state.counts.inserts.saturating_sub(reservation.rows.len() as u64);
+        drop(state);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Draws `batch_size` rows as [`ReplayBuffer::sample`] does, without reading them: the
+    /// rows stay pinned (no write touches them) until the [`Lease`] is released, so that
+    /// someone else (another process mapping the storage) can read them whole. Waits at most
+    /// `timeout` for the rate limiter.
+    pub fn sample_leased(&self, batch_size: usize, timeout: Option<Duration>) -> Result<(SampleInfo, Lease)> {
+        self.storage.get().ok_or(Error::Empty)?;
+        let info = self.draw(batch_size, timeout, "sample")?;
+        let lease = Lease { buffer: self.id, rows: info.indices.clone() };
+        Ok((info, lease))
+    }
+
+    /// Unpins the rows of `lease`.
+    pub fn release(&self, lease: Lease) -> Result<()> {
+        self.check_own(lease.buffer, "lease")?;
+        self.state.lock().unpin(&lease.rows);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Creates the storage with the schema of `like` (batch size `[n, ...]`, `n >= 1`; its
+    /// values are not written) if the buffer has none yet, and returns it.
+    pub fn create_storage(&self, like: &TensorDict) -> Result<&Storage> {
+        self.sampler.check_batch(like)?;
+        let storage = self.storage_for(like)?;
+        storage.check_batch("create_storage", like)?;
+        Ok(storage)
+    }
+
+    fn check_own(&self, buffer: u64, what: &'static str) -> Result<()> {
+        if buffer == self.id { Ok(()) } else { Err(Error::Foreign { what }) }
+    }
+
     /// Draws `batch_size` rows with the sampler and returns them gathered into a new heap
     /// dict, with their indices (and weights). A sampler without replacement may return fewer
     /// rows at the end of an epoch.
     pub fn sample(&self, batch_size: usize) -> Result<(TensorDict, SampleInfo)> {
         let storage = self.storage.get().ok_or(Error::Empty)?;
-        let info = self.draw(batch_size)?;
+        let info = self.draw(batch_size, self.limiter_timeout(), "sample")?;
         let out = self.with_pins(&info.indices, || storage.gather(&info.indices))?;
         Ok((out, info))
     }
@@ -482,7 +670,7 @@ impl ReplayBuffer {
                 detail: format!("batch size {:?} does not start with {batch_size}", out.batch_size()),
             });
         }
-        let info = self.draw(batch_size)?;
+        let info = self.draw(batch_size, self.limiter_timeout(), "sample_into")?;
         let k = info.indices.len();
         if k == batch_size {
             self.with_pins(&info.indices, || storage.gather_into(&info.indices, out))?;
@@ -500,6 +688,9 @@ impl ReplayBuffer {
         let mut state = self.state.lock();
         let rows = rows.into().resolve(state.len)?;
         while !rows.iter().all(|&r| state.visible(r)) {
+            if let Some(&index) = rows.iter().find(|&&r| !state.filled[r] && state.queued[r] == 0) {
+                return Err(Error::RowNotValid { index });
+            }
             self.changed.wait(&mut state);
         }
         for &r in &rows {
@@ -627,15 +818,25 @@ impl ReplayBuffer {
         Ok(self.storage.get_or_init(|| created))
     }
 
-    /// Draws `batch_size` visible rows and pins them (see the module docs).
-    fn draw(&self, batch_size: usize) -> Result<SampleInfo> {
+    /// Draws `batch_size` visible rows and pins them (see the module docs), once the rate
+    /// limiter allows it, waiting at most `timeout` for it.
+    fn draw(&self, batch_size: usize, timeout: Option<Duration>, op: &'static str) -> Result<SampleInfo> {
         if batch_size == 0 {
             return Err(Error::ZeroBatchSize);
         }
         let mut state = self.state.lock();
+        if let Some(limiter) = &self.limiter {
+            limiter.check_sample(batch_size)?;
+            let start = Instant::now();
+            let deadline = deadline_after(start, timeout);
+            while !limiter.can_sample(state.counts, state.len, batch_size) {
+                self.wait(&mut state, start, deadline, op, "the rate limiter holds samples back")?;
+            }
+        }
         let mut indices = Vec::with_capacity(batch_size);
         let mut weights: Option<Vec<f64>> = None;
         let mut rounds = 0;
+        let mut fruitless = 0;
         loop {
             let len = state.len;
             if len == 0 {
@@ -662,34 +863,96 @@ impl ReplayBuffer {
                 });
             }
             let short = drawn.len() < want;
+            // Rows being written become visible when their write ends: worth waiting for.
+            // Rows a failed write left are not valid until written again: draw past them.
+            let being_written = drawn.iter().any(|&i| state.queued[i] > 0);
+            let before = indices.len();
             if self.sampler.whole_draws() && !drawn.iter().all(|&i| state.visible(i)) {
                 // A run with a row being written: the whole draw is dropped and made again.
-                rounds += 1;
-                if rounds % REDRAWS_BEFORE_WAIT == 0 {
-                    self.changed.wait(&mut state);
-                }
-                continue;
-            }
-            for (j, &i) in drawn.iter().enumerate() {
-                if state.visible(i) {
-                    indices.push(i);
-                    if let Some(w) = &w {
-                        weights.get_or_insert_with(Vec::new).push(w[j]);
+            } else {
+                for (j, &i) in drawn.iter().enumerate() {
+                    if state.visible(i) {
+                        indices.push(i);
+                        if let Some(w) = &w {
+                            weights.get_or_insert_with(Vec::new).push(w[j]);
+                        }
                     }
                 }
-            }
-            if indices.len() == batch_size || (short && !indices.is_empty()) {
-                break;
+                if indices.len() == batch_size || (short && !indices.is_empty()) {
+                    break;
+                }
             }
             rounds += 1;
-            if rounds % REDRAWS_BEFORE_WAIT == 0 || short {
+            if indices.len() > before || being_written {
+                fruitless = 0;
+            } else {
+                fruitless += 1;
+                if fruitless >= MAX_FRUITLESS_DRAWS {
+                    return Err(Error::Sampler {
+                        sampler: self.sampler.name(),
+                        detail: format!(
+                            "{MAX_FRUITLESS_DRAWS} draws in a row found only rows that are not valid (rows whose \
+                             write failed or was aborted, not written since) among {len} rows"
+                        ),
+                    });
+                }
+            }
+            if being_written && (rounds % REDRAWS_BEFORE_WAIT == 0 || short) {
                 self.changed.wait(&mut state);
             }
         }
         for &r in &indices {
             state.pins[r] += 1;
         }
+        state.counts.samples += indices.len() as u64;
+        if self.limiter.is_some() {
+            // Samples let held-back inserts go.
+            self.changed.notify_all();
+        }
         Ok(SampleInfo { indices, weights })
+    }
+
+    /// The rate limiter's timeout, for the calls that do not take their own.
+    fn limiter_timeout(&self) -> Option<Duration> {
+        self.limiter.as_ref().and_then(RateLimiter::timeout)
+    }
+
+    /// Waits until the rate limiter lets `n` rows be inserted, at most `timeout`.
+    fn wait_for_inserts(
+        &self,
+        state: &mut MutexGuard<'_, State>,
+        n: usize,
+        timeout: Option<Duration>,
+        op: &'static str,
+    ) -> Result<()> {
+        let Some(limiter) = &self.limiter else { return Ok(()) };
+        limiter.check_insert(n)?;
+        let start = Instant::now();
+        let deadline = deadline_after(start, timeout);
+        while !limiter.can_insert(state.counts, state.len, n) {
+            self.wait(state, start, deadline, op, "the rate limiter holds inserts until samples catch up")?;
+        }
+        Ok(())
+    }
+
+    /// Waits for a change of the state, until `deadline` (`None`: without end).
+    fn wait(
+        &self,
+        state: &mut MutexGuard<'_, State>,
+        start: Instant,
+        deadline: Option<Instant>,
+        op: &'static str,
+        why: &str,
+    ) -> Result<()> {
+        match deadline {
+            None => self.changed.wait(state),
+            Some(deadline) => {
+                if self.changed.wait_until(state, deadline).timed_out() {
+                    return Err(Error::Timeout { op, waited: start.elapsed(), why: why.to_owned() });
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Runs `copy` (which reads the pinned `rows`), then unpins them.
@@ -717,6 +980,11 @@ impl ReplayBuffer {
         }
         Ok(())
     }
+}
+
+/// `timeout` after `start`, if it can be told apart from never.
+fn deadline_after(start: Instant, timeout: Option<Duration>) -> Option<Instant> {
+    timeout.and_then(|t| start.checked_add(t))
 }
 
 /// The writer's part of a dump: cursor, write count and, for a max-value writer, its ranks.

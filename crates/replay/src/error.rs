@@ -225,6 +225,49 @@ pub enum Error {
         /// The destination.
         path: PathBuf,
     },
+    /// A rate limiter's parameters are invalid, or a batch can never pass it.
+    #[error("rate limiter: {detail}")]
+    RateLimit {
+        /// What is wrong.
+        detail: String,
+    },
+    /// A wait (for the rate limiter, or for rows to sample) ran out before it was allowed.
+    #[error("{op}: timed out after {waited:?} ({why})")]
+    Timeout {
+        /// The operation.
+        op: &'static str,
+        /// How long it waited.
+        waited: std::time::Duration,
+        /// What it waited for.
+        why: String,
+    },
+    /// An operation the buffer's writer cannot do (a max-value writer needs a batch's values
+    /// to place its rows, so it cannot reserve rows ahead of them).
+    #[error("the {writer} writer cannot {op}")]
+    WriterCannot {
+        /// The writer's name.
+        writer: &'static str,
+        /// What was asked.
+        op: &'static str,
+    },
+    /// A row whose last write failed or was aborted (it is valid again once written).
+    #[error("row {index} is not valid: its last write failed or was aborted")]
+    RowNotValid {
+        /// The row.
+        index: usize,
+    },
+    /// A reservation or lease that does not belong to this buffer.
+    #[error("{what} does not belong to this buffer")]
+    Foreign {
+        /// `"reservation"` or `"lease"`.
+        what: &'static str,
+    },
+    /// The replay service or its connection failed.
+    #[error("replay service: {0}")]
+    Remote(#[from] rpc::Error),
+    /// The replay service refused a request.
+    #[error("replay service: {0}")]
+    Refused(#[from] rpc::WireError),
 }
 
 /// The crate's result type.

@@ -32,15 +32,17 @@ pub mod buffer;
 pub mod checkpoint;
 pub mod error;
 mod prioritized;
+pub mod rate;
 pub mod sampler;
 pub mod slice;
 pub mod storage;
 mod tree;
 pub mod writer;
 
-pub use buffer::{LoadOptions, ReplayBuffer, Rows, SampleInfo};
+pub use buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows, SampleInfo};
 pub use error::{Error, Result};
 pub use prioritized::{MaxPriority, PrioritizedParts, PrioritizedState, SAMPLER_SCHEMA_VERSION, SamplerMetadata};
+pub use rate::{RateCounts, RateLimiter};
 pub use sampler::{Draw, Prioritized, Sampler, Uniform, WithoutReplacement};
 pub use slice::{Episodes, Slice, SliceShape};
 pub use storage::{Backend, STORAGE_METADATA, Storage, StorageConfig};

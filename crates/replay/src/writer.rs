@@ -32,6 +32,14 @@ pub trait Writer: Send + fmt::Debug {
     /// a row not to be written. On `Err` nothing has changed.
     fn reserve(&mut self, batch: &TensorDict, capacity: usize) -> Result<Vec<Option<usize>>>;
 
+    /// The storage rows for `n` rows not written yet (`1 <= n <= capacity`, all distinct), for
+    /// writers that place rows without looking at them; `None` for writers that need the
+    /// rows' values (a max-value writer). The default is `None`.
+    fn reserve_rows(&mut self, n: usize, capacity: usize) -> Option<Vec<usize>> {
+        let _ = (n, capacity);
+        None
+    }
+
     /// The row the next write starts at.
     fn cursor(&self) -> usize;
 
@@ -79,6 +87,14 @@ impl Writer for RoundRobin {
         self.cursor = (start + n % capacity) % capacity;
         self.write_count += n as u64;
         Ok(rows)
+    }
+
+    fn reserve_rows(&mut self, n: usize, capacity: usize) -> Option<Vec<usize>> {
+        let start = self.cursor % capacity;
+        let rows = (0..n.min(capacity)).map(|k| (start + k) % capacity).collect();
+        self.cursor = (start + n % capacity) % capacity;
+        self.write_count += n as u64;
+        Some(rows)
     }
 
     fn cursor(&self) -> usize {
