@@ -262,6 +262,14 @@ pub enum Error {
         /// `"reservation"` or `"lease"`.
         what: &'static str,
     },
+    /// A replay service name with characters or a length it may not have.
+    #[error("invalid replay service name {name:?}: {reason}")]
+    InvalidName {
+        /// The name as given.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The replay service or its connection failed.
     #[error("replay service: {0}")]
     Remote(#[from] rpc::Error),

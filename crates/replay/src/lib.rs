@@ -33,6 +33,7 @@ pub mod checkpoint;
 pub mod error;
 mod prioritized;
 pub mod rate;
+pub mod remote;
 pub mod sampler;
 pub mod slice;
 pub mod storage;

@@ -102,6 +102,8 @@ pub struct Storage {
     leaves: Vec<Leaf>,
     folder: Option<PathBuf>,
     shm_prefix: Option<String>,
+    /// Whether this storage made its shared-memory objects (and unlinks them when dropped).
+    owner: bool,
     // Removed on drop, after `td` (fields drop in order), so the mappings go first.
     _temp: Option<tempfile::TempDir>,
 }
@@ -159,14 +161,24 @@ impl Storage {
                 (td, None, Some(prefix.clone()), None)
             }
         };
-        let leaves = td
-            .leaves()
-            .into_iter()
-            .map(|(key, t)| Leaf { key, dtype: t.dtype(), row_dims: t.dims()[1..].to_vec() })
-            .collect();
-        let storage = Storage { td, capacity, leaves, folder, shm_prefix, _temp: temp };
+        let leaves = leaves_of(&td);
+        let storage = Storage { td, capacity, leaves, folder, shm_prefix, owner: true, _temp: temp };
         storage.store_len(0)?;
         Ok(storage)
+    }
+
+    /// The storage another process made, mapped here as `td` (its whole dict, dim 0 the
+    /// capacity; from a folder or shared memory). Dropping it unmaps it and removes nothing,
+    /// and it never records `len` (the process that owns the storage does).
+    pub fn attach(td: TensorDict) -> Result<Storage> {
+        let Some(&capacity) = td.batch_size().first().filter(|&&c| c > 0) else {
+            return Err(Error::BadBatch {
+                op: "attach storage",
+                detail: format!("batch size {:?}; a storage has a non-empty dim 0", td.batch_size()),
+            });
+        };
+        let leaves = leaves_of(&td);
+        Ok(Storage { td, capacity, leaves, folder: None, shm_prefix: None, owner: false, _temp: None })
     }
 
     /// The number of rows.
@@ -311,11 +323,16 @@ impl Storage {
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        if let Some(prefix) = &self.shm_prefix {
+        if let Some(prefix) = self.shm_prefix.as_ref().filter(|_| self.owner) {
             // The objects were made by this storage; a failure leaves them for `tdict` to list.
             let _ = TensorDict::unlink_shared(prefix);
         }
     }
+}
+
+/// The key, dtype and row dims of each tensor of a storage dict.
+fn leaves_of(td: &TensorDict) -> Vec<Leaf> {
+    td.leaves().into_iter().map(|(key, t)| Leaf { key, dtype: t.dtype(), row_dims: t.dims()[1..].to_vec() }).collect()
 }
 
 /// Whether `folder` exists and holds anything.

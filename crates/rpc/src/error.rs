@@ -394,6 +394,12 @@ pub enum WireError {
     /// The server is shutting down.
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// The request waited as long as it was allowed to and gave up.
+    #[error("timed out: {detail}")]
+    TimedOut {
+        /// What it waited for, and how long.
+        detail: String,
+    },
     /// Any other failure on the server.
     #[error("{message}")]
     Other {

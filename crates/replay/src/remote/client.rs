@@ -1,0 +1,298 @@
+//! [`RemoteBuffer`]: a client of a replay service that writes and gathers rows through its own
+//! mapping of the storage.
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use memmap_tensor::Access;
+use rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, TensorDictRef, WireError};
+use tensordict::{Index, TensorDict};
+
+use super::service::{ReplayInfo, ReplayServiceClient, ReplayStats, Reserved};
+use super::{check_name, endpoint};
+use crate::buffer::SampleInfo;
+use crate::error::{Error, Result, WithOp};
+use crate::storage::Storage;
+
+/// How long one call may wait on the service; longer waits are several calls, so that a
+/// service that died is noticed within this.
+const WAIT_WINDOW: Duration = Duration::from_secs(1);
+
+/// A connection to a replay service (see the [module documentation](super)): `extend` writes
+/// rows, `sample` gathers them, both straight through this process's mapping of the storage.
+/// One connection is one session: what it reserved or leased is given up when it is dropped,
+/// or when the process dies.
+pub struct RemoteBuffer {
+    client: BlockingClient<ReplayServiceClient>,
+    info: ReplayInfo,
+    /// The storage, mapped read-only (for gathers) or read-write (for writes), once used.
+    read: OnceLock<Storage>,
+    write: OnceLock<Storage>,
+}
+
+impl std::fmt::Debug for RemoteBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteBuffer").field("info", &self.info).finish_non_exhaustive()
+    }
+}
+
+/// Rows reserved by [`RemoteBuffer::reserve`]: write them into [`RemoteBuffer::storage_mut`],
+/// then [`RemoteBuffer::commit`] (or [`RemoteBuffer::abort`]).
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "reserved rows stay hidden until committed"]
+pub struct RemoteReservation {
+    id: u64,
+    rows: Vec<usize>,
+}
+
+impl RemoteReservation {
+    /// The storage rows to write, in order.
+    pub fn rows(&self) -> &[usize] {
+        &self.rows
+    }
+}
+
+impl RemoteBuffer {
+    /// Connects to the replay service `name` on this node (retrying until it appears or the
+    /// connect deadline passes).
+    pub fn connect(name: &str) -> Result<RemoteBuffer> {
+        Self::connect_with(name, &ClientOptions::default())
+    }
+
+    /// [`RemoteBuffer::connect`] with options (runtime directory, deadlines).
+    pub fn connect_with(name: &str, options: &ClientOptions) -> Result<RemoteBuffer> {
+        check_name(name)?;
+        Self::connect_to(&endpoint(name), options)
+    }
+
+    /// Connects to a replay service at `endpoint` (`tcp:HOST:PORT` with a token in `options`,
+    /// for a service on another node; its storage must then be a folder this node mounts at
+    /// the same path).
+    pub fn connect_to(endpoint: &Endpoint, options: &ClientOptions) -> Result<RemoteBuffer> {
+        let client: BlockingClient<ReplayServiceClient> = BlockingClient::connect(endpoint, options)?;
+        let info = client.call(async |c, ctx| c.hello(ctx).await)??;
+        Ok(RemoteBuffer { client, info, read: OnceLock::new(), write: OnceLock::new() })
+    }
+
+    /// What the service said about itself when this client connected.
+    pub fn info(&self) -> &ReplayInfo {
+        &self.info
+    }
+
+    /// The number of rows.
+    pub fn capacity(&self) -> usize {
+        self.info.capacity as usize
+    }
+
+    /// The service's counters.
+    pub fn stats(&self) -> Result<ReplayStats> {
+        Ok(self.client.call(async |c, ctx| c.stats(ctx).await)??)
+    }
+
+    /// Writes the rows of `batch` (batch size `[n, ...]`) where the service's writer puts
+    /// them and returns their storage rows, in batch order. The first batch any client writes
+    /// makes the storage. Waits for the rate limiter as long as it takes.
+    pub fn extend(&self, batch: &TensorDict) -> Result<Vec<usize>> {
+        self.extend_within(batch, None)
+    }
+
+    /// [`RemoteBuffer::extend`], giving up with [`Error::Timeout`] after waiting `wait` for the
+    /// rate limiter (`None`: without end).
+    pub fn extend_within(&self, batch: &TensorDict, wait: Option<Duration>) -> Result<Vec<usize>> {
+        const OP: &str = "extend";
+        let Some(&n) = batch.batch_size().first() else {
+            return Err(Error::BadBatch { op: OP, detail: "the batch has no batch dim".into() });
+        };
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let storage = self.writable(batch)?;
+        storage.check_batch(OP, batch)?;
+        let capacity = self.capacity();
+        let mut written = Vec::with_capacity(n);
+        // A batch longer than the buffer goes in chunks of at most the capacity, in order; each
+        // chunk's commit rides along with the next chunk's reservation.
+        let mut pending: Option<u64> = None;
+        for start in (0..n).step_by(capacity) {
+            let end = (start + capacity).min(n);
+            let chunk = if start == 0 && end == n {
+                None
+            } else {
+                Some(batch.index(Index::slice(Some(start as i64), Some(end as i64), 1)).op(OP)?)
+            };
+            let reserved = self.reserve_raw(end - start, wait, pending.take(), OP)?;
+            let rows: Vec<usize> = reserved.rows.iter().map(|&r| r as usize).collect();
+            if let Err(e) = storage.write_rows(&rows, chunk.as_ref().unwrap_or(batch)) {
+                let _ = self.client.call(async |c, ctx| c.abort(ctx, reserved.id).await);
+                return Err(e);
+            }
+            written.extend_from_slice(&rows);
+            pending = Some(reserved.id);
+        }
+        if let Some(id) = pending {
+            self.client.call(async |c, ctx| c.commit(ctx, id).await)??;
+        }
+        Ok(written)
+    }
+
+    /// Writes one row (`row` has a storage row's batch size, `[]` for flat buffers).
+    pub fn add(&self, row: &TensorDict) -> Result<usize> {
+        let batch = row.unsqueeze(0).op("add")?;
+        Ok(self.extend(&batch)?[0])
+    }
+
+    /// Reserves `n` rows (1 to the capacity) for a caller that writes them itself into
+    /// [`RemoteBuffer::storage_mut`]; waits at most `wait` for the rate limiter. The storage
+    /// must exist ([`RemoteBuffer::create_storage`]).
+    pub fn reserve(&self, n: usize, wait: Option<Duration>) -> Result<RemoteReservation> {
+        let reserved = self.reserve_raw(n, wait, None, "reserve")?;
+        Ok(RemoteReservation { id: reserved.id, rows: reserved.rows.iter().map(|&r| r as usize).collect() })
+    }
+
+    /// Publishes rows reserved and written by this client.
+    pub fn commit(&self, reservation: RemoteReservation) -> Result<()> {
+        Ok(self.client.call(async |c, ctx| c.commit(ctx, reservation.id).await)??)
+    }
+
+    /// Gives up rows reserved by this client.
+    pub fn abort(&self, reservation: RemoteReservation) -> Result<()> {
+        Ok(self.client.call(async |c, ctx| c.abort(ctx, reservation.id).await)??)
+    }
+
+    /// Makes the storage with the schema of `like` (batch size `[n, ...]`) if the service has
+    /// none yet, maps it read-write here, and returns it.
+    pub fn create_storage(&self, like: &TensorDict) -> Result<&Storage> {
+        self.writable(like)
+    }
+
+    /// The storage mapped read-write, if this client has written or made it.
+    pub fn storage_mut(&self) -> Option<&Storage> {
+        self.write.get()
+    }
+
+    /// Draws `batch_size` rows and gathers them into a new heap dict, with their indices (and
+    /// weights). Waits at most `wait` for the rate limiter (`None`: without end).
+    pub fn sample(&self, batch_size: usize, wait: Option<Duration>) -> Result<(TensorDict, SampleInfo)> {
+        self.sample_with(batch_size, wait, |storage, rows| storage.gather(rows))
+    }
+
+    /// Like [`RemoteBuffer::sample`], gathering into `out` (the storage's keys and dtypes,
+    /// `batch_size` rows).
+    pub fn sample_into(&self, out: &mut TensorDict, batch_size: usize, wait: Option<Duration>) -> Result<SampleInfo> {
+        if out.batch_size().first() != Some(&batch_size) {
+            return Err(Error::OutputMismatch {
+                key: String::new(),
+                detail: format!("batch size {:?} does not start with {batch_size}", out.batch_size()),
+            });
+        }
+        Ok(self.sample_with(batch_size, wait, |storage, rows| storage.gather_into(rows, out))?.1)
+    }
+
+    /// Sets the priorities of rows `indices` (prioritized services).
+    pub fn update_priority(&self, indices: &[usize], priorities: &[f64]) -> Result<()> {
+        let indices: Vec<u64> = indices.iter().map(|&i| i as u64).collect();
+        let priorities = priorities.to_vec();
+        Ok(self.client.call(async |c, ctx| c.update_priority(ctx, indices, priorities).await)??)
+    }
+
+    /// Asks the service to write a TorchRL dump folder at `path` (on the service's node).
+    pub fn dumps(&self, path: &str) -> Result<()> {
+        let path = path.to_owned();
+        Ok(self.client.call(async |c, ctx| c.dumps(ctx, path).await)??)
+    }
+
+    /// Asks the service to stop.
+    pub fn shutdown(&self) -> Result<()> {
+        Ok(self.client.call(async |c, ctx| c.shutdown(ctx).await)??)
+    }
+
+    /// Draws a lease, runs `gather` on its rows, and releases it.
+    fn sample_with<T>(
+        &self,
+        batch_size: usize,
+        wait: Option<Duration>,
+        gather: impl FnOnce(&Storage, &[usize]) -> Result<T>,
+    ) -> Result<(T, SampleInfo)> {
+        let start = Instant::now();
+        let deadline = wait.and_then(|w| start.checked_add(w));
+        let sampled = loop {
+            let window = deadline.map_or(WAIT_WINDOW, |d| d.saturating_duration_since(Instant::now()).min(WAIT_WINDOW));
+            let answer = self.client.call(async |c, mut ctx| {
+                ctx.deadline += window;
+                c.sample(ctx, batch_size as u64, Some(window), Vec::new()).await
+            })?;
+            match answer {
+                Err(WireError::TimedOut { .. }) if deadline.is_none_or(|d| Instant::now() < d) => continue,
+                Err(WireError::TimedOut { detail }) => {
+                    return Err(Error::Timeout { op: "sample", waited: start.elapsed(), why: detail });
+                }
+                other => break other?,
+            }
+        };
+        let indices: Vec<usize> = sampled.indices.iter().map(|&r| r as usize).collect();
+        let gathered = self.readable().and_then(|storage| gather(storage, &indices));
+        let lease = sampled.lease;
+        self.client.call(async |c, ctx| c.release(ctx, vec![lease]).await)??;
+        Ok((gathered?, SampleInfo { indices, weights: sampled.weights }))
+    }
+
+    /// Reserves `n` rows, committing `commit` first; waits in windows.
+    fn reserve_raw(&self, n: usize, wait: Option<Duration>, commit: Option<u64>, op: &'static str) -> Result<Reserved> {
+        let start = Instant::now();
+        let deadline = wait.and_then(|w| start.checked_add(w));
+        let mut commit = commit;
+        loop {
+            let window = deadline.map_or(WAIT_WINDOW, |d| d.saturating_duration_since(Instant::now()).min(WAIT_WINDOW));
+            let sent = commit.take();
+            let answer = self.client.call(async |c, mut ctx| {
+                ctx.deadline += window;
+                c.reserve(ctx, n as u64, Some(window), sent).await
+            })?;
+            match answer {
+                Err(WireError::TimedOut { .. }) if deadline.is_none_or(|d| Instant::now() < d) => continue,
+                Err(WireError::TimedOut { detail }) => {
+                    return Err(Error::Timeout { op, waited: start.elapsed(), why: detail });
+                }
+                other => return Ok(other?),
+            }
+        }
+    }
+
+    /// The storage mapped read-write, made from `like`'s schema if the service has none.
+    fn writable(&self, like: &TensorDict) -> Result<&Storage> {
+        if let Some(storage) = self.write.get() {
+            return Ok(storage);
+        }
+        let reference = match &self.info.storage {
+            Some(reference) => reference.clone(),
+            None => {
+                // One row is enough to give the schema.
+                let row = like.index(Index::slice(Some(0), Some(1), 1)).op("create storage")?;
+                let inline = InlineDict::new(&row).op("create storage")?;
+                self.client.call(async |c, ctx| c.create(ctx, inline).await)??
+            }
+        };
+        let storage = open(&reference, Access::ReadWrite)?;
+        Ok(self.write.get_or_init(|| storage))
+    }
+
+    /// The storage mapped for gathers (the read-write mapping, if there is one).
+    fn readable(&self) -> Result<&Storage> {
+        if let Some(storage) = self.write.get().or(self.read.get()) {
+            return Ok(storage);
+        }
+        let reference = match &self.info.storage {
+            Some(reference) => reference.clone(),
+            None => {
+                let info = self.client.call(async |c, ctx| c.hello(ctx).await)??;
+                info.storage.ok_or(Error::Empty)?
+            }
+        };
+        let storage = open(&reference, Access::ReadOnly)?;
+        Ok(self.read.get_or_init(|| storage))
+    }
+}
+
+fn open(reference: &TensorDictRef, access: Access) -> Result<Storage> {
+    Storage::attach(reference.open(access).op("map the replay storage")?)
+}

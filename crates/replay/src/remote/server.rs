@@ -1,0 +1,554 @@
+//! [`ReplayServer`]: a [`ReplayBuffer`] served over `rpc`, one session per connection.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rpc::{Endpoint, InlineDict, NodeId, Peer, ServerHandle, ServerOptions, TensorDictRef, ToRef, WireError};
+use tarpc::context::Context;
+
+use super::service::{ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled};
+use super::{ReplayOptions, SamplerSpec, check_name, endpoint, shm_prefix};
+use crate::buffer::{Lease, ReplayBuffer, Reservation, Rows};
+use crate::error::{Error, Result};
+use crate::sampler::{Prioritized, Sampler, Uniform};
+use crate::storage::{Backend, StorageConfig};
+use crate::writer::RoundRobin;
+
+/// The largest sample one request may ask for.
+pub const MAX_SAMPLE_ROWS: u64 = 1 << 20;
+/// The most leases one session may hold at once (each pins its rows against writers).
+pub const MAX_LEASES_PER_SESSION: usize = 1024;
+/// The most reservations one session may hold at once.
+pub const MAX_RESERVATIONS_PER_SESSION: usize = 1024;
+/// How long a wait runs before it looks whether its request is still wanted.
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+
+/// A running replay service: serves its name (and a TCP address, if asked) until dropped.
+/// Dropping it stops serving, ends every session (aborting their reservations and releasing
+/// their leases) and removes the storage it made in shared memory (a folder stays).
+pub struct ReplayServer {
+    shared: Arc<Shared>,
+    // Dropped before `shared`'s last user goes: the servers hold sessions.
+    uds: Option<ServerHandle>,
+    tcp: Option<ServerHandle>,
+}
+
+impl std::fmt::Debug for ReplayServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplayServer").field("name", &self.shared.name).finish_non_exhaustive()
+    }
+}
+
+/// What every session shares.
+struct Shared {
+    name: String,
+    node: NodeId,
+    buffer: ReplayBuffer,
+    /// The shared-memory prefix of the storage, for a service in shared memory.
+    shm_prefix: Option<String>,
+    /// Held while the storage is made, so that it is made once.
+    creating: Mutex<()>,
+    sessions: Mutex<Sessions>,
+    stopped: Mutex<bool>,
+    stop: Condvar,
+}
+
+#[derive(Default)]
+struct Sessions {
+    next_id: u64,
+    live: u64,
+    reservations: HashMap<u64, (u64, Reservation)>,
+    leases: HashMap<u64, (u64, Lease)>,
+}
+
+impl Sessions {
+    fn next(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn count(&self, session: u64) -> (usize, usize) {
+        let reservations = self.reservations.values().filter(|(s, _)| *s == session).count();
+        let leases = self.leases.values().filter(|(s, _)| *s == session).count();
+        (reservations, leases)
+    }
+}
+
+impl Shared {
+    fn sessions(&self) -> MutexGuard<'_, Sessions> {
+        self.sessions.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn storage_ref(&self) -> std::result::Result<Option<TensorDictRef>, WireError> {
+        match self.buffer.storage() {
+            None => Ok(None),
+            Some(storage) => storage
+                .tensordict()
+                .to_ref()
+                .map(Some)
+                .map_err(|e| WireError::Other { message: format!("cannot make a reference to the storage: {e}") }),
+        }
+    }
+
+    fn request_stop(&self) {
+        *self.stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        self.stop.notify_all();
+    }
+
+    fn stopping(&self) -> std::result::Result<(), WireError> {
+        if *self.stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            Err(WireError::ShuttingDown)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl ReplayServer {
+    /// Serves a new buffer under `name` (`uds:replay-NAME` in the runtime directory, and
+    /// `options.listen` if set) from threads of this process. Fails if a service of that name
+    /// is running. The storage is made by the first writer's schema; in shared memory, what a
+    /// killed service of the same name left is removed first.
+    pub fn start(name: &str, options: ReplayOptions) -> Result<ReplayServer> {
+        check_name(name)?;
+        if options.capacity == 0 {
+            return Err(Error::ZeroCapacity);
+        }
+        let runtime_dir = rpc::endpoint::resolve_runtime_dir(options.runtime_dir.as_deref())?;
+        let (backend, prefix) = match &options.dir {
+            Some(dir) => (Backend::Memmap { folder: Some(dir.clone()), overwrite: options.overwrite }, None),
+            None => {
+                let prefix = shm_prefix(&runtime_dir, name);
+                (Backend::Shared { prefix: prefix.clone() }, Some(prefix))
+            }
+        };
+        let config = StorageConfig { backend, capacity: options.capacity };
+        let sampler: Box<dyn Sampler> = match options.sampler {
+            SamplerSpec::Uniform => Box::new(match options.seed {
+                Some(seed) => Uniform::seeded(seed),
+                None => Uniform::new(),
+            }),
+            SamplerSpec::Prioritized { alpha, beta, eps } => {
+                let sampler = Prioritized::new(options.capacity, alpha, beta, eps)?;
+                Box::new(sampler)
+            }
+        };
+        let mut buffer = ReplayBuffer::new(config, Box::new(RoundRobin::new()), sampler)?;
+        if let Some(limiter) = options.limiter.clone() {
+            buffer = buffer.with_rate_limiter(limiter);
+        }
+        let shared = Arc::new(Shared {
+            name: name.to_owned(),
+            node: NodeId::local(),
+            buffer,
+            shm_prefix: prefix,
+            creating: Mutex::new(()),
+            sessions: Mutex::new(Sessions::default()),
+            stopped: Mutex::new(false),
+            stop: Condvar::new(),
+        });
+        let make = {
+            let shared = Arc::clone(&shared);
+            move |peer: &Peer| Session::new(Arc::clone(&shared), peer).serve()
+        };
+        let mut server_options = ServerOptions::default().runtime_dir(&runtime_dir);
+        let uds = rpc::serve_per_connection(&endpoint(name), make.clone(), server_options.clone())?;
+        let tcp = match &options.listen {
+            Some((listen, token)) => {
+                server_options = server_options.token(token.clone());
+                Some(rpc::serve_per_connection(listen, make, server_options)?)
+            }
+            None => None,
+        };
+        tracing::info!(replay = name, capacity = options.capacity, "serving");
+        Ok(ReplayServer { shared, uds: Some(uds), tcp })
+    }
+
+    /// The endpoint it serves on this node.
+    pub fn endpoint(&self) -> &Endpoint {
+        self.uds.as_ref().expect("serving until dropped").endpoint()
+    }
+
+    /// The TCP address it listens on, if it does.
+    pub fn tcp_addr(&self) -> Option<std::net::SocketAddr> {
+        self.tcp.as_ref().and_then(ServerHandle::local_addr)
+    }
+
+    /// The buffer it serves (to sample or inspect it in the serving process).
+    pub fn buffer(&self) -> &ReplayBuffer {
+        &self.shared.buffer
+    }
+
+    /// Blocks until a client asks the service to stop ([`ReplayService::shutdown`]) or
+    /// `timeout` passes; returns whether it was asked.
+    pub fn wait_for_shutdown(&self, timeout: Option<Duration>) -> bool {
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let mut stopped = self.shared.stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while !*stopped {
+            stopped = match deadline {
+                None => self.shared.stop.wait(stopped).unwrap_or_else(std::sync::PoisonError::into_inner),
+                Some(deadline) => {
+                    let Some(left) = deadline.checked_duration_since(Instant::now()) else { return false };
+                    self.shared.stop.wait_timeout(stopped, left).unwrap_or_else(std::sync::PoisonError::into_inner).0
+                }
+            };
+        }
+        true
+    }
+
+    /// Asks the service to stop, as a client's `shutdown` does: new requests are refused and
+    /// [`ReplayServer::wait_for_shutdown`] returns.
+    pub fn request_shutdown(&self) {
+        self.shared.request_stop();
+    }
+}
+
+impl Drop for ReplayServer {
+    fn drop(&mut self) {
+        self.shared.request_stop();
+        // Stops the serving threads; their sessions end with them.
+        self.uds.take();
+        self.tcp.take();
+    }
+}
+
+/// One connection's view of the service. Cloned per request; the last clone's drop (the
+/// connection ended) aborts the session's reservations and releases its leases.
+#[derive(Clone)]
+struct Session(Arc<SessionInner>);
+
+struct SessionInner {
+    id: u64,
+    shared: Arc<Shared>,
+    peer: String,
+}
+
+impl Session {
+    fn new(shared: Arc<Shared>, peer: &Peer) -> Session {
+        let id = {
+            let mut sessions = shared.sessions();
+            sessions.live += 1;
+            sessions.next()
+        };
+        tracing::debug!(session = id, %peer, "replay: session opened");
+        Session(Arc::new(SessionInner { id, shared, peer: peer.to_string() }))
+    }
+
+    fn shared(&self) -> &Shared {
+        &self.0.shared
+    }
+
+    /// Takes a reservation of this session out of the table.
+    fn take_reservation(&self, id: u64) -> std::result::Result<Reservation, WireError> {
+        let mut sessions = self.shared().sessions();
+        match sessions.reservations.remove(&id) {
+            Some((session, reservation)) if session == self.0.id => Ok(reservation),
+            Some(other) => {
+                sessions.reservations.insert(id, other);
+                Err(not_found("reservation", id))
+            }
+            None => Err(not_found("reservation", id)),
+        }
+    }
+
+    fn commit_now(&self, id: u64) -> std::result::Result<(), WireError> {
+        let reservation = self.take_reservation(id)?;
+        self.shared().buffer.commit(reservation).map_err(to_wire)
+    }
+
+    fn release_now(&self, leases: &[u64]) -> std::result::Result<(), WireError> {
+        let taken: Vec<Lease> = {
+            let mut sessions = self.shared().sessions();
+            if let Some(&bad) =
+                leases.iter().find(|id| sessions.leases.get(id).is_none_or(|(session, _)| *session != self.0.id))
+            {
+                return Err(not_found("lease", bad));
+            }
+            leases.iter().filter_map(|id| sessions.leases.remove(id)).map(|(_, lease)| lease).collect()
+        };
+        for lease in taken {
+            self.shared().buffer.release(lease).map_err(to_wire)?;
+        }
+        Ok(())
+    }
+
+    /// Runs a wait of the buffer on a blocking thread, in slices of [`WAIT_SLICE`], until it
+    /// succeeds, `wait` passes, or the request is dropped (its connection ended or its
+    /// deadline passed).
+    async fn waiting<T: Send + 'static>(
+        &self,
+        wait: Option<Duration>,
+        what: &'static str,
+        attempt: impl Fn(&Session, Duration) -> Result<T> + Send + 'static,
+    ) -> std::result::Result<T, WireError> {
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let _cancel_on_drop = CancelOnDrop(Arc::clone(&cancelled));
+        let session = self.clone();
+        let task = tokio::task::spawn_blocking(move || {
+            let start = Instant::now();
+            let deadline = wait.and_then(|w| start.checked_add(w));
+            loop {
+                let slice = match deadline {
+                    Some(deadline) => deadline.saturating_duration_since(Instant::now()).min(WAIT_SLICE),
+                    None => WAIT_SLICE,
+                };
+                match attempt(&session, slice) {
+                    Err(Error::Timeout { .. }) => {
+                        if cancelled.load(Ordering::Relaxed) {
+                            return Err(WireError::Other { message: format!("{what}: the request was dropped") });
+                        }
+                        if session.shared().stopping().is_err() {
+                            return Err(WireError::ShuttingDown);
+                        }
+                        if deadline.is_some_and(|d| Instant::now() >= d) {
+                            return Err(WireError::TimedOut {
+                                detail: format!(
+                                    "{what}: the rate limiter did not allow it within {:?}",
+                                    start.elapsed()
+                                ),
+                            });
+                        }
+                    }
+                    other => return other.map_err(to_wire),
+                }
+            }
+        });
+        task.await.map_err(|e| WireError::Other { message: format!("{what}: the waiting task failed: {e}") })?
+    }
+}
+
+/// Sets its flag when dropped: a request future dropped mid-wait tells its blocking thread.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Drop for SessionInner {
+    fn drop(&mut self) {
+        let (reservations, leases) = {
+            let mut sessions = self.shared.sessions();
+            sessions.live -= 1;
+            let mine: Vec<u64> =
+                sessions.reservations.iter().filter(|(_, (s, _))| *s == self.id).map(|(&id, _)| id).collect();
+            let reservations: Vec<Reservation> =
+                mine.iter().filter_map(|id| sessions.reservations.remove(id)).map(|(_, r)| r).collect();
+            let mine: Vec<u64> =
+                sessions.leases.iter().filter(|(_, (s, _))| *s == self.id).map(|(&id, _)| id).collect();
+            let leases: Vec<Lease> = mine.iter().filter_map(|id| sessions.leases.remove(id)).map(|(_, l)| l).collect();
+            (reservations, leases)
+        };
+        let (aborted, released) = (reservations.len(), leases.len());
+        for reservation in reservations {
+            let _ = self.shared.buffer.abort(reservation);
+        }
+        for lease in leases {
+            let _ = self.shared.buffer.release(lease);
+        }
+        tracing::debug!(session = self.id, peer = %self.peer, aborted, released, "replay: session closed");
+    }
+}
+
+impl ReplayService for Session {
+    async fn hello(self, _: Context) -> std::result::Result<ReplayInfo, WireError> {
+        let shared = self.shared();
+        let limiter = shared.buffer.rate_limiter().map(|l| {
+            let (min_diff, max_diff) = l.bounds();
+            (l.samples_per_insert(), l.min_size_to_sample() as u64, min_diff, max_diff)
+        });
+        Ok(ReplayInfo {
+            name: shared.name.clone(),
+            node: shared.node.clone(),
+            pid: std::process::id(),
+            capacity: shared.buffer.capacity() as u64,
+            sampler: shared.buffer.sampler().name().to_owned(),
+            storage: shared.storage_ref()?,
+            limiter,
+        })
+    }
+
+    async fn create(self, _: Context, like: InlineDict) -> std::result::Result<TensorDictRef, WireError> {
+        self.shared().stopping()?;
+        let like = like.to_dict().map_err(|e| invalid(format!("the schema sent is not a valid dict: {e}")))?;
+        let session = self.clone();
+        let made = tokio::task::spawn_blocking(move || -> std::result::Result<TensorDictRef, WireError> {
+            let shared = session.shared();
+            let _creating = shared.creating.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if shared.buffer.storage().is_none() {
+                check_room(&like, shared.buffer.capacity(), shared.shm_prefix.is_some())?;
+                if let Some(prefix) = &shared.shm_prefix {
+                    // Left by a killed service of this name: the name's lock is ours now.
+                    let _ = tensordict::TensorDict::unlink_shared(prefix);
+                }
+            }
+            shared.buffer.create_storage(&like).map_err(to_wire)?;
+            shared.storage_ref()?.ok_or_else(|| WireError::Other { message: "the storage vanished".into() })
+        });
+        made.await.map_err(|e| WireError::Other { message: format!("create: {e}") })?
+    }
+
+    async fn reserve(
+        self,
+        _: Context,
+        n: u64,
+        wait: Option<Duration>,
+        commit: Option<u64>,
+    ) -> std::result::Result<Reserved, WireError> {
+        self.shared().stopping()?;
+        if let Some(id) = commit {
+            self.commit_now(id)?;
+        }
+        let n = usize::try_from(n).map_err(|_| invalid(format!("{n} rows")))?;
+        if self.shared().sessions().count(self.0.id).0 >= MAX_RESERVATIONS_PER_SESSION {
+            return Err(WireError::Conflict {
+                detail: format!("this session holds {MAX_RESERVATIONS_PER_SESSION} reservations; commit or abort some"),
+            });
+        }
+        self.waiting(wait, "reserve", move |session, slice| {
+            let reservation = session.shared().buffer.reserve(n, Some(slice))?;
+            let rows = reservation.rows().iter().map(|&r| r as u64).collect();
+            // Into the table before anything else can fail: a session that ends now aborts it.
+            let mut sessions = session.shared().sessions();
+            let id = sessions.next();
+            sessions.reservations.insert(id, (session.0.id, reservation));
+            Ok(Reserved { id, rows })
+        })
+        .await
+    }
+
+    async fn commit(self, _: Context, reservation: u64) -> std::result::Result<(), WireError> {
+        self.commit_now(reservation)
+    }
+
+    async fn abort(self, _: Context, reservation: u64) -> std::result::Result<(), WireError> {
+        let reservation = self.take_reservation(reservation)?;
+        self.shared().buffer.abort(reservation).map_err(to_wire)
+    }
+
+    async fn sample(
+        self,
+        _: Context,
+        batch: u64,
+        wait: Option<Duration>,
+        release: Vec<u64>,
+    ) -> std::result::Result<Sampled, WireError> {
+        self.release_now(&release)?;
+        self.shared().stopping()?;
+        if batch == 0 || batch > MAX_SAMPLE_ROWS {
+            return Err(invalid(format!("a sample of {batch} rows; ask for 1 to {MAX_SAMPLE_ROWS}")));
+        }
+        if self.shared().sessions().count(self.0.id).1 >= MAX_LEASES_PER_SESSION {
+            return Err(WireError::Conflict {
+                detail: format!("this session holds {MAX_LEASES_PER_SESSION} leases; release some"),
+            });
+        }
+        let batch = batch as usize;
+        self.waiting(wait, "sample", move |session, slice| {
+            let (info, lease) = session.shared().buffer.sample_leased(batch, Some(slice))?;
+            let mut sessions = session.shared().sessions();
+            let id = sessions.next();
+            sessions.leases.insert(id, (session.0.id, lease));
+            Ok(Sampled { lease: id, indices: info.indices.iter().map(|&r| r as u64).collect(), weights: info.weights })
+        })
+        .await
+    }
+
+    async fn release(self, _: Context, leases: Vec<u64>) -> std::result::Result<(), WireError> {
+        self.release_now(&leases)
+    }
+
+    async fn update_priority(
+        self,
+        _: Context,
+        indices: Vec<u64>,
+        priorities: Vec<f64>,
+    ) -> std::result::Result<(), WireError> {
+        let rows: Vec<usize> = indices.iter().map(|&i| usize::try_from(i).unwrap_or(usize::MAX)).collect();
+        self.shared().buffer.update_priority(Rows::Usize(rows), &priorities).map_err(to_wire)
+    }
+
+    async fn stats(self, _: Context) -> std::result::Result<ReplayStats, WireError> {
+        let buffer = &self.shared().buffer;
+        let (cursor, write_count) = buffer.writer_state();
+        let counts = buffer.rate_counts();
+        let sessions = self.shared().sessions();
+        Ok(ReplayStats {
+            len: buffer.len() as u64,
+            capacity: buffer.capacity() as u64,
+            cursor: cursor as u64,
+            write_count,
+            inserts: counts.inserts,
+            samples: counts.samples,
+            open_reservations: sessions.reservations.len() as u64,
+            open_leases: sessions.leases.len() as u64,
+            sessions: sessions.live,
+        })
+    }
+
+    async fn dumps(self, _: Context, path: String) -> std::result::Result<(), WireError> {
+        let session = self.clone();
+        let done = tokio::task::spawn_blocking(move || session.shared().buffer.dumps(PathBuf::from(path)));
+        done.await.map_err(|e| WireError::Other { message: format!("dumps: {e}") })?.map_err(to_wire)
+    }
+
+    async fn shutdown(self, _: Context) -> std::result::Result<(), WireError> {
+        tracing::info!(replay = %self.shared().name, peer = %self.0.peer, "shutdown asked");
+        self.shared().request_stop();
+        Ok(())
+    }
+}
+
+fn invalid(detail: String) -> WireError {
+    WireError::InvalidRequest { detail }
+}
+
+fn not_found(what: &str, id: u64) -> WireError {
+    WireError::NotFound { what: format!("{what} {id} of this session") }
+}
+
+/// A buffer error as the client will read it.
+fn to_wire(error: Error) -> WireError {
+    match error {
+        Error::Timeout { .. } => WireError::TimedOut { detail: error.to_string() },
+        Error::Io { source, path } => {
+            WireError::Io { kind: format!("{:?}", source.kind()), message: format!("{}: {source}", path.display()) }
+        }
+        Error::Remote(e) => WireError::Other { message: e.to_string() },
+        Error::Refused(e) => e,
+        other => WireError::InvalidRequest { detail: other.to_string() },
+    }
+}
+
+/// Refuses a storage that could not fit: in shared memory, the rows are built on the heap and
+/// then copied, so they must fit twice in the memory available.
+fn check_room(like: &tensordict::TensorDict, capacity: usize, in_memory: bool) -> std::result::Result<(), WireError> {
+    let rows = like.batch_size().first().copied().unwrap_or(0);
+    if rows == 0 {
+        return Err(invalid(format!("the schema's batch size {:?} has no rows", like.batch_size())));
+    }
+    let row_bytes: u128 = like.leaves().iter().map(|(_, t)| (t.nbytes() / rows) as u128).sum();
+    let need = row_bytes.saturating_mul(capacity as u128);
+    if in_memory {
+        let available = mem_available().unwrap_or(u64::MAX);
+        if need.saturating_mul(2) > u128::from(available) {
+            return Err(invalid(format!(
+                "a storage of {capacity} rows of {row_bytes} bytes needs {need} bytes of shared memory (twice that \
+                 while it is made); {available} bytes of memory are available"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `MemAvailable` from `/proc/meminfo`, in bytes.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}

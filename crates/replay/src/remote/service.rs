@@ -1,0 +1,108 @@
+//! The replay service's tarpc protocol and its wire types.
+
+use std::time::Duration;
+
+use rpc::{InlineDict, NodeId, TensorDictRef, WireError};
+use serde::{Deserialize, Serialize};
+
+/// The replay protocol. Every call runs in the session of the connection that made it:
+/// reservations and leases belong to that session, and are aborted and released when it ends
+/// (the peer closed it, or died).
+#[tarpc::service]
+pub trait ReplayService {
+    /// The service's name, node, capacity, sampler, and storage (once it exists).
+    async fn hello() -> Result<ReplayInfo, WireError>;
+    /// Creates the storage with the schema of `like` (one row or more, values ignored) if
+    /// there is none yet, and returns a reference to it. Once it exists, `like` must have its
+    /// schema.
+    async fn create(like: InlineDict) -> Result<TensorDictRef, WireError>;
+    /// Reserves the next `n` rows for this session, waiting up to `wait` (`None`: without end)
+    /// for the rate limiter. `commit`, if given, commits a reservation of this session first
+    /// (in the same request).
+    async fn reserve(n: u64, wait: Option<Duration>, commit: Option<u64>) -> Result<Reserved, WireError>;
+    /// Publishes the rows of a reservation of this session, which the caller has written.
+    async fn commit(reservation: u64) -> Result<(), WireError>;
+    /// Gives up a reservation of this session (its rows stay hidden until written again).
+    async fn abort(reservation: u64) -> Result<(), WireError>;
+    /// Draws `batch` rows, waiting up to `wait` (`None`: without end) for the rate limiter.
+    /// The rows are leased to this session (no write touches them) until released; `release`
+    /// lets go of leases of this session first (in the same request).
+    async fn sample(batch: u64, wait: Option<Duration>, release: Vec<u64>) -> Result<Sampled, WireError>;
+    /// Lets go of leases of this session.
+    async fn release(leases: Vec<u64>) -> Result<(), WireError>;
+    /// Sets the priorities of rows (prioritized samplers).
+    async fn update_priority(indices: Vec<u64>, priorities: Vec<f64>) -> Result<(), WireError>;
+    /// Counters: valid rows, cursor, inserts and samples, open reservations and leases.
+    async fn stats() -> Result<ReplayStats, WireError>;
+    /// Writes the buffer as a TorchRL dump folder at `path` on the service's node.
+    async fn dumps(path: String) -> Result<(), WireError>;
+    /// Stops the service (as dropping its server does).
+    async fn shutdown() -> Result<(), WireError>;
+}
+
+/// What a replay service says about itself.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct ReplayInfo {
+    /// The service's name.
+    pub name: String,
+    /// The node it runs on.
+    pub node: NodeId,
+    /// The pid of the serving process.
+    pub pid: u32,
+    /// The number of rows.
+    pub capacity: u64,
+    /// The sampler's name (`"uniform"`, `"prioritized"`).
+    pub sampler: String,
+    /// The storage, once the first writer has made it.
+    pub storage: Option<TensorDictRef>,
+    /// The rate limiter, if there is one: samples per insert, minimum size, and the bounds
+    /// `[min_diff, max_diff]`.
+    pub limiter: Option<(f64, u64, f64, f64)>,
+}
+
+/// A reservation made by [`ReplayService::reserve`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Reserved {
+    /// Its id, for `commit` or `abort`.
+    pub id: u64,
+    /// The storage rows to write, in order.
+    pub rows: Vec<u64>,
+}
+
+/// A sample drawn by [`ReplayService::sample`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Sampled {
+    /// The lease that pins the rows, for `release`.
+    pub lease: u64,
+    /// The storage rows, in batch order.
+    pub indices: Vec<u64>,
+    /// Importance weights, for samplers that have them.
+    pub weights: Option<Vec<f64>>,
+}
+
+/// Counters of a replay service.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct ReplayStats {
+    /// Valid rows.
+    pub len: u64,
+    /// The number of rows.
+    pub capacity: u64,
+    /// The row the next write starts at.
+    pub cursor: u64,
+    /// Rows written since the start.
+    pub write_count: u64,
+    /// Rows inserted, as the rate limiter counts them.
+    pub inserts: u64,
+    /// Rows sampled, as the rate limiter counts them.
+    pub samples: u64,
+    /// Reservations not committed or aborted yet, in every session.
+    pub open_reservations: u64,
+    /// Leases not released yet, in every session.
+    pub open_leases: u64,
+    /// Connected sessions.
+    pub sessions: u64,
+}
