@@ -342,11 +342,11 @@ impl ReplayBuffer {
             state: Mutex::new(State {
                 writer,
                 next_ticket: 0,
-                filled: vec![false; capacity],
+                filled: per_row(capacity)?,
                 len: 0,
                 in_flight: HashMap::new(),
-                queued: vec![0; capacity],
-                pins: vec![0; capacity],
+                queued: per_row(capacity)?,
+                pins: per_row(capacity)?,
                 counts: RateCounts::default(),
             }),
             changed: Condvar::new(),
@@ -620,7 +620,8 @@ impl ReplayBuffer {
     /// Draws `batch_size` rows as [`ReplayBuffer::sample`] does, without reading them: the
     /// rows stay pinned (no write touches them) until the [`Lease`] is released, so that
     /// someone else (another process mapping the storage) can read them whole. Waits at most
-    /// `timeout` for the rate limiter.
+    /// `timeout` for the rate limiter, and for rows if the buffer is empty (`None`: an empty
+    /// buffer is an error at once, as for [`ReplayBuffer::sample`]).
     pub fn sample_leased(&self, batch_size: usize, timeout: Option<Duration>) -> Result<(SampleInfo, Lease)> {
         self.storage.get().ok_or(Error::Empty)?;
         let info = self.draw(batch_size, timeout, "sample")?;
@@ -825,10 +826,10 @@ impl ReplayBuffer {
             return Err(Error::ZeroBatchSize);
         }
         let mut state = self.state.lock();
+        let start = Instant::now();
+        let deadline = deadline_after(start, timeout);
         if let Some(limiter) = &self.limiter {
             limiter.check_sample(batch_size)?;
-            let start = Instant::now();
-            let deadline = deadline_after(start, timeout);
             while !limiter.can_sample(state.counts, state.len, batch_size) {
                 self.wait(&mut state, start, deadline, op, "the rate limiter holds samples back")?;
             }
@@ -840,7 +841,12 @@ impl ReplayBuffer {
         loop {
             let len = state.len;
             if len == 0 {
-                return Err(Error::Empty);
+                // Without a timeout an empty buffer is an error; with one, rows may come.
+                if deadline.is_none() {
+                    return Err(Error::Empty);
+                }
+                self.wait(&mut state, start, deadline, op, "the buffer is empty")?;
+                continue;
             }
             let want = batch_size - indices.len();
             let (drawn, w) = self.sampler.sample(want, len)?;
@@ -897,8 +903,9 @@ impl ReplayBuffer {
                     });
                 }
             }
-            if being_written && (rounds % REDRAWS_BEFORE_WAIT == 0 || short) {
-                self.changed.wait(&mut state);
+            // Wait for a write to end only when drawing again got nowhere.
+            if being_written && indices.len() == before && (rounds % REDRAWS_BEFORE_WAIT == 0 || short) {
+                self.wait(&mut state, start, deadline, op, "every row drawn is being written")?;
             }
         }
         for &r in &indices {
@@ -980,6 +987,17 @@ impl ReplayBuffer {
         }
         Ok(())
     }
+}
+
+/// A vector of `capacity` default values, or an error if it cannot be allocated.
+fn per_row<T: Clone + Default>(capacity: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(capacity).map_err(|e| Error::CapacityTooLarge {
+        capacity,
+        detail: format!("{} bytes of per-row state: {e}", capacity.saturating_mul(size_of::<T>())),
+    })?;
+    v.resize(capacity, T::default());
+    Ok(v)
 }
 
 /// `timeout` after `start`, if it can be told apart from never.

@@ -31,6 +31,14 @@ pub enum Error {
         /// The folder.
         path: PathBuf,
     },
+    /// A capacity whose per-row bookkeeping cannot be allocated.
+    #[error("a capacity of {capacity} rows is too large: {detail}")]
+    CapacityTooLarge {
+        /// The capacity asked for.
+        capacity: usize,
+        /// What could not be allocated.
+        detail: String,
+    },
     /// A capacity of zero rows.
     #[error("a replay buffer needs a capacity of at least one row")]
     ZeroCapacity,

@@ -106,7 +106,7 @@ impl RemoteBuffer {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let storage = self.writable(batch)?;
+        let storage = self.writable(Some(batch))?;
         storage.check_batch(OP, batch)?;
         let capacity = self.capacity();
         let mut written = Vec::with_capacity(n);
@@ -142,9 +142,10 @@ impl RemoteBuffer {
     }
 
     /// Reserves `n` rows (1 to the capacity) for a caller that writes them itself into
-    /// [`RemoteBuffer::storage_mut`]; waits at most `wait` for the rate limiter. The storage
-    /// must exist ([`RemoteBuffer::create_storage`]).
+    /// [`RemoteBuffer::storage_mut`] (mapped by this call); waits at most `wait` for the rate
+    /// limiter. The storage must exist ([`RemoteBuffer::create_storage`] or a first `extend`).
     pub fn reserve(&self, n: usize, wait: Option<Duration>) -> Result<RemoteReservation> {
+        self.writable(None)?;
         let reserved = self.reserve_raw(n, wait, None, "reserve")?;
         Ok(RemoteReservation { id: reserved.id, rows: reserved.rows.iter().map(|&r| r as usize).collect() })
     }
@@ -162,7 +163,7 @@ impl RemoteBuffer {
     /// Makes the storage with the schema of `like` (batch size `[n, ...]`) if the service has
     /// none yet, maps it read-write here, and returns it.
     pub fn create_storage(&self, like: &TensorDict) -> Result<&Storage> {
-        self.writable(like)
+        self.writable(Some(like))
     }
 
     /// The storage mapped read-write, if this client has written or made it.
@@ -259,18 +260,19 @@ impl RemoteBuffer {
     }
 
     /// The storage mapped read-write, made from `like`'s schema if the service has none.
-    fn writable(&self, like: &TensorDict) -> Result<&Storage> {
+    fn writable(&self, like: Option<&TensorDict>) -> Result<&Storage> {
         if let Some(storage) = self.write.get() {
             return Ok(storage);
         }
-        let reference = match &self.info.storage {
-            Some(reference) => reference.clone(),
-            None => {
+        let reference = match (&self.info.storage, like) {
+            (Some(reference), _) => reference.clone(),
+            (None, Some(like)) => {
                 // One row is enough to give the schema.
                 let row = like.index(Index::slice(Some(0), Some(1), 1)).op("create storage")?;
                 let inline = InlineDict::new(&row).op("create storage")?;
                 self.client.call(async |c, ctx| c.create(ctx, inline).await)??
             }
+            (None, None) => self.current_storage()?,
         };
         let storage = open(&reference, Access::ReadWrite)?;
         Ok(self.write.get_or_init(|| storage))
@@ -283,13 +285,21 @@ impl RemoteBuffer {
         }
         let reference = match &self.info.storage {
             Some(reference) => reference.clone(),
-            None => {
-                let info = self.client.call(async |c, ctx| c.hello(ctx).await)??;
-                info.storage.ok_or(Error::Empty)?
-            }
+            None => self.current_storage()?,
         };
         let storage = open(&reference, Access::ReadOnly)?;
         Ok(self.read.get_or_init(|| storage))
+    }
+}
+
+impl RemoteBuffer {
+    /// The storage as the service has it now: an error if no writer has made it yet.
+    fn current_storage(&self) -> Result<TensorDictRef> {
+        let info = self.client.call(async |c, ctx| c.hello(ctx).await)??;
+        info.storage.ok_or_else(|| Error::BadBatch {
+            op: "map the replay storage",
+            detail: "the service has no storage yet (a first `extend` or `create_storage` makes it)".into(),
+        })
     }
 }
 

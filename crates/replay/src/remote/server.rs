@@ -296,7 +296,7 @@ impl Session {
                     None => WAIT_SLICE,
                 };
                 match attempt(&session, slice) {
-                    Err(Error::Timeout { .. }) => {
+                    Err(Error::Timeout { why, .. }) => {
                         if cancelled.load(Ordering::Relaxed) {
                             return Err(WireError::Other { message: format!("{what}: the request was dropped") });
                         }
@@ -305,10 +305,7 @@ impl Session {
                         }
                         if deadline.is_some_and(|d| Instant::now() >= d) {
                             return Err(WireError::TimedOut {
-                                detail: format!(
-                                    "{what}: the rate limiter did not allow it within {:?}",
-                                    start.elapsed()
-                                ),
+                                detail: format!("{what}: waited {:?} ({why})", start.elapsed()),
                             });
                         }
                     }

@@ -1,0 +1,420 @@
+//! The replay service in one process: clients write and sample through their own mappings,
+//! rows are only seen whole, sessions give up what they held, the rate limiter paces both
+//! sides, and hostile requests get errors.
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use memmap_tensor::{DType, Location, Tensor};
+use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, ReplayServiceClient, SamplerSpec};
+use replay::{Error, RateLimiter, ReplayBuffer};
+use rpc::{BlockingClient, ClientOptions, WireError};
+use tensordict::TensorDict;
+
+/// A batch of `values.len()` rows; every tensor of row `k` holds `values[k]`, so a row mixed
+/// from two writes is seen by [`check_rows`].
+fn batch(values: &[f64]) -> TensorDict {
+    let n = values.len();
+    let mut td = TensorDict::new([n]);
+    let obs: Vec<f32> = values.iter().flat_map(|&v| [v as f32; 8]).collect();
+    td.set("obs", Tensor::from_slice(&obs, [n, 8]).unwrap()).unwrap();
+    let action: Vec<i64> = values.iter().map(|&v| v as i64).collect();
+    td.set("action", Tensor::from_slice(&action, [n]).unwrap()).unwrap();
+    let next: Vec<f64> = values.iter().flat_map(|&v| [v; 3]).collect();
+    td.set(["next", "obs"], Tensor::from_slice(&next, [n, 3]).unwrap()).unwrap();
+    td
+}
+
+/// The value of each row, checking that every tensor of the row holds it.
+fn check_rows(td: &TensorDict) -> Vec<f64> {
+    let obs: Vec<f32> = td.get_tensor("obs").unwrap().to_vec().unwrap();
+    let action: Vec<i64> = td.get_tensor("action").unwrap().to_vec().unwrap();
+    let next: Vec<f64> = td.get_tensor(["next", "obs"]).unwrap().to_vec().unwrap();
+    (0..action.len())
+        .map(|k| {
+            let v = action[k] as f64;
+            assert!(
+                obs[k * 8..k * 8 + 8].iter().all(|&x| f64::from(x) == v),
+                "row {k}: obs {:?}, action {v}",
+                &obs[k * 8..k * 8 + 8]
+            );
+            assert!(
+                next[k * 3..k * 3 + 3].iter().all(|&x| x == v),
+                "row {k}: next/obs {:?}, action {v}",
+                &next[k * 3..k * 3 + 3]
+            );
+            v
+        })
+        .collect()
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    run: std::path::PathBuf,
+    name: String,
+}
+
+impl Fixture {
+    fn new(name: &str) -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        Fixture { _dir: dir, run, name: name.to_owned() }
+    }
+
+    fn options(&self, capacity: usize) -> ReplayOptions {
+        ReplayOptions::new(capacity).runtime_dir(&self.run)
+    }
+
+    fn client_options(&self) -> ClientOptions {
+        ClientOptions::default().runtime_dir(&self.run)
+    }
+
+    fn start(&self, options: ReplayOptions) -> ReplayServer {
+        ReplayServer::start(&self.name, options).unwrap()
+    }
+
+    fn connect(&self) -> RemoteBuffer {
+        RemoteBuffer::connect_with(&self.name, &self.client_options()).unwrap()
+    }
+
+    fn raw(&self) -> BlockingClient<ReplayServiceClient> {
+        BlockingClient::connect(&replay::remote::endpoint(&self.name), &self.client_options()).unwrap()
+    }
+}
+
+/// Polls `f` until it is true or 10 s pass.
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(10), "timed out waiting for {what}");
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn shm_objects(prefix_part: &str) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|n| n.contains(prefix_part))
+        .collect()
+}
+
+#[test]
+fn writers_and_a_learner_share_whole_rows() {
+    let f = Fixture::new("whole-rows");
+    // A small buffer, so that writes wrap over rows being sampled all the time.
+    let server = f.start(f.options(48).seed(7));
+    let writers: Vec<_> = (0..3)
+        .map(|w| {
+            let client = f.connect();
+            thread::spawn(move || {
+                for seq in 0..150 {
+                    let base = (w * 1_000_000 + seq * 10) as f64;
+                    let rows = client.extend(&batch(&[base, base + 1., base + 2., base + 3.])).unwrap();
+                    assert_eq!(rows.len(), 4);
+                }
+            })
+        })
+        .collect();
+    let learner = f.connect();
+    let mut seen = 0;
+    let mut out = batch(&[0.; 16]);
+    while writers.iter().any(|w| !w.is_finished()) || seen < 200 {
+        match learner.sample(16, Some(Duration::from_secs(5))) {
+            Ok((rows, info)) => {
+                assert_eq!(info.indices.len(), 16);
+                assert!(info.weights.is_none());
+                for v in check_rows(&rows) {
+                    assert!(v.rem_euclid(10.) < 4., "a row never written: {v}");
+                }
+                seen += 1;
+            }
+            Err(e) => panic!("{e}"),
+        }
+        let info = learner.sample_into(&mut out, 16, None).unwrap();
+        assert_eq!(info.indices.len(), 16);
+        check_rows(&out);
+    }
+    for w in writers {
+        w.join().unwrap();
+    }
+    let stats = learner.stats().unwrap();
+    assert_eq!(stats.len, 48);
+    assert_eq!(stats.write_count, 3 * 150 * 4);
+    assert_eq!(stats.inserts, 3 * 150 * 4);
+    assert_eq!(stats.open_reservations, 0);
+    assert_eq!(stats.open_leases, 0);
+    // The service's own buffer sees the same rows.
+    assert_eq!(server.buffer().len(), 48);
+    check_rows(&server.buffer().get(0..48).unwrap());
+}
+
+#[test]
+fn reserved_rows_are_hidden_until_committed_and_aborted_rows_stay_hidden() {
+    let f = Fixture::new("hidden");
+    let _server = f.start(f.options(8).seed(1));
+    let client = f.connect();
+    client.extend(&batch(&[1.; 8])).unwrap();
+    let reservation = client.reserve(4, None).unwrap();
+    assert_eq!(reservation.rows(), &[0, 1, 2, 3]);
+    let storage = client.storage_mut().expect("a writer maps the storage");
+    // Half a write: only the obs of the reserved rows.
+    let mut rows = storage.tensordict().clone();
+    let half = batch(&[2.; 4]);
+    rows.set_at(tensordict::Index::List(vec![0, 1, 2, 3]), &{
+        let mut mixed = storage.gather(&[0, 1, 2, 3]).unwrap();
+        mixed.set("obs", half.get_tensor("obs").unwrap().clone()).unwrap();
+        mixed
+    })
+    .unwrap();
+    let learner = f.connect();
+    for _ in 0..100 {
+        let (td, info) = learner.sample(8, None).unwrap();
+        assert!(info.indices.iter().all(|&i| i >= 4), "{:?}", info.indices);
+        check_rows(&td);
+    }
+    storage.write_rows(&[0, 1, 2, 3], &batch(&[2.; 4])).unwrap();
+    client.commit(reservation).unwrap();
+    let mut twos = 0;
+    for _ in 0..100 {
+        let (td, _) = learner.sample(8, None).unwrap();
+        twos += check_rows(&td).iter().filter(|&&v| v == 2.).count();
+    }
+    assert!(twos > 0);
+
+    // Aborted rows may hold part of a write: never sampled again until rewritten.
+    let aborted = client.reserve(2, None).unwrap();
+    assert_eq!(aborted.rows(), &[4, 5]);
+    client.abort(aborted).unwrap();
+    for _ in 0..100 {
+        let (_, info) = learner.sample(8, None).unwrap();
+        assert!(info.indices.iter().all(|&i| i != 4 && i != 5), "{:?}", info.indices);
+    }
+    let stats = learner.stats().unwrap();
+    assert_eq!((stats.open_reservations, stats.inserts), (0, 12));
+}
+
+#[test]
+fn a_closed_connection_gives_up_its_reservations_and_leases() {
+    let f = Fixture::new("closed");
+    let _server = f.start(f.options(16));
+    let watcher = f.connect();
+    watcher.extend(&batch(&[3.; 16])).unwrap();
+    {
+        let raw = f.raw();
+        let reserved = raw.call(async |c, ctx| c.reserve(ctx, 4, None, None).await).unwrap().unwrap();
+        assert_eq!(reserved.rows, vec![0, 1, 2, 3]);
+        let sampled = raw.call(async |c, ctx| c.sample(ctx, 8, None, Vec::new()).await).unwrap().unwrap();
+        assert_eq!(sampled.indices.len(), 8);
+        let stats = watcher.stats().unwrap();
+        assert_eq!((stats.open_reservations, stats.open_leases, stats.sessions), (1, 1, 2));
+    }
+    eventually("the closed session to end", || {
+        let s = watcher.stats().unwrap();
+        s.open_reservations == 0 && s.open_leases == 0 && s.sessions == 1
+    });
+    // The aborted rows are hidden; the leased rows can be written again (this would wait
+    // forever on a lease that was never released).
+    for _ in 0..50 {
+        let (_, info) = watcher.sample(8, None).unwrap();
+        assert!(info.indices.iter().all(|&i| i >= 4), "{:?}", info.indices);
+    }
+    watcher.extend(&batch(&[4.; 16])).unwrap();
+    let (td, _) = watcher.sample(16, None).unwrap();
+    assert!(check_rows(&td).iter().all(|&v| v == 4.));
+}
+
+#[test]
+fn the_rate_limiter_paces_samples_and_inserts() {
+    let f = Fixture::new("limited");
+    // Samples wait for 8 rows; then each row may be sampled about twice, give or take 16.
+    let limiter = RateLimiter::sample_to_insert_ratio(2.0, 8, 16.0).unwrap();
+    let _server = f.start(f.options(64).limiter(limiter));
+    let actor = f.connect();
+    let learner = f.connect();
+    actor.extend(&batch(&[1.; 4])).unwrap();
+    let early = learner.sample(2, Some(Duration::from_millis(150))).unwrap_err();
+    assert!(matches!(early, Error::Timeout { op: "sample", .. }), "{early}");
+
+    // A sample waiting without end is let go by the insert that reaches the minimum size.
+    let waiting = {
+        let learner = f.connect();
+        thread::spawn(move || learner.sample(2, None).map(|(td, _)| check_rows(&td)))
+    };
+    thread::sleep(Duration::from_millis(100));
+    assert!(!waiting.is_finished());
+    actor.extend(&batch(&[1.; 4])).unwrap();
+    waiting.join().unwrap().unwrap();
+
+    // Inserts run ahead by at most max_diff = 2 × 8 + 16 = 32 sampled rows' worth.
+    let mut inserted = 8;
+    let blocked = loop {
+        match actor.extend_within(&batch(&[1.; 4]), Some(Duration::from_millis(100))) {
+            Ok(_) => inserted += 4,
+            Err(e) => break e,
+        }
+        assert!(inserted < 64, "inserts were never held back");
+    };
+    assert!(matches!(blocked, Error::Timeout { op: "extend", .. }), "{blocked}");
+    let stats = learner.stats().unwrap();
+    assert!(stats.inserts as f64 * 2.0 - stats.samples as f64 <= 32.0, "{stats:?}");
+    // Samples let it go again.
+    let blocked_insert = {
+        let actor = f.connect();
+        thread::spawn(move || actor.extend(&batch(&[1.; 4])))
+    };
+    while !blocked_insert.is_finished() {
+        learner.sample(4, Some(Duration::from_secs(5))).unwrap();
+    }
+    blocked_insert.join().unwrap().unwrap();
+    // A batch wider than the limiter's window can never pass: an error, not a wait.
+    let too_wide = learner.sample(40, Some(Duration::from_secs(1))).unwrap_err();
+    assert!(too_wide.to_string().contains("never pass"), "{too_wide}");
+}
+
+#[test]
+fn the_local_rate_limiter_waits_and_times_out() {
+    let limiter = RateLimiter::min_size(4).unwrap().with_timeout(Duration::from_millis(100));
+    let buffer = ReplayBuffer::uniform(replay::StorageConfig::heap(16)).unwrap().with_rate_limiter(limiter);
+    buffer.extend(&batch(&[1.; 2])).unwrap();
+    assert!(matches!(buffer.sample(1), Err(Error::Timeout { .. })));
+    buffer.extend(&batch(&[1.; 2])).unwrap();
+    buffer.sample(1).unwrap();
+    assert_eq!(buffer.rate_counts().samples, 1);
+}
+
+#[test]
+fn a_prioritized_service_weights_samples_and_takes_priorities() {
+    let f = Fixture::new("prioritized");
+    let options = f.options(32).sampler(SamplerSpec::Prioritized { alpha: 1.0, beta: 1.0, eps: 0.0 }).seed(3);
+    let _server = f.start(options);
+    let client = f.connect();
+    let values: Vec<f64> = (0..32).map(f64::from).collect();
+    client.extend(&batch(&values)).unwrap();
+    let (_, info) = client.sample(8, None).unwrap();
+    let weights = info.weights.expect("a prioritized sample has weights");
+    assert!(weights.iter().all(|&w| (w - 1.0).abs() < 1e-9), "equal priorities give weight 1: {weights:?}");
+    let all: Vec<usize> = (0..32).collect();
+    let mut priorities = vec![1e-3; 32];
+    priorities[5] = 1e3;
+    client.update_priority(&all, &priorities).unwrap();
+    let (td, info) = client.sample(64, None).unwrap();
+    let fives = info.indices.iter().filter(|&&i| i == 5).count();
+    assert!(fives > 60, "row 5 holds nearly all the mass; drawn {fives} of 64");
+    assert!(check_rows(&td).iter().zip(&info.indices).all(|(&v, &i)| v == i as f64));
+    let bad = client.update_priority(&[0, 1], &[1.0, 2.0, 3.0]).unwrap_err();
+    assert!(matches!(bad, Error::Refused(WireError::InvalidRequest { .. })), "{bad}");
+    let bad = client.update_priority(&[99], &[1.0]).unwrap_err();
+    assert!(bad.to_string().contains("99"), "{bad}");
+}
+
+#[test]
+fn hostile_requests_get_errors() {
+    let f = Fixture::new("hostile");
+    let _server = f.start(f.options(8));
+    let client = f.connect();
+    // Before any storage exists.
+    let raw = f.raw();
+    let early = raw.call(async |c, ctx| c.reserve(ctx, 1, None, None).await).unwrap().unwrap_err();
+    assert!(early.to_string().contains("no storage"), "{early}");
+    let empty = client.sample(1, Some(Duration::ZERO)).unwrap_err();
+    assert!(empty.to_string().contains("empty"), "{empty}");
+    client.extend(&batch(&[1.; 8])).unwrap();
+    for n in [0, 9, u64::MAX] {
+        let refused = raw.call(async |c, ctx| c.reserve(ctx, n, None, None).await).unwrap().unwrap_err();
+        assert!(matches!(refused, WireError::InvalidRequest { .. }), "{n}: {refused}");
+    }
+    for n in [0, u64::MAX, replay::remote::MAX_SAMPLE_ROWS + 1] {
+        let refused = raw.call(async |c, ctx| c.sample(ctx, n, None, Vec::new()).await).unwrap().unwrap_err();
+        assert!(matches!(refused, WireError::InvalidRequest { .. }), "{n}: {refused}");
+    }
+    for id in [0, 1, u64::MAX] {
+        let refused = raw.call(async |c, ctx| c.commit(ctx, id).await).unwrap().unwrap_err();
+        assert!(matches!(refused, WireError::NotFound { .. }), "{refused}");
+        let refused = raw.call(async |c, ctx| c.release(ctx, vec![id]).await).unwrap().unwrap_err();
+        assert!(matches!(refused, WireError::NotFound { .. }), "{refused}");
+    }
+    // Another session's reservation and lease are not this one's to commit or release.
+    let other = f.raw();
+    let theirs = other.call(async |c, ctx| c.reserve(ctx, 2, None, None).await).unwrap().unwrap();
+    let lease = other.call(async |c, ctx| c.sample(ctx, 2, None, Vec::new()).await).unwrap().unwrap();
+    let refused = raw.call(async |c, ctx| c.commit(ctx, theirs.id).await).unwrap().unwrap_err();
+    assert!(matches!(refused, WireError::NotFound { .. }), "{refused}");
+    let refused = raw.call(async |c, ctx| c.release(ctx, vec![lease.lease]).await).unwrap().unwrap_err();
+    assert!(matches!(refused, WireError::NotFound { .. }), "{refused}");
+    other.call(async |c, ctx| c.commit(ctx, theirs.id).await).unwrap().unwrap();
+    other.call(async |c, ctx| c.release(ctx, vec![lease.lease]).await).unwrap().unwrap();
+    // Another schema than the storage's.
+    let mut wrong = TensorDict::new([2]);
+    wrong.set("obs", Tensor::zeros([2, 9], DType::F32, &Location::Heap).unwrap()).unwrap();
+    let refused = f.connect().extend(&wrong).unwrap_err();
+    assert!(refused.to_string().contains("obs"), "{refused}");
+    // A schema nobody could store: 16M rows of 512 KiB.
+    let g = Fixture::new("huge");
+    let _huge = g.start(g.options(1 << 24));
+    let mut wide = TensorDict::new([1]);
+    wide.set("obs", Tensor::zeros([1, 1 << 17], DType::F32, &Location::Heap).unwrap()).unwrap();
+    let refused = g.connect().extend(&wide).unwrap_err();
+    assert!(refused.to_string().contains("bytes of shared memory"), "{refused}");
+    // A capacity whose bookkeeping alone does not fit.
+    let refused = ReplayServer::start("huger", g.options(1 << 44)).unwrap_err();
+    assert!(matches!(refused, Error::CapacityTooLarge { .. }), "{refused}");
+}
+
+#[test]
+fn names_are_checked_and_served_once() {
+    let f = Fixture::new("once");
+    let _server = f.start(f.options(4));
+    let again = ReplayServer::start("once", f.options(4)).unwrap_err();
+    assert!(again.to_string().contains("already"), "{again}");
+    for bad in ["", "a/b", "../x", &"n".repeat(49)] {
+        let refused = ReplayServer::start(bad, f.options(4)).unwrap_err();
+        assert!(matches!(refused, Error::InvalidName { .. }), "{bad}: {refused}");
+        assert!(matches!(RemoteBuffer::connect_with(bad, &f.client_options()), Err(Error::InvalidName { .. })));
+    }
+    assert!(matches!(ReplayServer::start("zero", f.options(0)), Err(Error::ZeroCapacity)));
+}
+
+#[test]
+fn a_folder_service_keeps_torchrl_len_and_dumps() {
+    let f = Fixture::new("folder");
+    let dir = tempfile::tempdir().unwrap();
+    let storage = dir.path().join("storage");
+    let server = f.start(f.options(10).dir(&storage));
+    let client = f.connect();
+    client.extend(&batch(&[5., 6., 7.])).unwrap();
+    assert_eq!(replay::Storage::read_len(&storage).unwrap(), 3);
+    let loaded = TensorDict::load_memmap(&storage, memmap_tensor::Access::ReadOnly).unwrap();
+    assert_eq!(loaded.batch_size(), &[10]);
+    let dump = dir.path().join("dump");
+    client.dumps(dump.to_str().unwrap()).unwrap();
+    let back = ReplayBuffer::loads(&dump, replay::LoadOptions::default()).unwrap();
+    assert_eq!(back.len(), 3);
+    assert_eq!(check_rows(&back.get(0..3).unwrap()), vec![5., 6., 7.]);
+    drop(server);
+    // The folder stays; a new service refuses it unless told to overwrite.
+    assert!(storage.join("obs.memmap").exists());
+    let refused = ReplayServer::start("folder", f.options(10).dir(&storage));
+    let refused = match refused {
+        Ok(server) => {
+            let e = f.connect().extend(&batch(&[1.])).unwrap_err();
+            drop(server);
+            e
+        }
+        Err(e) => e,
+    };
+    assert!(refused.to_string().contains("not empty"), "{refused}");
+    let _again = f.start(f.options(10).dir(&storage).overwrite(true));
+    f.connect().extend(&batch(&[1.])).unwrap();
+}
+
+#[test]
+fn shared_memory_is_removed_with_the_server() {
+    let f = Fixture::new("shm-cleanup");
+    let server = f.start(f.options(4));
+    f.connect().extend(&batch(&[1.])).unwrap();
+    assert!(!shm_objects("-shm-cleanup").is_empty());
+    drop(server);
+    eventually("the storage to be unlinked", || shm_objects("-shm-cleanup").is_empty());
+}

@@ -1,0 +1,190 @@
+//! The replay service with real client processes killed by SIGKILL: a writer killed between
+//! reserving and committing never exposes its rows, and a learner killed while it holds a
+//! lease lets writers go on.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use memmap_tensor::Tensor;
+use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, ReplayServiceClient};
+use rpc::{BlockingClient, ClientOptions};
+use tensordict::TensorDict;
+
+const ROLE: &str = "REPLAY_TEST_REMOTE_ROLE";
+const RUN: &str = "REPLAY_TEST_REMOTE_RUN";
+const NAME: &str = "REPLAY_TEST_REMOTE_NAME";
+const READY: &str = "REPLAY_TEST_REMOTE_READY";
+
+fn batch(values: &[f32]) -> TensorDict {
+    let n = values.len();
+    let mut td = TensorDict::new([n]);
+    let obs: Vec<f32> = values.iter().flat_map(|&v| [v; 16]).collect();
+    td.set("obs", Tensor::from_slice(&obs, [n, 16]).unwrap()).unwrap();
+    td.set("reward", Tensor::from_slice(values, [n]).unwrap()).unwrap();
+    td
+}
+
+fn check_rows(td: &TensorDict) -> Vec<f32> {
+    let obs: Vec<f32> = td.get_tensor("obs").unwrap().to_vec().unwrap();
+    let reward: Vec<f32> = td.get_tensor("reward").unwrap().to_vec().unwrap();
+    for (k, &v) in reward.iter().enumerate() {
+        assert!(
+            obs[k * 16..(k + 1) * 16].iter().all(|&x| x == v),
+            "row {k} is torn: reward {v}, obs {:?}",
+            &obs[k * 16..(k + 1) * 16]
+        );
+    }
+    reward
+}
+
+/// The child side: runs when the test binary is started with [`ROLE`] set, then parks until
+/// it is killed.
+fn child() {
+    let Ok(role) = std::env::var(ROLE) else { return };
+    let run = PathBuf::from(std::env::var_os(RUN).unwrap());
+    let name = std::env::var(NAME).unwrap();
+    let ready = PathBuf::from(std::env::var_os(READY).unwrap());
+    let options = ClientOptions::default().runtime_dir(&run);
+    match role.as_str() {
+        // Reserves 4 rows, writes half of each (obs only), and is killed before committing.
+        "writer" => {
+            let client = RemoteBuffer::connect_with(&name, &options).unwrap();
+            let reservation = client.reserve(4, None).unwrap();
+            let storage = client.storage_mut().expect("reserve maps the storage").tensordict().clone();
+            let mut obs = storage.get_tensor("obs").unwrap().clone();
+            let rows: Vec<i64> = reservation.rows().iter().map(|&r| r as i64).collect();
+            let half = batch(&[99.; 4]);
+            obs.scatter_rows(&rows, half.get_tensor("obs").unwrap()).unwrap();
+            std::fs::write(&ready, format!("{:?}", reservation.rows())).unwrap();
+            // Neither is given up: the connection stays open until the kill.
+            std::mem::forget(reservation);
+            std::mem::forget(client);
+        }
+        // Samples 8 rows and holds the lease (a raw client never releases it).
+        "learner" => {
+            let raw: BlockingClient<ReplayServiceClient> =
+                BlockingClient::connect(&replay::remote::endpoint(&name), &options).unwrap();
+            let sampled = raw.call(async |c, ctx| c.sample(ctx, 8, None, Vec::new()).await).unwrap().unwrap();
+            std::fs::write(&ready, format!("{:?}", sampled.indices)).unwrap();
+            std::mem::forget(raw);
+        }
+        other => panic!("unknown role {other}"),
+    }
+    loop {
+        std::thread::park();
+    }
+}
+
+/// A child process, killed (SIGKILL) when dropped, so that a failing test leaves none behind.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(role: &str, test: &str, run: &Path, name: &str, ready: &Path) -> Killed {
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--test-threads", "1", "--nocapture"])
+        .env(ROLE, role)
+        .env(RUN, run)
+        .env(NAME, name)
+        .env(READY, ready)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    Killed(child)
+}
+
+fn wait_for_file(path: &Path, child: &mut Child) -> String {
+    let start = Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path)
+            && !text.is_empty()
+        {
+            return text;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the child exited early: {status}");
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "the child never got ready");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(10), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_writer_killed_before_its_commit_never_exposes_its_rows() {
+    child();
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let name = "killed-writer";
+    let server = ReplayServer::start(name, ReplayOptions::new(8).runtime_dir(&run).seed(5)).unwrap();
+    let options = ClientOptions::default().runtime_dir(&run);
+    let client = RemoteBuffer::connect_with(name, &options).unwrap();
+    client.extend(&batch(&[1.; 8])).unwrap();
+    let ready = dir.path().join("ready");
+    let mut writer = spawn("writer", "a_writer_killed_before_its_commit_never_exposes_its_rows", &run, name, &ready);
+    let rows = wait_for_file(&ready, &mut writer.0);
+    assert_eq!(rows, "[0, 1, 2, 3]");
+    assert_eq!(client.stats().unwrap().open_reservations, 1);
+    writer.0.kill().unwrap(); // SIGKILL
+    writer.0.wait().unwrap();
+    eventually("the dead writer's reservation to be aborted", || client.stats().unwrap().open_reservations == 0);
+    // Rows 0..4 hold half a write: they are never sampled, and rows 4..8 still are.
+    for _ in 0..200 {
+        let (td, info) = client.sample(8, None).unwrap();
+        assert!(info.indices.iter().all(|&i| i >= 4), "{:?}", info.indices);
+        assert!(check_rows(&td).iter().all(|&v| v == 1.));
+    }
+    assert_eq!(server.buffer().len(), 8);
+    // Writing them again makes them valid again.
+    client.extend(&batch(&[2.; 4])).unwrap();
+    client.extend(&batch(&[3.; 4])).unwrap();
+    let (td, _) = client.sample(64, None).unwrap();
+    let values = check_rows(&td);
+    assert!(values.contains(&2.) && values.contains(&3.));
+}
+
+#[test]
+fn a_learner_killed_while_holding_a_lease_lets_writers_go_on() {
+    child();
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let name = "killed-learner";
+    let _server = ReplayServer::start(name, ReplayOptions::new(8).runtime_dir(&run)).unwrap();
+    let options = ClientOptions::default().runtime_dir(&run);
+    let client = RemoteBuffer::connect_with(name, &options).unwrap();
+    client.extend(&batch(&[1.; 8])).unwrap();
+    let ready = dir.path().join("ready");
+    let mut learner = spawn("learner", "a_learner_killed_while_holding_a_lease_lets_writers_go_on", &run, name, &ready);
+    wait_for_file(&ready, &mut learner.0);
+    assert_eq!(client.stats().unwrap().open_leases, 1);
+    // A write over every row waits for the leased ones...
+    let writer = {
+        let options = options.clone();
+        std::thread::spawn(move || {
+            let client = RemoteBuffer::connect_with(name, &options).unwrap();
+            client.extend(&batch(&[2.; 8]))
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!writer.is_finished(), "a write went over rows a learner was reading");
+    // ...until the learner dies and its lease goes with its session.
+    learner.0.kill().unwrap(); // SIGKILL
+    learner.0.wait().unwrap();
+    writer.join().unwrap().unwrap();
+    assert_eq!(client.stats().unwrap().open_leases, 0);
+    let (td, _) = client.sample(8, None).unwrap();
+    assert!(check_rows(&td).iter().all(|&v| v == 2.));
+}
