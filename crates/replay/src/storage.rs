@@ -157,7 +157,7 @@ impl Storage {
             }
             Backend::Heap => (heap_like(batch, capacity)?, None, None, None),
             Backend::Shared { prefix } => {
-                let td = heap_like(batch, capacity)?.share_memory(prefix).op(OP)?;
+                let td = batch.share_memory_like(prefix, Some(capacity)).op(OP)?;
                 (td, None, Some(prefix.clone()), None)
             }
         };

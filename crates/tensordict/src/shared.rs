@@ -41,7 +41,7 @@ use serde_json::{Value, json};
 
 use crate::error::WithKey;
 use crate::process::{ProcessId, ProcessState};
-use crate::schema::{self, Schema};
+use crate::schema::{self, EntrySchema, Schema};
 use crate::{Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
 
 const OWNER_VERSION: u64 = 1;
@@ -99,6 +99,26 @@ impl TensorDict {
     /// killed during the call leaves an incomplete prefix that [`TensorDict::list_shared`]
     /// reports and [`TensorDict::unlink_shared`] removes.
     pub fn share_memory(&self, prefix: &str) -> Result<TensorDict> {
+        self.share(prefix, None)
+    }
+
+    /// Like [`TensorDict::share_memory`], but every tensor is zeros (nothing is copied), and
+    /// with `batch0` the first batch dim of the dict, of its nested dicts and of every tensor
+    /// becomes `batch0`: a shared dict of `batch0` rows with this dict's schema, made without
+    /// a copy on the heap (shared memory takes pages only as they are written). Non-tensor
+    /// values are kept; per-element ones (`NonTensorStack`) cannot be resized and are refused.
+    pub fn share_memory_like(&self, prefix: &str, batch0: Option<usize>) -> Result<TensorDict> {
+        if batch0.is_some() && self.batch_dims() == 0 {
+            return Err(Error::InvalidArgument {
+                op: "share_memory_like",
+                detail: "the dict has no batch dim to resize".into(),
+            });
+        }
+        self.share(prefix, Some(batch0))
+    }
+
+    /// Shares a copy (`like: None`) or zeros, resized to `like: Some(Some(n))` rows.
+    fn share(&self, prefix: &str, like: Option<Option<usize>>) -> Result<TensorDict> {
         check_prefix(prefix)?;
         schema::check_limits(self)?;
         let owner = object_name(prefix, Part::Owner);
@@ -110,7 +130,7 @@ impl TensorDict {
             Err(e) => return Err(Error::Tensor { key: KeyPath::default(), source: e }),
         }
         let mut created = Vec::new();
-        let result = self.share_into(prefix, &mut created);
+        let result = self.share_into(prefix, like, &mut created);
         if result.is_err() {
             // Best effort: these objects were created just now and nobody knows of them. The
             // owner record goes last, so the prefix stays locked until the rest is gone.
@@ -121,7 +141,7 @@ impl TensorDict {
         result
     }
 
-    fn share_into(&self, prefix: &str, created: &mut Vec<String>) -> Result<TensorDict> {
+    fn share_into(&self, prefix: &str, like: Option<Option<usize>>, created: &mut Vec<String>) -> Result<TensorDict> {
         // The owner record is ours; anything else here was left by someone (an older version of
         // this crate, or a creator whose record was removed by hand).
         if objects_of(prefix)?.iter().any(|(part, _)| *part != Part::Owner) {
@@ -129,14 +149,25 @@ impl TensorDict {
             return Err(in_use(prefix));
         }
         let mut counter = 0u64;
-        let schema = Schema::of(self, &mut |key, t| {
+        let rows = like.flatten();
+        let mut schema = Schema::of(self, &mut |key, t| {
             let name = object_name(prefix, Part::Tensor(counter));
             counter += 1;
-            let mut out = Tensor::zeros(t.dims(), t.dtype(), &Location::Shm(name.clone())).with_key(|| key.clone())?;
+            let mut dims = t.dims().to_vec();
+            if let (Some(n), Some(first)) = (rows, dims.first_mut()) {
+                *first = n;
+            }
+            let mut out =
+                Tensor::zeros(dims.as_slice(), t.dtype(), &Location::Shm(name.clone())).with_key(|| key.clone())?;
             created.push(name.clone());
-            out.copy_from(t).with_key(|| key.clone())?;
+            if like.is_none() {
+                out.copy_from(t).with_key(|| key.clone())?;
+            }
             Ok(name)
         })?;
+        if let Some(n) = rows {
+            resize_batch0(&mut schema, n)?;
+        }
         let text = schema.to_json();
         let len = u64::try_from(text.len()).unwrap_or(u64::MAX);
         let meta_name = object_name(prefix, Part::Meta);
@@ -262,6 +293,32 @@ enum Part {
     /// The generation (see the `backing` module), made on first use.
     Gen,
     Tensor(u64),
+}
+
+/// Sets the first batch dim of `schema`, of its nested dicts and of their tensors to `n`;
+/// per-element values cannot follow and are refused.
+fn resize_batch0(schema: &mut Schema, n: usize) -> Result<()> {
+    if let Some(first) = schema.batch_size.first_mut() {
+        *first = n;
+    }
+    for (key, entry) in &mut schema.entries {
+        match entry {
+            EntrySchema::Dict(nested) => resize_batch0(nested, n)?,
+            EntrySchema::NonTensorStack(_) => {
+                return Err(Error::InvalidArgument {
+                    op: "share_memory_like",
+                    detail: format!("`{key}` holds one value per batch element; it cannot be resized"),
+                });
+            }
+            EntrySchema::Tensor(t) => {
+                if let Some(first) = t.shape.first_mut() {
+                    *first = n;
+                }
+            }
+            EntrySchema::NonTensor(_) => {}
+        }
+    }
+    Ok(())
 }
 
 fn object_name(prefix: &str, part: Part) -> String {

@@ -150,3 +150,41 @@ fn a_shared_prefix_cannot_reach_outside_dev_shm() -> TestResult {
     assert!(!std::path::Path::new(&format!("/dev/shm/tdict-absent-{}.gen", std::process::id())).exists());
     Ok(())
 }
+
+#[test]
+fn a_shared_dict_like_another_has_its_schema_zeros_and_the_rows_asked_for() -> TestResult {
+    let prefix = format!("tdict-backing-like-{}", std::process::id());
+    let _ = TensorDict::unlink_shared(&prefix);
+    let mut source = sample()?;
+    source.get_tensor_mut("obs")?.as_mut_slice::<f32>()?.fill(7.0);
+    let like = source.share_memory_like(&prefix, Some(1000));
+    let result = (|| -> TestResult {
+        let like = like?;
+        assert_eq!(like.batch_size(), &[1000]);
+        let obs = like.get_tensor("obs")?;
+        assert_eq!(obs.dims(), &[1000, 4]);
+        assert!(obs.to_vec::<f32>()?.iter().all(|&x| x == 0.0), "nothing is copied");
+        assert_eq!(like.get_tensor(["deep", "a/b", "c"])?.dims(), &[1000, 2, 3]);
+        assert_eq!(like.get_tensor("empty")?.dims(), &[1000, 0]);
+        let opened = TensorDict::open_shared(&prefix, Access::ReadOnly)?;
+        assert_eq!(opened.batch_size(), &[1000]);
+        assert_eq!(opened.get_tensor(["next", "with space"])?.dims(), &[1000]);
+        Ok(())
+    })();
+    let _ = TensorDict::unlink_shared(&prefix);
+    result?;
+    // The same rows count when no resize is asked for; a dict without batch dims cannot be
+    // resized, and per-element values cannot follow a resize.
+    let same = sample()?.share_memory_like(&prefix, None)?;
+    assert_eq!(same.batch_size(), &[100]);
+    drop(same);
+    TensorDict::unlink_shared(&prefix)?;
+    let flat = TensorDict::new([]);
+    assert!(flat.share_memory_like(&prefix, Some(3)).is_err());
+    let mut stacked = TensorDict::new([2]);
+    stacked.set("names", tensordict::Entry::NonTensorStack(json!(["a", "b"])))?;
+    let err = stacked.share_memory_like(&prefix, Some(4)).unwrap_err();
+    assert!(err.to_string().contains("names"), "{err}");
+    assert!(TensorDict::open_shared(&prefix, Access::ReadOnly).is_err(), "a refused resize leaves nothing");
+    Ok(())
+}
