@@ -418,3 +418,25 @@ fn shared_memory_is_removed_with_the_server() {
     drop(server);
     eventually("the storage to be unlinked", || shm_objects("-shm-cleanup").is_empty());
 }
+
+#[test]
+fn clients_over_tcp_need_the_token_and_share_a_folder() {
+    let f = Fixture::new("tcp");
+    let dir = tempfile::tempdir().unwrap();
+    let token = rpc::Token::generate();
+    let listen: rpc::Endpoint = "tcp:127.0.0.1:0".parse().unwrap();
+    let server = f.start(f.options(32).dir(dir.path().join("rows")).listen(listen, token.clone()));
+    let addr = server.tcp_addr().expect("a TCP address");
+    let endpoint: rpc::Endpoint = format!("tcp:{addr}").parse().unwrap();
+    let options = ClientOptions::default().token(token);
+    let actor = RemoteBuffer::connect_to(&endpoint, &options).unwrap();
+    actor.extend(&batch(&[8., 9.])).unwrap();
+    let learner = RemoteBuffer::connect_to(&endpoint, &options).unwrap();
+    let (td, info) = learner.sample(4, None).unwrap();
+    assert!(info.indices.iter().all(|&i| i < 2));
+    assert!(check_rows(&td).iter().all(|&v| v == 8. || v == 9.));
+    let wrong = ClientOptions::default().token(rpc::Token::generate()).connect_timeout(Duration::from_millis(500));
+    assert!(RemoteBuffer::connect_to(&endpoint, &wrong).is_err());
+    let none = ClientOptions::default().connect_timeout(Duration::from_millis(500));
+    assert!(RemoteBuffer::connect_to(&endpoint, &none).is_err());
+}
