@@ -2,6 +2,7 @@
 //! rows are only seen whole, sessions give up what they held, the rate limiter paces both
 //! sides, and hostile requests get errors.
 
+use std::path::Path;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -439,4 +440,45 @@ fn clients_over_tcp_need_the_token_and_share_a_folder() {
     assert!(RemoteBuffer::connect_to(&endpoint, &wrong).is_err());
     let none = ClientOptions::default().connect_timeout(Duration::from_millis(500));
     assert!(RemoteBuffer::connect_to(&endpoint, &none).is_err());
+}
+
+#[test]
+fn a_service_starts_from_a_dump() {
+    let f = Fixture::new("from-dump");
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("dump");
+    {
+        let options = f.options(16).sampler(SamplerSpec::Prioritized { alpha: 0.7, beta: 0.5, eps: 1e-6 });
+        let _server = f.start(options);
+        let client = f.connect();
+        client.extend(&batch(&[1., 2., 3., 4., 5.])).unwrap();
+        client.update_priority(&[2], &[50.0]).unwrap();
+        client.dumps(dump.to_str().unwrap()).unwrap();
+    }
+    let _server = f.start(f.options(0).load(&dump).seed(2));
+    let client = f.connect();
+    assert_eq!(client.info().sampler, "prioritized");
+    let stats = client.stats().unwrap();
+    assert_eq!((stats.len, stats.capacity, stats.cursor), (5, 16, 5));
+    let (td, info) = client.sample(32, None).unwrap();
+    assert!(check_rows(&td).iter().zip(&info.indices).all(|(&v, &i)| v == (i + 1) as f64));
+    let twos = info.indices.iter().filter(|&&i| i == 2).count();
+    assert!(twos > 16, "the restored priority of row 2 dominates: {twos} of 32");
+    client.extend(&batch(&[6.])).unwrap();
+    assert_eq!(client.stats().unwrap().len, 6);
+}
+
+#[test]
+fn a_service_starts_from_a_dump_torchrl_wrote() {
+    let f = Fixture::new("from-torchrl");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1/prioritized");
+    let _server = f.start(f.options(0).load(&fixture));
+    let client = f.connect();
+    let expected = ReplayBuffer::loads(&fixture, replay::LoadOptions::default()).unwrap();
+    let stats = client.stats().unwrap();
+    assert_eq!(stats.len as usize, expected.len());
+    assert_eq!(stats.capacity as usize, expected.capacity());
+    let (td, info) = client.sample(8, None).unwrap();
+    assert_eq!(td.batch_size(), &[8]);
+    assert_eq!(info.weights.map(|w| w.len()), Some(8));
 }

@@ -67,6 +67,12 @@ pub const MAX_NAME_BYTES: usize = 48;
 pub enum SamplerSpec {
     /// Uniform with replacement.
     Uniform,
+    /// Each row once per epoch, in a new random order each epoch (TorchRL's
+    /// `SamplerWithoutReplacement`).
+    WithoutReplacement {
+        /// End an epoch when fewer than a batch of rows remain.
+        drop_last: bool,
+    },
     /// Prioritized (TorchRL's `PrioritizedSampler`) with these parameters.
     Prioritized {
         /// Priority exponent.
@@ -99,6 +105,9 @@ pub struct ReplayOptions {
     pub runtime_dir: Option<PathBuf>,
     /// A seed for the sampler.
     pub seed: Option<u64>,
+    /// A TorchRL dump folder to start from (its capacity, rows, writer and sampler state;
+    /// `capacity` and `sampler` are then not used).
+    pub load: Option<PathBuf>,
 }
 
 impl ReplayOptions {
@@ -113,6 +122,7 @@ impl ReplayOptions {
             listen: None,
             runtime_dir: None,
             seed: None,
+            load: None,
         }
     }
 
@@ -149,6 +159,13 @@ impl ReplayOptions {
     /// The runtime directory of the service's Unix socket.
     pub fn runtime_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.runtime_dir = Some(dir.into());
+        self
+    }
+
+    /// Starts from the TorchRL dump folder `dump` (as [`crate::ReplayBuffer::loads`] reads it)
+    /// instead of an empty buffer.
+    pub fn load(mut self, dump: impl Into<PathBuf>) -> Self {
+        self.load = Some(dump.into());
         self
     }
 

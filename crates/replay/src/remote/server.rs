@@ -11,9 +11,9 @@ use tarpc::context::Context;
 
 use super::service::{ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled};
 use super::{ReplayOptions, SamplerSpec, check_name, endpoint, shm_prefix};
-use crate::buffer::{Lease, ReplayBuffer, Reservation, Rows};
+use crate::buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows};
 use crate::error::{Error, Result};
-use crate::sampler::{Prioritized, Sampler, Uniform};
+use crate::sampler::{Prioritized, Sampler, Uniform, WithoutReplacement};
 use crate::storage::{Backend, StorageConfig};
 use crate::writer::RoundRobin;
 
@@ -34,6 +34,8 @@ pub struct ReplayServer {
     // Dropped before `shared`'s last user goes: the servers hold sessions.
     uds: Option<ServerHandle>,
     tcp: Option<ServerHandle>,
+    /// The name's lock, held while the service lives (its storage is this process's).
+    _owner: std::fs::File,
 }
 
 impl std::fmt::Debug for ReplayServer {
@@ -108,16 +110,18 @@ impl Shared {
 }
 
 impl ReplayServer {
-    /// Serves a new buffer under `name` (`uds:replay-NAME` in the runtime directory, and
+    /// Serves a buffer under `name` (`uds:replay-NAME` in the runtime directory, and
     /// `options.listen` if set) from threads of this process. Fails if a service of that name
-    /// is running. The storage is made by the first writer's schema; in shared memory, what a
-    /// killed service of the same name left is removed first.
+    /// is running. In shared memory, what a killed service of the same name left is removed
+    /// first. A new buffer's storage is made by the first writer's schema; with
+    /// [`ReplayOptions::load`] the buffer is a TorchRL dump's (rows, writer and sampler state).
     pub fn start(name: &str, options: ReplayOptions) -> Result<ReplayServer> {
         check_name(name)?;
-        if options.capacity == 0 {
+        if options.capacity == 0 && options.load.is_none() {
             return Err(Error::ZeroCapacity);
         }
         let runtime_dir = rpc::endpoint::resolve_runtime_dir(options.runtime_dir.as_deref())?;
+        let owner = lock_name(&runtime_dir, name)?;
         let (backend, prefix) = match &options.dir {
             Some(dir) => (Backend::Memmap { folder: Some(dir.clone()), overwrite: options.overwrite }, None),
             None => {
@@ -125,18 +129,20 @@ impl ReplayServer {
                 (Backend::Shared { prefix: prefix.clone() }, Some(prefix))
             }
         };
-        let config = StorageConfig { backend, capacity: options.capacity };
-        let sampler: Box<dyn Sampler> = match options.sampler {
-            SamplerSpec::Uniform => Box::new(match options.seed {
-                Some(seed) => Uniform::seeded(seed),
-                None => Uniform::new(),
-            }),
-            SamplerSpec::Prioritized { alpha, beta, eps } => {
-                let sampler = Prioritized::new(options.capacity, alpha, beta, eps)?;
-                Box::new(sampler)
+        if let Some(prefix) = &prefix {
+            // Left by a killed service of this name: the name's lock is ours now.
+            let _ = tensordict::TensorDict::unlink_shared(prefix);
+        }
+        let mut buffer = match &options.load {
+            Some(dump) => {
+                let mut load = LoadOptions::default().with_backend(backend);
+                if let Some(seed) = options.seed {
+                    load = load.with_seed(seed);
+                }
+                ReplayBuffer::loads(dump, load)?
             }
+            None => new_buffer(backend, &options)?,
         };
-        let mut buffer = ReplayBuffer::new(config, Box::new(RoundRobin::new()), sampler)?;
         if let Some(limiter) = options.limiter.clone() {
             buffer = buffer.with_rate_limiter(limiter);
         }
@@ -163,8 +169,8 @@ impl ReplayServer {
             }
             None => None,
         };
-        tracing::info!(replay = name, capacity = options.capacity, "serving");
-        Ok(ReplayServer { shared, uds: Some(uds), tcp })
+        tracing::info!(replay = name, capacity = shared.buffer.capacity(), "serving");
+        Ok(ReplayServer { shared, uds: Some(uds), tcp, _owner: owner })
     }
 
     /// The endpoint it serves on this node.
@@ -378,10 +384,6 @@ impl ReplayService for Session {
             let _creating = shared.creating.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if shared.buffer.storage().is_none() {
                 check_room(&like, shared.buffer.capacity(), shared.shm_prefix.is_some())?;
-                if let Some(prefix) = &shared.shm_prefix {
-                    // Left by a killed service of this name: the name's lock is ours now.
-                    let _ = tensordict::TensorDict::unlink_shared(prefix);
-                }
             }
             shared.buffer.create_storage(&like).map_err(to_wire)?;
             shared.storage_ref()?.ok_or_else(|| WireError::Other { message: "the storage vanished".into() })
@@ -497,6 +499,48 @@ impl ReplayService for Session {
         tracing::info!(replay = %self.shared().name, peer = %self.0.peer, "shutdown asked");
         self.shared().request_stop();
         Ok(())
+    }
+}
+
+/// A new buffer with the options' sampler, its storage made by the first writer.
+fn new_buffer(backend: Backend, options: &ReplayOptions) -> Result<ReplayBuffer> {
+    let config = StorageConfig { backend, capacity: options.capacity };
+    let sampler: Box<dyn Sampler> = match options.sampler {
+        SamplerSpec::Uniform => Box::new(match options.seed {
+            Some(seed) => Uniform::seeded(seed),
+            None => Uniform::new(),
+        }),
+        SamplerSpec::WithoutReplacement { drop_last } => {
+            Box::new(WithoutReplacement::build(drop_last, true, options.seed))
+        }
+        SamplerSpec::Prioritized { alpha, beta, eps } => {
+            Box::new(Prioritized::new(options.capacity, alpha, beta, eps)?)
+        }
+    };
+    ReplayBuffer::new(config, Box::new(RoundRobin::new()), sampler)
+}
+
+/// Takes the lock of the service `name` in the runtime directory (a private folder of this
+/// uid, checked when it was resolved, so nobody else can plant a link there), held for the
+/// service's life: one service per name, and what is under its name is its own to remove.
+fn lock_name(runtime_dir: &std::path::Path, name: &str) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let path = runtime_dir.join(format!("replay-{name}.owner.lock"));
+    let io = |source| Error::Io { path: path.clone(), source };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&path)
+        .map_err(io)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => {
+            Err(rpc::Error::AlreadyServing { endpoint: endpoint(name), lock: path }.into())
+        }
+        Err(std::fs::TryLockError::Error(e)) => Err(io(e)),
     }
 }
 
