@@ -447,14 +447,19 @@ impl ReplayService for Session {
             });
         }
         let batch = batch as usize;
-        self.waiting(wait, "sample", move |session, slice| {
+        let draw = move |session: &Session, slice: Duration| {
             let (info, lease) = session.shared().buffer.sample_leased(batch, Some(slice))?;
             let mut sessions = session.shared().sessions();
             let id = sessions.next();
             sessions.leases.insert(id, (session.0.id, lease));
             Ok(Sampled { lease: id, indices: info.indices.iter().map(|&r| r as u64).collect(), weights: info.weights })
-        })
-        .await
+        };
+        // Most samples need no wait: drawn here, they skip the hand-over to a blocking thread.
+        // (With no time to wait the buffer never blocks; it only takes its lock.)
+        match draw(&self, Duration::ZERO) {
+            Err(Error::Timeout { .. }) if wait != Some(Duration::ZERO) => self.waiting(wait, "sample", draw).await,
+            done => done.map_err(to_wire),
+        }
     }
 
     async fn release(self, _: Context, leases: Vec<u64>) -> std::result::Result<(), WireError> {
