@@ -30,6 +30,15 @@
 //! Indices come slice by slice, each slice in time order (wrapping from the last row to row 0
 //! where a trajectory does).
 //!
+//! # Cost
+//!
+//! The sampler keeps an index of the trajectories, updated by each write from the written rows
+//! and their neighbours only (the rows before them, the newest row, the last valid row), with
+//! the trajectories listed by length. A sample draws each slice's trajectory among those long
+//! enough in O(log n) and never reads the rows: O(batch + slices · log n). Should the buffer
+//! sample over fewer valid rows than the sampler has seen (rows still being written, or lost
+//! to a failed write), the trajectories over those rows are computed afresh for that sample.
+//!
 //! A slice is usable only whole, so the sampler asks the buffer for whole draws
 //! ([`Sampler::whole_draws`]): a draw touching a row being written is made again.
 
