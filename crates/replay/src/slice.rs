@@ -334,19 +334,19 @@ impl EpisodeIndex {
     /// Takes the trajectory ending at `end` out of the per-length lists.
     fn unplace(&mut self, end: usize, placed: Placed) {
         let len = placed.traj.len;
-        if let Some(bucket) = self.buckets.get_mut(&len) {
-            if bucket.get(placed.slot) == Some(&end) {
-                bucket.swap_remove(placed.slot);
-                if let Some(&moved) = bucket.get(placed.slot)
-                    && let Some(Some(p)) = self.ends.get_mut(&moved)
-                {
-                    p.slot = placed.slot;
-                }
-                if bucket.is_empty() {
-                    self.buckets.remove(&len);
-                }
-                self.counts.add(len, -1);
+        if let Some(bucket) = self.buckets.get_mut(&len)
+            && bucket.get(placed.slot) == Some(&end)
+        {
+            bucket.swap_remove(placed.slot);
+            if let Some(&moved) = bucket.get(placed.slot)
+                && let Some(Some(p)) = self.ends.get_mut(&moved)
+            {
+                p.slot = placed.slot;
             }
+            if bucket.is_empty() {
+                self.buckets.remove(&len);
+            }
+            self.counts.add(len, -1);
         }
     }
 
@@ -734,7 +734,14 @@ mod tests {
     }
 
     /// One round-robin extend: `values` written from `cursor` on, wrapping at `capacity`.
-    fn extend(index: &mut EpisodeIndex, shadow: &mut [Option<i64>], cursor: &mut usize, capacity: usize, values: &[i64], split: usize) {
+    fn extend(
+        index: &mut EpisodeIndex,
+        shadow: &mut [Option<i64>],
+        cursor: &mut usize,
+        capacity: usize,
+        values: &[i64],
+        split: usize,
+    ) {
         // Rows past the batch's last write of a row are written once, as the buffer does.
         let n = values.len();
         let skip = n.saturating_sub(capacity);

@@ -225,7 +225,8 @@ fn weights_match_torchrl_on_its_documented_example() -> R {
 #[test]
 fn slices_stay_in_one_episode_and_off_the_cursor_while_priorities_change() -> R {
     for (k, episodes_of) in [traj_key(), end_key()].into_iter().enumerate() {
-        let sampler = PrioritizedSlice::new(64, 0.6, 0.4, EPS, episodes_of, SliceShape::SliceLen(5))?.seeded(7 + k as u64);
+        let sampler =
+            PrioritizedSlice::new(64, 0.6, 0.4, EPS, episodes_of, SliceShape::SliceLen(5))?.seeded(7 + k as u64);
         let buffer = buffer(64, sampler)?;
         // Mixed episodes written 7 rows at a time, wrapping the buffer twice; after each write
         // the drawn rows get new priorities.
