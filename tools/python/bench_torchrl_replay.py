@@ -1,4 +1,4 @@
-"""TorchRL's side of `tdict bench replay`: the same shapes and the same four measures.
+"""TorchRL's side of `tdict bench replay`: the same shapes and the same five measures.
 
 A `TensorDictReplayBuffer` over a `LazyMemmapStorage` (in a temporary folder) of ROWS rows,
 filled before timing with rows of `obs` and `next/obs` f32[84], `action` i64, `reward` f32,
@@ -9,7 +9,9 @@ call in µs over ITERS calls, after ITERS / 10 (at least one) untimed:
 - sample_us: `sample(256)` with a RandomSampler;
 - prio_sample_us: `sample(256)` with PrioritizedSampler(alpha 0.6, beta 0.4), then
   `update_priority` of those 256 rows;
-- slice_sample_us: `sample(256)` with SliceSampler(num_slices 8, traj_key "episode").
+- slice_sample_us: `sample(256)` with SliceSampler(num_slices 8, traj_key "episode");
+- prio_slice_sample_us: `sample(256)` with PrioritizedSliceSampler(alpha 0.6, beta 0.4,
+  num_slices 8, traj_key "episode"), then `update_priority` of the rows drawn.
 
 torch keeps its default thread count (all cores), as users get it. Prints one JSON object
 with the keys `tdict bench replay --json` prints (TorchRL has no `sample_into`).
@@ -25,7 +27,12 @@ import time
 import torch
 from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
-from torchrl.data.replay_buffers.samplers import PrioritizedSampler, RandomSampler, SliceSampler
+from torchrl.data.replay_buffers.samplers import (
+    PrioritizedSampler,
+    PrioritizedSliceSampler,
+    RandomSampler,
+    SliceSampler,
+)
 
 EXTEND_ROWS = 32
 SAMPLE_ROWS = 256
@@ -104,6 +111,20 @@ def main():
         sliced = buffer(args.rows, SliceSampler(num_slices=SLICES, traj_key="episode"), f"{tmp}/slice")
         out["slice_sample_us"] = median_us(args.iters, lambda: sliced.sample(SAMPLE_ROWS))
         del sliced
+
+        prio_sliced = buffer(
+            args.rows,
+            PrioritizedSliceSampler(args.rows, alpha=0.6, beta=0.4, num_slices=SLICES, traj_key="episode"),
+            f"{tmp}/prio_slice",
+        )
+
+        def prio_slice_call():
+            sample = prio_sliced.sample(SAMPLE_ROWS)
+            index = sample["index"]
+            prio_sliced.update_priority(index, torch.rand(index.shape[0]) * 0.99 + 0.01)
+
+        out["prio_slice_sample_us"] = median_us(args.iters, prio_slice_call)
+        del prio_sliced
     out = {k: round(v, 2) for k, v in out.items()}
     out.update(rows=args.rows, iters=args.iters, torch_threads=torch.get_num_threads())
     print(json.dumps(out))

@@ -98,7 +98,8 @@ pub(crate) enum BenchCommand {
     },
     /// Replay buffers on memmap storage, filled first: extend of 32 rows, uniform sample of
     /// 256 (and into a reused batch), prioritized sample of 256 with a priority update, and
-    /// 8 slices of 32 steps; medians per call (compare with tools/python/bench_torchrl_replay.py).
+    /// 8 slices of 32 steps, uniform and by priority (with a priority update); medians per
+    /// call (compare with tools/python/bench_torchrl_replay.py).
     Replay {
         /// Capacity of each buffer, and rows written before timing (at least 356).
         #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(crate::bench_replay::MIN_ROWS..=MAX_ROWS))]

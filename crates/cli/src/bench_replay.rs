@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, ensure};
 use memmap_tensor::Tensor;
 use rand::Rng;
-use replay::{Episodes, ReplayBuffer, RoundRobin, Slice, StorageConfig};
+use replay::{Episodes, PrioritizedSlice, ReplayBuffer, RoundRobin, Slice, SliceShape, StorageConfig};
 use serde_json::json;
 use tensordict::TensorDict;
 
@@ -79,13 +79,14 @@ fn median_us(iters: usize, mut call: impl FnMut() -> anyhow::Result<()>) -> anyh
     Ok(times[times.len() / 2])
 }
 
-/// The five medians, in µs.
+/// The six medians, in µs.
 struct Medians {
     extend: f64,
     sample: f64,
     sample_into: f64,
     prio_sample: f64,
     slice_sample: f64,
+    prio_slice_sample: f64,
 }
 
 fn measure(rows_total: usize, iters: usize) -> anyhow::Result<Medians> {
@@ -134,7 +135,31 @@ fn measure(rows_total: usize, iters: usize) -> anyhow::Result<Medians> {
         drop(out);
         Ok(())
     })?;
-    Ok(Medians { extend, sample, sample_into, prio_sample, slice_sample })
+    drop(sliced);
+
+    // Prioritized slices: the same slices with starts drawn by priority, and new priorities
+    // for the rows drawn.
+    let sampler = PrioritizedSlice::new(
+        rows_total,
+        ALPHA,
+        BETA,
+        EPS,
+        Episodes::TrajKey("episode".into()),
+        SliceShape::NumSlices(SLICES),
+    )?;
+    let prio_sliced =
+        ReplayBuffer::new(StorageConfig::memmap(rows_total), Box::new(RoundRobin::new()), Box::new(sampler))?;
+    fill(&prio_sliced, rows_total)?;
+    let prio_slice_sample = median_us(iters, || {
+        let (out, info) = prio_sliced.sample(SAMPLE_ROWS)?;
+        drop(out);
+        for p in priorities.iter_mut().take(info.indices.len()) {
+            *p = rng.random_range(0.01..1.0);
+        }
+        prio_sliced.update_priority(info.indices.as_slice(), &priorities[..info.indices.len()])?;
+        Ok(())
+    })?;
+    Ok(Medians { extend, sample, sample_into, prio_sample, slice_sample, prio_slice_sample })
 }
 
 /// Runs `tdict bench replay`.
@@ -146,6 +171,7 @@ pub(crate) fn run(rows_total: u64, iters: u64, as_json: bool) -> anyhow::Result<
         let out = json!({
             "extend_us": round(m.extend), "sample_us": round(m.sample), "sample_into_us": round(m.sample_into),
             "prio_sample_us": round(m.prio_sample), "slice_sample_us": round(m.slice_sample),
+            "prio_slice_sample_us": round(m.prio_slice_sample),
             "rows": rows_total, "iters": iters,
         });
         crate::out!("{out}");
@@ -157,6 +183,7 @@ pub(crate) fn run(rows_total: u64, iters: u64, as_json: bool) -> anyhow::Result<
             (format!("uniform sample_into of {SAMPLE_ROWS}"), m.sample_into),
             (format!("prioritized sample of {SAMPLE_ROWS} + update_priority"), m.prio_sample),
             (format!("slice sample of {SLICES} x {}", SAMPLE_ROWS / SLICES), m.slice_sample),
+            (format!("prioritized slice sample of {SLICES} x {} + update", SAMPLE_ROWS / SLICES), m.prio_slice_sample),
         ];
         for (what, us) in lines {
             crate::out!("  {what:<44} {us:>10.1} µs");

@@ -591,11 +591,21 @@ fn bench_replay_json_keys() {
     keys.sort_unstable();
     assert_eq!(
         keys,
-        ["extend_us", "iters", "prio_sample_us", "rows", "sample_into_us", "sample_us", "slice_sample_us"],
+        [
+            "extend_us",
+            "iters",
+            "prio_sample_us",
+            "prio_slice_sample_us",
+            "rows",
+            "sample_into_us",
+            "sample_us",
+            "slice_sample_us"
+        ],
         "{run}"
     );
     assert_eq!((&out["rows"], &out["iters"]), (&json!(1000), &json!(5)), "{run}");
-    for key in ["extend_us", "prio_sample_us", "sample_into_us", "sample_us", "slice_sample_us"] {
+    for key in ["extend_us", "prio_sample_us", "prio_slice_sample_us", "sample_into_us", "sample_us", "slice_sample_us"]
+    {
         let v = out[key].as_f64().unwrap_or_else(|| panic!("{key} is a number:\n{run}"));
         assert!(v > 0.0 && v.is_finite(), "{key}:\n{run}");
     }

@@ -344,3 +344,74 @@ fn a_buffer_rebuilt_from_the_torchrl_dump_samples_slices() -> R {
     assert!(err.to_string().contains("`traj`"), "{err}");
     Ok(())
 }
+
+/// The trajectories of the model rows `ids` (valid rows `0..len`, episode id per row) with the
+/// writer at `cursor`, recomputed from scratch as the module docs define them: for each row,
+/// its trajectory's length and the row's offset in it.
+fn model_trajectories(ids: &[i64], cursor: usize, capacity: usize) -> Vec<(usize, usize)> {
+    let len = ids.len();
+    let mut end: Vec<bool> = (0..len).map(|i| ids[i] != ids[(i + 1) % len]).collect();
+    if len >= capacity {
+        end[(cursor + len - 1) % len] = true;
+    } else {
+        end[len - 1] = true;
+    }
+    let mut out = vec![(0, 0); len];
+    let last = (0..len).rev().find(|&i| end[i]).expect("an end");
+    let mut start = (last + 1) % len;
+    for k in 0..len {
+        let row = (last + 1 + k) % len;
+        if end[row] {
+            let n = (row + len - start) % len + 1;
+            for o in 0..n {
+                out[(start + o) % len] = (n, o);
+            }
+            start = (row + 1) % len;
+        }
+    }
+    out
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    /// Random episodes written in random chunks, wrapping the buffer: every slice lies inside
+    /// one trajectory of a from-scratch model of the rows, and a sample is refused exactly when
+    /// the model has no trajectory long enough.
+    #[test]
+    fn slices_fit_the_trajectories_of_a_rescan_after_random_extends(
+        capacity in 4usize..48,
+        lengths in proptest::collection::vec(1usize..12, 1..40),
+        chunk in 1usize..20,
+        slice_len in 1usize..6,
+        seed in 0u64..1000,
+    ) {
+        let buffer = buffer(capacity, Slice::slice_len(slice_len, traj_key()).unwrap().seeded(seed)).unwrap();
+        let data = episodes(&lengths, 0, 0).unwrap();
+        let ids_written = i64s(&data, "episode");
+        let mut model = vec![0i64; capacity];
+        let mut at = 0;
+        while at < ids_written.len() {
+            let end = (at + chunk).min(ids_written.len());
+            buffer.extend(&data.index(Index::slice(Some(at as i64), Some(end as i64), 1)).unwrap()).unwrap();
+            for (k, &id) in ids_written[at..end].iter().enumerate() {
+                model[(at + k) % capacity] = id;
+            }
+            at = end;
+            let len = buffer.len();
+            let cursor = buffer.writer_state().0;
+            let trajs = model_trajectories(&model[..len], cursor, capacity);
+            let fits = trajs.iter().any(|&(n, _)| n >= slice_len);
+            match buffer.sample(2 * slice_len) {
+                Ok((sample, info)) => {
+                    proptest::prop_assert!(fits);
+                    for start in check_slices(&sample, &info.indices, slice_len, len) {
+                        let (n, o) = trajs[start];
+                        proptest::prop_assert!(o + slice_len <= n, "slice from row {} at offset {} of {}", start, o, n);
+                    }
+                }
+                Err(e) => proptest::prop_assert!(!fits, "{}", e),
+            }
+        }
+    }
+}
