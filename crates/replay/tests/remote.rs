@@ -482,3 +482,41 @@ fn a_service_starts_from_a_dump_torchrl_wrote() {
     assert_eq!(td.batch_size(), &[8]);
     assert_eq!(info.weights.map(|w| w.len()), Some(8));
 }
+
+#[test]
+fn a_slice_service_hands_out_runs_of_one_episode() {
+    let f = Fixture::new("slices");
+    let spec = SamplerSpec::Slice {
+        episodes: replay::Episodes::TrajKey("episode".into()),
+        shape: replay::SliceShape::NumSlices(4),
+        strict_length: true,
+    };
+    let _server = f.start(f.options(64).sampler(spec).seed(9));
+    let client = f.connect();
+    // Episodes of 10 steps; a row's value is 100 × episode + step.
+    for episode in 0..6i64 {
+        let values: Vec<f64> = (0..10).map(|step| (100 * episode + step) as f64).collect();
+        let mut td = batch(&values);
+        td.set("episode", Tensor::from_slice(&[episode; 10], [10]).unwrap()).unwrap();
+        client.extend(&td).unwrap();
+    }
+    for _ in 0..50 {
+        let (td, info) = client.sample(16, None).unwrap();
+        let values = check_rows(&td);
+        for run in values.chunks(4) {
+            assert!(run.windows(2).all(|w| w[1] == w[0] + 1.), "a slice of consecutive steps of one episode: {run:?}");
+            assert_eq!((run[0] / 100.).floor(), (run[3] / 100.).floor(), "{run:?}");
+        }
+        assert_eq!(info.indices.len(), 16);
+    }
+    // A schema without the episode key is refused by the sampler, naming it.
+    let g = Fixture::new("slices-no-key");
+    let spec = SamplerSpec::Slice {
+        episodes: replay::Episodes::TrajKey("episode".into()),
+        shape: replay::SliceShape::SliceLen(4),
+        strict_length: false,
+    };
+    let _server = g.start(g.options(64).sampler(spec));
+    let refused = g.connect().extend(&batch(&[1.; 4])).unwrap_err();
+    assert!(refused.to_string().contains("episode"), "{refused}");
+}

@@ -57,12 +57,13 @@ pub use service::{ReplayInfo, ReplayService, ReplayServiceClient, ReplayStats, R
 
 use crate::error::{Error, Result};
 use crate::rate::RateLimiter;
+use crate::slice::{Episodes, SliceShape};
 
 /// The longest service name, in bytes.
 pub const MAX_NAME_BYTES: usize = 48;
 
 /// Which sampler a replay service draws with.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub enum SamplerSpec {
     /// Uniform with replacement.
@@ -81,6 +82,30 @@ pub enum SamplerSpec {
         beta: f64,
         /// Added to every priority.
         eps: f64,
+    },
+    /// Runs of consecutive steps of one trajectory (TorchRL's `SliceSampler`).
+    Slice {
+        /// Where trajectories are read from.
+        episodes: Episodes,
+        /// How a batch is cut into slices.
+        shape: SliceShape,
+        /// Only slices of the full length (else shorter trajectories give shorter slices).
+        strict_length: bool,
+    },
+    /// Slices whose start is drawn by priority (TorchRL's `PrioritizedSliceSampler`).
+    PrioritizedSlice {
+        /// Priority exponent.
+        alpha: f64,
+        /// Importance-weight exponent.
+        beta: f64,
+        /// Added to every priority.
+        eps: f64,
+        /// Where trajectories are read from.
+        episodes: Episodes,
+        /// How a batch is cut into slices.
+        shape: SliceShape,
+        /// Only slices of the full length.
+        strict_length: bool,
     },
 }
 

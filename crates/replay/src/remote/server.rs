@@ -13,7 +13,10 @@ use super::service::{ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled};
 use super::{ReplayOptions, SamplerSpec, check_name, endpoint, shm_prefix};
 use crate::buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows};
 use crate::error::{Error, Result};
+use crate::prioritized::PrioritizedState;
+use crate::prioritized_slice::PrioritizedSlice;
 use crate::sampler::{Prioritized, Sampler, Uniform, WithoutReplacement};
+use crate::slice::Slice;
 use crate::storage::{Backend, StorageConfig};
 use crate::writer::RoundRobin;
 
@@ -510,7 +513,8 @@ impl ReplayService for Session {
 /// A new buffer with the options' sampler, its storage made by the first writer.
 fn new_buffer(backend: Backend, options: &ReplayOptions) -> Result<ReplayBuffer> {
     let config = StorageConfig { backend, capacity: options.capacity };
-    let sampler: Box<dyn Sampler> = match options.sampler {
+    let seeded = |seed: Option<u64>| seed.unwrap_or_else(rand::random);
+    let sampler: Box<dyn Sampler> = match options.sampler.clone() {
         SamplerSpec::Uniform => Box::new(match options.seed {
             Some(seed) => Uniform::seeded(seed),
             None => Uniform::new(),
@@ -519,8 +523,16 @@ fn new_buffer(backend: Backend, options: &ReplayOptions) -> Result<ReplayBuffer>
             Box::new(WithoutReplacement::build(drop_last, true, options.seed))
         }
         SamplerSpec::Prioritized { alpha, beta, eps } => {
-            Box::new(Prioritized::new(options.capacity, alpha, beta, eps)?)
+            Box::new(Prioritized::from_state(PrioritizedState::new(options.capacity, alpha, beta, eps)?, options.seed))
         }
+        SamplerSpec::Slice { episodes, shape, strict_length } => {
+            Box::new(Slice::new(episodes, shape)?.strict_length(strict_length).seeded(seeded(options.seed)))
+        }
+        SamplerSpec::PrioritizedSlice { alpha, beta, eps, episodes, shape, strict_length } => Box::new(
+            PrioritizedSlice::new(options.capacity, alpha, beta, eps, episodes, shape)?
+                .strict_length(strict_length)
+                .seeded(seeded(options.seed)),
+        ),
     };
     ReplayBuffer::new(config, Box::new(RoundRobin::new()), sampler)
 }
