@@ -33,8 +33,9 @@
 //!
 //! [`ReplayBuffer::dumps`] writes a TorchRL 0.14.1 dump folder (see [`crate::checkpoint`]) and
 //! [`ReplayBuffer::loads`] builds a buffer from one. A dump is a consistent snapshot: it waits
-//! for the writes under way to finish, then pins every row (new writes wait) while the rows,
-//! the writer state and the sampler state are saved.
+//! for the writes under way to finish (new writes wait meanwhile, so a steady stream of writers
+//! cannot hold it off), then pins every row (new writes wait) while the rows, the writer state
+//! and the sampler state are saved.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -246,6 +247,9 @@ struct State {
     queued: Vec<u32>,
     pins: Vec<u32>,
     counts: RateCounts,
+    /// Dumps waiting for the writes under way to end: new writes wait for them, so that a
+    /// steady stream of writers cannot hold a dump off.
+    dumps_waiting: usize,
 }
 
 impl State {
@@ -348,6 +352,7 @@ impl ReplayBuffer {
                 queued: per_row(capacity)?,
                 pins: per_row(capacity)?,
                 counts: RateCounts::default(),
+                dumps_waiting: 0,
             }),
             changed: Condvar::new(),
             stored_len: Mutex::new(0),
@@ -487,6 +492,7 @@ impl ReplayBuffer {
 
         // Reserve.
         let mut state = self.state.lock();
+        self.wait_for_dumps(&mut state);
         self.wait_for_inserts(&mut state, n, self.limiter_timeout(), OP)?;
         let chosen = state.writer.reserve(batch, self.config.capacity)?;
         // Storage row -> the last batch row written there.
@@ -571,6 +577,7 @@ impl ReplayBuffer {
             });
         }
         let mut state = self.state.lock();
+        self.wait_for_dumps(&mut state);
         self.wait_for_inserts(&mut state, n, timeout, OP)?;
         let capacity = self.config.capacity;
         let Some(rows) = state.writer.reserve_rows(n, capacity) else {
@@ -726,9 +733,11 @@ impl ReplayBuffer {
     pub fn dumps(&self, path: impl AsRef<Path>) -> Result<()> {
         let storage = self.storage.get().ok_or(Error::Empty)?;
         let mut state = self.state.lock();
+        state.dumps_waiting += 1;
         while !state.in_flight.is_empty() {
             self.changed.wait(&mut state);
         }
+        state.dumps_waiting -= 1;
         let len = state.len;
         let writer = writer_dump(&*state.writer)?;
         let sampler = self.sampler.to_dump()?;
@@ -917,6 +926,13 @@ impl ReplayBuffer {
             self.changed.notify_all();
         }
         Ok(SampleInfo { indices, weights })
+    }
+
+    /// Waits until no dump waits for the writes under way to end.
+    fn wait_for_dumps(&self, state: &mut MutexGuard<'_, State>) {
+        while state.dumps_waiting > 0 {
+            self.changed.wait(state);
+        }
     }
 
     /// The rate limiter's timeout, for the calls that do not take their own.
