@@ -53,11 +53,48 @@ pub(crate) enum ReplayCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Serve a replay buffer under NAME (actors write with `RemoteBuffer::extend`, learners
+    /// sample with `RemoteBuffer::sample`): as a daemon (the default: prints one line once it
+    /// answers, then returns) or in the foreground (--no-fork). SIGTERM, SIGINT or SIGHUP stop
+    /// it cleanly (its shared memory is freed); a second signal exits at once.
+    ///
+    /// Its socket, lock, pid file and log live in the runtime directory (`TDICT_RUNTIME_DIR`,
+    /// else `$XDG_RUNTIME_DIR/tensordict-rs`, else `/tmp/tensordict-rs-UID`): the socket is
+    /// `replay-NAME.sock`, the pid file and log `tdict-replay-NAME.pid` and `.log`.
+    Serve(crate::replay_serve::ServeArgs),
+    /// Print a replay service's counters: rows held, cursor, rows written, rows inserted and
+    /// sampled as the rate limiter counts them, open reservations and leases, sessions.
+    ///
+    /// With --json, one object: `name`, `pid`, `capacity`, `sampler` ("uniform" or
+    /// "prioritized"), `storage` (the folder or shm:PREFIX of the rows, null before the first
+    /// write), `limiter` (null, or {`samples_per_insert`, `min_size`, `min_diff`, `max_diff`},
+    /// a bound null when unbounded), `len`, `cursor`, `write_count`, `inserts`, `samples`,
+    /// `open_reservations`, `open_leases`, `sessions` (the connection of this command included).
+    #[command(verbatim_doc_comment)]
+    Stats {
+        #[command(flatten)]
+        at: crate::replay_serve::ServiceArgs,
+        /// Print one JSON object (keys above).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Ask a replay service to stop and wait until it is gone (its process exited, or for a
+    /// service run inside another program, its socket closed).
+    Stop {
+        #[command(flatten)]
+        at: crate::replay_serve::ServiceArgs,
+        /// How long to wait for it to be gone, in seconds.
+        #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = crate::daemon::parse_seconds)]
+        timeout: std::time::Duration,
+    },
 }
 
 pub(crate) fn run(command: ReplayCommand) -> anyhow::Result<ExitCode> {
     match command {
         ReplayCommand::Info { path, json } => info(&path, json),
+        ReplayCommand::Serve(args) => crate::replay_serve::serve(args),
+        ReplayCommand::Stats { at, json } => crate::replay_serve::stats(&at, json),
+        ReplayCommand::Stop { at, timeout } => crate::replay_serve::stop(&at, timeout),
     }
 }
 
