@@ -55,23 +55,23 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_enum, default_value = "uniform")]
     sampler: SamplerKind,
     /// Priority exponent of the prioritized sampler (default 0.6).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     alpha: Option<f64>,
     /// Importance-weight exponent of the prioritized sampler (default 0.4).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     beta: Option<f64>,
     /// Added to every priority by the prioritized sampler (default 1e-8).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     eps: Option<f64>,
     /// Samples wait until the buffer holds this many rows (Reverb's `MinSize`; with
     /// --samples-per-insert, part of `SampleToInsertRatio`, default 1 there).
     #[arg(long, value_name = "ROWS")]
     min_size: Option<u64>,
     /// Rows sampled per row inserted (Reverb's `SampleToInsertRatio`); needs --error-buffer.
-    #[arg(long, value_name = "RATIO", requires = "error_buffer")]
+    #[arg(long, value_name = "RATIO", requires = "error_buffer", allow_negative_numbers = true)]
     samples_per_insert: Option<f64>,
     /// How many sampled rows learners and actors may drift apart before one of them waits.
-    #[arg(long, value_name = "ROWS", requires = "samples_per_insert")]
+    #[arg(long, value_name = "ROWS", requires = "samples_per_insert", allow_negative_numbers = true)]
     error_buffer: Option<f64>,
     /// Also serve TCP, for other nodes: tcp:HOST:PORT (port 0 picks one; the line printed says
     /// which). Needs --token-file.
@@ -269,7 +269,7 @@ fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Ok(server) => server,
         Err(e @ replay::Error::Remote(rpc::Error::AlreadyServing { .. })) => {
             let by = read_pid(&paths.pid).map(|pid| format!(" (pid {pid}, from {})", paths.pid.display()));
-            return Err(anyhow!("replay `{}` is already served: {e}{}", args.name, by.unwrap_or_default()));
+            return Err(anyhow!("{e}{}", by.unwrap_or_default()));
         }
         Err(e) => return Err(anyhow::Error::new(e).context(format!("replay `{}`", args.name))),
     };
