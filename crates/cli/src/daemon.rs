@@ -289,7 +289,13 @@ pub(crate) fn process_alive(pid: u32) -> bool {
 /// Waits until a server asked to stop is gone: its process exited when `own_process` (it was
 /// started by `serve`), else its socket closed (a program serving it goes on). Fails after
 /// `timeout`, naming `what` and the pid.
-pub(crate) fn wait_gone(what: &str, pid: u32, own_process: bool, socket: &Path, timeout: Duration) -> anyhow::Result<()> {
+pub(crate) fn wait_gone(
+    what: &str,
+    pid: u32,
+    own_process: bool,
+    socket: &Path,
+    timeout: Duration,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
         let gone = if own_process { !process_alive(pid) } else { !answers(socket) };

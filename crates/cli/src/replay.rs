@@ -1,6 +1,7 @@
 //! `tdict replay`: describe replay buffers dumped by TorchRL (`ReplayBuffer.dumps(path)`), read
 //! with `replay::checkpoint::Dump::read`. This module gathers the description as one JSON value
-//! and prints it as text or as that JSON.
+//! and prints it as text or as that JSON. The replay service's commands (`serve`, `stats`,
+//! `stop`) are in `replay_serve`.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -14,8 +15,8 @@ use replay::checkpoint::{Dump, PrioritizedDump, SamplerDump, WriterDump, WriterK
 use serde_json::{Value, json};
 use tensordict::TensorDict;
 
-/// Replay buffers dumped by TorchRL (`ReplayBuffer.dumps(path)`, the 0.14 layout: `storage/`,
-/// `writer/`, `sampler/`, `buffer_metadata.json`).
+/// Replay buffers: dumps of TorchRL (`ReplayBuffer.dumps(path)`, the 0.14 layout: `storage/`,
+/// `writer/`, `sampler/`, `buffer_metadata.json`), and replay services.
 #[derive(Subcommand)]
 pub(crate) enum ReplayCommand {
     /// Describe a dump: rows held and capacity, the writer, the sampler and the storage's schema.
