@@ -88,6 +88,9 @@ pub(crate) enum ReplayCommand {
         #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = crate::daemon::parse_seconds)]
         timeout: std::time::Duration,
     },
+    /// One actor or the learner of `tdict bench replay`'s distributed part.
+    #[command(hide = true)]
+    BenchPeer(crate::bench_replay_remote::PeerArgs),
 }
 
 pub(crate) fn run(command: ReplayCommand) -> anyhow::Result<ExitCode> {
@@ -96,6 +99,7 @@ pub(crate) fn run(command: ReplayCommand) -> anyhow::Result<ExitCode> {
         ReplayCommand::Serve(args) => crate::replay_serve::serve(args),
         ReplayCommand::Stats { at, json } => crate::replay_serve::stats(&at, json),
         ReplayCommand::Stop { at, timeout } => crate::replay_serve::stop(&at, timeout),
+        ReplayCommand::BenchPeer(args) => crate::bench_replay_remote::peer(&args),
     }
 }
 
