@@ -155,6 +155,7 @@ fn options(args: &ServeArgs, paths: &ServePaths) -> anyhow::Result<ReplayOptions
     let capacity = usize::try_from(args.capacity).context("--capacity")?;
     let mut options = ReplayOptions::new(capacity).runtime_dir(&paths.runtime);
     if let Some(dir) = &paths.dir {
+        check_dir(dir, args.overwrite)?;
         options = options.dir(dir).overwrite(args.overwrite);
     }
     options = options.sampler(match args.sampler {
@@ -187,6 +188,27 @@ fn options(args: &ServeArgs, paths: &ServePaths) -> anyhow::Result<ReplayOptions
         options = options.seed(seed);
     }
     Ok(options)
+}
+
+/// Refuses a `--dir` the first writer could not make the storage in: not a folder, or a folder
+/// with something in it (without `--overwrite`). The service makes the storage later, when the
+/// first batch gives the schema; this says so at once.
+fn check_dir(dir: &Path, overwrite: bool) -> anyhow::Result<()> {
+    match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("--dir {}", dir.display())),
+        Ok(m) if !m.is_dir() => bail!("--dir {}: not a folder", dir.display()),
+        Ok(_) if overwrite => Ok(()),
+        Ok(_) => {
+            let mut entries = std::fs::read_dir(dir).with_context(|| format!("--dir {}", dir.display()))?;
+            ensure!(
+                entries.next().is_none(),
+                "--dir {} is not empty (--overwrite replaces the dict it holds)",
+                dir.display()
+            );
+            Ok(())
+        }
+    }
 }
 
 /// The rate limiter the arguments ask for, if any.

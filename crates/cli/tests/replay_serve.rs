@@ -15,7 +15,8 @@ use memmap_tensor::Tensor;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use replay::remote::RemoteBuffer;
-use rpc::ClientOptions;
+use replay::remote::{ReplayOptions, ReplayServer};
+use rpc::{ClientOptions, Endpoint, Token};
 use serde_json::Value;
 use tensordict::TensorDict;
 
@@ -306,6 +307,14 @@ fn bad_arguments_are_clear_errors() {
         let run = w.replay("serve", &args);
         assert!(run.error().contains(says), "{args:?} should say {says}:\n{run}");
     }
+    let full = w.path("full");
+    fs::create_dir(&full).unwrap();
+    fs::write(full.join("notes.txt"), "mine").unwrap();
+    let run = w.replay("serve", ["--capacity", "10", "--dir", full.to_str().unwrap()]);
+    assert!(run.error().contains(&format!("--dir {} is not empty", full.display())), "{run}");
+    let run = w.replay("serve", ["--capacity", "10", "--dir", full.join("notes.txt").to_str().unwrap()]);
+    assert!(run.error().contains("not a folder"), "{run}");
+    assert_eq!(fs::read_to_string(full.join("notes.txt")).unwrap(), "mine");
     assert!(!w.pid_file().exists(), "a daemon was left behind");
     let stats = w.replay("stats", Vec::<&str>::new());
     assert!(stats.error().contains("no replay service"), "{stats}");
@@ -413,6 +422,53 @@ fn foreground_prioritized_in_a_folder() {
     assert!(status.success(), "{status}");
     let info = w.tdict(["info", "--json", folder.to_str().unwrap()]).json();
     assert_eq!(info["batch_size"], serde_json::json!([50]));
+}
+
+/// TCP for other nodes: a token file others can read is refused before anything starts; with
+/// a private one, the ready line names the port, and a client that knows the token connects.
+#[test]
+fn tcp_with_a_token_file() {
+    let mut w = World::new("tcp");
+    let token_file = w.path("token");
+    fs::write(&token_file, Token::generate().as_bytes()).unwrap();
+    fs::set_permissions(&token_file, fs::Permissions::from_mode(0o644)).unwrap();
+    let token_arg = token_file.display().to_string();
+    let args = ["--capacity", "16", "--listen", "tcp:127.0.0.1:0", "--token-file", &token_arg];
+    let refused = w.replay("serve", args);
+    assert!(refused.error().contains(&token_arg), "{refused}");
+    assert!(!w.pid_file().exists());
+
+    fs::set_permissions(&token_file, fs::Permissions::from_mode(0o600)).unwrap();
+    let (line, pid) = w.serve(&args);
+    let tcp = line.split("tcp tcp:").nth(1).unwrap_or_else(|| panic!("no tcp address in {line}"));
+    let endpoint: Endpoint = format!("tcp:{}", tcp.trim()).parse().unwrap();
+    let options = ClientOptions::default().token(Token::from_file(&token_file).unwrap());
+    let remote = RemoteBuffer::connect_to(&endpoint, &options).unwrap();
+    assert_eq!(remote.info().pid, pid);
+    assert_eq!(remote.stats().unwrap().capacity, 16);
+    let stranger = ClientOptions::default().token(Token::generate());
+    assert!(RemoteBuffer::connect_to(&endpoint, &stranger).is_err(), "a client without the token got in");
+}
+
+/// `stop` of a service run inside a program (not by `serve`): the program is asked to stop
+/// serving, goes on, and `stop` says so.
+#[test]
+fn stop_a_service_served_by_a_program() {
+    let w = World::new("inproc");
+    let server = ReplayServer::start(&w.name, ReplayOptions::new(8).runtime_dir(w.runtime())).unwrap();
+    // The program's serving loop: until a client asks it to stop.
+    let serving = std::thread::spawn(move || {
+        let asked = server.wait_for_shutdown(Some(Duration::from_secs(60)));
+        drop(server);
+        asked
+    });
+    let stats = w.stats();
+    assert_eq!(stats["pid"], std::process::id());
+    let stopped = w.replay("stop", Vec::<&str>::new());
+    assert!(stopped.ok().contains("serves it from a program of its own"), "{stopped}");
+    assert!(serving.join().unwrap(), "the program was not asked to stop");
+    let gone = w.replay("stats", Vec::<&str>::new());
+    assert!(gone.error().contains("no replay service"), "{gone}");
 }
 
 /// Kills a process when dropped, if it still runs.
