@@ -62,7 +62,7 @@ pub(crate) enum ReplayCommand {
     /// Its socket, lock, pid file and log live in the runtime directory (`TDICT_RUNTIME_DIR`,
     /// else `$XDG_RUNTIME_DIR/tensordict-rs`, else `/tmp/tensordict-rs-UID`): the socket is
     /// `replay-NAME.sock`, the pid file and log `tdict-replay-NAME.pid` and `.log`.
-    Serve(crate::replay_serve::ServeArgs),
+    Serve(Box<crate::replay_serve::ServeArgs>),
     /// Print a replay service's counters: rows held, cursor, rows written, rows inserted and
     /// sampled as the rate limiter counts them, open reservations and leases, sessions.
     ///
@@ -96,7 +96,7 @@ pub(crate) enum ReplayCommand {
 pub(crate) fn run(command: ReplayCommand) -> anyhow::Result<ExitCode> {
     match command {
         ReplayCommand::Info { path, json } => info(&path, json),
-        ReplayCommand::Serve(args) => crate::replay_serve::serve(args),
+        ReplayCommand::Serve(args) => crate::replay_serve::serve(*args),
         ReplayCommand::Stats { at, json } => crate::replay_serve::stats(&at, json),
         ReplayCommand::Stop { at, timeout } => crate::replay_serve::stop(&at, timeout),
         ReplayCommand::BenchPeer(args) => crate::bench_replay_remote::peer(&args),
