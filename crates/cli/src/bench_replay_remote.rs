@@ -3,7 +3,7 @@
 //!
 //! The service runs as it is deployed, `tdict replay serve --no-fork` in a process of its own
 //! (a temporary runtime directory, rows in a memmap folder as the local buffers keep theirs,
-//! samples waiting for one sample's worth of rows). Then:
+//! samples waiting for one sample's worth of rows), filled first as the local buffers are. Then:
 //!
 //! - one client in this process times `extend` of 32 rows and `sample` of 256 (medians), next
 //!   to the local buffer's figures;
@@ -33,8 +33,8 @@ use crate::bench_replay::{EXTEND_ROWS, SAMPLE_ROWS};
 const ACTORS: usize = 4;
 /// How long actors and learner run together.
 const SECONDS: f64 = 3.0;
-/// Rows written before the single-client timings, so that samples never wait.
-const PREFILL_ROWS: usize = 4096;
+/// Rows per extend while the service is filled.
+const FILL_CHUNK: usize = 8192;
 /// How long a peer may take to connect and say it is ready.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -111,8 +111,15 @@ pub(crate) fn measure(capacity: usize, iters: usize) -> anyhow::Result<Distribut
     let client = RemoteBuffer::connect_with(&name, &ClientOptions::default().runtime_dir(&run_dir))
         .context("connecting to the replay service")?;
 
-    client.extend(&rows(0, PREFILL_ROWS)?).context("filling the service")?;
-    let batch = rows(PREFILL_ROWS, EXTEND_ROWS)?;
+    // Filled first, as the local buffers are: no timed call is a storage's first touch.
+    let fill = capacity.max(SAMPLE_ROWS);
+    for start in (0..fill).step_by(FILL_CHUNK) {
+        let n = FILL_CHUNK.min(fill - start);
+        client
+            .extend(&rows(start, n)?)
+            .with_context(|| format!("filling rows {start}..{} of the service", start + n))?;
+    }
+    let batch = rows(fill, EXTEND_ROWS)?;
     let extend_us = median_us(iters, || {
         client.extend(&batch)?;
         Ok(())
