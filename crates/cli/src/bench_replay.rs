@@ -166,14 +166,16 @@ fn measure(rows_total: usize, iters: usize) -> anyhow::Result<Medians> {
 pub(crate) fn run(rows_total: u64, iters: u64, as_json: bool) -> anyhow::Result<ExitCode> {
     let (rows_total, iters) = (usize::try_from(rows_total)?, usize::try_from(iters)?);
     let m = measure(rows_total, iters)?;
+    let distributed = crate::bench_replay_remote::measure(rows_total, iters)?;
     let round = |v: f64| (v * 100.0).round() / 100.0;
     if as_json {
-        let out = json!({
+        let mut out = json!({
             "extend_us": round(m.extend), "sample_us": round(m.sample), "sample_into_us": round(m.sample_into),
             "prio_sample_us": round(m.prio_sample), "slice_sample_us": round(m.slice_sample),
             "prio_slice_sample_us": round(m.prio_slice_sample),
             "rows": rows_total, "iters": iters,
         });
+        out.as_object_mut().expect("an object").extend(distributed.json());
         crate::out!("{out}");
     } else {
         crate::out!("replay buffer of {rows_total} memmap rows, median per call over {iters} calls:");
@@ -188,6 +190,7 @@ pub(crate) fn run(rows_total: u64, iters: u64, as_json: bool) -> anyhow::Result<
         for (what, us) in lines {
             crate::out!("  {what:<44} {us:>10.1} µs");
         }
+        distributed.print()?;
     }
     Ok(ExitCode::SUCCESS)
 }

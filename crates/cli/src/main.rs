@@ -17,11 +17,14 @@ pub(crate) use out;
 
 mod bench;
 mod bench_replay;
+mod bench_replay_remote;
 mod bench_rpc;
 mod bench_store;
+mod daemon;
 mod location;
 mod progress;
 mod replay;
+mod replay_serve;
 mod store;
 
 use std::path::Path;
@@ -108,7 +111,8 @@ enum Command {
     /// A named store of dicts served by a daemon: serve, ls, save, load, rm, stop.
     #[command(subcommand)]
     Store(store::StoreCommand),
-    /// Replay buffers dumped by TorchRL: info.
+    /// Replay buffers: describe TorchRL dumps (info); serve one to processes and nodes (serve,
+    /// stats, stop).
     #[command(subcommand)]
     Replay(replay::ReplayCommand),
 }

@@ -1,6 +1,7 @@
 //! `tdict replay`: describe replay buffers dumped by TorchRL (`ReplayBuffer.dumps(path)`), read
 //! with `replay::checkpoint::Dump::read`. This module gathers the description as one JSON value
-//! and prints it as text or as that JSON.
+//! and prints it as text or as that JSON. The replay service's commands (`serve`, `stats`,
+//! `stop`) are in `replay_serve`.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -14,8 +15,8 @@ use replay::checkpoint::{Dump, PrioritizedDump, SamplerDump, WriterDump, WriterK
 use serde_json::{Value, json};
 use tensordict::TensorDict;
 
-/// Replay buffers dumped by TorchRL (`ReplayBuffer.dumps(path)`, the 0.14 layout: `storage/`,
-/// `writer/`, `sampler/`, `buffer_metadata.json`).
+/// Replay buffers: dumps of TorchRL (`ReplayBuffer.dumps(path)`, the 0.14 layout: `storage/`,
+/// `writer/`, `sampler/`, `buffer_metadata.json`), and replay services.
 #[derive(Subcommand)]
 pub(crate) enum ReplayCommand {
     /// Describe a dump: rows held and capacity, the writer, the sampler and the storage's schema.
@@ -53,11 +54,52 @@ pub(crate) enum ReplayCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Serve a replay buffer under NAME (actors write with `RemoteBuffer::extend`, learners
+    /// sample with `RemoteBuffer::sample`): as a daemon (the default: prints one line once it
+    /// answers, then returns) or in the foreground (--no-fork). SIGTERM, SIGINT or SIGHUP stop
+    /// it cleanly (its shared memory is freed); a second signal exits at once.
+    ///
+    /// Its socket, lock, pid file and log live in the runtime directory (`TDICT_RUNTIME_DIR`,
+    /// else `$XDG_RUNTIME_DIR/tensordict-rs`, else `/tmp/tensordict-rs-UID`): the socket is
+    /// `replay-NAME.sock`, the pid file and log `tdict-replay-NAME.pid` and `.log`.
+    Serve(Box<crate::replay_serve::ServeArgs>),
+    /// Print a replay service's counters: rows held, cursor, rows written, rows inserted and
+    /// sampled as the rate limiter counts them, open reservations and leases, sessions.
+    ///
+    /// With --json, one object: `name`, `pid`, `capacity`, `sampler` ("uniform" or
+    /// "prioritized"), `storage` (the folder or shm:PREFIX of the rows, null before the first
+    /// write), `limiter` (null, or {`samples_per_insert`, `min_size`, `min_diff`, `max_diff`},
+    /// a bound null when unbounded), `len`, `cursor`, `write_count`, `inserts`, `samples`,
+    /// `open_reservations`, `open_leases`, `sessions` (the connection of this command included).
+    #[command(verbatim_doc_comment)]
+    Stats {
+        #[command(flatten)]
+        at: crate::replay_serve::ServiceArgs,
+        /// Print one JSON object (keys above).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Ask a replay service to stop and wait until it is gone (its process exited, or for a
+    /// service run inside another program, its socket closed).
+    Stop {
+        #[command(flatten)]
+        at: crate::replay_serve::ServiceArgs,
+        /// How long to wait for it to be gone, in seconds.
+        #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = crate::daemon::parse_seconds)]
+        timeout: std::time::Duration,
+    },
+    /// One actor or the learner of `tdict bench replay`'s distributed part.
+    #[command(hide = true)]
+    BenchPeer(crate::bench_replay_remote::PeerArgs),
 }
 
 pub(crate) fn run(command: ReplayCommand) -> anyhow::Result<ExitCode> {
     match command {
         ReplayCommand::Info { path, json } => info(&path, json),
+        ReplayCommand::Serve(args) => crate::replay_serve::serve(*args),
+        ReplayCommand::Stats { at, json } => crate::replay_serve::stats(&at, json),
+        ReplayCommand::Stop { at, timeout } => crate::replay_serve::stop(&at, timeout),
+        ReplayCommand::BenchPeer(args) => crate::bench_replay_remote::peer(&args),
     }
 }
 

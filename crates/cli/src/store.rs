@@ -2,36 +2,24 @@
 //! list, save, load, remove and stop it from the command line. The store itself is
 //! `rpc::store`; this module parses, daemonizes, waits and prints.
 
-use std::fs;
-use std::io::{BufRead, BufReader, ErrorKind, IsTerminal, Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::ffi::OsString;
+use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
-use std::time::{Duration, Instant};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::{Context, anyhow, bail, ensure};
+use anyhow::{Context, anyhow, ensure};
 use clap::{Args, Subcommand};
 use indicatif::DecimalBytes;
 use memmap_tensor::Access;
 use rpc::store::{EntryInfo, Place, Store, StoreOptions, StoreServer, Wait};
 use rpc::{ClientOptions, Endpoint, Token};
 use serde_json::{Value, json};
-use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-use signal_hook::iterator::Signals;
 use tensordict::WriteOptions;
 
+use crate::daemon::{self, PidFile, parse_seconds, parse_tcp, probe, read_pid};
 use crate::location::{Location, LocationParser};
-
-/// The signals that stop a server cleanly; a second one while it stops exits at once.
-const STOP_SIGNALS: [i32; 3] = [SIGTERM, SIGINT, SIGHUP];
-/// The exit status after a second stop signal (the next start removes what is left).
-const FORCED_EXIT_STATUS: i32 = 130;
-/// Lines of a daemon's log shown when it fails to start.
-const LOG_LINES_SHOWN: usize = 10;
-/// How often `stop` looks whether the server is gone.
-const STOP_POLL: Duration = Duration::from_millis(20);
 
 /// A named store of TensorDicts: entries in shared memory (or memmap folders with `--dir`),
 /// loaded by any process of this user with `Store::connect(NAME)`.
@@ -201,9 +189,7 @@ impl ServePaths {
     }
 }
 
-/// Starts the daemon: this binary again with `--no-fork --daemon-child`, in its own session,
-/// stdin from /dev/null, stderr appended to the log; it prints its ready line on the stdout
-/// pipe (then points stdout at the log). Returns once it answers.
+/// Starts the daemon (see [`daemon::start`]) and returns once it answers.
 fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let paths = ServePaths::of(&args, true)?;
     // Checked here too, so that a bad token file is reported by the command that was typed.
@@ -211,129 +197,35 @@ fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Token::from_file(file)?;
     }
     let log_path = paths.log.clone().expect("a daemon has a log");
-    let log = open_log(&log_path)?;
-    let log_start = log.metadata().with_context(|| format!("{}", log_path.display()))?.len();
-    let mut command = Command::new(std::env::current_exe().context("finding this program to start the daemon")?);
-    command.args(["store", "serve", "--no-fork", "--daemon-child", "--name", &args.name]);
-    command.arg("--log").arg(&log_path);
+    let mut passed: Vec<OsString> = Vec::new();
     if let Some(dir) = &paths.dir {
-        command.arg("--dir").arg(dir);
+        passed.extend(["--dir".into(), dir.into()]);
     }
     if let Some(bytes) = args.capacity {
-        command.arg("--capacity").arg(bytes.to_string());
+        passed.extend(["--capacity".into(), bytes.to_string().into()]);
     }
     if let (Some(listen), Some(token_file)) = (&args.listen, &paths.token_file) {
-        command.arg("--listen").arg(listen.to_string()).arg("--token-file").arg(token_file);
+        passed.extend(["--listen".into(), listen.to_string().into(), "--token-file".into(), token_file.into()]);
     }
-    command
-        .env(rpc::RUNTIME_DIR_ENV, &paths.runtime)
-        .current_dir("/")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(log.try_clone().with_context(|| format!("{}", log_path.display()))?);
-    let mut child = command.spawn().context("starting the daemon")?;
-    let pid = child.id();
-    let stdout = child.stdout.take().expect("stdout is piped");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let read = BufReader::new(stdout).read_line(&mut line).map(|_| line);
-        let _ = tx.send(read);
-    });
-    let deadline = Instant::now() + args.connect_timeout;
-    let ready = match rx.recv_timeout(args.connect_timeout) {
-        Ok(Ok(line)) if !line.trim().is_empty() => line.trim().to_owned(),
-        Ok(_) | Err(mpsc::RecvTimeoutError::Disconnected) => {
-            // The pipe closed without a line: the daemon failed before serving.
-            let status = child.wait().context("waiting for the daemon")?;
-            return Err(start_failure(&args.name, &log_path, log_start, &status.to_string()));
-        }
-        Err(mpsc::RecvTimeoutError::Timeout) => {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!(
-                "store `{}`: the daemon (pid {pid}) did not start serving within {:?} and was killed \
-                 (--connect-timeout gives it longer); its log is {}",
-                args.name,
-                args.connect_timeout,
-                log_path.display()
-            );
-        }
+    let spec = daemon::Daemon {
+        kind: "store",
+        name: &args.name,
+        runtime: &paths.runtime,
+        log: &log_path,
+        args: passed,
+        connect_timeout: args.connect_timeout,
     };
-    // It says it serves: check that it answers, and that it is the one started here.
-    let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
-    let store =
-        Store::connect_with(&args.name, &ClientOptions::default().connect_timeout(remaining)).with_context(|| {
-            format!("store `{}`: the daemon (pid {pid}) does not answer; its log is {}", args.name, log_path.display())
-        })?;
-    ensure!(
-        store.info().pid == pid,
-        "store `{}` is served by pid {}, not by the daemon just started (pid {pid})",
-        args.name,
-        store.info().pid
-    );
-    out!("{ready}");
-    Ok(ExitCode::SUCCESS)
-}
-
-/// The error of a daemon that exited before serving: its own error line from the log, after
-/// the other lines it wrote (on stderr).
-fn start_failure(name: &str, log_path: &Path, log_start: u64, status: &str) -> anyhow::Error {
-    let written = read_from(log_path, log_start).unwrap_or_default();
-    let mut lines: Vec<&str> = written.lines().filter(|l| !l.trim().is_empty()).collect();
-    let error = match lines.last() {
-        Some(last) if last.starts_with("tdict: ") => lines.pop().map(|l| l["tdict: ".len()..].to_owned()),
-        _ => None,
-    };
-    let skip = lines.len().saturating_sub(LOG_LINES_SHOWN);
-    for line in &lines[skip..] {
-        eprintln!("log: {line}");
-    }
-    match error {
-        Some(error) => anyhow!("store `{name}` did not start: {error}"),
-        None => {
-            anyhow!("store `{name}` did not start: the daemon exited ({status}); its log is {}", log_path.display())
-        }
-    }
-}
-
-fn read_from(path: &Path, offset: u64) -> std::io::Result<String> {
-    let mut file = fs::File::open(path)?;
-    file.seek(SeekFrom::Start(offset))?;
-    let mut text = Vec::new();
-    file.take(1 << 20).read_to_end(&mut text)?;
-    Ok(String::from_utf8_lossy(&text).into_owned())
-}
-
-/// Opens a log for appending (mode 0600, a symbolic link is refused).
-fn open_log(path: &Path) -> anyhow::Result<fs::File> {
-    fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .mode(0o600)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(path)
-        .with_context(|| format!("opening the log {}", path.display()))
+    daemon::start(&spec, |remaining| {
+        let store = Store::connect_with(&args.name, &ClientOptions::default().connect_timeout(remaining))?;
+        Ok(store.info().pid)
+    })
 }
 
 /// Serves in this process until asked to stop (a client's `shutdown` or a signal).
 fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let daemon = args.daemon_child;
-    if daemon {
-        // Its own session: no controlling terminal, and the terminal's signals do not reach it.
-        nix::unistd::setsid().context("setsid")?;
-    }
     let paths = ServePaths::of(&args, daemon)?;
-    init_logging(if daemon { None } else { paths.log.as_deref() })?;
-
-    // The signals are caught before the store exists, so that one arriving meanwhile stops it
-    // cleanly instead of killing the process with the store half made.
-    let forced = Arc::new(AtomicBool::new(false));
-    for signal in STOP_SIGNALS {
-        signal_hook::flag::register_conditional_shutdown(signal, FORCED_EXIT_STATUS, Arc::clone(&forced))
-            .context("installing signal handlers")?;
-    }
-    let mut signals = Signals::new(STOP_SIGNALS).context("installing signal handlers")?;
+    let signals = daemon::begin_serving(daemon, paths.log.as_deref())?;
 
     let mut options = StoreOptions::default();
     if let Some(dir) = &paths.dir {
@@ -372,107 +264,21 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if let Some(tcp) = server.tcp_endpoint() {
         ready.push_str(&format!(", tcp {tcp}"));
     }
-    tracing::info!("{ready}");
-    {
-        let mut stdout = std::io::stdout().lock();
-        // The starter may be gone already; the store serves anyway.
-        let _ = writeln!(stdout, "{ready}").and_then(|()| stdout.flush());
-    }
-    if daemon {
-        // Closes the pipe to the starter: later output goes to the log.
-        nix::unistd::dup2_stdout(std::io::stderr()).context("pointing stdout at the log")?;
-    }
+    daemon::announce(&ready, daemon)?;
 
     let server = Arc::new(server);
-    let handle = signals.handle();
     let watcher = {
         let server = Arc::clone(&server);
-        std::thread::Builder::new()
-            .name("signals".into())
-            .spawn(move || {
-                if let Some(signal) = signals.forever().next() {
-                    tracing::info!(signal, "stopping on a signal (a second one exits at once)");
-                    forced.store(true, Ordering::SeqCst);
-                    server.stop();
-                }
-            })
-            .context("starting the signal thread")?
+        signals.watch(move || server.stop())?
     };
     server.wait();
-    handle.close();
-    let _ = watcher.join();
+    watcher.finish();
     // Removed while the lock is still held, so that a pid file of the next server is never
     // removed by this one.
     drop(pid_file);
     drop(Arc::into_inner(server).expect("the signal thread has ended"));
     tracing::info!(store = args.name, "stopped");
     Ok(ExitCode::SUCCESS)
-}
-
-/// Logs at info level with timestamps: to `file` if given, else to stderr (a daemon's log).
-/// tarpc's own spans and events only from warnings up: it opens an info span for every request,
-/// and formatting its fields would cost every request a few microseconds for lines nobody
-/// prints.
-fn init_logging(file: Option<&Path>) -> anyhow::Result<()> {
-    use tracing_subscriber::Layer as _;
-    use tracing_subscriber::layer::SubscriberExt as _;
-    use tracing_subscriber::util::SubscriberInitExt as _;
-    let filter = tracing_subscriber::filter::Targets::new()
-        .with_default(tracing::Level::INFO)
-        .with_target("tarpc", tracing::Level::WARN);
-    let layer = tracing_subscriber::fmt::layer();
-    let layer = match file {
-        Some(path) => layer.with_ansi(false).with_writer(Mutex::new(open_log(path)?)).boxed(),
-        None => layer.with_ansi(std::io::stderr().is_terminal()).with_writer(std::io::stderr).boxed(),
-    };
-    tracing_subscriber::registry().with(layer.with_filter(filter)).init();
-    Ok(())
-}
-
-/// The pid file of a running server: written atomically once the store's lock is held (so a
-/// pid file already there is stale and replaced), removed when dropped if it still names this
-/// process.
-struct PidFile(PathBuf);
-
-impl PidFile {
-    fn write(path: &Path) -> anyhow::Result<PidFile> {
-        write_pid(path).with_context(|| format!("writing the pid file {}", path.display()))?;
-        Ok(PidFile(path.to_owned()))
-    }
-}
-
-impl Drop for PidFile {
-    fn drop(&mut self) {
-        if read_pid(&self.0) == Some(std::process::id())
-            && let Err(e) = fs::remove_file(&self.0)
-        {
-            tracing::warn!("could not remove the pid file {}: {e}", self.0.display());
-        }
-    }
-}
-
-/// Writes this process's pid to `path` atomically (a temporary file beside it, mode 0600,
-/// renamed over it).
-fn write_pid(path: &Path) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp = tempfile::Builder::new().prefix(".tdict-store-pid.").tempfile_in(dir)?;
-    writeln!(tmp, "{}", std::process::id())?;
-    tmp.as_file().sync_all()?;
-    tmp.persist(path).map(drop).map_err(|e| e.error)
-}
-
-/// The pid a pid file names, if it is readable and holds one.
-fn read_pid(path: &Path) -> Option<u32> {
-    let mut text = String::new();
-    fs::File::open(path).ok()?.take(64).read_to_string(&mut text).ok()?;
-    text.trim().parse().ok()
-}
-
-/// Whether process `pid` runs (a zombie does not).
-fn process_alive(pid: u32) -> bool {
-    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
-    // The state is the first field after the command name, which is in parentheses.
-    stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|s| s != "Z" && s != "X")
 }
 
 // === Clients ===
@@ -597,44 +403,13 @@ fn stop(at: &StoreArgs, timeout: Duration) -> anyhow::Result<ExitCode> {
     let socket = rpc::store::endpoint(&at.name).socket_path(Some(&runtime))?.expect("a Unix socket");
     store.shutdown()?;
     drop(store);
-    let deadline = Instant::now() + timeout;
-    loop {
-        let gone = if own_process { !process_alive(pid) } else { !answers(&socket) };
-        if gone {
-            break;
-        }
-        ensure!(
-            Instant::now() < deadline,
-            "store `{}` was asked to stop, but {} still {} after {timeout:?}",
-            at.name,
-            format_args!("pid {pid}"),
-            if own_process { "runs" } else { "listens" }
-        );
-        std::thread::sleep(STOP_POLL);
-    }
+    daemon::wait_gone(&format!("store `{}`", at.name), pid, own_process, &socket, timeout)?;
     if own_process {
         out!("store `{}` stopped (pid {pid} exited)", at.name);
     } else {
         out!("store `{}` stopped serving (pid {pid} serves it from a program of its own, which goes on)", at.name);
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// Whether something listens on the socket.
-fn answers(socket: &Path) -> bool {
-    probe(socket, STOP_POLL).is_ok()
-}
-
-/// Connects to `socket` and hangs up politely: our side is closed for writing, and what the
-/// server says is read until it closes too (or `timeout` passes), so that it sees a client that
-/// left, not a connection reset with its greeting unread.
-fn probe(socket: &Path, timeout: Duration) -> std::io::Result<()> {
-    let stream = std::os::unix::net::UnixStream::connect(socket)?;
-    let _ = stream.shutdown(std::net::Shutdown::Write);
-    if stream.set_read_timeout(Some(timeout.max(Duration::from_millis(1)))).is_ok() {
-        let _ = stream.take(1 << 16).read_to_end(&mut Vec::new());
-    }
-    Ok(())
 }
 
 // === Printing and parsing ===
@@ -660,22 +435,6 @@ fn shown(key: &str) -> String {
 fn parse_name(s: &str) -> Result<String, String> {
     rpc::store::check_name(s).map_err(|e| e.to_string())?;
     Ok(s.to_owned())
-}
-
-fn parse_tcp(s: &str) -> Result<Endpoint, String> {
-    match s.parse::<Endpoint>().map_err(|e| e.to_string())? {
-        tcp @ Endpoint::Tcp(_) => Ok(tcp),
-        _ => Err(format!("`{s}`: --listen takes tcp:HOST:PORT (the Unix socket is always served)")),
-    }
-}
-
-/// Seconds, as a whole or decimal number.
-fn parse_seconds(s: &str) -> Result<Duration, String> {
-    let secs: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
-    if secs.is_nan() || secs < 0.0 {
-        return Err(format!("`{s}` is not zero or more seconds"));
-    }
-    Duration::try_from_secs_f64(secs).map_err(|_| format!("`{s}` seconds is too long"))
 }
 
 fn parse_wait(s: &str) -> Result<Wait, String> {
@@ -756,29 +515,9 @@ mod tests {
     }
 
     #[test]
-    fn seconds_and_waits() {
-        assert_eq!(parse_seconds("0"), Ok(Duration::ZERO));
-        assert_eq!(parse_seconds("2.5"), Ok(Duration::from_millis(2500)));
-        assert!(parse_seconds("-1").is_err());
-        assert!(parse_seconds("NaN").is_err());
-        assert!(parse_seconds("inf").is_err());
-        assert!(parse_seconds("1e30").is_err());
+    fn waits() {
         assert_eq!(parse_wait("forever"), Ok(Wait::Forever));
         assert_eq!(parse_wait("1"), Ok(Wait::For(Duration::from_secs(1))));
         assert!(parse_wait("soon").unwrap_err().contains("forever"));
-    }
-
-    #[test]
-    fn zombies_and_missing_processes_are_not_alive() {
-        assert!(process_alive(std::process::id()));
-        let mut child = Command::new("true").spawn().unwrap();
-        let pid = child.id();
-        // Exited but not reaped: a zombie.
-        while fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z")) {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        assert!(!process_alive(pid));
-        child.wait().unwrap();
-        assert!(!process_alive(pid));
     }
 }

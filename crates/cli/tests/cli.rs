@@ -592,10 +592,15 @@ fn bench_replay_json_keys() {
     assert_eq!(
         keys,
         [
+            "distributed_insert_rows_per_s",
+            "distributed_rows_per_s",
+            "distributed_sample_rows_per_s",
             "extend_us",
             "iters",
             "prio_sample_us",
             "prio_slice_sample_us",
+            "remote_extend_us",
+            "remote_sample_us",
             "rows",
             "sample_into_us",
             "sample_us",
@@ -604,11 +609,25 @@ fn bench_replay_json_keys() {
         "{run}"
     );
     assert_eq!((&out["rows"], &out["iters"]), (&json!(1000), &json!(5)), "{run}");
-    for key in ["extend_us", "prio_sample_us", "prio_slice_sample_us", "sample_into_us", "sample_us", "slice_sample_us"]
-    {
+    for key in [
+        "extend_us",
+        "prio_sample_us",
+        "prio_slice_sample_us",
+        "sample_into_us",
+        "sample_us",
+        "slice_sample_us",
+        "remote_extend_us",
+        "remote_sample_us",
+        "distributed_insert_rows_per_s",
+        "distributed_sample_rows_per_s",
+        "distributed_rows_per_s",
+    ] {
         let v = out[key].as_f64().unwrap_or_else(|| panic!("{key} is a number:\n{run}"));
         assert!(v > 0.0 && v.is_finite(), "{key}:\n{run}");
     }
+    let sum =
+        out["distributed_insert_rows_per_s"].as_f64().unwrap() + out["distributed_sample_rows_per_s"].as_f64().unwrap();
+    assert!((out["distributed_rows_per_s"].as_f64().unwrap() - sum).abs() <= 1.0, "the total is both sides:\n{run}");
 }
 
 #[test]

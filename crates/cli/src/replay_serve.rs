@@ -1,0 +1,465 @@
+//! `tdict replay serve | stats | stop`: a replay service (`replay::remote::ReplayServer`) run as
+//! a daemon or in the foreground, its counters, and stopping it. The daemon machinery is
+//! shared with `tdict store` (`crate::daemon`); this module parses, builds the service's
+//! options and prints.
+
+use std::ffi::OsString;
+use std::io::ErrorKind;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail, ensure};
+use clap::{Args, ValueEnum};
+use replay::RateLimiter;
+use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, SamplerSpec};
+use rpc::{ClientOptions, Endpoint, Token};
+use serde_json::{Value, json};
+
+use crate::daemon::{self, PidFile, parse_seconds, parse_tcp, probe, read_pid};
+
+/// The prioritized sampler's defaults: priority exponent, importance-weight exponent, and the
+/// `eps` added to every priority (TorchRL's default).
+const DEFAULT_ALPHA: f64 = 0.6;
+const DEFAULT_BETA: f64 = 0.4;
+const DEFAULT_EPS: f64 = 1e-8;
+
+/// Which sampler the service draws with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum SamplerKind {
+    /// Uniform, with replacement.
+    Uniform,
+    /// Prioritized (TorchRL's `PrioritizedSampler`): --alpha, --beta, --eps.
+    Prioritized,
+}
+
+/// `tdict replay serve`.
+#[derive(Args)]
+pub(crate) struct ServeArgs {
+    /// The service's name: 1 to 48 of A-Z a-z 0-9 _ -.
+    #[arg(long, value_parser = parse_name)]
+    name: String,
+    /// The number of rows (the oldest are overwritten once it is full).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 40)))]
+    capacity: u64,
+    /// Keep the rows in the memmap folder DIR (missing or empty unless --overwrite), which
+    /// clients on other nodes reach through a shared filesystem at the same path. Default:
+    /// shared memory on this node, freed when the service stops.
+    #[arg(long, value_name = "DIR")]
+    dir: Option<PathBuf>,
+    /// Replace a dict already in --dir.
+    #[arg(long, requires = "dir")]
+    overwrite: bool,
+    /// The sampler.
+    #[arg(long, value_enum, default_value = "uniform")]
+    sampler: SamplerKind,
+    /// Priority exponent of the prioritized sampler (default 0.6).
+    #[arg(long, allow_negative_numbers = true)]
+    alpha: Option<f64>,
+    /// Importance-weight exponent of the prioritized sampler (default 0.4).
+    #[arg(long, allow_negative_numbers = true)]
+    beta: Option<f64>,
+    /// Added to every priority by the prioritized sampler (default 1e-8).
+    #[arg(long, allow_negative_numbers = true)]
+    eps: Option<f64>,
+    /// Samples wait until the buffer holds this many rows (Reverb's `MinSize`; with
+    /// --samples-per-insert, part of `SampleToInsertRatio`, default 1 there).
+    #[arg(long, value_name = "ROWS")]
+    min_size: Option<u64>,
+    /// Rows sampled per row inserted (Reverb's `SampleToInsertRatio`); needs --error-buffer.
+    #[arg(long, value_name = "RATIO", requires = "error_buffer", allow_negative_numbers = true)]
+    samples_per_insert: Option<f64>,
+    /// How many sampled rows learners and actors may drift apart before one of them waits.
+    #[arg(long, value_name = "ROWS", requires = "samples_per_insert", allow_negative_numbers = true)]
+    error_buffer: Option<f64>,
+    /// Also serve TCP, for other nodes: tcp:HOST:PORT (port 0 picks one; the line printed says
+    /// which). Needs --token-file.
+    #[arg(long, value_name = "tcp:HOST:PORT", value_parser = parse_tcp, requires = "token_file")]
+    listen: Option<Endpoint>,
+    /// The token TCP clients must know: a file of mode 0600 (trailing whitespace is not part of
+    /// it).
+    #[arg(long, value_name = "FILE", requires = "listen")]
+    token_file: Option<PathBuf>,
+    /// Seed of the sampler (uniform), for draws that repeat.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stay in the foreground: log to stderr (or --log), stop on SIGTERM/SIGINT/SIGHUP.
+    #[arg(long)]
+    no_fork: bool,
+    /// The log, appended to. Default for a daemon: RUNTIME/tdict-replay-NAME.log; in the
+    /// foreground, stderr.
+    #[arg(long, value_name = "FILE")]
+    log: Option<PathBuf>,
+    /// How long to wait for the daemon to answer, in seconds (it is killed if it does not).
+    #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_seconds)]
+    connect_timeout: Duration,
+    /// Set on the daemon process by the one that starts it.
+    #[arg(long, hide = true)]
+    daemon_child: bool,
+}
+
+/// Which service a client command talks to.
+#[derive(Args)]
+pub(crate) struct ServiceArgs {
+    /// The service's name: 1 to 48 of A-Z a-z 0-9 _ -.
+    #[arg(long, value_parser = parse_name)]
+    pub(crate) name: String,
+    /// How long to keep trying to connect, in seconds. A service whose socket does not exist,
+    /// or that nobody listens on, fails at once.
+    #[arg(long, value_name = "SECONDS", default_value = "5", value_parser = parse_seconds)]
+    pub(crate) connect_timeout: Duration,
+}
+
+/// `tdict replay serve`: a daemon, or the service itself with --no-fork.
+pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    if args.no_fork || args.daemon_child { serve_here(args) } else { start_daemon(args) }
+}
+
+/// The pid file and the default log of service `name`.
+fn files(runtime: &Path, name: &str) -> (PathBuf, PathBuf) {
+    (runtime.join(format!("tdict-replay-{name}.pid")), runtime.join(format!("tdict-replay-{name}.log")))
+}
+
+/// The paths a server uses, absolute (a daemon runs in `/`).
+struct ServePaths {
+    runtime: PathBuf,
+    pid: PathBuf,
+    log: Option<PathBuf>,
+    dir: Option<PathBuf>,
+    token_file: Option<PathBuf>,
+}
+
+impl ServePaths {
+    fn of(args: &ServeArgs, daemon: bool) -> anyhow::Result<ServePaths> {
+        let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
+        let (pid, default_log) = files(&runtime, &args.name);
+        let absolute = |p: &Path| std::path::absolute(p).with_context(|| format!("{}", p.display()));
+        let log = match &args.log {
+            Some(log) => Some(absolute(log)?),
+            None => daemon.then_some(default_log),
+        };
+        Ok(ServePaths {
+            pid,
+            log,
+            dir: args.dir.as_deref().map(absolute).transpose()?,
+            token_file: args.token_file.as_deref().map(absolute).transpose()?,
+            runtime,
+        })
+    }
+}
+
+/// The service's options from the arguments; every argument error is found here, before a
+/// daemon is started.
+fn options(args: &ServeArgs, paths: &ServePaths) -> anyhow::Result<ReplayOptions> {
+    let capacity = usize::try_from(args.capacity).context("--capacity")?;
+    let mut options = ReplayOptions::new(capacity).runtime_dir(&paths.runtime);
+    if let Some(dir) = &paths.dir {
+        check_dir(dir, args.overwrite)?;
+        options = options.dir(dir).overwrite(args.overwrite);
+    }
+    options = options.sampler(match args.sampler {
+        SamplerKind::Uniform => {
+            let given: Vec<&str> = [("--alpha", args.alpha), ("--beta", args.beta), ("--eps", args.eps)]
+                .into_iter()
+                .filter_map(|(flag, value)| value.map(|_| flag))
+                .collect();
+            ensure!(given.is_empty(), "{} applies to --sampler prioritized only", given.join(", "));
+            SamplerSpec::Uniform
+        }
+        SamplerKind::Prioritized => {
+            let alpha = args.alpha.unwrap_or(DEFAULT_ALPHA);
+            let beta = args.beta.unwrap_or(DEFAULT_BETA);
+            let eps = args.eps.unwrap_or(DEFAULT_EPS);
+            ensure!(alpha.is_finite() && alpha >= 0.0, "--alpha {alpha}: the priority exponent is finite and >= 0");
+            ensure!(beta.is_finite() && beta >= 0.0, "--beta {beta}: the weight exponent is finite and >= 0");
+            ensure!(eps.is_finite() && eps >= 0.0, "--eps {eps}: it is finite and >= 0");
+            ensure!(args.seed.is_none(), "--seed applies to --sampler uniform only");
+            SamplerSpec::Prioritized { alpha, beta, eps }
+        }
+    });
+    if let Some(limiter) = limiter(args)? {
+        options = options.limiter(limiter);
+    }
+    if let (Some(listen), Some(file)) = (&args.listen, &paths.token_file) {
+        options = options.listen(listen.clone(), Token::from_file(file)?);
+    }
+    if let Some(seed) = args.seed {
+        options = options.seed(seed);
+    }
+    Ok(options)
+}
+
+/// Refuses a `--dir` the first writer could not make the storage in: not a folder, or a folder
+/// with something in it (without `--overwrite`). The service makes the storage later, when the
+/// first batch gives the schema; this says so at once.
+fn check_dir(dir: &Path, overwrite: bool) -> anyhow::Result<()> {
+    match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("--dir {}", dir.display())),
+        Ok(m) if !m.is_dir() => bail!("--dir {}: not a folder", dir.display()),
+        Ok(_) if overwrite => Ok(()),
+        Ok(_) => {
+            let mut entries = std::fs::read_dir(dir).with_context(|| format!("--dir {}", dir.display()))?;
+            ensure!(
+                entries.next().is_none(),
+                "--dir {} is not empty (--overwrite replaces the dict it holds)",
+                dir.display()
+            );
+            Ok(())
+        }
+    }
+}
+
+/// The rate limiter the arguments ask for, if any.
+fn limiter(args: &ServeArgs) -> anyhow::Result<Option<RateLimiter>> {
+    let min_size = args.min_size.map(usize::try_from).transpose().context("--min-size")?;
+    if let Some(rows) = min_size {
+        ensure!(
+            rows as u64 <= args.capacity,
+            "--min-size {rows} is more than --capacity {}: samples would wait forever",
+            args.capacity
+        );
+    }
+    let limiter = match (args.samples_per_insert, args.error_buffer) {
+        (Some(ratio), Some(error_buffer)) => {
+            Some(RateLimiter::sample_to_insert_ratio(ratio, min_size.unwrap_or(1).max(1), error_buffer)?)
+        }
+        (None, None) => min_size.map(RateLimiter::min_size).transpose()?,
+        _ => bail!("--samples-per-insert and --error-buffer go together"),
+    };
+    Ok(limiter)
+}
+
+/// Starts the daemon (see [`daemon::start`]) and returns once it answers.
+fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let paths = ServePaths::of(&args, true)?;
+    // Checked here, so that bad arguments are reported by the command that was typed.
+    options(&args, &paths)?;
+    let log_path = paths.log.clone().expect("a daemon has a log");
+    let mut passed: Vec<OsString> = vec!["--capacity".into(), args.capacity.to_string().into()];
+    if let Some(dir) = &paths.dir {
+        passed.extend(["--dir".into(), dir.into()]);
+        if args.overwrite {
+            passed.push("--overwrite".into());
+        }
+    }
+    let sampler = args.sampler.to_possible_value().expect("no variant is skipped");
+    passed.extend(["--sampler".into(), sampler.get_name().into()]);
+    let numbers = [
+        ("--alpha", args.alpha),
+        ("--beta", args.beta),
+        ("--eps", args.eps),
+        ("--samples-per-insert", args.samples_per_insert),
+        ("--error-buffer", args.error_buffer),
+    ];
+    for (flag, value) in numbers {
+        if let Some(value) = value {
+            // `{:?}` writes an f64 so that it parses back to the same value.
+            passed.extend([flag.into(), format!("{value:?}").into()]);
+        }
+    }
+    for (flag, value) in [("--min-size", args.min_size), ("--seed", args.seed)] {
+        if let Some(value) = value {
+            passed.extend([flag.into(), value.to_string().into()]);
+        }
+    }
+    if let (Some(listen), Some(token_file)) = (&args.listen, &paths.token_file) {
+        passed.extend(["--listen".into(), listen.to_string().into(), "--token-file".into(), token_file.into()]);
+    }
+    let spec = daemon::Daemon {
+        kind: "replay",
+        name: &args.name,
+        runtime: &paths.runtime,
+        log: &log_path,
+        args: passed,
+        connect_timeout: args.connect_timeout,
+    };
+    daemon::start(&spec, |remaining| {
+        let options = ClientOptions::default().runtime_dir(&paths.runtime).connect_timeout(remaining);
+        Ok(RemoteBuffer::connect_with(&args.name, &options)?.info().pid)
+    })
+}
+
+/// Serves in this process until asked to stop (a client's `shutdown` or a signal).
+fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let daemon = args.daemon_child;
+    let paths = ServePaths::of(&args, daemon)?;
+    let signals = daemon::begin_serving(daemon, paths.log.as_deref())?;
+    let options = options(&args, &paths)?;
+    let server = match ReplayServer::start(&args.name, options) {
+        Ok(server) => server,
+        Err(e @ replay::Error::Remote(rpc::Error::AlreadyServing { .. })) => {
+            let by = read_pid(&paths.pid).map(|pid| format!(" (pid {pid}, from {})", paths.pid.display()));
+            return Err(anyhow!("{e}{}", by.unwrap_or_default()));
+        }
+        Err(e) => return Err(anyhow::Error::new(e).context(format!("replay `{}`", args.name))),
+    };
+    // The service's lock is held from here: whatever a pid file says, it is stale.
+    let pid_file = PidFile::write(&paths.pid)?;
+
+    let socket = socket(&args.name, &paths.runtime)?;
+    let mut ready = format!(
+        "replay `{}` serving on {} (socket {}), pid {}, log {}, {} rows in {}, {} sampler",
+        args.name,
+        server.endpoint(),
+        socket.display(),
+        std::process::id(),
+        paths.log.as_deref().map_or_else(|| "stderr".to_owned(), |p| p.display().to_string()),
+        args.capacity,
+        paths.dir.as_deref().map_or_else(|| "shared memory".to_owned(), |d| format!("folder {}", d.display())),
+        server.buffer().sampler().name(),
+    );
+    if let Some(limiter) = server.buffer().rate_limiter() {
+        let (min_diff, max_diff) = limiter.bounds();
+        ready.push_str(&format!(
+            ", rate limiter: min size {}, {} samples per insert, diff in [{min_diff}, {max_diff}]",
+            limiter.min_size_to_sample(),
+            limiter.samples_per_insert()
+        ));
+    }
+    if let Some(tcp) = server.tcp_addr() {
+        ready.push_str(&format!(", tcp tcp:{tcp}"));
+    }
+    daemon::announce(&ready, daemon)?;
+
+    let server = Arc::new(server);
+    let watcher = {
+        let server = Arc::clone(&server);
+        signals.watch(move || server.request_shutdown())?
+    };
+    server.wait_for_shutdown(None);
+    watcher.finish();
+    // Removed while the lock is still held, so that a pid file of the next server is never
+    // removed by this one.
+    drop(pid_file);
+    // Ends the sessions and removes the storage made in shared memory.
+    drop(Arc::into_inner(server).expect("the signal thread has ended"));
+    tracing::info!(replay = args.name, "stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn socket(name: &str, runtime: &Path) -> anyhow::Result<PathBuf> {
+    Ok(replay::remote::endpoint(name).socket_path(Some(runtime))?.expect("a Unix socket"))
+}
+
+/// Connects to the service, failing at once with the way out if it is not running.
+pub(crate) fn connect(at: &ServiceArgs) -> anyhow::Result<RemoteBuffer> {
+    let name = &at.name;
+    let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
+    let socket = socket(name, &runtime)?;
+    let not_running = |why: String| {
+        anyhow!(
+            "no replay service `{name}` is running (socket {}{why}): start it with \
+             `tdict replay serve --name {name} --capacity ROWS`",
+            socket.display()
+        )
+    };
+    // One plain attempt first: retrying cannot help a socket that is missing or that nobody
+    // listens on (left by a server that was killed).
+    match probe(&socket, at.connect_timeout) {
+        Err(e) if e.kind() == ErrorKind::NotFound => return Err(not_running(": not found".into())),
+        Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
+            return Err(not_running(": nobody listens on it; a server that was killed left it".into()));
+        }
+        _ => {}
+    }
+    let options = ClientOptions::default().runtime_dir(&runtime).connect_timeout(at.connect_timeout);
+    match RemoteBuffer::connect_with(name, &options) {
+        Ok(buffer) => Ok(buffer),
+        Err(replay::Error::Remote(e @ rpc::Error::ConnectTimeout { .. })) => Err(not_running(format!(": {e}"))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `tdict replay stats`.
+pub(crate) fn stats(at: &ServiceArgs, as_json: bool) -> anyhow::Result<ExitCode> {
+    let buffer = connect(at)?;
+    let stats = buffer.stats()?;
+    let info = buffer.info();
+    let limiter = info.limiter.map(|(samples_per_insert, min_size, min_diff, max_diff)| {
+        json!({
+            "samples_per_insert": samples_per_insert, "min_size": min_size,
+            "min_diff": finite(min_diff), "max_diff": finite(max_diff),
+        })
+    });
+    // As `tdict info` takes it: a folder, or shm:PREFIX.
+    let storage = info.storage.as_ref().map(|r| match &r.location {
+        rpc::RefLocation::Folder { path } => path.display().to_string(),
+        rpc::RefLocation::Shm { prefix, .. } => format!("shm:{prefix}"),
+        other => format!("{other:?}"),
+    });
+    let described = json!({
+        "name": info.name, "pid": info.pid, "capacity": stats.capacity, "sampler": info.sampler,
+        "storage": &storage, "limiter": limiter,
+        "len": stats.len, "cursor": stats.cursor, "write_count": stats.write_count,
+        "inserts": stats.inserts, "samples": stats.samples,
+        "open_reservations": stats.open_reservations, "open_leases": stats.open_leases,
+        "sessions": stats.sessions,
+    });
+    if as_json {
+        crate::out!("{described}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let limiter_text = match &described["limiter"] {
+        Value::Null => "none".to_owned(),
+        l => format!(
+            "min size {}, {} samples per insert, diff in [{}, {}]",
+            l["min_size"],
+            l["samples_per_insert"],
+            bound(&l["min_diff"], "-inf"),
+            bound(&l["max_diff"], "inf")
+        ),
+    };
+    let lines = [
+        ("replay", format!("`{}` (pid {})", info.name, info.pid)),
+        ("rows", format!("{} of {}", stats.len, stats.capacity)),
+        ("cursor", stats.cursor.to_string()),
+        ("written", format!("{} rows", stats.write_count)),
+        ("sampler", info.sampler.clone()),
+        ("rate limiter", limiter_text),
+        ("inserted", format!("{} rows (as the rate limiter counts)", stats.inserts)),
+        ("sampled", format!("{} rows", stats.samples)),
+        ("open", format!("{} reservations, {} leases", stats.open_reservations, stats.open_leases)),
+        ("sessions", format!("{} (this one included)", stats.sessions)),
+        ("storage", storage.unwrap_or_else(|| "not made yet (no row written)".to_owned())),
+    ];
+    for (label, value) in lines {
+        crate::out!("{label:12}  {value}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tdict replay stop`.
+pub(crate) fn stop(at: &ServiceArgs, timeout: Duration) -> anyhow::Result<ExitCode> {
+    let buffer = connect(at)?;
+    let pid = buffer.info().pid;
+    let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
+    // A process started by `tdict replay serve` exits once stopped; a program serving it itself
+    // goes on, and then only its socket closes.
+    let own_process = read_pid(&files(&runtime, &at.name).0) == Some(pid);
+    let socket = socket(&at.name, &runtime)?;
+    buffer.shutdown()?;
+    drop(buffer);
+    daemon::wait_gone(&format!("replay `{}`", at.name), pid, own_process, &socket, timeout)?;
+    if own_process {
+        crate::out!("replay `{}` stopped (pid {pid} exited)", at.name);
+    } else {
+        crate::out!("replay `{}` stopped serving (pid {pid} serves it from a program of its own)", at.name);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A bound as JSON: null when unbounded.
+fn finite(x: f64) -> Value {
+    if x.is_finite() { json!(x) } else { Value::Null }
+}
+
+fn bound(v: &Value, unbounded: &str) -> String {
+    if v.is_null() { unbounded.to_owned() } else { v.to_string() }
+}
+
+pub(crate) fn parse_name(s: &str) -> Result<String, String> {
+    replay::remote::check_name(s).map_err(|e| e.to_string())?;
+    Ok(s.to_owned())
+}

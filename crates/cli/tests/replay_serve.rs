@@ -1,0 +1,483 @@
+//! `tdict replay serve | stats | stop` as a user runs them: real daemons, real signals and
+//! `kill -9`, and clients of the service through the library. Every test has its own runtime
+//! directory and service name; every server a test starts is stopped (or killed) by a guard,
+//! also when the test fails.
+
+use std::ffi::OsStr;
+use std::fs;
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use memmap_tensor::Tensor;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use replay::remote::RemoteBuffer;
+use replay::remote::{ReplayOptions, ReplayServer};
+use rpc::{ClientOptions, Endpoint, Token};
+use serde_json::Value;
+use tensordict::TensorDict;
+
+/// What one run of `tdict` did.
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    cmd: String,
+}
+
+impl Run {
+    fn ok(&self) -> &str {
+        assert_eq!(self.code, Some(0), "{self}");
+        &self.stdout
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(self.ok().trim()).unwrap_or_else(|e| panic!("stdout is not one JSON value ({e}):\n{self}"))
+    }
+
+    /// Exit 1, no panic, and the last stderr line is the `tdict:` error; returns it.
+    fn error(&self) -> &str {
+        assert_eq!(self.code, Some(1), "{self}");
+        assert!(!self.stderr.contains("panicked"), "panic:\n{self}");
+        let last = self.stderr.lines().last().unwrap_or_default();
+        assert!(last.starts_with("tdict: "), "the last stderr line is not the error:\n{self}");
+        last
+    }
+
+    /// Exit 2 (clap's usage error), no panic; returns stderr.
+    fn usage_error(&self) -> &str {
+        assert_eq!(self.code, Some(2), "{self}");
+        assert!(!self.stderr.contains("panicked"), "panic:\n{self}");
+        &self.stderr
+    }
+}
+
+impl std::fmt::Display for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "$ {}\nexit: {:?}\n--- stdout\n{}--- stderr\n{}---", self.cmd, self.code, self.stdout, self.stderr)
+    }
+}
+
+/// One test's world: a private runtime directory, a service name, and a guard that stops every
+/// server started in it when dropped.
+struct World {
+    dir: tempfile::TempDir,
+    name: String,
+    servers: Vec<u32>,
+}
+
+impl World {
+    fn new(name: &str) -> World {
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir(dir.path().join("run")).unwrap();
+        fs::set_permissions(dir.path().join("run"), fs::Permissions::from_mode(0o700)).unwrap();
+        // Unique across concurrent runs of the suite: shared memory is machine-wide.
+        World { dir, name: format!("{name}-{}", std::process::id()), servers: Vec::new() }
+    }
+
+    fn runtime(&self) -> PathBuf {
+        self.dir.path().join("run")
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn pid_file(&self) -> PathBuf {
+        self.runtime().join(format!("tdict-replay-{}.pid", self.name))
+    }
+
+    fn command<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> (Command, String) {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tdict"));
+        let mut line = String::from("tdict");
+        for arg in args {
+            line.push(' ');
+            line.push_str(&arg.as_ref().to_string_lossy());
+            cmd.arg(arg);
+        }
+        cmd.env("TDICT_RUNTIME_DIR", self.runtime())
+            .env_remove("RUST_BACKTRACE")
+            .env_remove("RUST_LIB_BACKTRACE")
+            .stdin(Stdio::null());
+        (cmd, line)
+    }
+
+    fn tdict<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> Run {
+        let (mut cmd, line) = self.command(args);
+        let out = cmd.output().expect("the tdict binary runs");
+        Run {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            cmd: line,
+        }
+    }
+
+    /// `tdict replay SUB --name NAME ARGS…`.
+    fn replay<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, sub: &str, args: I) -> Run {
+        let mut all: Vec<std::ffi::OsString> =
+            vec!["replay".into(), sub.into(), "--name".into(), self.name.clone().into()];
+        all.extend(args.into_iter().map(|a| a.as_ref().to_owned()));
+        self.tdict(all)
+    }
+
+    /// `tdict replay serve` (a daemon): returns its ready line and pid (from the pid file), and
+    /// remembers the pid for the guard.
+    fn serve(&mut self, args: &[&str]) -> (String, u32) {
+        let run = self.replay("serve", args);
+        // Remembered before anything is asserted, so that the guard stops it whatever happens.
+        let pid = read_pid(&self.pid_file());
+        if let Some(pid) = pid {
+            self.servers.push(pid);
+        }
+        let line = run.ok().trim().to_owned();
+        let pid = pid.unwrap_or_else(|| panic!("no pid file after serve:\n{run}"));
+        assert_eq!(line.lines().count(), 1, "serve prints one line:\n{run}");
+        assert!(line.contains(&format!("pid {pid}")), "{line}");
+        assert!(alive(pid), "the daemon {pid} does not run after serve returned");
+        (line, pid)
+    }
+
+    fn stats(&self) -> Value {
+        self.replay("stats", ["--json"]).json()
+    }
+
+    /// A client of the service through the library.
+    fn client(&self) -> RemoteBuffer {
+        RemoteBuffer::connect_with(&self.name, &ClientOptions::default().runtime_dir(self.runtime())).unwrap()
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        for &pid in &self.servers {
+            if !alive(pid) {
+                continue;
+            }
+            // A clean stop frees its shared memory; a server that does not stop is killed.
+            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+            if !wait_until(Duration::from_secs(10), || !alive(pid)) {
+                let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            }
+        }
+    }
+}
+
+fn read_pid(path: &Path) -> Option<u32> {
+    fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Whether `pid` runs (a zombie does not).
+fn alive(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().to_owned()))
+        .is_some_and(|rest| !rest.starts_with('Z') && !rest.starts_with('X'))
+}
+
+/// Polls `done` until it holds or `limit` passes; returns whether it held.
+fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    done()
+}
+
+/// `n` rows whose `obs` row `i` is `[first + i; 4]` and `step` is `first + i`.
+fn rows(first: usize, n: usize) -> TensorDict {
+    let mut td = TensorDict::new([n]);
+    let obs: Vec<f32> = (first..first + n).flat_map(|i| [i as f32; 4]).collect();
+    td.set("obs", Tensor::from_slice(&obs, [n, 4]).unwrap()).unwrap();
+    let step: Vec<i64> = (first..first + n).map(|i| i as i64).collect();
+    td.set("step", Tensor::from_slice(&step, [n]).unwrap()).unwrap();
+    td
+}
+
+/// The shared-memory objects under `prefix`.
+fn shm_objects(prefix: &str) -> Vec<String> {
+    fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with(prefix))
+        .collect()
+}
+
+/// The shared-memory prefix of the service's storage, from `stats --json`.
+fn shm_prefix(stats: &Value) -> String {
+    let storage = stats["storage"].as_str().unwrap_or_else(|| panic!("no storage in {stats}"));
+    storage.strip_prefix("shm:").unwrap_or_else(|| panic!("storage {storage} is not in shared memory")).to_owned()
+}
+
+// === Tests ===
+
+/// The daemon's life: serve prints one line and returns while the daemon serves; stats sees
+/// what clients wrote and sampled; stop makes it exit and removes its pid file and socket.
+#[test]
+fn serve_stats_stop() {
+    let mut w = World::new("life");
+    let (line, pid) = w.serve(&["--capacity", "100", "--min-size", "8"]);
+    assert!(line.contains("100 rows in shared memory"), "{line}");
+    assert!(line.contains("min size 8"), "{line}");
+
+    let stats = w.stats();
+    assert_eq!(stats["pid"], pid);
+    assert_eq!(stats["capacity"], 100);
+    assert_eq!(stats["len"], 0);
+    assert_eq!(stats["storage"], Value::Null);
+    assert_eq!(stats["limiter"]["min_size"], 8);
+
+    let actor = w.client();
+    assert_eq!(actor.extend(&rows(0, 10)).unwrap(), (0..10).collect::<Vec<_>>());
+    let (sample, info) = w.client().sample(4, Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(sample.batch_size(), &[4]);
+    for (k, &row) in info.indices.iter().enumerate() {
+        assert_eq!(sample.get_tensor("step").unwrap().to_vec::<i64>().unwrap()[k], row as i64);
+    }
+    let stats = w.stats();
+    assert_eq!((stats["len"].as_u64(), stats["write_count"].as_u64()), (Some(10), Some(10)));
+    assert_eq!((stats["inserts"].as_u64(), stats["samples"].as_u64()), (Some(10), Some(4)));
+    assert_eq!((stats["open_reservations"].as_u64(), stats["open_leases"].as_u64()), (Some(0), Some(0)));
+    assert!(stats["storage"].as_str().unwrap().starts_with("shm:"), "{stats}");
+    drop(actor);
+
+    let text = w.replay("stats", Vec::<&str>::new());
+    assert!(text.ok().contains("10 of 100"), "{text}");
+
+    let stopped = w.replay("stop", Vec::<&str>::new());
+    assert!(stopped.ok().contains(&format!("pid {pid} exited")), "{stopped}");
+    assert!(!alive(pid));
+    assert!(!w.pid_file().exists(), "the pid file outlived the daemon");
+    assert!(!w.runtime().join(format!("replay-{}.sock", w.name)).exists(), "the socket outlived the daemon");
+    let gone = w.replay("stats", Vec::<&str>::new());
+    assert!(gone.error().contains("no replay service"), "{gone}");
+}
+
+/// A second serve of a running name fails, naming the pid that serves it; the first goes on.
+#[test]
+fn a_second_serve_names_the_running_pid() {
+    let mut w = World::new("twice");
+    let (_, pid) = w.serve(&["--capacity", "10"]);
+    let second = w.replay("serve", ["--capacity", "10"]);
+    let error = second.error();
+    assert!(error.contains("already serving"), "{second}");
+    assert!(error.contains(&format!("pid {pid}")), "{second}");
+    assert_eq!(read_pid(&w.pid_file()), Some(pid), "the second serve touched the pid file");
+    assert!(alive(pid));
+    assert_eq!(w.stats()["pid"], pid);
+    // The foreground form fails the same way.
+    let foreground = w.replay("serve", ["--capacity", "10", "--no-fork"]);
+    assert!(foreground.error().contains(&format!("pid {pid}")), "{foreground}");
+}
+
+/// Bad arguments: a clear error (exit 2 for what the parser sees, 1 for the rest), no panic,
+/// and no daemon left running.
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let w = World::new("bad");
+    for (args, says) in [
+        (vec!["--capacity", "0"], "--capacity"),
+        (vec!["--capacity", "ten"], "--capacity"),
+        (vec![], "--capacity"),
+        (vec!["--capacity", "10", "--overwrite"], "--dir"),
+        (vec!["--capacity", "10", "--sampler", "greedy"], "greedy"),
+        (vec!["--capacity", "10", "--samples-per-insert", "2"], "--error-buffer"),
+        (vec!["--capacity", "10", "--listen", "tcp:127.0.0.1:0"], "--token-file"),
+        (vec!["--capacity", "10", "--listen", "uds:x", "--token-file", "/nonexistent"], "tcp:HOST:PORT"),
+    ] {
+        let run = w.replay("serve", &args);
+        assert!(run.usage_error().contains(says), "{args:?} should name {says}:\n{run}");
+    }
+    let bad_name = w.tdict(["replay", "serve", "--name", "a/b", "--capacity", "10"]);
+    assert!(bad_name.usage_error().contains("'/'"), "{bad_name}");
+    for (args, says) in [
+        (vec!["--capacity", "10", "--alpha", "0.5"], "--alpha applies to --sampler prioritized"),
+        (vec!["--capacity", "10", "--sampler", "prioritized", "--alpha", "-1"], "--alpha -1"),
+        (vec!["--capacity", "10", "--sampler", "prioritized", "--seed", "3"], "--seed"),
+        (vec!["--capacity", "10", "--min-size", "11"], "--min-size 11 is more than --capacity 10"),
+        (vec!["--capacity", "10", "--samples-per-insert", "-1", "--error-buffer", "4"], "samples_per_insert"),
+        (vec!["--capacity", "10", "--samples-per-insert", "1", "--error-buffer", "-4"], "error_buffer"),
+    ] {
+        let run = w.replay("serve", &args);
+        assert!(run.error().contains(says), "{args:?} should say {says}:\n{run}");
+    }
+    let full = w.path("full");
+    fs::create_dir(&full).unwrap();
+    fs::write(full.join("notes.txt"), "mine").unwrap();
+    let run = w.replay("serve", ["--capacity", "10", "--dir", full.to_str().unwrap()]);
+    assert!(run.error().contains(&format!("--dir {} is not empty", full.display())), "{run}");
+    let run = w.replay("serve", ["--capacity", "10", "--dir", full.join("notes.txt").to_str().unwrap()]);
+    assert!(run.error().contains("not a folder"), "{run}");
+    assert_eq!(fs::read_to_string(full.join("notes.txt")).unwrap(), "mine");
+    assert!(!w.pid_file().exists(), "a daemon was left behind");
+    let stats = w.replay("stats", Vec::<&str>::new());
+    assert!(stats.error().contains("no replay service"), "{stats}");
+    let stop = w.replay("stop", Vec::<&str>::new());
+    assert!(stop.error().contains("start it with `tdict replay serve"), "{stop}");
+}
+
+/// SIGTERM stops the daemon cleanly: it exits 0 (its log says so), its shared memory, pid file
+/// and socket are gone.
+#[test]
+fn sigterm_stops_and_frees_shared_memory() {
+    let mut w = World::new("term");
+    let (_, pid) = w.serve(&["--capacity", "64"]);
+    w.client().extend(&rows(0, 20)).unwrap();
+    let prefix = shm_prefix(&w.stats());
+    assert!(!shm_objects(&prefix).is_empty(), "no shared memory under {prefix}");
+
+    kill(Pid::from_raw(pid as i32), Signal::SIGTERM).unwrap();
+    assert!(wait_until(Duration::from_secs(20), || !alive(pid)), "pid {pid} still runs after SIGTERM");
+    assert_eq!(shm_objects(&prefix), Vec::<String>::new(), "shared memory left after SIGTERM");
+    assert!(!w.pid_file().exists());
+    let log = fs::read_to_string(w.runtime().join(format!("tdict-replay-{}.log", w.name))).unwrap();
+    assert!(log.contains("stopping on a signal") && log.contains("stopped"), "{log}");
+}
+
+/// After `kill -9` the name serves again: the stale pid file is replaced, and the storage a
+/// killed daemon left in shared memory is replaced by the new one's (no old row is seen).
+#[test]
+fn a_killed_daemon_is_replaced() {
+    let mut w = World::new("kill9");
+    let (_, pid) = w.serve(&["--capacity", "32"]);
+    w.client().extend(&rows(1000, 32)).unwrap();
+    let prefix = shm_prefix(&w.stats());
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || !alive(pid)));
+    assert!(!shm_objects(&prefix).is_empty(), "kill -9 cannot free shared memory");
+
+    let (_, again) = w.serve(&["--capacity", "32"]);
+    assert_ne!(again, pid);
+    let stats = w.stats();
+    assert_eq!((stats["len"].as_u64(), stats["storage"].as_str()), (Some(0), None), "{stats}");
+    let client = w.client();
+    client.extend(&rows(0, 4)).unwrap();
+    assert_eq!(shm_prefix(&w.stats()), prefix);
+    let (sample, _) = client.sample(64, None).unwrap();
+    let steps = sample.get_tensor("step").unwrap().to_vec::<i64>().unwrap();
+    assert!(steps.iter().all(|&s| (0..4).contains(&s)), "rows of the killed daemon were sampled: {steps:?}");
+    drop(client);
+    w.replay("stop", Vec::<&str>::new()).ok();
+    assert_eq!(shm_objects(&prefix), Vec::<String>::new());
+}
+
+/// In the foreground: the ready line on stdout, a prioritized sampler and a ratio limiter as
+/// asked, rows in a folder that outlives the service, and SIGINT stops it with status 0.
+#[test]
+fn foreground_prioritized_in_a_folder() {
+    let w = World::new("fg");
+    let folder = w.path("rows");
+    let (mut cmd, _) = w.command([
+        "replay",
+        "serve",
+        "--no-fork",
+        "--name",
+        &w.name,
+        "--capacity",
+        "50",
+        "--dir",
+        folder.to_str().unwrap(),
+        "--sampler",
+        "prioritized",
+        "--alpha",
+        "0.7",
+        "--samples-per-insert",
+        "2",
+        "--error-buffer",
+        "100",
+        "--min-size",
+        "5",
+    ]);
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let guard = KillOnDrop(child.id());
+    assert!(line.contains("prioritized sampler") && line.contains(&format!("folder {}", folder.display())), "{line}");
+
+    let stats = w.stats();
+    assert_eq!(stats["sampler"], "prioritized");
+    assert_eq!(stats["limiter"]["samples_per_insert"], 2.0);
+    assert_eq!(stats["limiter"]["min_size"], 5);
+    // Reverb's SampleToInsertRatio: the bounds are 2 × 5 ∓ 100.
+    assert_eq!(
+        (stats["limiter"]["min_diff"].as_f64(), stats["limiter"]["max_diff"].as_f64()),
+        (Some(-90.0), Some(110.0))
+    );
+    let client = w.client();
+    client.extend(&rows(0, 10)).unwrap();
+    let (_, info) = client.sample(8, Some(Duration::from_secs(10))).unwrap();
+    assert!(info.weights.is_some(), "a prioritized sample has weights");
+    assert_eq!(w.stats()["storage"], folder.display().to_string());
+    drop(client);
+
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGINT).unwrap();
+    let status = child.wait().unwrap();
+    drop(guard);
+    assert!(status.success(), "{status}");
+    let info = w.tdict(["info", "--json", folder.to_str().unwrap()]).json();
+    assert_eq!(info["batch_size"], serde_json::json!([50]));
+}
+
+/// TCP for other nodes: a token file others can read is refused before anything starts; with
+/// a private one, the ready line names the port, and a client that knows the token connects.
+#[test]
+fn tcp_with_a_token_file() {
+    let mut w = World::new("tcp");
+    let token_file = w.path("token");
+    fs::write(&token_file, Token::generate().as_bytes()).unwrap();
+    fs::set_permissions(&token_file, fs::Permissions::from_mode(0o644)).unwrap();
+    let token_arg = token_file.display().to_string();
+    let args = ["--capacity", "16", "--listen", "tcp:127.0.0.1:0", "--token-file", &token_arg];
+    let refused = w.replay("serve", args);
+    assert!(refused.error().contains(&token_arg), "{refused}");
+    assert!(!w.pid_file().exists());
+
+    fs::set_permissions(&token_file, fs::Permissions::from_mode(0o600)).unwrap();
+    let (line, pid) = w.serve(&args);
+    let tcp = line.split("tcp tcp:").nth(1).unwrap_or_else(|| panic!("no tcp address in {line}"));
+    let endpoint: Endpoint = format!("tcp:{}", tcp.trim()).parse().unwrap();
+    let options = ClientOptions::default().token(Token::from_file(&token_file).unwrap());
+    let remote = RemoteBuffer::connect_to(&endpoint, &options).unwrap();
+    assert_eq!(remote.info().pid, pid);
+    assert_eq!(remote.stats().unwrap().capacity, 16);
+    let stranger = ClientOptions::default().token(Token::generate());
+    assert!(RemoteBuffer::connect_to(&endpoint, &stranger).is_err(), "a client without the token got in");
+}
+
+/// `stop` of a service run inside a program (not by `serve`): the program is asked to stop
+/// serving, goes on, and `stop` says so.
+#[test]
+fn stop_a_service_served_by_a_program() {
+    let w = World::new("inproc");
+    let server = ReplayServer::start(&w.name, ReplayOptions::new(8).runtime_dir(w.runtime())).unwrap();
+    // The program's serving loop: until a client asks it to stop.
+    let serving = std::thread::spawn(move || {
+        let asked = server.wait_for_shutdown(Some(Duration::from_secs(60)));
+        drop(server);
+        asked
+    });
+    let stats = w.stats();
+    assert_eq!(stats["pid"], std::process::id());
+    let stopped = w.replay("stop", Vec::<&str>::new());
+    assert!(stopped.ok().contains("serves it from a program of its own"), "{stopped}");
+    assert!(serving.join().unwrap(), "the program was not asked to stop");
+    let gone = w.replay("stats", Vec::<&str>::new());
+    assert!(gone.error().contains("no replay service"), "{gone}");
+}
+
+/// Kills a process when dropped, if it still runs.
+struct KillOnDrop(u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if alive(self.0) {
+            let _ = kill(Pid::from_raw(self.0 as i32), Signal::SIGKILL);
+        }
+    }
+}
