@@ -14,8 +14,10 @@ use anyhow::{Context, anyhow, bail, ensure};
 use clap::{Args, ValueEnum};
 use replay::RateLimiter;
 use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, SamplerSpec};
+use replay::{Episodes, SliceShape};
 use rpc::{ClientOptions, Endpoint, Token};
 use serde_json::{Value, json};
+use tensordict::KeyPath;
 
 use crate::daemon::{self, PidFile, parse_seconds, parse_tcp, probe, read_pid};
 
@@ -30,8 +32,16 @@ const DEFAULT_EPS: f64 = 1e-8;
 pub(crate) enum SamplerKind {
     /// Uniform, with replacement.
     Uniform,
+    /// Each row once per epoch (TorchRL's `SamplerWithoutReplacement`): --drop-last.
+    WithoutReplacement,
     /// Prioritized (TorchRL's `PrioritizedSampler`): --alpha, --beta, --eps.
     Prioritized,
+    /// Runs of one trajectory (TorchRL's `SliceSampler`): --traj-key or --end-key, --num-slices
+    /// or --slice-len, --strict-length.
+    Slice,
+    /// Slices whose start is drawn by priority (TorchRL's `PrioritizedSliceSampler`): the slice
+    /// and the prioritized options.
+    PrioritizedSlice,
 }
 
 /// `tdict replay serve`.
@@ -40,9 +50,14 @@ pub(crate) struct ServeArgs {
     /// The service's name: 1 to 48 of A-Z a-z 0-9 _ -.
     #[arg(long, value_parser = parse_name)]
     name: String,
-    /// The number of rows (the oldest are overwritten once it is full).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 40)))]
-    capacity: u64,
+    /// The number of rows (the oldest are overwritten once it is full). Not with --load, which
+    /// takes the dump's.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=(1u64 << 40)), required_unless_present = "load", conflicts_with = "load")]
+    capacity: Option<u64>,
+    /// Start from this TorchRL dump folder (`ReplayBuffer.dumps`, in Python or Rust): its rows,
+    /// capacity, writer cursor and sampler state (uniform, without replacement, prioritized).
+    #[arg(long, value_name = "DUMP", conflicts_with_all = ["sampler", "alpha", "beta", "eps", "traj_key", "end_key", "num_slices", "slice_len", "strict_length", "drop_last"])]
+    load: Option<PathBuf>,
     /// Keep the rows in the memmap folder DIR (missing or empty unless --overwrite), which
     /// clients on other nodes reach through a shared filesystem at the same path. Default:
     /// shared memory on this node, freed when the service stops.
@@ -51,9 +66,28 @@ pub(crate) struct ServeArgs {
     /// Replace a dict already in --dir.
     #[arg(long, requires = "dir")]
     overwrite: bool,
-    /// The sampler.
-    #[arg(long, value_enum, default_value = "uniform")]
-    sampler: SamplerKind,
+    /// The sampler (default: uniform).
+    #[arg(long, value_enum)]
+    sampler: Option<SamplerKind>,
+    /// End an epoch of --sampler without-replacement when fewer than a batch of rows remain.
+    #[arg(long)]
+    drop_last: bool,
+    /// Slice samplers: the key holding a trajectory id per row (nested keys as `a.b`).
+    #[arg(long, value_name = "KEY", conflicts_with = "end_key")]
+    traj_key: Option<String>,
+    /// Slice samplers: the key holding an end-of-trajectory flag per row (e.g. `next.done`).
+    #[arg(long, value_name = "KEY")]
+    end_key: Option<String>,
+    /// Slice samplers: cut each batch into this many slices.
+    #[arg(long, value_name = "N", conflicts_with = "slice_len")]
+    num_slices: Option<usize>,
+    /// Slice samplers: slices of this many steps.
+    #[arg(long, value_name = "N")]
+    slice_len: Option<usize>,
+    /// Slice samplers: only slices of the full length (else a short trajectory gives a short
+    /// slice).
+    #[arg(long)]
+    strict_length: bool,
     /// Priority exponent of the prioritized sampler (default 0.6).
     #[arg(long, allow_negative_numbers = true)]
     alpha: Option<f64>,
@@ -81,7 +115,7 @@ pub(crate) struct ServeArgs {
     /// it).
     #[arg(long, value_name = "FILE", requires = "listen")]
     token_file: Option<PathBuf>,
-    /// Seed of the sampler (uniform), for draws that repeat.
+    /// Seed of the sampler, for draws that repeat.
     #[arg(long)]
     seed: Option<u64>,
     /// Stay in the foreground: log to stderr (or --log), stop on SIGTERM/SIGINT/SIGHUP.
@@ -152,33 +186,24 @@ impl ServePaths {
 /// The service's options from the arguments; every argument error is found here, before a
 /// daemon is started.
 fn options(args: &ServeArgs, paths: &ServePaths) -> anyhow::Result<ReplayOptions> {
-    let capacity = usize::try_from(args.capacity).context("--capacity")?;
-    let mut options = ReplayOptions::new(capacity).runtime_dir(&paths.runtime);
+    let mut options = match (&args.load, args.capacity) {
+        (Some(dump), _) => {
+            let dump = std::path::absolute(dump).with_context(|| format!("--load {}", dump.display()))?;
+            // Read now, so that a dump that will not load is reported by the command typed.
+            let read = replay::checkpoint::Dump::read(&dump).with_context(|| format!("--load {}", dump.display()))?;
+            ReplayOptions::new(read.storage.capacity()).load(dump)
+        }
+        (None, Some(capacity)) => {
+            ReplayOptions::new(usize::try_from(capacity).context("--capacity")?).sampler(sampler(args)?)
+        }
+        (None, None) => bail!("--capacity or --load is needed"),
+    };
+    options = options.runtime_dir(&paths.runtime);
     if let Some(dir) = &paths.dir {
         check_dir(dir, args.overwrite)?;
         options = options.dir(dir).overwrite(args.overwrite);
     }
-    options = options.sampler(match args.sampler {
-        SamplerKind::Uniform => {
-            let given: Vec<&str> = [("--alpha", args.alpha), ("--beta", args.beta), ("--eps", args.eps)]
-                .into_iter()
-                .filter_map(|(flag, value)| value.map(|_| flag))
-                .collect();
-            ensure!(given.is_empty(), "{} applies to --sampler prioritized only", given.join(", "));
-            SamplerSpec::Uniform
-        }
-        SamplerKind::Prioritized => {
-            let alpha = args.alpha.unwrap_or(DEFAULT_ALPHA);
-            let beta = args.beta.unwrap_or(DEFAULT_BETA);
-            let eps = args.eps.unwrap_or(DEFAULT_EPS);
-            ensure!(alpha.is_finite() && alpha >= 0.0, "--alpha {alpha}: the priority exponent is finite and >= 0");
-            ensure!(beta.is_finite() && beta >= 0.0, "--beta {beta}: the weight exponent is finite and >= 0");
-            ensure!(eps.is_finite() && eps >= 0.0, "--eps {eps}: it is finite and >= 0");
-            ensure!(args.seed.is_none(), "--seed applies to --sampler uniform only");
-            SamplerSpec::Prioritized { alpha, beta, eps }
-        }
-    });
-    if let Some(limiter) = limiter(args)? {
+    if let Some(limiter) = limiter(args, options.capacity)? {
         options = options.limiter(limiter);
     }
     if let (Some(listen), Some(file)) = (&args.listen, &paths.token_file) {
@@ -188,6 +213,74 @@ fn options(args: &ServeArgs, paths: &ServePaths) -> anyhow::Result<ReplayOptions
         options = options.seed(seed);
     }
     Ok(options)
+}
+
+/// The sampler the arguments ask for; options of other samplers are refused by name.
+fn sampler(args: &ServeArgs) -> anyhow::Result<SamplerSpec> {
+    let kind = args.sampler.unwrap_or(SamplerKind::Uniform);
+    let prioritized = matches!(kind, SamplerKind::Prioritized | SamplerKind::PrioritizedSlice);
+    let sliced = matches!(kind, SamplerKind::Slice | SamplerKind::PrioritizedSlice);
+    let refuse = |flags: &[(&str, bool)], applies: &str| -> anyhow::Result<()> {
+        let given: Vec<&str> = flags.iter().filter(|(_, given)| *given).map(|(flag, _)| *flag).collect();
+        ensure!(given.is_empty(), "{} applies to {applies} only", given.join(", "));
+        Ok(())
+    };
+    if !prioritized {
+        refuse(
+            &[("--alpha", args.alpha.is_some()), ("--beta", args.beta.is_some()), ("--eps", args.eps.is_some())],
+            "--sampler prioritized and prioritized-slice",
+        )?;
+    }
+    if !sliced {
+        refuse(
+            &[
+                ("--traj-key", args.traj_key.is_some()),
+                ("--end-key", args.end_key.is_some()),
+                ("--num-slices", args.num_slices.is_some()),
+                ("--slice-len", args.slice_len.is_some()),
+                ("--strict-length", args.strict_length),
+            ],
+            "--sampler slice and prioritized-slice",
+        )?;
+    }
+    if kind != SamplerKind::WithoutReplacement {
+        refuse(&[("--drop-last", args.drop_last)], "--sampler without-replacement")?;
+    }
+    let (alpha, beta, eps) =
+        (args.alpha.unwrap_or(DEFAULT_ALPHA), args.beta.unwrap_or(DEFAULT_BETA), args.eps.unwrap_or(DEFAULT_EPS));
+    if prioritized {
+        ensure!(alpha.is_finite() && alpha >= 0.0, "--alpha {alpha}: the priority exponent is finite and >= 0");
+        ensure!(beta.is_finite() && beta >= 0.0, "--beta {beta}: the weight exponent is finite and >= 0");
+        ensure!(eps.is_finite() && eps >= 0.0, "--eps {eps}: it is finite and >= 0");
+    }
+    let slices = || -> anyhow::Result<(Episodes, SliceShape)> {
+        let key = |k: &str| KeyPath::new(k.split('.'));
+        let episodes = match (&args.traj_key, &args.end_key) {
+            (Some(k), None) => Episodes::TrajKey(key(k)),
+            (None, Some(k)) => Episodes::EndKey(key(k)),
+            _ => bail!("a slice sampler needs --traj-key KEY or --end-key KEY"),
+        };
+        let shape = match (args.num_slices, args.slice_len) {
+            (Some(n), None) if n > 0 => SliceShape::NumSlices(n),
+            (None, Some(n)) if n > 0 => SliceShape::SliceLen(n),
+            (None, None) => bail!("a slice sampler needs --num-slices N or --slice-len N"),
+            _ => bail!("--num-slices and --slice-len are at least 1"),
+        };
+        Ok((episodes, shape))
+    };
+    Ok(match kind {
+        SamplerKind::Uniform => SamplerSpec::Uniform,
+        SamplerKind::WithoutReplacement => SamplerSpec::WithoutReplacement { drop_last: args.drop_last },
+        SamplerKind::Prioritized => SamplerSpec::Prioritized { alpha, beta, eps },
+        SamplerKind::Slice => {
+            let (episodes, shape) = slices()?;
+            SamplerSpec::Slice { episodes, shape, strict_length: args.strict_length }
+        }
+        SamplerKind::PrioritizedSlice => {
+            let (episodes, shape) = slices()?;
+            SamplerSpec::PrioritizedSlice { alpha, beta, eps, episodes, shape, strict_length: args.strict_length }
+        }
+    })
 }
 
 /// Refuses a `--dir` the first writer could not make the storage in: not a folder, or a folder
@@ -212,14 +305,10 @@ fn check_dir(dir: &Path, overwrite: bool) -> anyhow::Result<()> {
 }
 
 /// The rate limiter the arguments ask for, if any.
-fn limiter(args: &ServeArgs) -> anyhow::Result<Option<RateLimiter>> {
+fn limiter(args: &ServeArgs, capacity: usize) -> anyhow::Result<Option<RateLimiter>> {
     let min_size = args.min_size.map(usize::try_from).transpose().context("--min-size")?;
     if let Some(rows) = min_size {
-        ensure!(
-            rows as u64 <= args.capacity,
-            "--min-size {rows} is more than --capacity {}: samples would wait forever",
-            args.capacity
-        );
+        ensure!(rows <= capacity, "--min-size {rows} is more than the capacity {capacity}: samples would wait forever");
     }
     let limiter = match (args.samples_per_insert, args.error_buffer) {
         (Some(ratio), Some(error_buffer)) => {
@@ -237,15 +326,38 @@ fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // Checked here, so that bad arguments are reported by the command that was typed.
     options(&args, &paths)?;
     let log_path = paths.log.clone().expect("a daemon has a log");
-    let mut passed: Vec<OsString> = vec!["--capacity".into(), args.capacity.to_string().into()];
+    let mut passed: Vec<OsString> = Vec::new();
+    if let Some(capacity) = args.capacity {
+        passed.extend(["--capacity".into(), capacity.to_string().into()]);
+    }
+    if let Some(dump) = &args.load {
+        passed.extend(["--load".into(), std::path::absolute(dump)?.into()]);
+    }
+    for (flag, value) in [("--traj-key", &args.traj_key), ("--end-key", &args.end_key)] {
+        if let Some(value) = value {
+            passed.extend([flag.into(), value.into()]);
+        }
+    }
+    for (flag, value) in [("--num-slices", args.num_slices), ("--slice-len", args.slice_len)] {
+        if let Some(value) = value {
+            passed.extend([flag.into(), value.to_string().into()]);
+        }
+    }
+    for (flag, on) in [("--drop-last", args.drop_last), ("--strict-length", args.strict_length)] {
+        if on {
+            passed.push(flag.into());
+        }
+    }
     if let Some(dir) = &paths.dir {
         passed.extend(["--dir".into(), dir.into()]);
         if args.overwrite {
             passed.push("--overwrite".into());
         }
     }
-    let sampler = args.sampler.to_possible_value().expect("no variant is skipped");
-    passed.extend(["--sampler".into(), sampler.get_name().into()]);
+    if let Some(sampler) = args.sampler {
+        let sampler = sampler.to_possible_value().expect("no variant is skipped");
+        passed.extend(["--sampler".into(), sampler.get_name().into()]);
+    }
     let numbers = [
         ("--alpha", args.alpha),
         ("--beta", args.beta),
@@ -306,7 +418,7 @@ fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
         socket.display(),
         std::process::id(),
         paths.log.as_deref().map_or_else(|| "stderr".to_owned(), |p| p.display().to_string()),
-        args.capacity,
+        server.buffer().capacity(),
         paths.dir.as_deref().map_or_else(|| "shared memory".to_owned(), |d| format!("folder {}", d.display())),
         server.buffer().sampler().name(),
     );

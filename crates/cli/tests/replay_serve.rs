@@ -290,6 +290,9 @@ fn bad_arguments_are_clear_errors() {
         (vec!["--capacity", "10", "--samples-per-insert", "2"], "--error-buffer"),
         (vec!["--capacity", "10", "--listen", "tcp:127.0.0.1:0"], "--token-file"),
         (vec!["--capacity", "10", "--listen", "uds:x", "--token-file", "/nonexistent"], "tcp:HOST:PORT"),
+        (vec!["--capacity", "10", "--load", "/nonexistent"], "--capacity"),
+        (vec!["--load", "/nonexistent", "--sampler", "prioritized"], "--sampler"),
+        (vec!["--capacity", "10", "--sampler", "slice", "--traj-key", "e", "--end-key", "d"], "--end-key"),
     ] {
         let run = w.replay("serve", &args);
         assert!(run.usage_error().contains(says), "{args:?} should name {says}:\n{run}");
@@ -299,8 +302,13 @@ fn bad_arguments_are_clear_errors() {
     for (args, says) in [
         (vec!["--capacity", "10", "--alpha", "0.5"], "--alpha applies to --sampler prioritized"),
         (vec!["--capacity", "10", "--sampler", "prioritized", "--alpha", "-1"], "--alpha -1"),
-        (vec!["--capacity", "10", "--sampler", "prioritized", "--seed", "3"], "--seed"),
-        (vec!["--capacity", "10", "--min-size", "11"], "--min-size 11 is more than --capacity 10"),
+        (vec!["--capacity", "10", "--sampler", "slice", "--traj-key", "e"], "--num-slices N or --slice-len N"),
+        (vec!["--capacity", "10", "--sampler", "slice", "--slice-len", "4"], "--traj-key KEY or --end-key KEY"),
+        (vec!["--capacity", "10", "--sampler", "slice", "--end-key", "d", "--slice-len", "0"], "at least 1"),
+        (vec!["--capacity", "10", "--strict-length"], "--strict-length applies to --sampler slice"),
+        (vec!["--capacity", "10", "--drop-last"], "--drop-last applies to --sampler without-replacement"),
+        (vec!["--load", "/nonexistent/dump"], "--load /nonexistent/dump"),
+        (vec!["--capacity", "10", "--min-size", "11"], "--min-size 11 is more than the capacity 10"),
         (vec!["--capacity", "10", "--samples-per-insert", "-1", "--error-buffer", "4"], "samples_per_insert"),
         (vec!["--capacity", "10", "--samples-per-insert", "1", "--error-buffer", "-4"], "error_buffer"),
     ] {
@@ -480,4 +488,66 @@ impl Drop for KillOnDrop {
             let _ = kill(Pid::from_raw(self.0 as i32), Signal::SIGKILL);
         }
     }
+}
+
+/// A service started from a TorchRL dump (written by TorchRL 0.14.1) serves its rows and
+/// priorities; one with a slice sampler hands out runs of one trajectory.
+#[test]
+fn from_a_torchrl_dump_and_with_slices() {
+    let w = World::new("load");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1/prioritized");
+    let fixture = fixture.canonicalize().unwrap();
+    let (mut cmd, _) =
+        w.command(["replay", "serve", "--no-fork", "--name", &w.name, "--load", fixture.to_str().unwrap()]);
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let guard = KillOnDrop(child.id());
+    assert!(line.contains("32 rows") && line.contains("prioritized sampler"), "{line}");
+    let stats = w.stats();
+    assert_eq!((stats["len"].as_u64(), stats["capacity"].as_u64()), (Some(20), Some(32)), "{stats}");
+    let (_, info) = w.client().sample(8, Some(Duration::from_secs(10))).unwrap();
+    assert!(info.weights.is_some() && info.indices.iter().all(|&i| i < 20));
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
+    assert!(child.wait().unwrap().success());
+    drop(guard);
+
+    let w = World::new("slices");
+    let (mut cmd, _) = w.command([
+        "replay",
+        "serve",
+        "--no-fork",
+        "--name",
+        &w.name,
+        "--capacity",
+        "40",
+        "--sampler",
+        "slice",
+        "--traj-key",
+        "episode",
+        "--slice-len",
+        "4",
+        "--strict-length",
+        "--seed",
+        "5",
+    ]);
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let guard = KillOnDrop(child.id());
+    assert!(line.contains("slice sampler"), "{line}");
+    let client = w.client();
+    let mut batch = rows(0, 30);
+    let episode: Vec<i64> = (0..30).map(|i| i / 10).collect();
+    batch.set("episode", Tensor::from_slice(&episode, [30]).unwrap()).unwrap();
+    client.extend(&batch).unwrap();
+    let (td, _) = client.sample(12, Some(Duration::from_secs(10))).unwrap();
+    let steps: Vec<i64> = td.get_tensor("step").unwrap().to_vec().unwrap();
+    for slice in steps.chunks(4) {
+        assert!(slice.windows(2).all(|p| p[1] == p[0] + 1) && slice[0] / 10 == slice[3] / 10, "{steps:?}");
+    }
+    drop(client);
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
+    assert!(child.wait().unwrap().success());
+    drop(guard);
 }
