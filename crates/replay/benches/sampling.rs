@@ -23,8 +23,7 @@ fn rows(start: usize, n: usize) -> TensorDict {
         .unwrap();
     td.set("reward", Tensor::from_slice(&ids.iter().map(|&i| (i % 7) as f32).collect::<Vec<_>>(), [n]).unwrap())
         .unwrap();
-    td.set("done", Tensor::from_bools(&ids.iter().map(|&i| i % 100 == 99).collect::<Vec<_>>(), [n]).unwrap())
-        .unwrap();
+    td.set("done", Tensor::from_bools(&ids.iter().map(|&i| i % 100 == 99).collect::<Vec<_>>(), [n]).unwrap()).unwrap();
     td.set("episode", Tensor::from_slice(&ids.iter().map(|&i| (i / 100) as i64).collect::<Vec<_>>(), [n]).unwrap())
         .unwrap();
     td.set(["next", "obs"], Tensor::from_slice(&next_obs, [n, 84]).unwrap()).unwrap();

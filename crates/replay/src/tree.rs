@@ -23,9 +23,83 @@
 //! Values are checked when set: NaN, infinite and negative priorities are refused, so the
 //! invariants above hold for every tree reachable through the public API.
 
-use std::ops::Range;
+use std::fmt;
+use std::ops::{Deref, DerefMut, Range};
 
 use crate::error::{Error, Result};
+
+/// Arrays of at least this many bytes live in their own anonymous mapping, marked for huge
+/// pages; smaller ones on the heap.
+const MAPPED_MIN_BYTES: usize = 1 << 20;
+
+/// A zero-filled array of `f32` or `f64` for a tree. Large arrays are mapped with transparent
+/// huge pages requested: a search down a tree of a million leaves touches a different 4 KiB page
+/// at each of its lower levels, and on 4 KiB pages each of those reads first waits for an
+/// address translation (a page walk, the more costly in a virtual machine); with 2 MiB pages
+/// the translations of the whole tree stay cached. Where huge pages are not available the
+/// mapping works the same on small pages.
+enum Slab<T> {
+    Heap(Vec<T>),
+    Mapped { map: memmap2::MmapMut, len: usize, _values: std::marker::PhantomData<T> },
+}
+
+impl<T: bytemuck::Pod> Slab<T> {
+    fn zeroed(len: usize) -> Self {
+        let bytes = len * size_of::<T>();
+        if bytes >= MAPPED_MIN_BYTES
+            && let Ok(map) = memmap2::MmapMut::map_anon(bytes)
+        {
+            // Only a hint: without huge pages the mapping is used as it is.
+            #[cfg(target_os = "linux")]
+            let _ = map.advise(memmap2::Advice::HugePage);
+            return Slab::Mapped { map, len, _values: std::marker::PhantomData };
+        }
+        // An anonymous mapping that cannot be made is left to the heap, which reports the
+        // exhaustion as any allocation does.
+        Slab::Heap(vec![T::zeroed(); len])
+    }
+}
+
+impl<T: bytemuck::Pod> Deref for Slab<T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        match self {
+            Slab::Heap(v) => v,
+            // A mapping is page-aligned, so the cast cannot fail on alignment.
+            Slab::Mapped { map, len, .. } => bytemuck::cast_slice(&map[..len * size_of::<T>()]),
+        }
+    }
+}
+
+impl<T: bytemuck::Pod> DerefMut for Slab<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            Slab::Heap(v) => v,
+            Slab::Mapped { map, len, .. } => bytemuck::cast_slice_mut(&mut map[..*len * size_of::<T>()]),
+        }
+    }
+}
+
+impl<T: bytemuck::Pod> Clone for Slab<T> {
+    fn clone(&self) -> Self {
+        let mut copy = Self::zeroed(self.len());
+        copy.copy_from_slice(self);
+        copy
+    }
+}
+
+impl<T: bytemuck::Pod + PartialEq> PartialEq for Slab<T> {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl<T: bytemuck::Pod + fmt::Debug> fmt::Debug for Slab<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
 
 fn check_priority(index: usize, value: f32) -> Result<()> {
     if value.is_finite() && value >= 0.0 {
@@ -108,17 +182,17 @@ pub struct SumTree {
     /// Power of two, `>= capacity` and `>= 2`: leaf `i` is node `slots + i`.
     slots: usize,
     /// `slots` leaves; those past `capacity` stay zero. Node `slots + i` is `leaves[i]`.
-    leaves: Vec<f32>,
+    leaves: Slab<f32>,
     /// The inner nodes: `nodes[1]` is the root, `nodes[n]` for `n < slots` the sum of its
     /// children (`nodes[0]` is unused).
-    nodes: Vec<f64>,
+    nodes: Slab<f64>,
 }
 
 impl SumTree {
     /// A tree of `capacity` leaves, all zero.
     pub fn new(capacity: usize) -> Self {
         let slots = leaf_slots(capacity);
-        Self { capacity, slots, leaves: vec![0.0; slots], nodes: vec![0.0; slots] }
+        Self { capacity, slots, leaves: Slab::zeroed(slots), nodes: Slab::zeroed(slots) }
     }
 
     /// The value of node `node` (`1..2 * slots`): an inner sum, or a leaf widened to `f64`.
@@ -311,7 +385,7 @@ pub struct MinTree {
     capacity: usize,
     slots: usize,
     /// `nodes[1]` is the root; `nodes[slots + i]` is leaf `i`; slots past capacity hold `f32::MAX`.
-    nodes: Vec<f32>,
+    nodes: Slab<f32>,
 }
 
 impl MinTree {
@@ -321,7 +395,9 @@ impl MinTree {
     /// A tree of `capacity` leaves, all [`MinTree::EMPTY`].
     pub fn new(capacity: usize) -> Self {
         let slots = leaf_slots(capacity);
-        Self { capacity, slots, nodes: vec![Self::EMPTY; 2 * slots] }
+        let mut nodes = Slab::zeroed(2 * slots);
+        nodes.fill(Self::EMPTY);
+        Self { capacity, slots, nodes }
     }
 
     /// A tree holding `leaves` (checked: each finite and non-negative), built in O(n).

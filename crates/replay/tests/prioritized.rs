@@ -166,6 +166,48 @@ fn batched_sets_build_the_same_trees_as_sets_one_by_one() {
 }
 
 #[test]
+fn large_trees_search_update_clone_and_compare_like_small_ones() {
+    // Past a MiB per array the trees live in their own (huge-page) mappings: the same answers.
+    let n = 300_000;
+    let mut rng = StdRng::seed_from_u64(14);
+    let leaves = random_integer_leaves(&mut rng, n);
+    let mut sum = SumTree::from_leaves(&leaves).unwrap();
+    let mut min = MinTree::from_leaves(&leaves).unwrap();
+    let rows: Vec<usize> = (0..2000).map(|_| rng.random_range(0..n)).collect();
+    let values = random_integer_leaves(&mut rng, rows.len());
+    sum.set_many(&rows, &values).unwrap();
+    min.set_many(&rows, &values).unwrap();
+    let mut shadow = leaves;
+    for (&r, &v) in rows.iter().zip(&values) {
+        shadow[r] = v;
+    }
+    assert_eq!(sum.leaves(), &shadow[..]);
+    assert_eq!(sum.total(), shadow.iter().map(|&v| f64::from(v)).sum::<f64>());
+    assert_eq!(min.min(), shadow.iter().copied().fold(f32::MAX, f32::min));
+    assert_eq!(sum.clone(), sum);
+    assert_eq!(min.clone(), min);
+    assert_eq!(SumTree::from_leaves(&shadow).unwrap(), sum);
+    assert_eq!(MinTree::from_leaves(&shadow).unwrap(), min);
+    // Brute-force prefix sums of the integer leaves are exact.
+    let mut cumulative = Vec::with_capacity(n);
+    let mut acc = 0.0f64;
+    for &v in &shadow {
+        acc += f64::from(v);
+        cumulative.push(acc);
+    }
+    let masses: Vec<f64> = (0..500).map(|_| (rng.random::<f64>() * acc).floor() + 0.5).collect();
+    let found = sum.find_prefix_many(&masses).unwrap();
+    for (&mass, &got) in masses.iter().zip(&found) {
+        let want = cumulative.partition_point(|&c| c <= mass);
+        assert_eq!(got, want, "mass {mass}");
+        assert_eq!(sum.find_prefix(mass), Some(want));
+    }
+    let fresh = MinTree::new(n);
+    assert_eq!(fresh.min(), MinTree::EMPTY);
+    assert!(fresh.leaves().iter().all(|&v| v == MinTree::EMPTY));
+}
+
+#[test]
 fn sampling_draws_the_rows_one_prefix_search_per_uniform_mass_finds() {
     // The batched descent must not change which rows a seeded generator draws: row `k` is
     // `find_prefix(u_k * sum)` for the `k`-th uniform `u_k` of the generator.
