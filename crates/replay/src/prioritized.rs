@@ -330,20 +330,19 @@ impl PrioritizedState {
         if p_min <= 0.0 {
             return Err(Error::NonPositiveMass { what: "min", len, value: f64::from(p_min) });
         }
-        let mut indices = Vec::with_capacity(batch);
+        // Every mass is drawn first, then the searches go down the tree together.
+        let masses: Vec<f64> = (0..batch).map(|_| rng.random::<f64>() * p_sum).collect();
+        let mut indices = self.sum_tree.find_prefix_many(&masses).unwrap_or_else(|| vec![len; batch]);
+        let leaves = self.sum_tree.leaves();
         let mut weights = Vec::with_capacity(batch);
-        for _ in 0..batch {
-            let mass = rng.random::<f64>() * p_sum;
-            let index = match self.sum_tree.find_prefix(mass) {
-                Some(i) if i < len => i,
+        for index in &mut indices {
+            if *index >= len {
                 // Only reachable through rounding at the `len` boundary or rows past `len`
                 // holding priority: take the last positive row below `len` (one exists,
                 // since `p_sum > 0`).
-                _ => self.sum_tree.last_positive_before(len).unwrap_or(len - 1),
-            };
-            let p = self.sum_tree.leaves()[index];
-            indices.push(index);
-            weights.push(self.weight(p, p_min));
+                *index = self.sum_tree.last_positive_before(len).unwrap_or(len - 1);
+            }
+            weights.push(self.weight(leaves[*index], p_min));
         }
         Ok((indices, weights))
     }

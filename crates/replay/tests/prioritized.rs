@@ -104,6 +104,135 @@ fn sum_tree_never_picks_zero_leaf_under_rounding() {
     assert_eq!(tree.find_prefix(0.0), Some(0));
 }
 
+/// Leaves with fractional values (sums that round), about a fifth of them zero.
+fn random_real_leaves(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| if rng.random_bool(0.2) { 0.0 } else { rng.random_range(1e-6f32..100.0) }).collect()
+}
+
+#[test]
+fn batched_prefix_search_equals_one_search_per_mass() {
+    let mut rng = StdRng::seed_from_u64(11);
+    for n in [1usize, 2, 3, 7, 8, 9, 64, 1000, 4097] {
+        for round in 0..6 {
+            let leaves =
+                if round % 2 == 0 { random_integer_leaves(&mut rng, n) } else { random_real_leaves(&mut rng, n) };
+            let tree = SumTree::from_leaves(&leaves).unwrap();
+            let total = tree.total();
+            if total == 0.0 {
+                assert_eq!(tree.find_prefix_many(&[0.0, 1.0]), None);
+                continue;
+            }
+            let mut masses: Vec<f64> = (0..300).map(|_| rng.random::<f64>() * total).collect();
+            // The edges: the ends, beyond them, NaN, and masses one ulp around the total.
+            masses.extend([0.0, -1.0, total, total + 1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY]);
+            masses.extend([f64::from_bits(total.to_bits() - 1), f64::from_bits(total.to_bits() + 1)]);
+            let batched = tree.find_prefix_many(&masses).unwrap();
+            assert_eq!(batched.len(), masses.len());
+            for (&mass, &got) in masses.iter().zip(&batched) {
+                assert_eq!(Some(got), tree.find_prefix(mass), "n {n}, mass {mass}");
+                assert!(leaves[got] > 0.0, "zero leaf {got} chosen for mass {mass}");
+            }
+        }
+    }
+    assert_eq!(SumTree::from_leaves(&[2.0]).unwrap().find_prefix_many(&[]), Some(Vec::new()));
+    assert_eq!(SumTree::new(5).find_prefix_many(&[0.5]), None);
+}
+
+#[test]
+fn batched_sets_build_the_same_trees_as_sets_one_by_one() {
+    let mut rng = StdRng::seed_from_u64(12);
+    for n in [1usize, 2, 5, 64, 1000, 3000] {
+        let start = random_real_leaves(&mut rng, n);
+        let (mut sum_batched, mut min_batched) =
+            (SumTree::from_leaves(&start).unwrap(), MinTree::from_leaves(&start).unwrap());
+        let (mut sum_single, mut min_single) = (sum_batched.clone(), min_batched.clone());
+        for batch in [0usize, 1, 2, 17, 256, 2 * n] {
+            // Repeated rows (the last value wins) and rows sharing parents.
+            let rows: Vec<usize> = (0..batch).map(|_| rng.random_range(0..n)).collect();
+            let values = random_real_leaves(&mut rng, batch);
+            sum_batched.set_many(&rows, &values).unwrap();
+            min_batched.set_many(&rows, &values).unwrap();
+            for (&r, &v) in rows.iter().zip(&values) {
+                sum_single.set(r, v).unwrap();
+                min_single.set(r, v).unwrap();
+            }
+            // Every inner node, bit for bit, not just the leaves and the root.
+            assert_eq!(sum_batched, sum_single, "n {n}, batch {batch}");
+            assert_eq!(min_batched, min_single, "n {n}, batch {batch}");
+            assert_eq!(SumTree::from_leaves(sum_batched.leaves()).unwrap(), sum_batched);
+            assert_eq!(MinTree::from_leaves(min_batched.leaves()).unwrap(), min_batched);
+        }
+    }
+}
+
+#[test]
+fn large_trees_search_update_clone_and_compare_like_small_ones() {
+    // Past a MiB per array the trees live in their own (huge-page) mappings: the same answers.
+    let n = 300_000;
+    let mut rng = StdRng::seed_from_u64(14);
+    let leaves = random_integer_leaves(&mut rng, n);
+    let mut sum = SumTree::from_leaves(&leaves).unwrap();
+    let mut min = MinTree::from_leaves(&leaves).unwrap();
+    let rows: Vec<usize> = (0..2000).map(|_| rng.random_range(0..n)).collect();
+    let values = random_integer_leaves(&mut rng, rows.len());
+    sum.set_many(&rows, &values).unwrap();
+    min.set_many(&rows, &values).unwrap();
+    let mut shadow = leaves;
+    for (&r, &v) in rows.iter().zip(&values) {
+        shadow[r] = v;
+    }
+    assert_eq!(sum.leaves(), &shadow[..]);
+    assert_eq!(sum.total(), shadow.iter().map(|&v| f64::from(v)).sum::<f64>());
+    assert_eq!(min.min(), shadow.iter().copied().fold(f32::MAX, f32::min));
+    assert_eq!(sum.clone(), sum);
+    assert_eq!(min.clone(), min);
+    assert_eq!(SumTree::from_leaves(&shadow).unwrap(), sum);
+    assert_eq!(MinTree::from_leaves(&shadow).unwrap(), min);
+    // Brute-force prefix sums of the integer leaves are exact.
+    let mut cumulative = Vec::with_capacity(n);
+    let mut acc = 0.0f64;
+    for &v in &shadow {
+        acc += f64::from(v);
+        cumulative.push(acc);
+    }
+    let masses: Vec<f64> = (0..500).map(|_| (rng.random::<f64>() * acc).floor() + 0.5).collect();
+    let found = sum.find_prefix_many(&masses).unwrap();
+    for (&mass, &got) in masses.iter().zip(&found) {
+        let want = cumulative.partition_point(|&c| c <= mass);
+        assert_eq!(got, want, "mass {mass}");
+        assert_eq!(sum.find_prefix(mass), Some(want));
+    }
+    let fresh = MinTree::new(n);
+    assert_eq!(fresh.min(), MinTree::EMPTY);
+    assert!(fresh.leaves().iter().all(|&v| v == MinTree::EMPTY));
+}
+
+#[test]
+fn sampling_draws_the_rows_one_prefix_search_per_uniform_mass_finds() {
+    // The batched descent must not change which rows a seeded generator draws: row `k` is
+    // `find_prefix(u_k * sum)` for the `k`-th uniform `u_k` of the generator.
+    let n = 5000;
+    let mut rng = StdRng::seed_from_u64(13);
+    let mut state = PrioritizedState::new(n, 0.7, 0.5, 1e-6).unwrap();
+    let priorities = random_real_leaves(&mut rng, n);
+    state.update_priority(&(0..n).collect::<Vec<_>>(), &priorities).unwrap();
+    for len in [n, n - 1, 1234, 1] {
+        let (rows, weights) = state.sample(300, len, &mut StdRng::seed_from_u64(99)).unwrap();
+        let mut draws = StdRng::seed_from_u64(99);
+        let p_sum = state.sum_tree().sum(0..len).unwrap();
+        let p_min = state.min_tree().min_in(0..len).unwrap();
+        for (&row, &weight) in rows.iter().zip(&weights) {
+            let mass = draws.random::<f64>() * p_sum;
+            let want = match state.sum_tree().find_prefix(mass) {
+                Some(i) if i < len => i,
+                _ => state.sum_tree().last_positive_before(len).unwrap(),
+            };
+            assert_eq!(row, want, "len {len}");
+            assert_eq!(weight, state.weight(state.sum_tree().get(row).unwrap(), p_min));
+        }
+    }
+}
+
 #[test]
 fn sum_and_min_range_queries_match_brute_force() {
     let mut rng = StdRng::seed_from_u64(11);
