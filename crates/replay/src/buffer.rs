@@ -235,17 +235,28 @@ impl LoadOptions {
     }
 }
 
+/// What the state keeps of one row. A sample reads and pins its rows at random over the whole
+/// buffer, so everything it looks at of a row sits in one 16-byte slot: one cache miss per row
+/// instead of one per field.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(16))]
+struct RowState {
+    /// Reads copying the row out.
+    pins: u32,
+    /// Tickets queued on the row (the cheap test of `State::in_flight`).
+    queued: u32,
+    /// Whether the row was completely written (and not spoiled since by a failed write).
+    filled: bool,
+}
+
 /// The state the lock guards (see the module docs).
 struct State {
     writer: Box<dyn Writer>,
     next_ticket: u64,
-    filled: Vec<bool>,
+    rows: Vec<RowState>,
     len: usize,
     /// The tickets queued on each row being written.
     in_flight: HashMap<usize, VecDeque<u64>>,
-    /// How many tickets are queued on each row (the cheap test of `in_flight`).
-    queued: Vec<u32>,
-    pins: Vec<u32>,
     counts: RateCounts,
     /// Dumps waiting for the writes under way to end: new writes wait for them, so that a
     /// steady stream of writers cannot hold a dump off.
@@ -254,7 +265,10 @@ struct State {
 
 impl State {
     fn visible(&self, row: usize) -> bool {
-        row < self.len && self.filled[row] && self.queued[row] == 0
+        row < self.len && {
+            let state = self.rows[row];
+            state.filled && state.queued == 0
+        }
     }
 
     /// Queues a new ticket on `rows` (which hides them from new reads) and returns it.
@@ -263,14 +277,14 @@ impl State {
         self.next_ticket += 1;
         for &r in rows {
             self.in_flight.entry(r).or_default().push_back(ticket);
-            self.queued[r] += 1;
+            self.rows[r].queued += 1;
         }
         ticket
     }
 
     /// Whether `ticket` is first in the queue of every row of `rows` and no read pins them.
     fn writable(&self, rows: &[usize], ticket: u64) -> bool {
-        rows.iter().all(|r| self.pins[*r] == 0 && self.in_flight[r].front() == Some(&ticket))
+        rows.iter().all(|r| self.rows[*r].pins == 0 && self.in_flight[r].front() == Some(&ticket))
     }
 
     /// Takes the first ticket off the queues of `rows`, and marks them filled (`written`) or
@@ -282,12 +296,12 @@ impl State {
             if queue.is_empty() {
                 self.in_flight.remove(&r);
             }
-            self.queued[r] -= 1;
-            self.filled[r] = written;
+            self.rows[r].queued -= 1;
+            self.rows[r].filled = written;
         }
         if written {
             let mut len = self.len;
-            while len < capacity && self.filled[len] {
+            while len < capacity && self.rows[len].filled {
                 len += 1;
             }
             self.len = len;
@@ -296,7 +310,7 @@ impl State {
 
     fn unpin(&mut self, rows: &[usize]) {
         for &r in rows {
-            self.pins[r] -= 1;
+            self.rows[r].pins -= 1;
         }
     }
 }
@@ -346,11 +360,9 @@ impl ReplayBuffer {
             state: Mutex::new(State {
                 writer,
                 next_ticket: 0,
-                filled: per_row(capacity)?,
+                rows: per_row(capacity)?,
                 len: 0,
                 in_flight: HashMap::new(),
-                queued: per_row(capacity)?,
-                pins: per_row(capacity)?,
                 counts: RateCounts::default(),
                 dumps_waiting: 0,
             }),
@@ -409,7 +421,7 @@ impl ReplayBuffer {
         let buffer = Self::new(config, writer, sampler)?;
         {
             let mut state = buffer.state.lock();
-            state.filled[..len].fill(true);
+            state.rows[..len].iter_mut().for_each(|r| r.filled = true);
             state.len = len;
         }
         *buffer.stored_len.lock() = len;
@@ -696,13 +708,13 @@ impl ReplayBuffer {
         let mut state = self.state.lock();
         let rows = rows.into().resolve(state.len)?;
         while !rows.iter().all(|&r| state.visible(r)) {
-            if let Some(&index) = rows.iter().find(|&&r| !state.filled[r] && state.queued[r] == 0) {
+            if let Some(&index) = rows.iter().find(|&&r| !state.rows[r].filled && state.rows[r].queued == 0) {
                 return Err(Error::RowNotValid { index });
             }
             self.changed.wait(&mut state);
         }
         for &r in &rows {
-            state.pins[r] += 1;
+            state.rows[r].pins += 1;
         }
         drop(state);
         let out = storage.gather(&rows);
@@ -743,7 +755,7 @@ impl ReplayBuffer {
         let sampler = self.sampler.to_dump()?;
         let all: Vec<usize> = (0..self.config.capacity).collect();
         for &r in &all {
-            state.pins[r] += 1;
+            state.rows[r].pins += 1;
         }
         drop(state);
         self.with_pins(&all, || {
@@ -880,7 +892,7 @@ impl ReplayBuffer {
             let short = drawn.len() < want;
             // Rows being written become visible when their write ends: worth waiting for.
             // Rows a failed write left are not valid until written again: draw past them.
-            let being_written = drawn.iter().any(|&i| state.queued[i] > 0);
+            let being_written = drawn.iter().any(|&i| state.rows[i].queued > 0);
             let before = indices.len();
             if self.sampler.whole_draws() && !drawn.iter().all(|&i| state.visible(i)) {
                 // A run with a row being written: the whole draw is dropped and made again.
@@ -915,10 +927,24 @@ impl ReplayBuffer {
             // Wait for a write to end only when drawing again got nowhere.
             if being_written && indices.len() == before && (rounds % REDRAWS_BEFORE_WAIT == 0 || short) {
                 self.wait(&mut state, start, deadline, op, "every row drawn is being written")?;
+                // The rows kept so far are not pinned yet (a read never waits while it pins):
+                // a write may have started on some of them meanwhile. Keep only those still
+                // visible, so that every row pinned below is whole.
+                let mut k = 0;
+                while k < indices.len() {
+                    if state.visible(indices[k]) {
+                        k += 1;
+                    } else {
+                        indices.swap_remove(k);
+                        if let Some(w) = weights.as_mut() {
+                            w.swap_remove(k);
+                        }
+                    }
+                }
             }
         }
         for &r in &indices {
-            state.pins[r] += 1;
+            state.rows[r].pins += 1;
         }
         state.counts.samples += indices.len() as u64;
         if self.limiter.is_some() {

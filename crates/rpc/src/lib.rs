@@ -96,12 +96,6 @@
 #![deny(missing_docs)]
 #![doc(test(attr(deny(warnings))))]
 
-/// The README's Rust blocks run as doctests here, where every crate they use is in scope, so the
-/// README stays true.
-#[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
-struct ReadmeDoctests;
-
 mod auth;
 mod client;
 pub mod endpoint;
