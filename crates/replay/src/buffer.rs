@@ -570,8 +570,9 @@ impl ReplayBuffer {
     /// rows (another process mapping the same storage, say): write the rows of
     /// [`Reservation::rows`], then [`ReplayBuffer::commit`] them, or [`ReplayBuffer::abort`].
     /// Until the commit the rows are hidden from samples; after an abort they stay hidden until
-    /// they are written again (they may hold half a write). Waits, at most `timeout`, for the
-    /// rate limiter; then waits for earlier writes of the same rows and for reads of them.
+    /// they are written again (they may hold half a write). Waits, at most `timeout` in all,
+    /// for the rate limiter and until no read or write holds those rows; a wait that times out
+    /// reserves nothing.
     /// `n` must be between 1 and the capacity, and the storage must exist
     /// ([`ReplayBuffer::create_storage`] or a first `extend`).
     pub fn reserve(&self, n: usize, timeout: Option<Duration>) -> Result<Reservation> {
@@ -588,18 +589,31 @@ impl ReplayBuffer {
                 detail: "the buffer has no storage yet (create it with `create_storage` or a first `extend`)".into(),
             });
         }
-        let mut state = self.state.lock();
-        self.wait_for_dumps(&mut state);
-        self.wait_for_inserts(&mut state, n, timeout, OP)?;
         let capacity = self.config.capacity;
-        let Some(rows) = state.writer.reserve_rows(n, capacity) else {
-            return Err(Error::WriterCannot { writer: state.writer.name(), op: "reserve rows ahead of their values" });
+        let start = Instant::now();
+        let deadline = deadline_after(start, timeout);
+        let mut state = self.state.lock();
+        // The rows are taken only once they are free (no read pins them, no write holds them),
+        // so a wait that times out has changed nothing.
+        let rows = loop {
+            self.wait_for_dumps(&mut state);
+            self.wait_for_inserts(&mut state, n, deadline.map(|d| d.saturating_duration_since(Instant::now())), OP)?;
+            let Some(next) = state.writer.peek_rows(n, capacity) else {
+                return Err(Error::WriterCannot {
+                    writer: state.writer.name(),
+                    op: "reserve rows ahead of their values",
+                });
+            };
+            if next.iter().all(|&r| state.rows[r].pins == 0 && state.rows[r].queued == 0) {
+                let taken = state.writer.reserve_rows(n, capacity).expect("a writer that peeks reserves");
+                debug_assert_eq!(taken, next);
+                break taken;
+            }
+            self.wait(&mut state, start, deadline, OP, "the rows are being read or written")?;
         };
         state.counts.inserts += rows.len() as u64;
         let ticket = state.queue(&rows);
-        while !state.writable(&rows, ticket) {
-            self.changed.wait(&mut state);
-        }
+        debug_assert!(state.writable(&rows, ticket));
         Ok(Reservation { buffer: self.id, ticket, rows })
     }
 

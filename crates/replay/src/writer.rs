@@ -40,6 +40,13 @@ pub trait Writer: Send + fmt::Debug {
         None
     }
 
+    /// The rows [`Writer::reserve_rows`] would give now, without taking them; `None` for
+    /// writers that have no `reserve_rows`.
+    fn peek_rows(&self, n: usize, capacity: usize) -> Option<Vec<usize>> {
+        let _ = (n, capacity);
+        None
+    }
+
     /// The row the next write starts at.
     fn cursor(&self) -> usize;
 
@@ -90,11 +97,15 @@ impl Writer for RoundRobin {
     }
 
     fn reserve_rows(&mut self, n: usize, capacity: usize) -> Option<Vec<usize>> {
-        let start = self.cursor % capacity;
-        let rows = (0..n.min(capacity)).map(|k| (start + k) % capacity).collect();
-        self.cursor = (start + n % capacity) % capacity;
+        let rows = self.peek_rows(n, capacity);
+        self.cursor = (self.cursor % capacity + n % capacity) % capacity;
         self.write_count += n as u64;
-        Some(rows)
+        rows
+    }
+
+    fn peek_rows(&self, n: usize, capacity: usize) -> Option<Vec<usize>> {
+        let start = self.cursor % capacity;
+        Some((0..n.min(capacity)).map(|k| (start + k) % capacity).collect())
     }
 
     fn cursor(&self) -> usize {
