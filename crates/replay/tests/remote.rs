@@ -520,3 +520,27 @@ fn a_slice_service_hands_out_runs_of_one_episode() {
     let refused = g.connect().extend(&batch(&[1.; 4])).unwrap_err();
     assert!(refused.to_string().contains("episode"), "{refused}");
 }
+
+#[test]
+fn a_reservation_waits_for_leased_rows_and_a_timed_out_one_changes_nothing() {
+    let buffer = ReplayBuffer::uniform(replay::StorageConfig::heap(4)).unwrap();
+    buffer.extend(&batch(&[1., 2., 3., 4.])).unwrap();
+    let (_, lease) = buffer.sample_leased(64, None).unwrap();
+    assert_eq!(buffer.writer_state(), (0, 4));
+    let refused = buffer.reserve(2, Some(Duration::from_millis(50))).unwrap_err();
+    assert!(matches!(refused, Error::Timeout { op: "reserve", .. }), "{refused}");
+    assert_eq!(buffer.writer_state(), (0, 4), "a timed-out reservation moves no cursor");
+    assert_eq!(buffer.rate_counts().inserts, 4);
+    check_rows(&buffer.get(0..4).unwrap());
+    buffer.release(lease).unwrap();
+    let reservation = buffer.reserve(2, Some(Duration::from_millis(50))).unwrap();
+    assert_eq!(reservation.rows(), &[0, 1]);
+    buffer.storage().unwrap().write_rows(reservation.rows(), &batch(&[5., 6.])).unwrap();
+    buffer.commit(reservation).unwrap();
+    assert_eq!(check_rows(&buffer.get(0..4).unwrap()), vec![5., 6., 3., 4.]);
+    // Leases and reservations belong to their own buffer.
+    let other = ReplayBuffer::uniform(replay::StorageConfig::heap(4)).unwrap();
+    other.extend(&batch(&[1.])).unwrap();
+    let (_, foreign) = other.sample_leased(1, None).unwrap();
+    assert!(matches!(buffer.release(foreign), Err(Error::Foreign { what: "lease" })));
+}
