@@ -29,6 +29,7 @@
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::{self, PrioritizedDump};
 use crate::error::{Error, Result};
 use crate::tree::{MinTree, SumTree};
 
@@ -351,6 +352,35 @@ impl PrioritizedState {
     /// `p_min`, rounded as TorchRL's float32 tensors round it: the ratio in `f32`, then the power.
     pub fn weight(&self, p: f32, p_min: f32) -> f32 {
         f64::from(p / p_min).powf(-self.beta) as f32
+    }
+
+    /// Back to empty: every priority gone, the same parameters.
+    pub fn reset(&mut self) {
+        let fresh = PrioritizedState::new(self.capacity(), self.alpha(), self.beta(), self.eps())
+            .map(|s| s.with_max_priority_within_buffer(self.max_priority_within_buffer()));
+        if let Ok(fresh) = fresh {
+            *self = fresh;
+        }
+    }
+
+    /// The state as a TorchRL dump's `sampler/` holds it (the prioritized and prioritized slice
+    /// samplers dump the same).
+    pub fn to_dump(&self) -> PrioritizedDump {
+        let parts = self.to_parts();
+        let meta = parts.metadata;
+        PrioritizedDump {
+            alpha: meta.alpha,
+            beta: meta.beta,
+            eps: meta.eps,
+            max_priority: checkpoint::MaxPriority {
+                value: meta.max_priority[0],
+                index: meta.max_priority[1].map(|i| i as u64),
+            },
+            max_capacity: parts.sum_leaves.len(),
+            schema_version: Some(i64::from(SAMPLER_SCHEMA_VERSION)),
+            sum_tree: parts.sum_leaves,
+            min_tree: parts.min_leaves,
+        }
     }
 
     /// The dump's contents: metadata as TorchRL writes it and both trees' leaves.

@@ -61,9 +61,9 @@ use parking_lot::RwLock;
 use rand::Rng;
 use tensordict::TensorDict;
 
-use crate::checkpoint::{self, PrioritizedDump, SamplerDump};
+use crate::checkpoint::SamplerDump;
 use crate::error::{Error, Result};
-use crate::prioritized::{PrioritizedState, SAMPLER_SCHEMA_VERSION};
+use crate::prioritized::PrioritizedState;
 use crate::sampler::{Draw, Sampler};
 use crate::slice::{EpisodeIndex, Episodes, Slice, SliceShape, Trajectory};
 
@@ -308,12 +308,7 @@ impl Sampler for PrioritizedSlice {
 
     fn reset(&self) {
         self.slice.reset();
-        let mut state = self.state.write();
-        let fresh = PrioritizedState::new(state.capacity(), state.alpha(), state.beta(), state.eps())
-            .map(|s| s.with_max_priority_within_buffer(state.max_priority_within_buffer()));
-        if let Ok(fresh) = fresh {
-            *state = fresh;
-        }
+        self.state.write().reset();
     }
 
     fn capacity(&self) -> Option<usize> {
@@ -322,20 +317,6 @@ impl Sampler for PrioritizedSlice {
 
     /// TorchRL's prioritized slice sampler dumps what its prioritized sampler dumps.
     fn to_dump(&self) -> Result<SamplerDump> {
-        let parts = self.state.read().to_parts();
-        let meta = parts.metadata;
-        Ok(SamplerDump::Prioritized(PrioritizedDump {
-            alpha: meta.alpha,
-            beta: meta.beta,
-            eps: meta.eps,
-            max_priority: checkpoint::MaxPriority {
-                value: meta.max_priority[0],
-                index: meta.max_priority[1].map(|i| i as u64),
-            },
-            max_capacity: parts.sum_leaves.len(),
-            schema_version: Some(i64::from(SAMPLER_SCHEMA_VERSION)),
-            sum_tree: parts.sum_leaves,
-            min_tree: parts.min_leaves,
-        }))
+        Ok(SamplerDump::Prioritized(self.state.read().to_dump()))
     }
 }

@@ -22,9 +22,9 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use tensordict::TensorDict;
 
-use crate::checkpoint::{self, PrioritizedDump, SamplerDump};
+use crate::checkpoint::{PrioritizedDump, SamplerDump};
 use crate::error::{Error, Result};
-use crate::prioritized::{PrioritizedParts, PrioritizedState, SAMPLER_SCHEMA_VERSION, SamplerMetadata};
+use crate::prioritized::{PrioritizedParts, PrioritizedState, SamplerMetadata};
 
 /// Row indices and, for samplers that weight their draws, one importance weight per index.
 pub type Draw = (Vec<usize>, Option<Vec<f64>>);
@@ -421,12 +421,7 @@ impl Sampler for Prioritized {
     }
 
     fn reset(&self) {
-        let mut state = self.state.write();
-        let fresh = PrioritizedState::new(state.capacity(), state.alpha(), state.beta(), state.eps())
-            .map(|s| s.with_max_priority_within_buffer(state.max_priority_within_buffer()));
-        if let Ok(fresh) = fresh {
-            *state = fresh;
-        }
+        self.state.write().reset();
     }
 
     fn capacity(&self) -> Option<usize> {
@@ -434,20 +429,6 @@ impl Sampler for Prioritized {
     }
 
     fn to_dump(&self) -> Result<SamplerDump> {
-        let parts = self.state.read().to_parts();
-        let meta = parts.metadata;
-        Ok(SamplerDump::Prioritized(PrioritizedDump {
-            alpha: meta.alpha,
-            beta: meta.beta,
-            eps: meta.eps,
-            max_priority: checkpoint::MaxPriority {
-                value: meta.max_priority[0],
-                index: meta.max_priority[1].map(|i| i as u64),
-            },
-            max_capacity: parts.sum_leaves.len(),
-            schema_version: Some(i64::from(SAMPLER_SCHEMA_VERSION)),
-            sum_tree: parts.sum_leaves,
-            min_tree: parts.min_leaves,
-        }))
+        Ok(SamplerDump::Prioritized(self.state.read().to_dump()))
     }
 }
