@@ -9,7 +9,7 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use memmap_tensor::Tensor;
 use nix::sys::signal::{Signal, kill};
@@ -20,46 +20,8 @@ use rpc::{ClientOptions, Endpoint, Token};
 use serde_json::Value;
 use tensordict::TensorDict;
 
-/// What one run of `tdict` did.
-struct Run {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-    cmd: String,
-}
-
-impl Run {
-    fn ok(&self) -> &str {
-        assert_eq!(self.code, Some(0), "{self}");
-        &self.stdout
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_str(self.ok().trim()).unwrap_or_else(|e| panic!("stdout is not one JSON value ({e}):\n{self}"))
-    }
-
-    /// Exit 1, no panic, and the last stderr line is the `tdict:` error; returns it.
-    fn error(&self) -> &str {
-        assert_eq!(self.code, Some(1), "{self}");
-        assert!(!self.stderr.contains("panicked"), "panic:\n{self}");
-        let last = self.stderr.lines().last().unwrap_or_default();
-        assert!(last.starts_with("tdict: "), "the last stderr line is not the error:\n{self}");
-        last
-    }
-
-    /// Exit 2 (clap's usage error), no panic; returns stderr.
-    fn usage_error(&self) -> &str {
-        assert_eq!(self.code, Some(2), "{self}");
-        assert!(!self.stderr.contains("panicked"), "panic:\n{self}");
-        &self.stderr
-    }
-}
-
-impl std::fmt::Display for Run {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "$ {}\nexit: {:?}\n--- stdout\n{}--- stderr\n{}---", self.cmd, self.code, self.stdout, self.stderr)
-    }
-}
+mod common;
+use common::{Run, alive, read_pid, wait_until};
 
 /// One test's world: a private runtime directory, a service name, and a guard that stops every
 /// server started in it when dropped.
@@ -106,14 +68,8 @@ impl World {
     }
 
     fn tdict<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> Run {
-        let (mut cmd, line) = self.command(args);
-        let out = cmd.output().expect("the tdict binary runs");
-        Run {
-            code: out.status.code(),
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-            cmd: line,
-        }
+        let (cmd, line) = self.command(args);
+        Run::of(cmd, line)
     }
 
     /// `tdict replay SUB --name NAME ARGS…`.
@@ -164,30 +120,6 @@ impl Drop for World {
             }
         }
     }
-}
-
-fn read_pid(path: &Path) -> Option<u32> {
-    fs::read_to_string(path).ok()?.trim().parse().ok()
-}
-
-/// Whether `pid` runs (a zombie does not).
-fn alive(pid: u32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().to_owned()))
-        .is_some_and(|rest| !rest.starts_with('Z') && !rest.starts_with('X'))
-}
-
-/// Polls `done` until it holds or `limit` passes; returns whether it held.
-fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
-    let end = Instant::now() + limit;
-    while Instant::now() < end {
-        if done() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    done()
 }
 
 /// `n` rows whose `obs` row `i` is `[first + i; 4]` and `step` is `first + i`.
