@@ -3,28 +3,38 @@
 //! # No torn rows
 //!
 //! Many threads may extend and sample at once. A row is *visible* (samplers and reads may use
-//! it) when it has been completely written at least once and no write of it is under way. The
-//! buffer keeps, under one short state lock:
+//! it) when it has been completely written and no write of it is under way. The buffer keeps,
+//! under one short state lock:
 //!
 //! - `in_flight`: for each row being written, the tickets of the writes that reserved it, in
 //!   reservation order;
-//! - `pins`: for each row, how many reads are copying it out;
-//! - `filled` and `len`: which rows were completely written; `len` is the length of the run of
-//!   filled rows from row 0 (the valid rows, TorchRL's `len`).
+//! - per row, in one 16-byte slot: how many reads pin it (are copying it out), how many tickets
+//!   are queued on it, and whether it is filled (completely written, and not spoiled since by a
+//!   write that failed or was aborted);
+//! - `len`: the length of the run of filled rows from row 0 (TorchRL's `len`). A row spoiled
+//!   below `len` does not shorten it; it is simply not visible until written again.
 //!
-//! A write takes the lock, lets the writer choose its rows, queues its ticket on each of them
+//! `extend` takes the lock, lets the writer choose its rows, queues its ticket on each of them
 //! (which hides them from new reads) and releases the lock. It then waits until it is first in
 //! the queue of every row it reserved and no read pins them, copies its rows with no buffer
-//! lock held, and finally takes the lock again to leave the queues, mark the rows filled,
-//! advance `len` and tell the sampler (`on_write`). A read takes the lock, has the sampler
-//! draw among rows `0..len`, draws again for any drawn row that is not visible, pins the rows
-//! it keeps and releases the lock; it copies the rows out with no buffer lock held and unpins
-//! them. So a write never copies into a row a read is copying out, and a read never sees a row
-//! a write has started on: every row a read returns is whole.
+//! lock held, and finally takes the lock again to leave the queues, mark the rows filled (or
+//! spoiled, if the copy failed), advance `len` and tell the sampler (`on_write_rows`).
+//! [`ReplayBuffer::reserve`] splits that in two for writers elsewhere (another process mapping
+//! the storage): it takes rows only once no read pins them and no ticket is queued on them,
+//! queues its ticket, and returns; [`ReplayBuffer::commit`] publishes the rows as `extend` does,
+//! and [`ReplayBuffer::abort`] leaves them spoiled.
+//!
+//! A read takes the lock, has the sampler draw among rows `0..len`, draws again for any drawn
+//! row that is not visible, pins the rows it keeps and releases the lock; it copies the rows out
+//! with no buffer lock held and unpins them ([`ReplayBuffer::sample_leased`] leaves them pinned
+//! until [`ReplayBuffer::release`], for a reader elsewhere). A read never waits while it holds
+//! pins: when every row it drew again is being written, it waits for a write to end, and then
+//! keeps only the rows drawn before the wait that are still visible. So a write never copies
+//! into a row a read is copying out, and a read never sees a row a write has started on: every
+//! row a read returns is whole.
 //!
 //! Writes reserve all their rows at once, and wait only for earlier tickets and for reads
-//! (which never wait while pinning), so writers cannot deadlock; reads wait only when every
-//! row they drew again is being written.
+//! (which never wait while pinning), so writers cannot deadlock.
 //!
 //! For a memmap folder, `storage_metadata.json` is rewritten with the new `len` after the
 //! rows it covers are complete.
