@@ -291,6 +291,43 @@ impl Storage {
         Ok(())
     }
 
+    /// Writes rows `rows` of every tensor back to its file (`msync`), for a folder that other
+    /// nodes read through their own mounts: a network filesystem sends another node only what
+    /// reached it. Nothing for heap and shared-memory storages.
+    pub fn flush_rows(&self, rows: &[usize]) -> Result<()> {
+        let mut sorted = rows.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        for r in sorted {
+            match runs.last_mut() {
+                Some(run) if run.end == r => run.end += 1,
+                _ => runs.push(r..r + 1),
+            }
+        }
+        for leaf in &self.leaves {
+            let t = self.td.get_tensor(&leaf.key).op("flush rows")?;
+            if t.storage().kind() != memmap_tensor::StorageKind::File {
+                continue;
+            }
+            for run in &runs {
+                t.flush_rows(run.clone()).map_err(|source| Error::TensorDict {
+                    op: "flush rows",
+                    source: tensor_error(&leaf.key, source),
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Rows `rows` read from the files with explicit reads that bypass the page cache
+    /// (`O_DIRECT`, through `engine`), not through the mapping: what a reader on a network
+    /// filesystem needs, where a mapping never sees another node's writes. Every tensor must be
+    /// in the storage's folder.
+    pub fn read_rows(&self, engine: &aio::Engine, rows: &[usize]) -> Result<TensorDict> {
+        self.td.gather_direct(engine, &to_i64(rows), tensordict::ReadMode::Direct).op("read rows")
+    }
+
     /// Records that rows `0..len` are valid: rewrites `storage_metadata.json` of a memmap
     /// folder (atomically); nothing for other backends.
     pub fn store_len(&self, len: usize) -> Result<()> {

@@ -544,3 +544,25 @@ fn a_reservation_waits_for_leased_rows_and_a_timed_out_one_changes_nothing() {
     let (_, foreign) = other.sample_leased(1, None).unwrap();
     assert!(matches!(buffer.release(foreign), Err(Error::Foreign { what: "lease" })));
 }
+
+#[test]
+fn clients_for_a_shared_filesystem_flush_writes_and_read_rows_from_the_files() {
+    let f = Fixture::new("shared-fs");
+    let dir = tempfile::tempdir().unwrap();
+    let _server = f.start(f.options(16).dir(dir.path().join("rows")).seed(4));
+    let engine = aio::Engine::new().unwrap();
+    let actor = f.connect().on_shared_filesystem(engine.clone());
+    let values: Vec<f64> = (0..12).map(f64::from).collect();
+    assert_eq!(actor.extend(&batch(&values)).unwrap(), (0..12).collect::<Vec<_>>());
+    let learner = f.connect().on_shared_filesystem(engine);
+    for _ in 0..20 {
+        let (td, info) = learner.sample(32, None).unwrap();
+        assert!(check_rows(&td).iter().zip(&info.indices).all(|(&v, &i)| v == i as f64));
+    }
+    let mut out = batch(&[0.; 8]);
+    let info = learner.sample_into(&mut out, 8, None).unwrap();
+    assert!(check_rows(&out).iter().zip(&info.indices).all(|(&v, &i)| v == i as f64));
+    // The rows reached the files: a fresh load of the folder sees them.
+    let loaded = TensorDict::load_memmap(dir.path().join("rows"), memmap_tensor::Access::ReadOnly).unwrap();
+    assert_eq!(&check_rows(&loaded)[..12], values.as_slice());
+}

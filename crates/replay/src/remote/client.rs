@@ -28,6 +28,9 @@ pub struct RemoteBuffer {
     /// The storage, mapped read-only (for gathers) or read-write (for writes), once used.
     read: OnceLock<Storage>,
     write: OnceLock<Storage>,
+    /// Set for a folder on a network filesystem: writes are flushed before their commit and
+    /// rows are read with explicit reads (see [`RemoteBuffer::on_shared_filesystem`]).
+    shared_filesystem: Option<aio::Engine>,
 }
 
 impl std::fmt::Debug for RemoteBuffer {
@@ -71,7 +74,17 @@ impl RemoteBuffer {
     pub fn connect_to(endpoint: &Endpoint, options: &ClientOptions) -> Result<RemoteBuffer> {
         let client: BlockingClient<ReplayServiceClient> = BlockingClient::connect(endpoint, options)?;
         let info = client.call(async |c, ctx| c.hello(ctx).await)??;
-        Ok(RemoteBuffer { client, info, read: OnceLock::new(), write: OnceLock::new() })
+        Ok(RemoteBuffer { client, info, read: OnceLock::new(), write: OnceLock::new(), shared_filesystem: None })
+    }
+
+    /// For a service whose rows are in a folder on a network filesystem (NFS, GlusterFS,
+    /// sshfs...) that this node mounts at the same path: there a mapping never sees another
+    /// node's writes, so this client flushes the rows it writes (`msync`) before it commits them,
+    /// and reads sampled rows from the files with `O_DIRECT` reads through `engine` instead of
+    /// its mapping. On one node (shared memory, a local disk) it is not needed.
+    pub fn on_shared_filesystem(mut self, engine: aio::Engine) -> Self {
+        self.shared_filesystem = Some(engine);
+        self
     }
 
     /// What the service said about itself when this client connected.
@@ -122,7 +135,13 @@ impl RemoteBuffer {
             };
             let reserved = self.reserve_raw(end - start, wait, pending.take(), OP)?;
             let rows: Vec<usize> = reserved.rows.iter().map(|&r| r as usize).collect();
-            if let Err(e) = storage.write_rows(&rows, chunk.as_ref().unwrap_or(batch)) {
+            let copied = storage.write_rows(&rows, chunk.as_ref().unwrap_or(batch)).and_then(|()| {
+                match self.shared_filesystem {
+                    Some(_) => storage.flush_rows(&rows),
+                    None => Ok(()),
+                }
+            });
+            if let Err(e) = copied {
                 let _ = self.client.call(async |c, ctx| c.abort(ctx, reserved.id).await);
                 return Err(e);
             }
@@ -174,7 +193,10 @@ impl RemoteBuffer {
     /// Draws `batch_size` rows and gathers them into a new heap dict, with their indices (and
     /// weights). Waits at most `wait` for the rate limiter (`None`: without end).
     pub fn sample(&self, batch_size: usize, wait: Option<Duration>) -> Result<(TensorDict, SampleInfo)> {
-        self.sample_with(batch_size, wait, |storage, rows| storage.gather(rows))
+        self.sample_with(batch_size, wait, |storage, rows| match &self.shared_filesystem {
+            Some(engine) => storage.read_rows(engine, rows),
+            None => storage.gather(rows),
+        })
     }
 
     /// Like [`RemoteBuffer::sample`], gathering into `out` (the storage's keys and dtypes,
@@ -186,7 +208,16 @@ impl RemoteBuffer {
                 detail: format!("batch size {:?} does not start with {batch_size}", out.batch_size()),
             });
         }
-        Ok(self.sample_with(batch_size, wait, |storage, rows| storage.gather_into(rows, out))?.1)
+        Ok(self
+            .sample_with(batch_size, wait, |storage, rows| match &self.shared_filesystem {
+                Some(engine) => {
+                    let read = storage.read_rows(engine, rows)?;
+                    let k = rows.len() as i64;
+                    out.set_at(Index::slice(Some(0), Some(k), 1), &read).op("sample_into")
+                }
+                None => storage.gather_into(rows, out),
+            })?
+            .1)
     }
 
     /// Sets the priorities of rows `indices` (prioritized services).
