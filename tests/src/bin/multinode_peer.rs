@@ -9,8 +9,13 @@
 //! multinode-peer store-save ENDPOINT TOKEN_FILE KEY SEED
 //! multinode-peer store-load ENDPOINT TOKEN_FILE KEY SEED
 //! multinode-peer store-refused ENDPOINT       a client with a wrong token must be refused
-//! multinode-peer replay-actor ENDPOINT TOKEN_FILE DIR ACTOR
-//! multinode-peer replay-learner ENDPOINT TOKEN_FILE DIR ACTOR
+//! multinode-peer replay-actor ENDPOINT TOKEN_FILE DIR ACTOR (msync | no-msync)
+//!                                             host 2: extend rows keyed (ACTOR, seq) twice;
+//!                                             `msync` flushes its mapping after each extend
+//! multinode-peer replay-learner ENDPOINT TOKEN_FILE DIR ACTOR STORAGE
+//!                                             host 3: sample after each extend, check every
+//!                                             row whole; on failure, read the same rows
+//!                                             through a fresh open of the STORAGE folder
 //! ```
 //!
 //! Every role gives up after `MULTINODE_DEADLINE` seconds (default 60) with exit code 124, so
@@ -63,9 +68,11 @@ fn run(args: &[String]) -> anyhow::Result<()> {
         ["store-save", endpoint, token, key, seed] => store_save(&client(endpoint, token)?, key, seed.parse()?),
         ["store-load", endpoint, token, key, seed] => store_load(&client(endpoint, token)?, key, seed.parse()?),
         ["store-refused", endpoint] => store_refused(endpoint),
-        ["replay-actor", endpoint, token, dir, actor] => replay_actor(&client(endpoint, token)?, Path::new(dir), actor.parse()?),
-        ["replay-learner", endpoint, token, dir, actor] => {
-            replay_learner(&client(endpoint, token)?, Path::new(dir), actor.parse()?)
+        ["replay-actor", endpoint, token, dir, actor, flush] => {
+            replay_actor(&client(endpoint, token)?, Path::new(dir), actor.parse()?, *flush == "msync")
+        }
+        ["replay-learner", endpoint, token, dir, actor, storage] => {
+            replay_learner(&client(endpoint, token)?, Path::new(dir), actor.parse()?, Path::new(storage))
         }
         _ => bail!("unknown arguments {args:?} (see the documentation of multinode_peer.rs)"),
     }
@@ -254,12 +261,22 @@ fn actor_rows(actor: i64, first_seq: i64, n: usize) -> anyhow::Result<TensorDict
     Ok(td)
 }
 
-fn replay_actor((endpoint, options): &(Endpoint, ClientOptions), dir: &Path, actor: i64) -> anyhow::Result<()> {
+fn replay_actor(
+    (endpoint, options): &(Endpoint, ClientOptions),
+    dir: &Path,
+    actor: i64,
+    flush: bool,
+) -> anyhow::Result<()> {
     let buffer = RemoteBuffer::connect_to(endpoint, options).with_context(|| format!("connecting to {endpoint}"))?;
     for phase in 1..=2i64 {
         let first = (phase - 1) * ACTOR_BATCH as i64 + 1;
         let rows = buffer.extend(&actor_rows(actor, first, ACTOR_BATCH)?)?;
-        println!("{}: phase {phase}: wrote seq {first}..={} into rows {rows:?}", host(), first + ACTOR_BATCH as i64 - 1);
+        if flush {
+            let storage = buffer.storage_mut().context("the actor has no mapping of the storage after extend")?;
+            storage.tensordict().flush()?;
+        }
+        let how = if flush { " and flushed its mapping (msync)" } else { "" };
+        println!("{}: phase {phase}: wrote seq {first}..={} into rows {rows:?}{how}", host(), first + ACTOR_BATCH as i64 - 1);
         put(&dir.join(format!("actor-{phase}")), "done")?;
         if phase == 1 {
             wait_for(&dir.join("learner-1"), WAIT)?;
@@ -268,7 +285,12 @@ fn replay_actor((endpoint, options): &(Endpoint, ClientOptions), dir: &Path, act
     Ok(())
 }
 
-fn replay_learner((endpoint, options): &(Endpoint, ClientOptions), dir: &Path, actor: i64) -> anyhow::Result<()> {
+fn replay_learner(
+    (endpoint, options): &(Endpoint, ClientOptions),
+    dir: &Path,
+    actor: i64,
+    storage: &Path,
+) -> anyhow::Result<()> {
     let buffer = RemoteBuffer::connect_to(endpoint, options).with_context(|| format!("connecting to {endpoint}"))?;
     let mut failures = Vec::new();
     for phase in 1..=2i64 {
@@ -282,7 +304,26 @@ fn replay_learner((endpoint, options): &(Endpoint, ClientOptions), dir: &Path, a
             host()
         );
         if !bad.is_empty() {
-            failures.push(format!("phase {phase}: {} of {LEARNER_BATCH} rows not whole: {}", bad.len(), bad.join("; ")));
+            // The same rows through a mapping made now: tells rows that never reached the
+            // shared file from rows this process's older mapping does not show.
+            let fresh = TensorDict::load_memmap(storage, Access::ReadOnly)
+                .with_context(|| format!("opening {} afresh", storage.display()))?;
+            let rows: Vec<i64> = indices.iter().map(|&i| i as i64).collect();
+            let (fresh_whole, _) = check_rows(&fresh.index(Index::List(rows))?, actor, written)?;
+            println!(
+                "{}: phase {phase}: the same rows through a fresh open of {}: {fresh_whole} whole",
+                host(),
+                storage.display()
+            );
+            let zeros = bad.iter().filter(|(_, what)| what == "all zeros").count();
+            let mut rows: Vec<usize> = bad.iter().map(|&(i, _)| indices[i]).collect();
+            rows.sort_unstable();
+            rows.dedup();
+            let first = bad.first().map(|(i, what)| format!("batch row {i}: {what}")).unwrap_or_default();
+            failures.push(format!(
+                "phase {phase}: {} of {LEARNER_BATCH} sampled rows not whole ({zeros} all zeros, first {first}), storage rows {rows:?}; {fresh_whole} whole through a fresh open",
+                bad.len(),
+            ));
         }
         if phase == 1 {
             put(&dir.join("learner-1"), "done")?;
@@ -293,8 +334,9 @@ fn replay_learner((endpoint, options): &(Endpoint, ClientOptions), dir: &Path, a
 }
 
 /// Checks each sampled row: its key is `[actor, seq]` with `1 <= seq <= written` and its `obs`
-/// is that row's. Returns how many are whole and a description of the others.
-fn check_rows(batch: &TensorDict, actor: i64, written: i64) -> anyhow::Result<(usize, Vec<String>)> {
+/// is that row's. Returns how many are whole, and the batch position and what is wrong of the
+/// others.
+fn check_rows(batch: &TensorDict, actor: i64, written: i64) -> anyhow::Result<(usize, Vec<(usize, String)>)> {
     let key = batch.get_tensor("key")?.contiguous()?.to_vec::<i64>()?;
     let obs = batch.get_tensor("obs")?.contiguous()?.to_vec::<f64>()?;
     let n = key.len() / 2;
@@ -304,12 +346,12 @@ fn check_rows(batch: &TensorDict, actor: i64, written: i64) -> anyhow::Result<(u
         let row = &obs[i * WIDTH..(i + 1) * WIDTH];
         if a != actor || !(1..=written).contains(&seq) {
             let zeros = a == 0 && seq == 0 && row.iter().all(|&v| v == 0.0);
-            bad.push(if zeros { format!("row {i} all zeros") } else { format!("row {i} key [{a}, {seq}]") });
+            bad.push((i, if zeros { "all zeros".to_owned() } else { format!("key [{a}, {seq}]") }));
             continue;
         }
         let want: Vec<f64> = (0..WIDTH as i64).map(|j| (actor * 1_000_000 + seq * 100 + j) as f64).collect();
         if row != want.as_slice() {
-            bad.push(format!("row {i} key [{a}, {seq}] with obs {row:?}"));
+            bad.push((i, format!("key [{a}, {seq}] with obs {row:?}")));
         }
     }
     Ok((n - bad.len(), bad))
