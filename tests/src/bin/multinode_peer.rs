@@ -130,7 +130,12 @@ fn update_owner(dir: &Path) -> anyhow::Result<()> {
     let td = schema.memmap_like(&folder, Some(UPDATE_ROWS))?;
     let reference = td.to_ref()?;
     put(&dir.join("request.json"), &serde_json::to_string(&reference)?)?;
-    println!("{}: made {} ({UPDATE_ROWS} rows) at generation {}", host(), folder.display(), reference.generation.counter);
+    println!(
+        "{}: made {} ({UPDATE_ROWS} rows) at generation {}",
+        host(),
+        folder.display(),
+        reference.generation.counter
+    );
 
     let reply: TensorDictRef = serde_json::from_str(&wait_for(&dir.join("reply.json"), WAIT)?)?;
     ensure!(
@@ -228,7 +233,11 @@ fn store_load((endpoint, options): &(Endpoint, ClientOptions), key: &str, seed: 
     let store = Store::connect_to(endpoint, options).with_context(|| format!("connecting to {endpoint}"))?;
     let loaded = store.load(key, Duration::from_secs(20)).with_context(|| format!("loading `{key}`"))?;
     same(&loaded, &seeded(seed)?).with_context(|| format!("`{key}` as loaded on {}", host()))?;
-    println!("{}: loaded `{key}` (version {}) through {endpoint}: every value is the saver's", host(), loaded.version());
+    println!(
+        "{}: loaded `{key}` (version {}) through {endpoint}: every value is the saver's",
+        host(),
+        loaded.version()
+    );
     Ok(())
 }
 
@@ -276,7 +285,11 @@ fn replay_actor(
             storage.tensordict().flush()?;
         }
         let how = if flush { " and flushed its mapping (msync)" } else { "" };
-        println!("{}: phase {phase}: wrote seq {first}..={} into rows {rows:?}{how}", host(), first + ACTOR_BATCH as i64 - 1);
+        println!(
+            "{}: phase {phase}: wrote seq {first}..={} into rows {rows:?}{how}",
+            host(),
+            first + ACTOR_BATCH as i64 - 1
+        );
         put(&dir.join(format!("actor-{phase}")), "done")?;
         if phase == 1 {
             wait_for(&dir.join("learner-1"), WAIT)?;
