@@ -1,0 +1,372 @@
+#!/usr/bin/env bash
+# Multi-node tests: three hosts made of network namespaces (a switch namespace with a bridge, one
+# namespace per host with its address 10.213.0.K and hostname node-K), a shared folder mounted at
+# the same path on every host, and test processes run on the hosts.
+#
+# The shared folder is a GlusterFS volume served from host 1 (close-to-open consistency:
+# md-cache-timeout 0 on the volume, zero attribute/entry/negative timeouts on the mounts), then
+# an sshfs export of host 1. Each host has its own mount namespace, so each mounts the folder at
+# /mnt/tdict-shared.
+#
+# Run as root: tests/multinode/run.sh. Prints `PASS name` or `FAIL name: why` per test (with
+# what was checked, indented, below it) and `N passed, M failed`; exits 1 if a test failed. A
+# failure whose cause is known exactly (KNOWN_PATTERN below) prints `KNOWN-FAIL name: cause`
+# and does not fail the run. When
+# it cannot run (not root, no network namespaces, no /dev/fuse, packages not installable), it
+# prints one line `skipped: <why>` and exits 0.
+#
+# Environment: CARGO_TARGET_DIR (where the test binaries are built), MULTINODE_FS (`glusterfs`,
+# `sshfs` or `all`, the default), MULTINODE_KEEP_LOGS=1 (keep the logs folder, printed at the end).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+PREFIX=tdmn
+STATE=/var/tmp/tdict-multinode
+SHARED=/mnt/tdict-shared
+HOSTS=(1 2 3)
+SERVER=10.213.0.1
+STORE_PORT=7401
+REPLAY_PORT=7402
+# The most seconds any one test process may run (the peers also give up by themselves).
+PROCESS_LIMIT=90
+FS_LIST=${MULTINODE_FS:-all}
+[ "$FS_LIST" = all ] && FS_LIST="glusterfs sshfs"
+
+skip() {
+    echo "skipped: $*"
+    exit 0
+}
+
+# === Can it run here? ===
+
+[ "$(id -u)" = 0 ] || skip "not root"
+for tool in ip unshare nsenter timeout mountpoint; do
+    command -v "$tool" >/dev/null 2>&1 || skip "no $tool"
+done
+[ -c /dev/fuse ] || skip "no /dev/fuse"
+probe_ns="$PREFIX-probe-$$"
+ip netns add "$probe_ns" >/dev/null 2>&1 || skip "cannot create network namespaces (ip netns add failed)"
+ip netns del "$probe_ns" >/dev/null 2>&1
+
+missing=()
+for pair in glusterd:glusterfs-server glusterfs:glusterfs-client sshfs:sshfs /usr/sbin/sshd:openssh-server; do
+    command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    command -v apt-get >/dev/null 2>&1 || skip "missing ${missing[*]} and no apt-get"
+    export DEBIAN_FRONTEND=noninteractive
+    if ! { apt-get update -qq && apt-get install -y -qq "${missing[@]}"; } >/tmp/tdict-multinode-apt.log 2>&1; then
+        skip "could not install ${missing[*]} (see /tmp/tdict-multinode-apt.log)"
+    fi
+fi
+
+# === Build ===
+
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}/debug"
+if ! (cd "$ROOT" && cargo build --quiet -p tdict-cli -p integration-tests --bins) >/tmp/tdict-multinode-build.log 2>&1; then
+    echo "FAIL build: cargo build failed (see /tmp/tdict-multinode-build.log)"
+    echo "0 passed, 1 failed"
+    exit 1
+fi
+PEER="$TARGET/multinode-peer"
+TDICT="$TARGET/tdict"
+
+# === Hosts ===
+
+# Processes of the harness's own, killed by id at teardown.
+declare -a STARTED=()
+
+host_pid() { cat "$STATE/n$1/pid"; }
+
+# Runs a command on host K: its network, mount and hostname namespaces.
+on() {
+    local k=$1
+    shift
+    nsenter -t "$(host_pid "$k")" -m -u -n -- env TDICT_RUNTIME_DIR="$STATE/n$k/runtime" "$@"
+}
+
+# Everything a run leaves: processes in the host namespaces (file servers, FUSE daemons, test
+# processes, the hosts' shells), then the namespaces and the state folder. Mounts live in the
+# hosts' mount namespaces and go with them.
+teardown() {
+    local pid ns
+    for pid in "${STARTED[@]}"; do kill -9 "$pid" 2>/dev/null; done
+    for ns in "${HOSTS[@]/#/$PREFIX-n}" "$PREFIX-sw"; do
+        [ -e "/run/netns/$ns" ] || continue
+        for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+    done
+    for pid in $(cat "$STATE"/n*/pid 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+    sleep 0.2
+    for ns in "${HOSTS[@]/#/$PREFIX-n}" "$PREFIX-sw"; do
+        [ -e "/run/netns/$ns" ] && ip netns del "$ns" 2>/dev/null
+    done
+    rm -rf "$STATE"
+}
+
+teardown # what a killed run left
+LOGS=$(mktemp -d /tmp/tdict-multinode-logs.XXXXXX)
+finish() {
+    teardown
+    if [ "${MULTINODE_KEEP_LOGS:-0}" = 1 ]; then echo "logs: $LOGS"; else rm -rf "$LOGS"; fi
+}
+trap finish EXIT
+trap 'exit 130' INT TERM
+
+setup_hosts() {
+    mkdir -p "$STATE" /run/gluster "$SHARED"
+    ip netns add "$PREFIX-sw" || return 1
+    ip -n "$PREFIX-sw" link add br0 type bridge && ip -n "$PREFIX-sw" link set br0 up || return 1
+    local k
+    for k in "${HOSTS[@]}"; do
+        mkdir -p "$STATE/n$k/runtime" "$STATE/n$k/log-glusterfs" "$STATE/n$k/run-gluster"
+        chmod 700 "$STATE/n$k/runtime"
+        ip netns add "$PREFIX-n$k" || return 1
+        ip link add eth0 netns "$PREFIX-n$k" type veth peer name "p$k" netns "$PREFIX-sw" || return 1
+        ip -n "$PREFIX-sw" link set "p$k" master br0 up || return 1
+        ip -n "$PREFIX-n$k" link set lo up || return 1
+        ip -n "$PREFIX-n$k" addr add "10.213.0.$k/24" dev eth0 || return 1
+        ip -n "$PREFIX-n$k" link set eth0 up || return 1
+        # The host: a shell holding its own mount and hostname namespaces, with the GlusterFS
+        # state, logs and sockets in folders of its own.
+        ip netns exec "$PREFIX-n$k" unshare --mount --uts --propagation private sh -c "
+            hostname node-$k
+            mount --bind $STATE/n$k/log-glusterfs /var/log/glusterfs 2>/dev/null || { mkdir -p /var/log/glusterfs; mount --bind $STATE/n$k/log-glusterfs /var/log/glusterfs; }
+            mount --bind $STATE/n$k/run-gluster /run/gluster
+            echo \$\$ > $STATE/n$k/pid.tmp && mv $STATE/n$k/pid.tmp $STATE/n$k/pid
+            exec sleep infinity" </dev/null >"$LOGS/host-$k.log" 2>&1 &
+        STARTED+=($!)
+        disown $!
+    done
+    for k in "${HOSTS[@]}"; do
+        wait_until 10 test -s "$STATE/n$k/pid" || return 1
+    done
+}
+
+# wait_until SECONDS CMD...: runs CMD until it succeeds, for at most SECONDS.
+wait_until() {
+    local limit=$1 start=$SECONDS
+    shift
+    until "$@" >/dev/null 2>&1; do
+        [ $((SECONDS - start)) -ge "$limit" ] && return 1
+        sleep 0.2
+    done
+}
+
+# === The shared folder ===
+
+mount_glusterfs() {
+    mkdir -p "$STATE/gluster-lib" "$STATE/brick"
+    # glusterd of host 1 keeps its state in a folder of this run.
+    on 1 sh -c "mkdir -p /var/lib/glusterd && mount --bind $STATE/gluster-lib /var/lib/glusterd" || return 1
+    on 1 glusterd || return 1
+    wait_until 20 on 1 gluster --mode=script volume list || return 1
+    on 1 gluster --mode=script volume create "$PREFIX" "$SERVER:$STATE/brick" force >/dev/null || return 1
+    on 1 gluster --mode=script volume set "$PREFIX" performance.md-cache-timeout 0 >/dev/null || return 1
+    on 1 gluster --mode=script volume start "$PREFIX" >/dev/null || return 1
+    local k
+    for k in "${HOSTS[@]}"; do
+        on "$k" glusterfs --volfile-server="$SERVER" --volfile-id="$PREFIX" \
+            --attribute-timeout=0 --entry-timeout=0 --negative-timeout=0 "$SHARED" || return 1
+    done
+    check_mounts
+}
+
+mount_sshfs() {
+    local ssh="$STATE/ssh" export="$STATE/export"
+    mkdir -p "$ssh" "$export" /run/sshd
+    chmod 700 "$ssh"
+    ssh-keygen -q -t ed25519 -N '' -f "$ssh/host_key" || return 1
+    ssh-keygen -q -t ed25519 -N '' -f "$ssh/client_key" || return 1
+    cp "$ssh/client_key.pub" "$ssh/authorized_keys"
+    cat >"$ssh/sshd_config" <<EOF
+ListenAddress $SERVER
+Port 22
+HostKey $ssh/host_key
+AuthorizedKeysFile $ssh/authorized_keys
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+PidFile $STATE/sshd.pid
+Subsystem sftp internal-sftp
+EOF
+    on 1 /usr/sbin/sshd -f "$ssh/sshd_config" -E "$LOGS/sshd.log" || return 1
+    local k
+    for k in "${HOSTS[@]}"; do
+        wait_until 15 on "$k" sshfs "root@$SERVER:$export" "$SHARED" \
+            -o "IdentityFile=$ssh/client_key,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,BatchMode=yes" \
+            -o reconnect,attr_timeout=0,entry_timeout=0,negative_timeout=0,dir_cache=no || return 1
+    done
+    check_mounts
+}
+
+# Each host sees what another wrote into the shared folder, at the same path.
+check_mounts() {
+    local k
+    for k in "${HOSTS[@]}"; do
+        on "$k" mountpoint -q "$SHARED" || return 1
+    done
+    on 2 sh -c "echo from-node-2 > $SHARED/.probe" || return 1
+    [ "$(on 3 cat "$SHARED/.probe")" = from-node-2 ] || return 1
+    on 1 rm -f "$SHARED/.probe"
+}
+
+# === Tests ===
+
+PASSED=0
+FAILED=0
+KNOWN=0
+
+# Failures whose cause is known exactly: test name (after the filesystem) -> the pattern its
+# failure line must match, and the cause. A failure that does not match is a FAIL; a known
+# failure that passes is a PASS (and its entry should go).
+declare -A KNOWN_PATTERN=(
+    [replay]='phase 1: 32 of 32 sampled rows not whole \(32 all zeros.* 0 whole through a fresh open'
+    [replay-actor-msync]='^multinode-peer: phase 2: [0-9]+ of 32 sampled rows not whole \([0-9]+ all zeros, .*storage rows \[(1[6-9]|2[0-9]|3[01])(, (1[6-9]|2[0-9]|3[01]))*\]; 32 whole through a fresh open$'
+)
+declare -A KNOWN_CAUSE=(
+    [replay]="RemoteBuffer::extend commits rows still dirty in the actor's mapping (no msync before commit): the learner samples rows that are not in the shared file yet, even through a fresh open"
+    [replay-actor-msync]="with the actor's rows flushed, the learner's mapping made in phase 1 never shows the rows written after it (16..31) on this filesystem, while a fresh open shows them: a reader on another node must reopen the file (or read with pread) to see new rows"
+)
+
+# result NAME STATUS LOG...: prints PASS, FAIL with the last error line, or KNOWN-FAIL with its
+# cause; then the checks, indented.
+result() {
+    local name=$1 status=$2
+    shift 2
+    if [ "$status" = 0 ]; then
+        echo "PASS $name"
+        PASSED=$((PASSED + 1))
+    else
+        local why pattern=${KNOWN_PATTERN[${name#*/}]:-}
+        why=$(cat "$@" 2>/dev/null | grep -h -E 'multinode-peer|error|Error|FAIL' | tail -n 1)
+        if [ -n "$pattern" ] && grep -q -E "$pattern" <<<"$why"; then
+            echo "KNOWN-FAIL $name: ${KNOWN_CAUSE[${name#*/}]}"
+            KNOWN=$((KNOWN + 1))
+        else
+            echo "FAIL $name: ${why:-exit status $status}"
+            FAILED=$((FAILED + 1))
+        fi
+    fi
+    cat "$@" 2>/dev/null | grep -v '^$' | sed 's/^/    /'
+}
+
+# run_on K LOG ARGS...: the peer on host K, bounded.
+run_on() {
+    local k=$1 log=$2
+    shift 2
+    on "$k" env MULTINODE_DEADLINE=$((PROCESS_LIMIT - 10)) timeout -s KILL "$PROCESS_LIMIT" "$PEER" "$@" >"$log" 2>&1
+}
+
+test_remote_update() {
+    local fs=$1 dir="$SHARED/remote-update" log="$LOGS/$fs-update"
+    on 1 mkdir -p "$dir"
+    run_on 1 "$log-owner.log" update-owner "$dir" &
+    local owner=$!
+    run_on 2 "$log-worker.log" update-worker "$dir"
+    local worker_status=$?
+    wait "$owner"
+    local owner_status=$?
+    result "$fs/remote-update" $((owner_status | worker_status)) "$log-worker.log" "$log-owner.log"
+}
+
+# start_service K LOG CMD...: a server in the foreground on host K; waits until its port answers.
+start_service() {
+    local k=$1 log=$2 port=$3
+    shift 3
+    # A subshell that becomes the server (exec), so that $! is the server's pid.
+    (exec nsenter -t "$(host_pid "$k")" -m -u -n -- env TDICT_RUNTIME_DIR="$STATE/n$k/runtime" "$@") >"$log" 2>&1 &
+    STARTED+=($!)
+    disown $!
+    wait_until 30 on 2 timeout 1 bash -c "exec 3<>/dev/tcp/$SERVER/$port"
+}
+
+stop_service() {
+    local pid=${STARTED[-1]}
+    kill -TERM "$pid" 2>/dev/null
+    local i
+    for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null
+    for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    unset 'STARTED[-1]'
+}
+
+make_token() {
+    head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$STATE/token"
+    chmod 600 "$STATE/token"
+}
+
+test_store() {
+    local fs=$1 log="$LOGS/$fs-store" endpoint="tcp:$SERVER:$STORE_PORT"
+    make_token
+    if ! start_service 1 "$log-server.log" "$STORE_PORT" "$TDICT" store serve --name mn --no-fork \
+        --dir "$SHARED/store" --listen "$endpoint" --token-file "$STATE/token"; then
+        result "$fs/store" 1 "$log-server.log"
+        stop_service
+        return
+    fi
+    local status=0
+    {
+        run_on 2 "$log-save2.log" store-save "$endpoint" "$STATE/token" from-node-2 2 &&
+            run_on 3 "$log-save3.log" store-save "$endpoint" "$STATE/token" from-node-3 3 &&
+            run_on 3 "$log-load3.log" store-load "$endpoint" "$STATE/token" from-node-2 2 &&
+            run_on 2 "$log-load2.log" store-load "$endpoint" "$STATE/token" from-node-3 3
+    } || status=1
+    result "$fs/store" "$status" "$log"-save2.log "$log"-save3.log "$log"-load3.log "$log"-load2.log
+    run_on 3 "$log-refused.log" store-refused "$endpoint"
+    result "$fs/store-wrong-token" $? "$log-refused.log"
+    stop_service
+}
+
+# test_replay FS NAME (msync | no-msync): the actor on host 2, the learner on host 3.
+test_replay() {
+    local fs=$1 name=$2 flush=$3
+    local log="$LOGS/$fs-$name" endpoint="tcp:$SERVER:$REPLAY_PORT" dir="$SHARED/$name-sync" rb="$SHARED/$name-rb"
+    make_token
+    on 1 mkdir -p "$dir"
+    if ! start_service 1 "$log-server.log" "$REPLAY_PORT" "$TDICT" replay serve --name mn --no-fork \
+        --capacity 64 --dir "$rb" --listen "$endpoint" --token-file "$STATE/token" --seed 7; then
+        result "$fs/$name" 1 "$log-server.log"
+        stop_service
+        return
+    fi
+    run_on 2 "$log-actor.log" replay-actor "$endpoint" "$STATE/token" "$dir" 2 "$flush" &
+    local actor=$!
+    run_on 3 "$log-learner.log" replay-learner "$endpoint" "$STATE/token" "$dir" 2 "$rb"
+    local learner_status=$?
+    wait "$actor"
+    local actor_status=$?
+    result "$fs/$name" $((learner_status | actor_status)) "$log-actor.log" "$log-learner.log"
+    stop_service
+}
+
+# === Run ===
+
+start=$SECONDS
+if ! setup_hosts; then
+    echo "FAIL hosts: could not make the network namespaces (see $LOGS)"
+    FAILED=$((FAILED + 1))
+else
+    for fs in $FS_LIST; do
+        if ! "mount_$fs" >"$LOGS/mount-$fs.log" 2>&1; then
+            echo "FAIL $fs/mount: $(tail -n 1 "$LOGS/mount-$fs.log")"
+            FAILED=$((FAILED + 1))
+            continue
+        fi
+        test_remote_update "$fs"
+        test_store "$fs"
+        test_replay "$fs" replay no-msync
+        # The same with the actor flushing its mapping after each extend: tells apart rows that
+        # never left the actor's node from rows the learner's older mapping does not show.
+        test_replay "$fs" replay-actor-msync msync
+        # The next filesystem starts from hosts without this one's servers and mounts.
+        teardown
+        STARTED=()
+        setup_hosts || { echo "FAIL hosts: could not make them again"; FAILED=$((FAILED + 1)); break; }
+    done
+fi
+known=""
+[ "$KNOWN" -gt 0 ] && known=" ($KNOWN more failed as known: KNOWN-FAIL lines)"
+echo "$PASSED passed, $FAILED failed$known, in $((SECONDS - start)) s"
+[ "$FAILED" = 0 ]
