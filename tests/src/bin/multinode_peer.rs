@@ -9,13 +9,15 @@
 //! multinode-peer store-save ENDPOINT TOKEN_FILE KEY SEED
 //! multinode-peer store-load ENDPOINT TOKEN_FILE KEY SEED
 //! multinode-peer store-refused ENDPOINT       a client with a wrong token must be refused
-//! multinode-peer replay-actor ENDPOINT TOKEN_FILE DIR ACTOR (msync | no-msync)
+//! multinode-peer replay-actor ENDPOINT TOKEN_FILE DIR ACTOR (shared-fs | mapped)
 //!                                             host 2: extend rows keyed (ACTOR, seq) twice;
-//!                                             `msync` flushes its mapping after each extend
-//! multinode-peer replay-learner ENDPOINT TOKEN_FILE DIR ACTOR STORAGE
+//!                                             `shared-fs`: a client for a shared filesystem
+//!                                             (rows flushed before their commit)
+//! multinode-peer replay-learner ENDPOINT TOKEN_FILE DIR ACTOR STORAGE (shared-fs | mapped)
 //!                                             host 3: sample after each extend, check every
-//!                                             row whole; on failure, read the same rows
-//!                                             through a fresh open of the STORAGE folder
+//!                                             row whole (`shared-fs`: rows read from the
+//!                                             files, not the mapping); on failure, read the
+//!                                             same rows through a fresh open of STORAGE
 //! ```
 //!
 //! Every role gives up after `MULTINODE_DEADLINE` seconds (default 60) with exit code 124, so
@@ -68,11 +70,13 @@ fn run(args: &[String]) -> anyhow::Result<()> {
         ["store-save", endpoint, token, key, seed] => store_save(&client(endpoint, token)?, key, seed.parse()?),
         ["store-load", endpoint, token, key, seed] => store_load(&client(endpoint, token)?, key, seed.parse()?),
         ["store-refused", endpoint] => store_refused(endpoint),
-        ["replay-actor", endpoint, token, dir, actor, flush] => {
-            replay_actor(&client(endpoint, token)?, Path::new(dir), actor.parse()?, *flush == "msync")
+        ["replay-actor", endpoint, token, dir, actor, mode] => {
+            let buffer = replay_client(&client(endpoint, token)?, mode)?;
+            replay_actor(&buffer, Path::new(dir), actor.parse()?)
         }
-        ["replay-learner", endpoint, token, dir, actor, storage] => {
-            replay_learner(&client(endpoint, token)?, Path::new(dir), actor.parse()?, Path::new(storage))
+        ["replay-learner", endpoint, token, dir, actor, storage, mode] => {
+            let buffer = replay_client(&client(endpoint, token)?, mode)?;
+            replay_learner(&buffer, Path::new(dir), actor.parse()?, Path::new(storage))
         }
         _ => bail!("unknown arguments {args:?} (see the documentation of multinode_peer.rs)"),
     }
@@ -270,23 +274,24 @@ fn actor_rows(actor: i64, first_seq: i64, n: usize) -> anyhow::Result<TensorDict
     Ok(td)
 }
 
-fn replay_actor(
-    (endpoint, options): &(Endpoint, ClientOptions),
-    dir: &Path,
-    actor: i64,
-    flush: bool,
-) -> anyhow::Result<()> {
+/// A client of the replay service: `shared-fs` for a folder on a network filesystem (writes
+/// flushed before their commit, rows read from the files), `mapped` for the default (writes and
+/// reads through the mapping, right on one node only).
+fn replay_client((endpoint, options): &(Endpoint, ClientOptions), mode: &str) -> anyhow::Result<RemoteBuffer> {
     let buffer = RemoteBuffer::connect_to(endpoint, options).with_context(|| format!("connecting to {endpoint}"))?;
+    Ok(match mode {
+        "shared-fs" => buffer.on_shared_filesystem(aio::Engine::new().context("an I/O engine")?),
+        "mapped" => buffer,
+        other => bail!("unknown client mode `{other}` (shared-fs or mapped)"),
+    })
+}
+
+fn replay_actor(buffer: &RemoteBuffer, dir: &Path, actor: i64) -> anyhow::Result<()> {
     for phase in 1..=2i64 {
         let first = (phase - 1) * ACTOR_BATCH as i64 + 1;
         let rows = buffer.extend(&actor_rows(actor, first, ACTOR_BATCH)?)?;
-        if flush {
-            let storage = buffer.storage_mut().context("the actor has no mapping of the storage after extend")?;
-            storage.tensordict().flush()?;
-        }
-        let how = if flush { " and flushed its mapping (msync)" } else { "" };
         println!(
-            "{}: phase {phase}: wrote seq {first}..={} into rows {rows:?}{how}",
+            "{}: phase {phase}: wrote seq {first}..={} into rows {rows:?}",
             host(),
             first + ACTOR_BATCH as i64 - 1
         );
@@ -298,13 +303,7 @@ fn replay_actor(
     Ok(())
 }
 
-fn replay_learner(
-    (endpoint, options): &(Endpoint, ClientOptions),
-    dir: &Path,
-    actor: i64,
-    storage: &Path,
-) -> anyhow::Result<()> {
-    let buffer = RemoteBuffer::connect_to(endpoint, options).with_context(|| format!("connecting to {endpoint}"))?;
+fn replay_learner(buffer: &RemoteBuffer, dir: &Path, actor: i64, storage: &Path) -> anyhow::Result<()> {
     let mut failures = Vec::new();
     for phase in 1..=2i64 {
         wait_for(&dir.join(format!("actor-{phase}")), WAIT)?;
