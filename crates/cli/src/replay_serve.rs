@@ -66,6 +66,11 @@ pub(crate) struct ServeArgs {
     /// Replace a dict already in --dir.
     #[arg(long, requires = "dir")]
     overwrite: bool,
+    /// --dir is on a network filesystem (NFS, GlusterFS, sshfs) that clients on other nodes
+    /// write: rows the service reads back are read from the files, not its mapping. Those
+    /// clients use `RemoteBuffer::on_shared_filesystem`.
+    #[arg(long, requires = "dir")]
+    shared_fs: bool,
     /// The sampler (default: uniform).
     #[arg(long, value_enum)]
     sampler: Option<SamplerKind>,
@@ -202,6 +207,9 @@ fn options(args: &ServeArgs, paths: &ServePaths) -> anyhow::Result<ReplayOptions
     if let Some(dir) = &paths.dir {
         check_dir(dir, args.overwrite)?;
         options = options.dir(dir).overwrite(args.overwrite);
+        if args.shared_fs {
+            options = options.shared_filesystem(aio::Engine::new().context("--shared-fs: an I/O engine")?);
+        }
     }
     if let Some(limiter) = limiter(args, options.capacity)? {
         options = options.limiter(limiter);
@@ -343,7 +351,9 @@ fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
             passed.extend([flag.into(), value.to_string().into()]);
         }
     }
-    for (flag, on) in [("--drop-last", args.drop_last), ("--strict-length", args.strict_length)] {
+    for (flag, on) in
+        [("--drop-last", args.drop_last), ("--strict-length", args.strict_length), ("--shared-fs", args.shared_fs)]
+    {
         if on {
             passed.push(flag.into());
         }

@@ -333,6 +333,9 @@ pub struct ReplayBuffer {
     config: StorageConfig,
     sampler: Box<dyn Sampler>,
     limiter: Option<RateLimiter>,
+    /// Set when rows may be written by other nodes through a shared filesystem: rows this
+    /// buffer reads back are read from the files (see [`ReplayBuffer::for_shared_filesystem`]).
+    file_reads: Option<aio::Engine>,
     storage: OnceLock<Storage>,
     state: Mutex<State>,
     changed: Condvar,
@@ -366,6 +369,7 @@ impl ReplayBuffer {
             config,
             sampler,
             limiter: None,
+            file_reads: None,
             storage: OnceLock::new(),
             state: Mutex::new(State {
                 writer,
@@ -444,6 +448,16 @@ impl ReplayBuffer {
     /// while samples lag behind, each for at most [`RateLimiter::timeout`].
     pub fn with_rate_limiter(mut self, limiter: RateLimiter) -> Self {
         self.limiter = Some(limiter);
+        self
+    }
+
+    /// The buffer for rows written by other nodes through a shared filesystem (a folder
+    /// storage written with [`ReplayBuffer::reserve`] and `commit` by clients elsewhere, as a
+    /// replay service's are): there this process's mapping never sees their writes, so the rows
+    /// a commit hands to the sampler are read from the files (`O_DIRECT` reads through
+    /// `engine`), and a dump reads the folder through a new mapping.
+    pub fn for_shared_filesystem(mut self, engine: aio::Engine) -> Self {
+        self.file_reads = Some(engine);
         self
     }
 
@@ -634,7 +648,10 @@ impl ReplayBuffer {
         let storage = self.storage.get().ok_or(Error::Empty)?;
         // What the sampler reads of the rows, read before they are published (nobody else
         // writes them while the reservation holds them).
-        let written = storage.gather(&reservation.rows);
+        let written = match &self.file_reads {
+            Some(engine) => storage.read_rows(engine, &reservation.rows),
+            None => storage.gather(&reservation.rows),
+        };
         let mut state = self.state.lock();
         debug_assert!(reservation.rows.iter().all(|r| state.in_flight[r].front() == Some(&reservation.ticket)));
         state.dequeue(&reservation.rows, written.is_ok(), self.config.capacity);
@@ -783,8 +800,16 @@ impl ReplayBuffer {
         }
         drop(state);
         self.with_pins(&all, || {
+            // Rows other nodes wrote are in the files, not in this process's older mapping: a
+            // mapping made now sees them.
+            let data = match (&self.file_reads, storage.folder()) {
+                (Some(_), Some(folder)) => {
+                    TensorDict::load_memmap(folder, memmap_tensor::Access::ReadOnly).op("dumps")?
+                }
+                _ => storage.tensordict().clone(),
+            };
             let dump = Dump {
-                storage: StorageDump { data: storage.tensordict().clone(), len },
+                storage: StorageDump { data, len },
                 writer: Some(writer),
                 sampler,
                 buffer: BufferMetadata { batch_size: None, consume_after_n_samples: None },

@@ -588,6 +588,12 @@ impl Sampler for Slice {
         Ok(())
     }
 
+    /// TorchRL's `SliceSampler.dumps` saves nothing (its trajectory cache is rebuilt from the
+    /// rows), and neither does this sampler: its index is rebuilt by `on_load`.
+    fn to_dump(&self) -> Result<crate::checkpoint::SamplerDump> {
+        Ok(crate::checkpoint::SamplerDump::Stateless)
+    }
+
     fn whole_draws(&self) -> bool {
         true
     }

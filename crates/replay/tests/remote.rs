@@ -566,3 +566,36 @@ fn clients_for_a_shared_filesystem_flush_writes_and_read_rows_from_the_files() {
     let loaded = TensorDict::load_memmap(dir.path().join("rows"), memmap_tensor::Access::ReadOnly).unwrap();
     assert_eq!(&check_rows(&loaded)[..12], values.as_slice());
 }
+
+#[test]
+fn a_shared_filesystem_service_reads_committed_rows_from_the_files() {
+    let f = Fixture::new("shared-fs-service");
+    let dir = tempfile::tempdir().unwrap();
+    let engine = aio::Engine::new().unwrap();
+    let spec = SamplerSpec::Slice {
+        episodes: replay::Episodes::TrajKey("episode".into()),
+        shape: replay::SliceShape::SliceLen(5),
+        strict_length: true,
+    };
+    let options = f.options(40).dir(dir.path().join("rows")).sampler(spec).shared_filesystem(engine.clone()).seed(6);
+    let _server = f.start(options);
+    let client = f.connect().on_shared_filesystem(engine);
+    for episode in 0..4i64 {
+        let values: Vec<f64> = (0..10).map(|step| (100 * episode + step) as f64).collect();
+        let mut td = batch(&values);
+        td.set("episode", Tensor::from_slice(&[episode; 10], [10]).unwrap()).unwrap();
+        client.extend(&td).unwrap();
+    }
+    // The service learned the episodes from the files: every slice is 5 steps of one episode.
+    for _ in 0..30 {
+        let (td, _) = client.sample(10, None).unwrap();
+        for run in check_rows(&td).chunks(5) {
+            assert!(run.windows(2).all(|w| w[1] == w[0] + 1.) && (run[0] / 100.).floor() == (run[4] / 100.).floor());
+        }
+    }
+    let dump = dir.path().join("dump");
+    client.dumps(dump.to_str().unwrap()).unwrap();
+    let back = ReplayBuffer::loads(&dump, replay::LoadOptions::default()).unwrap();
+    assert_eq!(back.len(), 40);
+    assert_eq!(check_rows(&back.get(0..3).unwrap()), vec![0., 1., 2.]);
+}

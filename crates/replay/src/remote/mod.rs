@@ -130,6 +130,9 @@ pub struct ReplayOptions {
     pub runtime_dir: Option<PathBuf>,
     /// A seed for the sampler.
     pub seed: Option<u64>,
+    /// An I/O engine for a `dir` on a network filesystem that clients on other nodes write
+    /// (see [`crate::ReplayBuffer::for_shared_filesystem`]).
+    pub shared_filesystem: Option<aio::Engine>,
     /// A TorchRL dump folder to start from (its capacity, rows, writer and sampler state;
     /// `capacity` and `sampler` are then not used).
     pub load: Option<PathBuf>,
@@ -148,6 +151,7 @@ impl ReplayOptions {
             runtime_dir: None,
             seed: None,
             load: None,
+            shared_filesystem: None,
         }
     }
 
@@ -191,6 +195,15 @@ impl ReplayOptions {
     /// instead of an empty buffer.
     pub fn load(mut self, dump: impl Into<PathBuf>) -> Self {
         self.load = Some(dump.into());
+        self
+    }
+
+    /// For a `dir` on a network filesystem (NFS, GlusterFS, sshfs) that clients on other nodes
+    /// write: the rows the service reads back (for slice samplers, and dumps) are read from the
+    /// files, not through its mapping. Clients there use
+    /// [`RemoteBuffer::on_shared_filesystem`].
+    pub fn shared_filesystem(mut self, engine: aio::Engine) -> Self {
+        self.shared_filesystem = Some(engine);
         self
     }
 

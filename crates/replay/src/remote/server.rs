@@ -149,6 +149,9 @@ impl ReplayServer {
         if let Some(limiter) = options.limiter.clone() {
             buffer = buffer.with_rate_limiter(limiter);
         }
+        if let Some(engine) = options.shared_filesystem.clone() {
+            buffer = buffer.for_shared_filesystem(engine);
+        }
         let shared = Arc::new(Shared {
             name: name.to_owned(),
             node: NodeId::local(),
