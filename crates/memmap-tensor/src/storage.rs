@@ -177,7 +177,9 @@ impl Storage {
             .map_err(|e| io_err("allocate", e))
             .and_then(|()| map_file(&file, path, len_bytes, Access::ReadWrite))
             .and_then(|map| Ok((map, FileId::of(&file).map_err(|e| io_err("stat", e))?)))
-            .and_then(|built| std::fs::rename(&tmp, path).map(|()| built).map_err(|e| io_err("rename", e)));
+            .and_then(|built| {
+                crate::retry_stale(|| std::fs::rename(&tmp, path)).map(|()| built).map_err(|e| io_err("rename", e))
+            });
         match built {
             Ok((map, id)) => Ok(Self::from_map(map, true, Backing::File { path: path.to_owned(), map: None, id })),
             Err(e) => {

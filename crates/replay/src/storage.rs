@@ -337,8 +337,10 @@ impl Storage {
         let mut file = tempfile::Builder::new().prefix(".storage_metadata.").tempfile_in(folder).map_err(io)?;
         let body = serde_json::json!({"metadata": {}, "is_pytree": false, "len": len});
         file.write_all(body.to_string().as_bytes()).map_err(io)?;
-        file.persist(&path).map_err(|e| io(e.error))?;
-        Ok(())
+        // Renamed over the old file, again while a network filesystem answers ESTALE.
+        let tmp = file.into_temp_path();
+        memmap_tensor::retry_stale(|| fs::rename(&tmp, &path)).map_err(io)?;
+        tmp.keep().map(drop).map_err(|e| io(e.error))
     }
 
     /// The `len` recorded in the `storage_metadata.json` of a storage folder.

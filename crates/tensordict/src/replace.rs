@@ -174,7 +174,7 @@ impl Destination {
         // Without `replace`, rename(2) itself refuses a non-empty folder: no window for a race.
         let exchange = replace && self.real.exists();
         if !exchange {
-            match nix::fcntl::renameat(AT_FDCWD, &new, AT_FDCWD, &self.real) {
+            match rename(&new, &self.real) {
                 Ok(()) => staging.path = None,
                 Err(Errno::ENOTEMPTY | Errno::EEXIST) => {
                     return Err(Error::DestinationExists { path: self.shown.clone(), reason: replace_hint() });
@@ -182,7 +182,7 @@ impl Destination {
                 Err(e) => return Err(io_err("rename", e)),
             }
         } else if exchange_supported() {
-            match renameat2(AT_FDCWD, &new, AT_FDCWD, &self.real, RenameFlags::RENAME_EXCHANGE) {
+            match exchange_paths(&new, &self.real) {
                 // The staging name now holds the old tree: dropping `staging` removes it.
                 Ok(()) => {}
                 Err(Errno::EINVAL | Errno::ENOSYS | Errno::EOPNOTSUPP) => {
@@ -193,10 +193,10 @@ impl Destination {
             }
         } else {
             let old = self.parent.join(hidden_name("old", &self.name));
-            nix::fcntl::renameat(AT_FDCWD, &self.real, AT_FDCWD, &old).map_err(|e| io_err("rename", e))?;
-            if let Err(e) = nix::fcntl::renameat(AT_FDCWD, &new, AT_FDCWD, &self.real) {
+            rename(&self.real, &old).map_err(|e| io_err("rename", e))?;
+            if let Err(e) = rename(&new, &self.real) {
                 // Put the old folder back; if even that fails, the next reader or writer does.
-                let _ = nix::fcntl::renameat(AT_FDCWD, &old, AT_FDCWD, &self.real);
+                let _ = rename(&old, &self.real);
                 return Err(io_err("rename", e));
             }
             staging.path = Some(old);
@@ -221,7 +221,7 @@ impl Destination {
                 .map(|(path, _, _, writer)| (path, writer.state()))
                 .collect();
             if let Some((old, _)) = olds.iter().find(|(_, state)| *state == ProcessState::Dead) {
-                match nix::fcntl::renameat(AT_FDCWD, old, AT_FDCWD, &self.real) {
+                match rename(old, &self.real) {
                     Ok(()) | Err(Errno::ENOENT | Errno::ENOTEMPTY | Errno::EEXIST) => continue,
                     Err(e) => return Err(Error::Io { op: "restore", path: self.shown.clone(), source: e.into() }),
                 }
@@ -401,6 +401,25 @@ pub(crate) fn sync_dir(path: &Path) -> Result<()> {
         path: path.to_owned(),
         source,
     })
+}
+
+/// `renameat(2)`, made again while a network filesystem answers `ESTALE` for a path replaced
+/// on another node (see [`memmap_tensor::retry_stale`]).
+fn rename(from: &Path, to: &Path) -> std::result::Result<(), Errno> {
+    errno_of(memmap_tensor::retry_stale(|| {
+        nix::fcntl::renameat(AT_FDCWD, from, AT_FDCWD, to).map_err(std::io::Error::from)
+    }))
+}
+
+/// `renameat2(2)` with `RENAME_EXCHANGE`, made again on `ESTALE` as [`rename`] is.
+fn exchange_paths(a: &Path, b: &Path) -> std::result::Result<(), Errno> {
+    errno_of(memmap_tensor::retry_stale(|| {
+        renameat2(AT_FDCWD, a, AT_FDCWD, b, RenameFlags::RENAME_EXCHANGE).map_err(std::io::Error::from)
+    }))
+}
+
+fn errno_of(result: std::io::Result<()>) -> std::result::Result<(), Errno> {
+    result.map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(0)))
 }
 
 #[cfg(test)]

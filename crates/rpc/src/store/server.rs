@@ -878,7 +878,10 @@ fn replace_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .tempfile_in(dir)?;
     std::io::Write::write_all(&mut tmp, bytes)?;
     tmp.as_file().sync_all()?;
-    tmp.persist(path).map_err(|e| e.error)?;
+    // Renamed over the old file, again while a network filesystem answers ESTALE.
+    let tmp = tmp.into_temp_path();
+    memmap_tensor::retry_stale(|| fs::rename(&tmp, path))?;
+    tmp.keep().map_err(|e| e.error)?;
     fs::File::open(dir)?.sync_all()
 }
 
