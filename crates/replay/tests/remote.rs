@@ -599,3 +599,23 @@ fn a_shared_filesystem_service_reads_committed_rows_from_the_files() {
     assert_eq!(back.len(), 40);
     assert_eq!(check_rows(&back.get(0..3).unwrap()), vec![0., 1., 2.]);
 }
+
+#[test]
+fn an_epoch_without_replacement_ends_with_a_short_sample_into() {
+    let f = Fixture::new("epochs");
+    let _server = f.start(f.options(10).sampler(SamplerSpec::WithoutReplacement { drop_last: false }).seed(2));
+    let client = f.connect();
+    let values: Vec<f64> = (0..10).map(f64::from).collect();
+    client.extend(&batch(&values)).unwrap();
+    let mut out = batch(&[-1.; 4]);
+    let mut seen = Vec::new();
+    for expected in [4, 4, 2] {
+        let info = client.sample_into(&mut out, 4, None).unwrap();
+        assert_eq!(info.indices.len(), expected);
+        let rows = check_rows(&out);
+        assert!(rows[..expected].iter().zip(&info.indices).all(|(&v, &i)| v == i as f64));
+        seen.extend(info.indices);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (0..10).collect::<Vec<_>>(), "every row once per epoch");
+}

@@ -200,7 +200,8 @@ impl RemoteBuffer {
     }
 
     /// Like [`RemoteBuffer::sample`], gathering into `out` (the storage's keys and dtypes,
-    /// `batch_size` rows).
+    /// `batch_size` rows). If the sampler returns fewer rows (the end of an epoch without
+    /// replacement), the first rows of `out` are filled and the info says how many.
     pub fn sample_into(&self, out: &mut TensorDict, batch_size: usize, wait: Option<Duration>) -> Result<SampleInfo> {
         if out.batch_size().first() != Some(&batch_size) {
             return Err(Error::OutputMismatch {
@@ -214,6 +215,12 @@ impl RemoteBuffer {
                     let read = storage.read_rows(engine, rows)?;
                     let k = rows.len() as i64;
                     out.set_at(Index::slice(Some(0), Some(k), 1), &read).op("sample_into")
+                }
+                // A sampler without replacement may end an epoch with fewer rows: they fill the
+                // first rows of `out`.
+                None if rows.len() < batch_size => {
+                    let mut head = out.index(Index::slice(Some(0), Some(rows.len() as i64), 1)).op("sample_into")?;
+                    storage.gather_into(rows, &mut head)
                 }
                 None => storage.gather_into(rows, out),
             })?
