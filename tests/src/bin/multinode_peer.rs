@@ -508,7 +508,7 @@ fn replay_after_death(buffer: &RemoteBuffer, ready: &Path, actor: i64, rows: i64
     })?;
     let stats = buffer.stats()?;
     println!(
-        "{}: the reservation of rows {:?} went within {took:?} of the kill being seen: {} open reservations, {} sessions",
+        "{}: the reservation of rows {:?} was gone {took:?} after this learner began to watch: {} open reservations, {} sessions",
         host(),
         ready.rows,
         stats.open_reservations,
