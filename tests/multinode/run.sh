@@ -17,7 +17,8 @@
 #
 # Environment: CARGO_TARGET_DIR (where the test binaries are built), MULTINODE_FS (`glusterfs`,
 # `sshfs` or `all`, the default), MULTINODE_PREFIX (the namespaces' prefix, `tdmn` by default),
-# MULTINODE_BENCH=1 (the benchmarks too: JSON lines), MULTINODE_KEEP_LOGS=1 (keep the logs folder, printed at the end).
+# MULTINODE_BENCH=1 (the benchmarks too: JSON lines), MULTINODE_GLUSTER_OFF (the GlusterFS
+# options turned off, `performance.quick-read performance.io-cache` unless set), MULTINODE_KEEP_LOGS=1 (keep the logs folder, printed at the end).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -30,6 +31,7 @@ HOSTS=(1 2 3)
 SERVER=10.213.0.1
 STORE_PORT=7401
 REPLAY_PORT=7402
+BENCH_PORT=7403
 # The most seconds any one test process may run (the peers also give up by themselves).
 PROCESS_LIMIT=90
 FS_LIST=${MULTINODE_FS:-all}
@@ -165,6 +167,13 @@ mount_glusterfs() {
     wait_until 20 on 1 gluster --mode=script volume list || return 1
     on 1 gluster --mode=script volume create "$PREFIX" "$SERVER:$STATE/brick" force >/dev/null || return 1
     on 1 gluster --mode=script volume set "$PREFIX" performance.md-cache-timeout 0 >/dev/null || return 1
+    # Client-side caches that serve a small file's old content after another mount rewrote it
+    # (seen: a reader's open of a rewritten 16-byte generation file returning the value before,
+    # in 2 of 3 runs of 200 remote updates): off, for close-to-open consistency.
+    local xlator
+    for xlator in ${MULTINODE_GLUSTER_OFF-performance.quick-read performance.io-cache}; do
+        on 1 gluster --mode=script volume set "$PREFIX" "$xlator" off >/dev/null || return 1
+    done
     on 1 gluster --mode=script volume start "$PREFIX" >/dev/null || return 1
     local k
     for k in "${HOSTS[@]}"; do
@@ -270,6 +279,20 @@ test_remote_update() {
     wait "$owner"
     local owner_status=$?
     result "$fs/remote-update" $((owner_status | worker_status)) "$log-worker.log" "$log-owner.log"
+}
+
+# 50 remote updates in a row, each reopened and checked by the owner: every reopen must see the
+# generation just published and its rows.
+test_remote_update_rounds() {
+    local fs=$1 dir="$SHARED/remote-update-rounds" log="$LOGS/$fs-update-rounds"
+    on 1 mkdir -p "$dir"
+    run_on 1 "$log-owner.log" bench-update-owner "$dir" "$BENCH_PORT" 50 &
+    local owner=$!
+    run_on 2 "$log-worker.log" bench-update-worker "$dir" "$SERVER:$BENCH_PORT" 50 "$fs"
+    local worker_status=$?
+    wait "$owner"
+    local owner_status=$?
+    result "$fs/remote-update-rounds" $((owner_status | worker_status)) "$log-worker.log" "$log-owner.log"
 }
 
 # start_service K LOG CMD...: a server in the foreground on host K; waits until its port answers.
@@ -437,18 +460,20 @@ test_replay_wrong_token() {
 }
 
 # The file server of the shared folder stops and starts again.
+# GlusterFS: glusterd and the brick (glusterfsd); sshfs: sshd and its sessions.
 stop_file_server() {
     local fs=$1 pid
     for pid in $(ip netns pids "$PREFIX-n1"); do
         case "$fs:$(cat "/proc/$pid/comm" 2>/dev/null)" in
-        glusterfs:glusterfsd | sshfs:sshd) kill -9 "$pid" ;;
+        glusterfs:glusterd | glusterfs:glusterfsd | sshfs:sshd) kill -9 "$pid" ;;
         esac
     done
 }
 
+# GlusterFS: glusterd starts the brick of the started volume again.
 start_file_server() {
     case $1 in
-    glusterfs) on 1 gluster --mode=script volume start "$PREFIX" force ;;
+    glusterfs) on 1 glusterd ;;
     sshfs) on 1 /usr/sbin/sshd -f "$STATE/ssh/sshd_config" -E "$LOGS/sshd.log" ;;
     esac
 }
@@ -500,6 +525,39 @@ test_file_server_restart() {
     result "$fs/file-server-restart" "$status" "$log-make.log" "$log-harness.log" "$log-client.log"
 }
 
+# === Benchmarks (MULTINODE_BENCH=1): JSON lines ===
+
+# bench LABEL DIR: the remote update (owner on host 1, worker on host 2) and a learner's
+# sample-and-gather (service on host 1, buffer filled from host 2, learner on host 3, mapped
+# then O_DIRECT reads) with everything in DIR.
+bench() {
+    local label=$1 dir=$2 log="$LOGS/bench-$1" endpoint="tcp:$SERVER:$REPLAY_PORT"
+    on 1 mkdir -p "$dir"
+    run_on 1 "$log-owner.log" bench-update-owner "$dir" "$BENCH_PORT" 200 &
+    local owner=$!
+    run_on 2 "$log-worker.log" bench-update-worker "$dir" "$SERVER:$BENCH_PORT" 200 "$label"
+    local status=$?
+    wait "$owner" || status=1
+    [ $status = 0 ] || echo "FAIL bench-$label/remote-update: $(cat "$log-worker.log" "$log-owner.log" | tail -n 1)"
+    grep -h '^{' "$log-worker.log"
+    if ! start_replay "$log" 100000 "$dir/bench-rb"; then
+        echo "FAIL bench-$label/sample: the service did not start: $(tail -n 1 "$log-server.log")"
+        stop_service
+        return
+    fi
+    if run_on 2 "$log-fill.log" replay-fill "$endpoint" "$STATE/token" 1 100000 1000; then
+        local mode
+        for mode in mapped shared-fs; do
+            run_on 3 "$log-sample-$mode.log" bench-sample "$endpoint" "$STATE/token" "$mode" 3 256 "$label" ||
+                echo "FAIL bench-$label/sample-$mode: $(tail -n 1 "$log-sample-$mode.log")"
+            grep -h '^{' "$log-sample-$mode.log"
+        done
+    else
+        echo "FAIL bench-$label/fill: $(tail -n 1 "$log-fill.log")"
+    fi
+    stop_service
+}
+
 # === Run ===
 
 start=$SECONDS
@@ -514,6 +572,7 @@ else
             continue
         fi
         test_remote_update "$fs"
+        test_remote_update_rounds "$fs"
         test_store "$fs"
         test_replay "$fs" replay shared-fs
         # The same with clients that write and read through their mappings, as on one node: a
@@ -524,6 +583,11 @@ else
         test_replay_learner_killed "$fs"
         # Last: the mounts may take a while to be whole again after it.
         test_file_server_restart "$fs"
+        if [ "${MULTINODE_BENCH:-0}" = 1 ] && [ "$fs" = glusterfs ]; then
+            bench glusterfs "$SHARED/bench"
+            # The same binaries with a folder on the local disk, for comparison.
+            bench local-disk "$STATE/local-bench"
+        fi
         # The next filesystem starts from hosts without this one's servers and mounts.
         teardown
         STARTED=()

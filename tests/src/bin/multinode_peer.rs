@@ -485,14 +485,21 @@ fn replay_reserver(buffer: &RemoteBuffer, ready: &Path) -> anyhow::Result<()> {
     td.flush().context("flushing the half-written rows")?;
     let open = buffer.stats()?.open_reservations;
     ensure!(open == 1, "{open} open reservations after reserving, expected 1");
-    put(ready, &serde_json::to_string(&Ready { pid: std::process::id(), rows: rows.iter().map(|&r| r as u64).collect() })?)?;
+    put(
+        ready,
+        &serde_json::to_string(&Ready { pid: std::process::id(), rows: rows.iter().map(|&r| r as u64).collect() })?,
+    )?;
     println!("{}: reserved rows {rows:?}, wrote {half:?}, blocking until killed", host());
     std::mem::forget(reservation);
     block()
 }
 
 /// Polls `check` every 50 ms until it is true, for at most `limit`.
-fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> anyhow::Result<bool>) -> anyhow::Result<Duration> {
+fn eventually(
+    what: &str,
+    limit: Duration,
+    mut check: impl FnMut() -> anyhow::Result<bool>,
+) -> anyhow::Result<Duration> {
     let start = Instant::now();
     while !check()? {
         ensure!(start.elapsed() < limit, "{what}: not within {limit:?}");
@@ -503,9 +510,10 @@ fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> anyhow::Re
 
 fn replay_after_death(buffer: &RemoteBuffer, ready: &Path, actor: i64, rows: i64) -> anyhow::Result<()> {
     let ready: Ready = serde_json::from_str(&wait_for(ready, WAIT)?)?;
-    let took = eventually("the dead reserver's session released (open_reservations 0)", Duration::from_secs(30), || {
-        Ok(buffer.stats()?.open_reservations == 0)
-    })?;
+    let took =
+        eventually("the dead reserver's session released (open_reservations 0)", Duration::from_secs(30), || {
+            Ok(buffer.stats()?.open_reservations == 0)
+        })?;
     let stats = buffer.stats()?;
     println!(
         "{}: the reservation of rows {:?} was gone {took:?} after this learner began to watch: {} open reservations, {} sessions",
@@ -738,8 +746,7 @@ fn bench_update_worker(dir: &Path, addr: &str, rounds: usize, label: &str) -> an
     let mut times = Vec::with_capacity(rounds);
     for round in 0..rounds {
         let t0 = Instant::now();
-        let obs: Vec<f32> =
-            UPDATED.iter().flat_map(|&r| (0..WIDTH).map(move |c| bench_value(round, r, c))).collect();
+        let obs: Vec<f32> = UPDATED.iter().flat_map(|&r| (0..WIDTH).map(move |c| bench_value(round, r, c))).collect();
         let mut rows = TensorDict::new([UPDATED.len()]);
         rows.set("obs", Tensor::from_slice(&obs, [UPDATED.len(), WIDTH])?)?;
         td.set_at(Index::List(UPDATED.to_vec()), &rows)?;
