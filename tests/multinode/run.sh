@@ -288,7 +288,7 @@ test_remote_update_rounds() {
     on 1 mkdir -p "$dir"
     run_on 1 "$log-owner.log" bench-update-owner "$dir" "$BENCH_PORT" 50 &
     local owner=$!
-    run_on 2 "$log-worker.log" bench-update-worker "$dir" "$SERVER:$BENCH_PORT" 50 "$fs"
+    run_on 2 "$log-worker.log" bench-update-worker "$SERVER:$BENCH_PORT" 50 "$fs"
     local worker_status=$?
     wait "$owner"
     local owner_status=$?
@@ -535,7 +535,7 @@ bench() {
     on 1 mkdir -p "$dir"
     run_on 1 "$log-owner.log" bench-update-owner "$dir" "$BENCH_PORT" 200 &
     local owner=$!
-    run_on 2 "$log-worker.log" bench-update-worker "$dir" "$SERVER:$BENCH_PORT" 200 "$label"
+    run_on 2 "$log-worker.log" bench-update-worker "$SERVER:$BENCH_PORT" 200 "$label"
     local status=$?
     wait "$owner" || status=1
     [ $status = 0 ] || echo "FAIL bench-$label/remote-update: $(cat "$log-worker.log" "$log-owner.log" | tail -n 1)"
