@@ -235,8 +235,10 @@ KNOWN=0
 # failure that passes is a PASS (and its entry should go).
 declare -A KNOWN_PATTERN=(
     [replay-mapped]='phase 1: 32 of 32 sampled rows not whole \(32 all zeros.* 0 whole through a fresh open'
+    [remote-update-rounds]='round [0-9]+: reopening: open a reference: .* is at generation [0-9a-f]+:[0-9]+ now; the reference is of generation [0-9a-f]+:[0-9]+$'
 )
 declare -A KNOWN_CAUSE=(
+    [remote-update-rounds]="now and then (GlusterFS: about 1 reopen in 1000) the owner reads the generation file, rewritten in place and fsynced by the worker on another mount, at its value before the worker's publish, so the new reference is refused (never opened on old data): reading the generation past the client's caches, or waiting for it to reach the reference's, would fix it"
     [replay-mapped]="clients without on_shared_filesystem: the actor commits rows still dirty in its mapping, so the learner samples rows that are not in the shared file yet (this is why clients on a network filesystem need it)"
 )
 
@@ -286,7 +288,7 @@ test_remote_update() {
 test_remote_update_rounds() {
     local fs=$1 dir="$SHARED/remote-update-rounds" log="$LOGS/$fs-update-rounds"
     on 1 mkdir -p "$dir"
-    run_on 1 "$log-owner.log" bench-update-owner "$dir" "$BENCH_PORT" 50 &
+    run_on 1 "$log-owner.log" bench-update-owner "$dir" "$BENCH_PORT" 50 strict &
     local owner=$!
     run_on 2 "$log-worker.log" bench-update-worker "$SERVER:$BENCH_PORT" 50 "$fs"
     local worker_status=$?
@@ -533,7 +535,7 @@ test_file_server_restart() {
 bench() {
     local label=$1 dir=$2 log="$LOGS/bench-$1" endpoint="tcp:$SERVER:$REPLAY_PORT"
     on 1 mkdir -p "$dir"
-    run_on 1 "$log-owner.log" bench-update-owner "$dir" "$BENCH_PORT" 200 &
+    run_on 1 "$log-owner.log" bench-update-owner "$dir" "$BENCH_PORT" 200 wait &
     local owner=$!
     run_on 2 "$log-worker.log" bench-update-worker "$SERVER:$BENCH_PORT" 200 "$label"
     local status=$?

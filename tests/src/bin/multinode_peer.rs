@@ -38,11 +38,13 @@
 //! multinode-peer fs-client DIR CONTROL        load DIR/dict and check it again and again, each
 //!                                             load bounded; CONTROL/state tells `up`, `down`
 //!                                             (errors) then `up-again`; stop at CONTROL/stop
-//! multinode-peer bench-update-owner DIR PORT ROUNDS
+//! multinode-peer bench-update-owner DIR PORT ROUNDS (strict | wait)
 //! multinode-peer bench-update-worker ADDR ROUNDS LABEL
 //!                                             ROUNDS remote updates over TCP: the worker writes,
-//!                                             flushes, publishes; the owner reopens and reads;
-//!                                             prints a JSON line of the round-trip times
+//!                                             flushes, publishes; the owner reopens and reads
+//!                                             (`wait`: a reopen refused is tried again for up
+//!                                             to 2 s, and counted); the worker prints a JSON
+//!                                             line of the round-trip times
 //! multinode-peer bench-sample ENDPOINT TOKEN_FILE (shared-fs | mapped) SECONDS BATCH LABEL
 //!                                             sample and gather BATCH rows for SECONDS, print
 //!                                             a JSON line of the rate
@@ -132,7 +134,9 @@ fn run(args: &[String]) -> anyhow::Result<()> {
         ),
         ["fs-make", dir] => fs_make(Path::new(dir)),
         ["fs-client", dir, control] => fs_client(Path::new(dir), Path::new(control)),
-        ["bench-update-owner", dir, port, rounds] => bench_update_owner(Path::new(dir), port.parse()?, rounds.parse()?),
+        ["bench-update-owner", dir, port, rounds, mode] => {
+            bench_update_owner(Path::new(dir), port.parse()?, rounds.parse()?, mode)
+        }
         ["bench-update-worker", addr, rounds, label] => bench_update_worker(addr, rounds.parse()?, label),
         ["bench-sample", endpoint, token, mode, seconds, batch, label] => {
             let buffer = replay_client(&client(endpoint, token)?, mode)?;
@@ -691,7 +695,12 @@ fn bench_value(round: usize, row: i64, col: usize) -> f32 {
     (round * 1000) as f32 + (row * WIDTH as i64) as f32 + col as f32
 }
 
-fn bench_update_owner(dir: &Path, port: u16, rounds: usize) -> anyhow::Result<()> {
+fn bench_update_owner(dir: &Path, port: u16, rounds: usize, mode: &str) -> anyhow::Result<()> {
+    let patience = match mode {
+        "strict" => Duration::ZERO,
+        "wait" => Duration::from_secs(2),
+        other => bail!("unknown reopen mode `{other}` (strict or wait)"),
+    };
     let folder = dir.join("bench-dict");
     let mut schema = TensorDict::new([1]);
     schema.set("obs", Tensor::zeros([1, WIDTH], DType::F32, &Location::Heap)?)?;
@@ -707,7 +716,21 @@ fn bench_update_owner(dir: &Path, port: u16, rounds: usize) -> anyhow::Result<()
         line.clear();
         ensure!(reader.read_line(&mut line)? > 0, "{peer} hung up at round {round}");
         let reference: TensorDictRef = serde_json::from_str(&line)?;
-        let fresh = reference.open(Access::ReadOnly).with_context(|| format!("round {round}: reopening"))?;
+        let start = Instant::now();
+        let mut retries = 0;
+        let fresh = loop {
+            match reference.open(Access::ReadOnly) {
+                Ok(fresh) => break fresh,
+                Err(e) if start.elapsed() < patience => {
+                    if retries == 0 {
+                        println!("{}: round {round}: reopen refused, trying again: {e}", host());
+                    }
+                    retries += 1;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => return Err(e).with_context(|| format!("round {round}: reopening")),
+            }
+        };
         let obs = fresh.get_tensor("obs")?.to_vec::<f32>()?;
         for &row in &UPDATED {
             for col in 0..WIDTH {
@@ -715,7 +738,7 @@ fn bench_update_owner(dir: &Path, port: u16, rounds: usize) -> anyhow::Result<()
                 ensure!(got == want, "round {round}: obs[{row}, {col}] is {got}, expected {want}");
             }
         }
-        writeln!(writer, "ok")?;
+        writeln!(writer, "ok {retries}")?;
     }
     println!("{}: {rounds} updates from {peer} reopened and checked", host());
     Ok(())
@@ -738,6 +761,7 @@ fn bench_update_worker(addr: &str, rounds: usize, label: &str) -> anyhow::Result
     let reference: TensorDictRef = serde_json::from_str(&line)?;
     let mut td = reference.open(Access::ReadWrite).context("opening the owner's reference")?;
     let mut times = Vec::with_capacity(rounds);
+    let mut refused = 0;
     for round in 0..rounds {
         let t0 = Instant::now();
         let obs: Vec<f32> = UPDATED.iter().flat_map(|&r| (0..WIDTH).map(move |c| bench_value(round, r, c))).collect();
@@ -748,7 +772,12 @@ fn bench_update_worker(addr: &str, rounds: usize, label: &str) -> anyhow::Result
         td.publish()?;
         writeln!(writer, "{}", serde_json::to_string(&td.to_ref()?)?)?;
         line.clear();
-        ensure!(reader.read_line(&mut line)? > 0 && line.trim() == "ok", "round {round}: the owner answered {line:?}");
+        ensure!(reader.read_line(&mut line)? > 0, "round {round}: the owner hung up");
+        let retries: usize = match line.trim().strip_prefix("ok ") {
+            Some(n) => n.parse()?,
+            None => bail!("round {round}: the owner answered {line:?}"),
+        };
+        refused += usize::from(retries > 0);
         times.push(t0.elapsed());
     }
     times.sort_unstable();
@@ -759,6 +788,7 @@ fn bench_update_worker(addr: &str, rounds: usize, label: &str) -> anyhow::Result
         "p50_us": percentile(&times, 0.5).round(),
         "p99_us": percentile(&times, 0.99).round(),
         "max_us": percentile(&times, 1.0).round(),
+        "rounds_with_a_refused_reopen": refused,
     });
     println!("{json}");
     Ok(())
