@@ -18,6 +18,36 @@
 //!                                             row whole (`shared-fs`: rows read from the
 //!                                             files, not the mapping); on failure, read the
 //!                                             same rows through a fresh open of STORAGE
+//! multinode-peer replay-refused ENDPOINT      a replay client with a wrong token must be refused
+//! multinode-peer replay-fill ENDPOINT TOKEN_FILE ACTOR ROWS BATCH
+//!                                             extend ROWS rows keyed (ACTOR, 1..=ROWS), BATCH
+//!                                             rows per call (a client for a shared filesystem)
+//! multinode-peer replay-reserver ENDPOINT TOKEN_FILE READY
+//!                                             reserve 8 rows, write and flush half of them,
+//!                                             write `{"pid", "rows"}` to READY, then block
+//! multinode-peer replay-after-death ENDPOINT TOKEN_FILE READY ACTOR ROWS
+//!                                             once the reserver of READY is dead: its
+//!                                             reservation goes, its rows are never sampled
+//! multinode-peer replay-leaser ENDPOINT TOKEN_FILE READY
+//!                                             sample 8 rows with a raw client that never
+//!                                             releases its lease, write READY, then block
+//! multinode-peer replay-extend-over ENDPOINT TOKEN_FILE READY BLOCKED ACTOR ROWS
+//!                                             extend ROWS rows over the leased ones: the write
+//!                                             waits (BLOCKED written) until the leaser dies
+//! multinode-peer fs-make DIR                  make the dict DIR/dict with known values
+//! multinode-peer fs-client DIR CONTROL        load DIR/dict and check it again and again, each
+//!                                             load bounded; CONTROL/state tells `up`, `down`
+//!                                             (errors) then `up-again`; stop at CONTROL/stop
+//! multinode-peer bench-update-owner DIR PORT ROUNDS (strict | wait)
+//! multinode-peer bench-update-worker ADDR ROUNDS LABEL
+//!                                             ROUNDS remote updates over TCP: the worker writes,
+//!                                             flushes, publishes; the owner reopens and reads
+//!                                             (`wait`: a reopen refused is tried again for up
+//!                                             to 2 s, and counted); the worker prints a JSON
+//!                                             line of the round-trip times
+//! multinode-peer bench-sample ENDPOINT TOKEN_FILE (shared-fs | mapped) SECONDS BATCH LABEL
+//!                                             sample and gather BATCH rows for SECONDS, print
+//!                                             a JSON line of the rate
 //! ```
 //!
 //! Every role gives up after `MULTINODE_DEADLINE` seconds (default 60) with exit code 124, so
@@ -26,14 +56,17 @@
 
 #![forbid(unsafe_code)]
 
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::net::{TcpListener, TcpStream};
 use std::path::Path;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use memmap_tensor::{Access, DType, Location, Tensor};
-use replay::remote::RemoteBuffer;
+use replay::remote::{RemoteBuffer, ReplayServiceClient};
 use rpc::store::Store;
-use rpc::{ClientOptions, Endpoint, TensorDictRef, ToRef, Token};
+use rpc::{BlockingClient, ClientOptions, Endpoint, TensorDictRef, ToRef, Token};
 use tensordict::{Index, TensorDict};
 
 /// Rows of the dict of the remote update.
@@ -77,6 +110,37 @@ fn run(args: &[String]) -> anyhow::Result<()> {
         ["replay-learner", endpoint, token, dir, actor, storage, mode] => {
             let buffer = replay_client(&client(endpoint, token)?, mode)?;
             replay_learner(&buffer, Path::new(dir), actor.parse()?, Path::new(storage))
+        }
+        ["replay-refused", endpoint] => replay_refused(endpoint),
+        ["replay-fill", endpoint, token, actor, rows, batch] => {
+            let buffer = replay_client(&client(endpoint, token)?, "shared-fs")?;
+            replay_fill(&buffer, actor.parse()?, rows.parse()?, batch.parse()?)
+        }
+        ["replay-reserver", endpoint, token, ready] => {
+            let buffer = replay_client(&client(endpoint, token)?, "shared-fs")?;
+            replay_reserver(&buffer, Path::new(ready))
+        }
+        ["replay-after-death", endpoint, token, ready, actor, rows] => {
+            let buffer = replay_client(&client(endpoint, token)?, "shared-fs")?;
+            replay_after_death(&buffer, Path::new(ready), actor.parse()?, rows.parse()?)
+        }
+        ["replay-leaser", endpoint, token, ready] => replay_leaser(&client(endpoint, token)?, Path::new(ready)),
+        ["replay-extend-over", endpoint, token, ready, blocked, actor, rows] => replay_extend_over(
+            &client(endpoint, token)?,
+            Path::new(ready),
+            Path::new(blocked),
+            actor.parse()?,
+            rows.parse()?,
+        ),
+        ["fs-make", dir] => fs_make(Path::new(dir)),
+        ["fs-client", dir, control] => fs_client(Path::new(dir), Path::new(control)),
+        ["bench-update-owner", dir, port, rounds, mode] => {
+            bench_update_owner(Path::new(dir), port.parse()?, rounds.parse()?, mode)
+        }
+        ["bench-update-worker", addr, rounds, label] => bench_update_worker(addr, rounds.parse()?, label),
+        ["bench-sample", endpoint, token, mode, seconds, batch, label] => {
+            let buffer = replay_client(&client(endpoint, token)?, mode)?;
+            bench_sample(&buffer, mode, seconds.parse()?, batch.parse()?, label)
         }
         _ => bail!("unknown arguments {args:?} (see the documentation of multinode_peer.rs)"),
     }
@@ -367,4 +431,397 @@ fn check_rows(batch: &TensorDict, actor: i64, written: i64) -> anyhow::Result<(u
         }
     }
     Ok((n - bad.len(), bad))
+}
+
+// === Failures of the replay service's clients ===
+
+fn replay_refused(endpoint: &str) -> anyhow::Result<()> {
+    let endpoint: Endpoint = endpoint.parse()?;
+    let token = Token::from_bytes(b"not-the-token-of-this-service".to_vec())?;
+    let options = ClientOptions::default().token(token).connect_timeout(Duration::from_secs(10));
+    match RemoteBuffer::connect_to(&endpoint, &options) {
+        Ok(buffer) => match buffer.stats() {
+            Ok(stats) => bail!("a replay client with a wrong token was served (stats {stats:?})"),
+            Err(e) => println!("{}: wrong token refused at the first call: {e}", host()),
+        },
+        Err(e) => println!("{}: wrong token refused: {e}", host()),
+    }
+    Ok(())
+}
+
+fn replay_fill(buffer: &RemoteBuffer, actor: i64, rows: usize, batch: usize) -> anyhow::Result<()> {
+    ensure!(batch > 0, "a batch of 0 rows");
+    let start = Instant::now();
+    let mut seq = 1;
+    while seq <= rows as i64 {
+        let n = batch.min(rows + 1 - seq as usize);
+        buffer.extend(&actor_rows(actor, seq, n)?).with_context(|| format!("extending rows from seq {seq}"))?;
+        seq += n as i64;
+    }
+    println!("{}: wrote {rows} rows of actor {actor} in {:.2} s", host(), start.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// What a process that blocks tells the harness: its pid (to kill it) and its rows.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Ready {
+    pid: u32,
+    rows: Vec<u64>,
+}
+
+/// Blocks until the process is killed.
+fn block() -> ! {
+    loop {
+        std::thread::park();
+    }
+}
+
+fn replay_reserver(buffer: &RemoteBuffer, ready: &Path) -> anyhow::Result<()> {
+    let reservation = buffer.reserve(8, Some(Duration::from_secs(20))).context("reserving 8 rows")?;
+    let rows: Vec<i64> = reservation.rows().iter().map(|&r| r as i64).collect();
+    let storage = buffer.storage_mut().context("reserve did not map the storage")?;
+    // Half of the rows written, as an actor killed in the middle of its write leaves them.
+    let mut td = storage.tensordict().clone();
+    let half = &rows[..rows.len() / 2];
+    td.set_at(Index::List(half.to_vec()), &actor_rows(9, 900, half.len())?)?;
+    td.flush().context("flushing the half-written rows")?;
+    let open = buffer.stats()?.open_reservations;
+    ensure!(open == 1, "{open} open reservations after reserving, expected 1");
+    put(
+        ready,
+        &serde_json::to_string(&Ready { pid: std::process::id(), rows: rows.iter().map(|&r| r as u64).collect() })?,
+    )?;
+    println!("{}: reserved rows {rows:?}, wrote {half:?}, blocking until killed", host());
+    std::mem::forget(reservation);
+    block()
+}
+
+/// Polls `check` every 50 ms until it is true, for at most `limit`.
+fn eventually(
+    what: &str,
+    limit: Duration,
+    mut check: impl FnMut() -> anyhow::Result<bool>,
+) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    while !check()? {
+        ensure!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(start.elapsed())
+}
+
+fn replay_after_death(buffer: &RemoteBuffer, ready: &Path, actor: i64, rows: i64) -> anyhow::Result<()> {
+    let ready: Ready = serde_json::from_str(&wait_for(ready, WAIT)?)?;
+    let took =
+        eventually("the dead reserver's session released (open_reservations 0)", Duration::from_secs(30), || {
+            Ok(buffer.stats()?.open_reservations == 0)
+        })?;
+    let stats = buffer.stats()?;
+    println!(
+        "{}: the reservation of rows {:?} was gone {took:?} after this learner began to watch: {} open reservations, {} sessions",
+        host(),
+        ready.rows,
+        stats.open_reservations,
+        stats.sessions
+    );
+    let mut drawn = 0;
+    for round in 0..100 {
+        let (batch, info) = buffer.sample(64, Some(Duration::from_secs(10)))?;
+        if let Some(row) = info.indices.iter().find(|&&i| ready.rows.contains(&(i as u64))) {
+            bail!("round {round}: sampled row {row}, reserved by the killed actor");
+        }
+        let (_, bad) = check_rows(&batch, actor, rows)?;
+        if let Some((i, what)) = bad.first() {
+            bail!("round {round}: sampled storage row {} is not whole: {what}", info.indices[*i]);
+        }
+        drawn += info.indices.len();
+    }
+    println!("{}: {drawn} sampled rows, none of the killed actor's, every one whole", host());
+    Ok(())
+}
+
+fn replay_leaser((endpoint, options): &(Endpoint, ClientOptions), ready: &Path) -> anyhow::Result<()> {
+    let raw: BlockingClient<ReplayServiceClient> = BlockingClient::connect(endpoint, options)?;
+    let sampled = raw.call(async |c, ctx| c.sample(ctx, 8, Some(Duration::from_secs(10)), Vec::new()).await)??;
+    put(ready, &serde_json::to_string(&Ready { pid: std::process::id(), rows: sampled.indices.clone() })?)?;
+    println!("{}: leased rows {:?} (lease {}), blocking until killed", host(), sampled.indices, sampled.lease);
+    std::mem::forget(raw);
+    block()
+}
+
+fn replay_extend_over(
+    options: &(Endpoint, ClientOptions),
+    ready: &Path,
+    blocked: &Path,
+    actor: i64,
+    rows: usize,
+) -> anyhow::Result<()> {
+    let buffer = replay_client(options, "shared-fs")?;
+    let ready: Ready = serde_json::from_str(&wait_for(ready, WAIT)?)?;
+    let leases = buffer.stats()?.open_leases;
+    ensure!(leases == 1, "{leases} open leases with the leaser alive, expected 1");
+    let (tx, rx) = mpsc::channel();
+    let writer = replay_client(options, "shared-fs")?;
+    std::thread::spawn(move || {
+        let _ = tx.send(writer.extend(&actor_rows(actor, 1, rows)?));
+        anyhow::Ok(())
+    });
+    // The write covers every row, the leased ones too: it must wait for them.
+    match rx.recv_timeout(Duration::from_secs(2)) {
+        Ok(result) => bail!("the extend over leased rows {:?} did not wait for the lease: {result:?}", ready.rows),
+        Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the writer thread failed"),
+        Err(mpsc::RecvTimeoutError::Timeout) => {}
+    }
+    println!("{}: the extend over leased rows {:?} waits", host(), ready.rows);
+    put(blocked, "waiting")?;
+    let start = Instant::now();
+    let written = rx
+        .recv_timeout(Duration::from_secs(40))
+        .map_err(|_| anyhow::anyhow!("the extend did not complete within 40 s of waiting for the killed leaser"))?
+        .context("the extend over the killed leaser's rows")?;
+    let stats = buffer.stats()?;
+    ensure!(stats.open_leases == 0, "{} open leases after the extend", stats.open_leases);
+    println!(
+        "{}: the extend of {} rows completed {:.2} s after the leaser was to be killed; open_leases 0",
+        host(),
+        written.len(),
+        start.elapsed().as_secs_f64()
+    );
+    let (batch, info) = buffer.sample(64, Some(Duration::from_secs(10)))?;
+    let (_, bad) = check_rows(&batch, actor, rows as i64)?;
+    if let Some((i, what)) = bad.first() {
+        bail!("sampled storage row {} after the extend is not the new one: {what}", info.indices[*i]);
+    }
+    println!("{}: 64 sampled rows are all the new actor's", host());
+    Ok(())
+}
+
+// === A client of the shared folder while its file server stops and starts ===
+
+/// Rows of the dict the file-server test loads.
+const FS_ROWS: usize = 256;
+
+fn fs_dict() -> anyhow::Result<TensorDict> {
+    let obs: Vec<f32> = (0..FS_ROWS * WIDTH).map(|i| i as f32 * 0.25).collect();
+    let mut td = TensorDict::new([FS_ROWS]);
+    td.set("obs", Tensor::from_slice(&obs, [FS_ROWS, WIDTH])?)?;
+    Ok(td)
+}
+
+fn fs_make(dir: &Path) -> anyhow::Result<()> {
+    let folder = dir.join("dict");
+    let td = fs_dict()?.memmap(&folder)?;
+    td.flush()?;
+    println!("{}: made {} ({FS_ROWS} rows)", host(), folder.display());
+    Ok(())
+}
+
+/// The most one load may take: past it, the load counts as hung.
+const FS_OP_LIMIT: Duration = Duration::from_secs(20);
+
+fn fs_client(dir: &Path, control: &Path) -> anyhow::Result<()> {
+    let folder = dir.join("dict");
+    let want = fs_dict()?.get_tensor("obs")?.to_vec::<f32>()?;
+    // up -> down -> up-again
+    let mut state = "starting";
+    let (mut oks, mut errors, mut longest) = (0usize, 0usize, Duration::ZERO);
+    let mut first_error = String::new();
+    let mut down_since = None;
+    loop {
+        let (tx, rx) = mpsc::channel();
+        let (f, w) = (folder.clone(), want.clone());
+        let start = Instant::now();
+        std::thread::spawn(move || {
+            let result = (|| -> anyhow::Result<()> {
+                let td = TensorDict::load_memmap(&f, Access::ReadOnly)?;
+                let got = td.get_tensor("obs")?.to_vec::<f32>()?;
+                ensure!(got == w, "{} holds other values than were written", f.display());
+                Ok(())
+            })();
+            let _ = tx.send(result);
+        });
+        let result = match rx.recv_timeout(FS_OP_LIMIT) {
+            Ok(result) => result,
+            Err(_) => bail!("a load of {} did not return within {FS_OP_LIMIT:?} (state {state})", folder.display()),
+        };
+        longest = longest.max(start.elapsed());
+        let next = match (&result, state) {
+            (Ok(()), "starting") => "up",
+            (Err(_), "starting") => bail!("the first load failed: {:#}", result.unwrap_err()),
+            (Err(_), "up") => "down",
+            (Ok(()), "down") => "up-again",
+            _ => state,
+        };
+        match result {
+            Ok(()) => oks += 1,
+            Err(e) => {
+                errors += 1;
+                if first_error.is_empty() {
+                    first_error = format!("{e:#}");
+                }
+            }
+        }
+        if next != state {
+            println!("{}: {state} -> {next} after {oks} good loads and {errors} errors", host());
+            if next == "down" {
+                down_since = Some(Instant::now());
+            }
+            if next == "up-again" {
+                let down = down_since.map(|t| t.elapsed().as_secs_f64()).unwrap_or_default();
+                println!("{}: loads failed for {down:.1} s, the first error: {first_error}", host());
+            }
+            state = next;
+            put(&control.join("state"), state)?;
+        }
+        if control.join("stop").exists() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!("{}: {oks} good loads, {errors} errors, the longest load {longest:?}", host());
+    ensure!(state == "up-again", "stopped in state {state}, not up-again");
+    Ok(())
+}
+
+// === Benchmarks ===
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e6
+}
+
+/// The value of column `col` of row `row` in round `round` of the update benchmark.
+fn bench_value(round: usize, row: i64, col: usize) -> f32 {
+    (round * 1000) as f32 + (row * WIDTH as i64) as f32 + col as f32
+}
+
+fn bench_update_owner(dir: &Path, port: u16, rounds: usize, mode: &str) -> anyhow::Result<()> {
+    let patience = match mode {
+        "strict" => Duration::ZERO,
+        "wait" => Duration::from_secs(2),
+        other => bail!("unknown reopen mode `{other}` (strict or wait)"),
+    };
+    let folder = dir.join("bench-dict");
+    let mut schema = TensorDict::new([1]);
+    schema.set("obs", Tensor::zeros([1, WIDTH], DType::F32, &Location::Heap)?)?;
+    let td = schema.memmap_like(&folder, Some(UPDATE_ROWS))?;
+    let listener = TcpListener::bind(("0.0.0.0", port)).with_context(|| format!("listening on port {port}"))?;
+    let (stream, peer) = listener.accept()?;
+    stream.set_nodelay(true)?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut writer = stream;
+    writeln!(writer, "{}", serde_json::to_string(&td.to_ref()?)?)?;
+    let mut line = String::new();
+    for round in 0..rounds {
+        line.clear();
+        ensure!(reader.read_line(&mut line)? > 0, "{peer} hung up at round {round}");
+        let reference: TensorDictRef = serde_json::from_str(&line)?;
+        let start = Instant::now();
+        let mut retries = 0;
+        let fresh = loop {
+            match reference.open(Access::ReadOnly) {
+                Ok(fresh) => break fresh,
+                Err(e) if start.elapsed() < patience => {
+                    if retries == 0 {
+                        println!("{}: round {round}: reopen refused, trying again: {e}", host());
+                    }
+                    retries += 1;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => return Err(e).with_context(|| format!("round {round}: reopening")),
+            }
+        };
+        let obs = fresh.get_tensor("obs")?.to_vec::<f32>()?;
+        for &row in &UPDATED {
+            for col in 0..WIDTH {
+                let (got, want) = (obs[row as usize * WIDTH + col], bench_value(round, row, col));
+                ensure!(got == want, "round {round}: obs[{row}, {col}] is {got}, expected {want}");
+            }
+        }
+        writeln!(writer, "ok {retries}")?;
+    }
+    println!("{}: {rounds} updates from {peer} reopened and checked", host());
+    Ok(())
+}
+
+fn bench_update_worker(addr: &str, rounds: usize, label: &str) -> anyhow::Result<()> {
+    let start = Instant::now();
+    let stream = loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => break s,
+            Err(_) if start.elapsed() < WAIT => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => return Err(e).with_context(|| format!("connecting to {addr}")),
+        }
+    };
+    stream.set_nodelay(true)?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut writer = stream;
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let reference: TensorDictRef = serde_json::from_str(&line)?;
+    let mut td = reference.open(Access::ReadWrite).context("opening the owner's reference")?;
+    let mut times = Vec::with_capacity(rounds);
+    let mut refused = 0;
+    for round in 0..rounds {
+        let t0 = Instant::now();
+        let obs: Vec<f32> = UPDATED.iter().flat_map(|&r| (0..WIDTH).map(move |c| bench_value(round, r, c))).collect();
+        let mut rows = TensorDict::new([UPDATED.len()]);
+        rows.set("obs", Tensor::from_slice(&obs, [UPDATED.len(), WIDTH])?)?;
+        td.set_at(Index::List(UPDATED.to_vec()), &rows)?;
+        td.flush()?;
+        td.publish()?;
+        writeln!(writer, "{}", serde_json::to_string(&td.to_ref()?)?)?;
+        line.clear();
+        ensure!(reader.read_line(&mut line)? > 0, "round {round}: the owner hung up");
+        let retries: usize = match line.trim().strip_prefix("ok ") {
+            Some(n) => n.parse()?,
+            None => bail!("round {round}: the owner answered {line:?}"),
+        };
+        refused += usize::from(retries > 0);
+        times.push(t0.elapsed());
+    }
+    times.sort_unstable();
+    let json = serde_json::json!({
+        "bench": "remote-update",
+        "fs": label,
+        "rounds": rounds,
+        "p50_us": percentile(&times, 0.5).round(),
+        "p99_us": percentile(&times, 0.99).round(),
+        "max_us": percentile(&times, 1.0).round(),
+        "rounds_with_a_refused_reopen": refused,
+    });
+    println!("{json}");
+    Ok(())
+}
+
+fn bench_sample(buffer: &RemoteBuffer, mode: &str, seconds: f64, batch: usize, label: &str) -> anyhow::Result<()> {
+    let len = buffer.stats()?.len;
+    let limit = Duration::from_secs_f64(seconds);
+    let start = Instant::now();
+    let mut batches = 0u64;
+    let mut checked = 0u64;
+    while start.elapsed() < limit {
+        let (td, _) = buffer.sample(batch, Some(Duration::from_secs(10)))?;
+        // One batch in 16 is checked whole, inside the clock (a check costs less than a gather).
+        if batches.is_multiple_of(16) {
+            let (_, bad) = check_rows(&td, 1, len as i64)?;
+            ensure!(bad.is_empty(), "a sampled batch has {} rows not whole: {:?}", bad.len(), bad.first());
+            checked += 1;
+        }
+        batches += 1;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let json = serde_json::json!({
+        "bench": "sample-gather",
+        "fs": label,
+        "mode": mode,
+        "rows_in_buffer": len,
+        "batch": batch,
+        "batches": batches,
+        "batches_checked": checked,
+        "seconds": (elapsed * 100.0).round() / 100.0,
+        "rows_per_s": (batches as f64 * batch as f64 / elapsed).round(),
+    });
+    println!("{json}");
+    Ok(())
 }
