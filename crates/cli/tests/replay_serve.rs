@@ -21,7 +21,7 @@ use serde_json::Value;
 use tensordict::TensorDict;
 
 mod common;
-use common::{Run, alive, read_pid, wait_until};
+use common::{Run, alive, kill9, read_pid, wait_until};
 
 /// One test's world: a private runtime directory, a service name, and a guard that stops every
 /// server started in it when dropped.
@@ -288,8 +288,7 @@ fn a_killed_daemon_is_replaced() {
     let (_, pid) = w.serve(&["--capacity", "32"]);
     w.client().extend(&rows(1000, 32)).unwrap();
     let prefix = shm_prefix(&w.stats());
-    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
-    assert!(wait_until(Duration::from_secs(10), || !alive(pid)));
+    kill9(pid);
     assert!(!shm_objects(&prefix).is_empty(), "kill -9 cannot free shared memory");
 
     let (_, again) = w.serve(&["--capacity", "32"]);

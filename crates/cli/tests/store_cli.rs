@@ -20,7 +20,7 @@ use serde_json::Value;
 use tensordict::TensorDict;
 
 mod common;
-use common::{Run, alive, read_pid, wait_until};
+use common::{Run, alive, kill9, read_pid, wait_until};
 
 /// One test's world: a private runtime directory, a store name, and a guard that kills every
 /// server started in it when dropped.
@@ -118,11 +118,6 @@ impl Drop for World {
             }
         }
     }
-}
-
-fn kill9(pid: u32) {
-    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
-    assert!(wait_until(Duration::from_secs(10), || !alive(pid)), "pid {pid} survived kill -9");
 }
 
 /// A dict with several dtypes, a nested dict, a batch size and a non-tensor value, written as a

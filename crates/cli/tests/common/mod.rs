@@ -80,6 +80,20 @@ pub fn alive(pid: u32) -> bool {
         .is_some_and(|rest| !rest.starts_with('Z') && !rest.starts_with('X'))
 }
 
+/// Kills `pid` with SIGKILL and waits until it is gone with everything it held open. A killed
+/// process's main thread shows as a zombie while its other threads may still be closing its
+/// files (a listening socket among them), so this waits for its open files to be gone too.
+pub fn kill9(pid: u32) {
+    use nix::sys::signal::{Signal, kill};
+    kill(nix::unistd::Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
+    let gone = || {
+        !alive(pid)
+            && fs::read_dir(format!("/proc/{pid}/fd")).map_or(true, |mut fds| fds.next().is_none())
+            && fs::read_dir(format!("/proc/{pid}/task")).map_or(true, |tasks| tasks.count() <= 1)
+    };
+    assert!(wait_until(Duration::from_secs(10), gone), "pid {pid} survived kill -9");
+}
+
 /// Polls `done` until it holds or `limit` passes; returns whether it held.
 pub fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + limit;
