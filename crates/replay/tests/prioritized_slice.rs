@@ -3,7 +3,6 @@
 //! weights, slices inside one trajectory and never across the writer's cursor, refusals by
 //! name, and the TorchRL dump form.
 
-use memmap_tensor::Tensor;
 use replay::checkpoint::{Dump, SamplerDump};
 use replay::{
     Episodes, Prioritized, PrioritizedSlice, ReplayBuffer, RoundRobin, Sampler, SliceShape, Storage, StorageConfig,
@@ -14,35 +13,8 @@ type R = anyhow::Result<()>;
 
 const EPS: f64 = 1e-8;
 
-fn traj_key() -> Episodes {
-    Episodes::TrajKey("episode".into())
-}
-
-fn end_key() -> Episodes {
-    Episodes::EndKey(["next", "done"].into())
-}
-
-/// Rows of consecutive episodes of the given lengths, from global step `first` on: `step` i64,
-/// `episode` i64 (from `first_episode` on), `next/done` bool `[n, 1]` on each episode's last
-/// step.
-fn episodes(lengths: &[usize], first_episode: i64, first: i64) -> anyhow::Result<TensorDict> {
-    let (mut step, mut ep, mut done) = (Vec::new(), Vec::new(), Vec::new());
-    let mut s = first;
-    for (e, &n) in lengths.iter().enumerate() {
-        for k in 0..n {
-            step.push(s);
-            ep.push(first_episode + e as i64);
-            done.push(k + 1 == n);
-            s += 1;
-        }
-    }
-    let n = step.len();
-    let mut td = TensorDict::new([n]);
-    td.set("step", Tensor::from_slice(&step, [n])?)?;
-    td.set("episode", Tensor::from_slice(&ep, [n])?)?;
-    td.set(["next", "done"], Tensor::from_bools(&done, [n, 1])?)?;
-    Ok(td)
-}
+mod common;
+use common::{end_key, episodes, traj_key};
 
 fn buffer(capacity: usize, sampler: PrioritizedSlice) -> anyhow::Result<ReplayBuffer> {
     Ok(ReplayBuffer::new(StorageConfig::heap(capacity), Box::new(RoundRobin::new()), Box::new(sampler))?)

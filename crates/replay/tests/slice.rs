@@ -11,35 +11,8 @@ use tensordict::{Index, TensorDict};
 
 type R = anyhow::Result<()>;
 
-fn traj_key() -> Episodes {
-    Episodes::TrajKey("episode".into())
-}
-
-fn end_key() -> Episodes {
-    Episodes::EndKey(["next", "done"].into())
-}
-
-/// Rows of consecutive episodes of the given lengths, from global step `first` on: `step` i64
-/// (the global write order), `episode` i64 (from `first_episode` on), `next/done` bool
-/// (`[n, 1]`, as TorchRL stores it; set on each episode's last step).
-fn episodes(lengths: &[usize], first_episode: i64, first: i64) -> anyhow::Result<TensorDict> {
-    let (mut step, mut ep, mut done) = (Vec::new(), Vec::new(), Vec::new());
-    let mut s = first;
-    for (e, &n) in lengths.iter().enumerate() {
-        for k in 0..n {
-            step.push(s);
-            ep.push(first_episode + e as i64);
-            done.push(k + 1 == n);
-            s += 1;
-        }
-    }
-    let n = step.len();
-    let mut td = TensorDict::new([n]);
-    td.set("step", Tensor::from_slice(&step, [n])?)?;
-    td.set("episode", Tensor::from_slice(&ep, [n])?)?;
-    td.set(["next", "done"], Tensor::from_bools(&done, [n, 1])?)?;
-    Ok(td)
-}
+mod common;
+use common::{end_key, episodes, traj_key};
 
 /// Writes `data` in chunks of `chunk` rows.
 fn extend_in_chunks(buffer: &ReplayBuffer, data: &TensorDict, chunk: usize) -> R {

@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use memmap_tensor::Tensor;
+use replay::Episodes;
 use serde_json::Value;
 use tensordict::TensorDict;
 
@@ -76,4 +78,36 @@ pub fn kill_while_dumping(child: &str, env: &str, dir: &Path, done: usize) {
     }
     process.kill().unwrap(); // SIGKILL
     process.wait().unwrap();
+}
+
+/// Trajectories read from the `episode` key.
+pub fn traj_key() -> Episodes {
+    Episodes::TrajKey("episode".into())
+}
+
+/// Trajectories read from the `next/done` flags.
+pub fn end_key() -> Episodes {
+    Episodes::EndKey(["next", "done"].into())
+}
+
+/// Rows of consecutive episodes of the given lengths, from global step `first` on: `step` i64
+/// (the global write order), `episode` i64 (from `first_episode` on), `next/done` bool
+/// (`[n, 1]`, as TorchRL stores it; set on each episode's last step).
+pub fn episodes(lengths: &[usize], first_episode: i64, first: i64) -> anyhow::Result<TensorDict> {
+    let (mut step, mut ep, mut done) = (Vec::new(), Vec::new(), Vec::new());
+    let mut s = first;
+    for (e, &n) in lengths.iter().enumerate() {
+        for k in 0..n {
+            step.push(s);
+            ep.push(first_episode + e as i64);
+            done.push(k + 1 == n);
+            s += 1;
+        }
+    }
+    let n = step.len();
+    let mut td = TensorDict::new([n]);
+    td.set("step", Tensor::from_slice(&step, [n])?)?;
+    td.set("episode", Tensor::from_slice(&ep, [n])?)?;
+    td.set(["next", "done"], Tensor::from_bools(&done, [n, 1])?)?;
+    Ok(td)
 }
