@@ -64,7 +64,7 @@ fn fill(buffer: &ReplayBuffer, rows_total: usize) -> anyhow::Result<()> {
 }
 
 /// Median of `iters` timed calls of `call` (in µs), after `iters / 10` (at least one) untimed.
-fn median_us(iters: usize, mut call: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+pub(crate) fn median_us(iters: usize, mut call: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
     let warmup = (iters / 10).max(1);
     for _ in 0..warmup {
         call()?;

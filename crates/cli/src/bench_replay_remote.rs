@@ -27,7 +27,7 @@ use rpc::ClientOptions;
 use serde_json::{Map, Value, json};
 use tensordict::TensorDict;
 
-use crate::bench_replay::{EXTEND_ROWS, SAMPLE_ROWS};
+use crate::bench_replay::{EXTEND_ROWS, SAMPLE_ROWS, median_us};
 
 /// Actor processes.
 const ACTORS: usize = 4;
@@ -236,21 +236,6 @@ fn rows(start: usize, n: usize) -> anyhow::Result<TensorDict> {
     td.set("done", Tensor::from_bools(&ids.iter().map(|&i| i % 100 == 99).collect::<Vec<_>>(), [n])?)?;
     td.set(["next", "obs"], Tensor::from_slice(&next_obs, [n, 84])?)?;
     Ok(td)
-}
-
-/// Median of `iters` timed calls of `call` (in µs), after `iters / 10` (at least one) untimed.
-fn median_us(iters: usize, mut call: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
-    for _ in 0..(iters / 10).max(1) {
-        call()?;
-    }
-    let mut times = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let started = Instant::now();
-        call()?;
-        times.push(started.elapsed().as_secs_f64() * 1e6);
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
 }
 
 /// A child process of the benchmark (this program again), talked to by lines; killed if still
