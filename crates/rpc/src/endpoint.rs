@@ -164,6 +164,20 @@ pub(crate) fn current_uid() -> u32 {
     nix::unistd::geteuid().as_raw()
 }
 
+/// The name stem of the shared-memory objects a `kind` of service (`store`, `replay`) called
+/// `name` makes: `tdict-KIND-UID-HASH-NAME`, the uid and the runtime directory (hashed) keeping
+/// services of other users and other runtime directories apart, so that a service removes only
+/// what an earlier service of its own kind and name left.
+pub fn shm_stem(kind: &str, runtime_dir: &Path, name: &str) -> String {
+    // FNV-1a: stable across builds, which is all that matters here.
+    let hash = runtime_dir
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    format!("tdict-{kind}-{}-{:08x}-{name}", current_uid(), hash as u32)
+}
+
 /// Resolves the runtime directory (option, then environment, then XDG, then `/tmp`), creates it
 /// with mode 0700 if missing, and checks it is a private directory of this uid.
 ///

@@ -60,7 +60,7 @@ use crate::rate::RateLimiter;
 use crate::slice::{Episodes, SliceShape};
 
 /// The longest service name, in bytes.
-pub const MAX_NAME_BYTES: usize = 48;
+pub const MAX_NAME_BYTES: usize = rpc::store::MAX_NAME_BYTES;
 
 /// Which sampler a replay service draws with.
 #[derive(Clone, Debug, PartialEq)]
@@ -219,27 +219,16 @@ pub fn endpoint(name: &str) -> rpc::Endpoint {
     rpc::Endpoint::Uds(format!("replay-{name}"))
 }
 
-/// Checks a service name: 1 to [`MAX_NAME_BYTES`] bytes of `A-Z a-z 0-9 _ -`.
+/// Checks a service name: 1 to [`MAX_NAME_BYTES`] bytes of `A-Z a-z 0-9 _ -` (the rules of
+/// store names).
 pub fn check_name(name: &str) -> Result<()> {
-    let invalid = |reason: String| Error::InvalidName { name: name.to_owned(), reason };
-    if name.is_empty() || name.len() > MAX_NAME_BYTES {
-        return Err(invalid(format!("{} bytes; a name has 1 to {MAX_NAME_BYTES}", name.len())));
-    }
-    if let Some(bad) = name.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-'))) {
-        return Err(invalid(format!("character {bad:?} is not allowed (use A-Z a-z 0-9 _ -)")));
-    }
-    Ok(())
+    rpc::store::check_name(name).map_err(|e| match e {
+        rpc::Error::InvalidStoreName { name, reason } => Error::InvalidName { name, reason },
+        other => other.into(),
+    })
 }
 
-/// The shared-memory prefix of the service `name`'s storage: the runtime directory (hashed)
-/// and the name, so that services of other users or other runtime directories never share
-/// objects, and a service removes only what an earlier service of its own name left.
+/// The shared-memory prefix of the service `name`'s storage (see [`rpc::endpoint::shm_stem`]).
 fn shm_prefix(runtime_dir: &Path, name: &str) -> String {
-    // FNV-1a: stable across builds, which is all that matters here.
-    let hash = runtime_dir
-        .as_os_str()
-        .as_encoded_bytes()
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
-    format!("tdict-replay-{:08x}-{name}", hash as u32)
+    rpc::endpoint::shm_stem("replay", runtime_dir, name)
 }

@@ -199,11 +199,5 @@ fn check_key(key: &str) -> std::result::Result<(), String> {
 /// the name, so that stores of other users or other runtime directories never share a name, and
 /// a server removes only what an earlier server of its own store left.
 fn shm_base(runtime_dir: &Path, name: &str) -> String {
-    // FNV-1a: stable across builds, which is all that matters here.
-    let hash = runtime_dir
-        .as_os_str()
-        .as_encoded_bytes()
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
-    format!("tdict-store-{}-{:08x}-{name}", crate::endpoint::current_uid(), hash as u32)
+    crate::endpoint::shm_stem("store", runtime_dir, name)
 }
