@@ -249,6 +249,14 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A lock file is held by another process (see [`crate::LockFile`]).
+    #[error("{} is held by {holder}", path.display())]
+    Locked {
+        /// The lock file.
+        path: PathBuf,
+        /// Who holds it, as its file says.
+        holder: String,
+    },
     /// A call on shared memory failed.
     #[error("{op} shared memory `{name}`: {source}")]
     ShmIo {

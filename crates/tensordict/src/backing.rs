@@ -19,12 +19,12 @@
 
 use std::fs::File;
 use std::io::ErrorKind;
+use std::io::Write;
 use std::ops::Range;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use memmap_tensor::{Access, StorageKind, Tensor};
-use nix::fcntl::{Flock, FlockArg};
+use memmap_tensor::{Access, LockFile, LockOptions, StorageKind, Tensor};
 
 use crate::key::{candidate_names, encode_name};
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
@@ -98,22 +98,38 @@ impl DictLocation {
         }
     }
 
-    /// Adds one to the generation's counter (under an exclusive lock of the generation file) and
-    /// returns the new generation. Flush the changed rows first: see [`TensorDict::publish`].
+    /// Adds one to the generation's counter and returns the new generation. Flush the changed
+    /// rows first: see [`TensorDict::publish`].
+    ///
+    /// The new generation is written to a temporary file that is renamed over the old one, under
+    /// a lock file (`.tdict-generation.lock`, taken by exclusive creation, which holds across the
+    /// nodes of a network filesystem where `flock` may not). A reader that opens the generation
+    /// file afterwards opens a new file, so no cache of the old file's contents can answer it.
     pub fn bump_generation(&self) -> Result<Generation> {
         self.generation()?;
         let path = self.generation_path()?;
-        let io_err = |op, source| Error::Io { op, path: path.clone(), source };
-        let file = open_generation(&path, true)?;
-        let locked = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| io_err("lock", e.into()))?;
-        let mut now = read_from(&locked, &path)?;
+        let io_err = |op, path: &Path, source| Error::Io { op, path: path.to_owned(), source };
+        let mut lock_path = path.clone().into_os_string();
+        lock_path.push(".lock");
+        let _lock = LockFile::acquire(Path::new(&lock_path), &LockOptions::brief())
+            .map_err(|source| Error::Tensor { key: KeyPath::default(), source })?;
+        let mut now = read_generation(&path)?;
         now.counter = now.counter.checked_add(1).ok_or_else(|| Error::InvalidMeta {
             path: path.clone(),
             reason: "the generation counter is at its largest value".into(),
         })?;
-        locked.write_all_at(&now.counter.to_le_bytes(), 8).map_err(|e| io_err("write", e))?;
-        if matches!(self, DictLocation::Folder(_)) {
-            locked.sync_data().map_err(|e| io_err("fsync", e))?;
+        let durable = matches!(self, DictLocation::Folder(_));
+        let tmp = temporary_beside(&path);
+        let written = write_generation(&tmp, now, durable).and_then(|()| {
+            memmap_tensor::retry_stale(|| std::fs::rename(&tmp, &path)).map_err(|e| io_err("rename", &path, e))
+        });
+        if written.is_err() {
+            // Best effort: the temporary name is this call's alone.
+            let _ = std::fs::remove_file(&tmp);
+        }
+        written?;
+        if durable && let Some(dir) = path.parent() {
+            File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io_err("fsync", dir, e))?;
         }
         Ok(now)
     }
@@ -152,12 +168,8 @@ impl DictLocation {
                 break id;
             }
         };
-        let mut bytes = id.to_le_bytes().to_vec();
-        bytes.extend_from_slice(&0u64.to_le_bytes());
-        let mut tmp = path.clone().into_os_string();
-        tmp.push(format!(".{}.{id:x}.tmp", std::process::id()));
-        let tmp = PathBuf::from(tmp);
-        std::fs::write(&tmp, &bytes).map_err(|e| io_err("write", e))?;
+        let tmp = temporary_beside(&path);
+        write_generation(&tmp, Generation { id, counter: 0 }, false)?;
         let linked = std::fs::hard_link(&tmp, &path);
         // Best effort: the temporary name is ours alone.
         let _ = std::fs::remove_file(&tmp);
@@ -169,10 +181,36 @@ impl DictLocation {
     }
 }
 
-fn open_generation(path: &Path, write: bool) -> Result<File> {
+/// A temporary name beside the generation file, unique to this process and call.
+/// (`NAME.PID.N.tmp`: found as a leftover if its writer dies, see `TensorDict::leftovers`).
+fn temporary_beside(path: &Path) -> PathBuf {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".{}.{}.tmp", std::process::id(), rand::random::<u32>()));
+    PathBuf::from(tmp)
+}
+
+/// Writes a new generation file (created new, never through a link), synced if `durable`.
+fn write_generation(path: &Path, generation: Generation, durable: bool) -> Result<()> {
+    let io_err = |op, source| Error::Io { op, path: path.to_owned(), source };
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&generation.id.to_le_bytes());
+    bytes[8..].copy_from_slice(&generation.counter.to_le_bytes());
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| io_err("create", e))?;
+    file.write_all(&bytes).map_err(|e| io_err("write", e))?;
+    if durable {
+        file.sync_all().map_err(|e| io_err("fsync", e))?;
+    }
+    Ok(())
+}
+
+fn open_generation(path: &Path) -> Result<File> {
     let file = std::fs::OpenOptions::new()
         .read(true)
-        .write(write)
         .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
         .open(path)
         .map_err(|source| Error::Io { op: "open", path: path.to_owned(), source })?;
@@ -185,7 +223,7 @@ fn open_generation(path: &Path, write: bool) -> Result<File> {
 }
 
 fn read_generation(path: &Path) -> Result<Generation> {
-    read_from(&open_generation(path, false)?, path)
+    read_from(&open_generation(path)?, path)
 }
 
 fn read_from(file: &File, path: &Path) -> Result<Generation> {

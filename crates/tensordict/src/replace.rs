@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 use nix::errno::Errno;
 use nix::fcntl::{AT_FDCWD, RenameFlags, renameat2};
 
-use crate::process::{ProcessId, ProcessState};
 use crate::{Error, Result};
+use memmap_tensor::{ProcessId, ProcessState};
 
 /// How long a reader waits for a live writer that is between the two renames of the fallback.
 const SWAP_WAIT: Duration = Duration::from_secs(2);
@@ -337,9 +337,9 @@ fn temp_files(dir: &Path, depth: usize, found: &mut Vec<Leftover>) {
 
 fn temp_file_pid(name: &str) -> Option<u32> {
     let stem = name.strip_prefix('.')?.strip_suffix(".tmp")?;
-    if let Some(rest) = stem.strip_prefix("tdict-") {
-        let (pid, n) = rest.split_once('-')?;
-        n.parse::<u64>().ok()?;
+    if let Some((pid, n)) = stem.strip_prefix("tdict-").and_then(|rest| rest.split_once('-'))
+        && n.parse::<u64>().is_ok()
+    {
         return pid.parse().ok();
     }
     let mut parts = stem.rsplitn(3, '.');

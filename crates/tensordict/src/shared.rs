@@ -40,9 +40,9 @@ use memmap_tensor::{Access, DType, Location, ShmObject, Storage, Tensor};
 use serde_json::{Value, json};
 
 use crate::error::WithKey;
-use crate::process::{ProcessId, ProcessState};
 use crate::schema::{self, EntrySchema, Schema};
 use crate::{Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
+use memmap_tensor::{ProcessId, ProcessState};
 
 const OWNER_VERSION: u64 = 1;
 /// An owner record is a few hundred bytes; more is not one of ours.
@@ -270,7 +270,7 @@ impl TensorDict {
         }
         objects.sort_by_key(|(part, _)| match part {
             Part::Meta => 0,
-            Part::Tensor(_) | Part::Gen => 1,
+            Part::Tensor(_) | Part::Gen | Part::GenLock => 1,
             Part::Owner => 2,
         });
         for (_, object) in objects {
@@ -292,6 +292,8 @@ enum Part {
     Meta,
     /// The generation (see the `backing` module), made on first use.
     Gen,
+    /// The lock of the generation, there while a publish runs (or left by a killed publisher).
+    GenLock,
     Tensor(u64),
 }
 
@@ -326,6 +328,7 @@ fn object_name(prefix: &str, part: Part) -> String {
         Part::Owner => format!("/{prefix}.owner"),
         Part::Meta => format!("/{prefix}.meta"),
         Part::Gen => format!("/{prefix}.gen"),
+        Part::GenLock => format!("/{prefix}.gen.lock"),
         Part::Tensor(i) => format!("/{prefix}.{i}"),
     }
 }
@@ -337,6 +340,11 @@ fn split_name(name: &str) -> Option<(&str, Part)> {
         "owner" => Part::Owner,
         "meta" => Part::Meta,
         "gen" => Part::Gen,
+        "lock" => {
+            let prefix = prefix.strip_suffix(".gen")?;
+            check_prefix(prefix).ok()?;
+            return Some((prefix, Part::GenLock));
+        }
         // Decimal without leading zeros: exactly the names `object_name` makes.
         s if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) && (s == "0" || !s.starts_with('0')) => {
             Part::Tensor(s.parse().ok()?)
@@ -502,6 +510,8 @@ mod tests {
     fn names_split_at_their_last_dot() {
         assert_eq!(split_name("/a.0"), Some(("a", Part::Tensor(0))));
         assert_eq!(split_name("/a.b.17"), Some(("a.b", Part::Tensor(17))));
+        assert_eq!(split_name("/a.b.gen.lock"), Some(("a.b", Part::GenLock)));
+        assert_eq!(split_name("/a.lock"), None);
         assert_eq!(split_name("/a.meta"), Some(("a", Part::Meta)));
         assert_eq!(split_name("/a.meta.owner"), Some(("a.meta", Part::Owner)));
         assert_eq!(split_name("/ab.owner"), Some(("ab", Part::Owner)));

@@ -122,6 +122,39 @@ fn generations_count_publishes_and_change_with_the_folder() -> TestResult {
     Ok(())
 }
 
+/// Each publish renames a new generation file into place (a reader's fresh open never meets a
+/// cached copy of the old one), under a lock file that holds across nodes; a lock left by a
+/// publisher killed while holding it is taken over at once, and nothing else stays behind.
+#[test]
+fn publishes_replace_the_generation_file_and_survive_a_dead_publisher() -> TestResult {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir()?;
+    let root = dir.path().join("buffer");
+    let td = sample()?.memmap(&root)?;
+    let file = root.join(".tdict-generation");
+    td.publish()?;
+    let before = std::fs::metadata(&file)?.ino();
+    td.publish()?;
+    assert_ne!(std::fs::metadata(&file)?.ino(), before, "the file was rewritten in place");
+
+    // A lock file as a killed publisher on this machine leaves it.
+    let mut dead = std::process::Command::new("true").spawn()?;
+    dead.wait()?;
+    let me = memmap_tensor::ProcessId::me();
+    let line = format!("tdict-lock pid={} start=1 boot={} pidns={} token=0\n", dead.id(), me.boot, me.pidns);
+    std::fs::write(root.join(".tdict-generation.lock"), line)?;
+    let start = std::time::Instant::now();
+    assert_eq!(td.publish()?.counter, 3);
+    assert!(start.elapsed() < std::time::Duration::from_secs(5), "waited out the dead publisher's lock");
+
+    let mut names: Vec<String> = std::fs::read_dir(&root)?
+        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<_, _>>()?;
+    names.retain(|n| n.starts_with(".tdict"));
+    assert_eq!(names, [".tdict-generation"]);
+    Ok(())
+}
+
 /// A generation file holding the largest counter is an error to bump, not an overflow.
 #[test]
 fn a_counter_at_its_largest_value_is_an_error() -> TestResult {

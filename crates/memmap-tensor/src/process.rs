@@ -1,5 +1,6 @@
 //! Who a process is, recorded so that another process can later tell whether it still runs:
-//! the identity behind the creators of shared dicts and the writers of leftover folders.
+//! the identity behind the creators of shared dicts, the writers of leftover folders and the
+//! holders of lock files.
 //!
 //! A pid alone is not enough: pids are reused, and a pid means nothing in another pid namespace
 //! (a container) or after a reboot. So an identity is the pid, the process's start time (clock
@@ -41,19 +42,21 @@ impl std::fmt::Display for ProcessState {
 
 /// A process's identity (see the module documentation).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct ProcessId {
-    pub(crate) pid: u32,
+#[non_exhaustive]
+pub struct ProcessId {
+    /// The process id.
+    pub pid: u32,
     /// Start time in clock ticks after boot, if it could be read.
-    pub(crate) start: Option<u64>,
+    pub start: Option<u64>,
     /// The first 8 hex digits of the boot id.
-    pub(crate) boot: String,
+    pub boot: String,
     /// The inode number of the pid namespace (0 if unknown).
-    pub(crate) pidns: u64,
+    pub pidns: u64,
 }
 
 impl ProcessId {
     /// This process.
-    pub(crate) fn me() -> &'static ProcessId {
+    pub fn me() -> &'static ProcessId {
         static ME: OnceLock<ProcessId> = OnceLock::new();
         ME.get_or_init(|| {
             let pid = std::process::id();
@@ -65,14 +68,14 @@ impl ProcessId {
 
     /// An identity from its parts as recorded: `boot` as the boot id (or its first 8 hex
     /// digits), `pidns` as `pid:[N]` (or `N`).
-    pub(crate) fn new(pid: u32, start: Option<u64>, boot: &str, pidns: &str) -> ProcessId {
+    pub fn new(pid: u32, start: Option<u64>, boot: &str, pidns: &str) -> ProcessId {
         let boot = boot.chars().filter(char::is_ascii_hexdigit).take(8).collect();
         let pidns = pidns.chars().filter(char::is_ascii_digit).collect::<String>().parse().unwrap_or(0);
         ProcessId { pid, start, boot, pidns }
     }
 
     /// Whether this process still runs, as far as this process can tell.
-    pub(crate) fn state(&self) -> ProcessState {
+    pub fn state(&self) -> ProcessState {
         let me = ProcessId::me();
         if self.boot.len() != 8 || self.boot != me.boot || self.pidns == 0 || self.pidns != me.pidns {
             return ProcessState::Unknown;
