@@ -410,6 +410,25 @@ fn a_folder_service_keeps_torchrl_len_and_dumps() {
     f.connect().extend(&batch(&[1.])).unwrap();
 }
 
+/// One folder, one service, even across nodes (the lock is a file beside the folder, not an
+/// `flock`): a second service on the folder, under another name, is refused while the first
+/// runs, even told to overwrite, and serves it once the first is gone.
+#[test]
+fn a_folder_is_served_by_one_service_at_a_time() {
+    let (first, second) = (Fixture::new("folder-one"), Fixture::new("folder-two"));
+    let dir = tempfile::tempdir().unwrap();
+    let storage = dir.path().join("storage");
+    let server = first.start(first.options(10).dir(&storage));
+    first.connect().extend(&batch(&[5.])).unwrap();
+    let err = ReplayServer::start(&second.name, second.options(10).dir(&storage).overwrite(true)).unwrap_err();
+    assert!(err.to_string().contains(".storage.owner is held by process"), "{err}");
+    assert_eq!(replay::Storage::read_len(&storage).unwrap(), 1, "the refused service touched the folder");
+    drop(server);
+    assert!(!dir.path().join(".storage.owner").exists());
+    let _again = second.start(second.options(10).dir(&storage).overwrite(true));
+    second.connect().extend(&batch(&[1.])).unwrap();
+}
+
 #[test]
 fn shared_memory_is_removed_with_the_server() {
     let f = Fixture::new("shm-cleanup");

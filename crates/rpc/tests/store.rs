@@ -250,3 +250,31 @@ fn one_folder_is_served_by_one_store_at_a_time() {
         Store::start_with("folder-b", StoreOptions::default().runtime_dir(dir.path().join("run")).dir(&data)).unwrap();
     assert!(again.contains("m").unwrap());
 }
+
+/// The folder's lock holds across nodes: a store serving it from another machine (its lock
+/// line names another boot, and its heartbeat keeps the file fresh) keeps a store here out.
+#[test]
+fn a_folder_served_from_another_node_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let lock = data.join("store.owner");
+    std::fs::write(&lock, "tdict-lock pid=77 start=9 boot=0badb007 pidns=1 token=1\n").unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let heartbeat = {
+        let (lock, stop) = (lock.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                let file = std::fs::OpenOptions::new().write(true).open(&lock).unwrap();
+                file.set_modified(std::time::SystemTime::now()).unwrap();
+            }
+        })
+    };
+    let refused = Store::start_with("folder-c", StoreOptions::default().runtime_dir(dir.path().join("run")).dir(&data));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    heartbeat.join().unwrap();
+    let err = refused.unwrap_err().to_string();
+    assert!(err.contains("another store serves this folder: process 77"), "{err}");
+    assert!(data.join("store.owner").exists(), "the other node's lock was taken");
+}

@@ -301,7 +301,7 @@ fn path_like_keys_never_become_paths() -> TestResult {
         .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
         .collect::<Result<_, _>>()?;
     top.sort();
-    assert_eq!(top, ["entries", "store-index.json", "store.lock"]);
+    assert_eq!(top, ["entries", "store-index.json", "store.owner"]);
     for e in std::fs::read_dir(data.join("entries"))? {
         let file = e?.file_name().to_string_lossy().into_owned();
         assert!(file.strip_prefix('v').is_some_and(|n| n.parse::<u64>().is_ok()), "entry folder {file:?}");

@@ -39,6 +39,8 @@ pub struct ReplayServer {
     tcp: Option<ServerHandle>,
     /// The name's lock, held while the service lives (its storage is this process's).
     _owner: std::fs::File,
+    /// With a folder, the lock that makes this service the folder's only one, on any node.
+    _folder_owner: Option<memmap_tensor::LockFile>,
 }
 
 impl std::fmt::Debug for ReplayServer {
@@ -125,6 +127,7 @@ impl ReplayServer {
         }
         let runtime_dir = rpc::endpoint::resolve_runtime_dir(options.runtime_dir.as_deref())?;
         let owner = lock_name(&runtime_dir, name)?;
+        let folder_owner = options.dir.as_deref().map(lock_folder).transpose()?;
         let (backend, prefix) = match &options.dir {
             Some(dir) => (Backend::Memmap { folder: Some(dir.clone()), overwrite: options.overwrite }, None),
             None => {
@@ -176,7 +179,7 @@ impl ReplayServer {
             None => None,
         };
         tracing::info!(replay = name, capacity = shared.buffer.capacity(), "serving");
-        Ok(ReplayServer { shared, uds: Some(uds), tcp, _owner: owner })
+        Ok(ReplayServer { shared, uds: Some(uds), tcp, _owner: owner, _folder_owner: folder_owner })
     }
 
     /// The endpoint it serves on this node.
@@ -538,6 +541,23 @@ fn new_buffer(backend: Backend, options: &ReplayOptions) -> Result<ReplayBuffer>
         ),
     };
     ReplayBuffer::new(config, Box::new(RoundRobin::new()), sampler)
+}
+
+/// Takes the lock of a storage folder, `.NAME.owner` beside the folder `NAME` (so the folder
+/// itself stays as TorchRL lays it out), held for the service's life: two services writing one
+/// folder would overwrite each other's rows. The folder may be on a network filesystem served
+/// to several nodes, so the lock is a file made by exclusive creation
+/// ([`memmap_tensor::LockFile`]), not an `flock`.
+fn lock_folder(dir: &std::path::Path) -> Result<memmap_tensor::LockFile> {
+    let name = dir.file_name().ok_or_else(|| Error::Io {
+        path: dir.to_owned(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "a storage folder needs a last path component"),
+    })?;
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|source| Error::Io { path: parent.to_owned(), source })?;
+    let lock = parent.join(format!(".{}.owner", name.to_string_lossy()));
+    memmap_tensor::LockFile::acquire(&lock, &memmap_tensor::LockOptions::owner())
+        .map_err(|source| Error::Tensor { path: dir.to_owned(), source })
 }
 
 /// Takes the lock of the service `name` in the runtime directory (a private folder of this

@@ -44,8 +44,8 @@ pub struct StoreServer {
     expiry: Option<JoinHandle<()>>,
     /// The lock that makes this process the store's only server; released on drop.
     _lock: fs::File,
-    /// With a folder, the lock that makes this store the folder's only server.
-    _dir_lock: Option<fs::File>,
+    /// With a folder, the lock that makes this store the folder's only server, on any node.
+    _dir_lock: Option<memmap_tensor::LockFile>,
 }
 
 impl std::fmt::Debug for StoreServer {
@@ -834,17 +834,26 @@ fn lock_file(path: &Path, name: &str) -> Result<fs::File> {
         .ok_or_else(|| Error::StoreRunning { name: name.to_owned(), lock: path.to_owned() })
 }
 
-/// Takes the lock of a store folder (`D/store.lock`, held while it is served): two stores
-/// serving one folder would each remove what the other wrote. (`flock` guards processes of one
-/// node; a network filesystem may not pass it on to other nodes.)
-fn lock_dir(root: &Path) -> Result<fs::File> {
+/// Takes the lock of a store folder (`D/store.owner`, held while it is served): two stores
+/// serving one folder would each remove what the other wrote. The folder may be on a network
+/// filesystem that other nodes mount, where `flock` may not reach them (sshfs), so the lock is a
+/// file made by exclusive creation ([`memmap_tensor::LockFile`]); a store killed on another node
+/// leaves a lock that is taken over once it has not been touched for 10 s.
+fn lock_dir(root: &Path) -> Result<memmap_tensor::LockFile> {
     let io_err = |op, source| Error::StoreIo { op, path: root.to_owned(), source };
     fs::DirBuilder::new().recursive(true).mode(0o700).create(root).map_err(|e| io_err("create", e))?;
-    let path = root.join("store.lock");
-    lock_exclusive(&path).map_err(|e| io_err("lock", e))?.ok_or_else(|| Error::StoreIo {
-        op: "lock",
-        path,
-        source: std::io::Error::new(std::io::ErrorKind::WouldBlock, "another store serves this folder"),
+    let path = root.join("store.owner");
+    memmap_tensor::LockFile::acquire(&path, &memmap_tensor::LockOptions::owner()).map_err(|e| match e {
+        memmap_tensor::Error::Locked { path, holder } => Error::StoreIo {
+            op: "lock",
+            path,
+            source: std::io::Error::new(
+                std::io::ErrorKind::WouldBlock,
+                format!("another store serves this folder: {holder}"),
+            ),
+        },
+        memmap_tensor::Error::FileIo { op, path, source } => Error::StoreIo { op, path, source },
+        other => Error::StoreIo { op: "lock", path, source: std::io::Error::other(other.to_string()) },
     })
 }
 
