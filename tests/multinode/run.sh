@@ -16,15 +16,17 @@
 # prints one line `skipped: <why>` and exits 0.
 #
 # Environment: CARGO_TARGET_DIR (where the test binaries are built), MULTINODE_FS (`glusterfs`,
-# `sshfs` or `all`, the default), MULTINODE_PREFIX (the namespaces' prefix, `tdmn` by default),
+# `sshfs` or `all`, the default), MULTINODE_PREFIX (the namespaces' prefix, `tdmn<pid>` by default),
 # MULTINODE_BENCH=1 (the benchmarks too: JSON lines), MULTINODE_GLUSTER_OFF (GlusterFS volume
-# options to turn off, none by default), MULTINODE_KEEP_LOGS=1 (keep the logs folder, printed at the end).
+# options to turn off, none by default), MULTINODE_KEEP_LOGS=1 (keep the logs folder, printed at the end),
+# MULTINODE_ONLY (test names, without the filesystem, to run only those), MULTINODE_ROUNDS (rounds
+# of remote-update-rounds, 50 by default).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-# MULTINODE_PREFIX names the namespaces and the state folder, so that two runs on one machine
-# keep apart.
-PREFIX=${MULTINODE_PREFIX:-tdmn}
+# MULTINODE_PREFIX names the namespaces, the volume and the state folder; by default each run
+# has its own, so that two runs on one machine keep apart.
+PREFIX=${MULTINODE_PREFIX:-tdmn$$}
 STATE=/var/tmp/tdict-multinode-$PREFIX
 SHARED=/mnt/tdict-shared
 HOSTS=(1 2 3)
@@ -68,11 +70,13 @@ fi
 # === Build ===
 
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}/debug"
-if ! (cd "$ROOT" && cargo build --quiet -p tdict-cli -p integration-tests --bins) >/tmp/tdict-multinode-build.log 2>&1; then
-    echo "FAIL build: cargo build failed (see /tmp/tdict-multinode-build.log)"
+BUILD_LOG=/tmp/tdict-multinode-build-$PREFIX.log
+if ! (cd "$ROOT" && cargo build --quiet -p tdict-cli -p integration-tests --bins) >"$BUILD_LOG" 2>&1; then
+    echo "FAIL build: cargo build failed (see $BUILD_LOG)"
     echo "0 passed, 1 failed"
     exit 1
 fi
+rm -f "$BUILD_LOG"
 PEER="$TARGET/multinode-peer"
 TDICT="$TARGET/tdict"
 
@@ -108,7 +112,19 @@ teardown() {
     rm -rf "$STATE"
 }
 
-teardown # what a killed run left
+# What killed runs left: state folders (with their namespaces) whose run is gone. A folder
+# without its run's pid is one being made, unless it is older than a minute.
+for old in /var/tmp/tdict-multinode-*; do
+    [ -d "$old" ] || continue
+    owner=$(cat "$old/run.pid" 2>/dev/null)
+    if [ -n "$owner" ]; then
+        kill -0 "$owner" 2>/dev/null && continue
+    elif [ -n "$(find "$old" -maxdepth 0 -mmin -1)" ]; then
+        continue
+    fi
+    (PREFIX=${old#/var/tmp/tdict-multinode-} STATE=$old STARTED=() && teardown)
+done
+teardown # this prefix's, if it was given and a killed run used it
 LOGS=$(mktemp -d /tmp/tdict-multinode-logs.XXXXXX)
 finish() {
     teardown
@@ -118,7 +134,8 @@ trap finish EXIT
 trap 'exit 130' INT TERM
 
 setup_hosts() {
-    mkdir -p "$STATE" /run/gluster "$SHARED"
+    mkdir -p "$STATE" "$SHARED"
+    echo $$ >"$STATE/run.pid"
     ip netns add "$PREFIX-sw" || return 1
     ip -n "$PREFIX-sw" link add br0 type bridge && ip -n "$PREFIX-sw" link set br0 up || return 1
     local k
@@ -132,10 +149,13 @@ setup_hosts() {
         ip -n "$PREFIX-n$k" addr add "10.213.0.$k/24" dev eth0 || return 1
         ip -n "$PREFIX-n$k" link set eth0 up || return 1
         # The host: a shell holding its own mount and hostname namespaces, with the GlusterFS
-        # state, logs and sockets in folders of its own.
+        # state and logs in folders of its own, and a /run of its own (glusterd's socket is
+        # /run/glusterd.socket: hosts of two runs at once must not share it).
         ip netns exec "$PREFIX-n$k" unshare --mount --uts --propagation private sh -c "
             hostname node-$k
-            mount --bind $STATE/n$k/log-glusterfs /var/log/glusterfs 2>/dev/null || { mkdir -p /var/log/glusterfs; mount --bind $STATE/n$k/log-glusterfs /var/log/glusterfs; }
+            mount -t tmpfs -o mode=755 tdict-run /run
+            mkdir -p /run/gluster /run/sshd /var/log/glusterfs
+            mount --bind $STATE/n$k/log-glusterfs /var/log/glusterfs
             mount --bind $STATE/n$k/run-gluster /run/gluster
             echo \$\$ > $STATE/n$k/pid.tmp && mv $STATE/n$k/pid.tmp $STATE/n$k/pid
             exec sleep infinity" </dev/null >"$LOGS/host-$k.log" 2>&1 &
@@ -167,9 +187,10 @@ mount_glusterfs() {
     wait_until 20 on 1 gluster --mode=script volume list || return 1
     on 1 gluster --mode=script volume create "$PREFIX" "$SERVER:$STATE/brick" force >/dev/null || return 1
     on 1 gluster --mode=script volume set "$PREFIX" performance.md-cache-timeout 0 >/dev/null || return 1
-    # Options turned off for experiments (e.g. `performance.quick-read performance.io-cache`,
-    # client caches of small files; turning them off did not stop the stale generation reads of
-    # the known failure of remote-update-rounds).
+    # Options turned off for experiments. Turning off quick-read, open-behind, read-ahead,
+    # io-cache and write-behind did not stop a fresh mapping on host 1 from showing, now and
+    # then, rows as they were before host 2's publish (1 round in about 1000): that cache is the
+    # kernel's, which is why remote-update-rounds checks rows with O_DIRECT reads.
     local xlator
     for xlator in ${MULTINODE_GLUSTER_OFF:-}; do
         on 1 gluster --mode=script volume set "$PREFIX" "$xlator" off >/dev/null || return 1
@@ -185,7 +206,7 @@ mount_glusterfs() {
 
 mount_sshfs() {
     local ssh="$STATE/ssh" export="$STATE/export"
-    mkdir -p "$ssh" "$export" /run/sshd
+    mkdir -p "$ssh" "$export"
     chmod 700 "$ssh"
     ssh-keygen -q -t ed25519 -N '' -f "$ssh/host_key" || return 1
     ssh-keygen -q -t ed25519 -N '' -f "$ssh/client_key" || return 1
@@ -235,11 +256,9 @@ KNOWN=0
 # failure that passes is a PASS (and its entry should go).
 declare -A KNOWN_PATTERN=(
     [replay-mapped]='phase 1: 32 of 32 sampled rows not whole \(32 all zeros.* 0 whole through a fresh open'
-    [remote-update-rounds]='round [0-9]+: reopening: open a reference: .* is at generation [0-9a-f]+:[0-9]+ now; the reference is of generation [0-9a-f]+:[0-9]+$'
     [file-server-restart]='Bus error'
 )
 declare -A KNOWN_CAUSE=(
-    [remote-update-rounds]="now and then (GlusterFS: 3 reopens in about 2500, in 3 of 12 runs) the owner reads the generation file, rewritten in place and fsynced by the worker on another mount, at its value before the worker's publish, so the new reference is refused (never opened on old data): reading the generation past the client's caches, or waiting for it to reach the reference's, would fix it"
     [replay-mapped]="clients without on_shared_filesystem: the actor commits rows still dirty in its mapping, so the learner samples rows that are not in the shared file yet (this is why clients on a network filesystem need it)"
     [file-server-restart]="now and then the client dies of SIGBUS: it loads the dict through a mapping, and a page read while the file server is down cannot be filled; loads on a network filesystem must read through the aio path (or survive the fault) to give an error instead"
 )
@@ -285,14 +304,14 @@ test_remote_update() {
     result "$fs/remote-update" $((owner_status | worker_status)) "$log-worker.log" "$log-owner.log"
 }
 
-# 50 remote updates in a row, each reopened and checked by the owner: every reopen must see the
-# generation just published and its rows.
+# Remote updates in a row (MULTINODE_ROUNDS, 50 by default), each reopened and checked by the
+# owner: every reopen must see the generation just published and its rows.
 test_remote_update_rounds() {
-    local fs=$1 dir="$SHARED/remote-update-rounds" log="$LOGS/$fs-update-rounds"
+    local fs=$1 dir="$SHARED/remote-update-rounds" log="$LOGS/$fs-update-rounds" rounds=${MULTINODE_ROUNDS:-50}
     on 1 mkdir -p "$dir"
-    run_on 1 "$log-owner.log" bench-update-owner "$dir" "$BENCH_PORT" 50 strict &
+    run_on 1 "$log-owner.log" bench-update-owner "$dir" "$BENCH_PORT" "$rounds" strict &
     local owner=$!
-    run_on 2 "$log-worker.log" bench-update-worker "$SERVER:$BENCH_PORT" 50 "$fs"
+    run_on 2 "$log-worker.log" bench-update-worker "$SERVER:$BENCH_PORT" "$rounds" "$fs"
     local worker_status=$?
     wait "$owner"
     local owner_status=$?
@@ -344,6 +363,42 @@ test_store() {
     result "$fs/store" "$status" "$log"-save2.log "$log"-save3.log "$log"-load3.log "$log"-load2.log
     run_on 3 "$log-refused.log" store-refused "$endpoint"
     result "$fs/store-wrong-token" $? "$log-refused.log"
+    stop_service
+}
+
+# One store folder, one server, across hosts: a store on host 2 is refused the folder a store on
+# host 1 serves, and takes it over once that one is killed (its lock names a dead process; the
+# hosts share a kernel here, so that is known at once; across machines it takes 10 s unchanged).
+test_store_owner() {
+    local fs=$1 log="$LOGS/$fs-store-owner" dir="$SHARED/owned-store"
+    make_token
+    if ! start_service 1 "$log-first.log" "$STORE_PORT" "$TDICT" store serve --name owner-1 --no-fork \
+        --dir "$dir" --listen "tcp:$SERVER:$STORE_PORT" --token-file "$STATE/token"; then
+        result "$fs/store-owner" 1 "$log-first.log"
+        stop_service
+        return
+    fi
+    local status=0
+    {
+        if on 2 timeout 60 "$TDICT" store serve --name owner-2 --dir "$dir" >"$log-refused.log" 2>&1; then
+            echo "FAIL: a second store was let serve $dir" >>"$log-refused.log"
+            on 2 "$TDICT" store stop --name owner-2 >/dev/null 2>&1
+            status=1
+        elif grep -q "another store serves this folder" "$log-refused.log"; then
+            echo "node-2: refused while node-1 serves $dir: $(grep -o 'another store serves this folder.*' "$log-refused.log" | head -n 1)" >>"$log-check.log"
+        else
+            status=1
+        fi
+        kill -9 "${STARTED[-1]}"
+        sleep 0.5
+        if on 2 timeout 60 "$TDICT" store serve --name owner-2 --dir "$dir" >"$log-taken.log" 2>&1; then
+            echo "node-2: serves $dir after node-1's store was killed" >>"$log-check.log"
+            on 2 "$TDICT" store stop --name owner-2 >>"$log-taken.log" 2>&1
+        else
+            status=1
+        fi
+    }
+    result "$fs/store-owner" "$status" "$log-check.log" "$log-refused.log" "$log-taken.log"
     stop_service
 }
 
@@ -562,6 +617,11 @@ bench() {
     stop_service
 }
 
+# want NAME: whether MULTINODE_ONLY (if set) names the test.
+want() {
+    [ -z "${MULTINODE_ONLY:-}" ] || [[ " $MULTINODE_ONLY " == *" $1 "* ]]
+}
+
 # === Run ===
 
 start=$SECONDS
@@ -575,18 +635,19 @@ else
             FAILED=$((FAILED + 1))
             continue
         fi
-        test_remote_update "$fs"
-        test_remote_update_rounds "$fs"
-        test_store "$fs"
-        test_replay "$fs" replay shared-fs
+        want remote-update && test_remote_update "$fs"
+        want remote-update-rounds && test_remote_update_rounds "$fs"
+        want store && test_store "$fs"
+        want store-owner && test_store_owner "$fs"
+        want replay && test_replay "$fs" replay shared-fs
         # The same with clients that write and read through their mappings, as on one node: a
         # known failure on a network filesystem, which shows why the mode above is needed.
-        test_replay "$fs" replay-mapped mapped
-        test_replay_wrong_token "$fs"
-        test_replay_actor_killed "$fs"
-        test_replay_learner_killed "$fs"
+        want replay-mapped && test_replay "$fs" replay-mapped mapped
+        want replay-wrong-token && test_replay_wrong_token "$fs"
+        want replay-actor-killed && test_replay_actor_killed "$fs"
+        want replay-learner-killed && test_replay_learner_killed "$fs"
         # Last: the mounts may take a while to be whole again after it.
-        test_file_server_restart "$fs"
+        want file-server-restart && test_file_server_restart "$fs"
         if [ "${MULTINODE_BENCH:-0}" = 1 ] && [ "$fs" = glusterfs ]; then
             bench glusterfs "$SHARED/bench"
             # The same binaries with a folder on the local disk, for comparison.
