@@ -3,8 +3,8 @@
 //! `flock` and `fcntl` locks are local to a node on some network filesystems (sshfs passes
 //! neither on), so a lock that several nodes must respect is a file that exists or not. It is
 //! taken by linking a complete temporary file to the lock's path: `link` fails if the path
-//! exists, on every filesystem that has hard links (GlusterFS, NFS, sshfs with OpenSSH's
-//! `hardlink` extension, local disks), and the lock never exists half written.
+//! exists, on every filesystem that has hard links (local disks, NFS, Gluster, and sshfs through
+//! the hardlink extension of the SFTP server), and the lock never exists half written.
 //!
 //! The file names its holder: the machine (its boot id), the process (its pid, the pid
 //! namespace, and the process's start time, so a reused pid is not mistaken for the holder) and
@@ -87,10 +87,8 @@ impl LockFile {
         loop {
             if link_new(path, &token)? {
                 let lost = Arc::new(AtomicBool::new(false));
-                let heartbeat = match options.heartbeat {
-                    true => Some(beat(path, &token, options.stale_after / 4, &lost)?),
-                    false => None,
-                };
+                let heartbeat =
+                    if options.heartbeat { Some(beat(path, &token, options.stale_after / 4, &lost)?) } else { None };
                 return Ok(LockFile { path: path.to_owned(), token, lost, heartbeat });
             }
             let Some(seen) = Snapshot::of(path)? else { continue };
@@ -294,7 +292,7 @@ fn beat(
                 }
             }
         })
-        .map_err(|source| Error::FileIo { op: "start a heartbeat for", path: path.to_owned(), source })?;
+        .map_err(|source| Error::FileIo { op: "start a heartbeat for", path: path.clone(), source })?;
     Ok((stop, thread))
 }
 
