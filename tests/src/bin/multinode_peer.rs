@@ -222,9 +222,15 @@ fn update_owner(dir: &Path) -> anyhow::Result<()> {
     let stale = td.get_tensor("obs")?.select(0, UPDATED[0])?.to_vec::<f32>()?;
     println!("{}: the mapping made before the update shows row {}: {stale:?}", host(), UPDATED[0]);
 
+    // Reopened at the new generation, and read past this node's page cache (DESIGN.md, rule 3).
     let fresh = reply.open(Access::ReadOnly).context("opening the worker's reference")?;
-    check_updated(&fresh)?;
-    println!("{}: reopened: rows {UPDATED:?} hold the worker's values, the other rows are zero", host());
+    let every_row: Vec<i64> = (0..UPDATE_ROWS as i64).collect();
+    let engine = aio::Engine::new().context("an I/O engine")?;
+    check_updated(&fresh.gather_direct(&engine, &every_row, ReadMode::Direct)?)?;
+    println!(
+        "{}: reopened, read with O_DIRECT: rows {UPDATED:?} hold the worker's values, the other rows are zero",
+        host()
+    );
     Ok(())
 }
 
