@@ -19,9 +19,6 @@ use crate::storage::{RowFiles, Storage};
 /// service that died is noticed within this.
 const WAIT_WINDOW: Duration = Duration::from_secs(1);
 
-/// How a client on a shared filesystem reads sampled rows (see
-/// [`RemoteBuffer::on_shared_filesystem`]).
-const SHARED_FS_READS: ReadMode = ReadMode::Buffered;
 
 /// A connection to a replay service (see the [module documentation](super)): `extend` writes
 /// rows, `sample` gathers them, both straight through this process's mapping of the storage
@@ -37,6 +34,8 @@ pub struct RemoteBuffer {
     /// Set for a folder on a network filesystem: rows are written and read with explicit I/O
     /// through this engine, never through a mapping (see [`RemoteBuffer::on_shared_filesystem`]).
     shared_filesystem: Option<aio::Engine>,
+    /// How rows are read in that mode.
+    read_mode: ReadMode,
     /// The storage's files, for the shared-filesystem mode, once used.
     files: OnceLock<RowFiles>,
 }
@@ -89,6 +88,7 @@ impl RemoteBuffer {
             read: OnceLock::new(),
             write: OnceLock::new(),
             shared_filesystem: None,
+            read_mode: ReadMode::Buffered,
             files: OnceLock::new(),
         })
     }
@@ -104,6 +104,16 @@ impl RemoteBuffer {
     /// local disk) it is not needed.
     pub fn on_shared_filesystem(mut self, engine: aio::Engine) -> Self {
         self.shared_filesystem = Some(engine);
+        self
+    }
+
+    /// How a client [on a shared filesystem](RemoteBuffer::on_shared_filesystem) reads sampled
+    /// rows: [`ReadMode::Buffered`] (the default) or [`ReadMode::Direct`] (`O_DIRECT`: the 4 KiB
+    /// blocks holding the rows, bypassing this node's page cache; for a buffer much larger
+    /// than this node's memory, and many times slower on a FUSE filesystem). Both see every
+    /// row committed before the sample.
+    pub fn with_read_mode(mut self, mode: ReadMode) -> Self {
+        self.read_mode = mode;
         self
     }
 
@@ -227,7 +237,7 @@ impl RemoteBuffer {
     /// weights). Waits at most `wait` for the rate limiter (`None`: without end).
     pub fn sample(&self, batch_size: usize, wait: Option<Duration>) -> Result<(TensorDict, SampleInfo)> {
         self.sample_with(batch_size, wait, |rows| match &self.shared_filesystem {
-            Some(engine) => self.files(None)?.read_rows(engine, rows, SHARED_FS_READS),
+            Some(engine) => self.files(None)?.read_rows(engine, rows, self.read_mode),
             None => self.readable()?.gather(rows),
         })
     }
@@ -245,7 +255,7 @@ impl RemoteBuffer {
         Ok(self
             .sample_with(batch_size, wait, |rows| match &self.shared_filesystem {
                 Some(engine) => {
-                    let read = self.files(None)?.read_rows(engine, rows, SHARED_FS_READS)?;
+                    let read = self.files(None)?.read_rows(engine, rows, self.read_mode)?;
                     let k = rows.len() as i64;
                     out.set_at(Index::slice(Some(0), Some(k), 1), &read).op("sample_into")
                 }
