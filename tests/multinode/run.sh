@@ -4,7 +4,8 @@
 # the same path on every host, and test processes run on the hosts.
 #
 # The shared folder is a GlusterFS volume served from host 1 (close-to-open consistency:
-# md-cache-timeout 0 on the volume, zero attribute/entry/negative timeouts on the mounts), then
+# md-cache-timeout 0 on the volume, zero attribute/entry/negative timeouts and
+# --fopen-keep-cache=off on the mounts), then
 # an sshfs export of host 1. Each host has its own mount namespace, so each mounts the folder at
 # /mnt/tdict-shared.
 #
@@ -18,7 +19,8 @@
 # Environment: CARGO_TARGET_DIR (where the test binaries are built), MULTINODE_FS (`glusterfs`,
 # `sshfs` or `all`, the default), MULTINODE_PREFIX (the namespaces' prefix, `tdmn` by default),
 # MULTINODE_BENCH=1 (the benchmarks too: JSON lines), MULTINODE_GLUSTER_OFF (GlusterFS volume
-# options to turn off, none by default), MULTINODE_STALE_SECONDS (how long the stale-read test
+# options to turn off, none by default), MULTINODE_GLUSTER_MOUNT (more options of the GlusterFS
+# mounts, e.g. `--fopen-keep-cache=on` after the default off), MULTINODE_STALE_SECONDS (how long the stale-read test
 # runs, 30 by default), MULTINODE_KEEP_LOGS=1 (keep the logs folder, printed at the end).
 set -uo pipefail
 
@@ -181,8 +183,13 @@ mount_glusterfs() {
     on 1 gluster --mode=script volume start "$PREFIX" >/dev/null || return 1
     local k
     for k in "${HOSTS[@]}"; do
-        on "$k" glusterfs --volfile-server="$SERVER" --volfile-id="$PREFIX" \
-            --attribute-timeout=0 --entry-timeout=0 --negative-timeout=0 "$SHARED" || return 1
+        # --fopen-keep-cache=off: each open drops the kernel's cached pages of the file. With the
+        # default (kept), reads through the page cache of a freshly opened file returned rows
+        # older than another host's fdatasynced rewrite now and then (the stale-reads test),
+        # quick-read on or off; O_DIRECT reads never did.
+        # shellcheck disable=SC2086 # MULTINODE_GLUSTER_MOUNT: more options, one word each
+        on "$k" glusterfs --volfile-server="$SERVER" --volfile-id="$PREFIX" --fopen-keep-cache=off \
+            --attribute-timeout=0 --entry-timeout=0 --negative-timeout=0 ${MULTINODE_GLUSTER_MOUNT:-} "$SHARED" || return 1
     done
     check_mounts
 }
@@ -387,7 +394,13 @@ test_stale_reads() {
     local reader_status=$?
     wait "$writer"
     local writer_status=$?
-    result "$fs/stale-reads" $((reader_status | writer_status)) "$log-writer.log" "$log-reader.log"
+    # The client translators the GlusterFS mount of the reader's host loaded: the settings the
+    # result holds for.
+    if [ "$fs" = glusterfs ]; then
+        grep -h -o 'type performance/[a-z-]*' "$STATE"/n3/log-glusterfs/*.log 2>/dev/null | sort -u |
+            tr '\n' ' ' | sed 's/^/the harness: translators of the mount on host 3: /' >"$log-xlators.log"
+    fi
+    result "$fs/stale-reads" $((reader_status | writer_status)) "$log-writer.log" "$log-reader.log" "$log-xlators.log"
 }
 
 # start_peer K LOG ARGS...: the peer on host K in the background, bounded; $! is its wrapper.
