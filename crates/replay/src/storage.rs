@@ -337,12 +337,7 @@ impl Drop for Storage {
 
 /// [`Storage::check_batch`] against a storage whose rows have batch dims `storage_batch` (after
 /// dim 0) and tensors `leaves`.
-fn check_batch_against(
-    op: &'static str,
-    storage_batch: &[usize],
-    leaves: &[Leaf],
-    batch: &TensorDict,
-) -> Result<()> {
+fn check_batch_against(op: &'static str, storage_batch: &[usize], leaves: &[Leaf], batch: &TensorDict) -> Result<()> {
     if batch.batch_dims() == 0 || &batch.batch_size()[1..] != storage_batch {
         return Err(Error::SchemaMismatch {
             op,
@@ -466,18 +461,18 @@ impl RowFiles {
         let inconsistent = |problem: String| Error::Inconsistent { path: folder.clone(), problem };
         schema.validate().map_err(|e| inconsistent(format!("the storage's schema: {e}")))?;
         let Some(&capacity) = schema.batch_size.first().filter(|&&c| c > 0) else {
-            return Err(inconsistent(format!(
-                "batch size {:?}; a storage has a non-empty dim 0",
-                schema.batch_size
-            )));
+            return Err(inconsistent(format!("batch size {:?}; a storage has a non-empty dim 0", schema.batch_size)));
         };
         let mut leaves = Vec::new();
         for (key, t) in schema.tensors() {
             let relative = Path::new(&t.name);
-            let inside = !t.name.is_empty()
-                && relative.components().all(|c| matches!(c, std::path::Component::Normal(_)));
+            let inside =
+                !t.name.is_empty() && relative.components().all(|c| matches!(c, std::path::Component::Normal(_)));
             if !inside {
-                return Err(inconsistent(format!("key `{key}` is stored in {:?}, not a file inside the folder", t.name)));
+                return Err(inconsistent(format!(
+                    "key `{key}` is stored in {:?}, not a file inside the folder",
+                    t.name
+                )));
             }
             let row_dims = t.shape[1..].to_vec();
             // The schema was validated: the byte size does not overflow.
@@ -489,10 +484,7 @@ impl RowFiles {
                 if held < needed {
                     return Err(Error::Inconsistent {
                         path,
-                        problem: format!(
-                            "holds {held} bytes; key `{key}` ({} {:?}) needs {needed}",
-                            t.dtype, t.shape
-                        ),
+                        problem: format!("holds {held} bytes; key `{key}` ({} {:?}) needs {needed}", t.dtype, t.shape),
                     });
                 }
             }
@@ -532,7 +524,11 @@ impl RowFiles {
         self.check_batch(OP, src)?;
         let n = src.batch_size()[0];
         if rows.len() != n {
-            return Err(Error::LengthMismatch { what: "write rows: storage rows for the batch", expected: n, got: rows.len() });
+            return Err(Error::LengthMismatch {
+                what: "write rows: storage rows for the batch",
+                expected: n,
+                got: rows.len(),
+            });
         }
         if let Some(&index) = rows.iter().find(|&&r| r >= self.capacity) {
             return Err(Error::RowOutOfRange { index, capacity: self.capacity });
@@ -739,7 +735,9 @@ fn sampled_schema(schema: &Schema, rows: &[usize]) -> Schema {
             EntrySchema::Dict(d) => *d = sampled_schema(d, rows),
             EntrySchema::NonTensorStack(v) => {
                 let values = v.as_array().map_or(&[][..], Vec::as_slice);
-                *v = serde_json::Value::Array(rows.iter().map(|&r| values.get(r).cloned().unwrap_or_default()).collect());
+                *v = serde_json::Value::Array(
+                    rows.iter().map(|&r| values.get(r).cloned().unwrap_or_default()).collect(),
+                );
             }
             _ => {}
         }

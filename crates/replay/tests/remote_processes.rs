@@ -67,9 +67,8 @@ fn child() {
         // writes them whole (pwrite, fdatasync) without committing; READY says whether any
         // file of the storage folder was ever mapped in this process.
         "shared-fs-writer" => {
-            let client = RemoteBuffer::connect_with(&name, &options)
-                .unwrap()
-                .on_shared_filesystem(aio::Engine::new().unwrap());
+            let client =
+                RemoteBuffer::connect_with(&name, &options).unwrap().on_shared_filesystem(aio::Engine::new().unwrap());
             client.extend(&batch(&[1.; 8])).unwrap();
             for mode in [tensordict::ReadMode::Buffered, tensordict::ReadMode::Direct] {
                 let reader = RemoteBuffer::connect_with(&name, &options)

@@ -1042,7 +1042,7 @@ fn stale_reader(addr: &str, label: &str) -> anyhow::Result<()> {
             let mut rows = written.clone();
             rows.extend(rng.rows(last.len(), written.len()));
             // Both modes, in turn first.
-            let order = if round.round % 2 == 0 { [0, 1] } else { [1, 0] };
+            let order = if round.round.is_multiple_of(2) { [0, 1] } else { [1, 0] };
             for m in order {
                 let td = files.read_rows(&engine, &rows, modes[m].1)?;
                 let got = td.get_tensor("v")?.to_vec::<i64>()?;
@@ -1112,4 +1112,3 @@ fn stale_reader(addr: &str, label: &str) -> anyhow::Result<()> {
     println!("{}: {rounds} rounds, every row read (buffered and O_DIRECT, fresh opens) was its last write", host());
     Ok(())
 }
-

@@ -19,7 +19,6 @@ use crate::storage::{RowFiles, Storage};
 /// service that died is noticed within this.
 const WAIT_WINDOW: Duration = Duration::from_secs(1);
 
-
 /// A connection to a replay service (see the [module documentation](super)): `extend` writes
 /// rows, `sample` gathers them, both straight through this process's mapping of the storage
 /// (or, [`RemoteBuffer::on_shared_filesystem`], with explicit reads and writes of its files).
@@ -100,8 +99,11 @@ impl RemoteBuffer {
     /// `pwrite`s through `engine` and `fdatasync`s the files before it commits them, and reads
     /// sampled rows with reads through the page cache of files it opens after the sample's
     /// lease (close-to-open consistency), neighbouring rows merged and every read in flight at
-    /// once (see [`RowFiles`]). The storage must be a folder. On one node (shared memory, a
-    /// local disk) it is not needed.
+    /// once (see [`RowFiles`]). Those reads need close-to-open consistency from the mount (a
+    /// file's cached pages dropped when it is opened: NFS does it; GlusterFS with
+    /// `--fopen-keep-cache=off`); without it, use [`RemoteBuffer::with_read_mode`] with
+    /// [`ReadMode::Direct`]. The storage must be a folder. On one node (shared memory, a local
+    /// disk) it is not needed.
     pub fn on_shared_filesystem(mut self, engine: aio::Engine) -> Self {
         self.shared_filesystem = Some(engine);
         self
@@ -110,8 +112,8 @@ impl RemoteBuffer {
     /// How a client [on a shared filesystem](RemoteBuffer::on_shared_filesystem) reads sampled
     /// rows: [`ReadMode::Buffered`] (the default) or [`ReadMode::Direct`] (`O_DIRECT`: the 4 KiB
     /// blocks holding the rows, bypassing this node's page cache; for a buffer much larger
-    /// than this node's memory, and many times slower on a FUSE filesystem). Both see every
-    /// row committed before the sample.
+    /// than this node's memory, or a mount that keeps a file's cached pages across opens, and
+    /// many times slower on a FUSE filesystem).
     pub fn with_read_mode(mut self, mode: ReadMode) -> Self {
         self.read_mode = mode;
         self
@@ -205,7 +207,11 @@ impl RemoteBuffer {
         sink.check_batch(OP, batch)?;
         let n = batch.batch_size()[0];
         if n != reservation.rows.len() {
-            return Err(Error::LengthMismatch { what: "write reserved rows: batch rows", expected: reservation.rows.len(), got: n });
+            return Err(Error::LengthMismatch {
+                what: "write reserved rows: batch rows",
+                expected: reservation.rows.len(),
+                got: n,
+            });
         }
         sink.write_rows(&reservation.rows, batch)
     }
