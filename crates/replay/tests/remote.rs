@@ -555,7 +555,7 @@ fn clients_for_a_shared_filesystem_write_and_read_rows_through_the_files() {
     let values: Vec<f64> = (0..12).map(f64::from).collect();
     assert_eq!(actor.extend(&batch(&values)).unwrap(), (0..12).collect::<Vec<_>>());
     assert!(actor.storage_mut().is_none(), "a client on a shared filesystem maps nothing to write");
-    let buffered = f.connect().on_shared_filesystem(engine.clone());
+    let buffered = f.connect().on_shared_filesystem(engine.clone()).with_read_mode(tensordict::ReadMode::Buffered);
     let direct = f.connect().on_shared_filesystem(engine).with_read_mode(tensordict::ReadMode::Direct);
     for learner in [&buffered, &direct] {
         for _ in 0..20 {

@@ -87,7 +87,7 @@ impl RemoteBuffer {
             read: OnceLock::new(),
             write: OnceLock::new(),
             shared_filesystem: None,
-            read_mode: ReadMode::Buffered,
+            read_mode: ReadMode::Direct,
             files: OnceLock::new(),
         })
     }
@@ -97,23 +97,22 @@ impl RemoteBuffer {
     /// node's writes, and a page of a mapping that a dead file server cannot fill kills the
     /// process (`SIGBUS`). So this client never maps the storage: it writes its rows with
     /// `pwrite`s through `engine` and `fdatasync`s the files before it commits them, and reads
-    /// sampled rows with reads through the page cache of files it opens after the sample's
-    /// lease (close-to-open consistency), neighbouring rows merged and every read in flight at
-    /// once (see [`RowFiles`]). Those reads need close-to-open consistency from the mount (a
-    /// file's cached pages dropped when it is opened: NFS does it; GlusterFS with
-    /// `--fopen-keep-cache=off`); without it, use [`RemoteBuffer::with_read_mode`] with
-    /// [`ReadMode::Direct`]. The storage must be a folder. On one node (shared memory, a local
-    /// disk) it is not needed.
+    /// sampled rows from files it opens after the sample's lease with `O_DIRECT` reads,
+    /// neighbouring rows merged and every read in flight at once (see [`RowFiles`];
+    /// [`RemoteBuffer::with_read_mode`] chooses reads through the page cache instead). The
+    /// storage must be a folder. On one node (shared memory, a local disk) it is not needed.
     pub fn on_shared_filesystem(mut self, engine: aio::Engine) -> Self {
         self.shared_filesystem = Some(engine);
         self
     }
 
     /// How a client [on a shared filesystem](RemoteBuffer::on_shared_filesystem) reads sampled
-    /// rows: [`ReadMode::Buffered`] (the default) or [`ReadMode::Direct`] (`O_DIRECT`: the 4 KiB
-    /// blocks holding the rows, bypassing this node's page cache; for a buffer much larger
-    /// than this node's memory, or a mount that keeps a file's cached pages across opens, and
-    /// many times slower on a FUSE filesystem).
+    /// rows: [`ReadMode::Direct`] (the default: `O_DIRECT` reads of the 4 KiB blocks holding the
+    /// rows, past this node's page cache) or [`ReadMode::Buffered`] (through the page cache of
+    /// the freshly opened files: faster where opens keep cached pages that are still valid, but
+    /// it needs a mount with close-to-open consistency that drops a file's cached pages when
+    /// another node changed it, e.g. GlusterFS mounted with `--fopen-keep-cache=off`; with
+    /// GlusterFS's default such reads returned rows older than a committed write).
     pub fn with_read_mode(mut self, mode: ReadMode) -> Self {
         self.read_mode = mode;
         self
