@@ -586,7 +586,7 @@ bench() {
     fi
     if run_on 2 "$log-fill.log" replay-fill "$endpoint" "$STATE/token" 1 100000 1000; then
         local mode
-        for mode in mapped direct shared-fs; do
+        for mode in mapped shared-fs buffered; do
             run_on 3 "$log-sample-$mode.log" bench-sample "$endpoint" "$STATE/token" "$mode" 3 256 "$label" ||
                 echo "FAIL bench-$label/sample-$mode: $(tail -n 1 "$log-sample-$mode.log")"
             grep -h '^{' "$log-sample-$mode.log"
