@@ -4,7 +4,8 @@
 # the same path on every host, and test processes run on the hosts.
 #
 # The shared folder is a GlusterFS volume served from host 1 (close-to-open consistency:
-# md-cache-timeout 0 on the volume, zero attribute/entry/negative timeouts on the mounts), then
+# md-cache-timeout 0 on the volume, zero attribute/entry/negative timeouts and
+# --fopen-keep-cache=off on the mounts), then
 # an sshfs export of host 1. Each host has its own mount namespace, so each mounts the folder at
 # /mnt/tdict-shared.
 #
@@ -18,9 +19,11 @@
 # Environment: CARGO_TARGET_DIR (where the test binaries are built), MULTINODE_FS (`glusterfs`,
 # `sshfs` or `all`, the default), MULTINODE_PREFIX (the namespaces' prefix, `tdmn<pid>` by default),
 # MULTINODE_BENCH=1 (the benchmarks too: JSON lines), MULTINODE_GLUSTER_OFF (GlusterFS volume
-# options to turn off, none by default), MULTINODE_KEEP_LOGS=1 (keep the logs folder, printed at the end),
-# MULTINODE_ONLY (test names, without the filesystem, to run only those), MULTINODE_ROUNDS (rounds
-# of remote-update-rounds, 50 by default).
+# options to turn off, none by default), MULTINODE_GLUSTER_MOUNT (more options of the GlusterFS
+# mounts, e.g. `--fopen-keep-cache=on` after the default off), MULTINODE_STALE_SECONDS (how long
+# the stale-read test runs, 30 by default), MULTINODE_KEEP_LOGS=1 (keep the logs folder, printed
+# at the end), MULTINODE_ONLY (test names, without the filesystem, to run only those),
+# MULTINODE_ROUNDS (rounds of remote-update-rounds, 50 by default).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -34,6 +37,9 @@ SERVER=10.213.0.1
 STORE_PORT=7401
 REPLAY_PORT=7402
 BENCH_PORT=7403
+STALE_PORT=7404
+# How long the stale-read test rewrites rows (seconds).
+STALE_SECONDS=${MULTINODE_STALE_SECONDS:-30}
 # The most seconds any one test process may run (the peers also give up by themselves).
 PROCESS_LIMIT=90
 FS_LIST=${MULTINODE_FS:-all}
@@ -189,8 +195,9 @@ mount_glusterfs() {
     on 1 gluster --mode=script volume set "$PREFIX" performance.md-cache-timeout 0 >/dev/null || return 1
     # Options turned off for experiments. Turning off quick-read, open-behind, read-ahead,
     # io-cache and write-behind did not stop a fresh mapping on host 1 from showing, now and
-    # then, rows as they were before host 2's publish (1 round in about 1000): that cache is the
-    # kernel's, which is why remote-update-rounds checks rows with O_DIRECT reads.
+    # then, rows as they were before host 2's publish (1 round in about 1000, mounts without
+    # --fopen-keep-cache=off): that cache is the kernel's, kept across opens, which is why
+    # remote-update-rounds checks rows with O_DIRECT reads.
     local xlator
     for xlator in ${MULTINODE_GLUSTER_OFF:-}; do
         on 1 gluster --mode=script volume set "$PREFIX" "$xlator" off >/dev/null || return 1
@@ -198,8 +205,13 @@ mount_glusterfs() {
     on 1 gluster --mode=script volume start "$PREFIX" >/dev/null || return 1
     local k
     for k in "${HOSTS[@]}"; do
-        on "$k" glusterfs --volfile-server="$SERVER" --volfile-id="$PREFIX" \
-            --attribute-timeout=0 --entry-timeout=0 --negative-timeout=0 "$SHARED" || return 1
+        # --fopen-keep-cache=off: each open drops the kernel's cached pages of the file. With the
+        # default (kept), reads through the page cache of a freshly opened file returned rows
+        # older than another host's fdatasynced rewrite now and then (the stale-reads test),
+        # quick-read on or off; O_DIRECT reads never did.
+        # shellcheck disable=SC2086 # MULTINODE_GLUSTER_MOUNT: more options, one word each
+        on "$k" glusterfs --volfile-server="$SERVER" --volfile-id="$PREFIX" --fopen-keep-cache=off \
+            --attribute-timeout=0 --entry-timeout=0 --negative-timeout=0 ${MULTINODE_GLUSTER_MOUNT:-} "$SHARED" || return 1
     done
     check_mounts
 }
@@ -425,6 +437,28 @@ test_replay() {
     stop_service
 }
 
+# A writer on host 2 rewrites rows of a large (4 MiB) and a small (2 KiB) file in place, round
+# after round (pwrite, fdatasync), and tells a reader on host 3 over TCP; the reader opens the
+# files afresh and reads the rows through its page cache and with O_DIRECT: no row may be older
+# than its last write. This is what a learner on a shared filesystem relies on.
+test_stale_reads() {
+    local fs=$1 dir="$SHARED/stale" log="$LOGS/$fs-stale"
+    on 1 mkdir -p "$dir"
+    run_on 2 "$log-writer.log" stale-writer "$dir" "$STALE_PORT" "$STALE_SECONDS" &
+    local writer=$!
+    run_on 3 "$log-reader.log" stale-reader "10.213.0.2:$STALE_PORT" "$fs"
+    local reader_status=$?
+    wait "$writer"
+    local writer_status=$?
+    # The client translators the GlusterFS mount of the reader's host loaded: the settings the
+    # result holds for.
+    if [ "$fs" = glusterfs ]; then
+        grep -h -o 'type performance/[a-z-]*' "$STATE"/n3/log-glusterfs/*.log 2>/dev/null | sort -u |
+            tr '\n' ' ' | sed 's/^/the harness: translators of the mount on host 3: /' >"$log-xlators.log"
+    fi
+    result "$fs/stale-reads" $((reader_status | writer_status)) "$log-writer.log" "$log-reader.log" "$log-xlators.log"
+}
+
 # start_peer K LOG ARGS...: the peer on host K in the background, bounded; $! is its wrapper.
 start_peer() {
     run_on "$@" &
@@ -586,9 +620,11 @@ test_file_server_restart() {
 
 # === Benchmarks (MULTINODE_BENCH=1): JSON lines ===
 
-# bench LABEL DIR: the remote update (owner on host 1, worker on host 2) and a learner's
-# sample-and-gather (service on host 1, buffer filled from host 2, learner on host 3, mapped
-# then O_DIRECT reads) with everything in DIR.
+# bench LABEL DIR: the remote update (owner on host 1, worker on host 2), a learner's
+# sample-and-gather (service on host 1, buffer filled from host 2, learner on host 3: through its
+# mapping, with O_DIRECT reads, with reads through the page cache of freshly opened files) and an
+# actor's extends of 32 rows (host 2: through its mapping, with pwrite and fdatasync) with
+# everything in DIR.
 bench() {
     local label=$1 dir=$2 log="$LOGS/bench-$1" endpoint="tcp:$SERVER:$REPLAY_PORT"
     on 1 mkdir -p "$dir"
@@ -606,10 +642,15 @@ bench() {
     fi
     if run_on 2 "$log-fill.log" replay-fill "$endpoint" "$STATE/token" 1 100000 1000; then
         local mode
-        for mode in mapped shared-fs; do
+        for mode in mapped shared-fs buffered; do
             run_on 3 "$log-sample-$mode.log" bench-sample "$endpoint" "$STATE/token" "$mode" 3 256 "$label" ||
                 echo "FAIL bench-$label/sample-$mode: $(tail -n 1 "$log-sample-$mode.log")"
             grep -h '^{' "$log-sample-$mode.log"
+        done
+        for mode in mapped shared-fs; do
+            run_on 2 "$log-extend-$mode.log" bench-extend "$endpoint" "$STATE/token" "$mode" 3 32 "$label" ||
+                echo "FAIL bench-$label/extend-$mode: $(tail -n 1 "$log-extend-$mode.log")"
+            grep -h '^{' "$log-extend-$mode.log"
         done
     else
         echo "FAIL bench-$label/fill: $(tail -n 1 "$log-fill.log")"
@@ -646,12 +687,13 @@ else
         want replay-wrong-token && test_replay_wrong_token "$fs"
         want replay-actor-killed && test_replay_actor_killed "$fs"
         want replay-learner-killed && test_replay_learner_killed "$fs"
+        want stale-reads && test_stale_reads "$fs"
         # Last: the mounts may take a while to be whole again after it.
         want file-server-restart && test_file_server_restart "$fs"
-        if [ "${MULTINODE_BENCH:-0}" = 1 ] && [ "$fs" = glusterfs ]; then
-            bench glusterfs "$SHARED/bench"
-            # The same binaries with a folder on the local disk, for comparison.
-            bench local-disk "$STATE/local-bench"
+        if [ "${MULTINODE_BENCH:-0}" = 1 ]; then
+            bench "$fs" "$SHARED/bench"
+            # The same binaries with a folder on the local disk, for comparison (once).
+            [ "$fs" = glusterfs ] && bench local-disk "$STATE/local-bench"
         fi
         # The next filesystem starts from hosts without this one's servers and mounts.
         teardown

@@ -54,6 +54,6 @@ pub use prioritized_slice::PrioritizedSlice;
 pub use rate::{RateCounts, RateLimiter};
 pub use sampler::{Draw, Prioritized, Sampler, Uniform, WithoutReplacement};
 pub use slice::{Episodes, Slice, SliceShape};
-pub use storage::{Backend, STORAGE_METADATA, Storage, StorageConfig};
+pub use storage::{Backend, RowFiles, STORAGE_METADATA, Storage, StorageConfig};
 pub use tree::{MinTree, SumTree};
 pub use writer::{MaxValue, Reduction, RoundRobin, Writer};

@@ -14,10 +14,12 @@
 
 use std::fs;
 use std::io::Write as _;
+use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use memmap_tensor::DType;
-use tensordict::{Index, KeyPath, TensorDict, WriteOptions};
+use memmap_tensor::{DType, Tensor};
+use tensordict::{EntrySchema, Index, KeyPath, ReadMode, Schema, TensorDict, WriteOptions};
 
 use crate::error::{Error, Result, WithOp};
 
@@ -204,43 +206,7 @@ impl Storage {
     /// Checks that `batch` (batch size `[n, ...]`) has exactly the storage's tensors, with the
     /// same dtypes and row shapes. Run before anything is reserved or written.
     pub fn check_batch(&self, op: &'static str, batch: &TensorDict) -> Result<()> {
-        let storage_batch = &self.td.batch_size()[1..];
-        if batch.batch_dims() == 0 || &batch.batch_size()[1..] != storage_batch {
-            return Err(Error::SchemaMismatch {
-                op,
-                detail: format!(
-                    "batch size {:?}, the storage's rows need [n, {}]",
-                    batch.batch_size(),
-                    storage_batch.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
-                ),
-            });
-        }
-        let offered = batch.leaves();
-        if offered.len() != self.leaves.len() {
-            let have: Vec<String> = offered.iter().map(|(k, _)| k.to_string()).collect();
-            let want: Vec<String> = self.leaves.iter().map(|l| l.key.to_string()).collect();
-            return Err(Error::SchemaMismatch { op, detail: format!("keys {have:?}, the storage holds {want:?}") });
-        }
-        for leaf in &self.leaves {
-            let t = batch.get_tensor(&leaf.key).map_err(|_| Error::SchemaMismatch {
-                op,
-                detail: format!("key `{}` is missing (or not a tensor)", leaf.key),
-            })?;
-            if t.dtype() != leaf.dtype || t.dims()[1..] != leaf.row_dims[..] {
-                return Err(Error::SchemaMismatch {
-                    op,
-                    detail: format!(
-                        "key `{}` is {} {:?}, the storage's rows are {} {:?}",
-                        leaf.key,
-                        t.dtype(),
-                        &t.dims()[1..],
-                        leaf.dtype,
-                        leaf.row_dims
-                    ),
-                });
-            }
-        }
-        Ok(())
+        check_batch_against(op, &self.td.batch_size()[1..], &self.leaves, batch)
     }
 
     /// Writes row `k` of `src` to row `rows[k]`, for every `k` (rows must be distinct and
@@ -369,6 +335,47 @@ impl Drop for Storage {
     }
 }
 
+/// [`Storage::check_batch`] against a storage whose rows have batch dims `storage_batch` (after
+/// dim 0) and tensors `leaves`.
+fn check_batch_against(op: &'static str, storage_batch: &[usize], leaves: &[Leaf], batch: &TensorDict) -> Result<()> {
+    if batch.batch_dims() == 0 || &batch.batch_size()[1..] != storage_batch {
+        return Err(Error::SchemaMismatch {
+            op,
+            detail: format!(
+                "batch size {:?}, the storage's rows need [n, {}]",
+                batch.batch_size(),
+                storage_batch.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+            ),
+        });
+    }
+    let offered = batch.leaves();
+    if offered.len() != leaves.len() {
+        let have: Vec<String> = offered.iter().map(|(k, _)| k.to_string()).collect();
+        let want: Vec<String> = leaves.iter().map(|l| l.key.to_string()).collect();
+        return Err(Error::SchemaMismatch { op, detail: format!("keys {have:?}, the storage holds {want:?}") });
+    }
+    for leaf in leaves {
+        let t = batch.get_tensor(&leaf.key).map_err(|_| Error::SchemaMismatch {
+            op,
+            detail: format!("key `{}` is missing (or not a tensor)", leaf.key),
+        })?;
+        if t.dtype() != leaf.dtype || t.dims()[1..] != leaf.row_dims[..] {
+            return Err(Error::SchemaMismatch {
+                op,
+                detail: format!(
+                    "key `{}` is {} {:?}, the storage's rows are {} {:?}",
+                    leaf.key,
+                    t.dtype(),
+                    &t.dims()[1..],
+                    leaf.dtype,
+                    leaf.row_dims
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// The key, dtype and row dims of each tensor of a storage dict.
 fn leaves_of(td: &TensorDict) -> Vec<Leaf> {
     td.leaves().into_iter().map(|(key, t)| Leaf { key, dtype: t.dtype(), row_dims: t.dims()[1..].to_vec() }).collect()
@@ -396,4 +403,344 @@ pub(crate) fn to_i64(rows: &[usize]) -> Vec<i64> {
 /// A tensor error as a tensordict error naming its key.
 fn tensor_error(key: &KeyPath, source: memmap_tensor::Error) -> tensordict::Error {
     tensordict::Error::Tensor { key: key.clone(), source }
+}
+
+/// Reads of neighbouring rows of one file are merged while the merged read stays within this
+/// many bytes.
+const MAX_MERGED_READ: usize = 1 << 20;
+
+/// Rows closer than this many bytes in a file are read in one request (the bytes between them
+/// are read and dropped): on a network filesystem a request costs more than a few KiB.
+const MERGE_GAP: usize = 4096;
+
+/// One tensor of a [`RowFiles`]: its file and the size of a row in it.
+#[derive(Clone, Debug)]
+struct FileLeaf {
+    key: KeyPath,
+    dtype: DType,
+    row_dims: Vec<usize>,
+    row_bytes: usize,
+    path: PathBuf,
+}
+
+/// The tensor files of a memmap storage folder, written and read with explicit I/O and never
+/// mapped: how a node reaches a storage folder on a network filesystem (NFS, GlusterFS,
+/// sshfs...), where a mapping neither sees other nodes' writes nor survives a file server that
+/// goes away (a page it cannot fill is a `SIGBUS`).
+///
+/// Made from the storage's [`Schema`] (each tensor's file, relative to the folder, and its
+/// dtype and shape, dim 0 the capacity). Writes are `pwrite`s of the rows' bytes followed by
+/// `fdatasync` of every file written; reads open each file afresh (close-to-open consistency:
+/// a file opened after another node's `fdatasync` returned shows its writes), merge neighbouring
+/// rows and keep every read in flight at once through the `aio` engine.
+#[derive(Clone, Debug)]
+pub struct RowFiles {
+    folder: PathBuf,
+    schema: Schema,
+    capacity: usize,
+    leaves: Vec<FileLeaf>,
+}
+
+/// A run of rows read in one request.
+struct ReadRun {
+    /// The first and one past the last row of the run.
+    first: usize,
+    end: usize,
+    /// File offset and length of the read.
+    offset: u64,
+    len: usize,
+    /// Where row `first` starts in what is read.
+    skip: usize,
+}
+
+impl RowFiles {
+    /// The files of the storage described by `schema` (batch size `[capacity, ...]`) in
+    /// `folder`. Every tensor file must be in the folder and hold at least its tensor's bytes.
+    pub fn new(folder: impl Into<PathBuf>, schema: &Schema) -> Result<RowFiles> {
+        let folder = folder.into();
+        let inconsistent = |problem: String| Error::Inconsistent { path: folder.clone(), problem };
+        schema.validate().map_err(|e| inconsistent(format!("the storage's schema: {e}")))?;
+        let Some(&capacity) = schema.batch_size.first().filter(|&&c| c > 0) else {
+            return Err(inconsistent(format!("batch size {:?}; a storage has a non-empty dim 0", schema.batch_size)));
+        };
+        let mut leaves = Vec::new();
+        for (key, t) in schema.tensors() {
+            let relative = Path::new(&t.name);
+            let inside =
+                !t.name.is_empty() && relative.components().all(|c| matches!(c, std::path::Component::Normal(_)));
+            if !inside {
+                return Err(inconsistent(format!(
+                    "key `{key}` is stored in {:?}, not a file inside the folder",
+                    t.name
+                )));
+            }
+            let row_dims = t.shape[1..].to_vec();
+            // The schema was validated: the byte size does not overflow.
+            let row_bytes = row_dims.iter().product::<usize>() * t.dtype.size_in_bytes();
+            let path = folder.join(relative);
+            if row_bytes > 0 {
+                let held = fs::metadata(&path).map_err(|source| Error::Io { path: path.clone(), source })?.len();
+                let needed = (capacity * row_bytes) as u64;
+                if held < needed {
+                    return Err(Error::Inconsistent {
+                        path,
+                        problem: format!("holds {held} bytes; key `{key}` ({} {:?}) needs {needed}", t.dtype, t.shape),
+                    });
+                }
+            }
+            leaves.push(FileLeaf { key, dtype: t.dtype, row_dims, row_bytes, path });
+        }
+        Ok(RowFiles { folder, schema: schema.clone(), capacity, leaves })
+    }
+
+    /// The number of rows.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The storage folder.
+    pub fn folder(&self) -> &Path {
+        &self.folder
+    }
+
+    /// Checks that `batch` (batch size `[n, ...]`) has exactly the storage's tensors, with the
+    /// same dtypes and row shapes (as [`Storage::check_batch`]).
+    pub fn check_batch(&self, op: &'static str, batch: &TensorDict) -> Result<()> {
+        let leaves: Vec<Leaf> = self
+            .leaves
+            .iter()
+            .map(|l| Leaf { key: l.key.clone(), dtype: l.dtype, row_dims: l.row_dims.clone() })
+            .collect();
+        check_batch_against(op, &self.schema.batch_size[1..], &leaves, batch)
+    }
+
+    /// Writes row `k` of `src` to row `rows[k]` of every tensor file, for every `k`, with
+    /// `pwrite`s through `engine` (consecutive rows in one write, every write in flight at
+    /// once), then `fdatasync`s each file written: once this returns, a node that opens the
+    /// files afresh reads the rows. `rows` must be distinct and below the capacity, one per row
+    /// of `src`, and `src` must pass [`RowFiles::check_batch`].
+    pub fn write_rows(&self, engine: &aio::Engine, rows: &[usize], src: &TensorDict) -> Result<()> {
+        const OP: &str = "write rows";
+        self.check_batch(OP, src)?;
+        let n = src.batch_size()[0];
+        if rows.len() != n {
+            return Err(Error::LengthMismatch {
+                what: "write rows: storage rows for the batch",
+                expected: n,
+                got: rows.len(),
+            });
+        }
+        if let Some(&index) = rows.iter().find(|&&r| r >= self.capacity) {
+            return Err(Error::RowOutOfRange { index, capacity: self.capacity });
+        }
+        // Runs of batch rows that go to consecutive storage rows: `(first batch row, count)`.
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for k in 0..n {
+            match runs.last_mut() {
+                Some((first, count)) if rows[*first] + *count == rows[k] => *count += 1,
+                _ => runs.push((k, 1)),
+            }
+        }
+        let mut files = Vec::new();
+        let mut writes = Vec::new();
+        for leaf in self.leaves.iter().filter(|l| l.row_bytes > 0) {
+            let io = |source| Error::Io { path: leaf.path.clone(), source };
+            let bytes = src
+                .get_tensor(&leaf.key)
+                .and_then(|t| t.to_bytes().map_err(|source| tensor_error(&leaf.key, source)))
+                .op(OP)?;
+            let file = Arc::new(fs::OpenOptions::new().write(true).open(&leaf.path).map_err(io)?);
+            for &(first, count) in &runs {
+                let part = bytes[first * leaf.row_bytes..(first + count) * leaf.row_bytes].to_vec();
+                let offset = (rows[first] * leaf.row_bytes) as u64;
+                writes.push((files.len(), offset, engine.write_at(&file, part, offset)));
+            }
+            files.push((leaf, file));
+        }
+        let mut failure = None;
+        for (i, offset, completion) in writes {
+            let (leaf, file) = &files[i];
+            let (result, part) = completion.wait();
+            // A short write (rare, on a regular file) is finished in place.
+            let outcome = result.and_then(|done| {
+                if done < part.len() { file.write_all_at(&part[done..], offset + done as u64) } else { Ok(()) }
+            });
+            if let Err(source) = outcome {
+                failure.get_or_insert(Error::Io { path: leaf.path.clone(), source });
+            }
+        }
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let syncs: Vec<_> = files.iter().map(|(leaf, file)| (leaf, engine.fsync(file, true))).collect();
+        for (leaf, completion) in syncs {
+            completion.wait().map_err(|source| Error::Io { path: leaf.path.clone(), source })?;
+        }
+        Ok(())
+    }
+
+    /// Rows `rows` (any order, repeats allowed, below the capacity) read from the files into a
+    /// new heap dict of batch size `[rows.len(), ...]`. Every file is opened by this call, so
+    /// what it reads was in the file when the call began or later; `mode` says whether reads
+    /// go through this node's page cache or bypass it (`O_DIRECT`).
+    pub fn read_rows(&self, engine: &aio::Engine, rows: &[usize], mode: ReadMode) -> Result<TensorDict> {
+        if let Some(&index) = rows.iter().find(|&&r| r >= self.capacity) {
+            return Err(Error::RowOutOfRange { index, capacity: self.capacity });
+        }
+        let mut sorted = rows.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let flags = match mode {
+            ReadMode::Buffered => 0,
+            ReadMode::Direct => nix::libc::O_DIRECT,
+        };
+        // Every leaf's runs, then every read in flight at once.
+        let mut plans: Vec<(&FileLeaf, Vec<ReadRun>)> = Vec::with_capacity(self.leaves.len());
+        let mut reads = Vec::new();
+        let mut lens = Vec::new();
+        for leaf in &self.leaves {
+            if leaf.row_bytes == 0 || rows.is_empty() {
+                plans.push((leaf, Vec::new()));
+                continue;
+            }
+            let runs = read_runs(&sorted, leaf.row_bytes, mode);
+            let file = fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(flags)
+                .open(&leaf.path)
+                .map_err(|source| Error::Io { path: leaf.path.clone(), source })?;
+            let file = Arc::new(file);
+            for run in &runs {
+                reads.push((Arc::clone(&file), run.offset));
+                lens.push(run.len);
+            }
+            plans.push((leaf, runs));
+        }
+        let first_path = || self.leaves.first().map_or_else(|| self.folder.clone(), |l| l.path.clone());
+        let parts = aio::AlignedBuf::new(lens.iter().sum())
+            .and_then(|b| b.split(&lens))
+            .map_err(|source| Error::Io { path: first_path(), source })?;
+        let reads: Vec<_> = reads.into_iter().zip(parts).map(|((file, offset), part)| (file, offset, part)).collect();
+        let total: usize = lens.iter().sum();
+        let mut back = engine.read_many(reads).into_iter();
+        let mut parts = Vec::with_capacity(lens.len());
+        for (leaf, runs) in &plans {
+            for run in runs {
+                let (result, part) = back.next().ok_or_else(|| Error::Io {
+                    path: leaf.path.clone(),
+                    source: std::io::Error::other("a read did not come back"),
+                })?;
+                let got = result.map_err(|source| Error::Io { path: leaf.path.clone(), source })?;
+                let wanted = run.skip + (run.end - run.first) * leaf.row_bytes;
+                if got < wanted {
+                    return Err(Error::Inconsistent {
+                        path: leaf.path.clone(),
+                        problem: format!(
+                            "a read of rows {}..{} at byte {} returned {got} of {wanted} bytes (the file is \
+                             shorter than the storage)",
+                            run.first, run.end, run.offset
+                        ),
+                    });
+                }
+                parts.push(part);
+            }
+        }
+        let whole = if total == 0 {
+            None
+        } else {
+            Some(aio::BufPart::join(parts).map_err(|_| Error::Io {
+                path: first_path(),
+                source: std::io::Error::other("a read buffer did not come back"),
+            })?)
+        };
+        let whole = whole.as_ref().map_or(&[][..], |b| b.as_slice());
+        // Each requested row, in the order asked, from the run that holds it.
+        let mut at = 0;
+        let mut tensors = Vec::with_capacity(plans.len());
+        for (leaf, runs) in &plans {
+            let mut dims = vec![rows.len()];
+            dims.extend_from_slice(&leaf.row_dims);
+            let mut bytes = vec![0u8; rows.len() * leaf.row_bytes];
+            if !runs.is_empty() {
+                let starts: Vec<usize> =
+                    runs.iter().scan(at, |next, run| Some(std::mem::replace(next, *next + run.len))).collect();
+                for (k, &r) in rows.iter().enumerate() {
+                    let i = runs.partition_point(|run| run.end <= r);
+                    let from = starts[i] + runs[i].skip + (r - runs[i].first) * leaf.row_bytes;
+                    bytes[k * leaf.row_bytes..(k + 1) * leaf.row_bytes]
+                        .copy_from_slice(&whole[from..from + leaf.row_bytes]);
+                }
+                at += runs.iter().map(|run| run.len).sum::<usize>();
+            }
+            let tensor = Tensor::from_bytes(&bytes, leaf.dtype, dims)
+                .map_err(|source| Error::TensorDict { op: "read rows", source: tensor_error(&leaf.key, source) })?;
+            tensors.push(tensor);
+        }
+        let mut tensors = tensors.into_iter();
+        sampled_schema(&self.schema, rows)
+            .build(&mut |key, _| {
+                tensors.next().ok_or_else(|| tensordict::Error::InvalidSchema {
+                    reason: format!("`{key}`: no tensor was read for it"),
+                })
+            })
+            .op("read rows")
+    }
+}
+
+/// The reads of `sorted` (distinct, ascending) rows of `row_bytes` each: neighbouring rows
+/// (within [`MERGE_GAP`] bytes) in one read of at most [`MAX_MERGED_READ`] bytes, aligned to
+/// 4 KiB for `O_DIRECT`.
+fn read_runs(sorted: &[usize], row_bytes: usize, mode: ReadMode) -> Vec<ReadRun> {
+    let gap_rows = MERGE_GAP / row_bytes;
+    let mut runs: Vec<ReadRun> = Vec::new();
+    for &r in sorted {
+        if let Some(run) = runs.last_mut()
+            && r <= run.end + gap_rows
+            && (r + 1 - run.first) * row_bytes <= MAX_MERGED_READ
+        {
+            run.end = r + 1;
+            continue;
+        }
+        runs.push(ReadRun { first: r, end: r + 1, offset: 0, len: 0, skip: 0 });
+    }
+    let align = aio::DIRECT_ALIGN as u64;
+    for run in &mut runs {
+        let start = (run.first * row_bytes) as u64;
+        let end = (run.end * row_bytes) as u64;
+        let (first, last) = match mode {
+            ReadMode::Buffered => (start, end),
+            ReadMode::Direct => (start / align * align, end.div_ceil(align) * align),
+        };
+        run.offset = first;
+        run.len = usize::try_from(last - first).unwrap_or(usize::MAX);
+        run.skip = usize::try_from(start - first).unwrap_or(0);
+    }
+    runs
+}
+
+/// The schema of rows `rows` of a storage of schema `schema`: dim 0 of every batch size and
+/// shape becomes `rows.len()`, and per-row values are picked.
+fn sampled_schema(schema: &Schema, rows: &[usize]) -> Schema {
+    let mut out = schema.clone();
+    if let Some(d) = out.batch_size.first_mut() {
+        *d = rows.len();
+    }
+    for entry in out.entries.values_mut() {
+        match entry {
+            EntrySchema::Tensor(t) => {
+                if let Some(d) = t.shape.first_mut() {
+                    *d = rows.len();
+                }
+            }
+            EntrySchema::Dict(d) => *d = sampled_schema(d, rows),
+            EntrySchema::NonTensorStack(v) => {
+                let values = v.as_array().map_or(&[][..], Vec::as_slice);
+                *v = serde_json::Value::Array(
+                    rows.iter().map(|&r| values.get(r).cloned().unwrap_or_default()).collect(),
+                );
+            }
+            _ => {}
+        }
+    }
+    out
 }

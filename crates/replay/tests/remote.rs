@@ -565,7 +565,7 @@ fn a_reservation_waits_for_leased_rows_and_a_timed_out_one_changes_nothing() {
 }
 
 #[test]
-fn clients_for_a_shared_filesystem_flush_writes_and_read_rows_from_the_files() {
+fn clients_for_a_shared_filesystem_write_and_read_rows_through_the_files() {
     let f = Fixture::new("shared-fs");
     let dir = tempfile::tempdir().unwrap();
     let _server = f.start(f.options(16).dir(dir.path().join("rows")).seed(4));
@@ -573,17 +573,100 @@ fn clients_for_a_shared_filesystem_flush_writes_and_read_rows_from_the_files() {
     let actor = f.connect().on_shared_filesystem(engine.clone());
     let values: Vec<f64> = (0..12).map(f64::from).collect();
     assert_eq!(actor.extend(&batch(&values)).unwrap(), (0..12).collect::<Vec<_>>());
-    let learner = f.connect().on_shared_filesystem(engine);
-    for _ in 0..20 {
-        let (td, info) = learner.sample(32, None).unwrap();
-        assert!(check_rows(&td).iter().zip(&info.indices).all(|(&v, &i)| v == i as f64));
+    assert!(actor.storage_mut().is_none(), "a client on a shared filesystem maps nothing to write");
+    let buffered = f.connect().on_shared_filesystem(engine.clone()).with_read_mode(tensordict::ReadMode::Buffered);
+    let direct = f.connect().on_shared_filesystem(engine).with_read_mode(tensordict::ReadMode::Direct);
+    for learner in [&buffered, &direct] {
+        for _ in 0..20 {
+            let (td, info) = learner.sample(32, None).unwrap();
+            assert!(check_rows(&td).iter().zip(&info.indices).all(|(&v, &i)| v == i as f64));
+        }
+        let mut out = batch(&[0.; 8]);
+        let info = learner.sample_into(&mut out, 8, None).unwrap();
+        assert!(check_rows(&out).iter().zip(&info.indices).all(|(&v, &i)| v == i as f64));
     }
-    let mut out = batch(&[0.; 8]);
-    let info = learner.sample_into(&mut out, 8, None).unwrap();
-    assert!(check_rows(&out).iter().zip(&info.indices).all(|(&v, &i)| v == i as f64));
+    // A batch that wraps around the end of the storage: rows 12..16, then 0..4.
+    let wrapped: Vec<f64> = (100..108).map(f64::from).collect();
+    assert_eq!(actor.extend(&batch(&wrapped)).unwrap(), vec![12, 13, 14, 15, 0, 1, 2, 3]);
+    let (td, info) = buffered.sample(64, None).unwrap();
+    for (&v, &i) in check_rows(&td).iter().zip(&info.indices) {
+        let want = match i {
+            12..16 => 88. + i as f64,
+            0..4 => 104. + i as f64,
+            _ => i as f64,
+        };
+        assert_eq!(v, want, "row {i}");
+    }
     // The rows reached the files: a fresh load of the folder sees them.
     let loaded = TensorDict::load_memmap(dir.path().join("rows"), memmap_tensor::Access::ReadOnly).unwrap();
-    assert_eq!(&check_rows(&loaded)[..12], values.as_slice());
+    assert_eq!(&check_rows(&loaded)[4..12], &values[4..12]);
+}
+
+#[test]
+fn a_client_on_a_shared_filesystem_writes_reserved_rows_and_refuses_wrong_batches() {
+    let f = Fixture::new("shared-fs-reserved");
+    let dir = tempfile::tempdir().unwrap();
+    let _server = f.start(f.options(8).dir(dir.path().join("rows")).seed(3));
+    let client = f.connect().on_shared_filesystem(aio::Engine::new().unwrap());
+    client.extend(&batch(&[1.; 8])).unwrap();
+    let reservation = client.reserve(3, None).unwrap();
+    assert_eq!(reservation.rows(), &[0, 1, 2]);
+    // A batch of another length or schema is refused before anything is written.
+    let short = client.write_reserved(&reservation, &batch(&[5., 6.])).unwrap_err();
+    assert!(matches!(short, Error::LengthMismatch { expected: 3, got: 2, .. }), "{short}");
+    let mut other = batch(&[5., 6., 7.]);
+    other.set("extra", Tensor::zeros([3], DType::U8, &Location::Heap).unwrap()).unwrap();
+    let refused = client.write_reserved(&reservation, &other).unwrap_err();
+    assert!(matches!(refused, Error::SchemaMismatch { .. }) && refused.to_string().contains("extra"), "{refused}");
+    client.write_reserved(&reservation, &batch(&[5., 6., 7.])).unwrap();
+    client.commit(reservation).unwrap();
+    let (td, info) = client.sample(64, None).unwrap();
+    for (&v, &i) in check_rows(&td).iter().zip(&info.indices) {
+        assert_eq!(v, if i < 3 { 5. + i as f64 } else { 1. }, "row {i}");
+    }
+    assert!(client.storage_mut().is_none());
+}
+
+#[test]
+fn a_client_on_a_shared_filesystem_needs_a_folder_storage() {
+    let f = Fixture::new("shared-fs-shm");
+    let _server = f.start(f.options(8));
+    f.connect().extend(&batch(&[1.; 4])).unwrap();
+    let client = f.connect().on_shared_filesystem(aio::Engine::new().unwrap());
+    let refused = client.sample(2, None).unwrap_err();
+    assert!(refused.to_string().contains("needs a whole folder"), "{refused}");
+    let refused = client.extend(&batch(&[2.])).unwrap_err();
+    assert!(refused.to_string().contains("shm:"), "{refused}");
+}
+
+#[test]
+fn row_files_refuse_files_shorter_than_the_storage_and_names_outside_the_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("rows");
+    let td = batch(&[1.; 4]).memmap_like(&folder, Some(16)).unwrap();
+    let reference = rpc::ToRef::to_ref(&td).unwrap();
+    drop(td);
+    let files = replay::RowFiles::new(&folder, &reference.schema).unwrap();
+    assert_eq!(files.capacity(), 16);
+    let engine = aio::Engine::new().unwrap();
+    let out_of_range = files.read_rows(&engine, &[3, 16], tensordict::ReadMode::Buffered).unwrap_err();
+    assert!(matches!(out_of_range, Error::RowOutOfRange { index: 16, capacity: 16 }), "{out_of_range}");
+    // A file cut short (another node truncated it): an error naming it and its size.
+    let obs = folder.join("obs.memmap");
+    std::fs::OpenOptions::new().write(true).open(&obs).unwrap().set_len(100).unwrap();
+    let short = replay::RowFiles::new(&folder, &reference.schema).unwrap_err();
+    let text = short.to_string();
+    assert!(text.contains("obs.memmap") && text.contains("holds 100 bytes") && text.contains("needs 512"), "{text}");
+    // Made before the cut, reads past the end are an error too, not zeros.
+    let cut = files.read_rows(&engine, &[15], tensordict::ReadMode::Buffered).unwrap_err();
+    assert!(cut.to_string().contains("obs.memmap") && cut.to_string().contains("shorter"), "{cut}");
+    // A schema whose file is outside the folder.
+    let mut hostile = reference.schema.clone();
+    if let Some(tensordict::EntrySchema::Tensor(t)) = hostile.entries.get_mut("obs") {
+        t.name = "../escape.memmap".into();
+    }
+    let escape = replay::RowFiles::new(&folder, &hostile).unwrap_err();
+    assert!(escape.to_string().contains("not a file inside the folder"), "{escape}");
 }
 
 #[test]

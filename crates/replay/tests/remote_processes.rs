@@ -1,6 +1,7 @@
 //! The replay service with real client processes killed by SIGKILL: a writer killed between
-//! reserving and committing never exposes its rows, and a learner killed while it holds a
-//! lease lets writers go on.
+//! reserving and committing never exposes its rows (through its mapping, or with the explicit
+//! writes of a client on a shared filesystem, which maps nothing), and a learner killed while
+//! it holds a lease lets writers go on.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -15,6 +16,7 @@ const ROLE: &str = "REPLAY_TEST_REMOTE_ROLE";
 const RUN: &str = "REPLAY_TEST_REMOTE_RUN";
 const NAME: &str = "REPLAY_TEST_REMOTE_NAME";
 const READY: &str = "REPLAY_TEST_REMOTE_READY";
+const FOLDER: &str = "REPLAY_TEST_REMOTE_FOLDER";
 
 fn batch(values: &[f32]) -> TensorDict {
     let n = values.len();
@@ -61,6 +63,31 @@ fn child() {
             std::mem::forget(reservation);
             std::mem::forget(client);
         }
+        // A client on a shared filesystem: extends, samples both ways, then reserves 4 rows and
+        // writes them whole (pwrite, fdatasync) without committing; READY says whether any
+        // file of the storage folder was ever mapped in this process.
+        "shared-fs-writer" => {
+            let client =
+                RemoteBuffer::connect_with(&name, &options).unwrap().on_shared_filesystem(aio::Engine::new().unwrap());
+            client.extend(&batch(&[1.; 8])).unwrap();
+            for mode in [tensordict::ReadMode::Buffered, tensordict::ReadMode::Direct] {
+                let reader = RemoteBuffer::connect_with(&name, &options)
+                    .unwrap()
+                    .on_shared_filesystem(aio::Engine::new().unwrap())
+                    .with_read_mode(mode);
+                let (td, _) = reader.sample(16, None).unwrap();
+                assert!(check_rows(&td).iter().all(|&v| v == 1.));
+            }
+            let reservation = client.reserve(4, None).unwrap();
+            client.write_reserved(&reservation, &batch(&[99.; 4])).unwrap();
+            let folder = std::env::var(FOLDER).unwrap();
+            let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+            let mapped: Vec<&str> = maps.lines().filter(|l| l.contains(&folder)).collect();
+            let report = if mapped.is_empty() { "unmapped".to_owned() } else { mapped.join("\n") };
+            std::fs::write(&ready, format!("{report} {:?}", reservation.rows())).unwrap();
+            std::mem::forget(reservation);
+            std::mem::forget(client);
+        }
         // Samples 8 rows and holds the lease (a raw client never releases it).
         "learner" => {
             let raw: BlockingClient<ReplayServiceClient> =
@@ -87,12 +114,17 @@ impl Drop for Killed {
 }
 
 fn spawn(role: &str, test: &str, run: &Path, name: &str, ready: &Path) -> Killed {
+    spawn_with(role, test, run, name, ready, Path::new(""))
+}
+
+fn spawn_with(role: &str, test: &str, run: &Path, name: &str, ready: &Path, folder: &Path) -> Killed {
     let child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", test, "--test-threads", "1", "--nocapture"])
         .env(ROLE, role)
         .env(RUN, run)
         .env(NAME, name)
         .env(READY, ready)
+        .env(FOLDER, folder)
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
@@ -187,4 +219,31 @@ fn a_learner_killed_while_holding_a_lease_lets_writers_go_on() {
     assert_eq!(client.stats().unwrap().open_leases, 0);
     let (td, _) = client.sample(8, None).unwrap();
     assert!(check_rows(&td).iter().all(|&v| v == 2.));
+}
+
+#[test]
+fn a_shared_filesystem_writer_maps_nothing_and_killed_before_its_commit_never_exposes_its_rows() {
+    child();
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let folder = dir.path().join("rows");
+    let name = "killed-sfs-writer";
+    let options = ReplayOptions::new(8).runtime_dir(&run).dir(&folder).seed(9);
+    let _server = ReplayServer::start(name, options).unwrap();
+    let client = RemoteBuffer::connect_with(name, &ClientOptions::default().runtime_dir(&run)).unwrap();
+    let ready = dir.path().join("ready");
+    let test = "a_shared_filesystem_writer_maps_nothing_and_killed_before_its_commit_never_exposes_its_rows";
+    let mut writer = spawn_with("shared-fs-writer", test, &run, name, &ready, &folder);
+    let report = wait_for_file(&ready, &mut writer.0);
+    assert_eq!(report, "unmapped [0, 1, 2, 3]", "the client mapped the storage");
+    assert_eq!(client.stats().unwrap().open_reservations, 1);
+    writer.0.kill().unwrap(); // SIGKILL
+    writer.0.wait().unwrap();
+    eventually("the dead writer's reservation to be aborted", || client.stats().unwrap().open_reservations == 0);
+    // Rows 0..4 were written whole (99) but never committed: never sampled.
+    for _ in 0..200 {
+        let (td, info) = client.sample(8, None).unwrap();
+        assert!(info.indices.iter().all(|&i| i >= 4), "{:?}", info.indices);
+        assert!(check_rows(&td).iter().all(|&v| v == 1.));
+    }
 }

@@ -9,10 +9,12 @@
 //! multinode-peer store-save ENDPOINT TOKEN_FILE KEY SEED
 //! multinode-peer store-load ENDPOINT TOKEN_FILE KEY SEED
 //! multinode-peer store-refused ENDPOINT       a client with a wrong token must be refused
-//! multinode-peer replay-actor ENDPOINT TOKEN_FILE DIR ACTOR (shared-fs | mapped)
+//! multinode-peer replay-actor ENDPOINT TOKEN_FILE DIR ACTOR (shared-fs | buffered | mapped)
 //!                                             host 2: extend rows keyed (ACTOR, seq) twice;
 //!                                             `shared-fs`: a client for a shared filesystem
-//!                                             (rows flushed before their commit)
+//!                                             (rows written with pwrite and fdatasynced before
+//!                                             their commit, read with O_DIRECT from files opened
+//!                                             afresh; `buffered`: through the page cache)
 //! multinode-peer replay-learner ENDPOINT TOKEN_FILE DIR ACTOR STORAGE (shared-fs | mapped)
 //!                                             host 3: sample after each extend, check every
 //!                                             row whole (`shared-fs`: rows read from the
@@ -23,7 +25,7 @@
 //!                                             extend ROWS rows keyed (ACTOR, 1..=ROWS), BATCH
 //!                                             rows per call (a client for a shared filesystem)
 //! multinode-peer replay-reserver ENDPOINT TOKEN_FILE READY
-//!                                             reserve 8 rows, write and flush half of them,
+//!                                             reserve 8 rows, write (fdatasync) half of them,
 //!                                             write `{"pid", "rows"}` to READY, then block
 //! multinode-peer replay-after-death ENDPOINT TOKEN_FILE READY ACTOR ROWS
 //!                                             once the reserver of READY is dead: its
@@ -45,9 +47,26 @@
 //!                                             (`wait`: a reopen refused is tried again for up
 //!                                             to 2 s, and counted); the worker prints a JSON
 //!                                             line of the round-trip times
-//! multinode-peer bench-sample ENDPOINT TOKEN_FILE (shared-fs | mapped) SECONDS BATCH LABEL
+//! multinode-peer bench-sample ENDPOINT TOKEN_FILE MODE SECONDS BATCH LABEL
 //!                                             sample and gather BATCH rows for SECONDS, print
-//!                                             a JSON line of the rate
+//!                                             a JSON line of the rate (MODE as replay-actor's)
+//! multinode-peer bench-extend ENDPOINT TOKEN_FILE MODE SECONDS BATCH LABEL
+//!                                             extend BATCH rows at a time for SECONDS (rows of
+//!                                             actor 1 that bench-sample accepts), print a JSON
+//!                                             line of the rate
+//! multinode-peer stale-writer DIR PORT SECONDS
+//!                                             host 2: make a large (4 MiB) and a small (2 KiB)
+//!                                             storage folder in DIR, then round after round
+//!                                             rewrite random rows of both in place with the
+//!                                             round's counter (pwrite, fdatasync) and tell the
+//!                                             reader on TCP PORT which rows; for SECONDS
+//! multinode-peer stale-reader ADDR LABEL      host 3: after each round, open the files afresh
+//!                                             and read the rewritten rows and random others,
+//!                                             buffered and O_DIRECT (both orders in turn), and
+//!                                             count rows older than the last write; print
+//!                                             JSON lines; fail if any was stale. Also reports
+//!                                             (without failing) rows read through descriptors
+//!                                             opened once at the start, which may be stale
 //! ```
 //!
 //! Every role gives up after `MULTINODE_DEADLINE` seconds (default 60) with exit code 124, so
@@ -64,10 +83,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use memmap_tensor::{Access, DType, Location, Tensor};
+use replay::RowFiles;
 use replay::remote::{RemoteBuffer, ReplayServiceClient};
 use rpc::store::Store;
 use rpc::{BlockingClient, ClientOptions, Endpoint, TensorDictRef, ToRef, Token};
-use tensordict::{Index, ReadMode, TensorDict};
+use tensordict::{Index, ReadMode, Schema, TensorDict};
 
 /// Rows of the dict of the remote update.
 const UPDATE_ROWS: usize = 64;
@@ -142,6 +162,12 @@ fn run(args: &[String]) -> anyhow::Result<()> {
             let buffer = replay_client(&client(endpoint, token)?, mode)?;
             bench_sample(&buffer, mode, seconds.parse()?, batch.parse()?, label)
         }
+        ["bench-extend", endpoint, token, mode, seconds, batch, label] => {
+            let buffer = replay_client(&client(endpoint, token)?, mode)?;
+            bench_extend(&buffer, mode, seconds.parse()?, batch.parse()?, label)
+        }
+        ["stale-writer", dir, port, seconds] => stale_writer(Path::new(dir), port.parse()?, seconds.parse()?),
+        ["stale-reader", addr, label] => stale_reader(addr, label),
         _ => bail!("unknown arguments {args:?} (see the documentation of multinode_peer.rs)"),
     }
 }
@@ -344,15 +370,18 @@ fn actor_rows(actor: i64, first_seq: i64, n: usize) -> anyhow::Result<TensorDict
     Ok(td)
 }
 
-/// A client of the replay service: `shared-fs` for a folder on a network filesystem (writes
-/// flushed before their commit, rows read from the files), `mapped` for the default (writes and
-/// reads through the mapping, right on one node only).
+/// A client of the replay service: `shared-fs` for a folder on a network filesystem (rows
+/// written with pwrite and fdatasync before their commit, read with O_DIRECT from files opened
+/// afresh), `buffered` the same reading through the page cache, `mapped` for the default (writes and reads through
+/// the mapping, right on one node only).
 fn replay_client((endpoint, options): &(Endpoint, ClientOptions), mode: &str) -> anyhow::Result<RemoteBuffer> {
     let buffer = RemoteBuffer::connect_to(endpoint, options).with_context(|| format!("connecting to {endpoint}"))?;
+    let engine = || aio::Engine::new().context("an I/O engine");
     Ok(match mode {
-        "shared-fs" => buffer.on_shared_filesystem(aio::Engine::new().context("an I/O engine")?),
+        "shared-fs" => buffer.on_shared_filesystem(engine()?),
+        "buffered" => buffer.on_shared_filesystem(engine()?).with_read_mode(ReadMode::Buffered),
         "mapped" => buffer,
-        other => bail!("unknown client mode `{other}` (shared-fs or mapped)"),
+        other => bail!("unknown client mode `{other}` (shared-fs, buffered or mapped)"),
     })
 }
 
@@ -485,12 +514,16 @@ fn block() -> ! {
 fn replay_reserver(buffer: &RemoteBuffer, ready: &Path) -> anyhow::Result<()> {
     let reservation = buffer.reserve(8, Some(Duration::from_secs(20))).context("reserving 8 rows")?;
     let rows: Vec<i64> = reservation.rows().iter().map(|&r| r as i64).collect();
-    let storage = buffer.storage_mut().context("reserve did not map the storage")?;
-    // Half of the rows written, as an actor killed in the middle of its write leaves them.
-    let mut td = storage.tensordict().clone();
+    // Half of the rows written, as an actor killed in the middle of its write leaves them: with
+    // the storage's files as the client writes them.
+    let reference = buffer.info().storage.clone().context("the service has no storage")?;
+    let rpc::RefLocation::Folder { path } = &reference.location else { bail!("the storage is not a folder") };
+    let files = RowFiles::new(path, &reference.schema)?;
     let half = &rows[..rows.len() / 2];
-    td.set_at(Index::List(half.to_vec()), &actor_rows(9, 900, half.len())?)?;
-    td.flush().context("flushing the half-written rows")?;
+    let half_rows: Vec<usize> = half.iter().map(|&r| r as usize).collect();
+    files
+        .write_rows(&aio::Engine::new()?, &half_rows, &actor_rows(9, 900, half.len())?)
+        .context("writing half of the reserved rows")?;
     let open = buffer.stats()?.open_reservations;
     ensure!(open == 1, "{open} open reservations after reserving, expected 1");
     put(
@@ -841,5 +874,259 @@ fn bench_sample(buffer: &RemoteBuffer, mode: &str, seconds: f64, batch: usize, l
         "rows_per_s": (batches as f64 * batch as f64 / elapsed).round(),
     });
     println!("{json}");
+    Ok(())
+}
+
+fn bench_extend(buffer: &RemoteBuffer, mode: &str, seconds: f64, batch: usize, label: &str) -> anyhow::Result<()> {
+    let len = buffer.stats()?.len as i64;
+    ensure!(len as usize >= batch, "the buffer holds {len} rows, fewer than a batch of {batch}");
+    let limit = Duration::from_secs_f64(seconds);
+    let start = Instant::now();
+    let mut times = Vec::new();
+    // Rows of actor 1 with sequence numbers already in the buffer, so samples stay checkable.
+    let mut seq = 1;
+    while start.elapsed() < limit {
+        if seq + batch as i64 - 1 > len {
+            seq = 1;
+        }
+        let rows = actor_rows(1, seq, batch)?;
+        let t0 = Instant::now();
+        buffer.extend_within(&rows, Some(Duration::from_secs(10)))?;
+        times.push(t0.elapsed());
+        seq += batch as i64;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    times.sort_unstable();
+    let json = serde_json::json!({
+        "bench": "extend",
+        "fs": label,
+        "mode": mode,
+        "batch": batch,
+        "extends": times.len(),
+        "p50_us": percentile(&times, 0.5).round(),
+        "p99_us": percentile(&times, 0.99).round(),
+        "rows_per_s": (times.len() as f64 * batch as f64 / elapsed).round(),
+    });
+    println!("{json}");
+    Ok(())
+}
+
+// === Stale reads of files rewritten in place on another node ===
+
+/// Rows and values per row of the large and the small folder of the stale-read test.
+const STALE_LARGE: (usize, usize) = (8192, 64);
+const STALE_SMALL: (usize, usize) = (32, 8);
+
+/// The value at column `col` of row `row` after it was written in round `round` (0: never).
+fn stale_value(round: u64, row: usize, col: usize) -> i64 {
+    if round == 0 { 0 } else { round as i64 * 10_000_000 + row as i64 * 100 + col as i64 }
+}
+
+/// A small deterministic generator (xorshift), for the rows of each round.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+
+    /// `k` distinct rows below `n`, ascending.
+    fn rows(&mut self, n: usize, k: usize) -> Vec<usize> {
+        let mut rows: Vec<usize> = (0..k).map(|_| self.below(n)).collect();
+        rows.sort_unstable();
+        rows.dedup();
+        rows
+    }
+}
+
+/// One round's message: the round and the rows written in each folder.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StaleRound {
+    round: u64,
+    large: Vec<usize>,
+    small: Vec<usize>,
+}
+
+/// What the writer sends first: each folder and its schema.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StaleFolders {
+    folders: Vec<(std::path::PathBuf, Schema)>,
+}
+
+fn stale_writer(dir: &Path, port: u16, seconds: f64) -> anyhow::Result<()> {
+    let engine = aio::Engine::new()?;
+    let mut folders = Vec::new();
+    let mut files = Vec::new();
+    for (name, (rows, width)) in [("stale-large", STALE_LARGE), ("stale-small", STALE_SMALL)] {
+        let folder = dir.join(name);
+        let mut schema = TensorDict::new([1]);
+        schema.set("v", Tensor::zeros([1, width], DType::I64, &Location::Heap)?)?;
+        let td = schema.memmap_like(&folder, Some(rows))?;
+        td.flush()?;
+        let reference = td.to_ref()?;
+        drop(td);
+        files.push((RowFiles::new(&folder, &reference.schema)?, rows, width));
+        folders.push((folder, reference.schema));
+    }
+    let listener = TcpListener::bind(("0.0.0.0", port)).with_context(|| format!("listening on port {port}"))?;
+    let (stream, peer) = listener.accept()?;
+    stream.set_nodelay(true)?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut writer = stream;
+    writeln!(writer, "{}", serde_json::to_string(&StaleFolders { folders })?)?;
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let limit = Duration::from_secs_f64(seconds);
+    let start = Instant::now();
+    let mut round = 0u64;
+    let mut line = String::new();
+    while start.elapsed() < limit {
+        round += 1;
+        let mut written = Vec::new();
+        for (files, rows, width) in &files {
+            let chosen = rng.rows(*rows, 16.min(*rows / 2));
+            let values: Vec<i64> =
+                chosen.iter().flat_map(|&r| (0..*width).map(move |c| stale_value(round, r, c))).collect();
+            let mut batch = TensorDict::new([chosen.len()]);
+            batch.set("v", Tensor::from_slice(&values, [chosen.len(), *width])?)?;
+            files.write_rows(&engine, &chosen, &batch).with_context(|| format!("round {round}: writing"))?;
+            written.push(chosen);
+        }
+        let small = written.pop().unwrap_or_default();
+        let large = written.pop().unwrap_or_default();
+        writeln!(writer, "{}", serde_json::to_string(&StaleRound { round, large, small })?)?;
+        line.clear();
+        ensure!(reader.read_line(&mut line)? > 0, "{peer} hung up at round {round}");
+    }
+    // The end: an empty line.
+    writeln!(writer)?;
+    println!("{}: {round} rounds of rewrites in place in {:.1} s", host(), start.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn stale_reader(addr: &str, label: &str) -> anyhow::Result<()> {
+    let start = Instant::now();
+    let stream = loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => break s,
+            Err(_) if start.elapsed() < WAIT => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => return Err(e).with_context(|| format!("connecting to {addr}")),
+        }
+    };
+    stream.set_nodelay(true)?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut writer = stream;
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let folders: StaleFolders = serde_json::from_str(&line)?;
+    let engine = aio::Engine::new()?;
+    // Per folder: its files, its row width, the last round each row was written.
+    let mut sets = Vec::new();
+    // The control: each folder's file opened once, read with pread through the page cache.
+    let mut kept = Vec::new();
+    for (folder, schema) in &folders.folders {
+        let files = RowFiles::new(folder, schema)?;
+        let (_, tensor) = schema.tensors().into_iter().next().context("a folder without tensors")?;
+        let width = tensor.shape[1];
+        kept.push(std::fs::File::open(folder.join(&tensor.name))?);
+        sets.push((files, width, vec![0u64; schema.batch_size[0]]));
+    }
+    let mut kept_stale = [0u64; 2];
+    let mut kept_reads = [0u64; 2];
+    let names = ["large", "small"];
+    let modes = [("buffered", ReadMode::Buffered), ("direct", ReadMode::Direct)];
+    // stale[folder][mode]: rows read older than their last write; reads[folder][mode]: rows read.
+    let mut stale = [[0u64; 2]; 2];
+    let mut reads = [[0u64; 2]; 2];
+    let mut first_stale: Vec<String> = Vec::new();
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let mut rounds = 0u64;
+    loop {
+        line.clear();
+        ensure!(reader.read_line(&mut line)? > 0, "the writer hung up");
+        if line.trim().is_empty() {
+            break;
+        }
+        let round: StaleRound = serde_json::from_str(&line)?;
+        rounds = round.round;
+        for (f, written) in [&round.large, &round.small].into_iter().enumerate() {
+            let (files, width, last) = &mut sets[f];
+            for &r in written {
+                last[r] = round.round;
+            }
+            // The rows just written and as many others.
+            let mut rows = written.clone();
+            rows.extend(rng.rows(last.len(), written.len()));
+            // Both modes, in turn first.
+            let order = if round.round.is_multiple_of(2) { [0, 1] } else { [1, 0] };
+            for m in order {
+                let td = files.read_rows(&engine, &rows, modes[m].1)?;
+                let got = td.get_tensor("v")?.to_vec::<i64>()?;
+                if m == 0 {
+                    for &r in &rows {
+                        let mut buf = vec![0u8; *width * 8];
+                        std::os::unix::fs::FileExt::read_exact_at(&kept[f], &mut buf, (r * *width * 8) as u64)?;
+                        kept_reads[f] += 1;
+                        let first = i64::from_le_bytes(buf[..8].try_into()?);
+                        kept_stale[f] += u64::from(first != stale_value(last[r], r, 0));
+                    }
+                }
+                for (k, &r) in rows.iter().enumerate() {
+                    reads[f][m] += 1;
+                    let row = &got[k * *width..(k + 1) * *width];
+                    let want: Vec<i64> = (0..*width).map(|c| stale_value(last[r], r, c)).collect();
+                    if row != want.as_slice() {
+                        stale[f][m] += 1;
+                        if first_stale.len() < 5 {
+                            first_stale.push(format!(
+                                "round {}: {} folder, {} read of row {r}: starts {:?}, written in round {}",
+                                round.round,
+                                names[f],
+                                modes[m].0,
+                                &row[..2.min(row.len())],
+                                last[r]
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        writeln!(writer, "ok")?;
+    }
+    for f in 0..2 {
+        for m in 0..2 {
+            let json = serde_json::json!({
+                "bench": "stale-reads",
+                "fs": label,
+                "file": names[f],
+                "file_bytes": sets[f].2.len() * sets[f].1 * 8,
+                "read": modes[m].0,
+                "rounds": rounds,
+                "rows_read": reads[f][m],
+                "stale_rows": stale[f][m],
+            });
+            println!("{json}");
+        }
+        let json = serde_json::json!({
+            "bench": "stale-reads",
+            "fs": label,
+            "file": names[f],
+            "file_bytes": sets[f].2.len() * sets[f].1 * 8,
+            "read": "buffered, one descriptor kept open (not relied on)",
+            "rounds": rounds,
+            "rows_read": kept_reads[f],
+            "stale_rows": kept_stale[f],
+        });
+        println!("{json}");
+    }
+    for what in &first_stale {
+        println!("{}: stale: {what}", host());
+    }
+    let total: u64 = stale.iter().flatten().sum();
+    ensure!(rounds >= 100, "only {rounds} rounds in the time given");
+    ensure!(total == 0, "{total} rows read older than their last write (first: {})", first_stale.join("; "));
+    println!("{}: {rounds} rounds, every row read (buffered and O_DIRECT, fresh opens) was its last write", host());
     Ok(())
 }

@@ -1,25 +1,27 @@
 //! [`RemoteBuffer`]: a client of a replay service that writes and gathers rows through its own
-//! mapping of the storage.
+//! mapping of the storage, or, on a shared filesystem, with explicit reads and writes of its
+//! files.
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use memmap_tensor::Access;
-use rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, TensorDictRef, WireError};
-use tensordict::{Index, TensorDict};
+use rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, RefLocation, TensorDictRef, WireError};
+use tensordict::{Index, ReadMode, TensorDict};
 
 use super::service::{ReplayInfo, ReplayServiceClient, ReplayStats, Reserved};
 use super::{check_name, endpoint};
 use crate::buffer::SampleInfo;
 use crate::error::{Error, Result, WithOp};
-use crate::storage::Storage;
+use crate::storage::{RowFiles, Storage};
 
 /// How long one call may wait on the service; longer waits are several calls, so that a
 /// service that died is noticed within this.
 const WAIT_WINDOW: Duration = Duration::from_secs(1);
 
 /// A connection to a replay service (see the [module documentation](super)): `extend` writes
-/// rows, `sample` gathers them, both straight through this process's mapping of the storage.
+/// rows, `sample` gathers them, both straight through this process's mapping of the storage
+/// (or, [`RemoteBuffer::on_shared_filesystem`], with explicit reads and writes of its files).
 /// One connection is one session: what it reserved or leased is given up when it is dropped,
 /// or when the process dies.
 pub struct RemoteBuffer {
@@ -28,9 +30,13 @@ pub struct RemoteBuffer {
     /// The storage, mapped read-only (for gathers) or read-write (for writes), once used.
     read: OnceLock<Storage>,
     write: OnceLock<Storage>,
-    /// Set for a folder on a network filesystem: writes are flushed before their commit and
-    /// rows are read with explicit reads (see [`RemoteBuffer::on_shared_filesystem`]).
+    /// Set for a folder on a network filesystem: rows are written and read with explicit I/O
+    /// through this engine, never through a mapping (see [`RemoteBuffer::on_shared_filesystem`]).
     shared_filesystem: Option<aio::Engine>,
+    /// How rows are read in that mode.
+    read_mode: ReadMode,
+    /// The storage's files, for the shared-filesystem mode, once used.
+    files: OnceLock<RowFiles>,
 }
 
 impl std::fmt::Debug for RemoteBuffer {
@@ -39,8 +45,9 @@ impl std::fmt::Debug for RemoteBuffer {
     }
 }
 
-/// Rows reserved by [`RemoteBuffer::reserve`]: write them into [`RemoteBuffer::storage_mut`],
-/// then [`RemoteBuffer::commit`] (or [`RemoteBuffer::abort`]).
+/// Rows reserved by [`RemoteBuffer::reserve`]: write them ([`RemoteBuffer::write_reserved`], or
+/// into [`RemoteBuffer::storage_mut`] on one node), then [`RemoteBuffer::commit`] (or
+/// [`RemoteBuffer::abort`]).
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "reserved rows stay hidden until committed"]
 pub struct RemoteReservation {
@@ -74,16 +81,40 @@ impl RemoteBuffer {
     pub fn connect_to(endpoint: &Endpoint, options: &ClientOptions) -> Result<RemoteBuffer> {
         let client: BlockingClient<ReplayServiceClient> = BlockingClient::connect(endpoint, options)?;
         let info = client.call(async |c, ctx| c.hello(ctx).await)??;
-        Ok(RemoteBuffer { client, info, read: OnceLock::new(), write: OnceLock::new(), shared_filesystem: None })
+        Ok(RemoteBuffer {
+            client,
+            info,
+            read: OnceLock::new(),
+            write: OnceLock::new(),
+            shared_filesystem: None,
+            read_mode: ReadMode::Direct,
+            files: OnceLock::new(),
+        })
     }
 
     /// For a service whose rows are in a folder on a network filesystem (NFS, GlusterFS,
     /// sshfs...) that this node mounts at the same path: there a mapping never sees another
-    /// node's writes, so this client flushes the rows it writes (`msync`) before it commits them,
-    /// and reads sampled rows from the files with `O_DIRECT` reads through `engine` instead of
-    /// its mapping. On one node (shared memory, a local disk) it is not needed.
+    /// node's writes, and a page of a mapping that a dead file server cannot fill kills the
+    /// process (`SIGBUS`). So this client never maps the storage: it writes its rows with
+    /// `pwrite`s through `engine` and `fdatasync`s the files before it commits them, and reads
+    /// sampled rows from files it opens after the sample's lease with `O_DIRECT` reads,
+    /// neighbouring rows merged and every read in flight at once (see [`RowFiles`];
+    /// [`RemoteBuffer::with_read_mode`] chooses reads through the page cache instead). The
+    /// storage must be a folder. On one node (shared memory, a local disk) it is not needed.
     pub fn on_shared_filesystem(mut self, engine: aio::Engine) -> Self {
         self.shared_filesystem = Some(engine);
+        self
+    }
+
+    /// How a client [on a shared filesystem](RemoteBuffer::on_shared_filesystem) reads sampled
+    /// rows: [`ReadMode::Direct`] (the default: `O_DIRECT` reads of the 4 KiB blocks holding the
+    /// rows, past this node's page cache) or [`ReadMode::Buffered`] (through the page cache of
+    /// the freshly opened files: faster where opens keep cached pages that are still valid, but
+    /// it needs a mount with close-to-open consistency that drops a file's cached pages when
+    /// another node changed it, e.g. GlusterFS mounted with `--fopen-keep-cache=off`; with
+    /// GlusterFS's default such reads returned rows older than a committed write).
+    pub fn with_read_mode(mut self, mode: ReadMode) -> Self {
+        self.read_mode = mode;
         self
     }
 
@@ -119,8 +150,8 @@ impl RemoteBuffer {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let storage = self.writable(Some(batch))?;
-        storage.check_batch(OP, batch)?;
+        let sink = self.sink(Some(batch))?;
+        sink.check_batch(OP, batch)?;
         let capacity = self.capacity();
         let mut written = Vec::with_capacity(n);
         // A batch longer than the buffer goes in chunks of at most the capacity, in order; each
@@ -135,12 +166,7 @@ impl RemoteBuffer {
             };
             let reserved = self.reserve_raw(end - start, wait, pending.take(), OP)?;
             let rows: Vec<usize> = reserved.rows.iter().map(|&r| r as usize).collect();
-            let copied = storage.write_rows(&rows, chunk.as_ref().unwrap_or(batch)).and_then(|()| {
-                match self.shared_filesystem {
-                    Some(_) => storage.flush_rows(&rows),
-                    None => Ok(()),
-                }
-            });
+            let copied = sink.write_rows(&rows, chunk.as_ref().unwrap_or(batch));
             if let Err(e) = copied {
                 let _ = self.client.call(async |c, ctx| c.abort(ctx, reserved.id).await);
                 return Err(e);
@@ -160,13 +186,33 @@ impl RemoteBuffer {
         Ok(self.extend(&batch)?[0])
     }
 
-    /// Reserves `n` rows (1 to the capacity) for a caller that writes them itself into
-    /// [`RemoteBuffer::storage_mut`] (mapped by this call); waits at most `wait` for the rate
+    /// Reserves `n` rows (1 to the capacity) for a caller that writes them itself, with
+    /// [`RemoteBuffer::write_reserved`] or (on one node) into [`RemoteBuffer::storage_mut`],
+    /// which this call maps unless the client is [on a shared
+    /// filesystem](RemoteBuffer::on_shared_filesystem); waits at most `wait` for the rate
     /// limiter. The storage must exist ([`RemoteBuffer::create_storage`] or a first `extend`).
     pub fn reserve(&self, n: usize, wait: Option<Duration>) -> Result<RemoteReservation> {
-        self.writable(None)?;
+        self.sink(None)?;
         let reserved = self.reserve_raw(n, wait, None, "reserve")?;
         Ok(RemoteReservation { id: reserved.id, rows: reserved.rows.iter().map(|&r| r as usize).collect() })
+    }
+
+    /// Writes row `k` of `batch` (batch size `[n, ...]`, `n` the number of rows reserved) to
+    /// the `k`-th reserved row, the way `extend` writes (on a shared filesystem: written and
+    /// `fdatasync`ed, ready to commit). The reservation stays open: commit or abort it.
+    pub fn write_reserved(&self, reservation: &RemoteReservation, batch: &TensorDict) -> Result<()> {
+        const OP: &str = "write reserved rows";
+        let sink = self.sink(None)?;
+        sink.check_batch(OP, batch)?;
+        let n = batch.batch_size()[0];
+        if n != reservation.rows.len() {
+            return Err(Error::LengthMismatch {
+                what: "write reserved rows: batch rows",
+                expected: reservation.rows.len(),
+                got: n,
+            });
+        }
+        sink.write_rows(&reservation.rows, batch)
     }
 
     /// Publishes rows reserved and written by this client.
@@ -180,12 +226,14 @@ impl RemoteBuffer {
     }
 
     /// Makes the storage with the schema of `like` (batch size `[n, ...]`) if the service has
-    /// none yet, maps it read-write here, and returns it.
+    /// none yet, maps it read-write here, and returns it. (A client on a shared filesystem
+    /// writes with `extend` and [`RemoteBuffer::write_reserved`], never through this mapping.)
     pub fn create_storage(&self, like: &TensorDict) -> Result<&Storage> {
         self.writable(Some(like))
     }
 
-    /// The storage mapped read-write, if this client has written or made it.
+    /// The storage mapped read-write, if this client has written or made it (a client on a
+    /// shared filesystem maps it only in [`RemoteBuffer::create_storage`]).
     pub fn storage_mut(&self) -> Option<&Storage> {
         self.write.get()
     }
@@ -193,9 +241,9 @@ impl RemoteBuffer {
     /// Draws `batch_size` rows and gathers them into a new heap dict, with their indices (and
     /// weights). Waits at most `wait` for the rate limiter (`None`: without end).
     pub fn sample(&self, batch_size: usize, wait: Option<Duration>) -> Result<(TensorDict, SampleInfo)> {
-        self.sample_with(batch_size, wait, |storage, rows| match &self.shared_filesystem {
-            Some(engine) => storage.read_rows(engine, rows),
-            None => storage.gather(rows),
+        self.sample_with(batch_size, wait, |rows| match &self.shared_filesystem {
+            Some(engine) => self.files(None)?.read_rows(engine, rows, self.read_mode),
+            None => self.readable()?.gather(rows),
         })
     }
 
@@ -210,9 +258,9 @@ impl RemoteBuffer {
             });
         }
         Ok(self
-            .sample_with(batch_size, wait, |storage, rows| match &self.shared_filesystem {
+            .sample_with(batch_size, wait, |rows| match &self.shared_filesystem {
                 Some(engine) => {
-                    let read = storage.read_rows(engine, rows)?;
+                    let read = self.files(None)?.read_rows(engine, rows, self.read_mode)?;
                     let k = rows.len() as i64;
                     out.set_at(Index::slice(Some(0), Some(k), 1), &read).op("sample_into")
                 }
@@ -220,9 +268,9 @@ impl RemoteBuffer {
                 // first rows of `out`.
                 None if rows.len() < batch_size => {
                     let mut head = out.index(Index::slice(Some(0), Some(rows.len() as i64), 1)).op("sample_into")?;
-                    storage.gather_into(rows, &mut head)
+                    self.readable()?.gather_into(rows, &mut head)
                 }
-                None => storage.gather_into(rows, out),
+                None => self.readable()?.gather_into(rows, out),
             })?
             .1)
     }
@@ -250,7 +298,7 @@ impl RemoteBuffer {
         &self,
         batch_size: usize,
         wait: Option<Duration>,
-        gather: impl FnOnce(&Storage, &[usize]) -> Result<T>,
+        gather: impl FnOnce(&[usize]) -> Result<T>,
     ) -> Result<(T, SampleInfo)> {
         let start = Instant::now();
         let deadline = wait.and_then(|w| start.checked_add(w));
@@ -269,7 +317,7 @@ impl RemoteBuffer {
             }
         };
         let indices: Vec<usize> = sampled.indices.iter().map(|&r| r as usize).collect();
-        let gathered = self.readable().and_then(|storage| gather(storage, &indices));
+        let gathered = gather(&indices);
         let lease = sampled.lease;
         self.client.call(async |c, ctx| c.release(ctx, vec![lease]).await)??;
         Ok((gathered?, SampleInfo { indices, weights: sampled.weights }))
@@ -297,12 +345,41 @@ impl RemoteBuffer {
         }
     }
 
-    /// The storage mapped read-write, made from `like`'s schema if the service has none.
-    fn writable(&self, like: Option<&TensorDict>) -> Result<&Storage> {
-        if let Some(storage) = self.write.get() {
-            return Ok(storage);
+    /// Where this client writes rows: its files on a shared filesystem, its read-write
+    /// mapping otherwise; the storage made from `like`'s schema if the service has none.
+    fn sink(&self, like: Option<&TensorDict>) -> Result<Sink<'_>> {
+        Ok(match &self.shared_filesystem {
+            Some(engine) => Sink::Files(self.files(like)?, engine),
+            None => Sink::Mapped(self.writable(like)?),
+        })
+    }
+
+    /// The storage's files (shared-filesystem mode), the storage made from `like`'s schema if
+    /// the service has none.
+    fn files(&self, like: Option<&TensorDict>) -> Result<&RowFiles> {
+        if let Some(files) = self.files.get() {
+            return Ok(files);
         }
-        let reference = match (&self.info.storage, like) {
+        let reference = self.reference(like)?;
+        let folder = match (&reference.location, &reference.rows) {
+            (RefLocation::Folder { path }, None) => path.clone(),
+            (location, _) => {
+                return Err(Error::BadBatch {
+                    op: "open the replay storage's files",
+                    detail: format!(
+                        "the storage is {location}{}; a client on a shared filesystem needs a whole folder",
+                        reference.rows.as_ref().map(|r| format!(" (rows {r:?})")).unwrap_or_default()
+                    ),
+                });
+            }
+        };
+        let files = RowFiles::new(folder, &reference.schema)?;
+        Ok(self.files.get_or_init(|| files))
+    }
+
+    /// The service's storage, made from `like`'s schema if it has none.
+    fn reference(&self, like: Option<&TensorDict>) -> Result<TensorDictRef> {
+        Ok(match (&self.info.storage, like) {
             (Some(reference), _) => reference.clone(),
             (None, Some(like)) => {
                 // One row is enough to give the schema.
@@ -311,7 +388,15 @@ impl RemoteBuffer {
                 self.client.call(async |c, ctx| c.create(ctx, inline).await)??
             }
             (None, None) => self.current_storage()?,
-        };
+        })
+    }
+
+    /// The storage mapped read-write, made from `like`'s schema if the service has none.
+    fn writable(&self, like: Option<&TensorDict>) -> Result<&Storage> {
+        if let Some(storage) = self.write.get() {
+            return Ok(storage);
+        }
+        let reference = self.reference(like)?;
         let storage = open(&reference, Access::ReadWrite)?;
         Ok(self.write.get_or_init(|| storage))
     }
@@ -343,4 +428,28 @@ impl RemoteBuffer {
 
 fn open(reference: &TensorDictRef, access: Access) -> Result<Storage> {
     Storage::attach(reference.open(access).op("map the replay storage")?)
+}
+
+/// Where a client writes rows.
+enum Sink<'a> {
+    /// Through its read-write mapping (one node).
+    Mapped(&'a Storage),
+    /// With `pwrite` and `fdatasync` of the files (a shared filesystem).
+    Files(&'a RowFiles, &'a aio::Engine),
+}
+
+impl Sink<'_> {
+    fn check_batch(&self, op: &'static str, batch: &TensorDict) -> Result<()> {
+        match self {
+            Sink::Mapped(storage) => storage.check_batch(op, batch),
+            Sink::Files(files, _) => files.check_batch(op, batch),
+        }
+    }
+
+    fn write_rows(&self, rows: &[usize], src: &TensorDict) -> Result<()> {
+        match self {
+            Sink::Mapped(storage) => storage.write_rows(rows, src),
+            Sink::Files(files, engine) => files.write_rows(engine, rows, src),
+        }
+    }
 }
