@@ -20,6 +20,12 @@
 //! So a sample costs one call plus a local gather, and a write one call plus a local copy,
 //! whatever the size of the rows.
 //!
+//! Clients on other nodes reach a folder storage through a network filesystem, where a mapping
+//! neither shows other nodes' writes nor survives a file server that goes away. There
+//! [`RemoteBuffer::on_shared_filesystem`] maps nothing: a writer `pwrite`s its reserved rows and
+//! `fdatasync`s them before the commit, and a learner reads its leased rows with `O_DIRECT` (see
+//! [`crate::RowFiles`], and the protocol in the repository's `DESIGN.md`).
+//!
 //! ```
 //! use memmap_tensor::Tensor;
 //! use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
