@@ -1,26 +1,4 @@
 //! [`LockFile`]: a lock that holds across the nodes of a shared filesystem.
-//!
-//! `flock` and `fcntl` locks are local to a node on some network filesystems (sshfs passes
-//! neither on), so a lock that several nodes must respect is a file that exists or not. It is
-//! taken by linking a complete temporary file to the lock's path: `link` fails if the path
-//! exists, on every filesystem that has hard links (local disks, NFS, Gluster, and sshfs through
-//! the hardlink extension of the SFTP server), and the lock never exists half written.
-//!
-//! The file names its holder: the machine (its boot id), the process (its pid, the pid
-//! namespace, and the process's start time, so a reused pid is not mistaken for the holder) and
-//! a random token. A holder that died leaves its file behind; it is taken over:
-//! - at once when the holder ran on this machine, in this pid namespace, and is gone;
-//! - otherwise once the file's contents and modification time have stayed the same for
-//!   `stale_after`, as timed by the waiting process's own clock (clocks of nodes need not
-//!   agree). A holder that keeps its lock for long runs a heartbeat
-//!   ([`LockOptions::heartbeat`]) that touches the file well within that time.
-//!
-//! Taking over renames the stale file to a name of its own first, so of several processes
-//! that found the same file stale exactly one removes it.
-//!
-//! What no lock file can do: a holder cut off from the filesystem for longer than
-//! `stale_after` (a partitioned node) loses its lock to another without knowing at once.
-//! [`LockFile::still_held`] tells it on its next look.
 
 use std::fs::File;
 use std::io::{ErrorKind, Write};
@@ -61,7 +39,29 @@ impl LockOptions {
     }
 }
 
-/// A held lock file (see the [module documentation](self)); dropping it removes the file.
+/// A held lock file; dropping it removes the file.
+///
+/// `flock` and `fcntl` locks are local to a node on some network filesystems (sshfs passes
+/// neither on), so a lock that several nodes must respect is a file that exists or not. It is
+/// taken by linking a complete temporary file to the lock's path: `link` fails if the path
+/// exists, on every filesystem that has hard links (local disks, NFS, Gluster, and sshfs through
+/// the hardlink extension of the SFTP server), and the lock never exists half written.
+///
+/// The file names its holder: the machine (its boot id), the process (its pid, the pid
+/// namespace, and the process's start time, so a reused pid is not mistaken for the holder) and
+/// a random token. A holder that died leaves its file behind; it is taken over:
+/// - at once when the holder ran on this machine, in this pid namespace, and is gone;
+/// - otherwise once the file's contents and modification time have stayed the same for
+///   `stale_after`, as timed by the waiting process's own clock (clocks of nodes need not
+///   agree). A holder that keeps its lock for long runs a heartbeat
+///   ([`LockOptions::heartbeat`]) that touches the file well within that time.
+///
+/// Taking over renames the stale file to a name of its own first, so of several processes
+/// that found the same file stale exactly one removes it.
+///
+/// What no lock file can do: a holder cut off from the filesystem for longer than
+/// `stale_after` (a partitioned node) loses its lock to another without knowing at once.
+/// [`LockFile::still_held`] tells it on its next look.
 #[derive(Debug)]
 pub struct LockFile {
     path: PathBuf,
