@@ -194,4 +194,44 @@ impl TensorDictRef {
         check_generation("after it was opened")?;
         Ok(dict)
     }
+
+    /// The rows this reference points to, copied into memory with reads that bypass this node's
+    /// page cache: what a reader on another node of a network filesystem uses, where a mapping
+    /// (even a fresh one) can show pages cached before another node's write (see `DESIGN.md`).
+    ///
+    /// The checks of [`TensorDictRef::open`] come first, and the generation is checked again
+    /// after the reads: the copy is of exactly the reference's generation, or this is an error.
+    /// A folder's files are read with `O_DIRECT` through `engine`
+    /// ([`TensorDict::gather_direct`]); shared memory, which has no page cache of its own, is
+    /// copied from its mapping. The dict needs a batch dim (rows are what is read).
+    pub fn read_direct(&self, engine: &aio::Engine) -> Result<TensorDict> {
+        let dict = self.open(Access::ReadOnly)?;
+        let copy = match &self.location {
+            RefLocation::Shm { .. } => dict.deep_clone()?,
+            RefLocation::Folder { .. } => {
+                let Some(&rows) = dict.batch_size().first() else {
+                    return Err(Error::InvalidArgument {
+                        op: "read_direct",
+                        detail: "the dict has no batch dim to read rows of; open it instead".into(),
+                    });
+                };
+                let start = self.rows.as_ref().map_or(0, |r| r.start);
+                let indices: Vec<i64> = (start..start + rows).map(|i| i64::try_from(i).unwrap_or(i64::MAX)).collect();
+                let whole = self.location.to_dict_location().open(Access::ReadOnly)?;
+                whole.gather_direct(engine, &indices, tensordict::ReadMode::Direct)?
+            }
+        };
+        let now = self.location.to_dict_location().generation()?;
+        if now != self.generation {
+            return Err(Error::Incompatible {
+                op: "read a reference",
+                detail: format!(
+                    "{} moved to generation {now} while it was read; the reference is of generation {}",
+                    self.location.to_dict_location(),
+                    self.generation
+                ),
+            });
+        }
+        Ok(copy)
+    }
 }

@@ -92,6 +92,22 @@ fn another_process_writes_rows_through_a_folder_reference() -> TestResult {
     let err = sent.open(Access::ReadOnly).unwrap_err().to_string();
     assert!(err.contains("generation") && err.contains(&back.generation.to_string()), "{err}");
     assert_eq!(back.open(Access::ReadOnly)?.get_tensor("leaf0")?.to_vec::<f32>()?, vec![1.0; 12]);
+
+    // Read past the page cache, as a reader on another node would: a heap copy of those rows.
+    let engine = aio::Engine::new()?;
+    let copy = back.read_direct(&engine)?;
+    assert_eq!(copy.batch_size(), &[4]);
+    assert_eq!(copy.get_tensor("leaf0")?.to_vec::<f32>()?, vec![1.0; 12]);
+    assert_eq!(copy.get_tensor(["next", "obs"])?.to_vec::<u8>()?, vec![0; 8]);
+    assert!(copy.backing().is_err(), "the copy is in memory, not a view of the folder");
+    let err = sent.read_direct(&engine).unwrap_err().to_string();
+    assert!(err.contains("generation"), "{err}");
+    // A dict without a batch dim has no rows to read.
+    let mut flat = TensorDict::new([]);
+    flat.set("w", Tensor::zeros([3], DType::F32, &Location::Heap)?)?;
+    let flat = flat.memmap(dir.path().join("flat"))?;
+    let err = flat.to_ref()?.read_direct(&engine).unwrap_err().to_string();
+    assert!(err.contains("no batch dim"), "{err}");
     Ok(())
 }
 
@@ -106,6 +122,8 @@ fn another_process_writes_rows_through_a_shared_memory_reference() -> TestResult
         run_peer(&sent)?;
         let leaf0 = td.get_tensor("leaf0")?.to_vec::<f32>()?;
         assert_eq!(leaf0.iter().filter(|&&v| v == 1.0).count(), 9);
+        let copy = td.index(Index::slice(Some(2), Some(5), 1))?.to_ref()?.read_direct(&aio::Engine::new()?)?;
+        assert_eq!(copy.get_tensor("leaf0")?.to_vec::<f32>()?, vec![1.0; 9]);
 
         // Shared memory of another node is refused, naming both nodes.
         let mut elsewhere = serde_json::to_value(&sent)?;

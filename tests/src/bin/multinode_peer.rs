@@ -249,10 +249,8 @@ fn update_owner(dir: &Path) -> anyhow::Result<()> {
     println!("{}: the mapping made before the update shows row {}: {stale:?}", host(), UPDATED[0]);
 
     // Reopened at the new generation, and read past this node's page cache (DESIGN.md, rule 3).
-    let fresh = reply.open(Access::ReadOnly).context("opening the worker's reference")?;
-    let every_row: Vec<i64> = (0..UPDATE_ROWS as i64).collect();
     let engine = aio::Engine::new().context("an I/O engine")?;
-    check_updated(&fresh.gather_direct(&engine, &every_row, ReadMode::Direct)?)?;
+    check_updated(&reply.read_direct(&engine).context("reading the worker's reference")?)?;
     println!(
         "{}: reopened, read with O_DIRECT: rows {UPDATED:?} hold the worker's values, the other rows are zero",
         host()
@@ -759,9 +757,9 @@ fn bench_update_owner(dir: &Path, port: u16, rounds: usize, mode: &str) -> anyho
         let reference: TensorDictRef = serde_json::from_str(&line)?;
         let start = Instant::now();
         let mut retries = 0;
-        let fresh = loop {
-            match reference.open(Access::ReadOnly) {
-                Ok(fresh) => break fresh,
+        let read = loop {
+            match reference.read_direct(&engine) {
+                Ok(read) => break read,
                 Err(e) if start.elapsed() < patience => {
                     if retries == 0 {
                         println!("{}: round {round}: reopen refused, trying again: {e}", host());
@@ -772,15 +770,15 @@ fn bench_update_owner(dir: &Path, port: u16, rounds: usize, mode: &str) -> anyho
                 Err(e) => return Err(e).with_context(|| format!("round {round}: reopening")),
             }
         };
-        // The rows as read past this node's page cache, which must be right, and through the
-        // fresh mapping, which on a FUSE filesystem can still show pages this node cached
-        // before (the owner's own mapping of the file stays alive): counted, not trusted.
-        let rows = fresh.gather_direct(&engine, &UPDATED, ReadMode::Direct)?.get_tensor("obs")?.to_vec::<f32>()?;
-        let mapped = fresh.get_tensor("obs")?.to_vec::<f32>()?;
+        // The rows as read past this node's page cache (`read_direct`), which must be right,
+        // and through a fresh mapping, which on a FUSE mount that keeps cached pages across
+        // opens can still show what this node cached before: counted, not trusted.
+        let rows = read.get_tensor("obs")?.to_vec::<f32>()?;
+        let mapped = reference.open(Access::ReadOnly)?.get_tensor("obs")?.to_vec::<f32>()?;
         let mut mapping_stale = false;
-        for (i, &row) in UPDATED.iter().enumerate() {
+        for &row in &UPDATED {
             for col in 0..WIDTH {
-                let (got, want) = (rows[i * WIDTH + col], bench_value(round, row, col));
+                let (got, want) = (rows[row as usize * WIDTH + col], bench_value(round, row, col));
                 ensure!(got == want, "round {round}: obs[{row}, {col}] is {got}, expected {want}");
                 mapping_stale |= mapped[row as usize * WIDTH + col] != want;
             }
