@@ -41,6 +41,7 @@ mod index;
 mod json;
 mod key;
 mod process;
+mod read;
 mod replace;
 mod schema;
 mod shared;

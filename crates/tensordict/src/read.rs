@@ -1,0 +1,183 @@
+//! Memmap folders read into memory instead of mapped: [`TensorDict::read_memmap`] and
+//! [`TensorDict::read_memmap_with`].
+//!
+//! A mapping turns every failure of the file under it into a signal: a page that cannot be
+//! read (the file server of a network filesystem stopped, the file was truncated by another
+//! process) kills the process that touches it with `SIGBUS`. These loads never map a leaf
+//! file: they read it with explicit calls, so the same failures are errors naming the file.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use aio::Engine;
+use memmap_tensor::{Access, DType, Layout, Location, Tensor, TensorBuf};
+
+use crate::error::WithKey;
+use crate::format::{Leaves, load_folder, read_tree};
+use crate::{Error, KeyPath, Result, TensorDict};
+
+impl TensorDict {
+    /// Reads the memmap folder at `prefix` (any folder [`TensorDict::load_memmap`] opens) into
+    /// new heap tensors, with explicit reads and no mapping at all.
+    ///
+    /// This is the load for folders on a network filesystem (NFS, GlusterFS, sshfs, ...), or
+    /// for any file another process may truncate: a mapped page whose file server went away
+    /// kills the process with `SIGBUS` when it is touched, while a read that fails here (`EIO`,
+    /// `ENOTCONN`, a file that ends early) is an [`Error::Io`] naming the file. (On a *hard*
+    /// NFS mount the kernel makes reads wait for the server instead of failing; that is the
+    /// mount's choice.)
+    ///
+    /// The folder is checked exactly as [`TensorDict::load_memmap`] checks it (`meta.json`,
+    /// keys, dtypes, shapes, links and FIFOs refused, each file at least as long as its shape
+    /// needs, checked before it is read; a longer file's tail is ignored), and the result
+    /// holds the same keys, values and bytes. A load that runs while a writer replaces the
+    /// folder returns one version, old or new, never a mix.
+    ///
+    /// ```
+    /// use memmap_tensor::{Access, Tensor};
+    /// use tensordict::TensorDict;
+    ///
+    /// let mut td = TensorDict::new([2]);
+    /// td.set("x", Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], [2, 2])?)?;
+    /// let dir = tempfile::tempdir()?;
+    /// td.memmap(dir.path().join("d"))?;
+    /// let read = TensorDict::read_memmap(dir.path().join("d"))?;
+    /// assert!(!read.is_memmap());
+    /// assert_eq!(read.get_tensor("x")?.to_vec::<f32>()?, [1.0, 2.0, 3.0, 4.0]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn read_memmap(prefix: impl AsRef<Path>) -> Result<TensorDict> {
+        load_folder(prefix.as_ref(), |top| read_tree(top, &mut Reader))
+    }
+
+    /// [`TensorDict::read_memmap`] with the leaf files read through `engine`, every file's read
+    /// in flight at once instead of one after the other. The same checks, result and errors.
+    pub fn read_memmap_with(prefix: impl AsRef<Path>, engine: &Engine) -> Result<TensorDict> {
+        load_folder(prefix.as_ref(), |top| {
+            let mut queue = Queue::default();
+            let td = read_tree(top, &mut queue)?;
+            queue.finish(engine, td)
+        })
+    }
+}
+
+/// A heap tensor of `nbytes` bytes to read into, as `u8` (so that its bytes can be borrowed
+/// whatever the dtype; [`typed`] gives it its own dtype and shape after).
+fn byte_tensor(nbytes: usize, key: &KeyPath) -> Result<Tensor> {
+    Tensor::zeros([nbytes], DType::U8, &Location::Heap).with_key(|| key.clone())
+}
+
+/// `bytes` (a `u8` tensor from [`byte_tensor`]) as the tensor of `dtype` and `shape`.
+fn typed(bytes: Tensor, dtype: DType, shape: Vec<usize>, key: &KeyPath) -> Result<Tensor> {
+    let layout = Layout::contiguous(shape).with_key(|| key.clone())?;
+    Tensor::from_storage(Arc::clone(bytes.storage()), 0, dtype, layout).with_key(|| key.clone())
+}
+
+/// The error of a file that ended before its tensor's bytes did.
+fn ended_early(path: PathBuf, got: usize, nbytes: usize) -> Error {
+    let source = io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        format!("the file ended after {got} of the {nbytes} bytes its tensor needs (it shrank while it was read)"),
+    );
+    Error::Io { op: "read", path, source }
+}
+
+/// Fills `buf` from the start of `file`, retrying interrupted reads; a file that ends first
+/// is an error.
+fn read_exact(file: &File, buf: &mut [u8], path: &Path) -> Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], done as u64) {
+            Ok(0) => return Err(ended_early(path.to_owned(), done, buf.len())),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(source) => return Err(Error::Io { op: "read", path: path.to_owned(), source }),
+        }
+    }
+    Ok(())
+}
+
+/// Leaves read at once, one file after the other.
+struct Reader;
+
+impl Leaves for Reader {
+    fn access(&self) -> Access {
+        Access::ReadOnly
+    }
+
+    fn leaf(
+        &mut self,
+        file: File,
+        path: PathBuf,
+        key: &KeyPath,
+        dtype: DType,
+        shape: Vec<usize>,
+        nbytes: usize,
+    ) -> Result<Tensor> {
+        let mut bytes = byte_tensor(nbytes, key)?;
+        read_exact(&file, &mut bytes.as_mut_slice::<u8>().with_key(|| key.clone())?, &path)?;
+        typed(bytes, dtype, shape, key)
+    }
+}
+
+/// One leaf to read through the engine.
+struct Queued {
+    key: KeyPath,
+    path: PathBuf,
+    file: Arc<File>,
+    dtype: DType,
+    shape: Vec<usize>,
+    buf: TensorBuf,
+}
+
+/// Leaves queued during the walk of the folder and read all at once after it; the walk's dict
+/// holds placeholders until then.
+#[derive(Default)]
+struct Queue {
+    reads: Vec<Queued>,
+}
+
+impl Leaves for Queue {
+    fn access(&self) -> Access {
+        Access::ReadOnly
+    }
+
+    fn leaf(
+        &mut self,
+        file: File,
+        path: PathBuf,
+        key: &KeyPath,
+        dtype: DType,
+        shape: Vec<usize>,
+        nbytes: usize,
+    ) -> Result<Tensor> {
+        if nbytes == 0 {
+            return Tensor::zeros(shape, dtype, &Location::Heap).with_key(|| key.clone());
+        }
+        let buf = byte_tensor(nbytes, key)?.into_io_buf().with_key(|| key.clone())?;
+        self.reads.push(Queued { key: key.clone(), path, file: Arc::new(file), dtype, shape, buf });
+        Tensor::zeros([0], dtype, &Location::Heap).with_key(|| key.clone())
+    }
+}
+
+impl Queue {
+    /// Reads every queued leaf and puts it in place of its placeholder in `td`.
+    fn finish(self, engine: &Engine, mut td: TensorDict) -> Result<TensorDict> {
+        let (reads, leaves): (Vec<_>, Vec<_>) =
+            self.reads.into_iter().map(|q| ((q.file, 0, q.buf), (q.key, q.path, q.dtype, q.shape))).unzip();
+        for ((result, buf), (key, path, dtype, shape)) in engine.read_many(reads).into_iter().zip(leaves) {
+            let bytes = buf.into_tensor();
+            match result {
+                Ok(got) if got == bytes.nbytes() => {}
+                Ok(got) => return Err(ended_early(path, got, bytes.nbytes())),
+                Err(source) => return Err(Error::Io { op: "read", path, source }),
+            }
+            let tensor = typed(bytes, dtype, shape, &key)?;
+            *td.get_tensor_mut(key)? = tensor;
+        }
+        Ok(td)
+    }
+}
