@@ -236,12 +236,10 @@ KNOWN=0
 declare -A KNOWN_PATTERN=(
     [replay-mapped]='phase 1: 32 of 32 sampled rows not whole \(32 all zeros.* 0 whole through a fresh open'
     [remote-update-rounds]='round [0-9]+: reopening: open a reference: .* is at generation [0-9a-f]+:[0-9]+ now; the reference is of generation [0-9a-f]+:[0-9]+$'
-    [file-server-restart]='Bus error'
 )
 declare -A KNOWN_CAUSE=(
     [remote-update-rounds]="now and then (GlusterFS: 3 reopens in about 2500, in 3 of 12 runs) the owner reads the generation file, rewritten in place and fsynced by the worker on another mount, at its value before the worker's publish, so the new reference is refused (never opened on old data): reading the generation past the client's caches, or waiting for it to reach the reference's, would fix it"
     [replay-mapped]="clients without on_shared_filesystem: the actor commits rows still dirty in its mapping, so the learner samples rows that are not in the shared file yet (this is why clients on a network filesystem need it)"
-    [file-server-restart]="now and then the client dies of SIGBUS: it loads the dict through a mapping, and a page read while the file server is down cannot be filled; loads on a network filesystem must read through the aio path (or survive the fault) to give an error instead"
 )
 
 # result NAME STATUS LOG...: prints PASS, FAIL with the last error line, or KNOWN-FAIL with its
