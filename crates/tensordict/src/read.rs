@@ -181,3 +181,79 @@ impl Queue {
         Ok(td)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A leaf file of 10 bytes whose tensor needs 24: what a read meets when the file shrank
+    /// after its size was checked (another process truncated it, the server lost it).
+    fn shrunk() -> (tempfile::TempDir, PathBuf, KeyPath) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.memmap");
+        std::fs::write(&path, [7u8; 10]).unwrap();
+        (dir, path, KeyPath::from("x"))
+    }
+
+    #[track_caller]
+    fn assert_ended_early(err: Error, path: &Path) {
+        match err {
+            Error::Io { op: "read", path: named, source } => {
+                assert_eq!(named, path);
+                assert_eq!(source.kind(), io::ErrorKind::UnexpectedEof);
+                assert!(source.to_string().contains("after 10 of the 24 bytes"), "{source}");
+            }
+            other => panic!("expected Io/read, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_file_that_ends_during_a_read_is_an_error_naming_it() {
+        let (_dir, path, key) = shrunk();
+        let file = File::open(&path).unwrap();
+        let err = Reader.leaf(file, path.clone(), &key, DType::F32, vec![2, 3], 24).unwrap_err();
+        assert_ended_early(err, &path);
+    }
+
+    #[test]
+    fn a_file_that_ends_during_an_engine_read_is_an_error_naming_it() {
+        let (_dir, path, key) = shrunk();
+        let mut queue = Queue::default();
+        let file = File::open(&path).unwrap();
+        let placeholder = queue.leaf(file, path.clone(), &key, DType::F32, vec![2, 3], 24).unwrap();
+        let mut td = TensorDict::new([]);
+        td.set("x", placeholder).unwrap();
+        let err = queue.finish(&Engine::new().unwrap(), td).unwrap_err();
+        assert_ended_early(err, &path);
+    }
+
+    #[test]
+    fn a_read_error_is_an_error_naming_the_file() {
+        // A folder's descriptor: `pread` fails with EISDIR, as it fails with EIO or ENOTCONN
+        // when a file server goes away.
+        let dir = tempfile::tempdir().unwrap();
+        let file = File::open(dir.path()).unwrap();
+        let err = read_exact(&file, &mut [0u8; 8], dir.path()).unwrap_err();
+        match err {
+            Error::Io { op: "read", path, source } => {
+                assert_eq!(path, dir.path());
+                assert_eq!(source.raw_os_error(), Some(nix::libc::EISDIR));
+            }
+            other => panic!("expected Io/read, got {other:?}"),
+        }
+        let mut queue = Queue::default();
+        let key = KeyPath::from("x");
+        let placeholder =
+            queue.leaf(File::open(dir.path()).unwrap(), dir.path().to_owned(), &key, DType::U8, vec![8], 8).unwrap();
+        let mut td = TensorDict::new([]);
+        td.set("x", placeholder).unwrap();
+        match queue.finish(&Engine::new().unwrap(), td).unwrap_err() {
+            // The engine's error says where in the file; its kind is the kernel's.
+            Error::Io { op: "read", path, source } => {
+                assert_eq!(path, dir.path());
+                assert_eq!(source.kind(), io::ErrorKind::IsADirectory, "{source}");
+            }
+            other => panic!("expected Io/read, got {other:?}"),
+        }
+    }
+}
