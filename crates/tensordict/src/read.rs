@@ -37,7 +37,7 @@ impl TensorDict {
     /// folder returns one version, old or new, never a mix.
     ///
     /// ```
-    /// use memmap_tensor::{Access, Tensor};
+    /// use memmap_tensor::Tensor;
     /// use tensordict::TensorDict;
     ///
     /// let mut td = TensorDict::new([2]);
