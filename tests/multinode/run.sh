@@ -268,11 +268,9 @@ KNOWN=0
 # failure that passes is a PASS (and its entry should go).
 declare -A KNOWN_PATTERN=(
     [replay-mapped]='phase 1: 32 of 32 sampled rows not whole \(32 all zeros.* 0 whole through a fresh open'
-    [file-server-restart]='Bus error'
 )
 declare -A KNOWN_CAUSE=(
     [replay-mapped]="clients without on_shared_filesystem: the actor commits rows still dirty in its mapping, so the learner samples rows that are not in the shared file yet (this is why clients on a network filesystem need it)"
-    [file-server-restart]="now and then the client dies of SIGBUS: it loads the dict through a mapping, and a page read while the file server is down cannot be filled; loads on a network filesystem must read through the aio path (or survive the fault) to give an error instead"
 )
 
 # result NAME STATUS LOG...: prints PASS, FAIL with the last error line, or KNOWN-FAIL with its

@@ -393,7 +393,8 @@ impl Dump {
         };
         let rng_path = path.join("rng_state");
         let rng_state = if exists(&rng_path)? {
-            Some(TensorDict::load_memmap(&rng_path, Access::ReadOnly).map_err(dict_err(&rng_path))?)
+            // A small state the dump keeps as a value: read, not mapped (see `read_memmap`).
+            Some(TensorDict::read_memmap(&rng_path).map_err(dict_err(&rng_path))?)
         } else {
             None
         };
@@ -621,7 +622,7 @@ fn read_sampler(dir: &Path) -> Result<SamplerDump> {
         return read_prioritized(dir, &meta_path).map(SamplerDump::Prioritized);
     }
     if exists(&dir.join("meta.json"))? {
-        let state = TensorDict::load_memmap(dir, Access::ReadOnly).map_err(dict_err(dir))?;
+        let state = TensorDict::read_memmap(dir).map_err(dict_err(dir))?;
         return Ok(SamplerDump::WithoutReplacement(state));
     }
     let mut names: Vec<String> = fs::read_dir(dir)

@@ -1,12 +1,13 @@
 //! Memmap folders in the layout of Python tensordict's `memmap` (see `FORMAT.md`):
-//! [`TensorDict::memmap`], [`TensorDict::memmap_like`], [`TensorDict::load_memmap`].
+//! [`TensorDict::memmap`], [`TensorDict::memmap_like`], [`TensorDict::load_memmap`]; the folder
+//! walk that [`TensorDict::read_memmap`] shares.
 
-use std::fs;
-use std::path::Path;
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use indexmap::IndexMap;
-use memmap_tensor::{Access, DType, Location, Tensor};
+use memmap_tensor::{Access, DType, Layout, Location, Tensor};
 use serde_json::{Map, Value, json};
 
 use crate::dir::Dir;
@@ -193,7 +194,7 @@ impl TensorDict {
         }
         // Whatever is put in place must load: check it before, through the names it will have.
         let top = Dir::open_at_path(staging.path(), prefix.to_owned())?;
-        let written = read_node(&top, &KeyPath::default(), None, Access::ReadWrite, &mut None)?;
+        let written = read_tree(&top, &mut Mapper(Access::ReadWrite))?;
         destination.commit(staging, options.overwrite, options.fsync)?;
         Ok(written)
     }
@@ -288,17 +289,15 @@ impl TensorDict {
     /// is read relative to its own descriptors; see `FORMAT.md`), so nothing outside the
     /// folder is ever mapped. A load that runs while a writer replaces the folder returns one
     /// version, old or new, never a mix.
+    ///
+    /// The tensors are mappings of the files: a page that cannot be read when it is first
+    /// touched, because the file was truncated by another process or because the file server
+    /// of a network filesystem (NFS, GlusterFS, sshfs, ...) stopped, kills the process with
+    /// `SIGBUS`; no error can be returned then. Where a copy of a dict on a network filesystem
+    /// is what is wanted, [`TensorDict::read_memmap`] reads it into memory instead, and such a
+    /// failure is an [`Error::Io`] naming the file.
     pub fn load_memmap(prefix: impl AsRef<Path>, access: Access) -> Result<TensorDict> {
-        let prefix = prefix.as_ref();
-        let mut attempts = 0;
-        loop {
-            let top = open_top(prefix)?;
-            match read_node(&top, &KeyPath::default(), None, access, &mut None) {
-                // The folder was swapped for a newer one while it was read: read that one.
-                Err(_) if attempts < MAX_LOAD_ATTEMPTS && top.is_replaced() => attempts += 1,
-                read => return read,
-            }
-        }
+        load_folder(prefix.as_ref(), |top| read_tree(top, &mut Mapper(access)))
     }
 
     /// Checks the memmap folder at `prefix` the way [`TensorDict::load_memmap`] does, but goes on
@@ -310,8 +309,9 @@ impl TensorDict {
     pub fn verify_memmap(prefix: impl AsRef<Path>) -> Vec<Error> {
         let prefix = prefix.as_ref();
         let mut problems = Vec::new();
-        let read = open_top(prefix)
-            .and_then(|top| read_node(&top, &KeyPath::default(), None, Access::ReadOnly, &mut Some(&mut problems)));
+        let read = open_top(prefix).and_then(|top| {
+            read_node(&top, &KeyPath::default(), None, &mut Mapper(Access::ReadOnly), &mut Some(&mut problems))
+        });
         if let Err(e) = read {
             problems.push(e);
         }
@@ -325,6 +325,66 @@ impl TensorDict {
 
 /// How often a load starts again because the folder was replaced while it was read.
 const MAX_LOAD_ATTEMPTS: usize = 8;
+
+/// How the leaf files of a folder become tensors: mapped ([`Mapper`]) or read into memory
+/// (`crate::read`). Everything else about a folder (`meta.json`, keys, names, shapes, what a
+/// file may be) is checked by the one walk of [`read_tree`] whatever the leaves become.
+pub(crate) trait Leaves {
+    /// How leaf files are opened.
+    fn access(&self) -> Access;
+
+    /// The tensor of `dtype` and `shape`, `nbytes` bytes, stored C-contiguously at the start
+    /// of `file`: a regular file opened without following links, found at least `nbytes` long
+    /// just before; `path` names it in errors.
+    fn leaf(
+        &mut self,
+        file: File,
+        path: PathBuf,
+        key: &KeyPath,
+        dtype: DType,
+        shape: Vec<usize>,
+        nbytes: usize,
+    ) -> Result<Tensor>;
+}
+
+/// Leaves mapped with an access mode: what [`TensorDict::load_memmap`] returns.
+pub(crate) struct Mapper(pub(crate) Access);
+
+impl Leaves for Mapper {
+    fn access(&self) -> Access {
+        self.0
+    }
+
+    fn leaf(
+        &mut self,
+        file: File,
+        path: PathBuf,
+        key: &KeyPath,
+        dtype: DType,
+        shape: Vec<usize>,
+        _nbytes: usize,
+    ) -> Result<Tensor> {
+        Tensor::from_file(&file, path, dtype, shape, self.0).with_key(|| key.clone())
+    }
+}
+
+/// Runs `attempt` on the top folder at `prefix`, and again on the new folder when the folder
+/// was swapped for a newer one while it was read.
+pub(crate) fn load_folder(prefix: &Path, mut attempt: impl FnMut(&Dir) -> Result<TensorDict>) -> Result<TensorDict> {
+    let mut attempts = 0;
+    loop {
+        let top = open_top(prefix)?;
+        match attempt(&top) {
+            Err(_) if attempts < MAX_LOAD_ATTEMPTS && top.is_replaced() => attempts += 1,
+            read => return read,
+        }
+    }
+}
+
+/// Reads the whole dict in the top folder `top`, every leaf made by `leaves`.
+pub(crate) fn read_tree(top: &Dir, leaves: &mut impl Leaves) -> Result<TensorDict> {
+    read_node(top, &KeyPath::default(), None, leaves, &mut None)
+}
 
 /// Opens the top folder of a dict, after putting back a folder whose writer died mid-swap.
 fn open_top(prefix: &Path) -> Result<Dir> {
@@ -343,7 +403,7 @@ fn read_node(
     dir: &Dir,
     path: &KeyPath,
     parent_batch: Option<&[usize]>,
-    access: Access,
+    leaves: &mut impl Leaves,
     problems: &mut Option<&mut Vec<Error>>,
 ) -> Result<TensorDict> {
     let meta_path = dir.child("meta.json");
@@ -393,7 +453,7 @@ fn read_node(
                 let folder = || existing(dir, candidate_names(name, true), "").and_then(|n| dir.open_dir(&n));
                 match child.get("type").and_then(Value::as_str) {
                     Some("TensorDict") => {
-                        folder().and_then(|sub| read_node(&sub, &key, Some(&batch), access, problems)).map(Entry::Dict)
+                        folder().and_then(|sub| read_node(&sub, &key, Some(&batch), leaves, problems)).map(Entry::Dict)
                     }
                     Some("NonTensorData") => folder().and_then(|sub| read_non_tensor(&sub, &key)).map(Entry::NonTensor),
                     Some("NonTensorStack") => folder().and_then(|sub| read_non_tensor_stack(&sub, &key, &batch)),
@@ -402,7 +462,7 @@ fn read_node(
                         key: key.clone(),
                         what: format!("entry type `{other}`"),
                     }),
-                    None => read_leaf(dir, &meta_path, &key, child, &batch, access).map(Entry::Tensor),
+                    None => read_leaf(dir, &meta_path, &key, child, &batch, leaves).map(Entry::Tensor),
                 }
             }
         };
@@ -423,7 +483,7 @@ fn read_leaf(
     key: &KeyPath,
     meta: &Map<String, Value>,
     batch: &[usize],
-    access: Access,
+    leaves: &mut impl Leaves,
 ) -> Result<Tensor> {
     let invalid =
         |reason: String| Error::InvalidMeta { path: meta_path.to_owned(), reason: format!("key `{key}`: {reason}") };
@@ -448,14 +508,31 @@ fn read_leaf(
         // A leaf without elements has no file in Python's layout; use one if it is there.
         Some(0) if dir.kind(&file)?.is_none() => Tensor::zeros(shape, dtype, &Location::Heap).with_key(|| key.clone()),
         Some(_) => {
+            let nbytes = Layout::contiguous(shape.clone())
+                .and_then(|layout| layout.required_bytes(dtype.size_in_bytes()))
+                .with_key(|| key.clone())?;
             // A leaf's file problems name the leaf.
-            let opened = dir.open_file(&file, access).map_err(|e| match e {
+            let opened = dir.open_file(&file, leaves.access()).map_err(|e| match e {
                 Error::Io { op, path, source } => {
                     Error::Tensor { key: key.clone(), source: memmap_tensor::Error::FileIo { op, path, source } }
                 }
                 other => other,
             })?;
-            Tensor::from_file(&opened, dir.child(&file), dtype, shape, access).with_key(|| key.clone())
+            let path = dir.child(&file);
+            let tensor_err = |source| Error::Tensor { key: key.clone(), source };
+            let held = opened
+                .metadata()
+                .map_err(|source| tensor_err(memmap_tensor::Error::FileIo { op: "stat", path: path.clone(), source }))?
+                .len();
+            // A longer file is fine (Python's files can be); its tail is not part of the tensor.
+            if held < nbytes as u64 {
+                return Err(tensor_err(memmap_tensor::Error::FileTooShort {
+                    path,
+                    actual_bytes: held,
+                    required_bytes: nbytes as u64,
+                }));
+            }
+            leaves.leaf(opened, path, key, dtype, shape, nbytes)
         }
     }
 }

@@ -40,6 +40,7 @@ mod format;
 mod index;
 mod json;
 mod key;
+mod read;
 mod replace;
 mod schema;
 mod shared;

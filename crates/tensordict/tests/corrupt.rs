@@ -62,8 +62,29 @@ fn write_sound(dir: &Path) -> AnyResult<()> {
     Ok(())
 }
 
+/// `load_memmap` of `dir`; `read_memmap` and `read_memmap_with` of it must give the same
+/// keys and bytes, or the same error.
 fn load(dir: &Path) -> tensordict::Result<TensorDict> {
-    TensorDict::load_memmap(dir, Access::ReadOnly)
+    let loaded = TensorDict::load_memmap(dir, Access::ReadOnly);
+    let engine = aio::Engine::new().unwrap();
+    for (how, read) in [
+        ("read_memmap", TensorDict::read_memmap(dir)),
+        ("read_memmap_with", TensorDict::read_memmap_with(dir, &engine)),
+    ] {
+        match (&loaded, read) {
+            (Ok(a), Ok(b)) => {
+                assert_eq!(a.keys(true, false), b.keys(true, false), "{how}: keys");
+                for ((key, x), (_, y)) in a.leaves().into_iter().zip(b.leaves()) {
+                    assert_eq!((x.dtype(), x.dims()), (y.dtype(), y.dims()), "{how}: `{key}`");
+                    assert_eq!(x.to_bytes().unwrap(), y.to_bytes().unwrap(), "{how}: `{key}` bytes");
+                }
+                assert_eq!(a.non_tensors(), b.non_tensors(), "{how}: values");
+            }
+            (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "{how}: errors"),
+            (a, b) => panic!("load_memmap gave {a:?}, {how} gave {b:?}"),
+        }
+    }
+    loaded
 }
 
 fn load_err(dir: &Path, what: &str) -> Error {

@@ -125,6 +125,8 @@ fn python_folders_read_as_expected() -> TestResult {
         let td =
             TensorDict::load_memmap(&folder, Access::ReadOnly).unwrap_or_else(|e| panic!("{}: {e}", folder.display()));
         check_against_expected(&td, &expected, &folder);
+        let read = TensorDict::read_memmap(&folder).unwrap_or_else(|e| panic!("{}: {e}", folder.display()));
+        check_against_expected(&read, &expected, &folder);
     }
     Ok(())
 }

@@ -34,7 +34,8 @@ fn sound(prefix: &Path) -> Result<TensorDict, Box<dyn std::error::Error>> {
     Ok(td.memmap(prefix)?)
 }
 
-/// Loads and verifies `prefix` (bounded in time); both must fail, and the error must say `what`.
+/// Loads, reads and verifies `prefix` (bounded in time); each must fail, and the error must say
+/// `what`.
 fn refused(prefix: &Path, what: &str) {
     for access in [Access::ReadOnly, Access::ReadWrite] {
         let p = prefix.to_owned();
@@ -42,6 +43,15 @@ fn refused(prefix: &Path, what: &str) {
         let err = result.expect_err("a hostile folder loaded");
         assert!(err.to_string().contains(what), "{access:?}: {err}");
     }
+    let p = prefix.to_owned();
+    let read = bounded("read_memmap", move || TensorDict::read_memmap(&p).map(|_| ()));
+    let err = read.expect_err("a hostile folder was read");
+    assert!(err.to_string().contains(what), "read_memmap: {err}");
+    let p = prefix.to_owned();
+    let read =
+        bounded("read_memmap_with", move || TensorDict::read_memmap_with(&p, &aio::Engine::new().unwrap()).map(|_| ()));
+    let err = read.expect_err("a hostile folder was read");
+    assert!(err.to_string().contains(what), "read_memmap_with: {err}");
     let p = prefix.to_owned();
     let problems = bounded("verify_memmap", move || TensorDict::verify_memmap(&p));
     assert!(problems.iter().any(|e| e.to_string().contains(what)), "{problems:?}");

@@ -670,7 +670,9 @@ fn fs_client(dir: &Path, control: &Path) -> anyhow::Result<()> {
         let start = Instant::now();
         std::thread::spawn(move || {
             let result = (|| -> anyhow::Result<()> {
-                let td = TensorDict::load_memmap(&f, Access::ReadOnly)?;
+                // Read, not mapped: a page of a mapping that the stopped server cannot fill
+                // would kill this client with SIGBUS instead of returning an error.
+                let td = TensorDict::read_memmap(&f)?;
                 let got = td.get_tensor("obs")?.to_vec::<f32>()?;
                 ensure!(got == w, "{} holds other values than were written", f.display());
                 Ok(())
