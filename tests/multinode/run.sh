@@ -425,13 +425,18 @@ test_replay() {
         stop_service
         return
     fi
-    run_on 2 "$log-actor.log" replay-actor "$endpoint" "$STATE/token" "$dir" 2 "$mode" &
-    local actor=$!
-    run_on 3 "$log-learner.log" replay-learner "$endpoint" "$STATE/token" "$dir" 2 "$rb" "$mode"
-    local learner_status=$?
-    wait "$actor"
-    local actor_status=$?
-    result "$fs/$name" $((learner_status | actor_status)) "$log-actor.log" "$log-learner.log"
+    # Actors on hosts 1 and 2 (host 2 alone for the mapped clients, whose failure is shown
+    # exactly by one actor), the learner on host 3.
+    local actors=(1 2) k pids=() logs=() status=0
+    [ "$mode" = mapped ] && actors=(2)
+    for k in "${actors[@]}"; do
+        run_on "$k" "$log-actor-$k.log" replay-actor "$endpoint" "$STATE/token" "$dir" "$k" "$mode" &
+        pids+=($!)
+        logs+=("$log-actor-$k.log")
+    done
+    run_on 3 "$log-learner.log" replay-learner "$endpoint" "$STATE/token" "$dir" "$(IFS=,; echo "${actors[*]}")" "$rb" "$mode" || status=1
+    for k in "${pids[@]}"; do wait "$k" || status=1; done
+    result "$fs/$name" "$status" "${logs[@]}" "$log-learner.log"
     stop_service
 }
 
