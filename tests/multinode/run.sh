@@ -659,6 +659,13 @@ bench() {
         echo "FAIL bench-$label/fill: $(tail -n 1 "$log-fill.log")"
     fi
     stop_service
+    # Whole-folder loads on host 2, cold: mapped and copied, read, read through the engine.
+    if on 2 "$TDICT" bench make "$dir/load-dict" --rows 50000 >"$log-load.log" 2>&1 &&
+        on 2 "$TDICT" bench load "$dir/load-dict" --iters 3 --cold --json >>"$log-load.log" 2>&1; then
+        grep -h '^{' "$log-load.log" | sed "s/^{/{\"fs\":\"$label\",/"
+    else
+        echo "FAIL bench-$label/load: $(tail -n 1 "$log-load.log")"
+    fi
 }
 
 # want NAME: whether MULTINODE_ONLY (if set) names the test.

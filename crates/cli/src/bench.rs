@@ -111,6 +111,22 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Loading a whole memmap folder into memory three ways, alternating: mapped and copied
+    /// (`load_memmap` + a deep clone), read (`read_memmap`: no mapping, so a dead file server
+    /// is an error, not SIGBUS), and read through the I/O engine (`read_memmap_with`); medians.
+    Load {
+        /// The folder.
+        path: PathBuf,
+        /// Loads to time of each kind (1 to 1000).
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=1000))]
+        iters: u64,
+        /// Evict the folder's files from the page cache before every load.
+        #[arg(long)]
+        cold: bool,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Sequential write, then read, of one file through the I/O engine (compare with fio).
     Io {
         /// The file to write (created or overwritten).
@@ -153,6 +169,7 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
             crate::bench_store::run(size, usize::try_from(iters)?, json)
         }
         BenchCommand::Replay { rows, iters, json } => crate::bench_replay::run(rows, iters, json),
+        BenchCommand::Load { path, iters, cold, json } => load(&path, usize::try_from(iters)?, cold, json),
         BenchCommand::Io { file, size, bs, qd, direct, json } => {
             io(&file, size, bs, usize::try_from(qd)?, direct, json)
         }
@@ -261,6 +278,67 @@ fn gather(location: &Location, opts: &GatherOptions, as_json: bool) -> anyhow::R
             opts.batch,
             opts.iters,
             backend.map(|b| format!(", {b} backend")).unwrap_or_default()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The three ways of `tdict bench load`, in the order each round runs them.
+const LOAD_WAYS: [&str; 3] = ["map_copy", "read", "read_engine"];
+
+fn load(path: &Path, iters: usize, cold: bool, as_json: bool) -> anyhow::Result<ExitCode> {
+    let (files, bytes, leaves) = {
+        let td = TensorDict::load_memmap(path, Access::ReadOnly)?;
+        let files: Vec<PathBuf> =
+            td.leaves().iter().filter_map(|(_, t)| t.storage().path().map(Path::to_owned)).collect();
+        (files, td.nbytes(), td.leaves().len())
+    };
+    let engine = Engine::new().context("starting the I/O engine")?;
+    let mut times_ms: [Vec<f64>; 3] = Default::default();
+    let progress = Progress::bar("loads", (iters * LOAD_WAYS.len()) as u64, Unit::Items("loads"), !as_json);
+    for _ in 0..iters {
+        for (way, times) in times_ms.iter_mut().enumerate() {
+            if cold {
+                for file in &files {
+                    evict(file)?;
+                }
+            }
+            let started = Instant::now();
+            let loaded = match way {
+                0 => TensorDict::load_memmap(path, Access::ReadOnly)?.deep_clone()?,
+                1 => TensorDict::read_memmap(path)?,
+                _ => TensorDict::read_memmap_with(path, &engine)?,
+            };
+            times.push(started.elapsed().as_secs_f64() * 1e3);
+            ensure!(loaded.nbytes() == bytes, "{} loaded {} bytes, not {bytes}", LOAD_WAYS[way], loaded.nbytes());
+            progress.inc(1);
+        }
+    }
+    drop(progress);
+    let medians: Vec<f64> = times_ms
+        .iter_mut()
+        .map(|times| {
+            times.sort_by(f64::total_cmp);
+            round(times[times.len() / 2])
+        })
+        .collect();
+    let out = json!({
+        "bench": "load", "bytes": bytes, "leaves": leaves, "cold": cold, "iters": iters,
+        "backend": engine.backend().as_str(),
+        "map_copy_ms": medians[0], "read_ms": medians[1], "read_engine_ms": medians[2],
+    });
+    if as_json {
+        crate::out!("{out}");
+    } else {
+        crate::out!(
+            "{}{} load of {} in {leaves} leaves, medians of {iters}: mapped and copied {} ms, read {} ms, read through the engine ({} backend) {} ms",
+            if cold { "cold " } else { "" },
+            path.display(),
+            indicatif::DecimalBytes(bytes as u64),
+            medians[0],
+            medians[1],
+            engine.backend().as_str(),
+            medians[2]
         );
     }
     Ok(ExitCode::SUCCESS)

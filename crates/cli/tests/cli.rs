@@ -752,6 +752,9 @@ fn bad_arguments_exit_2() {
         &["bench", "io", "--file", d, "--bs", "2G"],
         &["bench", "io", "--file", d, "--bs", "99999999999999G"],
         &["bench", "io", "--file", d, "--size", "99999999999999999999"],
+        &["bench", "load", d, "--iters", "0"],
+        &["bench", "load", d, "--iters", "1001"],
+        &["bench", "load"],
         &["rm"],
         &["shm"],
         &["shm", "ls", "extra"],
@@ -936,6 +939,28 @@ fn bench_gather_modes_and_cold_runs() {
     tdict([OsStr::new("bench"), "gather".as_ref(), dir.as_os_str(), "--o-direct".as_ref()]).expect_error();
     tdict([OsStr::new("bench"), "gather".as_ref(), dir.as_os_str(), "--mode".as_ref(), "fast".as_ref()])
         .expect_usage_error();
+}
+
+/// `bench load` loads a folder three ways (mapped and copied, read, read through the engine),
+/// warm and cold, and gives each a time; a folder that is not a dict is an error.
+#[test]
+fn bench_load_times_three_ways_of_loading_a_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("bench");
+    tdict([OsStr::new("bench"), "make".as_ref(), dir.as_os_str(), "--rows".as_ref(), "2000".as_ref()]).ok();
+    for cold in [false, true] {
+        let mut args = vec![OsStr::new("bench"), "load".as_ref(), dir.as_os_str(), "--iters".as_ref(), "2".as_ref()];
+        args.extend(cold.then_some(OsStr::new("--cold")));
+        args.push("--json".as_ref());
+        let run = tdict(args);
+        let out = run.json();
+        for way in ["map_copy_ms", "read_ms", "read_engine_ms"] {
+            assert!(out[way].as_f64().unwrap() > 0.0, "{way}: {run}");
+        }
+        assert_eq!((out["leaves"].as_u64(), out["cold"].as_bool()), (Some(4), Some(cold)), "{run}");
+        assert_eq!(out["bytes"].as_u64(), Some(2000 * 349), "{run}");
+    }
+    tdict([OsStr::new("bench"), "load".as_ref(), tmp.path().as_os_str()]).expect_error();
 }
 
 /// `bench io` writes then reads through the engine and reports both rates.
