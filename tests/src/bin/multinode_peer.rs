@@ -412,7 +412,8 @@ fn replay_learner(buffer: &RemoteBuffer, dir: &Path, actors: &[i64], storage: &P
         let (batch, info) = buffer.sample(LEARNER_BATCH, Some(Duration::from_secs(20)))?;
         let indices: Vec<usize> = info.indices.clone();
         let (whole, bad) = check_rows_of(&batch, actors, written)?;
-        let mut from: Vec<i64> = batch.get_tensor("key")?.contiguous()?.to_vec::<i64>()?.into_iter().step_by(2).collect();
+        let mut from: Vec<i64> =
+            batch.get_tensor("key")?.contiguous()?.to_vec::<i64>()?.into_iter().step_by(2).collect();
         from.sort_unstable();
         from.dedup();
         println!(
