@@ -170,15 +170,8 @@ fn a_writer_killed_before_its_commit_never_exposes_its_rows() {
     let rows = wait_for_file(&ready, &mut writer.0);
     assert_eq!(rows, "[0, 1, 2, 3]");
     assert_eq!(client.stats().unwrap().open_reservations, 1);
-    writer.0.kill().unwrap(); // SIGKILL
-    writer.0.wait().unwrap();
-    eventually("the dead writer's reservation to be aborted", || client.stats().unwrap().open_reservations == 0);
     // Rows 0..4 hold half a write: they are never sampled, and rows 4..8 still are.
-    for _ in 0..200 {
-        let (td, info) = client.sample(8, None).unwrap();
-        assert!(info.indices.iter().all(|&i| i >= 4), "{:?}", info.indices);
-        assert!(check_rows(&td).iter().all(|&v| v == 1.));
-    }
+    kill_and_check_rows_hidden(&mut writer.0, &client);
     assert_eq!(server.buffer().len(), 8);
     // Writing them again makes them valid again.
     client.extend(&batch(&[2.; 4])).unwrap();
@@ -237,10 +230,16 @@ fn a_shared_filesystem_writer_maps_nothing_and_killed_before_its_commit_never_ex
     let report = wait_for_file(&ready, &mut writer.0);
     assert_eq!(report, "unmapped [0, 1, 2, 3]", "the client mapped the storage");
     assert_eq!(client.stats().unwrap().open_reservations, 1);
-    writer.0.kill().unwrap(); // SIGKILL
-    writer.0.wait().unwrap();
-    eventually("the dead writer's reservation to be aborted", || client.stats().unwrap().open_reservations == 0);
     // Rows 0..4 were written whole (99) but never committed: never sampled.
+    kill_and_check_rows_hidden(&mut writer.0, &client);
+}
+
+/// SIGKILLs `writer`, which holds a reservation of rows 0..4 of a buffer whose rows 4..8 hold
+/// 1.0: its reservation is aborted, and 200 samples never draw those rows.
+fn kill_and_check_rows_hidden(writer: &mut std::process::Child, client: &RemoteBuffer) {
+    writer.kill().unwrap(); // SIGKILL
+    writer.wait().unwrap();
+    eventually("the dead writer's reservation to be aborted", || client.stats().unwrap().open_reservations == 0);
     for _ in 0..200 {
         let (td, info) = client.sample(8, None).unwrap();
         assert!(info.indices.iter().all(|&i| i >= 4), "{:?}", info.indices);

@@ -333,18 +333,19 @@ pub(crate) trait Leaves {
     /// How leaf files are opened.
     fn access(&self) -> Access;
 
-    /// The tensor of `dtype` and `shape`, `nbytes` bytes, stored C-contiguously at the start
-    /// of `file`: a regular file opened without following links, found at least `nbytes` long
-    /// just before; `path` names it in errors.
-    fn leaf(
-        &mut self,
-        file: File,
-        path: PathBuf,
-        key: &KeyPath,
-        dtype: DType,
-        shape: Vec<usize>,
-        nbytes: usize,
-    ) -> Result<Tensor>;
+    /// The tensor stored in `leaf` (see [`LeafFile`]) for the key `key`.
+    fn leaf(&mut self, key: &KeyPath, leaf: LeafFile) -> Result<Tensor>;
+}
+
+/// A leaf's file as the walk found it: a regular file opened without following links, found
+/// at least `nbytes` long just before, holding a tensor of `dtype` and `shape` stored
+/// C-contiguously at its start; `path` names it in errors.
+pub(crate) struct LeafFile {
+    pub(crate) file: File,
+    pub(crate) path: PathBuf,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) nbytes: usize,
 }
 
 /// Leaves mapped with an access mode: what [`TensorDict::load_memmap`] returns.
@@ -355,16 +356,8 @@ impl Leaves for Mapper {
         self.0
     }
 
-    fn leaf(
-        &mut self,
-        file: File,
-        path: PathBuf,
-        key: &KeyPath,
-        dtype: DType,
-        shape: Vec<usize>,
-        _nbytes: usize,
-    ) -> Result<Tensor> {
-        Tensor::from_file(&file, path, dtype, shape, self.0).with_key(|| key.clone())
+    fn leaf(&mut self, key: &KeyPath, leaf: LeafFile) -> Result<Tensor> {
+        Tensor::from_file(&leaf.file, leaf.path, leaf.dtype, leaf.shape, self.0).with_key(|| key.clone())
     }
 }
 
@@ -532,7 +525,7 @@ fn read_leaf(
                     required_bytes: nbytes as u64,
                 }));
             }
-            leaves.leaf(opened, path, key, dtype, shape, nbytes)
+            leaves.leaf(key, LeafFile { file: opened, path, dtype, shape, nbytes })
         }
     }
 }

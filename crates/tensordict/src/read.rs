@@ -16,7 +16,7 @@ use aio::Engine;
 use memmap_tensor::{Access, DType, Layout, Location, Tensor, TensorBuf};
 
 use crate::error::WithKey;
-use crate::format::{Leaves, load_folder, read_tree};
+use crate::format::{LeafFile, Leaves, load_folder, read_tree};
 use crate::{Error, KeyPath, Result, TensorDict};
 
 impl TensorDict {
@@ -112,18 +112,10 @@ impl Leaves for Reader {
         Access::ReadOnly
     }
 
-    fn leaf(
-        &mut self,
-        file: File,
-        path: PathBuf,
-        key: &KeyPath,
-        dtype: DType,
-        shape: Vec<usize>,
-        nbytes: usize,
-    ) -> Result<Tensor> {
-        let mut bytes = byte_tensor(nbytes, key)?;
-        read_exact(&file, &mut bytes.as_mut_slice::<u8>().with_key(|| key.clone())?, &path)?;
-        typed(bytes, dtype, shape, key)
+    fn leaf(&mut self, key: &KeyPath, leaf: LeafFile) -> Result<Tensor> {
+        let mut bytes = byte_tensor(leaf.nbytes, key)?;
+        read_exact(&leaf.file, &mut bytes.as_mut_slice::<u8>().with_key(|| key.clone())?, &leaf.path)?;
+        typed(bytes, leaf.dtype, leaf.shape, key)
     }
 }
 
@@ -149,15 +141,8 @@ impl Leaves for Queue {
         Access::ReadOnly
     }
 
-    fn leaf(
-        &mut self,
-        file: File,
-        path: PathBuf,
-        key: &KeyPath,
-        dtype: DType,
-        shape: Vec<usize>,
-        nbytes: usize,
-    ) -> Result<Tensor> {
+    fn leaf(&mut self, key: &KeyPath, leaf: LeafFile) -> Result<Tensor> {
+        let LeafFile { file, path, dtype, shape, nbytes } = leaf;
         if nbytes == 0 {
             return Tensor::zeros(shape, dtype, &Location::Heap).with_key(|| key.clone());
         }
@@ -199,6 +184,10 @@ mod tests {
         (dir, path, KeyPath::from("x"))
     }
 
+    fn leaf(file: File, path: &Path, dtype: DType, shape: Vec<usize>, nbytes: usize) -> LeafFile {
+        LeafFile { file, path: path.to_owned(), dtype, shape, nbytes }
+    }
+
     #[track_caller]
     fn assert_ended_early(err: Error, path: &Path) {
         match err {
@@ -215,7 +204,7 @@ mod tests {
     fn a_file_that_ends_during_a_read_is_an_error_naming_it() {
         let (_dir, path, key) = shrunk();
         let file = File::open(&path).unwrap();
-        let err = Reader.leaf(file, path.clone(), &key, DType::F32, vec![2, 3], 24).unwrap_err();
+        let err = Reader.leaf(&key, leaf(file, &path, DType::F32, vec![2, 3], 24)).unwrap_err();
         assert_ended_early(err, &path);
     }
 
@@ -224,7 +213,7 @@ mod tests {
         let (_dir, path, key) = shrunk();
         let mut queue = Queue::default();
         let file = File::open(&path).unwrap();
-        let placeholder = queue.leaf(file, path.clone(), &key, DType::F32, vec![2, 3], 24).unwrap();
+        let placeholder = queue.leaf(&key, leaf(file, &path, DType::F32, vec![2, 3], 24)).unwrap();
         let mut td = TensorDict::new([]);
         td.set("x", placeholder).unwrap();
         let err = queue.finish(&Engine::new().unwrap(), td).unwrap_err();
@@ -248,7 +237,7 @@ mod tests {
         let mut queue = Queue::default();
         let key = KeyPath::from("x");
         let placeholder =
-            queue.leaf(File::open(dir.path()).unwrap(), dir.path().to_owned(), &key, DType::U8, vec![8], 8).unwrap();
+            queue.leaf(&key, leaf(File::open(dir.path()).unwrap(), dir.path(), DType::U8, vec![8], 8)).unwrap();
         let mut td = TensorDict::new([]);
         td.set("x", placeholder).unwrap();
         match queue.finish(&Engine::new().unwrap(), td).unwrap_err() {

@@ -814,7 +814,9 @@ fn bench_update_owner(dir: &Path, port: u16, rounds: usize, mode: &str) -> anyho
     Ok(())
 }
 
-fn bench_update_worker(addr: &str, rounds: usize, label: &str) -> anyhow::Result<()> {
+/// Connects to `addr` (retrying until it listens, for up to `WAIT`): the line reader and the
+/// writer of the connection.
+fn connect_lines(addr: &str) -> anyhow::Result<(BufReader<TcpStream>, TcpStream)> {
     let start = Instant::now();
     let stream = loop {
         match TcpStream::connect(addr) {
@@ -824,8 +826,11 @@ fn bench_update_worker(addr: &str, rounds: usize, label: &str) -> anyhow::Result
         }
     };
     stream.set_nodelay(true)?;
-    let mut reader = BufReader::new(stream.try_clone()?);
-    let mut writer = stream;
+    Ok((BufReader::new(stream.try_clone()?), stream))
+}
+
+fn bench_update_worker(addr: &str, rounds: usize, label: &str) -> anyhow::Result<()> {
+    let (mut reader, mut writer) = connect_lines(addr)?;
     let mut line = String::new();
     reader.read_line(&mut line)?;
     let reference: TensorDictRef = serde_json::from_str(&line)?;
@@ -1026,17 +1031,7 @@ fn stale_writer(dir: &Path, port: u16, seconds: f64) -> anyhow::Result<()> {
 }
 
 fn stale_reader(addr: &str, label: &str) -> anyhow::Result<()> {
-    let start = Instant::now();
-    let stream = loop {
-        match TcpStream::connect(addr) {
-            Ok(s) => break s,
-            Err(_) if start.elapsed() < WAIT => std::thread::sleep(Duration::from_millis(50)),
-            Err(e) => return Err(e).with_context(|| format!("connecting to {addr}")),
-        }
-    };
-    stream.set_nodelay(true)?;
-    let mut reader = BufReader::new(stream.try_clone()?);
-    let mut writer = stream;
+    let (mut reader, mut writer) = connect_lines(addr)?;
     let mut line = String::new();
     reader.read_line(&mut line)?;
     let folders: StaleFolders = serde_json::from_str(&line)?;
