@@ -86,12 +86,14 @@ impl LockFile {
         let mut pause = Duration::from_millis(2);
         loop {
             if link_new(path, &token)? {
-                let lost = Arc::new(AtomicBool::new(false));
-                let heartbeat =
-                    if options.heartbeat { Some(beat(path, &token, options.stale_after / 4, &lost)?) } else { None };
-                return Ok(LockFile { path: path.to_owned(), token, lost, heartbeat });
+                return LockFile::held(path, token, options);
             }
             let Some(seen) = Snapshot::of(path)? else { continue };
+            if seen.contents == token {
+                // The link was made, but its reply was lost and the retry found it (a network
+                // filesystem): the lock is this call's.
+                return LockFile::held(path, token, options);
+            }
             let state = Holder::parse(&seen.contents).map_or(ProcessState::Unknown, |h| h.process.state());
             let abandoned = match state {
                 ProcessState::Alive => {
@@ -121,6 +123,14 @@ impl LockFile {
         }
     }
 
+    /// The lock just taken at `path` with `token`, with its heartbeat if `options` ask for one.
+    fn held(path: &Path, token: String, options: &LockOptions) -> Result<LockFile> {
+        let lost = Arc::new(AtomicBool::new(false));
+        let heartbeat =
+            if options.heartbeat { Some(beat(path, &token, options.stale_after / 4, &lost)?) } else { None };
+        Ok(LockFile { path: path.to_owned(), token, lost, heartbeat })
+    }
+
     /// The lock's path.
     pub fn path(&self) -> &Path {
         &self.path
@@ -146,12 +156,12 @@ impl Drop for LockFile {
     }
 }
 
-/// The contents and modification time of a lock file, to tell whether it changed.
+/// The contents and modification time of a lock file, to tell whether it changed. (Not the
+/// inode number: sshfs may give one file another after a rename.)
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Snapshot {
     contents: String,
     mtime: (i64, i64),
-    ino: u64,
 }
 
 impl Snapshot {
@@ -168,7 +178,7 @@ impl Snapshot {
             return Err(io("open", std::io::Error::new(ErrorKind::InvalidInput, "not a regular file")));
         }
         let contents = read_limited(&file).map_err(|e| io("read", e))?;
-        Ok(Some(Snapshot { contents, mtime: (meta.mtime(), meta.mtime_nsec()), ino: meta.ino() }))
+        Ok(Some(Snapshot { contents, mtime: (meta.mtime(), meta.mtime_nsec()) }))
     }
 }
 
@@ -245,7 +255,8 @@ fn take_over(path: &Path, judged: &Snapshot) -> Result<()> {
         Err(source) => return Err(Error::FileIo { op: "rename", path: path.to_owned(), source }),
     }
     let moved = Snapshot::of(&aside)?;
-    if moved.as_ref().is_some_and(|m| m.contents == judged.contents && m.ino == judged.ino) {
+    // The contents name the holder and a random token: the same contents are the same lock.
+    if moved.as_ref().is_some_and(|m| m.contents == judged.contents) {
         let _ = std::fs::remove_file(&aside);
         return Ok(());
     }
