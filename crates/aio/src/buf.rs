@@ -94,6 +94,15 @@ unsafe impl IoBufMut for Box<[u8]> {
     unsafe fn set_init(&mut self, _n: usize) {}
 }
 
+/// The read that covers bytes `start..end` of a file: exactly those bytes, or with `direct`
+/// (`O_DIRECT`) the [`DIRECT_ALIGN`]-aligned blocks that hold them. Returns the read's offset,
+/// its length, and where `start` falls in what is read.
+pub fn read_span(start: u64, end: u64, direct: bool) -> (u64, usize, usize) {
+    let align = DIRECT_ALIGN as u64;
+    let (first, last) = if direct { (start / align * align, end.div_ceil(align) * align) } else { (start, end) };
+    (first, usize::try_from(last - first).unwrap_or(usize::MAX), usize::try_from(start - first).unwrap_or(0))
+}
+
 /// A zeroed heap buffer aligned to [`DIRECT_ALIGN`] (4096 bytes), as `O_DIRECT` needs.
 ///
 /// Its length is fixed at creation and every byte is always initialised. `O_DIRECT` also needs
@@ -282,6 +291,14 @@ unsafe impl IoBufMut for BufPart {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_read_span_covers_the_bytes_and_for_o_direct_their_aligned_blocks() {
+        assert_eq!(read_span(5000, 5100, false), (5000, 100, 0));
+        assert_eq!(read_span(5000, 5100, true), (4096, 4096, 904));
+        assert_eq!(read_span(4096, 12288, true), (4096, 8192, 0));
+        assert_eq!(read_span(4095, 4097, true), (0, 8192, 4095));
+    }
 
     #[test]
     fn aligned_buffers_are_aligned_and_zeroed() {

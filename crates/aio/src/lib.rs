@@ -43,7 +43,7 @@ mod task;
 mod threads;
 mod uring;
 
-pub use buf::{AlignedBuf, BufPart, DIRECT_ALIGN, IoBuf, IoBufMut};
+pub use buf::{AlignedBuf, BufPart, DIRECT_ALIGN, IoBuf, IoBufMut, read_span};
 pub use engine::{BACKEND_ENV, BackendKind, Completion, Engine, EngineConfig};
 pub use extent::{EXTENT_ALIGN, Extent, ExtentAllocator};
 pub use offload::Offloader;

@@ -703,17 +703,9 @@ fn read_runs(sorted: &[usize], row_bytes: usize, mode: ReadMode) -> Vec<ReadRun>
         }
         runs.push(ReadRun { first: r, end: r + 1, offset: 0, len: 0, skip: 0 });
     }
-    let align = aio::DIRECT_ALIGN as u64;
     for run in &mut runs {
-        let start = (run.first * row_bytes) as u64;
-        let end = (run.end * row_bytes) as u64;
-        let (first, last) = match mode {
-            ReadMode::Buffered => (start, end),
-            ReadMode::Direct => (start / align * align, end.div_ceil(align) * align),
-        };
-        run.offset = first;
-        run.len = usize::try_from(last - first).unwrap_or(usize::MAX);
-        run.skip = usize::try_from(start - first).unwrap_or(0);
+        let (start, end) = ((run.first * row_bytes) as u64, (run.end * row_bytes) as u64);
+        (run.offset, run.len, run.skip) = aio::read_span(start, end, mode == ReadMode::Direct);
     }
     runs
 }

@@ -4,7 +4,7 @@
 use std::io;
 use std::sync::Arc;
 
-use aio::{AlignedBuf, BufPart, DIRECT_ALIGN, Engine, Offloader};
+use aio::{AlignedBuf, BufPart, Engine, Offloader};
 use indexmap::IndexMap;
 use memmap_tensor::{DType, Location, StorageKind, Tensor};
 
@@ -267,7 +267,6 @@ fn gather_leaf(t: &Tensor, key: &KeyPath, engine: &Engine, rows: &[usize], mode:
     sorted.sort_unstable();
     sorted.dedup();
     let mergeable = stride_bytes == row_bytes;
-    let align = DIRECT_ALIGN as u64;
     let mut runs: Vec<Run> = Vec::new();
     for &r in &sorted {
         if let Some(run) = runs.last_mut()
@@ -283,13 +282,7 @@ fn gather_leaf(t: &Tensor, key: &KeyPath, engine: &Engine, rows: &[usize], mode:
     for run in &mut runs {
         let start = row_offset(run.first);
         let end = start + (run.count * row_bytes) as u64;
-        let (first, last) = match mode {
-            ReadMode::Buffered => (start, end),
-            ReadMode::Direct => (start / align * align, end.div_ceil(align) * align),
-        };
-        run.offset = first;
-        run.len = usize::try_from(last - first).unwrap_or(usize::MAX);
-        run.skip = usize::try_from(start - first).unwrap_or(0);
+        (run.offset, run.len, run.skip) = aio::read_span(start, end, mode == ReadMode::Direct);
     }
 
     // The file that is mapped, not whatever the path names now (the folder may have been
