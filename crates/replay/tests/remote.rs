@@ -49,6 +49,17 @@ fn check_rows(td: &TensorDict) -> Vec<f64> {
         .collect()
 }
 
+/// Writes `episodes` episodes of 10 steps through `client`; a row's value is
+/// 100 × episode + step.
+fn extend_episodes(client: &RemoteBuffer, episodes: i64) {
+    for episode in 0..episodes {
+        let values: Vec<f64> = (0..10).map(|step| (100 * episode + step) as f64).collect();
+        let mut td = batch(&values);
+        td.set("episode", Tensor::from_slice(&[episode; 10], [10]).unwrap()).unwrap();
+        client.extend(&td).unwrap();
+    }
+}
+
 struct Fixture {
     _dir: tempfile::TempDir,
     run: std::path::PathBuf,
@@ -512,13 +523,7 @@ fn a_slice_service_hands_out_runs_of_one_episode() {
     };
     let _server = f.start(f.options(64).sampler(spec).seed(9));
     let client = f.connect();
-    // Episodes of 10 steps; a row's value is 100 × episode + step.
-    for episode in 0..6i64 {
-        let values: Vec<f64> = (0..10).map(|step| (100 * episode + step) as f64).collect();
-        let mut td = batch(&values);
-        td.set("episode", Tensor::from_slice(&[episode; 10], [10]).unwrap()).unwrap();
-        client.extend(&td).unwrap();
-    }
+    extend_episodes(&client, 6);
     for _ in 0..50 {
         let (td, info) = client.sample(16, None).unwrap();
         let values = check_rows(&td);
@@ -682,12 +687,7 @@ fn a_shared_filesystem_service_reads_committed_rows_from_the_files() {
     let options = f.options(40).dir(dir.path().join("rows")).sampler(spec).shared_filesystem(engine.clone()).seed(6);
     let _server = f.start(options);
     let client = f.connect().on_shared_filesystem(engine);
-    for episode in 0..4i64 {
-        let values: Vec<f64> = (0..10).map(|step| (100 * episode + step) as f64).collect();
-        let mut td = batch(&values);
-        td.set("episode", Tensor::from_slice(&[episode; 10], [10]).unwrap()).unwrap();
-        client.extend(&td).unwrap();
-    }
+    extend_episodes(&client, 4);
     // The service learned the episodes from the files: every slice is 5 steps of one episode.
     for _ in 0..30 {
         let (td, _) = client.sample(10, None).unwrap();
