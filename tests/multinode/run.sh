@@ -483,18 +483,27 @@ start_replay() {
         --capacity "$capacity" --dir "$dir" --listen "tcp:$SERVER:$REPLAY_PORT" --token-file "$STATE/token" --seed 7
 }
 
+# start_filled_replay FS NAME LOG: a replay service of 64 rows in $SHARED/NAME-rb, filled by actor
+# 2 from host 2. Returns 2 if the service did not start (replay-NAME is reported failed and the
+# service stopped), 1 if the fill failed (the service runs: the caller reports and stops it).
+start_filled_replay() {
+    local fs=$1 name=$2 log=$3
+    if ! start_replay "$log" 64 "$SHARED/$name-rb"; then
+        result "$fs/replay-$name" 1 "$log-server.log"
+        stop_service
+        return 2
+    fi
+    run_on 2 "$log-fill.log" replay-fill "tcp:$SERVER:$REPLAY_PORT" "$STATE/token" 2 64 16 || return 1
+}
+
 # An actor on host 2 reserves rows, writes half of them and is killed: the service releases its
 # session, and a learner on host 3 never samples those rows.
 test_replay_actor_killed() {
     local fs=$1 log="$LOGS/$fs-actor-killed" endpoint="tcp:$SERVER:$REPLAY_PORT" sync="$STATE/sync-actor-killed"
     mkdir -p "$sync"
-    if ! start_replay "$log" 64 "$SHARED/actor-killed-rb"; then
-        result "$fs/replay-actor-killed" 1 "$log-server.log"
-        stop_service
-        return
-    fi
     local status=0
-    run_on 2 "$log-fill.log" replay-fill "$endpoint" "$STATE/token" 2 64 16 || status=1
+    start_filled_replay "$fs" actor-killed "$log"
+    case $? in 2) return ;; 1) status=1 ;; esac
     if [ $status = 0 ]; then
         start_peer 2 "$log-reserver.log" replay-reserver "$endpoint" "$STATE/token" "$sync/ready"
         local reserver=$!
@@ -517,13 +526,9 @@ test_replay_actor_killed() {
 test_replay_learner_killed() {
     local fs=$1 log="$LOGS/$fs-learner-killed" endpoint="tcp:$SERVER:$REPLAY_PORT" sync="$STATE/sync-learner-killed"
     mkdir -p "$sync"
-    if ! start_replay "$log" 64 "$SHARED/learner-killed-rb"; then
-        result "$fs/replay-learner-killed" 1 "$log-server.log"
-        stop_service
-        return
-    fi
     local status=0
-    run_on 2 "$log-fill.log" replay-fill "$endpoint" "$STATE/token" 2 64 16 || status=1
+    start_filled_replay "$fs" learner-killed "$log"
+    case $? in 2) return ;; 1) status=1 ;; esac
     if [ $status = 0 ]; then
         start_peer 3 "$log-leaser.log" replay-leaser "$endpoint" "$STATE/token" "$sync/ready"
         local leaser=$!
