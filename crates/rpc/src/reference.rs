@@ -215,19 +215,18 @@ impl TensorDictRef {
                         detail: "the dict has no batch dim to read rows of; open it instead".into(),
                     });
                 };
-                let start = self.rows.as_ref().map_or(0, |r| r.start);
-                let indices: Vec<i64> = (start..start + rows).map(|i| i64::try_from(i).unwrap_or(i64::MAX)).collect();
-                let whole = self.location.to_dict_location().open(Access::ReadOnly)?;
-                whole.gather_direct(engine, &indices, tensordict::ReadMode::Direct)?
+                // The opened dict is the reference's view: its rows are 0..rows.
+                let indices: Vec<i64> = (0..rows).map(|i| i64::try_from(i).unwrap_or(i64::MAX)).collect();
+                dict.gather_direct(engine, &indices, tensordict::ReadMode::Direct)?
             }
         };
-        let now = self.location.to_dict_location().generation()?;
+        let location = self.location.to_dict_location();
+        let now = location.generation()?;
         if now != self.generation {
             return Err(Error::Incompatible {
                 op: "read a reference",
                 detail: format!(
-                    "{} moved to generation {now} while it was read; the reference is of generation {}",
-                    self.location.to_dict_location(),
+                    "{location} moved to generation {now} while it was read; the reference is of generation {}",
                     self.generation
                 ),
             });
