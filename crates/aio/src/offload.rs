@@ -12,11 +12,10 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::ops::Bound;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use nix::errno::Errno;
@@ -26,7 +25,7 @@ use serde_json::{Map, Value, json};
 
 use crate::extent::{EXTENT_ALIGN, Extent, ExtentAllocator};
 use crate::join::Join;
-use crate::{Completion, Engine, IoBuf, IoBufMut};
+use crate::{Completion, Durability, Engine, IoBuf, IoBufMut};
 
 /// Index files larger than this are refused before they are read.
 const MAX_INDEX_BYTES: u64 = 256 << 20;
@@ -591,7 +590,7 @@ impl Inner {
             return Err(io::Error::new(e.kind(), format!("fsync of {}: {e}", self.path.display())));
         }
         // 3. Replace the index atomically.
-        match write_atomically(&self.index_path, &frame_index(&text)) {
+        match crate::replace_file(&self.index_path, &frame_index(&text), 0o644, Durability::Durable) {
             Ok(()) => {
                 saved.version = version;
                 // 4. The saved index no longer mentions these.
@@ -745,57 +744,12 @@ fn lock_exclusive(file: &File, path: &Path) -> io::Result<Flock<File>> {
     }
 }
 
-/// Temporary index files are named `<index name>.<pid>.<n>.tmp`, unique within the process
-/// (and between processes: one offloader per file at a time, by the lock).
-fn temporary_name(index_path: &Path) -> PathBuf {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let mut name = index_path.as_os_str().to_owned();
-    name.push(format!(".{}.{}.tmp", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
-    PathBuf::from(name)
-}
-
-/// Removes temporary index files a crashed save left behind (the caller holds the lock).
+/// Removes temporary index files a crashed save left behind (the caller holds the lock, so no
+/// other save is running).
 fn remove_stale_temporaries(index_path: &Path) {
-    let (Some(dir), Some(name)) = (index_path.parent(), index_path.file_name()) else { return };
-    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    let prefix = format!("{}.", name.to_string_lossy());
-    for entry in entries.flatten() {
-        let file_name = entry.file_name();
-        let Some(rest) = file_name.to_str().and_then(|n| n.strip_prefix(&prefix)) else { continue };
-        let Some(numbers) = rest.strip_suffix(".tmp") else { continue };
-        let is_ours = numbers.split('.').count() == 2
-            && numbers.split('.').all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-        if is_ours {
-            let _ = std::fs::remove_file(entry.path());
-        }
+    for leftover in crate::temporaries_of(index_path).unwrap_or_default() {
+        let _ = std::fs::remove_file(leftover);
     }
-}
-
-/// Writes `bytes` to a new uniquely named file beside `path`, `fsync`s it, renames it over
-/// `path` and `fsync`s the folder.
-fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let tmp = temporary_name(path);
-    let written = (|| {
-        let mut f = OpenOptions::new().write(true).create_new(true).mode(0o644).open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        drop(f);
-        std::fs::rename(&tmp, path)
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written?;
-    sync_parent(path)
-}
-
-fn sync_parent(path: &Path) -> io::Result<()> {
-    let dir = match path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        Some(dir) => dir,
-        None => Path::new("."),
-    };
-    OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC).open(dir)?.sync_all()
 }
 
 /// Deallocates the disk blocks of `extent`, keeping the file's size. Filesystems without hole

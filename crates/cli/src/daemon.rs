@@ -262,14 +262,10 @@ impl Drop for PidFile {
     }
 }
 
-/// Writes this process's pid to `path` atomically (a temporary file beside it, mode 0600,
-/// renamed over it).
+/// Writes this process's pid to `path` atomically (mode 0600). Not flushed: after a power
+/// loss the pid would name a process that no longer exists.
 fn write_pid(path: &Path) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp = tempfile::Builder::new().prefix(".tdict-pid.").tempfile_in(dir)?;
-    writeln!(tmp, "{}", std::process::id())?;
-    tmp.as_file().sync_all()?;
-    tmp.persist(path).map(drop).map_err(|e| e.error)
+    aio::replace_file(path, format!("{}\n", std::process::id()).as_bytes(), 0o600, aio::Durability::Atomic)
 }
 
 /// The pid a pid file names, if it is readable and holds one.

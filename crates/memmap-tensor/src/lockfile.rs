@@ -10,7 +10,9 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::{Error, ProcessId, ProcessState, Result, retry_stale};
+use aio::retry_stale;
+
+use crate::{Error, ProcessId, ProcessState, Result};
 
 /// How [`LockFile::acquire`] waits and judges a holder.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

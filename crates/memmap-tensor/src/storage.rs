@@ -26,12 +26,10 @@
 //! library can prevent that, and this crate never does it.
 
 use std::alloc::{self, Layout as AllocLayout};
-use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::{MmapOptions, MmapRaw};
 use nix::errno::Errno;
@@ -165,20 +163,13 @@ impl Storage {
     pub fn create_file(path: impl AsRef<Path>, len_bytes: usize) -> Result<Self> {
         let path = path.as_ref();
         let io_err = |op, source| Error::FileIo { op, path: path.to_owned(), source };
-        let tmp = temp_sibling(path);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
-            .open(&tmp)
-            .map_err(|e| io_err("create", e))?;
+        let (tmp, file) = aio::create_temporary(path, 0o644).map_err(|e| io_err("create", e))?;
         let built = preallocate(&file, len_bytes)
             .map_err(|e| io_err("allocate", e))
             .and_then(|()| map_file(&file, path, len_bytes, Access::ReadWrite))
             .and_then(|map| Ok((map, FileId::of(&file).map_err(|e| io_err("stat", e))?)))
             .and_then(|built| {
-                crate::retry_stale(|| std::fs::rename(&tmp, path)).map(|()| built).map_err(|e| io_err("rename", e))
+                aio::retry_stale(|| std::fs::rename(&tmp, path)).map(|()| built).map_err(|e| io_err("rename", e))
             });
         match built {
             Ok((map, id)) => Ok(Self::from_map(map, true, Backing::File { path: path.to_owned(), map: None, id })),
@@ -614,15 +605,6 @@ impl FileId {
     fn of(file: &File) -> std::io::Result<Self> {
         file.metadata().map(|m| Self::from_metadata(&m))
     }
-}
-
-/// A unique name beside `path` for building a file before renaming it into place.
-fn temp_sibling(path: &Path) -> PathBuf {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut name = OsString::from(".");
-    name.push(path.file_name().unwrap_or_default());
-    name.push(format!(".{}.{}.tmp", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
-    path.with_file_name(name)
 }
 
 fn check_shm_name(name: &str) -> Result<()> {

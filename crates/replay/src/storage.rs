@@ -13,7 +13,6 @@
 //! rows.
 
 use std::fs;
-use std::io::Write as _;
 use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -296,17 +295,17 @@ impl Storage {
 
     /// Records that rows `0..len` are valid: rewrites `storage_metadata.json` of a memmap
     /// folder (atomically); nothing for other backends.
+    ///
+    /// [`Durability::Atomic`](aio::Durability::Atomic): a killed process leaves the old `len`
+    /// or the new one, never a torn file. It is not flushed: the rows it counts are written
+    /// through a mapping that is not flushed either, and a `len` that outlived a power loss
+    /// would count rows that did not. Checkpoints (`dumps`) are the durable form.
     pub fn store_len(&self, len: usize) -> Result<()> {
         let Some(folder) = &self.folder else { return Ok(()) };
         let path = folder.join(STORAGE_METADATA);
-        let io = |source| Error::Io { path: path.clone(), source };
-        let mut file = tempfile::Builder::new().prefix(".storage_metadata.").tempfile_in(folder).map_err(io)?;
         let body = serde_json::json!({"metadata": {}, "is_pytree": false, "len": len});
-        file.write_all(body.to_string().as_bytes()).map_err(io)?;
-        // Renamed over the old file, again while a network filesystem answers ESTALE.
-        let tmp = file.into_temp_path();
-        memmap_tensor::retry_stale(|| fs::rename(&tmp, &path)).map_err(io)?;
-        tmp.keep().map(drop).map_err(|e| io(e.error))
+        aio::replace_file(&path, body.to_string().as_bytes(), 0o644, aio::Durability::Atomic)
+            .map_err(|source| Error::Io { path, source })
     }
 
     /// The `len` recorded in the `storage_metadata.json` of a storage folder.

@@ -181,7 +181,7 @@ fn a_killed_folder_stores_entries_survive_and_load_back() -> TestResult {
     drop(old);
     drop(store);
     // What a server killed while writing its index leaves.
-    let torn_index = data.join(".store-index.4242.tmp");
+    let torn_index = data.join(".store-index.json.4242.0.tmp");
     std::fs::write(&torn_index, b"{\"version\": 1, \"next_ver")?;
 
     let _next = serve(&sandbox, &name, &["--dir", data_arg]);
@@ -439,8 +439,8 @@ fn load_deadlines_are_kept() -> TestResult {
 
 /// A folder store whose index cannot be written when a key is replaced or removed, then killed:
 /// the next server serves the key's old value (what the index on disk names), never nothing.
-/// (The index is written through `.store-index.json.PID.tmp`; a folder in that place makes the
-/// write fail.)
+/// (The index is replaced by a rename over `store-index.json`; a non-empty folder in its place,
+/// with the index moved aside and put back once the server is dead, makes the write fail.)
 #[test]
 fn a_folder_store_killed_after_a_failed_index_write_serves_the_old_value() -> TestResult {
     let sandbox = Sandbox::new();
@@ -449,17 +449,19 @@ fn a_folder_store_killed_after_a_failed_index_write_serves_the_old_value() -> Te
     let data_arg = data.to_str().expect("utf-8 path");
     for replace in [true, false] {
         let mut server = serve(&sandbox, &name, &["--dir", data_arg]);
-        let pid = server.pid;
         let store = connect(&sandbox, &name);
         store.save("m", &store_data::mixed_dict("m", 1), None)?;
 
-        let blocker = data.join(format!(".store-index.json.{pid}.tmp"));
-        std::fs::create_dir(&blocker)?;
+        let index = data.join("store-index.json");
+        let aside = data.join("index-aside");
+        std::fs::rename(&index, &aside)?;
+        std::fs::create_dir_all(index.join("blocker"))?;
         let result =
             if replace { store.save("m", &store_data::mixed_dict("m", 2), None) } else { store.remove("m").map(drop) };
         assert!(result.is_err(), "the index could not be written, yet the change reported success");
         server.kill();
-        std::fs::remove_dir(&blocker)?;
+        std::fs::remove_dir_all(&index)?;
+        std::fs::rename(&aside, &index)?;
         drop(store);
 
         let _next = serve(&sandbox, &name, &["--dir", data_arg]);

@@ -118,19 +118,14 @@ impl DictLocation {
             path: path.clone(),
             reason: "the generation counter is at its largest value".into(),
         })?;
-        let durable = matches!(self, DictLocation::Folder(_));
-        let tmp = temporary_beside(&path);
-        let written = write_generation(&tmp, now, durable).and_then(|()| {
-            memmap_tensor::retry_stale(|| std::fs::rename(&tmp, &path)).map_err(|e| io_err("rename", &path, e))
-        });
-        if written.is_err() {
-            // Best effort: the temporary name is this call's alone.
-            let _ = std::fs::remove_file(&tmp);
-        }
-        written?;
-        if durable && let Some(dir) = path.parent() {
-            File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io_err("fsync", dir, e))?;
-        }
+        // On disk the generation is the only record of which state a folder is in; in shared
+        // memory nothing outlives a reboot anyway.
+        let durability = match self {
+            DictLocation::Folder(_) => aio::Durability::Durable,
+            DictLocation::Shm(_) => aio::Durability::Atomic,
+        };
+        aio::replace_file(&path, &encode_generation(now), 0o644, durability)
+            .map_err(|e| io_err("replace", &path, e))?;
         Ok(now)
     }
 
@@ -168,9 +163,10 @@ impl DictLocation {
                 break id;
             }
         };
-        let tmp = temporary_beside(&path);
-        write_generation(&tmp, Generation { id, counter: 0 }, false)?;
-        let linked = std::fs::hard_link(&tmp, &path);
+        let (tmp, mut file) = aio::create_temporary(&path, 0o644).map_err(|e| io_err("create", e))?;
+        let written = file.write_all(&encode_generation(Generation { id, counter: 0 }));
+        drop(file);
+        let linked = written.and_then(|()| std::fs::hard_link(&tmp, &path));
         // Best effort: the temporary name is ours alone.
         let _ = std::fs::remove_file(&tmp);
         match linked {
@@ -181,31 +177,12 @@ impl DictLocation {
     }
 }
 
-/// A temporary name beside the generation file, unique to this process and call.
-/// (`NAME.PID.N.tmp`: found as a leftover if its writer dies, see `TensorDict::leftovers`).
-fn temporary_beside(path: &Path) -> PathBuf {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".{}.{}.tmp", std::process::id(), rand::random::<u32>()));
-    PathBuf::from(tmp)
-}
-
-/// Writes a new generation file (created new, never through a link), synced if `durable`.
-fn write_generation(path: &Path, generation: Generation, durable: bool) -> Result<()> {
-    let io_err = |op, source| Error::Io { op, path: path.to_owned(), source };
+/// The 16 bytes of a generation file: the id, then the counter, little-endian.
+fn encode_generation(generation: Generation) -> [u8; 16] {
     let mut bytes = [0u8; 16];
     bytes[..8].copy_from_slice(&generation.id.to_le_bytes());
     bytes[8..].copy_from_slice(&generation.counter.to_le_bytes());
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(path)
-        .map_err(|e| io_err("create", e))?;
-    file.write_all(&bytes).map_err(|e| io_err("write", e))?;
-    if durable {
-        file.sync_all().map_err(|e| io_err("fsync", e))?;
-    }
-    Ok(())
+    bytes
 }
 
 fn open_generation(path: &Path) -> Result<File> {

@@ -386,7 +386,13 @@ impl Shared {
         let path = index_path(root);
         let text = serde_json::to_vec_pretty(&index)
             .map_err(|e| Error::StoreIndex { path: path.clone(), reason: e.to_string() })?;
-        replace_file(&path, &text).map_err(|source| Error::StoreIo { op: "write", path, source })
+        // The index is the only record of which folder holds each key: it must outlast a power
+        // loss. Private to the store's user, as the folders are.
+        aio::replace_file(&path, &text, 0o600, aio::Durability::Durable).map_err(|source| Error::StoreIo {
+            op: "write",
+            path,
+            source,
+        })
     }
 }
 
@@ -874,26 +880,6 @@ fn reap_shm(base: &str) {
     }
 }
 
-/// Writes `bytes` to `path` in one step: a temporary file beside it (mode 0600, created new,
-/// named `.NAME.PID.tmp`; writes are serialized), synced, renamed over `path`; then the folder
-/// is synced. After a crash, `path` holds the old bytes or the new ones.
-fn replace_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let mut tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}.{}", std::process::id()))
-        .rand_bytes(0)
-        .suffix(".tmp")
-        .tempfile_in(dir)?;
-    std::io::Write::write_all(&mut tmp, bytes)?;
-    tmp.as_file().sync_all()?;
-    // Renamed over the old file, again while a network filesystem answers ESTALE.
-    let tmp = tmp.into_temp_path();
-    memmap_tensor::retry_stale(|| fs::rename(&tmp, path))?;
-    tmp.keep().map_err(|e| e.error)?;
-    fs::File::open(dir)?.sync_all()
-}
-
 fn entries_dir(root: &Path) -> PathBuf {
     root.join("entries")
 }
@@ -966,13 +952,10 @@ fn restore_dir(root: &Path, state: &mut State) -> Result<()> {
         );
     }
     // Index files a killed server was writing (we hold the lock: no live server writes one).
-    for found in fs::read_dir(root).map_err(|e| io_err("list", root, e))? {
-        let found = found.map_err(|e| io_err("list", root, e))?;
-        let name = found.file_name();
-        if name.to_str().is_some_and(|n| n.starts_with(".store-index.") && n.ends_with(".tmp")) {
-            tracing::info!(path = %found.path().display(), "store: removing what a previous server left");
-            remove_path(&found.path()).map_err(|e| io_err("remove", &found.path(), e))?;
-        }
+    let index = index_path(root);
+    for found in aio::temporaries_of(&index).map_err(|e| io_err("list", root, e))? {
+        tracing::info!(path = %found.display(), "store: removing what a previous server left");
+        remove_path(&found).map_err(|e| io_err("remove", &found, e))?;
     }
     for found in fs::read_dir(&entries).map_err(|e| io_err("list", &entries, e))? {
         let found = found.map_err(|e| io_err("list", &entries, e))?;
