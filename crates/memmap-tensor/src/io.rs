@@ -49,6 +49,14 @@ impl TensorBuf {
     pub fn into_tensor(self) -> Tensor {
         self.tensor
     }
+
+    /// The tensor's bytes, to fill in place (rows copied straight into a new tensor).
+    pub fn as_mut_bytes(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` points to the tensor's `len` initialised bytes of heap storage that
+        // this value holds the only handle on (see the `IoBuf` impl), and the borrow of `self`
+        // keeps any other access away for the slice's lifetime.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
 }
 
 // SAFETY: `ptr` points to the tensor's `len` bytes inside a heap allocation owned by the
@@ -92,5 +100,16 @@ mod tests {
         assert_eq!(back.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0, 4.0]);
         let strided = Tensor::zeros([4, 4], DType::U8, &Location::Heap).unwrap().slice(1, 0, 4, 2).unwrap();
         assert!(matches!(strided.into_io_buf(), Err(Error::NotContiguous { .. })));
+    }
+
+    #[test]
+    fn bytes_filled_in_place_are_the_tensors() {
+        let mut buf = Tensor::zeros([2, 3], DType::U16, &Location::Heap).unwrap().into_io_buf().unwrap();
+        let bytes = buf.as_mut_bytes();
+        assert_eq!(bytes.len(), 12);
+        for (pair, value) in bytes.chunks_exact_mut(2).zip((0u16..).step_by(7)) {
+            pair.copy_from_slice(&value.to_le_bytes());
+        }
+        assert_eq!(buf.into_tensor().to_vec::<u16>().unwrap(), [0, 7, 14, 21, 28, 35]);
     }
 }

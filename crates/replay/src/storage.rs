@@ -17,8 +17,8 @@ use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use memmap_tensor::{DType, Tensor};
-use tensordict::{EntrySchema, Index, KeyPath, ReadMode, Schema, TensorDict, WriteOptions};
+use memmap_tensor::{DType, Location, Tensor};
+use tensordict::{EntrySchema, Index, KeyPath, ReadMode, RowsInFile, Schema, TensorDict, WriteOptions};
 
 use crate::error::{Error, Result, WithOp};
 
@@ -404,14 +404,6 @@ fn tensor_error(key: &KeyPath, source: memmap_tensor::Error) -> tensordict::Erro
     tensordict::Error::Tensor { key: key.clone(), source }
 }
 
-/// Reads of neighbouring rows of one file are merged while the merged read stays within this
-/// many bytes.
-const MAX_MERGED_READ: usize = 1 << 20;
-
-/// Rows closer than this many bytes in a file are read in one request (the bytes between them
-/// are read and dropped): on a network filesystem a request costs more than a few KiB.
-const MERGE_GAP: usize = 4096;
-
 /// One tensor of a [`RowFiles`]: its file and the size of a row in it.
 #[derive(Clone, Debug)]
 struct FileLeaf {
@@ -438,18 +430,6 @@ pub struct RowFiles {
     schema: Schema,
     capacity: usize,
     leaves: Vec<FileLeaf>,
-}
-
-/// A run of rows read in one request.
-struct ReadRun {
-    /// The first and one past the last row of the run.
-    first: usize,
-    end: usize,
-    /// File offset and length of the read.
-    offset: u64,
-    len: usize,
-    /// Where row `first` starts in what is read.
-    skip: usize,
 }
 
 impl RowFiles {
@@ -586,127 +566,38 @@ impl RowFiles {
         if let Some(&index) = rows.iter().find(|&&r| r >= self.capacity) {
             return Err(Error::RowOutOfRange { index, capacity: self.capacity });
         }
-        let mut sorted = rows.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
         let flags = match mode {
             ReadMode::Buffered => 0,
             ReadMode::Direct => nix::libc::O_DIRECT,
         };
-        // Every leaf's runs, then every read in flight at once.
-        let mut plans: Vec<(&FileLeaf, Vec<ReadRun>)> = Vec::with_capacity(self.leaves.len());
-        let mut reads = Vec::new();
-        let mut lens = Vec::new();
-        for leaf in &self.leaves {
-            if leaf.row_bytes == 0 || rows.is_empty() {
-                plans.push((leaf, Vec::new()));
-                continue;
-            }
-            let runs = read_runs(&sorted, leaf.row_bytes, mode);
+        // Tensors of no bytes have no file (the format writes none).
+        let mut sources = Vec::with_capacity(self.leaves.len());
+        for leaf in self.leaves.iter().filter(|l| l.row_bytes > 0) {
             let file = fs::OpenOptions::new()
                 .read(true)
                 .custom_flags(flags)
                 .open(&leaf.path)
                 .map_err(|source| Error::Io { path: leaf.path.clone(), source })?;
-            let file = Arc::new(file);
-            for run in &runs {
-                reads.push((Arc::clone(&file), run.offset));
-                lens.push(run.len);
-            }
-            plans.push((leaf, runs));
+            sources.push(RowsInFile::contiguous(
+                Arc::new(file),
+                &leaf.path,
+                leaf.key.clone(),
+                leaf.dtype,
+                &leaf.row_dims,
+            ));
         }
-        let first_path = || self.leaves.first().map_or_else(|| self.folder.clone(), |l| l.path.clone());
-        let parts = aio::AlignedBuf::new(lens.iter().sum())
-            .and_then(|b| b.split(&lens))
-            .map_err(|source| Error::Io { path: first_path(), source })?;
-        let reads: Vec<_> = reads.into_iter().zip(parts).map(|((file, offset), part)| (file, offset, part)).collect();
-        let total: usize = lens.iter().sum();
-        let mut back = engine.read_many(reads).into_iter();
-        let mut parts = Vec::with_capacity(lens.len());
-        for (leaf, runs) in &plans {
-            for run in runs {
-                let (result, part) = back.next().ok_or_else(|| Error::Io {
-                    path: leaf.path.clone(),
-                    source: std::io::Error::other("a read did not come back"),
-                })?;
-                let got = result.map_err(|source| Error::Io { path: leaf.path.clone(), source })?;
-                let wanted = run.skip + (run.end - run.first) * leaf.row_bytes;
-                if got < wanted {
-                    return Err(Error::Inconsistent {
-                        path: leaf.path.clone(),
-                        problem: format!(
-                            "a read of rows {}..{} at byte {} returned {got} of {wanted} bytes (the file is \
-                             shorter than the storage)",
-                            run.first, run.end, run.offset
-                        ),
-                    });
-                }
-                parts.push(part);
-            }
-        }
-        let whole = if total == 0 {
-            None
-        } else {
-            Some(aio::BufPart::join(parts).map_err(|_| Error::Io {
-                path: first_path(),
-                source: std::io::Error::other("a read buffer did not come back"),
-            })?)
-        };
-        let whole = whole.as_ref().map_or(&[][..], |b| b.as_slice());
-        // Each requested row, in the order asked, from the run that holds it.
-        let mut at = 0;
-        let mut tensors = Vec::with_capacity(plans.len());
-        for (leaf, runs) in &plans {
-            let mut dims = vec![rows.len()];
-            dims.extend_from_slice(&leaf.row_dims);
-            let mut bytes = vec![0u8; rows.len() * leaf.row_bytes];
-            if !runs.is_empty() {
-                let starts: Vec<usize> =
-                    runs.iter().scan(at, |next, run| Some(std::mem::replace(next, *next + run.len))).collect();
-                for (k, &r) in rows.iter().enumerate() {
-                    let i = runs.partition_point(|run| run.end <= r);
-                    let from = starts[i] + runs[i].skip + (r - runs[i].first) * leaf.row_bytes;
-                    bytes[k * leaf.row_bytes..(k + 1) * leaf.row_bytes]
-                        .copy_from_slice(&whole[from..from + leaf.row_bytes]);
-                }
-                at += runs.iter().map(|run| run.len).sum::<usize>();
-            }
-            let tensor = Tensor::from_bytes(&bytes, leaf.dtype, dims)
-                .map_err(|source| Error::TensorDict { op: "read rows", source: tensor_error(&leaf.key, source) })?;
-            tensors.push(tensor);
-        }
-        let mut tensors = tensors.into_iter();
+        let mut read = tensordict::read_file_rows(engine, &sources, rows, mode).op("read rows")?.into_iter();
+        let mut leaves = self.leaves.iter();
         sampled_schema(&self.schema, rows)
-            .build(&mut |key, _| {
-                tensors.next().ok_or_else(|| tensordict::Error::InvalidSchema {
+            .build(&mut |key, t| match leaves.next() {
+                Some(leaf) if leaf.row_bytes == 0 => Tensor::zeros(t.shape.as_slice(), t.dtype, &Location::Heap)
+                    .map_err(|source| tensor_error(key, source)),
+                _ => read.next().ok_or_else(|| tensordict::Error::InvalidSchema {
                     reason: format!("`{key}`: no tensor was read for it"),
-                })
+                }),
             })
             .op("read rows")
     }
-}
-
-/// The reads of `sorted` (distinct, ascending) rows of `row_bytes` each: neighbouring rows
-/// (within [`MERGE_GAP`] bytes) in one read of at most [`MAX_MERGED_READ`] bytes, aligned to
-/// 4 KiB for `O_DIRECT`.
-fn read_runs(sorted: &[usize], row_bytes: usize, mode: ReadMode) -> Vec<ReadRun> {
-    let gap_rows = MERGE_GAP / row_bytes;
-    let mut runs: Vec<ReadRun> = Vec::new();
-    for &r in sorted {
-        if let Some(run) = runs.last_mut()
-            && r <= run.end + gap_rows
-            && (r + 1 - run.first) * row_bytes <= MAX_MERGED_READ
-        {
-            run.end = r + 1;
-            continue;
-        }
-        runs.push(ReadRun { first: r, end: r + 1, offset: 0, len: 0, skip: 0 });
-    }
-    for run in &mut runs {
-        let (start, end) = ((run.first * row_bytes) as u64, (run.end * row_bytes) as u64);
-        (run.offset, run.len, run.skip) = aio::read_span(start, end, mode == ReadMode::Direct);
-    }
-    runs
 }
 
 /// The schema of rows `rows` of a storage of schema `schema`: dim 0 of every batch size and

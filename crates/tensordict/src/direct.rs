@@ -4,11 +4,12 @@
 use std::io;
 use std::sync::Arc;
 
-use aio::{AlignedBuf, BufPart, Engine, Offloader};
+use aio::{Engine, Offloader};
 use indexmap::IndexMap;
 use memmap_tensor::{DType, Location, StorageKind, Tensor};
 
 use crate::error::WithKey;
+use crate::file_rows::{RowsInFile, read_file_rows};
 use crate::index::normalize;
 use crate::schema::{self, Schema};
 use crate::{Entry, Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
@@ -196,6 +197,8 @@ fn restore_once(offloader: &Offloader, name: &str) -> Result<Attempt> {
         .map(Attempt::Done)
 }
 
+/// `gather_direct` of the dict `td` (at `path` in the whole dict): every file-backed tensor's
+/// rows are read in one go ([`read_file_rows`]), then the dict is rebuilt around them.
 fn gather_node(
     td: &TensorDict,
     path: &KeyPath,
@@ -204,16 +207,53 @@ fn gather_node(
     indices: &[i64],
     mode: ReadMode,
 ) -> Result<TensorDict> {
+    let mut sources = Vec::new();
+    collect_sources(td, path, rows, mode, &mut sources)?;
+    let mut read = read_file_rows(engine, &sources, rows, mode)?.into_iter();
+    rebuild(td, path, rows, indices, &mut read)
+}
+
+/// Whether the rows of `t` are read from its file (or, with no bytes to read, made in memory).
+fn reads_file(t: &Tensor, rows: &[usize]) -> bool {
+    t.elem_count() != 0 && !rows.is_empty()
+}
+
+/// The file rows of every tensor of `td` that [`reads_file`], in the order [`rebuild`] takes them.
+fn collect_sources(
+    td: &TensorDict,
+    path: &KeyPath,
+    rows: &[usize],
+    mode: ReadMode,
+    sources: &mut Vec<RowsInFile>,
+) -> Result<()> {
+    for (name, entry) in td.iter() {
+        match entry {
+            Entry::Tensor(t) if reads_file(t, rows) => sources.push(file_source(t, &path.join(name), mode)?),
+            Entry::Dict(d) => collect_sources(d, &path.join(name), rows, mode, sources)?,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// `td`'s structure over the rows read (`read`, in [`collect_sources`]'s order).
+fn rebuild(
+    td: &TensorDict,
+    path: &KeyPath,
+    rows: &[usize],
+    indices: &[i64],
+    read: &mut std::vec::IntoIter<Tensor>,
+) -> Result<TensorDict> {
     let mut entries = IndexMap::with_capacity(td.len());
     for (name, entry) in td.iter() {
         let key = path.join(name);
         let value = match entry {
+            Entry::Tensor(t) if reads_file(t, rows) => Entry::Tensor(read.next().ok_or_else(|| {
+                Error::InvalidArgument { op: "gather_direct", detail: format!("key `{key}`: no rows were read for it") }
+            })?),
             // Nothing to read from a file: no rows asked for, or rows of no bytes.
-            Entry::Tensor(t) if t.elem_count() == 0 || rows.is_empty() => {
-                Entry::Tensor(t.gather_rows(indices).with_key(|| key.clone())?)
-            }
-            Entry::Tensor(t) => Entry::Tensor(gather_leaf(t, &key, engine, rows, mode)?),
-            Entry::Dict(d) => Entry::Dict(gather_node(d, &key, engine, rows, indices, mode)?),
+            Entry::Tensor(t) => Entry::Tensor(t.gather_rows(indices).with_key(|| key.clone())?),
+            Entry::Dict(d) => Entry::Dict(rebuild(d, &key, rows, indices, read)?),
             Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
             Entry::NonTensorStack(v) => {
                 let values = v.as_array().map_or(&[][..], Vec::as_slice);
@@ -227,25 +267,8 @@ fn gather_node(
     Ok(TensorDict::from_parts(batch, entries))
 }
 
-/// Reads of neighbouring rows are merged up to this many bytes.
-const MAX_MERGED_READ: usize = 1 << 20;
-
-/// One read of a run of consecutive rows.
-struct Run {
-    /// The first row.
-    first: usize,
-    /// Rows in the run.
-    count: usize,
-    /// File offset and length of the read (aligned for O_DIRECT).
-    offset: u64,
-    len: usize,
-    /// Where the first row starts in what is read.
-    skip: usize,
-}
-
-/// The rows of one file-backed tensor, read through the engine: rows that follow each other
-/// in the file (a trajectory slice, duplicates) are read once, in file order, all in flight.
-fn gather_leaf(t: &Tensor, key: &KeyPath, engine: &Engine, rows: &[usize], mode: ReadMode) -> Result<Tensor> {
+/// Where the rows of the file-backed tensor `t` lie in its file, opened again for this read.
+fn file_source(t: &Tensor, key: &KeyPath, mode: ReadMode) -> Result<RowsInFile> {
     let unsupported =
         |what: &str| Error::InvalidArgument { op: "gather_direct", detail: format!("key `{key}`: {what}") };
     let storage = t.storage();
@@ -256,35 +279,8 @@ fn gather_leaf(t: &Tensor, key: &KeyPath, engine: &Engine, rows: &[usize], mode:
         return Err(unsupported("its rows are not contiguous in the file"));
     }
     let elem = t.dtype().size_in_bytes();
-    let row_bytes = t.layout().row_elems().unwrap_or(1) * elem;
-    let stride_bytes = t.layout().strides()[0] * elem;
-    let row_offset = |r: usize| (t.byte_offset() + t.layout().offset_elems() * elem + r * stride_bytes) as u64;
-    let io_err = |source: io::Error| Error::Io { op: "gather_direct", path: path.to_owned(), source };
-
-    // Runs of consecutive rows, in file order; rows only merge when they are adjacent in the
-    // file (not in a strided view).
-    let mut sorted = rows.to_vec();
-    sorted.sort_unstable();
-    sorted.dedup();
-    let mergeable = stride_bytes == row_bytes;
-    let mut runs: Vec<Run> = Vec::new();
-    for &r in &sorted {
-        if let Some(run) = runs.last_mut()
-            && mergeable
-            && r == run.first + run.count
-            && (run.count + 1) * row_bytes <= MAX_MERGED_READ
-        {
-            run.count += 1;
-            continue;
-        }
-        runs.push(Run { first: r, count: 1, offset: 0, len: 0, skip: 0 });
-    }
-    for run in &mut runs {
-        let start = row_offset(run.first);
-        let end = start + (run.count * row_bytes) as u64;
-        (run.offset, run.len, run.skip) = aio::read_span(start, end, mode == ReadMode::Direct);
-    }
-
+    let start_bytes = (t.byte_offset() + t.layout().offset_elems() * elem) as u64;
+    let stride_bytes = (t.layout().strides()[0] * elem) as u64;
     // The file that is mapped, not whatever the path names now (the folder may have been
     // rewritten since it was opened).
     let flags = match mode {
@@ -292,33 +288,5 @@ fn gather_leaf(t: &Tensor, key: &KeyPath, engine: &Engine, rows: &[usize], mode:
         ReadMode::Direct => nix::libc::O_DIRECT,
     };
     let file = Arc::new(storage.reopen_file(flags).with_key(|| key.clone())?);
-    let lens: Vec<usize> = runs.iter().map(|run| run.len).collect();
-    let parts = AlignedBuf::new(lens.iter().sum()).and_then(|b| b.split(&lens)).map_err(io_err)?;
-    let reads = runs.iter().zip(parts).map(|(run, part)| (Arc::clone(&file), run.offset, part)).collect();
-    let mut back: Vec<BufPart> = Vec::with_capacity(runs.len());
-    for ((result, part), run) in engine.read_many(reads).into_iter().zip(&runs) {
-        let got = result.map_err(io_err)?;
-        if got < run.skip + run.count * row_bytes {
-            let e = io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("a read of {} rows returned {got} bytes", run.count),
-            );
-            return Err(io_err(e));
-        }
-        back.push(part);
-    }
-    let whole = BufPart::join(back).map_err(|_| io_err(io::Error::other("a read buffer did not come back")))?;
-
-    // Each requested row, in the order asked, from the run that holds it.
-    let starts: Vec<usize> = runs.iter().scan(0, |at, run| Some(std::mem::replace(at, *at + run.len))).collect();
-    let mut bytes = Vec::with_capacity(rows.len() * row_bytes);
-    for &r in rows {
-        let i = runs.partition_point(|run| run.first + run.count <= r);
-        let run = &runs[i];
-        let at = starts[i] + run.skip + (r - run.first) * row_bytes;
-        bytes.extend_from_slice(&whole.as_slice()[at..at + row_bytes]);
-    }
-    let mut dims = t.dims().to_vec();
-    dims[0] = rows.len();
-    Tensor::from_bytes(&bytes, t.dtype(), dims).with_key(|| key.clone())
+    Ok(RowsInFile::contiguous(file, path, key.clone(), t.dtype(), &t.dims()[1..]).placed(start_bytes, stride_bytes))
 }
