@@ -6,13 +6,13 @@
 //! write completes. Space stops being used by a key (overwrite, `remove`) long before it may be
 //! reused: only once a saved index no longer mentions it and no read is still reading it.
 //!
-//! The index file is a header line (`aio-offload-index 2 <body bytes> <crc32 of the body>`)
-//! followed by a JSON body; it is replaced atomically (unique temporary file, `fsync`, `rename`,
-//! `fsync` of the folder), so a reader sees an old or a new index, and a damaged one is refused.
+//! The index file (its format in `index.rs`) is replaced durably and atomically
+//! ([`crate::replace_file`]), so a reader sees an old or a new index, and a damaged one is
+//! refused.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read};
+use std::io;
 use std::ops::Bound;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -21,28 +21,14 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use nix::errno::Errno;
 use nix::fcntl::{FallocateFlags, FcntlArg, Flock, FlockArg, OFlag, fallocate, fcntl};
 use nix::libc;
-use serde_json::{Map, Value, json};
 
-use crate::extent::{EXTENT_ALIGN, Extent, ExtentAllocator};
+mod index;
+
+use index::Slot;
+
+use crate::extent::{Extent, ExtentAllocator};
 use crate::join::Join;
 use crate::{Completion, Durability, Engine, IoBuf, IoBufMut};
-
-/// Index files larger than this are refused before they are read.
-const MAX_INDEX_BYTES: u64 = 256 << 20;
-/// The first word of an index file.
-const INDEX_MAGIC: &str = "aio-offload-index";
-/// The index format written and read.
-const INDEX_VERSION: u64 = 2;
-/// The header line is at most this long (magic, version, two numbers, spaces, newline).
-const MAX_HEADER_BYTES: usize = 80;
-
-/// Where one key's bytes are.
-#[derive(Clone, Copy, Debug)]
-struct Slot {
-    extent: Extent,
-    /// Bytes stored (the extent is rounded up to 4 KiB).
-    len: u64,
-}
 
 struct State {
     alloc: ExtentAllocator,
@@ -188,7 +174,7 @@ impl Offloader {
         let lock = lock_exclusive(&file, &path)?;
         remove_stale_temporaries(&index_path);
         let (alloc, index) = match open_regular(&index_path, false) {
-            Ok(f) => read_index(f, &index_path, file.metadata()?.len())?,
+            Ok(f) => index::read(f, &index_path, file.metadata()?.len())?,
             Err(e) if e.kind() == io::ErrorKind::NotFound => (ExtentAllocator::new(), BTreeMap::new()),
             Err(e) => return Err(e),
         };
@@ -574,14 +560,7 @@ impl Inner {
             if state.version == saved.version {
                 return Ok(());
             }
-            let mut entries = Map::new();
-            for (key, slot) in &state.index {
-                entries.insert(key.clone(), json!([slot.extent.offset, slot.extent.len, slot.len]));
-            }
-            let body =
-                serde_json::to_vec(&json!({"version": INDEX_VERSION, "align": EXTENT_ALIGN, "entries": entries}))
-                    .map_err(io::Error::other)?;
-            (body, std::mem::take(&mut state.pending_free), state.version)
+            (index::encode(&state.index)?, std::mem::take(&mut state.pending_free), state.version)
         };
         // 2. The bytes it points at reach the disk before it does.
         if let Err(e) = self.file.sync_data() {
@@ -590,7 +569,7 @@ impl Inner {
             return Err(io::Error::new(e.kind(), format!("fsync of {}: {e}", self.path.display())));
         }
         // 3. Replace the index atomically.
-        match crate::replace_file(&self.index_path, &frame_index(&text), 0o644, Durability::Durable) {
+        match crate::replace_file(&self.index_path, &text, 0o644, Durability::Durable) {
             Ok(()) => {
                 saved.version = version;
                 // 4. The saved index no longer mentions these.
@@ -771,94 +750,6 @@ fn check_len(op: &str, key: &str, got: usize, expected: u64) -> io::Result<()> {
     }
 }
 
-/// The header line and the body.
-fn frame_index(body: &[u8]) -> Vec<u8> {
-    let mut out = format!("{INDEX_MAGIC} {INDEX_VERSION} {} {:08x}\n", body.len(), crc32fast::hash(body)).into_bytes();
-    out.extend_from_slice(body);
-    out
-}
-
-/// Checks the header line (magic, version, length, checksum) and returns the body.
-fn unframe_index(bytes: &[u8]) -> Result<&[u8], String> {
-    let head_len = bytes.iter().take(MAX_HEADER_BYTES).position(|&b| b == b'\n').ok_or_else(|| {
-        if bytes.is_empty() { "empty file".to_owned() } else { format!("no `{INDEX_MAGIC}` header line") }
-    })?;
-    let head = std::str::from_utf8(&bytes[..head_len]).map_err(|_| "the header line is not text".to_owned())?;
-    let body = &bytes[head_len + 1..];
-    let fields: Vec<&str> = head.split(' ').collect();
-    let [magic, version, len, crc] = fields[..] else {
-        return Err(format!("bad header line `{}`", head.escape_debug()));
-    };
-    if magic != INDEX_MAGIC {
-        return Err(format!("no `{INDEX_MAGIC}` header line"));
-    }
-    if version != INDEX_VERSION.to_string() {
-        return Err(format!("index format {} is not supported (this reads {INDEX_VERSION})", version.escape_debug()));
-    }
-    let len: u64 = len.parse().map_err(|_| format!("bad body length `{}`", len.escape_debug()))?;
-    let crc = u32::from_str_radix(crc, 16).map_err(|_| format!("bad checksum `{}`", crc.escape_debug()))?;
-    // Only the one spelling this writes (no `+`, no leading zeros, lowercase hex).
-    if head != format!("{INDEX_MAGIC} {INDEX_VERSION} {len} {crc:08x}") {
-        return Err(format!("bad header line `{}`", head.escape_debug()));
-    }
-    if body.len() as u64 != len {
-        return Err(format!(
-            "the header announces {len} bytes of entries, the file holds {} (torn write?)",
-            body.len()
-        ));
-    }
-    let actual = crc32fast::hash(body);
-    if actual != crc {
-        return Err(format!("checksum mismatch (header {crc:08x}, entries {actual:08x})"));
-    }
-    Ok(body)
-}
-
-fn read_index(file: File, path: &Path, data_len: u64) -> io::Result<(ExtentAllocator, BTreeMap<String, Slot>)> {
-    let bad =
-        |why: String| io::Error::new(io::ErrorKind::InvalidData, format!("offload index {}: {why}", path.display()));
-    let size = file.metadata()?.len();
-    if size > MAX_INDEX_BYTES {
-        return Err(bad(format!("{size} bytes, over the {MAX_INDEX_BYTES}-byte limit")));
-    }
-    // Bounded while reading too: the file may grow meanwhile.
-    let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
-    file.take(MAX_INDEX_BYTES + 1).read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > MAX_INDEX_BYTES {
-        return Err(bad(format!("over the {MAX_INDEX_BYTES}-byte limit")));
-    }
-    let body = unframe_index(&bytes).map_err(bad)?;
-    let value: Value = serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON: {e}")))?;
-    if value.get("version").and_then(Value::as_u64) != Some(INDEX_VERSION) {
-        return Err(bad("unsupported index version".into()));
-    }
-    if value.get("align").and_then(Value::as_u64) != Some(EXTENT_ALIGN) {
-        return Err(bad(format!("extents are not aligned to {EXTENT_ALIGN} bytes")));
-    }
-    let entries = value.get("entries").and_then(Value::as_object).ok_or_else(|| bad("no entries".into()))?;
-    let mut index = BTreeMap::new();
-    for (key, v) in entries {
-        let nums: Option<Vec<u64>> = v.as_array().and_then(|a| a.iter().map(Value::as_u64).collect());
-        let Some([offset, len, data]) = nums.as_deref().and_then(|n| <[u64; 3]>::try_from(n).ok()) else {
-            return Err(bad(format!("entry `{key}` is not [offset, length, bytes]")));
-        };
-        if data > len {
-            return Err(bad(format!("entry `{key}` stores {data} bytes in an extent of {len}")));
-        }
-        if data > 0 && offset.checked_add(data).is_none_or(|end| end > data_len) {
-            return Err(bad(format!(
-                "key `{key}` has bytes {offset}..{} but the offload file has {data_len} (truncated, or the index \
-                 belongs to another file)",
-                offset.saturating_add(data)
-            )));
-        }
-        index.insert(key.clone(), Slot { extent: Extent { offset, len }, len: data });
-    }
-    let alloc = ExtentAllocator::from_used(index.values().map(|s| s.extent))
-        .ok_or_else(|| bad("extents are misaligned or overlap".into()))?;
-    Ok((alloc, index))
-}
-
 /// A buffer seen as only its first `limit` bytes, so that a read moves exactly a key's bytes.
 struct Limit<B> {
     inner: B,
@@ -919,20 +810,5 @@ mod tests {
         assert_eq!(s.alloc.allocate(4096), Some(b), "a is still being read");
         s.unpin(a);
         assert_eq!(s.alloc.allocate(4096), Some(a), "free once the last read is done");
-    }
-
-    #[test]
-    fn index_framing_round_trips_and_refuses_damage() {
-        let body = br#"{"version": 2}"#;
-        let framed = frame_index(body);
-        assert_eq!(unframe_index(&framed), Ok(&body[..]));
-        for cut in 0..framed.len() {
-            assert!(unframe_index(&framed[..cut]).is_err(), "cut at {cut}");
-        }
-        for i in 0..framed.len() {
-            let mut flipped = framed.clone();
-            flipped[i] ^= 0x20;
-            assert!(unframe_index(&flipped).is_err(), "byte {i} flipped");
-        }
     }
 }
