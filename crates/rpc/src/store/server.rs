@@ -619,8 +619,8 @@ impl StoreService for Session {
                     ),
                 });
             }
-            state.used += layout.bytes;
-            state.making_shm += making;
+            state.used = state.used.saturating_add(layout.bytes);
+            state.making_shm = state.making_shm.saturating_add(making);
             state.next_version += 1;
             state.next_version - 1
         };
