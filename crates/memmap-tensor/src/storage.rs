@@ -544,10 +544,10 @@ fn map_fd(file: &File, len: usize, access: Access) -> std::io::Result<Option<Mma
     let mut options = MmapOptions::new();
     options.len(len);
     let map = match access {
-        Access::ReadOnly => options.map_raw_read_only(file)?,
-        Access::ReadWrite => options.map_raw(file)?,
+        Access::ReadOnly => options.map_raw_read_only(file),
+        Access::ReadWrite => options.map_raw(file),
     };
-    Ok(Some(map))
+    map.map(Some).map_err(crate::maps::explain_mmap_error)
 }
 
 /// Sets the length of a new, empty file to `len` and allocates its blocks.

@@ -1,7 +1,8 @@
 //! Hostile requests to a store server process through raw `StoreServiceClient`s: layouts that do
 //! not fit, overflow, or ask for more memory than exists; other sessions' allocations and leases;
 //! bad keys; loads of no and of too many keys; waits too long for a clock; path-like keys in a
-//! folder store; garbage on the socket. Every one gets a clear error and the server goes on
+//! folder store; garbage on the socket; allocations at once that do not all fit the capacity or
+//! `/dev/shm`. Every one gets a clear error and the server goes on
 //! serving everybody else.
 
 mod common;
@@ -11,11 +12,13 @@ mod store_data;
 mod store_server;
 
 use std::collections::BTreeSet;
+use std::process::{Command, Stdio};
+use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use common::{Sandbox, TestResult};
 use memmap_tensor::{DType, Location, Storage, Tensor};
-use rpc::store::{EntryLayout, Placement, Store, StoreServiceClient, Wait};
+use rpc::store::{Allocated, EntryLayout, Placement, Store, StoreServiceClient, Wait};
 use rpc::{BlockingClient, ClientOptions, Error, WireError};
 use store_server::{Served, serve, store_name};
 use tensordict::{Schema, TensorDict};
@@ -170,6 +173,112 @@ fn a_folder_store_counts_tensors_at_their_real_size() -> TestResult {
     assert_eq!(listed[0].bytes, 400);
     answer(client.call(async |c, ctx| c.abort(ctx, allocated.id).await))?;
     still_serving(&sandbox, &name, &mut server, 1)
+}
+
+/// Two allocations at once that each fit the capacity (1 MiB) but not together (600,000 bytes
+/// each), in shared memory and in a folder, five rounds: whichever order the server takes them
+/// in, one is let through and the other is refused with `CapacityExceeded`, which counts the
+/// first as used: the capacity is checked and taken in one step.
+#[test]
+fn allocations_at_once_past_the_capacity_let_exactly_one_through() -> TestResult {
+    for in_folder in [false, true] {
+        let sandbox = Sandbox::new();
+        let name = store_name(if in_folder { "race-capacity-dir" } else { "race-capacity" });
+        let data = sandbox.root.path().join("data");
+        let mut args = vec!["--capacity", "1048576"];
+        if in_folder {
+            args.extend(["--dir", data.to_str().expect("utf-8")]);
+        }
+        let mut server = serve(&sandbox, &name, &args);
+        let clients = [raw(&sandbox, &name), raw(&sandbox, &name)];
+        let (_, layout) = small(150_000);
+        for round in 0..5 {
+            let start = Barrier::new(clients.len());
+            let results: Vec<Result<Allocated, WireError>> = std::thread::scope(|scope| {
+                let calls: Vec<_> = clients
+                    .iter()
+                    .map(|client| {
+                        let (start, layout) = (&start, layout.clone());
+                        scope.spawn(move || {
+                            start.wait();
+                            answer(client.call(async |c, ctx| c.allocate(ctx, layout).await))
+                        })
+                    })
+                    .collect();
+                calls.into_iter().map(|call| call.join().expect("the allocating thread")).collect()
+            });
+            let won: Vec<usize> = (0..results.len()).filter(|&i| results[i].is_ok()).collect();
+            assert_eq!(won.len(), 1, "round {round} (folder: {in_folder}): {results:?}");
+            let winner = won[0];
+            match &results[1 - winner] {
+                Err(WireError::CapacityExceeded { requested, used, capacity, .. }) => {
+                    assert_eq!((*requested, *used, *capacity), (600_000, 600_000, 1 << 20), "round {round}");
+                }
+                other => panic!("round {round} (folder: {in_folder}): expected CapacityExceeded, got {other:?}"),
+            }
+            let id = results[winner].as_ref().map(|a| a.id).expect("the winner's allocation");
+            answer(clients[winner].call(async |c, ctx| c.abort(ctx, id).await))?;
+        }
+        assert!(answer(clients[0].call(async |c, ctx| c.list(ctx).await))?.is_empty());
+        still_serving(&sandbox, &name, &mut server, 1)?;
+    }
+    Ok(())
+}
+
+/// Two saves at once into a `/dev/shm` of 1 MiB, 600,000 bytes each, 50 rounds: each fits
+/// alone, not both. One is saved, and the other refused before anything is made, with the
+/// error of a request larger than the room (naming the bytes free), never both failing with
+/// `ENOSPC` halfway through. The room is checked and promised in one step under the server's
+/// lock. Runs `rpc-test-peer store-race` in a mount namespace of its own with a tmpfs of 1 MiB
+/// on `/dev/shm`, which takes root and `unshare`; elsewhere it is skipped, saying why. (Before
+/// the room was promised under the lock, a few rounds of 50 ran out of space halfway, and now
+/// and then both saves of a round failed.)
+#[test]
+fn two_saves_that_fit_dev_shm_alone_but_not_together_let_exactly_one_through() -> TestResult {
+    if !nix::unistd::geteuid().is_root() {
+        println!("skipped: mounting a small tmpfs on /dev/shm in a namespace of its own takes root");
+        return Ok(());
+    }
+    match Command::new("unshare").args(["-m", "true"]).stderr(Stdio::null()).status() {
+        Ok(status) if status.success() => {}
+        Ok(status) => {
+            println!("skipped: `unshare -m` is not allowed here ({status})");
+            return Ok(());
+        }
+        Err(e) => {
+            println!("skipped: no `unshare` to run: {e}");
+            return Ok(());
+        }
+    }
+    let sandbox = Sandbox::new();
+    let name = store_name("race-shm");
+    // `unshare` makes the namespace's mounts private: the tmpfs is seen by the peer alone.
+    const ROUNDS: usize = 50;
+    let script = r#"mount -t tmpfs -o size=1M tmpfs /dev/shm || exit 77; exec "$0" store-race "$1" 600000 "$2""#;
+    let out = Command::new("unshare")
+        .args(["-m", "sh", "-c", script, env!("CARGO_BIN_EXE_rpc-test-peer"), &name, &ROUNDS.to_string()])
+        .env(rpc::RUNTIME_DIR_ENV, sandbox.run_dir())
+        .stdin(Stdio::null())
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if out.status.code() == Some(77) {
+        println!("skipped: a tmpfs cannot be mounted on /dev/shm here");
+        return Ok(());
+    }
+    let report = format!("{}\n{stdout}{}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{report}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2 * ROUNDS + 1, "two outcomes a round, then `done`: {report}");
+    assert_eq!(lines[2 * ROUNDS], "done", "{report}");
+    for round in lines[..2 * ROUNDS].chunks(2) {
+        assert_eq!(round.iter().filter(|l| **l == "saved").count(), 1, "one save a round: {report}");
+        let refused = round.iter().find(|l| l.starts_with("refused: ")).expect("one refusal a round");
+        assert!(
+            refused.contains("cannot make 600000 bytes of shared memory") && refused.contains("bytes free"),
+            "the refusal is not the check of the room before anything is made: {report}"
+        );
+    }
+    Ok(())
 }
 
 fn walk_bytes(dir: &std::path::Path) -> std::io::Result<u64> {

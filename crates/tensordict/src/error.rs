@@ -126,6 +126,32 @@ pub enum Error {
         /// What is wrong, naming the key path.
         reason: String,
     },
+    /// A dict has more leaves to map than this process may still map: each mapped leaf is one
+    /// memory mapping, and a process may have at most `vm.max_map_count` of them (see
+    /// [`memmap_tensor::MapCount`]). Refused before the process runs out, which would abort it.
+    #[error(
+        "{location}: {leaves} leaves to map, one mapping each, but this process may make only {room} more \
+         ({in_use} in use, the limit {limit} from {limit_from}, {headroom} kept free); {remedy}, or raise the \
+         limit above {needed} (`sysctl -w vm.max_map_count={needed}`)",
+        headroom = memmap_tensor::MAP_HEADROOM,
+        needed = in_use.saturating_add(*leaves).saturating_add(memmap_tensor::MAP_HEADROOM)
+    )]
+    TooManyMappings {
+        /// The folder, or `shm:PREFIX` for a shared dict.
+        location: String,
+        /// The leaves that need a mapping (those with at least one element).
+        leaves: usize,
+        /// The mappings this process had before it tried.
+        in_use: usize,
+        /// The most mappings a process may have.
+        limit: usize,
+        /// Where the limit comes from (`vm.max_map_count` or `TDICT_MAX_MAP_COUNT`).
+        limit_from: &'static str,
+        /// The mappings this process could still make, keeping some free.
+        room: usize,
+        /// What to do instead, for this operation.
+        remedy: &'static str,
+    },
     /// A file or folder operation failed.
     #[error("{op} {}: {source}", path.display())]
     Io {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use indexmap::IndexMap;
-use memmap_tensor::{Access, DType, Layout, Location, Tensor};
+use memmap_tensor::{Access, DType, Layout, Location, MapCount, Tensor};
 use serde_json::{Map, Value, json};
 
 use crate::dir::Dir;
@@ -185,6 +185,10 @@ impl TensorDict {
         // Best effort: what a killed writer left here is garbage; a failure to remove it is
         // no reason to fail this write.
         let _ = destination.remove_dead_leftovers();
+        // The written dict is returned mapped, one mapping per leaf with elements: a dict this
+        // process cannot map is refused before anything is written.
+        let mapped = self.leaves().iter().filter(|(_, t)| resized_bytes(t, fill) > 0).count();
+        check_map_room(mapped, &prefix.display().to_string(), REMEDY_WRITE)?;
         let staging = destination.stage()?;
         let total_bytes = self.leaves().iter().map(|(_, t)| resized_bytes(t, fill)).sum();
         let mut writing = Writing { options, fill, done_bytes: 0, total_bytes };
@@ -194,7 +198,7 @@ impl TensorDict {
         }
         // Whatever is put in place must load: check it before, through the names it will have.
         let top = Dir::open_at_path(staging.path(), prefix.to_owned())?;
-        let written = read_tree(&top, &mut Mapper(Access::ReadWrite))?;
+        let written = map_tree(&top, Access::ReadWrite, prefix, REMEDY_WRITE)?;
         destination.commit(staging, options.overwrite, options.fsync)?;
         Ok(written)
     }
@@ -296,8 +300,19 @@ impl TensorDict {
     /// `SIGBUS`; no error can be returned then. Where a copy of a dict on a network filesystem
     /// is what is wanted, [`TensorDict::read_memmap`] reads it into memory instead, and such a
     /// failure is an [`Error::Io`] naming the file.
+    ///
+    /// Every leaf with elements is one memory mapping, and a process may have at most
+    /// `vm.max_map_count` (65,530 by default); past it, `mmap` fails and so does the
+    /// allocator, which aborts the process. A dict of more leaves than this process may still
+    /// map ([`memmap_tensor::MapCount::room`], which keeps [`memmap_tensor::MAP_HEADROOM`]
+    /// free) is refused with [`Error::TooManyMappings`], naming the leaves, the limit and
+    /// what the process maps already, before the process runs out: the load stops mapping
+    /// there, lets go of what it mapped, and only counts the rest. [`TensorDict::read_memmap`]
+    /// loads such a dict (it maps nothing), and [`TensorDict::verify_memmap`] checks it. The
+    /// limit is looked at once a load has mapped 1,024 leaves, so smaller dicts pay nothing.
     pub fn load_memmap(prefix: impl AsRef<Path>, access: Access) -> Result<TensorDict> {
-        load_folder(prefix.as_ref(), |top| read_tree(top, &mut Mapper(access)))
+        let prefix = prefix.as_ref();
+        load_folder(prefix, |top| map_tree(top, access, prefix, REMEDY_LOAD))
     }
 
     /// Checks the memmap folder at `prefix` the way [`TensorDict::load_memmap`] does, but goes on
@@ -306,12 +321,15 @@ impl TensorDict {
     ///
     /// Hidden files and folders left by writers ([`TensorDict::leftovers`]) are problems too
     /// ([`Error::Leftover`]).
+    ///
+    /// Each leaf file is mapped, as a load maps it, and let go of at once: a folder of any
+    /// number of leaves is verified with one mapping at a time (a load of it may still be
+    /// refused, see [`Error::TooManyMappings`]).
     pub fn verify_memmap(prefix: impl AsRef<Path>) -> Vec<Error> {
         let prefix = prefix.as_ref();
         let mut problems = Vec::new();
-        let read = open_top(prefix).and_then(|top| {
-            read_node(&top, &KeyPath::default(), None, &mut Mapper(Access::ReadOnly), &mut Some(&mut problems))
-        });
+        let read = open_top(prefix)
+            .and_then(|top| read_node(&top, &KeyPath::default(), None, &mut Checker, &mut Some(&mut problems)));
         if let Err(e) = read {
             problems.push(e);
         }
@@ -348,16 +366,124 @@ pub(crate) struct LeafFile {
     pub(crate) nbytes: usize,
 }
 
-/// Leaves mapped with an access mode: what [`TensorDict::load_memmap`] returns.
-pub(crate) struct Mapper(pub(crate) Access);
+/// Mapped leaves before a load first looks at how many more mappings the process may make
+/// (reading `/proc/self/maps`): smaller dicts never pay for it.
+const MAPS_CHECKED_FROM: usize = 1024;
+
+/// What to do instead of a load refused for its mappings.
+const REMEDY_LOAD: &str = "load it without mappings with `TensorDict::read_memmap`";
+/// What to do instead of a write refused for its mappings (the written dict is returned mapped).
+const REMEDY_WRITE: &str = "write it as several dicts of fewer leaves";
+
+/// Leaves mapped with an access mode: what [`TensorDict::load_memmap`] returns. It maps no more
+/// leaves than the process may (see [`Error::TooManyMappings`]): once there is no room, it
+/// maps nothing more and only counts the leaves, for the error.
+struct Mapper {
+    access: Access,
+    /// Leaves mapped.
+    mapped: usize,
+    /// Leaves that need a mapping (those with elements), mapped or not.
+    leaves: usize,
+    /// The count of [`Mapper::mapped`] at which the room is looked at next.
+    next_look: usize,
+    /// The mappings of the process when there was no room left.
+    refused: Option<MapCount>,
+}
+
+impl Mapper {
+    fn new(access: Access) -> Self {
+        Mapper { access, mapped: 0, leaves: 0, next_look: MAPS_CHECKED_FROM, refused: None }
+    }
+
+    /// Looks at the room left: again when half of it is used (so a few reads of
+    /// `/proc/self/maps` whatever the dict's size, and other threads' mappings are seen).
+    fn look(&mut self) {
+        match MapCount::now() {
+            None => self.next_look = usize::MAX,
+            Some(count) if count.room() == 0 => self.refused = Some(count),
+            Some(count) => self.next_look = self.mapped.saturating_add(count.room().div_ceil(2)),
+        }
+    }
+}
 
 impl Leaves for Mapper {
     fn access(&self) -> Access {
-        self.0
+        self.access
     }
 
     fn leaf(&mut self, key: &KeyPath, leaf: LeafFile) -> Result<Tensor> {
-        Tensor::from_file(&leaf.file, leaf.path, leaf.dtype, leaf.shape, self.0).with_key(|| key.clone())
+        if leaf.nbytes > 0 {
+            self.leaves += 1;
+            if self.refused.is_none() && self.mapped >= self.next_look {
+                self.look();
+            }
+            if self.refused.is_some() {
+                return Tensor::zeros([0], leaf.dtype, &Location::Heap).with_key(|| key.clone());
+            }
+        }
+        let tensor =
+            Tensor::from_file(&leaf.file, leaf.path, leaf.dtype, leaf.shape, self.access).with_key(|| key.clone())?;
+        if leaf.nbytes > 0 {
+            self.mapped += 1;
+        }
+        Ok(tensor)
+    }
+}
+
+/// Reads the dict in the top folder `top` with its leaves mapped, or refuses it if this process
+/// cannot map them all ([`Error::TooManyMappings`], naming `location`).
+fn map_tree(top: &Dir, access: Access, location: &Path, remedy: &'static str) -> Result<TensorDict> {
+    let mut mapper = Mapper::new(access);
+    let td = read_tree(top, &mut mapper)?;
+    let Some(count) = mapper.refused else { return Ok(td) };
+    // What was mapped is let go of; the error counts the process's mappings without it.
+    drop(td);
+    let mut before = count;
+    before.in_use = count.in_use.saturating_sub(mapper.mapped);
+    Err(Error::TooManyMappings {
+        location: location.display().to_string(),
+        leaves: mapper.leaves,
+        in_use: before.in_use,
+        limit: before.limit,
+        limit_from: before.limit_from,
+        room: before.room(),
+        remedy,
+    })
+}
+
+/// Refuses to map `leaves` leaves at once if this process has no room for them
+/// ([`Error::TooManyMappings`]); looks only for [`MAPS_CHECKED_FROM`] leaves or more.
+pub(crate) fn check_map_room(leaves: usize, location: &str, remedy: &'static str) -> Result<()> {
+    if leaves < MAPS_CHECKED_FROM {
+        return Ok(());
+    }
+    match MapCount::now() {
+        Some(count) if count.room() < leaves => Err(Error::TooManyMappings {
+            location: location.to_owned(),
+            leaves,
+            in_use: count.in_use,
+            limit: count.limit,
+            limit_from: count.limit_from,
+            room: count.room(),
+            remedy,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Leaves mapped as a load maps them, and let go of at once: [`TensorDict::verify_memmap`]
+/// checks every leaf with one mapping at a time. Its dict holds empty placeholders.
+struct Checker;
+
+impl Leaves for Checker {
+    fn access(&self) -> Access {
+        Access::ReadOnly
+    }
+
+    fn leaf(&mut self, key: &KeyPath, leaf: LeafFile) -> Result<Tensor> {
+        let dtype = leaf.dtype;
+        drop(Tensor::from_file(&leaf.file, leaf.path, dtype, leaf.shape, Access::ReadOnly).with_key(|| key.clone())?);
+        Tensor::zeros([0], dtype, &Location::Heap).with_key(|| key.clone())
     }
 }
 

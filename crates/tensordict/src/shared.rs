@@ -188,9 +188,16 @@ impl TensorDict {
     /// The schema is validated like a `meta.json` and every object's size is checked before it
     /// is mapped. A prefix whose schema was never written is [`Error::SharedIncomplete`]; one
     /// with no object at all is [`Error::SharedNotFound`].
+    ///
+    /// Each tensor with elements is one memory mapping: a dict of more tensors than this
+    /// process may still map is refused up front with [`Error::TooManyMappings`] (see
+    /// [`TensorDict::load_memmap`]).
     pub fn open_shared(prefix: &str, access: Access) -> Result<TensorDict> {
         check_prefix(prefix)?;
-        read_schema(prefix)?.build(&mut |key, t| {
+        let schema = read_schema(prefix)?;
+        let mapped = schema.tensors().iter().filter(|(_, t)| !t.shape.contains(&0)).count();
+        crate::format::check_map_room(mapped, &format!("shm:{prefix}"), "share it as several dicts of fewer tensors")?;
+        schema.build(&mut |key, t| {
             check_leaf_name(&t.name, prefix)?;
             Tensor::open_shm(&t.name, t.dtype, t.shape.as_slice(), access).with_key(|| key.clone())
         })

@@ -19,6 +19,10 @@
 //! rpc-test-peer store-wait NAME KEY       loads KEY waiting forever; prints `loaded VERSION
 //!                                         CHECKSUM`, or `error: …` (exit status 3)
 //! rpc-test-peer store-put NAME KEY SEED   saves the 100-tensor state dict of SEED; prints `saved`
+//! rpc-test-peer store-race NAME BYTES ROUNDS
+//!     serves the store NAME in shared memory from this process; each round saves two dicts of
+//!     BYTES bytes at once from two connections, prints `saved` or `refused: …` for each, and
+//!     removes them; then prints `done`
 //! ```
 
 use std::io::Write;
@@ -185,6 +189,49 @@ fn store(command: &str, args: &[String]) -> Result<(), Failure> {
             let (td, _) = store_data::state_dict(seed.parse()?);
             store.save(key, &td, None)?;
             say("saved");
+            Ok(())
+        }
+        ("race", [bytes, rounds]) => {
+            let server = StoreServer::start(name, StoreOptions::default())?;
+            let elements = bytes.parse::<usize>()? / 4;
+            let mut td = tensordict::TensorDict::new(Vec::<usize>::new());
+            td.set(
+                "x",
+                memmap_tensor::Tensor::zeros([elements], memmap_tensor::DType::F32, &memmap_tensor::Location::Heap)?,
+            )?;
+            let stores = [connect()?, connect()?];
+            let start = std::sync::Barrier::new(stores.len());
+            for _ in 0..rounds.parse::<u32>()? {
+                let outcomes: Vec<String> = std::thread::scope(|scope| {
+                    let saves: Vec<_> = stores
+                        .iter()
+                        .enumerate()
+                        .map(|(i, store)| {
+                            let (start, td) = (&start, &td);
+                            scope.spawn(move || {
+                                start.wait();
+                                match store.save(&format!("k{i}"), td, None) {
+                                    Ok(()) => "saved".to_owned(),
+                                    Err(e) => format!("refused: {e}"),
+                                }
+                            })
+                        })
+                        .collect();
+                    saves
+                        .into_iter()
+                        .map(|s| s.join().unwrap_or_else(|_| "refused: the thread panicked".into()))
+                        .collect()
+                });
+                for outcome in outcomes {
+                    say(outcome);
+                }
+                for key in ["k0", "k1"] {
+                    stores[0].remove(key)?;
+                }
+            }
+            drop(stores);
+            drop(server);
+            say("done");
             Ok(())
         }
         ("mixed", [seed, n]) => {

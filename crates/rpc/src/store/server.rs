@@ -85,6 +85,10 @@ struct State {
     leases: HashMap<u64, Lease>,
     /// Bytes of every version that exists.
     used: u64,
+    /// Bytes of shared-memory objects that allocations are making now: promised to them, but
+    /// not yet (or not all) taken from `/dev/shm`'s free space. An allocation's room is what is
+    /// free less these, so two allocations that do not both fit are never both let through.
+    making_shm: u64,
     stopping: bool,
 }
 
@@ -483,18 +487,8 @@ impl Session {
         match &self.shared().backend {
             Backend::Shm { base } => {
                 let name = format!("/{base}.{id}");
-                let len = usize::try_from(layout.bytes.max(1)).map_err(|_| invalid("the entry is too large"))?;
-                // Making the object takes its pages at once. Asked for more than is free, the
-                // system would take every free page (tmpfs may be larger than memory) before it
-                // said no, and other processes (or this one) may be killed for want of memory
-                // meanwhile: refuse such a request before touching anything.
-                if let Some((room, what)) = shm_room()
-                    && len as u64 > room
-                {
-                    return Err(WireError::Other {
-                        message: format!("cannot make {len} bytes of shared memory: {what} has {room} bytes free"),
-                    });
-                }
+                // Its room was checked and promised by `allocate`.
+                let len = usize::try_from(shm_bytes(layout)).map_err(|_| invalid("the entry is too large"))?;
                 Storage::create_shm(&name, len).map_err(|e| WireError::Other {
                     message: format!("cannot make {len} bytes of shared memory: {e}"),
                 })?;
@@ -589,6 +583,15 @@ impl StoreService for Session {
             Backend::Shm { .. } => layout,
             Backend::Dir { .. } => EntryLayout::contiguous(layout.schema).map_err(|e| invalid(&e.to_string()))?,
         };
+        // Shared memory to make; a folder's disk space is not checked (a full disk is an error
+        // of the write, which removes what it wrote).
+        let making = match &self.shared().backend {
+            Backend::Shm { .. } => shm_bytes(&layout),
+            Backend::Dir { .. } => 0,
+        };
+        // The capacity and the room are checked, and the entry counted in both, in one step
+        // under the lock: of allocations that do not all fit, those that do are let through and
+        // the others refused before anything is made.
         let id = {
             let mut state = self.shared().state();
             Self::refuse_if_stopping(&state)?;
@@ -602,19 +605,42 @@ impl StoreService for Session {
                     unreferenced: state.unreferenced(),
                 });
             }
-            state.used += layout.bytes;
+            // Making an object takes its pages at once. Asked for more than is free, the system
+            // would take every free page (tmpfs may be larger than memory) before it said no,
+            // and other processes (or this one) may be killed for want of memory meanwhile; two
+            // objects that each fit but not together would take the free pages between them and
+            // both fail. So a request is refused before anything is made unless it fits in
+            // what is free less what allocations being made were promised.
+            if making > 0
+                && let Some((free, what)) = shm_room()
+                && making > free.saturating_sub(state.making_shm)
+            {
+                let promised = match state.making_shm {
+                    0 => String::new(),
+                    n => format!(", and allocations being made will take {n} of them"),
+                };
+                return Err(WireError::Other {
+                    message: format!(
+                        "cannot make {making} bytes of shared memory: {what} has {free} bytes free{promised}"
+                    ),
+                });
+            }
+            state.used = state.used.saturating_add(layout.bytes);
+            state.making_shm = state.making_shm.saturating_add(making);
             state.next_version += 1;
             state.next_version - 1
         };
-        // Made outside the lock: it may take a while (pages of shared memory, files).
-        let place = match self.create(id, &layout) {
-            Ok(place) => place,
-            Err(e) => {
-                let mut state = self.shared().state();
+        // Made outside the lock: it may take a while (pages of shared memory, files). Once it
+        // is made (or not), the free space of /dev/shm tells what it took: its promise ends.
+        let created = self.create(id, &layout);
+        {
+            let mut state = self.shared().state();
+            state.making_shm = state.making_shm.saturating_sub(making);
+            if created.is_err() {
                 state.used = state.used.saturating_sub(layout.bytes);
-                return Err(e);
             }
-        };
+        }
+        let place = created?;
         let version = Version {
             key: String::new(),
             layout: Arc::new(layout),
@@ -809,6 +835,11 @@ fn zeros_like(layout: &EntryLayout) -> tensordict::Result<TensorDict> {
         let broadcast = Layout::new(t.shape.clone(), vec![0; t.shape.len()], 0).map_err(tensor_err)?;
         Tensor::from_storage(one, 0, t.dtype, broadcast).map_err(tensor_err)
     })
+}
+
+/// The bytes of the shared-memory object of an entry of `layout` (an object has at least one).
+fn shm_bytes(layout: &EntryLayout) -> u64 {
+    layout.bytes.max(1)
 }
 
 /// The bytes a new shared-memory object can take now: the free space of `/dev/shm` or the
