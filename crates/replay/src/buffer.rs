@@ -45,7 +45,8 @@
 //! [`ReplayBuffer::loads`] builds a buffer from one. A dump is a consistent snapshot: it waits
 //! for the writes under way to finish (new writes wait meanwhile, so a steady stream of writers
 //! cannot hold it off), then pins every row (new writes wait) while the rows, the writer state
-//! and the sampler state are saved.
+//! and the sampler state are saved. It holds committed rows only: rows whose write failed or
+//! was aborted are left out, and the others packed (see [`ReplayBuffer::dumps`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -60,7 +61,7 @@ use memmap_tensor::DType;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use tensordict::{Index, TensorDict};
 
-use crate::checkpoint::{BufferMetadata, Dump, Prefetch, SamplerDump, StorageDump, WriterDump, WriterKind};
+use crate::checkpoint::{BufferMetadata, Dump, Packing, Prefetch, SamplerDump, StorageDump, WriterDump, WriterKind};
 use crate::error::{Error, Result, WithOp};
 use crate::rate::{RateCounts, RateLimiter};
 use crate::sampler::{Prioritized, Sampler, Uniform, WithoutReplacement};
@@ -274,6 +275,14 @@ struct State {
 }
 
 impl State {
+    /// Whether `row` holds a committed write: completely written, and no write under way.
+    /// (Unlike [`State::visible`], rows past `len` count: they are committed, only not
+    /// sampled until the rows before them are.)
+    fn committed(&self, row: usize) -> bool {
+        let state = self.rows[row];
+        state.filled && state.queued == 0
+    }
+
     fn visible(&self, row: usize) -> bool {
         row < self.len && {
             let state = self.rows[row];
@@ -783,8 +792,22 @@ impl ReplayBuffer {
     /// (nothing for uniform, the trees for prioritized, the epoch for without-replacement).
     /// The folder appears complete or not at all (see [`Dump::write`]). A buffer that has
     /// never been written to has no storage to dump.
+    ///
+    /// A dump holds committed rows only: a TorchRL buffer takes every row below `len` as
+    /// valid, so rows that are not valid here are left out rather than written as if they
+    /// were. When every row `0..len` is valid (and no other), the dump is the storage as it
+    /// is. Otherwise (rows left by a write that failed or was aborted, such as a reservation of
+    /// a killed actor) the valid rows are packed, in storage order, into rows `0..k`, `len` is
+    /// `k` and the rows past it are zeros; the writer's cursor moves with the rows (so the next
+    /// writes still replace the oldest rows first), a max-value writer keeps the ranks of kept
+    /// rows, a prioritized sampler's priorities move with their rows, and a
+    /// without-replacement epoch keeps its kept rows still to hand out. The write count is
+    /// left as it is. Slice samplers find their trajectories again from the kept rows on load:
+    /// a trajectory that lost a row is that row shorter (with done flags, losing the row that
+    /// ends a trajectory joins it to the next).
     pub fn dumps(&self, path: impl AsRef<Path>) -> Result<()> {
         let storage = self.storage.get().ok_or(Error::Empty)?;
+        let capacity = self.config.capacity;
         let mut state = self.state.lock();
         state.dumps_waiting += 1;
         while !state.in_flight.is_empty() {
@@ -792,9 +815,10 @@ impl ReplayBuffer {
         }
         state.dumps_waiting -= 1;
         let len = state.len;
-        let writer = writer_dump(&*state.writer)?;
-        let sampler = self.sampler.to_dump()?;
-        let all: Vec<usize> = (0..self.config.capacity).collect();
+        let packing = Packing::new((0..capacity).filter(|&r| state.committed(r)).collect(), capacity);
+        let mut writer = writer_dump(&*state.writer)?;
+        let mut sampler = self.sampler.to_dump()?;
+        let all: Vec<usize> = (0..capacity).collect();
         for &r in &all {
             state.rows[r].pins += 1;
         }
@@ -808,8 +832,13 @@ impl ReplayBuffer {
                 }
                 _ => storage.tensordict().clone(),
             };
+            let identity = packing.is_identity(len);
+            if !identity {
+                writer.pack(&packing);
+                sampler.pack(&packing, len)?;
+            }
             let dump = Dump {
-                storage: StorageDump { data, len },
+                storage: StorageDump { data, len: packing.kept().len() },
                 writer: Some(writer),
                 sampler,
                 buffer: BufferMetadata { batch_size: None, consume_after_n_samples: None },
@@ -817,7 +846,7 @@ impl ReplayBuffer {
                 rng_state: None,
                 transform: None,
             };
-            dump.write(path)
+            if identity { dump.write(path) } else { dump.write_packed(path.as_ref(), &packing) }
         })
     }
 
