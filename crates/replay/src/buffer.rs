@@ -42,11 +42,13 @@
 //! # Checkpoints
 //!
 //! [`ReplayBuffer::dumps`] writes a TorchRL 0.14.1 dump folder (see [`crate::checkpoint`]) and
-//! [`ReplayBuffer::loads`] builds a buffer from one. A dump is a consistent snapshot: it waits
-//! for the writes under way to finish (new writes wait meanwhile, so a steady stream of writers
-//! cannot hold it off), then pins every row (new writes wait) while the rows, the writer state
-//! and the sampler state are saved. It holds committed rows only: rows whose write failed or
-//! was aborted are left out, and the others packed (see [`ReplayBuffer::dumps`]).
+//! [`ReplayBuffer::loads`] builds a buffer from one. A dump is a consistent snapshot of the
+//! committed rows: under the state lock it takes `len`, the writer's and the sampler's states
+//! and the set of committed rows, and pins every row no write holds; it copies them with no
+//! lock held and unpins them (writes of those rows wait for the copy meanwhile). It never waits
+//! for a write: rows being written (by `extend`, or reserved and not committed yet, perhaps by
+//! an actor that stalled or died) are simply not in it, and neither are rows whose write failed
+//! or was aborted; the committed rows are packed (see [`ReplayBuffer::dumps`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -269,9 +271,6 @@ struct State {
     /// The tickets queued on each row being written.
     in_flight: HashMap<usize, VecDeque<u64>>,
     counts: RateCounts,
-    /// Dumps waiting for the writes under way to end: new writes wait for them, so that a
-    /// steady stream of writers cannot hold a dump off.
-    dumps_waiting: usize,
 }
 
 impl State {
@@ -387,7 +386,6 @@ impl ReplayBuffer {
                 len: 0,
                 in_flight: HashMap::new(),
                 counts: RateCounts::default(),
-                dumps_waiting: 0,
             }),
             changed: Condvar::new(),
             stored_len: Mutex::new(0),
@@ -537,7 +535,6 @@ impl ReplayBuffer {
 
         // Reserve.
         let mut state = self.state.lock();
-        self.wait_for_dumps(&mut state);
         self.wait_for_inserts(&mut state, n, self.limiter_timeout(), OP)?;
         let chosen = state.writer.reserve(batch, self.config.capacity)?;
         // Storage row -> the last batch row written there.
@@ -629,7 +626,6 @@ impl ReplayBuffer {
         // The rows are taken only once they are free (no read pins them, no write holds them),
         // so a wait that times out has changed nothing.
         let rows = loop {
-            self.wait_for_dumps(&mut state);
             self.wait_for_inserts(&mut state, n, deadline.map(|d| d.saturating_duration_since(Instant::now())), OP)?;
             let Some(next) = state.writer.peek_rows(n, capacity) else {
                 return Err(Error::WriterCannot {
@@ -795,9 +791,11 @@ impl ReplayBuffer {
     ///
     /// A dump holds committed rows only: a TorchRL buffer takes every row below `len` as
     /// valid, so rows that are not valid here are left out rather than written as if they
-    /// were. When every row `0..len` is valid (and no other), the dump is the storage as it
-    /// is. Otherwise (rows left by a write that failed or was aborted, such as a reservation of
-    /// a killed actor) the valid rows are packed, in storage order, into rows `0..k`, `len` is
+    /// were. It does not wait for writes under way: their rows are left out too, and their
+    /// writers (and any others) go on meanwhile, except over the rows being copied. When every
+    /// row `0..len` is committed (and no other), the dump is the storage as it is. Otherwise
+    /// (rows being written or reserved, perhaps by an actor that stalled or was killed, or left
+    /// by a write that failed or was aborted) the committed rows are packed, in storage order, into rows `0..k`, `len` is
     /// `k` and the rows past it are zeros; the writer's cursor moves with the rows (so the next
     /// writes still replace the oldest rows first), a max-value writer keeps the ranks of kept
     /// rows, a prioritized sampler's priorities move with their rows, and a
@@ -809,21 +807,18 @@ impl ReplayBuffer {
         let storage = self.storage.get().ok_or(Error::Empty)?;
         let capacity = self.config.capacity;
         let mut state = self.state.lock();
-        state.dumps_waiting += 1;
-        while !state.in_flight.is_empty() {
-            self.changed.wait(&mut state);
-        }
-        state.dumps_waiting -= 1;
         let len = state.len;
         let packing = Packing::new((0..capacity).filter(|&r| state.committed(r)).collect(), capacity);
         let mut writer = writer_dump(&*state.writer)?;
         let mut sampler = self.sampler.to_dump()?;
-        let all: Vec<usize> = (0..capacity).collect();
-        for &r in &all {
+        // Every row no write holds, so that none is written while it is copied (rows being
+        // written are not in the dump; the copy does not wait for them).
+        let pinned: Vec<usize> = (0..capacity).filter(|&r| state.rows[r].queued == 0).collect();
+        for &r in &pinned {
             state.rows[r].pins += 1;
         }
         drop(state);
-        self.with_pins(&all, || {
+        self.with_pins(&pinned, || {
             // Rows other nodes wrote are in the files, not in this process's older mapping: a
             // mapping made now sees them.
             let data = match (&self.file_reads, storage.folder()) {
@@ -1030,13 +1025,6 @@ impl ReplayBuffer {
             self.changed.notify_all();
         }
         Ok(SampleInfo { indices, weights })
-    }
-
-    /// Waits until no dump waits for the writes under way to end.
-    fn wait_for_dumps(&self, state: &mut MutexGuard<'_, State>) {
-        while state.dumps_waiting > 0 {
-            self.changed.wait(state);
-        }
     }
 
     /// The rate limiter's timeout, for the calls that do not take their own.

@@ -277,6 +277,50 @@ fn a_dump_after_a_writer_was_killed_before_its_commit_holds_only_committed_rows(
     drop(server);
 }
 
+/// A dump asked for while a live writer holds a reservation (stalled between reserve and
+/// commit) does not wait for it: it is written at once, without the reserved rows, and other
+/// writers go on.
+#[test]
+fn a_dump_does_not_wait_for_a_live_writers_reservation() {
+    child();
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let name = "stalled-writer-dump";
+    let _server = ReplayServer::start(name, ReplayOptions::new(8).runtime_dir(&run).seed(5)).unwrap();
+    let options = ClientOptions::default().runtime_dir(&run);
+    let client = RemoteBuffer::connect_with(name, &options).unwrap();
+    client.extend(&batch(&[1., 2., 3., 4., 5., 6., 7., 8.])).unwrap();
+    let ready = dir.path().join("ready");
+    let mut writer = spawn("writer", "a_dump_does_not_wait_for_a_live_writers_reservation", &run, name, &ready);
+    assert_eq!(wait_for_file(&ready, &mut writer.0), "[0, 1, 2, 3]");
+    // The writer lives on, its rows half written and never committed.
+    let dump = dir.path().join("dump");
+    let asked = {
+        let (options, dump) = (options.clone(), dump.clone());
+        let (done, wait) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let client = RemoteBuffer::connect_with(name, &options).unwrap();
+            let _ = done.send(client.dumps(dump.to_str().unwrap()));
+        });
+        // A hang guard only: the dump waits for nothing.
+        wait.recv_timeout(Duration::from_secs(120)).expect("the dump waited for the live writer's reservation")
+    };
+    asked.unwrap();
+    assert!(writer.0.try_wait().unwrap().is_none(), "the writer still runs");
+    assert_eq!(client.stats().unwrap().open_reservations, 1);
+    // Other writers go on: rows 4..8 are not reserved.
+    assert_eq!(client.extend(&batch(&[9.; 4])).unwrap(), vec![4, 5, 6, 7]);
+    let loaded = ReplayBuffer::loads(&dump, replay::LoadOptions::default()).unwrap();
+    assert_eq!(loaded.len(), 4);
+    assert_eq!(check_rows(&loaded.get(0..4).unwrap()), vec![5., 6., 7., 8.]);
+    // The writer's death changes nothing in the dump written before it.
+    writer.0.kill().unwrap();
+    writer.0.wait().unwrap();
+    eventually("the dead writer's reservation to be aborted", || client.stats().unwrap().open_reservations == 0);
+    let again = ReplayBuffer::loads(&dump, replay::LoadOptions::default()).unwrap();
+    assert_eq!(check_rows(&again.get(0..4).unwrap()), vec![5., 6., 7., 8.]);
+}
+
 /// SIGKILLs `writer`, which holds a reservation of rows 0..4 of a buffer whose rows 4..8 hold
 /// 1.0: its reservation is aborted, and 200 samples never draw those rows.
 fn kill_and_check_rows_hidden(writer: &mut std::process::Child, client: &RemoteBuffer) {

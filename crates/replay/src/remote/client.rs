@@ -282,7 +282,10 @@ impl RemoteBuffer {
         Ok(self.client.call(async |c, ctx| c.update_priority(ctx, indices, priorities).await)??)
     }
 
-    /// Asks the service to write a TorchRL dump folder at `path` (on the service's node).
+    /// Asks the service to write a TorchRL dump folder at `path` (on the service's node). The
+    /// dump holds the rows committed when it starts, packed (see
+    /// [`crate::ReplayBuffer::dumps`]); it waits for no reservation, so a writer that stalled
+    /// or died between reserve and commit neither holds it up nor gets its rows into it.
     pub fn dumps(&self, path: &str) -> Result<()> {
         let path = path.to_owned();
         Ok(self.client.call(async |c, ctx| c.dumps(ctx, path).await)??)

@@ -34,7 +34,9 @@ pub trait ReplayService {
     async fn update_priority(indices: Vec<u64>, priorities: Vec<f64>) -> Result<(), WireError>;
     /// Counters: valid rows, cursor, inserts and samples, open reservations and leases.
     async fn stats() -> Result<ReplayStats, WireError>;
-    /// Writes the buffer as a TorchRL dump folder at `path` on the service's node.
+    /// Writes the buffer as a TorchRL dump folder at `path` on the service's node: its
+    /// committed rows only, without waiting for reservations (see
+    /// [`crate::ReplayBuffer::dumps`]).
     async fn dumps(path: String) -> Result<(), WireError>;
     /// Stops the service (as dropping its server does).
     async fn shutdown() -> Result<(), WireError>;
