@@ -278,6 +278,19 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A request to a replay service for more rows than one reply can carry: the reply (the
+    /// rows' indices, and weights) must fit in one frame of the connection.
+    #[error("{op} of {rows} rows: one reply carries at most {max} rows ({why})")]
+    TooManyRows {
+        /// `"sample"` or `"reserve"`.
+        op: &'static str,
+        /// The rows asked for.
+        rows: usize,
+        /// The most rows one reply carries.
+        max: usize,
+        /// How that is computed: bytes a row, and the frame limit.
+        why: String,
+    },
     /// The replay service or its connection failed.
     #[error("replay service: {0}")]
     Remote(#[from] rpc::Error),

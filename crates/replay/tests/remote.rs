@@ -374,6 +374,60 @@ fn hostile_requests_get_errors() {
     assert!(matches!(refused, Error::CapacityTooLarge { .. }), "{refused}");
 }
 
+/// A sample whose reply would not fit in a frame is refused up front, by the client and by
+/// the service, with an error naming the real limit; the largest allowed sample is served.
+#[test]
+fn samples_larger_than_one_reply_can_carry_are_refused_naming_the_limit() {
+    for (name, sampler, weighted) in [
+        ("big-uniform", SamplerSpec::Uniform, false),
+        ("big-prioritized", SamplerSpec::Prioritized { alpha: 0.6, beta: 0.4, eps: 1e-6 }, true),
+    ] {
+        let f = Fixture::new(name);
+        let capacity = 1 << 16;
+        let _server = f.start(f.options(capacity).sampler(sampler).seed(1));
+        let client = f.connect();
+        let mut rows = TensorDict::new([capacity]);
+        rows.set("x", Tensor::zeros([capacity], DType::U8, &Location::Heap).unwrap()).unwrap();
+        client.extend(&rows).unwrap();
+        let max = client.max_sample_rows();
+        assert_eq!(max, replay::remote::max_sample_rows(capacity, weighted, replay::remote::MAX_FRAME_BYTES));
+        assert_eq!(max, if weighted { 95_321 } else { 349_512 });
+        let (td, info) = client.sample(max, None).unwrap();
+        assert_eq!((td.batch_size()[0], info.weights.is_some()), (max, weighted));
+        let refused = client.sample(max + 1, None).unwrap_err();
+        assert!(matches!(refused, Error::TooManyRows { op: "sample", max: m, .. } if m == max), "{refused}");
+        assert!(refused.to_string().contains(&format!("at most {max} rows")), "{refused}");
+        // The service refuses it too (a client that does not check), and the connection lives.
+        let raw = f.raw();
+        let n = max as u64 + 1;
+        let refused = raw.call(async |c, ctx| c.sample(ctx, n, None, Vec::new()).await).unwrap().unwrap_err();
+        assert!(
+            matches!(&refused, WireError::InvalidRequest { detail } if detail.contains(&format!("at most {max} rows")))
+        );
+        let ok = raw.call(async |c, ctx| c.sample(ctx, 8, None, Vec::new()).await).unwrap().unwrap();
+        assert_eq!(ok.indices.len(), 8);
+        // Reservations too: their replies carry row indices.
+        let refused = client.reserve(client.max_reserve_rows() + 1, None).unwrap_err();
+        assert!(matches!(refused, Error::TooManyRows { op: "reserve", .. }), "{refused}");
+    }
+}
+
+/// A batch larger than one reservation's reply can carry is written in several.
+#[test]
+fn an_extend_larger_than_one_reservation_goes_in_chunks() {
+    let f = Fixture::new("big-extend");
+    // 2^20 + 1 rows: 5 bytes an index, so about 210,000 rows a reservation.
+    let capacity = (1 << 20) + 1;
+    let _server = f.start(f.options(capacity));
+    let client = f.connect();
+    assert!(client.max_reserve_rows() < 300_000);
+    let n = 2 * client.max_reserve_rows() + 10;
+    let mut rows = TensorDict::new([n]);
+    rows.set("x", Tensor::zeros([n], DType::U8, &Location::Heap).unwrap()).unwrap();
+    assert_eq!(client.extend(&rows).unwrap(), (0..n).collect::<Vec<_>>());
+    assert_eq!(client.stats().unwrap().len as usize, n);
+}
+
 #[test]
 fn names_are_checked_and_served_once() {
     let f = Fixture::new("once");
