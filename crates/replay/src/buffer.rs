@@ -685,10 +685,15 @@ impl ReplayBuffer {
     /// Draws `batch_size` rows as [`ReplayBuffer::sample`] does, without reading them: the
     /// rows stay pinned (no write touches them) until the [`Lease`] is released, so that
     /// someone else (another process mapping the storage) can read them whole. Waits at most
-    /// `timeout` for the rate limiter, and for rows if the buffer is empty (`None`: an empty
-    /// buffer is an error at once, as for [`ReplayBuffer::sample`]).
+    /// `timeout` for the rate limiter, and for rows if the buffer is empty, its storage not
+    /// made yet included (`None`: an empty buffer is an error at once, as for
+    /// [`ReplayBuffer::sample`]).
     pub fn sample_leased(&self, batch_size: usize, timeout: Option<Duration>) -> Result<(SampleInfo, Lease)> {
-        self.storage.get().ok_or(Error::Empty)?;
+        // Without a storage no row is valid: as for any empty buffer, a sample with a timeout
+        // waits for rows, which the first writer's storage will hold.
+        if timeout.is_none() {
+            self.storage.get().ok_or(Error::Empty)?;
+        }
         let info = self.draw(batch_size, timeout, "sample")?;
         let lease = Lease { buffer: self.id, rows: info.indices.clone() };
         Ok((info, lease))

@@ -133,7 +133,8 @@ fn writers_and_a_learner_share_whole_rows() {
     let mut seen = 0;
     let mut out = batch(&[0.; 16]);
     while writers.iter().any(|w| !w.is_finished()) || seen < 200 {
-        match learner.sample(16, Some(Duration::from_secs(5))) {
+        // A hang guard: the sample waits for nothing but the writers' first rows.
+        match learner.sample(16, Some(Duration::from_secs(120))) {
             Ok((rows, info)) => {
                 assert_eq!(info.indices.len(), 16);
                 assert!(info.weights.is_none());
@@ -160,6 +161,24 @@ fn writers_and_a_learner_share_whole_rows() {
     // The service's own buffer sees the same rows.
     assert_eq!(server.buffer().len(), 48);
     check_rows(&server.buffer().get(0..48).unwrap());
+}
+
+/// A learner that samples before any writer has made the storage waits for rows, as it does
+/// on an empty storage, instead of failing at once.
+#[test]
+fn a_sample_before_the_first_write_waits_for_rows() {
+    let f = Fixture::new("before-storage");
+    let _server = f.start(f.options(8));
+    let learner = f.connect();
+    let early = learner.sample(2, Some(Duration::from_millis(50))).unwrap_err();
+    assert!(matches!(&early, Error::Timeout { op: "sample", why, .. } if why.contains("empty")), "{early}");
+    let waiting =
+        thread::spawn(move || learner.sample(2, Some(Duration::from_secs(120))).map(|(td, _)| check_rows(&td)));
+    f.connect().extend(&batch(&[3.; 4])).unwrap();
+    assert_eq!(waiting.join().unwrap().unwrap(), vec![3., 3.]);
+    let local = ReplayBuffer::uniform(replay::StorageConfig::heap(4)).unwrap();
+    assert!(matches!(local.sample_leased(1, Some(Duration::ZERO)), Err(Error::Timeout { .. })));
+    assert!(matches!(local.sample_leased(1, None), Err(Error::Empty)));
 }
 
 #[test]
