@@ -77,6 +77,14 @@ const REDRAWS_BEFORE_WAIT: usize = 8;
 /// failed or was aborted, and not written since) before a sample gives up.
 const MAX_FRUITLESS_DRAWS: usize = 1000;
 
+/// Why an insert is refused after [`ReplayBuffer::end_writes`].
+const WRITES_ENDED_INSERT: &str = "no more rows are taken";
+/// Why a sample the rate limiter holds back fails after [`ReplayBuffer::end_writes`].
+const WRITES_ENDED_LIMITER: &str =
+    "the rate limiter holds this sample back until more rows are inserted, and none will be";
+/// Why a sample of an empty buffer fails after [`ReplayBuffer::end_writes`].
+const WRITES_ENDED_EMPTY: &str = "the buffer is empty and no row will be inserted";
+
 /// Numbers buffers, so that a reservation or lease is only accepted by its own buffer.
 static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -271,6 +279,8 @@ struct State {
     /// The tickets queued on each row being written.
     in_flight: HashMap<usize, VecDeque<u64>>,
     counts: RateCounts,
+    /// Set by [`ReplayBuffer::end_writes`]: no insert will come.
+    writes_ended: bool,
 }
 
 impl State {
@@ -386,6 +396,7 @@ impl ReplayBuffer {
                 len: 0,
                 in_flight: HashMap::new(),
                 counts: RateCounts::default(),
+                writes_ended: false,
             }),
             changed: Condvar::new(),
             stored_len: Mutex::new(0),
@@ -471,6 +482,24 @@ impl ReplayBuffer {
     /// The rate limiter, if the buffer has one.
     pub fn rate_limiter(&self) -> Option<&RateLimiter> {
         self.limiter.as_ref()
+    }
+
+    /// Says that no more rows will be inserted (Reverb's learners learn it from a timeout;
+    /// here it is said): from now on `extend`, `add` and `reserve` fail with
+    /// [`Error::WritesEnded`], and so does a sample that would wait for inserts, at once,
+    /// instead of waiting without end (or until its timeout): one the rate limiter holds back,
+    /// or one of an empty buffer with a timeout. Samples the limiter allows go on, so a learner
+    /// can sample until the error. Writes reserved before go on and may be committed (or
+    /// aborted). Waiting inserts and samples are woken to fail. It cannot be undone; a buffer
+    /// loaded from a dump takes writes again.
+    pub fn end_writes(&self) {
+        self.state.lock().writes_ended = true;
+        self.changed.notify_all();
+    }
+
+    /// Whether [`ReplayBuffer::end_writes`] was called.
+    pub fn writes_ended(&self) -> bool {
+        self.state.lock().writes_ended
     }
 
     /// The rows inserted and sampled so far, as the rate limiter counts them.
@@ -930,6 +959,12 @@ impl ReplayBuffer {
         if let Some(limiter) = &self.limiter {
             limiter.check_sample(batch_size)?;
             while !limiter.can_sample(state.counts, state.len, batch_size) {
+                // Only an insert would let it go, or the commit of one under way if the buffer
+                // is short of the limiter's minimum size: none will come.
+                let short = state.len < limiter.min_size_to_sample().max(1);
+                if state.writes_ended && (state.in_flight.is_empty() || !short) {
+                    return Err(Error::WritesEnded { op, why: WRITES_ENDED_LIMITER });
+                }
                 self.wait(&mut state, start, deadline, op, "the rate limiter holds samples back")?;
             }
         }
@@ -940,9 +975,13 @@ impl ReplayBuffer {
         loop {
             let len = state.len;
             if len == 0 {
-                // Without a timeout an empty buffer is an error; with one, rows may come.
+                // Without a timeout an empty buffer is an error; with one, rows may come (unless
+                // writes have ended).
                 if deadline.is_none() {
                     return Err(Error::Empty);
+                }
+                if state.writes_ended && state.in_flight.is_empty() {
+                    return Err(Error::WritesEnded { op, why: WRITES_ENDED_EMPTY });
                 }
                 self.wait(&mut state, start, deadline, op, "the buffer is empty")?;
                 continue;
@@ -1038,6 +1077,7 @@ impl ReplayBuffer {
     }
 
     /// Waits until the rate limiter lets `n` rows be inserted, at most `timeout`.
+    /// Refuses inserts once writes have ended.
     fn wait_for_inserts(
         &self,
         state: &mut MutexGuard<'_, State>,
@@ -1045,12 +1085,17 @@ impl ReplayBuffer {
         timeout: Option<Duration>,
         op: &'static str,
     ) -> Result<()> {
+        let ended = |state: &State| {
+            if state.writes_ended { Err(Error::WritesEnded { op, why: WRITES_ENDED_INSERT }) } else { Ok(()) }
+        };
+        ended(state)?;
         let Some(limiter) = &self.limiter else { return Ok(()) };
         limiter.check_insert(n)?;
         let start = Instant::now();
         let deadline = deadline_after(start, timeout);
         while !limiter.can_insert(state.counts, state.len, n) {
             self.wait(state, start, deadline, op, "the rate limiter holds inserts until samples catch up")?;
+            ended(state)?;
         }
         Ok(())
     }

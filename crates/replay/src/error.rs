@@ -278,6 +278,15 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// Writes to the buffer have ended ([`crate::ReplayBuffer::end_writes`]): an insert is
+    /// refused, and so is a sample that only an insert would let go.
+    #[error("{op}: writes to this buffer have ended: {why}")]
+    WritesEnded {
+        /// The operation.
+        op: &'static str,
+        /// Why it cannot go on.
+        why: &'static str,
+    },
     /// A request to a replay service for more rows than one reply can carry: the reply (the
     /// rows' indices, and weights) must fit in one frame of the connection.
     #[error("{op} of {rows} rows: one reply carries at most {max} rows ({why})")]

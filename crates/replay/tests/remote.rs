@@ -290,18 +290,66 @@ fn the_rate_limiter_paces_samples_and_inserts() {
     assert!(matches!(blocked, Error::Timeout { op: "extend", .. }), "{blocked}");
     let stats = learner.stats().unwrap();
     assert!(stats.inserts as f64 * 2.0 - stats.samples as f64 <= 32.0, "{stats:?}");
-    // Samples let it go again.
+    // Samples let it go again. The actor then says it is done: the learner samples until the
+    // limiter holds it back for good, and is told so instead of waiting for an insert that
+    // will never come. (Whatever the order the threads run in: the insert is let go long
+    // before samples are held back, and a held sample waits for the insert or the end.)
     let blocked_insert = {
         let actor = f.connect();
-        thread::spawn(move || actor.extend(&batch(&[1.; 4])))
+        thread::spawn(move || {
+            actor.extend(&batch(&[1.; 4]))?;
+            actor.end_writes()
+        })
     };
-    while !blocked_insert.is_finished() {
-        learner.sample(4, Some(Duration::from_secs(5))).unwrap();
-    }
+    let ended = loop {
+        if let Err(e) = learner.sample(4, None) {
+            break e;
+        }
+    };
     blocked_insert.join().unwrap().unwrap();
+    assert!(
+        matches!(&ended, Error::Refused(WireError::Conflict { detail }) if detail.contains("writes to this buffer have ended")),
+        "{ended}"
+    );
+    let stats = learner.stats().unwrap();
+    assert_eq!(stats.inserts, inserted + 4);
+    let diff = stats.inserts as f64 * 2.0 - stats.samples as f64;
+    assert!((0.0..4.0).contains(&diff), "the limiter let every sample it could go: {stats:?}");
+    let refused = actor.extend(&batch(&[1.; 4])).unwrap_err();
+    assert!(refused.to_string().contains("writes to this buffer have ended"), "{refused}");
     // A batch wider than the limiter's window can never pass: an error, not a wait.
     let too_wide = learner.sample(40, Some(Duration::from_secs(1))).unwrap_err();
     assert!(too_wide.to_string().contains("never pass"), "{too_wide}");
+}
+
+/// Once writes have ended, samples go on while the limiter allows them and then fail at
+/// once (they would wait for inserts without end); so does a sample of an empty buffer;
+/// inserts are refused, and a waiting sample is woken to fail.
+#[test]
+fn samples_that_only_an_insert_could_let_go_fail_once_writes_have_ended() {
+    let limiter = RateLimiter::sample_to_insert_ratio(1.0, 2, 4.0).unwrap();
+    let buffer = ReplayBuffer::uniform(replay::StorageConfig::heap(16)).unwrap().with_rate_limiter(limiter);
+    buffer.extend(&batch(&[1.; 4])).unwrap();
+    let waiting = thread::scope(|scope| {
+        let waiting = scope.spawn(|| {
+            // diff = 4 - samples, min_diff = -2: samples of 3 pass twice, then wait.
+            buffer.sample(3).unwrap();
+            buffer.sample(3).unwrap();
+            buffer.sample(3)
+        });
+        // A wait without end, until the end of writes (whenever it comes) wakes it.
+        buffer.end_writes();
+        waiting.join().unwrap()
+    });
+    assert!(matches!(waiting, Err(Error::WritesEnded { op: "sample", .. })), "{waiting:?}");
+    assert!(buffer.writes_ended());
+    let refused = buffer.extend(&batch(&[2.])).unwrap_err();
+    assert!(matches!(refused, Error::WritesEnded { op: "extend", .. }), "{refused}");
+    assert!(matches!(buffer.reserve(1, None), Err(Error::WritesEnded { op: "reserve", .. })));
+    let empty = ReplayBuffer::uniform(replay::StorageConfig::heap(4)).unwrap();
+    empty.end_writes();
+    let refused = empty.sample_leased(1, Some(Duration::from_secs(3600))).unwrap_err();
+    assert!(refused.to_string().contains("the buffer is empty and no row will be inserted"), "{refused}");
 }
 
 #[test]

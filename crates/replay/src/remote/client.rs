@@ -261,8 +261,10 @@ impl RemoteBuffer {
     }
 
     /// Draws `batch_size` rows and gathers them into a new heap dict, with their indices (and
-    /// weights). Waits at most `wait` for the rate limiter (`None`: without end). At most
-    /// [`RemoteBuffer::max_sample_rows`] rows: a larger sample is refused before it is sent.
+    /// weights). Waits at most `wait` for the rate limiter (`None`: without end), unless
+    /// writes have ended ([`RemoteBuffer::end_writes`]): then a sample the limiter holds back
+    /// fails at once. At most [`RemoteBuffer::max_sample_rows`] rows: a larger sample is
+    /// refused before it is sent.
     pub fn sample(&self, batch_size: usize, wait: Option<Duration>) -> Result<(TensorDict, SampleInfo)> {
         self.sample_with(batch_size, wait, |rows| match &self.shared_filesystem {
             Some(engine) => self.files(None)?.read_rows(engine, rows, self.read_mode),
@@ -312,6 +314,15 @@ impl RemoteBuffer {
     pub fn dumps(&self, path: &str) -> Result<()> {
         let path = path.to_owned();
         Ok(self.client.call(async |c, ctx| c.dumps(ctx, path).await)??)
+    }
+
+    /// Tells the service that no more rows will be written (an actor, or whoever runs the
+    /// actors, when they are done): from then on writes are refused, and a sample that only an
+    /// insert would let go (held back by the rate limiter, or of an empty buffer) fails at once
+    /// with [`WireError::Conflict`] saying that writes have ended, instead of waiting without
+    /// end. A learner can sample until that error. See [`crate::ReplayBuffer::end_writes`].
+    pub fn end_writes(&self) -> Result<()> {
+        Ok(self.client.call(async |c, ctx| c.end_writes(ctx).await)??)
     }
 
     /// Asks the service to stop.

@@ -16,6 +16,9 @@
 //!   its own mapping, then releases them. The rows are leased to it in between: writes of those
 //!   rows wait, so what it gathers is whole. A learner that dies has its leases released.
 //! - `update_priority` goes to the service, which owns the priorities.
+//! - [`RemoteBuffer::end_writes`] says that writing is over: writes are refused from then on,
+//!   and a learner's sample that only an insert could let go (held back by the rate limiter)
+//!   fails at once instead of waiting for an actor that will never come.
 //!
 //! So a sample costs one call plus a local gather, and a write one call plus a local copy,
 //! whatever the size of the rows.

@@ -536,6 +536,12 @@ impl ReplayService for Session {
         self.shared().request_stop();
         Ok(())
     }
+
+    async fn end_writes(self, _: Context) -> std::result::Result<(), WireError> {
+        tracing::info!(replay = %self.shared().name, peer = %self.0.peer, "writes ended");
+        self.shared().buffer.end_writes();
+        Ok(())
+    }
 }
 
 /// A new buffer with the options' sampler, its storage made by the first writer.
@@ -623,6 +629,8 @@ fn to_wire(error: Error) -> WireError {
         }
         Error::Remote(e) => WireError::Other { message: e.to_string() },
         Error::Refused(e) => e,
+        // Another client ended the writes: the request conflicts with that.
+        Error::WritesEnded { .. } => WireError::Conflict { detail: error.to_string() },
         other => WireError::InvalidRequest { detail: other.to_string() },
     }
 }

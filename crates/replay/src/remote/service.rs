@@ -40,6 +40,11 @@ pub trait ReplayService {
     async fn dumps(path: String) -> Result<(), WireError>;
     /// Stops the service (as dropping its server does).
     async fn shutdown() -> Result<(), WireError>;
+    /// Says that no more rows will be written (see [`crate::ReplayBuffer::end_writes`]): from
+    /// now on reservations are refused, and so is a sample that only an insert would let go
+    /// (held back by the rate limiter, or of an empty buffer), at once rather than after a
+    /// wait without end. Samples the limiter allows go on. It cannot be undone.
+    async fn end_writes() -> Result<(), WireError>;
 }
 
 /// What a replay service says about itself.
