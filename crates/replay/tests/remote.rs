@@ -94,11 +94,11 @@ impl Fixture {
     }
 }
 
-/// Polls `f` until it is true or 10 s pass.
+/// Polls `f` until it is true; 120 s is a hang guard, not a timing requirement.
 fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {
-        assert!(start.elapsed() < Duration::from_secs(10), "timed out waiting for {what}");
+        assert!(start.elapsed() < Duration::from_secs(120), "timed out waiting for {what}");
         thread::sleep(Duration::from_millis(5));
     }
 }
