@@ -25,7 +25,7 @@
 //! Once the actors are done, a sample the limiter holds back would wait for inserts that will
 //! never come. [`ReplayBuffer::end_writes`](crate::ReplayBuffer::end_writes) (and
 //! `RemoteBuffer::end_writes`) says so: such a sample then fails at once with
-//! [`Error::WritesEnded`](crate::Error::WritesEnded), so a learner samples until that error.
+//! [`Error::WritesEnded`], so a learner samples until that error.
 
 use std::time::Duration;
 
