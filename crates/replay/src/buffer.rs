@@ -42,10 +42,13 @@
 //! # Checkpoints
 //!
 //! [`ReplayBuffer::dumps`] writes a TorchRL 0.14.1 dump folder (see [`crate::checkpoint`]) and
-//! [`ReplayBuffer::loads`] builds a buffer from one. A dump is a consistent snapshot: it waits
-//! for the writes under way to finish (new writes wait meanwhile, so a steady stream of writers
-//! cannot hold it off), then pins every row (new writes wait) while the rows, the writer state
-//! and the sampler state are saved.
+//! [`ReplayBuffer::loads`] builds a buffer from one. A dump is a consistent snapshot of the
+//! committed rows: under the state lock it takes `len`, the writer's and the sampler's states
+//! and the set of committed rows, and pins every row no write holds; it copies them with no
+//! lock held and unpins them (writes of those rows wait for the copy meanwhile). It never waits
+//! for a write: rows being written (by `extend`, or reserved and not committed yet, perhaps by
+//! an actor that stalled or died) are simply not in it, and neither are rows whose write failed
+//! or was aborted; the committed rows are packed (see [`ReplayBuffer::dumps`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -60,7 +63,7 @@ use memmap_tensor::DType;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use tensordict::{Index, TensorDict};
 
-use crate::checkpoint::{BufferMetadata, Dump, Prefetch, SamplerDump, StorageDump, WriterDump, WriterKind};
+use crate::checkpoint::{BufferMetadata, Dump, Packing, Prefetch, SamplerDump, StorageDump, WriterDump, WriterKind};
 use crate::error::{Error, Result, WithOp};
 use crate::rate::{RateCounts, RateLimiter};
 use crate::sampler::{Prioritized, Sampler, Uniform, WithoutReplacement};
@@ -73,6 +76,14 @@ const REDRAWS_BEFORE_WAIT: usize = 8;
 /// How many draws in a row may find only rows that are not valid (left by a write that
 /// failed or was aborted, and not written since) before a sample gives up.
 const MAX_FRUITLESS_DRAWS: usize = 1000;
+
+/// Why an insert is refused after [`ReplayBuffer::end_writes`].
+const WRITES_ENDED_INSERT: &str = "no more rows are taken";
+/// Why a sample the rate limiter holds back fails after [`ReplayBuffer::end_writes`].
+const WRITES_ENDED_LIMITER: &str =
+    "the rate limiter holds this sample back until more rows are inserted, and none will be";
+/// Why a sample of an empty buffer fails after [`ReplayBuffer::end_writes`].
+const WRITES_ENDED_EMPTY: &str = "the buffer is empty and no row will be inserted";
 
 /// Numbers buffers, so that a reservation or lease is only accepted by its own buffer.
 static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
@@ -268,12 +279,19 @@ struct State {
     /// The tickets queued on each row being written.
     in_flight: HashMap<usize, VecDeque<u64>>,
     counts: RateCounts,
-    /// Dumps waiting for the writes under way to end: new writes wait for them, so that a
-    /// steady stream of writers cannot hold a dump off.
-    dumps_waiting: usize,
+    /// Set by [`ReplayBuffer::end_writes`]: no insert will come.
+    writes_ended: bool,
 }
 
 impl State {
+    /// Whether `row` holds a committed write: completely written, and no write under way.
+    /// (Unlike [`State::visible`], rows past `len` count: they are committed, only not
+    /// sampled until the rows before them are.)
+    fn committed(&self, row: usize) -> bool {
+        let state = self.rows[row];
+        state.filled && state.queued == 0
+    }
+
     fn visible(&self, row: usize) -> bool {
         row < self.len && {
             let state = self.rows[row];
@@ -378,7 +396,7 @@ impl ReplayBuffer {
                 len: 0,
                 in_flight: HashMap::new(),
                 counts: RateCounts::default(),
-                dumps_waiting: 0,
+                writes_ended: false,
             }),
             changed: Condvar::new(),
             stored_len: Mutex::new(0),
@@ -466,6 +484,24 @@ impl ReplayBuffer {
         self.limiter.as_ref()
     }
 
+    /// Says that no more rows will be inserted (Reverb's learners learn it from a timeout;
+    /// here it is said): from now on `extend`, `add` and `reserve` fail with
+    /// [`Error::WritesEnded`], and so does a sample that would wait for inserts, at once,
+    /// instead of waiting without end (or until its timeout): one the rate limiter holds back,
+    /// or one of an empty buffer with a timeout. Samples the limiter allows go on, so a learner
+    /// can sample until the error. Writes reserved before go on and may be committed (or
+    /// aborted). Waiting inserts and samples are woken to fail. It cannot be undone; a buffer
+    /// loaded from a dump takes writes again.
+    pub fn end_writes(&self) {
+        self.state.lock().writes_ended = true;
+        self.changed.notify_all();
+    }
+
+    /// Whether [`ReplayBuffer::end_writes`] was called.
+    pub fn writes_ended(&self) -> bool {
+        self.state.lock().writes_ended
+    }
+
     /// The rows inserted and sampled so far, as the rate limiter counts them.
     pub fn rate_counts(&self) -> RateCounts {
         self.state.lock().counts
@@ -528,7 +564,6 @@ impl ReplayBuffer {
 
         // Reserve.
         let mut state = self.state.lock();
-        self.wait_for_dumps(&mut state);
         self.wait_for_inserts(&mut state, n, self.limiter_timeout(), OP)?;
         let chosen = state.writer.reserve(batch, self.config.capacity)?;
         // Storage row -> the last batch row written there.
@@ -620,7 +655,6 @@ impl ReplayBuffer {
         // The rows are taken only once they are free (no read pins them, no write holds them),
         // so a wait that times out has changed nothing.
         let rows = loop {
-            self.wait_for_dumps(&mut state);
             self.wait_for_inserts(&mut state, n, deadline.map(|d| d.saturating_duration_since(Instant::now())), OP)?;
             let Some(next) = state.writer.peek_rows(n, capacity) else {
                 return Err(Error::WriterCannot {
@@ -680,10 +714,15 @@ impl ReplayBuffer {
     /// Draws `batch_size` rows as [`ReplayBuffer::sample`] does, without reading them: the
     /// rows stay pinned (no write touches them) until the [`Lease`] is released, so that
     /// someone else (another process mapping the storage) can read them whole. Waits at most
-    /// `timeout` for the rate limiter, and for rows if the buffer is empty (`None`: an empty
-    /// buffer is an error at once, as for [`ReplayBuffer::sample`]).
+    /// `timeout` for the rate limiter, and for rows if the buffer is empty, its storage not
+    /// made yet included (`None`: an empty buffer is an error at once, as for
+    /// [`ReplayBuffer::sample`]).
     pub fn sample_leased(&self, batch_size: usize, timeout: Option<Duration>) -> Result<(SampleInfo, Lease)> {
-        self.storage.get().ok_or(Error::Empty)?;
+        // Without a storage no row is valid: as for any empty buffer, a sample with a timeout
+        // waits for rows, which the first writer's storage will hold.
+        if timeout.is_none() {
+            self.storage.get().ok_or(Error::Empty)?;
+        }
         let info = self.draw(batch_size, timeout, "sample")?;
         let lease = Lease { buffer: self.id, rows: info.indices.clone() };
         Ok((info, lease))
@@ -783,23 +822,37 @@ impl ReplayBuffer {
     /// (nothing for uniform, the trees for prioritized, the epoch for without-replacement).
     /// The folder appears complete or not at all (see [`Dump::write`]). A buffer that has
     /// never been written to has no storage to dump.
+    ///
+    /// A dump holds committed rows only: a TorchRL buffer takes every row below `len` as
+    /// valid, so rows that are not valid here are left out rather than written as if they
+    /// were. It does not wait for writes under way: their rows are left out too, and their
+    /// writers (and any others) go on meanwhile, except over the rows being copied. When every
+    /// row `0..len` is committed (and no other), the dump is the storage as it is. Otherwise
+    /// (rows being written or reserved, perhaps by an actor that stalled or was killed, or left
+    /// by a write that failed or was aborted) the committed rows are packed, in storage order, into rows `0..k`, `len` is
+    /// `k` and the rows past it are zeros; the writer's cursor moves with the rows (so the next
+    /// writes still replace the oldest rows first), a max-value writer keeps the ranks of kept
+    /// rows, a prioritized sampler's priorities move with their rows, and a
+    /// without-replacement epoch keeps its kept rows still to hand out. The write count is
+    /// left as it is. Slice samplers find their trajectories again from the kept rows on load:
+    /// a trajectory that lost a row is that row shorter (with done flags, losing the row that
+    /// ends a trajectory joins it to the next).
     pub fn dumps(&self, path: impl AsRef<Path>) -> Result<()> {
         let storage = self.storage.get().ok_or(Error::Empty)?;
+        let capacity = self.config.capacity;
         let mut state = self.state.lock();
-        state.dumps_waiting += 1;
-        while !state.in_flight.is_empty() {
-            self.changed.wait(&mut state);
-        }
-        state.dumps_waiting -= 1;
         let len = state.len;
-        let writer = writer_dump(&*state.writer)?;
-        let sampler = self.sampler.to_dump()?;
-        let all: Vec<usize> = (0..self.config.capacity).collect();
-        for &r in &all {
+        let packing = Packing::new((0..capacity).filter(|&r| state.committed(r)).collect(), capacity);
+        let mut writer = writer_dump(&*state.writer)?;
+        let mut sampler = self.sampler.to_dump()?;
+        // Every row no write holds, so that none is written while it is copied (rows being
+        // written are not in the dump; the copy does not wait for them).
+        let pinned: Vec<usize> = (0..capacity).filter(|&r| state.rows[r].queued == 0).collect();
+        for &r in &pinned {
             state.rows[r].pins += 1;
         }
         drop(state);
-        self.with_pins(&all, || {
+        self.with_pins(&pinned, || {
             // Rows other nodes wrote are in the files, not in this process's older mapping: a
             // mapping made now sees them.
             let data = match (&self.file_reads, storage.folder()) {
@@ -808,8 +861,13 @@ impl ReplayBuffer {
                 }
                 _ => storage.tensordict().clone(),
             };
+            let identity = packing.is_identity(len);
+            if !identity {
+                writer.pack(&packing);
+                sampler.pack(&packing, len)?;
+            }
             let dump = Dump {
-                storage: StorageDump { data, len },
+                storage: StorageDump { data, len: packing.kept().len() },
                 writer: Some(writer),
                 sampler,
                 buffer: BufferMetadata { batch_size: None, consume_after_n_samples: None },
@@ -817,7 +875,7 @@ impl ReplayBuffer {
                 rng_state: None,
                 transform: None,
             };
-            dump.write(path)
+            if identity { dump.write(path) } else { dump.write_packed(path.as_ref(), &packing) }
         })
     }
 
@@ -901,6 +959,12 @@ impl ReplayBuffer {
         if let Some(limiter) = &self.limiter {
             limiter.check_sample(batch_size)?;
             while !limiter.can_sample(state.counts, state.len, batch_size) {
+                // Only an insert would let it go, or the commit of one under way if the buffer
+                // is short of the limiter's minimum size: none will come.
+                let short = state.len < limiter.min_size_to_sample().max(1);
+                if state.writes_ended && (state.in_flight.is_empty() || !short) {
+                    return Err(Error::WritesEnded { op, why: WRITES_ENDED_LIMITER });
+                }
                 self.wait(&mut state, start, deadline, op, "the rate limiter holds samples back")?;
             }
         }
@@ -911,9 +975,13 @@ impl ReplayBuffer {
         loop {
             let len = state.len;
             if len == 0 {
-                // Without a timeout an empty buffer is an error; with one, rows may come.
+                // Without a timeout an empty buffer is an error; with one, rows may come (unless
+                // writes have ended).
                 if deadline.is_none() {
                     return Err(Error::Empty);
+                }
+                if state.writes_ended && state.in_flight.is_empty() {
+                    return Err(Error::WritesEnded { op, why: WRITES_ENDED_EMPTY });
                 }
                 self.wait(&mut state, start, deadline, op, "the buffer is empty")?;
                 continue;
@@ -1003,19 +1071,13 @@ impl ReplayBuffer {
         Ok(SampleInfo { indices, weights })
     }
 
-    /// Waits until no dump waits for the writes under way to end.
-    fn wait_for_dumps(&self, state: &mut MutexGuard<'_, State>) {
-        while state.dumps_waiting > 0 {
-            self.changed.wait(state);
-        }
-    }
-
     /// The rate limiter's timeout, for the calls that do not take their own.
     fn limiter_timeout(&self) -> Option<Duration> {
         self.limiter.as_ref().and_then(RateLimiter::timeout)
     }
 
     /// Waits until the rate limiter lets `n` rows be inserted, at most `timeout`.
+    /// Refuses inserts once writes have ended.
     fn wait_for_inserts(
         &self,
         state: &mut MutexGuard<'_, State>,
@@ -1023,12 +1085,17 @@ impl ReplayBuffer {
         timeout: Option<Duration>,
         op: &'static str,
     ) -> Result<()> {
+        let ended = |state: &State| {
+            if state.writes_ended { Err(Error::WritesEnded { op, why: WRITES_ENDED_INSERT }) } else { Ok(()) }
+        };
+        ended(state)?;
         let Some(limiter) = &self.limiter else { return Ok(()) };
         limiter.check_insert(n)?;
         let start = Instant::now();
         let deadline = deadline_after(start, timeout);
         while !limiter.can_insert(state.counts, state.len, n) {
             self.wait(state, start, deadline, op, "the rate limiter holds inserts until samples catch up")?;
+            ended(state)?;
         }
         Ok(())
     }

@@ -278,6 +278,28 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// Writes to the buffer have ended ([`crate::ReplayBuffer::end_writes`]): an insert is
+    /// refused, and so is a sample that only an insert would let go.
+    #[error("{op}: writes to this buffer have ended: {why}")]
+    WritesEnded {
+        /// The operation.
+        op: &'static str,
+        /// Why it cannot go on.
+        why: &'static str,
+    },
+    /// A request to a replay service for more rows than one reply can carry: the reply (the
+    /// rows' indices, and weights) must fit in one frame of the connection.
+    #[error("{op} of {rows} rows: one reply carries at most {max} rows ({why})")]
+    TooManyRows {
+        /// `"sample"` or `"reserve"`.
+        op: &'static str,
+        /// The rows asked for.
+        rows: usize,
+        /// The most rows one reply carries.
+        max: usize,
+        /// How that is computed: bytes a row, and the frame limit.
+        why: String,
+    },
     /// The replay service or its connection failed.
     #[error("replay service: {0}")]
     Remote(#[from] rpc::Error),

@@ -21,6 +21,11 @@
 //! wider than `max_diff − min_diff`, and a sample of `b` rows with `b` wider than it. An actor
 //! inserting `n` and a learner sampling `b` at once can both wait only if the window is
 //! narrower than `n × samples_per_insert + b`: give the error buffer at least half that.
+//!
+//! Once the actors are done, a sample the limiter holds back would wait for inserts that will
+//! never come. [`ReplayBuffer::end_writes`](crate::ReplayBuffer::end_writes) (and
+//! `RemoteBuffer::end_writes`) says so: such a sample then fails at once with
+//! [`Error::WritesEnded`], so a learner samples until that error.
 
 use std::time::Duration;
 

@@ -312,6 +312,38 @@ impl WithoutReplacement {
     }
 }
 
+/// A without-replacement state dict (see [`WithoutReplacement::to_dump`]'s fields) for a dump
+/// that keeps only `packing`'s rows: the rows still to hand out move with their rows and those
+/// not kept are dropped; an epoch drawn over the buffer's `len` rows is over the kept rows now,
+/// any other epoch stays as it was (it restarts on the next sample, as it would have).
+pub(crate) fn pack_without_replacement(
+    state: &TensorDict,
+    packing: &crate::checkpoint::Packing,
+    len: usize,
+) -> Result<TensorDict> {
+    let bad = |detail: String| Error::Sampler { sampler: "without-replacement", detail };
+    let get = |key: &str| state.get_tensor(key).map_err(|e| bad(format!("state dict: `{key}`: {e}")));
+    let ints = |key: &str| get(key)?.to_vec::<i64>().map_err(|e| bad(format!("state dict: `{key}`: {e}")));
+    let epoch_len = match ints("len_storage")?.as_slice() {
+        [n] => *n,
+        other => return Err(bad(format!("state dict: len_storage holds {other:?}, not one value"))),
+    };
+    let list: Vec<i64> = ints("_sample_list")?
+        .into_iter()
+        .filter_map(|r| packing.row(usize::try_from(r).ok()?).map(|j| j as i64))
+        .collect();
+    let ran_out = get("_ran_out")?.to_vec_bool().map_err(|e| bad(format!("state dict: `_ran_out`: {e}")))?;
+    let epoch_len = if epoch_len == len as i64 { packing.kept().len() as i64 } else { epoch_len };
+    let op = |source| Error::TensorDict { op: "dump without-replacement sampler", source };
+    let tensor = |source| Error::Tensor { path: "sampler".into(), source };
+    let mut td = state.clone();
+    td.set("len_storage", Tensor::from_slice(&[epoch_len], Vec::new()).map_err(tensor)?).map_err(op)?;
+    td.set("_sample_list", Tensor::from_slice(&list, vec![list.len()]).map_err(tensor)?).map_err(op)?;
+    let ran_out = list.is_empty() || ran_out.first().copied().unwrap_or(false);
+    td.set("_ran_out", Tensor::from_bools(&[ran_out], Vec::new()).map_err(tensor)?).map_err(op)?;
+    Ok(td)
+}
+
 /// Prioritized sampling (TorchRL's `PrioritizedSampler`) around a [`PrioritizedState`].
 ///
 /// The state sits behind a read-write lock: samples share it, while new rows and priority

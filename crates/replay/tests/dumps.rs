@@ -238,6 +238,113 @@ fn round_robin_without_replacement_and_max_value_buffers_round_trip() {
     assert_same_buffer(&ranked, &back);
 }
 
+/// Reserves `n` rows of `buffer`, writes `rows(999, n)` over them (a write that never
+/// completes, as far as the buffer knows), then aborts: what a killed actor's session leaves.
+fn abort_a_write(buffer: &ReplayBuffer, n: usize) -> Vec<usize> {
+    let reservation = buffer.reserve(n, None).unwrap();
+    let reserved = reservation.rows().to_vec();
+    buffer.storage().unwrap().write_rows(&reserved, &rows(999, n)).unwrap();
+    buffer.abort(reservation).unwrap();
+    reserved
+}
+
+/// The `reward` of each row of `td`, checking that its `obs` belongs to the same row of
+/// [`rows`] (a row written by halves would not).
+fn whole_rows(td: &TensorDict) -> Vec<usize> {
+    let obs = td.get_tensor("obs").unwrap().to_vec::<f32>().unwrap();
+    let reward = td.get_tensor("reward").unwrap().to_vec::<f32>().unwrap();
+    reward
+        .iter()
+        .enumerate()
+        .map(|(k, &r)| {
+            let i = (r * 100.0).round() as usize;
+            let want: Vec<f32> = (0..4).map(|j| (10 * i + j) as f32).collect();
+            assert_eq!(&obs[4 * k..4 * k + 4], want.as_slice(), "row {k} (reward {r})");
+            i
+        })
+        .collect()
+}
+
+/// Rows left by an aborted write (a killed actor's reservation) are not valid: a dump leaves
+/// them out and packs the valid rows, with the writer's cursor and the sampler's state moved
+/// along, so that TorchRL, which takes every row below `len` as valid, sees only whole rows.
+#[test]
+fn a_dump_leaves_out_rows_of_aborted_writes_and_packs_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    // Prioritized: rows 0..8, row 6 of high priority; rows 0..3 aborted.
+    let buffer = ReplayBuffer::prioritized(StorageConfig::heap(8), 1.0, 1.0, 0.0).unwrap();
+    buffer.extend(&rows(0, 8)).unwrap();
+    buffer.update_priority(6usize, &[1000.0]).unwrap();
+    assert_eq!(abort_a_write(&buffer, 3), vec![0, 1, 2]);
+    assert_eq!((buffer.len(), buffer.writer_state()), (8, (3, 11)));
+    let d = dir.path().join("prioritized");
+    buffer.dumps(&d).unwrap();
+    let meta: Value = serde_json::from_slice(&fs::read(d.join("storage/storage_metadata.json")).unwrap()).unwrap();
+    assert_eq!(meta["len"], 5, "TorchRL's len counts the valid rows only");
+    let back = ReplayBuffer::loads(&d, LoadOptions::default().with_seed(4)).unwrap();
+    assert_eq!(back.len(), 5);
+    assert_eq!(whole_rows(&back.get(0..5).unwrap()), vec![3, 4, 5, 6, 7], "the valid rows, in storage order");
+    // The cursor was at row 3, the oldest valid row: it still is (now row 0); the write count
+    // is the writer's.
+    assert_eq!(back.writer_state(), (0, 11));
+    let p = prioritized_dump(&back);
+    assert_eq!(p.sum_tree[3], 1000.0, "row 6's priority moved with it to row 3");
+    assert_eq!((p.sum_tree[5], p.min_tree[5]), (0.0, f64::from(f32::MAX)), "rows past len are unused");
+    assert_eq!((p.max_priority.value, p.max_priority.index), (Some(1000.0), Some(3)));
+    for _ in 0..50 {
+        let (td, info) = back.sample(8).unwrap();
+        assert!(whole_rows(&td).iter().all(|&i| (3..8).contains(&i)));
+        assert!(info.indices.iter().all(|&i| i < 5));
+    }
+    // The next write replaces the oldest row, as the original buffer's would have.
+    assert_eq!(back.extend(&rows(50, 1)).unwrap(), vec![0]);
+
+    // Without replacement: the epoch's rows still to hand out move with their rows, the
+    // aborted ones are dropped.
+    let epochs = ReplayBuffer::new(
+        StorageConfig::heap(10),
+        Box::new(RoundRobin::new()),
+        Box::new(WithoutReplacement::build(false, true, Some(5))),
+    )
+    .unwrap();
+    epochs.extend(&rows(0, 10)).unwrap();
+    let (_, first) = epochs.sample(4).unwrap();
+    assert_eq!(abort_a_write(&epochs, 2), vec![0, 1]);
+    let d = dir.path().join("epochs");
+    epochs.dumps(&d).unwrap();
+    let back = ReplayBuffer::loads(&d, LoadOptions::default().with_seed(5)).unwrap();
+    assert_eq!(back.len(), 8);
+    let mut left: Vec<usize> = (2..10).filter(|i| !first.indices.contains(i)).map(|i| i - 2).collect();
+    let (_, rest) = back.sample(10).unwrap();
+    let mut got = rest.indices.clone();
+    got.sort_unstable();
+    left.sort_unstable();
+    assert_eq!(got, left, "the rest of the epoch, packed");
+
+    // A buffer whose rows are all valid dumps as it is (the round trips above check bytes).
+    let whole = ReplayBuffer::uniform(StorageConfig::heap(4)).unwrap();
+    whole.extend(&rows(0, 3)).unwrap();
+    let d = dir.path().join("whole");
+    whole.dumps(&d).unwrap();
+    assert_eq!(ReplayBuffer::loads(&d, LoadOptions::default()).unwrap().writer_state(), (3, 3));
+}
+
+/// A dump never waits for a write under way: a reservation held (by this very thread, which
+/// would wait for itself) is left out of it, and written and committed after it.
+#[test]
+fn a_dump_leaves_out_rows_being_written_without_waiting_for_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let buffer = ReplayBuffer::uniform(StorageConfig::heap(6)).unwrap();
+    buffer.extend(&rows(0, 6)).unwrap();
+    let reservation = buffer.reserve(2, None).unwrap();
+    buffer.storage().unwrap().write_rows(reservation.rows(), &rows(20, 2)).unwrap();
+    buffer.dumps(dir.path().join("d")).unwrap();
+    buffer.commit(reservation).unwrap();
+    let back = ReplayBuffer::loads(dir.path().join("d"), LoadOptions::default()).unwrap();
+    assert_eq!(whole_rows(&back.get(0..back.len()).unwrap()), vec![2, 3, 4, 5]);
+    assert_eq!(whole_rows(&buffer.get(0..2).unwrap()), vec![20, 21]);
+}
+
 #[test]
 fn prioritized_sampling_follows_the_priorities_through_the_buffer() {
     let buffer = ReplayBuffer::new(

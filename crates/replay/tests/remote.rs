@@ -94,11 +94,11 @@ impl Fixture {
     }
 }
 
-/// Polls `f` until it is true or 10 s pass.
+/// Polls `f` until it is true; 120 s is a hang guard, not a timing requirement.
 fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {
-        assert!(start.elapsed() < Duration::from_secs(10), "timed out waiting for {what}");
+        assert!(start.elapsed() < Duration::from_secs(120), "timed out waiting for {what}");
         thread::sleep(Duration::from_millis(5));
     }
 }
@@ -133,7 +133,8 @@ fn writers_and_a_learner_share_whole_rows() {
     let mut seen = 0;
     let mut out = batch(&[0.; 16]);
     while writers.iter().any(|w| !w.is_finished()) || seen < 200 {
-        match learner.sample(16, Some(Duration::from_secs(5))) {
+        // A hang guard: the sample waits for nothing but the writers' first rows.
+        match learner.sample(16, Some(Duration::from_secs(120))) {
             Ok((rows, info)) => {
                 assert_eq!(info.indices.len(), 16);
                 assert!(info.weights.is_none());
@@ -160,6 +161,24 @@ fn writers_and_a_learner_share_whole_rows() {
     // The service's own buffer sees the same rows.
     assert_eq!(server.buffer().len(), 48);
     check_rows(&server.buffer().get(0..48).unwrap());
+}
+
+/// A learner that samples before any writer has made the storage waits for rows, as it does
+/// on an empty storage, instead of failing at once.
+#[test]
+fn a_sample_before_the_first_write_waits_for_rows() {
+    let f = Fixture::new("before-storage");
+    let _server = f.start(f.options(8));
+    let learner = f.connect();
+    let early = learner.sample(2, Some(Duration::from_millis(50))).unwrap_err();
+    assert!(matches!(&early, Error::Timeout { op: "sample", why, .. } if why.contains("empty")), "{early}");
+    let waiting =
+        thread::spawn(move || learner.sample(2, Some(Duration::from_secs(120))).map(|(td, _)| check_rows(&td)));
+    f.connect().extend(&batch(&[3.; 4])).unwrap();
+    assert_eq!(waiting.join().unwrap().unwrap(), vec![3., 3.]);
+    let local = ReplayBuffer::uniform(replay::StorageConfig::heap(4)).unwrap();
+    assert!(matches!(local.sample_leased(1, Some(Duration::ZERO)), Err(Error::Timeout { .. })));
+    assert!(matches!(local.sample_leased(1, None), Err(Error::Empty)));
 }
 
 #[test]
@@ -271,18 +290,66 @@ fn the_rate_limiter_paces_samples_and_inserts() {
     assert!(matches!(blocked, Error::Timeout { op: "extend", .. }), "{blocked}");
     let stats = learner.stats().unwrap();
     assert!(stats.inserts as f64 * 2.0 - stats.samples as f64 <= 32.0, "{stats:?}");
-    // Samples let it go again.
+    // Samples let it go again. The actor then says it is done: the learner samples until the
+    // limiter holds it back for good, and is told so instead of waiting for an insert that
+    // will never come. (Whatever the order the threads run in: the insert is let go long
+    // before samples are held back, and a held sample waits for the insert or the end.)
     let blocked_insert = {
         let actor = f.connect();
-        thread::spawn(move || actor.extend(&batch(&[1.; 4])))
+        thread::spawn(move || {
+            actor.extend(&batch(&[1.; 4]))?;
+            actor.end_writes()
+        })
     };
-    while !blocked_insert.is_finished() {
-        learner.sample(4, Some(Duration::from_secs(5))).unwrap();
-    }
+    let ended = loop {
+        if let Err(e) = learner.sample(4, None) {
+            break e;
+        }
+    };
     blocked_insert.join().unwrap().unwrap();
+    assert!(
+        matches!(&ended, Error::Refused(WireError::Conflict { detail }) if detail.contains("writes to this buffer have ended")),
+        "{ended}"
+    );
+    let stats = learner.stats().unwrap();
+    assert_eq!(stats.inserts, inserted + 4);
+    let diff = stats.inserts as f64 * 2.0 - stats.samples as f64;
+    assert!((0.0..4.0).contains(&diff), "the limiter let every sample it could go: {stats:?}");
+    let refused = actor.extend(&batch(&[1.; 4])).unwrap_err();
+    assert!(refused.to_string().contains("writes to this buffer have ended"), "{refused}");
     // A batch wider than the limiter's window can never pass: an error, not a wait.
     let too_wide = learner.sample(40, Some(Duration::from_secs(1))).unwrap_err();
     assert!(too_wide.to_string().contains("never pass"), "{too_wide}");
+}
+
+/// Once writes have ended, samples go on while the limiter allows them and then fail at
+/// once (they would wait for inserts without end); so does a sample of an empty buffer;
+/// inserts are refused, and a waiting sample is woken to fail.
+#[test]
+fn samples_that_only_an_insert_could_let_go_fail_once_writes_have_ended() {
+    let limiter = RateLimiter::sample_to_insert_ratio(1.0, 2, 4.0).unwrap();
+    let buffer = ReplayBuffer::uniform(replay::StorageConfig::heap(16)).unwrap().with_rate_limiter(limiter);
+    buffer.extend(&batch(&[1.; 4])).unwrap();
+    let waiting = thread::scope(|scope| {
+        let waiting = scope.spawn(|| {
+            // diff = 4 - samples, min_diff = -2: samples of 3 pass twice, then wait.
+            buffer.sample(3).unwrap();
+            buffer.sample(3).unwrap();
+            buffer.sample(3)
+        });
+        // A wait without end, until the end of writes (whenever it comes) wakes it.
+        buffer.end_writes();
+        waiting.join().unwrap()
+    });
+    assert!(matches!(waiting, Err(Error::WritesEnded { op: "sample", .. })), "{waiting:?}");
+    assert!(buffer.writes_ended());
+    let refused = buffer.extend(&batch(&[2.])).unwrap_err();
+    assert!(matches!(refused, Error::WritesEnded { op: "extend", .. }), "{refused}");
+    assert!(matches!(buffer.reserve(1, None), Err(Error::WritesEnded { op: "reserve", .. })));
+    let empty = ReplayBuffer::uniform(replay::StorageConfig::heap(4)).unwrap();
+    empty.end_writes();
+    let refused = empty.sample_leased(1, Some(Duration::from_secs(3600))).unwrap_err();
+    assert!(refused.to_string().contains("the buffer is empty and no row will be inserted"), "{refused}");
 }
 
 #[test]
@@ -372,6 +439,60 @@ fn hostile_requests_get_errors() {
     // A capacity whose bookkeeping alone does not fit.
     let refused = ReplayServer::start("huger", g.options(1 << 44)).unwrap_err();
     assert!(matches!(refused, Error::CapacityTooLarge { .. }), "{refused}");
+}
+
+/// A sample whose reply would not fit in a frame is refused up front, by the client and by
+/// the service, with an error naming the real limit; the largest allowed sample is served.
+#[test]
+fn samples_larger_than_one_reply_can_carry_are_refused_naming_the_limit() {
+    for (name, sampler, weighted) in [
+        ("big-uniform", SamplerSpec::Uniform, false),
+        ("big-prioritized", SamplerSpec::Prioritized { alpha: 0.6, beta: 0.4, eps: 1e-6 }, true),
+    ] {
+        let f = Fixture::new(name);
+        let capacity = 1 << 16;
+        let _server = f.start(f.options(capacity).sampler(sampler).seed(1));
+        let client = f.connect();
+        let mut rows = TensorDict::new([capacity]);
+        rows.set("x", Tensor::zeros([capacity], DType::U8, &Location::Heap).unwrap()).unwrap();
+        client.extend(&rows).unwrap();
+        let max = client.max_sample_rows();
+        assert_eq!(max, replay::remote::max_sample_rows(capacity, weighted, replay::remote::MAX_FRAME_BYTES));
+        assert_eq!(max, if weighted { 95_321 } else { 349_512 });
+        let (td, info) = client.sample(max, None).unwrap();
+        assert_eq!((td.batch_size()[0], info.weights.is_some()), (max, weighted));
+        let refused = client.sample(max + 1, None).unwrap_err();
+        assert!(matches!(refused, Error::TooManyRows { op: "sample", max: m, .. } if m == max), "{refused}");
+        assert!(refused.to_string().contains(&format!("at most {max} rows")), "{refused}");
+        // The service refuses it too (a client that does not check), and the connection lives.
+        let raw = f.raw();
+        let n = max as u64 + 1;
+        let refused = raw.call(async |c, ctx| c.sample(ctx, n, None, Vec::new()).await).unwrap().unwrap_err();
+        assert!(
+            matches!(&refused, WireError::InvalidRequest { detail } if detail.contains(&format!("at most {max} rows")))
+        );
+        let ok = raw.call(async |c, ctx| c.sample(ctx, 8, None, Vec::new()).await).unwrap().unwrap();
+        assert_eq!(ok.indices.len(), 8);
+        // Reservations too: their replies carry row indices.
+        let refused = client.reserve(client.max_reserve_rows() + 1, None).unwrap_err();
+        assert!(matches!(refused, Error::TooManyRows { op: "reserve", .. }), "{refused}");
+    }
+}
+
+/// A batch larger than one reservation's reply can carry is written in several.
+#[test]
+fn an_extend_larger_than_one_reservation_goes_in_chunks() {
+    let f = Fixture::new("big-extend");
+    // 2^20 + 1 rows: 5 bytes an index, so about 210,000 rows a reservation.
+    let capacity = (1 << 20) + 1;
+    let _server = f.start(f.options(capacity));
+    let client = f.connect();
+    assert!(client.max_reserve_rows() < 300_000);
+    let n = 2 * client.max_reserve_rows() + 10;
+    let mut rows = TensorDict::new([n]);
+    rows.set("x", Tensor::zeros([n], DType::U8, &Location::Heap).unwrap()).unwrap();
+    assert_eq!(client.extend(&rows).unwrap(), (0..n).collect::<Vec<_>>());
+    assert_eq!(client.stats().unwrap().len as usize, n);
 }
 
 #[test]

@@ -8,6 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use memmap_tensor::Tensor;
+use replay::ReplayBuffer;
 use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, ReplayServiceClient};
 use rpc::{BlockingClient, ClientOptions};
 use tensordict::TensorDict;
@@ -142,7 +143,7 @@ fn wait_for_file(path: &Path, child: &mut Child) -> String {
         if let Some(status) = child.try_wait().unwrap() {
             panic!("the child exited early: {status}");
         }
-        assert!(start.elapsed() < Duration::from_secs(30), "the child never got ready");
+        assert!(start.elapsed() < Duration::from_secs(120), "the child never got ready");
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -150,7 +151,7 @@ fn wait_for_file(path: &Path, child: &mut Child) -> String {
 fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {
-        assert!(start.elapsed() < Duration::from_secs(10), "timed out waiting for {what}");
+        assert!(start.elapsed() < Duration::from_secs(120), "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -232,6 +233,92 @@ fn a_shared_filesystem_writer_maps_nothing_and_killed_before_its_commit_never_ex
     assert_eq!(client.stats().unwrap().open_reservations, 1);
     // Rows 0..4 were written whole (99) but never committed: never sampled.
     kill_and_check_rows_hidden(&mut writer.0, &client);
+}
+
+#[test]
+fn a_dump_after_a_writer_was_killed_before_its_commit_holds_only_committed_rows() {
+    child();
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let name = "killed-writer-dump";
+    let server = ReplayServer::start(name, ReplayOptions::new(8).runtime_dir(&run).seed(5)).unwrap();
+    let options = ClientOptions::default().runtime_dir(&run);
+    let client = RemoteBuffer::connect_with(name, &options).unwrap();
+    client.extend(&batch(&[1., 2., 3., 4., 5., 6., 7., 8.])).unwrap();
+    let ready = dir.path().join("ready");
+    let test = "a_dump_after_a_writer_was_killed_before_its_commit_holds_only_committed_rows";
+    let mut writer = spawn("writer", test, &run, name, &ready);
+    assert_eq!(wait_for_file(&ready, &mut writer.0), "[0, 1, 2, 3]");
+    writer.0.kill().unwrap(); // SIGKILL, with rows 0..4 half written (obs 99, the old reward)
+    writer.0.wait().unwrap();
+    eventually("the dead writer's reservation to be aborted", || client.stats().unwrap().open_reservations == 0);
+    assert_eq!(server.buffer().len(), 8, "the service's len still counts the rows it hides");
+    let dump = dir.path().join("dump");
+    client.dumps(dump.to_str().unwrap()).unwrap();
+    drop(client);
+    drop(server);
+
+    // As TorchRL would load it: len 4, rows 0..4 the committed rows 4..8, whole.
+    let loaded = ReplayBuffer::loads(&dump, replay::LoadOptions::default().with_seed(1)).unwrap();
+    assert_eq!(loaded.len(), 4);
+    assert_eq!(check_rows(&loaded.get(0..4).unwrap()), vec![5., 6., 7., 8.]);
+    for _ in 0..200 {
+        let (td, _) = loaded.sample(8).unwrap();
+        assert!(check_rows(&td).iter().all(|&v| v >= 5.));
+    }
+    // A service started from the dump samples only those rows, and writes over the oldest.
+    let server = ReplayServer::start(name, ReplayOptions::new(0).runtime_dir(&run).load(&dump).seed(2)).unwrap();
+    let client = RemoteBuffer::connect_with(name, &options).unwrap();
+    for _ in 0..200 {
+        let (td, _) = client.sample(8, None).unwrap();
+        assert!(check_rows(&td).iter().all(|&v| v >= 5.));
+    }
+    assert_eq!(client.extend(&batch(&[9.])).unwrap(), vec![0]);
+    drop(server);
+}
+
+/// A dump asked for while a live writer holds a reservation (stalled between reserve and
+/// commit) does not wait for it: it is written at once, without the reserved rows, and other
+/// writers go on.
+#[test]
+fn a_dump_does_not_wait_for_a_live_writers_reservation() {
+    child();
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let name = "stalled-writer-dump";
+    let _server = ReplayServer::start(name, ReplayOptions::new(8).runtime_dir(&run).seed(5)).unwrap();
+    let options = ClientOptions::default().runtime_dir(&run);
+    let client = RemoteBuffer::connect_with(name, &options).unwrap();
+    client.extend(&batch(&[1., 2., 3., 4., 5., 6., 7., 8.])).unwrap();
+    let ready = dir.path().join("ready");
+    let mut writer = spawn("writer", "a_dump_does_not_wait_for_a_live_writers_reservation", &run, name, &ready);
+    assert_eq!(wait_for_file(&ready, &mut writer.0), "[0, 1, 2, 3]");
+    // The writer lives on, its rows half written and never committed.
+    let dump = dir.path().join("dump");
+    let asked = {
+        let (options, dump) = (options.clone(), dump.clone());
+        let (done, wait) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let client = RemoteBuffer::connect_with(name, &options).unwrap();
+            let _ = done.send(client.dumps(dump.to_str().unwrap()));
+        });
+        // A hang guard only: the dump waits for nothing.
+        wait.recv_timeout(Duration::from_secs(120)).expect("the dump waited for the live writer's reservation")
+    };
+    asked.unwrap();
+    assert!(writer.0.try_wait().unwrap().is_none(), "the writer still runs");
+    assert_eq!(client.stats().unwrap().open_reservations, 1);
+    // Other writers go on: rows 4..8 are not reserved.
+    assert_eq!(client.extend(&batch(&[9.; 4])).unwrap(), vec![4, 5, 6, 7]);
+    let loaded = ReplayBuffer::loads(&dump, replay::LoadOptions::default()).unwrap();
+    assert_eq!(loaded.len(), 4);
+    assert_eq!(check_rows(&loaded.get(0..4).unwrap()), vec![5., 6., 7., 8.]);
+    // The writer's death changes nothing in the dump written before it.
+    writer.0.kill().unwrap();
+    writer.0.wait().unwrap();
+    eventually("the dead writer's reservation to be aborted", || client.stats().unwrap().open_reservations == 0);
+    let again = ReplayBuffer::loads(&dump, replay::LoadOptions::default()).unwrap();
+    assert_eq!(check_rows(&again.get(0..4).unwrap()), vec![5., 6., 7., 8.]);
 }
 
 /// SIGKILLs `writer`, which holds a reservation of rows 0..4 of a buffer whose rows 4..8 hold

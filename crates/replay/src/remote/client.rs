@@ -10,7 +10,7 @@ use rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, RefLocation, Tens
 use tensordict::{Index, ReadMode, TensorDict};
 
 use super::service::{ReplayInfo, ReplayServiceClient, ReplayStats, Reserved};
-use super::{check_name, endpoint};
+use super::{MAX_FRAME_BYTES, check_name, endpoint, max_reserve_rows, max_sample_rows, reply_limit, weighted_sampler};
 use crate::buffer::SampleInfo;
 use crate::error::{Error, Result, WithOp};
 use crate::storage::{RowFiles, Storage};
@@ -37,6 +37,9 @@ pub struct RemoteBuffer {
     read_mode: ReadMode,
     /// The storage's files, for the shared-filesystem mode, once used.
     files: OnceLock<RowFiles>,
+    /// The largest reply this connection carries: the service's frame limit, or this client's
+    /// if smaller.
+    max_frame_bytes: usize,
 }
 
 impl std::fmt::Debug for RemoteBuffer {
@@ -89,6 +92,7 @@ impl RemoteBuffer {
             shared_filesystem: None,
             read_mode: ReadMode::Direct,
             files: OnceLock::new(),
+            max_frame_bytes: options.max_frame_bytes.min(MAX_FRAME_BYTES),
         })
     }
 
@@ -128,6 +132,19 @@ impl RemoteBuffer {
         self.info.capacity as usize
     }
 
+    /// The most rows one [`RemoteBuffer::sample`] can ask for: its reply (indices, and weights
+    /// for a prioritized sampler) must fit in one frame (see [`super::max_sample_rows`]). A
+    /// larger sample is refused before it is sent, with [`Error::TooManyRows`].
+    pub fn max_sample_rows(&self) -> usize {
+        max_sample_rows(self.capacity(), weighted_sampler(&self.info.sampler), self.max_frame_bytes)
+    }
+
+    /// The most rows one [`RemoteBuffer::reserve`] can ask for (see
+    /// [`super::max_reserve_rows`]); `extend` writes longer batches in several reservations.
+    pub fn max_reserve_rows(&self) -> usize {
+        max_reserve_rows(self.capacity(), self.max_frame_bytes)
+    }
+
     /// The service's counters.
     pub fn stats(&self) -> Result<ReplayStats> {
         Ok(self.client.call(async |c, ctx| c.stats(ctx).await)??)
@@ -152,13 +169,13 @@ impl RemoteBuffer {
         }
         let sink = self.sink(Some(batch))?;
         sink.check_batch(OP, batch)?;
-        let capacity = self.capacity();
+        // A batch longer than the buffer, or than one reservation's reply can carry, goes in
+        // chunks, in order; each chunk's commit rides along with the next chunk's reservation.
+        let chunk = self.capacity().min(self.max_reserve_rows()).max(1);
         let mut written = Vec::with_capacity(n);
-        // A batch longer than the buffer goes in chunks of at most the capacity, in order; each
-        // chunk's commit rides along with the next chunk's reservation.
         let mut pending: Option<u64> = None;
-        for start in (0..n).step_by(capacity) {
-            let end = (start + capacity).min(n);
+        for start in (0..n).step_by(chunk) {
+            let end = (start + chunk).min(n);
             let chunk = if start == 0 && end == n {
                 None
             } else {
@@ -192,6 +209,11 @@ impl RemoteBuffer {
     /// filesystem](RemoteBuffer::on_shared_filesystem); waits at most `wait` for the rate
     /// limiter. The storage must exist ([`RemoteBuffer::create_storage`] or a first `extend`).
     pub fn reserve(&self, n: usize, wait: Option<Duration>) -> Result<RemoteReservation> {
+        let max = self.max_reserve_rows();
+        if n > max {
+            let why = reply_limit(self.capacity(), false, self.max_frame_bytes);
+            return Err(Error::TooManyRows { op: "reserve", rows: n, max, why });
+        }
         self.sink(None)?;
         let reserved = self.reserve_raw(n, wait, None, "reserve")?;
         Ok(RemoteReservation { id: reserved.id, rows: reserved.rows.iter().map(|&r| r as usize).collect() })
@@ -239,7 +261,10 @@ impl RemoteBuffer {
     }
 
     /// Draws `batch_size` rows and gathers them into a new heap dict, with their indices (and
-    /// weights). Waits at most `wait` for the rate limiter (`None`: without end).
+    /// weights). Waits at most `wait` for the rate limiter (`None`: without end), unless
+    /// writes have ended ([`RemoteBuffer::end_writes`]): then a sample the limiter holds back
+    /// fails at once. At most [`RemoteBuffer::max_sample_rows`] rows: a larger sample is
+    /// refused before it is sent.
     pub fn sample(&self, batch_size: usize, wait: Option<Duration>) -> Result<(TensorDict, SampleInfo)> {
         self.sample_with(batch_size, wait, |rows| match &self.shared_filesystem {
             Some(engine) => self.files(None)?.read_rows(engine, rows, self.read_mode),
@@ -282,10 +307,22 @@ impl RemoteBuffer {
         Ok(self.client.call(async |c, ctx| c.update_priority(ctx, indices, priorities).await)??)
     }
 
-    /// Asks the service to write a TorchRL dump folder at `path` (on the service's node).
+    /// Asks the service to write a TorchRL dump folder at `path` (on the service's node). The
+    /// dump holds the rows committed when it starts, packed (see
+    /// [`crate::ReplayBuffer::dumps`]); it waits for no reservation, so a writer that stalled
+    /// or died between reserve and commit neither holds it up nor gets its rows into it.
     pub fn dumps(&self, path: &str) -> Result<()> {
         let path = path.to_owned();
         Ok(self.client.call(async |c, ctx| c.dumps(ctx, path).await)??)
+    }
+
+    /// Tells the service that no more rows will be written (an actor, or whoever runs the
+    /// actors, when they are done): from then on writes are refused, and a sample that only an
+    /// insert would let go (held back by the rate limiter, or of an empty buffer) fails at once
+    /// with [`WireError::Conflict`] saying that writes have ended, instead of waiting without
+    /// end. A learner can sample until that error. See [`crate::ReplayBuffer::end_writes`].
+    pub fn end_writes(&self) -> Result<()> {
+        Ok(self.client.call(async |c, ctx| c.end_writes(ctx).await)??)
     }
 
     /// Asks the service to stop.
@@ -300,6 +337,11 @@ impl RemoteBuffer {
         wait: Option<Duration>,
         gather: impl FnOnce(&[usize]) -> Result<T>,
     ) -> Result<(T, SampleInfo)> {
+        let max = self.max_sample_rows();
+        if batch_size > max {
+            let why = reply_limit(self.capacity(), weighted_sampler(&self.info.sampler), self.max_frame_bytes);
+            return Err(Error::TooManyRows { op: "sample", rows: batch_size, max, why });
+        }
         let start = Instant::now();
         let deadline = wait.and_then(|w| start.checked_add(w));
         let sampled = loop {

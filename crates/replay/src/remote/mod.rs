@@ -16,6 +16,9 @@
 //!   its own mapping, then releases them. The rows are leased to it in between: writes of those
 //!   rows wait, so what it gathers is whole. A learner that dies has its leases released.
 //! - `update_priority` goes to the service, which owns the priorities.
+//! - [`RemoteBuffer::end_writes`] says that writing is over: writes are refused from then on,
+//!   and a learner's sample that only an insert could let go (held back by the rate limiter)
+//!   fails at once instead of waiting for an actor that will never come.
 //!
 //! So a sample costs one call plus a local gather, and a write one call plus a local copy,
 //! whatever the size of the rows.
@@ -67,6 +70,75 @@ use crate::slice::{Episodes, SliceShape};
 
 /// The longest service name, in bytes.
 pub const MAX_NAME_BYTES: usize = rpc::store::MAX_NAME_BYTES;
+
+/// The largest frame a replay service sends or reads, in bytes (rpc's default, which the
+/// service keeps). Every reply must fit in one: a sample's indices (and weights), a
+/// reservation's rows. [`max_sample_rows`] and [`max_reserve_rows`] say how many rows that is.
+pub const MAX_FRAME_BYTES: usize = rpc::DEFAULT_MAX_FRAME_BYTES;
+
+/// The most bytes a number takes in the wire's encoding (bincode's varint: 1 byte below 251,
+/// else a marker and 2, 4 or 8 bytes).
+const VARINT_MAX_BYTES: usize = 9;
+/// The bytes of an enum's variant index on the wire (a varint below 251).
+const TAG_BYTES: usize = 1;
+/// The most bytes of a sample's or a reservation's reply that are not its rows: tarpc's
+/// request id and `Ok`, the method's variant and the `Ok` of its `Result`, then the lease or
+/// reservation id, the length of the indices, and the `Some` and length of the weights.
+const REPLY_ENVELOPE_BYTES: usize = VARINT_MAX_BYTES + 3 * TAG_BYTES + 3 * VARINT_MAX_BYTES + TAG_BYTES;
+
+/// The bytes `value` takes in the wire's encoding (bincode's varint).
+const fn varint_bytes(value: u64) -> usize {
+    if value < 251 {
+        1
+    } else if value <= u16::MAX as u64 {
+        3
+    } else if value <= u32::MAX as u64 {
+        5
+    } else {
+        9
+    }
+}
+
+/// The most bytes one row takes in a reply of a service of `capacity` rows: its index, and
+/// its weight for a `weighted` sampler.
+fn reply_row_bytes(capacity: usize, weighted: bool) -> usize {
+    let index = varint_bytes(capacity.saturating_sub(1) as u64);
+    if weighted { index + size_of::<f64>() } else { index }
+}
+
+/// The most rows one sample of a service of `capacity` rows can return, its sampler weighting
+/// its rows (`weighted`) or not, when replies may be `max_frame_bytes` long (the smaller of
+/// [`MAX_FRAME_BYTES`] and the client's [`rpc::ClientOptions::max_frame_bytes`]), and at
+/// most [`MAX_SAMPLE_ROWS`]. With 1 MiB frames: about 349,000 rows from up to 65,536 rows
+/// without weights, about 95,000 with them. A larger sample is refused with an error that
+/// says so (sample in several requests); see [`RemoteBuffer::max_sample_rows`].
+pub fn max_sample_rows(capacity: usize, weighted: bool, max_frame_bytes: usize) -> usize {
+    let rows = max_frame_bytes.saturating_sub(REPLY_ENVELOPE_BYTES) / reply_row_bytes(capacity, weighted);
+    rows.min(usize::try_from(MAX_SAMPLE_ROWS).unwrap_or(usize::MAX))
+}
+
+/// The most rows one reservation of a service of `capacity` rows can hand out when replies
+/// may be `max_frame_bytes` long (see [`max_sample_rows`]); `RemoteBuffer::extend` writes a
+/// longer batch in several reservations.
+pub fn max_reserve_rows(capacity: usize, max_frame_bytes: usize) -> usize {
+    max_frame_bytes.saturating_sub(REPLY_ENVELOPE_BYTES) / reply_row_bytes(capacity, false)
+}
+
+/// Whether the sampler named `sampler` (as [`ReplayInfo::sampler`] says) weights its rows:
+/// its samples carry a weight per row.
+pub fn weighted_sampler(sampler: &str) -> bool {
+    matches!(sampler, "prioritized" | "prioritized-slice")
+}
+
+/// Why a sample (or reservation) of more than `max` rows is refused, for its error.
+fn reply_limit(capacity: usize, weighted: bool, max_frame_bytes: usize) -> String {
+    format!(
+        "a reply holds {} bytes a row ({}) from a service of {capacity} rows, and must fit in a \
+         {max_frame_bytes}-byte frame; ask for fewer rows per request",
+        reply_row_bytes(capacity, weighted),
+        if weighted { "an index and a weight" } else { "an index" },
+    )
+}
 
 /// Which sampler a replay service draws with.
 #[derive(Clone, Debug, PartialEq)]
@@ -237,4 +309,48 @@ pub fn check_name(name: &str) -> Result<()> {
 /// The shared-memory prefix of the service `name`'s storage (see [`rpc::endpoint::shm_stem`]).
 fn shm_prefix(runtime_dir: &Path, name: &str) -> String {
     rpc::endpoint::shm_stem("replay", runtime_dir, name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::service::{ReplayServiceResponse, Reserved, Sampled};
+    use super::*;
+    use bincode::Options as _;
+
+    /// The size of `message` as the reply to a request, in the wire's encoding, with the
+    /// largest request id.
+    fn reply_bytes(message: ReplayServiceResponse) -> usize {
+        let reply = tarpc::Response { request_id: u64::MAX, message: Ok(message) };
+        bincode::DefaultOptions::new().serialized_size(&reply).unwrap() as usize
+    }
+
+    fn sample_reply(capacity: usize, rows: usize, weighted: bool) -> usize {
+        let sampled = Sampled {
+            lease: u64::MAX,
+            indices: vec![capacity as u64 - 1; rows],
+            weights: weighted.then(|| vec![0.5; rows]),
+        };
+        reply_bytes(ReplayServiceResponse::Sample(Ok(sampled)))
+    }
+
+    #[test]
+    fn the_largest_sample_and_reservation_replies_fit_in_a_frame_and_little_more_would_not() {
+        for capacity in [1, 250, 251, 65_536, 65_537, 1 << 32, (1 << 32) + 1] {
+            for weighted in [false, true] {
+                let max = max_sample_rows(capacity, weighted, MAX_FRAME_BYTES);
+                assert!(sample_reply(capacity, max, weighted) <= MAX_FRAME_BYTES, "{capacity} {weighted}");
+                // The envelope is counted at its largest: the real limit is within it.
+                let slack = REPLY_ENVELOPE_BYTES.div_ceil(reply_row_bytes(capacity, weighted)) + 1;
+                if max < MAX_SAMPLE_ROWS as usize {
+                    assert!(sample_reply(capacity, max + slack, weighted) > MAX_FRAME_BYTES, "{capacity} {weighted}");
+                }
+            }
+            let max = max_reserve_rows(capacity, MAX_FRAME_BYTES);
+            let reserved = Reserved { id: u64::MAX, rows: vec![capacity as u64 - 1; max] };
+            assert!(reply_bytes(ReplayServiceResponse::Reserve(Ok(reserved))) <= MAX_FRAME_BYTES);
+        }
+        // The figures the docs give.
+        assert_eq!(max_sample_rows(65_536, false, MAX_FRAME_BYTES), 349_512);
+        assert_eq!(max_sample_rows(65_536, true, MAX_FRAME_BYTES), 95_321);
+    }
 }

@@ -10,7 +10,10 @@ use rpc::{Endpoint, InlineDict, NodeId, Peer, ServerHandle, ServerOptions, Tenso
 use tarpc::context::Context;
 
 use super::service::{ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled};
-use super::{ReplayOptions, SamplerSpec, check_name, endpoint, shm_prefix};
+use super::{
+    MAX_FRAME_BYTES, ReplayOptions, SamplerSpec, check_name, endpoint, max_reserve_rows, max_sample_rows, reply_limit,
+    shm_prefix, weighted_sampler,
+};
 use crate::buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows};
 use crate::error::{Error, Result};
 use crate::prioritized::PrioritizedState;
@@ -20,7 +23,8 @@ use crate::slice::Slice;
 use crate::storage::{Backend, StorageConfig};
 use crate::writer::RoundRobin;
 
-/// The largest sample one request may ask for.
+/// The largest sample one request may ask for, whatever the frames. The reply must also fit
+/// in one frame, which allows fewer rows: see [`super::max_sample_rows`].
 pub const MAX_SAMPLE_ROWS: u64 = 1 << 20;
 /// The most leases one session may hold at once (each pins its rows against writers).
 pub const MAX_LEASES_PER_SESSION: usize = 1024;
@@ -169,7 +173,7 @@ impl ReplayServer {
             let shared = Arc::clone(&shared);
             move |peer: &Peer| Session::new(Arc::clone(&shared), peer).serve()
         };
-        let mut server_options = ServerOptions::default().runtime_dir(&runtime_dir);
+        let mut server_options = ServerOptions::default().runtime_dir(&runtime_dir).max_frame_bytes(MAX_FRAME_BYTES);
         let uds = rpc::serve_per_connection(&endpoint(name), make.clone(), server_options.clone())?;
         let tcp = match &options.listen {
             Some((listen, token)) => {
@@ -412,6 +416,14 @@ impl ReplayService for Session {
             self.commit_now(id)?;
         }
         let n = usize::try_from(n).map_err(|_| invalid(format!("{n} rows")))?;
+        let capacity = self.shared().buffer.capacity();
+        let max = max_reserve_rows(capacity, MAX_FRAME_BYTES);
+        if n > max {
+            return Err(invalid(format!(
+                "a reservation of {n} rows: one reply carries at most {max} rows ({})",
+                reply_limit(capacity, false, MAX_FRAME_BYTES)
+            )));
+        }
         if self.shared().sessions().count(self.0.id).0 >= MAX_RESERVATIONS_PER_SESSION {
             return Err(WireError::Conflict {
                 detail: format!("this session holds {MAX_RESERVATIONS_PER_SESSION} reservations; commit or abort some"),
@@ -449,6 +461,16 @@ impl ReplayService for Session {
         self.shared().stopping()?;
         if batch == 0 || batch > MAX_SAMPLE_ROWS {
             return Err(invalid(format!("a sample of {batch} rows; ask for 1 to {MAX_SAMPLE_ROWS}")));
+        }
+        let capacity = self.shared().buffer.capacity();
+        let weighted = weighted_sampler(self.shared().buffer.sampler().name());
+        let max = max_sample_rows(capacity, weighted, MAX_FRAME_BYTES);
+        if batch > max as u64 {
+            // Drawn, its reply could not be sent: the connection would end instead.
+            return Err(invalid(format!(
+                "a sample of {batch} rows: one reply carries at most {max} rows ({})",
+                reply_limit(capacity, weighted, MAX_FRAME_BYTES)
+            )));
         }
         if self.shared().sessions().count(self.0.id).1 >= MAX_LEASES_PER_SESSION {
             return Err(WireError::Conflict {
@@ -512,6 +534,12 @@ impl ReplayService for Session {
     async fn shutdown(self, _: Context) -> std::result::Result<(), WireError> {
         tracing::info!(replay = %self.shared().name, peer = %self.0.peer, "shutdown asked");
         self.shared().request_stop();
+        Ok(())
+    }
+
+    async fn end_writes(self, _: Context) -> std::result::Result<(), WireError> {
+        tracing::info!(replay = %self.shared().name, peer = %self.0.peer, "writes ended");
+        self.shared().buffer.end_writes();
         Ok(())
     }
 }
@@ -601,6 +629,8 @@ fn to_wire(error: Error) -> WireError {
         }
         Error::Remote(e) => WireError::Other { message: e.to_string() },
         Error::Refused(e) => e,
+        // Another client ended the writes: the request conflicts with that.
+        Error::WritesEnded { .. } => WireError::Conflict { detail: error.to_string() },
         other => WireError::InvalidRequest { detail: other.to_string() },
     }
 }

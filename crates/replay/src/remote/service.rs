@@ -34,10 +34,17 @@ pub trait ReplayService {
     async fn update_priority(indices: Vec<u64>, priorities: Vec<f64>) -> Result<(), WireError>;
     /// Counters: valid rows, cursor, inserts and samples, open reservations and leases.
     async fn stats() -> Result<ReplayStats, WireError>;
-    /// Writes the buffer as a TorchRL dump folder at `path` on the service's node.
+    /// Writes the buffer as a TorchRL dump folder at `path` on the service's node: its
+    /// committed rows only, without waiting for reservations (see
+    /// [`crate::ReplayBuffer::dumps`]).
     async fn dumps(path: String) -> Result<(), WireError>;
     /// Stops the service (as dropping its server does).
     async fn shutdown() -> Result<(), WireError>;
+    /// Says that no more rows will be written (see [`crate::ReplayBuffer::end_writes`]): from
+    /// now on reservations are refused, and so is a sample that only an insert would let go
+    /// (held back by the rate limiter, or of an empty buffer), at once rather than after a
+    /// wait without end. Samples the limiter allows go on. It cannot be undone.
+    async fn end_writes() -> Result<(), WireError>;
 }
 
 /// What a replay service says about itself.
