@@ -113,5 +113,5 @@ pub use endpoint::{Endpoint, RUNTIME_DIR_ENV};
 pub use error::{Error, Result, WireError};
 pub use reference::{NodeId, RefLocation, TensorDictRef, ToRef};
 pub use server::{Peer, ServerHandle, ServerOptions, serve, serve_per_connection};
-pub use transport::{DEFAULT_MAX_FRAME_BYTES, Stream};
+pub use transport::{DEFAULT_MAX_FRAME_BYTES, MAX_DEADLINE, Stream};
 pub use wire::{IndexItem, InlineDict, WireIndex};

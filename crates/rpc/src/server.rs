@@ -27,14 +27,15 @@ use futures::StreamExt;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tarpc::server::{BaseChannel, Channel, Serve};
-use tarpc::{ClientMessage, Response};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{Semaphore, mpsc, watch};
 
 use crate::auth::Token;
 use crate::endpoint::{Endpoint, current_uid};
 use crate::error::{Error, Result};
-use crate::transport::{self, Admission, DEFAULT_MAX_FRAME_BYTES, PeerWatch, Refusal, Stream};
+use crate::transport::{
+    self, Admission, DEFAULT_MAX_FRAME_BYTES, MAX_DEADLINE, PeerWatch, Refusal, ServerCodec, Stream,
+};
 
 /// How a server listens and what it admits.
 ///
@@ -55,6 +56,9 @@ pub struct ServerOptions {
     pub max_in_flight_per_connection: usize,
     /// How long a new connection may take to complete the handshake (default 5 s).
     pub handshake_timeout: Duration,
+    /// The furthest deadline a request may have (default 1 hour): a request whose deadline is
+    /// further away is served with this one. At most [`MAX_DEADLINE`] (365 days).
+    pub max_deadline: Duration,
     /// Uids served on a Unix socket besides this process's own (none by default; root is not
     /// special).
     pub allowed_uids: Vec<u32>,
@@ -71,6 +75,7 @@ impl Default for ServerOptions {
             max_connections: 256,
             max_in_flight_per_connection: 64,
             handshake_timeout: Duration::from_secs(5),
+            max_deadline: Duration::from_secs(3600),
             allowed_uids: Vec::new(),
             threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
         }
@@ -106,6 +111,11 @@ impl ServerOptions {
     /// Sets [`ServerOptions::handshake_timeout`].
     pub fn handshake_timeout(mut self, timeout: Duration) -> Self {
         self.handshake_timeout = timeout;
+        self
+    }
+    /// Sets [`ServerOptions::max_deadline`].
+    pub fn max_deadline(mut self, deadline: Duration) -> Self {
+        self.max_deadline = deadline;
         self
     }
     /// Adds a uid to [`ServerOptions::allowed_uids`].
@@ -195,6 +205,7 @@ struct Shared {
     max_frame_bytes: usize,
     max_in_flight: usize,
     handshake_timeout: Duration,
+    max_deadline: Duration,
     uid: u32,
     allowed_uids: Vec<u32>,
     connections: Arc<Semaphore>,
@@ -282,6 +293,7 @@ where
         max_frame_bytes: options.max_frame_bytes,
         max_in_flight: options.max_in_flight_per_connection.max(1),
         handshake_timeout: options.handshake_timeout,
+        max_deadline: options.max_deadline.min(MAX_DEADLINE),
         uid: current_uid(),
         allowed_uids: options.allowed_uids,
         connections: Arc::new(Semaphore::new(options.max_connections)),
@@ -501,7 +513,8 @@ where
     };
     let service = make(&peer);
     let (watched, peer_gone) = PeerWatch::new(stream);
-    let transport = transport::framed::<_, ClientMessage<S::Req>, Response<S::Resp>>(watched, shared.max_frame_bytes);
+    let codec = ServerCodec::new(shared.max_deadline);
+    let transport = transport::server_framed(watched, shared.max_frame_bytes, codec);
     let mut config = tarpc::server::Config::default();
     // Responses of every running request must fit in the queue, or a full queue would stall
     // the requests that free it.

@@ -1,5 +1,5 @@
 //! Hostile and broken peers: random bytes, a 4 GiB length prefix, frames cut short, garbage
-//! bincode, silent connections, too many connections. The server stays up, serves the next honest
+//! bincode, deadlines 2^64 seconds away, silent connections, too many connections. The server stays up, serves the next honest
 //! client. (Random streams and memory: `hostile_random.rs`, a binary of its own so that no other
 //! test shares the process whose memory it measures.)
 
@@ -7,8 +7,12 @@ mod common;
 
 use std::time::Duration;
 
+use common::echo::{EchoRequest, EchoResponse};
 use common::{EchoClient, Sandbox, TestResult, name, serve_echo};
+use futures::{SinkExt, StreamExt};
 use rpc::{ClientOptions, Endpoint, Error, ServerHandle};
+use tarpc::tokio_serde::formats::Bincode;
+use tarpc::tokio_util::codec::{Framed, LengthDelimitedCodec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Reads until the server closes the connection; `Err` if it does not within 10 s (a hang guard:
@@ -142,6 +146,81 @@ async fn a_silent_server_ends_in_a_handshake_timeout() -> TestResult {
             assert!(attempts >= 2, "{attempts} attempts");
         }
         other => panic!("expected a handshake timeout, got {:?}", other.map(|_| ())),
+    }
+    Ok(())
+}
+
+/// tarpc's `ClientMessage::Request` as bincode carries it, written by hand so that the deadline
+/// can be any `Duration` (tarpc's own type holds an `Instant`, which cannot be that far away).
+#[derive(serde::Serialize)]
+enum RawMessage {
+    Request(RawRequest),
+}
+
+#[derive(serde::Serialize)]
+struct RawRequest {
+    /// The deadline as the time left until it, then the trace context.
+    context: (Duration, tarpc::trace::Context),
+    id: u64,
+    message: EchoRequest,
+}
+
+/// Sends `echo(data)` with a deadline `deadline` away on a raw connection; the echoed bytes, or
+/// why there were none.
+async fn raw_echo(
+    transport: &mut tarpc::serde_transport::Transport<
+        rpc::Stream,
+        tarpc::Response<EchoResponse>,
+        RawMessage,
+        Bincode<tarpc::Response<EchoResponse>, RawMessage>,
+    >,
+    id: u64,
+    deadline: Duration,
+    data: &[u8],
+) -> Result<Vec<u8>, String> {
+    let request = RawRequest {
+        context: (deadline, tarpc::trace::Context::default()),
+        id,
+        message: EchoRequest::Echo { data: data.to_vec() },
+    };
+    transport.send(RawMessage::Request(request)).await.map_err(|e| format!("send: {e}"))?;
+    match tokio::time::timeout(Duration::from_secs(30), transport.next()).await {
+        Err(_) => Err("no answer within 30 s".into()),
+        Ok(None) => Err("the server closed the connection without answering".into()),
+        Ok(Some(Err(e))) => Err(format!("receive: {e}")),
+        Ok(Some(Ok(response))) => match response.message {
+            Ok(EchoResponse::Echo(back)) if response.request_id == id => Ok(back),
+            other => Err(format!("unexpected answer to request {id}: {} {other:?}", response.request_id)),
+        },
+    }
+}
+
+/// A request whose deadline is 2^64 - 1 seconds away made tarpc's decoding panic ("overflow
+/// when adding duration to instant"), and any beyond about 2.2 years would panic in its timers.
+/// Such a request is served (with the server's longest deadline), on both transports, and the
+/// server serves everybody else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_2_pow_64_seconds_away_is_served_with_the_longest_deadline() -> TestResult {
+    let sandbox = Sandbox::new();
+    for target in targets(&sandbox, "far-deadline")? {
+        let stream = rpc::connect_stream(&target.endpoint, &target.options).await?;
+        let frames = Framed::new(stream, LengthDelimitedCodec::new());
+        let mut transport = tarpc::serde_transport::new(frames, Bincode::default());
+        // A deadline of 10 s first: the hand-written encoding is tarpc's, or nothing is served.
+        let cases = [
+            ("10 s", Duration::from_secs(10)),
+            ("2^64 - 1 s", Duration::from_secs(u64::MAX)),
+            ("Duration::MAX", Duration::MAX),
+            ("3 years", Duration::from_secs(3 * 365 * 24 * 3600)),
+        ];
+        for (id, (what, deadline)) in (1u64..).zip(cases) {
+            let data = format!("deadline {what}");
+            let back = raw_echo(&mut transport, id, deadline, data.as_bytes())
+                .await
+                .map_err(|e| format!("{}: deadline {what}: {e}", target.endpoint))?;
+            assert_eq!(back, data.as_bytes());
+            honest_call(&target.endpoint, &target.options).await?;
+        }
     }
     Ok(())
 }
