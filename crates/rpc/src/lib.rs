@@ -39,9 +39,10 @@
 //!
 //! Messages are bincode in length-delimited frames bounded by `max_frame_bytes` (1 MiB by
 //! default), so a hostile peer cannot make either side allocate more ([`transport`]). Servers bound
-//! connections and requests in flight, survive peers that vanish or send garbage, and remove their
-//! socket when their [`ServerHandle`] is dropped. Clients retry until a connect deadline and give
-//! every call a deadline.
+//! connections and requests in flight, keep connections that say nothing from crowding out
+//! clients ([`ServerOptions::max_pending_connections`]), survive peers that vanish or send
+//! garbage, and remove their socket when their [`ServerHandle`] is dropped. Clients retry until a
+//! connect deadline and give every call a deadline.
 //!
 //! # A complete service over a Unix socket
 //!

@@ -10,10 +10,18 @@
 //! server -> client   MAGIC (8 bytes) | status (1 byte) [| server nonce (32 bytes) if CHALLENGE]
 //!                    status: OK (Unix socket, uid accepted), CHALLENGE (TCP),
 //!                            UID_REFUSED, BUSY (then the server closes)
+//! Unix socket, after OK:
+//! client -> server   a first frame, at once (tarpc's cancellation of a request never made)
 //! TCP only:
 //! client -> server   MAGIC | client nonce (32) | HMAC-SHA256(token, "…client proof" | nonces)
-//! server -> client   OK | HMAC-SHA256(token, "…server proof" | nonces)     or   TOKEN_REFUSED
+//! server -> client   OK | HMAC-SHA256(token, "…server proof" | nonces)
+//!                    or TOKEN_REFUSED, or BUSY (no connection slot is free; then it closes)
 //! ```
+//!
+//! Until a connection has proven the token (TCP) or sent its first frame (Unix socket), the
+//! server counts it as *pending*, apart from the connections it serves, and may close it to make
+//! room for newer ones (see [`ServerOptions::max_pending_connections`]): peers that connect and
+//! say nothing cannot keep others out.
 //!
 //! The client sends no request before it has checked the server's proof, so it never talks to a
 //! server that does not know the token; the token itself never crosses the wire. On a Unix
@@ -30,6 +38,7 @@
 //! serves a request whose deadline is further away than [`ServerOptions::max_deadline`] with
 //! that one instead; a frame that does not decode ends its connection only.
 //!
+//! [`ServerOptions::max_pending_connections`]: crate::ServerOptions::max_pending_connections
 //! [`ServerOptions::max_deadline`]: crate::ServerOptions::max_deadline
 //! [`ServerOptions::handshake_timeout`]: crate::ServerOptions::handshake_timeout
 //! [`ClientOptions::handshake_timeout`]: crate::ClientOptions::handshake_timeout
@@ -146,6 +155,9 @@ where
     serde_transport::new(frames, codec)
 }
 
+/// Called once, when a connection's first frame has been decoded; an error ends the connection.
+pub(crate) type FirstFrame = Box<dyn FnOnce() -> io::Result<()>>;
+
 /// How the server decodes requests: bincode, like tarpc's own codec, but with every deadline at
 /// most `max_deadline` away, so that no value a peer sends can make tarpc panic.
 ///
@@ -160,13 +172,15 @@ where
 /// `the_mirror_decodes_what_tarpc_encodes` below checks it against the tarpc version in use.
 pub(crate) struct ServerCodec<Req, Resp> {
     max_deadline: Duration,
+    first_frame: Option<FirstFrame>,
     ghost: PhantomData<fn() -> (Req, Resp)>,
 }
 
 impl<Req, Resp> ServerCodec<Req, Resp> {
-    /// A codec that clamps deadlines to `max_deadline`.
-    pub(crate) fn new(max_deadline: Duration) -> Self {
-        ServerCodec { max_deadline, ghost: PhantomData }
+    /// A codec that clamps deadlines to `max_deadline` and calls `first_frame` (if any) once the
+    /// first frame has been decoded.
+    pub(crate) fn new(max_deadline: Duration, first_frame: Option<FirstFrame>) -> Self {
+        ServerCodec { max_deadline, first_frame, ghost: PhantomData }
     }
 }
 
@@ -174,9 +188,13 @@ impl<Req: DeserializeOwned, Resp> tokio_serde::Deserializer<ClientMessage<Req>> 
     type Error = io::Error;
 
     fn deserialize(self: Pin<&mut Self>, src: &BytesMut) -> io::Result<ClientMessage<Req>> {
+        let this = self.get_mut();
         let bincode = pin!(Bincode::<WireClientMessage<Req>, ()>::default());
         let message = tokio_serde::Deserializer::deserialize(bincode, src)?;
-        Ok(message.into_tarpc(self.max_deadline))
+        if let Some(first_frame) = this.first_frame.take() {
+            first_frame()?;
+        }
+        Ok(message.into_tarpc(this.max_deadline))
     }
 }
 
@@ -293,8 +311,9 @@ impl AsyncWrite for PeerWatch {
 pub(crate) enum Admission<'a> {
     /// A Unix socket whose peer uid was checked: `Ok` or refused.
     Uds { uid_allowed: bool },
-    /// A TCP connection: challenge with this token.
-    Tcp { token: &'a Token },
+    /// A TCP connection: challenge with this token; once the peer has proven it, `claim` says
+    /// whether a served slot is free for it (taking it) or the server is busy.
+    Tcp { token: &'a Token, claim: &'a mut dyn FnMut() -> bool },
     /// The server is at its connection limit.
     Busy,
 }
@@ -354,7 +373,7 @@ async fn server_exchange(stream: &mut Stream, admission: Admission<'_>) -> std::
             hello.push(STATUS_OK);
             stream.write_all(&hello).await.map_err(Refusal::Io)
         }
-        Admission::Tcp { token } => {
+        Admission::Tcp { token, claim } => {
             let server_nonce = auth::nonce();
             hello.push(STATUS_CHALLENGE);
             hello.extend_from_slice(&server_nonce);
@@ -373,11 +392,27 @@ async fn server_exchange(stream: &mut Stream, admission: Admission<'_>) -> std::
                 let _ = stream.shutdown().await;
                 return Err(Refusal::Token);
             }
+            if !claim() {
+                let _ = stream.write_all(&[STATUS_BUSY]).await;
+                let _ = stream.shutdown().await;
+                return Err(Refusal::Busy);
+            }
             let mut verdict = vec![STATUS_OK];
             verdict.extend_from_slice(&token.server_proof(&server_nonce, client_nonce));
             stream.write_all(&verdict).await.map_err(Refusal::Io)
         }
     }
+}
+
+/// The frame a client sends on a Unix socket as soon as the server has accepted it: tarpc's
+/// cancellation of a request never made (id `u64::MAX`; request ids count up from 0), which
+/// tarpc servers ignore. Ours take a connection's first frame as the end of its handshake.
+fn first_frame() -> Vec<u8> {
+    let hello = ClientMessage::<()>::Cancel { trace_context: tarpc::trace::Context::default(), request_id: u64::MAX };
+    let body = tokio_serde::Serializer::serialize(pin!(Bincode::<(), ClientMessage<()>>::default()), &hello)
+        .expect("a cancellation always serializes");
+    let len = u32::try_from(body.len()).expect("a cancellation is a few bytes");
+    [&len.to_be_bytes()[..], &body].concat()
 }
 
 /// The client's side of the handshake; `Ok` means the server accepted us and (on TCP) proved it
@@ -411,7 +446,7 @@ async fn client_exchange(stream: &mut Stream, endpoint: &Endpoint, token: Option
         (STATUS_UID_REFUSED, _) => {
             Err(Error::UidRefused { endpoint: endpoint.clone(), uid: crate::endpoint::current_uid() })
         }
-        (STATUS_OK, Stream::Unix(_)) => Ok(()),
+        (STATUS_OK, Stream::Unix(stream)) => stream.write_all(&first_frame()).await.map_err(io_err),
         (STATUS_CHALLENGE, stream @ Stream::Tcp(_)) => {
             let token = token.ok_or_else(|| Error::TokenRequired { endpoint: endpoint.clone() })?;
             let mut server_nonce = [0u8; NONCE_BYTES];
@@ -436,6 +471,7 @@ async fn client_exchange(stream: &mut Stream, endpoint: &Endpoint, token: Option
                 STATUS_TOKEN_REFUSED => {
                     return Err(Error::AuthRefused { endpoint: endpoint.clone() });
                 }
+                STATUS_BUSY => return Err(Error::Busy { endpoint: endpoint.clone() }),
                 other => return Err(protocol(format!("unknown verdict {other}"))),
             }
             let mut proof = [0u8; PROOF_BYTES];
@@ -456,6 +492,9 @@ async fn client_exchange(stream: &mut Stream, endpoint: &Endpoint, token: Option
 
 #[cfg(test)]
 mod tests {
+    use std::cell::Cell;
+    use std::rc::Rc;
+
     use tarpc::trace::{SamplingDecision, SpanId, TraceId};
 
     use super::*;
@@ -484,7 +523,7 @@ mod tests {
         context.trace_context = trace();
         let sent = ClientMessage::Request(Request { context, id: 300, message: "hi".to_string() });
         let before = Instant::now();
-        let mut codec = ServerCodec::new(Duration::from_secs(3600));
+        let mut codec = ServerCodec::new(Duration::from_secs(3600), None);
         match decode(&mut codec, &encode(&sent)).expect("decodes") {
             ClientMessage::Request(Request { context: got, id, message }) => {
                 assert_eq!((id, message.as_str()), (300, "hi"));
@@ -507,7 +546,7 @@ mod tests {
     #[test]
     fn deadlines_beyond_the_limit_are_clamped_not_a_panic() {
         let max = Duration::from_secs(3600);
-        let mut codec = ServerCodec::new(max);
+        let mut codec = ServerCodec::new(max, None);
         let three_years = Duration::from_secs(3 * 365 * 24 * 3600);
         for far in [Duration::MAX, Duration::from_secs(u64::MAX), three_years, max + Duration::from_nanos(1)] {
             let context = WireContext { deadline: far, trace_context: trace() };
@@ -532,5 +571,38 @@ mod tests {
         assert_eq!(frame[10], 0xfc);
         frame[11..15].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(decode(&mut codec, &frame).is_err());
+    }
+
+    #[test]
+    fn the_first_frame_is_a_cancellation_tarpc_reads() {
+        let frame = first_frame();
+        let (len, body) = frame.split_at(4);
+        assert_eq!(u32::from_be_bytes(len.try_into().unwrap()) as usize, body.len());
+        let message: ClientMessage<()> = tokio_serde::Deserializer::deserialize(
+            pin!(Bincode::<ClientMessage<()>, ()>::default()),
+            &BytesMut::from(body),
+        )
+        .expect("tarpc decodes it");
+        assert!(matches!(message, ClientMessage::Cancel { request_id: u64::MAX, .. }), "{message:?}");
+    }
+
+    #[test]
+    fn the_first_frame_hook_runs_once_and_its_error_ends_the_connection() {
+        let calls = Rc::new(Cell::new(0));
+        let counted = Rc::clone(&calls);
+        let mut codec = ServerCodec::new(
+            Duration::from_secs(1),
+            Some(Box::new(move || {
+                counted.set(counted.get() + 1);
+                Ok(())
+            })),
+        );
+        let cancel = encode(&ClientMessage::<String>::Cancel { trace_context: trace(), request_id: 1 });
+        decode(&mut codec, &cancel).expect("decodes");
+        decode(&mut codec, &cancel).expect("decodes");
+        assert_eq!(calls.get(), 1);
+        let mut refusing: ServerCodec<String, ()> =
+            ServerCodec::new(Duration::from_secs(1), Some(Box::new(|| Err(io::Error::other("busy")))));
+        assert!(decode(&mut refusing, &cancel).is_err());
     }
 }
