@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::echo::{EchoRequest, EchoResponse};
 use common::{EchoClient, Sandbox, TestResult, name, serve_echo};
 use futures::{SinkExt, StreamExt};
-use rpc::{ClientOptions, Endpoint, Error, ServerHandle};
+use rpc::{ClientOptions, ConnectFailure, Endpoint, Error, ServerHandle};
 use tarpc::tokio_serde::formats::Bincode;
 use tarpc::tokio_util::codec::{Framed, LengthDelimitedCodec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -111,7 +111,11 @@ async fn a_server_at_its_connection_limit_says_busy_and_recovers() -> TestResult
     let impatient = sandbox.client_options().connect_timeout(Duration::from_millis(300));
     let result = rpc::connect::<EchoClient, _, _>(&endpoint, &impatient).await;
     match result {
-        Err(Error::ConnectTimeout { last, .. }) => assert!(matches!(*last, Error::Busy { .. }), "{last:?}"),
+        Err(e @ Error::ConnectTimeout { .. }) => {
+            assert_eq!(e.connect_failure(), Some(ConnectFailure::Busy), "{e:?}");
+            let Error::ConnectTimeout { last, .. } = e else { unreachable!() };
+            assert!(matches!(*last, Error::Busy { .. }), "{last:?}");
+        }
         other => panic!("expected busy until the deadline, got {other:?}"),
     }
 
@@ -139,13 +143,46 @@ async fn a_silent_server_ends_in_a_handshake_timeout() -> TestResult {
         .handshake_timeout(Duration::from_millis(100))
         .connect_timeout(Duration::from_millis(400));
     let result = rpc::connect_stream(&endpoint, &options).await;
+    // With a handshake time limit longer than the connect deadline, the one attempt is cut short
+    // in the handshake: still a handshake that timed out.
+    let patient = sandbox.client_options().connect_timeout(Duration::from_millis(300));
+    let cut_short = rpc::connect_stream(&endpoint, &patient).await;
     silent.abort();
     match result {
-        Err(Error::ConnectTimeout { last, attempts, .. }) => {
+        Err(e @ Error::ConnectTimeout { .. }) => {
+            assert_eq!(e.connect_failure(), Some(ConnectFailure::HandshakeTimeout), "{e:?}");
+            let Error::ConnectTimeout { last, attempts, .. } = e else { unreachable!() };
             assert!(matches!(*last, Error::HandshakeTimeout { .. }), "{last:?}");
             assert!(attempts >= 2, "{attempts} attempts");
         }
         other => panic!("expected a handshake timeout, got {:?}", other.map(|_| ())),
+    }
+    match cut_short {
+        Err(e) => assert_eq!(e.connect_failure(), Some(ConnectFailure::HandshakeTimeout), "{e:?}"),
+        Ok(_) => panic!("a silent server completed a handshake"),
+    }
+    Ok(())
+}
+
+/// No socket file, a socket file nobody listens on, a TCP port nobody listens on: not
+/// listening, whichever way connecting ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_listening_is_told_apart_from_busy_and_silent() -> TestResult {
+    let sandbox = Sandbox::new();
+    let impatient = sandbox.client_options().connect_timeout(Duration::from_millis(200));
+    let missing = name("missing");
+    let stale = name("stale");
+    let path = stale.socket_path(Some(&sandbox.run_dir()))?.expect("path");
+    drop(std::os::unix::net::UnixListener::bind(&path)?);
+    assert!(path.exists(), "the socket file stays after its listener is gone");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let closed: Endpoint = format!("tcp:127.0.0.1:{port}").parse()?;
+    let tcp_options = impatient.clone().token(rpc::Token::generate());
+    for (endpoint, options) in [(&missing, &impatient), (&stale, &impatient), (&closed, &tcp_options)] {
+        match rpc::connect_stream(endpoint, options).await {
+            Err(e) => assert_eq!(e.connect_failure(), Some(ConnectFailure::NotListening), "{endpoint}: {e:?}"),
+            Ok(_) => panic!("{endpoint}: connected to nothing"),
+        }
     }
     Ok(())
 }
