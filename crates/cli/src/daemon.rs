@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail, ensure};
-use rpc::Endpoint;
+use rpc::{ConnectFailure, Endpoint};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
@@ -324,6 +324,41 @@ pub(crate) fn probe(socket: &Path, timeout: Duration) -> std::io::Result<()> {
     Ok(())
 }
 
+/// What to tell a user whose client could not connect to `what` (`` store `NAME` ``, `` replay
+/// service `NAME` ``) on `socket`: `not_running`, given the detail, when nothing listens; words
+/// of their own when it runs but is busy, or does not answer the handshake; the whole chain of
+/// any other failure to connect. `None` for errors that are not about connecting.
+pub(crate) fn connect_error(
+    what: &str,
+    socket: &Path,
+    error: &rpc::Error,
+    not_running: impl FnOnce(String) -> anyhow::Error,
+) -> Option<anyhow::Error> {
+    let socket = socket.display();
+    match error.connect_failure() {
+        Some(ConnectFailure::NotListening) => Some(not_running(format!(": {error}"))),
+        Some(ConnectFailure::Busy) => Some(anyhow!(
+            "{what} is running but busy: it serves as many clients as it allows (socket {socket}); \
+             try again once some of them have disconnected"
+        )),
+        Some(ConnectFailure::HandshakeTimeout) => Some(anyhow!(
+            "{what} did not answer on its socket {socket} in time: it is overloaded or hung (see its \
+             log), or another program listens there"
+        )),
+        _ if matches!(error, rpc::Error::ConnectTimeout { .. }) => {
+            let mut chain = error.to_string();
+            let mut cause = std::error::Error::source(error);
+            while let Some(c) = cause {
+                chain.push_str(": ");
+                chain.push_str(&c.to_string());
+                cause = c.source();
+            }
+            Some(anyhow!("cannot connect to {what} (socket {socket}): {chain}"))
+        }
+        _ => None,
+    }
+}
+
 /// `tcp:HOST:PORT` for `--listen`.
 pub(crate) fn parse_tcp(s: &str) -> Result<Endpoint, String> {
     match s.parse::<Endpoint>().map_err(|e| e.to_string())? {
@@ -353,6 +388,38 @@ mod tests {
         assert!(parse_seconds("NaN").is_err());
         assert!(parse_seconds("inf").is_err());
         assert!(parse_seconds("1e30").is_err());
+    }
+
+    #[test]
+    fn a_busy_or_silent_service_is_not_called_missing() {
+        let endpoint: Endpoint = "uds:x".parse().unwrap();
+        let socket = Path::new("/run/x.sock");
+        let after = |last: rpc::Error| rpc::Error::ConnectTimeout {
+            endpoint: endpoint.clone(),
+            waited: Duration::from_secs(5),
+            attempts: 9,
+            last: Box::new(last),
+        };
+        let says = |error: rpc::Error| {
+            connect_error("store `x`", socket, &error, |why| anyhow!("no store `x` is running{why}"))
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+        };
+        let missing = std::io::Error::from(std::io::ErrorKind::NotFound);
+        assert!(
+            says(after(rpc::Error::Connect { endpoint: endpoint.clone(), source: missing })).starts_with("no store")
+        );
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert!(says(rpc::Error::Connect { endpoint: endpoint.clone(), source: refused }).starts_with("no store"));
+        let busy = says(after(rpc::Error::Busy { endpoint: endpoint.clone() }));
+        assert!(busy.contains("store `x` is running but busy") && busy.contains("/run/x.sock"), "{busy}");
+        let timeout = Duration::from_secs(5);
+        let silent = says(after(rpc::Error::HandshakeTimeout { endpoint: endpoint.clone(), timeout }));
+        assert!(silent.contains("store `x` did not answer on its socket /run/x.sock"), "{silent}");
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        let other = says(after(rpc::Error::HandshakeIo { endpoint: endpoint.clone(), source: reset }));
+        assert!(other.starts_with("cannot connect to store `x`") && other.contains("reset"), "{other}");
+        assert!(says(rpc::Error::AuthRefused { endpoint }).is_empty(), "not about connecting");
     }
 
     #[test]

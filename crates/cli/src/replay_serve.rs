@@ -489,8 +489,14 @@ pub(crate) fn connect(at: &ServiceArgs) -> anyhow::Result<RemoteBuffer> {
     let options = ClientOptions::default().runtime_dir(&runtime).connect_timeout(at.connect_timeout);
     match RemoteBuffer::connect_with(name, &options) {
         Ok(buffer) => Ok(buffer),
-        Err(replay::Error::Remote(e @ rpc::Error::ConnectTimeout { .. })) => Err(not_running(format!(": {e}"))),
-        Err(e) => Err(e.into()),
+        Err(e) => {
+            let what = format!("replay service `{name}`");
+            let connecting = match &e {
+                replay::Error::Remote(rpc) => daemon::connect_error(&what, &socket, rpc, not_running),
+                _ => None,
+            };
+            Err(connecting.unwrap_or_else(|| e.into()))
+        }
     }
 }
 

@@ -304,8 +304,9 @@ fn connect(at: &StoreArgs) -> anyhow::Result<Store> {
     }
     match Store::connect_with(name, &ClientOptions::default().connect_timeout(at.connect_timeout)) {
         Ok(store) => Ok(store),
-        Err(e @ rpc::Error::ConnectTimeout { .. }) => Err(not_running(format!(": {e}"))),
-        Err(e) => Err(e.into()),
+        Err(e) => {
+            Err(daemon::connect_error(&format!("store `{name}`"), &socket, &e, not_running).unwrap_or_else(|| e.into()))
+        }
     }
 }
 

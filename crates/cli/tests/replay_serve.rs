@@ -410,6 +410,30 @@ fn stop_a_service_served_by_a_program() {
     assert!(gone.error().contains("no replay service"), "{gone}");
 }
 
+/// A service whose every connection slot is taken is running but busy, not missing; a socket
+/// that never answers is a service that does not answer.
+#[test]
+fn a_busy_or_silent_service_is_not_called_missing() {
+    let mut w = World::new("busy");
+    w.serve(&["--capacity", "10"]);
+    let socket = replay::remote::endpoint(&w.name).socket_path(Some(&w.runtime())).unwrap().unwrap();
+    let held = common::saturate(&socket);
+    let stats = w.replay("stats", ["--connect-timeout", "1"]);
+    let err = stats.error();
+    assert!(err.contains(&format!("replay service `{}` is running but busy", w.name)), "{stats}");
+    assert!(err.contains(&socket.display().to_string()) && !err.contains("no replay service"), "{stats}");
+    drop(held);
+    assert!(w.stats()["pid"].is_u64());
+
+    let silent = World::new("silent");
+    let socket = replay::remote::endpoint(&silent.name).socket_path(Some(&silent.runtime())).unwrap().unwrap();
+    let _listener = common::silent_socket(&socket);
+    let stats = silent.replay("stats", ["--connect-timeout", "1"]);
+    let err = stats.error();
+    assert!(err.contains(&format!("replay service `{}` did not answer on its socket", silent.name)), "{stats}");
+    assert!(!err.contains("no replay service"), "{stats}");
+}
+
 /// Kills a process when dropped, if it still runs.
 struct KillOnDrop(u32);
 

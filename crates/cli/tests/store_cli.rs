@@ -428,6 +428,34 @@ fn bad_names_and_stores_that_do_not_run() {
     }
 }
 
+/// A store whose every connection slot is taken is running but busy, not missing; once the
+/// connections go, it serves again.
+#[test]
+fn a_busy_store_is_not_called_missing() {
+    let mut w = World::new("cli-busy");
+    w.serve(&[]);
+    let socket = w.runtime().join("tdict-store-cli-busy.sock");
+    let held = common::saturate(&socket);
+    let run = w.store("ls", ["--connect-timeout", "1"]);
+    let err = run.one_line_error();
+    assert!(err.contains("store `cli-busy` is running but busy"), "{run}");
+    assert!(err.contains(&socket.display().to_string()) && !err.contains("no store"), "{run}");
+    drop(held);
+    assert!(w.store("ls", ["--connect-timeout", "60"]).ok().contains("0 entries"));
+}
+
+/// A socket that accepts and never answers is a store that does not answer, not a missing one.
+#[test]
+fn a_silent_socket_is_a_store_that_does_not_answer() {
+    let w = World::new("cli-silent");
+    let socket = w.runtime().join("tdict-store-cli-silent.sock");
+    let _listener = common::silent_socket(&socket);
+    let run = w.store("ls", ["--connect-timeout", "1"]);
+    let err = run.one_line_error();
+    assert!(err.contains("store `cli-silent` did not answer on its socket"), "{run}");
+    assert!(err.contains(&socket.display().to_string()) && !err.contains("no store"), "{run}");
+}
+
 #[test]
 fn signals_stop_a_server_cleanly_in_the_foreground_and_as_a_daemon() {
     let mut w = World::new("cli-signals");

@@ -106,7 +106,8 @@ impl ClientOptions {
 }
 
 /// Connects and completes the handshake, retrying with exponential backoff until
-/// [`ClientOptions::connect_timeout`]; returns the raw stream, ready for frames.
+/// [`ClientOptions::connect_timeout`]; returns the raw stream, ready for frames (on a Unix
+/// socket, the handshake ends with a first frame of the client's, see [`crate::transport`]).
 ///
 /// [`connect`] builds a tarpc client on top of this. Failures that retrying cannot fix (a refused
 /// token or uid, a server that does not prove the token, a peer speaking another protocol, a
@@ -123,24 +124,13 @@ pub async fn connect_stream(endpoint: &Endpoint, options: &ClientOptions) -> Res
     let mut last_error: Option<Error> = None;
     loop {
         attempts += 1;
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let attempt = tokio::time::timeout(remaining, connect_once(endpoint, options)).await;
+        let (attempt, cut_short) = connect_once(endpoint, options, deadline).await;
         match attempt {
-            Ok(Ok(stream)) => return Ok(stream),
-            Ok(Err(e)) if !retryable(&e) => return Err(e),
-            Ok(Err(e)) => last_error = Some(e),
+            Ok(stream) => return Ok(stream),
+            Err(e) if !retryable(&e) => return Err(e),
             // An attempt cut short by the deadline says less than the failure before it.
-            Err(_) => {
-                last_error = last_error.or_else(|| {
-                    Some(Error::Connect {
-                        endpoint: endpoint.clone(),
-                        source: std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            "no answer before the connect deadline",
-                        ),
-                    })
-                })
-            }
+            Err(_) if cut_short && last_error.is_some() => {}
+            Err(e) => last_error = Some(e),
         }
         let now = Instant::now();
         if now >= deadline {
@@ -166,9 +156,29 @@ fn retryable(error: &Error) -> bool {
     )
 }
 
-async fn connect_once(endpoint: &Endpoint, options: &ClientOptions) -> Result<Stream> {
+/// One attempt, ending by `deadline`: the stream or the error, and whether the deadline cut the
+/// attempt short.
+async fn connect_once(endpoint: &Endpoint, options: &ClientOptions, deadline: Instant) -> (Result<Stream>, bool) {
+    let remaining = deadline.saturating_duration_since(Instant::now());
+    let mut stream = match tokio::time::timeout(remaining, open(endpoint, options)).await {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(e)) => return (Err(e), false),
+        Err(_) => {
+            let source = std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer before the connect deadline");
+            return (Err(Error::Connect { endpoint: endpoint.clone(), source }), true);
+        }
+    };
+    // The handshake ends by the deadline too; cut short, it is still a handshake that timed out.
+    let limit = options.handshake_timeout.min(deadline.saturating_duration_since(Instant::now()));
+    let result = transport::client_handshake(&mut stream, endpoint, options.token.as_ref(), limit).await;
+    let cut_short = limit < options.handshake_timeout && matches!(result, Err(Error::HandshakeTimeout { .. }));
+    (result.map(|()| stream), cut_short)
+}
+
+/// Opens the connection (no handshake yet).
+async fn open(endpoint: &Endpoint, options: &ClientOptions) -> Result<Stream> {
     let connect_err = |source| Error::Connect { endpoint: endpoint.clone(), source };
-    let mut stream = match endpoint {
+    let stream = match endpoint {
         Endpoint::Uds(_) => {
             let path = endpoint
                 .socket_path(options.runtime_dir.as_deref())?
@@ -188,7 +198,6 @@ async fn connect_once(endpoint: &Endpoint, options: &ClientOptions) -> Result<St
             Stream::Tcp(stream)
         }
     };
-    transport::client_handshake(&mut stream, endpoint, options.token.as_ref(), options.handshake_timeout).await?;
     Ok(stream)
 }
 

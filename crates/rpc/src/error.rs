@@ -339,6 +339,55 @@ pub enum Error {
     Dict(#[from] tensordict::Error),
 }
 
+impl Error {
+    /// Why connecting failed, in the terms that decide what a user does next: for
+    /// [`Error::ConnectTimeout`] the reason of its last attempt, for [`Error::Connect`] (a
+    /// missing socket or a refused connection), [`Error::Busy`] and [`Error::HandshakeTimeout`]
+    /// their own; `None` for any other error.
+    ///
+    /// ```
+    /// use rpc::{ConnectFailure, Endpoint, Error};
+    /// let endpoint: Endpoint = "uds:replay".parse()?;
+    /// let busy = Error::ConnectTimeout {
+    ///     endpoint: endpoint.clone(),
+    ///     waited: std::time::Duration::from_secs(10),
+    ///     attempts: 30,
+    ///     last: Box::new(Error::Busy { endpoint }),
+    /// };
+    /// assert_eq!(busy.connect_failure(), Some(ConnectFailure::Busy));
+    /// # Ok::<(), rpc::Error>(())
+    /// ```
+    pub fn connect_failure(&self) -> Option<ConnectFailure> {
+        match self {
+            Error::ConnectTimeout { last, .. } => last.connect_failure(),
+            Error::Connect { source, .. }
+                if matches!(source.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused) =>
+            {
+                Some(ConnectFailure::NotListening)
+            }
+            Error::Busy { .. } => Some(ConnectFailure::Busy),
+            Error::HandshakeTimeout { .. } => Some(ConnectFailure::HandshakeTimeout),
+            _ => None,
+        }
+    }
+}
+
+/// What stopped a client from connecting, as [`Error::connect_failure`] tells it: a service
+/// that is not running, one that is busy, and one that does not answer call for different
+/// actions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConnectFailure {
+    /// Nothing listens: the socket file is missing, nobody accepts on it (a server that was
+    /// killed left it), or the TCP port refuses connections.
+    NotListening,
+    /// The server runs, and said it serves as many connections as it allows.
+    Busy,
+    /// Something accepted the connection but did not complete the handshake in time: a server
+    /// too loaded (or stopped) to answer, or a program that does not speak this protocol.
+    HandshakeTimeout,
+}
+
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

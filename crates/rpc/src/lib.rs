@@ -39,9 +39,10 @@
 //!
 //! Messages are bincode in length-delimited frames bounded by `max_frame_bytes` (1 MiB by
 //! default), so a hostile peer cannot make either side allocate more ([`transport`]). Servers bound
-//! connections and requests in flight, survive peers that vanish or send garbage, and remove their
-//! socket when their [`ServerHandle`] is dropped. Clients retry until a connect deadline and give
-//! every call a deadline.
+//! connections and requests in flight, keep connections that say nothing from crowding out
+//! clients ([`ServerOptions::max_pending_connections`]), survive peers that vanish or send
+//! garbage, and remove their socket when their [`ServerHandle`] is dropped. Clients retry until a
+//! connect deadline and give every call a deadline.
 //!
 //! # A complete service over a Unix socket
 //!
@@ -110,8 +111,8 @@ pub mod worker;
 pub use auth::{MAX_TOKEN_FILE_BYTES, MIN_TOKEN_BYTES, Token};
 pub use client::{BlockingClient, Client, ClientOptions, connect, connect_stream};
 pub use endpoint::{Endpoint, RUNTIME_DIR_ENV};
-pub use error::{Error, Result, WireError};
+pub use error::{ConnectFailure, Error, Result, WireError};
 pub use reference::{NodeId, RefLocation, TensorDictRef, ToRef};
 pub use server::{Peer, ServerHandle, ServerOptions, serve, serve_per_connection};
-pub use transport::{DEFAULT_MAX_FRAME_BYTES, Stream};
+pub use transport::{DEFAULT_MAX_FRAME_BYTES, MAX_DEADLINE, Stream};
 pub use wire::{IndexItem, InlineDict, WireIndex};

@@ -1,5 +1,5 @@
 //! Hostile and broken peers: random bytes, a 4 GiB length prefix, frames cut short, garbage
-//! bincode, silent connections, too many connections. The server stays up, serves the next honest
+//! bincode, deadlines 2^64 seconds away, silent connections, too many connections. The server stays up, serves the next honest
 //! client. (Random streams and memory: `hostile_random.rs`, a binary of its own so that no other
 //! test shares the process whose memory it measures.)
 
@@ -7,8 +7,12 @@ mod common;
 
 use std::time::Duration;
 
+use common::echo::{EchoRequest, EchoResponse};
 use common::{EchoClient, Sandbox, TestResult, name, serve_echo};
-use rpc::{ClientOptions, Endpoint, Error, ServerHandle};
+use futures::{SinkExt, StreamExt};
+use rpc::{ClientOptions, ConnectFailure, Endpoint, Error, ServerHandle};
+use tarpc::tokio_serde::formats::Bincode;
+use tarpc::tokio_util::codec::{Framed, LengthDelimitedCodec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Reads until the server closes the connection; `Err` if it does not within 10 s (a hang guard:
@@ -107,7 +111,11 @@ async fn a_server_at_its_connection_limit_says_busy_and_recovers() -> TestResult
     let impatient = sandbox.client_options().connect_timeout(Duration::from_millis(300));
     let result = rpc::connect::<EchoClient, _, _>(&endpoint, &impatient).await;
     match result {
-        Err(Error::ConnectTimeout { last, .. }) => assert!(matches!(*last, Error::Busy { .. }), "{last:?}"),
+        Err(e @ Error::ConnectTimeout { .. }) => {
+            assert_eq!(e.connect_failure(), Some(ConnectFailure::Busy), "{e:?}");
+            let Error::ConnectTimeout { last, .. } = e else { unreachable!() };
+            assert!(matches!(*last, Error::Busy { .. }), "{last:?}");
+        }
         other => panic!("expected busy until the deadline, got {other:?}"),
     }
 
@@ -135,13 +143,121 @@ async fn a_silent_server_ends_in_a_handshake_timeout() -> TestResult {
         .handshake_timeout(Duration::from_millis(100))
         .connect_timeout(Duration::from_millis(400));
     let result = rpc::connect_stream(&endpoint, &options).await;
+    // With a handshake time limit longer than the connect deadline, the one attempt is cut short
+    // in the handshake: still a handshake that timed out.
+    let patient = sandbox.client_options().connect_timeout(Duration::from_millis(300));
+    let cut_short = rpc::connect_stream(&endpoint, &patient).await;
     silent.abort();
     match result {
-        Err(Error::ConnectTimeout { last, attempts, .. }) => {
+        Err(e @ Error::ConnectTimeout { .. }) => {
+            assert_eq!(e.connect_failure(), Some(ConnectFailure::HandshakeTimeout), "{e:?}");
+            let Error::ConnectTimeout { last, attempts, .. } = e else { unreachable!() };
             assert!(matches!(*last, Error::HandshakeTimeout { .. }), "{last:?}");
             assert!(attempts >= 2, "{attempts} attempts");
         }
         other => panic!("expected a handshake timeout, got {:?}", other.map(|_| ())),
+    }
+    match cut_short {
+        Err(e) => assert_eq!(e.connect_failure(), Some(ConnectFailure::HandshakeTimeout), "{e:?}"),
+        Ok(_) => panic!("a silent server completed a handshake"),
+    }
+    Ok(())
+}
+
+/// No socket file, a socket file nobody listens on, a TCP port nobody listens on: not
+/// listening, whichever way connecting ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_listening_is_told_apart_from_busy_and_silent() -> TestResult {
+    let sandbox = Sandbox::new();
+    let impatient = sandbox.client_options().connect_timeout(Duration::from_millis(200));
+    let missing = name("missing");
+    let stale = name("stale");
+    let path = stale.socket_path(Some(&sandbox.run_dir()))?.expect("path");
+    drop(std::os::unix::net::UnixListener::bind(&path)?);
+    assert!(path.exists(), "the socket file stays after its listener is gone");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let closed: Endpoint = format!("tcp:127.0.0.1:{port}").parse()?;
+    let tcp_options = impatient.clone().token(rpc::Token::generate());
+    for (endpoint, options) in [(&missing, &impatient), (&stale, &impatient), (&closed, &tcp_options)] {
+        match rpc::connect_stream(endpoint, options).await {
+            Err(e) => assert_eq!(e.connect_failure(), Some(ConnectFailure::NotListening), "{endpoint}: {e:?}"),
+            Ok(_) => panic!("{endpoint}: connected to nothing"),
+        }
+    }
+    Ok(())
+}
+
+/// tarpc's `ClientMessage::Request` as bincode carries it, written by hand so that the deadline
+/// can be any `Duration` (tarpc's own type holds an `Instant`, which cannot be that far away).
+#[derive(serde::Serialize)]
+enum RawMessage {
+    Request(RawRequest),
+}
+
+#[derive(serde::Serialize)]
+struct RawRequest {
+    /// The deadline as the time left until it, then the trace context.
+    context: (Duration, tarpc::trace::Context),
+    id: u64,
+    message: EchoRequest,
+}
+
+/// Sends `echo(data)` with a deadline `deadline` away on a raw connection; the echoed bytes, or
+/// why there were none.
+async fn raw_echo(
+    transport: &mut tarpc::serde_transport::Transport<
+        rpc::Stream,
+        tarpc::Response<EchoResponse>,
+        RawMessage,
+        Bincode<tarpc::Response<EchoResponse>, RawMessage>,
+    >,
+    id: u64,
+    deadline: Duration,
+    data: &[u8],
+) -> Result<Vec<u8>, String> {
+    let request = RawRequest {
+        context: (deadline, tarpc::trace::Context::default()),
+        id,
+        message: EchoRequest::Echo { data: data.to_vec() },
+    };
+    transport.send(RawMessage::Request(request)).await.map_err(|e| format!("send: {e}"))?;
+    match tokio::time::timeout(Duration::from_secs(30), transport.next()).await {
+        Err(_) => Err("no answer within 30 s".into()),
+        Ok(None) => Err("the server closed the connection without answering".into()),
+        Ok(Some(Err(e))) => Err(format!("receive: {e}")),
+        Ok(Some(Ok(response))) => match response.message {
+            Ok(EchoResponse::Echo(back)) if response.request_id == id => Ok(back),
+            other => Err(format!("unexpected answer to request {id}: {} {other:?}", response.request_id)),
+        },
+    }
+}
+
+/// A request whose deadline is 2^64 - 1 seconds away made tarpc's decoding panic ("overflow
+/// when adding duration to instant"), and any beyond about 2.2 years would panic in its timers.
+/// Such a request is served (with the server's longest deadline), on both transports, and the
+/// server serves everybody else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_2_pow_64_seconds_away_is_served_with_the_longest_deadline() -> TestResult {
+    let sandbox = Sandbox::new();
+    for target in targets(&sandbox, "far-deadline")? {
+        let stream = rpc::connect_stream(&target.endpoint, &target.options).await?;
+        let frames = Framed::new(stream, LengthDelimitedCodec::new());
+        let mut transport = tarpc::serde_transport::new(frames, Bincode::default());
+        // A deadline of 10 s first: the hand-written encoding is tarpc's, or nothing is served.
+        let cases = [
+            ("10 s", Duration::from_secs(10)),
+            ("2^64 - 1 s", Duration::from_secs(u64::MAX)),
+            ("Duration::MAX", Duration::MAX),
+            ("3 years", Duration::from_secs(3 * 365 * 24 * 3600)),
+        ];
+        for (id, (what, deadline)) in (1u64..).zip(cases) {
+            let data = format!("deadline {what}");
+            let back = raw_echo(&mut transport, id, deadline, data.as_bytes())
+                .await
+                .map_err(|e| format!("{}: deadline {what}: {e}", target.endpoint))?;
+            assert_eq!(back, data.as_bytes());
+            honest_call(&target.endpoint, &target.options).await?;
+        }
     }
     Ok(())
 }

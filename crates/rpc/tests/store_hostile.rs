@@ -463,3 +463,65 @@ fn garbage_on_the_socket_closes_only_that_connection() -> TestResult {
     drop(held);
     still_serving(&sandbox, &name, &mut server, 2)
 }
+
+/// tarpc's client message as bincode carries it, the deadline as the time left until it: written
+/// by hand so that the deadline can be 2^64 - 1 seconds away.
+#[derive(serde::Serialize)]
+enum RawMessage<T> {
+    Request(RawRequest<T>),
+    Cancel { trace_context: tarpc::trace::Context, request_id: u64 },
+}
+
+#[derive(serde::Serialize)]
+struct RawRequest<T> {
+    /// The deadline, then the trace context.
+    context: (Duration, tarpc::trace::Context),
+    id: u64,
+    message: T,
+}
+
+/// `message` with its deadline pushed to 2^64 - 1 seconds away.
+fn far_deadline<T>(message: tarpc::ClientMessage<T>) -> RawMessage<T> {
+    match message {
+        tarpc::ClientMessage::Request(request) => RawMessage::Request(RawRequest {
+            context: (Duration::from_secs(u64::MAX), request.context.trace_context),
+            id: request.id,
+            message: request.message,
+        }),
+        tarpc::ClientMessage::Cancel { trace_context, request_id } => RawMessage::Cancel { trace_context, request_id },
+        _ => panic!("a kind of tarpc message this test does not know"),
+    }
+}
+
+/// A request whose deadline is 2^64 - 1 seconds away made tarpc's decoding panic in the store
+/// daemon (a backtrace in its log for each, and memory that stayed). It is answered now, on the
+/// Unix socket and over TCP, and the daemon serves on.
+#[test]
+fn a_deadline_2_pow_64_seconds_away_is_answered() -> TestResult {
+    use futures::SinkExt;
+    use tarpc::tokio_serde::formats::Bincode;
+    use tarpc::tokio_util::codec::{Framed, LengthDelimitedCodec};
+
+    let sandbox = Sandbox::new();
+    let name = store_name("far-deadline");
+    let (token, token_file) = sandbox.token_file("token");
+    let token_arg = token_file.to_str().expect("a UTF-8 path");
+    let mut server = serve(&sandbox, &name, &["--listen", "tcp:127.0.0.1:0", "--token-file", token_arg]);
+    let tcp = server.tcp.clone().expect("the server listens on TCP");
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let targets = [(rpc::store::endpoint(&name), options(&sandbox)), (tcp, options(&sandbox).token(token))];
+    for (endpoint, options) in targets {
+        let info = runtime.block_on(async {
+            let stream = rpc::connect_stream(&endpoint, &options).await?;
+            let frames = Framed::new(stream, LengthDelimitedCodec::builder().max_frame_length(16 << 20).new_codec());
+            let transport = tarpc::serde_transport::new(frames, Bincode::default())
+                .with(|message| futures::future::ready(Ok::<_, std::io::Error>(far_deadline(message))));
+            let client = StoreServiceClient::new(tarpc::client::Config::default(), transport).spawn();
+            let info = client.hello(tarpc::context::current()).await?;
+            Ok::<_, Box<dyn std::error::Error>>(info)
+        })?;
+        assert_eq!(info?.pid, server.pid, "{endpoint}");
+        assert!(server.peer.child.try_wait()?.is_none(), "the store server died");
+    }
+    still_serving(&sandbox, &name, &mut server, 3)
+}

@@ -105,3 +105,39 @@ pub fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
     }
     done()
 }
+
+/// Connections that take every served slot of the daemon on `socket`: each passes the Unix socket
+/// handshake and sends a first frame (tarpc's cancellation of no request, as `rpc` clients do),
+/// and then says nothing. Returned once the daemon tells a new connection it is busy.
+pub fn saturate(socket: &Path) -> Vec<std::os::unix::net::UnixStream> {
+    use std::io::{Read, Write};
+    use tarpc::tokio_serde::formats::Bincode;
+
+    let hello = tarpc::ClientMessage::<()>::Cancel { trace_context: Default::default(), request_id: u64::MAX };
+    let body = tarpc::tokio_serde::Serializer::serialize(std::pin::pin!(Bincode::<(), _>::default()), &hello).unwrap();
+    let frame = [&(body.len() as u32).to_be_bytes()[..], &body].concat();
+    let mut held = Vec::new();
+    // More than the default 256 slots: a connection whose frame comes in after the last slot
+    // went is closed by the server.
+    for _ in 0..4096 {
+        let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+        // The greeting: `TDRPC\0v1`, then the status (0: served, 3: busy).
+        let mut greeting = [0u8; 9];
+        stream.read_exact(&mut greeting).unwrap();
+        assert_eq!(&greeting[..8], b"TDRPC\0v1");
+        match greeting[8] {
+            0 => {
+                stream.write_all(&frame).unwrap();
+                held.push(stream);
+            }
+            3 => return held,
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    panic!("the server was not busy after 4096 connections");
+}
+
+/// A socket at `path` that accepts connections (the kernel does) and never answers.
+pub fn silent_socket(path: &Path) -> std::os::unix::net::UnixListener {
+    std::os::unix::net::UnixListener::bind(path).unwrap()
+}
