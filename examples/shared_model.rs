@@ -61,7 +61,7 @@ fn serve(name: &str, runtime_dir: &str) -> anyhow::Result<()> {
     let server = StoreServer::start(name, StoreOptions::default().runtime_dir(runtime_dir))?;
     println!("serving");
     std::io::stdout().flush()?;
-    server.wait();
+    server.wait(None);
     Ok(())
 }
 

@@ -27,6 +27,80 @@ const LOG_LINES_SHOWN: usize = 10;
 /// How often `stop` looks whether a server is gone.
 pub(crate) const STOP_POLL: Duration = Duration::from_millis(20);
 
+/// The paths a server uses, absolute (a daemon runs in `/`).
+pub(crate) struct ServePaths {
+    /// The runtime directory.
+    pub runtime: PathBuf,
+    /// The service's socket.
+    pub socket: PathBuf,
+    /// The pid file.
+    pub pid: PathBuf,
+    /// The log: `--log`, else the service's log file for a daemon, else none (stderr).
+    pub log: Option<PathBuf>,
+    /// `--dir`.
+    pub dir: Option<PathBuf>,
+    /// `--token-file`.
+    pub token_file: Option<PathBuf>,
+}
+
+impl ServePaths {
+    /// The paths of `service` with the `--log`, `--dir` and `--token-file` given.
+    pub(crate) fn of(
+        service: &rpc::service::ServiceName,
+        log: Option<&Path>,
+        dir: Option<&Path>,
+        token_file: Option<&Path>,
+        daemon: bool,
+    ) -> anyhow::Result<ServePaths> {
+        let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
+        let files = service.files(&runtime);
+        let absolute = |p: &Path| std::path::absolute(p).with_context(|| format!("{}", p.display()));
+        let log = match log {
+            Some(log) => Some(absolute(log)?),
+            None => daemon.then_some(files.log),
+        };
+        Ok(ServePaths {
+            socket: socket_of(service, &runtime)?,
+            pid: files.pid,
+            log,
+            dir: dir.map(absolute).transpose()?,
+            token_file: token_file.map(absolute).transpose()?,
+            runtime,
+        })
+    }
+}
+
+/// The socket of `service` in `runtime`.
+pub(crate) fn socket_of(service: &rpc::service::ServiceName, runtime: &Path) -> anyhow::Result<PathBuf> {
+    Ok(service.endpoint().socket_path(Some(runtime))?.expect("a service's endpoint is a Unix socket"))
+}
+
+/// `tdict KIND stop`: asks the service `service` (served by `pid`) to stop with `shutdown`,
+/// waits until it is gone and says how it went.
+pub(crate) fn stop<E>(
+    service: &rpc::service::ServiceName,
+    pid: u32,
+    shutdown: impl FnOnce() -> Result<(), E>,
+    timeout: Duration,
+) -> anyhow::Result<()>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
+    // A process started by `tdict KIND serve` exits once stopped (and removes its pid file on
+    // the way out: read it first); a program serving the service itself goes on, and then only
+    // its socket closes.
+    let own_process = read_pid(&service.files(&runtime).pid) == Some(pid);
+    shutdown()?;
+    wait_gone(&service.to_string(), pid, own_process, &socket_of(service, &runtime)?, timeout)?;
+    if own_process {
+        crate::out!("{service} stopped (pid {pid} exited)");
+    } else {
+        crate::out!("{service} stopped serving (pid {pid} serves it from a program of its own, which goes on)");
+    }
+    Ok(())
+}
+
 /// A daemon to start: `tdict KIND serve --no-fork --daemon-child --name NAME --log LOG ARGS…`.
 pub(crate) struct Daemon<'a> {
     /// The command (`store`, `replay`), also the word its messages use.
@@ -322,6 +396,38 @@ pub(crate) fn probe(socket: &Path, timeout: Duration) -> std::io::Result<()> {
         let _ = stream.take(1 << 16).read_to_end(&mut Vec::new());
     }
     Ok(())
+}
+
+/// A client of `service` for a command: one plain attempt first, which fails at once with the
+/// way out (`start`, the command that starts it) when its socket is missing or nobody listens on
+/// it (retrying cannot help that); then `connect` with the options, whose failure to connect is
+/// told apart by [`connect_error`] (`rpc_error` finds the rpc error in `E`).
+pub(crate) fn connect_service<T, E>(
+    service: &rpc::service::ServiceName,
+    connect_timeout: Duration,
+    start: &str,
+    connect: impl FnOnce(&rpc::ClientOptions) -> Result<T, E>,
+    rpc_error: impl FnOnce(&E) -> Option<&rpc::Error>,
+) -> anyhow::Result<T>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
+    let socket = socket_of(service, &runtime)?;
+    let not_running =
+        |why: String| anyhow!("no {service} is running (socket {}{why}): start it with `{start}`", socket.display());
+    match probe(&socket, connect_timeout) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(not_running(": not found".into())),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+            return Err(not_running(": nobody listens on it; a server that was killed left it".into()));
+        }
+        _ => {}
+    }
+    let options = rpc::ClientOptions::default().runtime_dir(&runtime).connect_timeout(connect_timeout);
+    connect(&options).map_err(|e| {
+        let told = rpc_error(&e).and_then(|rpc| connect_error(&service.to_string(), &socket, rpc, not_running));
+        told.unwrap_or_else(|| e.into())
+    })
 }
 
 /// What to tell a user whose client could not connect to `what` (`` store `NAME` ``, `` replay

@@ -60,8 +60,8 @@ pub(crate) enum ReplayCommand {
     /// it cleanly (its shared memory is freed); a second signal exits at once.
     ///
     /// Its socket, lock, pid file and log live in the runtime directory (`TDICT_RUNTIME_DIR`,
-    /// else `$XDG_RUNTIME_DIR/tensordict-rs`, else `/tmp/tensordict-rs-UID`): the socket is
-    /// `replay-NAME.sock`, the pid file and log `tdict-replay-NAME.pid` and `.log`.
+    /// else `$XDG_RUNTIME_DIR/tensordict-rs`, else `/tmp/tensordict-rs-UID`), named as a
+    /// store's are: `tdict-replay-NAME.sock`, `.owner`, `.pid` and `.log`.
     Serve(Box<crate::replay_serve::ServeArgs>),
     /// Print a replay service's counters: rows held, cursor, rows written, rows inserted and
     /// sampled as the rate limiter counts them, open reservations and leases, sessions.

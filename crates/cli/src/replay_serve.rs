@@ -19,7 +19,7 @@ use rpc::{ClientOptions, Endpoint, Token};
 use serde_json::{Value, json};
 use tensordict::KeyPath;
 
-use crate::daemon::{self, PidFile, parse_seconds, parse_tcp, probe, read_pid};
+use crate::daemon::{self, PidFile, ServePaths, parse_seconds, parse_tcp, read_pid};
 
 /// The prioritized sampler's defaults: priority exponent, importance-weight exponent, and the
 /// `eps` added to every priority (TorchRL's default).
@@ -153,39 +153,6 @@ pub(crate) struct ServiceArgs {
 /// `tdict replay serve`: a daemon, or the service itself with --no-fork.
 pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if args.no_fork || args.daemon_child { serve_here(args) } else { start_daemon(args) }
-}
-
-/// The pid file and the default log of service `name`.
-fn files(runtime: &Path, name: &str) -> (PathBuf, PathBuf) {
-    (runtime.join(format!("tdict-replay-{name}.pid")), runtime.join(format!("tdict-replay-{name}.log")))
-}
-
-/// The paths a server uses, absolute (a daemon runs in `/`).
-struct ServePaths {
-    runtime: PathBuf,
-    pid: PathBuf,
-    log: Option<PathBuf>,
-    dir: Option<PathBuf>,
-    token_file: Option<PathBuf>,
-}
-
-impl ServePaths {
-    fn of(args: &ServeArgs, daemon: bool) -> anyhow::Result<ServePaths> {
-        let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
-        let (pid, default_log) = files(&runtime, &args.name);
-        let absolute = |p: &Path| std::path::absolute(p).with_context(|| format!("{}", p.display()));
-        let log = match &args.log {
-            Some(log) => Some(absolute(log)?),
-            None => daemon.then_some(default_log),
-        };
-        Ok(ServePaths {
-            pid,
-            log,
-            dir: args.dir.as_deref().map(absolute).transpose()?,
-            token_file: args.token_file.as_deref().map(absolute).transpose()?,
-            runtime,
-        })
-    }
 }
 
 /// The service's options from the arguments; every argument error is found here, before a
@@ -330,7 +297,13 @@ fn limiter(args: &ServeArgs, capacity: usize) -> anyhow::Result<Option<RateLimit
 
 /// Starts the daemon (see [`daemon::start`]) and returns once it answers.
 fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    let paths = ServePaths::of(&args, true)?;
+    let paths = ServePaths::of(
+        &replay::remote::service_name(&args.name)?,
+        args.log.as_deref(),
+        args.dir.as_deref(),
+        args.token_file.as_deref(),
+        true,
+    )?;
     // Checked here, so that bad arguments are reported by the command that was typed.
     options(&args, &paths)?;
     let log_path = paths.log.clone().expect("a daemon has a log");
@@ -406,12 +379,18 @@ fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
 /// Serves in this process until asked to stop (a client's `shutdown` or a signal).
 fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let daemon = args.daemon_child;
-    let paths = ServePaths::of(&args, daemon)?;
+    let paths = ServePaths::of(
+        &replay::remote::service_name(&args.name)?,
+        args.log.as_deref(),
+        args.dir.as_deref(),
+        args.token_file.as_deref(),
+        daemon,
+    )?;
     let signals = daemon::begin_serving(daemon, paths.log.as_deref())?;
     let options = options(&args, &paths)?;
     let server = match ReplayServer::start(&args.name, options) {
         Ok(server) => server,
-        Err(e @ replay::Error::Remote(rpc::Error::AlreadyServing { .. })) => {
+        Err(e @ replay::Error::Remote(rpc::Error::ServiceRunning { .. })) => {
             let by = read_pid(&paths.pid).map(|pid| format!(" (pid {pid}, from {})", paths.pid.display()));
             return Err(anyhow!("{e}{}", by.unwrap_or_default()));
         }
@@ -420,12 +399,11 @@ fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // The service's lock is held from here: whatever a pid file says, it is stale.
     let pid_file = PidFile::write(&paths.pid)?;
 
-    let socket = socket(&args.name, &paths.runtime)?;
     let mut ready = format!(
         "replay `{}` serving on {} (socket {}), pid {}, log {}, {} rows in {}, {} sampler",
         args.name,
         server.endpoint(),
-        socket.display(),
+        paths.socket.display(),
         std::process::id(),
         paths.log.as_deref().map_or_else(|| "stderr".to_owned(), |p| p.display().to_string()),
         server.buffer().capacity(),
@@ -440,17 +418,17 @@ fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
             limiter.samples_per_insert()
         ));
     }
-    if let Some(tcp) = server.tcp_addr() {
-        ready.push_str(&format!(", tcp tcp:{tcp}"));
+    if let Some(tcp) = server.tcp_endpoint() {
+        ready.push_str(&format!(", tcp {tcp}"));
     }
     daemon::announce(&ready, daemon)?;
 
     let server = Arc::new(server);
     let watcher = {
         let server = Arc::clone(&server);
-        signals.watch(move || server.request_shutdown())?
+        signals.watch(move || server.stop())?
     };
-    server.wait_for_shutdown(None);
+    server.wait(None);
     watcher.finish();
     // Removed while the lock is still held, so that a pid file of the next server is never
     // removed by this one.
@@ -461,43 +439,20 @@ fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn socket(name: &str, runtime: &Path) -> anyhow::Result<PathBuf> {
-    Ok(replay::remote::endpoint(name).socket_path(Some(runtime))?.expect("a Unix socket"))
-}
-
 /// Connects to the service, failing at once with the way out if it is not running.
 pub(crate) fn connect(at: &ServiceArgs) -> anyhow::Result<RemoteBuffer> {
     let name = &at.name;
-    let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
-    let socket = socket(name, &runtime)?;
-    let not_running = |why: String| {
-        anyhow!(
-            "no replay service `{name}` is running (socket {}{why}): start it with \
-             `tdict replay serve --name {name} --capacity ROWS`",
-            socket.display()
-        )
-    };
-    // One plain attempt first: retrying cannot help a socket that is missing or that nobody
-    // listens on (left by a server that was killed).
-    match probe(&socket, at.connect_timeout) {
-        Err(e) if e.kind() == ErrorKind::NotFound => return Err(not_running(": not found".into())),
-        Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
-            return Err(not_running(": nobody listens on it; a server that was killed left it".into()));
-        }
-        _ => {}
-    }
-    let options = ClientOptions::default().runtime_dir(&runtime).connect_timeout(at.connect_timeout);
-    match RemoteBuffer::connect_with(name, &options) {
-        Ok(buffer) => Ok(buffer),
-        Err(e) => {
-            let what = format!("replay service `{name}`");
-            let connecting = match &e {
-                replay::Error::Remote(rpc) => daemon::connect_error(&what, &socket, rpc, not_running),
-                _ => None,
-            };
-            Err(connecting.unwrap_or_else(|| e.into()))
-        }
-    }
+    let start = format!("tdict replay serve --name {name} --capacity ROWS");
+    daemon::connect_service(
+        &replay::remote::service_name(name)?,
+        at.connect_timeout,
+        &start,
+        |options| RemoteBuffer::connect_with(name, options),
+        |e| match e {
+            replay::Error::Remote(rpc) => Some(rpc),
+            _ => None,
+        },
+    )
 }
 
 /// `tdict replay stats`.
@@ -562,19 +517,7 @@ pub(crate) fn stats(at: &ServiceArgs, as_json: bool) -> anyhow::Result<ExitCode>
 pub(crate) fn stop(at: &ServiceArgs, timeout: Duration) -> anyhow::Result<ExitCode> {
     let buffer = connect(at)?;
     let pid = buffer.info().pid;
-    let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
-    // A process started by `tdict replay serve` exits once stopped; a program serving it itself
-    // goes on, and then only its socket closes.
-    let own_process = read_pid(&files(&runtime, &at.name).0) == Some(pid);
-    let socket = socket(&at.name, &runtime)?;
-    buffer.shutdown()?;
-    drop(buffer);
-    daemon::wait_gone(&format!("replay `{}`", at.name), pid, own_process, &socket, timeout)?;
-    if own_process {
-        crate::out!("replay `{}` stopped (pid {pid} exited)", at.name);
-    } else {
-        crate::out!("replay `{}` stopped serving (pid {pid} serves it from a program of its own)", at.name);
-    }
+    daemon::stop(&replay::remote::service_name(&at.name)?, pid, || buffer.shutdown(), timeout)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -588,6 +531,6 @@ fn bound(v: &Value, unbounded: &str) -> String {
 }
 
 pub(crate) fn parse_name(s: &str) -> Result<String, String> {
-    replay::remote::check_name(s).map_err(|e| e.to_string())?;
+    replay::remote::service_name(s).map_err(|e| e.to_string())?;
     Ok(s.to_owned())
 }

@@ -3,8 +3,7 @@
 //! `rpc::store`; this module parses, daemonizes, waits and prints.
 
 use std::ffi::OsString;
-use std::io::ErrorKind;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +17,7 @@ use rpc::{ClientOptions, Endpoint, Token};
 use serde_json::{Value, json};
 use tensordict::WriteOptions;
 
-use crate::daemon::{self, PidFile, parse_seconds, parse_tcp, probe, read_pid};
+use crate::daemon::{self, PidFile, ServePaths, parse_seconds, parse_tcp, read_pid};
 use crate::location::{Location, LocationParser};
 
 /// A named store of TensorDicts: entries in shared memory (or memmap folders with `--dir`),
@@ -161,37 +160,15 @@ pub(crate) fn run(command: StoreCommand) -> anyhow::Result<ExitCode> {
 
 // === Serving ===
 
-/// The paths a server uses, absolute (a daemon runs in `/`).
-struct ServePaths {
-    runtime: PathBuf,
-    pid: PathBuf,
-    log: Option<PathBuf>,
-    dir: Option<PathBuf>,
-    token_file: Option<PathBuf>,
-}
-
-impl ServePaths {
-    fn of(args: &ServeArgs, daemon: bool) -> anyhow::Result<ServePaths> {
-        let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
-        let files = rpc::store::files(&runtime, &args.name);
-        let absolute = |p: &Path| std::path::absolute(p).with_context(|| format!("{}", p.display()));
-        let log = match &args.log {
-            Some(log) => Some(absolute(log)?),
-            None => daemon.then_some(files.log),
-        };
-        Ok(ServePaths {
-            pid: files.pid,
-            log,
-            dir: args.dir.as_deref().map(absolute).transpose()?,
-            token_file: args.token_file.as_deref().map(absolute).transpose()?,
-            runtime,
-        })
-    }
-}
-
 /// Starts the daemon (see [`daemon::start`]) and returns once it answers.
 fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    let paths = ServePaths::of(&args, true)?;
+    let paths = ServePaths::of(
+        &rpc::store::service_name(&args.name)?,
+        args.log.as_deref(),
+        args.dir.as_deref(),
+        args.token_file.as_deref(),
+        true,
+    )?;
     // Checked here too, so that a bad token file is reported by the command that was typed.
     if let Some(file) = &paths.token_file {
         Token::from_file(file)?;
@@ -224,7 +201,13 @@ fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
 /// Serves in this process until asked to stop (a client's `shutdown` or a signal).
 fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let daemon = args.daemon_child;
-    let paths = ServePaths::of(&args, daemon)?;
+    let paths = ServePaths::of(
+        &rpc::store::service_name(&args.name)?,
+        args.log.as_deref(),
+        args.dir.as_deref(),
+        args.token_file.as_deref(),
+        daemon,
+    )?;
     let signals = daemon::begin_serving(daemon, paths.log.as_deref())?;
 
     let mut options = StoreOptions::default();
@@ -239,7 +222,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     }
     let server = match StoreServer::start(&args.name, options) {
         Ok(server) => server,
-        Err(e @ rpc::Error::StoreRunning { .. }) => {
+        Err(e @ rpc::Error::ServiceRunning { .. }) => {
             let by = read_pid(&paths.pid).map(|pid| format!(" (pid {pid}, from {})", paths.pid.display()));
             return Err(anyhow!("{e}{}", by.unwrap_or_default()));
         }
@@ -248,12 +231,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // The store's lock is held from here: whatever a pid file says, it is stale.
     let pid_file = PidFile::write(&paths.pid)?;
 
-    let socket = rpc::store::endpoint(&args.name).socket_path(Some(&paths.runtime))?.expect("a Unix socket");
     let mut ready = format!(
         "store `{}` serving on {} (socket {}), pid {}, log {}, entries in {}",
         args.name,
         server.endpoint(),
-        socket.display(),
+        paths.socket.display(),
         std::process::id(),
         paths.log.as_deref().map_or_else(|| "stderr".to_owned(), |p| p.display().to_string()),
         paths.dir.as_deref().map_or_else(|| "shared memory".to_owned(), |d| format!("folder {}", d.display())),
@@ -271,7 +253,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         let server = Arc::clone(&server);
         signals.watch(move || server.stop())?
     };
-    server.wait();
+    server.wait(None);
     watcher.finish();
     // Removed while the lock is still held, so that a pid file of the next server is never
     // removed by this one.
@@ -286,28 +268,14 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
 /// Connects to the store, failing at once with the way out if it is not running.
 fn connect(at: &StoreArgs) -> anyhow::Result<Store> {
     let name = &at.name;
-    let socket = rpc::store::endpoint(name).socket_path(None)?.expect("a Unix socket");
-    let not_running = |why: String| {
-        anyhow!(
-            "no store `{name}` is running (socket {}{why}): start it with `tdict store serve --name {name}`",
-            socket.display()
-        )
-    };
-    // One plain attempt first: retrying cannot help a socket that is missing or that nobody
-    // listens on (left by a server that was killed).
-    match probe(&socket, at.connect_timeout) {
-        Err(e) if e.kind() == ErrorKind::NotFound => return Err(not_running(": not found".into())),
-        Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
-            return Err(not_running(": nobody listens on it; a server that was killed left it".into()));
-        }
-        _ => {}
-    }
-    match Store::connect_with(name, &ClientOptions::default().connect_timeout(at.connect_timeout)) {
-        Ok(store) => Ok(store),
-        Err(e) => {
-            Err(daemon::connect_error(&format!("store `{name}`"), &socket, &e, not_running).unwrap_or_else(|| e.into()))
-        }
-    }
+    let start = format!("tdict store serve --name {name}");
+    daemon::connect_service(
+        &rpc::store::service_name(name)?,
+        at.connect_timeout,
+        &start,
+        |options| Store::connect_with(name, options),
+        |e| Some(e),
+    )
 }
 
 fn ls(at: &StoreArgs, as_json: bool) -> anyhow::Result<ExitCode> {
@@ -397,19 +365,7 @@ fn load(at: &StoreArgs, key: &str, out: &Location, wait: Wait, force: bool) -> a
 fn stop(at: &StoreArgs, timeout: Duration) -> anyhow::Result<ExitCode> {
     let store = connect(at)?;
     let pid = store.info().pid;
-    let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
-    // A process started by `tdict store serve` exits once stopped; a program serving the store
-    // itself goes on, and then only its socket closes.
-    let own_process = read_pid(&rpc::store::files(&runtime, &at.name).pid) == Some(pid);
-    let socket = rpc::store::endpoint(&at.name).socket_path(Some(&runtime))?.expect("a Unix socket");
-    store.shutdown()?;
-    drop(store);
-    daemon::wait_gone(&format!("store `{}`", at.name), pid, own_process, &socket, timeout)?;
-    if own_process {
-        out!("store `{}` stopped (pid {pid} exited)", at.name);
-    } else {
-        out!("store `{}` stopped serving (pid {pid} serves it from a program of its own, which goes on)", at.name);
-    }
+    daemon::stop(&rpc::store::service_name(&at.name)?, pid, || store.shutdown(), timeout)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -434,7 +390,7 @@ fn shown(key: &str) -> String {
 }
 
 fn parse_name(s: &str) -> Result<String, String> {
-    rpc::store::check_name(s).map_err(|e| e.to_string())?;
+    rpc::store::service_name(s).map_err(|e| e.to_string())?;
     Ok(s.to_owned())
 }
 

@@ -186,7 +186,7 @@ fn serve_stats_stop() {
     assert!(stopped.ok().contains(&format!("pid {pid} exited")), "{stopped}");
     assert!(!alive(pid));
     assert!(!w.pid_file().exists(), "the pid file outlived the daemon");
-    assert!(!w.runtime().join(format!("replay-{}.sock", w.name)).exists(), "the socket outlived the daemon");
+    assert!(!w.runtime().join(format!("tdict-replay-{}.sock", w.name)).exists(), "the socket outlived the daemon");
     let gone = w.replay("stats", Vec::<&str>::new());
     assert!(gone.error().contains("no replay service"), "{gone}");
 }
@@ -198,7 +198,7 @@ fn a_second_serve_names_the_running_pid() {
     let (_, pid) = w.serve(&["--capacity", "10"]);
     let second = w.replay("serve", ["--capacity", "10"]);
     let error = second.error();
-    assert!(error.contains("already serving"), "{second}");
+    assert!(error.contains("is already served"), "{second}");
     assert!(error.contains(&format!("pid {pid}")), "{second}");
     assert_eq!(read_pid(&w.pid_file()), Some(pid), "the second serve touched the pid file");
     assert!(alive(pid));
@@ -397,7 +397,7 @@ fn stop_a_service_served_by_a_program() {
     let server = ReplayServer::start(&w.name, ReplayOptions::new(8).runtime_dir(w.runtime())).unwrap();
     // The program's serving loop: until a client asks it to stop.
     let serving = std::thread::spawn(move || {
-        let asked = server.wait_for_shutdown(Some(Duration::from_secs(60)));
+        let asked = server.wait(Some(Duration::from_secs(60)));
         drop(server);
         asked
     });
@@ -416,7 +416,8 @@ fn stop_a_service_served_by_a_program() {
 fn a_busy_or_silent_service_is_not_called_missing() {
     let mut w = World::new("busy");
     w.serve(&["--capacity", "10"]);
-    let socket = replay::remote::endpoint(&w.name).socket_path(Some(&w.runtime())).unwrap().unwrap();
+    let socket =
+        replay::remote::service_name(&w.name).unwrap().endpoint().socket_path(Some(&w.runtime())).unwrap().unwrap();
     let held = common::saturate(&socket);
     let stats = w.replay("stats", ["--connect-timeout", "1"]);
     let err = stats.error();
@@ -426,7 +427,12 @@ fn a_busy_or_silent_service_is_not_called_missing() {
     assert!(w.stats()["pid"].is_u64());
 
     let silent = World::new("silent");
-    let socket = replay::remote::endpoint(&silent.name).socket_path(Some(&silent.runtime())).unwrap().unwrap();
+    let socket = replay::remote::service_name(&silent.name)
+        .unwrap()
+        .endpoint()
+        .socket_path(Some(&silent.runtime()))
+        .unwrap()
+        .unwrap();
     let _listener = common::silent_socket(&socket);
     let stats = silent.replay("stats", ["--connect-timeout", "1"]);
     let err = stats.error();

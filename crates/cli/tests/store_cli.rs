@@ -46,8 +46,8 @@ impl World {
         self.dir.path().join(name)
     }
 
-    fn files(&self) -> rpc::store::StoreFiles {
-        rpc::store::files(&self.runtime(), &self.name)
+    fn files(&self) -> rpc::service::ServiceFiles {
+        rpc::store::service_name(&self.name).unwrap().files(&self.runtime())
     }
 
     fn command<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> (Command, String) {
@@ -499,7 +499,7 @@ fn stop_of_a_store_served_inside_a_program() {
     let store = Store::start_with(&w.name, StoreOptions::default().runtime_dir(w.runtime())).unwrap();
     let pid = store.info().pid;
     let serving = std::thread::spawn(move || {
-        store.server().unwrap().wait();
+        store.server().unwrap().wait(None);
         drop(store);
     });
     let run = w.store("stop", [] as [&str; 0]);

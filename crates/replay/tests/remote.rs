@@ -90,7 +90,8 @@ impl Fixture {
     }
 
     fn raw(&self) -> BlockingClient<ReplayServiceClient> {
-        BlockingClient::connect(&replay::remote::endpoint(&self.name), &self.client_options()).unwrap()
+        BlockingClient::connect(&replay::remote::service_name(&self.name).unwrap().endpoint(), &self.client_options())
+            .unwrap()
     }
 }
 
@@ -578,8 +579,7 @@ fn clients_over_tcp_need_the_token_and_share_a_folder() {
     let token = rpc::Token::generate();
     let listen: rpc::Endpoint = "tcp:127.0.0.1:0".parse().unwrap();
     let server = f.start(f.options(32).dir(dir.path().join("rows")).listen(listen, token.clone()));
-    let addr = server.tcp_addr().expect("a TCP address");
-    let endpoint: rpc::Endpoint = format!("tcp:{addr}").parse().unwrap();
+    let endpoint = server.tcp_endpoint().expect("a TCP endpoint").clone();
     let options = ClientOptions::default().token(token);
     let actor = RemoteBuffer::connect_to(&endpoint, &options).unwrap();
     actor.extend(&batch(&[8., 9.])).unwrap();

@@ -92,7 +92,7 @@ fn child() {
         // Samples 8 rows and holds the lease (a raw client never releases it).
         "learner" => {
             let raw: BlockingClient<ReplayServiceClient> =
-                BlockingClient::connect(&replay::remote::endpoint(&name), &options).unwrap();
+                BlockingClient::connect(&replay::remote::service_name(&name).unwrap().endpoint(), &options).unwrap();
             let sampled = raw.call(async |c, ctx| c.sample(ctx, 8, None, Vec::new()).await).unwrap().unwrap();
             std::fs::write(&ready, format!("{:?}", sampled.indices)).unwrap();
             std::mem::forget(raw);

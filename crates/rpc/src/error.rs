@@ -298,23 +298,40 @@ pub enum Error {
         error: WireError,
     },
 
-    // === The store ===
-    /// A store name is empty, too long, or holds characters other than `A-Z a-z 0-9 _ -`.
-    #[error("invalid store name `{name}`: {reason}")]
-    InvalidStoreName {
+    // === Named services (the store, the replay service) ===
+    /// A service name is empty, too long, or holds characters other than `A-Z a-z 0-9 _ -`.
+    #[error("invalid {kind} name `{name}`: {reason}")]
+    InvalidServiceName {
+        /// The kind of service (`store`, `replay`).
+        kind: &'static str,
         /// The name as given.
         name: String,
         /// What is wrong with it.
         reason: String,
     },
-    /// A store of this name is already served from this runtime directory.
-    #[error("store `{name}` is already served (its lock {} is held by a live process)", lock.display())]
-    StoreRunning {
-        /// The store's name.
+    /// A service of this kind and name is already served from this runtime directory.
+    #[error("{kind} `{name}` is already served (its lock {} is held by a live process)", lock.display())]
+    ServiceRunning {
+        /// The kind of service.
+        kind: &'static str,
+        /// Its name.
         name: String,
         /// The lock file.
         lock: PathBuf,
     },
+    /// A file of a named service (its lock) could not be used.
+    #[error("{op} {}", path.display())]
+    ServiceIo {
+        /// What was being done.
+        op: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+
+    // === The store ===
     /// A file or folder of the store could not be used.
     #[error("store: {op} {}: {source}", path.display())]
     StoreIo {

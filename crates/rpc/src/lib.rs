@@ -103,6 +103,7 @@ pub mod endpoint;
 mod error;
 mod reference;
 mod server;
+pub mod service;
 pub mod store;
 pub mod transport;
 mod wire;

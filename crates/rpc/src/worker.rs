@@ -6,6 +6,12 @@
 //! reference once can send the short [`Handle`] it got back instead (what TorchRL calls passing
 //! the reference beforehand). A reference of a generation the worker has not seen is opened
 //! again, with every check of [`TensorDictRef::open`].
+//!
+//! Handles belong to the connection that opened them (each connection is a session, see
+//! [`crate::service`]): they are let go of when the connection ends, however the client ends,
+//! and a handle of one connection means nothing on another. A dict no handle holds stays open
+//! for later references until [`MAX_OPEN_DICTS`] such dicts are open; the least recently used
+//! goes first.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::ops::Range;
@@ -17,10 +23,15 @@ use serde::{Deserialize, Serialize};
 use tarpc::context::Context;
 use tensordict::{Generation, TensorDict};
 
-use crate::{InlineDict, RefLocation, TensorDictRef, ToRef, WireError, WireIndex};
+use crate::service::{SessionId, SessionTable};
+use crate::{
+    Endpoint, InlineDict, RefLocation, ServerHandle, ServerOptions, TensorDictRef, ToRef, WireError, WireIndex,
+};
 
-/// How many dicts a worker keeps open; the least recently used is let go first.
+/// How many dicts no handle holds a worker keeps open; the least recently used is let go first.
 pub const MAX_OPEN_DICTS: usize = 64;
+/// The most handles one connection may hold at once.
+pub const MAX_HANDLES_PER_SESSION: usize = 1024;
 
 /// The worker service (see the module documentation).
 #[tarpc::service]
@@ -76,7 +87,8 @@ pub enum Output {
     Shm(String),
 }
 
-/// The worker: cheap to clone (every request gets a clone), its state shared.
+/// The worker: cheap to clone, its state shared by every connection. Serve it with
+/// [`WorkerServer::serve_on`], which gives each connection a [`WorkerSession`].
 #[derive(Clone, Default)]
 pub struct WorkerServer {
     state: Arc<Mutex<Held>>,
@@ -85,11 +97,14 @@ pub struct WorkerServer {
 /// The dicts a worker holds.
 #[derive(Default)]
 struct Held {
-    next: u64,
+    /// The last id given to a dict, a session or a handle.
+    last_id: u64,
     dicts: HashMap<u64, Entry>,
     by_place: HashMap<Place, u64>,
-    /// Handles, least recently used first.
+    /// Dicts no handle holds, least recently used first.
     order: VecDeque<u64>,
+    /// Each session's handles, and the dict each stands for.
+    handles: SessionTable<u64>,
 }
 
 /// A held dict: the view the reference describes, its reference, and the generation counters
@@ -100,6 +115,8 @@ struct Entry {
     own: BTreeSet<u64>,
     /// Publishes of this worker under way (their counters not known yet).
     publishing: usize,
+    /// Handles that stand for it; while there are any, it is kept open.
+    holders: usize,
 }
 
 /// Where a held dict is: its location and rows (one entry per place, at the newest generation
@@ -126,6 +143,27 @@ impl WorkerServer {
         WorkerServer::default()
     }
 
+    /// A session of this worker: what one connection's calls run on.
+    pub fn session(&self) -> WorkerSession {
+        let id = self.held().next_id();
+        WorkerSession(Arc::new(SessionInner { id, server: self.clone() }))
+    }
+
+    /// Handles held, by every connection.
+    pub fn handles(&self) -> usize {
+        self.held().handles.len()
+    }
+
+    /// Dicts open: those handles hold, and those kept for later references.
+    pub fn open_dicts(&self) -> usize {
+        self.held().dicts.len()
+    }
+
+    /// Serves the worker on `endpoint` (see [`crate::serve`]), a session per connection.
+    pub fn serve_on(self, endpoint: &Endpoint, options: ServerOptions) -> crate::Result<ServerHandle> {
+        crate::serve_per_connection(endpoint, move |_: &crate::Peer| self.session().serve(), options)
+    }
+
     fn held(&self) -> std::sync::MutexGuard<'_, Held> {
         // A panic while holding the lock leaves the maps consistent (each change is one insert
         // or remove), so a poisoned lock is still usable.
@@ -136,9 +174,10 @@ impl WorkerServer {
     /// dict is used only while its storage is still at the generation the worker knows (one
     /// read of the generation file): a folder replaced meanwhile, or rows another writer
     /// published, make the caller send a fresh reference.
-    fn resolve(&self, target: Target) -> Result<(u64, TensorDict), WireError> {
+    fn resolve(&self, session: SessionId, target: Target) -> Result<(u64, TensorDict), WireError> {
         let reference = match target {
-            Target::Handle(Handle(h)) => {
+            Target::Handle(Handle(handle)) => {
+                let h = self.held().handles.get(session, handle).copied().ok_or_else(|| gone(handle))?;
                 let (dict, _) = self.current(h)?;
                 return Ok((h, dict));
             }
@@ -165,7 +204,8 @@ impl WorkerServer {
             held.touch(h);
             return Ok((h, dict));
         }
-        let h = held.insert(place, Entry { dict: dict.clone(), reference, own: BTreeSet::new(), publishing: 0 });
+        let h = held
+            .insert(place, Entry { dict: dict.clone(), reference, own: BTreeSet::new(), publishing: 0, holders: 0 });
         Ok((h, dict))
     }
 
@@ -174,7 +214,7 @@ impl WorkerServer {
     /// generation file). A folder replaced meanwhile, or rows another writer published, make the
     /// caller send a current reference.
     fn current(&self, h: u64) -> Result<(TensorDict, Generation), WireError> {
-        let gone = || WireError::NotFound { what: format!("handle {h} (closed, or let go of)") };
+        let gone = || WireError::NotFound { what: format!("dict {h} (let go of)") };
         let known = self.held().dicts.get(&h).map(|e| e.reference.clone()).ok_or_else(gone)?;
         let now = known.location.to_dict_location().generation().map_err(invalid)?;
         let mut held = self.held();
@@ -229,28 +269,84 @@ impl WorkerServer {
 }
 
 impl Held {
-    /// Holds `entry` as the dict of `place`. A handle held before for the same place stays valid
-    /// until it is let go of (calls with it find its storage moved on, and say so).
+    fn next_id(&mut self) -> u64 {
+        self.last_id += 1;
+        self.last_id
+    }
+
+    /// Holds `entry` as the dict of `place`. A dict held before for the same place stays open
+    /// while handles hold it (calls with them find its storage moved on, and say so).
     fn insert(&mut self, place: Place, entry: Entry) -> u64 {
-        while self.dicts.len() >= MAX_OPEN_DICTS {
+        while self.order.len() >= MAX_OPEN_DICTS {
             let Some(oldest) = self.order.pop_front() else { break };
-            self.dicts.remove(&oldest);
-            self.by_place.retain(|_, h| *h != oldest);
+            self.forget(oldest);
         }
-        self.next += 1;
-        let h = self.next;
+        let h = self.next_id();
         self.dicts.insert(h, entry);
-        self.by_place.insert(place, h);
+        if let Some(replaced) = self.by_place.insert(place, h)
+            && self.dicts.get(&replaced).is_some_and(|e| e.holders == 0)
+        {
+            // Nothing holds the dict of the old generation, and no reference finds it now.
+            self.order.retain(|&x| x != replaced);
+            self.forget(replaced);
+        }
         self.order.push_back(h);
         h
     }
 
+    /// Lets go of dict `h`.
+    fn forget(&mut self, h: u64) {
+        self.dicts.remove(&h);
+        self.by_place.retain(|_, x| *x != h);
+    }
+
+    /// Marks dict `h` as just used (if no handle holds it, it is the last to go).
     fn touch(&mut self, h: u64) {
         if let Some(at) = self.order.iter().position(|&x| x == h) {
             self.order.remove(at);
             self.order.push_back(h);
         }
     }
+
+    /// A new handle of `session` for dict `h`.
+    fn hold(&mut self, session: SessionId, h: u64) -> Result<Handle, WireError> {
+        if self.handles.count(session) >= MAX_HANDLES_PER_SESSION {
+            return Err(WireError::Conflict {
+                detail: format!("this connection holds {MAX_HANDLES_PER_SESSION} handles; close some"),
+            });
+        }
+        let entry = self.dicts.get_mut(&h).ok_or_else(|| gone(h))?;
+        entry.holders += 1;
+        if entry.holders == 1 {
+            self.order.retain(|&x| x != h);
+        }
+        let handle = self.next_id();
+        // Ids are counted, never reused.
+        let _ = self.handles.insert(session, handle, h);
+        Ok(Handle(handle))
+    }
+
+    /// Lets go of what handle stood for dict `h`: the last one puts it among the dicts no handle
+    /// holds, or lets go of it if no reference finds it any more.
+    fn unhold(&mut self, h: u64) {
+        let Some(entry) = self.dicts.get_mut(&h) else { return };
+        entry.holders = entry.holders.saturating_sub(1);
+        if entry.holders == 0 {
+            if self.by_place.values().any(|&x| x == h) {
+                self.order.push_back(h);
+                while self.order.len() > MAX_OPEN_DICTS {
+                    let Some(oldest) = self.order.pop_front() else { break };
+                    self.forget(oldest);
+                }
+            } else {
+                self.forget(h);
+            }
+        }
+    }
+}
+
+fn gone(handle: u64) -> WireError {
+    WireError::NotFound { what: format!("handle {handle} of this connection (closed, or never opened here)") }
 }
 
 /// A library error as the caller sees it.
@@ -258,10 +354,35 @@ fn invalid(e: tensordict::Error) -> WireError {
     WireError::InvalidRequest { detail: e.to_string() }
 }
 
-impl Worker for WorkerServer {
+/// One connection's view of a [`WorkerServer`]: its handles are its own, and are let go of
+/// when the connection ends.
+#[derive(Clone)]
+pub struct WorkerSession(Arc<SessionInner>);
+
+struct SessionInner {
+    id: SessionId,
+    server: WorkerServer,
+}
+
+impl Drop for SessionInner {
+    fn drop(&mut self) {
+        let mut held = self.server.held();
+        for (_, h) in held.handles.drain(self.id) {
+            held.unhold(h);
+        }
+    }
+}
+
+impl WorkerSession {
+    fn resolve(&self, target: Target) -> Result<(u64, TensorDict), WireError> {
+        self.0.server.resolve(self.0.id, target)
+    }
+}
+
+impl Worker for WorkerSession {
     async fn open(self, _: Context, target: TensorDictRef) -> Result<Handle, WireError> {
         let (h, _) = self.resolve(Target::Ref(target))?;
-        Ok(Handle(h))
+        self.0.server.held().hold(self.0.id, h)
     }
 
     async fn set_at(
@@ -277,7 +398,7 @@ impl Worker for WorkerServer {
             Source::Inline(inline) => inline.to_dict().map_err(invalid)?,
         };
         dict.set_at(index.to_index(), &source).map_err(invalid)?;
-        self.publish(h, &dict)
+        self.0.server.publish(h, &dict)
     }
 
     async fn index(
@@ -299,25 +420,24 @@ impl Worker for WorkerServer {
 
     async fn flush(self, _: Context, target: Target) -> Result<TensorDictRef, WireError> {
         let (h, dict) = self.resolve(target)?;
-        self.publish(h, &dict)
+        self.0.server.publish(h, &dict)
     }
 
     async fn describe(self, _: Context, target: Target) -> Result<TensorDictRef, WireError> {
         let (h, _) = self.resolve(target)?;
-        self.held()
+        self.0
+            .server
+            .held()
             .dicts
             .get(&h)
             .map(|e| e.reference.clone())
             .ok_or_else(|| WireError::NotFound { what: format!("handle {h}") })
     }
 
-    async fn close(self, _: Context, Handle(h): Handle) -> Result<(), WireError> {
-        let mut held = self.held();
-        if held.dicts.remove(&h).is_none() {
-            return Err(WireError::NotFound { what: format!("handle {h}") });
-        }
-        held.by_place.retain(|_, x| *x != h);
-        held.order.retain(|&x| x != h);
+    async fn close(self, _: Context, Handle(handle): Handle) -> Result<(), WireError> {
+        let mut held = self.0.server.held();
+        let h = held.handles.take(self.0.id, handle).ok_or_else(|| gone(handle))?;
+        held.unhold(h);
         Ok(())
     }
 }

@@ -32,7 +32,8 @@ fn options(sandbox: &Sandbox) -> ClientOptions {
 
 /// A raw client: one connection, so one session of its own.
 fn raw(sandbox: &Sandbox, name: &str) -> Raw {
-    BlockingClient::connect(&rpc::store::endpoint(name), &options(sandbox)).expect("connect a raw client")
+    BlockingClient::connect(&rpc::store::service_name(name).unwrap().endpoint(), &options(sandbox))
+        .expect("connect a raw client")
 }
 
 /// What the server answered, its transport having worked.
@@ -369,7 +370,7 @@ fn bad_keys_key_counts_and_waits_are_refused_clearly() -> TestResult {
     let leased =
         answer(client.call(async |c, ctx| c.load(ctx, vec!["ok".into()], None, false, Vec::new(), Vec::new()).await))?;
     let impatient: Raw = BlockingClient::connect(
-        &rpc::store::endpoint(&name),
+        &rpc::store::service_name(&name).unwrap().endpoint(),
         &options(&sandbox).call_timeout(Duration::from_millis(500)),
     )?;
     let held = answer(
@@ -440,7 +441,7 @@ fn garbage_on_the_socket_closes_only_that_connection() -> TestResult {
     let held = store.load("held", Wait::NOW)?;
 
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let endpoint = rpc::store::endpoint(&name);
+    let endpoint = rpc::store::service_name(&name).unwrap().endpoint();
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("4 GiB prefix", vec![0xff; 4]),
         ("garbage bincode", [&64u32.to_be_bytes()[..], &[0xa5; 64]].concat()),
@@ -509,7 +510,10 @@ fn a_deadline_2_pow_64_seconds_away_is_answered() -> TestResult {
     let mut server = serve(&sandbox, &name, &["--listen", "tcp:127.0.0.1:0", "--token-file", token_arg]);
     let tcp = server.tcp.clone().expect("the server listens on TCP");
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let targets = [(rpc::store::endpoint(&name), options(&sandbox)), (tcp, options(&sandbox).token(token))];
+    let targets = [
+        (rpc::store::service_name(&name).unwrap().endpoint(), options(&sandbox)),
+        (tcp, options(&sandbox).token(token)),
+    ];
     for (endpoint, options) in targets {
         let info = runtime.block_on(async {
             let stream = rpc::connect_stream(&endpoint, &options).await?;

@@ -18,7 +18,7 @@ fn start(name: &str) -> (tempfile::TempDir, Store) {
 
 fn raw(dir: &tempfile::TempDir, name: &str) -> rpc::Result<BlockingClient<StoreServiceClient>> {
     BlockingClient::connect(
-        &rpc::store::endpoint(name),
+        &rpc::store::service_name(name).unwrap().endpoint(),
         &ClientOptions::default().runtime_dir(dir.path().join("run")).max_frame_bytes(64 << 20),
     )
 }

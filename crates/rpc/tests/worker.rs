@@ -2,7 +2,7 @@
 //! reference, with handles standing for references sent before.
 
 use memmap_tensor::{Access, DType, Location, Tensor};
-use rpc::worker::{Output, Source, Target, Worker, WorkerClient, WorkerServer};
+use rpc::worker::{MAX_OPEN_DICTS, Output, Source, Target, WorkerClient, WorkerServer};
 use rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, ServerOptions, ToRef, WireError, WireIndex};
 use tensordict::{Index, TensorDict};
 
@@ -18,7 +18,7 @@ fn start(name: &str) -> Result<Running, Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
     let run = dir.path().join("run");
     let endpoint: Endpoint = format!("uds:{name}").parse()?;
-    let server = rpc::serve(&endpoint, WorkerServer::new().serve(), ServerOptions::default().runtime_dir(&run))?;
+    let server = WorkerServer::new().serve_on(&endpoint, ServerOptions::default().runtime_dir(&run))?;
     let client = BlockingClient::connect(&endpoint, &ClientOptions::default().runtime_dir(&run))?;
     Ok(Running { _dir: dir, _server: server, client })
 }
@@ -121,7 +121,7 @@ fn many_clients_write_their_own_rows_at_once() -> TestResult {
     let dir = tempfile::tempdir()?;
     let run = dir.path().join("run");
     let endpoint: Endpoint = "uds:worker-many".parse()?;
-    let _server = rpc::serve(&endpoint, WorkerServer::new().serve(), ServerOptions::default().runtime_dir(&run))?;
+    let _server = WorkerServer::new().serve_on(&endpoint, ServerOptions::default().runtime_dir(&run))?;
     let reference = td.to_ref()?;
     // Every client opens the reference before any writes: a write publishes a new generation,
     // and the first reference is stale after it.
@@ -163,5 +163,51 @@ fn many_clients_write_their_own_rows_at_once() -> TestResult {
         assert!(values.iter().all(|&v| v == row as f32), "row {row}: {values:?}");
     }
     assert_eq!(td.backing()?.location.generation()?.counter, 8 * 16);
+    Ok(())
+}
+
+/// A handle is its connection's: another connection cannot use or close it, and the handles of
+/// a connection that ended are let go of, as are their dicts once nothing finds them.
+#[test]
+fn handles_belong_to_their_connection_and_end_with_it() -> TestResult {
+    let data = tempfile::tempdir()?;
+    let dir = tempfile::tempdir()?;
+    let run = dir.path().join("run");
+    let endpoint: Endpoint = "uds:worker-sessions".parse()?;
+    let worker = WorkerServer::new();
+    let _server = worker.clone().serve_on(&endpoint, ServerOptions::default().runtime_dir(&run))?;
+    let connect = || BlockingClient::<WorkerClient>::connect(&endpoint, &ClientOptions::default().runtime_dir(&run));
+    let (a, b) = (connect()?, connect()?);
+    let dicts: Vec<TensorDict> = (0..3)
+        .map(|k| buffer(4).and_then(|td| Ok(td.memmap(data.path().join(format!("d{k}")))?)))
+        .collect::<Result<_, _>>()?;
+    let mut held_by_b = Vec::new();
+    for td in &dicts {
+        let reference = td.to_ref()?;
+        held_by_b.push(b.call(async |c, ctx| c.open(ctx, reference).await)??);
+    }
+    let reference = dicts[0].to_ref()?;
+    let held_by_a = a.call(async |c, ctx| c.open(ctx, reference).await)??;
+    assert_eq!((worker.handles(), worker.open_dicts()), (4, 3));
+
+    // B's handle means nothing on A's connection.
+    let foreign = held_by_b[1];
+    let used = a.call(async |c, ctx| c.describe(ctx, Target::Handle(foreign)).await)?;
+    assert!(matches!(used, Err(WireError::NotFound { .. })), "{used:?}");
+    let closed = a.call(async |c, ctx| c.close(ctx, foreign).await)?;
+    assert!(matches!(closed, Err(WireError::NotFound { .. })), "{closed:?}");
+
+    // B goes away without closing anything: its handles go with its connection.
+    drop(b);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while worker.handles() != 1 {
+        assert!(std::time::Instant::now() < deadline, "{} handles after the client left", worker.handles());
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(a.call(async |c, ctx| c.describe(ctx, Target::Handle(held_by_a)).await)?.is_ok());
+    // The dicts stay open for later references, within the bound.
+    assert!(worker.open_dicts() <= MAX_OPEN_DICTS);
+    a.call(async |c, ctx| c.close(ctx, held_by_a).await)??;
+    assert_eq!(worker.handles(), 0);
     Ok(())
 }

@@ -10,7 +10,7 @@ use rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, RefLocation, Tens
 use tensordict::{Index, ReadMode, TensorDict};
 
 use super::service::{ReplayInfo, ReplayServiceClient, ReplayStats, Reserved};
-use super::{MAX_FRAME_BYTES, check_name, endpoint, max_reserve_rows, max_sample_rows, reply_limit, weighted_sampler};
+use super::{MAX_FRAME_BYTES, max_reserve_rows, max_sample_rows, reply_limit, service_name, weighted_sampler};
 use crate::buffer::SampleInfo;
 use crate::error::{Error, Result, WithOp};
 use crate::storage::{RowFiles, Storage};
@@ -74,8 +74,7 @@ impl RemoteBuffer {
 
     /// [`RemoteBuffer::connect`] with options (runtime directory, deadlines).
     pub fn connect_with(name: &str, options: &ClientOptions) -> Result<RemoteBuffer> {
-        check_name(name)?;
-        Self::connect_to(&endpoint(name), options)
+        Self::connect_to(&service_name(name)?.endpoint(), options)
     }
 
     /// Connects to a replay service at `endpoint` (`tcp:HOST:PORT` with a token in `options`,

@@ -58,7 +58,7 @@ mod client;
 mod server;
 mod service;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 pub use client::{RemoteBuffer, RemoteReservation};
 pub use server::{MAX_LEASES_PER_SESSION, MAX_RESERVATIONS_PER_SESSION, MAX_SAMPLE_ROWS, ReplayServer};
@@ -69,7 +69,7 @@ use crate::rate::RateLimiter;
 use crate::slice::{Episodes, SliceShape};
 
 /// The longest service name, in bytes.
-pub const MAX_NAME_BYTES: usize = rpc::store::MAX_NAME_BYTES;
+pub const MAX_NAME_BYTES: usize = rpc::service::MAX_NAME_BYTES;
 
 /// The largest frame a replay service sends or reads, in bytes (rpc's default, which the
 /// service keeps). Every reply must fit in one: a sample's indices (and weights), a
@@ -202,10 +202,8 @@ pub struct ReplayOptions {
     pub sampler: SamplerSpec,
     /// A rate limiter (none by default).
     pub limiter: Option<RateLimiter>,
-    /// A TCP endpoint to serve as well, with the token its clients must know.
-    pub listen: Option<(rpc::Endpoint, rpc::Token)>,
-    /// The runtime directory of the Unix socket (the default one when `None`).
-    pub runtime_dir: Option<PathBuf>,
+    /// Where it is served (runtime directory, TCP endpoint and token).
+    pub service: rpc::service::ServiceOptions,
     /// A seed for the sampler.
     pub seed: Option<u64>,
     /// An I/O engine for a `dir` on a network filesystem that clients on other nodes write
@@ -225,8 +223,7 @@ impl ReplayOptions {
             overwrite: false,
             sampler: SamplerSpec::Uniform,
             limiter: None,
-            listen: None,
-            runtime_dir: None,
+            service: rpc::service::ServiceOptions::default(),
             seed: None,
             load: None,
             shared_filesystem: None,
@@ -259,13 +256,13 @@ impl ReplayOptions {
 
     /// Serves `endpoint` (`tcp:HOST:PORT`) as well, to clients that know `token`.
     pub fn listen(mut self, endpoint: rpc::Endpoint, token: rpc::Token) -> Self {
-        self.listen = Some((endpoint, token));
+        self.service = self.service.listen(endpoint, token);
         self
     }
 
-    /// The runtime directory of the service's Unix socket.
+    /// Overrides the runtime directory (socket, lock, pid and log files).
     pub fn runtime_dir(mut self, dir: impl Into<PathBuf>) -> Self {
-        self.runtime_dir = Some(dir.into());
+        self.service = self.service.runtime_dir(dir);
         self
     }
 
@@ -292,23 +289,17 @@ impl ReplayOptions {
     }
 }
 
-/// The endpoint of the replay service `name` on this node.
-pub fn endpoint(name: &str) -> rpc::Endpoint {
-    rpc::Endpoint::Uds(format!("replay-{name}"))
-}
+/// The kind of the replay service's [`rpc::service::ServiceName`]: service `NAME` is served on
+/// `uds:tdict-replay-NAME`.
+pub const SERVICE: rpc::service::ServiceKind = rpc::service::ServiceKind::new("replay", "replay service");
 
-/// Checks a service name: 1 to [`MAX_NAME_BYTES`] bytes of `A-Z a-z 0-9 _ -` (the rules of
-/// store names).
-pub fn check_name(name: &str) -> Result<()> {
-    rpc::store::check_name(name).map_err(|e| match e {
-        rpc::Error::InvalidStoreName { name, reason } => Error::InvalidName { name, reason },
+/// The replay service `name` as a service name (checked: 1 to [`MAX_NAME_BYTES`] bytes of
+/// `A-Z a-z 0-9 _ -`), which gives its endpoint and files.
+pub fn service_name(name: &str) -> Result<rpc::service::ServiceName> {
+    rpc::service::ServiceName::new(SERVICE, name).map_err(|e| match e {
+        rpc::Error::InvalidServiceName { name, reason, .. } => Error::InvalidName { name, reason },
         other => other.into(),
     })
-}
-
-/// The shared-memory prefix of the service `name`'s storage (see [`rpc::endpoint::shm_stem`]).
-fn shm_prefix(runtime_dir: &Path, name: &str) -> String {
-    rpc::endpoint::shm_stem("replay", runtime_dir, name)
 }
 
 #[cfg(test)]

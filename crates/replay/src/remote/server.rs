@@ -1,18 +1,18 @@
 //! [`ReplayServer`]: a [`ReplayBuffer`] served over `rpc`, one session per connection.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rpc::{Endpoint, InlineDict, NodeId, Peer, ServerHandle, ServerOptions, TensorDictRef, ToRef, WireError};
+use rpc::service::{self as named, OwnerLock, Served, SessionTable, StopSignal};
+use rpc::{Endpoint, InlineDict, NodeId, Peer, ServerOptions, TensorDictRef, ToRef, WireError};
 use tarpc::context::Context;
 
 use super::service::{ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled};
 use super::{
-    MAX_FRAME_BYTES, ReplayOptions, SamplerSpec, check_name, endpoint, max_reserve_rows, max_sample_rows, reply_limit,
-    shm_prefix, weighted_sampler,
+    MAX_FRAME_BYTES, ReplayOptions, SamplerSpec, max_reserve_rows, max_sample_rows, reply_limit, service_name,
+    weighted_sampler,
 };
 use crate::buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows};
 use crate::error::{Error, Result};
@@ -39,10 +39,9 @@ const WAIT_SLICE: Duration = Duration::from_millis(100);
 pub struct ReplayServer {
     shared: Arc<Shared>,
     // Dropped before `shared`'s last user goes: the servers hold sessions.
-    uds: Option<ServerHandle>,
-    tcp: Option<ServerHandle>,
+    served: Option<Served>,
     /// The name's lock, held while the service lives (its storage is this process's).
-    _owner: std::fs::File,
+    _owner: OwnerLock,
     /// With a folder, the lock that makes this service the folder's only one, on any node.
     _folder_owner: Option<memmap_tensor::LockFile>,
 }
@@ -63,28 +62,23 @@ struct Shared {
     /// Held while the storage is made, so that it is made once.
     creating: Mutex<()>,
     sessions: Mutex<Sessions>,
-    stopped: Mutex<bool>,
-    stop: Condvar,
+    stop: StopSignal,
 }
 
+/// The sessions: how many are open, and what each holds.
 #[derive(Default)]
 struct Sessions {
-    next_id: u64,
+    /// The last id given to a session, a reservation or a lease.
+    last_id: u64,
     live: u64,
-    reservations: HashMap<u64, (u64, Reservation)>,
-    leases: HashMap<u64, (u64, Lease)>,
+    reservations: SessionTable<Reservation>,
+    leases: SessionTable<Lease>,
 }
 
 impl Sessions {
     fn next(&mut self) -> u64 {
-        self.next_id += 1;
-        self.next_id
-    }
-
-    fn count(&self, session: u64) -> (usize, usize) {
-        let reservations = self.reservations.values().filter(|(s, _)| *s == session).count();
-        let leases = self.leases.values().filter(|(s, _)| *s == session).count();
-        (reservations, leases)
+        self.last_id += 1;
+        self.last_id
     }
 }
 
@@ -104,38 +98,29 @@ impl Shared {
         }
     }
 
-    fn request_stop(&self) {
-        *self.stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
-        self.stop.notify_all();
-    }
-
     fn stopping(&self) -> std::result::Result<(), WireError> {
-        if *self.stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
-            Err(WireError::ShuttingDown)
-        } else {
-            Ok(())
-        }
+        if self.stop.is_stopped() { Err(WireError::ShuttingDown) } else { Ok(()) }
     }
 }
 
 impl ReplayServer {
-    /// Serves a buffer under `name` (`uds:replay-NAME` in the runtime directory, and
+    /// Serves a buffer under `name` (`uds:tdict-replay-NAME` in the runtime directory, and
     /// `options.listen` if set) from threads of this process. Fails if a service of that name
     /// is running. In shared memory, what a killed service of the same name left is removed
     /// first. A new buffer's storage is made by the first writer's schema; with
     /// [`ReplayOptions::load`] the buffer is a TorchRL dump's (rows, writer and sampler state).
     pub fn start(name: &str, options: ReplayOptions) -> Result<ReplayServer> {
-        check_name(name)?;
+        let service = service_name(name)?;
         if options.capacity == 0 && options.load.is_none() {
             return Err(Error::ZeroCapacity);
         }
-        let runtime_dir = rpc::endpoint::resolve_runtime_dir(options.runtime_dir.as_deref())?;
-        let owner = lock_name(&runtime_dir, name)?;
+        let runtime_dir = named::runtime_dir(&options.service)?;
+        let owner = service.lock(&runtime_dir)?;
         let folder_owner = options.dir.as_deref().map(lock_folder).transpose()?;
         let (backend, prefix) = match &options.dir {
             Some(dir) => (Backend::Memmap { folder: Some(dir.clone()), overwrite: options.overwrite }, None),
             None => {
-                let prefix = shm_prefix(&runtime_dir, name);
+                let prefix = service.shm_stem(&runtime_dir);
                 (Backend::Shared { prefix: prefix.clone() }, Some(prefix))
             }
         };
@@ -166,34 +151,30 @@ impl ReplayServer {
             shm_prefix: prefix,
             creating: Mutex::new(()),
             sessions: Mutex::new(Sessions::default()),
-            stopped: Mutex::new(false),
-            stop: Condvar::new(),
+            stop: StopSignal::new(),
         });
         let make = {
             let shared = Arc::clone(&shared);
             move |peer: &Peer| Session::new(Arc::clone(&shared), peer).serve()
         };
-        let mut server_options = ServerOptions::default().runtime_dir(&runtime_dir).max_frame_bytes(MAX_FRAME_BYTES);
-        let uds = rpc::serve_per_connection(&endpoint(name), make.clone(), server_options.clone())?;
-        let tcp = match &options.listen {
-            Some((listen, token)) => {
-                server_options = server_options.token(token.clone());
-                Some(rpc::serve_per_connection(listen, make, server_options)?)
-            }
-            None => None,
-        };
+        let server_options = ServerOptions::default().max_frame_bytes(MAX_FRAME_BYTES);
+        let served = Served::start(&service, &runtime_dir, &options.service, server_options, make)?;
         tracing::info!(replay = name, capacity = shared.buffer.capacity(), "serving");
-        Ok(ReplayServer { shared, uds: Some(uds), tcp, _owner: owner, _folder_owner: folder_owner })
+        Ok(ReplayServer { shared, served: Some(served), _owner: owner, _folder_owner: folder_owner })
     }
 
     /// The endpoint it serves on this node.
     pub fn endpoint(&self) -> &Endpoint {
-        self.uds.as_ref().expect("serving until dropped").endpoint()
+        self.served().endpoint()
     }
 
-    /// The TCP address it listens on, if it does.
-    pub fn tcp_addr(&self) -> Option<std::net::SocketAddr> {
-        self.tcp.as_ref().and_then(ServerHandle::local_addr)
+    /// The TCP endpoint it serves, if any (with the port actually bound).
+    pub fn tcp_endpoint(&self) -> Option<&Endpoint> {
+        self.served().tcp_endpoint()
+    }
+
+    fn served(&self) -> &Served {
+        self.served.as_ref().expect("served until dropped")
     }
 
     /// The buffer it serves (to sample or inspect it in the serving process).
@@ -201,36 +182,25 @@ impl ReplayServer {
         &self.shared.buffer
     }
 
-    /// Blocks until a client asks the service to stop ([`ReplayService::shutdown`]) or
-    /// `timeout` passes; returns whether it was asked.
-    pub fn wait_for_shutdown(&self, timeout: Option<Duration>) -> bool {
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-        let mut stopped = self.shared.stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        while !*stopped {
-            stopped = match deadline {
-                None => self.shared.stop.wait(stopped).unwrap_or_else(std::sync::PoisonError::into_inner),
-                Some(deadline) => {
-                    let Some(left) = deadline.checked_duration_since(Instant::now()) else { return false };
-                    self.shared.stop.wait_timeout(stopped, left).unwrap_or_else(std::sync::PoisonError::into_inner).0
-                }
-            };
-        }
-        true
+    /// Blocks until the service is asked to stop (a client's [`ReplayService::shutdown`], or
+    /// [`ReplayServer::stop`]) or `timeout` passes (never, with `None`); returns whether it was
+    /// asked.
+    pub fn wait(&self, timeout: Option<Duration>) -> bool {
+        self.shared.stop.wait(timeout)
     }
 
     /// Asks the service to stop, as a client's `shutdown` does: new requests are refused and
-    /// [`ReplayServer::wait_for_shutdown`] returns.
-    pub fn request_shutdown(&self) {
-        self.shared.request_stop();
+    /// [`ReplayServer::wait`] returns. The service is freed when this server is dropped.
+    pub fn stop(&self) {
+        self.shared.stop.stop();
     }
 }
 
 impl Drop for ReplayServer {
     fn drop(&mut self) {
-        self.shared.request_stop();
+        self.shared.stop.stop();
         // Stops the serving threads; their sessions end with them.
-        self.uds.take();
-        self.tcp.take();
+        self.served.take();
     }
 }
 
@@ -262,15 +232,7 @@ impl Session {
 
     /// Takes a reservation of this session out of the table.
     fn take_reservation(&self, id: u64) -> std::result::Result<Reservation, WireError> {
-        let mut sessions = self.shared().sessions();
-        match sessions.reservations.remove(&id) {
-            Some((session, reservation)) if session == self.0.id => Ok(reservation),
-            Some(other) => {
-                sessions.reservations.insert(id, other);
-                Err(not_found("reservation", id))
-            }
-            None => Err(not_found("reservation", id)),
-        }
+        self.shared().sessions().reservations.take(self.0.id, id).ok_or_else(|| not_found("reservation", id))
     }
 
     fn commit_now(&self, id: u64) -> std::result::Result<(), WireError> {
@@ -281,12 +243,10 @@ impl Session {
     fn release_now(&self, leases: &[u64]) -> std::result::Result<(), WireError> {
         let taken: Vec<Lease> = {
             let mut sessions = self.shared().sessions();
-            if let Some(&bad) =
-                leases.iter().find(|id| sessions.leases.get(id).is_none_or(|(session, _)| *session != self.0.id))
-            {
+            if let Some(&bad) = leases.iter().find(|&&id| !sessions.leases.holds(self.0.id, id)) {
                 return Err(not_found("lease", bad));
             }
-            leases.iter().filter_map(|id| sessions.leases.remove(id)).map(|(_, lease)| lease).collect()
+            leases.iter().filter_map(|&id| sessions.leases.take(self.0.id, id)).collect()
         };
         for lease in taken {
             self.shared().buffer.release(lease).map_err(to_wire)?;
@@ -350,20 +310,13 @@ impl Drop for SessionInner {
         let (reservations, leases) = {
             let mut sessions = self.shared.sessions();
             sessions.live -= 1;
-            let mine: Vec<u64> =
-                sessions.reservations.iter().filter(|(_, (s, _))| *s == self.id).map(|(&id, _)| id).collect();
-            let reservations: Vec<Reservation> =
-                mine.iter().filter_map(|id| sessions.reservations.remove(id)).map(|(_, r)| r).collect();
-            let mine: Vec<u64> =
-                sessions.leases.iter().filter(|(_, (s, _))| *s == self.id).map(|(&id, _)| id).collect();
-            let leases: Vec<Lease> = mine.iter().filter_map(|id| sessions.leases.remove(id)).map(|(_, l)| l).collect();
-            (reservations, leases)
+            (sessions.reservations.drain(self.id), sessions.leases.drain(self.id))
         };
         let (aborted, released) = (reservations.len(), leases.len());
-        for reservation in reservations {
+        for (_, reservation) in reservations {
             let _ = self.shared.buffer.abort(reservation);
         }
-        for lease in leases {
+        for (_, lease) in leases {
             let _ = self.shared.buffer.release(lease);
         }
         tracing::debug!(session = self.id, peer = %self.peer, aborted, released, "replay: session closed");
@@ -424,7 +377,7 @@ impl ReplayService for Session {
                 reply_limit(capacity, false, MAX_FRAME_BYTES)
             )));
         }
-        if self.shared().sessions().count(self.0.id).0 >= MAX_RESERVATIONS_PER_SESSION {
+        if self.shared().sessions().reservations.count(self.0.id) >= MAX_RESERVATIONS_PER_SESSION {
             return Err(WireError::Conflict {
                 detail: format!("this session holds {MAX_RESERVATIONS_PER_SESSION} reservations; commit or abort some"),
             });
@@ -435,7 +388,8 @@ impl ReplayService for Session {
             // Into the table before anything else can fail: a session that ends now aborts it.
             let mut sessions = session.shared().sessions();
             let id = sessions.next();
-            sessions.reservations.insert(id, (session.0.id, reservation));
+            // Ids are counted, never reused.
+            let _ = sessions.reservations.insert(session.0.id, id, reservation);
             Ok(Reserved { id, rows })
         })
         .await
@@ -472,7 +426,7 @@ impl ReplayService for Session {
                 reply_limit(capacity, weighted, MAX_FRAME_BYTES)
             )));
         }
-        if self.shared().sessions().count(self.0.id).1 >= MAX_LEASES_PER_SESSION {
+        if self.shared().sessions().leases.count(self.0.id) >= MAX_LEASES_PER_SESSION {
             return Err(WireError::Conflict {
                 detail: format!("this session holds {MAX_LEASES_PER_SESSION} leases; release some"),
             });
@@ -482,7 +436,8 @@ impl ReplayService for Session {
             let (info, lease) = session.shared().buffer.sample_leased(batch, Some(slice))?;
             let mut sessions = session.shared().sessions();
             let id = sessions.next();
-            sessions.leases.insert(id, (session.0.id, lease));
+            // Ids are counted, never reused.
+            let _ = sessions.leases.insert(session.0.id, id, lease);
             Ok(Sampled { lease: id, indices: info.indices.iter().map(|&r| r as u64).collect(), weights: info.weights })
         };
         // Most samples need no wait: drawn here, they skip the hand-over to a blocking thread.
@@ -533,7 +488,7 @@ impl ReplayService for Session {
 
     async fn shutdown(self, _: Context) -> std::result::Result<(), WireError> {
         tracing::info!(replay = %self.shared().name, peer = %self.0.peer, "shutdown asked");
-        self.shared().request_stop();
+        self.shared().stop.stop();
         Ok(())
     }
 
@@ -588,30 +543,6 @@ fn lock_folder(dir: &std::path::Path) -> Result<memmap_tensor::LockFile> {
         .map_err(|source| Error::Tensor { path: dir.to_owned(), source })
 }
 
-/// Takes the lock of the service `name` in the runtime directory (a private folder of this
-/// uid, checked when it was resolved, so nobody else can plant a link there), held for the
-/// service's life: one service per name, and what is under its name is its own to remove.
-fn lock_name(runtime_dir: &std::path::Path, name: &str) -> Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let path = runtime_dir.join(format!("replay-{name}.owner.lock"));
-    let io = |source| Error::Io { path: path.clone(), source };
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .open(&path)
-        .map_err(io)?;
-    match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => {
-            Err(rpc::Error::AlreadyServing { endpoint: endpoint(name), lock: path }.into())
-        }
-        Err(std::fs::TryLockError::Error(e)) => Err(io(e)),
-    }
-}
-
 fn invalid(detail: String) -> WireError {
     WireError::InvalidRequest { detail }
 }
@@ -636,7 +567,7 @@ fn to_wire(error: Error) -> WireError {
 }
 
 /// Refuses a storage that could not fit: in shared memory, the rows are built on the heap and
-/// then copied, so they must fit twice in the memory available.
+/// then copied, so they must fit twice in what shared memory can take ([`named::shm_room`]).
 fn check_room(like: &tensordict::TensorDict, capacity: usize, in_memory: bool) -> std::result::Result<(), WireError> {
     let rows = like.batch_size().first().copied().unwrap_or(0);
     if rows == 0 {
@@ -644,22 +575,14 @@ fn check_room(like: &tensordict::TensorDict, capacity: usize, in_memory: bool) -
     }
     let row_bytes: u128 = like.leaves().iter().map(|(_, t)| (t.nbytes() / rows) as u128).sum();
     let need = row_bytes.saturating_mul(capacity as u128);
-    if in_memory {
-        let available = mem_available().unwrap_or(u64::MAX);
-        if need.saturating_mul(2) > u128::from(available) {
-            return Err(invalid(format!(
-                "a storage of {capacity} rows of {row_bytes} bytes needs {need} bytes of shared memory (twice that \
-                 while it is made); {available} bytes of memory are available"
-            )));
-        }
+    if in_memory
+        && let Some((room, what)) = named::shm_room()
+        && need.saturating_mul(2) > u128::from(room)
+    {
+        return Err(invalid(format!(
+            "a storage of {capacity} rows of {row_bytes} bytes needs {need} bytes of shared memory (twice that \
+             while it is made); {what} has {room} bytes free"
+        )));
     }
     Ok(())
-}
-
-/// `MemAvailable` from `/proc/meminfo`, in bytes.
-fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
 }

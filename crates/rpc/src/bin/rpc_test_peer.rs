@@ -34,7 +34,6 @@ mod echo;
 mod store_data;
 
 use echo::{Echo, EchoClient, EchoServer};
-use rpc::worker::Worker;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -81,7 +80,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
         "worker" => {
             let mut options = rpc::ServerOptions::default();
             options.token = token(args.get(2))?;
-            let handle = rpc::serve(&endpoint, rpc::worker::WorkerServer::new().serve(), options)?;
+            let handle = rpc::worker::WorkerServer::new().serve_on(&endpoint, options)?;
             println!("{}", handle.endpoint());
             println!("ready");
             std::io::stdout().flush().ok();
@@ -154,7 +153,7 @@ fn store(command: &str, args: &[String]) -> Result<(), Failure> {
                 say(format_args!("tcp {tcp}"));
             }
             say(format_args!("ready {}", std::process::id()));
-            server.wait();
+            server.wait(None);
             say("stopped");
             Ok(())
         }

@@ -234,8 +234,7 @@ impl Store {
 
     /// [`Store::connect`] with options (runtime directory, connect deadline, call deadline).
     pub fn connect_with(name: &str, options: &ClientOptions) -> Result<Store> {
-        super::check_name(name)?;
-        Store::connect_to(&super::endpoint(name), options)
+        Store::connect_to(&super::service_name(name)?.endpoint(), options)
     }
 
     /// Connects to a store at `endpoint`: its Unix socket, or the TCP address it listens on
@@ -276,7 +275,7 @@ impl Store {
 
     /// [`Store::start`] with options.
     pub fn start_with(name: &str, options: StoreOptions) -> Result<Store> {
-        let runtime_dir = options.runtime_dir.clone();
+        let runtime_dir = options.service.runtime_dir.clone();
         let server = StoreServer::start(name, options)?;
         let mut client_options = ClientOptions::default();
         if let Some(dir) = runtime_dir {

@@ -75,7 +75,7 @@ mod layout;
 mod server;
 mod service;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 pub use client::{Allocation, Loaded, Store};
@@ -83,11 +83,12 @@ pub use layout::{EntryLayout, Placement};
 pub use server::StoreServer;
 pub use service::{Allocated, EntryInfo, Leased, Place, StoreInfo, StoreService, StoreServiceClient};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::service::{ServiceKind, ServiceName, ServiceOptions};
 use crate::{Endpoint, Token};
 
-/// The longest store name, in bytes (its socket name is `tdict-store-NAME`).
-pub const MAX_NAME_BYTES: usize = 48;
+/// The kind of the store's [`ServiceName`]: store `NAME` is served on `uds:tdict-store-NAME`.
+pub const SERVICE: ServiceKind = ServiceKind::new("store", "store");
 /// The longest key, in bytes.
 pub const MAX_KEY_BYTES: usize = 4096;
 /// The frame limit of store connections: listings and schemas of large entries are bigger than
@@ -103,12 +104,8 @@ pub struct StoreOptions {
     pub dir: Option<PathBuf>,
     /// The most bytes of entries held at once.
     pub capacity: Option<u64>,
-    /// Also serve this TCP endpoint (other nodes; needs [`StoreOptions::token`]).
-    pub listen: Option<Endpoint>,
-    /// The token TCP clients must know.
-    pub token: Option<Token>,
-    /// Overrides the runtime directory (socket, lock, pid and log files).
-    pub runtime_dir: Option<PathBuf>,
+    /// Where it is served (runtime directory, TCP endpoint and token).
+    pub service: ServiceOptions,
 }
 
 impl StoreOptions {
@@ -122,15 +119,14 @@ impl StoreOptions {
         self.capacity = Some(bytes);
         self
     }
-    /// Sets [`StoreOptions::listen`] and [`StoreOptions::token`].
+    /// Also serves `endpoint` (clients on other nodes), to clients that know `token`.
     pub fn listen(mut self, endpoint: Endpoint, token: Token) -> Self {
-        self.listen = Some(endpoint);
-        self.token = Some(token);
+        self.service = self.service.listen(endpoint, token);
         self
     }
-    /// Sets [`StoreOptions::runtime_dir`].
+    /// Overrides the runtime directory (socket, lock, pid and log files).
     pub fn runtime_dir(mut self, dir: impl Into<PathBuf>) -> Self {
-        self.runtime_dir = Some(dir.into());
+        self.service = self.service.runtime_dir(dir);
         self
     }
 }
@@ -155,39 +151,10 @@ impl From<Duration> for Wait {
     }
 }
 
-/// The files of a store in its runtime directory.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct StoreFiles {
-    /// Held locked by the serving process.
-    pub lock: PathBuf,
-    /// The daemon's pid (written by `tdict store serve`).
-    pub pid: PathBuf,
-    /// The daemon's log (written by `tdict store serve`).
-    pub log: PathBuf,
-}
-
-/// The files of store `name` in `runtime_dir`.
-pub fn files(runtime_dir: &Path, name: &str) -> StoreFiles {
-    let at = |ext: &str| runtime_dir.join(format!("tdict-store-{name}.{ext}"));
-    StoreFiles { lock: at("owner"), pid: at("pid"), log: at("log") }
-}
-
-/// The Unix socket endpoint of store `name`.
-pub fn endpoint(name: &str) -> Endpoint {
-    Endpoint::Uds(format!("tdict-store-{name}"))
-}
-
-/// Checks a store name: 1 to [`MAX_NAME_BYTES`] bytes of `A-Z a-z 0-9 _ -`.
-pub fn check_name(name: &str) -> Result<()> {
-    let invalid = |reason: String| Error::InvalidStoreName { name: name.to_owned(), reason };
-    if name.is_empty() || name.len() > MAX_NAME_BYTES {
-        return Err(invalid(format!("{} bytes; a name has 1 to {MAX_NAME_BYTES}", name.len())));
-    }
-    if let Some(bad) = name.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-'))) {
-        return Err(invalid(format!("character {bad:?} is not allowed (use A-Z a-z 0-9 _ -)")));
-    }
-    Ok(())
+/// Store `name` as a service name (checked: 1 to [`MAX_NAME_BYTES`](crate::service::MAX_NAME_BYTES)
+/// bytes of `A-Z a-z 0-9 _ -`), which gives its endpoint and files.
+pub fn service_name(name: &str) -> Result<ServiceName> {
+    ServiceName::new(SERVICE, name)
 }
 
 /// Keys are any text of 1 to [`MAX_KEY_BYTES`] bytes without NUL; they never name a file.
@@ -196,11 +163,4 @@ fn check_key(key: &str) -> std::result::Result<(), String> {
         return Err(format!("a key has 1 to {MAX_KEY_BYTES} bytes and no NUL (got {} bytes)", key.len()));
     }
     Ok(())
-}
-
-/// The name stem of a store's shared-memory objects: the uid, the runtime directory (hashed) and
-/// the name, so that stores of other users or other runtime directories never share a name, and
-/// a server removes only what an earlier server of its own store left.
-fn shm_base(runtime_dir: &Path, name: &str) -> String {
-    crate::endpoint::shm_stem("store", runtime_dir, name)
 }

@@ -6,7 +6,7 @@ use std::fs;
 use std::io::ErrorKind;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -18,10 +18,10 @@ use tokio::sync::watch;
 
 use super::layout::EntryLayout;
 use super::service::{Allocated, EntryInfo, Leased, Place, StoreInfo, StoreService};
-use super::{StoreOptions, check_key, files, shm_base};
-use crate::endpoint::resolve_runtime_dir;
+use super::{StoreOptions, check_key, service_name};
 use crate::error::{Error, Result};
-use crate::server::{Peer, ServerHandle, lock_exclusive, serve_per_connection};
+use crate::server::Peer;
+use crate::service::{self, OwnerLock, Served, SessionTable, StopSignal};
 use crate::{Endpoint, NodeId, ServerOptions, WireError};
 
 /// How often entries whose TTL ran out are looked for.
@@ -39,11 +39,11 @@ const INDEX_VERSION: u64 = 1;
 /// next start).
 pub struct StoreServer {
     shared: Arc<Shared>,
-    uds: Option<ServerHandle>,
-    tcp: Option<ServerHandle>,
+    /// Dropped first: closing the connections ends every session.
+    served: Option<Served>,
     expiry: Option<JoinHandle<()>>,
     /// The lock that makes this process the store's only server; released on drop.
-    _lock: fs::File,
+    _lock: OwnerLock,
     /// With a folder, the lock that makes this store the folder's only server, on any node.
     _dir_lock: Option<memmap_tensor::LockFile>,
 }
@@ -64,7 +64,7 @@ struct Shared {
     /// Serializes writes of the folder store's index.
     persisting: Mutex<()>,
     /// Set when the store is asked to stop; the expiry thread and `wait` sleep on it.
-    stop: (Mutex<bool>, Condvar),
+    stop: StopSignal,
 }
 
 enum Backend {
@@ -82,7 +82,9 @@ struct State {
     /// Each key's current version.
     keys: BTreeMap<String, u64>,
     versions: HashMap<u64, Version>,
-    leases: HashMap<u64, Lease>,
+    leases: SessionTable<Lease>,
+    /// Allocations not sealed yet, by the session filling them (ids are version ids).
+    filling: SessionTable<()>,
     /// Bytes of every version that exists.
     used: u64,
     /// Bytes of shared-memory objects that allocations are making now: promised to them, but
@@ -116,7 +118,6 @@ impl Version {
 }
 
 struct Lease {
-    session: u64,
     version: u64,
     writable: bool,
 }
@@ -139,17 +140,16 @@ struct IndexEntry {
 impl StoreServer {
     /// Starts serving the store `name` (1 to 48 bytes of `A-Z a-z 0-9 _ -`) from this process.
     ///
-    /// Fails with [`Error::StoreRunning`] if a live process serves that name already. What a
+    /// Fails with [`Error::ServiceRunning`] if a live process serves that name already. What a
     /// killed server of the same name left in shared memory is removed first; with
     /// [`StoreOptions::dir`], its sealed entries are served again and anything else in the folder
     /// it made is removed.
     pub fn start(name: &str, options: StoreOptions) -> Result<StoreServer> {
-        super::check_name(name)?;
-        let runtime_dir = resolve_runtime_dir(options.runtime_dir.as_deref())?;
-        let paths = files(&runtime_dir, name);
-        let lock = lock_file(&paths.lock, name)?;
+        let service = service_name(name)?;
+        let runtime_dir = service::runtime_dir(&options.service)?;
+        let lock = service.lock(&runtime_dir)?;
         let backend = match &options.dir {
-            None => Backend::Shm { base: shm_base(&runtime_dir, name) },
+            None => Backend::Shm { base: service.shm_stem(&runtime_dir) },
             Some(dir) => Backend::Dir { root: dir.clone() },
         };
         let mut state = State { next_version: 1, ..State::default() };
@@ -178,34 +178,21 @@ impl StoreServer {
             state: Mutex::new(state),
             changed,
             persisting: Mutex::new(()),
-            stop: (Mutex::new(false), Condvar::new()),
+            stop: StopSignal::new(),
         });
-        let server_options = |runtime: bool| {
-            let mut o = ServerOptions::default().max_frame_bytes(super::MAX_FRAME_BYTES);
-            if runtime {
-                o = o.runtime_dir(&runtime_dir);
-            }
-            if let Some(token) = &options.token {
-                o = o.token(token.clone());
-            }
-            o
-        };
         let make = {
             let shared = Arc::clone(&shared);
             move |peer: &Peer| Session::new(Arc::clone(&shared), peer).serve()
         };
+        let server_options = ServerOptions::default().max_frame_bytes(super::MAX_FRAME_BYTES);
+        let served = Served::start(&service, &runtime_dir, &options.service, server_options, make)?;
         let mut server = StoreServer {
             shared: Arc::clone(&shared),
-            uds: None,
-            tcp: None,
+            served: Some(served),
             expiry: None,
             _lock: lock,
             _dir_lock: dir_lock,
         };
-        server.uds = Some(serve_per_connection(&super::endpoint(name), make.clone(), server_options(true))?);
-        if let Some(listen) = &options.listen {
-            server.tcp = Some(serve_per_connection(listen, make, server_options(false))?);
-        }
         let expiring = Arc::clone(&shared);
         server.expiry = Some(
             std::thread::Builder::new()
@@ -224,21 +211,22 @@ impl StoreServer {
 
     /// The Unix socket endpoint served.
     pub fn endpoint(&self) -> &Endpoint {
-        self.uds.as_ref().expect("served until dropped").endpoint()
+        self.served().endpoint()
     }
 
     /// The TCP endpoint served, if any (with the port actually bound).
     pub fn tcp_endpoint(&self) -> Option<&Endpoint> {
-        self.tcp.as_ref().map(ServerHandle::endpoint)
+        self.served().tcp_endpoint()
     }
 
-    /// Blocks until the store is asked to stop (a client's `shutdown`, or [`StoreServer::stop`]).
-    pub fn wait(&self) {
-        let (lock, wake) = &self.shared.stop;
-        let mut stopped = lock.lock().unwrap_or_else(PoisonError::into_inner);
-        while !*stopped {
-            stopped = wake.wait(stopped).unwrap_or_else(PoisonError::into_inner);
-        }
+    fn served(&self) -> &Served {
+        self.served.as_ref().expect("served until dropped")
+    }
+
+    /// Blocks until the store is asked to stop (a client's `shutdown`, or [`StoreServer::stop`])
+    /// or `timeout` passes (never, with `None`); returns whether it was asked.
+    pub fn wait(&self, timeout: Option<Duration>) -> bool {
+        self.shared.stop.wait(timeout)
     }
 
     /// Asks the store to stop: [`StoreServer::wait`] returns, and new requests are refused. The
@@ -252,8 +240,7 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.request_stop();
         // Closing the servers ends every session, which releases its leases and allocations.
-        self.uds.take();
-        self.tcp.take();
+        self.served.take();
         if let Some(expiry) = self.expiry.take() {
             let _ = expiry.join();
         }
@@ -287,23 +274,15 @@ impl Shared {
 
     fn request_stop(&self) {
         self.state().stopping = true;
-        let (lock, wake) = &self.stop;
-        *lock.lock().unwrap_or_else(PoisonError::into_inner) = true;
-        wake.notify_all();
+        self.stop.stop();
         self.changed.send_modify(|n| *n += 1);
     }
 
     /// Removes entries whose time to live ran out, until the store stops.
     fn expire_loop(&self) {
-        let (lock, wake) = &self.stop;
         loop {
-            {
-                let stopped = lock.lock().unwrap_or_else(PoisonError::into_inner);
-                let (stopped, _) =
-                    wake.wait_timeout_while(stopped, EXPIRY_TICK, |s| !*s).unwrap_or_else(PoisonError::into_inner);
-                if *stopped {
-                    return;
-                }
+            if self.stop.wait(Some(EXPIRY_TICK)) {
+                return;
             }
             let now = Instant::now();
             let freed: Vec<Place> = {
@@ -412,6 +391,7 @@ impl State {
             self.keys.remove(&v.key);
         }
         let v = self.versions.remove(&id)?;
+        self.filling.remove(id);
         self.used = self.used.saturating_sub(v.layout.bytes);
         Some(v.place)
     }
@@ -423,7 +403,13 @@ impl State {
 
     /// Lets go of lease `id`; returns the version's storage if that freed it.
     fn release(&mut self, id: u64) -> Option<Place> {
-        let lease = self.leases.remove(&id)?;
+        let (_, lease) = self.leases.remove(id)?;
+        self.let_go(lease)
+    }
+
+    /// Undoes what `lease` (out of the table) counted; returns the version's storage if that
+    /// freed it.
+    fn let_go(&mut self, lease: Lease) -> Option<Place> {
         let v = self.versions.get_mut(&lease.version)?;
         v.refcount = v.refcount.saturating_sub(1);
         if lease.writable {
@@ -467,8 +453,7 @@ impl Session {
         }
         let freed: Vec<Place> = {
             let mut state = self.shared().state();
-            let mine: Vec<u64> =
-                leases.into_iter().filter(|id| state.leases.get(id).is_some_and(|l| l.session == self.0.id)).collect();
+            let mine: Vec<u64> = leases.into_iter().filter(|&id| state.leases.holds(self.0.id, id)).collect();
             mine.into_iter().filter_map(|id| state.release(id)).collect()
         };
         self.shared().delete(freed);
@@ -541,7 +526,8 @@ impl Session {
         for id in found {
             state.next_lease += 1;
             let lease = state.next_lease;
-            state.leases.insert(lease, Lease { session: self.0.id, version: id, writable });
+            // Lease ids are counted, never reused.
+            let _ = state.leases.insert(self.0.id, lease, Lease { version: id, writable });
             let v = state.versions.get_mut(&id).expect("keys name existing versions");
             v.refcount += 1;
             v.writer |= writable;
@@ -556,11 +542,9 @@ impl Drop for SessionInner {
     fn drop(&mut self) {
         let freed: Vec<Place> = {
             let mut state = self.shared.state();
-            let leases: Vec<u64> =
-                state.leases.iter().filter(|(_, l)| l.session == self.id).map(|(&id, _)| id).collect();
-            let mut freed: Vec<Place> = leases.into_iter().filter_map(|id| state.release(id)).collect();
-            let filled: Vec<u64> =
-                state.versions.iter().filter(|(_, v)| v.filler == Some(self.id)).map(|(&id, _)| id).collect();
+            let leases = state.leases.drain(self.id);
+            let mut freed: Vec<Place> = leases.into_iter().filter_map(|(_, lease)| state.let_go(lease)).collect();
+            let filled: Vec<u64> = state.filling.drain(self.id).into_iter().map(|(id, ())| id).collect();
             freed.extend(filled.into_iter().filter_map(|id| state.drop_version(id, false)));
             freed
         };
@@ -612,7 +596,7 @@ impl StoreService for Session {
             // both fail. So a request is refused before anything is made unless it fits in
             // what is free less what allocations being made were promised.
             if making > 0
-                && let Some((free, what)) = shm_room()
+                && let Some((free, what)) = service::shm_room()
                 && making > free.saturating_sub(state.making_shm)
             {
                 let promised = match state.making_shm {
@@ -655,6 +639,8 @@ impl StoreService for Session {
         let stopping = {
             let mut state = self.shared().state();
             state.versions.insert(id, version);
+            // Version ids are counted, never reused.
+            let _ = state.filling.insert(self.0.id, id, ());
             state.stopping
         };
         if stopping {
@@ -681,6 +667,7 @@ impl StoreService for Session {
             v.current = true;
             v.ttl = ttl;
             v.idle_since = Instant::now();
+            state.filling.remove(allocation);
             let old = state.keys.insert(key, allocation);
             old.and_then(|old| {
                 let v = state.versions.get_mut(&old)?;
@@ -840,35 +827,6 @@ fn zeros_like(layout: &EntryLayout) -> tensordict::Result<TensorDict> {
 /// The bytes of the shared-memory object of an entry of `layout` (an object has at least one).
 fn shm_bytes(layout: &EntryLayout) -> u64 {
     layout.bytes.max(1)
-}
-
-/// The bytes a new shared-memory object can take now: the free space of `/dev/shm` or the
-/// memory available (`MemAvailable` and free swap, from `/proc/meminfo`), whichever is less, and
-/// which of the two that is. `None` if neither can be read.
-fn shm_room() -> Option<(u64, &'static str)> {
-    let shm = nix::sys::statvfs::statvfs("/dev/shm")
-        .ok()
-        .map(|s| (s.blocks_available().saturating_mul(s.fragment_size()), "/dev/shm"));
-    let memory = fs::read_to_string("/proc/meminfo").ok().and_then(|info| {
-        let field = |name: &str| {
-            info.lines()
-                .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
-                .and_then(|rest| rest.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
-        };
-        let kib = field("MemAvailable")?.saturating_add(field("SwapFree").unwrap_or(0));
-        Some((kib.saturating_mul(1024), "memory"))
-    });
-    match (shm, memory) {
-        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
-        (a, b) => a.or(b),
-    }
-}
-
-/// Takes the store's lock (held while it is served).
-fn lock_file(path: &Path, name: &str) -> Result<fs::File> {
-    lock_exclusive(path)
-        .map_err(|source| Error::StoreIo { op: "lock", path: path.to_owned(), source })?
-        .ok_or_else(|| Error::StoreRunning { name: name.to_owned(), lock: path.to_owned() })
 }
 
 /// Takes the lock of a store folder (`D/store.owner`, held while it is served): two stores
