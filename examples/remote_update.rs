@@ -120,7 +120,7 @@ fn drive(endpoint: &Endpoint, td: &TensorDict) -> anyhow::Result<()> {
     let reference = td.to_ref()?;
     let sent_bytes = serde_json::to_vec(&reference)?.len();
     let started = Instant::now();
-    let back = client.call(async |c, ctx| c.fill_ones(ctx, reference.clone(), ROWS.to_vec()).await)??;
+    let back = client.invoke(async |c, ctx| c.fill_ones(ctx, reference.clone(), ROWS.to_vec()).await)?;
     let by_ref = started.elapsed();
 
     // memmap[idx, :1, :1, :1] is all ones, seen through this process's own mapping.
@@ -134,7 +134,7 @@ fn drive(endpoint: &Endpoint, td: &TensorDict) -> anyhow::Result<()> {
     // The same call by value.
     let started = Instant::now();
     let dict = InlineDict::new(td)?;
-    let returned = client.call(async |c, ctx| c.fill_ones_by_value(ctx, dict, ROWS.to_vec()).await)??;
+    let returned = client.invoke(async |c, ctx| c.fill_ones_by_value(ctx, dict, ROWS.to_vec()).await)?;
     let updated = returned.to_dict()?;
     let by_value = started.elapsed();
     ensure!(updated.get_tensor("memmap")?.select(0, 998)?.to_vec::<u8>()?.iter().all(|&b| b == 1));

@@ -160,20 +160,20 @@ pub(crate) fn run(transport: Transport, iters: usize, as_json: bool) -> anyhow::
     let big = schema.memmap_like(dir.path().join("big"), Some(100))?;
     let target = big.to_ref()?;
     let started = Instant::now();
-    let updated = client.call(async |c, ctx| c.fill_by_ref(ctx, target.clone(), ROWS.to_vec()).await)??;
+    let updated = client.invoke(async |c, ctx| c.fill_by_ref(ctx, target.clone(), ROWS.to_vec()).await)?;
     let by_ref = started.elapsed();
     anyhow::ensure!(corner(&big, 98)? == 1, "the update by reference is not in the file");
 
     let started = Instant::now();
     let whole = InlineDict::new(&big)?;
-    let back = client.call(async |c, ctx| c.fill_by_value(ctx, whole, ROWS.to_vec()).await)??.to_dict()?;
+    let back = client.invoke(async |c, ctx| c.fill_by_value(ctx, whole, ROWS.to_vec()).await)?.to_dict()?;
     let by_value = started.elapsed();
     anyhow::ensure!(corner(&back, 98)? == 1, "the update by value came back without the rows");
     drop(back);
 
     let started = Instant::now();
     let values = InlineDict::new(&ones(&big, ROWS.len())?)?;
-    client.call(async |c, ctx| c.write_rows(ctx, updated.clone(), ROWS.to_vec(), values).await)??;
+    client.invoke(async |c, ctx| c.write_rows(ctx, updated.clone(), ROWS.to_vec(), values).await)?;
     let rows_by_value = started.elapsed();
 
     let us = |d: Duration| d.as_secs_f64() * 1e6;

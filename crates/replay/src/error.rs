@@ -308,6 +308,18 @@ pub enum Error {
     Refused(#[from] rpc::WireError),
 }
 
+impl Error {
+    /// The replay service's refusal, if that is what this is: as a client received it (with the
+    /// service's endpoint, in [`Error::Remote`]) or as the service made it ([`Error::Refused`]).
+    pub fn wire_error(&self) -> Option<&rpc::WireError> {
+        match self {
+            Error::Refused(error) => Some(error),
+            Error::Remote(e) => e.wire_error(),
+            _ => None,
+        }
+    }
+}
+
 /// The crate's result type.
 pub type Result<T> = std::result::Result<T, Error>;
 

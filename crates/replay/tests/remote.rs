@@ -309,7 +309,7 @@ fn the_rate_limiter_paces_samples_and_inserts() {
     };
     blocked_insert.join().unwrap().unwrap();
     assert!(
-        matches!(&ended, Error::Refused(WireError::Conflict { detail }) if detail.contains("writes to this buffer have ended")),
+        matches!(ended.wire_error(), Some(WireError::Conflict { detail }) if detail.contains("writes to this buffer have ended")),
         "{ended}"
     );
     let stats = learner.stats().unwrap();
@@ -384,7 +384,7 @@ fn a_prioritized_service_weights_samples_and_takes_priorities() {
     assert!(fives > 60, "row 5 holds nearly all the mass; drawn {fives} of 64");
     assert!(check_rows(&td).iter().zip(&info.indices).all(|(&v, &i)| v == i as f64));
     let bad = client.update_priority(&[0, 1], &[1.0, 2.0, 3.0]).unwrap_err();
-    assert!(matches!(bad, Error::Refused(WireError::InvalidRequest { .. })), "{bad}");
+    assert!(matches!(bad.wire_error(), Some(WireError::InvalidRequest { .. })), "{bad}");
     let bad = client.update_priority(&[99], &[1.0]).unwrap_err();
     assert!(bad.to_string().contains("99"), "{bad}");
 }
@@ -423,8 +423,17 @@ fn hostile_requests_get_errors() {
     assert!(matches!(refused, WireError::NotFound { .. }), "{refused}");
     let refused = raw.call(async |c, ctx| c.release(ctx, vec![lease.lease]).await).unwrap().unwrap_err();
     assert!(matches!(refused, WireError::NotFound { .. }), "{refused}");
+    // Releases carried by a sample let go of this session's leases and leave any other id
+    // alone: one released already (a client that did not hear the answer sends it again), one
+    // never given, another session's.
+    let mine = raw.call(async |c, ctx| c.sample(ctx, 2, None, Vec::new()).await).unwrap().unwrap();
+    let carried = vec![mine.lease, mine.lease, 987_654, lease.lease];
+    let next = raw.call(async |c, ctx| c.sample(ctx, 2, None, carried).await).unwrap().unwrap();
+    let again = vec![mine.lease, next.lease];
+    raw.call(async |c, ctx| c.sample(ctx, 1, None, again).await).unwrap().unwrap();
     other.call(async |c, ctx| c.commit(ctx, theirs.id).await).unwrap().unwrap();
     other.call(async |c, ctx| c.release(ctx, vec![lease.lease]).await).unwrap().unwrap();
+    assert_eq!(client.stats().unwrap().open_leases, 1, "the raw session's last lease alone");
     // Another schema than the storage's.
     let mut wrong = TensorDict::new([2]);
     wrong.set("obs", Tensor::zeros([2, 9], DType::F32, &Location::Heap).unwrap()).unwrap();

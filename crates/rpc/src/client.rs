@@ -1,9 +1,18 @@
-//! Connecting to a server: async [`Client`] and [`BlockingClient`] for code without a runtime.
+//! Connecting to a server: async [`Client`] and [`BlockingClient`] for code without a runtime,
+//! and the conventions every client of this crate's services follows:
+//!
+//! - a call's answer is the service's `Result<T, WireError>`: [`Client::invoke`] flattens it
+//!   with the transport's failures into one [`Error`], the server's refusal as
+//!   [`Error::Remote`] naming the endpoint;
+//! - a wait longer than a call should hold its connection is a series of calls of at most a
+//!   window each ([`windowed_wait`]);
+//! - what a `Drop` lets go of (a lease, an allocation) is not sent from the drop: it rides with
+//!   the next call that can carry it, or a sender thread sends it shortly after ([`Deferred`]).
 
 use std::error::Error as StdError;
 use std::ops::Deref;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -15,7 +24,7 @@ use tarpc::tokio_util::codec::LengthDelimitedCodecError;
 
 use crate::auth::Token;
 use crate::endpoint::{Endpoint, current_uid};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WireError};
 use crate::transport::{self, DEFAULT_MAX_FRAME_BYTES, Stream};
 
 /// How a client connects and the defaults of its calls.
@@ -258,11 +267,40 @@ impl<C> Deref for Client<C> {
 }
 
 impl<C> Client<C> {
-    /// A context whose deadline is [`ClientOptions::call_timeout`] from now.
+    /// A context whose deadline is [`ClientOptions::call_timeout`] from now (at most
+    /// [`MAX_DEADLINE`](crate::MAX_DEADLINE), which servers clamp to anyway).
     pub fn context(&self) -> Context {
         let mut ctx = tarpc::context::current();
-        ctx.deadline = Instant::now() + self.call_timeout;
+        let now = Instant::now();
+        ctx.deadline = now.checked_add(self.call_timeout.min(crate::MAX_DEADLINE)).unwrap_or(now);
         ctx
+    }
+
+    /// Runs one call whose answer is the service's `Result<T, WireError>`, with a fresh
+    /// [`Client::context`], and flattens it: a transport failure as [`Client::call`] reports
+    /// it, the server's refusal as [`Error::Remote`] naming the endpoint.
+    pub async fn invoke<T, F>(&self, f: F) -> Result<T>
+    where
+        F: AsyncFnOnce(&C, Context) -> std::result::Result<std::result::Result<T, WireError>, RpcError>,
+    {
+        self.invoke_with(self.context(), f).await
+    }
+
+    /// [`Client::invoke`] with a context of the caller's (a longer deadline for a call that
+    /// waits on the server, say).
+    pub async fn invoke_with<T, F>(&self, ctx: Context, f: F) -> Result<T>
+    where
+        F: AsyncFnOnce(&C, Context) -> std::result::Result<std::result::Result<T, WireError>, RpcError>,
+    {
+        let timeout = ctx.deadline.saturating_duration_since(Instant::now());
+        match f(&self.inner, ctx).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) => Err(Error::Remote { endpoint: self.endpoint.clone(), error }),
+            Err(RpcError::DeadlineExceeded) => {
+                Err(Error::DeadlineExceeded { endpoint: self.endpoint.clone(), timeout })
+            }
+            Err(e) => Err(self.classify(e)),
+        }
     }
 
     /// Runs one call of the generated client with a fresh [`Client::context`]:
@@ -377,9 +415,200 @@ impl<C> BlockingClient<C> {
         runtime.block_on(self.client.call(f))
     }
 
+    /// [`Client::invoke`], blocking until the call completes.
+    ///
+    /// Returns [`Error::BlockingInAsync`] when called inside an async runtime.
+    pub fn invoke<T, F>(&self, f: F) -> Result<T>
+    where
+        F: AsyncFnOnce(&C, Context) -> std::result::Result<std::result::Result<T, WireError>, RpcError>,
+    {
+        self.invoke_with(self.client.context(), f)
+    }
+
+    /// [`Client::invoke_with`], blocking until the call completes.
+    ///
+    /// Returns [`Error::BlockingInAsync`] when called inside an async runtime.
+    pub fn invoke_with<T, F>(&self, ctx: Context, f: F) -> Result<T>
+    where
+        F: AsyncFnOnce(&C, Context) -> std::result::Result<std::result::Result<T, WireError>, RpcError>,
+    {
+        refuse_inside_runtime("invoke")?;
+        let runtime = self.runtime.as_ref().expect("the runtime lives until the client is dropped");
+        runtime.block_on(self.client.invoke_with(ctx, f))
+    }
+
+    /// A context whose deadline is [`ClientOptions::call_timeout`] from now.
+    pub fn context(&self) -> Context {
+        self.client.context()
+    }
+
     /// The endpoint this client is connected to.
     pub fn endpoint(&self) -> &Endpoint {
         self.client.endpoint()
+    }
+}
+
+/// Waits for something a server answers "not yet" to, in calls of at most `window` each, until
+/// `wait` has passed (`None`: without end). `attempt` is given how long its call may wait on
+/// the server; an error for which `not_yet` holds is tried again while time is left, anything
+/// else (and the last "not yet") is returned.
+///
+/// Long waits are made of windows so that no call holds its connection, or its deadline, for
+/// longer than a window; a wait too long for an `Instant` to hold its end is a wait without end.
+pub fn windowed_wait<T, E>(
+    wait: Option<Duration>,
+    window: Duration,
+    mut attempt: impl FnMut(Duration) -> std::result::Result<T, E>,
+    not_yet: impl Fn(&E) -> bool,
+) -> std::result::Result<T, E> {
+    let deadline = wait.and_then(|w| Instant::now().checked_add(w));
+    loop {
+        let this = deadline.map_or(window, |d| d.saturating_duration_since(Instant::now()).min(window));
+        match attempt(this) {
+            Err(e) if not_yet(&e) && deadline.is_none_or(|d| Instant::now() < d) => {}
+            done => return done,
+        }
+    }
+}
+
+/// Messages let go of where no call can be made (in a `Drop`: a lease, an allocation), on their
+/// way to the server. The next call that can carry them takes them ([`Deferred::take`]); if none
+/// does within `grace` of the first, the sender thread hands them to `send`. A drop never
+/// blocks and sends nothing itself, and no thread is woken per call: the sender thread is woken
+/// at most once per grace period, however many messages there are.
+///
+/// Dropping the `Deferred` stops the sender thread without sending what is left (the
+/// connection's end lets go of it on the server), and drops `send` on that thread.
+pub struct Deferred<M> {
+    shared: Arc<DeferredShared<M>>,
+}
+
+struct DeferredShared<M> {
+    state: Mutex<DeferredState<M>>,
+    /// Wakes the sender thread.
+    wake: Condvar,
+    /// Wakes those waiting for the sender thread to finish a send ([`Deferred::flush`]).
+    sent: Condvar,
+}
+
+struct DeferredState<M> {
+    items: Vec<M>,
+    /// The owner is gone: the sender thread stops.
+    closed: bool,
+    /// The sender thread waits to be woken (else it looks again by itself).
+    sender_idle: bool,
+    /// The sender thread is sending what it took.
+    sending: bool,
+}
+
+impl<M> std::fmt::Debug for Deferred<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Deferred").field("waiting", &self.lock().items.len()).finish()
+    }
+}
+
+impl<M: Send + 'static> Deferred<M> {
+    /// Starts the sender thread (named `name`), which hands what no call took within `grace`
+    /// to `send`.
+    pub fn start(name: &str, grace: Duration, mut send: impl FnMut(Vec<M>) + Send + 'static) -> Result<Deferred<M>> {
+        let shared = Arc::new(DeferredShared {
+            state: Mutex::new(DeferredState { items: Vec::new(), closed: false, sender_idle: false, sending: false }),
+            wake: Condvar::new(),
+            sent: Condvar::new(),
+        });
+        let sender = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || {
+                loop {
+                    {
+                        let mut state = sender.lock();
+                        while state.items.is_empty() && !state.closed {
+                            state.sender_idle = true;
+                            state = sender.wake.wait(state).unwrap_or_else(PoisonError::into_inner);
+                        }
+                        state.sender_idle = false;
+                        if state.closed {
+                            break;
+                        }
+                    }
+                    std::thread::sleep(grace);
+                    let items = {
+                        let mut state = sender.lock();
+                        state.sending = true;
+                        std::mem::take(&mut state.items)
+                    };
+                    if !items.is_empty() {
+                        send(items);
+                    }
+                    sender.lock().sending = false;
+                    sender.sent.notify_all();
+                }
+                drop(send);
+            })
+            .map_err(|source| Error::Runtime { what: "sender thread", source })?;
+        Ok(Deferred { shared })
+    }
+}
+
+impl<M> Deferred<M> {
+    fn lock(&self) -> MutexGuard<'_, DeferredState<M>> {
+        self.shared.lock()
+    }
+
+    /// Queues `item` for the next call, or the sender thread.
+    pub fn push(&self, item: M) {
+        self.extend(std::iter::once(item));
+    }
+
+    /// Queues `items` (those a failed call took, say) again.
+    pub fn extend(&self, items: impl IntoIterator<Item = M>) {
+        let mut state = self.lock();
+        state.items.extend(items);
+        // Waking a thread costs more than a call on a small machine: only an idle sender is
+        // woken.
+        if !state.items.is_empty() && std::mem::take(&mut state.sender_idle) {
+            self.shared.wake.notify_one();
+        }
+    }
+
+    /// Takes everything queued, for a call to carry.
+    pub fn take(&self) -> Vec<M> {
+        std::mem::take(&mut self.lock().items)
+    }
+
+    /// Takes everything queued, for a call to carry, once the sender thread is not sending: what
+    /// it sent has then been answered. For the owner's last call (before it closes its
+    /// connection), so that everything it let go of is known to have arrived.
+    pub fn flush(&self) -> Vec<M> {
+        let mut state = self.lock();
+        while state.sending {
+            state = self.shared.sent.wait(state).unwrap_or_else(PoisonError::into_inner);
+        }
+        std::mem::take(&mut state.items)
+    }
+
+    /// Takes the queued messages for which `carried` holds (what a call can carry), leaving the
+    /// others.
+    pub fn take_where(&self, mut carried: impl FnMut(&M) -> bool) -> Vec<M> {
+        let mut state = self.lock();
+        let (taken, left) = std::mem::take(&mut state.items).into_iter().partition(|m| carried(m));
+        state.items = left;
+        taken
+    }
+}
+
+impl<M> DeferredShared<M> {
+    fn lock(&self) -> MutexGuard<'_, DeferredState<M>> {
+        // Every change is one push or take: a panic elsewhere leaves the state usable.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<M> Drop for Deferred<M> {
+    fn drop(&mut self) {
+        self.lock().closed = true;
+        self.shared.wake.notify_one();
     }
 }
 
@@ -398,4 +627,92 @@ pub(crate) fn refuse_inside_runtime(method: &'static str) -> Result<()> {
         return Err(Error::BlockingInAsync { method });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use super::*;
+
+    #[test]
+    fn deferred_messages_ride_with_a_call_or_go_with_the_sender() {
+        // A sender that waits an hour: what a call takes is the call's alone.
+        let held = Deferred::start("test-held", Duration::from_secs(3600), |_: Vec<u32>| {
+            panic!("nothing is left for the sender")
+        })
+        .unwrap();
+        held.extend([1, 2, 3]);
+        assert_eq!(held.take(), [1, 2, 3]);
+        held.extend([10, 11, 12]);
+        assert_eq!(held.take_where(|m| m % 2 == 0), [10, 12]);
+        assert_eq!(held.take(), [11]);
+        assert!(held.take().is_empty());
+
+        // Nothing takes them: the sender thread sends them, all at once.
+        let (sent, received) = mpsc::channel();
+        let deferred = Deferred::start("test-sender", Duration::from_millis(1), move |items: Vec<u32>| {
+            sent.send(items).unwrap();
+        })
+        .unwrap();
+        deferred.extend([42, 43]);
+        let got = received.recv_timeout(Duration::from_secs(60)).expect("the sender sent them");
+        assert_eq!(got, [42, 43]);
+        // Dropped: the thread ends, and `send` with it (its channel closes).
+        drop(deferred);
+        assert!(matches!(received.recv_timeout(Duration::from_secs(60)), Err(mpsc::RecvTimeoutError::Disconnected)));
+    }
+
+    #[test]
+    fn a_windowed_wait_tries_again_while_time_is_left() {
+        // Without end: tried until it succeeds.
+        let mut calls = 0;
+        let done: std::result::Result<u32, &str> = windowed_wait(
+            None,
+            Duration::from_secs(1),
+            |window| {
+                assert!(window <= Duration::from_secs(1));
+                calls += 1;
+                if calls < 5 { Err("not yet") } else { Ok(calls) }
+            },
+            |e| *e == "not yet",
+        );
+        assert_eq!(done, Ok(5));
+        // Another error ends it at once.
+        let mut calls = 0;
+        let failed: std::result::Result<(), &str> = windowed_wait(
+            None,
+            Duration::from_secs(1),
+            |_| {
+                calls += 1;
+                Err("broken")
+            },
+            |e| *e == "not yet",
+        );
+        assert_eq!((failed, calls), (Err("broken"), 1));
+        // A wait that has passed gives the last "not yet", after one try with no time to wait.
+        let mut windows = Vec::new();
+        let late: std::result::Result<(), &str> = windowed_wait(
+            Some(Duration::ZERO),
+            Duration::from_secs(1),
+            |window| {
+                windows.push(window);
+                Err("not yet")
+            },
+            |e| *e == "not yet",
+        );
+        assert_eq!((late, windows), (Err("not yet"), vec![Duration::ZERO]));
+        // A wait too long for an `Instant` is a wait without end.
+        let mut calls = 0;
+        let long: std::result::Result<(), &str> = windowed_wait(
+            Some(Duration::MAX),
+            Duration::from_millis(1),
+            |_| {
+                calls += 1;
+                if calls < 3 { Err("not yet") } else { Ok(()) }
+            },
+            |e| *e == "not yet",
+        );
+        assert_eq!(long, Ok(()));
+    }
 }

@@ -357,6 +357,14 @@ pub enum Error {
 }
 
 impl Error {
+    /// What the server answered, when the error is its refusal ([`Error::Remote`]).
+    pub fn wire_error(&self) -> Option<&WireError> {
+        match self {
+            Error::Remote { error, .. } => Some(error),
+            _ => None,
+        }
+    }
+
     /// Why connecting failed, in the terms that decide what a user does next: for
     /// [`Error::ConnectTimeout`] the reason of its last attempt, for [`Error::Connect`] (a
     /// missing socket or a refused connection), [`Error::Busy`] and [`Error::HandshakeTimeout`]

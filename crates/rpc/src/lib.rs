@@ -84,10 +84,14 @@
 //!     // A blocking client, for code without an async runtime.
 //!     let client: rpc::BlockingClient<GreeterClient> =
 //!         rpc::BlockingClient::connect(&endpoint, &client_options)?;
-//!     let greeting = client.call(async |c, ctx| c.hello(ctx, "world".into()).await)?;
-//!     assert_eq!(greeting, Ok("hello, world".to_string()));
-//!     let refused = client.call(async |c, ctx| c.hello(ctx, String::new()).await)?;
-//!     assert!(matches!(refused, Err(WireError::InvalidRequest { .. })));
+//!     // `invoke` flattens the service's own `Result` into `rpc::Error` (the server's refusal
+//!     // as `Error::Remote`, naming the endpoint); `call` leaves it for the caller to match.
+//!     let greeting = client.invoke(async |c, ctx| c.hello(ctx, "world".into()).await)?;
+//!     assert_eq!(greeting, "hello, world");
+//!     let refused = client.invoke(async |c, ctx| c.hello(ctx, String::new()).await).unwrap_err();
+//!     assert!(matches!(refused.wire_error(), Some(WireError::InvalidRequest { .. })));
+//!     let answer = client.call(async |c, ctx| c.hello(ctx, String::new()).await)?;
+//!     assert!(matches!(answer, Err(WireError::InvalidRequest { .. })));
 //!
 //!     drop(server); // stops serving and removes the socket
 //!     Ok(())
@@ -110,7 +114,7 @@ mod wire;
 pub mod worker;
 
 pub use auth::{MAX_TOKEN_FILE_BYTES, MIN_TOKEN_BYTES, Token};
-pub use client::{BlockingClient, Client, ClientOptions, connect, connect_stream};
+pub use client::{BlockingClient, Client, ClientOptions, Deferred, connect, connect_stream, windowed_wait};
 pub use endpoint::{Endpoint, RUNTIME_DIR_ENV};
 pub use error::{ConnectFailure, Error, Result, WireError};
 pub use reference::{NodeId, RefLocation, TensorDictRef, ToRef};

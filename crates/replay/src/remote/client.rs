@@ -2,11 +2,13 @@
 //! mapping of the storage, or, on a shared filesystem, with explicit reads and writes of its
 //! files.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use memmap_tensor::Access;
-use rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, RefLocation, TensorDictRef, WireError};
+use rpc::{
+    BlockingClient, ClientOptions, Deferred, Endpoint, InlineDict, RefLocation, TensorDictRef, WireError, windowed_wait,
+};
 use tensordict::{Index, ReadMode, TensorDict};
 
 use super::service::{ReplayInfo, ReplayServiceClient, ReplayStats, Reserved};
@@ -18,6 +20,9 @@ use crate::storage::{RowFiles, Storage};
 /// How long one call may wait on the service; longer waits are several calls, so that a
 /// service that died is noticed within this.
 const WAIT_WINDOW: Duration = Duration::from_secs(1);
+/// How long a released lease waits for the next sample to carry it before the sender thread
+/// sends it (its rows stay pinned against writers until then).
+const RELEASE_GRACE: Duration = Duration::from_millis(1);
 
 /// A connection to a replay service (see the [module documentation](super)): `extend` writes
 /// rows, `sample` gathers them, both straight through this process's mapping of the storage
@@ -25,7 +30,10 @@ const WAIT_WINDOW: Duration = Duration::from_secs(1);
 /// One connection is one session: what it reserved or leased is given up when it is dropped,
 /// or when the process dies.
 pub struct RemoteBuffer {
-    client: BlockingClient<ReplayServiceClient>,
+    client: Arc<BlockingClient<ReplayServiceClient>>,
+    /// Leases let go of, on their way to the service with the next sample (or shortly after,
+    /// from the sender thread).
+    releases: Deferred<u64>,
     info: ReplayInfo,
     /// The storage, mapped read-only (for gathers) or read-write (for writes), once used.
     read: OnceLock<Storage>,
@@ -42,9 +50,38 @@ pub struct RemoteBuffer {
     max_frame_bytes: usize,
 }
 
+impl Drop for RemoteBuffer {
+    /// Releases what this client let go of before its connection closes (one call, only if
+    /// there is any), so that once it is dropped the service holds nothing of it.
+    fn drop(&mut self) {
+        let leases = self.releases.flush();
+        if !leases.is_empty()
+            && tokio::runtime::Handle::try_current().is_err()
+            && let Err(e) = self.client.invoke(async |c, ctx| c.release(ctx, leases).await)
+        {
+            tracing::debug!("replay: the last releases did not go through: {e}");
+        }
+    }
+}
+
 impl std::fmt::Debug for RemoteBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RemoteBuffer").field("info", &self.info).finish_non_exhaustive()
+    }
+}
+
+/// Whether the service answered that a window of a wait passed.
+fn is_timed_out(e: &rpc::Error) -> bool {
+    matches!(e, rpc::Error::Remote { error: WireError::TimedOut { .. }, .. })
+}
+
+/// The last window's "timed out" as the wait's [`Error::Timeout`]; other errors as they are.
+fn timed_out(op: &'static str, start: Instant, e: rpc::Error) -> Error {
+    match e {
+        rpc::Error::Remote { error: WireError::TimedOut { detail }, .. } => {
+            Error::Timeout { op, waited: start.elapsed(), why: detail }
+        }
+        other => other.into(),
     }
 }
 
@@ -81,10 +118,17 @@ impl RemoteBuffer {
     /// for a service on another node; its storage must then be a folder this node mounts at
     /// the same path).
     pub fn connect_to(endpoint: &Endpoint, options: &ClientOptions) -> Result<RemoteBuffer> {
-        let client: BlockingClient<ReplayServiceClient> = BlockingClient::connect(endpoint, options)?;
-        let info = client.call(async |c, ctx| c.hello(ctx).await)??;
+        let client: Arc<BlockingClient<ReplayServiceClient>> = Arc::new(BlockingClient::connect(endpoint, options)?);
+        let info = client.invoke(async |c, ctx| c.hello(ctx).await)?;
+        let sender = Arc::clone(&client);
+        let releases = Deferred::start("replay-sender", RELEASE_GRACE, move |leases: Vec<u64>| {
+            if let Err(e) = sender.invoke(async |c, ctx| c.release(ctx, leases).await) {
+                tracing::debug!("replay: a release did not go through: {e}");
+            }
+        })?;
         Ok(RemoteBuffer {
             client,
+            releases,
             info,
             read: OnceLock::new(),
             write: OnceLock::new(),
@@ -144,9 +188,14 @@ impl RemoteBuffer {
         max_reserve_rows(self.capacity(), self.max_frame_bytes)
     }
 
-    /// The service's counters.
+    /// The service's counters. What this client let go of is released first, so its own
+    /// leases are not counted once `sample` has returned.
     pub fn stats(&self) -> Result<ReplayStats> {
-        Ok(self.client.call(async |c, ctx| c.stats(ctx).await)??)
+        let leases = self.releases.flush();
+        if !leases.is_empty() {
+            self.client.invoke(async |c, ctx| c.release(ctx, leases).await)?;
+        }
+        Ok(self.client.invoke(async |c, ctx| c.stats(ctx).await)?)
     }
 
     /// Writes the rows of `batch` (batch size `[n, ...]`) where the service's writer puts
@@ -184,14 +233,14 @@ impl RemoteBuffer {
             let rows: Vec<usize> = reserved.rows.iter().map(|&r| r as usize).collect();
             let copied = sink.write_rows(&rows, chunk.as_ref().unwrap_or(batch));
             if let Err(e) = copied {
-                let _ = self.client.call(async |c, ctx| c.abort(ctx, reserved.id).await);
+                let _ = self.client.invoke(async |c, ctx| c.abort(ctx, reserved.id).await);
                 return Err(e);
             }
             written.extend_from_slice(&rows);
             pending = Some(reserved.id);
         }
         if let Some(id) = pending {
-            self.client.call(async |c, ctx| c.commit(ctx, id).await)??;
+            self.client.invoke(async |c, ctx| c.commit(ctx, id).await)?;
         }
         Ok(written)
     }
@@ -238,12 +287,12 @@ impl RemoteBuffer {
 
     /// Publishes rows reserved and written by this client.
     pub fn commit(&self, reservation: RemoteReservation) -> Result<()> {
-        Ok(self.client.call(async |c, ctx| c.commit(ctx, reservation.id).await)??)
+        Ok(self.client.invoke(async |c, ctx| c.commit(ctx, reservation.id).await)?)
     }
 
     /// Gives up rows reserved by this client.
     pub fn abort(&self, reservation: RemoteReservation) -> Result<()> {
-        Ok(self.client.call(async |c, ctx| c.abort(ctx, reservation.id).await)??)
+        Ok(self.client.invoke(async |c, ctx| c.abort(ctx, reservation.id).await)?)
     }
 
     /// Makes the storage with the schema of `like` (batch size `[n, ...]`) if the service has
@@ -303,7 +352,7 @@ impl RemoteBuffer {
     pub fn update_priority(&self, indices: &[usize], priorities: &[f64]) -> Result<()> {
         let indices: Vec<u64> = indices.iter().map(|&i| i as u64).collect();
         let priorities = priorities.to_vec();
-        Ok(self.client.call(async |c, ctx| c.update_priority(ctx, indices, priorities).await)??)
+        Ok(self.client.invoke(async |c, ctx| c.update_priority(ctx, indices, priorities).await)?)
     }
 
     /// Asks the service to write a TorchRL dump folder at `path` (on the service's node). The
@@ -312,7 +361,7 @@ impl RemoteBuffer {
     /// or died between reserve and commit neither holds it up nor gets its rows into it.
     pub fn dumps(&self, path: &str) -> Result<()> {
         let path = path.to_owned();
-        Ok(self.client.call(async |c, ctx| c.dumps(ctx, path).await)??)
+        Ok(self.client.invoke(async |c, ctx| c.dumps(ctx, path).await)?)
     }
 
     /// Tells the service that no more rows will be written (an actor, or whoever runs the
@@ -321,12 +370,12 @@ impl RemoteBuffer {
     /// with [`WireError::Conflict`] saying that writes have ended, instead of waiting without
     /// end. A learner can sample until that error. See [`crate::ReplayBuffer::end_writes`].
     pub fn end_writes(&self) -> Result<()> {
-        Ok(self.client.call(async |c, ctx| c.end_writes(ctx).await)??)
+        Ok(self.client.invoke(async |c, ctx| c.end_writes(ctx).await)?)
     }
 
     /// Asks the service to stop.
     pub fn shutdown(&self) -> Result<()> {
-        Ok(self.client.call(async |c, ctx| c.shutdown(ctx).await)??)
+        Ok(self.client.invoke(async |c, ctx| c.shutdown(ctx).await)?)
     }
 
     /// Draws a lease, runs `gather` on its rows, and releases it.
@@ -342,48 +391,55 @@ impl RemoteBuffer {
             return Err(Error::TooManyRows { op: "sample", rows: batch_size, max, why });
         }
         let start = Instant::now();
-        let deadline = wait.and_then(|w| start.checked_add(w));
-        let sampled = loop {
-            let window = deadline.map_or(WAIT_WINDOW, |d| d.saturating_duration_since(Instant::now()).min(WAIT_WINDOW));
-            let answer = self.client.call(async |c, mut ctx| {
+        // Leases let go of since the last sample are released by this one.
+        let mut release = self.releases.take();
+        let sampled = windowed_wait(
+            wait,
+            WAIT_WINDOW,
+            |window| {
+                let mut ctx = self.client.context();
                 ctx.deadline += window;
-                c.sample(ctx, batch_size as u64, Some(window), Vec::new()).await
-            })?;
-            match answer {
-                Err(WireError::TimedOut { .. }) if deadline.is_none_or(|d| Instant::now() < d) => continue,
-                Err(WireError::TimedOut { detail }) => {
-                    return Err(Error::Timeout { op: "sample", waited: start.elapsed(), why: detail });
+                let sent = std::mem::take(&mut release);
+                let answer = self.client.invoke_with(ctx, async |c, ctx| {
+                    c.sample(ctx, batch_size as u64, Some(window), sent.clone()).await
+                });
+                // A refusal came from a service that released them first; after any other
+                // failure they may not have arrived.
+                if let Err(e) = &answer
+                    && !matches!(e, rpc::Error::Remote { .. })
+                    && !sent.is_empty()
+                {
+                    // Sent again (the service leaves alone what it released already).
+                    self.releases.extend(sent);
                 }
-                other => break other?,
-            }
-        };
+                answer
+            },
+            is_timed_out,
+        )
+        .map_err(|e| timed_out("sample", start, e))?;
         let indices: Vec<usize> = sampled.indices.iter().map(|&r| r as usize).collect();
         let gathered = gather(&indices);
-        let lease = sampled.lease;
-        self.client.call(async |c, ctx| c.release(ctx, vec![lease]).await)??;
+        // Released with the next sample, or by the sender thread shortly after.
+        self.releases.push(sampled.lease);
         Ok((gathered?, SampleInfo { indices, weights: sampled.weights }))
     }
 
     /// Reserves `n` rows, committing `commit` first; waits in windows.
     fn reserve_raw(&self, n: usize, wait: Option<Duration>, commit: Option<u64>, op: &'static str) -> Result<Reserved> {
         let start = Instant::now();
-        let deadline = wait.and_then(|w| start.checked_add(w));
         let mut commit = commit;
-        loop {
-            let window = deadline.map_or(WAIT_WINDOW, |d| d.saturating_duration_since(Instant::now()).min(WAIT_WINDOW));
-            let sent = commit.take();
-            let answer = self.client.call(async |c, mut ctx| {
+        windowed_wait(
+            wait,
+            WAIT_WINDOW,
+            |window| {
+                let mut ctx = self.client.context();
                 ctx.deadline += window;
-                c.reserve(ctx, n as u64, Some(window), sent).await
-            })?;
-            match answer {
-                Err(WireError::TimedOut { .. }) if deadline.is_none_or(|d| Instant::now() < d) => continue,
-                Err(WireError::TimedOut { detail }) => {
-                    return Err(Error::Timeout { op, waited: start.elapsed(), why: detail });
-                }
-                other => return Ok(other?),
-            }
-        }
+                let sent = commit.take();
+                self.client.invoke_with(ctx, async |c, ctx| c.reserve(ctx, n as u64, Some(window), sent).await)
+            },
+            is_timed_out,
+        )
+        .map_err(|e| timed_out(op, start, e))
     }
 
     /// Where this client writes rows: its files on a shared filesystem, its read-write
@@ -426,7 +482,7 @@ impl RemoteBuffer {
                 // One row is enough to give the schema.
                 let row = like.index(Index::slice(Some(0), Some(1), 1)).op("create storage")?;
                 let inline = InlineDict::new(&row).op("create storage")?;
-                self.client.call(async |c, ctx| c.create(ctx, inline).await)??
+                self.client.invoke(async |c, ctx| c.create(ctx, inline).await)?
             }
             (None, None) => self.current_storage()?,
         })
@@ -459,7 +515,7 @@ impl RemoteBuffer {
 impl RemoteBuffer {
     /// The storage as the service has it now: an error if no writer has made it yet.
     fn current_storage(&self) -> Result<TensorDictRef> {
-        let info = self.client.call(async |c, ctx| c.hello(ctx).await)??;
+        let info = self.client.invoke(async |c, ctx| c.hello(ctx).await)?;
         info.storage.ok_or_else(|| Error::BadBatch {
             op: "map the replay storage",
             detail: "the service has no storage yet (a first `extend` or `create_storage` makes it)".into(),

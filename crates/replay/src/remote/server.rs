@@ -240,12 +240,22 @@ impl Session {
         self.shared().buffer.commit(reservation).map_err(to_wire)
     }
 
+    /// Releases `leases`, every one of which must be this session's.
     fn release_now(&self, leases: &[u64]) -> std::result::Result<(), WireError> {
-        let taken: Vec<Lease> = {
-            let mut sessions = self.shared().sessions();
+        {
+            let sessions = self.shared().sessions();
             if let Some(&bad) = leases.iter().find(|&&id| !sessions.leases.holds(self.0.id, id)) {
                 return Err(not_found("lease", bad));
             }
+        }
+        self.release_held(leases)
+    }
+
+    /// Releases those of `leases` this session holds; others are left alone (a client that did
+    /// not hear an answer sends its releases again with its next request).
+    fn release_held(&self, leases: &[u64]) -> std::result::Result<(), WireError> {
+        let taken: Vec<Lease> = {
+            let mut sessions = self.shared().sessions();
             leases.iter().filter_map(|&id| sessions.leases.take(self.0.id, id)).collect()
         };
         for lease in taken {
@@ -411,7 +421,7 @@ impl ReplayService for Session {
         wait: Option<Duration>,
         release: Vec<u64>,
     ) -> std::result::Result<Sampled, WireError> {
-        self.release_now(&release)?;
+        self.release_held(&release)?;
         self.shared().stopping()?;
         if batch == 0 || batch > MAX_SAMPLE_ROWS {
             return Err(invalid(format!("a sample of {batch} rows; ask for 1 to {MAX_SAMPLE_ROWS}")));

@@ -26,7 +26,8 @@ pub trait ReplayService {
     async fn abort(reservation: u64) -> Result<(), WireError>;
     /// Draws `batch` rows, waiting up to `wait` (`None`: without end) for the rate limiter.
     /// The rows are leased to this session (no write touches them) until released; `release`
-    /// lets go of leases of this session first (in the same request).
+    /// lets go of leases of this session first (in the same request; ids this session does not
+    /// hold, released already, are left alone).
     async fn sample(batch: u64, wait: Option<Duration>, release: Vec<u64>) -> Result<Sampled, WireError>;
     /// Lets go of leases of this session.
     async fn release(leases: Vec<u64>) -> Result<(), WireError>;

@@ -2,8 +2,8 @@
 
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
 
 use memmap_tensor::{Access, Storage};
 use tarpc::client::RpcError;
@@ -15,7 +15,7 @@ use super::layout::EntryLayout;
 use super::server::StoreServer;
 use super::service::{EntryInfo, Leased, Place, StoreInfo, StoreServiceClient};
 use super::{StoreOptions, Wait};
-use crate::client::{Client, connect, refuse_inside_runtime};
+use crate::client::{Client, Deferred, connect, refuse_inside_runtime, windowed_wait};
 use crate::error::{Error, Result};
 use crate::{ClientOptions, Endpoint, NodeId, WireError};
 
@@ -40,10 +40,10 @@ pub struct Store {
 struct Inner {
     client: Client<StoreServiceClient>,
     /// A current-thread runtime, driven by the thread making a call (no other thread is woken
-    /// for it) and by the sender thread; handed to the sender thread to be dropped.
-    runtime: Option<Arc<Runtime>>,
+    /// for it) and by the sender thread, which drops it last.
+    runtime: Arc<Runtime>,
     /// What drops let go of, not sent yet.
-    unsent: Arc<Unsent>,
+    unsent: Deferred<Unsent>,
     info: StoreInfo,
     /// The store's node is this one: its shared memory can be mapped.
     same_node: bool,
@@ -100,122 +100,52 @@ struct Granted {
     layout: Arc<EntryLayout>,
 }
 
-impl Drop for Inner {
-    fn drop(&mut self) {
-        // Never block in drop (nor drop the runtime here: this may run inside an async
-        // context). The sender thread stops, shuts the runtime down, and the closed connection
-        // lets go of every lease and allocation of it.
-        let mut unsent = self.unsent.lock();
-        unsent.closed = true;
-        unsent.runtime = self.runtime.take();
-        self.unsent.wake.notify_one();
-    }
-}
-
-/// Leases and allocations let go of by drops, on their way to the store: the next call takes
-/// them along, or else the sender thread sends them [`SEND_GRACE`] later. Either way a call
-/// waits for nothing more, and no thread is woken per call.
-#[derive(Default)]
-struct Unsent {
-    state: Mutex<UnsentState>,
-    /// Wakes the sender thread.
-    wake: Condvar,
-}
-
-#[derive(Default)]
-struct UnsentState {
-    leases: Vec<u64>,
-    allocations: Vec<u64>,
-    /// The connection is being dropped: the sender thread stops.
-    closed: bool,
-    /// The sender thread waits to be woken (else it looks again by itself).
-    sender_idle: bool,
-    /// The connection's runtime, for the sender thread to shut down.
-    runtime: Option<Arc<Runtime>>,
-}
-
-impl UnsentState {
-    fn is_empty(&self) -> bool {
-        self.leases.is_empty() && self.allocations.is_empty()
-    }
-}
-
-impl Unsent {
-    fn lock(&self) -> MutexGuard<'_, UnsentState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn push(&self, add: impl FnOnce(&mut UnsentState)) {
-        let mut state = self.lock();
-        add(&mut state);
-        // Waking a thread costs more than a call on a small machine: only an idle sender is
-        // woken, at most once per grace period however many drops there are.
-        if std::mem::take(&mut state.sender_idle) {
-            self.wake.notify_one();
-        }
-    }
-
-    /// Takes the leases waiting to be released.
-    fn take_leases(&self) -> Vec<u64> {
-        std::mem::take(&mut self.lock().leases)
-    }
-
-    /// Takes what is waiting to be sent.
-    fn take(&self) -> (Vec<u64>, Vec<u64>) {
-        let mut state = self.lock();
-        (std::mem::take(&mut state.leases), std::mem::take(&mut state.allocations))
-    }
+/// What a drop let go of: a lease to release, an allocation to abort.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Unsent {
+    Lease(u64),
+    Allocation(u64),
 }
 
 /// Sends releases (one request) and aborts, and waits for the answers.
-async fn send_unsent(client: &Client<StoreServiceClient>, leases: Vec<u64>, allocations: Vec<u64>) {
+async fn send_unsent(client: &Client<StoreServiceClient>, unsent: Vec<Unsent>) {
+    let leases: Vec<u64> =
+        unsent.iter().filter_map(|u| if let Unsent::Lease(id) = u { Some(*id) } else { None }).collect();
     let release = async {
         if leases.is_empty() {
             return;
         }
-        match client.release(client.context(), leases).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::debug!("store: a release was refused: {e}"),
-            Err(e) => tracing::debug!("store: a release did not reach the store: {e}"),
+        if let Err(e) = client.invoke(async |c, ctx| c.release(ctx, leases).await).await {
+            tracing::debug!("store: a release did not go through: {e}");
         }
     };
-    let aborts = futures::future::join_all(allocations.into_iter().map(|id| async move {
-        match client.abort(client.context(), id).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::debug!("store: an abort was refused: {e}"),
-            Err(e) => tracing::debug!("store: an abort did not reach the store: {e}"),
-        }
+    let aborts = futures::future::join_all(unsent.iter().filter_map(|u| match *u {
+        Unsent::Allocation(id) => Some(async move {
+            if let Err(e) = client.invoke(async |c, ctx| c.abort(ctx, id).await).await {
+                tracing::debug!("store: an abort did not go through: {e}");
+            }
+        }),
+        Unsent::Lease(_) => None,
     }));
     futures::future::join(release, aborts).await;
 }
 
-/// The sender thread: sends what drops let go of when no call took it along within
-/// [`SEND_GRACE`], until the connection is dropped; then shuts the runtime down.
-fn send_loop(unsent: &Unsent, runtime: Arc<Runtime>, client: Client<StoreServiceClient>) {
-    loop {
-        {
-            let mut state = unsent.lock();
-            while state.is_empty() && !state.closed {
-                state.sender_idle = true;
-                state = unsent.wake.wait(state).unwrap_or_else(PoisonError::into_inner);
-            }
-            state.sender_idle = false;
-            if state.closed {
-                break;
-            }
+/// What the sender thread holds: the connection, then the runtime, dropped in that order on
+/// that thread once the store is dropped.
+struct Sender {
+    client: Client<StoreServiceClient>,
+    runtime: BackgroundRuntime,
+}
+
+/// A runtime handle whose last holder shuts the runtime down in the background (never
+/// blocking, even inside an async context).
+struct BackgroundRuntime(Option<Arc<Runtime>>);
+
+impl Drop for BackgroundRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take().and_then(|r| Arc::try_unwrap(r).ok()) {
+            runtime.shutdown_background();
         }
-        std::thread::sleep(SEND_GRACE);
-        let (leases, allocations) = unsent.take();
-        if !(leases.is_empty() && allocations.is_empty()) {
-            runtime.block_on(send_unsent(&client, leases, allocations));
-        }
-    }
-    drop(client);
-    // The connection's own handle is here now (or already gone): this is the last one.
-    let handed = unsent.lock().runtime.take();
-    drop(handed);
-    if let Ok(runtime) = Arc::try_unwrap(runtime) {
-        runtime.shutdown_background();
     }
 }
 
@@ -251,19 +181,17 @@ impl Store {
         let mut options = options.clone();
         options.max_frame_bytes = options.max_frame_bytes.max(super::MAX_FRAME_BYTES);
         let client: Client<StoreServiceClient> = runtime.block_on(connect(endpoint, &options))?;
-        let info = runtime.block_on(call(&client, client.context(), async |c, ctx| c.hello(ctx).await))?;
+        let info = runtime.block_on(client.invoke(async |c, ctx| c.hello(ctx).await))?;
         let same_node = info.node.same_as(&NodeId::local());
         let layouts = Mutex::new(LayoutCache::default());
         let runtime = Arc::new(runtime);
-        let unsent = Arc::new(Unsent::default());
-        {
-            let (unsent, runtime, client) = (Arc::clone(&unsent), Arc::clone(&runtime), client.clone());
-            std::thread::Builder::new()
-                .name("store-sender".into())
-                .spawn(move || send_loop(&unsent, runtime, client))
-                .map_err(|source| Error::Runtime { what: "store sender thread", source })?;
-        }
-        let inner = Inner { client, runtime: Some(runtime), unsent, info, same_node, layouts };
+        let sender = Sender { client: client.clone(), runtime: BackgroundRuntime(Some(Arc::clone(&runtime))) };
+        let unsent = Deferred::start("store-sender", SEND_GRACE, move |unsent| {
+            if let Some(runtime) = &sender.runtime.0 {
+                runtime.block_on(send_unsent(&sender.client, unsent));
+            }
+        })?;
+        let inner = Inner { client, runtime, unsent, info, same_node, layouts };
         Ok(Store { inner: Arc::new(inner), server: None })
     }
 
@@ -349,21 +277,16 @@ impl Store {
     fn load_keys(&self, keys: Vec<String>, wait: Wait, writable: bool) -> Result<Vec<Loaded>> {
         // Long waits are made of calls of at most `WAIT_WINDOW`; a wait too long to have an end
         // an `Instant` can hold is a wait without end.
-        let deadline = match wait {
-            Wait::For(d) => Instant::now().checked_add(d),
+        let wait = match wait {
+            Wait::For(d) => Some(d),
             Wait::Forever => None,
         };
-        let leased = loop {
-            let window = deadline.map_or(WAIT_WINDOW, |d| d.saturating_duration_since(Instant::now()).min(WAIT_WINDOW));
-            match self.load_call(&keys, Some(window), writable) {
-                Err(Error::Remote { error: WireError::NotFound { .. }, .. })
-                    if deadline.is_none_or(|d| Instant::now() < d) =>
-                {
-                    continue;
-                }
-                other => break other?,
-            }
-        };
+        let leased = windowed_wait(
+            wait,
+            WAIT_WINDOW,
+            |window| self.load_call(&keys, Some(window), writable),
+            |e| matches!(e, Error::Remote { error: WireError::NotFound { .. }, .. }),
+        )?;
         // Every lease is held by a `Loaded` before anything is mapped, so a failure releases all.
         let mut loaded: Vec<Loaded> = leased
             .iter()
@@ -402,15 +325,17 @@ impl Store {
         let request = keys.to_vec();
         // Leases dropped since the last call go in the same request (no second request to
         // serve). Lease ids are never reused, so after a failure they are simply sent again.
-        let release = inner.unsent.take_leases();
-        let sent = release.clone();
-        let answer = inner.block_on(call(&inner.client, ctx, async move |c, ctx| {
-            c.load(ctx, request, wait, writable, versions, sent).await
-        }));
+        let release = inner.unsent.take_where(|u| matches!(u, Unsent::Lease(_)));
+        let sent = release.iter().filter_map(|u| if let Unsent::Lease(id) = u { Some(*id) } else { None }).collect();
+        let answer = inner.block_on(
+            inner
+                .client
+                .invoke_with(ctx, async move |c, ctx| c.load(ctx, request, wait, writable, versions, sent).await),
+        );
         let leased: Vec<Leased> = match answer {
             Ok(leased) => leased,
             Err(e) => {
-                inner.unsent.push(|state| state.leases.extend(release));
+                inner.unsent.extend(release);
                 return Err(e);
             }
         };
@@ -482,23 +407,7 @@ impl Store {
         ) -> std::result::Result<std::result::Result<T, WireError>, RpcError>,
     {
         let inner = &self.inner;
-        inner.block_on(call(&inner.client, inner.client.context(), f))
-    }
-}
-
-/// One call with `ctx`, its transport errors classified and the server's error flattened.
-async fn call<T, F>(client: &Client<StoreServiceClient>, ctx: Context, f: F) -> Result<T>
-where
-    F: AsyncFnOnce(&StoreServiceClient, Context) -> std::result::Result<std::result::Result<T, WireError>, RpcError>,
-{
-    let timeout = ctx.deadline.saturating_duration_since(Instant::now());
-    match f(client, ctx).await {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(error)) => Err(Error::Remote { endpoint: client.endpoint().clone(), error }),
-        Err(RpcError::DeadlineExceeded) => {
-            Err(Error::DeadlineExceeded { endpoint: client.endpoint().clone(), timeout })
-        }
-        Err(e) => Err(client.classify(e)),
+        inner.block_on(inner.client.invoke(f))
     }
 }
 
@@ -506,12 +415,11 @@ impl Inner {
     /// Runs a call on this thread, with what drops let go of since the last call.
     fn block_on<T>(&self, f: impl Future<Output = Result<T>>) -> Result<T> {
         refuse_inside_runtime("a store call")?;
-        let runtime = self.runtime.as_ref().expect("the runtime lives until the store is dropped");
-        let (leases, allocations) = self.unsent.take();
-        if leases.is_empty() && allocations.is_empty() {
-            return runtime.block_on(f);
+        let unsent = self.unsent.take();
+        if unsent.is_empty() {
+            return self.runtime.block_on(f);
         }
-        runtime.block_on(async { futures::future::join(f, send_unsent(&self.client, leases, allocations)).await.0 })
+        self.runtime.block_on(async { futures::future::join(f, send_unsent(&self.client, unsent)).await.0 })
     }
 
     /// Maps a version: the dict, and for shared memory the one storage under it.
@@ -554,12 +462,12 @@ impl Inner {
     /// Releases a lease without waiting (from a drop): with the next call, or within
     /// [`SEND_GRACE`].
     fn release_later(&self, lease: u64) {
-        self.unsent.push(|s| s.leases.push(lease));
+        self.unsent.push(Unsent::Lease(lease));
     }
 
     /// Frees an allocation without waiting (from a drop), as [`Inner::release_later`] does.
     fn abort_later(&self, allocation: u64) {
-        self.unsent.push(|s| s.allocations.push(allocation));
+        self.unsent.push(Unsent::Allocation(allocation));
     }
 }
 
@@ -602,9 +510,7 @@ impl Loaded {
         // From here the drop sends nothing.
         let Some(store) = std::mem::take(&mut self.store).upgrade() else { return Ok(()) };
         let lease = self.lease;
-        store.block_on(call(&store.client, store.client.context(), async move |c, ctx| {
-            c.release(ctx, vec![lease]).await
-        }))
+        store.block_on(store.client.invoke(async move |c, ctx| c.release(ctx, vec![lease]).await))
     }
 }
 
@@ -666,7 +572,7 @@ impl Allocation {
             self.dict.flush()?;
         }
         let (id, key) = (self.id, key.to_owned());
-        store.block_on(call(&store.client, store.client.context(), async |c, ctx| c.seal(ctx, id, key, ttl).await))?;
+        store.block_on(store.client.invoke(async |c, ctx| c.seal(ctx, id, key, ttl).await))?;
         self.sealed = true;
         Ok(())
     }

@@ -113,7 +113,7 @@ pub(crate) fn replay_after_death(buffer: &RemoteBuffer, ready: &Path, actor: i64
 
 pub(crate) fn replay_leaser((endpoint, options): &(Endpoint, ClientOptions), ready: &Path) -> anyhow::Result<()> {
     let raw: BlockingClient<ReplayServiceClient> = BlockingClient::connect(endpoint, options)?;
-    let sampled = raw.call(async |c, ctx| c.sample(ctx, 8, Some(Duration::from_secs(10)), Vec::new()).await)??;
+    let sampled = raw.invoke(async |c, ctx| c.sample(ctx, 8, Some(Duration::from_secs(10)), Vec::new()).await)?;
     put(ready, &serde_json::to_string(&Ready { pid: std::process::id(), rows: sampled.indices.clone() })?)?;
     println!("{}: leased rows {:?} (lease {}), blocking until killed", host(), sampled.indices, sampled.lease);
     std::mem::forget(raw);
