@@ -14,8 +14,9 @@ use rand::Rng;
 use serde_json::json;
 use tensordict::{Index, ReadMode, TensorDict};
 
-use crate::location::{Location, LocationParser};
+use crate::location::LocationParser;
 use crate::progress::{Progress, Unit};
+use tensordict::DictLocation as Location;
 
 /// Most rows per gather: the index and the output are built in memory.
 const MAX_BATCH: u64 = 1 << 20;

@@ -37,8 +37,9 @@ use memmap_tensor::Access;
 use serde_json::{Value, json};
 use tensordict::{Error, TensorDict};
 
-use crate::location::{Location, LocationParser};
+use crate::location::LocationParser;
 use crate::progress::{Progress, Unit};
+use tensordict::DictLocation as Location;
 
 /// Inspect, verify, copy, remove and benchmark TensorDict folders and shared dicts; serve named
 /// stores of them.
@@ -176,6 +177,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                     ensure!(!force, "--force applies to folders: remove the shared dict first (`tdict rm {dst}`)");
                     td.share_memory(prefix).with_context(|| format!("writing {dst}"))?;
                 }
+                other => return Err(not_here(other)),
             }
             out!("copied {} leaves ({}) to {dst}", td.leaves().len(), DecimalBytes(td.nbytes() as u64));
             Ok(ExitCode::SUCCESS)
@@ -185,6 +187,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             match &location {
                 Location::Shm(prefix) => TensorDict::unlink_shared(prefix)?,
                 Location::Folder(path) => remove_folder(path)?,
+                other => return Err(not_here(other)),
             }
             out!("removed {location}");
             Ok(ExitCode::SUCCESS)
@@ -251,12 +254,18 @@ fn info(location: &Location, as_json: bool, with_stats: bool) -> anyhow::Result<
     Ok(ExitCode::SUCCESS)
 }
 
+/// A location this build of the CLI does not handle (a kind of location newer than it).
+pub(crate) fn not_here(location: &Location) -> anyhow::Error {
+    anyhow::anyhow!("{location}: this command handles folders and shm:PREFIX only")
+}
+
 fn verify(location: &Location) -> anyhow::Result<ExitCode> {
     let problems = {
         let _progress = Progress::spinner(&format!("verifying {location}"), true);
         match location {
             Location::Folder(path) => TensorDict::verify_memmap(path),
             Location::Shm(prefix) => TensorDict::verify_shared(prefix),
+            other => return Err(not_here(other)),
         }
     };
     if problems.is_empty() {

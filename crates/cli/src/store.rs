@@ -18,7 +18,8 @@ use serde_json::{Value, json};
 use tensordict::WriteOptions;
 
 use crate::daemon::{self, PidFile, ServePaths, parse_seconds, parse_tcp, read_pid};
-use crate::location::{Location, LocationParser};
+use crate::location::LocationParser;
+use tensordict::DictLocation as Location;
 
 /// A named store of TensorDicts: entries in shared memory (or memmap folders with `--dir`),
 /// loaded by any process of this user with `Store::connect(NAME)`.
@@ -352,6 +353,7 @@ fn load(at: &StoreArgs, key: &str, out: &Location, wait: Wait, force: bool) -> a
             .memmap_with(path, &WriteOptions::default().overwrite(force))
             .with_context(|| format!("writing {}", path.display())),
         Location::Shm(prefix) => loaded.share_memory(prefix).with_context(|| format!("writing {out}")),
+        other => Err(crate::not_here(other)),
     };
     let (version, bytes) = (loaded.version(), loaded.nbytes() as u64);
     // Released before the process exits, written or not.

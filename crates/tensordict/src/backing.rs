@@ -79,6 +79,17 @@ pub struct Backing {
 }
 
 impl DictLocation {
+    /// A location as [`Display`](std::fmt::Display) writes it: `shm:PREFIX` is a shared dict,
+    /// anything else a folder (a folder named `shm:…` is written `./shm:…`). A prefix must be
+    /// UTF-8; it is checked further where it is used.
+    pub fn parse(text: &std::ffi::OsStr) -> std::result::Result<DictLocation, String> {
+        if !text.as_encoded_bytes().starts_with(b"shm:") {
+            return Ok(DictLocation::Folder(PathBuf::from(text)));
+        }
+        let utf8 = text.to_str().ok_or_else(|| format!("{}: the prefix is not UTF-8", text.display()))?;
+        Ok(DictLocation::Shm(utf8["shm:".len()..].to_owned()))
+    }
+
     /// Opens the whole dict stored here.
     pub fn open(&self, access: Access) -> Result<TensorDict> {
         match self {
@@ -384,4 +395,27 @@ fn tensor_rows(t: &Tensor, key: &KeyPath, by_rows: bool) -> Result<(usize, usize
         return Err(other_view());
     }
     Ok((start_elems / row_elems, rows, stored_elems / row_elems))
+}
+
+#[cfg(test)]
+mod location_tests {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+
+    use super::DictLocation;
+
+    #[test]
+    fn a_location_parses_back_from_how_it_is_written() {
+        assert_eq!(DictLocation::parse(OsStr::new("shm:abc")), Ok(DictLocation::Shm("abc".into())));
+        assert_eq!(DictLocation::parse(OsStr::new("shm:")), Ok(DictLocation::Shm(String::new())));
+        assert_eq!(DictLocation::parse(OsStr::new("./shm:abc")), Ok(DictLocation::Folder("./shm:abc".into())));
+        assert_eq!(DictLocation::parse(OsStr::new("/tmp/x")), Ok(DictLocation::Folder("/tmp/x".into())));
+        assert_eq!(DictLocation::parse(OsStr::new("SHM:x")), Ok(DictLocation::Folder("SHM:x".into())));
+        assert!(DictLocation::parse(OsStr::from_bytes(b"shm:\xff")).is_err());
+        let odd = OsStr::from_bytes(b"/tmp/\xff");
+        assert_eq!(DictLocation::parse(odd), Ok(DictLocation::Folder(odd.into())));
+        for location in [DictLocation::Shm("p".into()), DictLocation::Folder("/a/b".into())] {
+            assert_eq!(DictLocation::parse(OsStr::new(&location.to_string())), Ok(location));
+        }
+    }
 }
