@@ -15,13 +15,12 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::ops::Range;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use memmap_tensor::Access;
 use serde::{Deserialize, Serialize};
 use tarpc::context::Context;
-use tensordict::{Generation, TensorDict};
+use tensordict::{DictLocation, Generation, TensorDict};
 
 use crate::service::{SessionId, SessionTable};
 use crate::{
@@ -42,9 +41,9 @@ pub trait Worker {
     /// `target[index] = source`, written into the target's storage; then the target is flushed
     /// and its generation published. Returns the target's reference at the new generation.
     async fn set_at(target: Target, index: WireIndex, source: Source) -> Result<TensorDictRef, WireError>;
-    /// `target[index]`, written to `out` (a new folder or shared-memory prefix, which the caller
-    /// then owns) and returned by reference.
-    async fn index(target: Target, index: WireIndex, out: Output) -> Result<TensorDictRef, WireError>;
+    /// `target[index]`, written to `out` (a new folder or shared-memory prefix on the worker's
+    /// node, which the caller then owns) and returned by reference.
+    async fn index(target: Target, index: WireIndex, out: DictLocation) -> Result<TensorDictRef, WireError>;
     /// Flushes the target to its storage and publishes a new generation.
     async fn flush(target: Target) -> Result<TensorDictRef, WireError>;
     /// The target's reference at the generation the worker holds.
@@ -75,16 +74,6 @@ pub enum Source {
     Ref(TensorDictRef),
     /// A small dict by value.
     Inline(InlineDict),
-}
-
-/// Where [`Worker::index`] writes its result.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[non_exhaustive]
-pub enum Output {
-    /// A new memmap folder.
-    Folder(PathBuf),
-    /// A new shared-memory prefix on the worker's node.
-    Shm(String),
 }
 
 /// The worker: cheap to clone, its state shared by every connection. Serve it with
@@ -406,13 +395,18 @@ impl Worker for WorkerSession {
         _: Context,
         target: Target,
         index: WireIndex,
-        out: Output,
+        out: DictLocation,
     ) -> Result<TensorDictRef, WireError> {
         let (_, dict) = self.resolve(target)?;
         let gathered = dict.index(index.to_index()).map_err(invalid)?;
         let written = match out {
-            Output::Folder(path) => gathered.memmap(&path),
-            Output::Shm(prefix) => gathered.share_memory(&prefix),
+            DictLocation::Folder(path) => gathered.memmap(&path),
+            DictLocation::Shm(prefix) => gathered.share_memory(&prefix),
+            other => {
+                return Err(WireError::InvalidRequest {
+                    detail: format!("{other}: the worker writes folders and shm"),
+                });
+            }
         }
         .map_err(invalid)?;
         written.to_ref().map_err(invalid)

@@ -2,7 +2,7 @@
 //! reference, with handles standing for references sent before.
 
 use memmap_tensor::{Access, DType, Location, Tensor};
-use rpc::worker::{MAX_OPEN_DICTS, Output, Source, Target, WorkerClient, WorkerServer};
+use rpc::worker::{MAX_OPEN_DICTS, Source, Target, WorkerClient, WorkerServer};
 use rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, ServerOptions, ToRef, WireError, WireIndex};
 use tensordict::{Index, TensorDict};
 
@@ -72,8 +72,9 @@ fn rows_are_written_and_gathered_where_the_data_is() -> TestResult {
     // A gather, written where the caller says, and returned by reference.
     let out = data.path().join("gathered");
     let index = WireIndex::new(&Index::List(vec![31, 10, 0]))?;
-    let gathered =
-        client.call(async |c, ctx| c.index(ctx, Target::Handle(handle), index, Output::Folder(out)).await)??;
+    let gathered = client.call(async |c, ctx| {
+        c.index(ctx, Target::Handle(handle), index, tensordict::DictLocation::Folder(out)).await
+    })??;
     let gathered = gathered.open(Access::ReadOnly)?;
     assert_eq!(gathered.get_tensor("obs")?.to_vec::<f32>()?[..], [[9.0f32; 4], [7.0; 4], [0.0; 4]].concat());
 

@@ -48,8 +48,9 @@ impl std::fmt::Display for Generation {
     }
 }
 
-/// Where the data of a dict lives.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// Where the data of a dict lives: what a process opens it by, and what other processes are
+/// told (on the wire it is serialised as `{"Folder": path}` or `{"Shm": prefix}`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub enum DictLocation {
     /// The top folder of a memmap dict (as [`TensorDict::load_memmap`] opens it).
