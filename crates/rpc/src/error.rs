@@ -459,6 +459,20 @@ pub enum WireError {
         /// Bytes of sealed entries that no client holds now.
         unreferenced: u64,
     },
+    /// The server has no room for the request now: memory or shared memory, or what one
+    /// connection may hold. Freeing some (releasing leases, removing entries) or waiting for
+    /// others to may let the same request through.
+    #[error("not enough {resource}: {needed} needed, {available} available ({detail})")]
+    ResourceExhausted {
+        /// What ran out.
+        resource: Resource,
+        /// How much the request needed (bytes, or items).
+        needed: u64,
+        /// How much was left for it.
+        available: u64,
+        /// What to do about it.
+        detail: String,
+    },
     /// The request conflicts with what another client holds.
     #[error("conflict: {detail}")]
     Conflict {
@@ -480,6 +494,41 @@ pub enum WireError {
         /// The error's message.
         message: String,
     },
+}
+
+/// What a [`WireError::ResourceExhausted`] ran out of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Resource {
+    /// Free space of `/dev/shm` (bytes).
+    SharedMemory,
+    /// Memory available to the server (bytes).
+    Memory,
+    /// Leases one connection may hold at once.
+    Leases,
+    /// Reservations one connection may hold at once.
+    Reservations,
+    /// Handles one connection may hold at once.
+    Handles,
+}
+
+impl Resource {
+    /// The resource that [`crate::service::shm_room`] found limiting (`"/dev/shm"` or `"memory"`).
+    pub fn of_room(what: &str) -> Resource {
+        if what == "memory" { Resource::Memory } else { Resource::SharedMemory }
+    }
+}
+
+impl std::fmt::Display for Resource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Resource::SharedMemory => "shared memory (bytes free in /dev/shm)",
+            Resource::Memory => "memory (bytes available)",
+            Resource::Leases => "leases on this connection",
+            Resource::Reservations => "reservations on this connection",
+            Resource::Handles => "handles on this connection",
+        })
+    }
 }
 
 impl From<io::Error> for WireError {

@@ -116,7 +116,7 @@ pub mod worker;
 pub use auth::{MAX_TOKEN_FILE_BYTES, MIN_TOKEN_BYTES, Token};
 pub use client::{BlockingClient, Client, ClientOptions, Deferred, connect, connect_stream, windowed_wait};
 pub use endpoint::{Endpoint, RUNTIME_DIR_ENV};
-pub use error::{ConnectFailure, Error, Result, WireError};
+pub use error::{ConnectFailure, Error, Resource, Result, WireError};
 pub use reference::{NodeId, RefLocation, TensorDictRef, ToRef};
 pub use server::{Peer, ServerHandle, ServerOptions, serve, serve_per_connection};
 pub use transport::{DEFAULT_MAX_FRAME_BYTES, MAX_DEADLINE, Stream};

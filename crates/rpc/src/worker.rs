@@ -300,7 +300,10 @@ impl Held {
     /// A new handle of `session` for dict `h`.
     fn hold(&mut self, session: SessionId, h: u64) -> Result<Handle, WireError> {
         if self.handles.count(session) >= MAX_HANDLES_PER_SESSION {
-            return Err(WireError::Conflict {
+            return Err(WireError::ResourceExhausted {
+                resource: crate::Resource::Handles,
+                needed: 1,
+                available: 0,
                 detail: format!("this connection holds {MAX_HANDLES_PER_SESSION} handles; close some"),
             });
         }

@@ -76,8 +76,14 @@ fn still_serving(sandbox: &Sandbox, name: &str, server: &mut Served, round: u64)
     Ok(())
 }
 
-fn shm_names() -> BTreeSet<String> {
-    Storage::list_shm().expect("list /dev/shm").into_iter().map(|o| o.name).collect()
+/// The shared-memory objects of store `name` (other tests of this file run at the same time).
+fn shm_names(name: &str) -> BTreeSet<String> {
+    Storage::list_shm()
+        .expect("list /dev/shm")
+        .into_iter()
+        .map(|o| o.name)
+        .filter(|n| n.contains(&format!("-{name}.")))
+        .collect()
 }
 
 /// Layouts that do not fit their storage, with the wrong number of placements, with sizes that
@@ -90,7 +96,7 @@ fn bad_layouts_are_refused_clearly() -> TestResult {
     let mut server = serve(&sandbox, &name, &[]);
     let client = raw(&sandbox, &name);
     let allocate = |layout: EntryLayout| client.call(async move |c, ctx| c.allocate(ctx, layout).await);
-    let before = shm_names();
+    let before = shm_names(&name);
 
     let (_, good) = small(8);
     let mut outside = good.clone();
@@ -134,14 +140,16 @@ fn bad_layouts_are_refused_clearly() -> TestResult {
         giant.bytes = bytes;
         let start = Instant::now();
         match answer(allocate(giant)) {
-            Err(WireError::Other { message }) => {
-                assert!(message.contains(&bytes.to_string()) && message.contains("bytes free"), "{message}")
+            Err(WireError::ResourceExhausted { resource, needed, detail, .. }) => {
+                assert!(matches!(resource, rpc::Resource::SharedMemory | rpc::Resource::Memory), "{resource:?}");
+                assert_eq!(needed, bytes);
+                assert!(detail.contains(&bytes.to_string()) && detail.contains("bytes free"), "{detail}")
             }
             other => panic!("expected a refusal of {bytes} bytes, got {other:?}"),
         }
         assert!(start.elapsed() < Duration::from_secs(10), "refusing {bytes} bytes took {:?}", start.elapsed());
     }
-    assert_eq!(shm_names(), before, "a refused allocation left an object in /dev/shm");
+    assert_eq!(shm_names(&name), before, "a refused allocation left an object in /dev/shm");
     assert!(answer(client.call(async |c, ctx| c.list(ctx).await))?.is_empty());
     still_serving(&sandbox, &name, &mut server, 1)
 }

@@ -388,7 +388,10 @@ impl ReplayService for Session {
             )));
         }
         if self.shared().sessions().reservations.count(self.0.id) >= MAX_RESERVATIONS_PER_SESSION {
-            return Err(WireError::Conflict {
+            return Err(WireError::ResourceExhausted {
+                resource: rpc::Resource::Reservations,
+                needed: 1,
+                available: 0,
                 detail: format!("this session holds {MAX_RESERVATIONS_PER_SESSION} reservations; commit or abort some"),
             });
         }
@@ -437,7 +440,10 @@ impl ReplayService for Session {
             )));
         }
         if self.shared().sessions().leases.count(self.0.id) >= MAX_LEASES_PER_SESSION {
-            return Err(WireError::Conflict {
+            return Err(WireError::ResourceExhausted {
+                resource: rpc::Resource::Leases,
+                needed: 1,
+                available: 0,
                 detail: format!("this session holds {MAX_LEASES_PER_SESSION} leases; release some"),
             });
         }
@@ -589,10 +595,15 @@ fn check_room(like: &tensordict::TensorDict, capacity: usize, in_memory: bool) -
         && let Some((room, what)) = named::shm_room()
         && need.saturating_mul(2) > u128::from(room)
     {
-        return Err(invalid(format!(
-            "a storage of {capacity} rows of {row_bytes} bytes needs {need} bytes of shared memory (twice that \
-             while it is made); {what} has {room} bytes free"
-        )));
+        return Err(WireError::ResourceExhausted {
+            resource: rpc::Resource::of_room(what),
+            needed: u64::try_from(need.saturating_mul(2)).unwrap_or(u64::MAX),
+            available: room,
+            detail: format!(
+                "a storage of {capacity} rows of {row_bytes} bytes needs {need} bytes of shared memory (twice that \
+                 while it is made); {what} has {room} bytes free"
+            ),
+        });
     }
     Ok(())
 }

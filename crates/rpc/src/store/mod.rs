@@ -59,7 +59,7 @@
 //!   is not a cache, and an entry a worker is about to load must not vanish; remove them, or give
 //!   them a TTL. With or without a capacity, an entry larger than what `/dev/shm` and memory
 //!   have free, less what allocations being made at the same time will take, is refused before
-//!   any of it is made, with [`WireError::Other`](crate::WireError::Other) naming the bytes
+//!   any of it is made, with [`WireError::ResourceExhausted`](crate::WireError::ResourceExhausted) naming the bytes
 //!   free. The capacity and that room are checked and taken in one step: of saves at once that
 //!   each fit but not all together, those that fit go through and the others are refused.
 //! - In shared memory, entries live as long as the server. A server killed with entries leaves

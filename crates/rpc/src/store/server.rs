@@ -603,8 +603,11 @@ impl StoreService for Session {
                     0 => String::new(),
                     n => format!(", and allocations being made will take {n} of them"),
                 };
-                return Err(WireError::Other {
-                    message: format!(
+                return Err(WireError::ResourceExhausted {
+                    resource: crate::Resource::of_room(what),
+                    needed: making,
+                    available: free.saturating_sub(state.making_shm),
+                    detail: format!(
                         "cannot make {making} bytes of shared memory: {what} has {free} bytes free{promised}"
                     ),
                 });
