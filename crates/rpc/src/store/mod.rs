@@ -70,8 +70,11 @@
 //! - Shared-memory objects are created with mode 0600, sockets live in the private runtime
 //!   directory (see [`crate::endpoint`]), folders are made with mode 0700.
 
+mod backend;
 mod client;
+mod index;
 mod layout;
+mod registry;
 mod server;
 mod service;
 

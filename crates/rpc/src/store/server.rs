@@ -1,36 +1,29 @@
 //! The store's server: entries, versions, leases, TTLs and capacity, over shared memory or a
 //! folder.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fs;
-use std::io::ErrorKind;
-use std::os::unix::fs::DirBuilderExt;
-use std::path::{Path, PathBuf};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use memmap_tensor::{Access, Layout, Storage, Tensor};
-use serde::{Deserialize, Serialize};
 use tarpc::context::Context;
-use tensordict::{TensorDict, WriteOptions};
 use tokio::sync::watch;
 
+use super::backend::{self, Backend};
+use super::index::{self, Index};
 use super::layout::EntryLayout;
+use super::registry::{State, Version};
 use super::service::{Allocated, EntryInfo, Leased, Place, StoreInfo, StoreService};
 use super::{StoreOptions, check_key, service_name};
 use crate::error::{Error, Result};
 use crate::server::Peer;
-use crate::service::{self, OwnerLock, Served, SessionTable, StopSignal};
+use crate::service::{self, OwnerLock, Served, StopSignal};
 use crate::{Endpoint, NodeId, ServerOptions, WireError};
 
 /// How often entries whose TTL ran out are looked for.
 const EXPIRY_TICK: Duration = Duration::from_millis(100);
 /// The most keys one `load` may ask for.
 const MAX_KEYS_PER_LOAD: usize = 4096;
-/// The version of the folder store's index file.
-const INDEX_VERSION: u64 = 1;
-
 /// A running store: serves its name (and a TCP address, if asked) until dropped.
 ///
 /// Dropping it stops serving, ends every session (their leases with them) and frees what the
@@ -67,76 +60,6 @@ struct Shared {
     stop: StopSignal,
 }
 
-enum Backend {
-    /// Objects `/{base}.{version}`.
-    Shm { base: String },
-    /// Folders `{root}/entries/v{version}`, indexed by `{root}/store-index.json`.
-    Dir { root: PathBuf },
-}
-
-#[derive(Default)]
-struct State {
-    next_version: u64,
-    next_lease: u64,
-    next_session: u64,
-    /// Each key's current version.
-    keys: BTreeMap<String, u64>,
-    versions: HashMap<u64, Version>,
-    leases: SessionTable<Lease>,
-    /// Allocations not sealed yet, by the session filling them (ids are version ids).
-    filling: SessionTable<()>,
-    /// Bytes of every version that exists.
-    used: u64,
-    /// Bytes of shared-memory objects that allocations are making now: promised to them, but
-    /// not yet (or not all) taken from `/dev/shm`'s free space. An allocation's room is what is
-    /// free less these, so two allocations that do not both fit are never both let through.
-    making_shm: u64,
-    stopping: bool,
-}
-
-struct Version {
-    /// The key it was sealed under (empty while unsealed).
-    key: String,
-    layout: Arc<EntryLayout>,
-    place: Place,
-    /// The session filling it, until it is sealed.
-    filler: Option<u64>,
-    /// Still its key's value.
-    current: bool,
-    refcount: u64,
-    /// Whether a writable lease is out.
-    writer: bool,
-    ttl: Option<Duration>,
-    /// Since when nobody holds it.
-    idle_since: Instant,
-}
-
-impl Version {
-    fn sealed(&self) -> bool {
-        self.filler.is_none()
-    }
-}
-
-struct Lease {
-    version: u64,
-    writable: bool,
-}
-
-/// The folder store's index: the sealed entries, for the next start.
-#[derive(Serialize, Deserialize)]
-struct Index {
-    version: u64,
-    next_version: u64,
-    entries: Vec<IndexEntry>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct IndexEntry {
-    key: String,
-    version: u64,
-    ttl_ms: Option<u64>,
-}
-
 impl StoreServer {
     /// Starts serving the store `name` (1 to 48 bytes of `A-Z a-z 0-9 _ -`) from this process.
     ///
@@ -155,12 +78,12 @@ impl StoreServer {
         let mut state = State { next_version: 1, ..State::default() };
         let dir_lock = match &backend {
             Backend::Shm { base } => {
-                reap_shm(base);
+                backend::reap_shm(base);
                 None
             }
             Backend::Dir { root } => {
-                let lock = lock_dir(root)?;
-                restore_dir(root, &mut state)?;
+                let lock = backend::lock_dir(root)?;
+                index::restore(root, &mut state)?;
                 Some(lock)
             }
         };
@@ -260,7 +183,7 @@ impl Drop for StoreServer {
             tracing::warn!("store: could not write the index on exit: {e}");
         }
         if let Backend::Shm { base } = &self.shared.backend {
-            reap_shm(base);
+            backend::reap_shm(base);
         }
     }
 }
@@ -311,18 +234,7 @@ impl Shared {
 
     /// Deletes the storage of versions already taken out of the state.
     fn delete(&self, places: Vec<Place>) {
-        for place in places {
-            let deleted = match &place {
-                Place::Shm(name) => match Storage::unlink_shm(name) {
-                    Err(memmap_tensor::Error::ShmIo { source, .. }) if source.kind() == ErrorKind::NotFound => Ok(()),
-                    other => other.map_err(|e| e.to_string()),
-                },
-                Place::Folder(path) => remove_path(path).map_err(|e| e.to_string()),
-            };
-            if let Err(e) = deleted {
-                tracing::warn!("store: could not delete {place:?}: {e}");
-            }
-        }
+        backend::delete(places);
     }
 
     /// Records a change of keys in the index, then deletes the storage it freed. The index goes
@@ -350,78 +262,8 @@ impl Shared {
         let Backend::Dir { root } = &self.backend else { return Ok(()) };
         let _one_at_a_time = self.persisting.lock().unwrap_or_else(PoisonError::into_inner);
         // Read under the writers' lock, so the last write holds the latest state.
-        let index = {
-            let state = self.state();
-            let entries = state
-                .keys
-                .iter()
-                .filter_map(|(key, id)| {
-                    let v = state.versions.get(id)?;
-                    Some(IndexEntry {
-                        key: key.clone(),
-                        version: *id,
-                        ttl_ms: v.ttl.map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
-                    })
-                })
-                .collect();
-            Index { version: INDEX_VERSION, next_version: state.next_version, entries }
-        };
-        let path = index_path(root);
-        let text = serde_json::to_vec_pretty(&index)
-            .map_err(|e| Error::StoreIndex { path: path.clone(), reason: e.to_string() })?;
-        // The index is the only record of which folder holds each key: it must outlast a power
-        // loss. Private to the store's user, as the folders are.
-        aio::replace_file(&path, &text, 0o600, aio::Durability::Durable).map_err(|source| Error::StoreIo {
-            op: "write",
-            path,
-            source,
-        })
-    }
-}
-
-impl State {
-    /// Takes version `id` out (its key too if it is current and `unkey`), returning its storage
-    /// to delete. Only versions nobody holds are taken out.
-    fn drop_version(&mut self, id: u64, unkey: bool) -> Option<Place> {
-        let v = self.versions.get(&id)?;
-        if v.refcount > 0 {
-            return None;
-        }
-        if unkey && v.current && self.keys.get(&v.key) == Some(&id) {
-            self.keys.remove(&v.key);
-        }
-        let v = self.versions.remove(&id)?;
-        self.filling.remove(id);
-        self.used = self.used.saturating_sub(v.layout.bytes);
-        Some(v.place)
-    }
-
-    /// Bytes of sealed current entries that nobody holds.
-    fn unreferenced(&self) -> u64 {
-        self.versions.values().filter(|v| v.sealed() && v.current && v.refcount == 0).map(|v| v.layout.bytes).sum()
-    }
-
-    /// Lets go of lease `id`; returns the version's storage if that freed it.
-    fn release(&mut self, id: u64) -> Option<Place> {
-        let (_, lease) = self.leases.remove(id)?;
-        self.let_go(lease)
-    }
-
-    /// Undoes what `lease` (out of the table) counted; returns the version's storage if that
-    /// freed it.
-    fn let_go(&mut self, lease: Lease) -> Option<Place> {
-        let v = self.versions.get_mut(&lease.version)?;
-        v.refcount = v.refcount.saturating_sub(1);
-        if lease.writable {
-            v.writer = false;
-        }
-        if v.refcount == 0 {
-            v.idle_since = Instant::now();
-            if !v.current {
-                return self.drop_version(lease.version, false);
-            }
-        }
-        None
+        let index = Index::of(&self.state());
+        index.write(root)
     }
 }
 
@@ -463,39 +305,8 @@ impl Session {
         &self.0.shared
     }
 
-    fn refuse_if_stopping(state: &State) -> Result<(), WireError> {
-        if state.stopping { Err(WireError::ShuttingDown) } else { Ok(()) }
-    }
-
-    /// Makes the storage of a new version.
-    fn create(&self, id: u64, layout: &EntryLayout) -> Result<Place, WireError> {
-        match &self.shared().backend {
-            Backend::Shm { base } => {
-                let name = format!("/{base}.{id}");
-                // Its room was checked and promised by `allocate`.
-                let len = usize::try_from(shm_bytes(layout)).map_err(|_| invalid("the entry is too large"))?;
-                Storage::create_shm(&name, len).map_err(|e| WireError::Other {
-                    message: format!("cannot make {len} bytes of shared memory: {e}"),
-                })?;
-                Ok(Place::Shm(name))
-            }
-            Backend::Dir { root } => {
-                let path = entries_dir(root).join(format!("v{id}"));
-                let like = zeros_like(layout).map_err(|e| invalid(&e.to_string()))?;
-                if let Err(e) = like.memmap_like_with(&path, None, &WriteOptions::default()) {
-                    // Nothing may stay of what was written before the failure (a full disk).
-                    let _ = remove_path(&path);
-                    return Err(WireError::Other {
-                        message: format!("cannot make the {} bytes of {}: {e}", layout.bytes, path.display()),
-                    });
-                }
-                Ok(Place::Folder(path))
-            }
-        }
-    }
-
-    /// Leases every key's current version, or says which keys are missing.
-    fn try_lease(
+    /// Leases every key's current version to this session, or says which keys are missing.
+    fn lease_keys(
         &self,
         keys: &[String],
         writable: bool,
@@ -503,51 +314,17 @@ impl Session {
     ) -> Result<std::result::Result<Vec<Leased>, Vec<String>>, WireError> {
         let mut state = self.shared().state();
         Self::refuse_if_stopping(&state)?;
-        let mut found = Vec::with_capacity(keys.len());
-        let mut missing = Vec::new();
-        for key in keys {
-            match state.keys.get(key) {
-                Some(&id) => found.push(id),
-                None => missing.push(key.clone()),
-            }
-        }
-        if !missing.is_empty() {
-            return Ok(Err(missing));
-        }
-        if writable {
-            let mut seen = HashSet::new();
-            for (key, id) in keys.iter().zip(&found) {
-                if state.versions.get(id).is_some_and(|v| v.writer) || !seen.insert(*id) {
-                    return Err(WireError::Conflict { detail: format!("`{key}` is already loaded writable") });
-                }
-            }
-        }
-        let mut leased = Vec::with_capacity(found.len());
-        for id in found {
-            state.next_lease += 1;
-            let lease = state.next_lease;
-            // Lease ids are counted, never reused.
-            let _ = state.leases.insert(self.0.id, lease, Lease { version: id, writable });
-            let v = state.versions.get_mut(&id).expect("keys name existing versions");
-            v.refcount += 1;
-            v.writer |= writable;
-            let layout = (!known.contains(&id)).then(|| Arc::clone(&v.layout));
-            leased.push(Leased { lease, version: id, place: v.place.clone(), layout });
-        }
-        Ok(Ok(leased))
+        state.lease_keys(self.0.id, keys, writable, known)
+    }
+
+    fn refuse_if_stopping(state: &State) -> Result<(), WireError> {
+        if state.stopping { Err(WireError::ShuttingDown) } else { Ok(()) }
     }
 }
 
 impl Drop for SessionInner {
     fn drop(&mut self) {
-        let freed: Vec<Place> = {
-            let mut state = self.shared.state();
-            let leases = state.leases.drain(self.id);
-            let mut freed: Vec<Place> = leases.into_iter().filter_map(|(_, lease)| state.let_go(lease)).collect();
-            let filled: Vec<u64> = state.filling.drain(self.id).into_iter().map(|(id, ())| id).collect();
-            freed.extend(filled.into_iter().filter_map(|id| state.drop_version(id, false)));
-            freed
-        };
+        let freed = self.shared.state().end_session(self.id);
         tracing::debug!(session = self.id, peer = %self.peer, freed = freed.len(), "store: session closed");
         self.shared.delete(freed);
     }
@@ -570,7 +347,7 @@ impl StoreService for Session {
         // Shared memory to make; a folder's disk space is not checked (a full disk is an error
         // of the write, which removes what it wrote).
         let making = match &self.shared().backend {
-            Backend::Shm { .. } => shm_bytes(&layout),
+            Backend::Shm { .. } => backend::shm_bytes(&layout),
             Backend::Dir { .. } => 0,
         };
         // The capacity and the room are checked, and the entry counted in both, in one step
@@ -619,7 +396,7 @@ impl StoreService for Session {
         };
         // Made outside the lock: it may take a while (pages of shared memory, files). Once it
         // is made (or not), the free space of /dev/shm tells what it took: its promise ends.
-        let created = self.create(id, &layout);
+        let created = self.shared().backend.create(id, &layout);
         {
             let mut state = self.shared().state();
             state.making_shm = state.making_shm.saturating_sub(making);
@@ -726,7 +503,7 @@ impl StoreService for Session {
         let mut changed = self.shared().changed.subscribe();
         loop {
             changed.borrow_and_update();
-            let missing = match self.try_lease(&keys, writable, &known)? {
+            let missing = match self.lease_keys(&keys, writable, &known)? {
                 Ok(leased) => return Ok(leased),
                 Err(missing) => missing,
             };
@@ -814,148 +591,4 @@ fn invalid(detail: &str) -> WireError {
 
 fn quoted(keys: &[String]) -> String {
     keys.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
-}
-
-/// A dict of this layout's shape whose tensors take no memory (every element is the one zero
-/// of a one-element storage): what `memmap_like` needs to write zero files.
-fn zeros_like(layout: &EntryLayout) -> tensordict::Result<TensorDict> {
-    layout.schema.build(&mut |key, t| {
-        let tensor_err = |source| tensordict::Error::Tensor { key: key.clone(), source };
-        let one = Arc::new(Storage::heap(t.dtype.size_in_bytes()).map_err(tensor_err)?);
-        let broadcast = Layout::new(t.shape.clone(), vec![0; t.shape.len()], 0).map_err(tensor_err)?;
-        Tensor::from_storage(one, 0, t.dtype, broadcast).map_err(tensor_err)
-    })
-}
-
-/// The bytes of the shared-memory object of an entry of `layout` (an object has at least one).
-fn shm_bytes(layout: &EntryLayout) -> u64 {
-    layout.bytes.max(1)
-}
-
-/// Takes the lock of a store folder (`D/store.owner`, held while it is served): two stores
-/// serving one folder would each remove what the other wrote. The folder may be on a network
-/// filesystem that other nodes mount, where `flock` may not reach them (sshfs), so the lock is a
-/// file made by exclusive creation ([`memmap_tensor::LockFile`]); a store killed on another node
-/// leaves a lock that is taken over once it has not been touched for 10 s.
-fn lock_dir(root: &Path) -> Result<memmap_tensor::LockFile> {
-    let io_err = |op, source| Error::StoreIo { op, path: root.to_owned(), source };
-    fs::DirBuilder::new().recursive(true).mode(0o700).create(root).map_err(|e| io_err("create", e))?;
-    let path = root.join("store.owner");
-    memmap_tensor::LockFile::acquire(&path, &memmap_tensor::LockOptions::owner()).map_err(|e| match e {
-        memmap_tensor::Error::Locked { path, holder } => Error::StoreIo {
-            op: "lock",
-            path,
-            source: std::io::Error::new(
-                std::io::ErrorKind::WouldBlock,
-                format!("another store serves this folder: {holder}"),
-            ),
-        },
-        memmap_tensor::Error::FileIo { op, path, source } => Error::StoreIo { op, path, source },
-        other => Error::StoreIo { op: "lock", path, source: std::io::Error::other(other.to_string()) },
-    })
-}
-
-/// Removes every object a server of `base` made (called with the store's lock held, so none of
-/// them is in use by a live server).
-fn reap_shm(base: &str) {
-    let Ok(objects) = Storage::list_shm() else { return };
-    let prefix = format!("/{base}.");
-    for object in objects {
-        let ours = object
-            .name
-            .strip_prefix(&prefix)
-            .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()));
-        if ours {
-            tracing::info!(object = %object.name, bytes = object.len_bytes, "store: removing what a previous server left");
-            let _ = Storage::unlink_shm(&object.name);
-        }
-    }
-}
-
-fn entries_dir(root: &Path) -> PathBuf {
-    root.join("entries")
-}
-
-fn index_path(root: &Path) -> PathBuf {
-    root.join("store-index.json")
-}
-
-fn remove_path(path: &Path) -> std::io::Result<()> {
-    match fs::symlink_metadata(path) {
-        Ok(meta) if meta.is_dir() => fs::remove_dir_all(path),
-        Ok(_) => fs::remove_file(path),
-        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e),
-    }
-}
-
-/// Reads the folder store's index into `state` and removes anything in `entries/` it does not
-/// list (allocations of a server that was killed, versions replaced before it was).
-fn restore_dir(root: &Path, state: &mut State) -> Result<()> {
-    let io_err = |op, path: &Path, source| Error::StoreIo { op, path: path.to_owned(), source };
-    let entries = entries_dir(root);
-    fs::DirBuilder::new().recursive(true).mode(0o700).create(&entries).map_err(|e| io_err("create", &entries, e))?;
-    let path = index_path(root);
-    let index = match fs::read(&path) {
-        Ok(bytes) => serde_json::from_slice::<Index>(&bytes)
-            .map_err(|e| Error::StoreIndex { path: path.clone(), reason: e.to_string() })?,
-        Err(e) if e.kind() == ErrorKind::NotFound => {
-            Index { version: INDEX_VERSION, next_version: 1, entries: Vec::new() }
-        }
-        Err(e) => return Err(io_err("read", &path, e)),
-    };
-    if index.version != INDEX_VERSION {
-        return Err(Error::StoreIndex {
-            path,
-            reason: format!("index version {} (this build reads {INDEX_VERSION})", index.version),
-        });
-    }
-    state.next_version = index.next_version.max(1);
-    let mut kept = HashSet::new();
-    for entry in index.entries {
-        let folder = entries.join(format!("v{}", entry.version));
-        let opened = TensorDict::load_memmap(&folder, Access::ReadOnly)
-            .map_err(Error::from)
-            .and_then(|td| EntryLayout::contiguous_like(&td));
-        let layout = match opened {
-            Ok(layout) => layout,
-            Err(e) => {
-                tracing::warn!(key = %entry.key, "store: entry {} is not usable and is dropped: {e}", folder.display());
-                continue;
-            }
-        };
-        state.next_version = state.next_version.max(entry.version + 1);
-        state.used += layout.bytes;
-        kept.insert(format!("v{}", entry.version));
-        state.keys.insert(entry.key.clone(), entry.version);
-        state.versions.insert(
-            entry.version,
-            Version {
-                key: entry.key,
-                layout: Arc::new(layout),
-                place: Place::Folder(folder),
-                filler: None,
-                current: true,
-                refcount: 0,
-                writer: false,
-                ttl: entry.ttl_ms.map(Duration::from_millis),
-                idle_since: Instant::now(),
-            },
-        );
-    }
-    // Index files a killed server was writing (we hold the lock: no live server writes one).
-    let index = index_path(root);
-    for found in aio::temporaries_of(&index).map_err(|e| io_err("list", root, e))? {
-        tracing::info!(path = %found.display(), "store: removing what a previous server left");
-        remove_path(&found).map_err(|e| io_err("remove", &found, e))?;
-    }
-    for found in fs::read_dir(&entries).map_err(|e| io_err("list", &entries, e))? {
-        let found = found.map_err(|e| io_err("list", &entries, e))?;
-        let name = found.file_name();
-        if !name.to_str().is_some_and(|n| kept.contains(n)) {
-            tracing::info!(path = %found.path().display(), "store: removing what a previous server left");
-            remove_path(&found.path()).map_err(|e| io_err("remove", &found.path(), e))?;
-        }
-    }
-    Ok(())
 }
