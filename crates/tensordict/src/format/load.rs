@@ -1,286 +1,22 @@
-//! Memmap folders in the layout of Python tensordict's `memmap` (see `FORMAT.md`):
-//! [`TensorDict::memmap`], [`TensorDict::memmap_like`], [`TensorDict::load_memmap`]; the folder
-//! walk that [`TensorDict::read_memmap`] shares.
+//! Reading a memmap folder: the one walk of its `meta.json` files and leaf files, whatever the
+//! leaves become (mapped here, read into memory by `crate::read`).
 
-use std::fs::{self, File};
+use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use indexmap::IndexMap;
 use memmap_tensor::{Access, DType, Layout, Location, MapCount, Tensor};
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
 use crate::dir::Dir;
 use crate::error::WithKey;
-use crate::json::{to_python_json, to_python_json_compact};
-use crate::key::{METADATA_KEYS, RESERVED_KEYS, candidate_names, encode_name};
-use crate::replace::{Destination, Existing, Leftover};
+use crate::key::{METADATA_KEYS, RESERVED_KEYS, candidate_names};
+use crate::replace::Destination;
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
 
-/// `_type` of a TensorDict node in `meta.json`.
-pub(crate) const TD_TYPE: &str = "<class 'tensordict._td.TensorDict'>";
-/// `_class` of a TensorDict node (format version 1).
-pub(crate) const TD_CLASS: &str = "tensordict:TensorDict";
-/// `_type` of a non-tensor value's `meta.json`.
-pub(crate) const NON_TENSOR_TYPE: &str = "<class 'tensordict.tensorclass.NonTensorData'>";
-/// `_type` of a non-tensor stack's `meta.json`.
-pub(crate) const NON_TENSOR_STACK_TYPE: &str = "<class 'tensordict.tensorclass.NonTensorStack'>";
-/// The newest format version this crate reads and the one it writes.
-pub const FORMAT_VERSION: i64 = 1;
-/// `meta.json` files larger than this are refused before they are read.
-pub const MAX_META_BYTES: u64 = 64 << 20;
-/// Folders nested deeper than this are refused (a hostile folder must not exhaust the stack).
-pub const MAX_DEPTH: usize = 128;
-
-/// Options for [`TensorDict::memmap_with`] and [`TensorDict::memmap_like_with`].
-///
-/// ```
-/// let options = tensordict::WriteOptions::default().overwrite(true).fsync(true);
-/// assert!(options.overwrite && options.fsync);
-/// ```
-#[derive(Clone, Default)]
-#[non_exhaustive]
-pub struct WriteOptions {
-    /// `fsync` every file and folder written before the new folder is put in place, and the
-    /// folder that holds it after, so that a power loss cannot lose a write that returned. Off
-    /// by default, as in Python.
-    pub fsync: bool,
-    /// Replace a dict already at the destination (TorchRL's `existsok`). Off by default: writing
-    /// onto a non-empty folder is then an [`Error::DestinationExists`], so that re-running a
-    /// script does not silently wipe its data. A non-empty folder that holds no dict (no
-    /// `meta.json`) is never replaced.
-    pub overwrite: bool,
-    /// Called after each tensor is written, with the bytes written so far and the total.
-    pub progress: Option<Arc<dyn Fn(u64, u64) + Send + Sync>>,
-}
-
-impl WriteOptions {
-    /// Sets [`WriteOptions::fsync`].
-    pub fn fsync(mut self, yes: bool) -> Self {
-        self.fsync = yes;
-        self
-    }
-
-    /// Sets [`WriteOptions::overwrite`].
-    pub fn overwrite(mut self, yes: bool) -> Self {
-        self.overwrite = yes;
-        self
-    }
-
-    /// Sets [`WriteOptions::progress`].
-    pub fn progress(mut self, report: impl Fn(u64, u64) + Send + Sync + 'static) -> Self {
-        self.progress = Some(Arc::new(report));
-        self
-    }
-}
-
-impl std::fmt::Debug for WriteOptions {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WriteOptions")
-            .field("fsync", &self.fsync)
-            .field("overwrite", &self.overwrite)
-            .field("progress", &self.progress.is_some())
-            .finish()
-    }
-}
-
-/// What the writer puts into each leaf file.
-#[derive(Clone, Copy)]
-enum Fill {
-    /// The source tensor's data.
-    Copy,
-    /// Zeros, with dim 0 of every batch (and leaf) replaced by this size if given.
-    Zeros(Option<usize>),
-}
-
-/// The state of one write: options and progress.
-struct Writing<'a> {
-    options: &'a WriteOptions,
-    fill: Fill,
-    done_bytes: u64,
-    total_bytes: u64,
-}
-
-impl Writing<'_> {
-    fn advance(&mut self, bytes: usize) {
-        self.done_bytes += bytes as u64;
-        if let Some(report) = &self.options.progress {
-            report(self.done_bytes, self.total_bytes);
-        }
-    }
-}
+use super::{FORMAT_VERSION, MAX_DEPTH, MAX_META_BYTES, TD_TYPE};
 
 impl TensorDict {
-    /// Writes the dict to the folder `prefix` in Python tensordict's memmap layout (readable with
-    /// `TensorDict.load_memmap(prefix)`) and returns it opened from there, read-write.
-    ///
-    /// `prefix` must not exist, or be an empty folder; to replace a dict there, use
-    /// [`TensorDict::memmap_with`] and [`WriteOptions::overwrite`].
-    ///
-    /// Writing is atomic: the complete folder is built under a hidden name beside `prefix`,
-    /// loaded back as a check, and then put in place in one step (see `FORMAT.md`, "Writing").
-    /// After a crash at any point, or an error, `prefix` holds the complete old dict or the
-    /// complete new one, never a mix; an `Err` means the old one is intact.
-    pub fn memmap(&self, prefix: impl AsRef<Path>) -> Result<TensorDict> {
-        self.memmap_with(prefix, &WriteOptions::default())
-    }
-
-    /// [`TensorDict::memmap`] with options (replace an existing dict, fsync, progress).
-    pub fn memmap_with(&self, prefix: impl AsRef<Path>, options: &WriteOptions) -> Result<TensorDict> {
-        self.write_folder(prefix.as_ref(), Fill::Copy, options)
-    }
-
-    /// Allocates a zero-filled folder with the same schema (keys, dtypes, shapes, non-tensor
-    /// values) at `prefix` and returns it opened read-write. With `batch0`, dim 0 of the batch
-    /// size, and of every tensor, becomes `batch0` (a replay buffer's capacity, say). Like
-    /// [`TensorDict::memmap`], it refuses to replace existing data.
-    pub fn memmap_like(&self, prefix: impl AsRef<Path>, batch0: Option<usize>) -> Result<TensorDict> {
-        self.memmap_like_with(prefix, batch0, &WriteOptions::default())
-    }
-
-    /// [`TensorDict::memmap_like`] with options.
-    pub fn memmap_like_with(
-        &self,
-        prefix: impl AsRef<Path>,
-        batch0: Option<usize>,
-        options: &WriteOptions,
-    ) -> Result<TensorDict> {
-        if batch0.is_some() && self.batch_dims() == 0 {
-            return Err(Error::InvalidArgument {
-                op: "memmap_like",
-                detail: "the dict has no batch dim to resize".into(),
-            });
-        }
-        self.write_folder(prefix.as_ref(), Fill::Zeros(batch0), options)
-    }
-
-    /// Hidden files and folders that writers left beside or inside the folder `prefix` (a
-    /// killed writer leaves its unfinished copy), with whether each writer still runs.
-    pub fn leftovers(prefix: impl AsRef<Path>) -> Result<Vec<Leftover>> {
-        Ok(Destination::new(prefix.as_ref())?.leftovers())
-    }
-
-    /// Removes the [`TensorDict::leftovers`] of writers that are known to be gone, and returns
-    /// what it removed. Leftovers of running writers, or of writers on another machine or in
-    /// another container (which this process cannot see), are kept.
-    pub fn remove_leftovers(prefix: impl AsRef<Path>) -> Result<Vec<Leftover>> {
-        let destination = Destination::new(prefix.as_ref())?;
-        destination.recover()?;
-        destination.remove_dead_leftovers()
-    }
-
-    fn write_folder(&self, prefix: &Path, fill: Fill, options: &WriteOptions) -> Result<TensorDict> {
-        self.validate()?;
-        crate::schema::check_limits(self)?;
-        let destination = Destination::new(prefix)?;
-        let existing = destination.existing()?;
-        if existing == Existing::Dict && !options.overwrite {
-            return Err(Error::DestinationExists {
-                path: prefix.to_owned(),
-                reason: "it already holds a TensorDict; replacing it must be asked for \
-                         (WriteOptions::overwrite, `tdict copy --force`)"
-                    .into(),
-            });
-        }
-        // Best effort: what a killed writer left here is garbage; a failure to remove it is
-        // no reason to fail this write.
-        let _ = destination.remove_dead_leftovers();
-        // The written dict is returned mapped, one mapping per leaf with elements: a dict this
-        // process cannot map is refused before anything is written.
-        let mapped = self.leaves().iter().filter(|(_, t)| resized_bytes(t, fill) > 0).count();
-        check_map_room(mapped, &prefix.display().to_string(), REMEDY_WRITE)?;
-        let staging = destination.stage()?;
-        let total_bytes = self.leaves().iter().map(|(_, t)| resized_bytes(t, fill)).sum();
-        let mut writing = Writing { options, fill, done_bytes: 0, total_bytes };
-        self.write_node(staging.path(), &KeyPath::default(), &mut writing)?;
-        if options.fsync {
-            sync_tree(staging.path(), 0)?;
-        }
-        // Whatever is put in place must load: check it before, through the names it will have.
-        let top = Dir::open_at_path(staging.path(), prefix.to_owned())?;
-        let written = map_tree(&top, Access::ReadWrite, prefix, REMEDY_WRITE)?;
-        destination.commit(staging, options.overwrite, options.fsync)?;
-        Ok(written)
-    }
-
-    /// Writes this node into `dir`, a folder of the staging tree that nobody else reads, so
-    /// files go straight to their final names.
-    fn write_node(&self, dir: &Path, path: &KeyPath, writing: &mut Writing<'_>) -> Result<()> {
-        check_writable_keys(self, path)?;
-        ensure_real_dir(dir)?;
-        let fill = writing.fill;
-        let mut meta = Map::new();
-        for (name, entry) in self.iter() {
-            let key = path.join(name);
-            let stem = encode_name(name);
-            match entry {
-                Entry::Tensor(t) => {
-                    let dims = resized(t.dims(), fill);
-                    meta.insert(name.to_owned(), leaf_meta(t.dtype(), &dims));
-                    // An overflowing count is not zero: `Tensor::zeros` names the overflow.
-                    if dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) != Some(0) {
-                        let file = dir.join(format!("{stem}.memmap"));
-                        let mut out =
-                            Tensor::zeros(dims, t.dtype(), &Location::File(file.clone())).with_key(|| key.clone())?;
-                        match fill {
-                            // One copy per leaf: copied in chunks of rows, a 336 MB leaf took three times
-                            // as long (9x the page faults) on ext4.
-                            Fill::Copy => out.copy_from(t).with_key(|| key.clone())?,
-                            Fill::Zeros(_) => {}
-                        }
-                        writing.advance(out.nbytes());
-                        if writing.options.fsync {
-                            out.flush().with_key(|| key.clone())?;
-                        }
-                    }
-                }
-                Entry::Dict(d) => {
-                    meta.insert(name.to_owned(), json!({"type": "TensorDict"}));
-                    d.write_node(&dir.join(&stem), &key, writing)?;
-                }
-                Entry::NonTensor(v) => {
-                    meta.insert(name.to_owned(), json!({"type": "NonTensorData"}));
-                    let sub = dir.join(&stem);
-                    ensure_real_dir(&sub)?;
-                    let content = json!({
-                        "_type": NON_TENSOR_TYPE,
-                        "data": v,
-                        "_metadata": null,
-                        "_is_non_tensor": true,
-                    });
-                    write_meta(&sub, &to_python_json(&content))?;
-                }
-                Entry::NonTensorStack(v) => {
-                    meta.insert(name.to_owned(), json!({"type": "NonTensorStack"}));
-                    let sub = dir.join(&stem);
-                    ensure_real_dir(&sub)?;
-                    let data = match fill {
-                        Fill::Zeros(Some(rows)) => repeat_first_row(v, rows, &key)?,
-                        Fill::Copy | Fill::Zeros(None) => v.clone(),
-                    };
-                    // Python writes this one compact (`separators=(",", ":")`, still ASCII-only),
-                    // with its own version and class. Python writes the `stack_dim` it was built
-                    // along but reads every stack as nested lists in batch order; so do we.
-                    let content = json!({
-                        "_type": NON_TENSOR_STACK_TYPE,
-                        "_format_version": FORMAT_VERSION,
-                        "_class": "tensordict:NonTensorStack",
-                        "stack_dim": 0,
-                        "device": null,
-                        "data": data,
-                    });
-                    write_meta(&sub, &to_python_json_compact(&content))?;
-                }
-            }
-        }
-        meta.insert("shape".into(), json!(resized(self.batch_size(), fill)));
-        meta.insert("device".into(), json!("cpu"));
-        meta.insert("_type".into(), json!(TD_TYPE));
-        meta.insert("_format_version".into(), json!(FORMAT_VERSION));
-        meta.insert("_class".into(), json!(TD_CLASS));
-        write_meta(dir, &to_python_json(&Value::Object(meta)))
-    }
-
     /// Opens the memmap folder at `prefix`, written by this crate or by Python tensordict
     /// (format versions 0 and 1), mapping every leaf file with `access`.
     ///
@@ -373,7 +109,7 @@ const MAPS_CHECKED_FROM: usize = 1024;
 /// What to do instead of a load refused for its mappings.
 const REMEDY_LOAD: &str = "load it without mappings with `TensorDict::read_memmap`";
 /// What to do instead of a write refused for its mappings (the written dict is returned mapped).
-const REMEDY_WRITE: &str = "write it as several dicts of fewer leaves";
+pub(super) const REMEDY_WRITE: &str = "write it as several dicts of fewer leaves";
 
 /// Leaves mapped with an access mode: what [`TensorDict::load_memmap`] returns. It maps no more
 /// leaves than the process may (see [`Error::TooManyMappings`]): once there is no room, it
@@ -432,7 +168,7 @@ impl Leaves for Mapper {
 
 /// Reads the dict in the top folder `top` with its leaves mapped, or refuses it if this process
 /// cannot map them all ([`Error::TooManyMappings`], naming `location`).
-fn map_tree(top: &Dir, access: Access, location: &Path, remedy: &'static str) -> Result<TensorDict> {
+pub(super) fn map_tree(top: &Dir, access: Access, location: &Path, remedy: &'static str) -> Result<TensorDict> {
     let mut mapper = Mapper::new(access);
     let td = read_tree(top, &mut mapper)?;
     let Some(count) = mapper.refused else { return Ok(td) };
@@ -692,7 +428,7 @@ fn read_non_tensor(dir: &Dir, key: &KeyPath) -> Result<Value> {
 /// For `memmap_like` with a new size of dim 0: the stack with every row of dim 0 a copy of its
 /// first row, which is what Python's `td[0].expand(rows, ...).memmap_like(...)` (a buffer made
 /// from one sample) holds. A stack without rows has no value to repeat.
-fn repeat_first_row(stack: &Value, rows: usize, key: &KeyPath) -> Result<Value> {
+pub(super) fn repeat_first_row(stack: &Value, rows: usize, key: &KeyPath) -> Result<Value> {
     match stack.as_array().and_then(|a| a.first()) {
         Some(first) => Ok(Value::Array(vec![first.clone(); rows])),
         None if rows == 0 => Ok(Value::Array(Vec::new())),
@@ -752,84 +488,6 @@ fn check_version(obj: &Map<String, Value>, meta_path: &Path) -> Result<()> {
 }
 
 /// A JSON list of non-negative integers that fit in `usize`.
-pub(crate) fn dims_of(v: &Value) -> Option<Vec<usize>> {
+pub(super) fn dims_of(v: &Value) -> Option<Vec<usize>> {
     v.as_array()?.iter().map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok())).collect()
-}
-
-fn leaf_meta(dtype: DType, dims: &[usize]) -> Value {
-    json!({"device": "cpu", "shape": dims, "dtype": dtype.as_torch_str(), "is_nested": false})
-}
-
-fn resized(dims: &[usize], fill: Fill) -> Vec<usize> {
-    let mut dims = dims.to_vec();
-    if let (Fill::Zeros(Some(n)), Some(first)) = (fill, dims.first_mut()) {
-        *first = n;
-    }
-    dims
-}
-
-/// Refuses keys the format cannot hold: the names of node metadata.
-fn check_writable_keys(td: &TensorDict, path: &KeyPath) -> Result<()> {
-    let mut names = std::collections::HashSet::new();
-    for (name, entry) in td.iter() {
-        if RESERVED_KEYS.contains(&name) {
-            return Err(Error::InvalidKey { key: path.join(name), reason: "the name is used by meta.json itself" });
-        }
-        // A leaf `x` is the file `x.memmap`; a nested dict `x.memmap` would be a folder of that
-        // same name.
-        let on_disk = match entry {
-            Entry::Tensor(_) => format!("{}.memmap", encode_name(name)),
-            Entry::Dict(_) | Entry::NonTensor(_) | Entry::NonTensorStack(_) => encode_name(name),
-        };
-        if !names.insert(on_disk) {
-            return Err(Error::InvalidKey {
-                key: path.join(name),
-                reason: "its file or folder name is the same as another entry's",
-            });
-        }
-    }
-    Ok(())
-}
-
-/// Creates `dir` if needed; refuses anything at that path that is not a real folder (a file,
-/// or a symlink that could lead writes outside the prefix).
-fn ensure_real_dir(dir: &Path) -> Result<()> {
-    match fs::symlink_metadata(dir) {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(Error::Io {
-            op: "create folder",
-            path: dir.to_owned(),
-            source: std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
-                "exists and is not a folder (or is a symlink)",
-            ),
-        }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            fs::create_dir_all(dir).map_err(|source| Error::Io { op: "create folder", path: dir.to_owned(), source })
-        }
-        Err(source) => Err(Error::Io { op: "stat", path: dir.to_owned(), source }),
-    }
-}
-
-fn write_meta(dir: &Path, text: &[u8]) -> Result<()> {
-    let path = dir.join("meta.json");
-    fs::write(&path, text).map_err(|source| Error::Io { op: "write", path, source })
-}
-
-/// `fsync` of every file and folder of a tree written by this process (no links in it).
-fn sync_tree(path: &Path, depth: usize) -> Result<()> {
-    let io_err = |op, source| Error::Io { op, path: path.to_owned(), source };
-    let meta = fs::symlink_metadata(path).map_err(|e| io_err("stat", e))?;
-    if meta.is_dir() && depth <= MAX_DEPTH {
-        for entry in fs::read_dir(path).map_err(|e| io_err("list", e))? {
-            sync_tree(&entry.map_err(|e| io_err("list", e))?.path(), depth + 1)?;
-        }
-    }
-    fs::File::open(path).and_then(|f| f.sync_all()).map_err(|e| io_err("fsync", e))
-}
-
-/// The bytes a leaf takes in the written folder.
-fn resized_bytes(t: &Tensor, fill: Fill) -> u64 {
-    let dims = resized(t.dims(), fill);
-    dims.iter().try_fold(t.dtype().size_in_bytes() as u64, |acc, &d| acc.checked_mul(d as u64)).unwrap_or(u64::MAX)
 }

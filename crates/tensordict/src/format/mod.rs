@@ -1,0 +1,26 @@
+//! Memmap folders in the layout of Python tensordict's `memmap` (see `FORMAT.md`): the writer
+//! ([`TensorDict::memmap`], [`TensorDict::memmap_like`], in `write.rs`) and the reader
+//! ([`TensorDict::load_memmap`], and the folder walk that [`TensorDict::read_memmap`] shares, in
+//! `load.rs`).
+
+mod load;
+mod write;
+
+pub(crate) use load::{LeafFile, Leaves, check_map_room, load_folder, read_tree};
+use load::{REMEDY_WRITE, map_tree, repeat_first_row};
+pub use write::WriteOptions;
+
+/// `_type` of a TensorDict node in `meta.json`.
+pub(crate) const TD_TYPE: &str = "<class 'tensordict._td.TensorDict'>";
+/// `_class` of a TensorDict node (format version 1).
+pub(crate) const TD_CLASS: &str = "tensordict:TensorDict";
+/// `_type` of a non-tensor value's `meta.json`.
+pub(crate) const NON_TENSOR_TYPE: &str = "<class 'tensordict.tensorclass.NonTensorData'>";
+/// `_type` of a non-tensor stack's `meta.json`.
+pub(crate) const NON_TENSOR_STACK_TYPE: &str = "<class 'tensordict.tensorclass.NonTensorStack'>";
+/// The newest format version this crate reads and the one it writes.
+pub const FORMAT_VERSION: i64 = 1;
+/// `meta.json` files larger than this are refused before they are read.
+pub const MAX_META_BYTES: u64 = 64 << 20;
+/// Folders nested deeper than this are refused (a hostile folder must not exhaust the stack).
+pub const MAX_DEPTH: usize = 128;
