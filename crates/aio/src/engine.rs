@@ -38,8 +38,10 @@ impl BackendKind {
     }
 }
 
-/// How to build an [`Engine`].
+/// How to build an [`Engine`]: [`EngineConfig::default`] and the setters,
+/// `EngineConfig::default().backend(BackendKind::Threads).threads(2)`.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct EngineConfig {
     /// Operations in flight at once (io_uring ring size), 1 to [`EngineConfig::MAX_QUEUE_DEPTH`].
     /// Default 256.
@@ -52,6 +54,27 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// Sets [`EngineConfig::queue_depth`].
+    #[must_use]
+    pub fn queue_depth(mut self, depth: u32) -> Self {
+        self.queue_depth = depth;
+        self
+    }
+
+    /// Sets [`EngineConfig::backend`]: `kind`, whatever [`BACKEND_ENV`] says.
+    #[must_use]
+    pub fn backend(mut self, kind: BackendKind) -> Self {
+        self.backend = Some(kind);
+        self
+    }
+
+    /// Sets [`EngineConfig::threads`].
+    #[must_use]
+    pub fn threads(mut self, threads: usize) -> Self {
+        self.threads = threads;
+        self
+    }
+
     /// The largest `queue_depth`: the ring holds one more entry (for its wake-up read), and
     /// Linux refuses rings of more than 32768 entries (sizes are rounded up to a power of two).
     pub const MAX_QUEUE_DEPTH: u32 = 16_384;

@@ -309,7 +309,7 @@ fn backend_env_child() -> io::Result<()> {
         (expect, got) => panic!("{BACKEND_ENV}={value:?}: expected {expect}, got {got:?}"),
     }
     // An explicit backend in the configuration wins over the variable.
-    let threads = EngineConfig { backend: Some(BackendKind::Threads), ..EngineConfig::default() };
+    let threads = EngineConfig::default().backend(BackendKind::Threads);
     assert_eq!(Engine::with_config(&threads)?.backend(), BackendKind::Threads);
     Ok(())
 }
@@ -319,7 +319,7 @@ fn backend_env_child() -> io::Result<()> {
 /// operations complete, and `synchronize` does not hang.
 #[test]
 fn a_panicking_callback_does_not_stop_the_engine() -> io::Result<()> {
-    for engine in engines_with(&EngineConfig { threads: 1, ..EngineConfig::default() }) {
+    for engine in engines_with(&EngineConfig::default().threads(1)) {
         let dir = tempfile::tempdir()?;
         let file = Arc::new(File::options().read(true).write(true).create_new(true).open(dir.path().join("f"))?);
         engine.write_at_with(&file, vec![1u8; 64], 0, |_, _| panic!("a deliberate panic in a callback"));
@@ -338,32 +338,28 @@ fn a_panicking_callback_does_not_stop_the_engine() -> io::Result<()> {
 #[test]
 fn absurd_configurations_are_refused_up_front() {
     let cases = [
-        (EngineConfig { threads: 100_000, ..EngineConfig::default() }, "threads = 100000", "1024"),
-        (EngineConfig { threads: 0, ..EngineConfig::default() }, "threads = 0", "1024"),
-        (EngineConfig { queue_depth: 1 << 20, ..EngineConfig::default() }, "queue_depth = 1048576", "16384"),
-        (EngineConfig { queue_depth: 0, ..EngineConfig::default() }, "queue_depth = 0", "16384"),
+        (EngineConfig::default().threads(100_000), "threads = 100000", "1024"),
+        (EngineConfig::default().threads(0), "threads = 0", "1024"),
+        (EngineConfig::default().queue_depth(1 << 20), "queue_depth = 1048576", "16384"),
+        (EngineConfig::default().queue_depth(0), "queue_depth = 0", "16384"),
     ];
     for (config, field, limit) in cases {
         for backend in [None, Some(BackendKind::Threads), Some(BackendKind::Uring)] {
-            let err = Engine::with_config(&EngineConfig { backend, ..config.clone() }).unwrap_err();
+            let config = match backend {
+                Some(kind) => config.clone().backend(kind),
+                None => config.clone(),
+            };
+            let err = Engine::with_config(&config).unwrap_err();
             assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{config:?}: {err}");
             let text = err.to_string();
             assert!(text.contains(field) && text.contains(limit), "{config:?}: {text}");
         }
     }
-    let most = EngineConfig {
-        threads: EngineConfig::MAX_THREADS,
-        backend: Some(BackendKind::Threads),
-        ..EngineConfig::default()
-    };
+    let most = EngineConfig::default().threads(EngineConfig::MAX_THREADS).backend(BackendKind::Threads);
     let engine = Engine::with_config(&most).expect("the most threads allowed start");
     assert!(writes_complete(&engine, 64).is_ok());
     if uring_available() {
-        let deepest = EngineConfig {
-            queue_depth: EngineConfig::MAX_QUEUE_DEPTH,
-            backend: Some(BackendKind::Uring),
-            ..EngineConfig::default()
-        };
+        let deepest = EngineConfig::default().queue_depth(EngineConfig::MAX_QUEUE_DEPTH).backend(BackendKind::Uring);
         let engine = Engine::with_config(&deepest).expect("the deepest ring allowed starts");
         assert!(writes_complete(&engine, 64).is_ok());
     } else {

@@ -225,7 +225,7 @@ fn vectored_io_with_three_thousand_buffers() -> io::Result<()> {
 #[test]
 fn small_queue_depths_and_one_worker_make_progress() -> io::Result<()> {
     for depth in [2, 3, 4] {
-        for engine in engines_with(&EngineConfig { queue_depth: depth, threads: 1, ..EngineConfig::default() }) {
+        for engine in engines_with(&EngineConfig::default().queue_depth(depth).threads(1)) {
             writes_complete(&engine, 200)?;
             drop_within_timeout(engine)?;
         }
@@ -235,7 +235,7 @@ fn small_queue_depths_and_one_worker_make_progress() -> io::Result<()> {
 
 #[test]
 fn queue_depth_one_makes_progress() -> io::Result<()> {
-    for engine in engines_with(&EngineConfig { queue_depth: 1, threads: 1, ..EngineConfig::default() }) {
+    for engine in engines_with(&EngineConfig::default().queue_depth(1).threads(1)) {
         let result = writes_complete(&engine, 10);
         drop_within_timeout(engine)?;
         result?;

@@ -83,11 +83,7 @@ fn uring_drop_cancels_a_pipe_read(engine: Engine) -> io::Result<()> {
 /// operations queued behind it are cancelled by the drop at once, with their buffers, and the
 /// busy one finishes later and frees its buffer.
 fn threads_drop_cancels_queued_ops_and_drains_the_running_one() -> io::Result<()> {
-    let engine = Engine::with_config(&EngineConfig {
-        backend: Some(BackendKind::Threads),
-        threads: 1,
-        ..EngineConfig::default()
-    })?;
+    let engine = Engine::with_config(&EngineConfig::default().backend(BackendKind::Threads).threads(1))?;
     let dir = disk_dir()?;
     let path = dir.path().join("f");
     std::fs::write(&path, pattern(64 << 10, 10))?;
@@ -137,7 +133,7 @@ fn dropping_with_many_ops_in_flight_runs_every_callback_once() -> io::Result<()>
     std::fs::write(&path, &*data)?;
     let file = Arc::new(File::open(&path)?);
     // A shallow queue (and few workers) leaves many operations queued when the drop comes.
-    let shallow = EngineConfig { queue_depth: 8, threads: 2, ..EngineConfig::default() };
+    let shallow = EngineConfig::default().queue_depth(8).threads(2);
     for engine in engines().into_iter().chain(engines_with(&shallow)) {
         let kind = engine.backend();
         let token = Arc::new(());

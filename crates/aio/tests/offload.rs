@@ -11,7 +11,7 @@ use proptest::prelude::*;
 fn engines() -> Vec<Engine> {
     let mut out = Vec::new();
     for backend in [BackendKind::Threads, BackendKind::Uring] {
-        match Engine::with_config(&EngineConfig { backend: Some(backend), ..Default::default() }) {
+        match Engine::with_config(&EngineConfig::default().backend(backend)) {
             Ok(e) => out.push(e),
             Err(e) => eprintln!("{backend:?} unavailable: {e}"),
         }

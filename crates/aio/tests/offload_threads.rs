@@ -12,7 +12,7 @@ use aio::{BackendKind, Engine, EngineConfig, Offloader};
 fn engines() -> Vec<Engine> {
     let mut out = Vec::new();
     for backend in [BackendKind::Threads, BackendKind::Uring] {
-        match Engine::with_config(&EngineConfig { backend: Some(backend), ..Default::default() }) {
+        match Engine::with_config(&EngineConfig::default().backend(backend)) {
             Ok(e) => out.push(e),
             Err(e) => println!("skipped: the {backend:?} backend is unavailable here: {e}"),
         }

@@ -14,8 +14,10 @@ use aio::retry_stale;
 
 use crate::{Error, ProcessId, ProcessState, Result};
 
-/// How [`LockFile::acquire`] waits and judges a holder.
+/// How [`LockFile::acquire`] waits and judges a holder: [`LockOptions::brief`] or
+/// [`LockOptions::owner`], changed with the setters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LockOptions {
     /// How long to wait for a live holder to let go before failing with [`Error::Locked`].
     pub wait: Duration,
@@ -38,6 +40,27 @@ impl LockOptions {
     /// if the holder is known to be alive, take over after 10 s unchanged, with a heartbeat.
     pub fn owner() -> LockOptions {
         LockOptions { wait: Duration::ZERO, stale_after: Duration::from_secs(10), heartbeat: true }
+    }
+
+    /// Sets [`LockOptions::wait`].
+    #[must_use]
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// Sets [`LockOptions::stale_after`].
+    #[must_use]
+    pub fn stale_after(mut self, stale_after: Duration) -> Self {
+        self.stale_after = stale_after;
+        self
+    }
+
+    /// Sets [`LockOptions::heartbeat`].
+    #[must_use]
+    pub fn heartbeat(mut self, heartbeat: bool) -> Self {
+        self.heartbeat = heartbeat;
+        self
     }
 }
 

@@ -9,7 +9,10 @@ use std::time::{Duration, Instant};
 use memmap_tensor::{Error, LockFile, LockOptions};
 
 fn options(wait_ms: u64, stale_ms: u64, heartbeat: bool) -> LockOptions {
-    LockOptions { wait: Duration::from_millis(wait_ms), stale_after: Duration::from_millis(stale_ms), heartbeat }
+    LockOptions::brief()
+        .wait(Duration::from_millis(wait_ms))
+        .stale_after(Duration::from_millis(stale_ms))
+        .heartbeat(heartbeat)
 }
 
 /// A lock line as a process on another machine writes it.

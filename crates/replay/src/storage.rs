@@ -50,6 +50,7 @@ pub enum Backend {
 
 /// A storage's backend and capacity, before the first batch gives it a schema.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StorageConfig {
     /// Where the rows go.
     pub backend: Backend,
@@ -58,6 +59,11 @@ pub struct StorageConfig {
 }
 
 impl StorageConfig {
+    /// A storage of `capacity` rows in `backend`.
+    pub fn new(backend: Backend, capacity: usize) -> Self {
+        StorageConfig { backend, capacity }
+    }
+
     /// A memmap storage in a temporary folder (the default).
     pub fn memmap(capacity: usize) -> Self {
         StorageConfig { backend: Backend::Memmap { folder: None, overwrite: false }, capacity }

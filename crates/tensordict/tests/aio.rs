@@ -9,7 +9,7 @@ type TestResult = Result<(), Box<dyn std::error::Error>>;
 fn engines() -> Vec<Engine> {
     [BackendKind::Threads, BackendKind::Uring]
         .into_iter()
-        .filter_map(|backend| Engine::with_config(&EngineConfig { backend: Some(backend), ..Default::default() }).ok())
+        .filter_map(|backend| Engine::with_config(&EngineConfig::default().backend(backend)).ok())
         .collect()
 }
 

@@ -31,9 +31,9 @@ pub(crate) fn engines() -> Vec<Engine> {
 
 /// [`engines`] with other settings (queue depth, worker count).
 pub(crate) fn engines_with(base: &EngineConfig) -> Vec<Engine> {
-    let threads = EngineConfig { backend: Some(BackendKind::Threads), ..base.clone() };
+    let threads = base.clone().backend(BackendKind::Threads);
     let mut out = vec![Engine::with_config(&threads).expect("the thread-pool backend starts")];
-    match Engine::with_config(&EngineConfig { backend: Some(BackendKind::Uring), ..base.clone() }) {
+    match Engine::with_config(&base.clone().backend(BackendKind::Uring)) {
         Ok(engine) => out.push(engine),
         Err(e) => eprintln!("io_uring is unavailable here ({e}); testing the thread pool only"),
     }
@@ -41,7 +41,7 @@ pub(crate) fn engines_with(base: &EngineConfig) -> Vec<Engine> {
 }
 
 pub(crate) fn uring_available() -> bool {
-    Engine::with_config(&EngineConfig { backend: Some(BackendKind::Uring), ..EngineConfig::default() }).is_ok()
+    Engine::with_config(&EngineConfig::default().backend(BackendKind::Uring)).is_ok()
 }
 
 /// Drops `engine` on another thread and fails if that does not return within [`TIMEOUT`].
