@@ -66,9 +66,9 @@ use tensordict::{Index, TensorDict};
 use crate::checkpoint::{BufferMetadata, Dump, Packing, Prefetch, SamplerDump, StorageDump, WriterDump, WriterKind};
 use crate::error::{Error, Result, WithOp};
 use crate::rate::{RateCounts, RateLimiter};
-use crate::sampler::{Prioritized, Sampler, Uniform, WithoutReplacement};
-use crate::storage::{Backend, Storage, StorageConfig};
-use crate::writer::{MaxValue, Reduction, RoundRobin, Writer};
+use crate::samplers::{Prioritized, Sampler, Uniform, WithoutReplacement};
+use crate::storages::{Backend, Storage, StorageConfig};
+use crate::writers::{MaxValue, Reduction, RoundRobin, Writer};
 
 /// How often a sample draws again for rows being written before it waits for a write to end.
 const REDRAWS_BEFORE_WAIT: usize = 8;

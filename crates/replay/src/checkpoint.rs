@@ -615,7 +615,7 @@ impl SamplerDump {
                 Ok(())
             }
             SamplerDump::WithoutReplacement(state) => {
-                *state = crate::sampler::pack_without_replacement(state, packing, len)?;
+                *state = crate::samplers::without_replacement::pack_without_replacement(state, packing, len)?;
                 Ok(())
             }
         }

@@ -66,7 +66,7 @@ pub use service::{ReplayInfo, ReplayService, ReplayServiceClient, ReplayStats, R
 
 use crate::error::{Error, Result};
 use crate::rate::RateLimiter;
-use crate::slice::{Episodes, SliceShape};
+use crate::samplers::{Episodes, SliceShape};
 
 /// The longest service name, in bytes.
 pub const MAX_NAME_BYTES: usize = rpc::store::MAX_NAME_BYTES;

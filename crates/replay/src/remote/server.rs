@@ -16,12 +16,9 @@ use super::{
 };
 use crate::buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows};
 use crate::error::{Error, Result};
-use crate::prioritized::PrioritizedState;
-use crate::prioritized_slice::PrioritizedSlice;
-use crate::sampler::{Prioritized, Sampler, Uniform, WithoutReplacement};
-use crate::slice::Slice;
-use crate::storage::{Backend, StorageConfig};
-use crate::writer::RoundRobin;
+use crate::samplers::{Prioritized, PrioritizedSlice, PrioritizedState, Sampler, Slice, Uniform, WithoutReplacement};
+use crate::storages::{Backend, StorageConfig};
+use crate::writers::RoundRobin;
 
 /// The largest sample one request may ask for, whatever the frames. The reply must also fit
 /// in one frame, which allows fewer rows: see [`super::max_sample_rows`].

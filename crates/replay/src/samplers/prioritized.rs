@@ -1,5 +1,7 @@
-//! Prioritized sampling state: TorchRL's `PrioritizedSampler` (TorchRL 0.14,
-//! `torchrl/data/replay_buffers/samplers/prioritized.py`) without the storage around it.
+//! [`Prioritized`]: TorchRL's `PrioritizedSampler` (TorchRL 0.14,
+//! `torchrl/data/replay_buffers/samplers/prioritized.py`), a generator around a
+//! [`PrioritizedState`], the sampling state without the storage around it (its segment trees
+//! are in `tree.rs`).
 //!
 //! What TorchRL does, and what this module reproduces:
 //!
@@ -26,12 +28,17 @@
 //! so sampling stays O(batch · log n). Invalid priorities (NaN, infinite, negative) are refused
 //! with an error instead of entering the trees.
 
+use std::fmt;
+
+use parking_lot::{Mutex, RwLock};
 use rand::Rng;
+use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{self, PrioritizedDump};
+use super::tree::{MinTree, SumTree};
+use super::{Draw, Sampler, rng_from};
+use crate::checkpoint::{self, PrioritizedDump, SamplerDump};
 use crate::error::{Error, Result};
-use crate::tree::{MinTree, SumTree};
 
 /// The schema version TorchRL writes in `sampler_metadata.json` (raw-domain `_max_priority`).
 pub const SAMPLER_SCHEMA_VERSION: u32 = 1;
@@ -447,5 +454,126 @@ impl PrioritizedState {
             state.recompute_max_priority_from_tree();
         }
         Ok(state)
+    }
+}
+
+/// Prioritized sampling (TorchRL's `PrioritizedSampler`) around a [`PrioritizedState`].
+///
+/// The state sits behind a read-write lock: samples share it, while new rows and priority
+/// updates take it alone for the time of a tree update. The generator has its own lock.
+pub struct Prioritized {
+    state: RwLock<PrioritizedState>,
+    rng: Mutex<StdRng>,
+}
+
+impl Prioritized {
+    /// A sampler for `capacity` rows, seeded from the OS. `alpha`, `beta` and `eps` must be
+    /// finite and `>= 0`.
+    pub fn new(capacity: usize, alpha: f64, beta: f64, eps: f64) -> Result<Self> {
+        Ok(Self::from_state(PrioritizedState::new(capacity, alpha, beta, eps)?, None))
+    }
+
+    /// A sampler around `state`, seeded by `seed` (from the OS when `None`).
+    pub fn from_state(state: PrioritizedState, seed: Option<u64>) -> Self {
+        Prioritized { state: RwLock::new(state), rng: Mutex::new(rng_from(seed)) }
+    }
+
+    /// A sampler resuming from a TorchRL dump's `sampler/` for a storage of `capacity` rows.
+    /// `max_priority_within_buffer` is TorchRL's constructor argument of that name (not in the
+    /// dump).
+    pub fn from_dump(
+        dump: &PrioritizedDump,
+        capacity: usize,
+        max_priority_within_buffer: bool,
+        seed: Option<u64>,
+    ) -> Result<Self> {
+        let parts = PrioritizedParts {
+            metadata: SamplerMetadata {
+                alpha: dump.alpha,
+                beta: dump.beta,
+                eps: dump.eps,
+                max_priority: [dump.max_priority.value, dump.max_priority.index.map(|i| i as f64)],
+                max_capacity: dump.max_capacity as f64,
+                schema_version: match dump.schema_version {
+                    None => None,
+                    Some(v) => Some(u32::try_from(v).map_err(|_| Error::InvalidParameter {
+                        name: "_schema_version",
+                        value: v as f64,
+                        reason: "must be a small non-negative integer",
+                    })?),
+                },
+            },
+            sum_leaves: dump.sum_tree.clone(),
+            min_leaves: dump.min_tree.clone(),
+        };
+        let state = PrioritizedState::from_parts(capacity, &parts, max_priority_within_buffer)?;
+        Ok(Self::from_state(state, seed))
+    }
+
+    /// A copy of the current state (parameters, max priority, trees).
+    pub fn state(&self) -> PrioritizedState {
+        self.state.read().clone()
+    }
+
+    /// Sets the priority exponent (see [`PrioritizedState::set_alpha`]).
+    pub fn set_alpha(&self, alpha: f64) -> Result<()> {
+        self.state.write().set_alpha(alpha)
+    }
+
+    /// Sets the importance-weight exponent.
+    pub fn set_beta(&self, beta: f64) -> Result<()> {
+        self.state.write().set_beta(beta)
+    }
+}
+
+impl fmt::Debug for Prioritized {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.state.read();
+        f.debug_struct("Prioritized")
+            .field("capacity", &state.capacity())
+            .field("alpha", &state.alpha())
+            .field("beta", &state.beta())
+            .field("eps", &state.eps())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sampler for Prioritized {
+    fn name(&self) -> &'static str {
+        "prioritized"
+    }
+
+    fn on_write(&self, indices: &[usize]) {
+        // The buffer only builds over a sampler of its own capacity (`capacity` below), so
+        // every row it writes is in range and the update cannot fail.
+        let _ = self.state.write().on_write(indices);
+    }
+
+    fn sample(&self, batch: usize, len: usize) -> Result<Draw> {
+        if len == 0 {
+            return Err(Error::Empty);
+        }
+        let state = self.state.read();
+        let (indices, weights) = state.sample(batch, len, &mut *self.rng.lock())?;
+        Ok((indices, Some(weights.into_iter().map(f64::from).collect())))
+    }
+
+    /// Priorities are narrowed to `f32` (TorchRL's tree precision); a value that does not fit
+    /// is refused as invalid, naming its row.
+    fn update_priority(&self, indices: &[usize], priorities: &[f64]) -> Result<()> {
+        let narrow: Vec<f32> = priorities.iter().map(|&p| p as f32).collect();
+        self.state.write().update_priority(indices, &narrow)
+    }
+
+    fn reset(&self) {
+        self.state.write().reset();
+    }
+
+    fn capacity(&self) -> Option<usize> {
+        Some(self.state.read().capacity())
+    }
+
+    fn to_dump(&self) -> Result<SamplerDump> {
+        Ok(SamplerDump::Prioritized(self.state.read().to_dump()))
     }
 }

@@ -61,11 +61,12 @@ use parking_lot::RwLock;
 use rand::Rng;
 use tensordict::TensorDict;
 
+use super::episodes::{EpisodeIndex, Trajectory};
+use super::prioritized::PrioritizedState;
+use super::slice::{Episodes, Slice, SliceShape};
+use super::{Draw, Sampler};
 use crate::checkpoint::SamplerDump;
 use crate::error::{Error, Result};
-use crate::prioritized::PrioritizedState;
-use crate::sampler::{Draw, Sampler};
-use crate::slice::{EpisodeIndex, Episodes, Slice, SliceShape, Trajectory};
 
 /// The name prioritized slice samplers give in messages.
 const NAME: &str = "prioritized-slice";
