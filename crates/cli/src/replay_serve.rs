@@ -430,7 +430,7 @@ fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
         paths.log.as_deref().map_or_else(|| "stderr".to_owned(), |p| p.display().to_string()),
         server.buffer().capacity(),
         paths.dir.as_deref().map_or_else(|| "shared memory".to_owned(), |d| format!("folder {}", d.display())),
-        server.buffer().sampler().name(),
+        server.buffer().sampler_name(),
     );
     if let Some(limiter) = server.buffer().rate_limiter() {
         let (min_diff, max_diff) = limiter.bounds();

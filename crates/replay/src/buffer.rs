@@ -1,5 +1,14 @@
 //! [`ReplayBuffer`]: a storage, a writer and a sampler behind one `&self` API.
 //!
+//! Neither the writer nor the sampler locks anything: the buffer calls them under its locks.
+//! The writer lives in the state the buffer's lock guards (below). The sampler sits behind a
+//! second lock of the buffer's, taken inside the state lock where a draw, a write or a dump
+//! needs both, and alone by [`ReplayBuffer::update_priority`]: a tree update then holds up
+//! neither the pins and unpins of reads nor the reservations of writes. (With the sampler in
+//! the state, a sample made while another thread updated priorities took about twice as long:
+//! `prioritized_sample_256_while_updating` in `benches/sampling.rs`.) The locks are always taken
+//! in that order, state then sampler.
+//!
 //! # No torn rows
 //!
 //! Many threads may extend and sample at once. A row is *visible* (samplers and reads may use
@@ -349,7 +358,8 @@ impl State {
 pub struct ReplayBuffer {
     id: u64,
     config: StorageConfig,
-    sampler: Box<dyn Sampler>,
+    /// Taken inside `state` or alone, never the other way round (see the module docs).
+    sampler: Mutex<Box<dyn Sampler>>,
     limiter: Option<RateLimiter>,
     /// Set when rows may be written by other nodes through a shared filesystem: rows this
     /// buffer reads back are read from the files (see [`ReplayBuffer::for_shared_filesystem`]).
@@ -365,7 +375,7 @@ impl fmt::Debug for ReplayBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ReplayBuffer")
             .field("config", &self.config)
-            .field("sampler", &self.sampler)
+            .field("sampler", &*self.sampler.lock())
             .field("len", &self.len())
             .finish_non_exhaustive()
     }
@@ -385,7 +395,7 @@ impl ReplayBuffer {
         Ok(ReplayBuffer {
             id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
             config,
-            sampler,
+            sampler: Mutex::new(sampler),
             limiter: None,
             file_reads: None,
             storage: OnceLock::new(),
@@ -439,7 +449,7 @@ impl ReplayBuffer {
         storage: Storage,
         len: usize,
         writer: Box<dyn Writer>,
-        sampler: Box<dyn Sampler>,
+        mut sampler: Box<dyn Sampler>,
     ) -> Result<Self> {
         let capacity = storage.capacity();
         if len > capacity {
@@ -527,9 +537,15 @@ impl ReplayBuffer {
         self.storage.get()
     }
 
-    /// The sampler.
-    pub fn sampler(&self) -> &dyn Sampler {
-        &*self.sampler
+    /// Runs `f` on the sampler (to read its state or save it), under the buffer's sampler
+    /// lock: `f` must not call the buffer.
+    pub fn with_sampler<R>(&self, f: impl FnOnce(&dyn Sampler) -> R) -> R {
+        f(&**self.sampler.lock())
+    }
+
+    /// The sampler's name (`"uniform"`, `"prioritized"`), for messages.
+    pub fn sampler_name(&self) -> &'static str {
+        self.sampler.lock().name()
     }
 
     /// The writer's cursor and write count.
@@ -538,7 +554,8 @@ impl ReplayBuffer {
         (state.writer.cursor(), state.writer.write_count())
     }
 
-    /// Runs `f` on the writer (to save its state), under the state lock.
+    /// Runs `f` on the writer (to save its state), under the state lock: `f` must not call
+    /// the buffer.
     pub fn with_writer<R>(&self, f: impl FnOnce(&dyn Writer) -> R) -> R {
         f(&*self.state.lock().writer)
     }
@@ -558,7 +575,7 @@ impl ReplayBuffer {
             return Ok(Vec::new());
         }
         // Before the first batch creates the storage, so that a refused batch fixes no schema.
-        self.sampler.check_batch(batch)?;
+        self.sampler.lock().check_batch(batch)?;
         let storage = self.storage_for(batch)?;
         storage.check_batch(OP, batch)?;
 
@@ -608,7 +625,7 @@ impl ReplayBuffer {
         state.dequeue(&rows, copied.is_ok(), self.config.capacity);
         if let Ok(src) = &copied {
             let cursor = state.writer.cursor();
-            self.sampler.on_write_rows(&rows, src.as_ref().unwrap_or(batch), cursor, self.config.capacity);
+            self.sampler.lock().on_write_rows(&rows, src.as_ref().unwrap_or(batch), cursor, self.config.capacity);
         }
         drop(state);
         self.changed.notify_all();
@@ -691,7 +708,7 @@ impl ReplayBuffer {
         state.dequeue(&reservation.rows, written.is_ok(), self.config.capacity);
         if let Ok(rows) = &written {
             let cursor = state.writer.cursor();
-            self.sampler.on_write_rows(&reservation.rows, rows, cursor, self.config.capacity);
+            self.sampler.lock().on_write_rows(&reservation.rows, rows, cursor, self.config.capacity);
         }
         drop(state);
         self.changed.notify_all();
@@ -739,7 +756,7 @@ impl ReplayBuffer {
     /// Creates the storage with the schema of `like` (batch size `[n, ...]`, `n >= 1`; its
     /// values are not written) if the buffer has none yet, and returns it.
     pub fn create_storage(&self, like: &TensorDict) -> Result<&Storage> {
-        self.sampler.check_batch(like)?;
+        self.sampler.lock().check_batch(like)?;
         let storage = self.storage_for(like)?;
         storage.check_batch("create_storage", like)?;
         Ok(storage)
@@ -813,7 +830,7 @@ impl ReplayBuffer {
     /// priorities). Indices must be valid rows.
     pub fn update_priority(&self, indices: impl Into<Rows>, priorities: &[f64]) -> Result<()> {
         let rows = indices.into().resolve(self.len())?;
-        self.sampler.update_priority(&rows, priorities)
+        self.sampler.lock().update_priority(&rows, priorities)
     }
 
     /// Writes the buffer as a TorchRL dump folder at `path` (which must be missing or an empty
@@ -844,7 +861,7 @@ impl ReplayBuffer {
         let len = state.len;
         let packing = Packing::new((0..capacity).filter(|&r| state.committed(r)).collect(), capacity);
         let mut writer = writer_dump(&*state.writer)?;
-        let mut sampler = self.sampler.to_dump()?;
+        let mut sampler = self.sampler.lock().to_dump()?;
         // Every row no write holds, so that none is written while it is copied (rows being
         // written are not in the dump; the copy does not wait for them).
         let pinned: Vec<usize> = (0..capacity).filter(|&r| state.rows[r].queued == 0).collect();
@@ -968,6 +985,10 @@ impl ReplayBuffer {
                 self.wait(&mut state, start, deadline, op, "the rate limiter holds samples back")?;
             }
         }
+        let (sampler, whole_draws) = {
+            let sampler = self.sampler.lock();
+            (sampler.name(), sampler.whole_draws())
+        };
         let mut indices = Vec::with_capacity(batch_size);
         let mut weights: Option<Vec<f64>> = None;
         let mut rounds = 0;
@@ -987,31 +1008,28 @@ impl ReplayBuffer {
                 continue;
             }
             let want = batch_size - indices.len();
-            let (drawn, w) = self.sampler.sample(want, len)?;
+            // Under the state lock, taken only for the draw: the draw loop below waits on the
+            // state lock's condition, which a write's publication (taking the sampler lock to
+            // tell the sampler) must be able to end.
+            let (drawn, w) = self.sampler.lock().sample(want, len)?;
             if let Some(&bad) = drawn.iter().find(|&&i| i >= len) {
-                return Err(Error::Sampler {
-                    sampler: self.sampler.name(),
-                    detail: format!("drew row {bad} from {len} valid rows"),
-                });
+                return Err(Error::Sampler { sampler, detail: format!("drew row {bad} from {len} valid rows") });
             }
             if w.as_ref().is_some_and(|w| w.len() != drawn.len()) {
                 return Err(Error::Sampler {
-                    sampler: self.sampler.name(),
+                    sampler,
                     detail: format!("gave {} weights for {} rows", w.map_or(0, |w| w.len()), drawn.len()),
                 });
             }
             if drawn.is_empty() {
-                return Err(Error::Sampler {
-                    sampler: self.sampler.name(),
-                    detail: format!("drew no rows from {len} valid rows"),
-                });
+                return Err(Error::Sampler { sampler, detail: format!("drew no rows from {len} valid rows") });
             }
             let short = drawn.len() < want;
             // Rows being written become visible when their write ends: worth waiting for.
             // Rows a failed write left are not valid until written again: draw past them.
             let being_written = drawn.iter().any(|&i| state.rows[i].queued > 0);
             let before = indices.len();
-            if self.sampler.whole_draws() && !drawn.iter().all(|&i| state.visible(i)) {
+            if whole_draws && !drawn.iter().all(|&i| state.visible(i)) {
                 // A run with a row being written: the whole draw is dropped and made again.
             } else {
                 for (j, &i) in drawn.iter().enumerate() {
@@ -1033,7 +1051,7 @@ impl ReplayBuffer {
                 fruitless += 1;
                 if fruitless >= MAX_FRUITLESS_DRAWS {
                     return Err(Error::Sampler {
-                        sampler: self.sampler.name(),
+                        sampler,
                         detail: format!(
                             "{MAX_FRUITLESS_DRAWS} draws in a row found only rows that are not valid (rows whose \
                              write failed or was aborted, not written since) among {len} rows"

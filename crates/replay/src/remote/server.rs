@@ -379,7 +379,7 @@ impl ReplayService for Session {
             node: shared.node.clone(),
             pid: std::process::id(),
             capacity: shared.buffer.capacity() as u64,
-            sampler: shared.buffer.sampler().name().to_owned(),
+            sampler: shared.buffer.sampler_name().to_owned(),
             storage: shared.storage_ref()?,
             limiter,
         })
@@ -460,7 +460,7 @@ impl ReplayService for Session {
             return Err(invalid(format!("a sample of {batch} rows; ask for 1 to {MAX_SAMPLE_ROWS}")));
         }
         let capacity = self.shared().buffer.capacity();
-        let weighted = weighted_sampler(self.shared().buffer.sampler().name());
+        let weighted = weighted_sampler(self.shared().buffer.sampler_name());
         let max = max_sample_rows(capacity, weighted, MAX_FRAME_BYTES);
         if batch > max as u64 {
             // Drawn, its reply could not be sent: the connection would end instead.

@@ -11,8 +11,10 @@
 //!
 //! The slice samplers share the index of trajectories kept write by write (`episodes.rs`).
 //!
-//! The [`Sampler`] trait is object-safe and `Send + Sync`; samplers keep their state behind
-//! their own locks, so a buffer calls them through `&self`. Runs of consecutive steps of one
+//! The [`Sampler`] trait is object-safe and `Send`. A sampler has no lock of its own: a buffer
+//! keeps it behind a lock it owns and calls it under that lock (`&mut self` for whatever
+//! changes it), as Reverb's table calls its selectors under the table's mutex. So a sampler is
+//! plain single-threaded code. Runs of consecutive steps of one
 //! trajectory are drawn by [`Slice`], which reads the written rows through
 //! [`Sampler::on_write_rows`].
 
@@ -45,14 +47,15 @@ pub use without_replacement::WithoutReplacement;
 /// Row indices and, for samplers that weight their draws, one importance weight per index.
 pub type Draw = (Vec<usize>, Option<Vec<f64>>);
 
-/// Chooses the rows of each sample. Implementations keep their state behind interior locks.
-pub trait Sampler: Send + Sync + fmt::Debug {
+/// Chooses the rows of each sample. A buffer calls it under a lock of its own:
+/// implementations need no locks, and should be quick.
+pub trait Sampler: Send + fmt::Debug {
     /// A short name for messages (`"uniform"`).
     fn name(&self) -> &'static str;
 
     /// Rows `indices` were just completely written (new data replaced what was there). The
     /// default does nothing.
-    fn on_write(&self, indices: &[usize]) {
+    fn on_write(&mut self, indices: &[usize]) {
         let _ = indices;
     }
 
@@ -69,7 +72,7 @@ pub trait Sampler: Send + Sync + fmt::Debug {
     /// starts at) and `capacity` the storage's number of rows. Samplers that need the rows'
     /// contents (trajectory ids, done flags) read them here. The default calls
     /// [`Sampler::on_write`].
-    fn on_write_rows(&self, indices: &[usize], rows: &TensorDict, cursor: usize, capacity: usize) {
+    fn on_write_rows(&mut self, indices: &[usize], rows: &TensorDict, cursor: usize, capacity: usize) {
         let _ = (rows, cursor, capacity);
         self.on_write(indices);
     }
@@ -78,7 +81,7 @@ pub trait Sampler: Send + Sync + fmt::Debug {
     /// are valid; `cursor` and `capacity` as in [`Sampler::on_write_rows`]. Samplers that read
     /// the rows' contents learn them here and refuse rows without what they read. The default
     /// does nothing (a sampler's saved state is restored by its own constructor).
-    fn on_load(&self, rows: &TensorDict, cursor: usize, capacity: usize) -> Result<()> {
+    fn on_load(&mut self, rows: &TensorDict, cursor: usize, capacity: usize) -> Result<()> {
         let _ = (rows, cursor, capacity);
         Ok(())
     }
@@ -92,16 +95,16 @@ pub trait Sampler: Send + Sync + fmt::Debug {
 
     /// Draws `batch` row indices among rows `0..len` (`len >= 1`), with weights if the sampler
     /// has them. May return fewer than `batch` (the end of an epoch without `drop_last`).
-    fn sample(&self, batch: usize, len: usize) -> Result<Draw>;
+    fn sample(&mut self, batch: usize, len: usize) -> Result<Draw>;
 
     /// Sets the priorities of rows `indices`. Samplers without priorities refuse.
-    fn update_priority(&self, indices: &[usize], priorities: &[f64]) -> Result<()> {
+    fn update_priority(&mut self, indices: &[usize], priorities: &[f64]) -> Result<()> {
         let _ = (indices, priorities);
         Err(Error::NoPriorities { sampler: self.name() })
     }
 
     /// Forgets everything (the buffer was emptied). The default does nothing.
-    fn reset(&self) {}
+    fn reset(&mut self) {}
 
     /// The number of rows the sampler was built for, for samplers that keep per-row state.
     /// A buffer refuses a sampler whose capacity differs from its own.

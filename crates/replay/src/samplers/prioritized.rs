@@ -30,7 +30,6 @@
 
 use std::fmt;
 
-use parking_lot::{Mutex, RwLock};
 use rand::Rng;
 use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
@@ -459,11 +458,10 @@ impl PrioritizedState {
 
 /// Prioritized sampling (TorchRL's `PrioritizedSampler`) around a [`PrioritizedState`].
 ///
-/// The state sits behind a read-write lock: samples share it, while new rows and priority
-/// updates take it alone for the time of a tree update. The generator has its own lock.
+/// It has no lock of its own: a buffer keeps it behind its own lock.
 pub struct Prioritized {
-    state: RwLock<PrioritizedState>,
-    rng: Mutex<StdRng>,
+    state: PrioritizedState,
+    rng: StdRng,
 }
 
 impl Prioritized {
@@ -475,7 +473,7 @@ impl Prioritized {
 
     /// A sampler around `state`, seeded by `seed` (from the OS when `None`).
     pub fn from_state(state: PrioritizedState, seed: Option<u64>) -> Self {
-        Prioritized { state: RwLock::new(state), rng: Mutex::new(rng_from(seed)) }
+        Prioritized { state, rng: rng_from(seed) }
     }
 
     /// A sampler resuming from a TorchRL dump's `sampler/` for a storage of `capacity` rows.
@@ -512,23 +510,23 @@ impl Prioritized {
 
     /// A copy of the current state (parameters, max priority, trees).
     pub fn state(&self) -> PrioritizedState {
-        self.state.read().clone()
+        self.state.clone()
     }
 
     /// Sets the priority exponent (see [`PrioritizedState::set_alpha`]).
-    pub fn set_alpha(&self, alpha: f64) -> Result<()> {
-        self.state.write().set_alpha(alpha)
+    pub fn set_alpha(&mut self, alpha: f64) -> Result<()> {
+        self.state.set_alpha(alpha)
     }
 
     /// Sets the importance-weight exponent.
-    pub fn set_beta(&self, beta: f64) -> Result<()> {
-        self.state.write().set_beta(beta)
+    pub fn set_beta(&mut self, beta: f64) -> Result<()> {
+        self.state.set_beta(beta)
     }
 }
 
 impl fmt::Debug for Prioritized {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let state = self.state.read();
+        let state = &self.state;
         f.debug_struct("Prioritized")
             .field("capacity", &state.capacity())
             .field("alpha", &state.alpha())
@@ -543,37 +541,36 @@ impl Sampler for Prioritized {
         "prioritized"
     }
 
-    fn on_write(&self, indices: &[usize]) {
+    fn on_write(&mut self, indices: &[usize]) {
         // The buffer only builds over a sampler of its own capacity (`capacity` below), so
         // every row it writes is in range and the update cannot fail.
-        let _ = self.state.write().on_write(indices);
+        let _ = self.state.on_write(indices);
     }
 
-    fn sample(&self, batch: usize, len: usize) -> Result<Draw> {
+    fn sample(&mut self, batch: usize, len: usize) -> Result<Draw> {
         if len == 0 {
             return Err(Error::Empty);
         }
-        let state = self.state.read();
-        let (indices, weights) = state.sample(batch, len, &mut *self.rng.lock())?;
+        let (indices, weights) = self.state.sample(batch, len, &mut self.rng)?;
         Ok((indices, Some(weights.into_iter().map(f64::from).collect())))
     }
 
     /// Priorities are narrowed to `f32` (TorchRL's tree precision); a value that does not fit
     /// is refused as invalid, naming its row.
-    fn update_priority(&self, indices: &[usize], priorities: &[f64]) -> Result<()> {
+    fn update_priority(&mut self, indices: &[usize], priorities: &[f64]) -> Result<()> {
         let narrow: Vec<f32> = priorities.iter().map(|&p| p as f32).collect();
-        self.state.write().update_priority(indices, &narrow)
+        self.state.update_priority(indices, &narrow)
     }
 
-    fn reset(&self) {
-        self.state.write().reset();
+    fn reset(&mut self) {
+        self.state.reset();
     }
 
     fn capacity(&self) -> Option<usize> {
-        Some(self.state.read().capacity())
+        Some(self.state.capacity())
     }
 
     fn to_dump(&self) -> Result<SamplerDump> {
-        Ok(SamplerDump::Prioritized(self.state.read().to_dump()))
+        Ok(SamplerDump::Prioritized(self.state.to_dump()))
     }
 }

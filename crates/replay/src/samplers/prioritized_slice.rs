@@ -57,7 +57,6 @@
 
 use std::fmt;
 
-use parking_lot::RwLock;
 use rand::Rng;
 use tensordict::TensorDict;
 
@@ -78,12 +77,12 @@ pub const REJECTIONS: usize = 64;
 /// `PrioritizedSliceSampler`); see the module docs.
 pub struct PrioritizedSlice {
     slice: Slice,
-    state: RwLock<PrioritizedState>,
+    state: PrioritizedState,
 }
 
 impl fmt::Debug for PrioritizedSlice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let state = self.state.read();
+        let state = &self.state;
         f.debug_struct("PrioritizedSlice")
             .field("slice", &self.slice)
             .field("capacity", &state.capacity())
@@ -111,7 +110,7 @@ impl PrioritizedSlice {
 
     /// A sampler around a prioritized state (for instance one restored from a dump).
     pub fn from_state(state: PrioritizedState, episodes: Episodes, shape: SliceShape) -> Result<Self> {
-        Ok(PrioritizedSlice { slice: Slice::new(episodes, shape)?, state: RwLock::new(state) })
+        Ok(PrioritizedSlice { slice: Slice::new(episodes, shape)?, state })
     }
 
     /// Sets `strict_length` (see [`Slice::strict_length`] and the module docs).
@@ -128,12 +127,8 @@ impl PrioritizedSlice {
 
     /// Tracks the max priority among rows in the buffer (TorchRL's
     /// `max_priority_within_buffer=True`) instead of the max ever seen.
-    pub fn with_max_priority_within_buffer(self, within: bool) -> Self {
-        {
-            let mut state = self.state.write();
-            let current = state.clone();
-            *state = current.with_max_priority_within_buffer(within);
-        }
+    pub fn with_max_priority_within_buffer(mut self, within: bool) -> Self {
+        self.state = self.state.with_max_priority_within_buffer(within);
         self
     }
 
@@ -149,17 +144,17 @@ impl PrioritizedSlice {
 
     /// A copy of the prioritized state (parameters, max priority, trees).
     pub fn state(&self) -> PrioritizedState {
-        self.state.read().clone()
+        self.state.clone()
     }
 
     /// Sets the priority exponent (see [`PrioritizedState::set_alpha`]).
-    pub fn set_alpha(&self, alpha: f64) -> Result<()> {
-        self.state.write().set_alpha(alpha)
+    pub fn set_alpha(&mut self, alpha: f64) -> Result<()> {
+        self.state.set_alpha(alpha)
     }
 
     /// Sets the importance-weight exponent.
-    pub fn set_beta(&self, beta: f64) -> Result<()> {
-        self.state.write().set_beta(beta)
+    pub fn set_beta(&mut self, beta: f64) -> Result<()> {
+        self.state.set_beta(beta)
     }
 }
 
@@ -223,16 +218,16 @@ impl Sampler for PrioritizedSlice {
         self.slice.check_batch(batch)
     }
 
-    fn on_write_rows(&self, indices: &[usize], rows: &TensorDict, cursor: usize, capacity: usize) {
+    fn on_write_rows(&mut self, indices: &[usize], rows: &TensorDict, cursor: usize, capacity: usize) {
         // The buffer only builds over a sampler of its own capacity (`capacity` below), so
         // every row it writes is in range and the update cannot fail.
-        let _ = self.state.write().on_write(indices);
+        let _ = self.state.on_write(indices);
         self.slice.on_write_rows(indices, rows, cursor, capacity);
     }
 
     /// Learns the trajectories of the loaded rows; their priorities are the state's (from
     /// [`PrioritizedSlice::from_state`]).
-    fn on_load(&self, rows: &TensorDict, cursor: usize, capacity: usize) -> Result<()> {
+    fn on_load(&mut self, rows: &TensorDict, cursor: usize, capacity: usize) -> Result<()> {
         self.slice.on_load(rows, cursor, capacity)
     }
 
@@ -240,15 +235,14 @@ impl Sampler for PrioritizedSlice {
         true
     }
 
-    fn sample(&self, batch: usize, len: usize) -> Result<Draw> {
+    fn sample(&mut self, batch: usize, len: usize) -> Result<Draw> {
         if len == 0 {
             return Err(Error::Empty);
         }
         let (slice_len, num_slices) = self.slice.cut(batch)?;
         let strict = self.slice.is_strict();
-        let index = self.slice.index.lock();
-        let view = self.slice.view(&index, len)?;
-        let state = self.state.read();
+        let view = self.slice.view(&self.slice.index, len)?;
+        let state = &self.state;
         let p_sum = state.sum_tree().sum(0..len)?;
         let p_min = state.min_tree().min_in(0..len)?;
         if p_sum <= 0.0 {
@@ -258,7 +252,7 @@ impl Sampler for PrioritizedSlice {
             return Err(Error::NonPositiveMass { what: "min", len, value: f64::from(p_min) });
         }
         let leaves = state.sum_tree().leaves();
-        let mut rng = self.slice.rng.lock();
+        let rng = &mut self.slice.rng;
         let mut masked: Option<Masked> = None;
         let mut indices = Vec::with_capacity(batch);
         let mut weights = Vec::with_capacity(batch);
@@ -302,22 +296,22 @@ impl Sampler for PrioritizedSlice {
 
     /// Priorities are narrowed to `f32` (TorchRL's tree precision); a value that does not fit
     /// is refused as invalid, naming its row.
-    fn update_priority(&self, indices: &[usize], priorities: &[f64]) -> Result<()> {
+    fn update_priority(&mut self, indices: &[usize], priorities: &[f64]) -> Result<()> {
         let narrow: Vec<f32> = priorities.iter().map(|&p| p as f32).collect();
-        self.state.write().update_priority(indices, &narrow)
+        self.state.update_priority(indices, &narrow)
     }
 
-    fn reset(&self) {
+    fn reset(&mut self) {
         self.slice.reset();
-        self.state.write().reset();
+        self.state.reset();
     }
 
     fn capacity(&self) -> Option<usize> {
-        Some(self.state.read().capacity())
+        Some(self.state.capacity())
     }
 
     /// TorchRL's prioritized slice sampler dumps what its prioritized sampler dumps.
     fn to_dump(&self) -> Result<SamplerDump> {
-        Ok(SamplerDump::Prioritized(self.state.read().to_dump()))
+        Ok(SamplerDump::Prioritized(self.state.to_dump()))
     }
 }

@@ -46,7 +46,6 @@ use std::borrow::Cow;
 use std::fmt;
 
 use memmap_tensor::{DType, Tensor};
-use parking_lot::Mutex;
 use rand::Rng;
 use rand::rngs::StdRng;
 use tensordict::{KeyPath, TensorDict};
@@ -90,8 +89,8 @@ pub struct Slice {
     episodes: Episodes,
     shape: SliceShape,
     strict_length: bool,
-    pub(crate) rng: Mutex<StdRng>,
-    pub(crate) index: Mutex<EpisodeIndex>,
+    pub(crate) rng: StdRng,
+    pub(crate) index: EpisodeIndex,
 }
 
 impl fmt::Debug for Slice {
@@ -117,11 +116,11 @@ impl Slice {
             return Err(Error::Sampler { sampler: NAME, detail: format!("{what} must be at least 1") });
         }
         Ok(Slice {
-            index: Mutex::new(EpisodeIndex::new(matches!(episodes, Episodes::TrajKey(_)))),
+            index: EpisodeIndex::new(matches!(episodes, Episodes::TrajKey(_))),
             episodes,
             shape,
             strict_length: true,
-            rng: Mutex::new(rng_from(None)),
+            rng: rng_from(None),
         })
     }
 
@@ -144,7 +143,7 @@ impl Slice {
 
     /// Fixes the draws by `seed`.
     pub fn seeded(mut self, seed: u64) -> Self {
-        self.rng = Mutex::new(rng_from(Some(seed)));
+        self.rng = rng_from(Some(seed));
         self
     }
 
@@ -243,14 +242,14 @@ impl Sampler for Slice {
         self.values(batch).map(|_| ())
     }
 
-    fn on_write_rows(&self, indices: &[usize], rows: &TensorDict, cursor: usize, capacity: usize) {
+    fn on_write_rows(&mut self, indices: &[usize], rows: &TensorDict, cursor: usize, capacity: usize) {
         // A batch that passed `check_batch` has the key; should it not, its rows are unknown
         // and sampling over them is refused by name.
         let values = self.values(rows).ok();
-        self.index.lock().write(indices, values.as_deref(), cursor, capacity);
+        self.index.write(indices, values.as_deref(), cursor, capacity);
     }
 
-    fn on_load(&self, rows: &TensorDict, cursor: usize, capacity: usize) -> Result<()> {
+    fn on_load(&mut self, rows: &TensorDict, cursor: usize, capacity: usize) -> Result<()> {
         self.check_batch(rows)?;
         self.reset();
         let n = rows.batch_size().first().copied().unwrap_or(0);
@@ -268,13 +267,12 @@ impl Sampler for Slice {
         true
     }
 
-    fn sample(&self, batch: usize, len: usize) -> Result<Draw> {
+    fn sample(&mut self, batch: usize, len: usize) -> Result<Draw> {
         if len == 0 {
             return Err(Error::Empty);
         }
         let (slice_len, num_slices) = self.cut(batch)?;
-        let index = self.index.lock();
-        let view = self.view(&index, len)?;
+        let view = self.view(&self.index, len)?;
         let min_len = if self.strict_length { slice_len } else { 1 };
         if view.at_least(min_len) == 0 {
             return Err(Error::Sampler {
@@ -286,7 +284,7 @@ impl Sampler for Slice {
                 ),
             });
         }
-        let mut rng = self.rng.lock();
+        let rng = &mut self.rng;
         let mut indices = Vec::with_capacity(batch);
         for _ in 0..num_slices {
             let Some(t) = view.pick(min_len, &mut *rng) else {
@@ -299,7 +297,7 @@ impl Sampler for Slice {
         Ok((indices, None))
     }
 
-    fn reset(&self) {
-        *self.index.lock() = EpisodeIndex::new(matches!(self.episodes, Episodes::TrajKey(_)));
+    fn reset(&mut self) {
+        self.index = EpisodeIndex::new(matches!(self.episodes, Episodes::TrajKey(_)));
     }
 }

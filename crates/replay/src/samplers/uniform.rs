@@ -3,7 +3,6 @@
 
 use std::fmt;
 
-use parking_lot::Mutex;
 use rand::Rng as _;
 use rand::rngs::StdRng;
 
@@ -13,18 +12,18 @@ use crate::error::{Error, Result};
 
 /// Uniform sampling with replacement (TorchRL's `RandomSampler`).
 pub struct Uniform {
-    rng: Mutex<StdRng>,
+    rng: StdRng,
 }
 
 impl Uniform {
     /// A sampler seeded from the OS.
     pub fn new() -> Self {
-        Uniform { rng: Mutex::new(rng_from(None)) }
+        Uniform { rng: rng_from(None) }
     }
 
     /// A sampler whose draws are fixed by `seed`.
     pub fn seeded(seed: u64) -> Self {
-        Uniform { rng: Mutex::new(rng_from(Some(seed))) }
+        Uniform { rng: rng_from(Some(seed)) }
     }
 }
 
@@ -45,12 +44,11 @@ impl Sampler for Uniform {
         "uniform"
     }
 
-    fn sample(&self, batch: usize, len: usize) -> Result<Draw> {
+    fn sample(&mut self, batch: usize, len: usize) -> Result<Draw> {
         if len == 0 {
             return Err(Error::Empty);
         }
-        let mut rng = self.rng.lock();
-        Ok(((0..batch).map(|_| rng.random_range(0..len)).collect(), None))
+        Ok(((0..batch).map(|_| self.rng.random_range(0..len)).collect(), None))
     }
 
     fn to_dump(&self) -> Result<SamplerDump> {

@@ -7,7 +7,6 @@
 use std::fmt;
 
 use memmap_tensor::{DType, Tensor};
-use parking_lot::Mutex;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use tensordict::TensorDict;
@@ -32,8 +31,8 @@ struct Epoch {
 pub struct WithoutReplacement {
     drop_last: bool,
     shuffle: bool,
-    rng: Mutex<StdRng>,
-    epoch: Mutex<Epoch>,
+    rng: StdRng,
+    epoch: Epoch,
 }
 
 impl WithoutReplacement {
@@ -47,23 +46,23 @@ impl WithoutReplacement {
         WithoutReplacement {
             drop_last,
             shuffle,
-            rng: Mutex::new(rng_from(seed)),
-            epoch: Mutex::new(Epoch { remaining: Vec::new(), len: 0, epochs: 0 }),
+            rng: rng_from(seed),
+            epoch: Epoch { remaining: Vec::new(), len: 0, epochs: 0 },
         }
     }
 
     /// How many epochs have been completed (started anew after running out of rows).
     pub fn epochs(&self) -> u64 {
-        self.epoch.lock().epochs
+        self.epoch.epochs
     }
 
     /// Starts an epoch over rows `0..len`.
-    fn refill(&self, epoch: &mut Epoch, len: usize) {
-        epoch.remaining = (0..len).rev().collect();
+    fn refill(&mut self, len: usize) {
+        self.epoch.remaining = (0..len).rev().collect();
         if self.shuffle {
-            epoch.remaining.shuffle(&mut *self.rng.lock());
+            self.epoch.remaining.shuffle(&mut self.rng);
         }
-        epoch.len = len;
+        self.epoch.len = len;
     }
 }
 
@@ -81,7 +80,7 @@ impl Sampler for WithoutReplacement {
         "without-replacement"
     }
 
-    fn sample(&self, batch: usize, len: usize) -> Result<Draw> {
+    fn sample(&mut self, batch: usize, len: usize) -> Result<Draw> {
         if len == 0 {
             return Err(Error::Empty);
         }
@@ -93,14 +92,14 @@ impl Sampler for WithoutReplacement {
                 ),
             });
         }
-        let mut epoch = self.epoch.lock();
-        let ran_out = epoch.remaining.is_empty() || (self.drop_last && epoch.remaining.len() < batch);
-        if epoch.len != len || ran_out {
-            if ran_out && epoch.len != 0 {
-                epoch.epochs += 1;
+        let ran_out = self.epoch.remaining.is_empty() || (self.drop_last && self.epoch.remaining.len() < batch);
+        if self.epoch.len != len || ran_out {
+            if ran_out && self.epoch.len != 0 {
+                self.epoch.epochs += 1;
             }
-            self.refill(&mut epoch, len);
+            self.refill(len);
         }
+        let epoch = &mut self.epoch;
         let take = batch.min(epoch.remaining.len());
         let start = epoch.remaining.len() - take;
         let mut out: Vec<usize> = epoch.remaining.drain(start..).collect();
@@ -108,17 +107,16 @@ impl Sampler for WithoutReplacement {
         Ok((out, None))
     }
 
-    fn reset(&self) {
-        let mut epoch = self.epoch.lock();
-        epoch.remaining.clear();
-        epoch.len = 0;
+    fn reset(&mut self) {
+        self.epoch.remaining.clear();
+        self.epoch.len = 0;
     }
 
     /// TorchRL's state dict: `len_storage` (i64), `_sample_list` (the rows still to hand out,
     /// in order, i64), `drop_last` and `_ran_out` (bool). An exhausted epoch is written as
     /// `_ran_out = True` so that TorchRL starts a new one, as this sampler would.
     fn to_dump(&self) -> Result<SamplerDump> {
-        let epoch = self.epoch.lock();
+        let epoch = &self.epoch;
         let list: Vec<i64> = epoch.remaining.iter().rev().map(|&r| r as i64).collect();
         let op = |source| Error::TensorDict { op: "dump without-replacement sampler", source };
         let tensor = |source| Error::Tensor { path: "sampler".into(), source };
@@ -161,13 +159,10 @@ impl WithoutReplacement {
         }
         let drop_last = flag("drop_last")?;
         let ran_out = flag("_ran_out")?;
-        let sampler = Self::build(drop_last, true, seed);
-        {
-            let mut epoch = sampler.epoch.lock();
-            epoch.len = len;
-            if !ran_out {
-                epoch.remaining = list.iter().rev().map(|&r| r as usize).collect();
-            }
+        let mut sampler = Self::build(drop_last, true, seed);
+        sampler.epoch.len = len;
+        if !ran_out {
+            sampler.epoch.remaining = list.iter().rev().map(|&r| r as usize).collect();
         }
         Ok(sampler)
     }
