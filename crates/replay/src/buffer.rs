@@ -72,10 +72,10 @@ use memmap_tensor::DType;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use tensordict::{Index, TensorDict};
 
-use crate::checkpoint::{BufferMetadata, Dump, Packing, Prefetch, SamplerDump, StorageDump, WriterDump, WriterKind};
+use crate::checkpoint::{BufferMetadata, Dump, Packing, Prefetch, StorageDump, WriterDump, WriterKind};
 use crate::error::{Error, Result, WithOp};
 use crate::rate::{RateCounts, RateLimiter};
-use crate::samplers::{Prioritized, Sampler, Uniform, WithoutReplacement};
+use crate::samplers::{Prioritized, Sampler, SamplerSpec, Uniform};
 use crate::storages::{Backend, Storage, StorageConfig};
 use crate::writers::{MaxValue, Reduction, RoundRobin, Writer};
 
@@ -231,11 +231,21 @@ pub struct LoadOptions {
     pub max_priority_within_buffer: bool,
     /// A seed for the sampler's generator (from the OS when `None`).
     pub seed: Option<u64>,
+    /// The sampler to take the dump's sampler state into (as TorchRL's `loads` takes it into
+    /// the buffer's sampler); `None`: the one the state implies
+    /// ([`crate::checkpoint::SamplerDump::sampler_spec`]).
+    pub sampler: Option<SamplerSpec>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { backend: Backend::Heap, reduction: Reduction::Sum, max_priority_within_buffer: false, seed: None }
+        LoadOptions {
+            backend: Backend::Heap,
+            reduction: Reduction::Sum,
+            max_priority_within_buffer: false,
+            seed: None,
+            sampler: None,
+        }
     }
 }
 
@@ -258,7 +268,16 @@ impl LoadOptions {
         self
     }
 
-    /// The options with TorchRL's `max_priority_within_buffer` set to `within`.
+    /// The options taking the dump's sampler state into the sampler `spec` builds (a
+    /// [`crate::PrioritizedSliceSpec`] for a prioritized slice sampler's dump, say), which
+    /// must take that state.
+    pub fn with_sampler(mut self, spec: impl Into<SamplerSpec>) -> Self {
+        self.sampler = Some(spec.into());
+        self
+    }
+
+    /// The options with TorchRL's `max_priority_within_buffer` set to `within`, for the
+    /// prioritized sampler a dump with priorities implies.
     pub fn with_max_priority_within_buffer(mut self, within: bool) -> Self {
         self.max_priority_within_buffer = within;
         self
@@ -541,6 +560,12 @@ impl ReplayBuffer {
     /// lock: `f` must not call the buffer.
     pub fn with_sampler<R>(&self, f: impl FnOnce(&dyn Sampler) -> R) -> R {
         f(&**self.sampler.lock())
+    }
+
+    /// The sampler's spec: its name and options as they are now ([`Sampler::spec`]); `None`
+    /// for a sampler defined outside this crate.
+    pub fn sampler_spec(&self) -> Option<SamplerSpec> {
+        self.sampler.lock().spec()
     }
 
     /// The sampler's name (`"uniform"`, `"prioritized"`), for messages.
@@ -861,7 +886,7 @@ impl ReplayBuffer {
         let len = state.len;
         let packing = Packing::new((0..capacity).filter(|&r| state.committed(r)).collect(), capacity);
         let mut writer = writer_dump(&*state.writer)?;
-        let mut sampler = self.sampler.lock().to_dump()?;
+        let mut sampler = self.sampler.lock().dumps()?;
         // Every row no write holds, so that none is written while it is copied (rows being
         // written are not in the dump; the copy does not wait for them).
         let pinned: Vec<usize> = (0..capacity).filter(|&r| state.rows[r].queued == 0).collect();
@@ -931,18 +956,12 @@ impl ReplayBuffer {
                 }
             }
         };
-        let sampler: Box<dyn Sampler> = match &dump.sampler {
-            SamplerDump::Stateless => Box::new(match options.seed {
-                Some(seed) => Uniform::seeded(seed),
-                None => Uniform::new(),
-            }),
-            SamplerDump::Prioritized(p) => {
-                Box::new(Prioritized::from_dump(p, capacity, options.max_priority_within_buffer, options.seed)?)
-            }
-            SamplerDump::WithoutReplacement(td) => {
-                Box::new(WithoutReplacement::from_state_dict(td, capacity, options.seed)?)
-            }
+        let spec = match options.sampler {
+            Some(spec) => spec,
+            None => dump.sampler.sampler_spec(options.max_priority_within_buffer),
         };
+        let mut sampler = spec.build(capacity, options.seed)?;
+        sampler.loads(&dump.sampler, capacity)?;
         let config = StorageConfig { backend: options.backend.clone(), capacity };
         let storage = Storage::create(&config, &dump.storage.data)?;
         // Every row, valid or not, so that dumping the loaded buffer gives back the same files.

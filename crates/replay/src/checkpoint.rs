@@ -41,6 +41,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::samplers::{PrioritizedSpec, SamplerSpec, UniformSpec, WithoutReplacementSpec};
 use memmap_tensor::{Access, DType, Tensor};
 use serde_json::{Map, Value, json};
 use tensordict::{TensorDict, WriteOptions, json_as_f64, json_float, parse_python_json, to_python_json};
@@ -135,6 +136,34 @@ pub enum SamplerDump {
     Prioritized(PrioritizedDump),
     /// `SamplerWithoutReplacement` or `SliceSamplerWithoutReplacement`: its state dict.
     WithoutReplacement(TensorDict),
+}
+
+impl SamplerDump {
+    /// What the dump holds, for messages (`"a prioritized sampler's trees"`).
+    pub fn form(&self) -> &'static str {
+        match self {
+            SamplerDump::Stateless => "no sampler state",
+            SamplerDump::Prioritized(_) => "a prioritized sampler's trees",
+            SamplerDump::WithoutReplacement(_) => "a without-replacement sampler's epoch",
+        }
+    }
+
+    /// The spec of the sampler [`crate::ReplayBuffer::loads`] takes this state into unless
+    /// told otherwise: uniform for no state, prioritized for trees (its `alpha`, `beta` and
+    /// `eps` the dump's, and `max_priority_within_buffer`, which TorchRL keeps out of the dump,
+    /// as given), without replacement for an epoch (with the dump's `drop_last`).
+    pub fn sampler_spec(&self, max_priority_within_buffer: bool) -> SamplerSpec {
+        match self {
+            SamplerDump::Stateless => UniformSpec::new().into(),
+            SamplerDump::Prioritized(p) => PrioritizedSpec::new(p.alpha, p.beta, p.eps)
+                .max_priority_within_buffer(max_priority_within_buffer)
+                .into(),
+            SamplerDump::WithoutReplacement(state) => {
+                let drop_last = state.get_tensor("drop_last").ok().and_then(|t| t.to_vec_bool().ok());
+                WithoutReplacementSpec::new(drop_last.as_deref() == Some(&[true][..])).into()
+            }
+        }
+    }
 }
 
 /// A prioritized sampler's state.

@@ -47,8 +47,9 @@ pub use buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows, SampleInfo
 pub use error::{Error, Result};
 pub use rate::{RateCounts, RateLimiter};
 pub use samplers::{
-    Draw, Episodes, MaxPriority, MinTree, Prioritized, PrioritizedParts, PrioritizedSlice, PrioritizedState,
-    SAMPLER_SCHEMA_VERSION, Sampler, SamplerMetadata, Slice, SliceShape, SumTree, Uniform, WithoutReplacement,
+    Draw, Episodes, MaxPriority, MinTree, Prioritized, PrioritizedParts, PrioritizedSlice, PrioritizedSliceSpec,
+    PrioritizedSpec, PrioritizedState, SAMPLER_SCHEMA_VERSION, Sampler, SamplerMetadata, SamplerOptions, SamplerSpec,
+    Slice, SliceShape, SliceSpec, SumTree, Uniform, UniformSpec, WithoutReplacement, WithoutReplacementSpec,
 };
 pub use storages::{Backend, RowFiles, STORAGE_METADATA, Storage, StorageConfig};
 pub use writers::{MaxValue, Reduction, RoundRobin, Writer};

@@ -29,7 +29,7 @@ fn rows(start: usize, n: usize) -> TensorDict {
 }
 
 fn prioritized_dump(buffer: &ReplayBuffer) -> replay::checkpoint::PrioritizedDump {
-    match buffer.with_sampler(|s| s.to_dump()).unwrap() {
+    match buffer.with_sampler(|s| s.dumps()).unwrap() {
         SamplerDump::Prioritized(p) => p,
         other => panic!("not a prioritized sampler: {other:?}"),
     }
@@ -162,7 +162,7 @@ fn assert_same_buffer(a: &ReplayBuffer, b: &ReplayBuffer) {
     assert_eq!(a.writer_state(), b.writer_state());
     assert_eq!(a.with_writer(|w| w.ranked().map(|r| r.1)), b.with_writer(|w| w.ranked().map(|r| r.1)));
     assert_eq!(leaves(&a.get(0..a.len()).unwrap()), leaves(&b.get(0..b.len()).unwrap()));
-    match (a.with_sampler(|s| s.to_dump()).unwrap(), b.with_sampler(|s| s.to_dump()).unwrap()) {
+    match (a.with_sampler(|s| s.dumps()).unwrap(), b.with_sampler(|s| s.dumps()).unwrap()) {
         (SamplerDump::Prioritized(x), SamplerDump::Prioritized(y)) => assert_eq!(x, y),
         (SamplerDump::WithoutReplacement(x), SamplerDump::WithoutReplacement(y)) => assert_eq!(leaves(&x), leaves(&y)),
         (SamplerDump::Stateless, SamplerDump::Stateless) => {}

@@ -35,7 +35,7 @@ use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
 
 use super::tree::{MinTree, SumTree};
-use super::{Draw, Sampler, rng_from};
+use super::{Draw, Sampler, SamplerOptions, SamplerSpec, rng_from};
 use crate::checkpoint::{self, PrioritizedDump, SamplerDump};
 use crate::error::{Error, Result};
 
@@ -454,6 +454,105 @@ impl PrioritizedState {
         }
         Ok(state)
     }
+
+    /// Rebuilds a state from a TorchRL dump's `sampler/` (see [`PrioritizedState::from_parts`]).
+    pub fn from_dump(capacity: usize, dump: &PrioritizedDump, max_priority_within_buffer: bool) -> Result<Self> {
+        let parts = PrioritizedParts {
+            metadata: SamplerMetadata {
+                alpha: dump.alpha,
+                beta: dump.beta,
+                eps: dump.eps,
+                max_priority: [dump.max_priority.value, dump.max_priority.index.map(|i| i as f64)],
+                max_capacity: dump.max_capacity as f64,
+                schema_version: match dump.schema_version {
+                    None => None,
+                    Some(v) => Some(u32::try_from(v).map_err(|_| Error::InvalidParameter {
+                        name: "_schema_version",
+                        value: v as f64,
+                        reason: "must be a small non-negative integer",
+                    })?),
+                },
+            },
+            sum_leaves: dump.sum_tree.clone(),
+            min_leaves: dump.min_tree.clone(),
+        };
+        PrioritizedState::from_parts(capacity, &parts, max_priority_within_buffer)
+    }
+}
+
+/// The options of a [`Prioritized`] sampler (TorchRL's `PrioritizedSampler` arguments). In
+/// serde form `{"prioritized": {"alpha": 0.6, "beta": 0.4, "eps": 1e-8}}`, with
+/// `"max_priority_within_buffer": true` to track the max priority among the rows in the buffer
+/// (false when left out).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct PrioritizedSpec {
+    /// Priority exponent (finite, `>= 0`).
+    pub alpha: f64,
+    /// Importance-weight exponent (finite, `>= 0`).
+    pub beta: f64,
+    /// Added to every priority (finite, `>= 0`; TorchRL's default is `1e-8`).
+    pub eps: f64,
+    /// TorchRL's `max_priority_within_buffer`.
+    #[serde(default)]
+    pub max_priority_within_buffer: bool,
+}
+
+impl PrioritizedSpec {
+    /// The spec with these exponents and `eps`, tracking the max priority ever seen.
+    pub fn new(alpha: f64, beta: f64, eps: f64) -> Self {
+        PrioritizedSpec { alpha, beta, eps, max_priority_within_buffer: false }
+    }
+
+    /// The spec tracking the max priority among the rows in the buffer (`true`) or ever seen.
+    pub fn max_priority_within_buffer(mut self, within: bool) -> Self {
+        self.max_priority_within_buffer = within;
+        self
+    }
+
+    /// The spec of the sampler around `state`.
+    pub(crate) fn of(state: &PrioritizedState) -> Self {
+        PrioritizedSpec::new(state.alpha(), state.beta(), state.eps())
+            .max_priority_within_buffer(state.max_priority_within_buffer())
+    }
+
+    /// A fresh state for `capacity` rows.
+    pub(crate) fn state(&self, capacity: usize) -> Result<PrioritizedState> {
+        Ok(PrioritizedState::new(capacity, self.alpha, self.beta, self.eps)?
+            .with_max_priority_within_buffer(self.max_priority_within_buffer))
+    }
+}
+
+impl fmt::Display for PrioritizedSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "alpha {}, beta {}, eps {}", self.alpha, self.beta, self.eps)?;
+        if self.max_priority_within_buffer {
+            f.write_str(", max priority within the buffer")?;
+        }
+        Ok(())
+    }
+}
+
+impl SamplerOptions for PrioritizedSpec {
+    type Built = Prioritized;
+    const NAME: &'static str = "prioritized";
+    const WEIGHTED: bool = true;
+
+    fn build(&self, capacity: usize, seed: Option<u64>) -> Result<Prioritized> {
+        Ok(Prioritized::from_state(self.state(capacity)?, seed))
+    }
+}
+
+/// Takes a TorchRL dump's prioritized state into `state` (TorchRL's `PrioritizedSampler.loads`,
+/// which takes the dump's `alpha`, `beta` and `eps` too), keeping its capacity and
+/// `max_priority_within_buffer`; on `Err` `state` is as it was.
+pub(crate) fn load_state(state: &mut PrioritizedState, dump: &SamplerDump, sampler: &'static str) -> Result<()> {
+    let SamplerDump::Prioritized(dump) = dump else {
+        return Err(Error::Sampler { sampler, detail: format!("takes a prioritized state, not {}", dump.form()) });
+    };
+    *state = PrioritizedState::from_dump(state.capacity(), dump, state.max_priority_within_buffer())?;
+    Ok(())
 }
 
 /// Prioritized sampling (TorchRL's `PrioritizedSampler`) around a [`PrioritizedState`].
@@ -485,28 +584,10 @@ impl Prioritized {
         max_priority_within_buffer: bool,
         seed: Option<u64>,
     ) -> Result<Self> {
-        let parts = PrioritizedParts {
-            metadata: SamplerMetadata {
-                alpha: dump.alpha,
-                beta: dump.beta,
-                eps: dump.eps,
-                max_priority: [dump.max_priority.value, dump.max_priority.index.map(|i| i as f64)],
-                max_capacity: dump.max_capacity as f64,
-                schema_version: match dump.schema_version {
-                    None => None,
-                    Some(v) => Some(u32::try_from(v).map_err(|_| Error::InvalidParameter {
-                        name: "_schema_version",
-                        value: v as f64,
-                        reason: "must be a small non-negative integer",
-                    })?),
-                },
-            },
-            sum_leaves: dump.sum_tree.clone(),
-            min_leaves: dump.min_tree.clone(),
-        };
-        let state = PrioritizedState::from_parts(capacity, &parts, max_priority_within_buffer)?;
+        let state = PrioritizedState::from_dump(capacity, dump, max_priority_within_buffer)?;
         Ok(Self::from_state(state, seed))
     }
+
 
     /// A copy of the current state (parameters, max priority, trees).
     pub fn state(&self) -> PrioritizedState {
@@ -538,7 +619,11 @@ impl fmt::Debug for Prioritized {
 
 impl Sampler for Prioritized {
     fn name(&self) -> &'static str {
-        "prioritized"
+        PrioritizedSpec::NAME
+    }
+
+    fn spec(&self) -> Option<SamplerSpec> {
+        Some(PrioritizedSpec::of(&self.state).into())
     }
 
     fn on_write(&mut self, indices: &[usize]) {
@@ -570,7 +655,11 @@ impl Sampler for Prioritized {
         Some(self.state.capacity())
     }
 
-    fn to_dump(&self) -> Result<SamplerDump> {
+    fn dumps(&self) -> Result<SamplerDump> {
         Ok(SamplerDump::Prioritized(self.state.to_dump()))
+    }
+
+    fn loads(&mut self, state: &SamplerDump, _capacity: usize) -> Result<()> {
+        load_state(&mut self.state, state, PrioritizedSpec::NAME)
     }
 }

@@ -49,21 +49,22 @@
 //! # Checkpoints
 //!
 //! TorchRL's `PrioritizedSliceSampler.dumps` writes what `PrioritizedSampler.dumps` writes (the
-//! trees and `sampler_metadata.json`), so [`Sampler::to_dump`] gives the prioritized sampler's
-//! dump. A buffer loaded from such a dump gets a [`crate::Prioritized`] sampler; to sample slices
-//! again, build a [`PrioritizedSlice`] from its state ([`PrioritizedSlice::from_state`], with
-//! [`crate::Prioritized::from_dump`] and [`crate::Prioritized::state`]) and pass it to
-//! [`crate::ReplayBuffer::from_parts`].
+//! trees and `sampler_metadata.json`), so [`Sampler::dumps`] gives the prioritized sampler's
+//! dump, and [`Sampler::loads`] takes one. A buffer loaded from such a dump gets a
+//! [`crate::Prioritized`] sampler unless told otherwise: to sample slices again, load it with
+//! a [`PrioritizedSliceSpec`] ([`crate::LoadOptions::with_sampler`]).
 
 use std::fmt;
 
 use rand::Rng;
 use tensordict::TensorDict;
 
+use serde::{Deserialize, Serialize};
+
 use super::episodes::{EpisodeIndex, Trajectory};
-use super::prioritized::PrioritizedState;
-use super::slice::{Episodes, Slice, SliceShape};
-use super::{Draw, Sampler};
+use super::prioritized::{PrioritizedSpec, PrioritizedState, load_state};
+use super::slice::{Episodes, Slice, SliceShape, SliceSpec, yes};
+use super::{Draw, Sampler, SamplerOptions, SamplerSpec, rng_from};
 use crate::checkpoint::SamplerDump;
 use crate::error::{Error, Result};
 
@@ -72,6 +73,77 @@ const NAME: &str = "prioritized-slice";
 
 /// Refused start draws in a row before a sample draws from the masked distribution directly.
 pub const REJECTIONS: usize = 64;
+
+/// The options of a [`PrioritizedSlice`] sampler (TorchRL's `PrioritizedSliceSampler`
+/// arguments): those of [`PrioritizedSpec`] and [`SliceSpec`] together. In serde form
+/// `{"prioritized-slice": {"alpha": 0.6, "beta": 0.4, "eps": 1e-8, "episodes": {"end_key":
+/// ["next", "done"]}, "shape": {"slice_len": 8}}}`; `max_priority_within_buffer` (false) and
+/// `strict_length` (true) may be left out.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct PrioritizedSliceSpec {
+    /// Priority exponent (finite, `>= 0`).
+    pub alpha: f64,
+    /// Importance-weight exponent (finite, `>= 0`).
+    pub beta: f64,
+    /// Added to every priority (finite, `>= 0`).
+    pub eps: f64,
+    /// TorchRL's `max_priority_within_buffer`.
+    #[serde(default)]
+    pub max_priority_within_buffer: bool,
+    /// Where trajectories are read from.
+    pub episodes: Episodes,
+    /// How a batch is cut into slices (a count or length of at least 1).
+    pub shape: SliceShape,
+    /// Only slices of the full length.
+    #[serde(default = "yes")]
+    pub strict_length: bool,
+}
+
+impl PrioritizedSliceSpec {
+    /// The spec of a prioritized sampler `prioritized` drawing the slices of `slice`.
+    pub fn new(prioritized: PrioritizedSpec, slice: SliceSpec) -> Self {
+        PrioritizedSliceSpec {
+            alpha: prioritized.alpha,
+            beta: prioritized.beta,
+            eps: prioritized.eps,
+            max_priority_within_buffer: prioritized.max_priority_within_buffer,
+            episodes: slice.episodes,
+            shape: slice.shape,
+            strict_length: slice.strict_length,
+        }
+    }
+
+    /// The prioritized options.
+    pub fn prioritized(&self) -> PrioritizedSpec {
+        PrioritizedSpec::new(self.alpha, self.beta, self.eps).max_priority_within_buffer(self.max_priority_within_buffer)
+    }
+
+    /// The slice options.
+    pub fn slice(&self) -> SliceSpec {
+        SliceSpec::new(self.episodes.clone(), self.shape).strict_length(self.strict_length)
+    }
+}
+
+impl fmt::Display for PrioritizedSliceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}, {}", self.prioritized(), self.slice())
+    }
+}
+
+impl SamplerOptions for PrioritizedSliceSpec {
+    type Built = PrioritizedSlice;
+    const NAME: &'static str = NAME;
+    const WEIGHTED: bool = true;
+
+    fn build(&self, capacity: usize, seed: Option<u64>) -> Result<PrioritizedSlice> {
+        let mut sampler = PrioritizedSlice::from_state(self.prioritized().state(capacity)?, self.episodes.clone(), self.shape)?
+            .strict_length(self.strict_length);
+        sampler.slice.rng = rng_from(seed);
+        Ok(sampler)
+    }
+}
 
 /// Samples slices of trajectories with prioritized starts (TorchRL's
 /// `PrioritizedSliceSampler`); see the module docs.
@@ -214,6 +286,11 @@ impl Sampler for PrioritizedSlice {
         NAME
     }
 
+    fn spec(&self) -> Option<SamplerSpec> {
+        let slice = SliceSpec::new(self.slice.episodes().clone(), self.slice.shape()).strict_length(self.slice.is_strict());
+        Some(PrioritizedSliceSpec::new(PrioritizedSpec::of(&self.state), slice).into())
+    }
+
     fn check_batch(&self, batch: &TensorDict) -> Result<()> {
         self.slice.check_batch(batch)
     }
@@ -311,7 +388,13 @@ impl Sampler for PrioritizedSlice {
     }
 
     /// TorchRL's prioritized slice sampler dumps what its prioritized sampler dumps.
-    fn to_dump(&self) -> Result<SamplerDump> {
+    fn dumps(&self) -> Result<SamplerDump> {
         Ok(SamplerDump::Prioritized(self.state.to_dump()))
+    }
+
+    /// Takes a prioritized dump's priorities (its trajectories are learnt from the rows by
+    /// `on_load`).
+    fn loads(&mut self, state: &SamplerDump, _capacity: usize) -> Result<()> {
+        load_state(&mut self.state, state, NAME)
     }
 }

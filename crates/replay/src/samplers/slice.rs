@@ -48,23 +48,53 @@ use std::fmt;
 use memmap_tensor::{DType, Tensor};
 use rand::Rng;
 use rand::rngs::StdRng;
+use serde::{Deserialize, Serialize};
 use tensordict::{KeyPath, TensorDict};
 
 use super::episodes::EpisodeIndex;
-use super::{Draw, Sampler, rng_from};
+use super::{Draw, Sampler, SamplerOptions, SamplerSpec, rng_from};
 use crate::checkpoint::SamplerDump;
 use crate::error::{Error, Result};
 
 /// The name slice samplers give in messages.
 const NAME: &str = "slice";
 
-/// Where trajectories are read from.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Where trajectories are read from. In serde form `{"traj_key": ["episode"]}` or
+/// `{"end_key": ["next", "done"]}` (a key path is a list of keys).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Episodes {
     /// A trajectory id per row (TorchRL's `traj_key`, e.g. `"episode"`).
-    TrajKey(KeyPath),
+    TrajKey(#[serde(with = "key_path")] KeyPath),
     /// An end-of-trajectory flag per row (TorchRL's `end_key`, e.g. `("next", "done")`).
-    EndKey(KeyPath),
+    EndKey(#[serde(with = "key_path")] KeyPath),
+}
+
+/// A [`KeyPath`] in serde form: the list of its keys, at least one.
+mod key_path {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use tensordict::KeyPath;
+
+    pub(super) fn serialize<S: Serializer>(key: &KeyPath, serializer: S) -> Result<S::Ok, S::Error> {
+        key.parts().serialize(serializer)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<KeyPath, D::Error> {
+        let parts = Vec::<String>::deserialize(deserializer)?;
+        if parts.is_empty() {
+            return Err(serde::de::Error::custom("a key path holds at least one key"));
+        }
+        Ok(KeyPath::new(parts))
+    }
+}
+
+impl fmt::Display for Episodes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Episodes::TrajKey(key) => write!(f, "traj_key {key}"),
+            Episodes::EndKey(key) => write!(f, "end_key {key}"),
+        }
+    }
 }
 
 impl Episodes {
@@ -75,13 +105,74 @@ impl Episodes {
     }
 }
 
-/// How a batch is cut into slices.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How a batch is cut into slices. In serde form `{"num_slices": 4}` or `{"slice_len": 8}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum SliceShape {
     /// A fixed number of slices; each has `batch / n` rows.
     NumSlices(usize),
     /// A fixed slice length; a batch has `batch / n` slices.
     SliceLen(usize),
+}
+
+impl fmt::Display for SliceShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SliceShape::NumSlices(n) => write!(f, "num_slices {n}"),
+            SliceShape::SliceLen(n) => write!(f, "slice_len {n}"),
+        }
+    }
+}
+
+/// The options of a [`Slice`] sampler (TorchRL's `SliceSampler` arguments). In serde form
+/// `{"slice": {"episodes": {"traj_key": ["episode"]}, "shape": {"num_slices": 4}}}`, with
+/// `"strict_length": false` to sample shorter trajectories whole (true when left out).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct SliceSpec {
+    /// Where trajectories are read from.
+    pub episodes: Episodes,
+    /// How a batch is cut into slices (a count or length of at least 1).
+    pub shape: SliceShape,
+    /// Only slices of the full length (else a shorter trajectory gives a shorter slice).
+    #[serde(default = "yes")]
+    pub strict_length: bool,
+}
+
+pub(super) fn yes() -> bool {
+    true
+}
+
+impl SliceSpec {
+    /// The spec cutting batches as `shape` says, trajectories read as `episodes` says, with
+    /// `strict_length` on.
+    pub fn new(episodes: Episodes, shape: SliceShape) -> Self {
+        SliceSpec { episodes, shape, strict_length: true }
+    }
+
+    /// The spec with `strict_length` set (see [`Slice::strict_length`]).
+    pub fn strict_length(mut self, strict: bool) -> Self {
+        self.strict_length = strict;
+        self
+    }
+}
+
+impl fmt::Display for SliceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}, {}, strict_length {}", self.episodes, self.shape, self.strict_length)
+    }
+}
+
+impl SamplerOptions for SliceSpec {
+    type Built = Slice;
+    const NAME: &'static str = NAME;
+
+    fn build(&self, _capacity: usize, seed: Option<u64>) -> Result<Slice> {
+        let mut slice = Slice::new(self.episodes.clone(), self.shape)?.strict_length(self.strict_length);
+        slice.rng = rng_from(seed);
+        Ok(slice)
+    }
 }
 
 /// Samples slices of trajectories (TorchRL's `SliceSampler`); see the module docs.
@@ -238,6 +329,10 @@ impl Sampler for Slice {
         NAME
     }
 
+    fn spec(&self) -> Option<SamplerSpec> {
+        Some(SliceSpec::new(self.episodes.clone(), self.shape).strict_length(self.strict_length).into())
+    }
+
     fn check_batch(&self, batch: &TensorDict) -> Result<()> {
         self.values(batch).map(|_| ())
     }
@@ -259,7 +354,7 @@ impl Sampler for Slice {
 
     /// TorchRL's `SliceSampler.dumps` saves nothing (its trajectory cache is rebuilt from the
     /// rows), and neither does this sampler: its index is rebuilt by `on_load`.
-    fn to_dump(&self) -> Result<SamplerDump> {
+    fn dumps(&self) -> Result<SamplerDump> {
         Ok(SamplerDump::Stateless)
     }
 

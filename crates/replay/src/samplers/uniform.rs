@@ -5,10 +5,38 @@ use std::fmt;
 
 use rand::Rng as _;
 use rand::rngs::StdRng;
+use serde::{Deserialize, Serialize};
 
-use super::{Draw, Sampler, rng_from};
+use super::{Draw, Sampler, SamplerOptions, SamplerSpec, rng_from};
 use crate::checkpoint::SamplerDump;
 use crate::error::{Error, Result};
+
+/// The options of a [`Uniform`] sampler: none. In serde form `{"uniform": {}}`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UniformSpec {}
+
+impl UniformSpec {
+    /// The spec.
+    pub fn new() -> Self {
+        UniformSpec {}
+    }
+}
+
+impl fmt::Display for UniformSpec {
+    fn fmt(&self, _: &mut fmt::Formatter<'_>) -> fmt::Result {
+        Ok(())
+    }
+}
+
+impl SamplerOptions for UniformSpec {
+    type Built = Uniform;
+    const NAME: &'static str = "uniform";
+
+    fn build(&self, _capacity: usize, seed: Option<u64>) -> Result<Uniform> {
+        Ok(Uniform { rng: rng_from(seed) })
+    }
+}
 
 /// Uniform sampling with replacement (TorchRL's `RandomSampler`).
 pub struct Uniform {
@@ -41,7 +69,11 @@ impl fmt::Debug for Uniform {
 
 impl Sampler for Uniform {
     fn name(&self) -> &'static str {
-        "uniform"
+        UniformSpec::NAME
+    }
+
+    fn spec(&self) -> Option<SamplerSpec> {
+        Some(UniformSpec::new().into())
     }
 
     fn sample(&mut self, batch: usize, len: usize) -> Result<Draw> {
@@ -51,7 +83,8 @@ impl Sampler for Uniform {
         Ok(((0..batch).map(|_| self.rng.random_range(0..len)).collect(), None))
     }
 
-    fn to_dump(&self) -> Result<SamplerDump> {
+    /// TorchRL's `RandomSampler` saves nothing, and neither does this sampler.
+    fn dumps(&self) -> Result<SamplerDump> {
         Ok(SamplerDump::Stateless)
     }
 }

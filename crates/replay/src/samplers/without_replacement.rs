@@ -9,11 +9,65 @@ use std::fmt;
 use memmap_tensor::{DType, Tensor};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
+use serde::{Deserialize, Serialize};
 use tensordict::TensorDict;
 
-use super::{Draw, Sampler, rng_from};
+use super::{Draw, Sampler, SamplerOptions, SamplerSpec, rng_from};
 use crate::checkpoint::SamplerDump;
 use crate::error::{Error, Result};
+
+/// The options of a [`WithoutReplacement`] sampler. In serde form
+/// `{"without-replacement": {"drop_last": false, "shuffle": true}}`; both may be left out
+/// (these are their defaults).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct WithoutReplacementSpec {
+    /// End an epoch when fewer than a batch of rows remain (TorchRL's `drop_last`).
+    #[serde(default)]
+    pub drop_last: bool,
+    /// Hand rows out in a new random order each epoch (`false`: in storage order).
+    #[serde(default = "yes")]
+    pub shuffle: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for WithoutReplacementSpec {
+    fn default() -> Self {
+        WithoutReplacementSpec { drop_last: false, shuffle: true }
+    }
+}
+
+impl WithoutReplacementSpec {
+    /// A shuffling sampler's spec; `drop_last` as in TorchRL.
+    pub fn new(drop_last: bool) -> Self {
+        WithoutReplacementSpec { drop_last, shuffle: true }
+    }
+
+    /// The spec with rows handed out in a random order (`true`) or in storage order.
+    pub fn shuffle(mut self, shuffle: bool) -> Self {
+        self.shuffle = shuffle;
+        self
+    }
+}
+
+impl fmt::Display for WithoutReplacementSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "drop_last {}, shuffle {}", self.drop_last, self.shuffle)
+    }
+}
+
+impl SamplerOptions for WithoutReplacementSpec {
+    type Built = WithoutReplacement;
+    const NAME: &'static str = "without-replacement";
+
+    fn build(&self, _capacity: usize, seed: Option<u64>) -> Result<WithoutReplacement> {
+        Ok(WithoutReplacement::build(self.drop_last, self.shuffle, seed))
+    }
+}
 
 /// The state of an epoch of [`WithoutReplacement`].
 #[derive(Debug)]
@@ -77,7 +131,11 @@ impl fmt::Debug for WithoutReplacement {
 
 impl Sampler for WithoutReplacement {
     fn name(&self) -> &'static str {
-        "without-replacement"
+        WithoutReplacementSpec::NAME
+    }
+
+    fn spec(&self) -> Option<SamplerSpec> {
+        Some(WithoutReplacementSpec { drop_last: self.drop_last, shuffle: self.shuffle }.into())
     }
 
     fn sample(&mut self, batch: usize, len: usize) -> Result<Draw> {
@@ -115,7 +173,7 @@ impl Sampler for WithoutReplacement {
     /// TorchRL's state dict: `len_storage` (i64), `_sample_list` (the rows still to hand out,
     /// in order, i64), `drop_last` and `_ran_out` (bool). An exhausted epoch is written as
     /// `_ran_out = True` so that TorchRL starts a new one, as this sampler would.
-    fn to_dump(&self) -> Result<SamplerDump> {
+    fn dumps(&self) -> Result<SamplerDump> {
         let epoch = &self.epoch;
         let list: Vec<i64> = epoch.remaining.iter().rev().map(|&r| r as i64).collect();
         let op = |source| Error::TensorDict { op: "dump without-replacement sampler", source };
@@ -127,48 +185,67 @@ impl Sampler for WithoutReplacement {
         td.set("_ran_out", Tensor::from_bools(&[list.is_empty()], Vec::new()).map_err(tensor)?).map_err(op)?;
         Ok(SamplerDump::WithoutReplacement(td))
     }
+
+    /// Takes TorchRL's state dict (see [`Sampler::dumps`] for its fields): the epoch, and
+    /// `drop_last`. The completed epochs are not in it: they count from 0 again.
+    fn loads(&mut self, state: &SamplerDump, capacity: usize) -> Result<()> {
+        let SamplerDump::WithoutReplacement(state) = state else {
+            return Err(Error::Sampler {
+                sampler: self.name(),
+                detail: format!("takes a without-replacement state dict, not {}", state.form()),
+            });
+        };
+        let (drop_last, epoch) = read_state_dict(state, capacity)?;
+        self.drop_last = drop_last;
+        self.epoch = epoch;
+        Ok(())
+    }
 }
 
 impl WithoutReplacement {
-    /// A shuffling sampler resuming from TorchRL's state dict (see
-    /// [`Sampler::to_dump`] for its fields) over a storage of `capacity` rows.
+    /// A shuffling sampler resuming from TorchRL's state dict (see [`Sampler::dumps`] for its
+    /// fields) over a storage of `capacity` rows.
     pub fn from_state_dict(state: &TensorDict, capacity: usize, seed: Option<u64>) -> Result<Self> {
-        let bad = |detail: String| Error::Sampler { sampler: "without-replacement", detail };
-        let get = |key: &str| state.get_tensor(key).map_err(|e| bad(format!("state dict: `{key}`: {e}")));
-        let ints = |key: &str| -> Result<Vec<i64>> {
-            let t = get(key)?;
-            if t.dtype() != DType::I64 {
-                return Err(bad(format!("state dict: `{key}` is {}, not int64", t.dtype())));
-            }
-            t.to_vec::<i64>().map_err(|e| bad(format!("state dict: `{key}`: {e}")))
-        };
-        let flag = |key: &str| -> Result<bool> {
-            let v = get(key)?.to_vec_bool().map_err(|e| bad(format!("state dict: `{key}`: {e}")))?;
-            match v.as_slice() {
-                [b] => Ok(*b),
-                _ => Err(bad(format!("state dict: `{key}` holds {} values, not one", v.len()))),
-            }
-        };
-        let len = match ints("len_storage")?.as_slice() {
-            [n] if *n >= 0 && (*n as u64) <= capacity as u64 => *n as usize,
-            other => return Err(bad(format!("state dict: len_storage {other:?} is not a row count <= {capacity}"))),
-        };
-        let list = ints("_sample_list")?;
-        if let Some(bad_row) = list.iter().find(|&&r| r < 0 || r as u64 >= len as u64) {
-            return Err(bad(format!("state dict: _sample_list holds row {bad_row}, outside 0..{len}")));
-        }
-        let drop_last = flag("drop_last")?;
-        let ran_out = flag("_ran_out")?;
+        let (drop_last, epoch) = read_state_dict(state, capacity)?;
         let mut sampler = Self::build(drop_last, true, seed);
-        sampler.epoch.len = len;
-        if !ran_out {
-            sampler.epoch.remaining = list.iter().rev().map(|&r| r as usize).collect();
-        }
+        sampler.epoch = epoch;
         Ok(sampler)
     }
 }
 
-/// A without-replacement state dict (see [`WithoutReplacement::to_dump`]'s fields) for a dump
+/// `drop_last` and the epoch of TorchRL's state dict over a storage of `capacity` rows.
+fn read_state_dict(state: &TensorDict, capacity: usize) -> Result<(bool, Epoch)> {
+    let bad = |detail: String| Error::Sampler { sampler: "without-replacement", detail };
+    let get = |key: &str| state.get_tensor(key).map_err(|e| bad(format!("state dict: `{key}`: {e}")));
+    let ints = |key: &str| -> Result<Vec<i64>> {
+        let t = get(key)?;
+        if t.dtype() != DType::I64 {
+            return Err(bad(format!("state dict: `{key}` is {}, not int64", t.dtype())));
+        }
+        t.to_vec::<i64>().map_err(|e| bad(format!("state dict: `{key}`: {e}")))
+    };
+    let flag = |key: &str| -> Result<bool> {
+        let v = get(key)?.to_vec_bool().map_err(|e| bad(format!("state dict: `{key}`: {e}")))?;
+        match v.as_slice() {
+            [b] => Ok(*b),
+            _ => Err(bad(format!("state dict: `{key}` holds {} values, not one", v.len()))),
+        }
+    };
+    let len = match ints("len_storage")?.as_slice() {
+        [n] if *n >= 0 && (*n as u64) <= capacity as u64 => *n as usize,
+        other => return Err(bad(format!("state dict: len_storage {other:?} is not a row count <= {capacity}"))),
+    };
+    let list = ints("_sample_list")?;
+    if let Some(bad_row) = list.iter().find(|&&r| r < 0 || r as u64 >= len as u64) {
+        return Err(bad(format!("state dict: _sample_list holds row {bad_row}, outside 0..{len}")));
+    }
+    let drop_last = flag("drop_last")?;
+    let ran_out = flag("_ran_out")?;
+    let remaining = if ran_out { Vec::new() } else { list.iter().rev().map(|&r| r as usize).collect() };
+    Ok((drop_last, Epoch { remaining, len, epochs: 0 }))
+}
+
+/// A without-replacement state dict (see [`WithoutReplacement::dumps`]'s fields) for a dump
 /// that keeps only `packing`'s rows: the rows still to hand out move with their rows and those
 /// not kept are dropped; an epoch drawn over the buffer's `len` rows is over the kept rows now,
 /// any other epoch stays as it was (it restarts on the next sample, as it would have).
