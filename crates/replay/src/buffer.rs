@@ -67,17 +67,15 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use memmap_tensor::DType;
-
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use tensordict::{Index, TensorDict};
 
-use crate::checkpoint::{BufferMetadata, Dump, Packing, Prefetch, StorageDump, WriterDump, WriterKind};
+use crate::checkpoint::{BufferMetadata, Dump, Packing, Prefetch, StorageDump};
 use crate::error::{Error, Result, WithOp};
 use crate::rate::{RateCounts, RateLimiter};
 use crate::samplers::{Prioritized, Sampler, SamplerSpec, Uniform};
 use crate::storages::{Backend, Storage, StorageConfig};
-use crate::writers::{MaxValue, Reduction, RoundRobin, Writer};
+use crate::writers::{Reduction, RoundRobin, Writer};
 
 /// How often a sample draws again for rows being written before it waits for a write to end.
 const REDRAWS_BEFORE_WAIT: usize = 8;
@@ -885,7 +883,7 @@ impl ReplayBuffer {
         let mut state = self.state.lock();
         let len = state.len;
         let packing = Packing::new((0..capacity).filter(|&r| state.committed(r)).collect(), capacity);
-        let mut writer = writer_dump(&*state.writer)?;
+        let mut writer = state.writer.dumps()?;
         let mut sampler = self.sampler.lock().dumps()?;
         // Every row no write holds, so that none is written while it is copied (rows being
         // written are not in the dump; the copy does not wait for them).
@@ -931,30 +929,14 @@ impl ReplayBuffer {
         let dump = Dump::read(path)?;
         let capacity = dump.storage.capacity();
         let len = dump.storage.len;
-        let writer: Box<dyn Writer> = match &dump.writer {
+        let writer = match &dump.writer {
             None => {
                 return Err(Error::Unsupported {
                     path: path.join("writer"),
                     what: "a dump without writer state (an immutable dataset writer)".into(),
                 });
             }
-            Some(WriterDump { kind: WriterKind::RoundRobin { generation: Some(_) }, .. }) => {
-                return Err(Error::Unsupported {
-                    path: path.join("writer").join("generation.memmap"),
-                    what: "a round-robin writer tracking generations".into(),
-                });
-            }
-            Some(w) => {
-                let cursor = usize::try_from(w.cursor).unwrap_or(usize::MAX);
-                let write_count = w.write_count.unwrap_or(0);
-                match &w.kind {
-                    WriterKind::MaxValue { rank_key, top_values, .. } => {
-                        let top: Vec<(f64, usize)> = top_values.iter().map(|&(r, i)| (r, i as usize)).collect();
-                        Box::new(MaxValue::from_state(rank_key.as_str(), options.reduction, cursor, write_count, &top))
-                    }
-                    WriterKind::RoundRobin { .. } => Box::new(RoundRobin::from_state(cursor, write_count)),
-                }
-            }
+            Some(writer) => writer.writer(options.reduction).map_err(|e| e.under(path))?,
         };
         let spec = match options.sampler {
             Some(spec) => spec,
@@ -1198,33 +1180,6 @@ fn per_row<T: Clone + Default>(capacity: usize) -> Result<Vec<T>> {
 /// `timeout` after `start`, if it can be told apart from never.
 fn deadline_after(start: Instant, timeout: Option<Duration>) -> Option<Instant> {
     timeout.and_then(|t| start.checked_add(t))
-}
-
-/// The writer's part of a dump: cursor, write count and, for a max-value writer, its ranks.
-fn writer_dump(writer: &dyn Writer) -> Result<WriterDump> {
-    let kind = match writer.ranked() {
-        Some((key, top)) => {
-            let [rank_key] = key.parts() else {
-                return Err(Error::RankKey {
-                    key: key.to_string(),
-                    detail: "a nested rank key has no form in a TorchRL dump's writer metadata".into(),
-                });
-            };
-            WriterKind::MaxValue {
-                rank_key: rank_key.clone(),
-                top_values: top.into_iter().map(|(r, i)| (r, i as u64)).collect(),
-                dtype: DType::F32,
-            }
-        }
-        None if writer.name() == "round-robin" => WriterKind::RoundRobin { generation: None },
-        None => {
-            return Err(Error::Unsupported {
-                path: "writer".into(),
-                what: format!("the {} writer has no TorchRL dump form", writer.name()),
-            });
-        }
-    };
-    Ok(WriterDump { cursor: writer.cursor() as u64, write_count: Some(writer.write_count()), kind })
 }
 
 // The buffer is shared between threads by reference.

@@ -42,6 +42,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::samplers::{PrioritizedSpec, SamplerSpec, UniformSpec, WithoutReplacementSpec};
+use crate::writers::{MaxValue, Reduction, RoundRobin, Writer};
 use memmap_tensor::{Access, DType, Tensor};
 use serde_json::{Map, Value, json};
 use tensordict::{TensorDict, WriteOptions, json_as_f64, json_float, parse_python_json, to_python_json};
@@ -114,6 +115,30 @@ pub enum WriterKind {
         /// The dtype the heap is stored with (float32 as TorchRL makes it).
         dtype: DType,
     },
+}
+
+impl WriterKind {
+    /// The name of the writer that dumps this kind (as [`Writer::name`] says it).
+    pub fn name(&self) -> &'static str {
+        match self {
+            WriterKind::RoundRobin { .. } => "round-robin",
+            WriterKind::MaxValue { .. } => "max-value",
+        }
+    }
+}
+
+impl WriterDump {
+    /// The writer that dumps this kind, in this state ([`Writer::loads`]): round-robin, or
+    /// max-value reducing rank values by `reduction` (TorchRL keeps it out of the dump). A path
+    /// in an error is relative to the dump's folder.
+    pub fn writer(&self, reduction: Reduction) -> Result<Box<dyn Writer>> {
+        let mut writer: Box<dyn Writer> = match &self.kind {
+            WriterKind::RoundRobin { .. } => Box::new(RoundRobin::new()),
+            WriterKind::MaxValue { rank_key, .. } => Box::new(MaxValue::with_reduction(rank_key.as_str(), reduction)),
+        };
+        writer.loads(self)?;
+        Ok(writer)
+    }
 }
 
 /// A round-robin writer's per-row generations (`generation.memmap`).

@@ -11,7 +11,8 @@ use std::collections::BinaryHeap;
 use memmap_tensor::{DType, Tensor};
 use tensordict::{KeyPath, TensorDict};
 
-use super::{Writer, batch_rows};
+use super::{Writer, batch_rows, other_kind};
+use crate::checkpoint::{WriterDump, WriterKind};
 use crate::error::{Error, Result};
 
 /// How [`MaxValue`] turns a row's several rank values into one.
@@ -188,6 +189,44 @@ impl Writer for MaxValue {
 
     fn ranked(&self) -> Option<(&KeyPath, Vec<(f64, usize)>)> {
         Some((&self.rank_key, self.top_values()))
+    }
+
+    /// TorchRL's `TensorDictMaxValueWriter` state: the cursor, the write count, the rank key
+    /// (one key: a nested one has no form there) and the kept `(rank, row)` pairs.
+    fn dumps(&self) -> Result<WriterDump> {
+        let [rank_key] = self.rank_key.parts() else {
+            return Err(Error::RankKey {
+                key: self.rank_key.to_string(),
+                detail: "a nested rank key has no form in a TorchRL dump's writer metadata".into(),
+            });
+        };
+        Ok(WriterDump {
+            cursor: self.cursor as u64,
+            write_count: Some(self.write_count),
+            kind: WriterKind::MaxValue {
+                rank_key: rank_key.clone(),
+                top_values: self.top_values().into_iter().map(|(r, i)| (r, i as u64)).collect(),
+                dtype: DType::F32,
+            },
+        })
+    }
+
+    /// Takes a max-value writer's cursor, write count, rank key and kept ranks (the reduction
+    /// stays this writer's: TorchRL keeps it out of the dump).
+    fn loads(&mut self, dump: &WriterDump) -> Result<()> {
+        let WriterKind::MaxValue { rank_key, top_values, .. } = &dump.kind else {
+            return Err(other_kind(self.name(), dump));
+        };
+        let top: Vec<(f64, usize)> =
+            top_values.iter().map(|&(r, i)| (r, usize::try_from(i).unwrap_or(usize::MAX))).collect();
+        *self = MaxValue::from_state(
+            rank_key.as_str(),
+            self.reduction,
+            usize::try_from(dump.cursor).unwrap_or(usize::MAX),
+            dump.write_count.unwrap_or(0),
+            &top,
+        );
+        Ok(())
     }
 }
 

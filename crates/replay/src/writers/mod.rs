@@ -3,7 +3,14 @@
 //! `TensorDictMaxValueWriter`; each file gives its rules.
 //!
 //! A [`Writer`] only chooses rows; the buffer copies the data. It runs under the buffer's
-//! state lock, so it takes `&mut self` and must be quick.
+//! state lock, so it takes `&mut self` and must be quick. Each writer dumps and loads its own
+//! state in the form TorchRL's checkpoints hold it ([`Writer::dumps`], [`Writer::loads`], as
+//! TorchRL's writers' `dumps`/`loads`); [`crate::checkpoint::WriterDump::writer`] gives the
+//! writer a dump's state belongs to.
+//!
+//! A replay service draws its rows with a round-robin writer: its clients reserve rows before
+//! they have the rows' values, which only a writer that places rows without looking at them
+//! ([`Writer::reserve_rows`]) can do.
 
 pub mod max_value;
 pub mod round_robin;
@@ -12,6 +19,7 @@ use std::fmt;
 
 use tensordict::{KeyPath, TensorDict};
 
+use crate::checkpoint::WriterDump;
 use crate::error::{Error, Result};
 
 pub use max_value::{MaxValue, Reduction};
@@ -54,6 +62,34 @@ pub trait Writer: Send + fmt::Debug {
     /// first (what a checkpoint saves). `None` for writers that keep no ranks.
     fn ranked(&self) -> Option<(&KeyPath, Vec<(f64, usize)>)> {
         None
+    }
+
+    /// The writer's state as a TorchRL dump holds it (`writer/`, as TorchRL's writers' `dumps`
+    /// write it). The default, for writers without a TorchRL form, refuses.
+    fn dumps(&self) -> Result<WriterDump> {
+        Err(Error::Unsupported {
+            path: "writer".into(),
+            what: format!("the {} writer, which has no TorchRL dump form", self.name()),
+        })
+    }
+
+    /// Takes the state of a TorchRL dump's `writer/` (as TorchRL's writers' `loads` read it);
+    /// on `Err` the writer is as it was. A path in an error is relative to the dump's folder.
+    /// The default, for writers without a TorchRL form, refuses.
+    fn loads(&mut self, dump: &WriterDump) -> Result<()> {
+        let _ = dump;
+        Err(Error::Unsupported {
+            path: "writer".into(),
+            what: format!("a dump's writer state for the {} writer, which has no TorchRL dump form", self.name()),
+        })
+    }
+}
+
+/// Why `writer` refuses a dump of another kind of writer.
+pub(crate) fn other_kind(writer: &'static str, dump: &WriterDump) -> Error {
+    Error::Unsupported {
+        path: "writer/metadata.json".into(),
+        what: format!("a {} writer's state for the {writer} writer", dump.kind.name()),
     }
 }
 

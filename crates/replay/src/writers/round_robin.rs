@@ -5,8 +5,9 @@
 
 use tensordict::TensorDict;
 
-use super::{Writer, batch_rows};
-use crate::error::Result;
+use super::{Writer, batch_rows, other_kind};
+use crate::checkpoint::{WriterDump, WriterKind};
+use crate::error::{Error, Result};
 
 /// Round-robin writing (TorchRL's `RoundRobinWriter`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -63,5 +64,33 @@ impl Writer for RoundRobin {
 
     fn reset(&mut self) {
         *self = RoundRobin::default();
+    }
+
+    /// TorchRL's `RoundRobinWriter` state: the cursor and the write count.
+    fn dumps(&self) -> Result<WriterDump> {
+        Ok(WriterDump {
+            cursor: self.cursor as u64,
+            write_count: Some(self.write_count),
+            kind: WriterKind::RoundRobin { generation: None },
+        })
+    }
+
+    /// Takes a round-robin writer's cursor and write count (0 when the dump predates it).
+    /// Generation tracking is refused: this writer has none.
+    fn loads(&mut self, dump: &WriterDump) -> Result<()> {
+        match &dump.kind {
+            WriterKind::RoundRobin { generation: None } => {
+                *self = RoundRobin::from_state(
+                    usize::try_from(dump.cursor).unwrap_or(usize::MAX),
+                    dump.write_count.unwrap_or(0),
+                );
+                Ok(())
+            }
+            WriterKind::RoundRobin { generation: Some(_) } => Err(Error::Unsupported {
+                path: "writer/generation.memmap".into(),
+                what: "a round-robin writer tracking generations".into(),
+            }),
+            WriterKind::MaxValue { .. } => Err(other_kind(self.name(), dump)),
+        }
     }
 }
