@@ -161,7 +161,7 @@ struct State {
 
 /// A replay buffer: rows kept in a [`Storage`], placed by a [`Writer`], drawn by a
 /// [`Sampler`]. `Sync`: every method takes `&self`, and rows are never read half-written
-/// (see the module docs of `buffer.rs`).
+/// (see the module docs of `buffer`).
 pub struct ReplayBuffer {
     id: u64,
     config: StorageConfig,

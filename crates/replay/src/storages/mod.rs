@@ -101,7 +101,7 @@ struct Leaf {
 ///
 /// Row writes and gathers take `&self`: tensors share their storage between clones, and each
 /// tensor's storage serialises its own writes and reads. Keeping rows whole across tensors is
-/// the buffer's job (see `buffer.rs`).
+/// the buffer's job (see `buffer/mod.rs`).
 pub struct Storage {
     td: TensorDict,
     capacity: usize,
