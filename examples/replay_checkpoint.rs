@@ -33,7 +33,7 @@ fn transitions(first: usize, n: usize) -> anyhow::Result<TensorDict> {
 }
 
 fn priorities(buffer: &ReplayBuffer) -> anyhow::Result<PrioritizedDump> {
-    match buffer.sampler().to_dump()? {
+    match buffer.with_sampler(|s| s.dumps())? {
         SamplerDump::Prioritized(p) => Ok(p),
         other => bail!("expected a prioritized sampler, found {other:?}"),
     }

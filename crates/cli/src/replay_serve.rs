@@ -14,7 +14,9 @@ use anyhow::{Context, anyhow, bail, ensure};
 use clap::{Args, ValueEnum};
 use replay::RateLimiter;
 use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, SamplerSpec};
-use replay::{Episodes, SliceShape};
+use replay::{
+    Episodes, PrioritizedSliceSpec, PrioritizedSpec, SliceShape, SliceSpec, UniformSpec, WithoutReplacementSpec,
+};
 use rpc::{ClientOptions, Endpoint, Token};
 use serde_json::{Value, json};
 use tensordict::KeyPath;
@@ -56,7 +58,7 @@ pub(crate) struct ServeArgs {
     capacity: Option<u64>,
     /// Start from this TorchRL dump folder (`ReplayBuffer.dumps`, in Python or Rust): its rows,
     /// capacity, writer cursor and sampler state (uniform, without replacement, prioritized).
-    #[arg(long, value_name = "DUMP", conflicts_with_all = ["sampler", "alpha", "beta", "eps", "traj_key", "end_key", "num_slices", "slice_len", "strict_length", "drop_last"])]
+    #[arg(long, value_name = "DUMP", conflicts_with_all = ["sampler", "sampler_spec", "alpha", "beta", "eps", "traj_key", "end_key", "num_slices", "slice_len", "strict_length", "drop_last"])]
     load: Option<PathBuf>,
     /// Keep the rows in the memmap folder DIR (missing or empty unless --overwrite), which
     /// clients on other nodes reach through a shared filesystem at the same path. Default:
@@ -74,6 +76,12 @@ pub(crate) struct ServeArgs {
     /// The sampler (default: uniform).
     #[arg(long, value_enum)]
     sampler: Option<SamplerKind>,
+    /// The sampler and its options as JSON (`replay::SamplerSpec`), instead of --sampler and
+    /// its options: any sampler the service knows, e.g. `{"prioritized": {"alpha": 0.6, "beta":
+    /// 0.4, "eps": 1e-8}}` or `{"slice": {"episodes": {"traj_key": ["episode"]}, "shape":
+    /// {"num_slices": 4}}}`.
+    #[arg(long, value_name = "JSON", value_parser = parse_sampler_spec, conflicts_with_all = ["sampler", "alpha", "beta", "eps", "traj_key", "end_key", "num_slices", "slice_len", "strict_length", "drop_last"])]
+    sampler_spec: Option<SamplerSpec>,
     /// End an epoch of --sampler without-replacement when fewer than a batch of rows remain.
     #[arg(long)]
     drop_last: bool,
@@ -192,6 +200,9 @@ fn options(args: &ServeArgs, paths: &ServePaths) -> anyhow::Result<ReplayOptions
 
 /// The sampler the arguments ask for; options of other samplers are refused by name.
 fn sampler(args: &ServeArgs) -> anyhow::Result<SamplerSpec> {
+    if let Some(spec) = &args.sampler_spec {
+        return Ok(spec.clone());
+    }
     let kind = args.sampler.unwrap_or(SamplerKind::Uniform);
     let prioritized = matches!(kind, SamplerKind::Prioritized | SamplerKind::PrioritizedSlice);
     let sliced = matches!(kind, SamplerKind::Slice | SamplerKind::PrioritizedSlice);
@@ -243,18 +254,25 @@ fn sampler(args: &ServeArgs) -> anyhow::Result<SamplerSpec> {
         };
         Ok((episodes, shape))
     };
+    let prioritized = PrioritizedSpec::new(alpha, beta, eps);
+    let slice = || -> anyhow::Result<SliceSpec> {
+        let (episodes, shape) = slices()?;
+        Ok(SliceSpec::new(episodes, shape).strict_length(args.strict_length))
+    };
     Ok(match kind {
-        SamplerKind::Uniform => SamplerSpec::Uniform,
-        SamplerKind::WithoutReplacement => SamplerSpec::WithoutReplacement { drop_last: args.drop_last },
-        SamplerKind::Prioritized => SamplerSpec::Prioritized { alpha, beta, eps },
-        SamplerKind::Slice => {
-            let (episodes, shape) = slices()?;
-            SamplerSpec::Slice { episodes, shape, strict_length: args.strict_length }
-        }
-        SamplerKind::PrioritizedSlice => {
-            let (episodes, shape) = slices()?;
-            SamplerSpec::PrioritizedSlice { alpha, beta, eps, episodes, shape, strict_length: args.strict_length }
-        }
+        SamplerKind::Uniform => UniformSpec::new().into(),
+        SamplerKind::WithoutReplacement => WithoutReplacementSpec::new(args.drop_last).into(),
+        SamplerKind::Prioritized => prioritized.into(),
+        SamplerKind::Slice => slice()?.into(),
+        SamplerKind::PrioritizedSlice => PrioritizedSliceSpec::new(prioritized, slice()?).into(),
+    })
+}
+
+/// `--sampler-spec`: a [`SamplerSpec`] as JSON; a name no sampler has is refused with the
+/// names there are.
+fn parse_sampler_spec(s: &str) -> Result<SamplerSpec, String> {
+    serde_json::from_str(s).map_err(|e| {
+        format!("{e} (a sampler spec is {{\"NAME\": {{OPTIONS}}}}, NAME one of {})", SamplerSpec::NAMES.join(", "))
     })
 }
 
@@ -341,6 +359,9 @@ fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
         let sampler = sampler.to_possible_value().expect("no variant is skipped");
         passed.extend(["--sampler".into(), sampler.get_name().into()]);
     }
+    if let Some(spec) = &args.sampler_spec {
+        passed.extend(["--sampler-spec".into(), serde_json::to_string(spec)?.into()]);
+    }
     let numbers = [
         ("--alpha", args.alpha),
         ("--beta", args.beta),
@@ -408,7 +429,7 @@ fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
         paths.log.as_deref().map_or_else(|| "stderr".to_owned(), |p| p.display().to_string()),
         server.buffer().capacity(),
         paths.dir.as_deref().map_or_else(|| "shared memory".to_owned(), |d| format!("folder {}", d.display())),
-        server.buffer().sampler().name(),
+        server.buffer().sampler_name(),
     );
     if let Some(limiter) = server.buffer().rate_limiter() {
         let (min_diff, max_diff) = limiter.bounds();
@@ -473,7 +494,8 @@ pub(crate) fn stats(at: &ServiceArgs, as_json: bool) -> anyhow::Result<ExitCode>
         other => format!("{other:?}"),
     });
     let described = json!({
-        "name": info.name, "pid": info.pid, "capacity": stats.capacity, "sampler": info.sampler,
+        "name": info.name, "pid": info.pid, "capacity": stats.capacity, "sampler": info.sampler.name(),
+        "sampler_spec": &info.sampler,
         "storage": &storage, "limiter": limiter,
         "len": stats.len, "cursor": stats.cursor, "write_count": stats.write_count,
         "inserts": stats.inserts, "samples": stats.samples,
@@ -499,7 +521,7 @@ pub(crate) fn stats(at: &ServiceArgs, as_json: bool) -> anyhow::Result<ExitCode>
         ("rows", format!("{} of {}", stats.len, stats.capacity)),
         ("cursor", stats.cursor.to_string()),
         ("written", format!("{} rows", stats.write_count)),
-        ("sampler", info.sampler.clone()),
+        ("sampler", info.sampler.to_string()),
         ("rate limiter", limiter_text),
         ("inserted", format!("{} rows (as the rate limiter counts)", stats.inserts)),
         ("sampled", format!("{} rows", stats.samples)),

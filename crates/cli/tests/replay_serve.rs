@@ -191,6 +191,32 @@ fn serve_stats_stop() {
     assert!(gone.error().contains("no replay service"), "{gone}");
 }
 
+/// A sampler given by its spec, in JSON: the daemon draws with it, and stats says it, as JSON
+/// and as text.
+#[test]
+fn a_sampler_given_by_its_spec() {
+    let mut w = World::new("spec");
+    let (line, _) = w.serve(&["--capacity", "10", "--sampler-spec", r#"{"without-replacement": {"drop_last": true}}"#]);
+    assert!(line.contains("without-replacement sampler"), "{line}");
+    let stats = w.stats();
+    assert_eq!(stats["sampler"], "without-replacement");
+    assert_eq!(stats["sampler_spec"], serde_json::json!({"without-replacement": {"drop_last": true, "shuffle": true}}));
+    let client = w.client();
+    client.extend(&rows(0, 10)).unwrap();
+    // Without replacement, with drop_last: 3 batches of 3 rows an epoch, each row at most once.
+    let mut seen: Vec<usize> = Vec::new();
+    for _ in 0..3 {
+        seen.extend(client.sample(3, Some(Duration::from_secs(10))).unwrap().1.indices);
+    }
+    seen.sort_unstable();
+    seen.dedup();
+    assert_eq!(seen.len(), 9, "{seen:?}");
+    drop(client);
+    let text = w.replay("stats", Vec::<&str>::new());
+    assert!(text.ok().contains("without-replacement (drop_last true, shuffle true)"), "{text}");
+    w.replay("stop", Vec::<&str>::new()).ok();
+}
+
 /// A second serve of a running name fails, naming the pid that serves it; the first goes on.
 #[test]
 fn a_second_serve_names_the_running_pid() {
@@ -225,6 +251,9 @@ fn bad_arguments_are_clear_errors() {
         (vec!["--capacity", "10", "--load", "/nonexistent"], "--capacity"),
         (vec!["--load", "/nonexistent", "--sampler", "prioritized"], "--sampler"),
         (vec!["--capacity", "10", "--sampler", "slice", "--traj-key", "e", "--end-key", "d"], "--end-key"),
+        (vec!["--capacity", "10", "--sampler-spec", r#"{"greedy": {}}"#], "greedy"),
+        (vec!["--capacity", "10", "--sampler-spec", r#"{"greedy": {}}"#], "prioritized-slice"),
+        (vec!["--capacity", "10", "--sampler-spec", r#"{"uniform": {}}"#, "--alpha", "0.5"], "--alpha"),
     ] {
         let run = w.replay("serve", &args);
         assert!(run.usage_error().contains(says), "{args:?} should name {says}:\n{run}");
@@ -341,6 +370,7 @@ fn foreground_prioritized_in_a_folder() {
 
     let stats = w.stats();
     assert_eq!(stats["sampler"], "prioritized");
+    assert_eq!(stats["sampler_spec"]["prioritized"]["alpha"], 0.7, "{stats}");
     assert_eq!(stats["limiter"]["samples_per_insert"], 2.0);
     assert_eq!(stats["limiter"]["min_size"], 5);
     // Reverb's SampleToInsertRatio: the bounds are 2 × 5 ∓ 100.

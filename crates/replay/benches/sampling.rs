@@ -1,10 +1,12 @@
 //! Criterion benchmarks of a whole buffer's sampling on the shapes of `tdict bench replay`
 //! (`obs` and `next/obs` `f32[84]`, `action` and `episode` i64, `reward` f32, `done` bool) in a
 //! memmap storage, and of its parts: the storage's row gather alone, into a new dict and into a
-//! reused one. Run with `cargo bench -p replay --bench sampling`; `REPLAY_BENCH_ROWS` sets the
-//! number of rows (1M by default).
+//! reused one, and a prioritized sample while another thread updates priorities (the two share
+//! the buffer's lock). Run with `cargo bench -p replay --bench sampling`; `REPLAY_BENCH_ROWS`
+//! sets the number of rows (1M by default).
 
 use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use memmap_tensor::Tensor;
@@ -81,6 +83,27 @@ fn bench_sampling(c: &mut Criterion) {
             }
             prioritized.update_priority(info.indices.as_slice(), &priorities[..info.indices.len()]).unwrap();
         })
+    });
+    // Another thread updates the priorities of 256 rows at a time, as a learner's second
+    // thread would, while this one samples.
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let mut rng = StdRng::seed_from_u64(9);
+            let mut rows = vec![0usize; 256];
+            let mut priorities = vec![0f64; 256];
+            while !stop.load(Ordering::Relaxed) {
+                for (r, p) in rows.iter_mut().zip(&mut priorities) {
+                    *r = rng.random_range(0..total);
+                    *p = rng.random_range(0.01..1.0);
+                }
+                prioritized.update_priority(rows.as_slice(), &priorities).unwrap();
+            }
+        });
+        group.bench_function("prioritized_sample_256_while_updating", |b| {
+            b.iter(|| black_box(prioritized.sample(256).unwrap()))
+        });
+        stop.store(true, Ordering::Relaxed);
     });
     group.finish();
 }

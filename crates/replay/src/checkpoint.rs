@@ -41,6 +41,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::samplers::{PrioritizedSpec, SamplerSpec, UniformSpec, WithoutReplacementSpec};
+use crate::writers::{MaxValue, Reduction, RoundRobin, Writer};
 use memmap_tensor::{Access, DType, Tensor};
 use serde_json::{Map, Value, json};
 use tensordict::{TensorDict, WriteOptions, json_as_f64, json_float, parse_python_json, to_python_json};
@@ -115,6 +117,30 @@ pub enum WriterKind {
     },
 }
 
+impl WriterKind {
+    /// The name of the writer that dumps this kind (as [`Writer::name`] says it).
+    pub fn name(&self) -> &'static str {
+        match self {
+            WriterKind::RoundRobin { .. } => "round-robin",
+            WriterKind::MaxValue { .. } => "max-value",
+        }
+    }
+}
+
+impl WriterDump {
+    /// The writer that dumps this kind, in this state ([`Writer::loads`]): round-robin, or
+    /// max-value reducing rank values by `reduction` (TorchRL keeps it out of the dump). A path
+    /// in an error is relative to the dump's folder.
+    pub fn writer(&self, reduction: Reduction) -> Result<Box<dyn Writer>> {
+        let mut writer: Box<dyn Writer> = match &self.kind {
+            WriterKind::RoundRobin { .. } => Box::new(RoundRobin::new()),
+            WriterKind::MaxValue { rank_key, .. } => Box::new(MaxValue::with_reduction(rank_key.as_str(), reduction)),
+        };
+        writer.loads(self)?;
+        Ok(writer)
+    }
+}
+
 /// A round-robin writer's per-row generations (`generation.memmap`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Generation {
@@ -135,6 +161,34 @@ pub enum SamplerDump {
     Prioritized(PrioritizedDump),
     /// `SamplerWithoutReplacement` or `SliceSamplerWithoutReplacement`: its state dict.
     WithoutReplacement(TensorDict),
+}
+
+impl SamplerDump {
+    /// What the dump holds, for messages (`"a prioritized sampler's trees"`).
+    pub fn form(&self) -> &'static str {
+        match self {
+            SamplerDump::Stateless => "no sampler state",
+            SamplerDump::Prioritized(_) => "a prioritized sampler's trees",
+            SamplerDump::WithoutReplacement(_) => "a without-replacement sampler's epoch",
+        }
+    }
+
+    /// The spec of the sampler [`crate::ReplayBuffer::loads`] takes this state into unless
+    /// told otherwise: uniform for no state, prioritized for trees (its `alpha`, `beta` and
+    /// `eps` the dump's, and `max_priority_within_buffer`, which TorchRL keeps out of the dump,
+    /// as given), without replacement for an epoch (with the dump's `drop_last`).
+    pub fn sampler_spec(&self, max_priority_within_buffer: bool) -> SamplerSpec {
+        match self {
+            SamplerDump::Stateless => UniformSpec::new().into(),
+            SamplerDump::Prioritized(p) => PrioritizedSpec::new(p.alpha, p.beta, p.eps)
+                .max_priority_within_buffer(max_priority_within_buffer)
+                .into(),
+            SamplerDump::WithoutReplacement(state) => {
+                let drop_last = state.get_tensor("drop_last").ok().and_then(|t| t.to_vec_bool().ok());
+                WithoutReplacementSpec::new(drop_last.as_deref() == Some(&[true][..])).into()
+            }
+        }
+    }
 }
 
 /// A prioritized sampler's state.
@@ -615,7 +669,7 @@ impl SamplerDump {
                 Ok(())
             }
             SamplerDump::WithoutReplacement(state) => {
-                *state = crate::sampler::pack_without_replacement(state, packing, len)?;
+                *state = crate::samplers::without_replacement::pack_without_replacement(state, packing, len)?;
                 Ok(())
             }
         }

@@ -1,6 +1,6 @@
 //! The crate's one error type.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Everything that can go wrong with a replay buffer. Variants name what is wrong (the key,
 /// the index, the folder, the sizes involved).
@@ -322,6 +322,19 @@ impl Error {
 
 /// The crate's result type.
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// The error with a path relative to a dump's folder (as the writers and samplers that
+    /// read a dump's parts report it) made the path under the dump at `root`.
+    pub(crate) fn under(self, root: &Path) -> Error {
+        match self {
+            Error::Unsupported { path, what } if path.is_relative() => {
+                Error::Unsupported { path: root.join(path), what }
+            }
+            other => other,
+        }
+    }
+}
 
 /// Attaches the operation to a tensordict error.
 pub(crate) trait WithOp<T> {

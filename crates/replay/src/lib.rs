@@ -37,23 +37,19 @@ struct ReadmeDoctests;
 pub mod buffer;
 pub mod checkpoint;
 pub mod error;
-mod prioritized;
-pub mod prioritized_slice;
 pub mod rate;
 pub mod remote;
-pub mod sampler;
-pub mod slice;
-pub mod storage;
-mod tree;
-pub mod writer;
+pub mod samplers;
+pub mod storages;
+pub mod writers;
 
 pub use buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows, SampleInfo};
 pub use error::{Error, Result};
-pub use prioritized::{MaxPriority, PrioritizedParts, PrioritizedState, SAMPLER_SCHEMA_VERSION, SamplerMetadata};
-pub use prioritized_slice::PrioritizedSlice;
 pub use rate::{RateCounts, RateLimiter};
-pub use sampler::{Draw, Prioritized, Sampler, Uniform, WithoutReplacement};
-pub use slice::{Episodes, Slice, SliceShape};
-pub use storage::{Backend, RowFiles, STORAGE_METADATA, Storage, StorageConfig};
-pub use tree::{MinTree, SumTree};
-pub use writer::{MaxValue, Reduction, RoundRobin, Writer};
+pub use samplers::{
+    Draw, Episodes, MaxPriority, MinTree, Prioritized, PrioritizedParts, PrioritizedSlice, PrioritizedSliceSpec,
+    PrioritizedSpec, PrioritizedState, SAMPLER_SCHEMA_VERSION, Sampler, SamplerMetadata, SamplerOptions, SamplerSpec,
+    Slice, SliceShape, SliceSpec, SumTree, Uniform, UniformSpec, WithoutReplacement, WithoutReplacementSpec,
+};
+pub use storages::{Backend, RowFiles, STORAGE_METADATA, Storage, StorageConfig};
+pub use writers::{MaxValue, Reduction, RoundRobin, Writer};

@@ -403,13 +403,13 @@ fn samplers_plug_in_through_the_trait() -> R {
         fn name(&self) -> &'static str {
             "last"
         }
-        fn on_write(&self, indices: &[usize]) {
+        fn on_write(&mut self, indices: &[usize]) {
             self.writes.lock().unwrap().extend_from_slice(indices);
         }
-        fn sample(&self, batch: usize, len: usize) -> replay::Result<replay::Draw> {
+        fn sample(&mut self, batch: usize, len: usize) -> replay::Result<replay::Draw> {
             Ok((vec![len - 1; batch], Some(vec![0.5; batch])))
         }
-        fn update_priority(&self, indices: &[usize], priorities: &[f64]) -> replay::Result<()> {
+        fn update_priority(&mut self, indices: &[usize], priorities: &[f64]) -> replay::Result<()> {
             assert_eq!(indices.len(), priorities.len());
             Ok(())
         }

@@ -5,11 +5,11 @@
 use std::fs;
 use std::path::PathBuf;
 
-use memmap_tensor::Tensor;
-use replay::checkpoint::SamplerDump;
+use memmap_tensor::{DType, Tensor};
+use replay::checkpoint::{Dump, Generation, SamplerDump, WriterKind};
 use replay::{
-    Error, LoadOptions, MaxValue, Prioritized, PrioritizedState, ReplayBuffer, RoundRobin, StorageConfig, Uniform,
-    WithoutReplacement,
+    Error, LoadOptions, MaxValue, Prioritized, PrioritizedState, Reduction, ReplayBuffer, RoundRobin, StorageConfig,
+    Uniform, WithoutReplacement, Writer,
 };
 use serde_json::Value;
 use tensordict::TensorDict;
@@ -29,7 +29,7 @@ fn rows(start: usize, n: usize) -> TensorDict {
 }
 
 fn prioritized_dump(buffer: &ReplayBuffer) -> replay::checkpoint::PrioritizedDump {
-    match buffer.sampler().to_dump().unwrap() {
+    match buffer.with_sampler(|s| s.dumps()).unwrap() {
         SamplerDump::Prioritized(p) => p,
         other => panic!("not a prioritized sampler: {other:?}"),
     }
@@ -162,7 +162,7 @@ fn assert_same_buffer(a: &ReplayBuffer, b: &ReplayBuffer) {
     assert_eq!(a.writer_state(), b.writer_state());
     assert_eq!(a.with_writer(|w| w.ranked().map(|r| r.1)), b.with_writer(|w| w.ranked().map(|r| r.1)));
     assert_eq!(leaves(&a.get(0..a.len()).unwrap()), leaves(&b.get(0..b.len()).unwrap()));
-    match (a.sampler().to_dump().unwrap(), b.sampler().to_dump().unwrap()) {
+    match (a.with_sampler(|s| s.dumps()).unwrap(), b.with_sampler(|s| s.dumps()).unwrap()) {
         (SamplerDump::Prioritized(x), SamplerDump::Prioritized(y)) => assert_eq!(x, y),
         (SamplerDump::WithoutReplacement(x), SamplerDump::WithoutReplacement(y)) => assert_eq!(leaves(&x), leaves(&y)),
         (SamplerDump::Stateless, SamplerDump::Stateless) => {}
@@ -512,4 +512,65 @@ fn a_buffer_killed_while_dumping_leaves_only_complete_dumps() {
         }
         assert!(complete > round, "round {round}: {complete} dumps");
     }
+}
+
+/// Writers load and dump their own state: each fixture's writer is rebuilt from its dump and
+/// dumps the same state back; a state no writer here has (a round-robin writer tracking
+/// generations) is refused naming its file in the dump, and a writer with no TorchRL form
+/// cannot be dumped.
+#[test]
+fn writers_dump_and_load_their_own_state() {
+    for name in ["uniform_wrapped", "max_value_writer"] {
+        let dump = Dump::read(fixtures().join(name)).unwrap();
+        let saved = dump.writer.as_ref().unwrap();
+        let writer = saved.writer(Reduction::Sum).unwrap();
+        // The same state; a max-value writer's ranks smallest first (TorchRL's are in heap order).
+        let sorted = |mut dump: replay::checkpoint::WriterDump| {
+            if let WriterKind::MaxValue { top_values, .. } = &mut dump.kind {
+                top_values.sort_by(|a, b| a.0.total_cmp(&b.0));
+            }
+            dump
+        };
+        assert_eq!(writer.dumps().unwrap(), sorted(saved.clone()), "{name}");
+        let (round_robin, max_value) = (RoundRobin::new(), MaxValue::new("reward"));
+        let other: &dyn Writer = if name == "uniform_wrapped" { &max_value } else { &round_robin };
+        let mut other_writer = saved.writer(Reduction::Sum).unwrap();
+        let refused = other_writer.loads(&other.dumps().unwrap()).unwrap_err().to_string();
+        assert!(refused.contains(other.name()) && refused.contains(writer.name()), "{refused}");
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut dump = Dump::read(fixtures().join("uniform_wrapped")).unwrap();
+    let generation = Generation { shape: vec![64], dtype: DType::I64, bytes: vec![0; 64 * 8] };
+    dump.writer.as_mut().unwrap().kind = WriterKind::RoundRobin { generation: Some(generation) };
+    dump.write(dir.path().join("generations")).unwrap();
+    let refused = ReplayBuffer::loads(dir.path().join("generations"), LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(&refused, Error::Unsupported { path, .. } if *path == dir.path().join("generations/writer/generation.memmap")),
+        "{refused}"
+    );
+
+    /// A writer of its own, without a TorchRL form.
+    #[derive(Debug)]
+    struct Last;
+    impl Writer for Last {
+        fn name(&self) -> &'static str {
+            "last"
+        }
+        fn reserve(&mut self, batch: &TensorDict, capacity: usize) -> replay::Result<Vec<Option<usize>>> {
+            Ok(vec![Some(capacity - 1); batch.batch_size()[0]])
+        }
+        fn cursor(&self) -> usize {
+            0
+        }
+        fn write_count(&self) -> u64 {
+            0
+        }
+        fn reset(&mut self) {}
+    }
+    let buffer = ReplayBuffer::new(StorageConfig::heap(4), Box::new(Last), Box::new(Uniform::new())).unwrap();
+    buffer.extend(&rows(0, 2)).unwrap();
+    let refused = buffer.dumps(dir.path().join("last")).unwrap_err();
+    assert!(matches!(&refused, Error::Unsupported { .. }) && refused.to_string().contains("last"), "{refused}");
+    assert!(!dir.path().join("last").exists());
 }

@@ -264,7 +264,7 @@ fn the_dump_is_the_prioritized_samplers_and_resumes_slices() -> R {
     // Back into a prioritized slice sampler over the saved rows.
     let state = Prioritized::from_dump(saved, 16, false, None)?.state();
     let sampler = PrioritizedSlice::from_state(state, traj_key(), SliceShape::SliceLen(3))?.seeded(10);
-    let SamplerDump::Prioritized(again) = sampler.to_dump()? else { panic!("not a prioritized dump") };
+    let SamplerDump::Prioritized(again) = sampler.dumps()? else { panic!("not a prioritized dump") };
     assert_eq!(&again, saved);
     let storage = Storage::create(&StorageConfig::heap(16), &dump.storage.data)?;
     storage.write_rows(&(0..16).collect::<Vec<_>>(), &dump.storage.data)?;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use memmap_tensor::{DType, Location, Tensor};
 use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, ReplayServiceClient, SamplerSpec};
 use replay::{Error, RateLimiter, ReplayBuffer};
+use replay::{PrioritizedSpec, SliceSpec, UniformSpec, WithoutReplacementSpec};
 use rpc::{BlockingClient, ClientOptions, WireError};
 use tensordict::TensorDict;
 
@@ -367,7 +368,7 @@ fn the_local_rate_limiter_waits_and_times_out() {
 #[test]
 fn a_prioritized_service_weights_samples_and_takes_priorities() {
     let f = Fixture::new("prioritized");
-    let options = f.options(32).sampler(SamplerSpec::Prioritized { alpha: 1.0, beta: 1.0, eps: 0.0 }).seed(3);
+    let options = f.options(32).sampler(PrioritizedSpec::new(1.0, 1.0, 0.0)).seed(3);
     let _server = f.start(options);
     let client = f.connect();
     let values: Vec<f64> = (0..32).map(f64::from).collect();
@@ -456,8 +457,8 @@ fn hostile_requests_get_errors() {
 #[test]
 fn samples_larger_than_one_reply_can_carry_are_refused_naming_the_limit() {
     for (name, sampler, weighted) in [
-        ("big-uniform", SamplerSpec::Uniform, false),
-        ("big-prioritized", SamplerSpec::Prioritized { alpha: 0.6, beta: 0.4, eps: 1e-6 }, true),
+        ("big-uniform", SamplerSpec::from(UniformSpec::new()), false),
+        ("big-prioritized", PrioritizedSpec::new(0.6, 0.4, 1e-6).into(), true),
     ] {
         let f = Fixture::new(name);
         let capacity = 1 << 16;
@@ -608,7 +609,7 @@ fn a_service_starts_from_a_dump() {
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("dump");
     {
-        let options = f.options(16).sampler(SamplerSpec::Prioritized { alpha: 0.7, beta: 0.5, eps: 1e-6 });
+        let options = f.options(16).sampler(PrioritizedSpec::new(0.7, 0.5, 1e-6));
         let _server = f.start(options);
         let client = f.connect();
         client.extend(&batch(&[1., 2., 3., 4., 5.])).unwrap();
@@ -617,7 +618,7 @@ fn a_service_starts_from_a_dump() {
     }
     let _server = f.start(f.options(0).load(&dump).seed(2));
     let client = f.connect();
-    assert_eq!(client.info().sampler, "prioritized");
+    assert_eq!(client.info().sampler, SamplerSpec::from(PrioritizedSpec::new(0.7, 0.5, 1e-6)));
     let stats = client.stats().unwrap();
     assert_eq!((stats.len, stats.capacity, stats.cursor), (5, 16, 5));
     let (td, info) = client.sample(32, None).unwrap();
@@ -646,11 +647,8 @@ fn a_service_starts_from_a_dump_torchrl_wrote() {
 #[test]
 fn a_slice_service_hands_out_runs_of_one_episode() {
     let f = Fixture::new("slices");
-    let spec = SamplerSpec::Slice {
-        episodes: replay::Episodes::TrajKey("episode".into()),
-        shape: replay::SliceShape::NumSlices(4),
-        strict_length: true,
-    };
+    let spec = SliceSpec::new(replay::Episodes::TrajKey("episode".into()), replay::SliceShape::NumSlices(4))
+        .strict_length(true);
     let _server = f.start(f.options(64).sampler(spec).seed(9));
     let client = f.connect();
     extend_episodes(&client, 6);
@@ -665,11 +663,8 @@ fn a_slice_service_hands_out_runs_of_one_episode() {
     }
     // A schema without the episode key is refused by the sampler, naming it.
     let g = Fixture::new("slices-no-key");
-    let spec = SamplerSpec::Slice {
-        episodes: replay::Episodes::TrajKey("episode".into()),
-        shape: replay::SliceShape::SliceLen(4),
-        strict_length: false,
-    };
+    let spec = SliceSpec::new(replay::Episodes::TrajKey("episode".into()), replay::SliceShape::SliceLen(4))
+        .strict_length(false);
     let _server = g.start(g.options(64).sampler(spec));
     let refused = g.connect().extend(&batch(&[1.; 4])).unwrap_err();
     assert!(refused.to_string().contains("episode"), "{refused}");
@@ -809,11 +804,8 @@ fn a_shared_filesystem_service_reads_committed_rows_from_the_files() {
     let f = Fixture::new("shared-fs-service");
     let dir = tempfile::tempdir().unwrap();
     let engine = aio::Engine::new().unwrap();
-    let spec = SamplerSpec::Slice {
-        episodes: replay::Episodes::TrajKey("episode".into()),
-        shape: replay::SliceShape::SliceLen(5),
-        strict_length: true,
-    };
+    let spec = SliceSpec::new(replay::Episodes::TrajKey("episode".into()), replay::SliceShape::SliceLen(5))
+        .strict_length(true);
     let options = f.options(40).dir(dir.path().join("rows")).sampler(spec).shared_filesystem(engine.clone()).seed(6);
     let _server = f.start(options);
     let client = f.connect().on_shared_filesystem(engine);
@@ -835,7 +827,7 @@ fn a_shared_filesystem_service_reads_committed_rows_from_the_files() {
 #[test]
 fn an_epoch_without_replacement_ends_with_a_short_sample_into() {
     let f = Fixture::new("epochs");
-    let _server = f.start(f.options(10).sampler(SamplerSpec::WithoutReplacement { drop_last: false }).seed(2));
+    let _server = f.start(f.options(10).sampler(WithoutReplacementSpec::new(false)).seed(2));
     let client = f.connect();
     let values: Vec<f64> = (0..10).map(f64::from).collect();
     client.extend(&batch(&values)).unwrap();

@@ -15,7 +15,7 @@ use super::service::{ReplayInfo, ReplayServiceClient, ReplayStats, Reserved};
 use super::{MAX_FRAME_BYTES, max_reserve_rows, max_sample_rows, reply_limit, service_name, weighted_sampler};
 use crate::buffer::SampleInfo;
 use crate::error::{Error, Result, WithOp};
-use crate::storage::{RowFiles, Storage};
+use crate::storages::{RowFiles, Storage};
 
 /// How long one call may wait on the service; longer waits are several calls, so that a
 /// service that died is noticed within this.

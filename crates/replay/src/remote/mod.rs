@@ -66,7 +66,7 @@ pub use service::{ReplayInfo, ReplayService, ReplayServiceClient, ReplayStats, R
 
 use crate::error::{Error, Result};
 use crate::rate::RateLimiter;
-use crate::slice::{Episodes, SliceShape};
+pub use crate::samplers::SamplerSpec;
 
 /// The longest service name, in bytes.
 pub const MAX_NAME_BYTES: usize = rpc::service::MAX_NAME_BYTES;
@@ -124,10 +124,10 @@ pub fn max_reserve_rows(capacity: usize, max_frame_bytes: usize) -> usize {
     max_frame_bytes.saturating_sub(REPLY_ENVELOPE_BYTES) / reply_row_bytes(capacity, false)
 }
 
-/// Whether the sampler named `sampler` (as [`ReplayInfo::sampler`] says) weights its rows:
-/// its samples carry a weight per row.
-pub fn weighted_sampler(sampler: &str) -> bool {
-    matches!(sampler, "prioritized" | "prioritized-slice")
+/// Whether `sampler` (as [`ReplayInfo::sampler`] says) weights its rows: its samples carry a
+/// weight per row ([`SamplerSpec::weighted`]).
+pub fn weighted_sampler(sampler: &SamplerSpec) -> bool {
+    sampler.weighted()
 }
 
 /// Why a sample (or reservation) of more than `max` rows is refused, for its error.
@@ -138,53 +138,6 @@ fn reply_limit(capacity: usize, weighted: bool, max_frame_bytes: usize) -> Strin
         reply_row_bytes(capacity, weighted),
         if weighted { "an index and a weight" } else { "an index" },
     )
-}
-
-/// Which sampler a replay service draws with.
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub enum SamplerSpec {
-    /// Uniform with replacement.
-    Uniform,
-    /// Each row once per epoch, in a new random order each epoch (TorchRL's
-    /// `SamplerWithoutReplacement`).
-    WithoutReplacement {
-        /// End an epoch when fewer than a batch of rows remain.
-        drop_last: bool,
-    },
-    /// Prioritized (TorchRL's `PrioritizedSampler`) with these parameters.
-    Prioritized {
-        /// Priority exponent.
-        alpha: f64,
-        /// Importance-weight exponent.
-        beta: f64,
-        /// Added to every priority.
-        eps: f64,
-    },
-    /// Runs of consecutive steps of one trajectory (TorchRL's `SliceSampler`).
-    Slice {
-        /// Where trajectories are read from.
-        episodes: Episodes,
-        /// How a batch is cut into slices.
-        shape: SliceShape,
-        /// Only slices of the full length (else shorter trajectories give shorter slices).
-        strict_length: bool,
-    },
-    /// Slices whose start is drawn by priority (TorchRL's `PrioritizedSliceSampler`).
-    PrioritizedSlice {
-        /// Priority exponent.
-        alpha: f64,
-        /// Importance-weight exponent.
-        beta: f64,
-        /// Added to every priority.
-        eps: f64,
-        /// Where trajectories are read from.
-        episodes: Episodes,
-        /// How a batch is cut into slices.
-        shape: SliceShape,
-        /// Only slices of the full length.
-        strict_length: bool,
-    },
 }
 
 /// How a [`ReplayServer`] is set up.
@@ -221,7 +174,7 @@ impl ReplayOptions {
             capacity,
             dir: None,
             overwrite: false,
-            sampler: SamplerSpec::Uniform,
+            sampler: SamplerSpec::default(),
             limiter: None,
             service: rpc::service::ServiceOptions::default(),
             seed: None,
@@ -242,9 +195,9 @@ impl ReplayOptions {
         self
     }
 
-    /// Draws with `sampler`.
-    pub fn sampler(mut self, sampler: SamplerSpec) -> Self {
-        self.sampler = sampler;
+    /// Draws with `sampler` (a [`SamplerSpec`], or any sampler's spec: `PrioritizedSpec`...).
+    pub fn sampler(mut self, sampler: impl Into<SamplerSpec>) -> Self {
+        self.sampler = sampler.into();
         self
     }
 

@@ -11,17 +11,13 @@ use tarpc::context::Context;
 
 use super::service::{ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled};
 use super::{
-    MAX_FRAME_BYTES, ReplayOptions, SamplerSpec, max_reserve_rows, max_sample_rows, reply_limit, service_name,
+    MAX_FRAME_BYTES, ReplayOptions, max_reserve_rows, max_sample_rows, reply_limit, service_name,
     weighted_sampler,
 };
 use crate::buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows};
 use crate::error::{Error, Result};
-use crate::prioritized::PrioritizedState;
-use crate::prioritized_slice::PrioritizedSlice;
-use crate::sampler::{Prioritized, Sampler, Uniform, WithoutReplacement};
-use crate::slice::Slice;
-use crate::storage::{Backend, StorageConfig};
-use crate::writer::RoundRobin;
+use crate::storages::{Backend, StorageConfig};
+use crate::writers::RoundRobin;
 
 /// The largest sample one request may ask for, whatever the frames. The reply must also fit
 /// in one frame, which allows fewer rows: see [`super::max_sample_rows`].
@@ -345,7 +341,10 @@ impl ReplayService for Session {
             node: shared.node.clone(),
             pid: std::process::id(),
             capacity: shared.buffer.capacity() as u64,
-            sampler: shared.buffer.sampler().name().to_owned(),
+            sampler: shared
+                .buffer
+                .sampler_spec()
+                .ok_or_else(|| WireError::Other { message: "the service's sampler has no spec".into() })?,
             storage: shared.storage_ref()?,
             limiter,
         })
@@ -430,7 +429,7 @@ impl ReplayService for Session {
             return Err(invalid(format!("a sample of {batch} rows; ask for 1 to {MAX_SAMPLE_ROWS}")));
         }
         let capacity = self.shared().buffer.capacity();
-        let weighted = weighted_sampler(self.shared().buffer.sampler().name());
+        let weighted = self.shared().buffer.sampler_spec().is_some_and(|spec| weighted_sampler(&spec));
         let max = max_sample_rows(capacity, weighted, MAX_FRAME_BYTES);
         if batch > max as u64 {
             // Drawn, its reply could not be sent: the connection would end instead.
@@ -518,27 +517,7 @@ impl ReplayService for Session {
 /// A new buffer with the options' sampler, its storage made by the first writer.
 fn new_buffer(backend: Backend, options: &ReplayOptions) -> Result<ReplayBuffer> {
     let config = StorageConfig { backend, capacity: options.capacity };
-    let seeded = |seed: Option<u64>| seed.unwrap_or_else(rand::random);
-    let sampler: Box<dyn Sampler> = match options.sampler.clone() {
-        SamplerSpec::Uniform => Box::new(match options.seed {
-            Some(seed) => Uniform::seeded(seed),
-            None => Uniform::new(),
-        }),
-        SamplerSpec::WithoutReplacement { drop_last } => {
-            Box::new(WithoutReplacement::build(drop_last, true, options.seed))
-        }
-        SamplerSpec::Prioritized { alpha, beta, eps } => {
-            Box::new(Prioritized::from_state(PrioritizedState::new(options.capacity, alpha, beta, eps)?, options.seed))
-        }
-        SamplerSpec::Slice { episodes, shape, strict_length } => {
-            Box::new(Slice::new(episodes, shape)?.strict_length(strict_length).seeded(seeded(options.seed)))
-        }
-        SamplerSpec::PrioritizedSlice { alpha, beta, eps, episodes, shape, strict_length } => Box::new(
-            PrioritizedSlice::new(options.capacity, alpha, beta, eps, episodes, shape)?
-                .strict_length(strict_length)
-                .seeded(seeded(options.seed)),
-        ),
-    };
+    let sampler = options.sampler.build(options.capacity, options.seed)?;
     ReplayBuffer::new(config, Box::new(RoundRobin::new()), sampler)
 }
 

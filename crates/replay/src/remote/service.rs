@@ -5,6 +5,8 @@ use std::time::Duration;
 use rpc::{InlineDict, NodeId, TensorDictRef, WireError};
 use serde::{Deserialize, Serialize};
 
+use crate::samplers::SamplerSpec;
+
 /// The replay protocol. Every call runs in the session of the connection that made it:
 /// reservations and leases belong to that session, and are aborted and released when it ends
 /// (the peer closed it, or died).
@@ -60,8 +62,8 @@ pub struct ReplayInfo {
     pub pid: u32,
     /// The number of rows.
     pub capacity: u64,
-    /// The sampler's name (`"uniform"`, `"prioritized"`).
-    pub sampler: String,
+    /// The sampler and its options, as it was built ([`SamplerSpec::name`] says its name).
+    pub sampler: SamplerSpec,
     /// The storage, once the first writer has made it.
     pub storage: Option<TensorDictRef>,
     /// The rate limiter, if there is one: samples per insert, minimum size, and the bounds

@@ -1,5 +1,7 @@
-//! Prioritized sampling state: TorchRL's `PrioritizedSampler` (TorchRL 0.14,
-//! `torchrl/data/replay_buffers/samplers/prioritized.py`) without the storage around it.
+//! [`Prioritized`]: TorchRL's `PrioritizedSampler` (TorchRL 0.14,
+//! `torchrl/data/replay_buffers/samplers/prioritized.py`), a generator around a
+//! [`PrioritizedState`], the sampling state without the storage around it (its segment trees
+//! are in `tree.rs`).
 //!
 //! What TorchRL does, and what this module reproduces:
 //!
@@ -26,12 +28,16 @@
 //! so sampling stays O(batch · log n). Invalid priorities (NaN, infinite, negative) are refused
 //! with an error instead of entering the trees.
 
+use std::fmt;
+
 use rand::Rng;
+use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{self, PrioritizedDump};
+use super::tree::{MinTree, SumTree};
+use super::{Draw, Sampler, SamplerOptions, SamplerSpec, rng_from};
+use crate::checkpoint::{self, PrioritizedDump, SamplerDump};
 use crate::error::{Error, Result};
-use crate::tree::{MinTree, SumTree};
 
 /// The schema version TorchRL writes in `sampler_metadata.json` (raw-domain `_max_priority`).
 pub const SAMPLER_SCHEMA_VERSION: u32 = 1;
@@ -447,5 +453,213 @@ impl PrioritizedState {
             state.recompute_max_priority_from_tree();
         }
         Ok(state)
+    }
+
+    /// Rebuilds a state from a TorchRL dump's `sampler/` (see [`PrioritizedState::from_parts`]).
+    pub fn from_dump(capacity: usize, dump: &PrioritizedDump, max_priority_within_buffer: bool) -> Result<Self> {
+        let parts = PrioritizedParts {
+            metadata: SamplerMetadata {
+                alpha: dump.alpha,
+                beta: dump.beta,
+                eps: dump.eps,
+                max_priority: [dump.max_priority.value, dump.max_priority.index.map(|i| i as f64)],
+                max_capacity: dump.max_capacity as f64,
+                schema_version: match dump.schema_version {
+                    None => None,
+                    Some(v) => Some(u32::try_from(v).map_err(|_| Error::InvalidParameter {
+                        name: "_schema_version",
+                        value: v as f64,
+                        reason: "must be a small non-negative integer",
+                    })?),
+                },
+            },
+            sum_leaves: dump.sum_tree.clone(),
+            min_leaves: dump.min_tree.clone(),
+        };
+        PrioritizedState::from_parts(capacity, &parts, max_priority_within_buffer)
+    }
+}
+
+/// The options of a [`Prioritized`] sampler (TorchRL's `PrioritizedSampler` arguments). In
+/// serde form `{"prioritized": {"alpha": 0.6, "beta": 0.4, "eps": 1e-8}}`, with
+/// `"max_priority_within_buffer": true` to track the max priority among the rows in the buffer
+/// (false when left out).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct PrioritizedSpec {
+    /// Priority exponent (finite, `>= 0`).
+    pub alpha: f64,
+    /// Importance-weight exponent (finite, `>= 0`).
+    pub beta: f64,
+    /// Added to every priority (finite, `>= 0`; TorchRL's default is `1e-8`).
+    pub eps: f64,
+    /// TorchRL's `max_priority_within_buffer`.
+    #[serde(default)]
+    pub max_priority_within_buffer: bool,
+}
+
+impl PrioritizedSpec {
+    /// The spec with these exponents and `eps`, tracking the max priority ever seen.
+    pub fn new(alpha: f64, beta: f64, eps: f64) -> Self {
+        PrioritizedSpec { alpha, beta, eps, max_priority_within_buffer: false }
+    }
+
+    /// The spec tracking the max priority among the rows in the buffer (`true`) or ever seen.
+    pub fn max_priority_within_buffer(mut self, within: bool) -> Self {
+        self.max_priority_within_buffer = within;
+        self
+    }
+
+    /// The spec of the sampler around `state`.
+    pub(crate) fn of(state: &PrioritizedState) -> Self {
+        PrioritizedSpec::new(state.alpha(), state.beta(), state.eps())
+            .max_priority_within_buffer(state.max_priority_within_buffer())
+    }
+
+    /// A fresh state for `capacity` rows.
+    pub(crate) fn state(&self, capacity: usize) -> Result<PrioritizedState> {
+        Ok(PrioritizedState::new(capacity, self.alpha, self.beta, self.eps)?
+            .with_max_priority_within_buffer(self.max_priority_within_buffer))
+    }
+}
+
+impl fmt::Display for PrioritizedSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "alpha {}, beta {}, eps {}", self.alpha, self.beta, self.eps)?;
+        if self.max_priority_within_buffer {
+            f.write_str(", max priority within the buffer")?;
+        }
+        Ok(())
+    }
+}
+
+impl SamplerOptions for PrioritizedSpec {
+    type Built = Prioritized;
+    const NAME: &'static str = "prioritized";
+    const WEIGHTED: bool = true;
+
+    fn build(&self, capacity: usize, seed: Option<u64>) -> Result<Prioritized> {
+        Ok(Prioritized::from_state(self.state(capacity)?, seed))
+    }
+}
+
+/// Takes a TorchRL dump's prioritized state into `state` (TorchRL's `PrioritizedSampler.loads`,
+/// which takes the dump's `alpha`, `beta` and `eps` too), keeping its capacity and
+/// `max_priority_within_buffer`; on `Err` `state` is as it was.
+pub(crate) fn load_state(state: &mut PrioritizedState, dump: &SamplerDump, sampler: &'static str) -> Result<()> {
+    let SamplerDump::Prioritized(dump) = dump else {
+        return Err(Error::Sampler { sampler, detail: format!("takes a prioritized state, not {}", dump.form()) });
+    };
+    *state = PrioritizedState::from_dump(state.capacity(), dump, state.max_priority_within_buffer())?;
+    Ok(())
+}
+
+/// Prioritized sampling (TorchRL's `PrioritizedSampler`) around a [`PrioritizedState`].
+///
+/// It has no lock of its own: a buffer keeps it behind its own lock.
+pub struct Prioritized {
+    state: PrioritizedState,
+    rng: StdRng,
+}
+
+impl Prioritized {
+    /// A sampler for `capacity` rows, seeded from the OS. `alpha`, `beta` and `eps` must be
+    /// finite and `>= 0`.
+    pub fn new(capacity: usize, alpha: f64, beta: f64, eps: f64) -> Result<Self> {
+        Ok(Self::from_state(PrioritizedState::new(capacity, alpha, beta, eps)?, None))
+    }
+
+    /// A sampler around `state`, seeded by `seed` (from the OS when `None`).
+    pub fn from_state(state: PrioritizedState, seed: Option<u64>) -> Self {
+        Prioritized { state, rng: rng_from(seed) }
+    }
+
+    /// A sampler resuming from a TorchRL dump's `sampler/` for a storage of `capacity` rows.
+    /// `max_priority_within_buffer` is TorchRL's constructor argument of that name (not in the
+    /// dump).
+    pub fn from_dump(
+        dump: &PrioritizedDump,
+        capacity: usize,
+        max_priority_within_buffer: bool,
+        seed: Option<u64>,
+    ) -> Result<Self> {
+        let state = PrioritizedState::from_dump(capacity, dump, max_priority_within_buffer)?;
+        Ok(Self::from_state(state, seed))
+    }
+
+
+    /// A copy of the current state (parameters, max priority, trees).
+    pub fn state(&self) -> PrioritizedState {
+        self.state.clone()
+    }
+
+    /// Sets the priority exponent (see [`PrioritizedState::set_alpha`]).
+    pub fn set_alpha(&mut self, alpha: f64) -> Result<()> {
+        self.state.set_alpha(alpha)
+    }
+
+    /// Sets the importance-weight exponent.
+    pub fn set_beta(&mut self, beta: f64) -> Result<()> {
+        self.state.set_beta(beta)
+    }
+}
+
+impl fmt::Debug for Prioritized {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = &self.state;
+        f.debug_struct("Prioritized")
+            .field("capacity", &state.capacity())
+            .field("alpha", &state.alpha())
+            .field("beta", &state.beta())
+            .field("eps", &state.eps())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sampler for Prioritized {
+    fn name(&self) -> &'static str {
+        PrioritizedSpec::NAME
+    }
+
+    fn spec(&self) -> Option<SamplerSpec> {
+        Some(PrioritizedSpec::of(&self.state).into())
+    }
+
+    fn on_write(&mut self, indices: &[usize]) {
+        // The buffer only builds over a sampler of its own capacity (`capacity` below), so
+        // every row it writes is in range and the update cannot fail.
+        let _ = self.state.on_write(indices);
+    }
+
+    fn sample(&mut self, batch: usize, len: usize) -> Result<Draw> {
+        if len == 0 {
+            return Err(Error::Empty);
+        }
+        let (indices, weights) = self.state.sample(batch, len, &mut self.rng)?;
+        Ok((indices, Some(weights.into_iter().map(f64::from).collect())))
+    }
+
+    /// Priorities are narrowed to `f32` (TorchRL's tree precision); a value that does not fit
+    /// is refused as invalid, naming its row.
+    fn update_priority(&mut self, indices: &[usize], priorities: &[f64]) -> Result<()> {
+        let narrow: Vec<f32> = priorities.iter().map(|&p| p as f32).collect();
+        self.state.update_priority(indices, &narrow)
+    }
+
+    fn reset(&mut self) {
+        self.state.reset();
+    }
+
+    fn capacity(&self) -> Option<usize> {
+        Some(self.state.capacity())
+    }
+
+    fn dumps(&self) -> Result<SamplerDump> {
+        Ok(SamplerDump::Prioritized(self.state.to_dump()))
+    }
+
+    fn loads(&mut self, state: &SamplerDump, _capacity: usize) -> Result<()> {
+        load_state(&mut self.state, state, PrioritizedSpec::NAME)
     }
 }

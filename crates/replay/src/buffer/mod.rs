@@ -1,10 +1,23 @@
 //! [`ReplayBuffer`]: a storage, a writer and a sampler behind one `&self` API.
 //!
+//! This file holds the API and the draw; `rows.rs` the rows' state machine (the bookkeeping
+//! below, with tests of its own), `indices.rs` the [`Rows`] indices, and `dumps.rs` the
+//! buffer's side of a checkpoint ([`ReplayBuffer::dumps`], [`ReplayBuffer::loads`]).
+//!
+//! Neither the writer nor the sampler locks anything: the buffer calls them under its locks.
+//! The writer lives in the state the buffer's lock guards (below). The sampler sits behind a
+//! second lock of the buffer's, taken inside the state lock where a draw, a write or a dump
+//! needs both, and alone by [`ReplayBuffer::update_priority`]: a tree update then holds up
+//! neither the pins and unpins of reads nor the reservations of writes. (With the sampler in
+//! the state, a sample made while another thread updated priorities took about twice as long:
+//! `prioritized_sample_256_while_updating` in `benches/sampling.rs`.) The locks are always taken
+//! in that order, state then sampler.
+//!
 //! # No torn rows
 //!
 //! Many threads may extend and sample at once. A row is *visible* (samplers and reads may use
 //! it) when it has been completely written and no write of it is under way. The buffer keeps,
-//! under one short state lock:
+//! under one short state lock, a table of the rows (`rows.rs`):
 //!
 //! - `in_flight`: for each row being written, the tickets of the writes that reserved it, in
 //!   reservation order;
@@ -50,25 +63,28 @@
 //! an actor that stalled or died) are simply not in it, and neither are rows whose write failed
 //! or was aborted; the committed rows are packed (see [`ReplayBuffer::dumps`]).
 
-use std::collections::{HashMap, VecDeque};
+mod dumps;
+mod indices;
+mod rows;
+
+use std::collections::HashMap;
 use std::fmt;
-use std::ops::Range;
-use std::path::Path;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use memmap_tensor::DType;
-
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use tensordict::{Index, TensorDict};
 
-use crate::checkpoint::{BufferMetadata, Dump, Packing, Prefetch, SamplerDump, StorageDump, WriterDump, WriterKind};
 use crate::error::{Error, Result, WithOp};
 use crate::rate::{RateCounts, RateLimiter};
-use crate::sampler::{Prioritized, Sampler, Uniform, WithoutReplacement};
-use crate::storage::{Backend, Storage, StorageConfig};
-use crate::writer::{MaxValue, Reduction, RoundRobin, Writer};
+use crate::samplers::{Prioritized, Sampler, SamplerSpec, Uniform};
+use crate::storages::{Backend, Storage, StorageConfig};
+use crate::writers::{RoundRobin, Writer};
+use rows::RowTable;
+
+pub use dumps::LoadOptions;
+pub use indices::Rows;
 
 /// How often a sample draws again for rows being written before it waits for a write to end.
 const REDRAWS_BEFORE_WAIT: usize = 8;
@@ -133,223 +149,24 @@ pub struct SampleInfo {
     pub weights: Option<Vec<f64>>,
 }
 
-/// Row indices: `usize` slices, vectors and ranges, or `i64` ones where negatives count from
-/// the end of the valid rows.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Rows {
-    /// Non-negative positions.
-    Usize(Vec<usize>),
-    /// Positions that may count from the end.
-    I64(Vec<i64>),
-    /// A range of positions.
-    Range(Range<usize>),
-}
-
-impl From<&[usize]> for Rows {
-    fn from(v: &[usize]) -> Self {
-        Rows::Usize(v.to_vec())
-    }
-}
-impl From<Vec<usize>> for Rows {
-    fn from(v: Vec<usize>) -> Self {
-        Rows::Usize(v)
-    }
-}
-impl From<&[i64]> for Rows {
-    fn from(v: &[i64]) -> Self {
-        Rows::I64(v.to_vec())
-    }
-}
-impl From<Vec<i64>> for Rows {
-    fn from(v: Vec<i64>) -> Self {
-        Rows::I64(v)
-    }
-}
-impl From<Range<usize>> for Rows {
-    fn from(r: Range<usize>) -> Self {
-        Rows::Range(r)
-    }
-}
-impl From<usize> for Rows {
-    fn from(i: usize) -> Self {
-        Rows::Usize(vec![i])
-    }
-}
-impl From<i64> for Rows {
-    fn from(i: i64) -> Self {
-        Rows::I64(vec![i])
-    }
-}
-
-impl Rows {
-    /// The rows as positions in `0..len`, or the first one outside.
-    fn resolve(self, len: usize) -> Result<Vec<usize>> {
-        let out_of_range = |index: i64| Error::IndexOutOfRange { index, len };
-        match self {
-            Rows::Usize(v) => match v.iter().find(|&&i| i >= len) {
-                Some(&i) => Err(out_of_range(i64::try_from(i).unwrap_or(i64::MAX))),
-                None => Ok(v),
-            },
-            Rows::Range(r) => {
-                if r.start > r.end || r.end > len {
-                    let bad = if r.start > r.end { r.start } else { r.end - 1 };
-                    return Err(out_of_range(i64::try_from(bad).unwrap_or(i64::MAX)));
-                }
-                Ok(r.collect())
-            }
-            Rows::I64(v) => v
-                .into_iter()
-                .map(|i| {
-                    let len_i = i64::try_from(len).unwrap_or(i64::MAX);
-                    let j = if i < 0 { i + len_i } else { i };
-                    if (0..len_i).contains(&j) { Ok(j as usize) } else { Err(out_of_range(i)) }
-                })
-                .collect(),
-        }
-    }
-}
-
-/// What [`ReplayBuffer::loads`] needs beyond the dump: where the rows go and the settings
-/// TorchRL keeps in its constructors rather than in the dump.
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub struct LoadOptions {
-    /// Where the loaded rows are kept (heap by default).
-    pub backend: Backend,
-    /// How a max-value writer reduces a row's rank values (sum by default, as TorchRL).
-    pub reduction: Reduction,
-    /// TorchRL's `max_priority_within_buffer` for a prioritized sampler (false by default).
-    pub max_priority_within_buffer: bool,
-    /// A seed for the sampler's generator (from the OS when `None`).
-    pub seed: Option<u64>,
-}
-
-impl Default for LoadOptions {
-    fn default() -> Self {
-        LoadOptions { backend: Backend::Heap, reduction: Reduction::Sum, max_priority_within_buffer: false, seed: None }
-    }
-}
-
-impl LoadOptions {
-    /// The defaults with rows kept by `backend`.
-    pub fn with_backend(mut self, backend: Backend) -> Self {
-        self.backend = backend;
-        self
-    }
-
-    /// The options with the sampler's generator seeded by `seed`.
-    pub fn with_seed(mut self, seed: u64) -> Self {
-        self.seed = Some(seed);
-        self
-    }
-
-    /// The options with a max-value writer reducing rank values by `reduction`.
-    pub fn with_reduction(mut self, reduction: Reduction) -> Self {
-        self.reduction = reduction;
-        self
-    }
-
-    /// The options with TorchRL's `max_priority_within_buffer` set to `within`.
-    pub fn with_max_priority_within_buffer(mut self, within: bool) -> Self {
-        self.max_priority_within_buffer = within;
-        self
-    }
-}
-
-/// What the state keeps of one row. A sample reads and pins its rows at random over the whole
-/// buffer, so everything it looks at of a row sits in one 16-byte slot: one cache miss per row
-/// instead of one per field.
-#[derive(Clone, Copy, Debug, Default)]
-#[repr(C, align(16))]
-struct RowState {
-    /// Reads copying the row out.
-    pins: u32,
-    /// Tickets queued on the row (the cheap test of `State::in_flight`).
-    queued: u32,
-    /// Whether the row was completely written (and not spoiled since by a failed write).
-    filled: bool,
-}
-
 /// The state the lock guards (see the module docs).
 struct State {
     writer: Box<dyn Writer>,
-    next_ticket: u64,
-    rows: Vec<RowState>,
-    len: usize,
-    /// The tickets queued on each row being written.
-    in_flight: HashMap<usize, VecDeque<u64>>,
+    /// The rows' state machine (`rows.rs`).
+    rows: RowTable,
     counts: RateCounts,
     /// Set by [`ReplayBuffer::end_writes`]: no insert will come.
     writes_ended: bool,
 }
 
-impl State {
-    /// Whether `row` holds a committed write: completely written, and no write under way.
-    /// (Unlike [`State::visible`], rows past `len` count: they are committed, only not
-    /// sampled until the rows before them are.)
-    fn committed(&self, row: usize) -> bool {
-        let state = self.rows[row];
-        state.filled && state.queued == 0
-    }
-
-    fn visible(&self, row: usize) -> bool {
-        row < self.len && {
-            let state = self.rows[row];
-            state.filled && state.queued == 0
-        }
-    }
-
-    /// Queues a new ticket on `rows` (which hides them from new reads) and returns it.
-    fn queue(&mut self, rows: &[usize]) -> u64 {
-        let ticket = self.next_ticket;
-        self.next_ticket += 1;
-        for &r in rows {
-            self.in_flight.entry(r).or_default().push_back(ticket);
-            self.rows[r].queued += 1;
-        }
-        ticket
-    }
-
-    /// Whether `ticket` is first in the queue of every row of `rows` and no read pins them.
-    fn writable(&self, rows: &[usize], ticket: u64) -> bool {
-        rows.iter().all(|r| self.rows[*r].pins == 0 && self.in_flight[r].front() == Some(&ticket))
-    }
-
-    /// Takes the first ticket off the queues of `rows`, and marks them filled (`written`) or
-    /// not valid. Returns whether `len` grew.
-    fn dequeue(&mut self, rows: &[usize], written: bool, capacity: usize) {
-        for &r in rows {
-            let queue = self.in_flight.get_mut(&r).expect("a reserved row has a queue");
-            queue.pop_front();
-            if queue.is_empty() {
-                self.in_flight.remove(&r);
-            }
-            self.rows[r].queued -= 1;
-            self.rows[r].filled = written;
-        }
-        if written {
-            let mut len = self.len;
-            while len < capacity && self.rows[len].filled {
-                len += 1;
-            }
-            self.len = len;
-        }
-    }
-
-    fn unpin(&mut self, rows: &[usize]) {
-        for &r in rows {
-            self.rows[r].pins -= 1;
-        }
-    }
-}
-
 /// A replay buffer: rows kept in a [`Storage`], placed by a [`Writer`], drawn by a
 /// [`Sampler`]. `Sync`: every method takes `&self`, and rows are never read half-written
-/// (see the module docs of `buffer.rs`).
+/// (see the module docs of `buffer`).
 pub struct ReplayBuffer {
     id: u64,
     config: StorageConfig,
-    sampler: Box<dyn Sampler>,
+    /// Taken inside `state` or alone, never the other way round (see the module docs).
+    sampler: Mutex<Box<dyn Sampler>>,
     limiter: Option<RateLimiter>,
     /// Set when rows may be written by other nodes through a shared filesystem: rows this
     /// buffer reads back are read from the files (see [`ReplayBuffer::for_shared_filesystem`]).
@@ -365,7 +182,7 @@ impl fmt::Debug for ReplayBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ReplayBuffer")
             .field("config", &self.config)
-            .field("sampler", &self.sampler)
+            .field("sampler", &*self.sampler.lock())
             .field("len", &self.len())
             .finish_non_exhaustive()
     }
@@ -385,16 +202,13 @@ impl ReplayBuffer {
         Ok(ReplayBuffer {
             id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
             config,
-            sampler,
+            sampler: Mutex::new(sampler),
             limiter: None,
             file_reads: None,
             storage: OnceLock::new(),
             state: Mutex::new(State {
                 writer,
-                next_ticket: 0,
-                rows: per_row(capacity)?,
-                len: 0,
-                in_flight: HashMap::new(),
+                rows: RowTable::new(capacity)?,
                 counts: RateCounts::default(),
                 writes_ended: false,
             }),
@@ -439,7 +253,7 @@ impl ReplayBuffer {
         storage: Storage,
         len: usize,
         writer: Box<dyn Writer>,
-        sampler: Box<dyn Sampler>,
+        mut sampler: Box<dyn Sampler>,
     ) -> Result<Self> {
         let capacity = storage.capacity();
         if len > capacity {
@@ -452,9 +266,7 @@ impl ReplayBuffer {
         }
         let buffer = Self::new(config, writer, sampler)?;
         {
-            let mut state = buffer.state.lock();
-            state.rows[..len].iter_mut().for_each(|r| r.filled = true);
-            state.len = len;
+            buffer.state.lock().rows.load(len);
         }
         *buffer.stored_len.lock() = len;
         let _ = buffer.storage.set(storage);
@@ -514,7 +326,7 @@ impl ReplayBuffer {
 
     /// The number of valid rows (rows `0..len`, all completely written).
     pub fn len(&self) -> usize {
-        self.state.lock().len
+        self.state.lock().rows.len()
     }
 
     /// Whether no row is valid yet.
@@ -527,9 +339,21 @@ impl ReplayBuffer {
         self.storage.get()
     }
 
-    /// The sampler.
-    pub fn sampler(&self) -> &dyn Sampler {
-        &*self.sampler
+    /// Runs `f` on the sampler (to read its state or save it), under the buffer's sampler
+    /// lock: `f` must not call the buffer.
+    pub fn with_sampler<R>(&self, f: impl FnOnce(&dyn Sampler) -> R) -> R {
+        f(&**self.sampler.lock())
+    }
+
+    /// The sampler's spec: its name and options as they are now ([`Sampler::spec`]); `None`
+    /// for a sampler defined outside this crate.
+    pub fn sampler_spec(&self) -> Option<SamplerSpec> {
+        self.sampler.lock().spec()
+    }
+
+    /// The sampler's name (`"uniform"`, `"prioritized"`), for messages.
+    pub fn sampler_name(&self) -> &'static str {
+        self.sampler.lock().name()
     }
 
     /// The writer's cursor and write count.
@@ -538,7 +362,8 @@ impl ReplayBuffer {
         (state.writer.cursor(), state.writer.write_count())
     }
 
-    /// Runs `f` on the writer (to save its state), under the state lock.
+    /// Runs `f` on the writer (to save its state), under the state lock: `f` must not call
+    /// the buffer.
     pub fn with_writer<R>(&self, f: impl FnOnce(&dyn Writer) -> R) -> R {
         f(&*self.state.lock().writer)
     }
@@ -558,7 +383,7 @@ impl ReplayBuffer {
             return Ok(Vec::new());
         }
         // Before the first batch creates the storage, so that a refused batch fixes no schema.
-        self.sampler.check_batch(batch)?;
+        self.sampler.lock().check_batch(batch)?;
         let storage = self.storage_for(batch)?;
         storage.check_batch(OP, batch)?;
 
@@ -581,9 +406,9 @@ impl ReplayBuffer {
         }
         let rows: Vec<usize> = targets.iter().map(|&(r, _)| r).collect();
         state.counts.inserts += written.len() as u64;
-        let ticket = state.queue(&rows);
+        let ticket = state.rows.queue(&rows);
         // Wait for earlier writes of these rows and for reads copying them out.
-        while !state.writable(&rows, ticket) {
+        while !state.rows.writable(&rows, ticket) {
             self.changed.wait(&mut state);
         }
         drop(state);
@@ -605,10 +430,10 @@ impl ReplayBuffer {
         // Publish. A failed copy may have written part of a row: those rows are no longer
         // valid (samples skip them until they are written again).
         let mut state = self.state.lock();
-        state.dequeue(&rows, copied.is_ok(), self.config.capacity);
+        state.rows.dequeue(&rows, copied.is_ok());
         if let Ok(src) = &copied {
             let cursor = state.writer.cursor();
-            self.sampler.on_write_rows(&rows, src.as_ref().unwrap_or(batch), cursor, self.config.capacity);
+            self.sampler.lock().on_write_rows(&rows, src.as_ref().unwrap_or(batch), cursor, self.config.capacity);
         }
         drop(state);
         self.changed.notify_all();
@@ -662,7 +487,7 @@ impl ReplayBuffer {
                     op: "reserve rows ahead of their values",
                 });
             };
-            if next.iter().all(|&r| state.rows[r].pins == 0 && state.rows[r].queued == 0) {
+            if next.iter().all(|&r| state.rows.free(r)) {
                 let taken = state.writer.reserve_rows(n, capacity).expect("a writer that peeks reserves");
                 debug_assert_eq!(taken, next);
                 break taken;
@@ -670,8 +495,8 @@ impl ReplayBuffer {
             self.wait(&mut state, start, deadline, OP, "the rows are being read or written")?;
         };
         state.counts.inserts += rows.len() as u64;
-        let ticket = state.queue(&rows);
-        debug_assert!(state.writable(&rows, ticket));
+        let ticket = state.rows.queue(&rows);
+        debug_assert!(state.rows.writable(&rows, ticket));
         Ok(Reservation { buffer: self.id, ticket, rows })
     }
 
@@ -687,11 +512,11 @@ impl ReplayBuffer {
             None => storage.gather(&reservation.rows),
         };
         let mut state = self.state.lock();
-        debug_assert!(reservation.rows.iter().all(|r| state.in_flight[r].front() == Some(&reservation.ticket)));
-        state.dequeue(&reservation.rows, written.is_ok(), self.config.capacity);
+        debug_assert!(state.rows.holds(&reservation.rows, reservation.ticket));
+        state.rows.dequeue(&reservation.rows, written.is_ok());
         if let Ok(rows) = &written {
             let cursor = state.writer.cursor();
-            self.sampler.on_write_rows(&reservation.rows, rows, cursor, self.config.capacity);
+            self.sampler.lock().on_write_rows(&reservation.rows, rows, cursor, self.config.capacity);
         }
         drop(state);
         self.changed.notify_all();
@@ -704,7 +529,7 @@ impl ReplayBuffer {
     pub fn abort(&self, reservation: Reservation) -> Result<()> {
         self.check_own(reservation.buffer, "reservation")?;
         let mut state = self.state.lock();
-        state.dequeue(&reservation.rows, false, self.config.capacity);
+        state.rows.dequeue(&reservation.rows, false);
         state.counts.inserts = state.counts.inserts.saturating_sub(reservation.rows.len() as u64);
         drop(state);
         self.changed.notify_all();
@@ -731,7 +556,7 @@ impl ReplayBuffer {
     /// Unpins the rows of `lease`.
     pub fn release(&self, lease: Lease) -> Result<()> {
         self.check_own(lease.buffer, "lease")?;
-        self.state.lock().unpin(&lease.rows);
+        self.state.lock().rows.unpin(&lease.rows);
         self.changed.notify_all();
         Ok(())
     }
@@ -739,7 +564,7 @@ impl ReplayBuffer {
     /// Creates the storage with the schema of `like` (batch size `[n, ...]`, `n >= 1`; its
     /// values are not written) if the buffer has none yet, and returns it.
     pub fn create_storage(&self, like: &TensorDict) -> Result<&Storage> {
-        self.sampler.check_batch(like)?;
+        self.sampler.lock().check_batch(like)?;
         let storage = self.storage_for(like)?;
         storage.check_batch("create_storage", like)?;
         Ok(storage)
@@ -786,19 +611,17 @@ impl ReplayBuffer {
     pub fn get(&self, rows: impl Into<Rows>) -> Result<TensorDict> {
         let storage = self.storage.get().ok_or(Error::Empty)?;
         let mut state = self.state.lock();
-        let rows = rows.into().resolve(state.len)?;
-        while !rows.iter().all(|&r| state.visible(r)) {
-            if let Some(&index) = rows.iter().find(|&&r| !state.rows[r].filled && state.rows[r].queued == 0) {
+        let rows = rows.into().resolve(state.rows.len())?;
+        while !rows.iter().all(|&r| state.rows.visible(r)) {
+            if let Some(&index) = rows.iter().find(|&&r| state.rows.spoiled(r)) {
                 return Err(Error::RowNotValid { index });
             }
             self.changed.wait(&mut state);
         }
-        for &r in &rows {
-            state.rows[r].pins += 1;
-        }
+        state.rows.pin(&rows);
         drop(state);
         let out = storage.gather(&rows);
-        self.state.lock().unpin(&rows);
+        self.state.lock().rows.unpin(&rows);
         self.changed.notify_all();
         out
     }
@@ -813,125 +636,7 @@ impl ReplayBuffer {
     /// priorities). Indices must be valid rows.
     pub fn update_priority(&self, indices: impl Into<Rows>, priorities: &[f64]) -> Result<()> {
         let rows = indices.into().resolve(self.len())?;
-        self.sampler.update_priority(&rows, priorities)
-    }
-
-    /// Writes the buffer as a TorchRL dump folder at `path` (which must be missing or an empty
-    /// folder), as TorchRL's `ReplayBuffer.dumps` does: the storage with its `len`, the writer's
-    /// cursor and write count (and a max-value writer's kept ranks), the sampler's state
-    /// (nothing for uniform, the trees for prioritized, the epoch for without-replacement).
-    /// The folder appears complete or not at all (see [`Dump::write`]). A buffer that has
-    /// never been written to has no storage to dump.
-    ///
-    /// A dump holds committed rows only: a TorchRL buffer takes every row below `len` as
-    /// valid, so rows that are not valid here are left out rather than written as if they
-    /// were. It does not wait for writes under way: their rows are left out too, and their
-    /// writers (and any others) go on meanwhile, except over the rows being copied. When every
-    /// row `0..len` is committed (and no other), the dump is the storage as it is. Otherwise
-    /// (rows being written or reserved, perhaps by an actor that stalled or was killed, or left
-    /// by a write that failed or was aborted) the committed rows are packed, in storage order, into rows `0..k`, `len` is
-    /// `k` and the rows past it are zeros; the writer's cursor moves with the rows (so the next
-    /// writes still replace the oldest rows first), a max-value writer keeps the ranks of kept
-    /// rows, a prioritized sampler's priorities move with their rows, and a
-    /// without-replacement epoch keeps its kept rows still to hand out. The write count is
-    /// left as it is. Slice samplers find their trajectories again from the kept rows on load:
-    /// a trajectory that lost a row is that row shorter (with done flags, losing the row that
-    /// ends a trajectory joins it to the next).
-    pub fn dumps(&self, path: impl AsRef<Path>) -> Result<()> {
-        let storage = self.storage.get().ok_or(Error::Empty)?;
-        let capacity = self.config.capacity;
-        let mut state = self.state.lock();
-        let len = state.len;
-        let packing = Packing::new((0..capacity).filter(|&r| state.committed(r)).collect(), capacity);
-        let mut writer = writer_dump(&*state.writer)?;
-        let mut sampler = self.sampler.to_dump()?;
-        // Every row no write holds, so that none is written while it is copied (rows being
-        // written are not in the dump; the copy does not wait for them).
-        let pinned: Vec<usize> = (0..capacity).filter(|&r| state.rows[r].queued == 0).collect();
-        for &r in &pinned {
-            state.rows[r].pins += 1;
-        }
-        drop(state);
-        self.with_pins(&pinned, || {
-            // Rows other nodes wrote are in the files, not in this process's older mapping: a
-            // mapping made now sees them.
-            let data = match (&self.file_reads, storage.folder()) {
-                (Some(_), Some(folder)) => {
-                    TensorDict::load_memmap(folder, memmap_tensor::Access::ReadOnly).op("dumps")?
-                }
-                _ => storage.tensordict().clone(),
-            };
-            let identity = packing.is_identity(len);
-            if !identity {
-                writer.pack(&packing);
-                sampler.pack(&packing, len)?;
-            }
-            let dump = Dump {
-                storage: StorageDump { data, len: packing.kept().len() },
-                writer: Some(writer),
-                sampler,
-                buffer: BufferMetadata { batch_size: None, consume_after_n_samples: None },
-                prefetch: Some(Prefetch { capacity: 0 }),
-                rng_state: None,
-                transform: None,
-            };
-            if identity { dump.write(path) } else { dump.write_packed(path.as_ref(), &packing) }
-        })
-    }
-
-    /// Builds a buffer from the TorchRL dump folder at `path` (TorchRL's `ReplayBuffer.loads`):
-    /// the rows are copied into a new storage kept by `options.backend`, and the writer and
-    /// sampler are rebuilt in their saved state. Writers: round-robin and max-value; samplers:
-    /// none saved (uniform), prioritized and without-replacement. The dump's generator state
-    /// and transforms are not read (this crate has neither).
-    pub fn loads(path: impl AsRef<Path>, options: LoadOptions) -> Result<Self> {
-        let path = path.as_ref();
-        let dump = Dump::read(path)?;
-        let capacity = dump.storage.capacity();
-        let len = dump.storage.len;
-        let writer: Box<dyn Writer> = match &dump.writer {
-            None => {
-                return Err(Error::Unsupported {
-                    path: path.join("writer"),
-                    what: "a dump without writer state (an immutable dataset writer)".into(),
-                });
-            }
-            Some(WriterDump { kind: WriterKind::RoundRobin { generation: Some(_) }, .. }) => {
-                return Err(Error::Unsupported {
-                    path: path.join("writer").join("generation.memmap"),
-                    what: "a round-robin writer tracking generations".into(),
-                });
-            }
-            Some(w) => {
-                let cursor = usize::try_from(w.cursor).unwrap_or(usize::MAX);
-                let write_count = w.write_count.unwrap_or(0);
-                match &w.kind {
-                    WriterKind::MaxValue { rank_key, top_values, .. } => {
-                        let top: Vec<(f64, usize)> = top_values.iter().map(|&(r, i)| (r, i as usize)).collect();
-                        Box::new(MaxValue::from_state(rank_key.as_str(), options.reduction, cursor, write_count, &top))
-                    }
-                    WriterKind::RoundRobin { .. } => Box::new(RoundRobin::from_state(cursor, write_count)),
-                }
-            }
-        };
-        let sampler: Box<dyn Sampler> = match &dump.sampler {
-            SamplerDump::Stateless => Box::new(match options.seed {
-                Some(seed) => Uniform::seeded(seed),
-                None => Uniform::new(),
-            }),
-            SamplerDump::Prioritized(p) => {
-                Box::new(Prioritized::from_dump(p, capacity, options.max_priority_within_buffer, options.seed)?)
-            }
-            SamplerDump::WithoutReplacement(td) => {
-                Box::new(WithoutReplacement::from_state_dict(td, capacity, options.seed)?)
-            }
-        };
-        let config = StorageConfig { backend: options.backend.clone(), capacity };
-        let storage = Storage::create(&config, &dump.storage.data)?;
-        // Every row, valid or not, so that dumping the loaded buffer gives back the same files.
-        storage.write_rows(&(0..capacity).collect::<Vec<_>>(), &dump.storage.data)?;
-        storage.store_len(len)?;
-        Self::over_storage(options.backend, storage, len, writer, sampler)
+        self.sampler.lock().update_priority(&rows, priorities)
     }
 
     /// The storage, created from `batch`'s schema if this is the first batch.
@@ -958,64 +663,65 @@ impl ReplayBuffer {
         let deadline = deadline_after(start, timeout);
         if let Some(limiter) = &self.limiter {
             limiter.check_sample(batch_size)?;
-            while !limiter.can_sample(state.counts, state.len, batch_size) {
+            while !limiter.can_sample(state.counts, state.rows.len(), batch_size) {
                 // Only an insert would let it go, or the commit of one under way if the buffer
                 // is short of the limiter's minimum size: none will come.
-                let short = state.len < limiter.min_size_to_sample().max(1);
-                if state.writes_ended && (state.in_flight.is_empty() || !short) {
+                let short = state.rows.len() < limiter.min_size_to_sample().max(1);
+                if state.writes_ended && (!state.rows.writes_under_way() || !short) {
                     return Err(Error::WritesEnded { op, why: WRITES_ENDED_LIMITER });
                 }
                 self.wait(&mut state, start, deadline, op, "the rate limiter holds samples back")?;
             }
         }
+        let (sampler, whole_draws) = {
+            let sampler = self.sampler.lock();
+            (sampler.name(), sampler.whole_draws())
+        };
         let mut indices = Vec::with_capacity(batch_size);
         let mut weights: Option<Vec<f64>> = None;
         let mut rounds = 0;
         let mut fruitless = 0;
         loop {
-            let len = state.len;
+            let len = state.rows.len();
             if len == 0 {
                 // Without a timeout an empty buffer is an error; with one, rows may come (unless
                 // writes have ended).
                 if deadline.is_none() {
                     return Err(Error::Empty);
                 }
-                if state.writes_ended && state.in_flight.is_empty() {
+                if state.writes_ended && !state.rows.writes_under_way() {
                     return Err(Error::WritesEnded { op, why: WRITES_ENDED_EMPTY });
                 }
                 self.wait(&mut state, start, deadline, op, "the buffer is empty")?;
                 continue;
             }
             let want = batch_size - indices.len();
-            let (drawn, w) = self.sampler.sample(want, len)?;
+            // Under the state lock, taken only for the draw: the draw loop below waits on the
+            // state lock's condition, which a write's publication (taking the sampler lock to
+            // tell the sampler) must be able to end.
+            let (drawn, w) = self.sampler.lock().sample(want, len)?;
             if let Some(&bad) = drawn.iter().find(|&&i| i >= len) {
-                return Err(Error::Sampler {
-                    sampler: self.sampler.name(),
-                    detail: format!("drew row {bad} from {len} valid rows"),
-                });
+                return Err(Error::Sampler { sampler, detail: format!("drew row {bad} from {len} valid rows") });
             }
             if w.as_ref().is_some_and(|w| w.len() != drawn.len()) {
                 return Err(Error::Sampler {
-                    sampler: self.sampler.name(),
+                    sampler,
                     detail: format!("gave {} weights for {} rows", w.map_or(0, |w| w.len()), drawn.len()),
                 });
             }
             if drawn.is_empty() {
-                return Err(Error::Sampler {
-                    sampler: self.sampler.name(),
-                    detail: format!("drew no rows from {len} valid rows"),
-                });
+                return Err(Error::Sampler { sampler, detail: format!("drew no rows from {len} valid rows") });
             }
             let short = drawn.len() < want;
             // Rows being written become visible when their write ends: worth waiting for.
             // Rows a failed write left are not valid until written again: draw past them.
-            let being_written = drawn.iter().any(|&i| state.rows[i].queued > 0);
+            let being_written = drawn.iter().any(|&i| state.rows.being_written(i));
             let before = indices.len();
-            if self.sampler.whole_draws() && !drawn.iter().all(|&i| state.visible(i)) {
+            if whole_draws && !drawn.iter().all(|&i| state.rows.visible(i)) {
                 // A run with a row being written: the whole draw is dropped and made again.
             } else {
                 for (j, &i) in drawn.iter().enumerate() {
-                    if state.visible(i) {
+                    if state.rows.visible(i) {
                         indices.push(i);
                         if let Some(w) = &w {
                             weights.get_or_insert_with(Vec::new).push(w[j]);
@@ -1033,7 +739,7 @@ impl ReplayBuffer {
                 fruitless += 1;
                 if fruitless >= MAX_FRUITLESS_DRAWS {
                     return Err(Error::Sampler {
-                        sampler: self.sampler.name(),
+                        sampler,
                         detail: format!(
                             "{MAX_FRUITLESS_DRAWS} draws in a row found only rows that are not valid (rows whose \
                              write failed or was aborted, not written since) among {len} rows"
@@ -1049,7 +755,7 @@ impl ReplayBuffer {
                 // visible, so that every row pinned below is whole.
                 let mut k = 0;
                 while k < indices.len() {
-                    if state.visible(indices[k]) {
+                    if state.rows.visible(indices[k]) {
                         k += 1;
                     } else {
                         indices.swap_remove(k);
@@ -1060,9 +766,7 @@ impl ReplayBuffer {
                 }
             }
         }
-        for &r in &indices {
-            state.rows[r].pins += 1;
-        }
+        state.rows.pin(&indices);
         state.counts.samples += indices.len() as u64;
         if self.limiter.is_some() {
             // Samples let held-back inserts go.
@@ -1093,7 +797,7 @@ impl ReplayBuffer {
         limiter.check_insert(n)?;
         let start = Instant::now();
         let deadline = deadline_after(start, timeout);
-        while !limiter.can_insert(state.counts, state.len, n) {
+        while !limiter.can_insert(state.counts, state.rows.len(), n) {
             self.wait(state, start, deadline, op, "the rate limiter holds inserts until samples catch up")?;
             ended(state)?;
         }
@@ -1126,7 +830,7 @@ impl ReplayBuffer {
         impl Drop for Unpin<'_> {
             fn drop(&mut self) {
                 let mut state: MutexGuard<'_, State> = self.0.state.lock();
-                state.unpin(self.1);
+                state.rows.unpin(self.1);
                 drop(state);
                 self.0.changed.notify_all();
             }
@@ -1138,7 +842,7 @@ impl ReplayBuffer {
     /// Records the current `len` in the storage if it changed.
     fn record_len(&self, storage: &Storage) -> Result<()> {
         let mut stored = self.stored_len.lock();
-        let len = self.state.lock().len;
+        let len = self.state.lock().rows.len();
         if *stored != len {
             storage.store_len(len)?;
             *stored = len;
@@ -1147,47 +851,9 @@ impl ReplayBuffer {
     }
 }
 
-/// A vector of `capacity` default values, or an error if it cannot be allocated.
-fn per_row<T: Clone + Default>(capacity: usize) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(capacity).map_err(|e| Error::CapacityTooLarge {
-        capacity,
-        detail: format!("{} bytes of per-row state: {e}", capacity.saturating_mul(size_of::<T>())),
-    })?;
-    v.resize(capacity, T::default());
-    Ok(v)
-}
-
 /// `timeout` after `start`, if it can be told apart from never.
 fn deadline_after(start: Instant, timeout: Option<Duration>) -> Option<Instant> {
     timeout.and_then(|t| start.checked_add(t))
-}
-
-/// The writer's part of a dump: cursor, write count and, for a max-value writer, its ranks.
-fn writer_dump(writer: &dyn Writer) -> Result<WriterDump> {
-    let kind = match writer.ranked() {
-        Some((key, top)) => {
-            let [rank_key] = key.parts() else {
-                return Err(Error::RankKey {
-                    key: key.to_string(),
-                    detail: "a nested rank key has no form in a TorchRL dump's writer metadata".into(),
-                });
-            };
-            WriterKind::MaxValue {
-                rank_key: rank_key.clone(),
-                top_values: top.into_iter().map(|(r, i)| (r, i as u64)).collect(),
-                dtype: DType::F32,
-            }
-        }
-        None if writer.name() == "round-robin" => WriterKind::RoundRobin { generation: None },
-        None => {
-            return Err(Error::Unsupported {
-                path: "writer".into(),
-                what: format!("the {} writer has no TorchRL dump form", writer.name()),
-            });
-        }
-    };
-    Ok(WriterDump { cursor: writer.cursor() as u64, write_count: Some(writer.write_count()), kind })
 }
 
 // The buffer is shared between threads by reference.

@@ -1,125 +1,19 @@
-//! Writers: where new rows go.
-//!
-//! A [`Writer`] only chooses rows; the buffer copies the data. It runs under the buffer's
-//! state lock, so it takes `&mut self` and must be quick. TorchRL's counterparts
-//! (`torchrl/data/replay_buffers/writers.py`):
-//!
-//! - [`RoundRobin`] is `RoundRobinWriter`: batch row `k` goes to `(cursor + k) % capacity`,
-//!   then `cursor` advances by the batch length (mod capacity) and `write_count` by the batch
-//!   length. A batch longer than the capacity writes some rows twice; the last one stays.
-//! - [`MaxValue`] is `TensorDictMaxValueWriter`: each row is ranked by the value at
-//!   `rank_key` (reduced to one number when a row holds several, by sum unless told
-//!   otherwise). Until the storage is full rows go round-robin; once full, a row replaces the
-//!   row of smallest rank (ties: the lowest row index) only if its rank is strictly greater,
-//!   and is dropped otherwise. `write_count` counts accepted rows only. The kept `(rank, row)`
-//!   pairs are TorchRL's `_current_top_values`.
+//! [`MaxValue`]: TorchRL's `TensorDictMaxValueWriter` (`torchrl/data/replay_buffers/writers.py`).
+//! Each row is ranked by the value at `rank_key` (reduced to one number when a row holds
+//! several, by sum unless told otherwise). Until the storage is full rows go round-robin; once
+//! full, a row replaces the row of smallest rank (ties: the lowest row index) only if its rank
+//! is strictly greater, and is dropped otherwise. `write_count` counts accepted rows only. The
+//! kept `(rank, row)` pairs are TorchRL's `_current_top_values`.
 
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
-use std::fmt;
 
 use memmap_tensor::{DType, Tensor};
 use tensordict::{KeyPath, TensorDict};
 
+use super::{Writer, batch_rows, other_kind};
+use crate::checkpoint::{WriterDump, WriterKind};
 use crate::error::{Error, Result};
-
-/// Chooses the storage row of each row of a batch.
-pub trait Writer: Send + fmt::Debug {
-    /// A short name for messages (`"round-robin"`).
-    fn name(&self) -> &'static str;
-
-    /// The storage row for each of the `batch.batch_size()[0]` rows of `batch`, or `None` for
-    /// a row not to be written. On `Err` nothing has changed.
-    fn reserve(&mut self, batch: &TensorDict, capacity: usize) -> Result<Vec<Option<usize>>>;
-
-    /// The storage rows for `n` rows not written yet (`1 <= n <= capacity`, all distinct), for
-    /// writers that place rows without looking at them; `None` for writers that need the
-    /// rows' values (a max-value writer). The default is `None`.
-    fn reserve_rows(&mut self, n: usize, capacity: usize) -> Option<Vec<usize>> {
-        let _ = (n, capacity);
-        None
-    }
-
-    /// The rows [`Writer::reserve_rows`] would give now, without taking them; `None` for
-    /// writers that have no `reserve_rows`.
-    fn peek_rows(&self, n: usize, capacity: usize) -> Option<Vec<usize>> {
-        let _ = (n, capacity);
-        None
-    }
-
-    /// The row the next write starts at.
-    fn cursor(&self) -> usize;
-
-    /// How many rows have been written since creation.
-    fn write_count(&self) -> u64;
-
-    /// Back to the empty state.
-    fn reset(&mut self);
-
-    /// For a writer that ranks rows: its rank key and kept `(rank, row)` pairs, smallest rank
-    /// first (what a checkpoint saves). `None` for writers that keep no ranks.
-    fn ranked(&self) -> Option<(&KeyPath, Vec<(f64, usize)>)> {
-        None
-    }
-}
-
-/// Round-robin writing (TorchRL's `RoundRobinWriter`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RoundRobin {
-    cursor: usize,
-    write_count: u64,
-}
-
-impl RoundRobin {
-    /// A writer starting at row 0.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// A writer resuming at `cursor` after `write_count` writes (a loaded checkpoint).
-    pub fn from_state(cursor: usize, write_count: u64) -> Self {
-        RoundRobin { cursor, write_count }
-    }
-}
-
-impl Writer for RoundRobin {
-    fn name(&self) -> &'static str {
-        "round-robin"
-    }
-
-    fn reserve(&mut self, batch: &TensorDict, capacity: usize) -> Result<Vec<Option<usize>>> {
-        let n = batch_rows(batch)?;
-        let start = self.cursor % capacity;
-        let rows = (0..n).map(|k| Some((start + k % capacity) % capacity)).collect();
-        self.cursor = (start + n % capacity) % capacity;
-        self.write_count += n as u64;
-        Ok(rows)
-    }
-
-    fn reserve_rows(&mut self, n: usize, capacity: usize) -> Option<Vec<usize>> {
-        let rows = self.peek_rows(n, capacity);
-        self.cursor = (self.cursor % capacity + n % capacity) % capacity;
-        self.write_count += n as u64;
-        rows
-    }
-
-    fn peek_rows(&self, n: usize, capacity: usize) -> Option<Vec<usize>> {
-        let start = self.cursor % capacity;
-        Some((0..n.min(capacity)).map(|k| (start + k) % capacity).collect())
-    }
-
-    fn cursor(&self) -> usize {
-        self.cursor
-    }
-
-    fn write_count(&self) -> u64 {
-        self.write_count
-    }
-
-    fn reset(&mut self) {
-        *self = RoundRobin::default();
-    }
-}
 
 /// How [`MaxValue`] turns a row's several rank values into one.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -296,14 +190,44 @@ impl Writer for MaxValue {
     fn ranked(&self) -> Option<(&KeyPath, Vec<(f64, usize)>)> {
         Some((&self.rank_key, self.top_values()))
     }
-}
 
-/// The number of rows of a batch (its dim 0).
-fn batch_rows(batch: &TensorDict) -> Result<usize> {
-    batch.batch_size().first().copied().ok_or_else(|| Error::BadBatch {
-        op: "extend",
-        detail: "the batch has no batch dim (use `add` for one row)".into(),
-    })
+    /// TorchRL's `TensorDictMaxValueWriter` state: the cursor, the write count, the rank key
+    /// (one key: a nested one has no form there) and the kept `(rank, row)` pairs.
+    fn dumps(&self) -> Result<WriterDump> {
+        let [rank_key] = self.rank_key.parts() else {
+            return Err(Error::RankKey {
+                key: self.rank_key.to_string(),
+                detail: "a nested rank key has no form in a TorchRL dump's writer metadata".into(),
+            });
+        };
+        Ok(WriterDump {
+            cursor: self.cursor as u64,
+            write_count: Some(self.write_count),
+            kind: WriterKind::MaxValue {
+                rank_key: rank_key.clone(),
+                top_values: self.top_values().into_iter().map(|(r, i)| (r, i as u64)).collect(),
+                dtype: DType::F32,
+            },
+        })
+    }
+
+    /// Takes a max-value writer's cursor, write count, rank key and kept ranks (the reduction
+    /// stays this writer's: TorchRL keeps it out of the dump).
+    fn loads(&mut self, dump: &WriterDump) -> Result<()> {
+        let WriterKind::MaxValue { rank_key, top_values, .. } = &dump.kind else {
+            return Err(other_kind(self.name(), dump));
+        };
+        let top: Vec<(f64, usize)> =
+            top_values.iter().map(|&(r, i)| (r, usize::try_from(i).unwrap_or(usize::MAX))).collect();
+        *self = MaxValue::from_state(
+            rank_key.as_str(),
+            self.reduction,
+            usize::try_from(dump.cursor).unwrap_or(usize::MAX),
+            dump.write_count.unwrap_or(0),
+            &top,
+        );
+        Ok(())
+    }
 }
 
 /// Every element of `t`, in C order, as `f64`.

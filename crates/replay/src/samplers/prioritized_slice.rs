@@ -49,23 +49,24 @@
 //! # Checkpoints
 //!
 //! TorchRL's `PrioritizedSliceSampler.dumps` writes what `PrioritizedSampler.dumps` writes (the
-//! trees and `sampler_metadata.json`), so [`Sampler::to_dump`] gives the prioritized sampler's
-//! dump. A buffer loaded from such a dump gets a [`crate::Prioritized`] sampler; to sample slices
-//! again, build a [`PrioritizedSlice`] from its state ([`PrioritizedSlice::from_state`], with
-//! [`crate::Prioritized::from_dump`] and [`crate::Prioritized::state`]) and pass it to
-//! [`crate::ReplayBuffer::from_parts`].
+//! trees and `sampler_metadata.json`), so [`Sampler::dumps`] gives the prioritized sampler's
+//! dump, and [`Sampler::loads`] takes one. A buffer loaded from such a dump gets a
+//! [`crate::Prioritized`] sampler unless told otherwise: to sample slices again, load it with
+//! a [`PrioritizedSliceSpec`] ([`crate::LoadOptions::with_sampler`]).
 
 use std::fmt;
 
-use parking_lot::RwLock;
 use rand::Rng;
 use tensordict::TensorDict;
 
+use serde::{Deserialize, Serialize};
+
+use super::episodes::{EpisodeIndex, Trajectory};
+use super::prioritized::{PrioritizedSpec, PrioritizedState, load_state};
+use super::slice::{Episodes, Slice, SliceShape, SliceSpec, yes};
+use super::{Draw, Sampler, SamplerOptions, SamplerSpec, rng_from};
 use crate::checkpoint::SamplerDump;
 use crate::error::{Error, Result};
-use crate::prioritized::PrioritizedState;
-use crate::sampler::{Draw, Sampler};
-use crate::slice::{EpisodeIndex, Episodes, Slice, SliceShape, Trajectory};
 
 /// The name prioritized slice samplers give in messages.
 const NAME: &str = "prioritized-slice";
@@ -73,16 +74,87 @@ const NAME: &str = "prioritized-slice";
 /// Refused start draws in a row before a sample draws from the masked distribution directly.
 pub const REJECTIONS: usize = 64;
 
+/// The options of a [`PrioritizedSlice`] sampler (TorchRL's `PrioritizedSliceSampler`
+/// arguments): those of [`PrioritizedSpec`] and [`SliceSpec`] together. In serde form
+/// `{"prioritized-slice": {"alpha": 0.6, "beta": 0.4, "eps": 1e-8, "episodes": {"end_key":
+/// ["next", "done"]}, "shape": {"slice_len": 8}}}`; `max_priority_within_buffer` (false) and
+/// `strict_length` (true) may be left out.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct PrioritizedSliceSpec {
+    /// Priority exponent (finite, `>= 0`).
+    pub alpha: f64,
+    /// Importance-weight exponent (finite, `>= 0`).
+    pub beta: f64,
+    /// Added to every priority (finite, `>= 0`).
+    pub eps: f64,
+    /// TorchRL's `max_priority_within_buffer`.
+    #[serde(default)]
+    pub max_priority_within_buffer: bool,
+    /// Where trajectories are read from.
+    pub episodes: Episodes,
+    /// How a batch is cut into slices (a count or length of at least 1).
+    pub shape: SliceShape,
+    /// Only slices of the full length.
+    #[serde(default = "yes")]
+    pub strict_length: bool,
+}
+
+impl PrioritizedSliceSpec {
+    /// The spec of a prioritized sampler `prioritized` drawing the slices of `slice`.
+    pub fn new(prioritized: PrioritizedSpec, slice: SliceSpec) -> Self {
+        PrioritizedSliceSpec {
+            alpha: prioritized.alpha,
+            beta: prioritized.beta,
+            eps: prioritized.eps,
+            max_priority_within_buffer: prioritized.max_priority_within_buffer,
+            episodes: slice.episodes,
+            shape: slice.shape,
+            strict_length: slice.strict_length,
+        }
+    }
+
+    /// The prioritized options.
+    pub fn prioritized(&self) -> PrioritizedSpec {
+        PrioritizedSpec::new(self.alpha, self.beta, self.eps).max_priority_within_buffer(self.max_priority_within_buffer)
+    }
+
+    /// The slice options.
+    pub fn slice(&self) -> SliceSpec {
+        SliceSpec::new(self.episodes.clone(), self.shape).strict_length(self.strict_length)
+    }
+}
+
+impl fmt::Display for PrioritizedSliceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}, {}", self.prioritized(), self.slice())
+    }
+}
+
+impl SamplerOptions for PrioritizedSliceSpec {
+    type Built = PrioritizedSlice;
+    const NAME: &'static str = NAME;
+    const WEIGHTED: bool = true;
+
+    fn build(&self, capacity: usize, seed: Option<u64>) -> Result<PrioritizedSlice> {
+        let mut sampler = PrioritizedSlice::from_state(self.prioritized().state(capacity)?, self.episodes.clone(), self.shape)?
+            .strict_length(self.strict_length);
+        sampler.slice.rng = rng_from(seed);
+        Ok(sampler)
+    }
+}
+
 /// Samples slices of trajectories with prioritized starts (TorchRL's
 /// `PrioritizedSliceSampler`); see the module docs.
 pub struct PrioritizedSlice {
     slice: Slice,
-    state: RwLock<PrioritizedState>,
+    state: PrioritizedState,
 }
 
 impl fmt::Debug for PrioritizedSlice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let state = self.state.read();
+        let state = &self.state;
         f.debug_struct("PrioritizedSlice")
             .field("slice", &self.slice)
             .field("capacity", &state.capacity())
@@ -110,7 +182,7 @@ impl PrioritizedSlice {
 
     /// A sampler around a prioritized state (for instance one restored from a dump).
     pub fn from_state(state: PrioritizedState, episodes: Episodes, shape: SliceShape) -> Result<Self> {
-        Ok(PrioritizedSlice { slice: Slice::new(episodes, shape)?, state: RwLock::new(state) })
+        Ok(PrioritizedSlice { slice: Slice::new(episodes, shape)?, state })
     }
 
     /// Sets `strict_length` (see [`Slice::strict_length`] and the module docs).
@@ -127,12 +199,8 @@ impl PrioritizedSlice {
 
     /// Tracks the max priority among rows in the buffer (TorchRL's
     /// `max_priority_within_buffer=True`) instead of the max ever seen.
-    pub fn with_max_priority_within_buffer(self, within: bool) -> Self {
-        {
-            let mut state = self.state.write();
-            let current = state.clone();
-            *state = current.with_max_priority_within_buffer(within);
-        }
+    pub fn with_max_priority_within_buffer(mut self, within: bool) -> Self {
+        self.state = self.state.with_max_priority_within_buffer(within);
         self
     }
 
@@ -148,17 +216,17 @@ impl PrioritizedSlice {
 
     /// A copy of the prioritized state (parameters, max priority, trees).
     pub fn state(&self) -> PrioritizedState {
-        self.state.read().clone()
+        self.state.clone()
     }
 
     /// Sets the priority exponent (see [`PrioritizedState::set_alpha`]).
-    pub fn set_alpha(&self, alpha: f64) -> Result<()> {
-        self.state.write().set_alpha(alpha)
+    pub fn set_alpha(&mut self, alpha: f64) -> Result<()> {
+        self.state.set_alpha(alpha)
     }
 
     /// Sets the importance-weight exponent.
-    pub fn set_beta(&self, beta: f64) -> Result<()> {
-        self.state.write().set_beta(beta)
+    pub fn set_beta(&mut self, beta: f64) -> Result<()> {
+        self.state.set_beta(beta)
     }
 }
 
@@ -218,20 +286,25 @@ impl Sampler for PrioritizedSlice {
         NAME
     }
 
+    fn spec(&self) -> Option<SamplerSpec> {
+        let slice = SliceSpec::new(self.slice.episodes().clone(), self.slice.shape()).strict_length(self.slice.is_strict());
+        Some(PrioritizedSliceSpec::new(PrioritizedSpec::of(&self.state), slice).into())
+    }
+
     fn check_batch(&self, batch: &TensorDict) -> Result<()> {
         self.slice.check_batch(batch)
     }
 
-    fn on_write_rows(&self, indices: &[usize], rows: &TensorDict, cursor: usize, capacity: usize) {
+    fn on_write_rows(&mut self, indices: &[usize], rows: &TensorDict, cursor: usize, capacity: usize) {
         // The buffer only builds over a sampler of its own capacity (`capacity` below), so
         // every row it writes is in range and the update cannot fail.
-        let _ = self.state.write().on_write(indices);
+        let _ = self.state.on_write(indices);
         self.slice.on_write_rows(indices, rows, cursor, capacity);
     }
 
     /// Learns the trajectories of the loaded rows; their priorities are the state's (from
     /// [`PrioritizedSlice::from_state`]).
-    fn on_load(&self, rows: &TensorDict, cursor: usize, capacity: usize) -> Result<()> {
+    fn on_load(&mut self, rows: &TensorDict, cursor: usize, capacity: usize) -> Result<()> {
         self.slice.on_load(rows, cursor, capacity)
     }
 
@@ -239,15 +312,14 @@ impl Sampler for PrioritizedSlice {
         true
     }
 
-    fn sample(&self, batch: usize, len: usize) -> Result<Draw> {
+    fn sample(&mut self, batch: usize, len: usize) -> Result<Draw> {
         if len == 0 {
             return Err(Error::Empty);
         }
         let (slice_len, num_slices) = self.slice.cut(batch)?;
         let strict = self.slice.is_strict();
-        let index = self.slice.index.lock();
-        let view = self.slice.view(&index, len)?;
-        let state = self.state.read();
+        let view = self.slice.view(&self.slice.index, len)?;
+        let state = &self.state;
         let p_sum = state.sum_tree().sum(0..len)?;
         let p_min = state.min_tree().min_in(0..len)?;
         if p_sum <= 0.0 {
@@ -257,7 +329,7 @@ impl Sampler for PrioritizedSlice {
             return Err(Error::NonPositiveMass { what: "min", len, value: f64::from(p_min) });
         }
         let leaves = state.sum_tree().leaves();
-        let mut rng = self.slice.rng.lock();
+        let rng = &mut self.slice.rng;
         let mut masked: Option<Masked> = None;
         let mut indices = Vec::with_capacity(batch);
         let mut weights = Vec::with_capacity(batch);
@@ -301,22 +373,28 @@ impl Sampler for PrioritizedSlice {
 
     /// Priorities are narrowed to `f32` (TorchRL's tree precision); a value that does not fit
     /// is refused as invalid, naming its row.
-    fn update_priority(&self, indices: &[usize], priorities: &[f64]) -> Result<()> {
+    fn update_priority(&mut self, indices: &[usize], priorities: &[f64]) -> Result<()> {
         let narrow: Vec<f32> = priorities.iter().map(|&p| p as f32).collect();
-        self.state.write().update_priority(indices, &narrow)
+        self.state.update_priority(indices, &narrow)
     }
 
-    fn reset(&self) {
+    fn reset(&mut self) {
         self.slice.reset();
-        self.state.write().reset();
+        self.state.reset();
     }
 
     fn capacity(&self) -> Option<usize> {
-        Some(self.state.read().capacity())
+        Some(self.state.capacity())
     }
 
     /// TorchRL's prioritized slice sampler dumps what its prioritized sampler dumps.
-    fn to_dump(&self) -> Result<SamplerDump> {
-        Ok(SamplerDump::Prioritized(self.state.read().to_dump()))
+    fn dumps(&self) -> Result<SamplerDump> {
+        Ok(SamplerDump::Prioritized(self.state.to_dump()))
+    }
+
+    /// Takes a prioritized dump's priorities (its trajectories are learnt from the rows by
+    /// `on_load`).
+    fn loads(&mut self, state: &SamplerDump, _capacity: usize) -> Result<()> {
+        load_state(&mut self.state, state, NAME)
     }
 }
