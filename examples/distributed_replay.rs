@@ -184,7 +184,8 @@ fn learner(name: &str, runtime_dir: &str) -> anyhow::Result<()> {
     let inserted = (ACTORS * ACTOR_BATCHES * ACTOR_BATCH) as f64;
     // All the limiter lets through once every actor is done: inserts × ratio, in whole batches.
     let batches = (inserted * SAMPLES_PER_INSERT) as usize / SAMPLE_BATCH;
-    let (min_diff, max_diff) = buffer.info().limiter.map(|l| (l.2, l.3)).context("the service has no rate limiter")?;
+    let (min_diff, max_diff) =
+        buffer.info().limiter.map(|l| (l.min_diff, l.max_diff)).context("the service has no rate limiter")?;
     let mut per_actor = BTreeMap::new();
     let mut distinct = HashSet::new();
     let mut bad = Vec::new();

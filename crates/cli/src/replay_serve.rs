@@ -481,18 +481,14 @@ pub(crate) fn stats(at: &ServiceArgs, as_json: bool) -> anyhow::Result<ExitCode>
     let buffer = connect(at)?;
     let stats = buffer.stats()?;
     let info = buffer.info();
-    let limiter = info.limiter.map(|(samples_per_insert, min_size, min_diff, max_diff)| {
+    let limiter = info.limiter.map(|l| {
         json!({
-            "samples_per_insert": samples_per_insert, "min_size": min_size,
-            "min_diff": finite(min_diff), "max_diff": finite(max_diff),
+            "samples_per_insert": l.samples_per_insert, "min_size": l.min_size_to_sample,
+            "min_diff": finite(l.min_diff), "max_diff": finite(l.max_diff),
         })
     });
     // As `tdict info` takes it: a folder, or shm:PREFIX.
-    let storage = info.storage.as_ref().map(|r| match &r.location {
-        rpc::RefLocation::Folder { path } => path.display().to_string(),
-        rpc::RefLocation::Shm { prefix, .. } => format!("shm:{prefix}"),
-        other => format!("{other:?}"),
-    });
+    let storage = info.storage.as_ref().map(|r| r.location.to_dict_location().to_string());
     let described = json!({
         "name": info.name, "pid": info.pid, "capacity": stats.capacity, "sampler": info.sampler.name(),
         "sampler_spec": &info.sampler,

@@ -62,7 +62,7 @@ use std::path::PathBuf;
 
 pub use client::{RemoteBuffer, RemoteReservation};
 pub use server::{MAX_LEASES_PER_SESSION, MAX_RESERVATIONS_PER_SESSION, MAX_SAMPLE_ROWS, ReplayServer};
-pub use service::{ReplayInfo, ReplayService, ReplayServiceClient, ReplayStats, Reserved, Sampled};
+pub use service::{LimiterInfo, ReplayInfo, ReplayService, ReplayServiceClient, ReplayStats, Reserved, Sampled};
 
 use crate::error::{Error, Result};
 use crate::rate::RateLimiter;

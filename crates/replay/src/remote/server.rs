@@ -9,10 +9,9 @@ use rpc::service::{self as named, OwnerLock, Served, SessionTable, StopSignal};
 use rpc::{Endpoint, InlineDict, NodeId, Peer, ServerOptions, TensorDictRef, ToRef, WireError};
 use tarpc::context::Context;
 
-use super::service::{ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled};
+use super::service::{LimiterInfo, ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled};
 use super::{
-    MAX_FRAME_BYTES, ReplayOptions, max_reserve_rows, max_sample_rows, reply_limit, service_name,
-    weighted_sampler,
+    MAX_FRAME_BYTES, ReplayOptions, max_reserve_rows, max_sample_rows, reply_limit, service_name, weighted_sampler,
 };
 use crate::buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows};
 use crate::error::{Error, Result};
@@ -332,10 +331,7 @@ impl Drop for SessionInner {
 impl ReplayService for Session {
     async fn hello(self, _: Context) -> std::result::Result<ReplayInfo, WireError> {
         let shared = self.shared();
-        let limiter = shared.buffer.rate_limiter().map(|l| {
-            let (min_diff, max_diff) = l.bounds();
-            (l.samples_per_insert(), l.min_size_to_sample() as u64, min_diff, max_diff)
-        });
+        let limiter = shared.buffer.rate_limiter().map(LimiterInfo::of);
         Ok(ReplayInfo {
             name: shared.name.clone(),
             node: shared.node.clone(),

@@ -66,9 +66,35 @@ pub struct ReplayInfo {
     pub sampler: SamplerSpec,
     /// The storage, once the first writer has made it.
     pub storage: Option<TensorDictRef>,
-    /// The rate limiter, if there is one: samples per insert, minimum size, and the bounds
-    /// `[min_diff, max_diff]`.
-    pub limiter: Option<(f64, u64, f64, f64)>,
+    /// The rate limiter, if there is one.
+    pub limiter: Option<LimiterInfo>,
+}
+
+/// What a replay service's rate limiter allows (Reverb's `RateLimiterInfo`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct LimiterInfo {
+    /// Samples allowed per inserted row, on average.
+    pub samples_per_insert: f64,
+    /// Rows inserted before any sample is allowed.
+    pub min_size_to_sample: u64,
+    /// The least `inserts * samples_per_insert - samples` allowed.
+    pub min_diff: f64,
+    /// The most `inserts * samples_per_insert - samples` allowed.
+    pub max_diff: f64,
+}
+
+impl LimiterInfo {
+    /// What `limiter` allows.
+    pub fn of(limiter: &crate::RateLimiter) -> LimiterInfo {
+        let (min_diff, max_diff) = limiter.bounds();
+        LimiterInfo {
+            samples_per_insert: limiter.samples_per_insert(),
+            min_size_to_sample: limiter.min_size_to_sample() as u64,
+            min_diff,
+            max_diff,
+        }
+    }
 }
 
 /// A reservation made by [`ReplayService::reserve`].
