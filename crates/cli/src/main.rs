@@ -144,14 +144,7 @@ fn main() -> ExitCode {
 /// The error and its causes on one line, each cause only if the message does not already say
 /// it (library errors include their OS error in their own message), control characters escaped.
 fn one_line(e: &anyhow::Error) -> String {
-    let mut line = e.to_string();
-    for cause in e.chain().skip(1) {
-        let text = cause.to_string();
-        if !line.contains(&text) {
-            line.push_str(": ");
-            line.push_str(&text);
-        }
-    }
+    let line = memmap_tensor::ErrorChain(e.as_ref()).to_string();
     line.chars().flat_map(|c| if c.is_control() { c.escape_default().collect() } else { vec![c] }).collect()
 }
 

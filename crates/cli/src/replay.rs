@@ -129,10 +129,10 @@ fn read(path: &Path) -> anyhow::Result<Dump> {
         }
         // The tensor and dict libraries name the file in their own messages: say it once.
         Error::Tensor { path, source } if source.to_string().contains(&path.display().to_string()) => {
-            anyhow::anyhow!("{source}")
+            anyhow::anyhow!("{}", memmap_tensor::ErrorChain(source))
         }
         Error::Dict { path, source } if source.to_string().contains(&path.display().to_string()) => {
-            anyhow::anyhow!("{source}")
+            anyhow::anyhow!("{}", memmap_tensor::ErrorChain(source))
         }
         _ => anyhow::Error::new(e),
     })

@@ -413,7 +413,7 @@ fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Ok(server) => server,
         Err(e @ replay::Error::Remote(rpc::Error::ServiceRunning { .. })) => {
             let by = read_pid(&paths.pid).map(|pid| format!(" (pid {pid}, from {})", paths.pid.display()));
-            return Err(anyhow!("{e}{}", by.unwrap_or_default()));
+            return Err(anyhow!("{}{}", memmap_tensor::ErrorChain(&e), by.unwrap_or_default()));
         }
         Err(e) => return Err(anyhow::Error::new(e).context(format!("replay `{}`", args.name))),
     };

@@ -1,8 +1,44 @@
 //! The crate's one error type.
 
+use std::fmt;
 use std::path::PathBuf;
 
 use crate::{DType, Shape};
+
+/// An error and its sources on one line, `error: cause: cause`; a cause whose text the line
+/// holds already is left out. For errors that become text: a message sent over the wire, one
+/// error's detail in another's message. (An error's own `Display` never repeats its source, as
+/// the Rust API guidelines ask, so that reports that walk the chain print each cause once.)
+///
+/// ```
+/// let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+/// let e = memmap_tensor::Error::FileIo { op: "open", path: "/x".into(), source: io };
+/// assert_eq!(memmap_tensor::ErrorChain(&e).to_string(), "open /x: no such file");
+/// ```
+#[derive(Clone, Copy)]
+pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut line = self.0.to_string();
+        let mut cause = self.0.source();
+        while let Some(c) = cause {
+            let text = c.to_string();
+            if !text.is_empty() && !line.contains(&text) {
+                line.push_str(": ");
+                line.push_str(&text);
+            }
+            cause = c.source();
+        }
+        f.write_str(&line)
+    }
+}
+
+impl fmt::Debug for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
 
 /// Everything that can go wrong in this crate. Each variant carries the context needed to act on
 /// it: the path, the dtype, the shape or the offending index.
@@ -239,7 +275,7 @@ pub enum Error {
         storage: String,
     },
     /// An I/O call on a file failed.
-    #[error("{op} {}: {source}", path.display())]
+    #[error("{op} {}", path.display())]
     FileIo {
         /// The call that failed (`open`, `mmap`, `msync`, ...).
         op: &'static str,
@@ -258,7 +294,7 @@ pub enum Error {
         holder: String,
     },
     /// A call on shared memory failed.
-    #[error("{op} shared memory `{name}`: {source}")]
+    #[error("{op} shared memory `{name}`")]
     ShmIo {
         /// The call that failed (`shm_open`, `ftruncate`, `mmap`, ...).
         op: &'static str,

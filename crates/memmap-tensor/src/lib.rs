@@ -75,7 +75,7 @@ mod storage;
 mod tensor;
 
 pub use dtype::{DType, Element};
-pub use error::{Error, Result};
+pub use error::{Error, ErrorChain, Result};
 pub use io::TensorBuf;
 pub use layout::{Layout, Runs};
 pub use lockfile::{LockFile, LockOptions};

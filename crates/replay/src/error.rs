@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 #[non_exhaustive]
 pub enum Error {
     /// An operation on the storage's tensors failed.
-    #[error("{op}: {source}")]
+    #[error("{op}")]
     TensorDict {
         /// What the buffer was doing.
         op: &'static str,
@@ -17,7 +17,7 @@ pub enum Error {
         source: tensordict::Error,
     },
     /// A file of the storage folder could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         /// The file or folder.
         path: PathBuf,
@@ -194,7 +194,7 @@ pub enum Error {
         problem: String,
     },
     /// A tensordict folder of a dump could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Dict {
         /// The folder.
         path: PathBuf,
@@ -203,7 +203,7 @@ pub enum Error {
         source: tensordict::Error,
     },
     /// A `.memmap` file of a dump could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Tensor {
         /// The file.
         path: PathBuf,
@@ -301,10 +301,10 @@ pub enum Error {
         why: String,
     },
     /// The replay service or its connection failed.
-    #[error("replay service: {0}")]
+    #[error("replay service")]
     Remote(#[from] rpc::Error),
     /// The replay service refused a request.
-    #[error("replay service: {0}")]
+    #[error("the replay service refused the request")]
     Refused(#[from] rpc::WireError),
 }
 

@@ -318,10 +318,10 @@ fn the_rate_limiter_paces_samples_and_inserts() {
     let diff = stats.inserts as f64 * 2.0 - stats.samples as f64;
     assert!((0.0..4.0).contains(&diff), "the limiter let every sample it could go: {stats:?}");
     let refused = actor.extend(&batch(&[1.; 4])).unwrap_err();
-    assert!(refused.to_string().contains("writes to this buffer have ended"), "{refused}");
+    assert!(memmap_tensor::ErrorChain(&refused).to_string().contains("writes to this buffer have ended"), "{refused}");
     // A batch wider than the limiter's window can never pass: an error, not a wait.
     let too_wide = learner.sample(40, Some(Duration::from_secs(1))).unwrap_err();
-    assert!(too_wide.to_string().contains("never pass"), "{too_wide}");
+    assert!(memmap_tensor::ErrorChain(&too_wide).to_string().contains("never pass"), "{too_wide}");
 }
 
 /// Once writes have ended, samples go on while the limiter allows them and then fail at
@@ -351,7 +351,10 @@ fn samples_that_only_an_insert_could_let_go_fail_once_writes_have_ended() {
     let empty = ReplayBuffer::uniform(replay::StorageConfig::heap(4)).unwrap();
     empty.end_writes();
     let refused = empty.sample_leased(1, Some(Duration::from_secs(3600))).unwrap_err();
-    assert!(refused.to_string().contains("the buffer is empty and no row will be inserted"), "{refused}");
+    assert!(
+        memmap_tensor::ErrorChain(&refused).to_string().contains("the buffer is empty and no row will be inserted"),
+        "{refused}"
+    );
 }
 
 #[test]
@@ -387,7 +390,7 @@ fn a_prioritized_service_weights_samples_and_takes_priorities() {
     let bad = client.update_priority(&[0, 1], &[1.0, 2.0, 3.0]).unwrap_err();
     assert!(matches!(bad.wire_error(), Some(WireError::InvalidRequest { .. })), "{bad}");
     let bad = client.update_priority(&[99], &[1.0]).unwrap_err();
-    assert!(bad.to_string().contains("99"), "{bad}");
+    assert!(memmap_tensor::ErrorChain(&bad).to_string().contains("99"), "{bad}");
 }
 
 #[test]
@@ -398,9 +401,9 @@ fn hostile_requests_get_errors() {
     // Before any storage exists.
     let raw = f.raw();
     let early = raw.call(async |c, ctx| c.reserve(ctx, 1, None, None).await).unwrap().unwrap_err();
-    assert!(early.to_string().contains("no storage"), "{early}");
+    assert!(memmap_tensor::ErrorChain(&early).to_string().contains("no storage"), "{early}");
     let empty = client.sample(1, Some(Duration::ZERO)).unwrap_err();
-    assert!(empty.to_string().contains("empty"), "{empty}");
+    assert!(memmap_tensor::ErrorChain(&empty).to_string().contains("empty"), "{empty}");
     client.extend(&batch(&[1.; 8])).unwrap();
     for n in [0, 9, u64::MAX] {
         let refused = raw.call(async |c, ctx| c.reserve(ctx, n, None, None).await).unwrap().unwrap_err();
@@ -439,14 +442,14 @@ fn hostile_requests_get_errors() {
     let mut wrong = TensorDict::new([2]);
     wrong.set("obs", Tensor::zeros([2, 9], DType::F32, &Location::Heap).unwrap()).unwrap();
     let refused = f.connect().extend(&wrong).unwrap_err();
-    assert!(refused.to_string().contains("obs"), "{refused}");
+    assert!(memmap_tensor::ErrorChain(&refused).to_string().contains("obs"), "{refused}");
     // A schema nobody could store: 16M rows of 512 KiB.
     let g = Fixture::new("huge");
     let _huge = g.start(g.options(1 << 24));
     let mut wide = TensorDict::new([1]);
     wide.set("obs", Tensor::zeros([1, 1 << 17], DType::F32, &Location::Heap).unwrap()).unwrap();
     let refused = g.connect().extend(&wide).unwrap_err();
-    assert!(refused.to_string().contains("bytes of shared memory"), "{refused}");
+    assert!(memmap_tensor::ErrorChain(&refused).to_string().contains("bytes of shared memory"), "{refused}");
     // A capacity whose bookkeeping alone does not fit.
     let refused = ReplayServer::start("huger", g.options(1 << 44)).unwrap_err();
     assert!(matches!(refused, Error::CapacityTooLarge { .. }), "{refused}");
@@ -474,7 +477,7 @@ fn samples_larger_than_one_reply_can_carry_are_refused_naming_the_limit() {
         assert_eq!((td.batch_size()[0], info.weights.is_some()), (max, weighted));
         let refused = client.sample(max + 1, None).unwrap_err();
         assert!(matches!(refused, Error::TooManyRows { op: "sample", max: m, .. } if m == max), "{refused}");
-        assert!(refused.to_string().contains(&format!("at most {max} rows")), "{refused}");
+        assert!(memmap_tensor::ErrorChain(&refused).to_string().contains(&format!("at most {max} rows")), "{refused}");
         // The service refuses it too (a client that does not check), and the connection lives.
         let raw = f.raw();
         let n = max as u64 + 1;
@@ -511,7 +514,7 @@ fn names_are_checked_and_served_once() {
     let f = Fixture::new("once");
     let _server = f.start(f.options(4));
     let again = ReplayServer::start("once", f.options(4)).unwrap_err();
-    assert!(again.to_string().contains("already"), "{again}");
+    assert!(memmap_tensor::ErrorChain(&again).to_string().contains("already"), "{again}");
     for bad in ["", "a/b", "../x", &"n".repeat(49)] {
         let refused = ReplayServer::start(bad, f.options(4)).unwrap_err();
         assert!(matches!(refused, Error::InvalidName { .. }), "{bad}: {refused}");
@@ -548,7 +551,7 @@ fn a_folder_service_keeps_torchrl_len_and_dumps() {
         }
         Err(e) => e,
     };
-    assert!(refused.to_string().contains("not empty"), "{refused}");
+    assert!(memmap_tensor::ErrorChain(&refused).to_string().contains("not empty"), "{refused}");
     let _again = f.start(f.options(10).dir(&storage).overwrite(true));
     f.connect().extend(&batch(&[1.])).unwrap();
 }
@@ -564,7 +567,7 @@ fn a_folder_is_served_by_one_service_at_a_time() {
     let server = first.start(first.options(10).dir(&storage));
     first.connect().extend(&batch(&[5.])).unwrap();
     let err = ReplayServer::start(&second.name, second.options(10).dir(&storage).overwrite(true)).unwrap_err();
-    assert!(err.to_string().contains(".storage.owner is held by process"), "{err}");
+    assert!(memmap_tensor::ErrorChain(&err).to_string().contains(".storage.owner is held by process"), "{err}");
     assert_eq!(replay::Storage::read_len(&storage).unwrap(), 1, "the refused service touched the folder");
     drop(server);
     assert!(!dir.path().join(".storage.owner").exists());
@@ -667,7 +670,7 @@ fn a_slice_service_hands_out_runs_of_one_episode() {
         .strict_length(false);
     let _server = g.start(g.options(64).sampler(spec));
     let refused = g.connect().extend(&batch(&[1.; 4])).unwrap_err();
-    assert!(refused.to_string().contains("episode"), "{refused}");
+    assert!(memmap_tensor::ErrorChain(&refused).to_string().contains("episode"), "{refused}");
 }
 
 #[test]
@@ -747,7 +750,11 @@ fn a_client_on_a_shared_filesystem_writes_reserved_rows_and_refuses_wrong_batche
     let mut other = batch(&[5., 6., 7.]);
     other.set("extra", Tensor::zeros([3], DType::U8, &Location::Heap).unwrap()).unwrap();
     let refused = client.write_reserved(&reservation, &other).unwrap_err();
-    assert!(matches!(refused, Error::SchemaMismatch { .. }) && refused.to_string().contains("extra"), "{refused}");
+    assert!(
+        matches!(refused, Error::SchemaMismatch { .. })
+            && memmap_tensor::ErrorChain(&refused).to_string().contains("extra"),
+        "{refused}"
+    );
     client.write_reserved(&reservation, &batch(&[5., 6., 7.])).unwrap();
     client.commit(reservation).unwrap();
     let (td, info) = client.sample(64, None).unwrap();
@@ -764,9 +771,9 @@ fn a_client_on_a_shared_filesystem_needs_a_folder_storage() {
     f.connect().extend(&batch(&[1.; 4])).unwrap();
     let client = f.connect().on_shared_filesystem(aio::Engine::new().unwrap());
     let refused = client.sample(2, None).unwrap_err();
-    assert!(refused.to_string().contains("needs a whole folder"), "{refused}");
+    assert!(memmap_tensor::ErrorChain(&refused).to_string().contains("needs a whole folder"), "{refused}");
     let refused = client.extend(&batch(&[2.])).unwrap_err();
-    assert!(refused.to_string().contains("shm:"), "{refused}");
+    assert!(memmap_tensor::ErrorChain(&refused).to_string().contains("shm:"), "{refused}");
 }
 
 #[test]
@@ -789,14 +796,18 @@ fn row_files_refuse_files_shorter_than_the_storage_and_names_outside_the_folder(
     assert!(text.contains("obs.memmap") && text.contains("holds 100 bytes") && text.contains("needs 512"), "{text}");
     // Made before the cut, reads past the end are an error too, not zeros.
     let cut = files.read_rows(&engine, &[15], tensordict::ReadMode::Buffered).unwrap_err();
-    assert!(cut.to_string().contains("obs.memmap") && cut.to_string().contains("shorter"), "{cut}");
+    assert!(
+        memmap_tensor::ErrorChain(&cut).to_string().contains("obs.memmap")
+            && memmap_tensor::ErrorChain(&cut).to_string().contains("shorter"),
+        "{cut}"
+    );
     // A schema whose file is outside the folder.
     let mut hostile = reference.schema.clone();
     if let Some(tensordict::EntrySchema::Tensor(t)) = hostile.entries.get_mut("obs") {
         t.name = "../escape.memmap".into();
     }
     let escape = replay::RowFiles::new(&folder, &hostile).unwrap_err();
-    assert!(escape.to_string().contains("not a file inside the folder"), "{escape}");
+    assert!(memmap_tensor::ErrorChain(&escape).to_string().contains("not a file inside the folder"), "{escape}");
 }
 
 #[test]

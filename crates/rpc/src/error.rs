@@ -333,7 +333,7 @@ pub enum Error {
 
     // === The store ===
     /// A file or folder of the store could not be used.
-    #[error("store: {op} {}: {source}", path.display())]
+    #[error("store: {op} {}", path.display())]
     StoreIo {
         /// What was being done.
         op: &'static str,
@@ -539,6 +539,6 @@ impl From<io::Error> for WireError {
 
 impl From<Error> for WireError {
     fn from(err: Error) -> Self {
-        WireError::Other { message: err.to_string() }
+        WireError::Other { message: memmap_tensor::ErrorChain(&err).to_string() }
     }
 }

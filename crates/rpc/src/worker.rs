@@ -343,7 +343,7 @@ fn gone(handle: u64) -> WireError {
 
 /// A library error as the caller sees it.
 fn invalid(e: tensordict::Error) -> WireError {
-    WireError::InvalidRequest { detail: e.to_string() }
+    WireError::InvalidRequest { detail: memmap_tensor::ErrorChain(&e).to_string() }
 }
 
 /// One connection's view of a [`WorkerServer`]: its handles are its own, and are let go of

@@ -135,7 +135,7 @@ fn load_waits_for_a_key_and_times_out() {
     let both = store.load_many(&["late", "other"], Wait::NOW).unwrap();
     assert_eq!(both.len(), 2);
     let err = remote(store.load_many(&["late", "missing"], Wait::NOW).unwrap_err());
-    assert!(err.to_string().contains("`missing`"), "{err}");
+    assert!(memmap_tensor::ErrorChain(&err).to_string().contains("`missing`"), "{err}");
 }
 
 #[test]
@@ -242,7 +242,7 @@ fn one_folder_is_served_by_one_store_at_a_time() {
     first.save("m", &state_dict(1.0), None).unwrap();
     // Another store on the same folder would remove what the first wrote: it is refused.
     let second = Store::start_with("folder-b", StoreOptions::default().runtime_dir(dir.path().join("run")).dir(&data));
-    let err = second.unwrap_err().to_string();
+    let err = memmap_tensor::ErrorChain(&second.unwrap_err()).to_string();
     assert!(err.contains("another store serves this folder"), "{err}");
     assert_eq!(first.load("m", Wait::NOW).unwrap().get_tensor("bias").unwrap().to_vec::<f32>().unwrap(), [1.0; 4]);
     drop(first);
@@ -274,7 +274,7 @@ fn a_folder_served_from_another_node_is_refused() {
     let refused = Store::start_with("folder-c", StoreOptions::default().runtime_dir(dir.path().join("run")).dir(&data));
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     heartbeat.join().unwrap();
-    let err = refused.unwrap_err().to_string();
+    let err = memmap_tensor::ErrorChain(&refused.unwrap_err()).to_string();
     assert!(err.contains("another store serves this folder: process 77"), "{err}");
     assert!(data.join("store.owner").exists(), "the other node's lock was taken");
 }

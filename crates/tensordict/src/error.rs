@@ -153,7 +153,7 @@ pub enum Error {
         remedy: &'static str,
     },
     /// A file or folder operation failed.
-    #[error("{op} {}: {source}", path.display())]
+    #[error("{op} {}", path.display())]
     Io {
         /// The call that failed.
         op: &'static str,
@@ -202,7 +202,7 @@ pub enum Error {
     // === Tensors ===
     /// A tensor operation failed; `key` names the leaf (empty for the dict's own storage, such as
     /// a shared dict's schema object).
-    #[error("{}{source}", key_prefix(key))]
+    #[error("{}", describe_key(key))]
     Tensor {
         /// The key path of the leaf.
         key: KeyPath,
@@ -213,8 +213,9 @@ pub enum Error {
 }
 
 /// `key `a.b`: `, or nothing for the empty key path.
-fn key_prefix(key: &KeyPath) -> String {
-    if key.is_empty() { String::new() } else { format!("key `{key}`: ") }
+/// The tensor an error is about: its key, or the dict's own storage (the empty key).
+fn describe_key(key: &KeyPath) -> String {
+    if key.is_empty() { "the dict's own storage".to_owned() } else { format!("key `{key}`") }
 }
 
 fn describe_writer(leftover: &crate::Leftover) -> String {

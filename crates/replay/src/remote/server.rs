@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use memmap_tensor::ErrorChain;
 use rpc::service::{self as named, OwnerLock, Served, SessionTable, StopSignal};
 use rpc::{Endpoint, InlineDict, NodeId, Peer, ServerOptions, TensorDictRef, ToRef, WireError};
 use tarpc::context::Context;
@@ -85,11 +86,9 @@ impl Shared {
     fn storage_ref(&self) -> std::result::Result<Option<TensorDictRef>, WireError> {
         match self.buffer.storage() {
             None => Ok(None),
-            Some(storage) => storage
-                .tensordict()
-                .to_ref()
-                .map(Some)
-                .map_err(|e| WireError::Other { message: format!("cannot make a reference to the storage: {e}") }),
+            Some(storage) => storage.tensordict().to_ref().map(Some).map_err(|e| WireError::Other {
+                message: format!("cannot make a reference to the storage: {}", ErrorChain(&e)),
+            }),
         }
     }
 
@@ -348,7 +347,8 @@ impl ReplayService for Session {
 
     async fn create(self, _: Context, like: InlineDict) -> std::result::Result<TensorDictRef, WireError> {
         self.shared().stopping()?;
-        let like = like.to_dict().map_err(|e| invalid(format!("the schema sent is not a valid dict: {e}")))?;
+        let like =
+            like.to_dict().map_err(|e| invalid(format!("the schema sent is not a valid dict: {}", ErrorChain(&e))))?;
         let session = self.clone();
         let made = tokio::task::spawn_blocking(move || -> std::result::Result<TensorDictRef, WireError> {
             let shared = session.shared();
@@ -549,11 +549,11 @@ fn to_wire(error: Error) -> WireError {
         Error::Io { source, path } => {
             WireError::Io { kind: format!("{:?}", source.kind()), message: format!("{}: {source}", path.display()) }
         }
-        Error::Remote(e) => WireError::Other { message: e.to_string() },
+        Error::Remote(e) => WireError::Other { message: ErrorChain(&e).to_string() },
         Error::Refused(e) => e,
         // Another client ended the writes: the request conflicts with that.
         Error::WritesEnded { .. } => WireError::Conflict { detail: error.to_string() },
-        other => WireError::InvalidRequest { detail: other.to_string() },
+        other => WireError::InvalidRequest { detail: ErrorChain(&other).to_string() },
     }
 }
 

@@ -270,7 +270,7 @@ impl Slice {
     fn values(&self, batch: &TensorDict) -> Result<Vec<i64>> {
         let key = self.episodes.key();
         let bad = |detail: String| Error::Sampler { sampler: NAME, detail: format!("key `{key}`: {detail}") };
-        let t = batch.get_tensor(key).map_err(|e| bad(e.to_string()))?;
+        let t = batch.get_tensor(key).map_err(|e| bad(memmap_tensor::ErrorChain(&e).to_string()))?;
         let rows = batch.batch_size().first().copied().unwrap_or(0);
         let dims = t.dims();
         if dims.first() != Some(&rows) || dims[1..].iter().product::<usize>() != 1 {
@@ -300,7 +300,7 @@ impl Slice {
 /// Every value of `t` (one per row) as `i64`; `flags` accepts bools and reads any non-zero
 /// value as 1.
 fn to_i64(t: &Tensor, flags: bool) -> std::result::Result<Vec<i64>, String> {
-    let e = |e: memmap_tensor::Error| e.to_string();
+    let e = |e: memmap_tensor::Error| memmap_tensor::ErrorChain(&e).to_string();
     let ints: Vec<i64> = match t.dtype() {
         DType::Bool if flags => t.to_vec_bool().map_err(e)?.into_iter().map(i64::from).collect(),
         DType::U8 => t.to_vec::<u8>().map_err(e)?.into_iter().map(i64::from).collect(),

@@ -121,8 +121,9 @@ impl MaxValue {
     fn ranks(&self, batch: &TensorDict) -> Result<Vec<f64>> {
         let n = batch_rows(batch)?;
         let key = self.rank_key.to_string();
-        let t =
-            batch.get_tensor(&self.rank_key).map_err(|e| Error::RankKey { key: key.clone(), detail: e.to_string() })?;
+        let t = batch
+            .get_tensor(&self.rank_key)
+            .map_err(|e| Error::RankKey { key: key.clone(), detail: memmap_tensor::ErrorChain(&e).to_string() })?;
         let values = to_f64(t).map_err(|detail| Error::RankKey { key: key.clone(), detail })?;
         let per_row = t.dims()[1..].iter().product::<usize>();
         if per_row == 0 {
@@ -232,7 +233,7 @@ impl Writer for MaxValue {
 
 /// Every element of `t`, in C order, as `f64`.
 fn to_f64(t: &Tensor) -> std::result::Result<Vec<f64>, String> {
-    let e = |e: memmap_tensor::Error| e.to_string();
+    let e = |e: memmap_tensor::Error| memmap_tensor::ErrorChain(&e).to_string();
     Ok(match t.dtype() {
         DType::Bool => t.to_vec_bool().map_err(e)?.into_iter().map(|b| f64::from(u8::from(b))).collect(),
         DType::U8 => t.to_vec::<u8>().map_err(e)?.into_iter().map(f64::from).collect(),

@@ -7,7 +7,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use memmap_tensor::{Layout, Storage, Tensor};
+use memmap_tensor::{ErrorChain, Layout, Storage, Tensor};
 use tensordict::{TensorDict, WriteOptions};
 
 use super::layout::EntryLayout;
@@ -32,18 +32,23 @@ impl Backend {
                 // Its room was checked and promised by `allocate`.
                 let len = usize::try_from(shm_bytes(layout)).map_err(|_| invalid("the entry is too large"))?;
                 Storage::create_shm(&name, len).map_err(|e| WireError::Other {
-                    message: format!("cannot make {len} bytes of shared memory: {e}"),
+                    message: format!("cannot make {len} bytes of shared memory: {}", ErrorChain(&e)),
                 })?;
                 Ok(Place::Shm(name))
             }
             Backend::Dir { root } => {
                 let path = entries_dir(root).join(format!("v{id}"));
-                let like = zeros_like(layout).map_err(|e| invalid(&e.to_string()))?;
+                let like = zeros_like(layout).map_err(|e| invalid(&ErrorChain(&e).to_string()))?;
                 if let Err(e) = like.memmap_like_with(&path, None, &WriteOptions::default()) {
                     // Nothing may stay of what was written before the failure (a full disk).
                     let _ = remove_path(&path);
                     return Err(WireError::Other {
-                        message: format!("cannot make the {} bytes of {}: {e}", layout.bytes, path.display()),
+                        message: format!(
+                            "cannot make the {} bytes of {}: {}",
+                            layout.bytes,
+                            path.display(),
+                            ErrorChain(&e)
+                        ),
                     });
                 }
                 Ok(Place::Folder(path))
@@ -58,7 +63,7 @@ pub(super) fn delete(places: Vec<Place>) {
         let deleted = match &place {
             Place::Shm(name) => match Storage::unlink_shm(name) {
                 Err(memmap_tensor::Error::ShmIo { source, .. }) if source.kind() == ErrorKind::NotFound => Ok(()),
-                other => other.map_err(|e| e.to_string()),
+                other => other.map_err(|e| ErrorChain(&e).to_string()),
             },
             Place::Folder(path) => remove_path(path).map_err(|e| e.to_string()),
         };
@@ -103,7 +108,7 @@ pub(super) fn lock_dir(root: &Path) -> Result<memmap_tensor::LockFile> {
             ),
         },
         memmap_tensor::Error::FileIo { op, path, source } => Error::StoreIo { op, path, source },
-        other => Error::StoreIo { op: "lock", path, source: std::io::Error::other(other.to_string()) },
+        other => Error::StoreIo { op: "lock", path, source: std::io::Error::other(ErrorChain(&other).to_string()) },
     })
 }
 

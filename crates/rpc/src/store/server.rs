@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use memmap_tensor::ErrorChain;
 use tarpc::context::Context;
 use tokio::sync::watch;
 
@@ -342,7 +343,9 @@ impl StoreService for Session {
         // is counted and made.
         let layout = match &self.shared().backend {
             Backend::Shm { .. } => layout,
-            Backend::Dir { .. } => EntryLayout::contiguous(layout.schema).map_err(|e| invalid(&e.to_string()))?,
+            Backend::Dir { .. } => {
+                EntryLayout::contiguous(layout.schema).map_err(|e| invalid(&ErrorChain(&e).to_string()))?
+            }
         };
         // Shared memory to make; a folder's disk space is not checked (a full disk is an error
         // of the write, which removes what it wrote).
