@@ -72,7 +72,7 @@ pub struct ServerOptions {
     /// The largest frame accepted or sent, in bytes (default 1 MiB).
     pub max_frame_bytes: usize,
     /// The most connections served at once (default 256); others are told the server is busy.
-    /// Pending connections (see the [module docs](self)) do not count.
+    /// Pending connections (see [`ServerOptions::max_pending_connections`]) do not count.
     pub max_connections: usize,
     /// The most pending connections at once (default 256): connected, but not yet proven the
     /// token (TCP) or sent a first frame (Unix socket). When they are this many, a new
