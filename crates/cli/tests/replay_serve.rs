@@ -53,17 +53,8 @@ impl World {
     }
 
     fn command<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> (Command, String) {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tdict"));
-        let mut line = String::from("tdict");
-        for arg in args {
-            line.push(' ');
-            line.push_str(&arg.as_ref().to_string_lossy());
-            cmd.arg(arg);
-        }
-        cmd.env("TDICT_RUNTIME_DIR", self.runtime())
-            .env_remove("RUST_BACKTRACE")
-            .env_remove("RUST_LIB_BACKTRACE")
-            .stdin(Stdio::null());
+        let (mut cmd, line) = common::command(args);
+        cmd.env("TDICT_RUNTIME_DIR", self.runtime());
         (cmd, line)
     }
 
