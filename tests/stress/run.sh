@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test file that uses several processes, a service or real kills ROUNDS times
 # (default 20) while the CPUs are kept busy, and prints how many rounds each file passed; exits
-# 1 if any round of any file failed. Not part of CI (20 rounds take most of an hour on 2 cores).
+# 1 if any round of any file failed. Not part of CI (20 rounds take about 25 minutes on 2 cores).
 #
 #   tests/stress/run.sh [ROUNDS]
 #

@@ -477,8 +477,9 @@ pub fn windowed_wait<T, E>(
 /// blocks and sends nothing itself, and no thread is woken per call: the sender thread is woken
 /// at most once per grace period, however many messages there are.
 ///
-/// Dropping the `Deferred` stops the sender thread without sending what is left (the
-/// connection's end lets go of it on the server), and drops `send` on that thread.
+/// Dropping the `Deferred` stops the sender thread (a batch it has already taken, or takes as
+/// it wakes, is still sent; nothing queued after that is: the connection's end lets go of it on
+/// the server), and drops `send` on that thread.
 pub struct Deferred<M> {
     shared: Arc<DeferredShared<M>>,
 }
