@@ -513,9 +513,14 @@ pub enum Resource {
 }
 
 impl Resource {
-    /// The resource that [`crate::service::shm_room`] found limiting (`"/dev/shm"` or `"memory"`).
-    pub fn of_room(what: &str) -> Resource {
-        if what == "memory" { Resource::Memory } else { Resource::SharedMemory }
+    /// Where a resource of bytes is, as messages name it: `/dev/shm`, `memory`; for the
+    /// per-connection budgets, `this connection`.
+    pub fn place(&self) -> &'static str {
+        match self {
+            Resource::SharedMemory => "/dev/shm",
+            Resource::Memory => "memory",
+            Resource::Leases | Resource::Reservations | Resource::Handles => "this connection",
+        }
     }
 }
 

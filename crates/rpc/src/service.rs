@@ -30,7 +30,7 @@ use tarpc::server::Serve;
 
 use crate::auth::Token;
 use crate::endpoint::{Endpoint, resolve_runtime_dir, shm_stem};
-use crate::error::{Error, Result};
+use crate::error::{Error, Resource, Result};
 use crate::server::{Peer, ServerHandle, ServerOptions, lock_exclusive, serve_per_connection};
 
 /// The longest service name, in bytes.
@@ -367,15 +367,15 @@ impl<R> SessionTable<R> {
 
 /// The bytes new shared memory can take now: what is free in `/dev/shm`, or the memory available
 /// (`MemAvailable` and free swap, from `/proc/meminfo`), whichever is less; and which of the two
-/// that is (`"/dev/shm"` or `"memory"`). `None` if neither can be read.
+/// that is ([`Resource::SharedMemory`] or [`Resource::Memory`]). `None` if neither can be read.
 ///
 /// Making an object of shared memory takes its pages at once: asked for more than this, the
 /// system would take every free page (tmpfs may be larger than memory) before it said no, and
 /// processes may be killed for want of memory meanwhile. Services refuse such requests first.
-pub fn shm_room() -> Option<(u64, &'static str)> {
+pub fn shm_room() -> Option<(u64, Resource)> {
     let shm = nix::sys::statvfs::statvfs("/dev/shm")
         .ok()
-        .map(|s| (s.blocks_available().saturating_mul(s.fragment_size()), "/dev/shm"));
+        .map(|s| (s.blocks_available().saturating_mul(s.fragment_size()), Resource::SharedMemory));
     let memory = fs::read_to_string("/proc/meminfo").ok().and_then(|info| {
         let field = |name: &str| {
             info.lines()
@@ -383,7 +383,7 @@ pub fn shm_room() -> Option<(u64, &'static str)> {
                 .and_then(|rest| rest.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
         };
         let kib = field("MemAvailable")?.saturating_add(field("SwapFree").unwrap_or(0));
-        Some((kib.saturating_mul(1024), "memory"))
+        Some((kib.saturating_mul(1024), Resource::Memory))
     });
     match (shm, memory) {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),

@@ -567,16 +567,17 @@ fn check_room(like: &tensordict::TensorDict, capacity: usize, in_memory: bool) -
     let row_bytes: u128 = like.leaves().iter().map(|(_, t)| (t.nbytes() / rows) as u128).sum();
     let need = row_bytes.saturating_mul(capacity as u128);
     if in_memory
-        && let Some((room, what)) = named::shm_room()
+        && let Some((room, resource)) = named::shm_room()
         && need.saturating_mul(2) > u128::from(room)
     {
         return Err(WireError::ResourceExhausted {
-            resource: rpc::Resource::of_room(what),
+            resource,
             needed: u64::try_from(need.saturating_mul(2)).unwrap_or(u64::MAX),
             available: room,
             detail: format!(
                 "a storage of {capacity} rows of {row_bytes} bytes needs {need} bytes of shared memory (twice that \
-                 while it is made); {what} has {room} bytes free"
+                 while it is made); {} has {room} bytes free",
+                resource.place()
             ),
         });
     }

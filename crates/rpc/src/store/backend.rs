@@ -11,6 +11,7 @@ use memmap_tensor::{ErrorChain, Layout, Storage, Tensor};
 use tensordict::{TensorDict, WriteOptions};
 
 use super::layout::EntryLayout;
+use super::server::invalid;
 use super::service::Place;
 use crate::WireError;
 use crate::error::{Error, Result};
@@ -140,8 +141,4 @@ pub(super) fn remove_path(path: &Path) -> std::io::Result<()> {
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
         Err(e) => Err(e),
     }
-}
-
-fn invalid(detail: &str) -> WireError {
-    WireError::InvalidRequest { detail: detail.to_owned() }
 }

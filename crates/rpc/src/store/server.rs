@@ -376,7 +376,7 @@ impl StoreService for Session {
             // both fail. So a request is refused before anything is made unless it fits in
             // what is free less what allocations being made were promised.
             if making > 0
-                && let Some((free, what)) = service::shm_room()
+                && let Some((free, resource)) = service::shm_room()
                 && making > free.saturating_sub(state.making_shm)
             {
                 let promised = match state.making_shm {
@@ -384,11 +384,12 @@ impl StoreService for Session {
                     n => format!(", and allocations being made will take {n} of them"),
                 };
                 return Err(WireError::ResourceExhausted {
-                    resource: crate::Resource::of_room(what),
+                    resource,
                     needed: making,
                     available: free.saturating_sub(state.making_shm),
                     detail: format!(
-                        "cannot make {making} bytes of shared memory: {what} has {free} bytes free{promised}"
+                        "cannot make {making} bytes of shared memory: {} has {free} bytes free{promised}",
+                        resource.place()
                     ),
                 });
             }
@@ -588,7 +589,7 @@ impl StoreService for Session {
     }
 }
 
-fn invalid(detail: &str) -> WireError {
+pub(super) fn invalid(detail: &str) -> WireError {
     WireError::InvalidRequest { detail: detail.to_owned() }
 }
 
