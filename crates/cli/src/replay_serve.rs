@@ -313,15 +313,17 @@ fn limiter(args: &ServeArgs, capacity: usize) -> anyhow::Result<Option<RateLimit
     Ok(limiter)
 }
 
+impl ServeArgs {
+    /// The paths this server uses (a daemon's log by default).
+    fn paths(&self, daemon: bool) -> anyhow::Result<ServePaths> {
+        let service = replay::remote::service_name(&self.name)?;
+        ServePaths::of(&service, self.log.as_deref(), self.dir.as_deref(), self.token_file.as_deref(), daemon)
+    }
+}
+
 /// Starts the daemon (see [`daemon::start`]) and returns once it answers.
 fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    let paths = ServePaths::of(
-        &replay::remote::service_name(&args.name)?,
-        args.log.as_deref(),
-        args.dir.as_deref(),
-        args.token_file.as_deref(),
-        true,
-    )?;
+    let paths = args.paths(true)?;
     // Checked here, so that bad arguments are reported by the command that was typed.
     options(&args, &paths)?;
     let log_path = paths.log.clone().expect("a daemon has a log");
@@ -400,13 +402,7 @@ fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
 /// Serves in this process until asked to stop (a client's `shutdown` or a signal).
 fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let daemon = args.daemon_child;
-    let paths = ServePaths::of(
-        &replay::remote::service_name(&args.name)?,
-        args.log.as_deref(),
-        args.dir.as_deref(),
-        args.token_file.as_deref(),
-        daemon,
-    )?;
+    let paths = args.paths(daemon)?;
     let signals = daemon::begin_serving(daemon, paths.log.as_deref())?;
     let options = options(&args, &paths)?;
     let server = match ReplayServer::start(&args.name, options) {

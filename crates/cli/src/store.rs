@@ -161,15 +161,17 @@ pub(crate) fn run(command: StoreCommand) -> anyhow::Result<ExitCode> {
 
 // === Serving ===
 
+impl ServeArgs {
+    /// The paths this server uses (a daemon's log by default).
+    fn paths(&self, daemon: bool) -> anyhow::Result<ServePaths> {
+        let service = rpc::store::service_name(&self.name)?;
+        ServePaths::of(&service, self.log.as_deref(), self.dir.as_deref(), self.token_file.as_deref(), daemon)
+    }
+}
+
 /// Starts the daemon (see [`daemon::start`]) and returns once it answers.
 fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    let paths = ServePaths::of(
-        &rpc::store::service_name(&args.name)?,
-        args.log.as_deref(),
-        args.dir.as_deref(),
-        args.token_file.as_deref(),
-        true,
-    )?;
+    let paths = args.paths(true)?;
     // Checked here too, so that a bad token file is reported by the command that was typed.
     if let Some(file) = &paths.token_file {
         Token::from_file(file)?;
@@ -202,13 +204,7 @@ fn start_daemon(args: ServeArgs) -> anyhow::Result<ExitCode> {
 /// Serves in this process until asked to stop (a client's `shutdown` or a signal).
 fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let daemon = args.daemon_child;
-    let paths = ServePaths::of(
-        &rpc::store::service_name(&args.name)?,
-        args.log.as_deref(),
-        args.dir.as_deref(),
-        args.token_file.as_deref(),
-        daemon,
-    )?;
+    let paths = args.paths(daemon)?;
     let signals = daemon::begin_serving(daemon, paths.log.as_deref())?;
 
     let mut options = StoreOptions::default();
