@@ -220,7 +220,9 @@ fn o_direct_refuses_misalignment_before_submission_and_works_aligned() -> io::Re
         let (r, b) = immediately(|done| engine.readv_at_with(f, parts, 0, move |r, b| done((r, b))));
         assert_direct_refusal(r, "readv_at", &ctx);
         assert_eq!(b.len(), 2, "{ctx}");
-        let parts = vec![vec![0u8; 4096], vec![0u8; 4096]];
+        // Lengths and offset aligned, addresses not (a plain `Vec` may land on a page boundary
+        // by chance, so the misalignment is made, not hoped for).
+        let parts = vec![Misaligned::new()?, Misaligned::new()?];
         let (r, b) = immediately(|done| engine.writev_at_with(f, parts, 4096, move |r, b| done((r, b))));
         assert_direct_refusal(r, "writev_at", &ctx);
         assert_eq!(b.len(), 2, "{ctx}");
