@@ -304,6 +304,64 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+
+    // === Devices ===
+    /// CUDA cannot be used in this process: the crate was built without the `cuda` feature, no
+    /// driver library was found, the driver is too old, or it has no device.
+    #[error("CUDA is not available: {reason}")]
+    CudaUnavailable {
+        /// Why, in words a user can act on.
+        reason: String,
+    },
+    /// A CUDA device ordinal that this machine does not have.
+    #[error("cuda:{ordinal} does not exist: this machine has {count} CUDA device(s)")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices the driver reports.
+        count: usize,
+    },
+    /// A CUDA driver call failed.
+    #[error("{op} on {device}: {name}: {message}")]
+    Cuda {
+        /// What was being done (`cuMemcpyAsync`, `register`, ...).
+        op: &'static str,
+        /// The device it was done on.
+        device: crate::Device,
+        /// The driver's error name (`CUDA_ERROR_ILLEGAL_ADDRESS`).
+        name: String,
+        /// The driver's description of it.
+        message: String,
+    },
+    /// Not enough free memory on a device (or, for pinned memory, pinnable host memory).
+    #[error("{op}: {needed} bytes asked of {device}, which has {free} bytes free")]
+    DeviceOutOfMemory {
+        /// What allocated (`device memory`, `managed memory`, `pinned memory`).
+        op: &'static str,
+        /// The device.
+        device: crate::Device,
+        /// Bytes asked for.
+        needed: usize,
+        /// Bytes free when asked, as the driver reports them.
+        free: usize,
+    },
+    /// A managed-memory operation (prefetch, advice) on a tensor that is not in managed memory.
+    #[error("{op}: the tensor is not in managed memory (it is in {storage})")]
+    NotManaged {
+        /// The operation that was asked for.
+        op: &'static str,
+        /// What the storage is.
+        storage: String,
+    },
+    /// A host operation (a typed borrow, a row copy) on a tensor whose bytes are on a GPU, or a
+    /// GPU operation on one whose bytes are not. Move it first ([`crate::Tensor::to`]).
+    #[error("{op}: the tensor is on {device}; move it with `to` first")]
+    WrongDevice {
+        /// The operation that was asked for.
+        op: &'static str,
+        /// Where the tensor is.
+        device: crate::Device,
+    },
 }
 
 /// `Result` with this crate's [`Error`].

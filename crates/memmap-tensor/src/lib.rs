@@ -61,12 +61,15 @@ compile_error!("memmap-tensor supports 64-bit targets only");
 
 mod batch;
 mod copy;
+pub mod cuda;
+mod device;
 mod dtype;
 mod error;
 mod io;
 mod layout;
 mod lockfile;
 mod maps;
+mod moves;
 mod process;
 mod rows;
 mod shape;
@@ -74,6 +77,8 @@ mod stats;
 mod storage;
 mod tensor;
 
+pub use cuda::{ManagedAdvice, MemoryInfo, ToOptions, Transfer, TransferPath};
+pub use device::{Device, ParseDeviceError};
 pub use dtype::{DType, Element};
 pub use error::{Error, ErrorChain, Result};
 pub use io::TensorBuf;

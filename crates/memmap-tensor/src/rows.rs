@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 
 use crate::copy::{self, Rows, Strided, copy_strided};
 use crate::tensor::normalize_index;
-use crate::{Error, Result, Shape, Storage, Tensor};
+use crate::{Error, Result, Shape, Tensor};
 
 impl Tensor {
     /// Gathers the rows `indices` of dim 0 into a new contiguous heap tensor of shape
@@ -31,7 +31,7 @@ impl Tensor {
         if self.shares_storage_with(out) {
             return out.copy_from(&self.gather_rows(indices)?);
         }
-        let _locks = Storage::lock_pair(self.storage(), out.storage(), OP)?;
+        let _locks = Tensor::lock_pair(self, out, OP)?;
         if self.layout().rows_contiguous() && out.layout().rows_contiguous() {
             let (src, dst) = (rows(self.strided(), self), rows(out.strided_mut(), out));
             let threads = gather_threads(indices.len() * src.row_bytes);
@@ -65,7 +65,7 @@ impl Tensor {
         if self.shares_storage_with(src) {
             return self.scatter_rows(indices, &src.deep_clone()?);
         }
-        let _locks = Storage::lock_pair(src.storage(), self.storage(), OP)?;
+        let _locks = Tensor::lock_pair(src, self, OP)?;
         // SAFETY: as in `gather_rows_into`, with source and destination swapped.
         unsafe {
             if self.layout().rows_contiguous() && src.layout().rows_contiguous() {
@@ -95,7 +95,7 @@ impl Tensor {
     }
 
     /// The shape `[n, dims[1..]…]`, or an error for a scalar.
-    fn rows_shape(&self, op: &'static str, n: usize) -> Result<Shape> {
+    pub(crate) fn rows_shape(&self, op: &'static str, n: usize) -> Result<Shape> {
         if self.rank() == 0 {
             return Err(Error::ScalarTensor { op });
         }

@@ -1,4 +1,5 @@
-//! [`Storage`]: a flat byte region on the heap, in a mapped file or in POSIX shared memory.
+//! [`Storage`]: a flat byte region on the heap, in a mapped file, in POSIX shared memory, or
+//! (with the `cuda` feature) in memory the CUDA driver allocated: device, pinned or managed.
 //!
 //! # Safety argument
 //!
@@ -19,6 +20,11 @@
 //!    lock, so within a process no reference is ever aliased by a write. Raw reads (row gathers)
 //!    hold the read lock too.
 //!
+//! Device memory is the one region the host cannot address: its storage has no host pointer
+//! (`base_ptr` is a dangling placeholder), and [`Storage::read`] and [`Storage::write`], the
+//! only ways to the lock under which bytes are touched, refuse it. Its bytes are reached
+//! through the driver only (`cuda/driver.rs` has that module's own argument).
+//!
 //! What the crate cannot control is other programs: another process may write a shared file or
 //! shm object at any time (that is the point of sharing), and readers may then see a row half
 //! written. Processes coordinate through row ownership and generations (see the crate docs). A
@@ -30,6 +36,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
+use std::sync::OnceLock;
 
 use memmap2::{MmapOptions, MmapRaw};
 use nix::errno::Errno;
@@ -37,7 +44,7 @@ use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::{Error, Result};
+use crate::{Device, Error, Result, cuda};
 
 /// Alignment of heap storage, in bytes: enough for any dtype and for SIMD loads.
 pub const HEAP_ALIGN: usize = 64;
@@ -61,6 +68,12 @@ pub enum StorageKind {
     File,
     /// A named POSIX shared-memory object (under `/dev/shm` on Linux).
     Shm,
+    /// GPU device memory (feature `cuda`): not reachable from the host.
+    Cuda,
+    /// Page-locked host memory from the CUDA driver, which GPUs copy from at full speed.
+    Pinned,
+    /// CUDA managed (unified) memory, reachable from the host and the GPUs.
+    Managed,
 }
 
 /// Access pattern hints for mapped storage (`madvise`).
@@ -100,6 +113,9 @@ pub struct Storage {
     len: usize,
     writable: bool,
     lock: RwLock<()>,
+    /// The region registered with the CUDA driver, once asked for; undone before the region
+    /// goes (first thing in `Drop`).
+    registered: OnceLock<cuda::Registration>,
     backing: Backing,
 }
 
@@ -119,6 +135,9 @@ enum Backing {
         name: String,
         map: Option<MmapRaw>,
     },
+    /// Device, pinned or managed memory from the CUDA driver.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "no driver memory exists without the driver"))]
+    Gpu(cuda::Memory),
 }
 
 // SAFETY: `Storage` owns its region (point 1 of the module doc) and every access to it goes
@@ -151,7 +170,7 @@ impl Storage {
             let raw = unsafe { if zeroed { alloc::alloc_zeroed(layout) } else { alloc::alloc(layout) } };
             NonNull::new(raw).ok_or(Error::OutOfMemory { bytes: len_bytes })?
         };
-        Ok(Storage { ptr, len: len_bytes, writable: true, lock: RwLock::new(()), backing: Backing::Heap { layout } })
+        Ok(Self::with_backing(ptr, len_bytes, true, Backing::Heap { layout }))
     }
 
     /// Creates a file of `len_bytes` zero bytes at `path` and maps it read-write.
@@ -333,9 +352,73 @@ impl Storage {
         };
         match &mut backing {
             Backing::File { map: slot, .. } | Backing::Shm { map: slot, .. } => *slot = map,
-            Backing::Heap { .. } => unreachable!("heap storage is not mapped"),
+            Backing::Heap { .. } | Backing::Gpu(_) => unreachable!("only files and shm are mapped"),
         }
-        Storage { ptr, len, writable, lock: RwLock::new(()), backing }
+        Self::with_backing(ptr, len, writable, backing)
+    }
+
+    fn with_backing(ptr: NonNull<u8>, len: usize, writable: bool, backing: Backing) -> Self {
+        Storage { ptr, len, writable, lock: RwLock::new(()), registered: OnceLock::new(), backing }
+    }
+
+    /// Storage over memory the CUDA driver allocated. Device memory gets no host pointer.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "only the driver allocates"))]
+    pub(crate) fn from_memory(memory: cuda::Memory) -> Self {
+        let ptr = memory.host_ptr().unwrap_or_else(aligned_dangling);
+        let len = memory.len();
+        Self::with_backing(ptr, len, true, Backing::Gpu(memory))
+    }
+
+    /// The driver's memory under this storage, for device, pinned and managed storage.
+    pub(crate) fn memory(&self) -> Option<&cuda::Memory> {
+        match &self.backing {
+            Backing::Gpu(m) => Some(m),
+            _ => None,
+        }
+    }
+
+    /// The host address of the region, unless it is device memory.
+    pub(crate) fn host_ptr(&self) -> Option<NonNull<u8>> {
+        match &self.backing {
+            Backing::Gpu(m) => m.host_ptr(),
+            _ => Some(self.ptr),
+        }
+    }
+
+    /// The device whose memory this is: the host for everything but device and managed memory.
+    pub fn device(&self) -> Device {
+        self.memory().map_or(Device::Cpu, cuda::Memory::device)
+    }
+
+    /// Zeroes the whole region through the host (pinned and managed memory, when new).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "only the driver allocates"))]
+    pub(crate) fn zero_host_bytes(&self) -> Result<()> {
+        let _write = self.write("zeros")?;
+        // SAFETY: the region is host-addressable (`write` refuses device memory), `len` bytes
+        // long, and the write lock is held.
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, self.len) };
+        Ok(())
+    }
+
+    /// Registers the region with the CUDA driver (`cuMemHostRegister`) for as long as this
+    /// storage lives, if it is not yet: GPUs then copy from it at full PCIe speed, and gather
+    /// kernels read its rows directly. Device, pinned and managed memory need none and are
+    /// left as they are. Errors are the driver's (some network filesystems' mappings cannot be
+    /// registered), or [`Error::CudaUnavailable`].
+    pub fn ensure_registered(&self) -> Result<()> {
+        if self.memory().is_some() || self.registered.get().is_some() || self.len == 0 {
+            return Ok(());
+        }
+        let registration = cuda::register(self)?;
+        // A thread that registered first keeps its registration; ours is undone on drop. Two
+        // registrations of one range are refused by the driver, so this seldom happens.
+        let _ = self.registered.set(registration);
+        Ok(())
+    }
+
+    /// Whether the region is registered with the CUDA driver ([`Storage::ensure_registered`]).
+    pub fn is_registered(&self) -> bool {
+        self.registered.get().is_some()
     }
 
     /// Length of the region in bytes.
@@ -348,12 +431,13 @@ impl Storage {
         self.writable
     }
 
-    /// Heap, file or shm.
+    /// Heap, file, shm, or memory of the CUDA driver.
     pub fn kind(&self) -> StorageKind {
-        match self.backing {
+        match &self.backing {
             Backing::Heap { .. } => StorageKind::Heap,
             Backing::File { .. } => StorageKind::File,
             Backing::Shm { .. } => StorageKind::Shm,
+            Backing::Gpu(m) => m.kind(),
         }
     }
 
@@ -404,6 +488,11 @@ impl Storage {
             Backing::Heap { .. } => "heap".to_owned(),
             Backing::File { path, .. } => path.display().to_string(),
             Backing::Shm { name, .. } => format!("shm:{name}"),
+            Backing::Gpu(m) => match m.kind() {
+                StorageKind::Pinned => "pinned memory".to_owned(),
+                StorageKind::Managed => format!("managed memory of {}", m.device()),
+                _ => format!("memory of {}", m.device()),
+            },
         }
     }
 
@@ -460,16 +549,27 @@ impl Storage {
         }
     }
 
-    /// Takes the read lock. While it is held no write happens through this process.
+    /// Takes the read lock, under which the host reads the region's bytes. While it is held no
+    /// write happens through this process. Refused for device memory, which the host cannot
+    /// address ([`Error::WrongDevice`]).
     ///
     /// Recursive: a thread that already holds a read lock (say, a borrowed slice) gets another
     /// even while a writer waits, instead of deadlocking behind that writer.
-    pub(crate) fn read(&self) -> RwLockReadGuard<'_, ()> {
-        self.lock.read_recursive()
+    pub(crate) fn read(&self, op: &'static str) -> Result<RwLockReadGuard<'_, ()>> {
+        self.host_reachable(op)?;
+        Ok(self.lock.read_recursive())
     }
 
-    /// Takes the write lock, or fails if the storage is read-only.
+    fn host_reachable(&self, op: &'static str) -> Result<()> {
+        if self.host_ptr().is_none() {
+            return Err(Error::WrongDevice { op, device: self.device() });
+        }
+        Ok(())
+    }
+
+    /// Takes the write lock, or fails if the storage is read-only or device memory.
     pub(crate) fn write(&self, op: &'static str) -> Result<RwLockWriteGuard<'_, ()>> {
+        self.host_reachable(op)?;
         if !self.writable {
             return Err(Error::ReadOnly { op, storage: self.describe() });
         }
@@ -486,11 +586,11 @@ impl Storage {
     ) -> Result<(RwLockReadGuard<'a, ()>, RwLockWriteGuard<'a, ()>)> {
         debug_assert!(!std::ptr::eq(src, dst), "callers copy aside when the storages are the same");
         if std::ptr::from_ref(src) < std::ptr::from_ref(dst) {
-            let read = src.read();
+            let read = src.read(op)?;
             Ok((read, dst.write(op)?))
         } else {
             let write = dst.write(op)?;
-            Ok((src.read(), write))
+            Ok((src.read(op)?, write))
         }
     }
 
@@ -503,6 +603,8 @@ impl Storage {
 
 impl Drop for Storage {
     fn drop(&mut self) {
+        // A registration must be undone while its region is still there.
+        drop(self.registered.take());
         if let Backing::Heap { layout } = self.backing
             && layout.size() > 0
         {

@@ -11,7 +11,8 @@ use ndarray::{ArrayBase, ArrayViewD, ArrayViewMutD, Data, Dimension, IxDyn, Shap
 use parking_lot::{RwLockReadGuard, RwLockWriteGuard};
 
 use crate::copy::{Strided, copy_strided};
-use crate::{Access, Advice, DType, Element, Error, Layout, Result, Shape, Storage, StorageKind};
+use crate::cuda::{self, ToOptions};
+use crate::{Access, Advice, DType, Device, Element, Error, Layout, Result, Shape, Storage, StorageKind};
 
 /// Where a new tensor's bytes are allocated.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -22,6 +23,35 @@ pub enum Location {
     File(PathBuf),
     /// A new POSIX shared-memory object with this name (`/name`).
     Shm(String),
+    /// Page-locked host memory from the CUDA driver (feature `cuda`): on the host, copied to
+    /// and from GPUs at full speed.
+    Pinned,
+    /// CUDA managed (unified) memory of a GPU, the tensor on that device (feature `cuda`).
+    Managed(Device),
+    /// Device memory of the GPU with this ordinal, stream-ordered (feature `cuda`).
+    Cuda(usize),
+}
+
+impl Location {
+    /// The device a tensor allocated here is on.
+    pub fn device(&self) -> Device {
+        match self {
+            Location::Heap | Location::File(_) | Location::Shm(_) | Location::Pinned => Device::Cpu,
+            Location::Managed(device) => *device,
+            Location::Cuda(ordinal) => Device::Cuda(*ordinal),
+        }
+    }
+
+    /// Where [`Tensor::to`] allocates on `device`: the heap or pinned memory on the host,
+    /// device or managed memory on a GPU.
+    pub fn for_device(device: Device, options: &ToOptions) -> Location {
+        match device {
+            Device::Cpu if options.pinned => Location::Pinned,
+            Device::Cpu => Location::Heap,
+            Device::Cuda(_) if options.managed => Location::Managed(device),
+            Device::Cuda(ordinal) => Location::Cuda(ordinal),
+        }
+    }
 }
 
 /// A typed, strided view of a [`Storage`]: heap memory, a mapped file or shared memory.
@@ -40,6 +70,9 @@ pub enum Location {
 #[derive(Clone)]
 pub struct Tensor {
     storage: Arc<Storage>,
+    /// The device the tensor is on: its storage's, except for managed memory, where it is the
+    /// device the tensor was last moved to.
+    pub(crate) device: Device,
     /// Byte position of element offset 0 in the storage.
     byte_offset: usize,
     dtype: DType,
@@ -64,19 +97,32 @@ impl Tensor {
                 storage_bytes: storage.len_bytes() as u64,
             });
         }
-        Ok(Tensor { storage, byte_offset, dtype, layout })
+        let device = storage.device();
+        Ok(Tensor { storage, device, byte_offset, dtype, layout })
     }
 
     /// A zero-filled contiguous tensor allocated at `location`.
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, location: &Location) -> Result<Self> {
+        Self::alloc(shape.into(), dtype, location, true)
+    }
+
+    /// A contiguous tensor at `location` whose bytes may be unset: crate-internal, for outputs
+    /// that are written in full before anything reads them (copies, gathers).
+    pub(crate) fn empty_at(shape: impl Into<Shape>, dtype: DType, location: &Location) -> Result<Self> {
+        Self::alloc(shape.into(), dtype, location, false)
+    }
+
+    fn alloc(shape: Shape, dtype: DType, location: &Location, zeroed: bool) -> Result<Self> {
         let layout = Layout::contiguous(shape)?;
         let len = layout.required_bytes(dtype.size_in_bytes())?;
-        let storage = match location {
-            Location::Heap => Storage::heap(len)?,
-            Location::File(path) => Storage::create_file(path, len)?,
-            Location::Shm(name) => Storage::create_shm(name, len)?,
+        let (storage, device) = match location {
+            Location::Heap if zeroed => (Storage::heap(len)?, Device::Cpu),
+            Location::Heap => (Storage::heap_for_overwrite(len)?, Device::Cpu),
+            Location::File(path) => (Storage::create_file(path, len)?, Device::Cpu),
+            Location::Shm(name) => (Storage::create_shm(name, len)?, Device::Cpu),
+            Location::Pinned | Location::Managed(_) | Location::Cuda(_) => cuda::alloc_storage(location, len, zeroed)?,
         };
-        Self::from_storage(Arc::new(storage), 0, dtype, layout)
+        Ok(Self::from_storage(Arc::new(storage), 0, dtype, layout)?.with_device(device))
     }
 
     /// A contiguous heap tensor whose bytes are **uninitialised** (see
@@ -290,7 +336,13 @@ impl Tensor {
     /// `self`'s layout reaches (any view of it does).
     pub(crate) fn with_layout(&self, layout: Layout) -> Self {
         // A view reaches a subset of what `self` reaches, so it stays within the storage.
-        Tensor { storage: Arc::clone(&self.storage), byte_offset: self.byte_offset, dtype: self.dtype, layout }
+        Tensor {
+            storage: Arc::clone(&self.storage),
+            device: self.device,
+            byte_offset: self.byte_offset,
+            dtype: self.dtype,
+            layout,
+        }
     }
 
     // === Typed access ===
@@ -300,7 +352,7 @@ impl Tensor {
     pub fn as_slice<T: Element>(&self) -> Result<SliceRef<'_, T>> {
         let ptr = self.typed_ptr::<T>("as_slice")?;
         self.require_contiguous("as_slice")?;
-        let guard = self.storage.read();
+        let guard = self.storage.read("as_slice")?;
         Ok(SliceRef { _guard: guard, ptr, len: self.elem_count(), _marker: PhantomData })
     }
 
@@ -316,7 +368,7 @@ impl Tensor {
     /// Borrows any layout as an ndarray view (see [`ArrayRef::view`]). Holds the read lock.
     pub fn array_view<T: Element>(&self) -> Result<ArrayRef<'_, T>> {
         let ptr = self.typed_ptr::<T>("array_view")?;
-        let guard = self.storage.read();
+        let guard = self.storage.read("array_view")?;
         Ok(ArrayRef { _guard: guard, ptr, layout: &self.layout })
     }
 
@@ -342,7 +394,7 @@ impl Tensor {
         // A mapping can be far larger than memory: a failed allocation is an error, not an abort.
         out.try_reserve_exact(count).map_err(|_| Error::OutOfMemory { bytes: self.nbytes() })?;
         out.resize(count, T::zeroed());
-        self.copy_out(bytemuck::cast_slice_mut(&mut out));
+        self.copy_out("to_vec", bytemuck::cast_slice_mut(&mut out))?;
         Ok(out)
     }
 
@@ -370,7 +422,7 @@ impl Tensor {
         let mut out = Vec::new();
         out.try_reserve_exact(len).map_err(|_| Error::OutOfMemory { bytes: len })?;
         out.resize(len, 0);
-        self.copy_out(&mut out);
+        self.copy_out("to_bytes", &mut out)?;
         Ok(out)
     }
 
@@ -399,23 +451,28 @@ impl Tensor {
         if self.shares_storage_with(src) {
             return self.copy_from_as(op, &src.deep_clone()?);
         }
-        let _locks = Storage::lock_pair(&src.storage, &self.storage, op)?;
+        let _locks = Tensor::lock_pair(src, self, op)?;
         // SAFETY: both layouts were checked against their storages at construction; the storages
         // are distinct allocations or mappings (checked above); the locks are held.
         unsafe { copy_strided(src.strided(), self.strided_mut(), self.dtype.size_in_bytes()) };
         Ok(())
     }
 
-    /// Copies the elements in C order into `out`, which must be exactly `nbytes()` long.
-    fn copy_out(&self, out: &mut [u8]) {
+    /// Copies the elements in C order into `out`, which must be exactly `nbytes()` long. A
+    /// tensor on a GPU is brought to the host first.
+    fn copy_out(&self, op: &'static str, out: &mut [u8]) -> Result<()> {
         debug_assert_eq!(out.len(), self.nbytes());
+        if !self.device.is_cpu() || self.storage.host_ptr().is_none() {
+            return self.to(Device::Cpu)?.copy_out(op, out);
+        }
         let contiguous =
             Layout::contiguous(self.shape()).expect("the shape of a valid layout has valid contiguous strides");
         let dst = Strided { base: out.as_mut_ptr(), dims: self.dims(), strides: contiguous.strides(), offset: 0 };
-        let _read = self.storage.read();
+        let _read = self.storage.read(op)?;
         // SAFETY: the source layout was checked against the storage at construction and the read
         // lock is held; `out` is a separate allocation of exactly the contiguous size.
         unsafe { copy_strided(self.strided(), dst, self.dtype.size_in_bytes()) };
+        Ok(())
     }
 
     // === Files and the page cache ===
@@ -476,6 +533,7 @@ impl Tensor {
     /// Pointer to the tensor's first element (element offset `offset_elems()`) as `T`, after
     /// checking dtype and alignment.
     fn typed_ptr<T: Element>(&self, op: &'static str) -> Result<NonNull<T>> {
+        self.on_host(op)?;
         self.check_elem::<T>(op)?;
         let ptr = self.storage.base_ptr().wrapping_add(self.byte_span().start);
         if !(ptr as usize).is_multiple_of(std::mem::align_of::<T>()) {
@@ -498,6 +556,24 @@ impl Tensor {
         } else {
             Err(Error::NotContiguous { op, shape: self.shape().clone(), strides: self.layout.strides().to_vec() })
         }
+    }
+
+    /// Refuses host access to a tensor on a GPU (device memory, or managed memory moved to a
+    /// GPU: the host must not touch it while the GPU may).
+    pub(crate) fn on_host(&self, op: &'static str) -> Result<()> {
+        if self.device.is_cpu() { Ok(()) } else { Err(Error::WrongDevice { op, device: self.device }) }
+    }
+
+    /// The read lock of `src` and the write lock of `dst`, both on the host (see
+    /// [`Storage::lock_pair`]).
+    pub(crate) fn lock_pair<'a>(
+        src: &'a Tensor,
+        dst: &'a Tensor,
+        op: &'static str,
+    ) -> Result<(RwLockReadGuard<'a, ()>, RwLockWriteGuard<'a, ()>)> {
+        src.on_host(op)?;
+        dst.on_host(op)?;
+        Storage::lock_pair(&src.storage, &dst.storage, op)
     }
 
     pub(crate) fn check_same_kind(&self, op: &'static str, other: &Tensor, expected: &Shape) -> Result<()> {

@@ -1,0 +1,380 @@
+//! Devices and moves. The host side runs everywhere; without a CUDA driver (or without the
+//! `cuda` feature) the GPU operations must be clear errors, never panics; with one, every move
+//! and gather is checked byte for byte against the host.
+//!
+//! GPU tests print one `skipped: no CUDA driver (why)` line per run where there is none. Run
+//! them on a GPU machine with `cargo test -p memmap-tensor --features cuda --test cuda`
+//! (README, "GPU").
+
+use std::process::Command;
+use std::sync::{Arc, Once};
+
+use memmap_tensor::{
+    Access, DType, Device, Error, Location, ManagedAdvice, Result, StorageKind, Tensor, ToOptions, TransferPath,
+};
+use rand::{Rng, SeedableRng};
+
+/// The GPU to test on, or `None` (saying so once per run) where CUDA is unavailable.
+fn gpu() -> Option<Device> {
+    static SAID: Once = Once::new();
+    match Device::cuda_available() {
+        Ok(_) => Some(Device::Cuda(0)),
+        Err(why) => {
+            SAID.call_once(|| eprintln!("skipped: no CUDA driver ({why})"));
+            None
+        }
+    }
+}
+
+/// A tensor of `dtype` and `shape` whose bytes are a pattern valid for every dtype (bools 0/1).
+fn pattern(dtype: DType, shape: &[usize], seed: u64) -> Result<Tensor> {
+    let n: usize = shape.iter().product::<usize>() * dtype.size_in_bytes();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let bytes: Vec<u8> =
+        (0..n).map(|_| if dtype == DType::Bool { rng.random_range(0..2) } else { rng.random() }).collect();
+    Tensor::from_bytes(&bytes, dtype, shape)
+}
+
+// === Everywhere ===
+
+#[test]
+fn devices_parse_and_print_as_torch_spells_them() {
+    for (text, device) in
+        [("cpu", Device::Cpu), ("cuda", Device::Cuda(0)), ("cuda:0", Device::Cuda(0)), ("cuda:7", Device::Cuda(7))]
+    {
+        assert_eq!(text.parse::<Device>().unwrap(), device, "{text}");
+    }
+    assert_eq!(Device::Cuda(3).to_string(), "cuda:3");
+    assert_eq!(Device::Cpu.to_string(), "cpu");
+    for bad in ["", "gpu", "cuda:", "cuda:-1", "cuda:x", "cuda:1:2", "CPU", "cuda:+1"] {
+        let e = bad.parse::<Device>().unwrap_err();
+        assert!(e.to_string().contains("expected `cpu`, `cuda` or `cuda:N`"), "{bad}: {e}");
+    }
+    assert_eq!(Device::default(), Device::Cpu);
+    assert_eq!((Device::Cuda(2).ordinal(), Device::Cpu.ordinal()), (Some(2), None));
+}
+
+#[test]
+fn host_tensors_are_on_the_cpu_and_move_there_without_a_copy() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let t = Tensor::zeros([4, 3], DType::F32, &Location::File(dir.path().join("a")))?;
+    assert_eq!(t.device(), Device::Cpu);
+    assert_eq!(t.storage().device(), Device::Cpu);
+    let same = t.to_with(Device::Cpu, &ToOptions::new())?;
+    assert_eq!(same.paths(), [TransferPath::Unchanged]);
+    assert!(same.wait()?.shares_storage_with(&t));
+    // `copy` copies, to the heap.
+    let copied = t.to_with(Device::Cpu, &ToOptions::new().copy(true))?;
+    assert_eq!(copied.paths(), [TransferPath::Host]);
+    let copied = copied.wait()?;
+    assert!(!copied.shares_storage_with(&t));
+    assert_eq!(copied.storage().kind(), StorageKind::Heap);
+    Ok(())
+}
+
+#[test]
+fn copy_to_a_host_location_copies_views_contiguously() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let t = pattern(DType::I32, &[6, 5], 1)?;
+    let view = t.slice(1, 1, 5, 2)?.permute(&[1, 0])?;
+    let out = view.copy_to(&Location::File(dir.path().join("v")), &ToOptions::new())?.wait()?;
+    assert!(out.is_contiguous());
+    assert_eq!(out.storage().kind(), StorageKind::File);
+    assert_eq!(out.to_vec::<i32>()?, view.to_vec::<i32>()?);
+    let reread = Tensor::open_file(dir.path().join("v"), DType::I32, [2, 6], Access::ReadOnly)?;
+    assert_eq!(reread.to_vec::<i32>()?, view.to_vec::<i32>()?);
+    Ok(())
+}
+
+#[test]
+fn gathers_to_the_cpu_check_indices_like_host_gathers() -> Result<()> {
+    let t = pattern(DType::U8, &[10, 7], 2)?;
+    let rows = Tensor::gather_rows_to_many(&[t.clone()], Device::Cpu, &[3, -1, 0])?.wait()?;
+    assert_eq!(rows[0].to_bytes()?, t.gather_rows(&[3, 9, 0])?.to_bytes()?);
+    let e = t.gather_rows_to(Device::Cpu, &[10]).unwrap_err();
+    assert!(matches!(e, Error::IndexOutOfRange { .. }), "{e}");
+    let other = pattern(DType::U8, &[11, 7], 3)?;
+    let e = Tensor::gather_rows_to_many(&[t, other], Device::Cpu, &[0]).unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+    Ok(())
+}
+
+/// Without a driver every GPU operation is a `CudaUnavailable` saying why, and nothing panics.
+#[test]
+fn without_a_driver_every_gpu_operation_says_why() -> Result<()> {
+    let Err(why) = Device::cuda_available() else {
+        eprintln!("skipped: a CUDA driver is present (this test is for machines without one)");
+        return Ok(());
+    };
+    let reason = why.to_string();
+    assert!(matches!(why, Error::CudaUnavailable { .. }), "{why:?}");
+    assert!(reason.starts_with("CUDA is not available: "), "{reason}");
+    let t = pattern(DType::F32, &[8, 4], 4)?;
+    let unavailable = |r: Result<()>, what: &str| match r {
+        Err(Error::CudaUnavailable { reason: r }) => assert!(!r.is_empty(), "{what}"),
+        other => panic!("{what}: expected CudaUnavailable, got {other:?}"),
+    };
+    unavailable(t.to(Device::Cuda(0)).map(drop), "to");
+    unavailable(t.to_with(Device::Cuda(0), &ToOptions::new().non_blocking(true)).map(drop), "to non_blocking");
+    unavailable(Device::Cuda(0).check(), "check");
+    unavailable(Tensor::zeros([2], DType::U8, &Location::Cuda(0)).map(drop), "zeros on cuda");
+    unavailable(Tensor::zeros([2], DType::U8, &Location::Pinned).map(drop), "pinned");
+    unavailable(Tensor::zeros([2], DType::U8, &Location::Managed(Device::Cuda(0))).map(drop), "managed");
+    unavailable(t.gather_rows_to(Device::Cuda(0), &[0, 1]).map(drop), "gather_rows_to");
+    unavailable(t.register(), "register");
+    unavailable(t.copy_to(&Location::Pinned, &ToOptions::new()).map(drop), "copy_to pinned");
+    unavailable(t.to_with(Device::Cpu, &ToOptions::new().pinned(true)).map(drop), "to pinned");
+    unavailable(memmap_tensor::cuda::memory_info(Device::Cuda(0)).map(drop), "memory_info");
+    assert!(!t.storage().is_registered());
+    // The host path is untouched by all that.
+    assert_eq!(t.to(Device::Cpu)?.to_bytes()?, t.to_bytes()?);
+    Ok(())
+}
+
+// === On a GPU ===
+
+#[test]
+fn every_dtype_goes_to_the_gpu_and_back_byte_for_byte() -> Result<()> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let dir = tempfile::tempdir().unwrap();
+    for (i, dtype) in DType::ALL.into_iter().enumerate() {
+        let host = pattern(dtype, &[33, 5], i as u64)?;
+        let file = host.copy_to(&Location::File(dir.path().join(format!("{i}"))), &ToOptions::new())?.wait()?;
+        for (what, src) in [("heap", &host), ("file", &file)] {
+            let moved = src.to_with(gpu, &ToOptions::new())?;
+            assert!(
+                matches!(moved.paths(), [TransferPath::RegisteredPieces | TransferPath::Staged]),
+                "{dtype:?} {what}: {:?}",
+                moved.paths()
+            );
+            let on_gpu = moved.wait()?;
+            assert_eq!((on_gpu.device(), on_gpu.storage().kind()), (gpu, StorageKind::Cuda));
+            assert_eq!(on_gpu.dims(), host.dims());
+            let e = on_gpu.as_slice::<u8>().map(drop).unwrap_err();
+            assert!(matches!(e, Error::WrongDevice { .. }), "{e}");
+            assert_eq!(on_gpu.to(Device::Cpu)?.to_bytes()?, host.to_bytes()?, "{dtype:?} from {what}");
+            // `to_bytes` of a GPU tensor brings it down by itself.
+            assert_eq!(on_gpu.to_bytes()?, host.to_bytes()?, "{dtype:?}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn views_empty_tensors_and_every_destination() -> Result<()> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let dir = tempfile::tempdir().unwrap();
+    let host = pattern(DType::F64, &[9, 8], 7)?;
+    let view = host.slice(0, 1, 9, 3)?.permute(&[1, 0])?;
+    let on_gpu = view.to(gpu)?;
+    assert_eq!(on_gpu.to_bytes()?, view.to_bytes()?);
+    // A strided view of device memory comes back right too.
+    let whole = host.to(gpu)?;
+    let gpu_view = whole.slice(1, 2, 8, 2)?;
+    assert_eq!(gpu_view.to(Device::Cpu)?.to_bytes()?, host.slice(1, 2, 8, 2)?.to_bytes()?);
+    // Empty tensors.
+    let empty = Tensor::zeros([0, 4], DType::F32, &Location::Heap)?;
+    let e = empty.to(gpu)?;
+    assert_eq!((e.dims(), e.device()), (&[0, 4][..], gpu));
+    assert_eq!(e.to(Device::Cpu)?.nbytes(), 0);
+    // GPU to pinned memory, shared memory and a file.
+    let name = format!("/tdict-cuda-test-{}", std::process::id());
+    for location in [Location::Pinned, Location::Shm(name.clone()), Location::File(dir.path().join("back"))] {
+        let back = whole.copy_to(&location, &ToOptions::new())?.wait()?;
+        assert_eq!(back.device(), Device::Cpu);
+        assert_eq!(back.to_bytes()?, host.to_bytes()?, "{location:?}");
+    }
+    let _ = memmap_tensor::Storage::unlink_shm(&name);
+    // GPU to GPU copies when asked.
+    let again = whole.to_with(gpu, &ToOptions::new().copy(true))?;
+    assert_eq!(again.paths(), [TransferPath::Device]);
+    assert_eq!(again.wait()?.to_bytes()?, host.to_bytes()?);
+    assert_eq!(whole.to_with(gpu, &ToOptions::new())?.paths(), [TransferPath::Unchanged]);
+    Ok(())
+}
+
+#[test]
+fn a_registered_mapping_is_copied_in_one_go_and_non_blocking_waits() -> Result<()> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let dir = tempfile::tempdir().unwrap();
+    let host = pattern(DType::U8, &[4096, 697], 8)?;
+    let file = host.copy_to(&Location::File(dir.path().join("rows")), &ToOptions::new())?.wait()?;
+    let reader = Tensor::open_file(dir.path().join("rows"), DType::U8, [4096, 697], Access::ReadOnly)?;
+    reader.register()?;
+    assert!(reader.storage().is_registered());
+    let pending = reader.to_with(gpu, &ToOptions::new().non_blocking(true))?;
+    assert_eq!(pending.paths(), [TransferPath::Registered]);
+    let on_gpu = pending.wait()?;
+    assert_eq!(on_gpu.to_bytes()?, file.to_bytes()?);
+    // Dropping an unwaited transfer waits for it: nothing is freed under the copy.
+    drop(reader.to_with(gpu, &ToOptions::new().non_blocking(true))?);
+    Ok(())
+}
+
+#[test]
+fn gathers_into_gpu_memory_match_host_gathers() -> Result<()> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    // Row sizes that take each of the kernel's word sizes, from files and the heap.
+    for (i, (dtype, row)) in
+        [(DType::U8, 697), (DType::F32, 4), (DType::I64, 3), (DType::BF16, 8), (DType::Bool, 1)].into_iter().enumerate()
+    {
+        let host = pattern(dtype, &[1000, row], i as u64)?;
+        let file = host.copy_to(&Location::File(dir.path().join(format!("g{i}"))), &ToOptions::new())?.wait()?;
+        let on_gpu = host.to(gpu)?;
+        for n in [0, 1, 256, 1024] {
+            let rows: Vec<i64> = (0..n).map(|_| rng.random_range(-1000..1000)).collect();
+            let expected = host.gather_rows(&rows)?.to_bytes()?;
+            for (what, src) in [("heap", &host), ("file", &file), ("gpu", &on_gpu)] {
+                let got = src.gather_rows_to(gpu, &rows)?;
+                assert!(matches!(got.paths(), [TransferPath::GatherKernel]), "{what}: {:?}", got.paths());
+                let got = got.wait()?;
+                assert_eq!(got.device(), gpu);
+                assert_eq!(got.to_bytes()?, expected, "{dtype:?} {what} n={n}");
+            }
+        }
+        let e = file.gather_rows_to(gpu, &[1000]).unwrap_err();
+        assert!(matches!(e, Error::IndexOutOfRange { .. }), "{e}");
+    }
+    // Several leaves in one launch.
+    let a = pattern(DType::F32, &[50, 3], 11)?;
+    let b = pattern(DType::U8, &[50, 697], 12)?;
+    let outs = Tensor::gather_rows_to_many(&[a.clone(), b.clone()], gpu, &[49, 0, 7])?.wait()?;
+    assert_eq!(outs[0].to_bytes()?, a.gather_rows(&[49, 0, 7])?.to_bytes()?);
+    assert_eq!(outs[1].to_bytes()?, b.gather_rows(&[49, 0, 7])?.to_bytes()?);
+    Ok(())
+}
+
+#[test]
+fn managed_tensors_move_without_copying_and_copy_when_asked() -> Result<()> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let mut t = Tensor::zeros([256, 16], DType::F32, &Location::Managed(gpu))?;
+    assert_eq!((t.device(), t.storage().kind()), (gpu, StorageKind::Managed));
+    // On the GPU the host may not touch it; moved to the host, it may.
+    assert!(matches!(t.as_mut_slice::<f32>().map(drop), Err(Error::WrongDevice { .. })));
+    let mut host = t.to_with(Device::Cpu, &ToOptions::new())?;
+    assert_eq!(host.paths(), [TransferPath::Moved]);
+    let mut on_host = host.wait()?;
+    assert!(on_host.shares_storage_with(&t));
+    on_host.as_mut_slice::<f32>()?.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32);
+    t = on_host.to(gpu)?;
+    assert_eq!(t.device(), gpu);
+    host = t.to_with(Device::Cpu, &ToOptions::new().copy(true))?;
+    assert_eq!(host.paths(), [TransferPath::Pinned]);
+    let copy = host.wait()?;
+    assert!(!copy.shares_storage_with(&t));
+    assert_eq!(copy.to_vec::<f32>()?, (0..4096).map(|i| i as f32).collect::<Vec<_>>());
+    t.prefetch(Device::Cpu)?.wait()?;
+    for advice in [
+        ManagedAdvice::ReadMostly,
+        ManagedAdvice::UnsetReadMostly,
+        ManagedAdvice::PreferredLocation(gpu),
+        ManagedAdvice::UnsetPreferredLocation,
+        ManagedAdvice::AccessedBy(gpu),
+        ManagedAdvice::UnsetAccessedBy(gpu),
+    ] {
+        t.advise_managed(advice)?;
+    }
+    let heap = pattern(DType::U8, &[4], 1)?;
+    assert!(matches!(heap.prefetch(gpu).map(drop), Err(Error::NotManaged { .. })));
+    // A freed managed block is reused.
+    let len = t.nbytes();
+    drop((t, on_host, copy));
+    let info = memmap_tensor::cuda::memory_info(gpu)?;
+    assert!(info.cached >= len, "{info:?}");
+    let again = Tensor::zeros([256, 16], DType::F32, &Location::Managed(gpu))?;
+    assert!(memmap_tensor::cuda::memory_info(gpu)?.cached < info.cached);
+    drop(again);
+    memmap_tensor::cuda::empty_cache(gpu)?;
+    assert_eq!(memmap_tensor::cuda::memory_info(gpu)?.cached, 0);
+    Ok(())
+}
+
+#[test]
+fn out_of_memory_and_missing_devices_are_errors() -> Result<()> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let info = memmap_tensor::cuda::memory_info(gpu)?;
+    let too_much = info.total + (1 << 30);
+    for location in [Location::Cuda(0), Location::Managed(gpu)] {
+        match Tensor::zeros([too_much], DType::U8, &location) {
+            Err(Error::DeviceOutOfMemory { needed, .. }) => assert!(needed >= too_much),
+            other => panic!("{location:?}: expected DeviceOutOfMemory, got {:?}", other.map(|t| t.nbytes())),
+        }
+    }
+    // Nothing leaked: what is free is what was free, give or take other processes.
+    let after = memmap_tensor::cuda::memory_info(gpu)?;
+    assert!(after.free + (64 << 20) >= info.free, "{info:?} then {after:?}");
+    let count = Device::cuda_available()?;
+    let e = Tensor::zeros([4], DType::U8, &Location::Cuda(count)).unwrap_err();
+    assert!(matches!(e, Error::NoSuchDevice { ordinal, .. } if ordinal == count), "{e}");
+    let e = pattern(DType::U8, &[4], 1)?.to(Device::Cuda(count + 5)).unwrap_err();
+    assert!(matches!(e, Error::NoSuchDevice { .. }), "{e}");
+    Ok(())
+}
+
+#[test]
+fn concurrent_moves_and_gathers_from_many_threads() -> Result<()> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let host = Arc::new(pattern(DType::U8, &[2000, 697], 13)?);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..8u64)
+            .map(|k| {
+                let host = Arc::clone(&host);
+                s.spawn(move || -> Result<()> {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(k);
+                    for _ in 0..20 {
+                        let rows: Vec<i64> = (0..256).map(|_| rng.random_range(0..2000)).collect();
+                        let got = host.gather_rows_to(gpu, &rows)?.wait()?;
+                        assert_eq!(got.to_bytes()?, host.gather_rows(&rows)?.to_bytes()?);
+                        let moved = host.narrow(0, k as usize * 100, 100)?.to(gpu)?;
+                        assert_eq!(moved.to_bytes()?, host.narrow(0, k as usize * 100, 100)?.to_bytes()?);
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        workers.into_iter().try_for_each(|w| w.join().expect("a worker panicked"))
+    })
+}
+
+/// A process killed while it holds registered, pinned, managed and device memory leaves
+/// nothing that stops the next one.
+#[test]
+fn a_process_killed_holding_gpu_memory_does_not_stop_the_next() -> Result<()> {
+    if std::env::var_os("TDICT_CUDA_CHILD").is_some() {
+        let gpu = Device::Cuda(0);
+        let dir = std::env::var("TDICT_CUDA_CHILD").unwrap();
+        let file = Tensor::zeros([1 << 20], DType::U8, &Location::File(format!("{dir}/held").into()))?;
+        file.register()?;
+        let _pinned = Tensor::zeros([1 << 20], DType::U8, &Location::Pinned)?;
+        let _managed = Tensor::zeros([1 << 20], DType::U8, &Location::Managed(gpu))?;
+        let _device = file.to(gpu)?;
+        println!("holding");
+        std::thread::sleep(std::time::Duration::from_secs(600));
+        return Ok(());
+    }
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let dir = tempfile::tempdir().unwrap();
+    for _ in 0..2 {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "a_process_killed_holding_gpu_memory_does_not_stop_the_next", "--nocapture"])
+            .env("TDICT_CUDA_CHILD", dir.path())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.contains("holding") {
+            line.clear();
+            assert!(std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0, "the child ended before holding");
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    // The same file registers again, and the GPU works.
+    let file = Tensor::open_file(dir.path().join("held"), DType::U8, [1 << 20], Access::ReadOnly)?;
+    file.register()?;
+    assert_eq!(file.to(gpu)?.to_bytes()?, file.to_bytes()?);
+    Ok(())
+}
