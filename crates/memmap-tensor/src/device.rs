@@ -23,7 +23,7 @@ use crate::{Error, Result, cuda};
 /// if let Err(why) = Device::cuda_available() {
 ///     println!("no GPU here: {why}");
 /// }
-/// # Ok::<(), memmap_tensor::Error>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Device {

@@ -769,7 +769,7 @@ mod tests {
         for len in [0, 1, 63, 64, 4097] {
             let s = Storage::heap(len).unwrap();
             assert_eq!(s.base_ptr() as usize % HEAP_ALIGN, 0);
-            let _guard = s.read();
+            let _guard = s.read("test").unwrap();
             // SAFETY: the read lock is held and the range is within `len`.
             let bytes = unsafe { std::slice::from_raw_parts(s.base_ptr(), len) };
             assert!(bytes.iter().all(|&b| b == 0));

@@ -440,7 +440,9 @@ impl Tensor {
     }
 
     /// Copies `src` into this tensor element by element (same shape and dtype). Any layouts;
-    /// if both view the same storage the source is copied aside first.
+    /// if both view the same storage the source is copied aside first. A source on a GPU is
+    /// brought to the host first (so a GPU dict can be written to a folder or shared memory);
+    /// this tensor must be on the host.
     pub fn copy_from(&mut self, src: &Tensor) -> Result<()> {
         self.copy_from_as("copy_from", src)
     }
@@ -448,6 +450,10 @@ impl Tensor {
     /// [`Tensor::copy_from`], reporting errors as operation `op`.
     pub(crate) fn copy_from_as(&mut self, op: &'static str, src: &Tensor) -> Result<()> {
         self.check_same_kind(op, src, self.shape())?;
+        self.on_host(op)?;
+        if !src.device.is_cpu() {
+            return self.copy_from_as(op, &src.to(Device::Cpu)?);
+        }
         if self.shares_storage_with(src) {
             return self.copy_from_as(op, &src.deep_clone()?);
         }

@@ -31,6 +31,7 @@
 
 mod backing;
 mod batch;
+mod device;
 mod dict;
 mod dir;
 mod direct;

@@ -195,8 +195,15 @@ impl<T> Transfer<T> {
 
     /// Waits until the GPU has done the work, then gives the result.
     pub fn wait(mut self) -> Result<T> {
-        self.synchronize()?;
+        self.wait_pending()?;
         Ok(self.value.take().expect("a transfer's value is taken only here or in map"))
+    }
+
+    /// Waits until the GPU has done the work, keeping the transfer (and what it says of its
+    /// [`paths`](Transfer::paths)): what a synchronous move returns.
+    pub fn synchronize(mut self) -> Result<Self> {
+        self.wait_pending()?;
+        Ok(self)
     }
 
     /// Whether the work is done (never blocks).
@@ -226,6 +233,24 @@ impl<T> Transfer<T> {
         }
     }
 
+    /// [`Transfer::map`] with a transform that may fail; on failure the transfer is dropped
+    /// (which waits for its work) and the error returned.
+    pub fn try_map<U, E>(
+        mut self,
+        f: impl FnOnce(T) -> std::result::Result<U, E>,
+    ) -> std::result::Result<Transfer<U>, E> {
+        let value = match self.value.take() {
+            Some(v) => Some(f(v)?),
+            None => None,
+        };
+        Ok(Transfer {
+            value,
+            pending: std::mem::take(&mut self.pending),
+            keep: std::mem::take(&mut self.keep),
+            paths: std::mem::take(&mut self.paths),
+        })
+    }
+
     /// Many transfers as one: their results in order, complete when all are.
     pub fn join(parts: impl IntoIterator<Item = Transfer<T>>) -> Transfer<Vec<T>> {
         let mut all = Transfer { value: Some(Vec::new()), pending: Vec::new(), keep: Vec::new(), paths: Vec::new() };
@@ -244,7 +269,7 @@ impl<T> Transfer<T> {
         all
     }
 
-    fn synchronize(&mut self) -> Result<()> {
+    fn wait_pending(&mut self) -> Result<()> {
         let mut first = Ok(());
         for e in self.pending.drain(..) {
             let r = e.wait();
@@ -262,7 +287,7 @@ impl<T> Drop for Transfer<T> {
         // What the copies read and write must outlive them: wait before `keep` and the value
         // (which may own the destination) are dropped. An error here was the copy's, and
         // nobody is left to take it.
-        let _ = self.synchronize();
+        let _ = self.wait_pending();
     }
 }
 

@@ -1,0 +1,120 @@
+//! Dicts on devices: [`TensorDict::to`], [`TensorDict::gather_to`] (see `memmap_tensor::cuda`
+//! for the paths the bytes take).
+
+use indexmap::IndexMap;
+use memmap_tensor::{Device, Tensor, ToOptions, Transfer};
+
+use crate::dict::map_stack;
+use crate::error::WithKey;
+use crate::{Entry, Error, KeyPath, Result, TensorDict};
+
+impl TensorDict {
+    /// The device every tensor of the dict is on, or `None` for a dict without tensors or
+    /// with tensors on several devices (as Python tensordict's `td.device`).
+    pub fn device(&self) -> Option<Device> {
+        let mut devices = self.leaves().into_iter().map(|(_, t)| t.device());
+        let first = devices.next()?;
+        devices.all(|d| d == first).then_some(first)
+    }
+
+    /// The dict with every tensor on `device`, once all copies are complete (Python's
+    /// `td.to(device)`). Tensors already there are kept as they are; managed tensors move
+    /// without a copy. See [`Tensor::to_with`].
+    pub fn to(&self, device: Device) -> Result<TensorDict> {
+        self.to_with(device, &ToOptions::new())?.wait().with_key(KeyPath::default)
+    }
+
+    /// [`TensorDict::to`] with torch's options. Every leaf's copy is queued before any is
+    /// waited for, so they overlap; with `non_blocking` the [`Transfer`] is what to wait on,
+    /// and [`Transfer::paths`] says how the bytes went.
+    pub fn to_with(&self, device: Device, options: &ToOptions) -> Result<Transfer<TensorDict>> {
+        let queued = options.clone().non_blocking(true);
+        let mut transfers = Vec::new();
+        for (key, t) in self.leaves() {
+            transfers.push(t.to_with(device, &queued).with_key(|| key.clone())?);
+        }
+        let transfer = Transfer::join(transfers)
+            .try_map(|tensors| self.rebuild(tensors, None, &|_, _, v| Ok(Entry::NonTensorStack(v.clone()))))?;
+        if options.non_blocking { Ok(transfer) } else { transfer.synchronize().with_key(KeyPath::default) }
+    }
+
+    /// Rows `indices` of the first batch dim of every tensor, gathered into new memory of
+    /// `device` in one kernel launch for all leaves (see [`Tensor::gather_rows_to`]): the
+    /// learner's sample or the dataset's batch, straight into GPU memory. The dict's tensors
+    /// may be in files, shared memory, the heap or on the GPU; indices are checked before
+    /// anything runs. Non-tensor stacks are indexed on the host. On [`Device::Cpu`] this is
+    /// a host gather.
+    pub fn gather_to(&self, device: Device, indices: &[i64]) -> Result<Transfer<TensorDict>> {
+        if self.batch_dims() == 0 {
+            return Err(Error::InvalidArgument {
+                op: "gather_to",
+                detail: "the dict has no batch dim to gather rows of".into(),
+            });
+        }
+        let n = self.batch_size()[0];
+        let mut rows = Vec::with_capacity(indices.len());
+        for &i in indices {
+            let row = if i < 0 { i.checked_add(n as i64) } else { Some(i) };
+            match row {
+                Some(r) if (0..n as i64).contains(&r) => rows.push(r),
+                _ => {
+                    let e = memmap_tensor::Error::IndexOutOfRange { op: "gather_to", dim: 0, index: i, size: n };
+                    return Err(e).with_key(KeyPath::default);
+                }
+            }
+        }
+        let leaves: Vec<Tensor> = self.leaves().into_iter().map(|(_, t)| t.clone()).collect();
+        let gathered = Tensor::gather_rows_to_many(&leaves, device, &rows).with_key(KeyPath::default)?;
+        Ok(gathered.try_map(|tensors| {
+            self.rebuild(tensors, Some(rows.len()), &|batch, path, stack| {
+                map_stack(stack, batch, path, |positions| positions.gather_rows(&rows))
+            })
+        })?)
+    }
+
+    /// This dict's structure over new tensors (in `leaves()` order), with dim 0 of every batch
+    /// size set to `batch0` if given, and the non-tensor stacks made by `stack` (which gets the
+    /// old batch size).
+    fn rebuild(
+        &self,
+        tensors: Vec<Tensor>,
+        batch0: Option<usize>,
+        stack: &dyn Fn(&[usize], &KeyPath, &serde_json::Value) -> Result<Entry>,
+    ) -> Result<TensorDict> {
+        self.rebuild_node(&KeyPath::default(), &mut tensors.into_iter(), batch0, stack)
+    }
+
+    fn rebuild_node(
+        &self,
+        prefix: &KeyPath,
+        next: &mut impl Iterator<Item = Tensor>,
+        batch0: Option<usize>,
+        stack: &dyn Fn(&[usize], &KeyPath, &serde_json::Value) -> Result<Entry>,
+    ) -> Result<TensorDict> {
+        let mut entries = IndexMap::with_capacity(self.len());
+        for (name, entry) in self.iter() {
+            let path = prefix.join(name);
+            let value = match entry {
+                Entry::Tensor(_) => Entry::Tensor(next.next().expect("one new tensor per leaf, in leaves() order")),
+                Entry::Dict(d) => Entry::Dict(d.rebuild_node(&path, next, batch0, stack)?),
+                Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
+                Entry::NonTensorStack(v) => stack(self.batch_size(), &path, v)?,
+            };
+            entries.insert(name.to_owned(), value);
+        }
+        let mut batch = self.batch_size().to_vec();
+        if let (Some(n), Some(first)) = (batch0, batch.first_mut()) {
+            *first = n;
+        }
+        Ok(TensorDict::from_parts(batch, entries))
+    }
+
+    /// Registers every tensor's storage with the CUDA driver for as long as it lives (see
+    /// [`Tensor::register`]): a dataset or buffer moved or sampled to the GPU again and again.
+    pub fn register(&self) -> Result<()> {
+        for (key, t) in self.leaves() {
+            t.register().with_key(|| key.clone())?;
+        }
+        Ok(())
+    }
+}
