@@ -584,6 +584,17 @@ impl ReplayBuffer {
         Ok((out, info))
     }
 
+    /// Like [`ReplayBuffer::sample`], the rows gathered straight into new memory of `device`:
+    /// for a GPU, one kernel launch reads them from the storage's mapping (registered with the
+    /// driver on first use and for as long as the storage lives) into device memory, with no
+    /// copy on the host. The rows stay pinned (no writer reuses them) until the copy is done.
+    pub fn sample_to(&self, device: memmap_tensor::Device, batch_size: usize) -> Result<(TensorDict, SampleInfo)> {
+        let storage = self.storage.get().ok_or(Error::Empty)?;
+        let info = self.draw(batch_size, self.limiter_timeout(), "sample_to")?;
+        let out = self.with_pins(&info.indices, || storage.gather_to(device, &info.indices))?;
+        Ok((out, info))
+    }
+
     /// Like [`ReplayBuffer::sample`], gathering into `out`, a caller-owned dict with the
     /// storage's keys and dtypes and `batch_size` rows. If the sampler returns fewer rows, the
     /// first rows of `out` are filled and the info says how many.

@@ -320,6 +320,25 @@ impl RemoteBuffer {
         })
     }
 
+    /// Like [`RemoteBuffer::sample`], the rows gathered straight into new memory of `device`
+    /// while the lease holds them: a learner's batch in GPU memory, read by one kernel launch
+    /// from the service's shared memory or folder mapping. (On a shared filesystem the rows
+    /// are read with explicit I/O, then moved.)
+    pub fn sample_to(
+        &self,
+        device: memmap_tensor::Device,
+        batch_size: usize,
+        wait: Option<Duration>,
+    ) -> Result<(TensorDict, SampleInfo)> {
+        self.sample_with(batch_size, wait, |rows| match &self.shared_filesystem {
+            Some(engine) => {
+                let read = self.files(None)?.read_rows(engine, rows, self.read_mode)?;
+                read.to(device).op("sample_to")
+            }
+            None => self.readable()?.gather_to(device, rows),
+        })
+    }
+
     /// Like [`RemoteBuffer::sample`], gathering into `out` (the storage's keys and dtypes,
     /// `batch_size` rows). If the sampler returns fewer rows (the end of an epoch without
     /// replacement), the first rows of `out` are filled and the info says how many.

@@ -231,6 +231,17 @@ impl Storage {
         self.td.index(Index::List(to_i64(rows))).op("gather rows")
     }
 
+    /// Rows `rows` gathered into new memory of `device` (one kernel launch reading the
+    /// storage's mapping, for a GPU), complete when this returns. See
+    /// [`TensorDict::gather_to`].
+    pub fn gather_to(&self, device: memmap_tensor::Device, rows: &[usize]) -> Result<TensorDict> {
+        let transfer = self.td.gather_to(device, &to_i64(rows)).op("gather rows")?;
+        transfer
+            .wait()
+            .map_err(|source| tensordict::Error::Tensor { key: KeyPath::default(), source })
+            .op("gather rows")
+    }
+
     /// Rows `rows` gathered into `out`, whose tensors must have the storage's keys and dtypes
     /// and shapes `[rows.len(), row dims...]`.
     pub fn gather_into(&self, rows: &[usize], out: &mut TensorDict) -> Result<()> {
