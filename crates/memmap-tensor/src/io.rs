@@ -15,18 +15,19 @@ pub struct TensorBuf {
     len: usize,
 }
 
-// SAFETY: the pointer is into the heap storage owned (exclusively, see `Tensor::into_io_buf`)
+// SAFETY: the pointer is into the heap or pinned storage owned (exclusively, see `Tensor::into_io_buf`)
 // by the tensor held alongside it.
 unsafe impl Send for TensorBuf {}
 
 impl Tensor {
-    /// This tensor as an I/O buffer. It must be contiguous, live on the heap, and be the only
+    /// This tensor as an I/O buffer. It must be contiguous, live on the heap (or in pinned
+    /// memory, which the GPU offload uses), and be the only
     /// handle on its storage (no clone or view of it alive), because the engine reads or writes
     /// its bytes while nothing else may.
     pub fn into_io_buf(self) -> Result<TensorBuf> {
         const OP: &str = "into_io_buf";
-        if self.storage().kind() != StorageKind::Heap {
-            return Err(Error::NotExclusive { op: OP, reason: "only heap tensors can be I/O buffers" });
+        if !matches!(self.storage().kind(), StorageKind::Heap | StorageKind::Pinned) {
+            return Err(Error::NotExclusive { op: OP, reason: "only heap and pinned tensors can be I/O buffers" });
         }
         if !self.is_contiguous() {
             return Err(Error::NotContiguous {
@@ -52,17 +53,17 @@ impl TensorBuf {
 
     /// The tensor's bytes, to fill in place (rows copied straight into a new tensor).
     pub fn as_mut_bytes(&mut self) -> &mut [u8] {
-        // SAFETY: `ptr` points to the tensor's `len` initialised bytes of heap storage that
+        // SAFETY: `ptr` points to the tensor's `len` initialised bytes of heap or pinned storage that
         // this value holds the only handle on (see the `IoBuf` impl), and the borrow of `self`
         // keeps any other access away for the slice's lifetime.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
 
-// SAFETY: `ptr` points to the tensor's `len` bytes inside a heap allocation owned by the
+// SAFETY: `ptr` points to the tensor's `len` bytes inside a heap or pinned allocation owned by the
 // storage, which this value holds the only handle on (checked in `into_io_buf`; `TensorBuf`
 // gives out no other handle), so the memory stays put when the value moves and nothing else
-// touches it. Heap storage is always initialised (zeroed, or written in full before use).
+// touches it. Heap and pinned storage are always initialised (zeroed, or written in full before use).
 unsafe impl IoBuf for TensorBuf {
     fn stable_ptr(&self) -> *const u8 {
         self.ptr
@@ -75,7 +76,7 @@ unsafe impl IoBuf for TensorBuf {
     }
 }
 
-// SAFETY: as above; heap storage is writable and every byte stays initialised.
+// SAFETY: as above; heap and pinned storage are writable and every byte stays initialised.
 unsafe impl IoBufMut for TensorBuf {
     fn stable_mut_ptr(&mut self) -> *mut u8 {
         self.ptr

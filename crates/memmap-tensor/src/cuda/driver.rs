@@ -588,9 +588,8 @@ pub(crate) fn alloc_storage(location: &Location, len: usize, zeroed: bool) -> Re
         }
         Location::Managed(device) => {
             let Device::Cuda(_) = device else {
-                return Err(Error::CudaUnavailable {
-                    reason: "managed memory belongs to a CUDA device: use Location::Managed(Device::Cuda(n))".into(),
-                });
+                // Managed memory is allocated by (and first placed on) a GPU.
+                return Err(Error::WrongDevice { op: "managed memory", device: *device });
             };
             let gpu = gpu(*device)?;
             let mem = alloc_managed(&gpu, len)?;
@@ -697,12 +696,22 @@ impl Span<'_> {
 
 type Keep = Vec<Box<dyn Any + Send + Sync>>;
 
-/// Copies a contiguous tensor `src` into a new contiguous tensor at `location`, where one of
-/// the two is on or for a GPU.
+/// Copies a tensor into a new contiguous tensor at `location`, where one of the two is on or
+/// for a GPU.
 pub(crate) fn copy_to(src: &Tensor, location: &Location, options: &ToOptions) -> Result<Transfer<Tensor>> {
     let src = contiguous_for_copy(src)?;
-    let len = src.nbytes();
     let dst = Tensor::empty_at(src.shape(), src.dtype(), location)?;
+    let copied = copy_into(&src, &dst)?;
+    let path = copied.paths()[0];
+    let transfer = copied.map(|()| dst);
+    if options.non_blocking { Ok(transfer) } else { transfer.wait().map(|t| Transfer::ready(t, path)) }
+}
+
+/// Queues a copy of the contiguous tensor `src` into the contiguous tensor `dst` (as many
+/// bytes, the memory of one of them the driver's), on a stream of the GPU involved.
+pub(crate) fn copy_into(src: &Tensor, dst: &Tensor) -> Result<Transfer<()>> {
+    debug_assert!(src.is_contiguous() && dst.is_contiguous() && src.nbytes() == dst.nbytes());
+    let len = src.nbytes();
     // The GPU that runs the copy: the destination's, else the source's.
     let runner = match (dst.storage().memory(), src.storage().memory()) {
         (Some(m), _) if m.device().is_cuda() => Arc::clone(m.gpu()),
@@ -727,8 +736,7 @@ pub(crate) fn copy_to(src: &Tensor, location: &Location, options: &ToOptions) ->
         (None, None) => unreachable!("see `runner`"),
     };
     let event = stream.record()?;
-    let transfer = Transfer::pending(dst, path, vec![event], keep);
-    if options.non_blocking { Ok(transfer) } else { transfer.wait().map(|t| Transfer::ready(t, path)) }
+    Ok(Transfer::pending((), path, vec![event], keep))
 }
 
 /// A contiguous tensor with the same elements: the tensor itself, a host copy of a strided
@@ -1116,7 +1124,7 @@ pub(crate) fn gather_rows_to(sources: &[Tensor], rows: &[i64], device: Device) -
                 // Where the driver cannot reach the source: the rows on the host, then up.
                 staged = true;
                 let rows_here = src.gather_rows(rows)?;
-                let up = copy_to(&rows_here, &Location::Pinned, &ToOptions::new())?.wait()?;
+                let up = rows_here.copy_to(&Location::Pinned, &ToOptions::new())?.wait()?;
                 let from = up.storage().memory().map_or(0, Memory::device_ptr);
                 let to = out.storage().memory().map_or(0, Memory::device_ptr);
                 // SAFETY: `up` (pinned, held by `keep`) and `out` both hold `out.nbytes()` bytes.

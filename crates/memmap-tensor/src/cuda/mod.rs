@@ -48,7 +48,9 @@ pub const MOVE_PIECE_BYTES: usize = 256 << 20;
 #[non_exhaustive]
 pub struct ToOptions {
     /// Return before the copy is complete: the [`Transfer`] is what to wait on. Default false:
-    /// the move synchronizes.
+    /// the move synchronizes. As with torch, the source must not be written until the
+    /// transfer is complete (the copy may see the old or the new bytes); the transfer keeps it
+    /// alive until then.
     pub non_blocking: bool,
     /// Copy even where a move would do (a tensor already on the device, or in managed memory
     /// that would otherwise only change its device), as the unified-memory proposal's `copy`.

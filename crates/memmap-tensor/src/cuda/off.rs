@@ -64,6 +64,10 @@ pub(crate) fn copy_to(_: &Tensor, _: &Location, _: &ToOptions) -> Result<Transfe
     unavailable()
 }
 
+pub(crate) fn copy_into(_: &Tensor, _: &Tensor) -> Result<Transfer<()>> {
+    unavailable()
+}
+
 pub(crate) fn prefetch(_: &Tensor, _: Device) -> Result<Transfer<()>> {
     unavailable()
 }
