@@ -128,6 +128,33 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// GPU paths: pinned memory to the GPU (the limit), a memmap folder moved once and again
+    /// once registered, gathers of 256 and 1024 random 697-byte rows into GPU memory (p50 and
+    /// p99), managed-memory prefetch, and GPU offload to disk and back (compare with
+    /// tools/python/bench_torch_cuda.py). Needs the `cuda` feature and a driver.
+    Cuda {
+        /// The GPU.
+        #[arg(long, default_value = "cuda:0")]
+        device: memmap_tensor::Device,
+        /// Bytes of the memmap folder (suffixes K, M, G: powers of 1024).
+        #[arg(long, default_value = "4G", value_parser = parse_size)]
+        size: u64,
+        /// Bytes of the GPU tensor offloaded to disk and restored.
+        #[arg(long, default_value = "1G", value_parser = parse_size)]
+        offload_size: u64,
+        /// Timed repetitions of each move (medians).
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=1000))]
+        reps: u64,
+        /// Random batches timed per gather size.
+        #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..=MAX_ITERS))]
+        batches: u64,
+        /// Where the folder and the offload file go (default: a temporary folder).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Sequential write, then read, of one file through the I/O engine (compare with fio).
     Io {
         /// The file to write (created or overwritten).
@@ -171,6 +198,18 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         }
         BenchCommand::Replay { rows, iters, json } => crate::bench_replay::run(rows, iters, json),
         BenchCommand::Load { path, iters, cold, json } => load(&path, usize::try_from(iters)?, cold, json),
+        BenchCommand::Cuda { device, size, offload_size, reps, batches, dir, json } => {
+            let opts = crate::bench_cuda::Options {
+                device,
+                size,
+                offload_size,
+                reps: usize::try_from(reps)?,
+                batches: usize::try_from(batches)?,
+                dir,
+                json,
+            };
+            crate::bench_cuda::run(&opts)
+        }
         BenchCommand::Io { file, size, bs, qd, direct, json } => {
             io(&file, size, bs, usize::try_from(qd)?, direct, json)
         }
@@ -502,7 +541,7 @@ fn parse_block_size(s: &str) -> Result<u64, String> {
     Ok(bs)
 }
 
-fn round(x: f64) -> f64 {
+pub(crate) fn round(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 

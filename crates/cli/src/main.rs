@@ -16,6 +16,7 @@ macro_rules! out {
 pub(crate) use out;
 
 mod bench;
+mod bench_cuda;
 mod bench_replay;
 mod bench_replay_remote;
 mod bench_rpc;

@@ -199,3 +199,50 @@ fn bench_gather_refuses_zero_batch_or_iters() {
         assert!(run.stderr.contains(flag), "the message names {flag}:\n{run}");
     }
 }
+
+/// `bench cuda` measures on a GPU; without one it says why in one line and measures nothing
+/// (the JSON keys are checked where a driver is: README, "GPU").
+#[test]
+fn bench_cuda_says_why_without_a_gpu_or_prints_its_keys() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_str().unwrap();
+    let run = tdict([
+        "bench",
+        "cuda",
+        "--size",
+        "4M",
+        "--offload-size",
+        "1M",
+        "--reps",
+        "1",
+        "--batches",
+        "10",
+        "--dir",
+        dir,
+        "--json",
+    ]);
+    run.assert_no_panic();
+    if run.stderr.contains("CUDA is not available") {
+        let line = run.one_line_error();
+        assert!(line.contains("CUDA is not available: "), "{run}");
+        return;
+    }
+    let out = run.json();
+    for key in [
+        "pinned_limit_gbps",
+        "to_device_gbps",
+        "registered_gbps",
+        "managed_prefetch_gbps",
+        "offload_gbps",
+        "restore_gbps",
+    ] {
+        assert!(out[key].as_f64().is_some_and(|x| x > 0.0), "{key}:\n{run}");
+    }
+    for key in ["gather_256_us", "gather_1024_us"] {
+        assert!(out[key]["p50"].as_f64().is_some_and(|x| x > 0.0), "{key}:\n{run}");
+    }
+    for bad in [["--size", "1K"], ["--device", "cpu"]] {
+        let refused = tdict(["bench", "cuda", bad[0], bad[1], "--dir", dir]);
+        refused.one_line_error();
+    }
+}
