@@ -322,15 +322,14 @@ pub enum Error {
         count: usize,
     },
     /// A CUDA driver call failed.
-    #[error("{op} on {device}: {name}: {message}")]
+    #[error("{op} on {device}: {message}")]
     Cuda {
-        /// What was being done (`cuMemcpyAsync`, `register`, ...).
+        /// What was being done (`cuMemcpyAsync`, `cuMemHostRegister`, ...).
         op: &'static str,
         /// The device it was done on.
         device: crate::Device,
-        /// The driver's error name (`CUDA_ERROR_ILLEGAL_ADDRESS`).
-        name: String,
-        /// The driver's description of it.
+        /// The driver's error name and description (`CUDA_ERROR_ILLEGAL_ADDRESS: an illegal
+        /// memory access was encountered`).
         message: String,
     },
     /// Not enough free memory on a device (or, for pinned memory, pinnable host memory).

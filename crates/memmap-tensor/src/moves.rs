@@ -107,8 +107,9 @@ impl Tensor {
             }
             size = Some(n);
         }
-        let n = size.unwrap_or(0);
-        rows.extend(indices.iter().map(|&i| if i < 0 { i + n as i64 } else { i }));
+        // Sizes of mapped tensors fit in i64 (they are below isize::MAX bytes).
+        let n = i64::try_from(size.unwrap_or(0)).unwrap_or(i64::MAX);
+        rows.extend(indices.iter().map(|&i| if i < 0 { i + n } else { i }));
         if device.is_cpu() {
             let out = sources.iter().map(|t| t.to(Device::Cpu)?.gather_rows(&rows)).collect::<Result<Vec<_>>>()?;
             return Ok(Transfer::ready(out, TransferPath::Host));

@@ -5,14 +5,6 @@
 //! A tensor is written in chunks through [`aio::Offloader`], several in flight at once: for a
 //! GPU tensor, the copy of the next chunk into pinned memory overlaps the disk writes of the
 //! ones before; a restore reads chunks ahead while earlier ones are copied up.
-//!
-//! # Crash safety
-//!
-//! The chunks of each offload go under keys of their own, new each time (a random generation);
-//! a small manifest under the key itself names the generation, dtype and shape, and is written
-//! last, with the offloader's index saved durably. A crash at any point leaves the key with its
-//! old tensor (old manifest, old chunks intact) or its new one, never a mix; the chunks of an
-//! unfinished offload are unreferenced space, reused once the offloader forgets them.
 
 use std::sync::mpsc;
 
@@ -30,7 +22,17 @@ const SEP: char = '\u{1f}';
 const MAGIC: &[u8; 8] = b"TDOFF\x001\n";
 
 /// Tensors offloaded to one file under string keys, from the host or a GPU, and restored to
-/// either (see the [module docs](self) for the pipeline and the crash safety).
+/// either. Chunks go through [`aio::Offloader`], several in flight at once; for a GPU tensor
+/// the copy of the next chunk into pinned memory overlaps the disk writes of those before.
+///
+/// # Crash safety
+///
+/// The chunks of each offload go under keys of their own, new each time (a random generation);
+/// a small manifest under the key itself names the generation, dtype and shape, and is written
+/// last, with the offloader's index saved durably. A crash at any point leaves the key with its
+/// old tensor (old manifest, old chunks intact) or its new one, never a mix. Chunks no manifest
+/// names (those of an offload a crash cut short, if an index save caught them) are removed when
+/// the file is opened again, and their space reused.
 ///
 /// ```
 /// use memmap_tensor::{Device, Tensor, TensorOffloader};
@@ -67,7 +69,28 @@ impl TensorOffloader {
             path: path.into(),
             source,
         })?;
-        Ok(TensorOffloader { files, chunk: OFFLOAD_CHUNK_BYTES })
+        let off = TensorOffloader { files, chunk: OFFLOAD_CHUNK_BYTES };
+        off.remove_orphans();
+        Ok(off)
+    }
+
+    /// Removes the chunks that no manifest names: those of offloads a crash cut short. Chunks
+    /// of a key whose manifest cannot be read are kept (a read error is no proof).
+    fn remove_orphans(&self) {
+        let mut generations: std::collections::HashMap<String, Option<Option<String>>> =
+            std::collections::HashMap::new();
+        for chunk in self.files.keys().into_iter().filter(|k| k.contains(SEP)) {
+            let mut parts = chunk.split(SEP);
+            let (Some(key), Some(generation)) = (parts.next(), parts.next()) else { continue };
+            let current = generations
+                .entry(key.to_owned())
+                .or_insert_with(|| self.manifest(key).ok().map(|m| m.map(|m| format!("{:016x}", m.generation))));
+            if let Some(current) = current
+                && current.as_deref() != Some(generation)
+            {
+                self.files.remove(&chunk);
+            }
+        }
     }
 
     /// Over an offloader opened already.
@@ -112,7 +135,7 @@ impl TensorOffloader {
         .with_device(t.device());
         // Pinned staging for a GPU tensor, heap for a host one.
         let staging = if t.device().is_cpu() { Location::Heap } else { Location::Pinned };
-        let written = self.pipeline(chunks, &staging, |i, buf| {
+        let written = self.pipeline(key, chunks, &staging, |i, buf| {
             let (start, len) = (i * self.chunk, self.chunk.min(t.nbytes() - i * self.chunk));
             let mut part = buf.narrow(0, 0, len)?;
             copy_bytes(&bytes.narrow(0, start, len)?, &mut part)?;
@@ -126,7 +149,7 @@ impl TensorOffloader {
         }
         let manifest = Manifest { generation, dtype: t.dtype(), shape: t.dims().to_vec(), chunk: self.chunk };
         let (saved, _) = self.files.sync_write(key, manifest.encode());
-        saved.map_err(|e| self.io_error("save the manifest of", key, e))?;
+        saved.map_err(|e| self.io_error("save the manifest of", key, &e))?;
         if let Some(old) = old.filter(|old| old.generation != generation) {
             for i in 0..old.chunks() {
                 self.files.remove(&chunk_key(key, old.generation, i));
@@ -195,7 +218,7 @@ impl TensorOffloader {
         let Some(len) = self.files.len_of(key) else { return Ok(None) };
         let len = usize::try_from(len).unwrap_or(usize::MAX).min(1 << 20);
         let (read, buf) = self.files.sync_read(key, Vec::with_capacity(len));
-        read.map_err(|e| self.io_error("read the manifest of", key, e))?;
+        read.map_err(|e| self.io_error("read the manifest of", key, &e))?;
         Manifest::decode(&buf).map(Some).ok_or_else(|| Error::FileIo {
             op: "restore",
             path: self.files.path().into(),
@@ -203,7 +226,7 @@ impl TensorOffloader {
         })
     }
 
-    fn io_error(&self, what: &str, key: &str, e: std::io::Error) -> Error {
+    fn io_error(&self, what: &str, key: &str, e: &std::io::Error) -> Error {
         Error::FileIo {
             op: "offload",
             path: self.files.path().into(),
@@ -216,6 +239,7 @@ impl TensorOffloader {
     /// writes complete. The first error stops it (after the writes in flight complete).
     fn pipeline(
         &self,
+        key: &str,
         chunks: usize,
         staging: &Location,
         mut fill: impl FnMut(usize, &Tensor) -> Result<Step>,
@@ -238,11 +262,11 @@ impl TensorOffloader {
                     whole(b.into_tensor(), self.chunk)
                 }
             };
-            let Step::Write(key, part) = fill(i, &buf)?;
+            let Step::Write(chunk_key, part) = fill(i, &buf)?;
             drop(buf);
             let io = part.into_io_buf()?;
             let tx = tx.clone();
-            self.files.async_write(&key, io, move |r, b| {
+            self.files.async_write(&chunk_key, io, move |r, b| {
                 let _ = tx.send((r, b));
             });
             in_flight += 1;
@@ -255,7 +279,7 @@ impl TensorOffloader {
             }
         }
         match first_error {
-            Some(e) => Err(self.io_error("write a chunk of", "offload", e)),
+            Some(e) => Err(self.io_error("write a chunk of", key, &e)),
             None => Ok(()),
         }
     }
@@ -317,7 +341,7 @@ impl TensorOffloader {
             in_flight -= 1;
         }
         match first_error {
-            Some(e) => Err(self.io_error("read a chunk of", key, e)),
+            Some(e) => Err(self.io_error("read a chunk of", key, &e)),
             None => Ok(()),
         }
     }

@@ -603,8 +603,9 @@ impl Storage {
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        // A registration must be undone while its region is still there.
-        drop(self.registered.take());
+        // A registration must be undone while its region is still there: replacing the cell
+        // drops it now.
+        self.registered = OnceLock::new();
         if let Backing::Heap { layout } = self.backing
             && layout.size() > 0
         {

@@ -89,7 +89,7 @@ fn copy_to_a_host_location_copies_views_contiguously() -> Result<()> {
 #[test]
 fn gathers_to_the_cpu_check_indices_like_host_gathers() -> Result<()> {
     let t = pattern(DType::U8, &[10, 7], 2)?;
-    let rows = Tensor::gather_rows_to_many(&[t.clone()], Device::Cpu, &[3, -1, 0])?.wait()?;
+    let rows = Tensor::gather_rows_to_many(std::slice::from_ref(&t), Device::Cpu, &[3, -1, 0])?.wait()?;
     assert_eq!(rows[0].to_bytes()?, t.gather_rows(&[3, 9, 0])?.to_bytes()?);
     let e = t.gather_rows_to(Device::Cpu, &[10]).unwrap_err();
     assert!(matches!(e, Error::IndexOutOfRange { .. }), "{e}");

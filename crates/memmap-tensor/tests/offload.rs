@@ -63,6 +63,15 @@ fn overwrites_removes_and_reopening_keep_exactly_the_last_tensor() -> Result<()>
     }
     let off = open(&dir)?;
     assert_eq!(off.restore("w", Device::Cpu)?.to_bytes()?, pattern(DType::U8, &[20_000], 2)?.to_bytes()?);
+    // Chunks no manifest names (a crash cut their offload short) go when the file is opened.
+    let (r, _) = off.files().sync_write("w\u{1f}00000000000000ff\u{1f}0", vec![1u8; 10]);
+    r.unwrap();
+    let (r, _) = off.files().sync_write("nobody\u{1f}0000000000000001\u{1f}3", vec![1u8; 10]);
+    r.unwrap();
+    drop(off);
+    let off = open(&dir)?;
+    assert_eq!(off.files().keys().len(), 1 + 20_000usize.div_ceil(4096), "{:?}", off.files().keys());
+    assert_eq!(off.restore("w", Device::Cpu)?.to_bytes()?, pattern(DType::U8, &[20_000], 2)?.to_bytes()?);
     Ok(())
 }
 

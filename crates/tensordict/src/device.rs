@@ -8,6 +8,9 @@ use crate::dict::map_stack;
 use crate::error::WithKey;
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
 
+/// Makes a non-tensor stack of the new dict from the old one's: its batch size, key and value.
+type StackFn<'a> = dyn Fn(&[usize], &KeyPath, &serde_json::Value) -> Result<Entry> + 'a;
+
 impl TensorDict {
     /// The device every tensor of the dict is on, or `None` for a dict without tensors or
     /// with tensors on several devices (as Python tensordict's `td.device`).
@@ -65,22 +68,17 @@ impl TensorDict {
         }
         let leaves: Vec<Tensor> = self.leaves().into_iter().map(|(_, t)| t.clone()).collect();
         let gathered = Tensor::gather_rows_to_many(&leaves, device, &rows).with_key(KeyPath::default)?;
-        Ok(gathered.try_map(|tensors| {
+        gathered.try_map(|tensors| {
             self.rebuild(tensors, Some(rows.len()), &|batch, path, stack| {
                 map_stack(stack, batch, path, |positions| positions.gather_rows(&rows))
             })
-        })?)
+        })
     }
 
     /// This dict's structure over new tensors (in `leaves()` order), with dim 0 of every batch
     /// size set to `batch0` if given, and the non-tensor stacks made by `stack` (which gets the
     /// old batch size).
-    fn rebuild(
-        &self,
-        tensors: Vec<Tensor>,
-        batch0: Option<usize>,
-        stack: &dyn Fn(&[usize], &KeyPath, &serde_json::Value) -> Result<Entry>,
-    ) -> Result<TensorDict> {
+    fn rebuild(&self, tensors: Vec<Tensor>, batch0: Option<usize>, stack: &StackFn<'_>) -> Result<TensorDict> {
         self.rebuild_node(&KeyPath::default(), &mut tensors.into_iter(), batch0, stack)
     }
 
@@ -89,7 +87,7 @@ impl TensorDict {
         prefix: &KeyPath,
         next: &mut impl Iterator<Item = Tensor>,
         batch0: Option<usize>,
-        stack: &dyn Fn(&[usize], &KeyPath, &serde_json::Value) -> Result<Entry>,
+        stack: &StackFn<'_>,
     ) -> Result<TensorDict> {
         let mut entries = IndexMap::with_capacity(self.len());
         for (name, entry) in self.iter() {

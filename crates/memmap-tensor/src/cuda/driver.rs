@@ -118,7 +118,7 @@ fn load() -> std::result::Result<Driver, String> {
     cudarc::driver::result::init().map_err(|e| format!("cuInit failed: {}", describe(e)))?;
     let mut version = 0;
     // SAFETY: the symbol exists (checked above); `version` is a valid out-pointer.
-    unsafe { sys::cuDriverGetVersion(&raw mut version) }.result().map_err(|e| describe(e))?;
+    unsafe { sys::cuDriverGetVersion(&raw mut version) }.result().map_err(describe)?;
     if version < MIN_DRIVER {
         return Err(format!(
             "the CUDA driver supports CUDA {}.{}; CUDA 12.4 or newer is needed",
@@ -126,7 +126,7 @@ fn load() -> std::result::Result<Driver, String> {
             version % 1000 / 10
         ));
     }
-    let count = cudarc::driver::result::device::get_count().map_err(|e| describe(e))?;
+    let count = cudarc::driver::result::device::get_count().map_err(describe)?;
     let count = usize::try_from(count).unwrap_or(0);
     if count == 0 {
         return Err("the CUDA driver reports no device".into());
@@ -188,9 +188,7 @@ impl Gpu {
     }
 
     fn error(&self, op: &'static str, e: DriverError) -> Error {
-        let name = e.error_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let message = e.error_string().map(|m| m.to_string_lossy().into_owned()).unwrap_or_default();
-        Error::Cuda { op, device: self.device, name, message }
+        Error::Cuda { op, device: self.device, message: describe(e) }
     }
 
     fn check(&self, op: &'static str, r: CUresult) -> Result<()> {
@@ -200,17 +198,16 @@ impl Gpu {
     /// A stream of the pool (a new one if all are taken), back in the pool when dropped.
     fn stream(self: &Arc<Self>) -> Result<StreamLease> {
         let pooled = self.streams.lock().unwrap_or_else(PoisonError::into_inner).pop();
-        let stream = match pooled {
-            Some(s) => s,
-            None => {
-                self.bind()?;
-                let mut raw = std::ptr::null_mut();
-                // SAFETY: the context is current; `raw` is a valid out-pointer.
-                self.check("cuStreamCreate", unsafe {
-                    sys::cuStreamCreate(&raw mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
-                })?;
-                Stream { gpu: Arc::clone(self), raw }
-            }
+        let stream = if let Some(s) = pooled {
+            s
+        } else {
+            self.bind()?;
+            let mut raw = std::ptr::null_mut();
+            // SAFETY: the context is current; `raw` is a valid out-pointer.
+            self.check("cuStreamCreate", unsafe {
+                sys::cuStreamCreate(&raw mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+            })?;
+            Stream { gpu: Arc::clone(self), raw }
         };
         Ok(StreamLease { stream: Some(stream) })
     }
@@ -221,7 +218,7 @@ impl Gpu {
     }
 
     fn out_of_memory(&self, op: &'static str, needed: usize) -> Error {
-        let free = self.free_bytes().map(|(free, _)| free).unwrap_or(0);
+        let free = self.free_bytes().map_or(0, |(free, _)| free);
         Error::DeviceOutOfMemory { op, device: self.device, needed, free }
     }
 
@@ -525,7 +522,7 @@ fn alloc_pinned(gpu: &Arc<Gpu>, len: usize) -> Result<PinnedMemory> {
         }
         other => gpu.check("cuMemHostAlloc", other)?,
     }
-    let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| Error::OutOfMemory { bytes: len })?;
+    let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(Error::OutOfMemory { bytes: len })?;
     let mut pinned = PinnedMemory { gpu: Arc::clone(gpu), ptr, device_ptr: 0, len };
     let mut device_ptr = 0;
     // SAFETY: `ptr` was allocated with DEVICEMAP just now; `device_ptr` is a valid out-pointer.
@@ -707,18 +704,23 @@ pub(crate) fn copy_to(src: &Tensor, location: &Location, options: &ToOptions) ->
     if options.non_blocking { Ok(transfer) } else { transfer.wait().map(|t| Transfer::ready(t, path)) }
 }
 
+fn on_gpu(m: Option<&Memory>) -> Option<&Memory> {
+    m.filter(|m| m.device().is_cuda())
+}
+
 /// Queues a copy of the contiguous tensor `src` into the contiguous tensor `dst` (as many
 /// bytes, the memory of one of them the driver's), on a stream of the GPU involved.
 pub(crate) fn copy_into(src: &Tensor, dst: &Tensor) -> Result<Transfer<()>> {
     debug_assert!(src.is_contiguous() && dst.is_contiguous() && src.nbytes() == dst.nbytes());
     let len = src.nbytes();
     // The GPU that runs the copy: the destination's, else the source's.
-    let runner = match (dst.storage().memory(), src.storage().memory()) {
-        (Some(m), _) if m.device().is_cuda() => Arc::clone(m.gpu()),
-        (_, Some(m)) if m.device().is_cuda() => Arc::clone(m.gpu()),
-        (Some(m), _) | (_, Some(m)) => Arc::clone(m.gpu()),
-        (None, None) => unreachable!("a copy with the GPU involved has driver memory on one side"),
-    };
+    let (d, s) = (dst.storage().memory(), src.storage().memory());
+    let runner = on_gpu(d)
+        .or(on_gpu(s))
+        .or(d)
+        .or(s)
+        .map(|m| Arc::clone(m.gpu()))
+        .expect("a copy with the GPU involved has driver memory on one side");
     let stream = runner.stream()?;
     let from = Span { storage: src.storage(), offset: src.byte_span().start };
     let to = Span { storage: dst.storage(), offset: dst.byte_span().start };

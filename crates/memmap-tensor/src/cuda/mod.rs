@@ -6,7 +6,7 @@
 //! [`Tensor::register`], [`Tensor::prefetch`], [`Tensor::advise_managed`]) and the types here.
 //! With the `cuda` feature the driver (`libcuda.so.1`) is loaded at run time, so building needs
 //! no CUDA toolkit; without a driver, or without the feature, every GPU operation is an
-//! [`Error::CudaUnavailable`] that says why, and everything on the host works as before.
+//! [`crate::Error::CudaUnavailable`] that says why, and everything on the host works as before.
 //!
 //! # Which path a move takes
 //!
@@ -46,6 +46,7 @@ pub const MOVE_PIECE_BYTES: usize = 256 << 20;
 /// tensordict name them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
+#[allow(clippy::struct_excessive_bools, reason = "torch's keyword arguments, each a yes or no")]
 pub struct ToOptions {
     /// Return before the copy is complete: the [`Transfer`] is what to wait on. Default false:
     /// the move synchronizes. As with torch, the source must not be written until the
@@ -196,6 +197,7 @@ impl<T> Transfer<T> {
     }
 
     /// Waits until the GPU has done the work, then gives the result.
+    #[allow(clippy::missing_panics_doc, reason = "the `expect` states an invariant: the value is taken once")]
     pub fn wait(mut self) -> Result<T> {
         self.wait_pending()?;
         Ok(self.value.take().expect("a transfer's value is taken only here or in map"))
@@ -295,7 +297,10 @@ impl<T> Drop for Transfer<T> {
 
 impl<T> std::fmt::Debug for Transfer<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Transfer").field("pending", &self.pending.len()).field("paths", &self.paths).finish()
+        f.debug_struct("Transfer")
+            .field("pending", &self.pending.len())
+            .field("paths", &self.paths)
+            .finish_non_exhaustive()
     }
 }
 
