@@ -165,6 +165,7 @@ pub(crate) struct Gpu {
     kernel: OnceLock<std::result::Result<Kernel, String>>,
     managed: Mutex<BTreeMap<usize, Vec<sys::CUdeviceptr>>>,
     staging: Mutex<Vec<PinnedMemory>>,
+    args: Mutex<Vec<PinnedMemory>>,
 }
 
 impl Gpu {
@@ -179,6 +180,7 @@ impl Gpu {
             kernel: OnceLock::new(),
             managed: Mutex::new(BTreeMap::new()),
             staging: Mutex::new(Vec::new()),
+            args: Mutex::new(Vec::new()),
         })
     }
 
@@ -697,10 +699,18 @@ type Keep = Vec<Box<dyn Any + Send + Sync>>;
 /// for a GPU.
 pub(crate) fn copy_to(src: &Tensor, location: &Location, options: &ToOptions) -> Result<Transfer<Tensor>> {
     let src = contiguous_for_copy(src)?;
-    let dst = Tensor::empty_at(src.shape(), src.dtype(), location)?;
-    let copied = copy_into(&src, &dst)?;
+    let copied = if let Location::Cuda(ordinal) = location {
+        // Device memory is allocated in the copy's own stream order: nothing waits for it.
+        let gpu = gpu(Device::Cuda(*ordinal))?;
+        let stream = gpu.stream()?;
+        let dst = device_tensor(&gpu, &stream, src.shape().dims(), src.dtype())?;
+        copy_on(&gpu, &stream, &src, &dst)?.map(|()| dst)
+    } else {
+        let dst = Tensor::empty_at(src.shape(), src.dtype(), location)?;
+        copy_into(&src, &dst)?.map(|()| dst)
+    };
     let path = copied.paths()[0];
-    let transfer = copied.map(|()| dst);
+    let transfer = copied;
     if options.non_blocking { Ok(transfer) } else { transfer.wait().map(|t| Transfer::ready(t, path)) }
 }
 
@@ -712,7 +722,6 @@ fn on_gpu(m: Option<&Memory>) -> Option<&Memory> {
 /// bytes, the memory of one of them the driver's), on a stream of the GPU involved.
 pub(crate) fn copy_into(src: &Tensor, dst: &Tensor) -> Result<Transfer<()>> {
     debug_assert!(src.is_contiguous() && dst.is_contiguous() && src.nbytes() == dst.nbytes());
-    let len = src.nbytes();
     // The GPU that runs the copy: the destination's, else the source's.
     let (d, s) = (dst.storage().memory(), src.storage().memory());
     let runner = on_gpu(d)
@@ -722,6 +731,21 @@ pub(crate) fn copy_into(src: &Tensor, dst: &Tensor) -> Result<Transfer<()>> {
         .map(|m| Arc::clone(m.gpu()))
         .expect("a copy with the GPU involved has driver memory on one side");
     let stream = runner.stream()?;
+    copy_on(&runner, &stream, src, dst)
+}
+
+/// A new contiguous tensor of device memory, allocated in `stream`'s order: usable by work
+/// queued on that stream, and by anything else once that work is waited for.
+fn device_tensor(gpu: &Arc<Gpu>, stream: &StreamLease, dims: &[usize], dtype: crate::DType) -> Result<Tensor> {
+    let layout = crate::Layout::contiguous(dims)?;
+    let len = layout.required_bytes(dtype.size_in_bytes())?;
+    let storage = Storage::from_memory(Memory::Device(alloc_device(gpu, stream, len)?));
+    Tensor::from_storage(Arc::new(storage), 0, dtype, layout)
+}
+
+/// [`copy_into`] on a given GPU's stream.
+fn copy_on(runner: &Arc<Gpu>, stream: &StreamLease, src: &Tensor, dst: &Tensor) -> Result<Transfer<()>> {
+    let len = src.nbytes();
     let from = Span { storage: src.storage(), offset: src.byte_span().start };
     let to = Span { storage: dst.storage(), offset: dst.byte_span().start };
     let mut keep: Keep = vec![Box::new(Arc::clone(src.storage())), Box::new(Arc::clone(dst.storage()))];
@@ -733,8 +757,8 @@ pub(crate) fn copy_into(src: &Tensor, dst: &Tensor) -> Result<Transfer<()>> {
                 && matches!(dst.storage().memory(), Some(Memory::Device(_)));
             if device { TransferPath::Device } else { TransferPath::Pinned }
         }
-        (Some(d), None) => host_to_device(&runner, &stream, &from, d, len, &mut keep)?,
-        (None, Some(s)) => device_to_host(&runner, &stream, s, &to, len, &mut keep)?,
+        (Some(d), None) => host_to_device(runner, stream, &from, d, len, &mut keep)?,
+        (None, Some(s)) => device_to_host(runner, stream, s, &to, len, &mut keep)?,
         (None, None) => unreachable!("see `runner`"),
     };
     let event = stream.record()?;
@@ -1100,7 +1124,6 @@ struct LeafArgs {
 /// register a source, gathered on the host into pinned memory and copied.
 pub(crate) fn gather_rows_to(sources: &[Tensor], rows: &[i64], device: Device) -> Result<Transfer<Vec<Tensor>>> {
     let gpu = gpu(device)?;
-    let Device::Cuda(ordinal) = device else { unreachable!("gpu() refused the host") };
     let n = rows.len();
     let n_rows = u32::try_from(n).map_err(|_| Error::CudaUnavailable {
         reason: format!("a gather of {n} rows is more than one launch takes (2^32 - 1)"),
@@ -1113,7 +1136,7 @@ pub(crate) fn gather_rows_to(sources: &[Tensor], rows: &[i64], device: Device) -
     for src in sources {
         let mut shape = src.dims().to_vec();
         shape[0] = n;
-        let out = Tensor::empty_at(shape.as_slice(), src.dtype(), &Location::Cuda(ordinal))?;
+        let out = device_tensor(&gpu, &stream, &shape, src.dtype())?;
         let row_bytes = src.nbytes() / src.dims()[0].max(1);
         let reachable = if src.is_contiguous() && row_bytes > 0 && n > 0 { source_ptr(&gpu, src)? } else { None };
         match reachable {
@@ -1171,16 +1194,17 @@ fn launch_gather(
     let kernel = gpu.kernel()?;
     // The leaves' table and the row numbers, in one upload through pinned memory.
     let table = std::mem::size_of_val(leaves);
-    let args = alloc_pinned(gpu, table + std::mem::size_of_val(rows))?;
+    let args = ArgsLease::take(gpu, table + std::mem::size_of_val(rows))?;
     // SAFETY: `args` holds `table + 8 × rows` bytes, 8-aligned (page-aligned allocation); no
     // copy reads it yet.
     unsafe {
         std::ptr::copy_nonoverlapping(leaves.as_ptr().cast::<u8>(), args.ptr.as_ptr(), table);
         std::ptr::copy_nonoverlapping(rows.as_ptr().cast::<u8>(), args.ptr.as_ptr().add(table), 8 * rows.len());
     }
-    let on_device = alloc_device(gpu, stream, args.len)?;
-    // SAFETY: both hold `args.len` bytes, held by `keep` until the stream's work is done.
-    unsafe { stream.copy(on_device.ptr, args.device_ptr, args.len)? };
+    let len = table + std::mem::size_of_val(rows);
+    let on_device = alloc_device(gpu, stream, len)?;
+    // SAFETY: both hold at least `len` bytes, held by `keep` until the stream's work is done.
+    unsafe { stream.copy(on_device.ptr, args.device_ptr, len)? };
     let mut leaves_ptr = on_device.ptr;
     let mut rows_ptr = on_device.ptr + table as u64;
     let mut n = n_rows;
@@ -1207,6 +1231,46 @@ fn launch_gather(
     keep.push(Box::new(args));
     keep.push(Box::new(on_device));
     Ok(())
+}
+
+/// A pinned buffer for a launch's arguments from the GPU's pool (allocating pinned memory
+/// takes far longer than a gather), back in the pool when dropped.
+struct ArgsLease {
+    memory: Option<PinnedMemory>,
+}
+
+impl ArgsLease {
+    /// The smallest buffer a launch's arguments get: the table and 8 Ki rows.
+    const MIN: usize = 64 << 10;
+
+    fn take(gpu: &Arc<Gpu>, len: usize) -> Result<ArgsLease> {
+        let pooled = {
+            let mut pool = gpu.args.lock().unwrap_or_else(PoisonError::into_inner);
+            pool.iter().position(|m| m.len >= len).map(|i| pool.swap_remove(i))
+        };
+        let memory = match pooled {
+            Some(m) => m,
+            None => alloc_pinned(gpu, len.max(Self::MIN).next_power_of_two())?,
+        };
+        Ok(ArgsLease { memory: Some(memory) })
+    }
+}
+
+impl std::ops::Deref for ArgsLease {
+    type Target = PinnedMemory;
+
+    fn deref(&self) -> &PinnedMemory {
+        self.memory.as_ref().expect("a lease holds its buffer until dropped")
+    }
+}
+
+impl Drop for ArgsLease {
+    fn drop(&mut self) {
+        if let Some(m) = self.memory.take() {
+            let gpu = Arc::clone(&m.gpu);
+            gpu.args.lock().unwrap_or_else(PoisonError::into_inner).push(m);
+        }
+    }
 }
 
 // === Allocation errors and keep-alive boxes need these to be Send + Sync ===
