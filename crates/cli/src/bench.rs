@@ -385,7 +385,7 @@ fn load(path: &Path, iters: usize, cold: bool, as_json: bool) -> anyhow::Result<
 }
 
 /// Drops the file's pages from the page cache (they are clean: the folder was flushed).
-fn evict(path: &Path) -> anyhow::Result<()> {
+pub(crate) fn evict(path: &Path) -> anyhow::Result<()> {
     let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     file.sync_data().with_context(|| format!("syncing {}", path.display()))?;
     nix::fcntl::posix_fadvise(&file, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED)
