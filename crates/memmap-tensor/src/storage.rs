@@ -421,6 +421,12 @@ impl Storage {
         self.registered.get().is_some()
     }
 
+    /// The registration of the region, once [`Storage::ensure_registered`] made it.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "only the driver registers"))]
+    pub(crate) fn registration(&self) -> Option<&cuda::Registration> {
+        self.registered.get()
+    }
+
     /// Length of the region in bytes.
     pub fn len_bytes(&self) -> usize {
         self.len

@@ -654,24 +654,31 @@ impl Drop for Registration {
     }
 }
 
-/// Registers a storage's whole region for as long as it lives (see [`Tensor::register`]).
+/// Registers a storage's whole region, in whole pages, for as long as it lives (see
+/// [`Tensor::register`]).
 pub(crate) fn register(storage: &Storage) -> Result<Registration> {
     let gpu = gpu(Device::Cuda(0))?;
-    let ptr = storage.base_ptr();
-    // SAFETY: the region is the storage's, mapped until it drops; the storage drops its
-    // registration first thing in its `Drop`.
-    unsafe { Registration::new(&gpu, ptr, storage.len_bytes(), !storage.is_writable()) }
+    let page = page_size();
+    let start = storage.base_ptr() as usize;
+    let (lo, hi) = (start / page * page, (start + storage.len_bytes()).div_ceil(page) * page);
+    // SAFETY: the pages hold the storage's region (mapped until it drops; the storage drops
+    // its registration first thing in its `Drop`) and at most the rest of the pages they
+    // share, which are mapped too.
+    unsafe { Registration::new(&gpu, lo as *mut u8, hi - lo, !storage.is_writable()) }
 }
 
 /// The address a GPU reads a registered storage's byte `offset` at.
 fn registered_ptr(gpu: &Gpu, storage: &Storage, offset: usize) -> Result<sys::CUdeviceptr> {
+    let registration = storage.registration().expect("the caller checked that the storage is registered");
     gpu.bind()?;
     let mut base = 0;
-    // SAFETY: the storage's region is registered (the caller checked); `base` is an out-pointer.
+    // SAFETY: the range at `registration.ptr` is registered (held by the storage); `base` is
+    // an out-pointer.
     gpu.check("cuMemHostGetDevicePointer", unsafe {
-        sys::cuMemHostGetDevicePointer_v2(&raw mut base, storage.base_ptr().cast(), 0)
+        sys::cuMemHostGetDevicePointer_v2(&raw mut base, registration.ptr, 0)
     })?;
-    Ok(base + offset as u64)
+    let into = storage.base_ptr() as usize - registration.ptr as usize + offset;
+    Ok(base + into as u64)
 }
 
 // === Moves ===
