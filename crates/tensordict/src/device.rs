@@ -24,7 +24,7 @@ impl TensorDict {
     /// `td.to(device)`). Tensors already there are kept as they are; managed tensors move
     /// without a copy. See [`Tensor::to_with`].
     pub fn to(&self, device: Device) -> Result<TensorDict> {
-        self.to_with(device, &ToOptions::new())?.wait().with_key(KeyPath::default)
+        self.to_with(device, &ToOptions::new())?.wait().map_err(|source| Error::Device { op: "to", source })
     }
 
     /// [`TensorDict::to`] with torch's options. Every leaf's copy is queued before any is
@@ -38,7 +38,11 @@ impl TensorDict {
         }
         let transfer = Transfer::join(transfers)
             .try_map(|tensors| self.rebuild(tensors, None, &|_, _, v| Ok(Entry::NonTensorStack(v.clone()))))?;
-        if options.non_blocking { Ok(transfer) } else { transfer.synchronize().with_key(KeyPath::default) }
+        if options.non_blocking {
+            Ok(transfer)
+        } else {
+            transfer.synchronize().map_err(|source| Error::Device { op: "to", source })
+        }
     }
 
     /// Rows `indices` of the first batch dim of every tensor, gathered into new memory of
@@ -61,13 +65,17 @@ impl TensorDict {
             match row {
                 Some(r) if (0..n as i64).contains(&r) => rows.push(r),
                 _ => {
-                    let e = memmap_tensor::Error::IndexOutOfRange { op: "gather_to", dim: 0, index: i, size: n };
-                    return Err(e).with_key(KeyPath::default);
+                    return Err(Error::InvalidIndex {
+                        index: i.to_string(),
+                        batch_size: self.batch_size().to_vec(),
+                        reason: format!("out of range for a first batch dim of {n} (gather_to)"),
+                    });
                 }
             }
         }
         let leaves: Vec<Tensor> = self.leaves().into_iter().map(|(_, t)| t.clone()).collect();
-        let gathered = Tensor::gather_rows_to_many(&leaves, device, &rows).with_key(KeyPath::default)?;
+        let gathered = Tensor::gather_rows_to_many(&leaves, device, &rows)
+            .map_err(|source| Error::Device { op: "gather_to", source })?;
         gathered.try_map(|tensors| {
             self.rebuild(tensors, Some(rows.len()), &|batch, path, stack| {
                 map_stack(stack, batch, path, |positions| positions.gather_rows(&rows))

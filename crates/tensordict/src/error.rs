@@ -200,6 +200,16 @@ pub enum Error {
     },
 
     // === Tensors ===
+    /// A move or gather of the whole dict to a device failed (one kernel launch, or one wait,
+    /// covers every leaf, so no single key is to blame).
+    #[error("{op} of the dict")]
+    Device {
+        /// The operation asked for (`to`, `gather_to`).
+        op: &'static str,
+        /// The tensor error.
+        #[source]
+        source: memmap_tensor::Error,
+    },
     /// A tensor operation failed; `key` names the leaf (empty for the dict's own storage, such as
     /// a shared dict's schema object).
     #[error("{}", describe_key(key))]

@@ -236,10 +236,7 @@ impl Storage {
     /// [`TensorDict::gather_to`].
     pub fn gather_to(&self, device: memmap_tensor::Device, rows: &[usize]) -> Result<TensorDict> {
         let transfer = self.td.gather_to(device, &to_i64(rows)).op("gather rows")?;
-        transfer
-            .wait()
-            .map_err(|source| tensordict::Error::Tensor { key: KeyPath::default(), source })
-            .op("gather rows")
+        transfer.wait().map_err(|source| tensordict::Error::Device { op: "gather_to", source }).op("gather rows")
     }
 
     /// Rows `rows` gathered into `out`, whose tensors must have the storage's keys and dtypes
