@@ -1141,6 +1141,16 @@ pub(crate) fn gather_rows_to(sources: &[Tensor], rows: &[i64], device: Device) -
     let mut leaves = Vec::with_capacity(sources.len());
     let mut staged = false;
     for src in sources {
+        // Device memory of another GPU is not this kernel's to read: the tensor comes over
+        // first (one peer copy), then its rows are gathered here.
+        let moved;
+        let src = match src.storage().memory() {
+            Some(Memory::Device(m)) if m.gpu.device != device => {
+                moved = src.to(device)?;
+                &moved
+            }
+            _ => src,
+        };
         let mut shape = src.dims().to_vec();
         shape[0] = n;
         let out = device_tensor(&gpu, &stream, &shape, src.dtype())?;
@@ -1153,9 +1163,11 @@ pub(crate) fn gather_rows_to(sources: &[Tensor], rows: &[i64], device: Device) -
             }
             None if out.nbytes() == 0 => {}
             None => {
-                // Where the driver cannot reach the source: the rows on the host, then up.
+                // Where the kernel cannot read the source (registering refused, a strided view):
+                // the rows gathered on the host, then copied up.
                 staged = true;
-                let rows_here = src.gather_rows(rows)?;
+                let on_host = if src.device().is_cpu() { src.clone() } else { src.to(Device::Cpu)? };
+                let rows_here = on_host.gather_rows(rows)?;
                 let up = rows_here.copy_to(&Location::Pinned, &ToOptions::new())?.wait()?;
                 let from = up.storage().memory().map_or(0, Memory::device_ptr);
                 let to = out.storage().memory().map_or(0, Memory::device_ptr);
