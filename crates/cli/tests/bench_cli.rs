@@ -238,7 +238,7 @@ fn bench_cuda_says_why_without_a_gpu_or_prints_its_keys() {
     ] {
         assert!(out[key].as_f64().is_some_and(|x| x > 0.0), "{key}:\n{run}");
     }
-    for key in ["gather_256_us", "gather_1024_us"] {
+    for key in ["gather_256_us", "gather_1024_us", "gather_256_host_us", "gather_1024_host_us"] {
         assert!(out[key]["p50"].as_f64().is_some_and(|x| x > 0.0), "{key}:\n{run}");
     }
     for bad in [["--size", "1K"], ["--device", "cpu"]] {

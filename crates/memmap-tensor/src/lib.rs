@@ -78,7 +78,7 @@ mod stats;
 mod storage;
 mod tensor;
 
-pub use cuda::{ManagedAdvice, MemoryInfo, ToOptions, Transfer, TransferPath};
+pub use cuda::{GatherVia, ManagedAdvice, MemoryInfo, ToOptions, Transfer, TransferPath};
 pub use device::{Device, ParseDeviceError};
 pub use dtype::{DType, Element};
 pub use error::{Error, ErrorChain, Result};

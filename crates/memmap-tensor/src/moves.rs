@@ -1,7 +1,7 @@
 //! Moves between devices: [`Tensor::to`] and its kin (see the [`cuda`](crate::cuda) module for
 //! the paths the bytes take).
 
-use crate::cuda::{self, ManagedAdvice, ToOptions, Transfer, TransferPath};
+use crate::cuda::{self, GatherVia, ManagedAdvice, ToOptions, Transfer, TransferPath};
 use crate::rows::check_indices;
 use crate::{Device, Location, Result, StorageKind, Tensor};
 
@@ -90,6 +90,16 @@ impl Tensor {
     /// [`Tensor::gather_rows_to`] of several tensors with the same number of rows, in one
     /// kernel launch: the outputs in order.
     pub fn gather_rows_to_many(sources: &[Tensor], device: Device, indices: &[i64]) -> Result<Transfer<Vec<Tensor>>> {
+        Tensor::gather_rows_to_many_via(sources, device, indices, GatherVia::Auto)
+    }
+
+    /// [`Tensor::gather_rows_to_many`], choosing how the rows travel ([`GatherVia`]).
+    pub fn gather_rows_to_many_via(
+        sources: &[Tensor],
+        device: Device,
+        indices: &[i64],
+        via: GatherVia,
+    ) -> Result<Transfer<Vec<Tensor>>> {
         const OP: &str = "gather_rows_to";
         device.check()?;
         let mut rows = Vec::with_capacity(indices.len());
@@ -114,7 +124,7 @@ impl Tensor {
             let out = sources.iter().map(|t| t.to(Device::Cpu)?.gather_rows(&rows)).collect::<Result<Vec<_>>>()?;
             return Ok(Transfer::ready(out, TransferPath::Host));
         }
-        cuda::gather_rows_to(sources, &rows, device)
+        cuda::gather_rows_to(sources, &rows, device, via)
     }
 
     /// Registers this tensor's storage with the CUDA driver for as long as the storage lives

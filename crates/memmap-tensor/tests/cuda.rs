@@ -10,7 +10,8 @@ use std::process::Command;
 use std::sync::{Arc, Once};
 
 use memmap_tensor::{
-    Access, DType, Device, Error, Location, ManagedAdvice, Result, StorageKind, Tensor, ToOptions, TransferPath,
+    Access, DType, Device, Error, GatherVia, Location, ManagedAdvice, Result, StorageKind, Tensor, ToOptions,
+    TransferPath,
 };
 use rand::{Rng, SeedableRng};
 
@@ -237,12 +238,25 @@ fn gathers_into_gpu_memory_match_host_gathers() -> Result<()> {
         let e = file.gather_rows_to(gpu, &[1000]).unwrap_err();
         assert!(matches!(e, Error::IndexOutOfRange { .. }), "{e}");
     }
-    // Several leaves in one launch.
+    // Several leaves in one launch, and the same through host threads; a strided view (which
+    // the kernel cannot read) goes through the host by itself.
     let a = pattern(DType::F32, &[50, 3], 11)?;
     let b = pattern(DType::U8, &[50, 697], 12)?;
-    let outs = Tensor::gather_rows_to_many(&[a.clone(), b.clone()], gpu, &[49, 0, 7])?.wait()?;
-    assert_eq!(outs[0].to_bytes()?, a.gather_rows(&[49, 0, 7])?.to_bytes()?);
-    assert_eq!(outs[1].to_bytes()?, b.gather_rows(&[49, 0, 7])?.to_bytes()?);
+    let strided = pattern(DType::I16, &[50, 10], 13)?.slice(1, 0, 10, 3)?;
+    let sources = [a.clone(), b.clone(), strided.clone()];
+    for via in [GatherVia::Auto, GatherVia::Host] {
+        let got = Tensor::gather_rows_to_many_via(&sources, gpu, &[49, 0, 7], via)?;
+        let expected_paths = match via {
+            GatherVia::Host => vec![TransferPath::GatherHost],
+            _ => vec![TransferPath::GatherKernel, TransferPath::GatherHost],
+        };
+        assert_eq!(got.paths(), expected_paths.as_slice());
+        let outs = got.wait()?;
+        for (out, src) in outs.iter().zip(&sources) {
+            assert_eq!(out.device(), gpu);
+            assert_eq!(out.to_bytes()?, src.gather_rows(&[49, 0, 7])?.to_bytes()?, "{via:?}");
+        }
+    }
     Ok(())
 }
 

@@ -2,7 +2,7 @@
 //! for the paths the bytes take).
 
 use indexmap::IndexMap;
-use memmap_tensor::{Device, Tensor, ToOptions, Transfer};
+use memmap_tensor::{Device, GatherVia, Tensor, ToOptions, Transfer};
 
 use crate::dict::map_stack;
 use crate::error::WithKey;
@@ -52,6 +52,12 @@ impl TensorDict {
     /// anything runs. Non-tensor stacks are indexed on the host. On [`Device::Cpu`] this is
     /// a host gather.
     pub fn gather_to(&self, device: Device, indices: &[i64]) -> Result<Transfer<TensorDict>> {
+        self.gather_to_via(device, indices, GatherVia::Auto)
+    }
+
+    /// [`TensorDict::gather_to`], choosing how the rows travel: the kernel (the default), or
+    /// host threads into a reused pinned buffer and one copy ([`GatherVia::Host`]).
+    pub fn gather_to_via(&self, device: Device, indices: &[i64], via: GatherVia) -> Result<Transfer<TensorDict>> {
         if self.batch_dims() == 0 {
             return Err(Error::InvalidArgument {
                 op: "gather_to",
@@ -74,7 +80,7 @@ impl TensorDict {
             }
         }
         let leaves: Vec<Tensor> = self.leaves().into_iter().map(|(_, t)| t.clone()).collect();
-        let gathered = Tensor::gather_rows_to_many(&leaves, device, &rows)
+        let gathered = Tensor::gather_rows_to_many_via(&leaves, device, &rows, via)
             .map_err(|source| Error::Device { op: "gather_to", source })?;
         gathered.try_map(|tensors| {
             self.rebuild(tensors, Some(rows.len()), &|batch, path, stack| {

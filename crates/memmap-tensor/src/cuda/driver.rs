@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, DriverError};
 
-use super::{ManagedAdvice, MemoryInfo, ToOptions, Transfer, TransferPath};
+use super::{GatherVia, ManagedAdvice, MemoryInfo, ToOptions, Transfer, TransferPath};
 use crate::{Device, Error, Location, Result, Storage, StorageKind, Tensor};
 
 /// The oldest driver this module runs on: CUDA 12.4 (driver 550), for `cuMemPrefetchAsync_v2`
@@ -165,7 +165,7 @@ pub(crate) struct Gpu {
     kernel: OnceLock<std::result::Result<Kernel, String>>,
     managed: Mutex<BTreeMap<usize, Vec<sys::CUdeviceptr>>>,
     staging: Mutex<Vec<PinnedMemory>>,
-    args: Mutex<Vec<PinnedMemory>>,
+    pinned: Mutex<Vec<Arc<Storage>>>,
 }
 
 impl Gpu {
@@ -180,7 +180,7 @@ impl Gpu {
             kernel: OnceLock::new(),
             managed: Mutex::new(BTreeMap::new()),
             staging: Mutex::new(Vec::new()),
-            args: Mutex::new(Vec::new()),
+            pinned: Mutex::new(Vec::new()),
         })
     }
 
@@ -1126,10 +1126,15 @@ struct LeafArgs {
 }
 
 /// Gathers `rows` (checked against every source's row count, non-negative) of each source into
-/// new device memory on `device`: one kernel launch reading each source where it is (device
-/// memory, or host memory registered for the purpose), or, where the driver refuses to
-/// register a source, gathered on the host into pinned memory and copied.
-pub(crate) fn gather_rows_to(sources: &[Tensor], rows: &[i64], device: Device) -> Result<Transfer<Vec<Tensor>>> {
+/// new device memory on `device`: one kernel launch reading the sources where they are (device
+/// memory, or host memory registered for the purpose), and host threads into pinned memory for
+/// the sources the kernel cannot read (or all of them, with [`GatherVia::Host`]).
+pub(crate) fn gather_rows_to(
+    sources: &[Tensor],
+    rows: &[i64],
+    device: Device,
+    via: GatherVia,
+) -> Result<Transfer<Vec<Tensor>>> {
     let gpu = gpu(device)?;
     let n = rows.len();
     let n_rows = u32::try_from(n).map_err(|_| Error::CudaUnavailable {
@@ -1137,53 +1142,94 @@ pub(crate) fn gather_rows_to(sources: &[Tensor], rows: &[i64], device: Device) -
     })?;
     let stream = gpu.stream()?;
     let mut keep: Keep = Vec::new();
-    let mut outs = Vec::with_capacity(sources.len());
+    let mut outs: Vec<Option<Tensor>> = vec![None; sources.len()];
     let mut leaves = Vec::with_capacity(sources.len());
-    let mut staged = false;
-    for src in sources {
+    let mut by_host = Vec::new();
+    for (i, src) in sources.iter().enumerate() {
         // Device memory of another GPU is not this kernel's to read: the tensor comes over
         // first (one peer copy), then its rows are gathered here.
-        let moved;
         let src = match src.storage().memory() {
-            Some(Memory::Device(m)) if m.gpu.device != device => {
-                moved = src.to(device)?;
-                &moved
-            }
-            _ => src,
+            Some(Memory::Device(m)) if m.gpu.device != device => src.to(device)?,
+            _ => src.clone(),
         };
         let mut shape = src.dims().to_vec();
         shape[0] = n;
-        let out = device_tensor(&gpu, &stream, &shape, src.dtype())?;
-        let row_bytes = src.nbytes() / src.dims()[0].max(1);
-        let reachable = if src.is_contiguous() && row_bytes > 0 && n > 0 { source_ptr(&gpu, src)? } else { None };
+        let row_bytes = src.dims()[1..].iter().product::<usize>() * src.dtype().size_in_bytes();
+        let reachable = match via {
+            GatherVia::Auto if src.is_contiguous() && row_bytes > 0 && n > 0 => source_ptr(&gpu, &src)?,
+            _ => None,
+        };
         match reachable {
             Some(ptr) => {
+                let out = device_tensor(&gpu, &stream, &shape, src.dtype())?;
                 let dst = out.storage().memory().map_or(0, Memory::device_ptr);
                 leaves.push(LeafArgs { src: ptr, dst, row_bytes: row_bytes as u64 });
+                outs[i] = Some(out);
             }
-            None if out.nbytes() == 0 => {}
-            None => {
-                // Where the kernel cannot read the source (registering refused, a strided view):
-                // the rows gathered on the host, then copied up.
-                staged = true;
-                let on_host = if src.device().is_cpu() { src.clone() } else { src.to(Device::Cpu)? };
-                let rows_here = on_host.gather_rows(rows)?;
-                let up = rows_here.copy_to(&Location::Pinned, &ToOptions::new())?.wait()?;
-                let from = up.storage().memory().map_or(0, Memory::device_ptr);
-                let to = out.storage().memory().map_or(0, Memory::device_ptr);
-                // SAFETY: `up` (pinned, held by `keep`) and `out` both hold `out.nbytes()` bytes.
-                unsafe { stream.copy(to, from, out.nbytes())? };
-                keep.push(Box::new(up));
-            }
+            None if row_bytes == 0 || n == 0 => outs[i] = Some(device_tensor(&gpu, &stream, &shape, src.dtype())?),
+            None => by_host.push((i, shape)),
         }
-        keep.push(Box::new(src.clone()));
-        outs.push(out);
+        keep.push(Box::new(src));
     }
+    let mut paths = Vec::new();
     if !leaves.is_empty() {
         launch_gather(&gpu, &stream, &leaves, rows, n_rows, &mut keep)?;
+        paths.push(TransferPath::GatherKernel);
     }
-    let path = if staged { TransferPath::GatherStaged } else { TransferPath::GatherKernel };
-    Ok(Transfer::pending(outs, path, vec![stream.record()?], keep))
+    if !by_host.is_empty() {
+        let gathered = gather_on_host(&gpu, &stream, sources, &by_host, rows, &mut keep)?;
+        for ((i, _), out) in by_host.iter().zip(gathered) {
+            outs[*i] = Some(out);
+        }
+        paths.push(TransferPath::GatherHost);
+    }
+    if paths.is_empty() {
+        paths.push(TransferPath::GatherKernel);
+    }
+    let outs = outs.into_iter().map(|o| o.expect("every leaf got an output")).collect();
+    Ok(Transfer::pending_paths(outs, paths, vec![stream.record()?], keep))
+}
+
+/// Bytes between two leaves packed into one buffer: enough alignment for any dtype and for
+/// the copy engine's fast path.
+const PACK_ALIGN: usize = 256;
+
+/// Rows of the sources `which` (index into `sources`, output shape) gathered by host threads
+/// into a reused pinned buffer, packed, then copied to the GPU in one copy; the outputs are
+/// views of one device allocation.
+fn gather_on_host(
+    gpu: &Arc<Gpu>,
+    stream: &StreamLease,
+    sources: &[Tensor],
+    which: &[(usize, Vec<usize>)],
+    rows: &[i64],
+    keep: &mut Keep,
+) -> Result<Vec<Tensor>> {
+    let mut offsets = Vec::with_capacity(which.len());
+    let mut total = 0usize;
+    for (i, shape) in which {
+        offsets.push(total);
+        let bytes = shape.iter().product::<usize>() * sources[*i].dtype().size_in_bytes();
+        total = (total + bytes).next_multiple_of(PACK_ALIGN);
+    }
+    let pinned = PinnedLease::take(gpu, total)?;
+    let device = Arc::new(Storage::from_memory(Memory::Device(alloc_device(gpu, stream, total)?)));
+    let mut outs = Vec::with_capacity(which.len());
+    for ((i, shape), &offset) in which.iter().zip(&offsets) {
+        let src = &sources[*i];
+        let layout = crate::Layout::contiguous(shape.as_slice())?;
+        let mut staged = Tensor::from_storage(Arc::clone(&pinned.storage), offset, src.dtype(), layout.clone())?;
+        let on_host = if src.device().is_cpu() { src.clone() } else { src.to(Device::Cpu)? };
+        on_host.gather_rows_into(rows, &mut staged)?;
+        outs.push(Tensor::from_storage(Arc::clone(&device), offset, src.dtype(), layout)?);
+    }
+    let from = pinned.storage.memory().map_or(0, Memory::device_ptr);
+    let to = device.memory().map_or(0, Memory::device_ptr);
+    // SAFETY: both hold `total` bytes; the pinned buffer is held by `keep` until the copy is
+    // done, the device memory by the outputs.
+    unsafe { stream.copy(to, from, total)? };
+    keep.push(Box::new(pinned));
+    Ok(outs)
 }
 
 /// Where the kernel reads a contiguous source's row 0: its device memory, or its host region
@@ -1213,17 +1259,17 @@ fn launch_gather(
     let kernel = gpu.kernel()?;
     // The leaves' table and the row numbers, in one upload through pinned memory.
     let table = std::mem::size_of_val(leaves);
-    let args = ArgsLease::take(gpu, table + std::mem::size_of_val(rows))?;
-    // SAFETY: `args` holds `table + 8 × rows` bytes, 8-aligned (page-aligned allocation); no
-    // copy reads it yet.
+    let args = PinnedLease::take(gpu, table + std::mem::size_of_val(rows))?;
+    // SAFETY: `args` holds at least `table + 8 × rows` bytes, 8-aligned (a page-aligned
+    // allocation), and is ours alone: no copy reads it until the one queued below.
     unsafe {
-        std::ptr::copy_nonoverlapping(leaves.as_ptr().cast::<u8>(), args.ptr.as_ptr(), table);
-        std::ptr::copy_nonoverlapping(rows.as_ptr().cast::<u8>(), args.ptr.as_ptr().add(table), 8 * rows.len());
+        std::ptr::copy_nonoverlapping(leaves.as_ptr().cast::<u8>(), args.host_ptr(), table);
+        std::ptr::copy_nonoverlapping(rows.as_ptr().cast::<u8>(), args.host_ptr().add(table), 8 * rows.len());
     }
     let len = table + std::mem::size_of_val(rows);
     let on_device = alloc_device(gpu, stream, len)?;
     // SAFETY: both hold at least `len` bytes, held by `keep` until the stream's work is done.
-    unsafe { stream.copy(on_device.ptr, args.device_ptr, len)? };
+    unsafe { stream.copy(on_device.ptr, args.device_ptr(), len)? };
     let mut leaves_ptr = on_device.ptr;
     let mut rows_ptr = on_device.ptr + table as u64;
     let mut n = n_rows;
@@ -1252,42 +1298,54 @@ fn launch_gather(
     Ok(())
 }
 
-/// A pinned buffer for a launch's arguments from the GPU's pool (allocating pinned memory
-/// takes far longer than a gather), back in the pool when dropped.
-struct ArgsLease {
-    memory: Option<PinnedMemory>,
+/// A pinned buffer from the GPU's pool (allocating pinned memory takes far longer than a
+/// gather): a launch's arguments, or rows gathered on the host. Back in the pool when dropped.
+struct PinnedLease {
+    gpu: Arc<Gpu>,
+    storage: Arc<Storage>,
 }
 
-impl ArgsLease {
-    /// The smallest buffer a launch's arguments get: the table and 8 Ki rows.
+impl PinnedLease {
+    /// The smallest buffer the pool hands out (a launch's table and 8 Ki rows).
     const MIN: usize = 64 << 10;
+    /// Buffers the pool keeps at most; more are freed when given back.
+    const KEEP: usize = 16;
 
-    fn take(gpu: &Arc<Gpu>, len: usize) -> Result<ArgsLease> {
+    fn take(gpu: &Arc<Gpu>, len: usize) -> Result<PinnedLease> {
         let pooled = {
-            let mut pool = gpu.args.lock().unwrap_or_else(PoisonError::into_inner);
-            pool.iter().position(|m| m.len >= len).map(|i| pool.swap_remove(i))
+            let mut pool = gpu.pinned.lock().unwrap_or_else(PoisonError::into_inner);
+            // The smallest that fits.
+            let best = pool.iter().enumerate().filter(|(_, s)| s.len_bytes() >= len).min_by_key(|(_, s)| s.len_bytes());
+            best.map(|(i, _)| i).map(|i| pool.swap_remove(i))
         };
-        let memory = match pooled {
-            Some(m) => m,
-            None => alloc_pinned(gpu, len.max(Self::MIN).next_power_of_two())?,
+        let storage = match pooled {
+            Some(s) => s,
+            None => Arc::new(Storage::from_memory(Memory::Pinned(alloc_pinned(
+                gpu,
+                len.max(Self::MIN).next_power_of_two(),
+            )?))),
         };
-        Ok(ArgsLease { memory: Some(memory) })
+        Ok(PinnedLease { gpu: Arc::clone(gpu), storage })
+    }
+
+    fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.storage.memory().map_or(0, Memory::device_ptr)
+    }
+
+    fn host_ptr(&self) -> *mut u8 {
+        self.storage.base_ptr()
     }
 }
 
-impl std::ops::Deref for ArgsLease {
-    type Target = PinnedMemory;
-
-    fn deref(&self) -> &PinnedMemory {
-        self.memory.as_ref().expect("a lease holds its buffer until dropped")
-    }
-}
-
-impl Drop for ArgsLease {
+impl Drop for PinnedLease {
     fn drop(&mut self) {
-        if let Some(m) = self.memory.take() {
-            let gpu = Arc::clone(&m.gpu);
-            gpu.args.lock().unwrap_or_else(PoisonError::into_inner).push(m);
+        // Only a buffer no view still holds goes back (the views of a host gather are dropped
+        // before the lease).
+        if Arc::strong_count(&self.storage) == 1 {
+            let mut pool = self.gpu.pinned.lock().unwrap_or_else(PoisonError::into_inner);
+            if pool.len() < Self::KEEP {
+                pool.push(Arc::clone(&self.storage));
+            }
         }
     }
 }

@@ -118,10 +118,25 @@ pub enum TransferPath {
     Device,
     /// Managed memory: the device changed and the pages were prefetched; nothing was copied.
     Moved,
-    /// Rows gathered by a kernel reading the source through its registration.
+    /// Rows gathered by a kernel reading the source where it is (device memory, or host memory
+    /// through its registration).
     GatherKernel,
-    /// Rows gathered on the host into pinned memory, then copied (where registering is refused).
-    GatherStaged,
+    /// Rows gathered by host threads into a reused pinned buffer, then copied up in one copy
+    /// (asked for, or where the kernel cannot read a source: registering refused, a strided
+    /// view).
+    GatherHost,
+}
+
+/// How [`crate::Tensor::gather_rows_to_many`] and `TensorDict::gather_to` bring rows to a GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum GatherVia {
+    /// The kernel, and host threads for the sources it cannot read.
+    #[default]
+    Auto,
+    /// Host threads into pinned memory, then one copy: no GPU work but a copy, at the cost of
+    /// CPU time (compare both with `tdict bench cuda`).
+    Host,
 }
 
 /// Advice about how managed memory will be used (`cuMemAdvise`).
@@ -193,7 +208,18 @@ impl<T> Transfer<T> {
         pending: Vec<Event>,
         keep: Vec<Box<dyn Any + Send + Sync>>,
     ) -> Self {
-        Transfer { value: Some(value), pending, keep, paths: vec![path] }
+        Transfer::pending_paths(value, vec![path], pending, keep)
+    }
+
+    /// [`Transfer::pending`], the bytes having gone more than one way.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "only the driver queues work"))]
+    pub(crate) fn pending_paths(
+        value: T,
+        paths: Vec<TransferPath>,
+        pending: Vec<Event>,
+        keep: Vec<Box<dyn Any + Send + Sync>>,
+    ) -> Self {
+        Transfer { value: Some(value), pending, keep, paths }
     }
 
     /// Waits until the GPU has done the work, then gives the result.

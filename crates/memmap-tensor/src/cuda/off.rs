@@ -3,7 +3,7 @@
 
 use std::ptr::NonNull;
 
-use super::{ManagedAdvice, MemoryInfo, ToOptions, Transfer};
+use super::{GatherVia, ManagedAdvice, MemoryInfo, ToOptions, Transfer};
 use crate::{Device, Error, Location, Result, Storage, StorageKind, Tensor};
 
 fn unavailable<T>() -> Result<T> {
@@ -88,6 +88,6 @@ pub(crate) fn driver_empty_cache(_: Device) -> Result<()> {
     unavailable()
 }
 
-pub(crate) fn gather_rows_to(_: &[Tensor], _: &[i64], _: Device) -> Result<Transfer<Vec<Tensor>>> {
+pub(crate) fn gather_rows_to(_: &[Tensor], _: &[i64], _: Device, _: GatherVia) -> Result<Transfer<Vec<Tensor>>> {
     unavailable()
 }
