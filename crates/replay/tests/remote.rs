@@ -854,3 +854,31 @@ fn an_epoch_without_replacement_ends_with_a_short_sample_into() {
     seen.sort_unstable();
     assert_eq!(seen, (0..10).collect::<Vec<_>>(), "every row once per epoch");
 }
+
+/// A learner's samples straight to a device: the rows the lease held, and no lease left
+/// behind, also when the device refuses (no GPU here; with one, the GPU is tested too).
+#[test]
+fn a_learner_samples_to_a_device_and_holds_nothing_after() {
+    let f = Fixture::new("sample-to");
+    let _server = f.start(f.options(64).seed(3));
+    let client = f.connect();
+    client.extend(&batch(&(0..64).map(f64::from).collect::<Vec<_>>())).unwrap();
+    let (sample, info) = client.sample_to(memmap_tensor::Device::Cpu, 16, None).unwrap();
+    let values = check_rows(&sample);
+    assert_eq!(values, info.indices.iter().map(|&i| i as f64).collect::<Vec<_>>());
+    let gpu = memmap_tensor::Device::Cuda(0);
+    match memmap_tensor::Device::cuda_available() {
+        Ok(_) => {
+            let (sample, info) = client.sample_to(gpu, 16, None).unwrap();
+            assert_eq!(sample.device(), Some(gpu));
+            let values = check_rows(&sample.to(memmap_tensor::Device::Cpu).unwrap());
+            assert_eq!(values, info.indices.iter().map(|&i| i as f64).collect::<Vec<_>>());
+        }
+        Err(why) => {
+            eprintln!("skipped: no CUDA driver ({why}); the refusal is tested instead");
+            let e = client.sample_to(gpu, 16, None).unwrap_err();
+            assert!(memmap_tensor::ErrorChain(&e).to_string().contains("CUDA is not available"), "{e}");
+        }
+    }
+    assert_eq!(client.stats().unwrap().open_leases, 0);
+}
