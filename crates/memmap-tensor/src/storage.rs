@@ -409,11 +409,17 @@ impl Storage {
         if self.memory().is_some() || self.registered.get().is_some() || self.len == 0 {
             return Ok(());
         }
-        let registration = cuda::register(self)?;
-        // A thread that registered first keeps its registration; ours is undone on drop. Two
-        // registrations of one range are refused by the driver, so this seldom happens.
-        let _ = self.registered.set(registration);
-        Ok(())
+        match cuda::register(self) {
+            Ok(registration) => {
+                // Another thread may have registered meanwhile (the driver refuses a second
+                // registration of a range, so this is rare): the first one stays.
+                let _ = self.registered.set(registration);
+                Ok(())
+            }
+            // Refused because another thread registered it first: that one serves.
+            Err(_) if self.registered.get().is_some() => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     /// Whether the region is registered with the CUDA driver ([`Storage::ensure_registered`]).
