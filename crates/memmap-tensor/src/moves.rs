@@ -11,6 +11,17 @@ impl Tensor {
         self.device
     }
 
+    /// The address of the first element, for handing the tensor to another library (DLPack):
+    /// a host address, or for device memory the device address. Reading or writing through it
+    /// is the caller's business: it bypasses the storage's lock.
+    pub fn data_ptr(&self) -> *mut u8 {
+        let start = self.byte_span().start;
+        match self.storage().memory() {
+            Some(m) if self.storage().kind() == StorageKind::Cuda => m.address().wrapping_add(start),
+            _ => self.storage().base_ptr().wrapping_add(start),
+        }
+    }
+
     /// The same view, said to be on `device` (managed memory's move, and new storage).
     pub(crate) fn with_device(mut self, device: Device) -> Self {
         self.device = device;

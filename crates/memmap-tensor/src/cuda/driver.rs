@@ -425,6 +425,11 @@ impl Memory {
         }
     }
 
+    /// The address the driver and kernels use, as a pointer (for DLPack).
+    pub(crate) fn address(&self) -> *mut u8 {
+        self.device_ptr() as *mut u8
+    }
+
     /// The address the driver and kernels use.
     fn device_ptr(&self) -> sys::CUdeviceptr {
         match self {

@@ -34,6 +34,10 @@ impl Memory {
     pub(crate) fn device(&self) -> Device {
         match *self {}
     }
+
+    pub(crate) fn address(&self) -> *mut u8 {
+        match *self {}
+    }
 }
 
 /// No value: nothing can register memory in this build.

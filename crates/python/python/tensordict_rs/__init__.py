@@ -1,0 +1,32 @@
+"""tensordict-rs from Python: memory-mapped and shared-memory TensorDicts whose tensors cross
+into numpy and torch by DLPack without a copy.
+
+    >>> import numpy as np, tensordict_rs as tdr
+    >>> td = tdr.TensorDict({"obs": np.zeros((4, 3), np.float32)}, batch_size=[4])
+    >>> folder = td.memmap("/tmp/my-dict")          # Python tensordict's memmap format
+    >>> obs = np.from_dlpack(folder["obs"])           # the mapping itself, no copy
+
+The native module is ``tensordict_rs._native``; this package re-exports it.
+"""
+
+from tensordict_rs._native import Tensor, TensorDict, TensorDictError, __version__, live_exports
+
+__all__ = ["Tensor", "TensorDict", "TensorDictError", "live_exports", "to_tensordict", "__version__"]
+
+
+def to_tensordict(td):
+    """A Python ``tensordict.TensorDict`` over the same memory (torch tensors made by
+    ``torch.from_dlpack``, no copy). Needs torch and tensordict installed."""
+    import torch
+    from tensordict import TensorDict as PyTensorDict
+
+    def convert(value):
+        if isinstance(value, TensorDict):
+            return {k: convert(v) for k, v in value.to_dict().items()}
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        if isinstance(value, Tensor):
+            return torch.from_dlpack(value)
+        return value
+
+    return PyTensorDict(convert(td.to_dict()), batch_size=list(td.batch_size))

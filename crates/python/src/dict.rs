@@ -1,0 +1,282 @@
+//! `TensorDict`: a tensordict-rs dict from Python, with the names Python tensordict users type.
+
+use memmap_tensor::{Access, ErrorChain};
+use pyo3::exceptions::{PyIndexError, PyKeyError, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PySlice, PyTuple};
+use serde_json::Value;
+use tensordict::{Entry, Index, KeyPath, TensorDict};
+
+use crate::dlpack;
+use crate::tensor::PyTensor;
+
+pyo3::create_exception!(
+    tensordict_rs,
+    TensorDictError,
+    pyo3::exceptions::PyException,
+    "An error of tensordict-rs: a folder that cannot be read, a shape that does not fit, an I/O \
+     failure. The message is the Rust error with its causes."
+);
+
+/// A Rust error as a Python exception, with its causes on one line.
+pub(crate) fn to_py_err(e: impl std::error::Error + 'static) -> PyErr {
+    TensorDictError::new_err(ErrorChain(&e).to_string())
+}
+
+/// A dict of tensors (nested dicts, non-tensor values), loaded from a memmap folder or shared
+/// memory, or made from tensors; Python tensordict's names and indexing.
+#[pyclass(name = "TensorDict", module = "tensordict_rs", frozen)]
+pub struct PyTensorDict {
+    pub(crate) inner: TensorDict,
+}
+
+fn access(writable: bool) -> Access {
+    if writable { Access::ReadWrite } else { Access::ReadOnly }
+}
+
+/// A key: `"a"`, or a tuple of strings for a nested key (`("next", "obs")`).
+fn key_path(key: &Bound<'_, PyAny>) -> PyResult<Option<KeyPath>> {
+    if let Ok(s) = key.extract::<String>() {
+        return Ok(Some(KeyPath::from(s.as_str())));
+    }
+    if let Ok(t) = key.cast::<PyTuple>()
+        && !t.is_empty()
+        && t.iter().all(|p| p.extract::<String>().is_ok())
+    {
+        let parts: Vec<String> = t.iter().map(|p| p.extract::<String>()).collect::<PyResult<_>>()?;
+        return Ok(Some(KeyPath::new(parts)));
+    }
+    Ok(None)
+}
+
+/// A torch-style index: an int, a slice, `...`, `None`, a list or array of ints or bools, or a
+/// tuple of those.
+fn index(obj: &Bound<'_, PyAny>) -> PyResult<Index> {
+    if obj.is_none() {
+        return Ok(Index::NewDim);
+    }
+    if obj.is(obj.py().Ellipsis()) {
+        return Ok(Index::Ellipsis);
+    }
+    if let Ok(b) = obj.extract::<bool>()
+        && obj.is_instance_of::<pyo3::types::PyBool>()
+    {
+        return Err(PyIndexError::new_err(format!("a bare bool ({b}) is not an index; use a mask")));
+    }
+    if let Ok(i) = obj.extract::<i64>() {
+        return Ok(Index::Int(i));
+    }
+    if let Ok(s) = obj.cast::<PySlice>() {
+        let part = |name: &str| -> PyResult<Option<i64>> {
+            let v = s.getattr(name)?;
+            if v.is_none() { Ok(None) } else { v.extract::<i64>().map(Some) }
+        };
+        let step = part("step")?.unwrap_or(1);
+        return Ok(Index::slice(part("start")?, part("stop")?, step));
+    }
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        return Ok(Index::Tuple(t.iter().map(|p| index(&p)).collect::<PyResult<_>>()?));
+    }
+    // Arrays and tensors: as (nested) lists.
+    let list = if obj.hasattr("tolist")? { obj.call_method0("tolist")? } else { obj.clone() };
+    if let Ok(l) = list.cast::<PyList>() {
+        if l.iter().all(|x| x.is_instance_of::<pyo3::types::PyBool>()) && !l.is_empty() {
+            return Ok(Index::Mask(l.extract::<Vec<bool>>()?));
+        }
+        if let Ok(v) = l.extract::<Vec<i64>>() {
+            return Ok(Index::List(v));
+        }
+    }
+    Err(PyIndexError::new_err(format!(
+        "{} is not an index: use an int, a slice, ..., None, a list or array of ints or bools, or a tuple of those",
+        obj.repr()?
+    )))
+}
+
+/// A JSON value (a non-tensor entry) as a Python value.
+fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
+    let json = py.import("json")?;
+    Ok(json.call_method1("loads", (v.to_string(),))?.unbind())
+}
+
+fn entry_to_py(py: Python<'_>, entry: &Entry) -> PyResult<Py<PyAny>> {
+    Ok(match entry {
+        Entry::Tensor(t) => Py::new(py, PyTensor::new(t.clone()))?.into_any(),
+        Entry::Dict(d) => Py::new(py, PyTensorDict { inner: d.clone() })?.into_any(),
+        Entry::NonTensor(v) | Entry::NonTensorStack(v) => to_py(py, v)?,
+        other => {
+            return Err(PyTypeError::new_err(format!("an entry of kind {} has no Python form", other.kind_name())));
+        }
+    })
+}
+
+#[pymethods]
+impl PyTensorDict {
+    /// Builds a dict from a Python dict of tensors (anything with `__dlpack__`: numpy arrays,
+    /// torch tensors, ours; copied once) and nested dicts, with `batch_size` leading dims.
+    #[new]
+    #[pyo3(signature = (source, batch_size))]
+    fn py_new(source: &Bound<'_, PyDict>, batch_size: Vec<usize>) -> PyResult<Self> {
+        let mut td = TensorDict::new(batch_size);
+        fill(&mut td, &KeyPath::default(), source)?;
+        Ok(PyTensorDict { inner: td })
+    }
+
+    /// Maps the memmap folder at `path` (written by Python tensordict or by tensordict-rs).
+    /// Read-only unless `writable`: numpy arrays made from a read-only dict are read-only.
+    #[staticmethod]
+    #[pyo3(signature = (path, *, writable=false))]
+    fn load_memmap(py: Python<'_>, path: std::path::PathBuf, writable: bool) -> PyResult<Self> {
+        let inner = py.detach(|| TensorDict::load_memmap(&path, access(writable))).map_err(to_py_err)?;
+        Ok(PyTensorDict { inner })
+    }
+
+    /// Opens the shared-memory dict `prefix` (made by `share_memory` here or by a Rust process).
+    #[staticmethod]
+    #[pyo3(signature = (prefix, *, writable=false))]
+    fn open_shared(py: Python<'_>, prefix: String, writable: bool) -> PyResult<Self> {
+        let inner = py.detach(|| TensorDict::open_shared(&prefix, access(writable))).map_err(to_py_err)?;
+        Ok(PyTensorDict { inner })
+    }
+
+    /// Writes the dict to the folder `path` in Python tensordict's memmap format (atomically)
+    /// and returns it mapped from there, read-write.
+    #[pyo3(signature = (path, *, overwrite=false))]
+    fn memmap(&self, py: Python<'_>, path: std::path::PathBuf, overwrite: bool) -> PyResult<Self> {
+        let options = tensordict::WriteOptions::default().overwrite(overwrite);
+        let inner = py.detach(|| self.inner.memmap_with(&path, &options)).map_err(to_py_err)?;
+        Ok(PyTensorDict { inner })
+    }
+
+    /// Copies the dict into the shared-memory prefix `prefix` and returns it from there.
+    fn share_memory(&self, py: Python<'_>, prefix: String) -> PyResult<Self> {
+        let inner = py.detach(|| self.inner.share_memory(&prefix)).map_err(to_py_err)?;
+        Ok(PyTensorDict { inner })
+    }
+
+    /// Removes the shared-memory dict `prefix`.
+    #[staticmethod]
+    fn unlink_shared(prefix: String) -> PyResult<()> {
+        TensorDict::unlink_shared(&prefix).map_err(to_py_err)
+    }
+
+    /// The batch size, as a tuple.
+    #[getter]
+    fn batch_size<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.inner.batch_size())
+    }
+
+    /// The keys: top-level names, or with `include_nested` the nested keys as tuples;
+    /// `leaves_only` leaves out the nested dicts themselves.
+    #[pyo3(signature = (include_nested=false, leaves_only=false))]
+    fn keys<'py>(&self, py: Python<'py>, include_nested: bool, leaves_only: bool) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        self.inner
+            .keys(include_nested, leaves_only)
+            .into_iter()
+            .map(|k| {
+                let parts: Vec<&str> = k.parts().iter().map(String::as_str).collect();
+                if parts.len() == 1 {
+                    Ok(parts[0].into_pyobject(py)?.into_any())
+                } else {
+                    Ok(PyTuple::new(py, parts)?.into_any())
+                }
+            })
+            .collect()
+    }
+
+    /// `td["a"]`, `td["next", "obs"]`: an entry. Anything else indexes the batch dims as
+    /// torch does (ints, slices, `...`, `None`, lists or arrays of ints or bools, tuples):
+    /// a dict of views (ints, slices) or of copies (lists, masks).
+    fn __getitem__(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        if let Some(path) = key_path(key)? {
+            let entry = self.inner.get(path.clone()).map_err(|_| PyKeyError::new_err(format!("{path}")))?;
+            return entry_to_py(py, entry);
+        }
+        let index = index(key)?;
+        let inner =
+            py.detach(|| self.inner.index(index)).map_err(|e| PyIndexError::new_err(ErrorChain(&e).to_string()))?;
+        Ok(Py::new(py, PyTensorDict { inner })?.into_any())
+    }
+
+    fn __contains__(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(key_path(key)?.is_some_and(|k| self.inner.contains(k)))
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.batch_size().first().copied().unwrap_or(0)
+    }
+
+    /// A Python dict of the entries: tensors, nested dicts (as dicts), non-tensor values.
+    fn to_dict(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let out = PyDict::new(py);
+        for (name, entry) in self.inner.iter() {
+            let value = match entry {
+                Entry::Dict(d) => PyTensorDict { inner: d.clone() }.to_dict(py)?.into_any(),
+                other => entry_to_py(py, other)?,
+            };
+            out.set_item(name, value)?;
+        }
+        Ok(out.unbind())
+    }
+
+    /// Whether the tensors are mapped from files.
+    fn is_memmap(&self) -> bool {
+        self.inner.is_memmap()
+    }
+
+    /// Whether the tensors are in shared memory.
+    fn is_shared(&self) -> bool {
+        self.inner.is_shared()
+    }
+
+    fn __repr__(&self) -> String {
+        repr(&self.inner, 1)
+    }
+}
+
+/// Python tensordict's `repr`, with this package's tensors.
+fn repr(td: &TensorDict, depth: usize) -> String {
+    let pad = "    ".repeat(depth);
+    let mut fields = Vec::new();
+    for (name, entry) in td.iter() {
+        let value = match entry {
+            Entry::Tensor(t) => crate::tensor::repr(t),
+            Entry::Dict(d) => repr(d, depth + 2),
+            Entry::NonTensor(v) | Entry::NonTensorStack(v) => format!("NonTensorData(data={v})"),
+            _ => "?".to_owned(),
+        };
+        fields.push(format!("{pad}    {name}: {value}"));
+    }
+    let device = td.device().map_or_else(|| "None".to_owned(), |d| d.to_string());
+    format!(
+        "TensorDict(\n{pad}fields={{\n{}}},\n{pad}batch_size=torch.Size({:?}),\n{pad}device={device},\n{pad}is_shared={})",
+        fields.join(",\n"),
+        td.batch_size(),
+        crate::tensor::py_bool(td.is_shared())
+    )
+}
+
+/// Sets the entries of `source` (tensors, nested dicts, JSON-able values) into `td` under
+/// `prefix`.
+fn fill(td: &mut TensorDict, prefix: &KeyPath, source: &Bound<'_, PyDict>) -> PyResult<()> {
+    for (k, v) in source.iter() {
+        let name: String = k.extract().map_err(|_| PyTypeError::new_err("keys must be strings"))?;
+        let path = prefix.join(&name);
+        if let Ok(d) = v.cast::<PyDict>() {
+            let batch = td.batch_size().to_vec();
+            td.set(path.clone(), TensorDict::new(batch)).map_err(to_py_err)?;
+            fill(td, &path, d)?;
+        } else if let Ok(t) = v.cast::<PyTensor>() {
+            td.set(path, t.get().inner.clone()).map_err(to_py_err)?;
+        } else if v.hasattr("__dlpack__")? {
+            let tensor = dlpack::import(&v)?;
+            td.set(path, tensor).map_err(to_py_err)?;
+        } else {
+            let json = v.py().import("json")?.call_method1("dumps", (&v,))?.extract::<String>()?;
+            let value: Value =
+                serde_json::from_str(&json).map_err(|e| PyTypeError::new_err(format!("`{name}`: {e}")))?;
+            td.set(path, value).map_err(to_py_err)?;
+        }
+    }
+    Ok(())
+}

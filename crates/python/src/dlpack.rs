@@ -1,0 +1,338 @@
+//! DLPack both ways: our tensors handed to torch and numpy without a copy (the capsule owns a
+//! clone of the tensor, so the mapping or shared memory lives exactly as long as the consumer
+//! holds it), and their tensors read into ours.
+//!
+//! The structs are DLPack 1.0's (`dlpack.h`), with the unversioned `DLManagedTensor` for
+//! consumers that do not ask for a version. Read-only data is exported only as a versioned
+//! tensor with `DLPACK_FLAG_BITMASK_READ_ONLY` set (numpy 2 makes it a read-only array); a
+//! consumer that cannot be told (an unversioned request) gets a `BufferError` saying to open the
+//! dict writable or to ask for a copy, rather than a writable view of a read-only mapping, whose
+//! first write would kill the process.
+
+use std::ffi::{CStr, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use memmap_tensor::{DType, Device, StorageKind, Tensor};
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyCapsule;
+
+const DLTENSOR: &CStr = c"dltensor";
+const USED_DLTENSOR: &CStr = c"used_dltensor";
+const DLTENSOR_VERSIONED: &CStr = c"dltensor_versioned";
+const FLAG_READ_ONLY: u64 = 1;
+
+const KDL_CPU: i32 = 1;
+const KDL_CUDA: i32 = 2;
+const KDL_CUDA_HOST: i32 = 3;
+const KDL_CUDA_MANAGED: i32 = 13;
+
+/// Tensors handed out by DLPack and not yet let go of by their consumers.
+pub(crate) static LIVE_EXPORTS: AtomicUsize = AtomicUsize::new(0);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+#[repr(C)]
+struct DLPackVersion {
+    major: u32,
+    minor: u32,
+}
+
+#[repr(C)]
+struct DLManagedTensorVersioned {
+    version: DLPackVersion,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
+    flags: u64,
+    dl_tensor: DLTensor,
+}
+
+/// What a capsule owns: the tensor (its storage) and the shape and strides DLPack points at.
+struct Holder {
+    _tensor: Tensor,
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+}
+
+fn dl_dtype(dtype: DType) -> DLDataType {
+    let (code, bits) = match dtype {
+        DType::Bool => (6, 8),
+        DType::U8 => (1, 8),
+        DType::U16 => (1, 16),
+        DType::U32 => (1, 32),
+        DType::U64 => (1, 64),
+        DType::I8 => (0, 8),
+        DType::I16 => (0, 16),
+        DType::I32 => (0, 32),
+        DType::I64 => (0, 64),
+        DType::F16 => (2, 16),
+        DType::BF16 => (4, 16),
+        DType::F32 => (2, 32),
+        DType::F64 => (2, 64),
+        other => unreachable!("every dtype of memmap-tensor has a DLPack code ({other:?} was added without one)"),
+    };
+    DLDataType { code, bits, lanes: 1 }
+}
+
+fn from_dl_dtype(dtype: DLDataType) -> PyResult<DType> {
+    let d = match (dtype.code, dtype.bits, dtype.lanes) {
+        (6, 8, 1) => DType::Bool,
+        (1, 8, 1) => DType::U8,
+        (1, 16, 1) => DType::U16,
+        (1, 32, 1) => DType::U32,
+        (1, 64, 1) => DType::U64,
+        (0, 8, 1) => DType::I8,
+        (0, 16, 1) => DType::I16,
+        (0, 32, 1) => DType::I32,
+        (0, 64, 1) => DType::I64,
+        (2, 16, 1) => DType::F16,
+        (4, 16, 1) => DType::BF16,
+        (2, 32, 1) => DType::F32,
+        (2, 64, 1) => DType::F64,
+        (code, bits, lanes) => {
+            return Err(PyTypeError::new_err(format!(
+                "a DLPack tensor of type code {code}, {bits} bits, {lanes} lanes has no dtype here \
+                 (bool, uint8-64, int8-64, float16/32/64 and bfloat16 do)"
+            )));
+        }
+    };
+    Ok(d)
+}
+
+/// The DLPack device of a tensor.
+pub(crate) fn dl_device(t: &Tensor) -> (i32, i32) {
+    let ordinal = |d: Device| d.ordinal().and_then(|n| i32::try_from(n).ok()).unwrap_or(0);
+    match (t.storage().kind(), t.device()) {
+        (StorageKind::Managed, d) => (KDL_CUDA_MANAGED, ordinal(d)),
+        (StorageKind::Cuda, d) => (KDL_CUDA, ordinal(d)),
+        // Pinned memory is host memory: numpy reads it as such.
+        _ => (KDL_CPU, 0),
+    }
+}
+
+/// A capsule holding `t` for a DLPack consumer: versioned when the consumer can read it, with
+/// the read-only flag for read-only storage.
+pub(crate) fn export<'py>(py: Python<'py>, t: &Tensor, versioned: bool) -> PyResult<Bound<'py, PyCapsule>> {
+    let read_only = !t.storage().is_writable();
+    if read_only && !versioned {
+        return Err(PyBufferError::new_err(
+            "this tensor is read-only (its dict was opened read-only), and the consumer asked for an \
+             unversioned DLPack tensor, which cannot say so: open the dict with writable=True, or \
+             copy (numpy.from_dlpack(t, copy=True), or t.numpy(copy=True))",
+        ));
+    }
+    let shape: Vec<i64> = t.dims().iter().map(|&d| d as i64).collect();
+    let strides: Vec<i64> = t.layout().strides().iter().map(|&s| s as i64).collect();
+    let mut holder = Box::new(Holder { _tensor: t.clone(), shape, strides });
+    let (device_type, device_id) = dl_device(t);
+    // The first element's address: the storage's base plus the view's offset. Device memory
+    // has no host address; its DLPack pointer is the device address (with the `cuda` feature).
+    let data = t.data_ptr().cast::<c_void>();
+    let dl_tensor = DLTensor {
+        data,
+        device: DLDevice { device_type, device_id },
+        ndim: i32::try_from(holder.shape.len()).map_err(|_| PyValueError::new_err("too many dims"))?,
+        dtype: dl_dtype(t.dtype()),
+        shape: holder.shape.as_mut_ptr(),
+        strides: holder.strides.as_mut_ptr(),
+        byte_offset: 0,
+    };
+    let ctx = Box::into_raw(holder).cast::<c_void>();
+    LIVE_EXPORTS.fetch_add(1, Ordering::SeqCst);
+    if versioned {
+        let managed = Box::new(DLManagedTensorVersioned {
+            version: DLPackVersion { major: 1, minor: 0 },
+            manager_ctx: ctx,
+            deleter: Some(delete_versioned),
+            flags: if read_only { FLAG_READ_ONLY } else { 0 },
+            dl_tensor,
+        });
+        let ptr = Box::into_raw(managed);
+        // SAFETY: `ptr` is a live DLManagedTensorVersioned owned by the capsule until a
+        // consumer renames it and takes over (then the consumer calls the deleter); the name
+        // is a static C string; the destructor is ours, below.
+        unsafe { new_capsule(py, ptr.cast(), DLTENSOR_VERSIONED, capsule_versioned_destructor) }
+    } else {
+        let managed = Box::new(DLManagedTensor { dl_tensor, manager_ctx: ctx, deleter: Some(delete_unversioned) });
+        let ptr = Box::into_raw(managed);
+        // SAFETY: as above, for the unversioned struct.
+        unsafe { new_capsule(py, ptr.cast(), DLTENSOR, capsule_destructor) }
+    }
+}
+
+/// # Safety
+/// `ptr` is what the capsule named `name` owns, and `destructor` frees it if no consumer took
+/// it.
+unsafe fn new_capsule<'py>(
+    py: Python<'py>,
+    ptr: *mut c_void,
+    name: &'static CStr,
+    destructor: unsafe extern "C" fn(*mut pyo3::ffi::PyObject),
+) -> PyResult<Bound<'py, PyCapsule>> {
+    // SAFETY: the caller's contract; `PyCapsule_New` copies nothing and keeps `name`.
+    let raw = unsafe { pyo3::ffi::PyCapsule_New(ptr, name.as_ptr(), Some(destructor)) };
+    // SAFETY: `raw` is a new reference or null with an exception set.
+    let any = unsafe { Bound::from_owned_ptr_or_err(py, raw) }?;
+    any.cast_into::<PyCapsule>().map_err(PyErr::from)
+}
+
+unsafe extern "C" fn delete_unversioned(managed: *mut DLManagedTensor) {
+    // SAFETY: `managed` came from `Box::into_raw` in `export`, and a deleter runs once.
+    let managed = unsafe { Box::from_raw(managed) };
+    // SAFETY: `manager_ctx` came from `Box::into_raw(Holder)` in `export`.
+    drop(unsafe { Box::from_raw(managed.manager_ctx.cast::<Holder>()) });
+    LIVE_EXPORTS.fetch_sub(1, Ordering::SeqCst);
+}
+
+unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
+    // SAFETY: as in `delete_unversioned`.
+    let managed = unsafe { Box::from_raw(managed) };
+    // SAFETY: as in `delete_unversioned`.
+    drop(unsafe { Box::from_raw(managed.manager_ctx.cast::<Holder>()) });
+    LIVE_EXPORTS.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// Frees what a capsule holds if no consumer took it (a consumer renames it to `used_…`).
+unsafe extern "C" fn capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
+    // SAFETY: called by Python with the capsule; the name check tells whether it was consumed.
+    unsafe {
+        if pyo3::ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
+            let ptr = pyo3::ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr()).cast::<DLManagedTensor>();
+            if let Some(deleter) = (*ptr).deleter {
+                deleter(ptr);
+            }
+        }
+    }
+}
+
+unsafe extern "C" fn capsule_versioned_destructor(capsule: *mut pyo3::ffi::PyObject) {
+    // SAFETY: as in `capsule_destructor`.
+    unsafe {
+        if pyo3::ffi::PyCapsule_IsValid(capsule, DLTENSOR_VERSIONED.as_ptr()) == 1 {
+            let ptr = pyo3::ffi::PyCapsule_GetPointer(capsule, DLTENSOR_VERSIONED.as_ptr())
+                .cast::<DLManagedTensorVersioned>();
+            if let Some(deleter) = (*ptr).deleter {
+                deleter(ptr);
+            }
+        }
+    }
+}
+
+/// A copy of a DLPack producer's tensor (a numpy array, a torch tensor: anything with
+/// `__dlpack__`) as a new heap tensor, any strides. The producer's memory is read once and let
+/// go of before this returns.
+pub(crate) fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    let capsule = obj.call_method0("__dlpack__")?;
+    let capsule = capsule.cast_into::<PyCapsule>().map_err(PyErr::from)?;
+    let raw = capsule.as_ptr();
+    // SAFETY: a `dltensor` capsule holds a DLManagedTensor (the DLPack contract); we rename
+    // it to `used_dltensor` and call its deleter once we have copied, as a consumer must.
+    unsafe {
+        if pyo3::ffi::PyCapsule_IsValid(raw, DLTENSOR.as_ptr()) != 1 {
+            return Err(PyValueError::new_err("__dlpack__ did not return an unused `dltensor` capsule"));
+        }
+        let managed = pyo3::ffi::PyCapsule_GetPointer(raw, DLTENSOR.as_ptr()).cast::<DLManagedTensor>();
+        let result = copy_out(&(*managed).dl_tensor);
+        pyo3::ffi::PyCapsule_SetName(raw, USED_DLTENSOR.as_ptr());
+        if let Some(deleter) = (*managed).deleter {
+            deleter(managed);
+        }
+        result
+    }
+}
+
+/// Copies a DLPack tensor on the host into a new contiguous heap tensor.
+///
+/// # Safety
+/// `t` describes live memory as DLPack says (shape, strides in elements or null for C order,
+/// data + byte_offset).
+unsafe fn copy_out(t: &DLTensor) -> PyResult<Tensor> {
+    if t.device.device_type != KDL_CPU && t.device.device_type != KDL_CUDA_HOST {
+        return Err(PyValueError::new_err(format!(
+            "the tensor is on DLPack device type {} (id {}): only host tensors are read here; \
+             move it with .cpu() first",
+            t.device.device_type, t.device.device_id
+        )));
+    }
+    let dtype = from_dl_dtype(t.dtype)?;
+    let ndim = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err("negative ndim"))?;
+    // SAFETY: DLPack: `shape` holds `ndim` entries.
+    let shape: Vec<usize> = unsafe { std::slice::from_raw_parts(t.shape, ndim) }
+        .iter()
+        .map(|&d| usize::try_from(d).map_err(|_| PyValueError::new_err("a negative dim")))
+        .collect::<PyResult<_>>()?;
+    let elem = dtype.size_in_bytes();
+    let count: usize = shape.iter().product();
+    let strides: Vec<isize> = if t.strides.is_null() {
+        let mut s = vec![1isize; ndim];
+        for i in (0..ndim.saturating_sub(1)).rev() {
+            s[i] = s[i + 1] * shape[i + 1] as isize;
+        }
+        s
+    } else {
+        // SAFETY: DLPack: `strides` holds `ndim` entries when not null.
+        unsafe { std::slice::from_raw_parts(t.strides, ndim) }.iter().map(|&s| s as isize).collect()
+    };
+    let base = t.data.cast::<u8>().wrapping_add(t.byte_offset as usize);
+    let mut bytes = Vec::with_capacity(count * elem);
+    if count > 0 {
+        // SAFETY: the producer's memory covers every element its shape and strides name.
+        unsafe { gather_strided(base, &shape, &strides, elem, &mut bytes) };
+    }
+    Tensor::from_bytes(&bytes, dtype, shape.as_slice()).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// Appends the elements at `base` with `shape` and element `strides` to `out`, in C order.
+///
+/// # Safety
+/// Every element the shape and strides name is readable.
+unsafe fn gather_strided(base: *const u8, shape: &[usize], strides: &[isize], elem: usize, out: &mut Vec<u8>) {
+    match shape.len() {
+        0 => {
+            // SAFETY: the caller's contract, for one element.
+            out.extend_from_slice(unsafe { std::slice::from_raw_parts(base, elem) });
+        }
+        1 if strides[0] == 1 => {
+            // SAFETY: a contiguous run of `shape[0]` elements.
+            out.extend_from_slice(unsafe { std::slice::from_raw_parts(base, shape[0] * elem) });
+        }
+        _ => {
+            for i in 0..shape[0] {
+                let at = base.wrapping_offset(i as isize * strides[0] * elem as isize);
+                // SAFETY: the caller's contract, for the sub-array at index `i`.
+                unsafe { gather_strided(at, &shape[1..], &strides[1..], elem, out) };
+            }
+        }
+    }
+}

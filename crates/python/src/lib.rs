@@ -1,0 +1,32 @@
+//! `tensordict_rs._native`: the Python face of tensordict-rs. The pure-Python package
+//! `tensordict_rs` (in `python/`) re-exports it and adds what is simpler in Python.
+//!
+//! Tensors cross into torch and numpy by DLPack without a copy (`dlpack.rs`); dicts are
+//! tensordict-rs `TensorDict`s, loaded from memmap folders or shared memory, indexed with
+//! torch's indexing. Every call that reads or copies data, or waits, releases the GIL.
+
+// PyO3's macros expand to code the workspace lints cannot see through.
+#![allow(unsafe_op_in_unsafe_fn, missing_docs, unreachable_pub)]
+
+mod dict;
+mod dlpack;
+mod tensor;
+
+use pyo3::prelude::*;
+
+/// How many tensors handed to other libraries by DLPack are still held by them (each keeps
+/// its mapping or shared memory alive until let go of).
+#[pyfunction]
+fn live_exports() -> usize {
+    dlpack::LIVE_EXPORTS.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<tensor::PyTensor>()?;
+    m.add_class::<dict::PyTensorDict>()?;
+    m.add_function(wrap_pyfunction!(live_exports, m)?)?;
+    m.add("TensorDictError", m.py().get_type::<dict::TensorDictError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
