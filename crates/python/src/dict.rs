@@ -1,7 +1,7 @@
 //! `TensorDict`: a tensordict-rs dict from Python, with the names Python tensordict users type.
 
 use memmap_tensor::{Access, ErrorChain};
-use pyo3::exceptions::{PyIndexError, PyKeyError, PyTypeError};
+use pyo3::exceptions::{PyIndexError, PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySlice, PyTuple};
 use serde_json::Value;
@@ -256,6 +256,38 @@ fn repr(td: &TensorDict, depth: usize) -> String {
     )
 }
 
+/// A dict from Python: one of ours (shared, not copied), or a Python dict of arrays (copied
+/// once), whose batch size is the first dim of its first array when `batched`, else none.
+pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, batched: bool) -> PyResult<TensorDict> {
+    if let Ok(td) = obj.cast::<PyTensorDict>() {
+        return Ok(td.get().inner.clone());
+    }
+    let Ok(d) = obj.cast::<PyDict>() else {
+        return Err(PyTypeError::new_err(format!(
+            "expected a tensordict_rs.TensorDict or a dict of arrays, got {}",
+            obj.get_type().name()?
+        )));
+    };
+    let mut scratch = TensorDict::new(Vec::<usize>::new());
+    fill(&mut scratch, &KeyPath::default(), d)?;
+    if !batched {
+        return Ok(scratch);
+    }
+    let first = scratch.leaves().first().map(|(_, t)| t.dims().first().copied());
+    let n = match first {
+        Some(Some(n)) => n,
+        _ => return Err(PyValueError::new_err("a batch needs at least one array with a leading (batch) dim")),
+    };
+    let mut td = TensorDict::new([n]);
+    for (key, t) in scratch.leaves() {
+        td.set(key, t.clone()).map_err(to_py_err)?;
+    }
+    for (key, v) in scratch.non_tensors() {
+        td.set(key, v.clone()).map_err(to_py_err)?;
+    }
+    Ok(td)
+}
+
 /// Sets the entries of `source` (tensors, nested dicts, JSON-able values) into `td` under
 /// `prefix`.
 fn fill(td: &mut TensorDict, prefix: &KeyPath, source: &Bound<'_, PyDict>) -> PyResult<()> {
@@ -271,6 +303,10 @@ fn fill(td: &mut TensorDict, prefix: &KeyPath, source: &Bound<'_, PyDict>) -> Py
         } else if v.hasattr("__dlpack__")? {
             let tensor = dlpack::import(&v)?;
             td.set(path, tensor).map_err(to_py_err)?;
+        } else if v.hasattr("__array__")? && v.hasattr("dtype")? {
+            // numpy scalars (a row's `reward`) have no `__dlpack__`: as 0-d arrays they do.
+            let array = v.py().import("numpy")?.call_method1("asarray", (&v,))?;
+            td.set(path, dlpack::import(&array)?).map_err(to_py_err)?;
         } else {
             let json = v.py().import("json")?.call_method1("dumps", (&v,))?.extract::<String>()?;
             let value: Value =

@@ -287,14 +287,23 @@ unsafe fn copy_out(t: &DLTensor) -> PyResult<Tensor> {
     }
     let dtype = from_dl_dtype(t.dtype)?;
     let ndim = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err("negative ndim"))?;
-    // SAFETY: DLPack: `shape` holds `ndim` entries.
-    let shape: Vec<usize> = unsafe { std::slice::from_raw_parts(t.shape, ndim) }
+    // A 0-d tensor's shape (and strides) may be a null pointer.
+    let dims: &[i64] = if ndim == 0 || t.shape.is_null() {
+        &[]
+    } else {
+        // SAFETY: DLPack: `shape` holds `ndim` entries.
+        unsafe { std::slice::from_raw_parts(t.shape, ndim) }
+    };
+    if dims.len() != ndim {
+        return Err(PyValueError::new_err("a DLPack tensor with dims but no shape"));
+    }
+    let shape: Vec<usize> = dims
         .iter()
         .map(|&d| usize::try_from(d).map_err(|_| PyValueError::new_err("a negative dim")))
         .collect::<PyResult<_>>()?;
     let elem = dtype.size_in_bytes();
     let count: usize = shape.iter().product();
-    let strides: Vec<isize> = if t.strides.is_null() {
+    let strides: Vec<isize> = if t.strides.is_null() || ndim == 0 {
         let mut s = vec![1isize; ndim];
         for i in (0..ndim.saturating_sub(1)).rev() {
             s[i] = s[i + 1] * shape[i + 1] as isize;

@@ -10,6 +10,7 @@
 
 mod dict;
 mod dlpack;
+mod replay;
 mod tensor;
 
 use pyo3::prelude::*;
@@ -25,6 +26,7 @@ fn live_exports() -> usize {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tensor::PyTensor>()?;
     m.add_class::<dict::PyTensorDict>()?;
+    m.add_class::<replay::PyReplayBuffer>()?;
     m.add_function(wrap_pyfunction!(live_exports, m)?)?;
     m.add("TensorDictError", m.py().get_type::<dict::TensorDictError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -1,0 +1,283 @@
+"""Replay buffers with TorchRL's names: storages, samplers and writers are small option
+holders here, and the buffer is tensordict-rs's (``tensordict_rs._native.ReplayBuffer``).
+
+    >>> from tensordict_rs.replay import ReplayBuffer, LazyMemmapStorage, PrioritizedSampler
+    >>> rb = ReplayBuffer(storage=LazyMemmapStorage(100_000),
+    ...                   sampler=PrioritizedSampler(100_000, alpha=0.6, beta=0.4), batch_size=256)
+    >>> rb.extend({"obs": obs, "reward": reward})       # numpy arrays or torch tensors
+    >>> batch = rb.sample()                               # with "index" and "priority_weight"
+    >>> rb.update_priority(batch["index"], new_priorities)
+
+Samples are ``tensordict_rs.TensorDict``s whose tensors cross into torch and numpy by DLPack;
+``tensordict_rs.to_tensordict`` makes a Python ``tensordict.TensorDict`` of one.
+"""
+
+import json
+
+from tensordict_rs import _native
+
+__all__ = [
+    "LazyMemmapStorage",
+    "LazyTensorStorage",
+    "SharedStorage",
+    "RandomSampler",
+    "SamplerWithoutReplacement",
+    "PrioritizedSampler",
+    "SliceSampler",
+    "PrioritizedSliceSampler",
+    "RoundRobinWriter",
+    "TensorDictMaxValueWriter",
+    "ReplayBuffer",
+    "TensorDictReplayBuffer",
+    "PrioritizedReplayBuffer",
+]
+
+
+class LazyMemmapStorage:
+    """Rows in memory-mapped files (in ``scratch_dir``, else a temporary folder), created
+    with the schema of the first batch written."""
+
+    def __init__(self, max_size, scratch_dir=None):
+        self.max_size = int(max_size)
+        self.scratch_dir = scratch_dir
+
+    def _native(self):
+        return dict(storage="memmap", path=None if self.scratch_dir is None else str(self.scratch_dir))
+
+
+class LazyTensorStorage:
+    """Rows on the heap of this process."""
+
+    def __init__(self, max_size):
+        self.max_size = int(max_size)
+
+    def _native(self):
+        return dict(storage="heap")
+
+
+class SharedStorage:
+    """Rows in POSIX shared memory under ``prefix``, which other processes open by name
+    (``tensordict_rs.TensorDict.open_shared``)."""
+
+    def __init__(self, max_size, prefix):
+        self.max_size = int(max_size)
+        self.prefix = prefix
+
+    def _native(self):
+        return dict(storage="shared", prefix=self.prefix)
+
+
+class RandomSampler:
+    """Uniform draws with replacement."""
+
+    def _spec(self):
+        return {"uniform": {}}
+
+
+class SamplerWithoutReplacement:
+    """Each row once per epoch."""
+
+    def __init__(self, drop_last=False, shuffle=True):
+        self.drop_last = drop_last
+        self.shuffle = shuffle
+
+    def _spec(self):
+        return {"without-replacement": {"drop_last": self.drop_last, "shuffle": self.shuffle}}
+
+
+class PrioritizedSampler:
+    """Draws by priority (sum and min trees); samples carry ``priority_weight``."""
+
+    def __init__(self, max_capacity, alpha, beta, eps=1e-8, max_priority_within_buffer=False):
+        self.max_capacity = int(max_capacity)
+        self.alpha, self.beta, self.eps = float(alpha), float(beta), float(eps)
+        self.max_priority_within_buffer = bool(max_priority_within_buffer)
+
+    def _spec(self):
+        return {
+            "prioritized": {
+                "alpha": self.alpha,
+                "beta": self.beta,
+                "eps": self.eps,
+                "max_priority_within_buffer": self.max_priority_within_buffer,
+            }
+        }
+
+
+def _key(key):
+    return [key] if isinstance(key, str) else list(key)
+
+
+def _slices(num_slices, slice_len, traj_key, end_key):
+    if (num_slices is None) == (slice_len is None):
+        raise ValueError("give exactly one of num_slices and slice_len")
+    if traj_key is not None and end_key is not None:
+        raise ValueError("give traj_key or end_key, not both")
+    episodes = {"end_key": _key(end_key)} if end_key is not None else {"traj_key": _key(traj_key or "episode")}
+    shape = {"num_slices": int(num_slices)} if num_slices is not None else {"slice_len": int(slice_len)}
+    return episodes, shape
+
+
+class SliceSampler:
+    """Runs of consecutive steps of one trajectory (``traj_key``, default ``"episode"``, or
+    ``end_key``)."""
+
+    def __init__(self, num_slices=None, slice_len=None, traj_key=None, end_key=None, strict_length=True):
+        self.episodes, self.shape = _slices(num_slices, slice_len, traj_key, end_key)
+        self.strict_length = bool(strict_length)
+
+    def _spec(self):
+        return {"slice": {"episodes": self.episodes, "shape": self.shape, "strict_length": self.strict_length}}
+
+
+class PrioritizedSliceSampler:
+    """Slices whose starts are drawn by priority."""
+
+    def __init__(
+        self,
+        max_capacity,
+        alpha,
+        beta,
+        eps=1e-8,
+        num_slices=None,
+        slice_len=None,
+        traj_key=None,
+        end_key=None,
+        strict_length=True,
+        max_priority_within_buffer=False,
+    ):
+        self.max_capacity = int(max_capacity)
+        self.alpha, self.beta, self.eps = float(alpha), float(beta), float(eps)
+        self.episodes, self.shape = _slices(num_slices, slice_len, traj_key, end_key)
+        self.strict_length = bool(strict_length)
+        self.max_priority_within_buffer = bool(max_priority_within_buffer)
+
+    def _spec(self):
+        return {
+            "prioritized-slice": {
+                "alpha": self.alpha,
+                "beta": self.beta,
+                "eps": self.eps,
+                "max_priority_within_buffer": self.max_priority_within_buffer,
+                "episodes": self.episodes,
+                "shape": self.shape,
+                "strict_length": self.strict_length,
+            }
+        }
+
+
+class RoundRobinWriter:
+    """Writes rows in order, wrapping at the capacity."""
+
+    def _native(self):
+        return "round-robin"
+
+
+class TensorDictMaxValueWriter:
+    """Keeps the rows with the largest ``rank_key``."""
+
+    def __init__(self, rank_key="reward"):
+        self.rank_key = _key(rank_key)
+
+    def _native(self):
+        return "max-value:" + ".".join(self.rank_key)
+
+
+class ReplayBuffer:
+    """TorchRL's ``ReplayBuffer``: ``extend``, ``add``, ``sample``, ``update_priority``,
+    ``len``, ``dumps`` and ``loads`` (TorchRL 0.14.1's dump layout, both ways)."""
+
+    def __init__(self, *, storage=None, sampler=None, writer=None, batch_size=None, seed=None, _inner=None):
+        self.batch_size = batch_size
+        if _inner is not None:
+            self._rb = _inner
+            return
+        storage = storage if storage is not None else LazyTensorStorage(1_000_000)
+        sampler = sampler if sampler is not None else RandomSampler()
+        writer = writer if writer is not None else RoundRobinWriter()
+        capacity = getattr(sampler, "max_capacity", storage.max_size)
+        if capacity != storage.max_size:
+            raise ValueError(f"the sampler's max_capacity ({capacity}) is not the storage's max_size ({storage.max_size})")
+        self._rb = _native.ReplayBuffer(
+            storage.max_size, sampler=json.dumps(sampler._spec()), writer=writer._native(), seed=seed, **storage._native()
+        )
+
+    def extend(self, data):
+        """Writes a batch (a ``tensordict_rs.TensorDict`` or a dict of arrays with a leading
+        batch dim); returns the rows written."""
+        return self._rb.extend(data)
+
+    def add(self, data):
+        """Writes one row (no batch dim); returns its row, or ``None`` when a max-value
+        writer kept it out."""
+        return self._rb.add(data)
+
+    def sample(self, batch_size=None):
+        """A batch of rows, with ``index`` (and ``priority_weight`` when prioritized)."""
+        batch_size = batch_size if batch_size is not None else self.batch_size
+        if batch_size is None:
+            raise ValueError("give sample a batch_size, or the buffer one")
+        return self._rb.sample(int(batch_size))
+
+    def update_priority(self, index, priority):
+        """Sets the priorities of rows ``index`` (arrays, tensors, lists or scalars)."""
+        return self._rb.update_priority(_ints(index), _floats(priority))
+
+    def dumps(self, path):
+        """Writes a TorchRL dump folder at ``path``."""
+        self._rb.dumps(str(path))
+
+    @classmethod
+    def loads(cls, path, batch_size=None, seed=None):
+        """A buffer from a TorchRL dump folder (its rows on the heap)."""
+        return cls(batch_size=batch_size, _inner=_native.ReplayBuffer.loads(str(path), seed=seed))
+
+    @property
+    def storage(self):
+        """The storage as a ``tensordict_rs.TensorDict`` (``None`` before the first write)."""
+        return self._rb.storage()
+
+    def __getitem__(self, index):
+        return self._rb[_ints(index)]
+
+    def __len__(self):
+        return len(self._rb)
+
+    def __repr__(self):
+        return repr(self._rb)
+
+
+TensorDictReplayBuffer = ReplayBuffer
+
+
+class PrioritizedReplayBuffer(ReplayBuffer):
+    """TorchRL's ``PrioritizedReplayBuffer``: a ``PrioritizedSampler`` over ``storage``."""
+
+    def __init__(self, *, alpha, beta, eps=1e-8, storage=None, batch_size=None, seed=None):
+        storage = storage if storage is not None else LazyTensorStorage(1_000_000)
+        super().__init__(
+            storage=storage,
+            sampler=PrioritizedSampler(storage.max_size, alpha, beta, eps),
+            batch_size=batch_size,
+            seed=seed,
+        )
+
+
+def _ints(x):
+    if hasattr(x, "__dlpack__") and not isinstance(x, list):
+        import numpy as np
+
+        return [int(i) for i in np.from_dlpack(x).reshape(-1)]
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    return [int(i) for i in x] if isinstance(x, (list, tuple)) else [int(x)]
+
+
+def _floats(x):
+    if hasattr(x, "__dlpack__") and not isinstance(x, list):
+        import numpy as np
+
+        return [float(v) for v in np.from_dlpack(x).reshape(-1)]
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    return [float(v) for v in x] if isinstance(x, (list, tuple)) else [float(x)]

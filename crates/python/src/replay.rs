@@ -1,0 +1,156 @@
+//! `ReplayBuffer`: a local replay buffer of tensordict-rs, with TorchRL's samplers and
+//! writers (configured by the pure-Python classes of `tensordict_rs.replay`).
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use replay::{LoadOptions, MaxValue, ReplayBuffer, RoundRobin, SamplerSpec, StorageConfig, Writer};
+
+use crate::dict::{PyTensorDict, to_py_err, to_tensordict};
+
+/// A replay buffer (TorchRL's `ReplayBuffer`): `extend`, `add`, `sample`, `update_priority`,
+/// `dumps`/`loads` in TorchRL's dump layout. Built by `tensordict_rs.replay.ReplayBuffer`.
+#[pyclass(name = "ReplayBuffer", module = "tensordict_rs._native", frozen)]
+pub struct PyReplayBuffer {
+    inner: ReplayBuffer,
+    weighted: bool,
+}
+
+fn config(
+    storage: &str,
+    capacity: usize,
+    path: Option<std::path::PathBuf>,
+    prefix: Option<String>,
+) -> PyResult<StorageConfig> {
+    Ok(match (storage, path, prefix) {
+        ("memmap", Some(dir), _) => StorageConfig::memmap_in(dir, capacity),
+        ("memmap", None, _) => StorageConfig::memmap(capacity),
+        ("heap", _, _) => StorageConfig::heap(capacity),
+        ("shared", _, Some(p)) => StorageConfig::shared(p, capacity),
+        (other, _, _) => {
+            return Err(PyValueError::new_err(format!(
+                "storage `{other}`: expected memmap (with an optional folder), heap, or shared (with a prefix)"
+            )));
+        }
+    })
+}
+
+#[pymethods]
+impl PyReplayBuffer {
+    /// `sampler` is a sampler spec as JSON (`{"prioritized": {"alpha": 0.6, ...}}`); `writer`
+    /// is `round-robin` or `max-value:KEY` (a dotted key path).
+    #[new]
+    #[pyo3(signature = (capacity, storage, sampler, writer, *, path=None, prefix=None, seed=None))]
+    fn py_new(
+        capacity: usize,
+        storage: &str,
+        sampler: &str,
+        writer: &str,
+        path: Option<std::path::PathBuf>,
+        prefix: Option<String>,
+        seed: Option<u64>,
+    ) -> PyResult<Self> {
+        let spec: SamplerSpec =
+            serde_json::from_str(sampler).map_err(|e| PyValueError::new_err(format!("sampler spec: {e}")))?;
+        let writer: Box<dyn Writer> = match writer.split_once(':') {
+            None if writer == "round-robin" => Box::new(RoundRobin::new()),
+            Some(("max-value", key)) => Box::new(MaxValue::new(tensordict::KeyPath::new(key.split('.')))),
+            _ => {
+                return Err(PyValueError::new_err(format!("writer `{writer}`: expected round-robin or max-value:KEY")));
+            }
+        };
+        let weighted = spec.weighted();
+        let built = spec.build(capacity, seed).map_err(to_py_err)?;
+        let inner = ReplayBuffer::new(config(storage, capacity, path, prefix)?, writer, built).map_err(to_py_err)?;
+        Ok(PyReplayBuffer { inner, weighted })
+    }
+
+    /// Loads a TorchRL dump folder (written by TorchRL's `dumps` or ours) onto the heap.
+    #[staticmethod]
+    #[pyo3(signature = (path, *, seed=None))]
+    fn loads(py: Python<'_>, path: std::path::PathBuf, seed: Option<u64>) -> PyResult<Self> {
+        let mut options = LoadOptions::default();
+        options.seed = seed;
+        let inner = py.detach(|| ReplayBuffer::loads(&path, options)).map_err(to_py_err)?;
+        let weighted = inner.with_sampler(|s| s.spec().is_some_and(|spec| spec.weighted()));
+        Ok(PyReplayBuffer { inner, weighted })
+    }
+
+    /// Writes rows (a TensorDict or a dict of arrays with a leading batch dim); returns the
+    /// rows written, as TorchRL's `extend` returns its indices.
+    fn extend(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+        let td = to_tensordict(batch, true)?;
+        py.detach(|| self.inner.extend(&td)).map_err(to_py_err)
+    }
+
+    /// Writes one row (no batch dim); returns its row, or `None` when a max-value writer
+    /// kept it out.
+    fn add(&self, py: Python<'_>, row: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        let td = to_tensordict(row, false)?;
+        py.detach(|| self.inner.add(&td)).map_err(to_py_err)
+    }
+
+    /// Samples `batch_size` rows: a dict with the storage's keys, `index` (the rows, int64)
+    /// and, for prioritized samplers, `priority_weight` (float64), as TorchRL 0.14.1 returns.
+    fn sample(&self, py: Python<'_>, batch_size: usize) -> PyResult<PyTensorDict> {
+        let (mut td, info) = py.detach(|| self.inner.sample(batch_size)).map_err(to_py_err)?;
+        let n = info.indices.len();
+        let index: Vec<i64> = info.indices.iter().map(|&i| i as i64).collect();
+        td.set("index", memmap_tensor::Tensor::from_slice(&index, [n]).map_err(to_py_err)?).map_err(to_py_err)?;
+        if self.weighted
+            && let Some(w) = info.weights
+        {
+            td.set("priority_weight", memmap_tensor::Tensor::from_slice(&w, [n]).map_err(to_py_err)?)
+                .map_err(to_py_err)?;
+        }
+        Ok(PyTensorDict { inner: td })
+    }
+
+    /// Sets the priorities of rows `index` (prioritized samplers); a single priority applies
+    /// to every row.
+    fn update_priority(&self, py: Python<'_>, index: Vec<usize>, priority: Vec<f64>) -> PyResult<()> {
+        let priority = if priority.len() == 1 && index.len() > 1 { vec![priority[0]; index.len()] } else { priority };
+        py.detach(|| self.inner.update_priority(index, &priority)).map_err(to_py_err)
+    }
+
+    /// Writes a TorchRL dump folder at `path` (TorchRL 0.14.1's `ReplayBuffer.loads` reads it).
+    fn dumps(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
+        py.detach(|| self.inner.dumps(&path)).map_err(to_py_err)
+    }
+
+    /// Rows `index` of the storage.
+    fn __getitem__(&self, py: Python<'_>, index: Vec<usize>) -> PyResult<PyTensorDict> {
+        let inner = py.detach(|| self.inner.get(index)).map_err(to_py_err)?;
+        Ok(PyTensorDict { inner })
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// The number of rows the buffer holds at most.
+    #[getter]
+    fn capacity(&self) -> usize {
+        self.inner.capacity()
+    }
+
+    /// The sampler's spec, as JSON.
+    #[getter]
+    fn sampler_spec(&self) -> PyResult<String> {
+        let spec = self.inner.with_sampler(|s| s.spec());
+        serde_json::to_string(&spec).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// The storage, as a dict (its rows are the buffer's, `len(self)` of them valid).
+    fn storage(&self) -> Option<PyTensorDict> {
+        self.inner.storage().map(|s| PyTensorDict { inner: s.tensordict().clone() })
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ReplayBuffer(len={}, capacity={}, sampler={})",
+            self.inner.len(),
+            self.inner.capacity(),
+            self.inner.with_sampler(|s| s.name())
+        )
+    }
+}

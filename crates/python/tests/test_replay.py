@@ -1,0 +1,131 @@
+"""Replay buffers from Python with TorchRL's names: writes, samples with `index` and
+`priority_weight`, priorities, slices, dumps both ways (TorchRL 0.14.1's fixtures), and errors."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensordict_rs as tdr
+from tensordict_rs.replay import (
+    LazyMemmapStorage,
+    LazyTensorStorage,
+    PrioritizedReplayBuffer,
+    PrioritizedSampler,
+    RandomSampler,
+    ReplayBuffer,
+    SamplerWithoutReplacement,
+    SliceSampler,
+    TensorDictMaxValueWriter,
+)
+
+TORCHRL = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "torchrl-0.14.1"
+
+
+def rows(ids):
+    """The fixtures' rows: obs = 10 i + (0..4), action = i mod 5, reward = i / 100,
+    episode = i div 10."""
+    ids = np.asarray(ids)
+    return {
+        "obs": (10 * ids[:, None] + np.arange(4)).astype(np.float32),
+        "action": (ids % 5).astype(np.int64),
+        "reward": (ids / 100).astype(np.float32),
+        "episode": (ids // 10).astype(np.int64),
+    }
+
+
+def check(sample):
+    """Every sampled row is the row its index names (the buffer was filled with ids 0..n)."""
+    index = sample["index"].numpy()
+    obs = sample["obs"].numpy()
+    np.testing.assert_array_equal(obs[:, 0], 10 * index)
+    return index
+
+
+@pytest.mark.parametrize("storage", [LazyTensorStorage(100), LazyMemmapStorage(100)], ids=["heap", "memmap"])
+def test_extend_and_sample_like_torchrl(storage):
+    rb = ReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=32, seed=1)
+    assert rb.extend(rows(range(60))) == list(range(60))
+    assert len(rb) == 60
+    sample = rb.sample()
+    assert sample.batch_size == (32,)
+    assert set(sample.keys()) == {"obs", "action", "reward", "episode", "index"}
+    assert sample["index"].dtype == "torch.int64"
+    assert check(sample).max() < 60
+    assert rb.add({k: v[0] for k, v in rows([60]).items()}) == 60
+    assert len(rb) == 61
+
+
+def test_prioritized_samples_carry_weights_and_follow_priorities():
+    rb = PrioritizedReplayBuffer(alpha=1.0, beta=0.4, storage=LazyTensorStorage(50), batch_size=64, seed=2)
+    rb.extend(rows(range(50)))
+    sample = rb.sample()
+    assert "priority_weight" in sample.keys()
+    assert sample["priority_weight"].dtype == "torch.float64"
+    index = check(sample)
+    # Make row 7 far likelier than the rest: it dominates the next samples.
+    rb.update_priority(np.arange(50), np.full(50, 1e-6))
+    rb.update_priority([7], [1e6])
+    index = check(rb.sample(256))
+    assert (index == 7).mean() > 0.9
+    # Indices and priorities come as arrays, lists, scalars, or a sample's own tensor.
+    rb.update_priority(sample["index"], 1.0)
+
+
+def test_without_replacement_covers_every_row_once_per_epoch():
+    rb = ReplayBuffer(storage=LazyTensorStorage(40), sampler=SamplerWithoutReplacement(), seed=3)
+    rb.extend(rows(range(40)))
+    seen = np.concatenate([check(rb.sample(10)) for _ in range(4)])
+    assert sorted(seen.tolist()) == list(range(40))
+
+
+def test_slices_are_runs_of_one_episode():
+    rb = ReplayBuffer(storage=LazyTensorStorage(100), sampler=SliceSampler(num_slices=4, traj_key="episode"), seed=4)
+    rb.extend(rows(range(100)))
+    sample = rb.sample(32)
+    episodes = sample["episode"].numpy().reshape(4, 8)
+    assert (episodes == episodes[:, :1]).all(), "each slice stays in its episode"
+    index = check(sample).reshape(4, 8)
+    assert (np.diff(index, axis=1) == 1).all(), "consecutive steps"
+
+
+def test_max_value_writer_keeps_the_best_rows():
+    rb = ReplayBuffer(storage=LazyTensorStorage(4), writer=TensorDictMaxValueWriter("reward"))
+    for i in range(10):
+        rb.add({k: v[0] for k, v in rows([i]).items()})
+    kept = sorted(rb.storage["reward"].numpy().tolist())
+    assert kept == pytest.approx([0.06, 0.07, 0.08, 0.09])
+
+
+@pytest.mark.parametrize("name", ["uniform_wrapped", "prioritized", "slices", "max_value_writer"])
+def test_torchrl_dumps_load_and_ours_load_back(name, tmp_path):
+    expected = json.loads((TORCHRL / f"{name}.expected.json").read_text())
+    rb = ReplayBuffer.loads(TORCHRL / name, batch_size=8, seed=5)
+    assert len(rb) == expected["len"]
+    sample = rb.sample()
+    assert sample.batch_size[0] > 0
+    rb.dumps(tmp_path / "again")
+    back = ReplayBuffer.loads(tmp_path / "again", seed=5)
+    assert len(back) == len(rb)
+    np.testing.assert_array_equal(back.storage["obs"].numpy(), rb.storage["obs"].numpy())
+
+
+def test_bad_input_gets_clear_exceptions():
+    with pytest.raises(ValueError, match="max_capacity"):
+        ReplayBuffer(storage=LazyTensorStorage(10), sampler=PrioritizedSampler(20, 0.6, 0.4))
+    rb = ReplayBuffer(storage=LazyTensorStorage(10))
+    with pytest.raises(tdr.TensorDictError):
+        rb.sample(4)  # empty
+    rb.extend(rows(range(5)))
+    with pytest.raises(tdr.TensorDictError, match="obs|keys|schema"):
+        rb.extend({"other": np.zeros((2, 3), np.float32)})
+    with pytest.raises(ValueError, match="batch_size"):
+        rb.sample()
+    with pytest.raises(TypeError, match="dict of arrays"):
+        rb.extend([1, 2, 3])
+    with pytest.raises(ValueError, match="exactly one"):
+        SliceSampler()
+    with pytest.raises(tdr.TensorDictError):
+        rb.update_priority([0], [1.0])  # not prioritized
+    assert len(rb) == 5, "refused writes left nothing behind"
