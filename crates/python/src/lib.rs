@@ -10,6 +10,7 @@
 
 mod dict;
 mod dlpack;
+mod remote;
 mod replay;
 mod tensor;
 
@@ -27,6 +28,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tensor::PyTensor>()?;
     m.add_class::<dict::PyTensorDict>()?;
     m.add_class::<replay::PyReplayBuffer>()?;
+    m.add_class::<remote::PyRemoteBuffer>()?;
+    m.add_class::<remote::PyReplayServer>()?;
     m.add_function(wrap_pyfunction!(live_exports, m)?)?;
     m.add("TensorDictError", m.py().get_type::<dict::TensorDictError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -13,6 +13,7 @@ Samples are ``tensordict_rs.TensorDict``s whose tensors cross into torch and num
 """
 
 import json
+import os
 
 from tensordict_rs import _native
 
@@ -30,6 +31,8 @@ __all__ = [
     "ReplayBuffer",
     "TensorDictReplayBuffer",
     "PrioritizedReplayBuffer",
+    "RemoteReplayBuffer",
+    "ReplayServer",
 ]
 
 
@@ -281,3 +284,118 @@ def _floats(x):
     if hasattr(x, "tolist"):
         x = x.tolist()
     return [float(v) for v in x] if isinstance(x, (list, tuple)) else [float(x)]
+
+
+class RemoteReplayBuffer:
+    """A client of a replay service: by name on this node (``"NAME"``, a service of
+    ``tdict replay serve NAME`` or ``ReplayServer.start``), or by address (``"tcp:HOST:PORT"``
+    with the service's ``token``). TorchRL's calls; rows travel through the service's shared
+    memory or folder, not the socket.
+
+    A client pickles as its address and reconnects where it is unpickled. One made before a
+    ``fork`` raises in the child (its connection's threads did not survive the fork): make a
+    new one there, or pass it pickled."""
+
+    def __init__(self, target, *, token=None, batch_size=None, runtime_dir=None):
+        self._args = dict(target=str(target), token=token, batch_size=batch_size, runtime_dir=runtime_dir)
+        self.batch_size = batch_size
+        self._pid = os.getpid()
+        self._rb = _native.RemoteReplayBuffer(
+            str(target), token=token, runtime_dir=None if runtime_dir is None else str(runtime_dir)
+        )
+
+    def _client(self):
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this RemoteReplayBuffer was connected in process {self._pid}, and this is a forked "
+                f"child ({os.getpid()}): its connection did not survive the fork; make a new one "
+                "here (or pickle it, which reconnects)"
+            )
+        return self._rb
+
+    def extend(self, data):
+        """Writes a batch; returns the rows written."""
+        return self._client().extend(data)
+
+    def add(self, data):
+        """Writes one row; returns its row."""
+        return self._client().add(data)
+
+    def sample(self, batch_size=None, *, timeout=None):
+        """A batch with ``index`` (and ``priority_weight`` when prioritized). Waits for the
+        service's rate limiter at most ``timeout`` seconds (``None``: until it allows; Ctrl-C
+        interrupts)."""
+        batch_size = batch_size if batch_size is not None else self.batch_size
+        if batch_size is None:
+            raise ValueError("give sample a batch_size, or the buffer one")
+        return self._client().sample(int(batch_size), timeout=timeout)
+
+    def update_priority(self, index, priority):
+        """Sets the priorities of rows ``index``."""
+        return self._client().update_priority(_ints(index), _floats(priority))
+
+    def end_writes(self):
+        """Tells the service no more writes come: limited samples fail at once from now on."""
+        self._client().end_writes()
+
+    def stats(self):
+        """The service's counters."""
+        return self._client().stats()
+
+    @property
+    def capacity(self):
+        return self._client().capacity
+
+    def __len__(self):
+        return len(self._client())
+
+    def __getstate__(self):
+        return self._args
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    def __repr__(self):
+        return repr(self._rb)
+
+
+class ReplayServer:
+    """A replay service run by this process, as ``tdict replay serve`` runs one: clients on
+    this node connect by ``name``, others at ``listen`` (``"tcp:HOST:PORT"``) with ``token``."""
+
+    def __init__(self, name, capacity, *, sampler=None, path=None, listen=None, token=None, runtime_dir=None, seed=None):
+        spec = None if sampler is None else json.dumps(sampler._spec())
+        self.name = name
+        self._server = _native.ReplayServer.start(
+            name,
+            int(capacity),
+            sampler=spec,
+            path=None if path is None else str(path),
+            listen=listen,
+            token=token,
+            runtime_dir=None if runtime_dir is None else str(runtime_dir),
+            seed=seed,
+        )
+
+    start = classmethod(lambda cls, *args, **kwargs: cls(*args, **kwargs))
+
+    @property
+    def endpoint(self):
+        return self._server.endpoint
+
+    @property
+    def tcp_endpoint(self):
+        return self._server.tcp_endpoint
+
+    def stop(self):
+        """Stops serving; clients get errors from now on."""
+        self._server.stop()
+
+    def __len__(self):
+        return len(self._server)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

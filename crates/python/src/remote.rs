@@ -1,0 +1,228 @@
+//! `RemoteReplayBuffer` and `ReplayServer`: the replay service of tensordict-rs from Python.
+//! A Python actor writes into a buffer a Rust learner samples, and the other way round.
+
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use replay::SamplerSpec;
+use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
+use rpc::{ClientOptions, Endpoint, Token};
+
+use crate::dict::{PyTensorDict, to_py_err, to_tensordict};
+
+/// Waits longer than this are cut into windows, so that Ctrl-C is seen between them.
+const WAIT_WINDOW: Duration = Duration::from_millis(200);
+
+fn client_options(token: Option<&str>, runtime_dir: Option<std::path::PathBuf>) -> PyResult<ClientOptions> {
+    let mut options = ClientOptions::default();
+    if let Some(dir) = runtime_dir {
+        options = options.runtime_dir(dir);
+    }
+    if let Some(t) = token {
+        options = options.token(Token::from_bytes(t.as_bytes()).map_err(to_py_err)?);
+    }
+    Ok(options)
+}
+
+/// A client of a replay service (`tdict replay serve NAME`, `ReplayServer.start`): by name on
+/// this node (`"NAME"`), or by address (`"tcp:HOST:PORT"` with the service's `token`, or
+/// `"uds:NAME"`). TorchRL's calls: `extend`, `add`, `sample`, `update_priority`, `len`.
+#[pyclass(name = "RemoteReplayBuffer", module = "tensordict_rs._native", frozen)]
+pub struct PyRemoteBuffer {
+    inner: RemoteBuffer,
+    target: String,
+    weighted: bool,
+}
+
+#[pymethods]
+impl PyRemoteBuffer {
+    #[new]
+    #[pyo3(signature = (target, *, token=None, runtime_dir=None))]
+    fn py_new(
+        py: Python<'_>,
+        target: String,
+        token: Option<String>,
+        runtime_dir: Option<std::path::PathBuf>,
+    ) -> PyResult<Self> {
+        let options = client_options(token.as_deref(), runtime_dir)?;
+        let inner = py
+            .detach(|| {
+                if target.starts_with("tcp:") || target.starts_with("uds:") {
+                    let endpoint: Endpoint = target.parse()?;
+                    RemoteBuffer::connect_to(&endpoint, &options)
+                } else {
+                    RemoteBuffer::connect_with(&target, &options)
+                }
+            })
+            .map_err(to_py_err)?;
+        let weighted = inner.info().sampler.weighted();
+        Ok(PyRemoteBuffer { inner, target, weighted })
+    }
+
+    /// Writes a batch; returns the rows written.
+    fn extend(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+        let td = to_tensordict(batch, true)?;
+        py.detach(|| self.inner.extend(&td)).map_err(to_py_err)
+    }
+
+    /// Writes one row; returns its row.
+    fn add(&self, py: Python<'_>, row: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let td = to_tensordict(row, false)?;
+        py.detach(|| self.inner.add(&td)).map_err(to_py_err)
+    }
+
+    /// Samples `batch_size` rows (with `index`, and `priority_weight` when prioritized),
+    /// waiting for the rate limiter at most `timeout` seconds (`None`: as long as it takes;
+    /// Ctrl-C interrupts the wait).
+    #[pyo3(signature = (batch_size, *, timeout=None))]
+    fn sample(&self, py: Python<'_>, batch_size: usize, timeout: Option<f64>) -> PyResult<PyTensorDict> {
+        let deadline = timeout.map(|s| std::time::Instant::now() + Duration::from_secs_f64(s.max(0.0)));
+        loop {
+            let window = match deadline {
+                Some(d) => d.saturating_duration_since(std::time::Instant::now()).min(WAIT_WINDOW),
+                None => WAIT_WINDOW,
+            };
+            match py.detach(|| self.inner.sample(batch_size, Some(window))) {
+                Ok((mut td, info)) => {
+                    let n = info.indices.len();
+                    let index: Vec<i64> = info.indices.iter().map(|&i| i as i64).collect();
+                    let t = memmap_tensor::Tensor::from_slice(&index, [n]).map_err(to_py_err)?;
+                    td.set("index", t).map_err(to_py_err)?;
+                    if self.weighted
+                        && let Some(w) = info.weights
+                    {
+                        let t = memmap_tensor::Tensor::from_slice(&w, [n]).map_err(to_py_err)?;
+                        td.set("priority_weight", t).map_err(to_py_err)?;
+                    }
+                    return Ok(PyTensorDict { inner: td });
+                }
+                Err(replay::Error::Timeout { .. }) if deadline.is_none_or(|d| std::time::Instant::now() < d) => {
+                    // Let Python run its signal handlers (Ctrl-C raises here).
+                    py.check_signals()?;
+                }
+                Err(e) => return Err(to_py_err(e)),
+            }
+        }
+    }
+
+    /// Sets the priorities of rows `index` (prioritized services).
+    fn update_priority(&self, py: Python<'_>, index: Vec<usize>, priority: Vec<f64>) -> PyResult<()> {
+        let priority = if priority.len() == 1 && index.len() > 1 { vec![priority[0]; index.len()] } else { priority };
+        py.detach(|| self.inner.update_priority(&index, &priority)).map_err(to_py_err)
+    }
+
+    /// Ends writes: samples the rate limiter would hold back fail at once from now on.
+    fn end_writes(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.end_writes()).map_err(to_py_err)
+    }
+
+    /// The service's counters (rows, inserts, samples, open leases, sessions) as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let s = py.detach(|| self.inner.stats()).map_err(to_py_err)?;
+        let d = pyo3::types::PyDict::new(py);
+        for (k, v) in [
+            ("len", s.len),
+            ("capacity", s.capacity),
+            ("cursor", s.cursor),
+            ("write_count", s.write_count),
+            ("inserts", s.inserts),
+            ("samples", s.samples),
+            ("open_reservations", s.open_reservations),
+            ("open_leases", s.open_leases),
+            ("sessions", s.sessions),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        let s = py.detach(|| self.inner.stats()).map_err(to_py_err)?;
+        Ok(usize::try_from(s.len).unwrap_or(usize::MAX))
+    }
+
+    /// The rows the service holds at most.
+    #[getter]
+    fn capacity(&self) -> usize {
+        self.inner.capacity()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("RemoteReplayBuffer({:?}, capacity={})", self.target, self.inner.capacity())
+    }
+}
+
+/// A replay service run by this process (its threads), as `tdict replay serve` runs one.
+#[pyclass(name = "ReplayServer", module = "tensordict_rs._native", frozen)]
+pub struct PyReplayServer {
+    inner: ReplayServer,
+}
+
+#[pymethods]
+impl PyReplayServer {
+    /// Starts serving a buffer of `capacity` rows under `name`. `sampler` is a sampler spec
+    /// as JSON; `path`, a folder for the rows (else shared memory); `listen`, a
+    /// `tcp:HOST:PORT` to serve on too, with `token`.
+    #[staticmethod]
+    #[pyo3(signature = (name, capacity, *, sampler=None, path=None, listen=None, token=None, runtime_dir=None, seed=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        py: Python<'_>,
+        name: String,
+        capacity: usize,
+        sampler: Option<String>,
+        path: Option<std::path::PathBuf>,
+        listen: Option<String>,
+        token: Option<String>,
+        runtime_dir: Option<std::path::PathBuf>,
+        seed: Option<u64>,
+    ) -> PyResult<Self> {
+        let mut options = ReplayOptions::new(capacity);
+        if let Some(spec) = sampler {
+            let spec: SamplerSpec =
+                serde_json::from_str(&spec).map_err(|e| PyValueError::new_err(format!("sampler spec: {e}")))?;
+            options = options.sampler(spec);
+        }
+        if let Some(dir) = path {
+            options = options.dir(dir);
+        }
+        if let Some(dir) = runtime_dir {
+            options = options.runtime_dir(dir);
+        }
+        if let Some(seed) = seed {
+            options = options.seed(seed);
+        }
+        if let Some(addr) = listen {
+            let endpoint: Endpoint = addr.parse().map_err(to_py_err)?;
+            let token = match token {
+                Some(t) => Token::from_bytes(t.as_bytes()).map_err(to_py_err)?,
+                None => return Err(PyValueError::new_err("serving on TCP needs a token")),
+            };
+            options = options.listen(endpoint, token);
+        }
+        let inner = py.detach(|| ReplayServer::start(&name, options)).map_err(to_py_err)?;
+        Ok(PyReplayServer { inner })
+    }
+
+    /// The Unix-socket address clients on this node connect to.
+    #[getter]
+    fn endpoint(&self) -> String {
+        self.inner.endpoint().to_string()
+    }
+
+    /// The TCP address, if it listens on one.
+    #[getter]
+    fn tcp_endpoint(&self) -> Option<String> {
+        self.inner.tcp_endpoint().map(ToString::to_string)
+    }
+
+    /// Stops serving (clients get errors from now on).
+    fn stop(&self, py: Python<'_>) {
+        py.detach(|| self.inner.stop());
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.buffer().len()
+    }
+}
