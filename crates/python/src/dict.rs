@@ -28,6 +28,22 @@ pub(crate) fn to_py_err(e: impl std::error::Error + 'static) -> PyErr {
 #[pyclass(name = "TensorDict", module = "tensordict_rs", frozen)]
 pub struct PyTensorDict {
     pub(crate) inner: TensorDict,
+    /// What must outlive every tensor of the dict, beside its storages: a store lease.
+    pub(crate) keep: Keep,
+}
+
+/// Held by a dict, its tensors and every DLPack export of them (a store's lease on an entry).
+pub(crate) type Keep = Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>;
+
+impl PyTensorDict {
+    pub(crate) fn new(inner: TensorDict) -> Self {
+        PyTensorDict { inner, keep: None }
+    }
+
+    /// A dict derived from this one (an entry, an index): it keeps what this one keeps.
+    fn derived(&self, inner: TensorDict) -> Self {
+        PyTensorDict { inner, keep: self.keep.clone() }
+    }
 }
 
 fn access(writable: bool) -> Access {
@@ -99,10 +115,10 @@ fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
     Ok(json.call_method1("loads", (v.to_string(),))?.unbind())
 }
 
-fn entry_to_py(py: Python<'_>, entry: &Entry) -> PyResult<Py<PyAny>> {
+fn entry_to_py(py: Python<'_>, entry: &Entry, keep: &Keep) -> PyResult<Py<PyAny>> {
     Ok(match entry {
-        Entry::Tensor(t) => Py::new(py, PyTensor::new(t.clone()))?.into_any(),
-        Entry::Dict(d) => Py::new(py, PyTensorDict { inner: d.clone() })?.into_any(),
+        Entry::Tensor(t) => Py::new(py, PyTensor::with_keep(t.clone(), keep.clone()))?.into_any(),
+        Entry::Dict(d) => Py::new(py, PyTensorDict { inner: d.clone(), keep: keep.clone() })?.into_any(),
         Entry::NonTensor(v) | Entry::NonTensorStack(v) => to_py(py, v)?,
         other => {
             return Err(PyTypeError::new_err(format!("an entry of kind {} has no Python form", other.kind_name())));
@@ -118,8 +134,8 @@ impl PyTensorDict {
     #[pyo3(signature = (source, batch_size))]
     fn py_new(source: &Bound<'_, PyDict>, batch_size: Vec<usize>) -> PyResult<Self> {
         let mut td = TensorDict::new(batch_size);
-        fill(&mut td, &KeyPath::default(), source)?;
-        Ok(PyTensorDict { inner: td })
+        fill(&mut td, &KeyPath::default(), source, &mut dlpack::ImportCache::new())?;
+        Ok(PyTensorDict::new(td))
     }
 
     /// Maps the memmap folder at `path` (written by Python tensordict or by tensordict-rs).
@@ -128,7 +144,7 @@ impl PyTensorDict {
     #[pyo3(signature = (path, *, writable=false))]
     fn load_memmap(py: Python<'_>, path: std::path::PathBuf, writable: bool) -> PyResult<Self> {
         let inner = py.detach(|| TensorDict::load_memmap(&path, access(writable))).map_err(to_py_err)?;
-        Ok(PyTensorDict { inner })
+        Ok(PyTensorDict::new(inner))
     }
 
     /// Opens the shared-memory dict `prefix` (made by `share_memory` here or by a Rust process).
@@ -136,7 +152,7 @@ impl PyTensorDict {
     #[pyo3(signature = (prefix, *, writable=false))]
     fn open_shared(py: Python<'_>, prefix: String, writable: bool) -> PyResult<Self> {
         let inner = py.detach(|| TensorDict::open_shared(&prefix, access(writable))).map_err(to_py_err)?;
-        Ok(PyTensorDict { inner })
+        Ok(PyTensorDict::new(inner))
     }
 
     /// Writes the dict to the folder `path` in Python tensordict's memmap format (atomically)
@@ -145,13 +161,13 @@ impl PyTensorDict {
     fn memmap(&self, py: Python<'_>, path: std::path::PathBuf, overwrite: bool) -> PyResult<Self> {
         let options = tensordict::WriteOptions::default().overwrite(overwrite);
         let inner = py.detach(|| self.inner.memmap_with(&path, &options)).map_err(to_py_err)?;
-        Ok(PyTensorDict { inner })
+        Ok(PyTensorDict::new(inner))
     }
 
     /// Copies the dict into the shared-memory prefix `prefix` and returns it from there.
     fn share_memory(&self, py: Python<'_>, prefix: String) -> PyResult<Self> {
         let inner = py.detach(|| self.inner.share_memory(&prefix)).map_err(to_py_err)?;
-        Ok(PyTensorDict { inner })
+        Ok(PyTensorDict::new(inner))
     }
 
     /// Removes the shared-memory dict `prefix`.
@@ -190,12 +206,12 @@ impl PyTensorDict {
     fn __getitem__(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         if let Some(path) = key_path(key)? {
             let entry = self.inner.get(path.clone()).map_err(|_| PyKeyError::new_err(format!("{path}")))?;
-            return entry_to_py(py, entry);
+            return entry_to_py(py, entry, &self.keep);
         }
         let index = index(key)?;
         let inner =
             py.detach(|| self.inner.index(index)).map_err(|e| PyIndexError::new_err(ErrorChain(&e).to_string()))?;
-        Ok(Py::new(py, PyTensorDict { inner })?.into_any())
+        Ok(Py::new(py, self.derived(inner))?.into_any())
     }
 
     fn __contains__(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
@@ -211,8 +227,8 @@ impl PyTensorDict {
         let out = PyDict::new(py);
         for (name, entry) in self.inner.iter() {
             let value = match entry {
-                Entry::Dict(d) => PyTensorDict { inner: d.clone() }.to_dict(py)?.into_any(),
-                other => entry_to_py(py, other)?,
+                Entry::Dict(d) => self.derived(d.clone()).to_dict(py)?.into_any(),
+                other => entry_to_py(py, other, &self.keep)?,
             };
             out.set_item(name, value)?;
         }
@@ -269,7 +285,7 @@ pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, batched: bool) -> PyResult<T
         )));
     };
     let mut scratch = TensorDict::new(Vec::<usize>::new());
-    fill(&mut scratch, &KeyPath::default(), d)?;
+    fill(&mut scratch, &KeyPath::default(), d, &mut dlpack::ImportCache::new())?;
     if !batched {
         return Ok(scratch);
     }
@@ -290,23 +306,28 @@ pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, batched: bool) -> PyResult<T
 
 /// Sets the entries of `source` (tensors, nested dicts, JSON-able values) into `td` under
 /// `prefix`.
-fn fill(td: &mut TensorDict, prefix: &KeyPath, source: &Bound<'_, PyDict>) -> PyResult<()> {
+fn fill(
+    td: &mut TensorDict,
+    prefix: &KeyPath,
+    source: &Bound<'_, PyDict>,
+    cache: &mut dlpack::ImportCache,
+) -> PyResult<()> {
     for (k, v) in source.iter() {
         let name: String = k.extract().map_err(|_| PyTypeError::new_err("keys must be strings"))?;
         let path = prefix.join(&name);
         if let Ok(d) = v.cast::<PyDict>() {
             let batch = td.batch_size().to_vec();
             td.set(path.clone(), TensorDict::new(batch)).map_err(to_py_err)?;
-            fill(td, &path, d)?;
+            fill(td, &path, d, cache)?;
         } else if let Ok(t) = v.cast::<PyTensor>() {
             td.set(path, t.get().inner.clone()).map_err(to_py_err)?;
         } else if v.hasattr("__dlpack__")? {
-            let tensor = dlpack::import(&v)?;
+            let tensor = dlpack::import(&v, cache)?;
             td.set(path, tensor).map_err(to_py_err)?;
         } else if v.hasattr("__array__")? && v.hasattr("dtype")? {
             // numpy scalars (a row's `reward`) have no `__dlpack__`: as 0-d arrays they do.
             let array = v.py().import("numpy")?.call_method1("asarray", (&v,))?;
-            td.set(path, dlpack::import(&array)?).map_err(to_py_err)?;
+            td.set(path, dlpack::import(&array, cache)?).map_err(to_py_err)?;
         } else {
             let json = v.py().import("json")?.call_method1("dumps", (&v,))?.extract::<String>()?;
             let value: Value =

@@ -81,6 +81,7 @@ struct DLManagedTensorVersioned {
 /// What a capsule owns: the tensor (its storage) and the shape and strides DLPack points at.
 struct Holder {
     _tensor: Tensor,
+    _keep: crate::dict::Keep,
     shape: Vec<i64>,
     strides: Vec<i64>,
 }
@@ -143,7 +144,12 @@ pub(crate) fn dl_device(t: &Tensor) -> (i32, i32) {
 
 /// A capsule holding `t` for a DLPack consumer: versioned when the consumer can read it, with
 /// the read-only flag for read-only storage.
-pub(crate) fn export<'py>(py: Python<'py>, t: &Tensor, versioned: bool) -> PyResult<Bound<'py, PyCapsule>> {
+pub(crate) fn export<'py>(
+    py: Python<'py>,
+    t: &Tensor,
+    keep: crate::dict::Keep,
+    versioned: bool,
+) -> PyResult<Bound<'py, PyCapsule>> {
     let read_only = !t.storage().is_writable();
     if read_only && !versioned {
         return Err(PyBufferError::new_err(
@@ -154,7 +160,7 @@ pub(crate) fn export<'py>(py: Python<'py>, t: &Tensor, versioned: bool) -> PyRes
     }
     let shape: Vec<i64> = t.dims().iter().map(|&d| d as i64).collect();
     let strides: Vec<i64> = t.layout().strides().iter().map(|&s| s as i64).collect();
-    let mut holder = Box::new(Holder { _tensor: t.clone(), shape, strides });
+    let mut holder = Box::new(Holder { _tensor: t.clone(), _keep: keep, shape, strides });
     let (device_type, device_id) = dl_device(t);
     // The first element's address: the storage's base plus the view's offset. Device memory
     // has no host address; its DLPack pointer is the device address (with the `cuda` feature).
@@ -249,10 +255,17 @@ unsafe extern "C" fn capsule_versioned_destructor(capsule: *mut pyo3::ffi::PyObj
     }
 }
 
+/// Tensors imported by one call, by what they view: a tensor given twice (tied weights of a
+/// state dict) is copied once and shared, as in the producer.
+pub(crate) type ImportCache = std::collections::HashMap<Viewed, Tensor>;
+
+/// What a DLPack tensor views: its first byte, dtype code and bits, shape and strides.
+pub(crate) type Viewed = (usize, u8, u8, Vec<i64>, Vec<i64>);
+
 /// A copy of a DLPack producer's tensor (a numpy array, a torch tensor: anything with
 /// `__dlpack__`) as a new heap tensor, any strides. The producer's memory is read once and let
 /// go of before this returns.
-pub(crate) fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+pub(crate) fn import(obj: &Bound<'_, PyAny>, cache: &mut ImportCache) -> PyResult<Tensor> {
     let capsule = obj.call_method0("__dlpack__")?;
     let capsule = capsule.cast_into::<PyCapsule>().map_err(PyErr::from)?;
     let raw = capsule.as_ptr();
@@ -263,13 +276,45 @@ pub(crate) fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
             return Err(PyValueError::new_err("__dlpack__ did not return an unused `dltensor` capsule"));
         }
         let managed = pyo3::ffi::PyCapsule_GetPointer(raw, DLTENSOR.as_ptr()).cast::<DLManagedTensor>();
-        let result = copy_out(&(*managed).dl_tensor);
+        let t = &(*managed).dl_tensor;
+        let key = identity(t);
+        let result = match key.as_ref().and_then(|k| cache.get(k)) {
+            Some(seen) => Ok(seen.clone()),
+            None => copy_out(t),
+        };
+        if let (Some(k), Ok(tensor)) = (key, &result) {
+            cache.entry(k).or_insert_with(|| tensor.clone());
+        }
         pyo3::ffi::PyCapsule_SetName(raw, USED_DLTENSOR.as_ptr());
         if let Some(deleter) = (*managed).deleter {
             deleter(managed);
         }
         result
     }
+}
+
+/// What a DLPack tensor views: its first byte, dtype, shape and strides (`None` for a 0-d or
+/// empty tensor, which is never worth sharing).
+///
+/// # Safety
+/// `t` describes a live DLPack tensor.
+unsafe fn identity(t: &DLTensor) -> Option<Viewed> {
+    let ndim = usize::try_from(t.ndim).ok().filter(|&n| n > 0)?;
+    if t.shape.is_null() {
+        return None;
+    }
+    // SAFETY: DLPack: `shape` (and `strides`, when not null) hold `ndim` entries.
+    let shape = unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec();
+    if shape.contains(&0) {
+        return None;
+    }
+    let strides = if t.strides.is_null() {
+        Vec::new()
+    } else {
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts(t.strides, ndim) }.to_vec()
+    };
+    Some((t.data as usize + t.byte_offset as usize, t.dtype.code, t.dtype.bits, shape, strides))
 }
 
 /// Copies a DLPack tensor on the host into a new contiguous heap tensor.

@@ -12,6 +12,7 @@ mod dict;
 mod dlpack;
 mod remote;
 mod replay;
+mod store;
 mod tensor;
 
 use pyo3::prelude::*;
@@ -30,6 +31,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<replay::PyReplayBuffer>()?;
     m.add_class::<remote::PyRemoteBuffer>()?;
     m.add_class::<remote::PyReplayServer>()?;
+    m.add_class::<store::PyStore>()?;
+    m.add_class::<store::PyAllocation>()?;
     m.add_function(wrap_pyfunction!(live_exports, m)?)?;
     m.add("TensorDictError", m.py().get_type::<dict::TensorDictError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

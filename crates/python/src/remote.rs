@@ -14,7 +14,7 @@ use crate::dict::{PyTensorDict, to_py_err, to_tensordict};
 /// Waits longer than this are cut into windows, so that Ctrl-C is seen between them.
 const WAIT_WINDOW: Duration = Duration::from_millis(200);
 
-fn client_options(token: Option<&str>, runtime_dir: Option<std::path::PathBuf>) -> PyResult<ClientOptions> {
+pub(crate) fn client_options(token: Option<&str>, runtime_dir: Option<std::path::PathBuf>) -> PyResult<ClientOptions> {
     let mut options = ClientOptions::default();
     if let Some(dir) = runtime_dir {
         options = options.runtime_dir(dir);
@@ -95,7 +95,7 @@ impl PyRemoteBuffer {
                         let t = memmap_tensor::Tensor::from_slice(&w, [n]).map_err(to_py_err)?;
                         td.set("priority_weight", t).map_err(to_py_err)?;
                     }
-                    return Ok(PyTensorDict { inner: td });
+                    return Ok(PyTensorDict::new(td));
                 }
                 Err(replay::Error::Timeout { .. }) if deadline.is_none_or(|d| std::time::Instant::now() < d) => {
                     // Let Python run its signal handlers (Ctrl-C raises here).

@@ -102,7 +102,7 @@ impl PyReplayBuffer {
             td.set("priority_weight", memmap_tensor::Tensor::from_slice(&w, [n]).map_err(to_py_err)?)
                 .map_err(to_py_err)?;
         }
-        Ok(PyTensorDict { inner: td })
+        Ok(PyTensorDict::new(td))
     }
 
     /// Sets the priorities of rows `index` (prioritized samplers); a single priority applies
@@ -120,7 +120,7 @@ impl PyReplayBuffer {
     /// Rows `index` of the storage.
     fn __getitem__(&self, py: Python<'_>, index: Vec<usize>) -> PyResult<PyTensorDict> {
         let inner = py.detach(|| self.inner.get(index)).map_err(to_py_err)?;
-        Ok(PyTensorDict { inner })
+        Ok(PyTensorDict::new(inner))
     }
 
     fn __len__(&self) -> usize {
@@ -142,7 +142,7 @@ impl PyReplayBuffer {
 
     /// The storage, as a dict (its rows are the buffer's, `len(self)` of them valid).
     fn storage(&self) -> Option<PyTensorDict> {
-        self.inner.storage().map(|s| PyTensorDict { inner: s.tensordict().clone() })
+        self.inner.storage().map(|s| PyTensorDict::new(s.tensordict().clone()))
     }
 
     fn __repr__(&self) -> String {

@@ -12,11 +12,13 @@ use crate::dlpack;
 #[pyclass(name = "Tensor", module = "tensordict_rs", frozen)]
 pub struct PyTensor {
     pub(crate) inner: Tensor,
+    /// What must outlive the tensor beside its storage (a store lease).
+    pub(crate) keep: crate::dict::Keep,
 }
 
 impl PyTensor {
-    pub(crate) fn new(inner: Tensor) -> Self {
-        PyTensor { inner }
+    pub(crate) fn with_keep(inner: Tensor, keep: crate::dict::Keep) -> Self {
+        PyTensor { inner, keep }
     }
 }
 
@@ -94,7 +96,8 @@ impl PyTensor {
         } else {
             self.inner.clone()
         };
-        Ok(dlpack::export(py, &tensor, versioned)?.into_any())
+        let keep = if copy == Some(true) { None } else { self.keep.clone() };
+        Ok(dlpack::export(py, &tensor, keep, versioned)?.into_any())
     }
 
     /// `(device type, device id)` as DLPack numbers them (1 is the CPU).

@@ -10,8 +10,21 @@ The native module is ``tensordict_rs._native``; this package re-exports it.
 """
 
 from tensordict_rs._native import Tensor, TensorDict, TensorDictError, __version__, live_exports
+from tensordict_rs.replay import RemoteReplayBuffer, ReplayBuffer, ReplayServer
+from tensordict_rs.store import Store
 
-__all__ = ["Tensor", "TensorDict", "TensorDictError", "live_exports", "to_tensordict", "__version__"]
+__all__ = [
+    "RemoteReplayBuffer",
+    "ReplayBuffer",
+    "ReplayServer",
+    "Store",
+    "Tensor",
+    "TensorDict",
+    "TensorDictError",
+    "live_exports",
+    "to_tensordict",
+    "__version__",
+]
 
 
 def to_tensordict(td):

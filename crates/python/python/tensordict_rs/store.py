@@ -1,0 +1,80 @@
+"""The named store from Python: a ``model.state_dict()`` saved in one process loads in another
+as views of the store's shared memory, without a copy of its bytes.
+
+    >>> store = Store("models")                     # tdict store serve models
+    >>> store.save("policy/v3", model.state_dict())
+    >>> weights = store.load("policy/v3")           # in another process
+    >>> model.load_state_dict({k: torch.from_dlpack(v) for k, v in weights.to_dict().items()})
+
+A loaded entry is leased until the dict and every tensor taken from it are gone.
+"""
+
+import os
+
+from tensordict_rs import _native
+
+__all__ = ["Store"]
+
+
+class Store:
+    """A client of a named store: by name on this node, or ``"tcp:HOST:PORT"`` with the store's
+    ``token``. ``Store.start(name)`` serves one from this process. Pickles as its address and
+    reconnects; one made before a ``fork`` raises in the child."""
+
+    def __init__(self, target, *, token=None, runtime_dir=None, _inner=None):
+        self._args = dict(target=str(target), token=token, runtime_dir=runtime_dir)
+        self._pid = os.getpid()
+        self._store = _inner or _native.Store(
+            str(target), token=token, runtime_dir=None if runtime_dir is None else str(runtime_dir)
+        )
+
+    @classmethod
+    def start(cls, name, *, capacity=None, path=None, listen=None, token=None, runtime_dir=None):
+        """Serves a store from this process; it stops when the returned client goes."""
+        inner = _native.Store.start(
+            name,
+            capacity=capacity,
+            path=None if path is None else str(path),
+            listen=listen,
+            token=token,
+            runtime_dir=None if runtime_dir is None else str(runtime_dir),
+        )
+        return cls(name, token=token, runtime_dir=runtime_dir, _inner=inner)
+
+    def _client(self):
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this Store was connected in process {self._pid}, and this is a forked child "
+                f"({os.getpid()}): make a new one here (or pickle it, which reconnects)"
+            )
+        return self._store
+
+    def save(self, key, value, *, ttl=None):
+        """Saves a dict of tensors (a state dict, arrays, a TensorDict) under ``key``."""
+        self._client().save(key, value, ttl=ttl)
+
+    def load(self, key, *, timeout=None, writable=False):
+        """The entry ``key`` as a TensorDict over the store's memory (no copy)."""
+        return self._client().load(key, timeout=timeout, writable=writable)
+
+    def keys(self, prefix=""):
+        return self._client().keys(prefix)
+
+    def remove(self, key):
+        return self._client().remove(key)
+
+    def allocate(self, like):
+        """Space shaped like ``like`` to fill in place, then ``seal(key)``."""
+        return self._client().allocate(like)
+
+    def __contains__(self, key):
+        return key in self._client()
+
+    def __getstate__(self):
+        return self._args
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    def __repr__(self):
+        return repr(self._store)

@@ -1,0 +1,174 @@
+//! `Store`: the named store of tensordict-rs from Python. A state dict saved in one process
+//! loads in another as views of the store's shared memory (no copy of its bytes), tied
+//! weights kept, the entry leased for as long as any of its tensors is held.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use rpc::store::{Allocation, Store, StoreOptions, Wait};
+use rpc::{Endpoint, Token};
+
+use crate::dict::{PyTensorDict, to_py_err, to_tensordict};
+use crate::remote::client_options;
+
+/// A client of a named store (`tdict store serve NAME`, or `Store.start`): by name on this
+/// node, or `"tcp:HOST:PORT"` with the store's `token`.
+#[pyclass(name = "Store", module = "tensordict_rs._native", frozen)]
+pub struct PyStore {
+    inner: Store,
+    target: String,
+}
+
+fn wait(timeout: Option<f64>) -> Wait {
+    match timeout {
+        None => Wait::NOW,
+        Some(s) if s.is_infinite() => Wait::Forever,
+        Some(s) => Wait::For(Duration::from_secs_f64(s.max(0.0))),
+    }
+}
+
+#[pymethods]
+impl PyStore {
+    #[new]
+    #[pyo3(signature = (target, *, token=None, runtime_dir=None))]
+    fn py_new(
+        py: Python<'_>,
+        target: String,
+        token: Option<String>,
+        runtime_dir: Option<std::path::PathBuf>,
+    ) -> PyResult<Self> {
+        let options = client_options(token.as_deref(), runtime_dir)?;
+        let inner = py
+            .detach(|| {
+                if target.starts_with("tcp:") || target.starts_with("uds:") {
+                    let endpoint: Endpoint = target.parse()?;
+                    Store::connect_to(&endpoint, &options)
+                } else {
+                    Store::connect_with(&target, &options)
+                }
+            })
+            .map_err(to_py_err)?;
+        Ok(PyStore { inner, target })
+    }
+
+    /// Serves a store named `name` from this process (entries in shared memory, or as folders
+    /// under `path`), and returns a client of it; the store stops when this client goes.
+    #[staticmethod]
+    #[pyo3(signature = (name, *, capacity=None, path=None, listen=None, token=None, runtime_dir=None))]
+    fn start(
+        py: Python<'_>,
+        name: String,
+        capacity: Option<u64>,
+        path: Option<std::path::PathBuf>,
+        listen: Option<String>,
+        token: Option<String>,
+        runtime_dir: Option<std::path::PathBuf>,
+    ) -> PyResult<Self> {
+        let mut options = StoreOptions::default();
+        if let Some(c) = capacity {
+            options = options.capacity(c);
+        }
+        if let Some(dir) = path {
+            options = options.dir(dir);
+        }
+        if let Some(dir) = runtime_dir {
+            options = options.runtime_dir(dir);
+        }
+        if let Some(addr) = listen {
+            let endpoint: Endpoint = addr.parse().map_err(to_py_err)?;
+            let token = token.ok_or_else(|| PyValueError::new_err("serving on TCP needs a token"))?;
+            options = options.listen(endpoint, Token::from_bytes(token.as_bytes()).map_err(to_py_err)?);
+        }
+        let inner = py.detach(|| Store::start_with(&name, options)).map_err(to_py_err)?;
+        Ok(PyStore { inner, target: name })
+    }
+
+    /// Saves a dict (a `state_dict()` of torch tensors, numpy arrays, a TensorDict) under
+    /// `key`, copying its bytes into the store once; tensors that share memory (tied weights)
+    /// are saved once and stay shared.
+    #[pyo3(signature = (key, value, *, ttl=None))]
+    fn save(&self, py: Python<'_>, key: &str, value: &Bound<'_, PyAny>, ttl: Option<f64>) -> PyResult<()> {
+        let td = to_tensordict(value, false)?;
+        let ttl = ttl.map(|s| Duration::from_secs_f64(s.max(0.0)));
+        py.detach(|| self.inner.save(key, &td, ttl)).map_err(to_py_err)
+    }
+
+    /// Loads the entry `key` as a TensorDict viewing the store's memory (no copy), leased
+    /// until it and every tensor taken from it (numpy, torch) are gone. Waits up to
+    /// `timeout` seconds for the key to appear (`None`: not at all; `float("inf")`: forever).
+    #[pyo3(signature = (key, *, timeout=None, writable=false))]
+    fn load(&self, py: Python<'_>, key: &str, timeout: Option<f64>, writable: bool) -> PyResult<PyTensorDict> {
+        let loaded = py
+            .detach(|| {
+                if writable {
+                    self.inner.load_writable(key, wait(timeout))
+                } else {
+                    self.inner.load(key, wait(timeout))
+                }
+            })
+            .map_err(to_py_err)?;
+        let td = (*loaded).clone();
+        let keep: crate::dict::Keep = Some(Arc::new(loaded));
+        Ok(PyTensorDict { inner: td, keep })
+    }
+
+    /// The keys starting with `prefix`, sorted.
+    #[pyo3(signature = (prefix=""))]
+    fn keys(&self, py: Python<'_>, prefix: &str) -> PyResult<Vec<String>> {
+        py.detach(|| self.inner.keys(prefix)).map_err(to_py_err)
+    }
+
+    /// Removes `key`; whether it was there. Loads holding it keep their views.
+    fn remove(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        py.detach(|| self.inner.remove(key)).map_err(to_py_err)
+    }
+
+    fn __contains__(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        py.detach(|| self.inner.contains(key)).map_err(to_py_err)
+    }
+
+    /// Space in the store shaped like `like` (its keys, dtypes and shapes; its values are not
+    /// copied), to fill in place (`numpy.from_dlpack(a["w"])[...] = ...`) and `seal` under a
+    /// key: an entry made without a copy of its bytes.
+    fn allocate(&self, py: Python<'_>, like: &Bound<'_, PyAny>) -> PyResult<PyAllocation> {
+        let td = to_tensordict(like, false)?;
+        let allocation = py.detach(|| self.inner.allocate(&td)).map_err(to_py_err)?;
+        Ok(PyAllocation { inner: Mutex::new(Some(allocation)) })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Store({:?})", self.target)
+    }
+}
+
+/// Space allocated in a store, to be filled and sealed under a key.
+#[pyclass(name = "Allocation", module = "tensordict_rs._native", frozen)]
+pub struct PyAllocation {
+    inner: Mutex<Option<Allocation>>,
+}
+
+#[pymethods]
+impl PyAllocation {
+    /// The allocated dict, writable: its tensors are the store's memory.
+    #[getter]
+    fn dict(&self) -> PyResult<PyTensorDict> {
+        let guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let a = guard.as_ref().ok_or_else(|| PyValueError::new_err("this allocation was sealed already"))?;
+        Ok(PyTensorDict::new((**a).clone()))
+    }
+
+    /// Publishes what was written under `key`, without a copy.
+    #[pyo3(signature = (key, *, ttl=None))]
+    fn seal(&self, py: Python<'_>, key: &str, ttl: Option<f64>) -> PyResult<()> {
+        let a = self
+            .inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| PyValueError::new_err("this allocation was sealed already"))?;
+        let ttl = ttl.map(|s| Duration::from_secs_f64(s.max(0.0)));
+        py.detach(|| a.seal_with_ttl(key, ttl)).map_err(to_py_err)
+    }
+}

@@ -1,0 +1,144 @@
+"""The named store from Python: state dicts saved and loaded across processes without a copy of
+their bytes, tied weights kept, leases held exactly as long as a tensor is, allocate and seal,
+and entries crossing to and from Rust (`tdict store save/load`)."""
+
+import gc
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensordict_rs as tdr
+from tensordict_rs import Store
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def tdict():
+    for profile in ("debug", "release"):
+        path = ROOT / "target" / profile / "tdict"
+        if path.exists():
+            return str(path)
+    pytest.skip("tdict is not built (cargo build --workspace)")
+
+
+@pytest.fixture
+def short_dir():
+    """A runtime folder with a short path: a Unix socket's path holds at most 107 bytes."""
+    path = tempfile.mkdtemp(prefix="tdr", dir="/tmp")
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def store(short_dir):
+    yield Store.start(f"py{os.getpid()}", runtime_dir=short_dir)
+
+
+def state_dict():
+    embed = np.arange(24, dtype=np.float32).reshape(6, 4)
+    return {
+        "embed.weight": embed,
+        "lm_head.weight": embed,  # tied to the embedding, as in many language models
+        "layer.0.bias": np.linspace(-1, 1, 4).astype(np.float32),
+        "step": np.array(7, np.int64),
+    }
+
+
+def test_a_state_dict_loads_in_another_process_without_a_copy_tied_weights_kept(store):
+    store.save("policy/v1", state_dict())
+    assert store.keys() == ["policy/v1"] and "policy/v1" in store
+    code = (
+        "import numpy as np, pickle, sys\n"
+        "store = pickle.loads(sys.stdin.buffer.read())\n"
+        "w = store.load('policy/v1')\n"
+        "e, h = w['embed.weight'], w['lm_head.weight']\n"
+        "assert e.data_ptr() == h.data_ptr(), 'tied weights share memory'\n"
+        "a = np.from_dlpack(e)\n"
+        "assert a.ctypes.data == e.data_ptr(), 'numpy sees the store memory itself'\n"
+        "assert not a.flags.writeable\n"
+        "assert (a == np.arange(24, dtype=np.float32).reshape(6, 4)).all()\n"
+        "assert int(w['step'].numpy()) == 7\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(store), capture_output=True, check=True)
+    assert out.stdout.strip() == b"ok", out.stderr
+
+
+def test_a_lease_lasts_as_long_as_the_last_tensor(store):
+    store.save("w", {"x": np.arange(1000, dtype=np.float64)})
+    gc.collect()
+    before = tdr.live_exports()
+    loaded = store.load("w")
+    arr = np.from_dlpack(loaded["x"])
+    del loaded
+    gc.collect()
+    # The dict is gone; the array still reads the entry, and the entry can be removed under it.
+    assert store.remove("w")
+    assert arr[999] == 999.0
+    assert tdr.live_exports() == before + 1
+    del arr
+    gc.collect()
+    assert tdr.live_exports() == before
+    with pytest.raises(tdr.TensorDictError):
+        store.load("w")
+
+
+def test_allocate_fill_and_seal_makes_an_entry_without_a_copy(store):
+    allocation = store.allocate({"w": np.zeros((3, 5), np.float32), "b": np.zeros(5, np.float32)})
+    d = allocation.dict
+    w = np.from_dlpack(d["w"])
+    assert w.flags.writeable
+    w[...] = 2.5
+    np.from_dlpack(d["b"])[...] = -1.0
+    allocation.seal("made")
+    got = store.load("made")
+    assert (got["w"].numpy() == 2.5).all() and (got["b"].numpy() == -1.0).all()
+    with pytest.raises(ValueError, match="sealed"):
+        allocation.seal("again")
+
+
+def test_entries_cross_to_and_from_rust(tmp_path, short_dir):
+    binary = tdict()
+    name = f"pyx{os.getpid()}"
+    run = short_dir
+    env = dict(os.environ, TDICT_RUNTIME_DIR=str(run))
+    subprocess.run([binary, "store", "serve", "--name", name], check=True, env=env, capture_output=True)
+    try:
+        py = Store(name, runtime_dir=run)
+        py.save("from-python", state_dict())
+        # Rust reads what Python saved, into a folder Python reads back.
+        out = tmp_path / "out"
+        subprocess.run([binary, "store", "load", "--name", name, "from-python", str(out)], check=True, env=env, capture_output=True)
+        folder = tdr.TensorDict.load_memmap(out)
+        np.testing.assert_array_equal(folder["lm_head.weight"].numpy(), state_dict()["lm_head.weight"])
+        # Rust saves a folder Python made; Python loads it from the store.
+        src = tdr.TensorDict({"v": np.arange(10, dtype=np.int32)}, batch_size=[]).memmap(tmp_path / "src")
+        assert src.is_memmap()
+        subprocess.run([binary, "store", "save", "--name", name, "from-rust", str(tmp_path / "src")], check=True, env=env, capture_output=True)
+        np.testing.assert_array_equal(py.load("from-rust")["v"].numpy(), np.arange(10, dtype=np.int32))
+    finally:
+        subprocess.run([binary, "store", "stop", "--name", name], env=env, capture_output=True)
+
+
+def test_bad_input_gets_clear_exceptions(store, short_dir):
+    with pytest.raises(tdr.TensorDictError):
+        Store("no-such-store", runtime_dir=short_dir)
+    with pytest.raises(tdr.TensorDictError, match="absent|not found|no entry|nope"):
+        store.load("nope")
+    with pytest.raises(tdr.TensorDictError, match="timed out|absent|not found|nope"):
+        store.load("nope", timeout=0.2)
+    with pytest.raises(TypeError, match="dict of arrays"):
+        store.save("k", [1, 2, 3])
+    for key in ["", "k" * 5000]:
+        with pytest.raises(tdr.TensorDictError):
+            store.save(key, {"x": np.zeros(2)})
+    # A key is a name, not a path: "../x" is as good as any and escapes nothing.
+    store.save("../x", {"x": np.zeros(2)})
+    assert "../x" in store
