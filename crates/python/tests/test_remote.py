@@ -157,3 +157,23 @@ def test_a_python_actor_killed_between_reserve_and_commit_leaves_no_sampled_rows
             whole(learner.sample(32))
         stats = learner.stats()
         assert stats["open_reservations"] == 0, "the killed actor's session gave its reservation up"
+
+
+def test_the_example_actor_and_learner_run_against_tdict_replay_serve(runtime):
+    tdict = binary("tdict")
+    env = dict(os.environ, TDICT_RUNTIME_DIR=str(runtime))
+    serve = [tdict, "replay", "serve", "--name", "example", "--capacity", "10000"]
+    subprocess.run(serve + ["--sampler", "prioritized", "--alpha", "0.6", "--beta", "0.4"], check=True, env=env)
+    try:
+        for script in ("actor.py", "learner.py"):
+            out = subprocess.run(
+                [sys.executable, str(ROOT / "examples" / "python" / script), "example"],
+                check=True,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            assert out.stdout.strip(), script
+        assert "distinct rows" in out.stdout
+    finally:
+        subprocess.run([tdict, "replay", "stop", "--name", "example"], env=env)
