@@ -317,6 +317,61 @@ unsafe fn identity(t: &DLTensor) -> Option<Viewed> {
     Some((t.data as usize + t.byte_offset as usize, t.dtype.code, t.dtype.bits, shape, strides))
 }
 
+/// Row numbers or priorities from Python: one of our tensors, anything with `__dlpack__` (a
+/// numpy array, a torch tensor: read as int64 or float64 whatever its dtype), a list, or a
+/// single number.
+pub(crate) fn numbers<T: for<'a, 'py> FromPyObject<'a, 'py> + Copy>(
+    obj: &Bound<'_, PyAny>,
+    from_tensor: impl Fn(&Tensor) -> memmap_tensor::Result<Vec<T>>,
+) -> PyResult<Vec<T>> {
+    let as_vec = |t: &Tensor| from_tensor(t).map_err(|e| PyTypeError::new_err(e.to_string()));
+    if let Ok(t) = obj.cast::<crate::tensor::PyTensor>() {
+        return as_vec(&t.get().inner);
+    }
+    if obj.hasattr("__dlpack__")? {
+        return as_vec(&import(obj, &mut ImportCache::new())?);
+    }
+    if let Ok(v) = obj.extract::<Vec<T>>() {
+        return Ok(v);
+    }
+    obj.extract::<T>().map(|x| vec![x]).map_err(|_| {
+        PyTypeError::new_err(format!(
+            "expected numbers (an array, a tensor, a list or a number), got {}",
+            obj.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+        ))
+    })
+}
+
+/// A tensor's elements as int64 (integer dtypes only).
+pub(crate) fn ints(t: &Tensor) -> memmap_tensor::Result<Vec<i64>> {
+    let t = t.contiguous()?;
+    Ok(match t.dtype() {
+        DType::I64 => t.to_vec::<i64>()?,
+        DType::I32 => t.to_vec::<i32>()?.into_iter().map(i64::from).collect(),
+        DType::I16 => t.to_vec::<i16>()?.into_iter().map(i64::from).collect(),
+        DType::I8 => t.to_vec::<i8>()?.into_iter().map(i64::from).collect(),
+        DType::U8 => t.to_vec::<u8>()?.into_iter().map(i64::from).collect(),
+        DType::U16 => t.to_vec::<u16>()?.into_iter().map(i64::from).collect(),
+        DType::U32 => t.to_vec::<u32>()?.into_iter().map(i64::from).collect(),
+        DType::U64 => t.to_vec::<u64>()?.into_iter().map(|x| i64::try_from(x).unwrap_or(i64::MAX)).collect(),
+        other => {
+            return Err(memmap_tensor::Error::DTypeMismatch { op: "row numbers", actual: other, requested: DType::I64 });
+        }
+    })
+}
+
+/// A tensor's elements as float64 (float and integer dtypes).
+pub(crate) fn floats(t: &Tensor) -> memmap_tensor::Result<Vec<f64>> {
+    let t = t.contiguous()?;
+    Ok(match t.dtype() {
+        DType::F64 => t.to_vec::<f64>()?,
+        DType::F32 => t.to_vec::<f32>()?.into_iter().map(f64::from).collect(),
+        DType::F16 => t.to_vec::<half::f16>()?.into_iter().map(f64::from).collect(),
+        DType::BF16 => t.to_vec::<half::bf16>()?.into_iter().map(f64::from).collect(),
+        _ => ints(&t)?.into_iter().map(|x| x as f64).collect(),
+    })
+}
+
 /// Copies a DLPack tensor on the host into a new contiguous heap tensor.
 ///
 /// # Safety

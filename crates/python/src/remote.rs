@@ -107,7 +107,14 @@ impl PyRemoteBuffer {
     }
 
     /// Sets the priorities of rows `index` (prioritized services).
-    fn update_priority(&self, py: Python<'_>, index: Vec<usize>, priority: Vec<f64>) -> PyResult<()> {
+    fn update_priority(&self, py: Python<'_>, index: &Bound<'_, PyAny>, priority: &Bound<'_, PyAny>) -> PyResult<()> {
+        let index: Vec<usize> = crate::dlpack::numbers::<i64>(index, crate::dlpack::ints)?
+            .into_iter()
+            .map(|i| {
+                usize::try_from(i).map_err(|_| pyo3::exceptions::PyIndexError::new_err(format!("row {i} is negative")))
+            })
+            .collect::<PyResult<_>>()?;
+        let priority = crate::dlpack::numbers::<f64>(priority, crate::dlpack::floats)?;
         let priority = if priority.len() == 1 && index.len() > 1 { vec![priority[0]; index.len()] } else { priority };
         py.detach(|| self.inner.update_priority(&index, &priority)).map_err(to_py_err)
     }

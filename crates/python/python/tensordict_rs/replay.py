@@ -224,7 +224,7 @@ class ReplayBuffer:
 
     def update_priority(self, index, priority):
         """Sets the priorities of rows ``index`` (arrays, tensors, lists or scalars)."""
-        return self._rb.update_priority(_ints(index), _floats(priority))
+        return self._rb.update_priority(index, priority)
 
     def dumps(self, path):
         """Writes a TorchRL dump folder at ``path``."""
@@ -276,15 +276,6 @@ def _ints(x):
     return [int(i) for i in x] if isinstance(x, (list, tuple)) else [int(x)]
 
 
-def _floats(x):
-    if hasattr(x, "__dlpack__") and not isinstance(x, list):
-        import numpy as np
-
-        return [float(v) for v in np.from_dlpack(x).reshape(-1)]
-    if hasattr(x, "tolist"):
-        x = x.tolist()
-    return [float(v) for v in x] if isinstance(x, (list, tuple)) else [float(x)]
-
 
 class RemoteReplayBuffer:
     """A client of a replay service: by name on this node (``"NAME"``, a service of
@@ -332,7 +323,7 @@ class RemoteReplayBuffer:
 
     def update_priority(self, index, priority):
         """Sets the priorities of rows ``index``."""
-        return self._client().update_priority(_ints(index), _floats(priority))
+        return self._client().update_priority(index, priority)
 
     def end_writes(self):
         """Tells the service no more writes come: limited samples fail at once from now on."""

@@ -1,0 +1,131 @@
+"""tensordict_rs from Python beside `tdict bench replay` (the same calls in Rust) and
+`tools/python/bench_torchrl_replay.py` (TorchRL): the same shapes and measures, so that
+the binding's overhead and the comparison with TorchRL are read off one run.
+
+A `tensordict_rs.replay.ReplayBuffer` over a `LazyMemmapStorage` of ROWS rows of `obs` and
+`next/obs` f32[84], `action` i64, `reward` f32, `done` bool and `episode` i64 (697 bytes; a new
+episode every 100 rows), filled before timing. Medians per call in µs over ITERS calls, after
+ITERS / 10 untimed:
+
+- extend_us: `extend` of 32 rows (numpy arrays, copied once into the storage);
+- sample_us: `sample(256)`, uniform;
+- prio_sample_us: prioritized `sample(256)` + `update_priority` of those rows;
+- slice_sample_us: `sample(256)` with SliceSampler(num_slices 8, traj_key "episode");
+- remote_sample_us: `sample(256)` through a replay service started in this process (rows in
+  shared memory, the request over a Unix socket).
+
+Prints one JSON object. With `--rust TDICT` it also runs `TDICT bench replay --json` with the
+same rows and iterations and adds `overhead_us`: the Python call minus the Rust call, per
+measure. Compare only figures from one run on one machine.
+
+Usage: python tools/python/bench_bindings.py [--rows 1000000] [--iters 2000] [--rust target/release/tdict]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+
+from tensordict_rs.replay import (
+    LazyMemmapStorage,
+    PrioritizedSampler,
+    RandomSampler,
+    RemoteReplayBuffer,
+    ReplayBuffer,
+    ReplayServer,
+    SliceSampler,
+)
+
+EXTEND_ROWS = 32
+SAMPLE_ROWS = 256
+EPISODE_LEN = 100
+FILL_CHUNK = 8192
+
+
+def rows(start, n):
+    ids = np.arange(start, start + n)
+    obs = (ids[:, None] * 84 + np.arange(84)).astype(np.float32)
+    return {
+        "obs": obs,
+        "action": ids % 6,
+        "reward": (ids % 7).astype(np.float32),
+        "done": ids % EPISODE_LEN == EPISODE_LEN - 1,
+        "episode": ids // EPISODE_LEN,
+        "next": {"obs": obs + 1.0},
+    }
+
+
+def fill(rb, total):
+    for start in range(0, total, FILL_CHUNK):
+        rb.extend(rows(start, min(FILL_CHUNK, total - start)))
+
+
+def median_us(iters, call):
+    for _ in range(max(1, iters // 10)):
+        call()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter_ns()
+        call()
+        times.append(time.perf_counter_ns() - t)
+    return round(statistics.median(times) / 1e3, 2)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--rust", help="a tdict binary: also run `bench replay` and report the overhead")
+    args = parser.parse_args()
+    n, iters = args.rows, args.iters
+    out = {"rows": n, "iters": iters}
+    with tempfile.TemporaryDirectory(prefix="bench-bindings-") as tmp:
+        uniform = ReplayBuffer(storage=LazyMemmapStorage(n, f"{tmp}/u"), sampler=RandomSampler())
+        fill(uniform, n)
+        batch = rows(0, EXTEND_ROWS)
+        out["extend_us"] = median_us(iters, lambda: uniform.extend(batch))
+        out["sample_us"] = median_us(iters, lambda: uniform.sample(SAMPLE_ROWS))
+        del uniform
+
+        prio = ReplayBuffer(storage=LazyMemmapStorage(n, f"{tmp}/p"), sampler=PrioritizedSampler(n, 0.6, 0.4))
+        fill(prio, n)
+        priorities = np.ones(SAMPLE_ROWS)
+
+        def prio_step():
+            s = prio.sample(SAMPLE_ROWS)
+            prio.update_priority(s["index"], priorities)
+
+        out["prio_sample_us"] = median_us(iters, prio_step)
+        del prio
+
+        sliced = ReplayBuffer(storage=LazyMemmapStorage(n, f"{tmp}/s"), sampler=SliceSampler(num_slices=8, traj_key="episode"))
+        fill(sliced, n)
+        out["slice_sample_us"] = median_us(iters, lambda: sliced.sample(SAMPLE_ROWS))
+        del sliced
+
+        with ReplayServer("bench-bindings", n, runtime_dir=f"{tmp}/run"):
+            client = RemoteReplayBuffer("bench-bindings", runtime_dir=f"{tmp}/run")
+            fill(client, n)
+            out["remote_sample_us"] = median_us(iters, lambda: client.sample(SAMPLE_ROWS))
+            del client
+
+    if args.rust:
+        rust = json.loads(
+            subprocess.run(
+                [args.rust, "bench", "replay", "--rows", str(n), "--iters", str(iters), "--json"],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
+        out["rust"] = {k: rust[k] for k in ("extend_us", "sample_us", "prio_sample_us", "slice_sample_us", "remote_sample_us") if k in rust}
+        out["overhead_us"] = {k: round(out[k] - v, 2) for k, v in out["rust"].items()}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
