@@ -188,15 +188,27 @@ pub(crate) fn export<'py>(
         // SAFETY: `ptr` is a live DLManagedTensorVersioned owned by the capsule until a
         // consumer renames it and takes over (then the consumer calls the deleter); the name
         // is a static C string; the destructor is ours, below.
-        unsafe { new_capsule(py, ptr.cast(), DLTENSOR_VERSIONED, capsule_versioned_destructor) }
+        let capsule = unsafe { new_capsule(py, ptr.cast(), DLTENSOR_VERSIONED, capsule_versioned_destructor) };
+        if capsule.is_err() {
+            // SAFETY: no capsule owns `ptr`: it is still ours, freed once.
+            unsafe { delete_versioned(ptr) };
+        }
+        capsule
     } else {
         let managed = Box::new(DLManagedTensor { dl_tensor, manager_ctx: ctx, deleter: Some(delete_unversioned) });
         let ptr = Box::into_raw(managed);
         // SAFETY: as above, for the unversioned struct.
-        unsafe { new_capsule(py, ptr.cast(), DLTENSOR, capsule_destructor) }
+        let capsule = unsafe { new_capsule(py, ptr.cast(), DLTENSOR, capsule_destructor) };
+        if capsule.is_err() {
+            // SAFETY: no capsule owns `ptr`: it is still ours, freed once.
+            unsafe { delete_unversioned(ptr) };
+        }
+        capsule
     }
 }
 
+/// A capsule owning `ptr`. On an error no capsule was made, and `ptr` is still the caller's.
+///
 /// # Safety
 /// `ptr` is what the capsule named `name` owns, and `destructor` frees it if no consumer took
 /// it.
@@ -210,7 +222,9 @@ unsafe fn new_capsule<'py>(
     let raw = unsafe { pyo3::ffi::PyCapsule_New(ptr, name.as_ptr(), Some(destructor)) };
     // SAFETY: `raw` is a new reference or null with an exception set.
     let any = unsafe { Bound::from_owned_ptr_or_err(py, raw) }?;
-    any.cast_into::<PyCapsule>().map_err(PyErr::from)
+    // SAFETY: `PyCapsule_New` returns a capsule. (A checked cast could fail only after the
+    // capsule owned `ptr`, which the caller would then free twice.)
+    Ok(unsafe { any.cast_into_unchecked::<PyCapsule>() })
 }
 
 unsafe extern "C" fn delete_unversioned(managed: *mut DLManagedTensor) {
@@ -355,7 +369,11 @@ pub(crate) fn ints(t: &Tensor) -> memmap_tensor::Result<Vec<i64>> {
         DType::U32 => t.to_vec::<u32>()?.into_iter().map(i64::from).collect(),
         DType::U64 => t.to_vec::<u64>()?.into_iter().map(|x| i64::try_from(x).unwrap_or(i64::MAX)).collect(),
         other => {
-            return Err(memmap_tensor::Error::DTypeMismatch { op: "row numbers", actual: other, requested: DType::I64 });
+            return Err(memmap_tensor::Error::DTypeMismatch {
+                op: "row numbers",
+                actual: other,
+                requested: DType::I64,
+            });
         }
     })
 }

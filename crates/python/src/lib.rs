@@ -5,9 +5,6 @@
 //! tensordict-rs `TensorDict`s, loaded from memmap folders or shared memory, indexed with
 //! torch's indexing. Every call that reads or copies data, or waits, releases the GIL.
 
-// PyO3's macros expand to code the workspace lints cannot see through.
-#![allow(unsafe_op_in_unsafe_fn, missing_docs, unreachable_pub)]
-
 mod dict;
 mod dlpack;
 mod remote;
