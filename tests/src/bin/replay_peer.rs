@@ -1,7 +1,7 @@
 //! A Rust actor or learner of a replay service, for tests that pair it with another language:
 //!
 //! - `replay-peer act NAME RUNTIME_DIR FIRST COUNT`: writes rows `FIRST..FIRST+COUNT` in
-//!   batches of 10, each row's `obs` (f32[8]) and `action` (i64) all holding its value;
+//!   batches of 10, each row's `obs` (`f32[8]`) and `action` (`i64`) all holding its value;
 //!   prints `done`.
 //! - `replay-peer learn NAME RUNTIME_DIR BATCHES BATCH`: samples that many batches and checks
 //!   every row is whole (all its values equal); prints one JSON line: rows checked, bad rows,
