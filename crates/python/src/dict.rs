@@ -248,6 +248,41 @@ impl PyTensorDict {
     fn __repr__(&self) -> String {
         repr(&self.inner, 1)
     }
+
+    /// Pickles by where the dict lives (its folder or shared-memory prefix, and the rows it
+    /// views): unpickling maps it again, in whatever process, with no copy. A dict on the heap
+    /// cannot be pickled so: write it with `memmap` or `share_memory` first.
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let backing = self.inner.backing().map_err(|e| {
+            PyTypeError::new_err(format!(
+                "a TensorDict pickles by where it lives (a folder or shared memory): {}",
+                ErrorChain(&e)
+            ))
+        })?;
+        let writable = self.inner.leaves().iter().all(|(_, t)| t.storage().is_writable());
+        let rows = backing.rows.map(|r| (r.start, r.end));
+        let reopen = py.import("tensordict_rs._native")?.getattr("_reopen")?;
+        let args = (backing.location.to_string(), writable, rows).into_pyobject(py)?;
+        Ok((reopen, args))
+    }
+}
+
+/// Maps a dict again from where it lives (what `TensorDict.__reduce__` pickles).
+#[pyfunction]
+#[pyo3(signature = (location, writable, rows=None))]
+pub(crate) fn _reopen(
+    py: Python<'_>,
+    location: String,
+    writable: bool,
+    rows: Option<(usize, usize)>,
+) -> PyResult<PyTensorDict> {
+    let location = tensordict::DictLocation::parse(std::ffi::OsStr::new(&location)).map_err(PyValueError::new_err)?;
+    let td = py.detach(|| location.open(access(writable))).map_err(to_py_err)?;
+    let td = match rows {
+        Some((start, stop)) => td.index(Index::slice(Some(start as i64), Some(stop as i64), 1)).map_err(to_py_err)?,
+        None => td,
+    };
+    Ok(PyTensorDict::new(td))
 }
 
 /// Python tensordict's `repr`, with this package's tensors.

@@ -31,6 +31,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyStore>()?;
     m.add_class::<store::PyAllocation>()?;
     m.add_function(wrap_pyfunction!(live_exports, m)?)?;
+    m.add_function(wrap_pyfunction!(dict::_reopen, m)?)?;
     m.add("TensorDictError", m.py().get_type::<dict::TensorDictError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

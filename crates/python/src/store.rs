@@ -3,12 +3,12 @@
 //! weights kept, the entry leased for as long as any of its tensors is held.
 
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use rpc::store::{Allocation, Store, StoreOptions, Wait};
-use rpc::{Endpoint, Token};
+use rpc::{Endpoint, Token, WireError};
 
 use crate::dict::{PyTensorDict, to_py_err, to_tensordict};
 use crate::remote::client_options;
@@ -21,13 +21,8 @@ pub struct PyStore {
     target: String,
 }
 
-fn wait(timeout: Option<f64>) -> Wait {
-    match timeout {
-        None => Wait::NOW,
-        Some(s) if s.is_infinite() => Wait::Forever,
-        Some(s) => Wait::For(Duration::from_secs_f64(s.max(0.0))),
-    }
-}
+/// Waits longer than this are cut into windows, so that Ctrl-C is seen between them.
+const WAIT_WINDOW: Duration = Duration::from_millis(200);
 
 #[pymethods]
 impl PyStore {
@@ -100,15 +95,32 @@ impl PyStore {
     /// `timeout` seconds for the key to appear (`None`: not at all; `float("inf")`: forever).
     #[pyo3(signature = (key, *, timeout=None, writable=false))]
     fn load(&self, py: Python<'_>, key: &str, timeout: Option<f64>, writable: bool) -> PyResult<PyTensorDict> {
-        let loaded = py
-            .detach(|| {
+        // Long waits go in windows, so that Ctrl-C is seen between them.
+        let started = Instant::now();
+        let deadline = match timeout {
+            None => Some(started),
+            Some(s) if s.is_infinite() => None,
+            Some(s) => Some(started + Duration::from_secs_f64(s.max(0.0))),
+        };
+        let loaded = loop {
+            let window = deadline.map_or(WAIT_WINDOW, |d| d.saturating_duration_since(Instant::now()).min(WAIT_WINDOW));
+            let attempt = py.detach(|| {
                 if writable {
-                    self.inner.load_writable(key, wait(timeout))
+                    self.inner.load_writable(key, Wait::For(window))
                 } else {
-                    self.inner.load(key, wait(timeout))
+                    self.inner.load(key, Wait::For(window))
                 }
-            })
-            .map_err(to_py_err)?;
+            });
+            match attempt {
+                Ok(loaded) => break loaded,
+                Err(rpc::Error::Remote { error: WireError::NotFound { .. }, .. })
+                    if deadline.is_none_or(|d| Instant::now() < d) =>
+                {
+                    py.check_signals()?;
+                }
+                Err(e) => return Err(to_py_err(e)),
+            }
+        };
         let td = (*loaded).clone();
         let keep: crate::dict::Keep = Some(Arc::new(loaded));
         Ok(PyTensorDict { inner: td, keep })

@@ -203,3 +203,26 @@ def test_bad_input_gets_clear_exceptions(folder, tmp_path):
         tdr.TensorDict({"c": np.zeros(3, np.complex64)}, batch_size=[3])
     with pytest.raises(tdr.TensorDictError, match="exists|already"):
         sample().memmap(tmp_path / "dict")
+
+
+def test_dicts_pickle_by_where_they_live(folder, tmp_path):
+    import pickle
+
+    again = pickle.loads(pickle.dumps(folder[1:4]))
+    assert again.batch_size == (3,)
+    np.testing.assert_array_equal(again["obs"].numpy(), folder["obs"].numpy()[1:4])
+    assert again["obs"].data_ptr() != 0 and again.is_memmap()
+    prefix = f"tdict-py-pickle-{os.getpid()}"
+    shared = sample().share_memory(prefix)
+    try:
+        code = (
+            "import pickle, sys, numpy as np\n"
+            "td = pickle.loads(sys.stdin.buffer.read())\n"
+            "np.from_dlpack(td['obs'])[0, 0] = -5.0\n"
+        )
+        subprocess.run([sys.executable, "-c", code], input=pickle.dumps(shared), check=True)
+        assert np.from_dlpack(shared["obs"])[0, 0] == -5.0
+    finally:
+        tdr.TensorDict.unlink_shared(prefix)
+    with pytest.raises(TypeError, match="where it lives"):
+        pickle.dumps(sample())  # on the heap

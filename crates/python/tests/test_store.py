@@ -142,3 +142,30 @@ def test_bad_input_gets_clear_exceptions(store, short_dir):
     # A key is a name, not a path: "../x" is as good as any and escapes nothing.
     store.save("../x", {"x": np.zeros(2)})
     assert "../x" in store
+
+
+def test_a_load_waits_for_its_key_and_ctrl_c_wakes_it(store, short_dir):
+    import signal
+    import threading
+    import time
+
+    # A key saved while a load waits for it is loaded.
+    saver = threading.Timer(0.5, lambda: store.save("late", {"x": np.ones(3)}))
+    saver.start()
+    assert (store.load("late", timeout=30.0)["x"].numpy() == 1.0).all()
+    saver.join()
+    # A wait without end, interrupted by SIGINT, raises KeyboardInterrupt.
+    code = (
+        "import pickle, sys\n"
+        "store = pickle.loads(sys.stdin.buffer.read())\n"
+        "print('waiting', flush=True)\n"
+        "try:\n    store.load('never', timeout=float('inf'))\nexcept KeyboardInterrupt:\n    print('interrupted', flush=True)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    child.stdin.write(pickle.dumps(store))
+    child.stdin.close()
+    assert child.stdout.readline().strip() == b"waiting"
+    time.sleep(0.5)
+    child.send_signal(signal.SIGINT)
+    assert child.stdout.read().strip() == b"interrupted"
+    assert child.wait(timeout=60) == 0
