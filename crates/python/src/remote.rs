@@ -119,6 +119,12 @@ impl PyRemoteBuffer {
         py.detach(|| self.inner.update_priority(&index, &priority)).map_err(to_py_err)
     }
 
+    /// Asks the service to write a TorchRL dump folder at `path` (on the service's node) of
+    /// the rows committed when it starts.
+    fn dumps(&self, py: Python<'_>, path: String) -> PyResult<()> {
+        py.detach(|| self.inner.dumps(&path)).map_err(to_py_err)
+    }
+
     /// Ends writes: samples the rate limiter would hold back fail at once from now on.
     fn end_writes(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.inner.end_writes()).map_err(to_py_err)
@@ -170,9 +176,10 @@ pub struct PyReplayServer {
 impl PyReplayServer {
     /// Starts serving a buffer of `capacity` rows under `name`. `sampler` is a sampler spec
     /// as JSON; `path`, a folder for the rows (else shared memory); `listen`, a
-    /// `tcp:HOST:PORT` to serve on too, with `token`.
+    /// `tcp:HOST:PORT` to serve on too, with `token`; `load`, a TorchRL dump folder to start
+    /// from (its rows, writer and sampler state).
     #[staticmethod]
-    #[pyo3(signature = (name, capacity, *, sampler=None, path=None, listen=None, token=None, runtime_dir=None, seed=None))]
+    #[pyo3(signature = (name, capacity, *, sampler=None, path=None, listen=None, token=None, runtime_dir=None, seed=None, load=None))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         py: Python<'_>,
@@ -184,8 +191,12 @@ impl PyReplayServer {
         token: Option<String>,
         runtime_dir: Option<std::path::PathBuf>,
         seed: Option<u64>,
+        load: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let mut options = ReplayOptions::new(capacity);
+        if let Some(dump) = load {
+            options = options.load(dump);
+        }
         if let Some(spec) = sampler {
             let spec: SamplerSpec =
                 serde_json::from_str(&spec).map_err(|e| PyValueError::new_err(format!("sampler spec: {e}")))?;

@@ -177,3 +177,19 @@ def test_the_example_actor_and_learner_run_against_tdict_replay_serve(runtime):
         assert "distinct rows" in out.stdout
     finally:
         subprocess.run([tdict, "replay", "stop", "--name", "example"], env=env)
+
+
+def test_a_service_dumps_and_a_new_one_starts_from_the_dump(runtime, tmp_path):
+    from tensordict_rs.replay import ReplayBuffer
+
+    with ReplayServer("py-dump", 32, runtime_dir=runtime):
+        client = RemoteReplayBuffer("py-dump", runtime_dir=runtime)
+        client.extend(rows(range(20)))
+        client.dumps(tmp_path / "dump")
+    local = ReplayBuffer.loads(tmp_path / "dump")
+    assert len(local) == 20
+    np.testing.assert_array_equal(local.storage["action"].numpy()[:20], np.arange(20))
+    with ReplayServer("py-undump", 32, runtime_dir=runtime, load=tmp_path / "dump"):
+        again = RemoteReplayBuffer("py-undump", runtime_dir=runtime)
+        assert len(again) == 20
+        assert set(whole(again.sample(64)).tolist()) <= set(range(20))

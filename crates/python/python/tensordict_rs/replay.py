@@ -325,6 +325,10 @@ class RemoteReplayBuffer:
         """Sets the priorities of rows ``index``."""
         return self._client().update_priority(index, priority)
 
+    def dumps(self, path):
+        """Asks the service to write a TorchRL dump folder at ``path`` (on its node)."""
+        self._client().dumps(str(path))
+
     def end_writes(self):
         """Tells the service no more writes come: limited samples fail at once from now on."""
         self._client().end_writes()
@@ -354,7 +358,10 @@ class ReplayServer:
     """A replay service run by this process, as ``tdict replay serve`` runs one: clients on
     this node connect by ``name``, others at ``listen`` (``"tcp:HOST:PORT"``) with ``token``."""
 
-    def __init__(self, name, capacity, *, sampler=None, path=None, listen=None, token=None, runtime_dir=None, seed=None):
+    def __init__(
+        self, name, capacity, *, sampler=None, path=None, listen=None, token=None, runtime_dir=None, seed=None, load=None
+    ):
+        """``load``: a TorchRL dump folder to start from (its rows, writer and sampler)."""
         spec = None if sampler is None else json.dumps(sampler._spec())
         self.name = name
         self._server = _native.ReplayServer.start(
@@ -366,6 +373,7 @@ class ReplayServer:
             token=token,
             runtime_dir=None if runtime_dir is None else str(runtime_dir),
             seed=seed,
+            load=None if load is None else str(load),
         )
 
     start = classmethod(lambda cls, *args, **kwargs: cls(*args, **kwargs))
