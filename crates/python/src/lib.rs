@@ -5,6 +5,7 @@
 //! tensordict-rs `TensorDict`s, loaded from memmap folders or shared memory, indexed with
 //! torch's indexing. Every call that reads or copies data, or waits, releases the GIL.
 
+mod client;
 mod dict;
 mod dlpack;
 mod remote;

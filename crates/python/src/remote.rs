@@ -7,23 +7,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use replay::SamplerSpec;
 use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
-use rpc::{ClientOptions, Endpoint, Token};
 
+use crate::client::{address, client_options, listen_options, wait_in_windows};
 use crate::dict::{PyTensorDict, to_py_err, to_tensordict};
-
-/// Waits longer than this are cut into windows, so that Ctrl-C is seen between them.
-const WAIT_WINDOW: Duration = Duration::from_millis(200);
-
-pub(crate) fn client_options(token: Option<&str>, runtime_dir: Option<std::path::PathBuf>) -> PyResult<ClientOptions> {
-    let mut options = ClientOptions::default();
-    if let Some(dir) = runtime_dir {
-        options = options.runtime_dir(dir);
-    }
-    if let Some(t) = token {
-        options = options.token(Token::from_bytes(t.as_bytes()).map_err(to_py_err)?);
-    }
-    Ok(options)
-}
+use crate::replay::{priority_args, sample_dict};
 
 /// A client of a replay service (`tdict replay serve NAME`, `ReplayServer.start`): by name on
 /// this node (`"NAME"`), or by address (`"tcp:HOST:PORT"` with the service's `token`, or
@@ -46,14 +33,11 @@ impl PyRemoteBuffer {
         runtime_dir: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let options = client_options(token.as_deref(), runtime_dir)?;
+        let endpoint = address(&target)?;
         let inner = py
-            .detach(|| {
-                if target.starts_with("tcp:") || target.starts_with("uds:") {
-                    let endpoint: Endpoint = target.parse()?;
-                    RemoteBuffer::connect_to(&endpoint, &options)
-                } else {
-                    RemoteBuffer::connect_with(&target, &options)
-                }
+            .detach(|| match &endpoint {
+                Some(endpoint) => RemoteBuffer::connect_to(endpoint, &options),
+                None => RemoteBuffer::connect_with(&target, &options),
             })
             .map_err(to_py_err)?;
         let weighted = inner.info().sampler.weighted();
@@ -77,45 +61,19 @@ impl PyRemoteBuffer {
     /// Ctrl-C interrupts the wait).
     #[pyo3(signature = (batch_size, *, timeout=None))]
     fn sample(&self, py: Python<'_>, batch_size: usize, timeout: Option<f64>) -> PyResult<PyTensorDict> {
-        let deadline = timeout.map(|s| std::time::Instant::now() + Duration::from_secs_f64(s.max(0.0)));
-        loop {
-            let window = match deadline {
-                Some(d) => d.saturating_duration_since(std::time::Instant::now()).min(WAIT_WINDOW),
-                None => WAIT_WINDOW,
-            };
-            match py.detach(|| self.inner.sample(batch_size, Some(window))) {
-                Ok((mut td, info)) => {
-                    let n = info.indices.len();
-                    let index: Vec<i64> = info.indices.iter().map(|&i| i as i64).collect();
-                    let t = memmap_tensor::Tensor::from_slice(&index, [n]).map_err(to_py_err)?;
-                    td.set("index", t).map_err(to_py_err)?;
-                    if self.weighted
-                        && let Some(w) = info.weights
-                    {
-                        let t = memmap_tensor::Tensor::from_slice(&w, [n]).map_err(to_py_err)?;
-                        td.set("priority_weight", t).map_err(to_py_err)?;
-                    }
-                    return Ok(PyTensorDict::new(td));
-                }
-                Err(replay::Error::Timeout { .. }) if deadline.is_none_or(|d| std::time::Instant::now() < d) => {
-                    // Let Python run its signal handlers (Ctrl-C raises here).
-                    py.check_signals()?;
-                }
-                Err(e) => return Err(to_py_err(e)),
-            }
-        }
+        let wait = timeout.map(|s| Duration::from_secs_f64(s.max(0.0)));
+        let (td, info) = wait_in_windows(
+            py,
+            wait,
+            |window| self.inner.sample(batch_size, Some(window)),
+            |e| matches!(e, replay::Error::Timeout { .. }),
+        )?;
+        sample_dict(td, info, self.weighted)
     }
 
     /// Sets the priorities of rows `index` (prioritized services).
     fn update_priority(&self, py: Python<'_>, index: &Bound<'_, PyAny>, priority: &Bound<'_, PyAny>) -> PyResult<()> {
-        let index: Vec<usize> = crate::dlpack::numbers::<i64>(index, crate::dlpack::ints)?
-            .into_iter()
-            .map(|i| {
-                usize::try_from(i).map_err(|_| pyo3::exceptions::PyIndexError::new_err(format!("row {i} is negative")))
-            })
-            .collect::<PyResult<_>>()?;
-        let priority = crate::dlpack::numbers::<f64>(priority, crate::dlpack::floats)?;
-        let priority = if priority.len() == 1 && index.len() > 1 { vec![priority[0]; index.len()] } else { priority };
+        let (index, priority) = priority_args(index, priority)?;
         py.detach(|| self.inner.update_priority(&index, &priority)).map_err(to_py_err)
     }
 
@@ -211,12 +169,7 @@ impl PyReplayServer {
         if let Some(seed) = seed {
             options = options.seed(seed);
         }
-        if let Some(addr) = listen {
-            let endpoint: Endpoint = addr.parse().map_err(to_py_err)?;
-            let token = match token {
-                Some(t) => Token::from_bytes(t.as_bytes()).map_err(to_py_err)?,
-                None => return Err(PyValueError::new_err("serving on TCP needs a token")),
-            };
+        if let Some((endpoint, token)) = listen_options(listen, token)? {
             options = options.listen(endpoint, token);
         }
         let inner = py.detach(|| ReplayServer::start(&name, options)).map_err(to_py_err)?;

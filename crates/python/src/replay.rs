@@ -92,30 +92,14 @@ impl PyReplayBuffer {
     /// Samples `batch_size` rows: a dict with the storage's keys, `index` (the rows, int64)
     /// and, for prioritized samplers, `priority_weight` (float64), as TorchRL 0.14.1 returns.
     fn sample(&self, py: Python<'_>, batch_size: usize) -> PyResult<PyTensorDict> {
-        let (mut td, info) = py.detach(|| self.inner.sample(batch_size)).map_err(to_py_err)?;
-        let n = info.indices.len();
-        let index: Vec<i64> = info.indices.iter().map(|&i| i as i64).collect();
-        td.set("index", memmap_tensor::Tensor::from_slice(&index, [n]).map_err(to_py_err)?).map_err(to_py_err)?;
-        if self.weighted
-            && let Some(w) = info.weights
-        {
-            td.set("priority_weight", memmap_tensor::Tensor::from_slice(&w, [n]).map_err(to_py_err)?)
-                .map_err(to_py_err)?;
-        }
-        Ok(PyTensorDict::new(td))
+        let (td, info) = py.detach(|| self.inner.sample(batch_size)).map_err(to_py_err)?;
+        sample_dict(td, info, self.weighted)
     }
 
     /// Sets the priorities of rows `index` (prioritized samplers); a single priority applies
     /// to every row.
     fn update_priority(&self, py: Python<'_>, index: &Bound<'_, PyAny>, priority: &Bound<'_, PyAny>) -> PyResult<()> {
-        let index: Vec<usize> = crate::dlpack::numbers::<i64>(index, crate::dlpack::ints)?
-            .into_iter()
-            .map(|i| {
-                usize::try_from(i).map_err(|_| pyo3::exceptions::PyIndexError::new_err(format!("row {i} is negative")))
-            })
-            .collect::<PyResult<_>>()?;
-        let priority = crate::dlpack::numbers::<f64>(priority, crate::dlpack::floats)?;
-        let priority = if priority.len() == 1 && index.len() > 1 { vec![priority[0]; index.len()] } else { priority };
+        let (index, priority) = priority_args(index, priority)?;
         py.detach(|| self.inner.update_priority(index, &priority)).map_err(to_py_err)
     }
 
@@ -160,4 +144,34 @@ impl PyReplayBuffer {
             self.inner.with_sampler(|s| s.name())
         )
     }
+}
+
+/// A sample as TorchRL 0.14.1 returns it: the rows, `index` (int64) and, for samplers that
+/// weight their draws, `priority_weight` (float64).
+pub(crate) fn sample_dict(
+    mut td: tensordict::TensorDict,
+    info: replay::SampleInfo,
+    weighted: bool,
+) -> PyResult<PyTensorDict> {
+    let n = info.indices.len();
+    let index: Vec<i64> = info.indices.iter().map(|&i| i as i64).collect();
+    td.set("index", memmap_tensor::Tensor::from_slice(&index, [n]).map_err(to_py_err)?).map_err(to_py_err)?;
+    if weighted && let Some(w) = info.weights {
+        td.set("priority_weight", memmap_tensor::Tensor::from_slice(&w, [n]).map_err(to_py_err)?).map_err(to_py_err)?;
+    }
+    Ok(PyTensorDict::new(td))
+}
+
+/// `update_priority`'s arguments: rows and priorities from arrays, tensors, lists or numbers;
+/// a single priority applies to every row.
+pub(crate) fn priority_args(index: &Bound<'_, PyAny>, priority: &Bound<'_, PyAny>) -> PyResult<(Vec<usize>, Vec<f64>)> {
+    let index: Vec<usize> = crate::dlpack::numbers::<i64>(index, crate::dlpack::ints)?
+        .into_iter()
+        .map(|i| {
+            usize::try_from(i).map_err(|_| pyo3::exceptions::PyIndexError::new_err(format!("row {i} is negative")))
+        })
+        .collect::<PyResult<_>>()?;
+    let priority = crate::dlpack::numbers::<f64>(priority, crate::dlpack::floats)?;
+    let priority = if priority.len() == 1 && index.len() > 1 { vec![priority[0]; index.len()] } else { priority };
+    Ok((index, priority))
 }

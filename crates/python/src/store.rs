@@ -3,15 +3,15 @@
 //! weights kept, the entry leased for as long as any of its tensors is held.
 
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use rpc::WireError;
 use rpc::store::{Allocation, Store, StoreOptions, Wait};
-use rpc::{Endpoint, Token, WireError};
 
+use crate::client::{address, client_options, listen_options, wait_in_windows};
 use crate::dict::{PyTensorDict, to_py_err, to_tensordict};
-use crate::remote::client_options;
 
 /// A client of a named store (`tdict store serve NAME`, or `Store.start`): by name on this
 /// node, or `"tcp:HOST:PORT"` with the store's `token`.
@@ -20,9 +20,6 @@ pub struct PyStore {
     inner: Store,
     target: String,
 }
-
-/// Waits longer than this are cut into windows, so that Ctrl-C is seen between them.
-const WAIT_WINDOW: Duration = Duration::from_millis(200);
 
 #[pymethods]
 impl PyStore {
@@ -35,14 +32,11 @@ impl PyStore {
         runtime_dir: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let options = client_options(token.as_deref(), runtime_dir)?;
+        let endpoint = address(&target)?;
         let inner = py
-            .detach(|| {
-                if target.starts_with("tcp:") || target.starts_with("uds:") {
-                    let endpoint: Endpoint = target.parse()?;
-                    Store::connect_to(&endpoint, &options)
-                } else {
-                    Store::connect_with(&target, &options)
-                }
+            .detach(|| match &endpoint {
+                Some(endpoint) => Store::connect_to(endpoint, &options),
+                None => Store::connect_with(&target, &options),
             })
             .map_err(to_py_err)?;
         Ok(PyStore { inner, target })
@@ -71,10 +65,8 @@ impl PyStore {
         if let Some(dir) = runtime_dir {
             options = options.runtime_dir(dir);
         }
-        if let Some(addr) = listen {
-            let endpoint: Endpoint = addr.parse().map_err(to_py_err)?;
-            let token = token.ok_or_else(|| PyValueError::new_err("serving on TCP needs a token"))?;
-            options = options.listen(endpoint, Token::from_bytes(token.as_bytes()).map_err(to_py_err)?);
+        if let Some((endpoint, token)) = listen_options(listen, token)? {
+            options = options.listen(endpoint, token);
         }
         let inner = py.detach(|| Store::start_with(&name, options)).map_err(to_py_err)?;
         Ok(PyStore { inner, target: name })
@@ -95,32 +87,23 @@ impl PyStore {
     /// `timeout` seconds for the key to appear (`None`: not at all; `float("inf")`: forever).
     #[pyo3(signature = (key, *, timeout=None, writable=false))]
     fn load(&self, py: Python<'_>, key: &str, timeout: Option<f64>, writable: bool) -> PyResult<PyTensorDict> {
-        // Long waits go in windows, so that Ctrl-C is seen between them.
-        let started = Instant::now();
-        let deadline = match timeout {
-            None => Some(started),
+        let wait = match timeout {
+            None => Some(Duration::ZERO),
             Some(s) if s.is_infinite() => None,
-            Some(s) => Some(started + Duration::from_secs_f64(s.max(0.0))),
+            Some(s) => Some(Duration::from_secs_f64(s.max(0.0))),
         };
-        let loaded = loop {
-            let window = deadline.map_or(WAIT_WINDOW, |d| d.saturating_duration_since(Instant::now()).min(WAIT_WINDOW));
-            let attempt = py.detach(|| {
+        let loaded = wait_in_windows(
+            py,
+            wait,
+            |window| {
                 if writable {
                     self.inner.load_writable(key, Wait::For(window))
                 } else {
                     self.inner.load(key, Wait::For(window))
                 }
-            });
-            match attempt {
-                Ok(loaded) => break loaded,
-                Err(rpc::Error::Remote { error: WireError::NotFound { .. }, .. })
-                    if deadline.is_none_or(|d| Instant::now() < d) =>
-                {
-                    py.check_signals()?;
-                }
-                Err(e) => return Err(to_py_err(e)),
-            }
-        };
+            },
+            |e| matches!(e, rpc::Error::Remote { error: WireError::NotFound { .. }, .. }),
+        )?;
         let td = (*loaded).clone();
         let keep: crate::dict::Keep = Some(Arc::new(loaded));
         Ok(PyTensorDict { inner: td, keep })

@@ -84,8 +84,7 @@ def test_a_sample_the_limiter_holds_back_times_out_and_ctrl_c_wakes_a_wait(runti
         code = (
             "import tensordict_rs.replay as r\n"
             f"b = r.RemoteReplayBuffer('py-wait', runtime_dir={str(runtime)!r})\n"
-            "print('waiting', flush=True)\n"
-            "try:\n    b.sample(4)\nexcept KeyboardInterrupt:\n    print('interrupted', flush=True)\n"
+            "try:\n    print('waiting', flush=True)\n    b.sample(4)\nexcept KeyboardInterrupt:\n    print('interrupted', flush=True)\n"
         )
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "waiting"

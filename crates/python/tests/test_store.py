@@ -158,8 +158,8 @@ def test_a_load_waits_for_its_key_and_ctrl_c_wakes_it(store, short_dir):
     code = (
         "import pickle, sys\n"
         "store = pickle.loads(sys.stdin.buffer.read())\n"
-        "print('waiting', flush=True)\n"
-        "try:\n    store.load('never', timeout=float('inf'))\nexcept KeyboardInterrupt:\n    print('interrupted', flush=True)\n"
+        "try:\n    print('waiting', flush=True)\n    store.load('never', timeout=float('inf'))\n"
+        "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     child.stdin.write(pickle.dumps(store))

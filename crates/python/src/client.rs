@@ -1,0 +1,70 @@
+//! What the clients and servers of the Python module share: how a target names a service,
+//! client and listening options, and waits that wake for Ctrl-C.
+
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use rpc::{ClientOptions, Endpoint, Token};
+
+use crate::dict::to_py_err;
+
+/// Waits longer than this are cut into windows, so that Ctrl-C is seen between them.
+const WAIT_WINDOW: Duration = Duration::from_millis(200);
+
+/// The options of a client: its token (TCP) and runtime directory (Unix sockets).
+pub(crate) fn client_options(token: Option<&str>, runtime_dir: Option<std::path::PathBuf>) -> PyResult<ClientOptions> {
+    let mut options = ClientOptions::default();
+    if let Some(dir) = runtime_dir {
+        options = options.runtime_dir(dir);
+    }
+    if let Some(t) = token {
+        options = options.token(Token::from_bytes(t.as_bytes()).map_err(to_py_err)?);
+    }
+    Ok(options)
+}
+
+/// The address a target names (`tcp:HOST:PORT`, `uds:NAME`), or `None` for a service's name
+/// on this node.
+pub(crate) fn address(target: &str) -> PyResult<Option<Endpoint>> {
+    if target.starts_with("tcp:") || target.starts_with("uds:") {
+        target.parse().map(Some).map_err(to_py_err)
+    } else {
+        Ok(None)
+    }
+}
+
+/// Where a server listens besides its Unix socket, and the token its clients must know.
+pub(crate) fn listen_options(listen: Option<String>, token: Option<String>) -> PyResult<Option<(Endpoint, Token)>> {
+    let Some(addr) = listen else { return Ok(None) };
+    let endpoint: Endpoint = addr.parse().map_err(to_py_err)?;
+    let token = token.ok_or_else(|| PyValueError::new_err("serving on TCP needs a token"))?;
+    Ok(Some((endpoint, Token::from_bytes(token.as_bytes()).map_err(to_py_err)?)))
+}
+
+/// [`rpc::windowed_wait`] without the GIL, running Python's signal handlers between windows
+/// (Ctrl-C raises `KeyboardInterrupt`). `wait`: how long in all (`None`: without end).
+pub(crate) fn wait_in_windows<T: Send, E: std::error::Error + Send + 'static>(
+    py: Python<'_>,
+    wait: Option<Duration>,
+    mut call: impl FnMut(Duration) -> Result<T, E> + Send,
+    not_yet: impl Fn(&E) -> bool,
+) -> PyResult<T> {
+    enum Stop<E> {
+        Rust(E),
+        Python(PyErr),
+    }
+    let waited = rpc::windowed_wait(
+        wait,
+        WAIT_WINDOW,
+        |window| {
+            py.check_signals().map_err(Stop::Python)?;
+            py.detach(|| call(window)).map_err(Stop::Rust)
+        },
+        |e| matches!(e, Stop::Rust(e) if not_yet(e)),
+    );
+    waited.map_err(|stop| match stop {
+        Stop::Rust(e) => to_py_err(e),
+        Stop::Python(e) => e,
+    })
+}
