@@ -152,14 +152,17 @@ impl Tensor {
     /// `shape`'s element count × the dtype's size. Bool bytes are not checked (see
     /// [`Tensor::to_vec_bool`]).
     pub fn from_bytes(bytes: &[u8], dtype: DType, shape: impl Into<Shape>) -> Result<Self> {
-        let t = Self::zeros(shape, dtype, &Location::Heap)?;
-        if t.nbytes() != bytes.len() {
+        let layout = Layout::contiguous(shape)?;
+        let len = layout.required_bytes(dtype.size_in_bytes())?;
+        if len != bytes.len() {
             return Err(Error::ShapeMismatch {
                 op: "from_bytes",
                 expected: Shape::from(bytes.len() / dtype.size_in_bytes().max(1)),
-                actual: t.shape().clone(),
+                actual: Shape::from(layout.dims().to_vec()),
             });
         }
+        // Every byte is overwritten just below: no zeroing first.
+        let t = Self::from_storage(Arc::new(Storage::heap_for_overwrite(len)?), 0, dtype, layout)?;
         {
             let _write = t.storage.write("from_bytes")?;
             // SAFETY: `t` is a fresh contiguous heap tensor of exactly `bytes.len()` bytes from

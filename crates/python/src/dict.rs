@@ -134,7 +134,7 @@ impl PyTensorDict {
     #[pyo3(signature = (source, batch_size))]
     fn py_new(source: &Bound<'_, PyDict>, batch_size: Vec<usize>) -> PyResult<Self> {
         let mut td = TensorDict::new(batch_size);
-        fill(&mut td, &KeyPath::default(), source, &mut dlpack::ImportCache::new())?;
+        fill(&mut td, &KeyPath::default(), source, Some(&mut dlpack::ImportCache::new()))?;
         Ok(PyTensorDict::new(td))
     }
 
@@ -307,9 +307,21 @@ fn repr(td: &TensorDict, depth: usize) -> String {
     )
 }
 
+/// What a Python dict given to a call stands for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DictOf {
+    /// Tensors kept as they are (a state dict): no batch size, and a tensor given twice (tied
+    /// weights) stays one tensor.
+    Tensors,
+    /// Rows to write: the batch size is the first dim of the first array.
+    Rows,
+    /// One row to write: no batch size.
+    Row,
+}
+
 /// A dict from Python: one of ours (shared, not copied), or a Python dict of arrays (copied
-/// once), whose batch size is the first dim of its first array when `batched`, else none.
-pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, batched: bool) -> PyResult<TensorDict> {
+/// once), as `of` says.
+pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, of: DictOf) -> PyResult<TensorDict> {
     if let Ok(td) = obj.cast::<PyTensorDict>() {
         return Ok(td.get().inner.clone());
     }
@@ -319,24 +331,38 @@ pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, batched: bool) -> PyResult<T
             obj.get_type().name()?
         )));
     };
-    let mut scratch = TensorDict::new(Vec::<usize>::new());
-    fill(&mut scratch, &KeyPath::default(), d, &mut dlpack::ImportCache::new())?;
-    if !batched {
-        return Ok(scratch);
-    }
-    let first = scratch.leaves().first().map(|(_, t)| t.dims().first().copied());
-    let n = match first {
-        Some(Some(n)) => n,
-        _ => return Err(PyValueError::new_err("a batch needs at least one array with a leading (batch) dim")),
+    let batch_size = match of {
+        DictOf::Rows => vec![leading_dim(d)?.ok_or_else(|| {
+            PyValueError::new_err("a batch needs at least one array with a leading (batch) dim")
+        })?],
+        DictOf::Tensors | DictOf::Row => Vec::new(),
     };
-    let mut td = TensorDict::new([n]);
-    for (key, t) in scratch.leaves() {
-        td.set(key, t.clone()).map_err(to_py_err)?;
-    }
-    for (key, v) in scratch.non_tensors() {
-        td.set(key, v.clone()).map_err(to_py_err)?;
-    }
+    let mut td = TensorDict::new(batch_size);
+    // Rows are copied into a storage next, so tied arrays need not be found.
+    let mut cache = (of == DictOf::Tensors).then(dlpack::ImportCache::new);
+    fill(&mut td, &KeyPath::default(), d, cache.as_mut())?;
     Ok(td)
+}
+
+/// The first dim of the first array in `d` (depth first, in order), `None` when the first has
+/// no dims or there is none.
+fn leading_dim(d: &Bound<'_, PyDict>) -> PyResult<Option<usize>> {
+    for v in d.values() {
+        if let Ok(nested) = v.cast::<PyDict>() {
+            match leading_dim(nested)? {
+                Some(n) => return Ok(Some(n)),
+                None => continue,
+            }
+        }
+        if let Ok(t) = v.cast::<PyTensor>() {
+            return Ok(t.get().inner.dims().first().copied());
+        }
+        if v.hasattr("__dlpack__")? || (v.hasattr("__array__")? && v.hasattr("dtype")?) {
+            let shape: Vec<usize> = v.getattr("shape")?.extract()?;
+            return Ok(shape.first().copied());
+        }
+    }
+    Ok(None)
 }
 
 /// Sets the entries of `source` (tensors, nested dicts, JSON-able values) into `td` under
@@ -345,7 +371,7 @@ fn fill(
     td: &mut TensorDict,
     prefix: &KeyPath,
     source: &Bound<'_, PyDict>,
-    cache: &mut dlpack::ImportCache,
+    mut cache: Option<&mut dlpack::ImportCache>,
 ) -> PyResult<()> {
     for (k, v) in source.iter() {
         let name: String = k.extract().map_err(|_| PyTypeError::new_err("keys must be strings"))?;
@@ -353,16 +379,16 @@ fn fill(
         if let Ok(d) = v.cast::<PyDict>() {
             let batch = td.batch_size().to_vec();
             td.set(path.clone(), TensorDict::new(batch)).map_err(to_py_err)?;
-            fill(td, &path, d, cache)?;
+            fill(td, &path, d, cache.as_deref_mut())?;
         } else if let Ok(t) = v.cast::<PyTensor>() {
             td.set(path, t.get().inner.clone()).map_err(to_py_err)?;
         } else if v.hasattr("__dlpack__")? {
-            let tensor = dlpack::import(&v, cache)?;
+            let tensor = dlpack::import(&v, cache.as_deref_mut())?;
             td.set(path, tensor).map_err(to_py_err)?;
         } else if v.hasattr("__array__")? && v.hasattr("dtype")? {
             // numpy scalars (a row's `reward`) have no `__dlpack__`: as 0-d arrays they do.
             let array = v.py().import("numpy")?.call_method1("asarray", (&v,))?;
-            td.set(path, dlpack::import(&array, cache)?).map_err(to_py_err)?;
+            td.set(path, dlpack::import(&array, cache.as_deref_mut())?).map_err(to_py_err)?;
         } else {
             let json = v.py().import("json")?.call_method1("dumps", (&v,))?.extract::<String>()?;
             let value: Value =

@@ -12,7 +12,7 @@
 use std::ffi::{CStr, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use memmap_tensor::{DType, Device, StorageKind, Tensor};
+use memmap_tensor::{DType, Device, Layout, StorageKind, Tensor};
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyCapsule;
@@ -279,7 +279,10 @@ pub(crate) type Viewed = (usize, u8, u8, Vec<i64>, Vec<i64>);
 /// A copy of a DLPack producer's tensor (a numpy array, a torch tensor: anything with
 /// `__dlpack__`) as a new heap tensor, any strides. The producer's memory is read once and let
 /// go of before this returns.
-pub(crate) fn import(obj: &Bound<'_, PyAny>, cache: &mut ImportCache) -> PyResult<Tensor> {
+///
+/// With a `cache`, a tensor already imported by this call (tied weights) is shared instead of
+/// copied again; without one (rows about to be copied into a storage) nothing is looked up.
+pub(crate) fn import(obj: &Bound<'_, PyAny>, cache: Option<&mut ImportCache>) -> PyResult<Tensor> {
     let capsule = obj.call_method0("__dlpack__")?;
     let capsule = capsule.cast_into::<PyCapsule>().map_err(PyErr::from)?;
     let raw = capsule.as_ptr();
@@ -291,12 +294,16 @@ pub(crate) fn import(obj: &Bound<'_, PyAny>, cache: &mut ImportCache) -> PyResul
         }
         let managed = pyo3::ffi::PyCapsule_GetPointer(raw, DLTENSOR.as_ptr()).cast::<DLManagedTensor>();
         let t = &(*managed).dl_tensor;
-        let key = identity(t);
-        let result = match key.as_ref().and_then(|k| cache.get(k)) {
-            Some(seen) => Ok(seen.clone()),
+        let key = if cache.is_some() { identity(t) } else { None };
+        let seen = match (&key, cache.as_deref()) {
+            (Some(k), Some(cache)) => cache.get(k).cloned(),
+            _ => None,
+        };
+        let result = match seen {
+            Some(tensor) => Ok(tensor),
             None => copy_out(t),
         };
-        if let (Some(k), Ok(tensor)) = (key, &result) {
+        if let (Some(k), Some(cache), Ok(tensor)) = (key, cache, &result) {
             cache.entry(k).or_insert_with(|| tensor.clone());
         }
         pyo3::ffi::PyCapsule_SetName(raw, USED_DLTENSOR.as_ptr());
@@ -343,7 +350,7 @@ pub(crate) fn numbers<T: for<'a, 'py> FromPyObject<'a, 'py> + Copy>(
         return as_vec(&t.get().inner);
     }
     if obj.hasattr("__dlpack__")? {
-        return as_vec(&import(obj, &mut ImportCache::new())?);
+        return as_vec(&import(obj, None)?);
     }
     if let Ok(v) = obj.extract::<Vec<T>>() {
         return Ok(v);
@@ -420,7 +427,10 @@ unsafe fn copy_out(t: &DLTensor) -> PyResult<Tensor> {
         .map(|&d| usize::try_from(d).map_err(|_| PyValueError::new_err("a negative dim")))
         .collect::<PyResult<_>>()?;
     let elem = dtype.size_in_bytes();
-    let count: usize = shape.iter().product();
+    let nbytes = shape
+        .iter()
+        .try_fold(elem, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| PyValueError::new_err(format!("a DLPack tensor of shape {shape:?} overflows the address space")))?;
     let strides: Vec<isize> = if t.strides.is_null() || ndim == 0 {
         let mut s = vec![1isize; ndim];
         for i in (0..ndim.saturating_sub(1)).rev() {
@@ -432,12 +442,21 @@ unsafe fn copy_out(t: &DLTensor) -> PyResult<Tensor> {
         unsafe { std::slice::from_raw_parts(t.strides, ndim) }.iter().map(|&s| s as isize).collect()
     };
     let base = t.data.cast::<u8>().wrapping_add(t.byte_offset as usize);
-    let mut bytes = Vec::with_capacity(count * elem);
-    if count > 0 {
-        // SAFETY: the producer's memory covers every element its shape and strides name.
-        unsafe { gather_strided(base, &shape, &strides, elem, &mut bytes) };
+    let to_err = |e: memmap_tensor::Error| PyValueError::new_err(e.to_string());
+    if nbytes == 0 {
+        return Tensor::from_bytes(&[], dtype, shape.as_slice()).map_err(to_err);
     }
-    Tensor::from_bytes(&bytes, dtype, shape.as_slice()).map_err(|e| PyValueError::new_err(e.to_string()))
+    let packed = strides.iter().all(|&s| s >= 0)
+        && Layout::new(shape.as_slice(), strides.iter().map(|&s| s as usize).collect(), 0).is_ok_and(|l| l.is_contiguous());
+    if packed {
+        // SAFETY: the producer's memory covers its elements, `nbytes` packed in C order.
+        let bytes = unsafe { std::slice::from_raw_parts(base, nbytes) };
+        return Tensor::from_bytes(bytes, dtype, shape.as_slice()).map_err(to_err);
+    }
+    let mut bytes = Vec::with_capacity(nbytes);
+    // SAFETY: the producer's memory covers every element its shape and strides name.
+    unsafe { gather_strided(base, &shape, &strides, elem, &mut bytes) };
+    Tensor::from_bytes(&bytes, dtype, shape.as_slice()).map_err(to_err)
 }
 
 /// Appends the elements at `base` with `shape` and element `strides` to `out`, in C order.

@@ -9,7 +9,7 @@ use replay::SamplerSpec;
 use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
 
 use crate::client::{address, client_options, listen_options, wait_in_windows};
-use crate::dict::{PyTensorDict, to_py_err, to_tensordict};
+use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
 use crate::replay::{priority_args, sample_dict};
 
 /// A client of a replay service (`tdict replay serve NAME`, `ReplayServer.start`): by name on
@@ -46,13 +46,13 @@ impl PyRemoteBuffer {
 
     /// Writes a batch; returns the rows written.
     fn extend(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
-        let td = to_tensordict(batch, true)?;
+        let td = to_tensordict(batch, DictOf::Rows)?;
         py.detach(|| self.inner.extend(&td)).map_err(to_py_err)
     }
 
     /// Writes one row; returns its row.
     fn add(&self, py: Python<'_>, row: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let td = to_tensordict(row, false)?;
+        let td = to_tensordict(row, DictOf::Row)?;
         py.detach(|| self.inner.add(&td)).map_err(to_py_err)
     }
 

@@ -5,7 +5,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use replay::{LoadOptions, MaxValue, ReplayBuffer, RoundRobin, SamplerSpec, StorageConfig, Writer};
 
-use crate::dict::{PyTensorDict, to_py_err, to_tensordict};
+use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
 
 /// A replay buffer (TorchRL's `ReplayBuffer`): `extend`, `add`, `sample`, `update_priority`,
 /// `dumps`/`loads` in TorchRL's dump layout. Built by `tensordict_rs.replay.ReplayBuffer`.
@@ -78,14 +78,14 @@ impl PyReplayBuffer {
     /// Writes rows (a TensorDict or a dict of arrays with a leading batch dim); returns the
     /// rows written, as TorchRL's `extend` returns its indices.
     fn extend(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
-        let td = to_tensordict(batch, true)?;
+        let td = to_tensordict(batch, DictOf::Rows)?;
         py.detach(|| self.inner.extend(&td)).map_err(to_py_err)
     }
 
     /// Writes one row (no batch dim); returns its row, or `None` when a max-value writer
     /// kept it out.
     fn add(&self, py: Python<'_>, row: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
-        let td = to_tensordict(row, false)?;
+        let td = to_tensordict(row, DictOf::Row)?;
         py.detach(|| self.inner.add(&td)).map_err(to_py_err)
     }
 

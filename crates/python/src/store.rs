@@ -11,7 +11,7 @@ use rpc::WireError;
 use rpc::store::{Allocation, Store, StoreOptions, Wait};
 
 use crate::client::{address, client_options, listen_options, wait_in_windows};
-use crate::dict::{PyTensorDict, to_py_err, to_tensordict};
+use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
 
 /// A client of a named store (`tdict store serve NAME`, or `Store.start`): by name on this
 /// node, or `"tcp:HOST:PORT"` with the store's `token`.
@@ -77,7 +77,7 @@ impl PyStore {
     /// are saved once and stay shared.
     #[pyo3(signature = (key, value, *, ttl=None))]
     fn save(&self, py: Python<'_>, key: &str, value: &Bound<'_, PyAny>, ttl: Option<f64>) -> PyResult<()> {
-        let td = to_tensordict(value, false)?;
+        let td = to_tensordict(value, DictOf::Tensors)?;
         let ttl = ttl.map(|s| Duration::from_secs_f64(s.max(0.0)));
         py.detach(|| self.inner.save(key, &td, ttl)).map_err(to_py_err)
     }
@@ -128,7 +128,7 @@ impl PyStore {
     /// copied), to fill in place (`numpy.from_dlpack(a["w"])[...] = ...`) and `seal` under a
     /// key: an entry made without a copy of its bytes.
     fn allocate(&self, py: Python<'_>, like: &Bound<'_, PyAny>) -> PyResult<PyAllocation> {
-        let td = to_tensordict(like, false)?;
+        let td = to_tensordict(like, DictOf::Tensors)?;
         let allocation = py.detach(|| self.inner.allocate(&td)).map_err(to_py_err)?;
         Ok(PyAllocation { inner: Mutex::new(Some(allocation)) })
     }
