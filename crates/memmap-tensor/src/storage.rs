@@ -49,13 +49,20 @@ use crate::{Device, Error, Result, cuda};
 /// Alignment of heap storage, in bytes: enough for any dtype and for SIMD loads.
 pub const HEAP_ALIGN: usize = 64;
 
-/// Read-only or read-write access to a file or shm object.
+/// How a file or shm object is mapped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Access {
     /// Map read-only; every write through the storage is an [`Error::ReadOnly`].
     ReadOnly,
     /// Map read-write; writes go through to the file or shm object.
     ReadWrite,
+    /// Map private and writable (`MAP_PRIVATE`, numpy's mode `"c"`): writes change this
+    /// process's copy of the pages they touch and never reach the file or shm object, which is
+    /// opened read-only. Pages not yet written still show what other processes write. For
+    /// handing mapped tensors to code that may write them but must not change the data (a torch
+    /// tensor has no read-only flag). Reads that go to the file instead of the mapping
+    /// (`tensordict`'s `gather_direct`) do not see the private writes.
+    CopyOnWrite,
 }
 
 /// Where a storage's bytes live.
@@ -111,7 +118,7 @@ pub struct ShmObject {
 pub struct Storage {
     ptr: NonNull<u8>,
     len: usize,
-    writable: bool,
+    access: Access,
     lock: RwLock<()>,
     /// The region registered with the CUDA driver, once asked for; undone before the region
     /// goes (first thing in `Drop`).
@@ -170,7 +177,7 @@ impl Storage {
             let raw = unsafe { if zeroed { alloc::alloc_zeroed(layout) } else { alloc::alloc(layout) } };
             NonNull::new(raw).ok_or(Error::OutOfMemory { bytes: len_bytes })?
         };
-        Ok(Self::with_backing(ptr, len_bytes, true, Backing::Heap { layout }))
+        Ok(Self::with_backing(ptr, len_bytes, Access::ReadWrite, Backing::Heap { layout }))
     }
 
     /// Creates a file of `len_bytes` zero bytes at `path` and maps it read-write.
@@ -191,7 +198,7 @@ impl Storage {
                 aio::retry_stale(|| std::fs::rename(&tmp, path)).map(|()| built).map_err(|e| io_err("rename", e))
             });
         match built {
-            Ok((map, id)) => Ok(Self::from_map(map, true, Backing::File { path: path.to_owned(), map: None, id })),
+            Ok((map, id)) => Ok(Self::from_map(map, Access::ReadWrite, Backing::File { path: path.to_owned(), map: None, id })),
             Err(e) => {
                 // Best effort: the temporary file holds nothing anyone needs.
                 let _ = std::fs::remove_file(&tmp);
@@ -240,7 +247,7 @@ impl Storage {
         }
         let map = map_file(file, path, len_bytes, access)?;
         let backing = Backing::File { path: path.to_owned(), map: None, id: FileId::from_metadata(&meta) };
-        Ok(Self::from_map(map, access == Access::ReadWrite, backing))
+        Ok(Self::from_map(map, access, backing))
     }
 
     /// Creates the shared-memory object `name` (`/name`, as for `shm_open`) of `len_bytes` zero
@@ -255,7 +262,7 @@ impl Storage {
             .map_err(|e| shm_err("allocate", e))
             .and_then(|()| map_fd(&file, len_bytes, Access::ReadWrite).map_err(|e| shm_err("mmap", e)));
         match built {
-            Ok(map) => Ok(Self::from_map(map, true, Backing::Shm { name: name.to_owned(), map: None })),
+            Ok(map) => Ok(Self::from_map(map, Access::ReadWrite, Backing::Shm { name: name.to_owned(), map: None })),
             Err(e) => {
                 // Best effort: we created the name and nobody can have used it yet.
                 let _ = nix::sys::mman::shm_unlink(name);
@@ -280,7 +287,7 @@ impl Storage {
             });
         }
         let map = map_fd(&file, len_bytes, access).map_err(|e| shm_err("mmap", e))?;
-        Ok(Self::from_map(map, access == Access::ReadWrite, Backing::Shm { name: name.to_owned(), map: None }))
+        Ok(Self::from_map(map, access, Backing::Shm { name: name.to_owned(), map: None }))
     }
 
     /// Removes the shared-memory name `name`. Existing mappings stay valid until unmapped; the
@@ -345,7 +352,7 @@ impl Storage {
         Ok(objects)
     }
 
-    fn from_map(map: Option<MmapRaw>, writable: bool, mut backing: Backing) -> Self {
+    fn from_map(map: Option<MmapRaw>, access: Access, mut backing: Backing) -> Self {
         let (ptr, len) = match &map {
             Some(m) => (NonNull::new(m.as_mut_ptr()).expect("mmap never returns null on success"), m.len()),
             None => (aligned_dangling(), 0),
@@ -354,11 +361,11 @@ impl Storage {
             Backing::File { map: slot, .. } | Backing::Shm { map: slot, .. } => *slot = map,
             Backing::Heap { .. } | Backing::Gpu(_) => unreachable!("only files and shm are mapped"),
         }
-        Self::with_backing(ptr, len, writable, backing)
+        Self::with_backing(ptr, len, access, backing)
     }
 
-    fn with_backing(ptr: NonNull<u8>, len: usize, writable: bool, backing: Backing) -> Self {
-        Storage { ptr, len, writable, lock: RwLock::new(()), registered: OnceLock::new(), backing }
+    fn with_backing(ptr: NonNull<u8>, len: usize, access: Access, backing: Backing) -> Self {
+        Storage { ptr, len, access, lock: RwLock::new(()), registered: OnceLock::new(), backing }
     }
 
     /// Storage over memory the CUDA driver allocated. Device memory gets no host pointer.
@@ -366,7 +373,7 @@ impl Storage {
     pub(crate) fn from_memory(memory: cuda::Memory) -> Self {
         let ptr = memory.host_ptr().unwrap_or_else(aligned_dangling);
         let len = memory.len();
-        Self::with_backing(ptr, len, true, Backing::Gpu(memory))
+        Self::with_backing(ptr, len, Access::ReadWrite, Backing::Gpu(memory))
     }
 
     /// The driver's memory under this storage, for device, pinned and managed storage.
@@ -438,9 +445,15 @@ impl Storage {
         self.len
     }
 
-    /// Whether writes through this storage are allowed.
+    /// Whether writes through this storage are allowed (to the shared bytes, or for
+    /// [`Access::CopyOnWrite`] to the process's own copy).
     pub fn is_writable(&self) -> bool {
-        self.writable
+        self.access != Access::ReadOnly
+    }
+
+    /// How the storage was mapped; heap and driver memory are [`Access::ReadWrite`].
+    pub fn access(&self) -> Access {
+        self.access
     }
 
     /// Heap, file, shm, or memory of the CUDA driver.
@@ -582,7 +595,7 @@ impl Storage {
     /// Takes the write lock, or fails if the storage is read-only or device memory.
     pub(crate) fn write(&self, op: &'static str) -> Result<RwLockWriteGuard<'_, ()>> {
         self.host_reachable(op)?;
-        if !self.writable {
+        if self.access == Access::ReadOnly {
             return Err(Error::ReadOnly { op, storage: self.describe() });
         }
         Ok(self.lock.write())
@@ -634,7 +647,7 @@ impl std::fmt::Debug for Storage {
             .field("kind", &self.kind())
             .field("location", &self.describe())
             .field("len_bytes", &self.len)
-            .field("writable", &self.writable)
+            .field("access", &self.access)
             .finish_non_exhaustive()
     }
 }
@@ -661,6 +674,11 @@ fn map_fd(file: &File, len: usize, access: Access) -> std::io::Result<Option<Mma
     let map = match access {
         Access::ReadOnly => options.map_raw_read_only(file),
         Access::ReadWrite => options.map_raw(file),
+        // SAFETY: memmap2 marks private maps unsafe because the file may change under them;
+        // this module's safety argument covers that (points 1 and 2, and other programs) as
+        // for every map here, and the region is reached as a raw pointer, never as the
+        // `MmapMut` slice.
+        Access::CopyOnWrite => unsafe { options.map_copy(file) }.map(MmapRaw::from),
     };
     map.map(Some).map_err(crate::maps::explain_mmap_error)
 }

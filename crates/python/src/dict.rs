@@ -47,7 +47,7 @@ impl PyTensorDict {
 }
 
 fn access(writable: bool) -> Access {
-    if writable { Access::ReadWrite } else { Access::ReadOnly }
+    if writable { Access::ReadWrite } else { Access::CopyOnWrite }
 }
 
 /// A key: `"a"`, or a tuple of strings for a nested key (`("next", "obs")`).
@@ -139,7 +139,9 @@ impl PyTensorDict {
     }
 
     /// Maps the memmap folder at `path` (written by Python tensordict or by tensordict-rs).
-    /// Read-only unless `writable`: numpy arrays made from a read-only dict are read-only.
+    /// Unless `writable`, mapped copy-on-write: numpy arrays made from it are read-only, torch
+    /// tensors (which have no read-only flag) write a private copy of the pages they touch, and
+    /// the folder never changes. With `writable=True`, writes go to the folder.
     #[staticmethod]
     #[pyo3(signature = (path, *, writable=false))]
     fn load_memmap(py: Python<'_>, path: std::path::PathBuf, writable: bool) -> PyResult<Self> {
@@ -147,7 +149,8 @@ impl PyTensorDict {
         Ok(PyTensorDict::new(inner))
     }
 
-    /// Opens the shared-memory dict `prefix` (made by `share_memory` here or by a Rust process).
+    /// Opens the shared-memory dict `prefix` (made by `share_memory` here or by a Rust process),
+    /// copy-on-write unless `writable`, as `load_memmap`.
     #[staticmethod]
     #[pyo3(signature = (prefix, *, writable=false))]
     fn open_shared(py: Python<'_>, prefix: String, writable: bool) -> PyResult<Self> {
@@ -259,7 +262,7 @@ impl PyTensorDict {
                 ErrorChain(&e)
             ))
         })?;
-        let writable = self.inner.leaves().iter().all(|(_, t)| t.storage().is_writable());
+        let writable = self.inner.leaves().iter().all(|(_, t)| t.storage().access() == Access::ReadWrite);
         let rows = backing.rows.map(|r| (r.start, r.end));
         let reopen = py.import("tensordict_rs._native")?.getattr("_reopen")?;
         let args = (backing.location.to_string(), writable, rows).into_pyobject(py)?;
@@ -319,17 +322,26 @@ pub(crate) enum DictOf {
     Row,
 }
 
-/// A dict from Python: one of ours (shared, not copied), or a Python dict of arrays (copied
-/// once), as `of` says.
+/// A dict from Python: one of ours (shared, not copied), or a Python dict of arrays or a Python
+/// tensordict (copied once), as `of` says.
 pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, of: DictOf) -> PyResult<TensorDict> {
     if let Ok(td) = obj.cast::<PyTensorDict>() {
         return Ok(td.get().inner.clone());
     }
-    let Ok(d) = obj.cast::<PyDict>() else {
-        return Err(PyTypeError::new_err(format!(
-            "expected a tensordict_rs.TensorDict or a dict of arrays, got {}",
-            obj.get_type().name()?
-        )));
+    // Python tensordict's TensorDict (and its tensorclasses) give their tensors by `to_dict`.
+    let converted;
+    let d = match obj.cast::<PyDict>() {
+        Ok(d) => d,
+        Err(_) if obj.hasattr("batch_size")? && obj.hasattr("to_dict")? => {
+            converted = obj.call_method0("to_dict")?;
+            converted.cast::<PyDict>().map_err(PyErr::from)?
+        }
+        Err(_) => {
+            return Err(PyTypeError::new_err(format!(
+                "expected a dict of arrays, a tensordict_rs.TensorDict or a tensordict.TensorDict, got {}",
+                obj.get_type().name()?
+            )));
+        }
     };
     let batch_size = match of {
         DictOf::Rows => vec![leading_dim(d)?.ok_or_else(|| {

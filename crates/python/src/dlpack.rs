@@ -3,16 +3,21 @@
 //! holds it), and their tensors read into ours.
 //!
 //! The structs are DLPack 1.0's (`dlpack.h`), with the unversioned `DLManagedTensor` for
-//! consumers that do not ask for a version. Read-only data is exported only as a versioned
-//! tensor with `DLPACK_FLAG_BITMASK_READ_ONLY` set (numpy 2 makes it a read-only array); a
-//! consumer that cannot be told (an unversioned request) gets a `BufferError` saying to open the
-//! dict writable or to ask for a copy, rather than a writable view of a read-only mapping, whose
-//! first write would kill the process.
+//! consumers that do not ask for a version.
+//!
+//! Read-only data must not become a writable view whose first write kills the process. Dicts
+//! opened without `writable=True` are therefore mapped copy-on-write
+//! ([`Access::CopyOnWrite`]): they are exported with `DLPACK_FLAG_BITMASK_READ_ONLY`, which
+//! numpy 2 honours (a read-only array), and a consumer that ignores the flag or cannot be told
+//! (torch has no read-only tensors) writes its own private copy of the pages it touches; the
+//! file or store entry never changes. A truly read-only mapping (a dict a Rust API opened
+//! [`Access::ReadOnly`]) goes only to consumers told so, as a versioned tensor with the flag; an
+//! unversioned request gets a `BufferError` saying to open the dict writable or to copy.
 
 use std::ffi::{CStr, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use memmap_tensor::{DType, Device, Layout, StorageKind, Tensor};
+use memmap_tensor::{Access, DType, Device, Layout, StorageKind, Tensor};
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyCapsule;
@@ -122,9 +127,19 @@ fn from_dl_dtype(dtype: DLDataType) -> PyResult<DType> {
         (2, 32, 1) => DType::F32,
         (2, 64, 1) => DType::F64,
         (code, bits, lanes) => {
+            let kind = match code {
+                0 => "int",
+                1 => "uint",
+                2 => "float",
+                4 => "bfloat",
+                5 => "complex",
+                6 => "bool",
+                _ => "type-code-",
+            };
+            let lanes = if lanes == 1 { String::new() } else { format!(" with {lanes} lanes") };
             return Err(PyTypeError::new_err(format!(
-                "a DLPack tensor of type code {code}, {bits} bits, {lanes} lanes has no dtype here \
-                 (bool, uint8-64, int8-64, float16/32/64 and bfloat16 do)"
+                "a {kind}{bits}{lanes} tensor cannot be stored: the dtypes are bool, uint8-64, \
+                 int8-64, float16/32/64 and bfloat16 (convert it first, e.g. .real or .to(torch.float32))"
             )));
         }
     };
@@ -150,8 +165,9 @@ pub(crate) fn export<'py>(
     keep: crate::dict::Keep,
     versioned: bool,
 ) -> PyResult<Bound<'py, PyCapsule>> {
-    let read_only = !t.storage().is_writable();
-    if read_only && !versioned {
+    let access = t.storage().access();
+    let read_only = access != Access::ReadWrite;
+    if access == Access::ReadOnly && !versioned {
         return Err(PyBufferError::new_err(
             "this tensor is read-only (its dict was opened read-only), and the consumer asked for an \
              unversioned DLPack tensor, which cannot say so: open the dict with writable=True, or \

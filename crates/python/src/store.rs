@@ -99,7 +99,7 @@ impl PyStore {
                 if writable {
                     self.inner.load_writable(key, Wait::For(window))
                 } else {
-                    self.inner.load(key, Wait::For(window))
+                    self.inner.load_private(key, Wait::For(window))
                 }
             },
             |e| matches!(e, rpc::Error::Remote { error: WireError::NotFound { .. }, .. }),

@@ -1,6 +1,6 @@
 //! `Tensor`: one tensor of a dict, handed to torch or numpy by DLPack without a copy.
 
-use memmap_tensor::{DType, Tensor};
+use memmap_tensor::{Access, DType, Tensor};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -47,10 +47,12 @@ impl PyTensor {
         self.inner.device().to_string()
     }
 
-    /// Whether writes are allowed (a dict opened read-only has read-only tensors).
+    /// Whether writes reach the tensor's memory for everyone who maps it. A dict opened without
+    /// `writable=True` is mapped copy-on-write: numpy arrays made from it are read-only, and a
+    /// torch tensor's writes stay in this process.
     #[getter]
     fn writable(&self) -> bool {
-        self.inner.storage().is_writable()
+        self.inner.storage().access() == Access::ReadWrite
     }
 
     /// The address of the first element: the same memory numpy and torch see.
@@ -69,9 +71,9 @@ impl PyTensor {
         self.inner.nbytes()
     }
 
-    /// The DLPack producer: a capsule owning a clone of this tensor. Read-only tensors are
-    /// exported only to consumers that ask for DLPack 1.0 (`max_version`), which carries the
-    /// read-only flag; `copy=True` gives a writable copy instead.
+    /// The DLPack producer: a capsule owning a clone of this tensor. Tensors of a dict opened
+    /// without `writable=True` carry DLPack 1.0's read-only flag (numpy honours it; torch
+    /// ignores it and writes a private copy of the pages); `copy=True` gives a writable copy.
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__<'py>(
         &self,

@@ -1,12 +1,16 @@
 """torch on either side of DLPack (skipped where torch is not installed: its wheel is several
 GB, so CI does not install it)."""
 
+import gc
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import tensordict_rs as tdr  # noqa: E402
+import tensordict_rs.replay  # noqa: E402
+from tensordict_rs.replay import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer  # noqa: E402
 
 
 def test_torch_tensors_go_in_and_come_out_sharing_memory(tmp_path):
@@ -46,3 +50,105 @@ def test_to_tensordict_when_python_tensordict_is_installed(tmp_path):
     py = tdr.to_tensordict(tdr.TensorDict.load_memmap(tmp_path / "d", writable=True))
     assert tuple(py.batch_size) == (3,)
     assert torch.equal(py["x"], torch.arange(6, dtype=torch.float32).reshape(3, 2))
+
+
+def test_a_read_only_dict_gives_torch_tensors_whose_writes_stay_private(tmp_path):
+    # torch has no read-only tensors and ignores DLPack's read-only flag: the dict is mapped
+    # copy-on-write, so torch's writes neither crash the process nor reach the folder.
+    tdr.TensorDict({"x": np.arange(6, dtype=np.float32)}, batch_size=[6]).memmap(tmp_path / "d")
+    ro = tdr.TensorDict.load_memmap(tmp_path / "d")
+    t = torch.from_dlpack(ro["x"])
+    assert t.data_ptr() == ro["x"].data_ptr()
+    t[0] = 100.0
+    assert ro["x"].numpy()[0] == 100.0, "this process sees its own write"
+    assert tdr.TensorDict.load_memmap(tmp_path / "d")["x"].numpy()[0] == 0.0, "the folder does not"
+    py = tdr.to_tensordict(tdr.TensorDict.load_memmap(tmp_path / "d"))
+    assert torch.equal(py["x"], torch.arange(6, dtype=torch.float32))
+
+
+def test_store_loads_and_replay_samples_reach_torch_without_a_copy(tmp_path):
+    gc.collect()
+    before = tdr.live_exports()
+    store = tdr.Store.start("torch-zc", runtime_dir=tmp_path)
+    weights = torch.randn(64, 32)
+    store.save("w", {"w": weights})
+    loaded = store.load("w")
+    t = torch.from_dlpack(loaded["w"])
+    assert t.data_ptr() == loaded["w"].data_ptr(), "torch sees the store's memory"
+    t[0, 0] = 1e6  # private to this process: the entry is not changed
+    assert torch.equal(torch.from_dlpack(store.load("w")["w"]), weights)
+    del loaded
+    gc.collect()
+    # Every wrapper is gone: the tensor still reads the store's memory, and holds its lease.
+    assert torch.equal(t[1:], weights[1:])
+    assert tdr.live_exports() == before + 1
+    del t
+    gc.collect()
+    assert tdr.live_exports() == before
+
+    rb = ReplayBuffer(storage=LazyMemmapStorage(100, scratch_dir=tmp_path / "rb"), batch_size=16, seed=0)
+    rb.extend({"obs": torch.arange(200, dtype=torch.float32).reshape(50, 4), "done": torch.zeros(50, dtype=torch.bool)})
+    batch = rb.sample()
+    obs = torch.from_dlpack(batch["obs"])
+    assert obs.data_ptr() == batch["obs"].data_ptr()
+    index = torch.from_dlpack(batch["index"])
+    assert torch.equal(obs[:, 0], index.float() * 4)
+
+
+def test_torch_inputs_of_every_kind_go_in(tmp_path):
+    rb = ReplayBuffer(storage=LazyTensorStorage(100), batch_size=8, seed=0)
+    base = torch.arange(80, dtype=torch.int64).reshape(10, 8)
+    rows = {
+        "strided": base[:, ::2],  # not contiguous: read at its strides
+        "transposed": base.T.contiguous().T,
+        "bf16": torch.arange(10, dtype=torch.bfloat16),
+        "mask": torch.arange(10) % 3 == 0,
+        "next": {"obs": torch.ones(10, 3, dtype=torch.float16)},
+    }
+    assert rb.extend(rows) == list(range(10))
+    stored = rb.sample(10)
+    for index, strided in zip(torch.from_dlpack(stored["index"]), torch.from_dlpack(stored["strided"])):
+        assert torch.equal(strided, base[index, ::2])
+    assert torch.from_dlpack(stored["bf16"]).dtype == torch.bfloat16
+    assert torch.from_dlpack(stored["mask"]).dtype == torch.bool
+    # A Python tensordict goes in as it is, as TorchRL users pass it.
+    tensordict = pytest.importorskip("tensordict")
+    td = tensordict.TensorDict({k: v for k, v in rows.items() if k != "next"}, batch_size=[10])
+    td["next", "obs"] = rows["next"]["obs"]
+    assert rb.extend(td) == list(range(10, 20))
+
+
+def test_torch_tensors_that_cannot_be_read_are_refused_and_nothing_is_written(tmp_path):
+    rb = ReplayBuffer(storage=LazyTensorStorage(100), batch_size=8, seed=0)
+    rb.extend({"obs": torch.zeros(4, 2), "action": torch.zeros(4, dtype=torch.int64)})
+    with pytest.raises(Exception, match="(?i)grad"):
+        rb.extend({"obs": torch.zeros(4, 2, requires_grad=True), "action": torch.zeros(4, dtype=torch.int64)})
+    with pytest.raises(Exception, match="(?i)meta|device"):
+        rb.extend({"obs": torch.zeros(4, 2, device="meta"), "action": torch.zeros(4, dtype=torch.int64)})
+    with pytest.raises(tdr.TensorDictError):
+        rb.extend({"obs": torch.zeros(4, 3), "action": torch.zeros(4, dtype=torch.int64)})
+    with pytest.raises(TypeError, match="complex64 tensor cannot be stored"):
+        rb.extend({"obs": torch.zeros(4, 2, dtype=torch.complex64), "action": torch.zeros(4, dtype=torch.int64)})
+    assert len(rb) == 4
+
+
+def test_a_buffer_dumped_from_python_loads_in_torchrl(tmp_path):
+    torchrl_data = pytest.importorskip("torchrl.data")
+    ids = torch.arange(50)
+    rb = tdr.replay.PrioritizedReplayBuffer(
+        alpha=0.7, beta=0.5, storage=LazyMemmapStorage(100, scratch_dir=tmp_path / "s"), batch_size=8
+    )
+    rb.extend({"obs": (ids[:, None] * 10 + torch.arange(3)).float(), "episode": ids // 10})
+    rb.update_priority(torch.tensor([3, 4]), torch.tensor([5.0, 9.0]))
+    rb.dumps(tmp_path / "dump")
+    theirs = torchrl_data.TensorDictPrioritizedReplayBuffer(
+        alpha=0.7, beta=0.5, storage=torchrl_data.LazyMemmapStorage(100), batch_size=8
+    )
+    theirs.loads(tmp_path / "dump")
+    assert len(theirs) == 50
+    sample = theirs.sample(8)
+    assert torch.equal(sample["obs"][:, 0], sample["index"].float() * 10)
+    assert "priority_weight" in sample.keys()
+    # Their priorities are ours: rows 3 and 4 carry the most mass.
+    tree = theirs._sampler._sum_tree
+    assert tree[4] > tree[3] > tree[5]

@@ -175,6 +175,21 @@ fn writable_loads_are_exclusive_and_seen_by_readers() {
 }
 
 #[test]
+fn private_loads_write_their_own_copy_and_are_no_writer() {
+    let (_dir, store) = start("private");
+    store.save("p", &state_dict(1.0), None).unwrap();
+    let mut private = store.load_private("p", Wait::NOW).unwrap();
+    assert!(!private.is_writable(), "a private load is not a writer of the entry");
+    // A writer may still come: the private load holds no write claim.
+    let writer = store.load_writable("p", Wait::NOW).unwrap();
+    drop(writer);
+    private.get_tensor_mut("bias").unwrap().as_mut_slice::<f32>().unwrap().fill(-3.0);
+    assert_eq!(private.get_tensor("bias").unwrap().to_vec::<f32>().unwrap(), [-3.0; 4]);
+    let reader = store.load("p", Wait::NOW).unwrap();
+    assert_eq!(reader.get_tensor("bias").unwrap().to_vec::<f32>().unwrap(), [1.0; 4], "the entry is unchanged");
+}
+
+#[test]
 fn folder_store_keeps_entries_across_restarts() {
     let dir = tempfile::tempdir().unwrap();
     let options = StoreOptions::default().runtime_dir(dir.path().join("run")).dir(dir.path().join("data"));

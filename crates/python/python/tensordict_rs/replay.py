@@ -206,8 +206,8 @@ class ReplayBuffer:
         )
 
     def extend(self, data):
-        """Writes a batch (a ``tensordict_rs.TensorDict`` or a dict of arrays with a leading
-        batch dim); returns the rows written."""
+        """Writes a batch (a dict of arrays or tensors with a leading batch dim, a
+        ``tensordict_rs.TensorDict`` or a ``tensordict.TensorDict``); returns the rows written."""
         return self._rb.extend(data)
 
     def add(self, data):

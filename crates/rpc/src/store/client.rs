@@ -259,22 +259,31 @@ impl Store {
 
     /// Loads the entry `key`, mapped read-only, waiting for it as `wait` says.
     pub fn load(&self, key: &str, wait: impl Into<Wait>) -> Result<Loaded> {
-        Ok(self.load_keys(vec![key.to_owned()], wait.into(), false)?.remove(0))
+        Ok(self.load_keys(vec![key.to_owned()], wait.into(), Access::ReadOnly)?.remove(0))
+    }
+
+    /// Loads the entry `key` mapped copy-on-write ([`Access::CopyOnWrite`]): this process may
+    /// write its tensors (a torch tensor made from them has no read-only flag), and the writes
+    /// stay in its own copy of the pages they touch; the entry is never changed.
+    pub fn load_private(&self, key: &str, wait: impl Into<Wait>) -> Result<Loaded> {
+        Ok(self.load_keys(vec![key.to_owned()], wait.into(), Access::CopyOnWrite)?.remove(0))
     }
 
     /// Loads several entries with one request and one deadline: all of them, or an error naming
     /// those missing when the wait ends.
     pub fn load_many<K: AsRef<str>>(&self, keys: &[K], wait: impl Into<Wait>) -> Result<Vec<Loaded>> {
-        self.load_keys(keys.iter().map(|k| k.as_ref().to_owned()).collect(), wait.into(), false)
+        self.load_keys(keys.iter().map(|k| k.as_ref().to_owned()).collect(), wait.into(), Access::ReadOnly)
     }
 
     /// Loads the entry `key` mapped writable: writes are seen by every holder. One writable load
     /// per version at a time (a second is [`WireError::Conflict`]).
     pub fn load_writable(&self, key: &str, wait: impl Into<Wait>) -> Result<Loaded> {
-        Ok(self.load_keys(vec![key.to_owned()], wait.into(), true)?.remove(0))
+        Ok(self.load_keys(vec![key.to_owned()], wait.into(), Access::ReadWrite)?.remove(0))
     }
 
-    fn load_keys(&self, keys: Vec<String>, wait: Wait, writable: bool) -> Result<Vec<Loaded>> {
+    fn load_keys(&self, keys: Vec<String>, wait: Wait, access: Access) -> Result<Vec<Loaded>> {
+        // Only a shared writable mapping is a writer to the store: a private one changes nothing.
+        let writable = access == Access::ReadWrite;
         // Long waits are made of calls of at most `WAIT_WINDOW`; a wait too long to have an end
         // an `Instant` can hold is a wait without end.
         let wait = match wait {
@@ -300,7 +309,6 @@ impl Store {
                 store: Arc::downgrade(&self.inner),
             })
             .collect();
-        let access = if writable { Access::ReadWrite } else { Access::ReadOnly };
         for (out, l) in loaded.iter_mut().zip(&leased) {
             out.dict = self.inner.map(&l.place, &l.layout, access)?.0;
         }
