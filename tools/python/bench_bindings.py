@@ -14,19 +14,30 @@ ITERS / 10 untimed:
 - remote_sample_us: `sample(256)` through a replay service started in this process (rows in
   shared memory, the request over a Unix socket).
 
+When torch is importable, also:
+
+- sample_torch_us: `sample(256)` and `torch.from_dlpack` of every leaf (what a learner that
+  wants torch tensors pays; TorchRL's sample returns torch tensors).
+
 Prints one JSON object. With `--rust TDICT` it also runs `TDICT bench replay --json` with the
 same rows and iterations and adds `overhead_us`: the Python call minus the Rust call, per
-measure. Compare only figures from one run on one machine.
+measure. With `--torchrl` it also runs `tools/python/bench_torchrl_replay.py` (TorchRL 0.14.1
+must be importable) and adds `torchrl` and `speedup`: TorchRL's time over ours, per measure
+(the remote sample and the torch sample over TorchRL's local `sample(256)`, TorchRL having no
+service). Compare only figures from one run on one machine.
 
-Usage: python tools/python/bench_bindings.py [--rows 1000000] [--iters 2000] [--rust target/release/tdict]
+Usage: python tools/python/bench_bindings.py [--rows 1000000] [--iters 2000]
+           [--rust target/release/tdict] [--torchrl]
 """
 
 import argparse
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -80,6 +91,7 @@ def main():
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--rust", help="a tdict binary: also run `bench replay` and report the overhead")
+    parser.add_argument("--torchrl", action="store_true", help="also run TorchRL's benchmark and report the speedup")
     args = parser.parse_args()
     n, iters = args.rows, args.iters
     out = {"rows": n, "iters": iters}
@@ -89,6 +101,17 @@ def main():
         batch = rows(0, EXTEND_ROWS)
         out["extend_us"] = median_us(iters, lambda: uniform.extend(batch))
         out["sample_us"] = median_us(iters, lambda: uniform.sample(SAMPLE_ROWS))
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None:
+
+            def sample_torch():
+                s = uniform.sample(SAMPLE_ROWS)
+                return {key: torch.from_dlpack(s[key]) for key in s.keys(include_nested=True, leaves_only=True)}
+
+            out["sample_torch_us"] = median_us(iters, sample_torch)
         del uniform
 
         prio = ReplayBuffer(storage=LazyMemmapStorage(n, f"{tmp}/p"), sampler=PrioritizedSampler(n, 0.6, 0.4))
@@ -124,6 +147,23 @@ def main():
         )
         out["rust"] = {k: rust[k] for k in ("extend_us", "sample_us", "prio_sample_us", "slice_sample_us", "remote_sample_us") if k in rust}
         out["overhead_us"] = {k: round(out[k] - v, 2) for k, v in out["rust"].items()}
+    if args.torchrl:
+        script = Path(__file__).with_name("bench_torchrl_replay.py")
+        theirs = json.loads(
+            subprocess.run(
+                [sys.executable, str(script), "--rows", str(n), "--iters", str(iters)],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
+        out["torchrl"] = theirs
+        peer = {"remote_sample_us": "sample_us", "sample_torch_us": "sample_us"}
+        out["speedup"] = {
+            k: round(theirs[peer.get(k, k)] / out[k], 1)
+            for k in ("extend_us", "sample_us", "sample_torch_us", "prio_sample_us", "slice_sample_us", "remote_sample_us")
+            if k in out and peer.get(k, k) in theirs
+        }
     print(json.dumps(out))
 
 

@@ -58,10 +58,11 @@ pub enum Access {
     ReadWrite,
     /// Map private and writable (`MAP_PRIVATE`, numpy's mode `"c"`): writes change this
     /// process's copy of the pages they touch and never reach the file or shm object, which is
-    /// opened read-only. Pages not yet written still show what other processes write. For
-    /// handing mapped tensors to code that may write them but must not change the data (a torch
-    /// tensor has no read-only flag). Reads that go to the file instead of the mapping
-    /// (`tensordict`'s `gather_direct`) do not see the private writes.
+    /// opened read-only. Pages not yet written still show what other processes write, and only
+    /// written pages take memory (nothing is reserved up front, so a file larger than the
+    /// machine opens). For handing mapped tensors to code that may write them but must not
+    /// change the data (a torch tensor has no read-only flag). Reads that go to the file
+    /// instead of the mapping (`tensordict`'s `gather_direct`) do not see the private writes.
     CopyOnWrite,
 }
 
@@ -674,11 +675,14 @@ fn map_fd(file: &File, len: usize, access: Access) -> std::io::Result<Option<Mma
     let map = match access {
         Access::ReadOnly => options.map_raw_read_only(file),
         Access::ReadWrite => options.map_raw(file),
+        // MAP_NORESERVE: a private writable map is otherwise charged in full against memory
+        // plus swap, and a dataset larger than the machine could not be opened at all. Only
+        // the pages written take memory.
         // SAFETY: memmap2 marks private maps unsafe because the file may change under them;
         // this module's safety argument covers that (points 1 and 2, and other programs) as
         // for every map here, and the region is reached as a raw pointer, never as the
         // `MmapMut` slice.
-        Access::CopyOnWrite => unsafe { options.map_copy(file) }.map(MmapRaw::from),
+        Access::CopyOnWrite => unsafe { options.no_reserve_swap().map_copy(file) }.map(MmapRaw::from),
     };
     map.map(Some).map_err(crate::maps::explain_mmap_error)
 }

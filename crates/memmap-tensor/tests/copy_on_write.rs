@@ -49,3 +49,19 @@ fn writes_to_a_private_shm_mapping_stay_in_it() -> TestResult {
     Storage::unlink_shm(&name)?;
     result
 }
+
+#[test]
+fn a_private_mapping_larger_than_memory_opens() -> TestResult {
+    // A private writable mapping is charged against memory plus swap unless it reserves none:
+    // a dataset larger than the machine must still open copy-on-write.
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("sparse.bin");
+    let len: u64 = 1 << 42; // 4 TiB, sparse: no block is allocated
+    std::fs::File::create(&path)?.set_len(len)?;
+    let mut huge = Tensor::open_file(&path, DType::U8, [len as usize], Access::CopyOnWrite)?;
+    let last = huge.narrow(0, len as usize - 1, 1)?;
+    assert_eq!(last.to_vec::<u8>()?, [0]);
+    huge.narrow(0, 0, 1)?.as_mut_slice::<u8>()?[0] = 1;
+    assert_eq!(huge.narrow(0, 0, 1)?.to_vec::<u8>()?, [1]);
+    Ok(())
+}
