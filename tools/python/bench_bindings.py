@@ -16,15 +16,16 @@ ITERS / 10 untimed:
 
 When torch is importable, also:
 
-- sample_torch_us: `sample(256)` and `torch.from_dlpack` of every leaf (what a learner that
+- sample_torch_us: `sample(256).to_torch()`, the sample as torch tensors (what a learner that
   wants torch tensors pays; TorchRL's sample returns torch tensors).
 
 Prints one JSON object. With `--rust TDICT` it also runs `TDICT bench replay --json` with the
 same rows and iterations and adds `overhead_us`: the Python call minus the Rust call, per
-measure. With `--torchrl` it also runs `tools/python/bench_torchrl_replay.py` (TorchRL 0.14.1
-must be importable) and adds `torchrl` and `speedup`: TorchRL's time over ours, per measure
-(the remote sample and the torch sample over TorchRL's local `sample(256)`, TorchRL having no
-service). Compare only figures from one run on one machine.
+measure. With `--torchrl` it also runs `tools/python/bench_torchrl_replay.py` and
+`tools/python/bench_torchrl_remote.py` (TorchRL 0.14.1 must be importable) and adds `torchrl`
+and `speedup`: TorchRL's time over ours, per measure (the torch sample over TorchRL's
+`sample(256)`; the remote sample over TorchRL's `RemoteTensorDictReplayBuffer` sampled through
+`torch.distributed.rpc`). Compare only figures from one run on one machine.
 
 Usage: python tools/python/bench_bindings.py [--rows 1000000] [--iters 2000]
            [--rust target/release/tdict] [--torchrl]
@@ -107,11 +108,7 @@ def main():
             torch = None
         if torch is not None:
 
-            def sample_torch():
-                s = uniform.sample(SAMPLE_ROWS)
-                return {key: torch.from_dlpack(s[key]) for key in s.keys(include_nested=True, leaves_only=True)}
-
-            out["sample_torch_us"] = median_us(iters, sample_torch)
+            out["sample_torch_us"] = median_us(iters, lambda: uniform.sample(SAMPLE_ROWS).to_torch())
         del uniform
 
         prio = ReplayBuffer(storage=LazyMemmapStorage(n, f"{tmp}/p"), sampler=PrioritizedSampler(n, 0.6, 0.4))
@@ -148,17 +145,20 @@ def main():
         out["rust"] = {k: rust[k] for k in ("extend_us", "sample_us", "prio_sample_us", "slice_sample_us", "remote_sample_us") if k in rust}
         out["overhead_us"] = {k: round(out[k] - v, 2) for k, v in out["rust"].items()}
     if args.torchrl:
-        script = Path(__file__).with_name("bench_torchrl_replay.py")
-        theirs = json.loads(
-            subprocess.run(
-                [sys.executable, str(script), "--rows", str(n), "--iters", str(iters)],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-        )
+        def run_peer(script):
+            return json.loads(
+                subprocess.run(
+                    [sys.executable, str(Path(__file__).with_name(script)), "--rows", str(n), "--iters", str(iters)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout.splitlines()[-1]
+            )
+
+        theirs = run_peer("bench_torchrl_replay.py")
+        theirs["remote_sample_us"] = run_peer("bench_torchrl_remote.py")["remote_sample_us"]
         out["torchrl"] = theirs
-        peer = {"remote_sample_us": "sample_us", "sample_torch_us": "sample_us"}
+        peer = {"sample_torch_us": "sample_us"}
         out["speedup"] = {
             k: round(theirs[peer.get(k, k)] / out[k], 1)
             for k in ("extend_us", "sample_us", "sample_torch_us", "prio_sample_us", "slice_sample_us", "remote_sample_us")

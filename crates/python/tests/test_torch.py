@@ -93,6 +93,14 @@ def test_store_loads_and_replay_samples_reach_torch_without_a_copy(tmp_path):
     assert obs.data_ptr() == batch["obs"].data_ptr()
     index = torch.from_dlpack(batch["index"])
     assert torch.equal(obs[:, 0], index.float() * 4)
+    # A whole sample as torch tensors at once, sharing the same memory.
+    as_torch = batch.to_torch()
+    assert set(as_torch) == {"obs", "done", "index"}
+    assert as_torch["obs"].data_ptr() == batch["obs"].data_ptr()
+    assert as_torch["done"].dtype == torch.bool and torch.equal(as_torch["index"], index)
+    del batch, obs, index
+    gc.collect()
+    assert torch.equal(as_torch["obs"][:, 0], as_torch["index"].float() * 4)
 
 
 def test_torch_inputs_of_every_kind_go_in(tmp_path):

@@ -28,18 +28,8 @@ __all__ = [
 
 
 def to_tensordict(td):
-    """A Python ``tensordict.TensorDict`` over the same memory (torch tensors made by
-    ``torch.from_dlpack``, no copy). Needs torch and tensordict installed."""
-    import torch
+    """A Python ``tensordict.TensorDict`` over the same memory (torch tensors, no copy). Needs
+    torch and tensordict installed."""
     from tensordict import TensorDict as PyTensorDict
 
-    def convert(value):
-        if isinstance(value, TensorDict):
-            return {k: convert(v) for k, v in value.to_dict().items()}
-        if isinstance(value, dict):
-            return {k: convert(v) for k, v in value.items()}
-        if isinstance(value, Tensor):
-            return torch.from_dlpack(value)
-        return value
-
-    return PyTensorDict(convert(td.to_dict()), batch_size=list(td.batch_size))
+    return PyTensorDict(td.to_torch(), batch_size=list(td.batch_size))
