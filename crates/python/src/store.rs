@@ -85,6 +85,7 @@ impl PyStore {
     /// Loads the entry `key` as a TensorDict viewing the store's memory (no copy), leased
     /// until it and every tensor taken from it (numpy, torch) are gone. Waits up to
     /// `timeout` seconds for the key to appear (`None`: not at all; `float("inf")`: forever).
+    /// Mapped copy-on-write unless `writable` (see `TensorDict.load_memmap`).
     #[pyo3(signature = (key, *, timeout=None, writable=false))]
     fn load(&self, py: Python<'_>, key: &str, timeout: Option<f64>, writable: bool) -> PyResult<PyTensorDict> {
         let wait = match timeout {

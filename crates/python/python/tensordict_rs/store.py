@@ -54,7 +54,11 @@ class Store:
         self._client().save(key, value, ttl=ttl)
 
     def load(self, key, *, timeout=None, writable=False):
-        """The entry ``key`` as a TensorDict over the store's memory (no copy)."""
+        """The entry ``key`` as a TensorDict over the store's memory (no copy), leased while
+        any tensor from it lives. Mapped copy-on-write unless ``writable``: numpy arrays are
+        read-only, torch's writes stay in this process. ``writable=True`` writes the entry
+        itself, for every process (one writable load at a time). Waits up to ``timeout``
+        seconds for the key (``None``: not at all; ``float("inf")``: until it appears)."""
         return self._client().load(key, timeout=timeout, writable=writable)
 
     def keys(self, prefix=""):
