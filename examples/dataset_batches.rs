@@ -9,11 +9,11 @@
 use std::path::Path;
 use std::time::Instant;
 
-use aio::Engine;
 use anyhow::{Context, ensure};
 use memmap_tensor::{Access, DType, Device, Location, Tensor};
 use rand::Rng;
 use tensordict::{Index, ReadMode, TensorDict};
+use tensordict_aio::Engine;
 
 const ROWS: usize = 200_000;
 const BATCH: usize = 512;

@@ -26,10 +26,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use memmap_tensor::Tensor;
-use replay::RateLimiter;
-use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
-use rpc::ClientOptions;
 use tensordict::TensorDict;
+use tensordict_replay::RateLimiter;
+use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
+use tensordict_rpc::ClientOptions;
 
 /// Actor processes.
 const ACTORS: usize = 3;

@@ -10,7 +10,7 @@
 //! dict's bytes sent to the worker and sent back. The two times are printed side by side.
 //!
 //! This is also the pattern for a service of your own that takes and returns references: a
-//! `#[tarpc::service]` whose methods take [`TensorDictRef`]s, served with [`rpc::serve`].
+//! `#[tarpc::service]` whose methods take [`TensorDictRef`]s, served with [`tensordict_rpc::serve`].
 //!
 //! ```sh
 //! cargo run --release --example remote_update
@@ -20,9 +20,11 @@ use std::time::Instant;
 
 use anyhow::{Context as _, ensure};
 use memmap_tensor::{Access, DType, Location, Tensor};
-use rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, ServerOptions, TensorDictRef, ToRef, WireError};
 use tarpc::context::Context;
 use tensordict::{Index, TensorDict};
+use tensordict_rpc::{
+    BlockingClient, ClientOptions, Endpoint, InlineDict, ServerOptions, TensorDictRef, ToRef, WireError,
+};
 
 const ROWS: [i64; 5] = [4, 5, 6, 7, 998];
 /// By-value calls carry the whole dict in one message.
@@ -105,7 +107,8 @@ fn main() -> anyhow::Result<()> {
 /// The worker process: serves until killed.
 fn worker(endpoint: &str) -> anyhow::Result<()> {
     let endpoint: Endpoint = endpoint.parse()?;
-    let _server = rpc::serve(&endpoint, UpdaterServer.serve(), ServerOptions::default().max_frame_bytes(BIG_FRAMES))?;
+    let _server =
+        tensordict_rpc::serve(&endpoint, UpdaterServer.serve(), ServerOptions::default().max_frame_bytes(BIG_FRAMES))?;
     loop {
         std::thread::park();
     }

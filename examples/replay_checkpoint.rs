@@ -10,9 +10,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail, ensure};
 use memmap_tensor::Tensor;
-use replay::checkpoint::{PrioritizedDump, SamplerDump};
-use replay::{LoadOptions, ReplayBuffer, StorageConfig};
 use tensordict::TensorDict;
+use tensordict_replay::checkpoint::{PrioritizedDump, SamplerDump};
+use tensordict_replay::{LoadOptions, ReplayBuffer, StorageConfig};
 
 const CAPACITY: usize = 1_000;
 const STEPS: usize = 2_500;

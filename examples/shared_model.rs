@@ -28,9 +28,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use memmap_tensor::{DType, Layout, Storage, Tensor};
-use rpc::ClientOptions;
-use rpc::store::{Store, StoreOptions, StoreServer, Wait};
 use tensordict::TensorDict;
+use tensordict_rpc::ClientOptions;
+use tensordict_rpc::store::{Store, StoreOptions, StoreServer, Wait};
 
 /// Leaves of the model.
 const LEAVES: usize = 40;

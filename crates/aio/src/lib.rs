@@ -3,7 +3,7 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use aio::{AlignedBuf, Engine};
+//! use tensordict_aio::{AlignedBuf, Engine};
 //!
 //! let engine = Engine::new()?; // io_uring if the kernel allows it, else a thread pool
 //! let file = Arc::new(std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open("data.bin")?);

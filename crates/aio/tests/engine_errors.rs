@@ -1,10 +1,9 @@
-//! [`aio::Engine`]'s failures, on both backends: errors reaching the callback with the buffer
+//! [`tensordict_aio::Engine`]'s failures, on both backends: errors reaching the callback with the buffer
 //! (EBADF, ENOSPC on /dev/full and on a full tmpfs), O_DIRECT checks, the backend environment
 //! variable, a panicking callback, and absurd configurations.
 #![warn(clippy::pedantic)]
 #![allow(clippy::doc_markdown)] // "io_uring" is a name, not code (as in the crate)
 
-use aio::{AlignedBuf, BACKEND_ENV, BackendKind, Engine, EngineConfig, IoBuf};
 use nix::libc;
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -13,6 +12,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 use tempfile::TempDir;
+use tensordict_aio::{AlignedBuf, BACKEND_ENV, BackendKind, Engine, EngineConfig, IoBuf};
 
 mod engine_common;
 #[allow(clippy::wildcard_imports)]

@@ -1,10 +1,9 @@
-//! [`aio::Engine`] moving bytes, on both backends (io_uring and the thread pool): round trips in
+//! [`tensordict_aio::Engine`] moving bytes, on both backends (io_uring and the thread pool): round trips in
 //! every flavour on disk and on /dev/shm, large and many small transfers, end of file, vectored
 //! I/O beyond 1024 buffers, small queue depths and short reads.
 #![warn(clippy::pedantic)]
 #![allow(clippy::doc_markdown)] // "io_uring" is a name, not code (as in the crate)
 
-use aio::{AlignedBuf, BackendKind, EngineConfig};
 use nix::libc;
 use std::fs::File;
 use std::io::{self, Write};
@@ -12,6 +11,7 @@ use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 use std::thread;
 use std::time::Duration;
+use tensordict_aio::{AlignedBuf, BackendKind, EngineConfig};
 
 mod engine_common;
 #[allow(clippy::wildcard_imports)]

@@ -1,15 +1,15 @@
-//! [`aio::Engine`]'s lifetime and concurrency, on both backends: drop safety (tokio-uring's
+//! [`tensordict_aio::Engine`]'s lifetime and concurrency, on both backends: drop safety (tokio-uring's
 //! `complete_ops_on_drop`), concurrent submitters, and `synchronize`.
 #![warn(clippy::pedantic)]
 #![allow(clippy::doc_markdown)] // "io_uring" is a name, not code (as in the crate)
 
-use aio::{BackendKind, Engine, EngineConfig};
 use std::fs::File;
 use std::io::{self};
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
+use tensordict_aio::{BackendKind, Engine, EngineConfig};
 
 mod engine_common;
 #[allow(clippy::wildcard_imports)]

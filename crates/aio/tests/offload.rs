@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use aio::{BackendKind, EXTENT_ALIGN, Engine, EngineConfig, Extent, ExtentAllocator, Offloader};
 use proptest::prelude::*;
+use tensordict_aio::{BackendKind, EXTENT_ALIGN, Engine, EngineConfig, Extent, ExtentAllocator, Offloader};
 
 fn engines() -> Vec<Engine> {
     let mut out = Vec::new();

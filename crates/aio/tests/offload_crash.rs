@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use aio::Offloader;
+use tensordict_aio::Offloader;
 
 const CHILD_ENV: &str = "CRASH_CHILD_DIR";
 /// Where the child numbers its versions from: every run goes on where the last one may have

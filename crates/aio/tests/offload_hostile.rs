@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use aio::{Engine, Offloader};
 use nix::sys::stat::Mode;
+use tensordict_aio::{Engine, Offloader};
 
 /// Opens an offloader on another thread, so that a regression (an open that blocks) fails the
 /// test instead of hanging it.

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::mpsc;
 
-use aio::{BackendKind, Engine, EngineConfig, Offloader};
+use tensordict_aio::{BackendKind, Engine, EngineConfig, Offloader};
 
 fn engines() -> Vec<Engine> {
     let mut out = Vec::new();

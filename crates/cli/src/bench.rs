@@ -6,13 +6,13 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use aio::{AlignedBuf, Engine};
 use anyhow::{Context, ensure};
 use clap::Subcommand;
 use memmap_tensor::{Access, Advice, DType, Tensor};
 use rand::Rng;
 use serde_json::json;
 use tensordict::{Index, ReadMode, TensorDict};
+use tensordict_aio::{AlignedBuf, Engine};
 
 use crate::location::LocationParser;
 use crate::progress::{Progress, Unit};
@@ -95,7 +95,7 @@ pub(crate) enum BenchCommand {
         /// Serve the echo the loads are compared with on this endpoint, until stdin closes (the
         /// benchmark runs itself so, as a process of its own).
         #[arg(long, hide = true)]
-        echo_server: Option<rpc::Endpoint>,
+        echo_server: Option<tensordict_rpc::Endpoint>,
     },
     /// Replay buffers on memmap storage, filled first: extend of 32 rows, uniform sample of
     /// 256 (and into a reused batch), prioritized sample of 256 with a priority update, and

@@ -8,9 +8,9 @@ use std::time::Instant;
 use anyhow::{Context, ensure};
 use memmap_tensor::Tensor;
 use rand::Rng;
-use replay::{Episodes, PrioritizedSlice, ReplayBuffer, RoundRobin, Slice, SliceShape, StorageConfig};
 use serde_json::json;
 use tensordict::TensorDict;
+use tensordict_replay::{Episodes, PrioritizedSlice, ReplayBuffer, RoundRobin, Slice, SliceShape, StorageConfig};
 
 /// Rows per extend call.
 pub(crate) const EXTEND_ROWS: usize = 32;

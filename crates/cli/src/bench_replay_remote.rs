@@ -22,10 +22,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use clap::{Args, ValueEnum};
 use memmap_tensor::Tensor;
-use replay::remote::RemoteBuffer;
-use rpc::ClientOptions;
 use serde_json::{Map, Value, json};
 use tensordict::TensorDict;
+use tensordict_replay::remote::RemoteBuffer;
+use tensordict_rpc::ClientOptions;
 
 use crate::bench_replay::{EXTEND_ROWS, SAMPLE_ROWS, median_us};
 
@@ -251,7 +251,7 @@ impl Peer {
     fn spawn(what: &str, args: &[&str], run_dir: &Path) -> anyhow::Result<Peer> {
         let mut child = Command::new(std::env::current_exe().context("finding this program")?)
             .args(args)
-            .env(rpc::RUNTIME_DIR_ENV, run_dir)
+            .env(tensordict_rpc::RUNTIME_DIR_ENV, run_dir)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

@@ -12,10 +12,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use memmap_tensor::{Access, DType, Location, Tensor};
-use rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, ServerOptions, TensorDictRef, ToRef, Token, WireError};
 use serde_json::json;
 use tarpc::context::Context;
 use tensordict::{Index, TensorDict};
+use tensordict_rpc::{
+    BlockingClient, ClientOptions, Endpoint, InlineDict, ServerOptions, TensorDictRef, ToRef, Token, WireError,
+};
 
 /// Rows the remote update writes.
 const ROWS: [i64; 5] = [4, 5, 6, 7, 98];
@@ -118,7 +120,8 @@ pub(crate) fn run(transport: Transport, iters: usize, as_json: bool) -> anyhow::
     };
     let server_options =
         ServerOptions::default().runtime_dir(&run_dir).token(token.clone()).max_frame_bytes(BIG_FRAMES);
-    let server = rpc::serve(&endpoint, BenchServer.serve(), server_options).context("starting the server")?;
+    let server =
+        tensordict_rpc::serve(&endpoint, BenchServer.serve(), server_options).context("starting the server")?;
     let client_options = ClientOptions::default()
         .runtime_dir(&run_dir)
         .token(token)

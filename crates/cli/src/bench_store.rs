@@ -19,11 +19,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
 use memmap_tensor::{DType, Layout, Location, Storage, Tensor};
-use rpc::store::{Store, Wait};
-use rpc::{BlockingClient, ClientOptions, Endpoint, ServerOptions};
 use serde_json::json;
 use tarpc::context::Context;
 use tensordict::TensorDict;
+use tensordict_rpc::store::{Store, Wait};
+use tensordict_rpc::{BlockingClient, ClientOptions, Endpoint, ServerOptions};
 
 /// Leaves of the dict the save paths write.
 const SAVE_LEAVES: usize = 8;
@@ -343,7 +343,7 @@ fn mixed_ops(name: &str, options: &ClientOptions) -> anyhow::Result<f64> {
     small.set("b", Tensor::from_slice(&[0.5f32; 16], [16])?)?;
     let stores: Vec<Store> = (0..OPS_THREADS)
         .map(|_| Store::connect_with(name, options))
-        .collect::<rpc::Result<_>>()
+        .collect::<tensordict_rpc::Result<_>>()
         .context("connecting the clients")?;
     let started = Instant::now();
     let elapsed = std::thread::scope(|s| -> anyhow::Result<Duration> {
@@ -426,7 +426,8 @@ fn kib_field(path: &str, field: &str) -> anyhow::Result<u64> {
 
 /// Serves the echo on `endpoint` until stdin closes (see [`Server`]).
 pub(crate) fn serve_echo(endpoint: &Endpoint) -> anyhow::Result<ExitCode> {
-    let _server = rpc::serve(endpoint, EchoServer.serve(), ServerOptions::default()).context("serving the echo")?;
+    let _server =
+        tensordict_rpc::serve(endpoint, EchoServer.serve(), ServerOptions::default()).context("serving the echo")?;
     // The benchmark holds our stdin: when it ends (or dies), so do we.
     std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink())?;
     Ok(ExitCode::SUCCESS)
@@ -442,7 +443,7 @@ impl Server {
     fn spawn(args: &[&str], run_dir: &std::path::Path) -> anyhow::Result<Server> {
         let child = std::process::Command::new(std::env::current_exe()?)
             .args(args)
-            .env(rpc::RUNTIME_DIR_ENV, run_dir)
+            .env(tensordict_rpc::RUNTIME_DIR_ENV, run_dir)
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::null())
             .spawn()

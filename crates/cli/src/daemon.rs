@@ -14,9 +14,9 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail, ensure};
-use rpc::{ConnectFailure, Endpoint};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
+use tensordict_rpc::{ConnectFailure, Endpoint};
 
 /// The signals that stop a server cleanly; a second one while it stops exits at once.
 const STOP_SIGNALS: [i32; 3] = [SIGTERM, SIGINT, SIGHUP];
@@ -46,13 +46,13 @@ pub(crate) struct ServePaths {
 impl ServePaths {
     /// The paths of `service` with the `--log`, `--dir` and `--token-file` given.
     pub(crate) fn of(
-        service: &rpc::service::ServiceName,
+        service: &tensordict_rpc::service::ServiceName,
         log: Option<&Path>,
         dir: Option<&Path>,
         token_file: Option<&Path>,
         daemon: bool,
     ) -> anyhow::Result<ServePaths> {
-        let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
+        let runtime = tensordict_rpc::endpoint::resolve_runtime_dir(None)?;
         let files = service.files(&runtime);
         let absolute = |p: &Path| std::path::absolute(p).with_context(|| format!("{}", p.display()));
         let log = match log {
@@ -71,14 +71,14 @@ impl ServePaths {
 }
 
 /// The socket of `service` in `runtime`.
-pub(crate) fn socket_of(service: &rpc::service::ServiceName, runtime: &Path) -> anyhow::Result<PathBuf> {
+pub(crate) fn socket_of(service: &tensordict_rpc::service::ServiceName, runtime: &Path) -> anyhow::Result<PathBuf> {
     Ok(service.endpoint().socket_path(Some(runtime))?.expect("a service's endpoint is a Unix socket"))
 }
 
 /// `tdict KIND stop`: asks the service `service` (served by `pid`) to stop with `shutdown`,
 /// waits until it is gone and says how it went.
 pub(crate) fn stop<E>(
-    service: &rpc::service::ServiceName,
+    service: &tensordict_rpc::service::ServiceName,
     pid: u32,
     shutdown: impl FnOnce() -> Result<(), E>,
     timeout: Duration,
@@ -86,7 +86,7 @@ pub(crate) fn stop<E>(
 where
     E: std::error::Error + Send + Sync + 'static,
 {
-    let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
+    let runtime = tensordict_rpc::endpoint::resolve_runtime_dir(None)?;
     // A process started by `tdict KIND serve` exits once stopped (and removes its pid file on
     // the way out: read it first); a program serving the service itself goes on, and then only
     // its socket closes.
@@ -132,7 +132,7 @@ pub(crate) fn start(
     command.args([kind, "serve", "--no-fork", "--daemon-child", "--name", name]);
     command.arg("--log").arg(log_path).args(&daemon.args);
     command
-        .env(rpc::RUNTIME_DIR_ENV, daemon.runtime)
+        .env(tensordict_rpc::RUNTIME_DIR_ENV, daemon.runtime)
         .current_dir("/")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -339,7 +339,12 @@ impl Drop for PidFile {
 /// Writes this process's pid to `path` atomically (mode 0600). Not flushed: after a power
 /// loss the pid would name a process that no longer exists.
 fn write_pid(path: &Path) -> std::io::Result<()> {
-    aio::replace_file(path, format!("{}\n", std::process::id()).as_bytes(), 0o600, aio::Durability::Atomic)
+    tensordict_aio::replace_file(
+        path,
+        format!("{}\n", std::process::id()).as_bytes(),
+        0o600,
+        tensordict_aio::Durability::Atomic,
+    )
 }
 
 /// The pid a pid file names, if it is readable and holds one.
@@ -403,16 +408,16 @@ pub(crate) fn probe(socket: &Path, timeout: Duration) -> std::io::Result<()> {
 /// it (retrying cannot help that); then `connect` with the options, whose failure to connect is
 /// told apart by [`connect_error`] (`rpc_error` finds the rpc error in `E`).
 pub(crate) fn connect_service<T, E>(
-    service: &rpc::service::ServiceName,
+    service: &tensordict_rpc::service::ServiceName,
     connect_timeout: Duration,
     start: &str,
-    connect: impl FnOnce(&rpc::ClientOptions) -> Result<T, E>,
-    rpc_error: impl FnOnce(&E) -> Option<&rpc::Error>,
+    connect: impl FnOnce(&tensordict_rpc::ClientOptions) -> Result<T, E>,
+    rpc_error: impl FnOnce(&E) -> Option<&tensordict_rpc::Error>,
 ) -> anyhow::Result<T>
 where
     E: std::error::Error + Send + Sync + 'static,
 {
-    let runtime = rpc::endpoint::resolve_runtime_dir(None)?;
+    let runtime = tensordict_rpc::endpoint::resolve_runtime_dir(None)?;
     let socket = socket_of(service, &runtime)?;
     let not_running =
         |why: String| anyhow!("no {service} is running (socket {}{why}): start it with `{start}`", socket.display());
@@ -423,7 +428,7 @@ where
         }
         _ => {}
     }
-    let options = rpc::ClientOptions::default().runtime_dir(&runtime).connect_timeout(connect_timeout);
+    let options = tensordict_rpc::ClientOptions::default().runtime_dir(&runtime).connect_timeout(connect_timeout);
     connect(&options).map_err(|e| {
         let told = rpc_error(&e).and_then(|rpc| connect_error(&service.to_string(), &socket, rpc, not_running));
         told.unwrap_or_else(|| e.into())
@@ -437,7 +442,7 @@ where
 pub(crate) fn connect_error(
     what: &str,
     socket: &Path,
-    error: &rpc::Error,
+    error: &tensordict_rpc::Error,
     not_running: impl FnOnce(String) -> anyhow::Error,
 ) -> Option<anyhow::Error> {
     let socket = socket.display();
@@ -451,7 +456,7 @@ pub(crate) fn connect_error(
             "{what} did not answer on its socket {socket} in time: it is overloaded or hung (see its \
              log), or another program listens there"
         )),
-        _ if matches!(error, rpc::Error::ConnectTimeout { .. }) => {
+        _ if matches!(error, tensordict_rpc::Error::ConnectTimeout { .. }) => {
             let mut chain = error.to_string();
             let mut cause = std::error::Error::source(error);
             while let Some(c) = cause {
@@ -500,32 +505,36 @@ mod tests {
     fn a_busy_or_silent_service_is_not_called_missing() {
         let endpoint: Endpoint = "uds:x".parse().unwrap();
         let socket = Path::new("/run/x.sock");
-        let after = |last: rpc::Error| rpc::Error::ConnectTimeout {
+        let after = |last: tensordict_rpc::Error| tensordict_rpc::Error::ConnectTimeout {
             endpoint: endpoint.clone(),
             waited: Duration::from_secs(5),
             attempts: 9,
             last: Box::new(last),
         };
-        let says = |error: rpc::Error| {
+        let says = |error: tensordict_rpc::Error| {
             connect_error("store `x`", socket, &error, |why| anyhow!("no store `x` is running{why}"))
                 .map(|e| e.to_string())
                 .unwrap_or_default()
         };
         let missing = std::io::Error::from(std::io::ErrorKind::NotFound);
         assert!(
-            says(after(rpc::Error::Connect { endpoint: endpoint.clone(), source: missing })).starts_with("no store")
+            says(after(tensordict_rpc::Error::Connect { endpoint: endpoint.clone(), source: missing }))
+                .starts_with("no store")
         );
         let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
-        assert!(says(rpc::Error::Connect { endpoint: endpoint.clone(), source: refused }).starts_with("no store"));
-        let busy = says(after(rpc::Error::Busy { endpoint: endpoint.clone() }));
+        assert!(
+            says(tensordict_rpc::Error::Connect { endpoint: endpoint.clone(), source: refused })
+                .starts_with("no store")
+        );
+        let busy = says(after(tensordict_rpc::Error::Busy { endpoint: endpoint.clone() }));
         assert!(busy.contains("store `x` is running but busy") && busy.contains("/run/x.sock"), "{busy}");
         let timeout = Duration::from_secs(5);
-        let silent = says(after(rpc::Error::HandshakeTimeout { endpoint: endpoint.clone(), timeout }));
+        let silent = says(after(tensordict_rpc::Error::HandshakeTimeout { endpoint: endpoint.clone(), timeout }));
         assert!(silent.contains("store `x` did not answer on its socket /run/x.sock"), "{silent}");
         let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
-        let other = says(after(rpc::Error::HandshakeIo { endpoint: endpoint.clone(), source: reset }));
+        let other = says(after(tensordict_rpc::Error::HandshakeIo { endpoint: endpoint.clone(), source: reset }));
         assert!(other.starts_with("cannot connect to store `x`") && other.contains("reset"), "{other}");
-        assert!(says(rpc::Error::AuthRefused { endpoint }).is_empty(), "not about connecting");
+        assert!(says(tensordict_rpc::Error::AuthRefused { endpoint }).is_empty(), "not about connecting");
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! `tdict replay`: describe replay buffers dumped by TorchRL (`ReplayBuffer.dumps(path)`), read
-//! with `replay::checkpoint::Dump::read`. This module gathers the description as one JSON value
+//! with `tensordict_replay::checkpoint::Dump::read`. This module gathers the description as one JSON value
 //! and prints it as text or as that JSON. The replay service's commands (`serve`, `stats`,
 //! `stop`) are in `replay_serve`.
 
@@ -10,10 +10,10 @@ use anyhow::{Context, bail};
 use clap::Subcommand;
 use indicatif::DecimalBytes;
 use memmap_tensor::{DType, Tensor};
-use replay::Error;
-use replay::checkpoint::{Dump, PrioritizedDump, SamplerDump, WriterDump, WriterKind};
 use serde_json::{Value, json};
 use tensordict::TensorDict;
+use tensordict_replay::Error;
+use tensordict_replay::checkpoint::{Dump, PrioritizedDump, SamplerDump, WriterDump, WriterKind};
 
 /// Replay buffers: dumps of TorchRL (`ReplayBuffer.dumps(path)`, the 0.14 layout: `storage/`,
 /// `writer/`, `sampler/`, `buffer_metadata.json`), and replay services.
@@ -122,7 +122,7 @@ fn read(path: &Path) -> anyhow::Result<Dump> {
         Ok(_) => {}
         Err(e) => return Err(e).with_context(|| format!("{}", path.display())),
     }
-    let storage_meta = path.join("storage").join(replay::STORAGE_METADATA);
+    let storage_meta = path.join("storage").join(tensordict_replay::STORAGE_METADATA);
     Dump::read(path).map_err(|e| match &e {
         Error::Missing { path: missing } if *missing == storage_meta => {
             anyhow::Error::new(e).context(format!("{} is not a TorchRL replay-buffer dump", path.display()))

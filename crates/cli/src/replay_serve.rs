@@ -1,4 +1,4 @@
-//! `tdict replay serve | stats | stop`: a replay service (`replay::remote::ReplayServer`) run as
+//! `tdict replay serve | stats | stop`: a replay service (`tensordict_replay::remote::ReplayServer`) run as
 //! a daemon or in the foreground, its counters, and stopping it. The daemon machinery is
 //! shared with `tdict store` (`crate::daemon`); this module parses, builds the service's
 //! options and prints.
@@ -12,14 +12,14 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail, ensure};
 use clap::{Args, ValueEnum};
-use replay::RateLimiter;
-use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, SamplerSpec};
-use replay::{
-    Episodes, PrioritizedSliceSpec, PrioritizedSpec, SliceShape, SliceSpec, UniformSpec, WithoutReplacementSpec,
-};
-use rpc::{ClientOptions, Endpoint, Token};
 use serde_json::{Value, json};
 use tensordict::KeyPath;
+use tensordict_replay::RateLimiter;
+use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, SamplerSpec};
+use tensordict_replay::{
+    Episodes, PrioritizedSliceSpec, PrioritizedSpec, SliceShape, SliceSpec, UniformSpec, WithoutReplacementSpec,
+};
+use tensordict_rpc::{ClientOptions, Endpoint, Token};
 
 use crate::daemon::{self, PidFile, ServePaths, parse_seconds, parse_tcp, read_pid};
 
@@ -76,7 +76,7 @@ pub(crate) struct ServeArgs {
     /// The sampler (default: uniform).
     #[arg(long, value_enum)]
     sampler: Option<SamplerKind>,
-    /// The sampler and its options as JSON (`replay::SamplerSpec`), instead of --sampler and
+    /// The sampler and its options as JSON (`tensordict_replay::SamplerSpec`), instead of --sampler and
     /// its options: any sampler the service knows, e.g. `{"prioritized": {"alpha": 0.6, "beta":
     /// 0.4, "eps": 1e-8}}` or `{"slice": {"episodes": {"traj_key": ["episode"]}, "shape":
     /// {"num_slices": 4}}}`.
@@ -170,7 +170,8 @@ fn options(args: &ServeArgs, paths: &ServePaths) -> anyhow::Result<ReplayOptions
         (Some(dump), _) => {
             let dump = std::path::absolute(dump).with_context(|| format!("--load {}", dump.display()))?;
             // Read now, so that a dump that will not load is reported by the command typed.
-            let read = replay::checkpoint::Dump::read(&dump).with_context(|| format!("--load {}", dump.display()))?;
+            let read = tensordict_replay::checkpoint::Dump::read(&dump)
+                .with_context(|| format!("--load {}", dump.display()))?;
             ReplayOptions::new(read.storage.capacity()).load(dump)
         }
         (None, Some(capacity)) => {
@@ -183,7 +184,7 @@ fn options(args: &ServeArgs, paths: &ServePaths) -> anyhow::Result<ReplayOptions
         check_dir(dir, args.overwrite)?;
         options = options.dir(dir).overwrite(args.overwrite);
         if args.shared_fs {
-            options = options.shared_filesystem(aio::Engine::new().context("--shared-fs: an I/O engine")?);
+            options = options.shared_filesystem(tensordict_aio::Engine::new().context("--shared-fs: an I/O engine")?);
         }
     }
     if let Some(limiter) = limiter(args, options.capacity)? {
@@ -316,7 +317,7 @@ fn limiter(args: &ServeArgs, capacity: usize) -> anyhow::Result<Option<RateLimit
 impl ServeArgs {
     /// The paths this server uses (a daemon's log by default).
     fn paths(&self, daemon: bool) -> anyhow::Result<ServePaths> {
-        let service = replay::remote::service_name(&self.name)?;
+        let service = tensordict_replay::remote::service_name(&self.name)?;
         ServePaths::of(&service, self.log.as_deref(), self.dir.as_deref(), self.token_file.as_deref(), daemon)
     }
 }
@@ -407,7 +408,7 @@ fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let options = options(&args, &paths)?;
     let server = match ReplayServer::start(&args.name, options) {
         Ok(server) => server,
-        Err(e @ replay::Error::Remote(rpc::Error::ServiceRunning { .. })) => {
+        Err(e @ tensordict_replay::Error::Remote(tensordict_rpc::Error::ServiceRunning { .. })) => {
             let by = read_pid(&paths.pid).map(|pid| format!(" (pid {pid}, from {})", paths.pid.display()));
             return Err(anyhow!("{}{}", memmap_tensor::ErrorChain(&e), by.unwrap_or_default()));
         }
@@ -461,12 +462,12 @@ pub(crate) fn connect(at: &ServiceArgs) -> anyhow::Result<RemoteBuffer> {
     let name = &at.name;
     let start = format!("tdict replay serve --name {name} --capacity ROWS");
     daemon::connect_service(
-        &replay::remote::service_name(name)?,
+        &tensordict_replay::remote::service_name(name)?,
         at.connect_timeout,
         &start,
         |options| RemoteBuffer::connect_with(name, options),
         |e| match e {
-            replay::Error::Remote(rpc) => Some(rpc),
+            tensordict_replay::Error::Remote(rpc) => Some(rpc),
             _ => None,
         },
     )
@@ -531,7 +532,7 @@ pub(crate) fn stats(at: &ServiceArgs, as_json: bool) -> anyhow::Result<ExitCode>
 pub(crate) fn stop(at: &ServiceArgs, timeout: Duration) -> anyhow::Result<ExitCode> {
     let buffer = connect(at)?;
     let pid = buffer.info().pid;
-    daemon::stop(&replay::remote::service_name(&at.name)?, pid, || buffer.shutdown(), timeout)?;
+    daemon::stop(&tensordict_replay::remote::service_name(&at.name)?, pid, || buffer.shutdown(), timeout)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -545,6 +546,6 @@ fn bound(v: &Value, unbounded: &str) -> String {
 }
 
 pub(crate) fn parse_name(s: &str) -> Result<String, String> {
-    replay::remote::service_name(s).map_err(|e| e.to_string())?;
+    tensordict_replay::remote::service_name(s).map_err(|e| e.to_string())?;
     Ok(s.to_owned())
 }

@@ -1,6 +1,6 @@
 //! `tdict store`: serve a named store of TensorDicts (as a daemon or in the foreground), and
 //! list, save, load, remove and stop it from the command line. The store itself is
-//! `rpc::store`; this module parses, daemonizes, waits and prints.
+//! `tensordict_rpc::store`; this module parses, daemonizes, waits and prints.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -12,10 +12,10 @@ use anyhow::{Context, anyhow, ensure};
 use clap::{Args, Subcommand};
 use indicatif::DecimalBytes;
 use memmap_tensor::Access;
-use rpc::store::{EntryInfo, Place, Store, StoreOptions, StoreServer, Wait};
-use rpc::{ClientOptions, Endpoint, Token};
 use serde_json::{Value, json};
 use tensordict::WriteOptions;
+use tensordict_rpc::store::{EntryInfo, Place, Store, StoreOptions, StoreServer, Wait};
+use tensordict_rpc::{ClientOptions, Endpoint, Token};
 
 use crate::daemon::{self, PidFile, ServePaths, parse_seconds, parse_tcp, read_pid};
 use crate::location::LocationParser;
@@ -164,7 +164,7 @@ pub(crate) fn run(command: StoreCommand) -> anyhow::Result<ExitCode> {
 impl ServeArgs {
     /// The paths this server uses (a daemon's log by default).
     fn paths(&self, daemon: bool) -> anyhow::Result<ServePaths> {
-        let service = rpc::store::service_name(&self.name)?;
+        let service = tensordict_rpc::store::service_name(&self.name)?;
         ServePaths::of(&service, self.log.as_deref(), self.dir.as_deref(), self.token_file.as_deref(), daemon)
     }
 }
@@ -219,7 +219,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     }
     let server = match StoreServer::start(&args.name, options) {
         Ok(server) => server,
-        Err(e @ rpc::Error::ServiceRunning { .. }) => {
+        Err(e @ tensordict_rpc::Error::ServiceRunning { .. }) => {
             let by = read_pid(&paths.pid).map(|pid| format!(" (pid {pid}, from {})", paths.pid.display()));
             return Err(anyhow!("{}{}", memmap_tensor::ErrorChain(&e), by.unwrap_or_default()));
         }
@@ -267,7 +267,7 @@ fn connect(at: &StoreArgs) -> anyhow::Result<Store> {
     let name = &at.name;
     let start = format!("tdict store serve --name {name}");
     daemon::connect_service(
-        &rpc::store::service_name(name)?,
+        &tensordict_rpc::store::service_name(name)?,
         at.connect_timeout,
         &start,
         |options| Store::connect_with(name, options),
@@ -363,7 +363,7 @@ fn load(at: &StoreArgs, key: &str, out: &Location, wait: Wait, force: bool) -> a
 fn stop(at: &StoreArgs, timeout: Duration) -> anyhow::Result<ExitCode> {
     let store = connect(at)?;
     let pid = store.info().pid;
-    daemon::stop(&rpc::store::service_name(&at.name)?, pid, || store.shutdown(), timeout)?;
+    daemon::stop(&tensordict_rpc::store::service_name(&at.name)?, pid, || store.shutdown(), timeout)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -388,7 +388,7 @@ fn shown(key: &str) -> String {
 }
 
 fn parse_name(s: &str) -> Result<String, String> {
-    rpc::store::service_name(s).map_err(|e| e.to_string())?;
+    tensordict_rpc::store::service_name(s).map_err(|e| e.to_string())?;
     Ok(s.to_owned())
 }
 

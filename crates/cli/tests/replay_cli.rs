@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use memmap_tensor::{Access, Tensor};
-use replay::checkpoint::{Dump, SamplerDump, WriterKind};
 use serde_json::Value;
 use tensordict::TensorDict;
+use tensordict_replay::checkpoint::{Dump, SamplerDump, WriterKind};
 
 const FIXTURES: [&str; 4] = ["uniform_wrapped", "prioritized", "slices", "max_value_writer"];
 

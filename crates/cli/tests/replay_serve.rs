@@ -14,11 +14,11 @@ use std::time::Duration;
 use memmap_tensor::Tensor;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use replay::remote::RemoteBuffer;
-use replay::remote::{ReplayOptions, ReplayServer};
-use rpc::{ClientOptions, Endpoint, Token};
 use serde_json::Value;
 use tensordict::TensorDict;
+use tensordict_replay::remote::RemoteBuffer;
+use tensordict_replay::remote::{ReplayOptions, ReplayServer};
+use tensordict_rpc::{ClientOptions, Endpoint, Token};
 
 mod common;
 use common::{Run, alive, kill9, read_pid, wait_until};
@@ -437,8 +437,12 @@ fn stop_a_service_served_by_a_program() {
 fn a_busy_or_silent_service_is_not_called_missing() {
     let mut w = World::new("busy");
     w.serve(&["--capacity", "10"]);
-    let socket =
-        replay::remote::service_name(&w.name).unwrap().endpoint().socket_path(Some(&w.runtime())).unwrap().unwrap();
+    let socket = tensordict_replay::remote::service_name(&w.name)
+        .unwrap()
+        .endpoint()
+        .socket_path(Some(&w.runtime()))
+        .unwrap()
+        .unwrap();
     let held = common::saturate(&socket);
     let stats = w.replay("stats", ["--connect-timeout", "1"]);
     let err = stats.error();
@@ -448,7 +452,7 @@ fn a_busy_or_silent_service_is_not_called_missing() {
     assert!(w.stats()["pid"].is_u64());
 
     let silent = World::new("silent");
-    let socket = replay::remote::service_name(&silent.name)
+    let socket = tensordict_replay::remote::service_name(&silent.name)
         .unwrap()
         .endpoint()
         .socket_path(Some(&silent.runtime()))

@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 use memmap_tensor::{Access, DType, Tensor};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use rpc::store::{Store, StoreOptions, Wait};
-use rpc::{ClientOptions, Endpoint, Token};
 use serde_json::Value;
 use tensordict::TensorDict;
+use tensordict_rpc::store::{Store, StoreOptions, Wait};
+use tensordict_rpc::{ClientOptions, Endpoint, Token};
 
 mod common;
 use common::{Run, alive, kill9, read_pid, wait_until};
@@ -46,8 +46,8 @@ impl World {
         self.dir.path().join(name)
     }
 
-    fn files(&self) -> rpc::service::ServiceFiles {
-        rpc::store::service_name(&self.name).unwrap().files(&self.runtime())
+    fn files(&self) -> tensordict_rpc::service::ServiceFiles {
+        tensordict_rpc::store::service_name(&self.name).unwrap().files(&self.runtime())
     }
 
     fn command<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> (Command, String) {

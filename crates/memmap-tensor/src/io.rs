@@ -3,12 +3,12 @@
 
 use std::sync::Arc;
 
-use aio::{IoBuf, IoBufMut};
+use tensordict_aio::{IoBuf, IoBufMut};
 
 use crate::{Error, Result, StorageKind, Tensor};
 
 /// A contiguous heap tensor that is the only handle on its storage, usable as an
-/// [`aio::IoBuf`] / [`aio::IoBufMut`]. Get the tensor back with [`TensorBuf::into_tensor`].
+/// [`tensordict_aio::IoBuf`] / [`tensordict_aio::IoBufMut`]. Get the tensor back with [`TensorBuf::into_tensor`].
 pub struct TensorBuf {
     tensor: Tensor,
     ptr: *mut u8,

@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
-use aio::retry_stale;
+use tensordict_aio::retry_stale;
 
 use crate::{Error, ProcessId, ProcessState, Result};
 

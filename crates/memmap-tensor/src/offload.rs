@@ -2,13 +2,13 @@
 //! host or a GPU (TensorNVMe's use: optimizer states and activations that do not fit on the
 //! GPU, swapped out to NVMe and back).
 //!
-//! A tensor is written in chunks through [`aio::Offloader`], several in flight at once: for a
+//! A tensor is written in chunks through [`tensordict_aio::Offloader`], several in flight at once: for a
 //! GPU tensor, the copy of the next chunk into pinned memory overlaps the disk writes of the
 //! ones before; a restore reads chunks ahead while earlier ones are copied up.
 
 use std::sync::mpsc;
 
-use aio::Offloader;
+use tensordict_aio::Offloader;
 
 use crate::{DType, Device, Error, Location, Result, Shape, Tensor, TensorBuf, ToOptions};
 
@@ -22,7 +22,7 @@ const SEP: char = '\u{1f}';
 const MAGIC: &[u8; 8] = b"TDOFF\x001\n";
 
 /// Tensors offloaded to one file under string keys, from the host or a GPU, and restored to
-/// either. Chunks go through [`aio::Offloader`], several in flight at once; for a GPU tensor
+/// either. Chunks go through [`tensordict_aio::Offloader`], several in flight at once; for a GPU tensor
 /// the copy of the next chunk into pinned memory overlaps the disk writes of those before.
 ///
 /// # Crash safety
@@ -61,7 +61,7 @@ struct Manifest {
 
 impl TensorOffloader {
     /// Opens (or creates) the offload file at `path`, with its index beside it, as
-    /// [`aio::Offloader::new`] does.
+    /// [`tensordict_aio::Offloader::new`] does.
     pub fn open(path: impl AsRef<std::path::Path>) -> Result<Self> {
         let path = path.as_ref();
         let files = Offloader::new(path).map_err(|source| Error::FileIo {

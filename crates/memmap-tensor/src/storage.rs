@@ -190,16 +190,20 @@ impl Storage {
     pub fn create_file(path: impl AsRef<Path>, len_bytes: usize) -> Result<Self> {
         let path = path.as_ref();
         let io_err = |op, source| Error::FileIo { op, path: path.to_owned(), source };
-        let (tmp, file) = aio::create_temporary(path, 0o644).map_err(|e| io_err("create", e))?;
+        let (tmp, file) = tensordict_aio::create_temporary(path, 0o644).map_err(|e| io_err("create", e))?;
         let built = preallocate(&file, len_bytes)
             .map_err(|e| io_err("allocate", e))
             .and_then(|()| map_file(&file, path, len_bytes, Access::ReadWrite))
             .and_then(|map| Ok((map, FileId::of(&file).map_err(|e| io_err("stat", e))?)))
             .and_then(|built| {
-                aio::retry_stale(|| std::fs::rename(&tmp, path)).map(|()| built).map_err(|e| io_err("rename", e))
+                tensordict_aio::retry_stale(|| std::fs::rename(&tmp, path))
+                    .map(|()| built)
+                    .map_err(|e| io_err("rename", e))
             });
         match built {
-            Ok((map, id)) => Ok(Self::from_map(map, Access::ReadWrite, Backing::File { path: path.to_owned(), map: None, id })),
+            Ok((map, id)) => {
+                Ok(Self::from_map(map, Access::ReadWrite, Backing::File { path: path.to_owned(), map: None, id }))
+            }
             Err(e) => {
                 // Best effort: the temporary file holds nothing anyone needs.
                 let _ = std::fs::remove_file(&tmp);

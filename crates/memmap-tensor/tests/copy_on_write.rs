@@ -58,7 +58,7 @@ fn a_private_mapping_larger_than_memory_opens() -> TestResult {
     let path = dir.path().join("sparse.bin");
     let len: u64 = 1 << 42; // 4 TiB, sparse: no block is allocated
     std::fs::File::create(&path)?.set_len(len)?;
-    let mut huge = Tensor::open_file(&path, DType::U8, [len as usize], Access::CopyOnWrite)?;
+    let huge = Tensor::open_file(&path, DType::U8, [len as usize], Access::CopyOnWrite)?;
     let last = huge.narrow(0, len as usize - 1, 1)?;
     assert_eq!(last.to_vec::<u8>()?, [0]);
     huge.narrow(0, 0, 1)?.as_mut_slice::<u8>()?[0] = 1;

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use rpc::{ClientOptions, Endpoint, Token};
+use tensordict_rpc::{ClientOptions, Endpoint, Token};
 
 use crate::dict::to_py_err;
 
@@ -42,7 +42,7 @@ pub(crate) fn listen_options(listen: Option<String>, token: Option<String>) -> P
     Ok(Some((endpoint, Token::from_bytes(token.as_bytes()).map_err(to_py_err)?)))
 }
 
-/// [`rpc::windowed_wait`] without the GIL, running Python's signal handlers between windows
+/// [`tensordict_rpc::windowed_wait`] without the GIL, running Python's signal handlers between windows
 /// (Ctrl-C raises `KeyboardInterrupt`). `wait`: how long in all (`None`: without end).
 pub(crate) fn wait_in_windows<T: Send, E: std::error::Error + Send + 'static>(
     py: Python<'_>,
@@ -54,7 +54,7 @@ pub(crate) fn wait_in_windows<T: Send, E: std::error::Error + Send + 'static>(
         Rust(E),
         Python(PyErr),
     }
-    let waited = rpc::windowed_wait(
+    let waited = tensordict_rpc::windowed_wait(
         wait,
         WAIT_WINDOW,
         |window| {

@@ -369,9 +369,10 @@ pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, of: DictOf) -> PyResult<Tens
         }
     };
     let batch_size = match of {
-        DictOf::Rows => vec![leading_dim(d)?.ok_or_else(|| {
-            PyValueError::new_err("a batch needs at least one array with a leading (batch) dim")
-        })?],
+        DictOf::Rows => vec![
+            leading_dim(d)?
+                .ok_or_else(|| PyValueError::new_err("a batch needs at least one array with a leading (batch) dim"))?,
+        ],
         DictOf::Tensors | DictOf::Row => Vec::new(),
     };
     let mut td = TensorDict::new(batch_size);

@@ -443,10 +443,9 @@ unsafe fn copy_out(t: &DLTensor) -> PyResult<Tensor> {
         .map(|&d| usize::try_from(d).map_err(|_| PyValueError::new_err("a negative dim")))
         .collect::<PyResult<_>>()?;
     let elem = dtype.size_in_bytes();
-    let nbytes = shape
-        .iter()
-        .try_fold(elem, |n, &d| n.checked_mul(d))
-        .ok_or_else(|| PyValueError::new_err(format!("a DLPack tensor of shape {shape:?} overflows the address space")))?;
+    let nbytes = shape.iter().try_fold(elem, |n, &d| n.checked_mul(d)).ok_or_else(|| {
+        PyValueError::new_err(format!("a DLPack tensor of shape {shape:?} overflows the address space"))
+    })?;
     let strides: Vec<isize> = if t.strides.is_null() || ndim == 0 {
         let mut s = vec![1isize; ndim];
         for i in (0..ndim.saturating_sub(1)).rev() {
@@ -463,7 +462,8 @@ unsafe fn copy_out(t: &DLTensor) -> PyResult<Tensor> {
         return Tensor::from_bytes(&[], dtype, shape.as_slice()).map_err(to_err);
     }
     let packed = strides.iter().all(|&s| s >= 0)
-        && Layout::new(shape.as_slice(), strides.iter().map(|&s| s as usize).collect(), 0).is_ok_and(|l| l.is_contiguous());
+        && Layout::new(shape.as_slice(), strides.iter().map(|&s| s as usize).collect(), 0)
+            .is_ok_and(|l| l.is_contiguous());
     if packed {
         // SAFETY: the producer's memory covers its elements, `nbytes` packed in C order.
         let bytes = unsafe { std::slice::from_raw_parts(base, nbytes) };

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use replay::SamplerSpec;
-use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
+use tensordict_replay::SamplerSpec;
+use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
 
 use crate::client::{address, client_options, listen_options, wait_in_windows};
 use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
@@ -66,7 +66,7 @@ impl PyRemoteBuffer {
             py,
             wait,
             |window| self.inner.sample(batch_size, Some(window)),
-            |e| matches!(e, replay::Error::Timeout { .. }),
+            |e| matches!(e, tensordict_replay::Error::Timeout { .. }),
         )?;
         sample_dict(td, info, self.weighted)
     }

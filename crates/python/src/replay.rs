@@ -3,7 +3,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use replay::{LoadOptions, MaxValue, ReplayBuffer, RoundRobin, SamplerSpec, StorageConfig, Writer};
+use tensordict_replay::{LoadOptions, MaxValue, ReplayBuffer, RoundRobin, SamplerSpec, StorageConfig, Writer};
 
 use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
 
@@ -150,7 +150,7 @@ impl PyReplayBuffer {
 /// weight their draws, `priority_weight` (float64).
 pub(crate) fn sample_dict(
     mut td: tensordict::TensorDict,
-    info: replay::SampleInfo,
+    info: tensordict_replay::SampleInfo,
     weighted: bool,
 ) -> PyResult<PyTensorDict> {
     let n = info.indices.len();

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use rpc::WireError;
-use rpc::store::{Allocation, Store, StoreOptions, Wait};
+use tensordict_rpc::WireError;
+use tensordict_rpc::store::{Allocation, Store, StoreOptions, Wait};
 
 use crate::client::{address, client_options, listen_options, wait_in_windows};
 use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
@@ -103,7 +103,7 @@ impl PyStore {
                     self.inner.load_private(key, Wait::For(window))
                 }
             },
-            |e| matches!(e, rpc::Error::Remote { error: WireError::NotFound { .. }, .. }),
+            |e| matches!(e, tensordict_rpc::Error::Remote { error: WireError::NotFound { .. }, .. }),
         )?;
         let td = (*loaded).clone();
         let keep: crate::dict::Keep = Some(Arc::new(loaded));

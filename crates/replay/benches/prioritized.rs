@@ -1,10 +1,10 @@
-//! Criterion benchmarks of prioritized sampling. Run with `cargo bench -p replay`.
+//! Criterion benchmarks of prioritized sampling. Run with `cargo bench -p tensordict-replay`.
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use replay::PrioritizedState;
 use std::hint::black_box;
+use tensordict_replay::PrioritizedState;
 
 fn filled(capacity: usize) -> PrioritizedState {
     let mut state = PrioritizedState::new(capacity, 0.6, 0.4, 1e-6).unwrap();

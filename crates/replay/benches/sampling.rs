@@ -2,7 +2,7 @@
 //! (`obs` and `next/obs` `f32[84]`, `action` and `episode` i64, `reward` f32, `done` bool) in a
 //! memmap storage, and of its parts: the storage's row gather alone, into a new dict and into a
 //! reused one, and a prioritized sample while another thread updates priorities (the two share
-//! the buffer's lock). Run with `cargo bench -p replay --bench sampling`; `REPLAY_BENCH_ROWS`
+//! the buffer's lock). Run with `cargo bench -p tensordict-replay --bench sampling`; `REPLAY_BENCH_ROWS`
 //! sets the number of rows (1M by default).
 
 use std::hint::black_box;
@@ -12,8 +12,8 @@ use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use memmap_tensor::Tensor;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use replay::{ReplayBuffer, StorageConfig};
 use tensordict::TensorDict;
+use tensordict_replay::{ReplayBuffer, StorageConfig};
 
 fn rows(start: usize, n: usize) -> TensorDict {
     let ids: Vec<usize> = (start..start + n).collect();

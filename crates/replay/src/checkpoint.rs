@@ -497,7 +497,7 @@ impl Dump {
         self.write_contents(tmp.path(), packing)?;
         sync_dir(tmp.path())?;
         let built = tmp.keep();
-        if let Err(e) = aio::retry_stale(|| fs::rename(&built, path)) {
+        if let Err(e) = tensordict_aio::retry_stale(|| fs::rename(&built, path)) {
             // Best effort: the error is the rename's.
             let _ = fs::remove_dir_all(&built);
             return Err(Error::Io { path: path.to_owned(), source: e });

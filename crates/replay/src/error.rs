@@ -302,16 +302,16 @@ pub enum Error {
     },
     /// The replay service or its connection failed.
     #[error("replay service")]
-    Remote(#[from] rpc::Error),
+    Remote(#[from] tensordict_rpc::Error),
     /// The replay service refused a request.
     #[error("the replay service refused the request")]
-    Refused(#[from] rpc::WireError),
+    Refused(#[from] tensordict_rpc::WireError),
 }
 
 impl Error {
     /// The replay service's refusal, if that is what this is: as a client received it (with the
     /// service's endpoint, in [`Error::Remote`]) or as the service made it ([`Error::Refused`]).
-    pub fn wire_error(&self) -> Option<&rpc::WireError> {
+    pub fn wire_error(&self) -> Option<&tensordict_rpc::WireError> {
         match self {
             Error::Refused(error) => Some(error),
             Error::Remote(e) => e.wire_error(),

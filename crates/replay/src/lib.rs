@@ -4,7 +4,7 @@
 //!
 //! ```
 //! use memmap_tensor::Tensor;
-//! use replay::{ReplayBuffer, StorageConfig};
+//! use tensordict_replay::{ReplayBuffer, StorageConfig};
 //! use tensordict::TensorDict;
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {

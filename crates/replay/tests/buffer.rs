@@ -6,8 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use memmap_tensor::{Access, Tensor};
-use replay::{Error, MaxValue, ReplayBuffer, RoundRobin, Sampler, StorageConfig, Uniform, WithoutReplacement, Writer};
 use tensordict::{Index, TensorDict};
+use tensordict_replay::{
+    Error, MaxValue, ReplayBuffer, RoundRobin, Sampler, StorageConfig, Uniform, WithoutReplacement, Writer,
+};
 
 type R = anyhow::Result<()>;
 
@@ -266,8 +268,8 @@ fn the_stored_len_is_read_back_from_the_folder() -> R {
     let folder = dir.path().join("rb");
     let buffer = ReplayBuffer::uniform(StorageConfig::memmap_in(&folder, 8))?;
     buffer.extend(&rows(&[0, 1, 2, 3, 4], |i| i as f32)?)?;
-    assert_eq!(replay::Storage::read_len(&folder)?, 5);
-    let text = std::fs::read_to_string(folder.join(replay::STORAGE_METADATA))?;
+    assert_eq!(tensordict_replay::Storage::read_len(&folder)?, 5);
+    let text = std::fs::read_to_string(folder.join(tensordict_replay::STORAGE_METADATA))?;
     let json: serde_json::Value = serde_json::from_str(&text)?;
     assert_eq!(json, serde_json::json!({"metadata": {}, "is_pytree": false, "len": 5}));
 
@@ -279,7 +281,7 @@ fn the_stored_len_is_read_back_from_the_folder() -> R {
     assert!(TensorDict::verify_memmap(&folder).is_empty());
 
     buffer.extend(&rows(&[5, 6, 7, 8], |i| i as f32)?)?;
-    assert_eq!(replay::Storage::read_len(&folder)?, 8);
+    assert_eq!(tensordict_replay::Storage::read_len(&folder)?, 8);
     drop(buffer);
 
     // A folder with data in it is refused unless overwriting is asked for.
@@ -287,9 +289,9 @@ fn the_stored_len_is_read_back_from_the_folder() -> R {
     let err = buffer.extend(&rows(&[0], |_| 0.0)?).unwrap_err();
     assert!(matches!(&err, Error::FolderNotEmpty { path } if *path == folder), "{err}");
     let buffer = ReplayBuffer::uniform(StorageConfig::memmap_overwrite(&folder, 4))?;
-    assert_eq!(replay::Storage::read_len(&folder)?, 8, "nothing is replaced before the first batch");
+    assert_eq!(tensordict_replay::Storage::read_len(&folder)?, 8, "nothing is replaced before the first batch");
     buffer.extend(&rows(&[0], |_| 0.0)?)?;
-    assert_eq!(replay::Storage::read_len(&folder)?, 1);
+    assert_eq!(tensordict_replay::Storage::read_len(&folder)?, 1);
     assert_eq!(TensorDict::load_memmap(&folder, Access::ReadOnly)?.batch_size(), &[4]);
     Ok(())
 }
@@ -388,7 +390,7 @@ fn concurrent_writers_and_samplers_see_only_whole_rows() -> R {
     let total: i64 = (0..4i64).map(|w| (0..150).map(|r| 1 + (r * 7 + w) % 20).sum::<i64>()).sum::<i64>() + 16;
     assert_eq!(count, total as u64);
     assert_eq!(cursor, (total % 16) as usize);
-    assert_eq!(replay::Storage::read_len(&folder)?, 16);
+    assert_eq!(tensordict_replay::Storage::read_len(&folder)?, 16);
     Ok(())
 }
 
@@ -406,10 +408,10 @@ fn samplers_plug_in_through_the_trait() -> R {
         fn on_write(&mut self, indices: &[usize]) {
             self.writes.lock().unwrap().extend_from_slice(indices);
         }
-        fn sample(&mut self, batch: usize, len: usize) -> replay::Result<replay::Draw> {
+        fn sample(&mut self, batch: usize, len: usize) -> tensordict_replay::Result<tensordict_replay::Draw> {
             Ok((vec![len - 1; batch], Some(vec![0.5; batch])))
         }
-        fn update_priority(&mut self, indices: &[usize], priorities: &[f64]) -> replay::Result<()> {
+        fn update_priority(&mut self, indices: &[usize], priorities: &[f64]) -> tensordict_replay::Result<()> {
             assert_eq!(indices.len(), priorities.len());
             Ok(())
         }
@@ -455,7 +457,7 @@ fn a_killed_writer_leaves_a_len_that_covers_only_whole_rows() -> R {
         .spawn()?;
     // Wait until the writer has published some rows, then kill it mid-stream.
     loop {
-        if let Ok(len) = replay::Storage::read_len(&folder)
+        if let Ok(len) = tensordict_replay::Storage::read_len(&folder)
             && len >= 2000
         {
             break;
@@ -467,7 +469,7 @@ fn a_killed_writer_leaves_a_len_that_covers_only_whole_rows() -> R {
     }
     child.kill()?; // SIGKILL
     child.wait()?;
-    let len = replay::Storage::read_len(&folder)?;
+    let len = tensordict_replay::Storage::read_len(&folder)?;
     assert!((2000..=CAPACITY).contains(&len));
     let td = TensorDict::load_memmap(&folder, Access::ReadOnly)?;
     let valid = td.index(Index::slice(Some(0), Some(len as i64), 1))?;

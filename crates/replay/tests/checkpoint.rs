@@ -4,10 +4,10 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use replay::Error;
-use replay::checkpoint::{Dump, Prefetch, SamplerDump, WriterKind};
 use serde_json::Value;
 use tensordict::TensorDict;
+use tensordict_replay::Error;
+use tensordict_replay::checkpoint::{Dump, Prefetch, SamplerDump, WriterKind};
 
 mod common;
 

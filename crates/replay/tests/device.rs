@@ -3,8 +3,8 @@
 //! `skipped: no CUDA driver (why)` line where there is none.
 
 use memmap_tensor::{Device, Tensor};
-use replay::{ReplayBuffer, StorageConfig};
 use tensordict::TensorDict;
+use tensordict_replay::{ReplayBuffer, StorageConfig};
 
 type R = anyhow::Result<()>;
 

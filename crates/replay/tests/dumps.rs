@@ -6,13 +6,13 @@ use std::fs;
 use std::path::PathBuf;
 
 use memmap_tensor::{DType, Tensor};
-use replay::checkpoint::{Dump, Generation, SamplerDump, WriterKind};
-use replay::{
+use serde_json::Value;
+use tensordict::TensorDict;
+use tensordict_replay::checkpoint::{Dump, Generation, SamplerDump, WriterKind};
+use tensordict_replay::{
     Error, LoadOptions, MaxValue, Prioritized, PrioritizedState, Reduction, ReplayBuffer, RoundRobin, StorageConfig,
     Uniform, WithoutReplacement, Writer,
 };
-use serde_json::Value;
-use tensordict::TensorDict;
 
 mod common;
 
@@ -28,7 +28,7 @@ fn rows(start: usize, n: usize) -> TensorDict {
     td
 }
 
-fn prioritized_dump(buffer: &ReplayBuffer) -> replay::checkpoint::PrioritizedDump {
+fn prioritized_dump(buffer: &ReplayBuffer) -> tensordict_replay::checkpoint::PrioritizedDump {
     match buffer.with_sampler(|s| s.dumps()).unwrap() {
         SamplerDump::Prioritized(p) => p,
         other => panic!("not a prioritized sampler: {other:?}"),
@@ -182,7 +182,7 @@ fn a_prioritized_buffer_dumped_and_loaded_back_is_the_same_buffer() {
     let dir = tempfile::tempdir().unwrap();
     for (k, options) in [
         LoadOptions::default(),
-        LoadOptions::default().with_backend(replay::Backend::Memmap { folder: None, overwrite: false }),
+        LoadOptions::default().with_backend(tensordict_replay::Backend::Memmap { folder: None, overwrite: false }),
     ]
     .into_iter()
     .enumerate()
@@ -525,7 +525,7 @@ fn writers_dump_and_load_their_own_state() {
         let saved = dump.writer.as_ref().unwrap();
         let writer = saved.writer(Reduction::Sum).unwrap();
         // The same state; a max-value writer's ranks smallest first (TorchRL's are in heap order).
-        let sorted = |mut dump: replay::checkpoint::WriterDump| {
+        let sorted = |mut dump: tensordict_replay::checkpoint::WriterDump| {
             if let WriterKind::MaxValue { top_values, .. } = &mut dump.kind {
                 top_values.sort_by(|a, b| a.0.total_cmp(&b.0));
             }
@@ -557,7 +557,7 @@ fn writers_dump_and_load_their_own_state() {
         fn name(&self) -> &'static str {
             "last"
         }
-        fn reserve(&mut self, batch: &TensorDict, capacity: usize) -> replay::Result<Vec<Option<usize>>> {
+        fn reserve(&mut self, batch: &TensorDict, capacity: usize) -> tensordict_replay::Result<Vec<Option<usize>>> {
             Ok(vec![Some(capacity - 1); batch.batch_size()[0]])
         }
         fn cursor(&self) -> usize {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use replay::{Error, MinTree, PrioritizedParts, PrioritizedState, SamplerMetadata, SumTree};
+use tensordict_replay::{Error, MinTree, PrioritizedParts, PrioritizedState, SamplerMetadata, SumTree};
 
 fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1")

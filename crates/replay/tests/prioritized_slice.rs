@@ -3,11 +3,11 @@
 //! weights, slices inside one trajectory and never across the writer's cursor, refusals by
 //! name, and the TorchRL dump form.
 
-use replay::checkpoint::{Dump, SamplerDump};
-use replay::{
+use tensordict::{Index, TensorDict};
+use tensordict_replay::checkpoint::{Dump, SamplerDump};
+use tensordict_replay::{
     Episodes, Prioritized, PrioritizedSlice, ReplayBuffer, RoundRobin, Sampler, SliceShape, Storage, StorageConfig,
 };
-use tensordict::{Index, TensorDict};
 
 type R = anyhow::Result<()>;
 

@@ -7,11 +7,11 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use memmap_tensor::{DType, Location, Tensor};
-use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, ReplayServiceClient, SamplerSpec};
-use replay::{Error, RateLimiter, ReplayBuffer};
-use replay::{PrioritizedSpec, SliceSpec, UniformSpec, WithoutReplacementSpec};
-use rpc::{BlockingClient, ClientOptions, WireError};
 use tensordict::TensorDict;
+use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, ReplayServiceClient, SamplerSpec};
+use tensordict_replay::{Error, RateLimiter, ReplayBuffer};
+use tensordict_replay::{PrioritizedSpec, SliceSpec, UniformSpec, WithoutReplacementSpec};
+use tensordict_rpc::{BlockingClient, ClientOptions, WireError};
 
 /// A batch of `values.len()` rows; every tensor of row `k` holds `values[k]`, so a row mixed
 /// from two writes is seen by [`check_rows`].
@@ -91,8 +91,11 @@ impl Fixture {
     }
 
     fn raw(&self) -> BlockingClient<ReplayServiceClient> {
-        BlockingClient::connect(&replay::remote::service_name(&self.name).unwrap().endpoint(), &self.client_options())
-            .unwrap()
+        BlockingClient::connect(
+            &tensordict_replay::remote::service_name(&self.name).unwrap().endpoint(),
+            &self.client_options(),
+        )
+        .unwrap()
     }
 }
 
@@ -178,7 +181,7 @@ fn a_sample_before_the_first_write_waits_for_rows() {
         thread::spawn(move || learner.sample(2, Some(Duration::from_secs(120))).map(|(td, _)| check_rows(&td)));
     f.connect().extend(&batch(&[3.; 4])).unwrap();
     assert_eq!(waiting.join().unwrap().unwrap(), vec![3., 3.]);
-    let local = ReplayBuffer::uniform(replay::StorageConfig::heap(4)).unwrap();
+    let local = ReplayBuffer::uniform(tensordict_replay::StorageConfig::heap(4)).unwrap();
     assert!(matches!(local.sample_leased(1, Some(Duration::ZERO)), Err(Error::Timeout { .. })));
     assert!(matches!(local.sample_leased(1, None), Err(Error::Empty)));
 }
@@ -330,7 +333,7 @@ fn the_rate_limiter_paces_samples_and_inserts() {
 #[test]
 fn samples_that_only_an_insert_could_let_go_fail_once_writes_have_ended() {
     let limiter = RateLimiter::sample_to_insert_ratio(1.0, 2, 4.0).unwrap();
-    let buffer = ReplayBuffer::uniform(replay::StorageConfig::heap(16)).unwrap().with_rate_limiter(limiter);
+    let buffer = ReplayBuffer::uniform(tensordict_replay::StorageConfig::heap(16)).unwrap().with_rate_limiter(limiter);
     buffer.extend(&batch(&[1.; 4])).unwrap();
     let waiting = thread::scope(|scope| {
         let waiting = scope.spawn(|| {
@@ -348,7 +351,7 @@ fn samples_that_only_an_insert_could_let_go_fail_once_writes_have_ended() {
     let refused = buffer.extend(&batch(&[2.])).unwrap_err();
     assert!(matches!(refused, Error::WritesEnded { op: "extend", .. }), "{refused}");
     assert!(matches!(buffer.reserve(1, None), Err(Error::WritesEnded { op: "reserve", .. })));
-    let empty = ReplayBuffer::uniform(replay::StorageConfig::heap(4)).unwrap();
+    let empty = ReplayBuffer::uniform(tensordict_replay::StorageConfig::heap(4)).unwrap();
     empty.end_writes();
     let refused = empty.sample_leased(1, Some(Duration::from_secs(3600))).unwrap_err();
     assert!(
@@ -360,7 +363,7 @@ fn samples_that_only_an_insert_could_let_go_fail_once_writes_have_ended() {
 #[test]
 fn the_local_rate_limiter_waits_and_times_out() {
     let limiter = RateLimiter::min_size(4).unwrap().with_timeout(Duration::from_millis(100));
-    let buffer = ReplayBuffer::uniform(replay::StorageConfig::heap(16)).unwrap().with_rate_limiter(limiter);
+    let buffer = ReplayBuffer::uniform(tensordict_replay::StorageConfig::heap(16)).unwrap().with_rate_limiter(limiter);
     buffer.extend(&batch(&[1.; 2])).unwrap();
     assert!(matches!(buffer.sample(1), Err(Error::Timeout { .. })));
     buffer.extend(&batch(&[1.; 2])).unwrap();
@@ -409,7 +412,7 @@ fn hostile_requests_get_errors() {
         let refused = raw.call(async |c, ctx| c.reserve(ctx, n, None, None).await).unwrap().unwrap_err();
         assert!(matches!(refused, WireError::InvalidRequest { .. }), "{n}: {refused}");
     }
-    for n in [0, u64::MAX, replay::remote::MAX_SAMPLE_ROWS + 1] {
+    for n in [0, u64::MAX, tensordict_replay::remote::MAX_SAMPLE_ROWS + 1] {
         let refused = raw.call(async |c, ctx| c.sample(ctx, n, None, Vec::new()).await).unwrap().unwrap_err();
         assert!(matches!(refused, WireError::InvalidRequest { .. }), "{n}: {refused}");
     }
@@ -471,7 +474,10 @@ fn samples_larger_than_one_reply_can_carry_are_refused_naming_the_limit() {
         rows.set("x", Tensor::zeros([capacity], DType::U8, &Location::Heap).unwrap()).unwrap();
         client.extend(&rows).unwrap();
         let max = client.max_sample_rows();
-        assert_eq!(max, replay::remote::max_sample_rows(capacity, weighted, replay::remote::MAX_FRAME_BYTES));
+        assert_eq!(
+            max,
+            tensordict_replay::remote::max_sample_rows(capacity, weighted, tensordict_replay::remote::MAX_FRAME_BYTES)
+        );
         assert_eq!(max, if weighted { 95_321 } else { 349_512 });
         let (td, info) = client.sample(max, None).unwrap();
         assert_eq!((td.batch_size()[0], info.weights.is_some()), (max, weighted));
@@ -531,12 +537,12 @@ fn a_folder_service_keeps_torchrl_len_and_dumps() {
     let server = f.start(f.options(10).dir(&storage));
     let client = f.connect();
     client.extend(&batch(&[5., 6., 7.])).unwrap();
-    assert_eq!(replay::Storage::read_len(&storage).unwrap(), 3);
+    assert_eq!(tensordict_replay::Storage::read_len(&storage).unwrap(), 3);
     let loaded = TensorDict::load_memmap(&storage, memmap_tensor::Access::ReadOnly).unwrap();
     assert_eq!(loaded.batch_size(), &[10]);
     let dump = dir.path().join("dump");
     client.dumps(dump.to_str().unwrap()).unwrap();
-    let back = ReplayBuffer::loads(&dump, replay::LoadOptions::default()).unwrap();
+    let back = ReplayBuffer::loads(&dump, tensordict_replay::LoadOptions::default()).unwrap();
     assert_eq!(back.len(), 3);
     assert_eq!(check_rows(&back.get(0..3).unwrap()), vec![5., 6., 7.]);
     drop(server);
@@ -568,7 +574,7 @@ fn a_folder_is_served_by_one_service_at_a_time() {
     first.connect().extend(&batch(&[5.])).unwrap();
     let err = ReplayServer::start(&second.name, second.options(10).dir(&storage).overwrite(true)).unwrap_err();
     assert!(memmap_tensor::ErrorChain(&err).to_string().contains(".storage.owner is held by process"), "{err}");
-    assert_eq!(replay::Storage::read_len(&storage).unwrap(), 1, "the refused service touched the folder");
+    assert_eq!(tensordict_replay::Storage::read_len(&storage).unwrap(), 1, "the refused service touched the folder");
     drop(server);
     assert!(!dir.path().join(".storage.owner").exists());
     let _again = second.start(second.options(10).dir(&storage).overwrite(true));
@@ -589,8 +595,8 @@ fn shared_memory_is_removed_with_the_server() {
 fn clients_over_tcp_need_the_token_and_share_a_folder() {
     let f = Fixture::new("tcp");
     let dir = tempfile::tempdir().unwrap();
-    let token = rpc::Token::generate();
-    let listen: rpc::Endpoint = "tcp:127.0.0.1:0".parse().unwrap();
+    let token = tensordict_rpc::Token::generate();
+    let listen: tensordict_rpc::Endpoint = "tcp:127.0.0.1:0".parse().unwrap();
     let server = f.start(f.options(32).dir(dir.path().join("rows")).listen(listen, token.clone()));
     let endpoint = server.tcp_endpoint().expect("a TCP endpoint").clone();
     let options = ClientOptions::default().token(token);
@@ -600,7 +606,8 @@ fn clients_over_tcp_need_the_token_and_share_a_folder() {
     let (td, info) = learner.sample(4, None).unwrap();
     assert!(info.indices.iter().all(|&i| i < 2));
     assert!(check_rows(&td).iter().all(|&v| v == 8. || v == 9.));
-    let wrong = ClientOptions::default().token(rpc::Token::generate()).connect_timeout(Duration::from_millis(500));
+    let wrong =
+        ClientOptions::default().token(tensordict_rpc::Token::generate()).connect_timeout(Duration::from_millis(500));
     assert!(RemoteBuffer::connect_to(&endpoint, &wrong).is_err());
     let none = ClientOptions::default().connect_timeout(Duration::from_millis(500));
     assert!(RemoteBuffer::connect_to(&endpoint, &none).is_err());
@@ -638,7 +645,7 @@ fn a_service_starts_from_a_dump_torchrl_wrote() {
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1/prioritized");
     let _server = f.start(f.options(0).load(&fixture));
     let client = f.connect();
-    let expected = ReplayBuffer::loads(&fixture, replay::LoadOptions::default()).unwrap();
+    let expected = ReplayBuffer::loads(&fixture, tensordict_replay::LoadOptions::default()).unwrap();
     let stats = client.stats().unwrap();
     assert_eq!(stats.len as usize, expected.len());
     assert_eq!(stats.capacity as usize, expected.capacity());
@@ -650,8 +657,11 @@ fn a_service_starts_from_a_dump_torchrl_wrote() {
 #[test]
 fn a_slice_service_hands_out_runs_of_one_episode() {
     let f = Fixture::new("slices");
-    let spec = SliceSpec::new(replay::Episodes::TrajKey("episode".into()), replay::SliceShape::NumSlices(4))
-        .strict_length(true);
+    let spec = SliceSpec::new(
+        tensordict_replay::Episodes::TrajKey("episode".into()),
+        tensordict_replay::SliceShape::NumSlices(4),
+    )
+    .strict_length(true);
     let _server = f.start(f.options(64).sampler(spec).seed(9));
     let client = f.connect();
     extend_episodes(&client, 6);
@@ -666,8 +676,11 @@ fn a_slice_service_hands_out_runs_of_one_episode() {
     }
     // A schema without the episode key is refused by the sampler, naming it.
     let g = Fixture::new("slices-no-key");
-    let spec = SliceSpec::new(replay::Episodes::TrajKey("episode".into()), replay::SliceShape::SliceLen(4))
-        .strict_length(false);
+    let spec = SliceSpec::new(
+        tensordict_replay::Episodes::TrajKey("episode".into()),
+        tensordict_replay::SliceShape::SliceLen(4),
+    )
+    .strict_length(false);
     let _server = g.start(g.options(64).sampler(spec));
     let refused = g.connect().extend(&batch(&[1.; 4])).unwrap_err();
     assert!(memmap_tensor::ErrorChain(&refused).to_string().contains("episode"), "{refused}");
@@ -675,7 +688,7 @@ fn a_slice_service_hands_out_runs_of_one_episode() {
 
 #[test]
 fn a_reservation_waits_for_leased_rows_and_a_timed_out_one_changes_nothing() {
-    let buffer = ReplayBuffer::uniform(replay::StorageConfig::heap(4)).unwrap();
+    let buffer = ReplayBuffer::uniform(tensordict_replay::StorageConfig::heap(4)).unwrap();
     buffer.extend(&batch(&[1., 2., 3., 4.])).unwrap();
     let (_, lease) = buffer.sample_leased(64, None).unwrap();
     assert_eq!(buffer.writer_state(), (0, 4));
@@ -691,7 +704,7 @@ fn a_reservation_waits_for_leased_rows_and_a_timed_out_one_changes_nothing() {
     buffer.commit(reservation).unwrap();
     assert_eq!(check_rows(&buffer.get(0..4).unwrap()), vec![5., 6., 3., 4.]);
     // Leases and reservations belong to their own buffer.
-    let other = ReplayBuffer::uniform(replay::StorageConfig::heap(4)).unwrap();
+    let other = ReplayBuffer::uniform(tensordict_replay::StorageConfig::heap(4)).unwrap();
     other.extend(&batch(&[1.])).unwrap();
     let (_, foreign) = other.sample_leased(1, None).unwrap();
     assert!(matches!(buffer.release(foreign), Err(Error::Foreign { what: "lease" })));
@@ -702,7 +715,7 @@ fn clients_for_a_shared_filesystem_write_and_read_rows_through_the_files() {
     let f = Fixture::new("shared-fs");
     let dir = tempfile::tempdir().unwrap();
     let _server = f.start(f.options(16).dir(dir.path().join("rows")).seed(4));
-    let engine = aio::Engine::new().unwrap();
+    let engine = tensordict_aio::Engine::new().unwrap();
     let actor = f.connect().on_shared_filesystem(engine.clone());
     let values: Vec<f64> = (0..12).map(f64::from).collect();
     assert_eq!(actor.extend(&batch(&values)).unwrap(), (0..12).collect::<Vec<_>>());
@@ -740,7 +753,7 @@ fn a_client_on_a_shared_filesystem_writes_reserved_rows_and_refuses_wrong_batche
     let f = Fixture::new("shared-fs-reserved");
     let dir = tempfile::tempdir().unwrap();
     let _server = f.start(f.options(8).dir(dir.path().join("rows")).seed(3));
-    let client = f.connect().on_shared_filesystem(aio::Engine::new().unwrap());
+    let client = f.connect().on_shared_filesystem(tensordict_aio::Engine::new().unwrap());
     client.extend(&batch(&[1.; 8])).unwrap();
     let reservation = client.reserve(3, None).unwrap();
     assert_eq!(reservation.rows(), &[0, 1, 2]);
@@ -769,7 +782,7 @@ fn a_client_on_a_shared_filesystem_needs_a_folder_storage() {
     let f = Fixture::new("shared-fs-shm");
     let _server = f.start(f.options(8));
     f.connect().extend(&batch(&[1.; 4])).unwrap();
-    let client = f.connect().on_shared_filesystem(aio::Engine::new().unwrap());
+    let client = f.connect().on_shared_filesystem(tensordict_aio::Engine::new().unwrap());
     let refused = client.sample(2, None).unwrap_err();
     assert!(memmap_tensor::ErrorChain(&refused).to_string().contains("needs a whole folder"), "{refused}");
     let refused = client.extend(&batch(&[2.])).unwrap_err();
@@ -781,17 +794,17 @@ fn row_files_refuse_files_shorter_than_the_storage_and_names_outside_the_folder(
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().join("rows");
     let td = batch(&[1.; 4]).memmap_like(&folder, Some(16)).unwrap();
-    let reference = rpc::ToRef::to_ref(&td).unwrap();
+    let reference = tensordict_rpc::ToRef::to_ref(&td).unwrap();
     drop(td);
-    let files = replay::RowFiles::new(&folder, &reference.schema).unwrap();
+    let files = tensordict_replay::RowFiles::new(&folder, &reference.schema).unwrap();
     assert_eq!(files.capacity(), 16);
-    let engine = aio::Engine::new().unwrap();
+    let engine = tensordict_aio::Engine::new().unwrap();
     let out_of_range = files.read_rows(&engine, &[3, 16], tensordict::ReadMode::Buffered).unwrap_err();
     assert!(matches!(out_of_range, Error::RowOutOfRange { index: 16, capacity: 16 }), "{out_of_range}");
     // A file cut short (another node truncated it): an error naming it and its size.
     let obs = folder.join("obs.memmap");
     std::fs::OpenOptions::new().write(true).open(&obs).unwrap().set_len(100).unwrap();
-    let short = replay::RowFiles::new(&folder, &reference.schema).unwrap_err();
+    let short = tensordict_replay::RowFiles::new(&folder, &reference.schema).unwrap_err();
     let text = short.to_string();
     assert!(text.contains("obs.memmap") && text.contains("holds 100 bytes") && text.contains("needs 512"), "{text}");
     // Made before the cut, reads past the end are an error too, not zeros.
@@ -806,7 +819,7 @@ fn row_files_refuse_files_shorter_than_the_storage_and_names_outside_the_folder(
     if let Some(tensordict::EntrySchema::Tensor(t)) = hostile.entries.get_mut("obs") {
         t.name = "../escape.memmap".into();
     }
-    let escape = replay::RowFiles::new(&folder, &hostile).unwrap_err();
+    let escape = tensordict_replay::RowFiles::new(&folder, &hostile).unwrap_err();
     assert!(memmap_tensor::ErrorChain(&escape).to_string().contains("not a file inside the folder"), "{escape}");
 }
 
@@ -814,9 +827,12 @@ fn row_files_refuse_files_shorter_than_the_storage_and_names_outside_the_folder(
 fn a_shared_filesystem_service_reads_committed_rows_from_the_files() {
     let f = Fixture::new("shared-fs-service");
     let dir = tempfile::tempdir().unwrap();
-    let engine = aio::Engine::new().unwrap();
-    let spec = SliceSpec::new(replay::Episodes::TrajKey("episode".into()), replay::SliceShape::SliceLen(5))
-        .strict_length(true);
+    let engine = tensordict_aio::Engine::new().unwrap();
+    let spec = SliceSpec::new(
+        tensordict_replay::Episodes::TrajKey("episode".into()),
+        tensordict_replay::SliceShape::SliceLen(5),
+    )
+    .strict_length(true);
     let options = f.options(40).dir(dir.path().join("rows")).sampler(spec).shared_filesystem(engine.clone()).seed(6);
     let _server = f.start(options);
     let client = f.connect().on_shared_filesystem(engine);
@@ -830,7 +846,7 @@ fn a_shared_filesystem_service_reads_committed_rows_from_the_files() {
     }
     let dump = dir.path().join("dump");
     client.dumps(dump.to_str().unwrap()).unwrap();
-    let back = ReplayBuffer::loads(&dump, replay::LoadOptions::default()).unwrap();
+    let back = ReplayBuffer::loads(&dump, tensordict_replay::LoadOptions::default()).unwrap();
     assert_eq!(back.len(), 40);
     assert_eq!(check_rows(&back.get(0..3).unwrap()), vec![0., 1., 2.]);
 }

@@ -8,10 +8,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use memmap_tensor::Tensor;
-use replay::ReplayBuffer;
-use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, ReplayServiceClient};
-use rpc::{BlockingClient, ClientOptions};
 use tensordict::TensorDict;
+use tensordict_replay::ReplayBuffer;
+use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, ReplayServiceClient};
+use tensordict_rpc::{BlockingClient, ClientOptions};
 
 const ROLE: &str = "REPLAY_TEST_REMOTE_ROLE";
 const RUN: &str = "REPLAY_TEST_REMOTE_RUN";
@@ -68,13 +68,14 @@ fn child() {
         // writes them whole (pwrite, fdatasync) without committing; READY says whether any
         // file of the storage folder was ever mapped in this process.
         "shared-fs-writer" => {
-            let client =
-                RemoteBuffer::connect_with(&name, &options).unwrap().on_shared_filesystem(aio::Engine::new().unwrap());
+            let client = RemoteBuffer::connect_with(&name, &options)
+                .unwrap()
+                .on_shared_filesystem(tensordict_aio::Engine::new().unwrap());
             client.extend(&batch(&[1.; 8])).unwrap();
             for mode in [tensordict::ReadMode::Buffered, tensordict::ReadMode::Direct] {
                 let reader = RemoteBuffer::connect_with(&name, &options)
                     .unwrap()
-                    .on_shared_filesystem(aio::Engine::new().unwrap())
+                    .on_shared_filesystem(tensordict_aio::Engine::new().unwrap())
                     .with_read_mode(mode);
                 let (td, _) = reader.sample(16, None).unwrap();
                 assert!(check_rows(&td).iter().all(|&v| v == 1.));
@@ -92,7 +93,8 @@ fn child() {
         // Samples 8 rows and holds the lease (a raw client never releases it).
         "learner" => {
             let raw: BlockingClient<ReplayServiceClient> =
-                BlockingClient::connect(&replay::remote::service_name(&name).unwrap().endpoint(), &options).unwrap();
+                BlockingClient::connect(&tensordict_replay::remote::service_name(&name).unwrap().endpoint(), &options)
+                    .unwrap();
             let sampled = raw.call(async |c, ctx| c.sample(ctx, 8, None, Vec::new()).await).unwrap().unwrap();
             std::fs::write(&ready, format!("{:?}", sampled.indices)).unwrap();
             std::mem::forget(raw);
@@ -259,7 +261,7 @@ fn a_dump_after_a_writer_was_killed_before_its_commit_holds_only_committed_rows(
     drop(server);
 
     // As TorchRL would load it: len 4, rows 0..4 the committed rows 4..8, whole.
-    let loaded = ReplayBuffer::loads(&dump, replay::LoadOptions::default().with_seed(1)).unwrap();
+    let loaded = ReplayBuffer::loads(&dump, tensordict_replay::LoadOptions::default().with_seed(1)).unwrap();
     assert_eq!(loaded.len(), 4);
     assert_eq!(check_rows(&loaded.get(0..4).unwrap()), vec![5., 6., 7., 8.]);
     for _ in 0..200 {
@@ -310,14 +312,14 @@ fn a_dump_does_not_wait_for_a_live_writers_reservation() {
     assert_eq!(client.stats().unwrap().open_reservations, 1);
     // Other writers go on: rows 4..8 are not reserved.
     assert_eq!(client.extend(&batch(&[9.; 4])).unwrap(), vec![4, 5, 6, 7]);
-    let loaded = ReplayBuffer::loads(&dump, replay::LoadOptions::default()).unwrap();
+    let loaded = ReplayBuffer::loads(&dump, tensordict_replay::LoadOptions::default()).unwrap();
     assert_eq!(loaded.len(), 4);
     assert_eq!(check_rows(&loaded.get(0..4).unwrap()), vec![5., 6., 7., 8.]);
     // The writer's death changes nothing in the dump written before it.
     writer.0.kill().unwrap();
     writer.0.wait().unwrap();
     eventually("the dead writer's reservation to be aborted", || client.stats().unwrap().open_reservations == 0);
-    let again = ReplayBuffer::loads(&dump, replay::LoadOptions::default()).unwrap();
+    let again = ReplayBuffer::loads(&dump, tensordict_replay::LoadOptions::default()).unwrap();
     assert_eq!(check_rows(&again.get(0..4).unwrap()), vec![5., 6., 7., 8.]);
 }
 

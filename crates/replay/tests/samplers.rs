@@ -7,8 +7,8 @@ use std::collections::BTreeSet;
 use std::fs;
 use std::path::Path;
 
-use replay::checkpoint::{Dump, SamplerDump};
-use replay::{
+use tensordict_replay::checkpoint::{Dump, SamplerDump};
+use tensordict_replay::{
     Error, LoadOptions, PrioritizedSliceSpec, PrioritizedSpec, ReplayBuffer, RoundRobin, SamplerSpec, SliceShape,
     SliceSpec, StorageConfig, UniformSpec, WithoutReplacementSpec,
 };

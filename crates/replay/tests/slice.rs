@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 
 use memmap_tensor::{Access, Tensor};
-use replay::checkpoint::Dump;
-use replay::{Episodes, Error, ReplayBuffer, RoundRobin, Slice, Storage, StorageConfig};
 use tensordict::{Index, TensorDict};
+use tensordict_replay::checkpoint::Dump;
+use tensordict_replay::{Episodes, Error, ReplayBuffer, RoundRobin, Slice, Storage, StorageConfig};
 
 type R = anyhow::Result<()>;
 

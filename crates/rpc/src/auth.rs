@@ -36,11 +36,11 @@ const SERVER_CONTEXT: &[u8] = b"tensordict-rs rpc v1: server proof";
 /// Its bytes are never printed (`Debug` shows only the length) and never sent.
 ///
 /// ```
-/// use rpc::Token;
+/// use tensordict_rpc::Token;
 /// let token = Token::from_bytes(b"a long enough shared secret".to_vec())?;
 /// assert!(Token::from_bytes(b"short".to_vec()).is_err());
 /// # let _ = token;
-/// # Ok::<(), rpc::Error>(())
+/// # Ok::<(), tensordict_rpc::Error>(())
 /// ```
 #[derive(Clone, PartialEq, Eq)]
 pub struct Token {

@@ -218,9 +218,9 @@ async fn open(endpoint: &Endpoint, options: &ClientOptions) -> Result<Stream> {
 ///
 /// ```no_run
 /// # #[tarpc::service] trait Echo { async fn echo(x: Vec<u8>) -> Vec<u8>; }
-/// # async fn demo() -> rpc::Result<()> {
-/// let endpoint: rpc::Endpoint = "uds:echo".parse()?;
-/// let client: rpc::Client<EchoClient> = rpc::connect(&endpoint, &rpc::ClientOptions::default()).await?;
+/// # async fn demo() -> tensordict_rpc::Result<()> {
+/// let endpoint: tensordict_rpc::Endpoint = "uds:echo".parse()?;
+/// let client: tensordict_rpc::Client<EchoClient> = tensordict_rpc::connect(&endpoint, &tensordict_rpc::ClientOptions::default()).await?;
 /// let back = client.call(async |c, ctx| c.echo(ctx, b"hi".to_vec()).await).await?;
 /// assert_eq!(back, b"hi");
 /// # Ok(()) }
@@ -367,10 +367,10 @@ fn is_frame_limit(error: &(dyn StdError + 'static)) -> bool {
 ///
 /// ```no_run
 /// # #[tarpc::service] trait Echo { async fn echo(x: Vec<u8>) -> Vec<u8>; }
-/// # fn demo() -> rpc::Result<()> {
-/// let endpoint: rpc::Endpoint = "uds:echo".parse()?;
-/// let client: rpc::BlockingClient<EchoClient> =
-///     rpc::BlockingClient::connect(&endpoint, &rpc::ClientOptions::default())?;
+/// # fn demo() -> tensordict_rpc::Result<()> {
+/// let endpoint: tensordict_rpc::Endpoint = "uds:echo".parse()?;
+/// let client: tensordict_rpc::BlockingClient<EchoClient> =
+///     tensordict_rpc::BlockingClient::connect(&endpoint, &tensordict_rpc::ClientOptions::default())?;
 /// let back = client.call(async |c, ctx| c.echo(ctx, b"hi".to_vec()).await)?;
 /// assert_eq!(back, b"hi");
 /// # Ok(()) }

@@ -42,13 +42,13 @@ const MAX_SOCKET_PATH_BYTES: usize = 107;
 /// `tcp:localhost:7000`); printed back in the same form.
 ///
 /// ```
-/// use rpc::Endpoint;
+/// use tensordict_rpc::Endpoint;
 /// let uds: Endpoint = "uds:replay".parse()?;
 /// assert_eq!(uds, Endpoint::Uds("replay".into()));
 /// let tcp: Endpoint = "tcp:127.0.0.1:7000".parse()?;
 /// assert_eq!(tcp.to_string(), "tcp:127.0.0.1:7000");
 /// assert!("uds:a/b".parse::<Endpoint>().is_err());
-/// # Ok::<(), rpc::Error>(())
+/// # Ok::<(), tensordict_rpc::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[non_exhaustive]

@@ -371,7 +371,7 @@ impl Error {
     /// their own; `None` for any other error.
     ///
     /// ```
-    /// use rpc::{ConnectFailure, Endpoint, Error};
+    /// use tensordict_rpc::{ConnectFailure, Endpoint, Error};
     /// let endpoint: Endpoint = "uds:replay".parse()?;
     /// let busy = Error::ConnectTimeout {
     ///     endpoint: endpoint.clone(),
@@ -380,7 +380,7 @@ impl Error {
     ///     last: Box::new(Error::Busy { endpoint }),
     /// };
     /// assert_eq!(busy.connect_failure(), Some(ConnectFailure::Busy));
-    /// # Ok::<(), rpc::Error>(())
+    /// # Ok::<(), tensordict_rpc::Error>(())
     /// ```
     pub fn connect_failure(&self) -> Option<ConnectFailure> {
         match self {

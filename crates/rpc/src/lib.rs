@@ -6,7 +6,7 @@
 //!
 //! ```
 //! use memmap_tensor::{Access, DType, Location, Tensor};
-//! use rpc::{ToRef, TensorDictRef};
+//! use tensordict_rpc::{ToRef, TensorDictRef};
 //! use tensordict::TensorDict;
 //!
 //! let dir = tempfile::tempdir()?;
@@ -47,7 +47,7 @@
 //! # A complete service over a Unix socket
 //!
 //! ```
-//! use rpc::{ClientOptions, Endpoint, ServerOptions, WireError};
+//! use tensordict_rpc::{ClientOptions, Endpoint, ServerOptions, WireError};
 //! use tarpc::context::Context;
 //!
 //! /// The contract: the trait is the schema.
@@ -69,7 +69,7 @@
 //!     }
 //! }
 //!
-//! fn main() -> Result<(), rpc::Error> {
+//! fn main() -> Result<(), tensordict_rpc::Error> {
 //!     # let dir = tempfile::tempdir().unwrap();
 //!     # let options = ServerOptions::default().runtime_dir(dir.path().join("run"));
 //!     # let client_options = ClientOptions::default().runtime_dir(dir.path().join("run"));
@@ -79,12 +79,12 @@
 //!     # */
 //!     let endpoint: Endpoint = "uds:greeter".parse()?;
 //!     // The server runs on threads of its own until `server` is dropped.
-//!     let server = rpc::serve(&endpoint, GreeterServer.serve(), options)?;
+//!     let server = tensordict_rpc::serve(&endpoint, GreeterServer.serve(), options)?;
 //!
 //!     // A blocking client, for code without an async runtime.
-//!     let client: rpc::BlockingClient<GreeterClient> =
-//!         rpc::BlockingClient::connect(&endpoint, &client_options)?;
-//!     // `invoke` flattens the service's own `Result` into `rpc::Error` (the server's refusal
+//!     let client: tensordict_rpc::BlockingClient<GreeterClient> =
+//!         tensordict_rpc::BlockingClient::connect(&endpoint, &client_options)?;
+//!     // `invoke` flattens the service's own `Result` into `tensordict_rpc::Error` (the server's refusal
 //!     // as `Error::Remote`, naming the endpoint); `call` leaves it for the caller to match.
 //!     let greeting = client.invoke(async |c, ctx| c.hello(ctx, "world".into()).await)?;
 //!     assert_eq!(greeting, "hello, world");

@@ -204,7 +204,7 @@ impl TensorDictRef {
     /// A folder's files are read with `O_DIRECT` through `engine`
     /// ([`TensorDict::gather_direct`]); shared memory, which has no page cache of its own, is
     /// copied from its mapping. The dict needs a batch dim (rows are what is read).
-    pub fn read_direct(&self, engine: &aio::Engine) -> Result<TensorDict> {
+    pub fn read_direct(&self, engine: &tensordict_aio::Engine) -> Result<TensorDict> {
         let dict = self.open(Access::ReadOnly)?;
         let copy = match &self.location {
             RefLocation::Shm { .. } => dict.deep_clone()?,

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::{EchoClient, Sandbox, TestResult, name, serve_echo};
-use rpc::{BlockingClient, Endpoint, Error, Token};
+use tensordict_rpc::{BlockingClient, Endpoint, Error, Token};
 
 const MAGIC: &[u8; 8] = b"TDRPC\0v1";
 
@@ -154,10 +154,10 @@ fn runtime_directory_checks() -> TestResult {
     let root = sandbox.root.path();
     let endpoint = name("dir-checks");
     let attempt = |dir: &std::path::Path| {
-        let served = serve_echo(&endpoint, rpc::ServerOptions::default().runtime_dir(dir)).map(|_| ());
+        let served = serve_echo(&endpoint, tensordict_rpc::ServerOptions::default().runtime_dir(dir)).map(|_| ());
         let connected = BlockingClient::<EchoClient>::connect(
             &endpoint,
-            &rpc::ClientOptions::default().runtime_dir(dir).connect_timeout(Duration::from_millis(100)),
+            &tensordict_rpc::ClientOptions::default().runtime_dir(dir).connect_timeout(Duration::from_millis(100)),
         )
         .map(|_| ());
         (served, connected)
@@ -229,7 +229,7 @@ fn a_peer_of_another_uid_is_refused() -> TestResult {
 
     let run_peer = |endpoint: &Endpoint, trust_root: bool| -> std::io::Result<String> {
         let mut command = std::process::Command::new(&binary);
-        command.arg("echo").arg(endpoint.to_string()).env(rpc::RUNTIME_DIR_ENV, &peer_run);
+        command.arg("echo").arg(endpoint.to_string()).env(tensordict_rpc::RUNTIME_DIR_ENV, &peer_run);
         if trust_root {
             command.arg("0");
         }

@@ -10,11 +10,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{EchoClient, Sandbox, TestResult, name, serve_echo};
-use rpc::{ClientOptions, Endpoint};
+use tensordict_rpc::{ClientOptions, Endpoint};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpSocket, UnixStream};
 
-/// The server's greeting: this protocol's magic, then a status byte (see `rpc::transport`).
+/// The server's greeting: this protocol's magic, then a status byte (see `tensordict_rpc::transport`).
 const MAGIC: &[u8; 8] = b"TDRPC\0v1";
 const STATUS_OK: u8 = 0;
 const STATUS_BUSY: u8 = 3;
@@ -27,7 +27,7 @@ const HANG_GUARD: Duration = Duration::from_secs(60);
 static CROWD: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 async fn echo_call(endpoint: &Endpoint, options: &ClientOptions, what: &str) -> TestResult {
-    let client: rpc::Client<EchoClient> = rpc::connect(endpoint, options).await?;
+    let client: tensordict_rpc::Client<EchoClient> = tensordict_rpc::connect(endpoint, options).await?;
     let back = client.call(async |c, ctx| c.echo(ctx, what.as_bytes().to_vec()).await).await?;
     assert_eq!(back, what.as_bytes());
     Ok(())
@@ -101,7 +101,8 @@ async fn a_connected_client_holds_its_slot_however_long_it_idles() -> TestResult
     let options = sandbox.server_options().max_connections(1).first_request_timeout(first_request);
     let (_server, _) = serve_echo(&endpoint, options)?;
     let path = endpoint.socket_path(Some(&sandbox.run_dir()))?.expect("a socket path");
-    let idle: rpc::Client<EchoClient> = rpc::connect(&endpoint, &sandbox.client_options()).await?;
+    let idle: tensordict_rpc::Client<EchoClient> =
+        tensordict_rpc::connect(&endpoint, &sandbox.client_options()).await?;
 
     // Connections of ours that never send take no slot: once the client's first frame is in,
     // they are told the server is busy.
@@ -142,7 +143,7 @@ async fn connect_from(local: &str, server: SocketAddr) -> std::io::Result<tokio:
 async fn tcp_peers_that_never_answer_the_challenge_do_not_keep_a_token_holder_out() -> TestResult {
     let _crowd = CROWD.lock().await;
     let sandbox = Sandbox::new();
-    let token = rpc::Token::generate();
+    let token = tensordict_rpc::Token::generate();
     let options = sandbox.server_options().token(token.clone()).max_pending_connections(128);
     let (server, _) = serve_echo(&"tcp:127.0.0.1:0".parse()?, options)?;
     let addr = server.local_addr().expect("a TCP address");
@@ -192,7 +193,7 @@ async fn tcp_peers_that_never_answer_the_challenge_do_not_keep_a_token_holder_ou
 async fn tcp_peers_that_never_answer_from_the_clients_address_do_not_keep_it_out() -> TestResult {
     let _crowd = CROWD.lock().await;
     let sandbox = Sandbox::new();
-    let token = rpc::Token::generate();
+    let token = tensordict_rpc::Token::generate();
     let (server, _) = serve_echo(&"tcp:127.0.0.1:0".parse()?, sandbox.server_options().token(token.clone()))?;
     let addr = server.local_addr().expect("a TCP address");
     let mut silent = Vec::new();
@@ -213,7 +214,7 @@ async fn tcp_peers_that_never_answer_from_the_clients_address_do_not_keep_it_out
 }
 
 /// The token proof, as `rpc` computes it (HMAC-SHA256 of a context string and both nonces).
-fn client_proof(token: &rpc::Token, server_nonce: &[u8], client_nonce: &[u8]) -> Vec<u8> {
+fn client_proof(token: &tensordict_rpc::Token, server_nonce: &[u8], client_nonce: &[u8]) -> Vec<u8> {
     use hmac::{Hmac, Mac};
     let mut mac = Hmac::<sha2::Sha256>::new_from_slice(token.as_bytes()).expect("any key length");
     mac.update(b"tensordict-rs rpc v1: client proof");
@@ -229,7 +230,7 @@ async fn a_token_holder_that_finds_every_slot_taken_is_told_busy() -> TestResult
     use tokio::io::AsyncWriteExt;
 
     let sandbox = Sandbox::new();
-    let token = rpc::Token::generate();
+    let token = tensordict_rpc::Token::generate();
     let options = sandbox.server_options().token(token.clone()).max_connections(1);
     let (server, _) = serve_echo(&"tcp:127.0.0.1:0".parse()?, options)?;
     let addr = server.local_addr().expect("a TCP address");
@@ -239,7 +240,7 @@ async fn a_token_holder_that_finds_every_slot_taken_is_told_busy() -> TestResult
     late.read_exact(&mut challenge).await?;
     // Another client takes the slot.
     let client_options = sandbox.client_options().token(token.clone());
-    let first: rpc::Client<EchoClient> = rpc::connect(server.endpoint(), &client_options).await?;
+    let first: tensordict_rpc::Client<EchoClient> = tensordict_rpc::connect(server.endpoint(), &client_options).await?;
     first.call(async |c, ctx| c.echo(ctx, vec![1]).await).await?;
     // Then the pending peer proves the token.
     let client_nonce = [7u8; 32];
@@ -264,10 +265,12 @@ async fn a_token_holder_that_finds_every_slot_taken_is_told_busy() -> TestResult
         }
     });
     let impatient = client_options.connect_timeout(Duration::from_millis(300));
-    let result = rpc::connect_stream(&fake, &impatient).await;
+    let result = tensordict_rpc::connect_stream(&fake, &impatient).await;
     busy_server.abort();
     match result {
-        Err(rpc::Error::ConnectTimeout { last, .. }) => assert!(matches!(*last, rpc::Error::Busy { .. }), "{last:?}"),
+        Err(tensordict_rpc::Error::ConnectTimeout { last, .. }) => {
+            assert!(matches!(*last, tensordict_rpc::Error::Busy { .. }), "{last:?}")
+        }
         other => panic!("expected busy until the deadline, got {:?}", other.map(|_| ())),
     }
     drop(first);

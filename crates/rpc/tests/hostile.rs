@@ -10,9 +10,9 @@ use std::time::Duration;
 use common::echo::{EchoRequest, EchoResponse};
 use common::{EchoClient, Sandbox, TestResult, name, serve_echo};
 use futures::{SinkExt, StreamExt};
-use rpc::{ClientOptions, ConnectFailure, Endpoint, Error, ServerHandle};
 use tarpc::tokio_serde::formats::Bincode;
 use tarpc::tokio_util::codec::{Framed, LengthDelimitedCodec};
+use tensordict_rpc::{ClientOptions, ConnectFailure, Endpoint, Error, ServerHandle};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Reads until the server closes the connection; `Err` if it does not within 10 s (a hang guard:
@@ -26,7 +26,7 @@ async fn server_closes<S: tokio::io::AsyncRead + Unpin>(stream: &mut S) -> Resul
 }
 
 async fn honest_call(endpoint: &Endpoint, options: &ClientOptions) -> TestResult {
-    let client: rpc::Client<EchoClient> = rpc::connect(endpoint, options).await?;
+    let client: tensordict_rpc::Client<EchoClient> = tensordict_rpc::connect(endpoint, options).await?;
     let back = client.call(async |c, ctx| c.echo(ctx, b"honest".to_vec()).await).await?;
     assert_eq!(back, b"honest");
     Ok(())
@@ -39,7 +39,7 @@ struct Target {
 }
 
 fn targets(sandbox: &Sandbox, test: &str) -> Result<Vec<Target>, Box<dyn std::error::Error>> {
-    let token = rpc::Token::generate();
+    let token = tensordict_rpc::Token::generate();
     let uds = name(test);
     let (uds_server, _) = serve_echo(&uds, sandbox.server_options())?;
     let (tcp_server, _) = serve_echo(&"tcp:127.0.0.1:0".parse()?, sandbox.server_options().token(token.clone()))?;
@@ -65,7 +65,7 @@ async fn broken_frames_after_the_handshake_close_only_their_connection() -> Test
             ("cut short", [&100u32.to_be_bytes()[..], &[1; 50]].concat(), false),
         ];
         for (what, bytes, server_must_close) in cases {
-            let mut stream = rpc::connect_stream(&target.endpoint, &target.options).await?;
+            let mut stream = tensordict_rpc::connect_stream(&target.endpoint, &target.options).await?;
             stream.write_all(&bytes).await?;
             if server_must_close {
                 server_closes(&mut stream).await.map_err(|e| format!("{}: {what}: {e}", target.endpoint))?;
@@ -82,7 +82,7 @@ async fn broken_frames_after_the_handshake_close_only_their_connection() -> Test
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_before_the_handshake_and_silent_peers_are_dropped() -> TestResult {
     let sandbox = Sandbox::new();
-    let token = rpc::Token::generate();
+    let token = tensordict_rpc::Token::generate();
     let options = sandbox.server_options().token(token.clone()).handshake_timeout(Duration::from_millis(200));
     let (server, _) = serve_echo(&"tcp:127.0.0.1:0".parse()?, options)?;
     let addr = server.local_addr().expect("tcp address");
@@ -105,11 +105,12 @@ async fn a_server_at_its_connection_limit_says_busy_and_recovers() -> TestResult
     let sandbox = Sandbox::new();
     let endpoint = name("busy");
     let (_server, _) = serve_echo(&endpoint, sandbox.server_options().max_connections(1))?;
-    let first: rpc::Client<EchoClient> = rpc::connect(&endpoint, &sandbox.client_options()).await?;
+    let first: tensordict_rpc::Client<EchoClient> =
+        tensordict_rpc::connect(&endpoint, &sandbox.client_options()).await?;
     first.call(async |c, ctx| c.echo(ctx, vec![1]).await).await?;
 
     let impatient = sandbox.client_options().connect_timeout(Duration::from_millis(300));
-    let result = rpc::connect::<EchoClient, _, _>(&endpoint, &impatient).await;
+    let result = tensordict_rpc::connect::<EchoClient, _, _>(&endpoint, &impatient).await;
     match result {
         Err(e @ Error::ConnectTimeout { .. }) => {
             assert_eq!(e.connect_failure(), Some(ConnectFailure::Busy), "{e:?}");
@@ -142,11 +143,11 @@ async fn a_silent_server_ends_in_a_handshake_timeout() -> TestResult {
         .client_options()
         .handshake_timeout(Duration::from_millis(100))
         .connect_timeout(Duration::from_millis(400));
-    let result = rpc::connect_stream(&endpoint, &options).await;
+    let result = tensordict_rpc::connect_stream(&endpoint, &options).await;
     // With a handshake time limit longer than the connect deadline, the one attempt is cut short
     // in the handshake: still a handshake that timed out.
     let patient = sandbox.client_options().connect_timeout(Duration::from_millis(300));
-    let cut_short = rpc::connect_stream(&endpoint, &patient).await;
+    let cut_short = tensordict_rpc::connect_stream(&endpoint, &patient).await;
     silent.abort();
     match result {
         Err(e @ Error::ConnectTimeout { .. }) => {
@@ -177,9 +178,9 @@ async fn nothing_listening_is_told_apart_from_busy_and_silent() -> TestResult {
     assert!(path.exists(), "the socket file stays after its listener is gone");
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let closed: Endpoint = format!("tcp:127.0.0.1:{port}").parse()?;
-    let tcp_options = impatient.clone().token(rpc::Token::generate());
+    let tcp_options = impatient.clone().token(tensordict_rpc::Token::generate());
     for (endpoint, options) in [(&missing, &impatient), (&stale, &impatient), (&closed, &tcp_options)] {
-        match rpc::connect_stream(endpoint, options).await {
+        match tensordict_rpc::connect_stream(endpoint, options).await {
             Err(e) => assert_eq!(e.connect_failure(), Some(ConnectFailure::NotListening), "{endpoint}: {e:?}"),
             Ok(_) => panic!("{endpoint}: connected to nothing"),
         }
@@ -206,7 +207,7 @@ struct RawRequest {
 /// why there were none.
 async fn raw_echo(
     transport: &mut tarpc::serde_transport::Transport<
-        rpc::Stream,
+        tensordict_rpc::Stream,
         tarpc::Response<EchoResponse>,
         RawMessage,
         Bincode<tarpc::Response<EchoResponse>, RawMessage>,
@@ -240,7 +241,7 @@ async fn raw_echo(
 async fn a_deadline_2_pow_64_seconds_away_is_served_with_the_longest_deadline() -> TestResult {
     let sandbox = Sandbox::new();
     for target in targets(&sandbox, "far-deadline")? {
-        let stream = rpc::connect_stream(&target.endpoint, &target.options).await?;
+        let stream = tensordict_rpc::connect_stream(&target.endpoint, &target.options).await?;
         let frames = Framed::new(stream, LengthDelimitedCodec::new());
         let mut transport = tarpc::serde_transport::new(frames, Bincode::default());
         // A deadline of 10 s first: the hand-written encoding is tarpc's, or nothing is served.

@@ -19,8 +19,8 @@ async fn server_closes<S: tokio::io::AsyncRead + Unpin>(stream: &mut S) -> Resul
     }
 }
 
-async fn honest_call(endpoint: &rpc::Endpoint, options: &rpc::ClientOptions) -> TestResult {
-    let client: rpc::Client<EchoClient> = rpc::connect(endpoint, options).await?;
+async fn honest_call(endpoint: &tensordict_rpc::Endpoint, options: &tensordict_rpc::ClientOptions) -> TestResult {
+    let client: tensordict_rpc::Client<EchoClient> = tensordict_rpc::connect(endpoint, options).await?;
     let back = client.call(async |c, ctx| c.echo(ctx, b"honest".to_vec()).await).await?;
     assert_eq!(back, b"honest");
     Ok(())
@@ -38,7 +38,7 @@ fn random_byte_streams_never_hurt_the_server() -> TestResult {
 
     let one_stream = |bytes: &[u8]| -> TestResult {
         runtime.block_on(async {
-            let mut stream = rpc::connect_stream(&endpoint, &options).await?;
+            let mut stream = tensordict_rpc::connect_stream(&endpoint, &options).await?;
             // The server may close first (on a bad frame): a failed write is fine.
             let _ = stream.write_all(bytes).await;
             let _ = stream.shutdown().await;

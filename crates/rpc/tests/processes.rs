@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::{EchoClient, Peer, Sandbox, TestResult, name, peer_command, serve_echo, wait_until};
-use rpc::{BlockingClient, Error};
+use tensordict_rpc::{BlockingClient, Error};
 
 /// A client process killed while its call runs: the server goes on serving.
 #[test]
@@ -99,7 +99,7 @@ fn runtime_directory_from_the_environment_and_token_from_a_file() -> TestResult 
     let mut command = peer_command(&sandbox.run_dir());
     command.args(["serve", "tcp:127.0.0.1:0", token_path.to_str().expect("utf-8 path")]);
     let mut tcp = Peer::spawn(command);
-    let served: rpc::Endpoint = tcp.next_line().parse()?;
+    let served: tensordict_rpc::Endpoint = tcp.next_line().parse()?;
     tcp.expect_line("ready");
     let client: BlockingClient<EchoClient> = BlockingClient::connect(&served, &sandbox.client_options().token(token))?;
     assert_eq!(client.call(async |c, ctx| c.echo(ctx, b"tcp".to_vec()).await)?, b"tcp");

@@ -5,9 +5,9 @@
 use std::process::Command;
 
 use memmap_tensor::{Access, DType, Location, Tensor};
-use rpc::{RefLocation, TensorDictRef, ToRef};
 use serde_json::json;
 use tensordict::{Index, TensorDict};
+use tensordict_rpc::{RefLocation, TensorDictRef, ToRef};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -94,7 +94,7 @@ fn another_process_writes_rows_through_a_folder_reference() -> TestResult {
     assert_eq!(back.open(Access::ReadOnly)?.get_tensor("leaf0")?.to_vec::<f32>()?, vec![1.0; 12]);
 
     // Read past the page cache, as a reader on another node would: a heap copy of those rows.
-    let engine = aio::Engine::new()?;
+    let engine = tensordict_aio::Engine::new()?;
     let copy = back.read_direct(&engine)?;
     assert_eq!(copy.batch_size(), &[4]);
     assert_eq!(copy.get_tensor("leaf0")?.to_vec::<f32>()?, vec![1.0; 12]);
@@ -122,7 +122,8 @@ fn another_process_writes_rows_through_a_shared_memory_reference() -> TestResult
         run_peer(&sent)?;
         let leaf0 = td.get_tensor("leaf0")?.to_vec::<f32>()?;
         assert_eq!(leaf0.iter().filter(|&&v| v == 1.0).count(), 9);
-        let copy = td.index(Index::slice(Some(2), Some(5), 1))?.to_ref()?.read_direct(&aio::Engine::new()?)?;
+        let copy =
+            td.index(Index::slice(Some(2), Some(5), 1))?.to_ref()?.read_direct(&tensordict_aio::Engine::new()?)?;
         assert_eq!(copy.get_tensor("leaf0")?.to_vec::<f32>()?, vec![1.0; 9]);
 
         // Shared memory of another node is refused, naming both nodes.

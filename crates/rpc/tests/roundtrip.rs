@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{EchoClient, Sandbox, TestResult, name, serve_echo};
-use rpc::{BlockingClient, Client, Endpoint, Error, WireError};
+use tensordict_rpc::{BlockingClient, Client, Endpoint, Error, WireError};
 
 fn tcp_any_port() -> Endpoint {
     "tcp:127.0.0.1:0".parse().expect("endpoint")
@@ -19,7 +19,7 @@ async fn uds_round_trip_and_wire_error() -> TestResult {
     let (server, _) = serve_echo(&endpoint, sandbox.server_options())?;
     assert!(server.socket_path().expect("socket").starts_with(sandbox.run_dir()));
 
-    let client: Client<EchoClient> = rpc::connect(&endpoint, &sandbox.client_options()).await?;
+    let client: Client<EchoClient> = tensordict_rpc::connect(&endpoint, &sandbox.client_options()).await?;
     let back = client.call(async |c, ctx| c.echo(ctx, b"hello".to_vec()).await).await?;
     assert_eq!(back, b"hello");
     // The generated client is reachable directly, with the default deadline from `context()`.
@@ -32,13 +32,13 @@ async fn uds_round_trip_and_wire_error() -> TestResult {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_round_trip_with_token() -> TestResult {
     let sandbox = Sandbox::new();
-    let token = rpc::Token::generate();
+    let token = tensordict_rpc::Token::generate();
     let (server, _) = serve_echo(&tcp_any_port(), sandbox.server_options().token(token.clone()))?;
     let endpoint = server.endpoint().clone();
     assert_ne!(server.local_addr().expect("tcp address").port(), 0);
 
     let options = sandbox.client_options().token(token);
-    let client: Client<EchoClient> = rpc::connect(&endpoint, &options).await?;
+    let client: Client<EchoClient> = tensordict_rpc::connect(&endpoint, &options).await?;
     let payload: Vec<u8> = (0..=255).collect();
     assert_eq!(client.call(async |c, ctx| c.echo(ctx, payload.clone()).await).await?, payload);
     Ok(())
@@ -47,7 +47,7 @@ async fn tcp_round_trip_with_token() -> TestResult {
 #[test]
 fn blocking_client_over_uds_and_tcp() -> TestResult {
     let sandbox = Sandbox::new();
-    let token = rpc::Token::generate();
+    let token = tensordict_rpc::Token::generate();
     let uds = name("blocking");
     let (_uds_server, _) = serve_echo(&uds, sandbox.server_options())?;
     let (tcp_server, _) = serve_echo(&tcp_any_port(), sandbox.server_options().token(token.clone()))?;
@@ -75,10 +75,10 @@ async fn blocking_client_refuses_to_block_a_runtime() -> TestResult {
 
 /// 8 clients, each on its own connection, make 1,000 calls each, many in flight at once; every
 /// reply is checked against its request.
-async fn many_clients(endpoint: &Endpoint, options: &rpc::ClientOptions) -> TestResult {
+async fn many_clients(endpoint: &Endpoint, options: &tensordict_rpc::ClientOptions) -> TestResult {
     let mut tasks = Vec::new();
     for client_id in 0..8u32 {
-        let client: Client<EchoClient> = rpc::connect(endpoint, options).await?;
+        let client: Client<EchoClient> = tensordict_rpc::connect(endpoint, options).await?;
         tasks.push(tokio::spawn(async move {
             let calls = (0..1000u32).map(|i| {
                 let client = client.clone();
@@ -112,7 +112,7 @@ async fn eight_clients_thousand_calls_each_uds() -> TestResult {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_clients_thousand_calls_each_tcp() -> TestResult {
     let sandbox = Sandbox::new();
-    let token = rpc::Token::generate();
+    let token = tensordict_rpc::Token::generate();
     let (server, _) = serve_echo(&tcp_any_port(), sandbox.server_options().token(token.clone()))?;
     many_clients(server.endpoint(), &sandbox.client_options().token(token)).await
 }
@@ -124,7 +124,7 @@ async fn connect_waits_for_a_server_that_starts_late() -> TestResult {
     let options = sandbox.client_options();
     let connecting = {
         let endpoint = endpoint.clone();
-        tokio::spawn(async move { rpc::connect::<EchoClient, _, _>(&endpoint, &options).await })
+        tokio::spawn(async move { tensordict_rpc::connect::<EchoClient, _, _>(&endpoint, &options).await })
     };
     // The client is already retrying when the server starts.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -139,7 +139,7 @@ async fn connect_waits_for_a_server_that_starts_late() -> TestResult {
 async fn connect_gives_up_at_its_deadline() -> TestResult {
     let sandbox = Sandbox::new();
     let options = sandbox.client_options().connect_timeout(Duration::from_millis(300));
-    let result = rpc::connect::<EchoClient, _, _>(&name("never"), &options).await;
+    let result = tensordict_rpc::connect::<EchoClient, _, _>(&name("never"), &options).await;
     match result {
         Err(Error::ConnectTimeout { attempts, last, waited, .. }) => {
             assert!(attempts > 1, "retried only {attempts} times");
@@ -157,7 +157,7 @@ async fn a_call_past_its_deadline_is_deadline_exceeded() -> TestResult {
     let endpoint = name("deadline");
     let (_server, _) = serve_echo(&endpoint, sandbox.server_options())?;
     let options = sandbox.client_options().call_timeout(Duration::from_millis(200));
-    let client: Client<EchoClient> = rpc::connect(&endpoint, &options).await?;
+    let client: Client<EchoClient> = tensordict_rpc::connect(&endpoint, &options).await?;
     let result = client.call(async |c, ctx| c.sleep(ctx, 5_000).await).await;
     assert!(
         matches!(result, Err(Error::DeadlineExceeded { timeout, .. }) if timeout == Duration::from_millis(200)),
@@ -173,10 +173,10 @@ async fn a_reply_over_the_clients_frame_limit_is_frame_too_large() -> TestResult
     let sandbox = Sandbox::new();
     let endpoint = name("big-reply");
     let (_server, _) = serve_echo(&endpoint, sandbox.server_options().max_frame_bytes(8 << 20))?;
-    let client: Client<EchoClient> = rpc::connect(&endpoint, &sandbox.client_options()).await?;
+    let client: Client<EchoClient> = tensordict_rpc::connect(&endpoint, &sandbox.client_options()).await?;
     let result = client.call(async |c, ctx| c.big(ctx, 2 << 20).await).await;
     assert!(
-        matches!(result, Err(Error::FrameTooLarge { max_frame_bytes, .. }) if max_frame_bytes == rpc::DEFAULT_MAX_FRAME_BYTES),
+        matches!(result, Err(Error::FrameTooLarge { max_frame_bytes, .. }) if max_frame_bytes == tensordict_rpc::DEFAULT_MAX_FRAME_BYTES),
         "{result:?}"
     );
     Ok(())
@@ -189,17 +189,17 @@ async fn a_request_over_the_frame_limit_fails_and_the_server_goes_on() -> TestRe
     let (_server, _) = serve_echo(&endpoint, sandbox.server_options())?;
 
     // Refused by the client's own limit before it is sent.
-    let client: Client<EchoClient> = rpc::connect(&endpoint, &sandbox.client_options()).await?;
+    let client: Client<EchoClient> = tensordict_rpc::connect(&endpoint, &sandbox.client_options()).await?;
     let result = client.call(async |c, ctx| c.echo(ctx, vec![1; 2 << 20]).await).await;
     assert!(matches!(result, Err(Error::FrameTooLarge { .. })), "{result:?}");
 
     // Sent by a client with a larger limit: the server refuses it and closes that connection.
     let loose = sandbox.client_options().max_frame_bytes(8 << 20);
-    let client: Client<EchoClient> = rpc::connect(&endpoint, &loose).await?;
+    let client: Client<EchoClient> = tensordict_rpc::connect(&endpoint, &loose).await?;
     let result = client.call(async |c, ctx| c.echo(ctx, vec![1; 2 << 20]).await).await;
     assert!(matches!(result, Err(Error::ConnectionLost { .. })), "{result:?}");
 
-    let client: Client<EchoClient> = rpc::connect(&endpoint, &sandbox.client_options()).await?;
+    let client: Client<EchoClient> = tensordict_rpc::connect(&endpoint, &sandbox.client_options()).await?;
     assert_eq!(client.call(async |c, ctx| c.echo(ctx, b"ok".to_vec()).await).await?, b"ok");
     Ok(())
 }
@@ -210,7 +210,7 @@ async fn dropping_the_server_removes_its_socket_and_ends_its_connections() -> Te
     let endpoint = name("drop");
     let (server, _) = serve_echo(&endpoint, sandbox.server_options())?;
     let path = server.socket_path().expect("socket").to_path_buf();
-    let client: Client<EchoClient> = rpc::connect(&endpoint, &sandbox.client_options()).await?;
+    let client: Client<EchoClient> = tensordict_rpc::connect(&endpoint, &sandbox.client_options()).await?;
     client.call(async |c, ctx| c.echo(ctx, vec![]).await).await?;
 
     server.shutdown();
@@ -220,7 +220,7 @@ async fn dropping_the_server_removes_its_socket_and_ends_its_connections() -> Te
 
     // The name can be served again at once.
     let (_again, _) = serve_echo(&endpoint, sandbox.server_options())?;
-    let client: Client<EchoClient> = rpc::connect(&endpoint, &sandbox.client_options()).await?;
+    let client: Client<EchoClient> = tensordict_rpc::connect(&endpoint, &sandbox.client_options()).await?;
     client.call(async |c, ctx| c.echo(ctx, vec![]).await).await?;
     Ok(())
 }

@@ -4,9 +4,9 @@
 use std::time::{Duration, Instant};
 
 use memmap_tensor::{DType, Location, Tensor};
-use rpc::WireError;
-use rpc::store::{Store, StoreOptions, Wait};
 use tensordict::TensorDict;
+use tensordict_rpc::WireError;
+use tensordict_rpc::store::{Store, StoreOptions, Wait};
 
 fn start(name: &str) -> (tempfile::TempDir, Store) {
     let dir = tempfile::tempdir().unwrap();
@@ -25,9 +25,9 @@ fn state_dict(scale: f32) -> TensorDict {
     td
 }
 
-fn remote(e: rpc::Error) -> WireError {
+fn remote(e: tensordict_rpc::Error) -> WireError {
     match e {
-        rpc::Error::Remote { error, .. } => error,
+        tensordict_rpc::Error::Remote { error, .. } => error,
         other => panic!("expected an error from the store, got {other}"),
     }
 }
@@ -222,7 +222,7 @@ fn objects_and_sockets_are_private_to_the_user() {
     let (dir, store) = start("private");
     store.save("m", &state_dict(1.0), None).unwrap();
     let entries = store.list().unwrap();
-    let rpc::store::Place::Shm(name) = &entries[0].place else { panic!("a shared-memory store") };
+    let tensordict_rpc::store::Place::Shm(name) = &entries[0].place else { panic!("a shared-memory store") };
     let mode = std::fs::metadata(format!("/dev/shm{name}")).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "{name}");
     let run = std::fs::metadata(dir.path().join("run")).unwrap().permissions().mode();

@@ -18,10 +18,10 @@ use std::time::{Duration, Instant};
 
 use common::{Sandbox, TestResult};
 use memmap_tensor::{DType, Location, Storage, Tensor};
-use rpc::store::{Allocated, EntryLayout, Placement, Store, StoreServiceClient, Wait};
-use rpc::{BlockingClient, ClientOptions, Error, WireError};
 use store_server::{Served, serve, store_name};
 use tensordict::{Schema, TensorDict};
+use tensordict_rpc::store::{Allocated, EntryLayout, Placement, Store, StoreServiceClient, Wait};
+use tensordict_rpc::{BlockingClient, ClientOptions, Error, WireError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 type Raw = BlockingClient<StoreServiceClient>;
@@ -32,23 +32,23 @@ fn options(sandbox: &Sandbox) -> ClientOptions {
 
 /// A raw client: one connection, so one session of its own.
 fn raw(sandbox: &Sandbox, name: &str) -> Raw {
-    BlockingClient::connect(&rpc::store::service_name(name).unwrap().endpoint(), &options(sandbox))
+    BlockingClient::connect(&tensordict_rpc::store::service_name(name).unwrap().endpoint(), &options(sandbox))
         .expect("connect a raw client")
 }
 
 /// What the server answered, its transport having worked.
-fn answer<T: std::fmt::Debug>(result: rpc::Result<Result<T, WireError>>) -> Result<T, WireError> {
+fn answer<T: std::fmt::Debug>(result: tensordict_rpc::Result<Result<T, WireError>>) -> Result<T, WireError> {
     result.unwrap_or_else(|e| panic!("the call itself failed (the server should answer): {e}"))
 }
 
-fn invalid<T: std::fmt::Debug>(result: rpc::Result<Result<T, WireError>>, says: &str) {
+fn invalid<T: std::fmt::Debug>(result: tensordict_rpc::Result<Result<T, WireError>>, says: &str) {
     match answer(result) {
         Err(WireError::InvalidRequest { detail }) => assert!(detail.contains(says), "{detail:?} lacks {says:?}"),
         other => panic!("expected an invalid request saying {says:?}, got {other:?}"),
     }
 }
 
-fn not_found<T: std::fmt::Debug>(result: rpc::Result<Result<T, WireError>>) {
+fn not_found<T: std::fmt::Debug>(result: tensordict_rpc::Result<Result<T, WireError>>) {
     match answer(result) {
         Err(WireError::NotFound { .. }) => {}
         other => panic!("expected not found, got {other:?}"),
@@ -141,7 +141,10 @@ fn bad_layouts_are_refused_clearly() -> TestResult {
         let start = Instant::now();
         match answer(allocate(giant)) {
             Err(WireError::ResourceExhausted { resource, needed, detail, .. }) => {
-                assert!(matches!(resource, rpc::Resource::SharedMemory | rpc::Resource::Memory), "{resource:?}");
+                assert!(
+                    matches!(resource, tensordict_rpc::Resource::SharedMemory | tensordict_rpc::Resource::Memory),
+                    "{resource:?}"
+                );
                 assert_eq!(needed, bytes);
                 assert!(detail.contains(&bytes.to_string()) && detail.contains("bytes free"), "{detail}")
             }
@@ -266,7 +269,7 @@ fn two_saves_that_fit_dev_shm_alone_but_not_together_let_exactly_one_through() -
     let script = r#"mount -t tmpfs -o size=1M tmpfs /dev/shm || exit 77; exec "$0" store-race "$1" 600000 "$2""#;
     let out = Command::new("unshare")
         .args(["-m", "sh", "-c", script, env!("CARGO_BIN_EXE_rpc-test-peer"), &name, &ROUNDS.to_string()])
-        .env(rpc::RUNTIME_DIR_ENV, sandbox.run_dir())
+        .env(tensordict_rpc::RUNTIME_DIR_ENV, sandbox.run_dir())
         .stdin(Stdio::null())
         .output()?;
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -378,7 +381,7 @@ fn bad_keys_key_counts_and_waits_are_refused_clearly() -> TestResult {
     let leased =
         answer(client.call(async |c, ctx| c.load(ctx, vec!["ok".into()], None, false, Vec::new(), Vec::new()).await))?;
     let impatient: Raw = BlockingClient::connect(
-        &rpc::store::service_name(&name).unwrap().endpoint(),
+        &tensordict_rpc::store::service_name(&name).unwrap().endpoint(),
         &options(&sandbox).call_timeout(Duration::from_millis(500)),
     )?;
     let held = answer(
@@ -449,7 +452,7 @@ fn garbage_on_the_socket_closes_only_that_connection() -> TestResult {
     let held = store.load("held", Wait::NOW)?;
 
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let endpoint = rpc::store::service_name(&name).unwrap().endpoint();
+    let endpoint = tensordict_rpc::store::service_name(&name).unwrap().endpoint();
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("4 GiB prefix", vec![0xff; 4]),
         ("garbage bincode", [&64u32.to_be_bytes()[..], &[0xa5; 64]].concat()),
@@ -457,7 +460,7 @@ fn garbage_on_the_socket_closes_only_that_connection() -> TestResult {
     ];
     for (what, bytes) in cases {
         runtime.block_on(async {
-            let mut stream = rpc::connect_stream(&endpoint, &options(&sandbox)).await?;
+            let mut stream = tensordict_rpc::connect_stream(&endpoint, &options(&sandbox)).await?;
             stream.write_all(&bytes).await?;
             let mut sink = Vec::new();
             match tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut sink)).await {
@@ -519,12 +522,12 @@ fn a_deadline_2_pow_64_seconds_away_is_answered() -> TestResult {
     let tcp = server.tcp.clone().expect("the server listens on TCP");
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let targets = [
-        (rpc::store::service_name(&name).unwrap().endpoint(), options(&sandbox)),
+        (tensordict_rpc::store::service_name(&name).unwrap().endpoint(), options(&sandbox)),
         (tcp, options(&sandbox).token(token)),
     ];
     for (endpoint, options) in targets {
         let info = runtime.block_on(async {
-            let stream = rpc::connect_stream(&endpoint, &options).await?;
+            let stream = tensordict_rpc::connect_stream(&endpoint, &options).await?;
             let frames = Framed::new(stream, LengthDelimitedCodec::builder().max_frame_length(16 << 20).new_codec());
             let transport = tarpc::serde_transport::new(frames, Bincode::default())
                 .with(|message| futures::future::ready(Ok::<_, std::io::Error>(far_deadline(message))));

@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use memmap_tensor::{DType, Location, Tensor};
-use rpc::store::{Store, StoreOptions, StoreServiceClient, Wait};
-use rpc::{BlockingClient, ClientOptions, WireError};
 use tensordict::TensorDict;
+use tensordict_rpc::store::{Store, StoreOptions, StoreServiceClient, Wait};
+use tensordict_rpc::{BlockingClient, ClientOptions, WireError};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -16,9 +16,9 @@ fn start(name: &str) -> (tempfile::TempDir, Store) {
     (dir, store)
 }
 
-fn raw(dir: &tempfile::TempDir, name: &str) -> rpc::Result<BlockingClient<StoreServiceClient>> {
+fn raw(dir: &tempfile::TempDir, name: &str) -> tensordict_rpc::Result<BlockingClient<StoreServiceClient>> {
     BlockingClient::connect(
-        &rpc::store::service_name(name).unwrap().endpoint(),
+        &tensordict_rpc::store::service_name(name).unwrap().endpoint(),
         &ClientOptions::default().runtime_dir(dir.path().join("run")).max_frame_bytes(64 << 20),
     )
 }

@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 
 use common::{Peer, Sandbox, TestResult, peer_command, wait_until};
 use memmap_tensor::{DType, Layout, Storage, Tensor};
-use rpc::store::{EntryInfo, Place, Store, Wait};
-use rpc::{ClientOptions, Error, WireError};
 use store_server::{expect_prefix, serve, store_name};
 use tensordict::TensorDict;
+use tensordict_rpc::store::{EntryInfo, Place, Store, Wait};
+use tensordict_rpc::{ClientOptions, Error, WireError};
 
 fn peer(sandbox: &Sandbox, args: &[&str]) -> Peer {
     let mut command = peer_command(&sandbox.run_dir());
@@ -369,7 +369,7 @@ fn a_tcp_store_serves_token_holders_and_refuses_others() -> TestResult {
     let loaded = remote_store.load("m", Wait::NOW)?;
     assert_eq!(store_data::check_mixed("m", &loaded)?, 5);
 
-    let wrong = Store::connect_to(&tcp, &client_options(&sandbox).token(rpc::Token::generate()));
+    let wrong = Store::connect_to(&tcp, &client_options(&sandbox).token(tensordict_rpc::Token::generate()));
     match wrong {
         Err(e @ Error::AuthRefused { .. }) => assert!(e.to_string().contains("refused our token"), "{e}"),
         other => panic!("expected the token to be refused, got {:?}", other.map(|_| ())),

@@ -5,9 +5,9 @@
 use std::time::{Duration, Instant};
 
 use memmap_tensor::Tensor;
-use rpc::ClientOptions;
-use rpc::store::{Store, StoreOptions, Wait};
 use tensordict::TensorDict;
+use tensordict_rpc::ClientOptions;
+use tensordict_rpc::store::{Store, StoreOptions, Wait};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -18,7 +18,7 @@ fn dict(value: f32) -> TensorDict {
 }
 
 /// Polls `done` (which asks the store through the watching connection) for up to 10 s.
-fn eventually(what: &str, mut done: impl FnMut() -> rpc::Result<bool>) -> TestResult {
+fn eventually(what: &str, mut done: impl FnMut() -> tensordict_rpc::Result<bool>) -> TestResult {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !done()? {
         if Instant::now() > deadline {
@@ -45,7 +45,7 @@ fn drops_reach_the_store_from_an_idle_client() -> TestResult {
     eventually("the replaced version is freed", || Ok(watcher.list()?.len() == 1))?;
 
     // Many drops at once, then nothing.
-    let held: Vec<_> = (0..50).map(|_| client.load("m", Wait::NOW)).collect::<rpc::Result<_>>()?;
+    let held: Vec<_> = (0..50).map(|_| client.load("m", Wait::NOW)).collect::<tensordict_rpc::Result<_>>()?;
     assert_eq!(watcher.list()?[0].refcount, 50);
     drop(held);
     eventually("every lease is let go of", || Ok(watcher.list()?[0].refcount == 0))?;

@@ -2,15 +2,15 @@
 //! reference, with handles standing for references sent before.
 
 use memmap_tensor::{Access, DType, Location, Tensor};
-use rpc::worker::{MAX_OPEN_DICTS, Source, Target, WorkerClient, WorkerServer};
-use rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, ServerOptions, ToRef, WireError, WireIndex};
 use tensordict::{Index, TensorDict};
+use tensordict_rpc::worker::{MAX_OPEN_DICTS, Source, Target, WorkerClient, WorkerServer};
+use tensordict_rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, ServerOptions, ToRef, WireError, WireIndex};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 struct Running {
     _dir: tempfile::TempDir,
-    _server: rpc::ServerHandle,
+    _server: tensordict_rpc::ServerHandle,
     client: BlockingClient<WorkerClient>,
 }
 
@@ -48,7 +48,7 @@ fn rows_are_written_and_gathered_where_the_data_is() -> TestResult {
     // A small batch by value into rows 10 and 20; the reference comes back one generation on.
     let index = WireIndex::new(&Index::List(vec![10, 20]))?;
     let source = Source::Inline(InlineDict::new(&batch(2, 7.0)?)?);
-    let target = rpc::worker::Target::Ref(reference.clone());
+    let target = tensordict_rpc::worker::Target::Ref(reference.clone());
     let back = client.call(async |c, ctx| c.set_at(ctx, target, index, source).await)??;
     assert_eq!(back.generation.counter, reference.generation.counter + 1);
     assert_eq!(td.get_tensor("obs")?.select(0, 10)?.to_vec::<f32>()?, [7.0; 4]);

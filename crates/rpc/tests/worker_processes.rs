@@ -6,9 +6,9 @@ mod common;
 
 use common::{Peer, Sandbox, TestResult, name, peer_command};
 use memmap_tensor::{DType, Location, Tensor};
-use rpc::worker::{Source, Target, WorkerClient};
-use rpc::{BlockingClient, Endpoint, InlineDict, ToRef, WireError, WireIndex};
 use tensordict::{Index, TensorDict};
+use tensordict_rpc::worker::{Source, Target, WorkerClient};
+use tensordict_rpc::{BlockingClient, Endpoint, InlineDict, ToRef, WireError, WireIndex};
 
 /// A worker process serving `endpoint` (with a token file for TCP); returns the peer and the
 /// endpoint it serves (a TCP port is chosen by the worker).
@@ -90,8 +90,10 @@ fn a_worker_process_writes_rows_over_tcp_with_a_token() -> TestResult {
     update_through(&client, &folder)?;
 
     // Without the token there is no service.
-    let refused =
-        BlockingClient::<WorkerClient>::connect(&endpoint, &sandbox.client_options().token(rpc::Token::generate()));
+    let refused = BlockingClient::<WorkerClient>::connect(
+        &endpoint,
+        &sandbox.client_options().token(tensordict_rpc::Token::generate()),
+    );
     assert!(refused.is_err());
     Ok(())
 }

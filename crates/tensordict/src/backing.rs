@@ -133,10 +133,10 @@ impl DictLocation {
         // On disk the generation is the only record of which state a folder is in; in shared
         // memory nothing outlives a reboot anyway.
         let durability = match self {
-            DictLocation::Folder(_) => aio::Durability::Durable,
-            DictLocation::Shm(_) => aio::Durability::Atomic,
+            DictLocation::Folder(_) => tensordict_aio::Durability::Durable,
+            DictLocation::Shm(_) => tensordict_aio::Durability::Atomic,
         };
-        aio::replace_file(&path, &encode_generation(now), 0o644, durability)
+        tensordict_aio::replace_file(&path, &encode_generation(now), 0o644, durability)
             .map_err(|e| io_err("replace", &path, e))?;
         Ok(now)
     }
@@ -175,7 +175,7 @@ impl DictLocation {
                 break id;
             }
         };
-        let (tmp, mut file) = aio::create_temporary(&path, 0o644).map_err(|e| io_err("create", e))?;
+        let (tmp, mut file) = tensordict_aio::create_temporary(&path, 0o644).map_err(|e| io_err("create", e))?;
         let written = file.write_all(&encode_generation(Generation { id, counter: 0 }));
         drop(file);
         let linked = written.and_then(|()| std::fs::hard_link(&tmp, &path));

@@ -4,9 +4,9 @@
 use std::io;
 use std::sync::Arc;
 
-use aio::{Engine, Offloader};
 use indexmap::IndexMap;
 use memmap_tensor::{DType, Location, StorageKind, Tensor};
+use tensordict_aio::{Engine, Offloader};
 
 use crate::error::WithKey;
 use crate::file_rows::{RowsInFile, read_file_rows};

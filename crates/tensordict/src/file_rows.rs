@@ -12,8 +12,8 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use aio::{AlignedBuf, BufPart, Engine};
 use memmap_tensor::{DType, Location, Tensor};
+use tensordict_aio::{AlignedBuf, BufPart, Engine};
 
 use crate::{Error, KeyPath, ReadMode, Result};
 
@@ -206,7 +206,7 @@ fn plan_runs(source: &RowsInFile, sorted: &[usize], mode: ReadMode) -> Vec<Run> 
     }
     for run in &mut runs {
         let (start, end) = (source.row_start(run.first), source.row_start(run.end - 1) + row_bytes);
-        (run.offset, run.len, run.skip) = aio::read_span(start, end, mode == ReadMode::Direct);
+        (run.offset, run.len, run.skip) = tensordict_aio::read_span(start, end, mode == ReadMode::Direct);
     }
     runs
 }

@@ -12,8 +12,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use aio::Engine;
 use memmap_tensor::{Access, DType, Layout, Location, Tensor, TensorBuf};
+use tensordict_aio::Engine;
 
 use crate::error::WithKey;
 use crate::format::{LeafFile, Leaves, load_folder, read_tree};

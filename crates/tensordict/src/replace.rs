@@ -404,14 +404,16 @@ pub(crate) fn sync_dir(path: &Path) -> Result<()> {
 }
 
 /// `renameat(2)`, made again while a network filesystem answers `ESTALE` for a path replaced
-/// on another node (see [`aio::retry_stale`]).
+/// on another node (see [`tensordict_aio::retry_stale`]).
 fn rename(from: &Path, to: &Path) -> std::result::Result<(), Errno> {
-    errno_of(aio::retry_stale(|| nix::fcntl::renameat(AT_FDCWD, from, AT_FDCWD, to).map_err(std::io::Error::from)))
+    errno_of(tensordict_aio::retry_stale(|| {
+        nix::fcntl::renameat(AT_FDCWD, from, AT_FDCWD, to).map_err(std::io::Error::from)
+    }))
 }
 
 /// `renameat2(2)` with `RENAME_EXCHANGE`, made again on `ESTALE` as [`rename`] is.
 fn exchange_paths(a: &Path, b: &Path) -> std::result::Result<(), Errno> {
-    errno_of(aio::retry_stale(|| {
+    errno_of(tensordict_aio::retry_stale(|| {
         renameat2(AT_FDCWD, a, AT_FDCWD, b, RenameFlags::RENAME_EXCHANGE).map_err(std::io::Error::from)
     }))
 }

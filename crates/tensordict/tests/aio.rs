@@ -1,8 +1,8 @@
 //! Gathers through the I/O engine (buffered and O_DIRECT) and offloading, on both backends.
 
-use aio::{BackendKind, Engine, EngineConfig, Offloader};
 use memmap_tensor::{Access, DType, Location, Tensor};
 use tensordict::{Error, Index, ReadMode, TensorDict};
+use tensordict_aio::{BackendKind, Engine, EngineConfig, Offloader};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 

@@ -66,7 +66,7 @@ fn write_sound(dir: &Path) -> AnyResult<()> {
 /// keys and bytes, or the same error.
 fn load(dir: &Path) -> tensordict::Result<TensorDict> {
     let loaded = TensorDict::load_memmap(dir, Access::ReadOnly);
-    let engine = aio::Engine::new().unwrap();
+    let engine = tensordict_aio::Engine::new().unwrap();
     for (how, read) in [
         ("read_memmap", TensorDict::read_memmap(dir)),
         ("read_memmap_with", TensorDict::read_memmap_with(dir, &engine)),

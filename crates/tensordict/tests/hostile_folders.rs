@@ -48,8 +48,9 @@ fn refused(prefix: &Path, what: &str) {
     let err = read.expect_err("a hostile folder was read");
     assert!(memmap_tensor::ErrorChain(&err).to_string().contains(what), "read_memmap: {err}");
     let p = prefix.to_owned();
-    let read =
-        bounded("read_memmap_with", move || TensorDict::read_memmap_with(&p, &aio::Engine::new().unwrap()).map(|_| ()));
+    let read = bounded("read_memmap_with", move || {
+        TensorDict::read_memmap_with(&p, &tensordict_aio::Engine::new().unwrap()).map(|_| ())
+    });
     let err = read.expect_err("a hostile folder was read");
     assert!(memmap_tensor::ErrorChain(&err).to_string().contains(what), "read_memmap_with: {err}");
     let p = prefix.to_owned();

@@ -2,11 +2,11 @@
 //! (nesting depth, value depth, batch sizes whose element count overflows) either round-trip
 //! through a folder, shared memory and an offloader, or are refused before anything is stored.
 
-use aio::Offloader;
 use memmap_tensor::{Access, DType, Location, Tensor};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 use tensordict::{KeyPath, MAX_DEPTH, MAX_VALUE_DEPTH, TensorDict};
+use tensordict_aio::Offloader;
 
 /// A chain of `dicts` nested dicts under keys `n`, holding a tensor `x` and a JSON value `v`
 /// nested `value_depth` deep; the top batch size is `batch`.

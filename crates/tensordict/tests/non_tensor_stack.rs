@@ -4,10 +4,10 @@
 
 use std::fs;
 
-use aio::Engine;
 use memmap_tensor::{Access, DType, Location, Tensor};
 use serde_json::{Value, json};
 use tensordict::{Entry, Error, Index, ReadMode, TensorDict};
+use tensordict_aio::Engine;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -108,7 +108,7 @@ fn stacks_are_stored_as_python_stores_them_and_travel_everywhere() -> TestResult
     let engine = Engine::new()?;
     let rows = on_disk.gather_direct(&engine, &[5, 0], ReadMode::Buffered)?;
     assert_eq!(rows.get_non_tensor("names")?, &json!(["ep5", "ep0"]));
-    let offloader = aio::Offloader::with_engine(dir.path().join("off"), engine)?;
+    let offloader = tensordict_aio::Offloader::with_engine(dir.path().join("off"), engine)?;
     td.offload(&offloader, "t")?;
     assert_eq!(TensorDict::restore(&offloader, "t")?.get_non_tensor("names")?, td.get_non_tensor("names")?);
     Ok(())

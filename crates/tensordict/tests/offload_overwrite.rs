@@ -10,9 +10,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use aio::{Engine, Offloader};
 use memmap_tensor::Tensor;
 use tensordict::TensorDict;
+use tensordict_aio::{Engine, Offloader};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 

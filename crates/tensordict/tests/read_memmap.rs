@@ -10,13 +10,13 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use aio::Engine;
 use memmap_tensor::{Access, DType, Location, Tensor};
 use nix::sys::stat::Mode;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use tensordict::{Entry, Error, KeyPath, TensorDict};
+use tensordict_aio::Engine;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 

@@ -11,9 +11,9 @@ use std::collections::BTreeSet;
 
 use anyhow::{Context, bail};
 use memmap_tensor::Tensor;
-use replay::remote::RemoteBuffer;
-use rpc::ClientOptions;
 use tensordict::TensorDict;
+use tensordict_replay::remote::RemoteBuffer;
+use tensordict_rpc::ClientOptions;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -15,9 +15,9 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use aio::{AlignedBuf, BackendKind, DIRECT_ALIGN, Engine, EngineConfig, IoBuf, IoBufMut, OpError};
 use nix::libc;
 use tempfile::TempDir;
+use tensordict_aio::{AlignedBuf, BackendKind, DIRECT_ALIGN, Engine, EngineConfig, IoBuf, IoBufMut, OpError};
 
 /// How long a test waits for something that should happen at once before calling it a hang.
 pub(crate) const TIMEOUT: Duration = Duration::from_mins(1);

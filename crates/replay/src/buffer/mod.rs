@@ -170,7 +170,7 @@ pub struct ReplayBuffer {
     limiter: Option<RateLimiter>,
     /// Set when rows may be written by other nodes through a shared filesystem: rows this
     /// buffer reads back are read from the files (see [`ReplayBuffer::for_shared_filesystem`]).
-    file_reads: Option<aio::Engine>,
+    file_reads: Option<tensordict_aio::Engine>,
     storage: OnceLock<Storage>,
     state: Mutex<State>,
     changed: Condvar,
@@ -286,7 +286,7 @@ impl ReplayBuffer {
     /// replay service's are): there this process's mapping never sees their writes, so the rows
     /// a commit hands to the sampler are read from the files (`O_DIRECT` reads through
     /// `engine`), and a dump reads the folder through a new mapping.
-    pub fn for_shared_filesystem(mut self, engine: aio::Engine) -> Self {
+    pub fn for_shared_filesystem(mut self, engine: tensordict_aio::Engine) -> Self {
         self.file_reads = Some(engine);
         self
     }

@@ -6,10 +6,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use memmap_tensor::Access;
-use rpc::{
+use tensordict::{Index, ReadMode, TensorDict};
+use tensordict_rpc::{
     BlockingClient, ClientOptions, Deferred, Endpoint, InlineDict, RefLocation, TensorDictRef, WireError, windowed_wait,
 };
-use tensordict::{Index, ReadMode, TensorDict};
 
 use super::service::{ReplayInfo, ReplayServiceClient, ReplayStats, Reserved};
 use super::{MAX_FRAME_BYTES, max_reserve_rows, max_sample_rows, reply_limit, service_name, weighted_sampler};
@@ -40,7 +40,7 @@ pub struct RemoteBuffer {
     write: OnceLock<Storage>,
     /// Set for a folder on a network filesystem: rows are written and read with explicit I/O
     /// through this engine, never through a mapping (see [`RemoteBuffer::on_shared_filesystem`]).
-    shared_filesystem: Option<aio::Engine>,
+    shared_filesystem: Option<tensordict_aio::Engine>,
     /// How rows are read in that mode.
     read_mode: ReadMode,
     /// The storage's files, for the shared-filesystem mode, once used.
@@ -71,14 +71,14 @@ impl std::fmt::Debug for RemoteBuffer {
 }
 
 /// Whether the service answered that a window of a wait passed.
-fn is_timed_out(e: &rpc::Error) -> bool {
-    matches!(e, rpc::Error::Remote { error: WireError::TimedOut { .. }, .. })
+fn is_timed_out(e: &tensordict_rpc::Error) -> bool {
+    matches!(e, tensordict_rpc::Error::Remote { error: WireError::TimedOut { .. }, .. })
 }
 
 /// The last window's "timed out" as the wait's [`Error::Timeout`]; other errors as they are.
-fn timed_out(op: &'static str, start: Instant, e: rpc::Error) -> Error {
+fn timed_out(op: &'static str, start: Instant, e: tensordict_rpc::Error) -> Error {
     match e {
-        rpc::Error::Remote { error: WireError::TimedOut { detail }, .. } => {
+        tensordict_rpc::Error::Remote { error: WireError::TimedOut { detail }, .. } => {
             Error::Timeout { op, waited: start.elapsed(), why: detail }
         }
         other => other.into(),
@@ -148,7 +148,7 @@ impl RemoteBuffer {
     /// neighbouring rows merged and every read in flight at once (see [`RowFiles`];
     /// [`RemoteBuffer::with_read_mode`] chooses reads through the page cache instead). The
     /// storage must be a folder. On one node (shared memory, a local disk) it is not needed.
-    pub fn on_shared_filesystem(mut self, engine: aio::Engine) -> Self {
+    pub fn on_shared_filesystem(mut self, engine: tensordict_aio::Engine) -> Self {
         self.shared_filesystem = Some(engine);
         self
     }
@@ -425,7 +425,7 @@ impl RemoteBuffer {
                 // A refusal came from a service that released them first; after any other
                 // failure they may not have arrived.
                 if let Err(e) = &answer
-                    && !matches!(e, rpc::Error::Remote { .. })
+                    && !matches!(e, tensordict_rpc::Error::Remote { .. })
                     && !sent.is_empty()
                 {
                     // Sent again (the service leaves alone what it released already).
@@ -551,7 +551,7 @@ enum Sink<'a> {
     /// Through its read-write mapping (one node).
     Mapped(&'a Storage),
     /// With `pwrite` and `fdatasync` of the files (a shared filesystem).
-    Files(&'a RowFiles, &'a aio::Engine),
+    Files(&'a RowFiles, &'a tensordict_aio::Engine),
 }
 
 impl Sink<'_> {

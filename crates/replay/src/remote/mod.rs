@@ -31,7 +31,7 @@
 //!
 //! ```
 //! use memmap_tensor::Tensor;
-//! use replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
+//! use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
 //! use tensordict::TensorDict;
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -39,7 +39,7 @@
 //! # let run = dir.path().join("run");
 //! let server = ReplayServer::start("doc-demo", ReplayOptions::new(1000).runtime_dir(&run))?;
 //! // In an actor process:
-//! # let options = rpc::ClientOptions::default().runtime_dir(&run);
+//! # let options = tensordict_rpc::ClientOptions::default().runtime_dir(&run);
 //! let actor = RemoteBuffer::connect_with("doc-demo", &options)?;
 //! let mut batch = TensorDict::new([8]);
 //! batch.set("obs", Tensor::from_slice(&[1f32; 8 * 4], [8, 4])?)?;
@@ -69,12 +69,12 @@ use crate::rate::RateLimiter;
 pub use crate::samplers::SamplerSpec;
 
 /// The longest service name, in bytes.
-pub const MAX_NAME_BYTES: usize = rpc::service::MAX_NAME_BYTES;
+pub const MAX_NAME_BYTES: usize = tensordict_rpc::service::MAX_NAME_BYTES;
 
 /// The largest frame a replay service sends or reads, in bytes (rpc's default, which the
 /// service keeps). Every reply must fit in one: a sample's indices (and weights), a
 /// reservation's rows. [`max_sample_rows`] and [`max_reserve_rows`] say how many rows that is.
-pub const MAX_FRAME_BYTES: usize = rpc::DEFAULT_MAX_FRAME_BYTES;
+pub const MAX_FRAME_BYTES: usize = tensordict_rpc::DEFAULT_MAX_FRAME_BYTES;
 
 /// The most bytes a number takes in the wire's encoding (bincode's varint: 1 byte below 251,
 /// else a marker and 2, 4 or 8 bytes).
@@ -108,7 +108,7 @@ fn reply_row_bytes(capacity: usize, weighted: bool) -> usize {
 
 /// The most rows one sample of a service of `capacity` rows can return, its sampler weighting
 /// its rows (`weighted`) or not, when replies may be `max_frame_bytes` long (the smaller of
-/// [`MAX_FRAME_BYTES`] and the client's [`rpc::ClientOptions::max_frame_bytes`]), and at
+/// [`MAX_FRAME_BYTES`] and the client's [`tensordict_rpc::ClientOptions::max_frame_bytes`]), and at
 /// most [`MAX_SAMPLE_ROWS`]. With 1 MiB frames: about 349,000 rows from up to 65,536 rows
 /// without weights, about 95,000 with them. A larger sample is refused with an error that
 /// says so (sample in several requests); see [`RemoteBuffer::max_sample_rows`].
@@ -156,12 +156,12 @@ pub struct ReplayOptions {
     /// A rate limiter (none by default).
     pub limiter: Option<RateLimiter>,
     /// Where it is served (runtime directory, TCP endpoint and token).
-    pub service: rpc::service::ServiceOptions,
+    pub service: tensordict_rpc::service::ServiceOptions,
     /// A seed for the sampler.
     pub seed: Option<u64>,
     /// An I/O engine for a `dir` on a network filesystem that clients on other nodes write
     /// (see [`crate::ReplayBuffer::for_shared_filesystem`]).
-    pub shared_filesystem: Option<aio::Engine>,
+    pub shared_filesystem: Option<tensordict_aio::Engine>,
     /// A TorchRL dump folder to start from (its capacity, rows, writer and sampler state;
     /// `capacity` and `sampler` are then not used).
     pub load: Option<PathBuf>,
@@ -176,7 +176,7 @@ impl ReplayOptions {
             overwrite: false,
             sampler: SamplerSpec::default(),
             limiter: None,
-            service: rpc::service::ServiceOptions::default(),
+            service: tensordict_rpc::service::ServiceOptions::default(),
             seed: None,
             load: None,
             shared_filesystem: None,
@@ -208,7 +208,7 @@ impl ReplayOptions {
     }
 
     /// Serves `endpoint` (`tcp:HOST:PORT`) as well, to clients that know `token`.
-    pub fn listen(mut self, endpoint: rpc::Endpoint, token: rpc::Token) -> Self {
+    pub fn listen(mut self, endpoint: tensordict_rpc::Endpoint, token: tensordict_rpc::Token) -> Self {
         self.service = self.service.listen(endpoint, token);
         self
     }
@@ -230,7 +230,7 @@ impl ReplayOptions {
     /// write: the rows the service reads back (for slice samplers, and dumps) are read from the
     /// files, not through its mapping. Clients there use
     /// [`RemoteBuffer::on_shared_filesystem`].
-    pub fn shared_filesystem(mut self, engine: aio::Engine) -> Self {
+    pub fn shared_filesystem(mut self, engine: tensordict_aio::Engine) -> Self {
         self.shared_filesystem = Some(engine);
         self
     }
@@ -242,15 +242,16 @@ impl ReplayOptions {
     }
 }
 
-/// The kind of the replay service's [`rpc::service::ServiceName`]: service `NAME` is served on
+/// The kind of the replay service's [`tensordict_rpc::service::ServiceName`]: service `NAME` is served on
 /// `uds:tdict-replay-NAME`.
-pub const SERVICE: rpc::service::ServiceKind = rpc::service::ServiceKind::new("replay", "replay service");
+pub const SERVICE: tensordict_rpc::service::ServiceKind =
+    tensordict_rpc::service::ServiceKind::new("replay", "replay service");
 
 /// The replay service `name` as a service name (checked: 1 to [`MAX_NAME_BYTES`] bytes of
 /// `A-Z a-z 0-9 _ -`), which gives its endpoint and files.
-pub fn service_name(name: &str) -> Result<rpc::service::ServiceName> {
-    rpc::service::ServiceName::new(SERVICE, name).map_err(|e| match e {
-        rpc::Error::InvalidServiceName { name, reason, .. } => Error::InvalidName { name, reason },
+pub fn service_name(name: &str) -> Result<tensordict_rpc::service::ServiceName> {
+    tensordict_rpc::service::ServiceName::new(SERVICE, name).map_err(|e| match e {
+        tensordict_rpc::Error::InvalidServiceName { name, reason, .. } => Error::InvalidName { name, reason },
         other => other.into(),
     })
 }

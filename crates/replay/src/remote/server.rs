@@ -6,9 +6,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use memmap_tensor::ErrorChain;
-use rpc::service::{self as named, OwnerLock, Served, SessionTable, StopSignal};
-use rpc::{Endpoint, InlineDict, NodeId, Peer, ServerOptions, TensorDictRef, ToRef, WireError};
 use tarpc::context::Context;
+use tensordict_rpc::service::{self as named, OwnerLock, Served, SessionTable, StopSignal};
+use tensordict_rpc::{Endpoint, InlineDict, NodeId, Peer, ServerOptions, TensorDictRef, ToRef, WireError};
 
 use super::service::{LimiterInfo, ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled};
 use super::{
@@ -384,7 +384,7 @@ impl ReplayService for Session {
         }
         if self.shared().sessions().reservations.count(self.0.id) >= MAX_RESERVATIONS_PER_SESSION {
             return Err(WireError::ResourceExhausted {
-                resource: rpc::Resource::Reservations,
+                resource: tensordict_rpc::Resource::Reservations,
                 needed: 1,
                 available: 0,
                 detail: format!("this session holds {MAX_RESERVATIONS_PER_SESSION} reservations; commit or abort some"),
@@ -436,7 +436,7 @@ impl ReplayService for Session {
         }
         if self.shared().sessions().leases.count(self.0.id) >= MAX_LEASES_PER_SESSION {
             return Err(WireError::ResourceExhausted {
-                resource: rpc::Resource::Leases,
+                resource: tensordict_rpc::Resource::Leases,
                 needed: 1,
                 available: 0,
                 detail: format!("this session holds {MAX_LEASES_PER_SESSION} leases; release some"),

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use rpc::{InlineDict, NodeId, TensorDictRef, WireError};
 use serde::{Deserialize, Serialize};
+use tensordict_rpc::{InlineDict, NodeId, TensorDictRef, WireError};
 
 use crate::samplers::SamplerSpec;
 

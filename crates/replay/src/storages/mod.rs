@@ -308,14 +308,14 @@ impl Storage {
     /// (`O_DIRECT`, through `engine`), not through the mapping: what a reader on a network
     /// filesystem needs, where a mapping never sees another node's writes. Every tensor must be
     /// in the storage's folder.
-    pub fn read_rows(&self, engine: &aio::Engine, rows: &[usize]) -> Result<TensorDict> {
+    pub fn read_rows(&self, engine: &tensordict_aio::Engine, rows: &[usize]) -> Result<TensorDict> {
         self.td.gather_direct(engine, &to_i64(rows), tensordict::ReadMode::Direct).op("read rows")
     }
 
     /// Records that rows `0..len` are valid: rewrites `storage_metadata.json` of a memmap
     /// folder (atomically); nothing for other backends.
     ///
-    /// [`Durability::Atomic`](aio::Durability::Atomic): a killed process leaves the old `len`
+    /// [`Durability::Atomic`](tensordict_aio::Durability::Atomic): a killed process leaves the old `len`
     /// or the new one, never a torn file. It is not flushed: the rows it counts are written
     /// through a mapping that is not flushed either, and a `len` that outlived a power loss
     /// would count rows that did not. Checkpoints (`dumps`) are the durable form.
@@ -323,7 +323,7 @@ impl Storage {
         let Some(folder) = &self.folder else { return Ok(()) };
         let path = folder.join(STORAGE_METADATA);
         let body = serde_json::json!({"metadata": {}, "is_pytree": false, "len": len});
-        aio::replace_file(&path, body.to_string().as_bytes(), 0o644, aio::Durability::Atomic)
+        tensordict_aio::replace_file(&path, body.to_string().as_bytes(), 0o644, tensordict_aio::Durability::Atomic)
             .map_err(|source| Error::Io { path, source })
     }
 

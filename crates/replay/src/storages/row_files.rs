@@ -107,7 +107,7 @@ impl RowFiles {
     /// once), then `fdatasync`s each file written: once this returns, a node that opens the
     /// files afresh reads the rows. `rows` must be distinct and below the capacity, one per row
     /// of `src`, and `src` must pass [`RowFiles::check_batch`].
-    pub fn write_rows(&self, engine: &aio::Engine, rows: &[usize], src: &TensorDict) -> Result<()> {
+    pub fn write_rows(&self, engine: &tensordict_aio::Engine, rows: &[usize], src: &TensorDict) -> Result<()> {
         const OP: &str = "write rows";
         self.check_batch(OP, src)?;
         let n = src.batch_size()[0];
@@ -171,7 +171,7 @@ impl RowFiles {
     /// new heap dict of batch size `[rows.len(), ...]`. Every file is opened by this call, so
     /// what it reads was in the file when the call began or later; `mode` says whether reads
     /// go through this node's page cache or bypass it (`O_DIRECT`).
-    pub fn read_rows(&self, engine: &aio::Engine, rows: &[usize], mode: ReadMode) -> Result<TensorDict> {
+    pub fn read_rows(&self, engine: &tensordict_aio::Engine, rows: &[usize], mode: ReadMode) -> Result<TensorDict> {
         if let Some(&index) = rows.iter().find(|&&r| r >= self.capacity) {
             return Err(Error::RowOutOfRange { index, capacity: self.capacity });
         }

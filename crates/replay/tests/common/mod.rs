@@ -6,9 +6,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use memmap_tensor::Tensor;
-use replay::Episodes;
 use serde_json::Value;
 use tensordict::TensorDict;
+use tensordict_replay::Episodes;
 
 /// The dumps written by TorchRL 0.14.1 (see the README beside them).
 pub const FIXTURES: [&str; 4] = ["uniform_wrapped", "prioritized", "slices", "max_value_writer"];

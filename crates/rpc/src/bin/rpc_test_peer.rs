@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! rpc-test-peer serve ENDPOINT [TOKEN_FILE]     prints the endpoint, then `ready`; serves until killed
-//! rpc-test-peer worker ENDPOINT [TOKEN_FILE]    the same with the worker service (`rpc::worker`)
+//! rpc-test-peer worker ENDPOINT [TOKEN_FILE]    the same with the worker service (`tensordict_rpc::worker`)
 //! rpc-test-peer sleep ENDPOINT MS [TOKEN_FILE]  prints `calling`, calls sleep(MS), prints `done` or `error: …`
 //! rpc-test-peer echo ENDPOINT [SERVER_UID]      prints `ok` or `error: …` (exit status 2);
 //!                                               SERVER_UID: a server uid to trust besides our own
@@ -46,8 +46,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn token(path: Option<&String>) -> rpc::Result<Option<rpc::Token>> {
-    path.map(rpc::Token::from_file).transpose()
+fn token(path: Option<&String>) -> tensordict_rpc::Result<Option<tensordict_rpc::Token>> {
+    path.map(tensordict_rpc::Token::from_file).transpose()
 }
 
 type Failure = Box<dyn std::error::Error>;
@@ -61,15 +61,15 @@ fn run(args: &[String]) -> Result<(), Failure> {
         return store(command, &args[1..]);
     }
     let (command, endpoint) = match args {
-        [command, endpoint, ..] => (command.as_str(), endpoint.parse::<rpc::Endpoint>()?),
+        [command, endpoint, ..] => (command.as_str(), endpoint.parse::<tensordict_rpc::Endpoint>()?),
         _ => return Err(usage()),
     };
     match command {
         "serve" => {
-            let mut options = rpc::ServerOptions::default();
+            let mut options = tensordict_rpc::ServerOptions::default();
             options.token = token(args.get(2))?;
             let server = EchoServer { announce: true, ..EchoServer::default() };
-            let handle = rpc::serve(&endpoint, server.serve(), options)?;
+            let handle = tensordict_rpc::serve(&endpoint, server.serve(), options)?;
             println!("{}", handle.endpoint());
             println!("ready");
             std::io::stdout().flush().ok();
@@ -78,9 +78,9 @@ fn run(args: &[String]) -> Result<(), Failure> {
             }
         }
         "worker" => {
-            let mut options = rpc::ServerOptions::default();
+            let mut options = tensordict_rpc::ServerOptions::default();
             options.token = token(args.get(2))?;
-            let handle = rpc::worker::WorkerServer::new().serve_on(&endpoint, options)?;
+            let handle = tensordict_rpc::worker::WorkerServer::new().serve_on(&endpoint, options)?;
             println!("{}", handle.endpoint());
             println!("ready");
             std::io::stdout().flush().ok();
@@ -90,9 +90,10 @@ fn run(args: &[String]) -> Result<(), Failure> {
         }
         "sleep" => {
             let ms: u64 = args.get(2).and_then(|s| s.parse().ok()).ok_or_else(usage)?;
-            let mut options = rpc::ClientOptions::default();
+            let mut options = tensordict_rpc::ClientOptions::default();
             options.token = token(args.get(3))?;
-            let client: rpc::BlockingClient<EchoClient> = rpc::BlockingClient::connect(&endpoint, &options)?;
+            let client: tensordict_rpc::BlockingClient<EchoClient> =
+                tensordict_rpc::BlockingClient::connect(&endpoint, &options)?;
             println!("calling");
             std::io::stdout().flush().ok();
             client.call(async |c, ctx| c.sleep(ctx, ms).await)?;
@@ -100,11 +101,13 @@ fn run(args: &[String]) -> Result<(), Failure> {
             Ok(())
         }
         "echo" => {
-            let mut options = rpc::ClientOptions::default().connect_timeout(std::time::Duration::from_secs(2));
+            let mut options =
+                tensordict_rpc::ClientOptions::default().connect_timeout(std::time::Duration::from_secs(2));
             if let Some(uid) = args.get(2) {
                 options = options.allow_server_uid(uid.parse()?);
             }
-            let client: rpc::BlockingClient<EchoClient> = rpc::BlockingClient::connect(&endpoint, &options)?;
+            let client: tensordict_rpc::BlockingClient<EchoClient> =
+                tensordict_rpc::BlockingClient::connect(&endpoint, &options)?;
             let back = client.call(async |c, ctx| c.echo(ctx, b"peer".to_vec()).await)?;
             if back != b"peer" {
                 return Err(format!("echo returned {back:?}").into());
@@ -122,7 +125,7 @@ fn say(line: impl std::fmt::Display) {
 }
 
 fn store(command: &str, args: &[String]) -> Result<(), Failure> {
-    use rpc::store::{Store, StoreOptions, StoreServer, Wait};
+    use tensordict_rpc::store::{Store, StoreOptions, StoreServer, Wait};
 
     let usage = || -> Failure { format!("store-{command}: bad arguments {args:?}").into() };
     let name = args.first().ok_or_else(usage)?;
@@ -136,8 +139,8 @@ fn store(command: &str, args: &[String]) -> Result<(), Failure> {
                 match flag.as_str() {
                     "--dir" => options = options.dir(value),
                     "--capacity" => options = options.capacity(value.parse()?),
-                    "--listen" => listen = Some(value.parse::<rpc::Endpoint>()?),
-                    "--token-file" => token_file = Some(rpc::Token::from_file(value)?),
+                    "--listen" => listen = Some(value.parse::<tensordict_rpc::Endpoint>()?),
+                    "--token-file" => token_file = Some(tensordict_rpc::Token::from_file(value)?),
                     _ => return Err(usage()),
                 }
                 rest = tail;
@@ -247,15 +250,17 @@ fn store(command: &str, args: &[String]) -> Result<(), Failure> {
 /// kept for a while and checked again (holders keep what they mapped, whatever happens to the
 /// key meanwhile). Missing keys are fine (another client removed them); any other error or a
 /// mismatch fails.
-fn mixed(store: &rpc::store::Store, seed: u64, n: u64) -> Result<String, Failure> {
-    use rpc::WireError;
-    use rpc::store::Wait;
+fn mixed(store: &tensordict_rpc::store::Store, seed: u64, n: u64) -> Result<String, Failure> {
     use store_data::{Rng, check_mixed, mixed_dict};
+    use tensordict_rpc::WireError;
+    use tensordict_rpc::store::Wait;
 
     let mut rng = Rng(seed);
-    let missing = |e: &rpc::Error| matches!(e, rpc::Error::Remote { error: WireError::NotFound { .. }, .. });
+    let missing = |e: &tensordict_rpc::Error| {
+        matches!(e, tensordict_rpc::Error::Remote { error: WireError::NotFound { .. }, .. })
+    };
     let mut counter = seed << 32;
-    let mut held: Vec<(rpc::store::Loaded, u64)> = Vec::new();
+    let mut held: Vec<(tensordict_rpc::store::Loaded, u64)> = Vec::new();
     let mut counts = [0u64; 8];
     let mut checked = 0u64;
     let mut not_found = 0u64;

@@ -1,5 +1,5 @@
 //! The folder store's index, `store-index.json`: which sealed version holds each key, for the
-//! next server. Replaced as a whole and durably ([`aio::replace_file`]): after a crash it names
+//! next server. Replaced as a whole and durably ([`tensordict_aio::replace_file`]): after a crash it names
 //! the old entries or the new ones, and the next start removes every folder it does not name.
 
 use std::collections::HashSet;
@@ -63,11 +63,8 @@ impl Index {
             .map_err(|e| Error::StoreIndex { path: path.clone(), reason: e.to_string() })?;
         // The index is the only record of which folder holds each key: it must outlast a power
         // loss. Private to the store's user, as the folders are.
-        aio::replace_file(&path, &text, 0o600, aio::Durability::Durable).map_err(|source| Error::StoreIo {
-            op: "write",
-            path,
-            source,
-        })
+        tensordict_aio::replace_file(&path, &text, 0o600, tensordict_aio::Durability::Durable)
+            .map_err(|source| Error::StoreIo { op: "write", path, source })
     }
 }
 
@@ -131,7 +128,7 @@ pub(super) fn restore(root: &Path, state: &mut State) -> Result<()> {
     }
     // Index files a killed server was writing (we hold the lock: no live server writes one).
     let index = index_path(root);
-    for found in aio::temporaries_of(&index).map_err(|e| io_err("list", root, e))? {
+    for found in tensordict_aio::temporaries_of(&index).map_err(|e| io_err("list", root, e))? {
         tracing::info!(path = %found.display(), "store: removing what a previous server left");
         remove_path(&found).map_err(|e| io_err("remove", &found, e))?;
     }

@@ -5,7 +5,7 @@
 //! ```
 //! use std::time::Duration;
 //! use memmap_tensor::Tensor;
-//! use rpc::store::{Store, StoreOptions, Wait};
+//! use tensordict_rpc::store::{Store, StoreOptions, Wait};
 //! use tensordict::TensorDict;
 //!
 //! # let dir = tempfile::tempdir()?;

@@ -16,7 +16,7 @@ pub(crate) trait Echo {
     /// Returns `len` bytes (to exceed a peer's frame limit).
     async fn big(len: u64) -> Vec<u8>;
     /// Fails with an application error that crosses the wire.
-    async fn fail(why: String) -> Result<(), rpc::WireError>;
+    async fn fail(why: String) -> Result<(), tensordict_rpc::WireError>;
 }
 
 /// The test service's server: counts the sleeps it has started, and prints a line when one
@@ -46,7 +46,7 @@ impl Echo for EchoServer {
         vec![7u8; len as usize]
     }
 
-    async fn fail(self, _: Context, why: String) -> Result<(), rpc::WireError> {
-        Err(rpc::WireError::InvalidRequest { detail: why })
+    async fn fail(self, _: Context, why: String) -> Result<(), tensordict_rpc::WireError> {
+        Err(tensordict_rpc::WireError::InvalidRequest { detail: why })
     }
 }

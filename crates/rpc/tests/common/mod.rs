@@ -29,18 +29,18 @@ impl Sandbox {
         self.root.path().join("run")
     }
 
-    pub(crate) fn server_options(&self) -> rpc::ServerOptions {
-        rpc::ServerOptions::default().runtime_dir(self.run_dir())
+    pub(crate) fn server_options(&self) -> tensordict_rpc::ServerOptions {
+        tensordict_rpc::ServerOptions::default().runtime_dir(self.run_dir())
     }
 
-    pub(crate) fn client_options(&self) -> rpc::ClientOptions {
-        rpc::ClientOptions::default().runtime_dir(self.run_dir()).connect_timeout(Duration::from_secs(5))
+    pub(crate) fn client_options(&self) -> tensordict_rpc::ClientOptions {
+        tensordict_rpc::ClientOptions::default().runtime_dir(self.run_dir()).connect_timeout(Duration::from_secs(5))
     }
 
     /// A token written to a mode-0600 file; returns the token and the file.
-    pub(crate) fn token_file(&self, name: &str) -> (rpc::Token, PathBuf) {
+    pub(crate) fn token_file(&self, name: &str) -> (tensordict_rpc::Token, PathBuf) {
         use std::os::unix::fs::OpenOptionsExt;
-        let token = rpc::Token::generate();
+        let token = tensordict_rpc::Token::generate();
         let path = self.root.path().join(name);
         let mut file =
             std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).expect("token file");
@@ -53,18 +53,22 @@ impl Sandbox {
 /// Serves a fresh `EchoServer` on `endpoint`, returning the handle and the server (to read its
 /// counters).
 pub(crate) fn serve_echo(
-    endpoint: &rpc::Endpoint,
-    options: rpc::ServerOptions,
-) -> rpc::Result<(rpc::ServerHandle, EchoServer)> {
+    endpoint: &tensordict_rpc::Endpoint,
+    options: tensordict_rpc::ServerOptions,
+) -> tensordict_rpc::Result<(tensordict_rpc::ServerHandle, EchoServer)> {
     let server = EchoServer::default();
-    let handle = rpc::serve(endpoint, server.clone().serve(), options)?;
+    let handle = tensordict_rpc::serve(endpoint, server.clone().serve(), options)?;
     Ok((handle, server))
 }
 
 /// The second-process binary of this crate.
 pub(crate) fn peer_command(runtime_dir: &Path) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_rpc-test-peer"));
-    command.env(rpc::RUNTIME_DIR_ENV, runtime_dir).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    command
+        .env(tensordict_rpc::RUNTIME_DIR_ENV, runtime_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
     command
 }
 
@@ -134,6 +138,6 @@ pub(crate) fn rss_bytes() -> u64 {
 }
 
 /// A unique socket name for one test.
-pub(crate) fn name(test: &str) -> rpc::Endpoint {
-    rpc::Endpoint::Uds(format!("{test}-{}", std::process::id()))
+pub(crate) fn name(test: &str) -> tensordict_rpc::Endpoint {
+    tensordict_rpc::Endpoint::Uds(format!("{test}-{}", std::process::id()))
 }

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use rpc::store::{StoreOptions, StoreServer};
+use tensordict_rpc::store::{StoreOptions, StoreServer};
 
 use crate::common::{Peer, Sandbox, peer_command};
 
@@ -35,7 +35,7 @@ pub(crate) struct Served {
     /// Its pid, as it printed it.
     pub(crate) pid: u32,
     /// The TCP endpoint it serves too, if asked to.
-    pub(crate) tcp: Option<rpc::Endpoint>,
+    pub(crate) tcp: Option<tensordict_rpc::Endpoint>,
     name: String,
     run_dir: PathBuf,
     in_shm: bool,

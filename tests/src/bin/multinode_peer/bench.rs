@@ -29,7 +29,7 @@ pub(crate) fn bench_update_owner(dir: &Path, port: u16, rounds: usize, mode: &st
     let mut writer = stream;
     writeln!(writer, "{}", serde_json::to_string(&td.to_ref()?)?)?;
     let mut line = String::new();
-    let engine = aio::Engine::new().context("an I/O engine")?;
+    let engine = tensordict_aio::Engine::new().context("an I/O engine")?;
     let mut stale_mappings = 0;
     for round in 0..rounds {
         line.clear();

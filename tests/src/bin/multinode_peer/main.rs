@@ -84,11 +84,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use memmap_tensor::{Access, DType, Location, Tensor};
-use replay::RowFiles;
-use replay::remote::{RemoteBuffer, ReplayServiceClient};
-use rpc::store::Store;
-use rpc::{BlockingClient, ClientOptions, Endpoint, TensorDictRef, ToRef, Token};
 use tensordict::{Index, ReadMode, Schema, TensorDict};
+use tensordict_replay::RowFiles;
+use tensordict_replay::remote::{RemoteBuffer, ReplayServiceClient};
+use tensordict_rpc::store::Store;
+use tensordict_rpc::{BlockingClient, ClientOptions, Endpoint, TensorDictRef, ToRef, Token};
 
 mod bench;
 mod file_server;
@@ -202,9 +202,9 @@ pub(crate) fn host() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_owned()).unwrap_or_default()
 }
 
-/// Writes `text` to `path` whole (`aio::replace_file`, durably).
+/// Writes `text` to `path` whole (`tensordict_aio::replace_file`, durably).
 pub(crate) fn put(path: &Path, text: &str) -> anyhow::Result<()> {
-    aio::replace_file(path, text.as_bytes(), 0o644, aio::Durability::Durable)
+    tensordict_aio::replace_file(path, text.as_bytes(), 0o644, tensordict_aio::Durability::Durable)
         .with_context(|| format!("writing {}", path.display()))
 }
 

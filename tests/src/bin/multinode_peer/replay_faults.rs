@@ -49,12 +49,14 @@ pub(crate) fn replay_reserver(buffer: &RemoteBuffer, ready: &Path) -> anyhow::Re
     // Half of the rows written, as an actor killed in the middle of its write leaves them: with
     // the storage's files as the client writes them.
     let reference = buffer.info().storage.clone().context("the service has no storage")?;
-    let rpc::RefLocation::Folder { path } = &reference.location else { bail!("the storage is not a folder") };
+    let tensordict_rpc::RefLocation::Folder { path } = &reference.location else {
+        bail!("the storage is not a folder")
+    };
     let files = RowFiles::new(path, &reference.schema)?;
     let half = &rows[..rows.len() / 2];
     let half_rows: Vec<usize> = half.iter().map(|&r| r as usize).collect();
     files
-        .write_rows(&aio::Engine::new()?, &half_rows, &actor_rows(9, 900, half.len())?)
+        .write_rows(&tensordict_aio::Engine::new()?, &half_rows, &actor_rows(9, 900, half.len())?)
         .context("writing half of the reserved rows")?;
     let open = buffer.stats()?.open_reservations;
     ensure!(open == 1, "{open} open reservations after reserving, expected 1");

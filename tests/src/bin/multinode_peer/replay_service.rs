@@ -24,7 +24,7 @@ pub(crate) fn replay_client(
     mode: &str,
 ) -> anyhow::Result<RemoteBuffer> {
     let buffer = RemoteBuffer::connect_to(endpoint, options).with_context(|| format!("connecting to {endpoint}"))?;
-    let engine = || aio::Engine::new().context("an I/O engine");
+    let engine = || tensordict_aio::Engine::new().context("an I/O engine");
     Ok(match mode {
         "shared-fs" => buffer.on_shared_filesystem(engine()?),
         "buffered" => buffer.on_shared_filesystem(engine()?).with_read_mode(ReadMode::Buffered),

@@ -46,7 +46,7 @@ pub(crate) struct StaleFolders {
 }
 
 pub(crate) fn stale_writer(dir: &Path, port: u16, seconds: f64) -> anyhow::Result<()> {
-    let engine = aio::Engine::new()?;
+    let engine = tensordict_aio::Engine::new()?;
     let mut folders = Vec::new();
     let mut files = Vec::new();
     for (name, (rows, width)) in [("stale-large", STALE_LARGE), ("stale-small", STALE_SMALL)] {
@@ -100,7 +100,7 @@ pub(crate) fn stale_reader(addr: &str, label: &str) -> anyhow::Result<()> {
     let mut line = String::new();
     reader.read_line(&mut line)?;
     let folders: StaleFolders = serde_json::from_str(&line)?;
-    let engine = aio::Engine::new()?;
+    let engine = tensordict_aio::Engine::new()?;
     // Per folder: its files, its row width, the last round each row was written.
     let mut sets = Vec::new();
     // The control: each folder's file opened once, read with pread through the page cache.

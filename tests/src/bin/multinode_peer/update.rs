@@ -41,7 +41,7 @@ pub(crate) fn update_owner(dir: &Path) -> anyhow::Result<()> {
     println!("{}: the mapping made before the update shows row {}: {stale:?}", host(), UPDATED[0]);
 
     // Reopened at the new generation, and read past this node's page cache (DESIGN.md, rule 3).
-    let engine = aio::Engine::new().context("an I/O engine")?;
+    let engine = tensordict_aio::Engine::new().context("an I/O engine")?;
     check_updated(&reply.read_direct(&engine).context("reading the worker's reference")?)?;
     println!(
         "{}: reopened, read with O_DIRECT: rows {UPDATED:?} hold the worker's values, the other rows are zero",
