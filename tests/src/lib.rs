@@ -2,6 +2,12 @@
 //! second processes of the multi-process tests; this library holds what the tests share.
 #![forbid(unsafe_code)]
 
+/// The workspace README's Rust blocks run as doctests here, where every crate they use is in
+/// scope, so the README stays true (and the published crates do not reach outside themselves).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;
+
 use memmap_tensor::{DType, Location, Storage, Tensor};
 use serde_json::json;
 use tensordict::TensorDict;

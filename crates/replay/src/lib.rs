@@ -28,12 +28,6 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
-/// The README's Rust blocks run as doctests here, where every crate they use is in scope, so the
-/// README stays true.
-#[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
-struct ReadmeDoctests;
-
 pub mod buffer;
 pub mod checkpoint;
 pub mod error;
