@@ -83,8 +83,9 @@ pub(crate) enum BenchCommand {
     /// and memory beyond the data), load latency next to a bare rpc echo, and small mixed
     /// operations from 4 clients.
     Store {
-        /// Bytes saved by each save path (8 f32 leaves; suffixes K, M, G: powers of 1024).
-        #[arg(long, default_value = "1G", value_parser = parse_size)]
+        /// Bytes saved by each save path (8 f32 leaves; K, M, G are powers of 1000, KiB, MiB, GiB
+        /// powers of 1024).
+        #[arg(long, default_value = "1GiB", value_parser = crate::units::parse_bytes)]
         size: u64,
         /// Loads (and echoes) to time (10 to 1000000).
         #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..=1_000_000))]
@@ -136,11 +137,11 @@ pub(crate) enum BenchCommand {
         /// The GPU.
         #[arg(long, default_value = "cuda:0")]
         device: memmap_tensor::Device,
-        /// Bytes of the memmap folder (suffixes K, M, G: powers of 1024).
-        #[arg(long, default_value = "4G", value_parser = parse_size)]
+        /// Bytes of the memmap folder (K, M, G are powers of 1000, KiB, MiB, GiB powers of 1024).
+        #[arg(long, default_value = "4GiB", value_parser = crate::units::parse_bytes)]
         size: u64,
         /// Bytes of the GPU tensor offloaded to disk and restored.
-        #[arg(long, default_value = "1G", value_parser = parse_size)]
+        #[arg(long, default_value = "1GiB", value_parser = crate::units::parse_bytes)]
         offload_size: u64,
         /// Timed repetitions of each move (medians).
         #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=1000))]
@@ -160,11 +161,11 @@ pub(crate) enum BenchCommand {
         /// The file to write (created or overwritten).
         #[arg(long)]
         file: PathBuf,
-        /// Bytes to write and read (suffixes K, M, G: powers of 1024).
-        #[arg(long, default_value = "1G", value_parser = parse_size)]
+        /// Bytes to write and read (K, M, G are powers of 1000, KiB, MiB, GiB powers of 1024).
+        #[arg(long, default_value = "1GiB", value_parser = crate::units::parse_bytes)]
         size: u64,
-        /// Block size of each operation (at most 1G).
-        #[arg(long, default_value = "1M", value_parser = parse_block_size)]
+        /// Block size of each operation (at most 1GiB; a multiple of 4096 with --direct).
+        #[arg(long, default_value = "1MiB", value_parser = parse_block_size)]
         bs: u64,
         /// Operations in flight (1 to 4096).
         #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=MAX_QD))]
@@ -396,7 +397,10 @@ pub(crate) fn evict(path: &Path) -> anyhow::Result<()> {
 /// Sequential write then read of `size` bytes in blocks of `bs`, `qd` in flight.
 fn io(path: &Path, size: u64, bs: u64, qd: usize, direct: bool, as_json: bool) -> anyhow::Result<ExitCode> {
     ensure!(bs > 0 && size >= bs && qd > 0, "need --bs > 0, --size >= --bs and --qd > 0");
-    ensure!(!direct || bs.is_multiple_of(4096), "O_DIRECT needs --bs to be a multiple of 4096");
+    ensure!(
+        !direct || bs.is_multiple_of(4096),
+        "--direct (O_DIRECT) needs --bs to be a multiple of 4096 bytes: 1MiB is, 1M (a million bytes) is not"
+    );
     let engine = Engine::new().context("starting the I/O engine")?;
     let mut options = std::fs::OpenOptions::new();
     // Not truncated: like fio, a second run overwrites the blocks the first one wrote.
@@ -516,27 +520,11 @@ impl Stream {
     }
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
-    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-        Some((i, _)) => s.split_at(i),
-        None => (s, ""),
-    };
-    let n: u64 = digits.parse().map_err(|_| format!("`{s}` is not a size"))?;
-    let scale: u64 = match unit.to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "K" | "KB" | "KIB" => 1 << 10,
-        "M" | "MB" | "MIB" => 1 << 20,
-        "G" | "GB" | "GIB" => 1 << 30,
-        _ => return Err(format!("`{s}`: unknown unit `{unit}` (use K, M or G)")),
-    };
-    n.checked_mul(scale).ok_or_else(|| format!("`{s}` is too large"))
-}
-
 /// A `--bs` value: a size of at most [`MAX_BS`].
 fn parse_block_size(s: &str) -> Result<u64, String> {
-    let bs = parse_size(s)?;
+    let bs = crate::units::parse_bytes(s)?;
     if bs > MAX_BS {
-        return Err(format!("`{s}` is over the largest block size, 1G"));
+        return Err(format!("`{s}` is over the largest block size, 1GiB"));
     }
     Ok(bs)
 }

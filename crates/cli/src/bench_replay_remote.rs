@@ -183,7 +183,7 @@ pub(crate) struct PeerArgs {
     #[arg(long, default_value_t = 0)]
     id: u32,
     /// How long to run once told to go.
-    #[arg(long, value_parser = crate::daemon::parse_seconds)]
+    #[arg(long, value_parser = crate::units::parse_seconds)]
     seconds: Duration,
 }
 

@@ -478,28 +478,9 @@ pub(crate) fn parse_tcp(s: &str) -> Result<Endpoint, String> {
     }
 }
 
-/// Seconds, as a whole or decimal number.
-pub(crate) fn parse_seconds(s: &str) -> Result<Duration, String> {
-    let secs: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
-    if secs.is_nan() || secs < 0.0 {
-        return Err(format!("`{s}` is not zero or more seconds"));
-    }
-    Duration::try_from_secs_f64(secs).map_err(|_| format!("`{s}` seconds is too long"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn seconds() {
-        assert_eq!(parse_seconds("0"), Ok(Duration::ZERO));
-        assert_eq!(parse_seconds("2.5"), Ok(Duration::from_millis(2500)));
-        assert!(parse_seconds("-1").is_err());
-        assert!(parse_seconds("NaN").is_err());
-        assert!(parse_seconds("inf").is_err());
-        assert!(parse_seconds("1e30").is_err());
-    }
 
     #[test]
     fn a_busy_or_silent_service_is_not_called_missing() {

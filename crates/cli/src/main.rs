@@ -27,6 +27,7 @@ mod progress;
 mod replay;
 mod replay_serve;
 mod store;
+mod units;
 
 use std::path::Path;
 use std::process::ExitCode;

@@ -86,7 +86,7 @@ pub(crate) enum ReplayCommand {
         #[command(flatten)]
         at: crate::replay_serve::ServiceArgs,
         /// How long to wait for it to be gone, in seconds.
-        #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = crate::daemon::parse_seconds)]
+        #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = crate::units::parse_seconds)]
         timeout: std::time::Duration,
     },
     /// One actor or the learner of `tdict bench replay`'s distributed part.

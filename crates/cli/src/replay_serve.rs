@@ -21,7 +21,8 @@ use tensordict_replay::{
 };
 use tensordict_rpc::{ClientOptions, Endpoint, Token};
 
-use crate::daemon::{self, PidFile, ServePaths, parse_seconds, parse_tcp, read_pid};
+use crate::daemon::{self, PidFile, ServePaths, parse_tcp, read_pid};
+use crate::units::parse_seconds;
 
 /// The prioritized sampler's defaults: priority exponent, importance-weight exponent, and the
 /// `eps` added to every priority (TorchRL's default).
