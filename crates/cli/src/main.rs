@@ -334,6 +334,11 @@ fn clean(path: &Path) -> anyhow::Result<ExitCode> {
     for leftover in &kept {
         out!("kept {}", one_line(&anyhow::Error::new(Error::Leftover { leftover: leftover.clone() })));
     }
+    // Leftovers of a first write lie beside a folder that never came to be; with none of those
+    // either, the path names nothing this command could clean.
+    if removed.is_empty() && kept.is_empty() && std::fs::symlink_metadata(path).is_err() {
+        anyhow::bail!("{}: no such folder, and no leftovers of a write to it (check the path)", path.display());
+    }
     out!("{}: removed {}, kept {}", path.display(), removed.len(), kept.len());
     Ok(ExitCode::SUCCESS)
 }

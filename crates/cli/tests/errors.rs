@@ -217,3 +217,27 @@ fn bench_store_json_has_every_key_and_leaves_nothing_behind() {
         .collect();
     assert!(left.is_empty(), "left by the store daemon (pid {pid}): {left:?}");
 }
+
+#[test]
+fn paths_that_name_nothing_useful_say_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    // `clean` of nothing at all is an error, not "removed 0".
+    let missing = tmp.path().join("nope");
+    let run = tdict([OsStr::new("clean"), missing.as_os_str()]);
+    let line = run.expect_error();
+    assert!(line.contains("no such folder") && line.contains("check the path"), "{line}");
+    // A folder that is not a TensorDict is called that, for reading and for checking.
+    let plain = tmp.path().join("plain");
+    fs::create_dir(&plain).unwrap();
+    fs::write(plain.join("notes.txt"), b"x").unwrap();
+    let run = tdict([OsStr::new("info"), plain.as_os_str()]);
+    let line = run.expect_error();
+    assert!(line.contains("is not a TensorDict folder") && !line.contains("os error"), "{line}");
+    // `verify` reports problems on stdout, one a line, and exits 1.
+    let verify = tdict([OsStr::new("verify"), plain.as_os_str()]);
+    assert_eq!(verify.code, Some(1), "{verify}");
+    assert!(verify.stdout.contains("is not a TensorDict folder"), "{verify}");
+    // An empty location is a usage error that says what is wrong.
+    let run = tdict([OsStr::new("info"), OsStr::new("")]);
+    assert!(run.usage_error().contains("empty path"), "{run}");
+}

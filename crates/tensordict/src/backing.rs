@@ -84,6 +84,9 @@ impl DictLocation {
     /// anything else a folder (a folder named `shm:…` is written `./shm:…`). A prefix must be
     /// UTF-8; it is checked further where it is used.
     pub fn parse(text: &std::ffi::OsStr) -> std::result::Result<DictLocation, String> {
+        if text.is_empty() {
+            return Err("an empty path names no folder (and `shm:PREFIX` no shared dict)".to_owned());
+        }
         if !text.as_encoded_bytes().starts_with(b"shm:") {
             return Ok(DictLocation::Folder(PathBuf::from(text)));
         }

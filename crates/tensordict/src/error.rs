@@ -77,7 +77,16 @@ pub enum Error {
     },
 
     // === Folders ===
-    /// A folder's `meta.json` is missing, unreadable or malformed.
+    /// A folder that should hold a TensorDict (or one of its nested dicts) has no `meta.json`.
+    #[error(
+        "{} is not a TensorDict folder: it has no meta.json (every folder of a TensorDict has one)",
+        path.display()
+    )]
+    NotADict {
+        /// The folder.
+        path: PathBuf,
+    },
+    /// A folder's `meta.json` is unreadable or malformed.
     #[error("{}: {reason}", path.display())]
     InvalidMeta {
         /// The `meta.json` file.

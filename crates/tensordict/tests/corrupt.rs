@@ -114,18 +114,29 @@ fn the_sound_folder_loads() -> TestResult {
 // === meta.json itself ===
 
 #[test]
-fn missing_meta_json_is_an_io_error() -> TestResult {
+fn a_folder_without_meta_json_is_not_a_dict_and_a_missing_folder_is_an_io_error() -> TestResult {
     let dir = tempfile::tempdir()?;
-    for prefix in [dir.path().to_path_buf(), dir.path().join("does-not-exist")] {
-        match load_err(&prefix, "missing meta.json") {
-            Error::Io { source, path, .. } => {
-                assert_eq!(source.kind(), ErrorKind::NotFound);
-                // A missing folder is named as such; a folder without `meta.json` names the file.
-                let missing = if prefix.exists() { prefix.join("meta.json") } else { prefix.clone() };
-                assert_eq!(path, missing);
-            }
-            other => panic!("expected Io, got {other:?}"),
+    match load_err(dir.path(), "missing meta.json") {
+        Error::NotADict { path } => assert_eq!(path, dir.path()),
+        other => panic!("expected NotADict, got {other:?}"),
+    }
+    let absent = dir.path().join("does-not-exist");
+    match load_err(&absent, "missing folder") {
+        Error::Io { source, path, .. } => {
+            assert_eq!(source.kind(), ErrorKind::NotFound);
+            assert_eq!(path, absent);
         }
+        other => panic!("expected Io, got {other:?}"),
+    }
+    // A nested folder without its meta.json names that folder.
+    let nested = dir.path().join("nested");
+    let mut td = TensorDict::new([2]);
+    td.set(KeyPath::from(["inner", "x"]), memmap_tensor::Tensor::from_slice(&[1i64, 2], [2])?)?;
+    td.memmap(&nested)?;
+    fs::remove_file(nested.join("inner").join("meta.json"))?;
+    match load_err(&nested, "nested folder without meta.json") {
+        Error::NotADict { path } => assert_eq!(path, nested.join("inner")),
+        other => panic!("expected NotADict, got {other:?}"),
     }
     // A folder where meta.json should be.
     let odd = dir.path().join("odd");

@@ -467,7 +467,12 @@ fn read_non_tensor_stack(dir: &Dir, key: &KeyPath, batch: &[usize]) -> Result<En
 
 /// The `meta.json` of the folder `dir`, size-capped, never through a link or a FIFO.
 fn read_meta(dir: &Dir) -> Result<Value> {
-    let text = dir.read_small("meta.json", MAX_META_BYTES)?;
+    let text = dir.read_small("meta.json", MAX_META_BYTES).map_err(|e| match e {
+        Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            Error::NotADict { path: dir.path().to_owned() }
+        }
+        other => other,
+    })?;
     crate::json::parse(&text)
         .map_err(|e| Error::InvalidMeta { path: dir.child("meta.json"), reason: format!("invalid JSON: {e}") })
 }
