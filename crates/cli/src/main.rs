@@ -165,7 +165,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                     let progress = Progress::bar("copying", td.nbytes() as u64, Unit::Bytes, true);
                     let options =
                         tensordict::WriteOptions::default().fsync(fsync).overwrite(force).progress(progress.callback());
-                    td.memmap_with(dst, &options).with_context(|| format!("writing {}", dst.display()))?;
+                    td.memmap_with(dst, &options).map_err(force_hint)?;
                 }
                 Location::Shm(prefix) => {
                     ensure!(!fsync, "--fsync applies to folders: shared memory has no disk to sync");
@@ -323,6 +323,17 @@ fn shm_ls(as_json: bool) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A write error in the words of a command that has `--force`: a refused replacement names the
+/// flag that asks for it, not the library's option.
+pub(crate) fn force_hint(e: tensordict::Error) -> anyhow::Error {
+    match e {
+        tensordict::Error::WouldReplace { path } => {
+            anyhow::anyhow!("{}: it already holds data; add --force to replace it", path.display())
+        }
+        other => anyhow::Error::new(other),
+    }
 }
 
 fn clean(path: &Path) -> anyhow::Result<ExitCode> {

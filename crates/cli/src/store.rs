@@ -346,9 +346,9 @@ fn load(at: &StoreArgs, key: &str, out: &Location, wait: Wait, force: bool) -> a
     let store = connect(at)?;
     let loaded = store.load(key, wait)?;
     let written = match out {
-        Location::Folder(path) => loaded
-            .memmap_with(path, &WriteOptions::default().overwrite(force))
-            .with_context(|| format!("writing {}", path.display())),
+        Location::Folder(path) => {
+            loaded.memmap_with(path, &WriteOptions::default().overwrite(force)).map_err(crate::force_hint)
+        }
         Location::Shm(prefix) => loaded.share_memory(prefix).with_context(|| format!("writing {out}")),
         other => Err(crate::not_here(other)),
     };

@@ -241,3 +241,17 @@ fn paths_that_name_nothing_useful_say_so() {
     let run = tdict([OsStr::new("info"), OsStr::new("")]);
     assert!(run.usage_error().contains("empty path"), "{run}");
 }
+
+#[test]
+fn a_refused_replacement_names_the_commands_own_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (src, dst) = (tmp.path().join("src"), tmp.path().join("dst"));
+    let mut td = tensordict::TensorDict::new([2]);
+    td.set("x", memmap_tensor::Tensor::from_slice(&[1i64, 2], [2]).unwrap()).unwrap();
+    td.memmap(&src).unwrap();
+    td.memmap(&dst).unwrap();
+    let run = tdict([OsStr::new("copy"), src.as_os_str(), dst.as_os_str()]);
+    let line = run.expect_error();
+    assert!(line.contains("add --force") && !line.contains("WriteOptions"), "{line}");
+    tdict([OsStr::new("copy"), OsStr::new("--force"), src.as_os_str(), dst.as_os_str()]).ok();
+}

@@ -112,8 +112,13 @@ pub enum Error {
         /// What was found.
         what: String,
     },
-    /// A write would replace data without being asked to, or would replace something that is
-    /// not a dict.
+    /// A write would replace data without being asked to ([`WriteOptions::overwrite`](crate::WriteOptions::overwrite)).
+    #[error("{}: it already holds data; replacing it must be asked for (WriteOptions::overwrite)", path.display())]
+    WouldReplace {
+        /// The destination.
+        path: PathBuf,
+    },
+    /// A write would replace something that is not a dict, or that cannot be replaced.
     #[error("{}: {reason}", path.display())]
     DestinationExists {
         /// The destination.

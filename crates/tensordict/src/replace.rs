@@ -177,7 +177,7 @@ impl Destination {
             match rename(&new, &self.real) {
                 Ok(()) => staging.path = None,
                 Err(Errno::ENOTEMPTY | Errno::EEXIST) => {
-                    return Err(Error::DestinationExists { path: self.shown.clone(), reason: replace_hint() });
+                    return Err(Error::WouldReplace { path: self.shown.clone() });
                 }
                 Err(e) => return Err(io_err("rename", e)),
             }
@@ -263,11 +263,6 @@ impl Destination {
         temp_files(&self.real, 0, &mut found);
         found
     }
-}
-
-/// The reason given when a destination holds data and replacing it was not asked for.
-fn replace_hint() -> String {
-    "it already holds data; replacing it must be asked for (WriteOptions::overwrite, `tdict copy --force`)".into()
 }
 
 /// A staging folder; removed when dropped unless it was committed.

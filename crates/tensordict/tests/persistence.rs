@@ -232,7 +232,7 @@ fn rewriting_a_mapped_folder_leaves_old_handles_on_the_old_data() -> TestResult 
     second.remove("v_obj")?;
     // Replacing data must be asked for.
     let refused = second.memmap(&prefix);
-    assert!(matches!(refused, Err(Error::DestinationExists { .. })), "{refused:?}");
+    assert!(matches!(refused, Err(Error::WouldReplace { .. })), "{refused:?}");
     assert_same(&TensorDict::load_memmap(&prefix, Access::ReadOnly)?, &first, "after a refused write")?;
     let second_handle = second.memmap_with(&prefix, &replace())?;
 

@@ -34,7 +34,7 @@ pub struct WriteOptions {
     /// by default, as in Python.
     pub fsync: bool,
     /// Replace a dict already at the destination (TorchRL's `existsok`). Off by default: writing
-    /// onto a non-empty folder is then an [`Error::DestinationExists`], so that re-running a
+    /// onto a dict is then an [`Error::WouldReplace`], so that re-running a
     /// script does not silently wipe its data. A non-empty folder that holds no dict (no
     /// `meta.json`) is never replaced.
     pub overwrite: bool,
@@ -163,12 +163,7 @@ impl TensorDict {
         let destination = Destination::new(prefix)?;
         let existing = destination.existing()?;
         if existing == Existing::Dict && !options.overwrite {
-            return Err(Error::DestinationExists {
-                path: prefix.to_owned(),
-                reason: "it already holds a TensorDict; replacing it must be asked for \
-                         (WriteOptions::overwrite, `tdict copy --force`)"
-                    .into(),
-            });
+            return Err(Error::WouldReplace { path: prefix.to_owned() });
         }
         // Best effort: what a killed writer left here is garbage; a failure to remove it is
         // no reason to fail this write.
