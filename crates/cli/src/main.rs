@@ -122,7 +122,8 @@ enum Command {
 
 #[derive(Subcommand)]
 enum ShmCommand {
-    /// List shared dicts: prefix, objects, size, whether complete, and whether the creator runs.
+    /// List shared dicts: prefix, objects, size, whether complete, and their creator: alive,
+    /// finished (exited after completing the dict), dead (killed before) or unknown.
     Ls {
         /// Print one JSON object (sizes in bytes).
         #[arg(long)]
@@ -293,13 +294,19 @@ fn remove_folder(path: &Path) -> anyhow::Result<()> {
 
 fn shm_ls(as_json: bool) -> anyhow::Result<ExitCode> {
     let dicts = TensorDict::list_shared()?;
+    // A complete dict whose creator has exited was finished (a `tdict copy` that returned),
+    // not lost: "dead" is kept for a creator killed before finishing.
+    let creator = |d: &tensordict::SharedDictInfo| match d.creator.state {
+        tensordict::ProcessState::Dead if d.complete => "finished",
+        state => state.as_str(),
+    };
     if as_json {
         let list: Vec<Value> = dicts
             .iter()
             .map(|d| {
                 json!({
                     "prefix": d.prefix, "objects": d.objects, "bytes": d.bytes, "complete": d.complete,
-                    "creator": d.creator.state.as_str(), "creator_pid": d.creator.pid,
+                    "creator": creator(d), "creator_pid": d.creator.pid,
                 })
             })
             .collect();
@@ -311,8 +318,8 @@ fn shm_ls(as_json: bool) -> anyhow::Result<ExitCode> {
     out!("{:width$}  {:>7}  {:>10}  {:<8}  CREATOR", "PREFIX", "OBJECTS", "SIZE", "COMPLETE");
     for d in &dicts {
         let creator = match d.creator.pid {
-            Some(pid) => format!("{} (pid {pid})", d.creator.state),
-            None => d.creator.state.to_string(),
+            Some(pid) => format!("{} (pid {pid})", creator(d)),
+            None => creator(d).to_owned(),
         };
         out!(
             "{:width$}  {:>7}  {:>10}  {:<8}  {creator}",

@@ -210,9 +210,9 @@ fn bench_cuda_says_why_without_a_gpu_or_prints_its_keys() {
         "bench",
         "cuda",
         "--size",
-        "4M",
+        "4MiB",
         "--offload-size",
-        "1M",
+        "1MiB",
         "--reps",
         "1",
         "--batches",
@@ -241,7 +241,7 @@ fn bench_cuda_says_why_without_a_gpu_or_prints_its_keys() {
     for key in ["gather_256_us", "gather_1024_us", "gather_256_host_us", "gather_1024_host_us"] {
         assert!(out[key]["p50"].as_f64().is_some_and(|x| x > 0.0), "{key}:\n{run}");
     }
-    for bad in [["--size", "1K"], ["--device", "cpu"]] {
+    for bad in [["--size", "1KiB"], ["--device", "cpu"]] {
         let refused = tdict(["bench", "cuda", bad[0], bad[1], "--dir", dir]);
         refused.one_line_error();
     }

@@ -271,3 +271,20 @@ fn a_prefix_that_is_not_utf8_is_a_bad_argument() {
         tdict([OsStr::new(sub), OsStr::from_bytes(b"shm:\xff")]).expect_usage_error();
     }
 }
+
+#[test]
+fn a_copy_that_finished_shows_its_creator_as_finished() {
+    let prefix = shm_prefix("ls-finished");
+    let _guard = ShmGuard(prefix.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    small_dict().memmap(&src).unwrap();
+    tdict(["copy", src.to_str().unwrap(), &format!("shm:{prefix}")]).ok();
+    let listed = tdict(["shm", "ls", "--json"]).json();
+    let entry = listed["shared"].as_array().unwrap().iter().find(|e| e["prefix"] == prefix.as_str()).cloned();
+    let entry = entry.unwrap_or_else(|| panic!("{prefix} not in {listed}"));
+    assert_eq!((&entry["complete"], &entry["creator"]), (&json!(true), &json!("finished")), "{entry}");
+    let run = tdict(["shm", "ls"]);
+    let line = line_of(run.ok(), &prefix).unwrap_or_else(|| panic!("{run}"));
+    assert!(line.contains("finished") && !line.contains("dead"), "{line}");
+}
