@@ -301,13 +301,16 @@ pub enum Error {
         why: String,
     },
     /// The replay service or its connection failed.
+    #[cfg(feature = "remote")]
     #[error("replay service")]
     Remote(#[from] tensordict_rpc::Error),
     /// The replay service refused a request.
+    #[cfg(feature = "remote")]
     #[error("the replay service refused the request")]
     Refused(#[from] tensordict_rpc::WireError),
 }
 
+#[cfg(feature = "remote")]
 impl Error {
     /// The replay service's refusal, if that is what this is: as a client received it (with the
     /// service's endpoint, in [`Error::Remote`]) or as the service made it ([`Error::Refused`]).

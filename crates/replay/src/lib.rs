@@ -32,6 +32,7 @@ pub mod buffer;
 pub mod checkpoint;
 pub mod error;
 pub mod rate;
+#[cfg(feature = "remote")]
 pub mod remote;
 pub mod samplers;
 pub mod storages;
