@@ -66,8 +66,9 @@ pub(crate) enum ReplayCommand {
     /// Print a replay service's counters: rows held, cursor, rows written, rows inserted and
     /// sampled as the rate limiter counts them, open reservations and leases, sessions.
     ///
-    /// With --json, one object: `name`, `pid`, `capacity`, `sampler` (its name: "uniform",
-    /// "prioritized"...), `sampler_spec` (the sampler and its options, as --sampler-spec takes
+    /// With --json, one object: `name`, `pid`, `capacity`, `sampler` (its name, as --sampler
+    /// takes it: "uniform", "without-replacement", "prioritized", "slice" or
+    /// "prioritized-slice"), `sampler_spec` (the sampler and its options, as --sampler-spec takes
     /// them), `storage` (the folder or shm:PREFIX of the rows, null before the first
     /// write), `limiter` (null, or {`samples_per_insert`, `min_size`, `min_diff`, `max_diff`},
     /// a bound null when unbounded), `len`, `cursor`, `write_count`, `inserts`, `samples`,

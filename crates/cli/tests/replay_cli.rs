@@ -456,3 +456,13 @@ fn help_documents_every_json_key() {
         assert!(help.contains(&format!("`{key}`")), "`{key}` is not in the help:\n{help}");
     }
 }
+
+#[test]
+fn stats_help_names_the_samplers_as_serve_takes_and_stats_prints_them() {
+    let stats = tdict(&["replay", "stats", "--help"]);
+    let serve = tdict(&["replay", "serve", "--help"]);
+    for name in tensordict_replay::SamplerSpec::NAMES {
+        assert!(stats.ok().contains(&format!("\"{name}\"")), "`{name}` missing from:\n{stats}");
+        assert!(serve.ok().contains(name), "`{name}` missing from:\n{serve}");
+    }
+}
