@@ -81,6 +81,16 @@ pub(crate) enum ReplayCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Ask a replay service to write a TorchRL dump folder of the rows it holds (committed when
+    /// the dump starts) at DIR, on the service's node. TorchRL's `ReplayBuffer.loads(DIR)` reads
+    /// it, and so does `tdict replay serve --load DIR`.
+    Dump {
+        #[command(flatten)]
+        at: crate::replay_serve::ServiceArgs,
+        /// The folder to write (new, or empty); a relative path is taken from this command's
+        /// working folder, not the service's.
+        dir: std::path::PathBuf,
+    },
     /// Ask a replay service to stop and wait until it is gone (its process exited, or for a
     /// service run inside another program, its socket closed).
     Stop {
@@ -101,6 +111,7 @@ pub(crate) fn run(command: ReplayCommand) -> anyhow::Result<ExitCode> {
         ReplayCommand::Serve(args) => crate::replay_serve::serve(*args),
         ReplayCommand::Stats { at, json } => crate::replay_serve::stats(&at, json),
         ReplayCommand::Stop { at, timeout } => crate::replay_serve::stop(&at, timeout),
+        ReplayCommand::Dump { at, dir } => crate::replay_serve::dump(&at, &dir),
         ReplayCommand::BenchPeer(args) => crate::bench_replay_remote::peer(&args),
     }
 }

@@ -537,6 +537,19 @@ pub(crate) fn stop(at: &ServiceArgs, timeout: Duration) -> anyhow::Result<ExitCo
     Ok(ExitCode::SUCCESS)
 }
 
+/// `tdict replay dump`.
+pub(crate) fn dump(at: &ServiceArgs, dir: &std::path::Path) -> anyhow::Result<ExitCode> {
+    // The service resolves paths from its own working folder: send it an absolute one.
+    let dir = std::path::absolute(dir).with_context(|| format!("resolving {}", dir.display()))?;
+    let text = dir.to_str().ok_or_else(|| anyhow::anyhow!("{}: the path is not UTF-8", dir.display()))?;
+    let buffer = connect(at)?;
+    buffer.dumps(text)?;
+    let written = tensordict_replay::checkpoint::Dump::read(&dir)
+        .with_context(|| format!("reading back the dump at {}", dir.display()))?;
+    crate::out!("wrote a dump of `{}` to {} ({} rows)", at.name, dir.display(), written.storage.len);
+    Ok(ExitCode::SUCCESS)
+}
+
 /// A bound as JSON: null when unbounded.
 fn finite(x: f64) -> Value {
     if x.is_finite() { json!(x) } else { Value::Null }

@@ -537,3 +537,26 @@ fn from_a_torchrl_dump_and_with_slices() {
     assert!(child.wait().unwrap().success());
     drop(guard);
 }
+
+/// `tdict replay dump` asks the service for a dump; a relative DIR is this command's, and the
+/// dump starts a new service with the same rows.
+#[test]
+fn dump_writes_what_the_service_holds() {
+    let mut w = World::new("dump");
+    let (_, _) = w.serve(&["--capacity", "20"]);
+    w.client().extend(&rows(0, 12)).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let (mut cmd, _) = w.command(["replay", "dump", "--name", &w.name, "out"]);
+    let out = cmd.current_dir(scratch.path()).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("12 rows"), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let dump = scratch.path().join("out");
+    let read = tensordict_replay::checkpoint::Dump::read(&dump).unwrap();
+    assert_eq!((read.storage.len, read.storage.capacity()), (12, 20));
+    let step = read.storage.data.get_tensor("step").unwrap().narrow(0, 0, 12).unwrap().to_vec::<i64>().unwrap();
+    assert_eq!(step, (0..12).collect::<Vec<i64>>());
+    // A second dump to the same folder is refused, and says so.
+    let again = w.replay("dump", [dump.to_str().unwrap()]);
+    assert!(again.error().contains(dump.to_str().unwrap()), "{again}");
+    w.replay("stop", Vec::<&str>::new()).ok();
+}
