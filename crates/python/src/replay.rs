@@ -75,6 +75,21 @@ impl PyReplayBuffer {
         Ok(PyReplayBuffer { inner, weighted })
     }
 
+    /// The default batch size (`None`: none), kept in dumps.
+    #[getter]
+    fn batch_size(&self) -> Option<usize> {
+        self.inner.batch_size()
+    }
+
+    #[setter]
+    fn set_batch_size(&self, batch_size: Option<usize>) -> PyResult<()> {
+        if batch_size == Some(0) {
+            return Err(PyValueError::new_err("a batch size of 0 samples nothing: give at least 1, or None"));
+        }
+        self.inner.set_batch_size(batch_size);
+        Ok(())
+    }
+
     /// Writes rows (a TensorDict or a dict of arrays with a leading batch dim); returns the
     /// rows written, as TorchRL's `extend` returns its indices.
     fn extend(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {

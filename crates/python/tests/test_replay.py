@@ -108,6 +108,9 @@ def test_torchrl_dumps_load_and_ours_load_back(name, tmp_path):
     rb.dumps(tmp_path / "again")
     back = ReplayBuffer.loads(tmp_path / "again", seed=5)
     assert len(back) == len(rb)
+    assert back.batch_size == 8, "the dump carries the default batch size"
+    theirs = json.loads((TORCHRL / name / "buffer_metadata.json").read_text())["batch_size"]
+    assert ReplayBuffer.loads(TORCHRL / name).batch_size == theirs, "TorchRL's batch size is read"
     np.testing.assert_array_equal(back.storage["obs"].numpy(), rb.storage["obs"].numpy())
 
 

@@ -154,7 +154,8 @@ def test_a_buffer_dumped_from_python_loads_in_torchrl(tmp_path):
     )
     theirs.loads(tmp_path / "dump")
     assert len(theirs) == 50
-    sample = theirs.sample(8)
+    sample = theirs.sample()  # the dump carries the batch size
+    assert sample.batch_size == torch.Size([8])
     assert torch.equal(sample["obs"][:, 0], sample["index"].float() * 10)
     assert "priority_weight" in sample.keys()
     # Their priorities are ours: rows 3 and 4 carry the most mass.

@@ -134,12 +134,10 @@ fn a_loaded_fixture_dumps_back_to_torchrls_files() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join(name);
         buffer.dumps(&out).unwrap();
-        let mut want = files(&fixtures().join(name));
-        let mut got = files(&out);
-        // The default batch size of `sample()` is TorchRL's alone; this buffer has none.
-        let meta = PathBuf::from("buffer_metadata.json");
-        assert_eq!(got.remove(&meta).unwrap(), br#"{"batch_size": null, "consume_after_n_samples": null}"#);
-        want.remove(&meta);
+        let want = files(&fixtures().join(name));
+        let got = files(&out);
+        // Every file, `buffer_metadata.json` with its default batch size included.
+        assert!(want.contains_key(&PathBuf::from("buffer_metadata.json")));
         assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{name}");
         for (path, bytes) in &want {
             assert!(got[path] == *bytes, "{name}: {} differs", path.display());
@@ -573,4 +571,21 @@ fn writers_dump_and_load_their_own_state() {
     let refused = buffer.dumps(dir.path().join("last")).unwrap_err();
     assert!(matches!(&refused, Error::Unsupported { .. }) && refused.to_string().contains("last"), "{refused}");
     assert!(!dir.path().join("last").exists());
+}
+
+#[test]
+fn the_default_batch_size_goes_into_dumps_and_comes_back() {
+    let buffer = ReplayBuffer::loads(fixtures().join("prioritized"), LoadOptions::default()).unwrap();
+    let theirs = buffer.batch_size();
+    assert!(theirs.is_some(), "TorchRL's dump carries its batch size");
+    buffer.set_batch_size(Some(48));
+    let dir = tempfile::tempdir().unwrap();
+    buffer.dumps(dir.path().join("d")).unwrap();
+    let meta = std::fs::read(dir.path().join("d").join("buffer_metadata.json")).unwrap();
+    assert_eq!(meta, br#"{"batch_size": 48, "consume_after_n_samples": null}"#);
+    let again = ReplayBuffer::loads(dir.path().join("d"), LoadOptions::default()).unwrap();
+    assert_eq!(again.batch_size(), Some(48));
+    again.set_batch_size(None);
+    again.dumps(dir.path().join("e")).unwrap();
+    assert_eq!(ReplayBuffer::loads(dir.path().join("e"), LoadOptions::default()).unwrap().batch_size(), None);
 }

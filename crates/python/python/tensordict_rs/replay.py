@@ -191,9 +191,10 @@ class ReplayBuffer:
     ``len``, ``dumps`` and ``loads`` (TorchRL 0.14.1's dump layout, both ways)."""
 
     def __init__(self, *, storage=None, sampler=None, writer=None, batch_size=None, seed=None, _inner=None):
-        self.batch_size = batch_size
         if _inner is not None:
             self._rb = _inner
+            if batch_size is not None:
+                self.batch_size = batch_size
             return
         storage = storage if storage is not None else LazyTensorStorage(1_000_000)
         sampler = sampler if sampler is not None else RandomSampler()
@@ -204,6 +205,17 @@ class ReplayBuffer:
         self._rb = _native.ReplayBuffer(
             storage.max_size, sampler=json.dumps(sampler._spec()), writer=writer._native(), seed=seed, **storage._native()
         )
+        self.batch_size = batch_size
+
+    @property
+    def batch_size(self):
+        """The default batch size of ``sample()`` (``None``: none). Dumps carry it, and
+        ``loads`` restores it, as TorchRL's do."""
+        return self._rb.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value):
+        self._rb.batch_size = None if value is None else int(value)
 
     def extend(self, data):
         """Writes a batch (a dict of arrays or tensors with a leading batch dim, a
@@ -232,7 +244,8 @@ class ReplayBuffer:
 
     @classmethod
     def loads(cls, path, batch_size=None, seed=None):
-        """A buffer from a TorchRL dump folder (its rows on the heap)."""
+        """A buffer from a TorchRL dump folder (its rows on the heap), with the dump's default
+        batch size unless ``batch_size`` is given."""
         return cls(batch_size=batch_size, _inner=_native.ReplayBuffer.loads(str(path), seed=seed))
 
     @property

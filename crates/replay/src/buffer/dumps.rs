@@ -133,7 +133,10 @@ impl ReplayBuffer {
                 storage: StorageDump { data, len: packing.kept().len() },
                 writer: Some(writer),
                 sampler,
-                buffer: BufferMetadata { batch_size: None, consume_after_n_samples: None },
+                buffer: BufferMetadata {
+                    batch_size: self.batch_size().map(|b| b as u64),
+                    consume_after_n_samples: None,
+                },
                 prefetch: Some(Prefetch { capacity: 0 }),
                 rng_state: None,
                 transform: None,
@@ -172,6 +175,8 @@ impl ReplayBuffer {
         // Every row, valid or not, so that dumping the loaded buffer gives back the same files.
         storage.write_rows(&(0..capacity).collect::<Vec<_>>(), &dump.storage.data)?;
         storage.store_len(len)?;
-        Self::over_storage(options.backend, storage, len, writer, sampler)
+        let buffer = Self::over_storage(options.backend, storage, len, writer, sampler)?;
+        buffer.set_batch_size(dump.buffer.batch_size.and_then(|b| usize::try_from(b).ok()));
+        Ok(buffer)
     }
 }

@@ -176,6 +176,8 @@ pub struct ReplayBuffer {
     changed: Condvar,
     /// The `len` last recorded in the storage (memmap folders).
     stored_len: Mutex<usize>,
+    /// The default batch size (TorchRL's `batch_size`), kept in dumps.
+    batch_size: Mutex<Option<usize>>,
 }
 
 impl fmt::Debug for ReplayBuffer {
@@ -214,6 +216,7 @@ impl ReplayBuffer {
             }),
             changed: Condvar::new(),
             stored_len: Mutex::new(0),
+            batch_size: Mutex::new(None),
         })
     }
 
@@ -322,6 +325,17 @@ impl ReplayBuffer {
     /// The number of rows.
     pub fn capacity(&self) -> usize {
         self.config.capacity
+    }
+
+    /// The default batch size (TorchRL's `batch_size`): a caller that samples without a size
+    /// of its own uses it. Dumps carry it, so a TorchRL buffer loading one can `sample()`.
+    pub fn batch_size(&self) -> Option<usize> {
+        *self.batch_size.lock()
+    }
+
+    /// Sets (or clears) the default batch size.
+    pub fn set_batch_size(&self, batch_size: Option<usize>) {
+        *self.batch_size.lock() = batch_size;
     }
 
     /// The number of valid rows (rows `0..len`, all completely written).
