@@ -164,17 +164,14 @@ impl PyReplayBuffer {
 /// A sample as TorchRL 0.14.1 returns it: the rows, `index` (int64) and, for samplers that
 /// weight their draws, `priority_weight` (float64).
 pub(crate) fn sample_dict(
-    mut td: tensordict::TensorDict,
-    info: tensordict_replay::SampleInfo,
+    td: tensordict::TensorDict,
+    mut info: tensordict_replay::SampleInfo,
     weighted: bool,
 ) -> PyResult<PyTensorDict> {
-    let n = info.indices.len();
-    let index: Vec<i64> = info.indices.iter().map(|&i| i as i64).collect();
-    td.set("index", memmap_tensor::Tensor::from_slice(&index, [n]).map_err(to_py_err)?).map_err(to_py_err)?;
-    if weighted && let Some(w) = info.weights {
-        td.set("priority_weight", memmap_tensor::Tensor::from_slice(&w, [n]).map_err(to_py_err)?).map_err(to_py_err)?;
+    if !weighted {
+        info.weights = None;
     }
-    Ok(PyTensorDict::new(td))
+    Ok(PyTensorDict::new(info.into_torchrl(td).map_err(to_py_err)?))
 }
 
 /// `update_priority`'s arguments: rows and priorities from arrays, tensors, lists or numbers;

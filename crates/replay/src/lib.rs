@@ -38,7 +38,7 @@ pub mod samplers;
 pub mod storages;
 pub mod writers;
 
-pub use buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows, SampleInfo};
+pub use buffer::{INDEX_KEY, Lease, LoadOptions, PRIORITY_WEIGHT_KEY, ReplayBuffer, Reservation, Rows, SampleInfo};
 pub use error::{Error, Result};
 pub use rate::{RateCounts, RateLimiter};
 pub use samplers::{

@@ -478,3 +478,29 @@ fn a_killed_writer_leaves_a_len_that_covers_only_whole_rows() -> R {
     assert!(a.iter().enumerate().all(|(r, &v)| v == r as i64), "rows below len hold their own data");
     Ok(())
 }
+
+#[test]
+fn samples_carry_what_torchrl_code_reads() -> R {
+    let spec: tensordict_replay::SamplerSpec =
+        serde_json::from_str(r#"{"prioritized": {"alpha": 0.6, "beta": 0.4, "eps": 1e-8}}"#)?;
+    let prioritized =
+        ReplayBuffer::new(StorageConfig::heap(16), Box::new(RoundRobin::new()), spec.build(16, Some(3))?)?;
+    prioritized.extend(&rows(&(0..16).collect::<Vec<_>>(), |_| 0.0)?)?;
+    let (td, info) = prioritized.sample(8)?;
+    let (indices, weights) = (info.indices.clone(), info.weights.clone().expect("a prioritized sample is weighted"));
+    let td = info.into_torchrl(td)?;
+    let index = td.get_tensor(tensordict_replay::INDEX_KEY)?;
+    assert_eq!(index.dtype(), memmap_tensor::DType::I64);
+    assert_eq!(index.to_vec::<i64>()?, indices.iter().map(|&i| i as i64).collect::<Vec<_>>());
+    assert_eq!(td.get_tensor(tensordict_replay::PRIORITY_WEIGHT_KEY)?.to_vec::<f64>()?, weights);
+    // Each sampled row is the row its index names.
+    assert_eq!(f32s(&td, "obs").chunks(4).map(|r| r[0] as i64 / 10).collect::<Vec<_>>(), index.to_vec::<i64>()?);
+
+    let uniform =
+        ReplayBuffer::new(StorageConfig::heap(16), Box::new(RoundRobin::new()), Box::new(Uniform::seeded(1)))?;
+    uniform.extend(&rows(&(0..16).collect::<Vec<_>>(), |_| 0.0)?)?;
+    let (td, info) = uniform.sample(4)?;
+    let td = info.into_torchrl(td)?;
+    assert!(td.contains(tensordict_replay::INDEX_KEY) && !td.contains(tensordict_replay::PRIORITY_WEIGHT_KEY));
+    Ok(())
+}

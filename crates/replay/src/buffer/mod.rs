@@ -149,6 +149,30 @@ pub struct SampleInfo {
     pub weights: Option<Vec<f64>>,
 }
 
+/// The key of the sampled rows' storage indices in a sample as TorchRL returns it.
+pub const INDEX_KEY: &str = "index";
+/// The key of the importance weights in a prioritized sample as TorchRL 0.14.1 returns it.
+pub const PRIORITY_WEIGHT_KEY: &str = "priority_weight";
+
+impl SampleInfo {
+    /// The sample `td` as TorchRL 0.14.1's `sample` returns it: with [`INDEX_KEY`] (the storage
+    /// rows, int64) and, when the sampler weights its draws, [`PRIORITY_WEIGHT_KEY`] (float64),
+    /// so that code written for TorchRL finds what it reads.
+    pub fn into_torchrl(self, mut td: TensorDict) -> Result<TensorDict> {
+        fn put<T: memmap_tensor::Element>(td: &mut TensorDict, key: &str, values: &[T]) -> tensordict::Result<()> {
+            let tensor = memmap_tensor::Tensor::from_slice(values, [values.len()])
+                .map_err(|source| tensordict::Error::Tensor { key: key.into(), source })?;
+            td.set(key, tensor)
+        }
+        let index: Vec<i64> = self.indices.iter().map(|&i| i as i64).collect();
+        put(&mut td, INDEX_KEY, &index).op("sample")?;
+        if let Some(weights) = self.weights {
+            put(&mut td, PRIORITY_WEIGHT_KEY, &weights).op("sample")?;
+        }
+        Ok(td)
+    }
+}
+
 /// The state the lock guards (see the module docs).
 struct State {
     writer: Box<dyn Writer>,
