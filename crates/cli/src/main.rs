@@ -22,6 +22,7 @@ mod bench_replay_remote;
 mod bench_rpc;
 mod bench_store;
 mod daemon;
+mod interrupt;
 mod location;
 mod progress;
 mod replay;
@@ -137,6 +138,10 @@ fn main() -> ExitCode {
         Ok(code) => code,
         // A reader that went away (`tdict info … | head -1`) is not an error worth a message.
         Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) if interrupt::is_cancelled(&e) => {
+            eprintln!("tdict: interrupted: what was being written is removed, and the destination is as it was");
+            ExitCode::from(interrupt::INTERRUPTED)
+        }
         Err(e) => {
             eprintln!("tdict: {}", one_line(&e));
             ExitCode::FAILURE
@@ -161,17 +166,16 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Verify { location } => verify(&location),
         Command::Copy { src, dst, fsync, force } => {
             let td = src.open(Access::ReadOnly)?;
+            let progress = Progress::bar("copying", td.nbytes() as u64, Unit::Bytes, true);
+            let options = tensordict::WriteOptions::default().progress(progress.callback()).cancel(interrupt::catch()?);
             match &dst {
                 Location::Folder(dst) => {
-                    let progress = Progress::bar("copying", td.nbytes() as u64, Unit::Bytes, true);
-                    let options =
-                        tensordict::WriteOptions::default().fsync(fsync).overwrite(force).progress(progress.callback());
-                    td.memmap_with(dst, &options).map_err(force_hint)?;
+                    td.memmap_with(dst, &options.fsync(fsync).overwrite(force)).map_err(force_hint)?;
                 }
                 Location::Shm(prefix) => {
                     ensure!(!fsync, "--fsync applies to folders: shared memory has no disk to sync");
                     ensure!(!force, "--force applies to folders: remove the shared dict first (`tdict rm {dst}`)");
-                    td.share_memory(prefix).with_context(|| format!("writing {dst}"))?;
+                    td.share_memory_with(prefix, &options).with_context(|| format!("writing {dst}"))?;
                 }
                 other => return Err(not_here(other)),
             }

@@ -345,11 +345,11 @@ fn load(at: &StoreArgs, key: &str, out: &Location, wait: Wait, force: bool) -> a
     }
     let store = connect(at)?;
     let loaded = store.load(key, wait)?;
+    // From here a signal stops the write, which removes what it made (the lease is released).
+    let options = WriteOptions::default().cancel(crate::interrupt::catch()?);
     let written = match out {
-        Location::Folder(path) => {
-            loaded.memmap_with(path, &WriteOptions::default().overwrite(force)).map_err(crate::force_hint)
-        }
-        Location::Shm(prefix) => loaded.share_memory(prefix).with_context(|| format!("writing {out}")),
+        Location::Folder(path) => loaded.memmap_with(path, &options.overwrite(force)).map_err(crate::force_hint),
+        Location::Shm(prefix) => loaded.share_memory_with(prefix, &options).with_context(|| format!("writing {out}")),
         other => Err(crate::not_here(other)),
     };
     let (version, bytes) = (loaded.version(), loaded.nbytes() as u64);

@@ -76,6 +76,11 @@ pub enum Error {
         reason: String,
     },
 
+    /// A write was cancelled ([`WriteOptions::cancel`](crate::WriteOptions::cancel)); what it
+    /// had made is removed, and the destination keeps what it held.
+    #[error("the write was interrupted; nothing was changed")]
+    Cancelled,
+
     // === Folders ===
     /// A folder that should hold a TensorDict (or one of its nested dicts) has no `meta.json`.
     #[error(

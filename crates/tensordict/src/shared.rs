@@ -40,8 +40,9 @@ use memmap_tensor::{Access, DType, Location, ShmObject, Storage, Tensor};
 use serde_json::{Value, json};
 
 use crate::error::WithKey;
+use crate::format::Writing;
 use crate::schema::{self, EntrySchema, Schema};
-use crate::{Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
+use crate::{Error, KeyPath, MAX_META_BYTES, Result, TensorDict, WriteOptions};
 use memmap_tensor::{ProcessId, ProcessState};
 
 const OWNER_VERSION: u64 = 1;
@@ -99,7 +100,22 @@ impl TensorDict {
     /// killed during the call leaves an incomplete prefix that [`TensorDict::list_shared`]
     /// reports and [`TensorDict::unlink_shared`] removes.
     pub fn share_memory(&self, prefix: &str) -> Result<TensorDict> {
-        self.share(prefix, None)
+        self.share(prefix, None, &WriteOptions::default())
+    }
+
+    /// [`TensorDict::share_memory`], reporting progress and stopping when asked
+    /// ([`WriteOptions::progress`], [`WriteOptions::cancel`]): a cancelled share removes what
+    /// it made. `fsync` and `overwrite` do not apply to shared memory and are refused.
+    pub fn share_memory_with(&self, prefix: &str, options: &WriteOptions) -> Result<TensorDict> {
+        if options.fsync || options.overwrite {
+            return Err(Error::InvalidArgument {
+                op: "share_memory_with",
+                detail: "fsync and overwrite apply to folders: shared memory has no disk, and a prefix \
+                         in use is removed first (TensorDict::unlink_shared)"
+                    .into(),
+            });
+        }
+        self.share(prefix, None, options)
     }
 
     /// Like [`TensorDict::share_memory`], but every tensor is zeros (nothing is copied), and
@@ -114,11 +130,11 @@ impl TensorDict {
                 detail: "the dict has no batch dim to resize".into(),
             });
         }
-        self.share(prefix, Some(batch0))
+        self.share(prefix, Some(batch0), &WriteOptions::default())
     }
 
     /// Shares a copy (`like: None`) or zeros, resized to `like: Some(Some(n))` rows.
-    fn share(&self, prefix: &str, like: Option<Option<usize>>) -> Result<TensorDict> {
+    fn share(&self, prefix: &str, like: Option<Option<usize>>, options: &WriteOptions) -> Result<TensorDict> {
         check_prefix(prefix)?;
         schema::check_limits(self)?;
         let owner = object_name(prefix, Part::Owner);
@@ -130,7 +146,7 @@ impl TensorDict {
             Err(e) => return Err(Error::Tensor { key: KeyPath::default(), source: e }),
         }
         let mut created = Vec::new();
-        let result = self.share_into(prefix, like, &mut created);
+        let result = self.share_into(prefix, like, options, &mut created);
         if result.is_err() {
             // Best effort: these objects were created just now and nobody knows of them. The
             // owner record goes last, so the prefix stays locked until the rest is gone.
@@ -141,7 +157,13 @@ impl TensorDict {
         result
     }
 
-    fn share_into(&self, prefix: &str, like: Option<Option<usize>>, created: &mut Vec<String>) -> Result<TensorDict> {
+    fn share_into(
+        &self,
+        prefix: &str,
+        like: Option<Option<usize>>,
+        options: &WriteOptions,
+        created: &mut Vec<String>,
+    ) -> Result<TensorDict> {
         // The owner record is ours; anything else here was left by someone (an older version of
         // this crate, or a creator whose record was removed by hand).
         if objects_of(prefix)?.iter().any(|(part, _)| *part != Part::Owner) {
@@ -150,6 +172,8 @@ impl TensorDict {
         }
         let mut counter = 0u64;
         let rows = like.flatten();
+        let total = if like.is_none() { self.nbytes() as u64 } else { 0 };
+        let mut writing = Writing::copying(options, total);
         let mut schema = Schema::of(self, &mut |key, t| {
             let name = object_name(prefix, Part::Tensor(counter));
             counter += 1;
@@ -161,7 +185,7 @@ impl TensorDict {
                 Tensor::zeros(dims.as_slice(), t.dtype(), &Location::Shm(name.clone())).with_key(|| key.clone())?;
             created.push(name.clone());
             if like.is_none() {
-                out.copy_from(t).with_key(|| key.clone())?;
+                writing.copy(&mut out, t, key)?;
             }
             Ok(name)
         })?;

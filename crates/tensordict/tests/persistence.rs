@@ -662,3 +662,53 @@ fn a_mount_point_destination_is_refused_with_a_way_out() -> TestResult {
     assert_eq!(inside?, [2]);
     Ok(())
 }
+
+/// A leaf larger than one piece is written piece by piece: progress moves as bytes are
+/// written, and a cancel between pieces stops the write, removes what it made and leaves the
+/// destination as it was, for folders and shared memory alike.
+#[test]
+fn writes_report_progress_by_piece_and_stop_when_cancelled() -> TestResult {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let rows = tensordict::WRITE_PIECE / 4096 + 7; // a bit over one piece
+    let mut td = TensorDict::new([rows]);
+    td.set("big", Tensor::zeros([rows, 4096], DType::U8, &memmap_tensor::Location::Heap)?)?;
+    td.set("small", patterned(DType::I64, &[rows], 3)?)?;
+    let total = td.nbytes() as u64;
+    let dir = tempfile::tempdir()?;
+
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = Arc::clone(&seen);
+    let options = WriteOptions::default().progress(move |done, all| log.lock().unwrap().push((done, all)));
+    td.memmap_with(dir.path().join("whole"), &options)?;
+    let seen = seen.lock().unwrap().clone();
+    assert!(seen.len() >= 3, "two pieces of `big`, and `small`: {seen:?}");
+    assert!(seen.windows(2).all(|w| w[0].0 < w[1].0) && seen.iter().all(|&(_, all)| all == total), "{seen:?}");
+    assert_eq!(seen.last().unwrap().0, total);
+
+    // Cancelled after the first piece: nothing of the write is left, the old dict stays.
+    let cancel = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&cancel);
+    let cancelling = WriteOptions::default()
+        .overwrite(true)
+        .progress(move |_, _| flag.store(true, Ordering::Relaxed))
+        .cancel(cancel);
+    let old = dir.path().join("old");
+    let mut small = TensorDict::new([2]);
+    small.set("x", patterned(DType::U8, &[2], 1)?)?;
+    small.memmap(&old)?;
+    assert!(matches!(td.memmap_with(&old, &cancelling), Err(Error::Cancelled)));
+    assert_same(&TensorDict::load_memmap(&old, Access::ReadOnly)?, &small, "after a cancelled write")?;
+    assert!(TensorDict::leftovers(&old)?.is_empty());
+    let fresh = dir.path().join("fresh");
+    let cancelling = cancelling.overwrite(false);
+    assert!(matches!(td.memmap_with(&fresh, &cancelling), Err(Error::Cancelled)));
+    assert!(!fresh.exists() && TensorDict::leftovers(&fresh)?.is_empty());
+
+    let prefix = format!("td-cancel-{}", std::process::id());
+    assert!(matches!(td.share_memory_with(&prefix, &cancelling), Err(Error::Cancelled)));
+    assert!(TensorDict::list_shared()?.iter().all(|d| d.prefix != prefix), "a cancelled share left its prefix");
+    assert!(td.share_memory_with(&prefix, &WriteOptions::default().fsync(true)).is_err());
+    Ok(())
+}

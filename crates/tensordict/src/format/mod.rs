@@ -8,7 +8,8 @@ mod write;
 
 pub(crate) use load::{LeafFile, Leaves, check_map_room, load_folder, read_tree};
 use load::{REMEDY_WRITE, map_tree, repeat_first_row};
-pub use write::WriteOptions;
+pub(crate) use write::Writing;
+pub use write::{WRITE_PIECE, WriteOptions};
 
 /// `_type` of a TensorDict node in `meta.json`.
 pub(crate) const TD_TYPE: &str = "<class 'tensordict._td.TensorDict'>";

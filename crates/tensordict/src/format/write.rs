@@ -4,6 +4,7 @@
 use std::fs;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use memmap_tensor::{Access, DType, Location, Tensor};
 use serde_json::{Map, Value, json};
@@ -38,9 +39,18 @@ pub struct WriteOptions {
     /// script does not silently wipe its data. A non-empty folder that holds no dict (no
     /// `meta.json`) is never replaced.
     pub overwrite: bool,
-    /// Called after each tensor is written, with the bytes written so far and the total.
+    /// Called as bytes are written (after each piece of at most [`WRITE_PIECE`] bytes), with
+    /// the bytes written so far and the total.
     pub progress: Option<Arc<dyn Fn(u64, u64) + Send + Sync>>,
+    /// Checked before each piece: once set, the write stops with [`Error::Cancelled`] and
+    /// removes what it made (the destination keeps what it held). For a command's Ctrl-C.
+    pub cancel: Option<Arc<AtomicBool>>,
 }
+
+/// The most bytes copied between two progress reports and cancel checks. Pieces of 64 MiB
+/// made `tdict copy` of a 666 MB leaf 12% slower than one copy (231–242 against 201–213 ms,
+/// five runs each, page cache warm); pieces of 256 MiB cost nothing measurable (207–211 ms).
+pub const WRITE_PIECE: usize = 256 << 20;
 
 impl WriteOptions {
     /// Sets [`WriteOptions::fsync`].
@@ -60,6 +70,12 @@ impl WriteOptions {
         self.progress = Some(Arc::new(report));
         self
     }
+
+    /// Sets [`WriteOptions::cancel`].
+    pub fn cancel(mut self, flag: Arc<AtomicBool>) -> Self {
+        self.cancel = Some(flag);
+        self
+    }
 }
 
 impl std::fmt::Debug for WriteOptions {
@@ -68,6 +84,7 @@ impl std::fmt::Debug for WriteOptions {
             .field("fsync", &self.fsync)
             .field("overwrite", &self.overwrite)
             .field("progress", &self.progress.is_some())
+            .field("cancel", &self.cancel.is_some())
             .finish()
     }
 }
@@ -82,19 +99,57 @@ enum Fill {
 }
 
 /// The state of one write: options and progress.
-struct Writing<'a> {
-    options: &'a WriteOptions,
+pub(crate) struct Writing<'a> {
+    pub(crate) options: &'a WriteOptions,
     fill: Fill,
     done_bytes: u64,
     total_bytes: u64,
 }
 
-impl Writing<'_> {
+impl<'a> Writing<'a> {
+    /// A write of `total_bytes` with `options`, copying sources into new tensors.
+    pub(crate) fn copying(options: &'a WriteOptions, total_bytes: u64) -> Self {
+        Writing { options, fill: Fill::Copy, done_bytes: 0, total_bytes }
+    }
+
     fn advance(&mut self, bytes: usize) {
         self.done_bytes += bytes as u64;
         if let Some(report) = &self.options.progress {
             report(self.done_bytes, self.total_bytes);
         }
+    }
+
+    /// [`Error::Cancelled`] once the cancel flag is set.
+    pub(crate) fn check_cancel(&self) -> Result<()> {
+        match &self.options.cancel {
+            Some(flag) if flag.load(Ordering::Relaxed) => Err(Error::Cancelled),
+            _ => Ok(()),
+        }
+    }
+
+    /// Copies `src` into `out` (same shape) in pieces of at most [`WRITE_PIECE`] bytes along
+    /// dim 0, reporting progress and checking the cancel flag between pieces. A leaf that fits
+    /// in one piece, or has no dims, is one copy.
+    pub(crate) fn copy(&mut self, out: &mut Tensor, src: &Tensor, key: &KeyPath) -> Result<()> {
+        self.check_cancel()?;
+        let rows = out.dims().first().copied().unwrap_or(0);
+        let row_bytes = out.nbytes().checked_div(rows).unwrap_or(0);
+        if out.nbytes() <= WRITE_PIECE || row_bytes == 0 {
+            out.copy_from(src).with_key(|| key.clone())?;
+            self.advance(out.nbytes());
+            return Ok(());
+        }
+        let step = (WRITE_PIECE / row_bytes).max(1);
+        let mut start = 0;
+        while start < rows {
+            let n = step.min(rows - start);
+            let piece = src.narrow(0, start, n).with_key(|| key.clone())?;
+            out.narrow(0, start, n).and_then(|mut o| o.copy_from(&piece)).with_key(|| key.clone())?;
+            self.advance(n * row_bytes);
+            start += n;
+            self.check_cancel()?;
+        }
+        Ok(())
     }
 }
 
@@ -175,6 +230,7 @@ impl TensorDict {
         let staging = destination.stage()?;
         let total_bytes = self.leaves().iter().map(|(_, t)| resized_bytes(t, fill)).sum();
         let mut writing = Writing { options, fill, done_bytes: 0, total_bytes };
+        writing.check_cancel()?;
         self.write_node(staging.path(), &KeyPath::default(), &mut writing)?;
         if options.fsync {
             sync_tree(staging.path(), 0)?;
@@ -206,12 +262,9 @@ impl TensorDict {
                         let mut out =
                             Tensor::zeros(dims, t.dtype(), &Location::File(file.clone())).with_key(|| key.clone())?;
                         match fill {
-                            // One copy per leaf: copied in chunks of rows, a 336 MB leaf took three times
-                            // as long (9x the page faults) on ext4.
-                            Fill::Copy => out.copy_from(t).with_key(|| key.clone())?,
-                            Fill::Zeros(_) => {}
+                            Fill::Copy => writing.copy(&mut out, t, &key)?,
+                            Fill::Zeros(_) => writing.advance(out.nbytes()),
                         }
-                        writing.advance(out.nbytes());
                         if writing.options.fsync {
                             out.flush().with_key(|| key.clone())?;
                         }
