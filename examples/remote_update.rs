@@ -1,7 +1,7 @@
 //! PyTorch tensordict's distributed "remote update" example, in Rust, with two real processes.
 //!
-//! The first process creates a memmap dict `{"memmap": u8 [1000, 640, 640, 3]}` (1.2 GB, in
-//! sparse files) and starts a worker process. It sends the worker a reference to the dict (a
+//! The first process creates a memmap dict `{"memmap": u8 [FRAMES, 640, 640, 3]}` (in sparse
+//! files; 50 frames, 61 MB, unless told otherwise) and starts a worker process. It sends the worker a reference to the dict (a
 //! few hundred bytes) and the rows `[4, 5, 6, 7, 998]`; the worker maps the same file, writes
 //! ones into those rows, publishes and returns the reference. The first process then checks
 //! `memmap[idx, :1, :1, :1]` is all ones.
@@ -13,8 +13,11 @@
 //! `#[tarpc::service]` whose methods take [`TensorDictRef`]s, served with [`tensordict_rpc::serve`].
 //!
 //! ```sh
-//! cargo run --release --example remote_update
+//! cargo run --release --example remote_update          # 50 frames: a few seconds
+//! cargo run --release --example remote_update -- 1000  # PyTorch's 1000 frames (1.2 GB by value)
 //! ```
+//!
+//! The socket and its lock live in the example's temporary folder, removed when it ends.
 
 use std::time::Instant;
 
@@ -26,7 +29,10 @@ use tensordict_rpc::{
     BlockingClient, ClientOptions, Endpoint, InlineDict, ServerOptions, TensorDictRef, ToRef, WireError,
 };
 
-const ROWS: [i64; 5] = [4, 5, 6, 7, 998];
+/// The rows written: PyTorch's `[4, 5, 6, 7, 998]`, the last one counted from the end.
+const ROWS: [i64; 5] = [4, 5, 6, 7, -2];
+/// Frames of the dict unless the command line gives a number.
+const FRAMES: usize = 50;
 /// By-value calls carry the whole dict in one message.
 const BIG_FRAMES: usize = 2 << 30;
 
@@ -79,25 +85,33 @@ impl Updater for UpdaterServer {
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    if let [_, role, endpoint] = args.as_slice()
+    if let [_, role, endpoint, runtime] = args.as_slice()
         && role == "worker"
     {
-        return worker(endpoint);
+        return worker(endpoint, runtime);
     }
+    let frames = match args.get(1) {
+        Some(n) => n.parse().with_context(|| format!("`{n}`: give a number of frames (at least 8)"))?,
+        None => FRAMES,
+    };
+    ensure!(frames >= 8, "at least 8 frames: rows 4 to 7 and -2 are written");
     let dir = tempfile::tempdir()?;
-    let endpoint: Endpoint = format!("uds:remote-update-{}", std::process::id()).parse()?;
+    // The socket and its lock go in the temporary folder, so the example leaves nothing behind.
+    let runtime = dir.path().join("run");
+    std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700).create(&runtime)?;
+    let endpoint: Endpoint = "uds:remote-update".parse()?;
 
-    // The dict: 1000 frames of 640 x 640 x 3 bytes, in a sparse file.
+    // The dict: frames of 640 x 640 x 3 bytes, in a sparse file.
     let mut schema = TensorDict::new([1]);
     schema.set("memmap", Tensor::zeros([1, 640, 640, 3], DType::U8, &Location::Heap)?)?;
-    let td = schema.memmap_like(dir.path().join("data"), Some(1000))?;
-    println!("dict: {} MB in {}", td.nbytes() / 1_000_000, dir.path().join("data").display());
+    let td = schema.memmap_like(dir.path().join("data"), Some(frames))?;
+    println!("dict: {frames} frames, {} MB in {}", td.nbytes() / 1_000_000, dir.path().join("data").display());
 
     let mut worker = std::process::Command::new(std::env::current_exe()?)
-        .args(["worker", &endpoint.to_string()])
+        .args(["worker", &endpoint.to_string(), &runtime.display().to_string()])
         .spawn()
         .context("starting the worker")?;
-    let result = drive(&endpoint, &td);
+    let result = drive(&endpoint, &runtime, &td);
     // Whatever happened: the worker goes.
     let _ = worker.kill();
     let _ = worker.wait();
@@ -105,18 +119,20 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// The worker process: serves until killed.
-fn worker(endpoint: &str) -> anyhow::Result<()> {
+fn worker(endpoint: &str, runtime: &str) -> anyhow::Result<()> {
     let endpoint: Endpoint = endpoint.parse()?;
-    let _server =
-        tensordict_rpc::serve(&endpoint, UpdaterServer.serve(), ServerOptions::default().max_frame_bytes(BIG_FRAMES))?;
+    let options = ServerOptions::default().max_frame_bytes(BIG_FRAMES).runtime_dir(runtime);
+    let _server = tensordict_rpc::serve(&endpoint, UpdaterServer.serve(), options)?;
     loop {
         std::thread::park();
     }
 }
 
-fn drive(endpoint: &Endpoint, td: &TensorDict) -> anyhow::Result<()> {
-    let options =
-        ClientOptions::default().max_frame_bytes(BIG_FRAMES).call_timeout(std::time::Duration::from_secs(300));
+fn drive(endpoint: &Endpoint, runtime: &std::path::Path, td: &TensorDict) -> anyhow::Result<()> {
+    let options = ClientOptions::default()
+        .max_frame_bytes(BIG_FRAMES)
+        .call_timeout(std::time::Duration::from_secs(300))
+        .runtime_dir(runtime);
     // Retries until the worker listens.
     let client: BlockingClient<UpdaterClient> = BlockingClient::connect(endpoint, &options)?;
 
@@ -140,7 +156,7 @@ fn drive(endpoint: &Endpoint, td: &TensorDict) -> anyhow::Result<()> {
     let returned = client.invoke(async |c, ctx| c.fill_ones_by_value(ctx, dict, ROWS.to_vec()).await)?;
     let updated = returned.to_dict()?;
     let by_value = started.elapsed();
-    ensure!(updated.get_tensor("memmap")?.select(0, 998)?.to_vec::<u8>()?.iter().all(|&b| b == 1));
+    ensure!(updated.get_tensor("memmap")?.select(0, -2)?.to_vec::<u8>()?.iter().all(|&b| b == 1));
 
     println!("by reference: {by_ref:>10.2?}  ({sent_bytes} bytes of reference each way)");
     println!("by value:     {by_value:>10.2?}  ({} MB each way)", td.nbytes() / 1_000_000);
