@@ -1,17 +1,19 @@
-//! A replay buffer on disk: its schema is taken from the first batch of transitions, it is
-//! allocated as a memmap folder that Python's tensordict can open, written round-robin, and
-//! sampled in random batches.
+//! A replay buffer on disk with `tensordict-replay`: TorchRL's `LazyMemmapStorage` (a memmap
+//! folder that Python's tensordict opens, laid out from the first batch), a round-robin writer
+//! and a uniform sampler. Actors' batches go in with `extend`, a learner's come out with
+//! `sample`, and every sampled row is checked against the step that wrote it.
 //!
-//! `cargo run --release --example replay_buffer [FOLDER]` (a temporary folder by default).
+//! `cargo run --release --example replay_buffer [FOLDER]`: a new or empty FOLDER keeps the
+//! buffer for Python; without one, a temporary folder is used and removed.
 
 use std::time::Instant;
 
 use anyhow::ensure;
 use memmap_tensor::Tensor;
-use rand::Rng;
-use tensordict::{Index, TensorDict};
+use tensordict::TensorDict;
+use tensordict_replay::{ReplayBuffer, RoundRobin, StorageConfig, Uniform};
 
-const CAPACITY: usize = 102_400; // a multiple of STEPS_PER_WRITE: writes never wrap mid-batch
+const CAPACITY: usize = 100_000;
 const STEPS_PER_WRITE: usize = 256;
 const WRITES: usize = 1_000;
 const SAMPLE: usize = 1024;
@@ -32,38 +34,43 @@ fn transitions(first: usize, n: usize) -> anyhow::Result<TensorDict> {
 
 fn main() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
-    let folder = std::env::args().nth(1).map_or_else(|| tmp.path().join("buffer"), Into::into);
+    let kept = std::env::args().nth(1).map(std::path::PathBuf::from);
+    let folder = kept.clone().unwrap_or_else(|| tmp.path().join("buffer"));
 
-    // Allocate the buffer from the schema of a first batch: same keys, dtypes and row shapes,
-    // CAPACITY rows, zero-filled, in Python tensordict's folder layout.
-    let first = transitions(0, STEPS_PER_WRITE)?;
-    let mut buffer = first.memmap_like(&folder, Some(CAPACITY))?;
-    println!("allocated {} ({} MB): {}", folder.display(), buffer.nbytes() / 1_000_000, buffer);
+    // The storage is laid out from the first batch: same keys, dtypes and row shapes, CAPACITY
+    // rows, in Python tensordict's folder layout.
+    let buffer = ReplayBuffer::new(
+        StorageConfig::memmap_in(&folder, CAPACITY),
+        Box::new(RoundRobin::new()),
+        Box::new(Uniform::new()),
+    )?;
+    buffer.set_batch_size(Some(SAMPLE));
 
-    // Actors write round-robin; each write goes straight into the mapped files.
+    // Actors write batches of steps; the writer wraps around, replacing the oldest rows.
     let started = Instant::now();
     for w in 0..WRITES {
-        let step = w * STEPS_PER_WRITE;
-        let start = (step % CAPACITY) as i64;
-        let rows = Index::slice(Some(start), Some(start + STEPS_PER_WRITE as i64), 1);
-        buffer.set_at(rows, &transitions(step, STEPS_PER_WRITE)?)?;
+        buffer.extend(&transitions(w * STEPS_PER_WRITE, STEPS_PER_WRITE)?)?;
     }
     let secs = started.elapsed().as_secs_f64();
     let written = WRITES * STEPS_PER_WRITE;
-    println!("wrote {written} transitions in {secs:.2} s ({:.2} M/s)", written as f64 / secs / 1e6);
+    println!(
+        "wrote {written} transitions into {CAPACITY} rows in {secs:.2} s ({:.2} M/s), {} MB in {}",
+        written as f64 / secs / 1e6,
+        buffer.storage().map_or(0, |s| s.tensordict().nbytes()) / 1_000_000,
+        folder.display()
+    );
 
-    // A learner samples random batches: one row gather per leaf.
-    let mut rng = rand::rng();
+    // A learner samples random batches; every row is the step last written there.
     let started = Instant::now();
     let mut checked = 0;
     for _ in 0..1000 {
-        let index: Vec<i64> = (0..SAMPLE).map(|_| rng.random_range(0..CAPACITY as i64)).collect();
-        let batch = buffer.index(index.clone())?;
-        // Row r of the buffer holds the last step written there, whose obs equals the step.
+        let (batch, info) = buffer.sample(SAMPLE)?;
         let obs = batch.get_tensor("obs")?.to_vec::<f32>()?;
         let action = batch.get_tensor("action")?.to_vec::<i64>()?;
-        for (k, _) in index.iter().enumerate() {
-            ensure!(action[k] == (obs[k * 84] as i64) % 18, "sampled row {k} is inconsistent");
+        for (k, &row) in info.indices.iter().enumerate() {
+            let step = obs[k * 84] as usize;
+            ensure!(step % CAPACITY == row, "sampled row {row} holds step {step}");
+            ensure!(action[k] == (step % 18) as i64, "sampled row {row} is inconsistent");
         }
         checked += SAMPLE;
     }
@@ -73,8 +80,15 @@ fn main() -> anyhow::Result<()> {
         secs * 1e3
     );
 
-    // Make the data durable; Python can now open the folder as it is.
-    buffer.flush()?;
-    println!("python: TensorDict.load_memmap({:?})", folder.display().to_string());
+    match kept {
+        Some(folder) => {
+            // Durable, and readable as it is by Python's tensordict.
+            if let Some(storage) = buffer.storage() {
+                storage.tensordict().flush()?;
+            }
+            println!("python: TensorDict.load_memmap({:?})", folder.display().to_string());
+        }
+        None => println!("(give a FOLDER to keep the buffer and open it from Python)"),
+    }
     Ok(())
 }
