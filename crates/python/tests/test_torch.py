@@ -161,3 +161,29 @@ def test_a_buffer_dumped_from_python_loads_in_torchrl(tmp_path):
     # Their priorities are ours: rows 3 and 4 carry the most mass.
     tree = theirs._sampler._sum_tree
     assert tree[4] > tree[3] > tree[5]
+
+
+def test_a_torchrl_buffer_continued_from_python_goes_back_to_torchrl(tmp_path):
+    torchrl_data = pytest.importorskip("torchrl.data")
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "torchrl-0.14.1" / "uniform_wrapped"
+    rb = tdr.replay.ReplayBuffer.loads(fixture)
+    ids = torch.arange(1000, 1010)
+    rows = {
+        "obs": (ids[:, None] * 10 + torch.arange(4)).float(),
+        "action": ids % 5,
+        "reward": ids.float() / 100,
+        "episode": ids // 10,
+        "next": {"obs": (ids[:, None] * 10 + torch.arange(4)).float() + 0.5, "done": (ids % 10 == 9)[:, None]},
+    }
+    written = rb.extend(rows)  # no "index": TorchRL's column is filled in
+    rb.dumps(tmp_path / "continued")
+    theirs = torchrl_data.TensorDictReplayBuffer(storage=torchrl_data.LazyMemmapStorage(64), batch_size=8)
+    theirs.loads(tmp_path / "continued")
+    stored = theirs[written]
+    assert torch.equal(stored["index"], torch.tensor(written))
+    assert torch.equal(stored["obs"][:, 0], ids.float() * 10)
+    sample = theirs.sample()  # the batch size the dump carries (the fixture's)
+    assert len(sample) == rb.batch_size
+    assert torch.equal(sample["obs"][:, 0], sample["obs"][:, 1] - 1)

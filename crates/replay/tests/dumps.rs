@@ -589,3 +589,28 @@ fn the_default_batch_size_goes_into_dumps_and_comes_back() {
     again.dumps(dir.path().join("e")).unwrap();
     assert_eq!(ReplayBuffer::loads(dir.path().join("e"), LoadOptions::default()).unwrap().batch_size(), None);
 }
+
+/// A buffer TorchRL made keeps an `index` column its writes fill; continued from Rust, rows
+/// written without it get their storage rows there, and the dump goes back to TorchRL whole.
+#[test]
+fn a_torchrl_buffer_continued_from_rust_fills_its_index_column() {
+    let buffer = ReplayBuffer::loads(fixtures().join("uniform_wrapped"), LoadOptions::default()).unwrap();
+    let (cursor, _) = buffer.writer_state();
+    let mut rows = buffer.get(vec![0usize, 1, 2]).unwrap();
+    rows.remove("index").unwrap();
+    let written = buffer.extend(&rows).unwrap();
+    assert_eq!(written, vec![cursor, cursor + 1, cursor + 2]);
+    let stored = buffer.get(written.clone()).unwrap();
+    let index = stored.get_tensor(tensordict_replay::INDEX_KEY).unwrap().to_vec::<i64>().unwrap();
+    assert_eq!(index, written.iter().map(|&r| r as i64).collect::<Vec<_>>());
+    // A batch that brings its own index is written as it is.
+    let (td, info) = buffer.sample(4).unwrap();
+    assert!(td.contains("index") && info.indices.len() == 4);
+
+    let dir = tempfile::tempdir().unwrap();
+    buffer.dumps(dir.path().join("d")).unwrap();
+    let back = ReplayBuffer::loads(dir.path().join("d"), LoadOptions::default()).unwrap();
+    let all: Vec<usize> = (0..back.len()).collect();
+    let index = back.get(all.clone()).unwrap().get_tensor("index").unwrap().to_vec::<i64>().unwrap();
+    assert_eq!(index, all.iter().map(|&r| r as i64).collect::<Vec<_>>(), "every row's index is its row");
+}

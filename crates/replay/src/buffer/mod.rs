@@ -423,12 +423,36 @@ impl ReplayBuffer {
         // Before the first batch creates the storage, so that a refused batch fixes no schema.
         self.sampler.lock().check_batch(batch)?;
         let storage = self.storage_for(batch)?;
+        // A storage TorchRL made keeps each row's storage row in `index`, which its writes fill
+        // in: a batch without it gets it here, once its rows are known.
+        let mut filled;
+        let fill_index = storage.keeps_index() && !batch.contains(INDEX_KEY);
+        let batch = if fill_index {
+            filled = batch.clone();
+            let zeros = memmap_tensor::Tensor::zeros([n], memmap_tensor::DType::I64, &memmap_tensor::Location::Heap);
+            filled
+                .set(
+                    INDEX_KEY,
+                    zeros.map_err(|source| tensordict::Error::Tensor { key: INDEX_KEY.into(), source }).op(OP)?,
+                )
+                .op(OP)?;
+            &filled
+        } else {
+            batch
+        };
         storage.check_batch(OP, batch)?;
 
         // Reserve.
         let mut state = self.state.lock();
         self.wait_for_inserts(&mut state, n, self.limiter_timeout(), OP)?;
         let chosen = state.writer.reserve(batch, self.config.capacity)?;
+        if fill_index {
+            // Rows a max-value writer leaves out are not written: their `index` is not read.
+            let index: Vec<i64> = chosen.iter().map(|row| row.map_or(-1, |r| r as i64)).collect();
+            let mut column = batch.get_tensor(INDEX_KEY).op(OP)?.clone();
+            let written = column.as_mut_slice::<i64>().map(|mut s| s.copy_from_slice(&index));
+            written.map_err(|source| tensordict::Error::Tensor { key: INDEX_KEY.into(), source }).op(OP)?;
+        }
         // Storage row -> the last batch row written there.
         let mut last: HashMap<usize, usize> = HashMap::new();
         for (k, row) in chosen.iter().enumerate() {

@@ -213,6 +213,14 @@ impl Storage {
         self.shm_prefix.as_deref()
     }
 
+    /// Whether the storage keeps TorchRL's `index` column (int64, one per row), which
+    /// TorchRL's `TensorDictReplayBuffer` fills with each row's own storage row.
+    pub fn keeps_index(&self) -> bool {
+        self.td
+            .get_tensor(crate::INDEX_KEY)
+            .is_ok_and(|t| t.dtype() == memmap_tensor::DType::I64 && t.dims().len() == self.td.batch_size().len())
+    }
+
     /// Checks that `batch` (batch size `[n, ...]`) has exactly the storage's tensors, with the
     /// same dtypes and row shapes. Run before anything is reserved or written.
     pub fn check_batch(&self, op: &'static str, batch: &TensorDict) -> Result<()> {
