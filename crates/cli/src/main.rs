@@ -29,6 +29,7 @@ mod replay;
 mod replay_serve;
 mod store;
 mod units;
+mod words;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -39,6 +40,7 @@ use indicatif::DecimalBytes;
 use memmap_tensor::Access;
 use serde_json::{Value, json};
 use tensordict::{Error, TensorDict};
+use words::one_line;
 
 use crate::location::LocationParser;
 use crate::progress::{Progress, Unit};
@@ -147,13 +149,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// The error and its causes on one line, each cause only if the message does not already say
-/// it (library errors include their OS error in their own message), control characters escaped.
-fn one_line(e: &anyhow::Error) -> String {
-    let line = memmap_tensor::ErrorChain(e.as_ref()).to_string();
-    line.chars().flat_map(|c| if c.is_control() { c.escape_default().collect() } else { vec![c] }).collect()
 }
 
 fn is_broken_pipe(e: &anyhow::Error) -> bool {

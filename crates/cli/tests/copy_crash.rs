@@ -112,7 +112,10 @@ fn verify_reports_and_clean_removes_a_killed_copy() -> anyhow::Result<()> {
     let stdout = String::from_utf8_lossy(&verify.stdout);
     assert_eq!(verify.status.code(), Some(1), "{stdout}");
     assert!(
-        stdout.contains(".tdict-new-") && stdout.contains("which is gone") && stdout.contains("tdict clean"),
+        stdout.contains(".tdict-new-")
+            && stdout.contains("which is gone")
+            && stdout.contains("tdict clean")
+            && !stdout.contains("remove_leftovers"),
         "{stdout}"
     );
     let clean = tdict(&[Path::new("clean"), &dst]).output()?;

@@ -187,7 +187,7 @@ pub enum Error {
     /// A shared-memory prefix is taken: a dict, one being created, or what a killed creator left.
     #[error(
         "shared memory prefix `{prefix}` is in use ({}, creator {creator}); if it is not needed, remove it with \
-         `TensorDict::unlink_shared(\"{prefix}\")` or `tdict rm shm:{prefix}`",
+         `TensorDict::unlink_shared(\"{prefix}\")`",
         if *complete { "a complete dict" } else { "incomplete: no schema" }
     )]
     SharedPrefixInUse {
@@ -202,7 +202,7 @@ pub enum Error {
     /// was killed while sharing it (or is still sharing it).
     #[error(
         "shared dict `{prefix}` is incomplete: its schema was never written (creator {creator}{}); remove it \
-         with `TensorDict::unlink_shared(\"{prefix}\")` or `tdict rm shm:{prefix}`",
+         with `TensorDict::unlink_shared(\"{prefix}\")`",
         if creator.state == crate::ProcessState::Alive { ", perhaps still writing it" } else { "" }
     )]
     SharedIncomplete {
@@ -252,7 +252,7 @@ fn describe_writer(leftover: &crate::Leftover) -> String {
     match leftover.state {
         crate::ProcessState::Alive => format!("{who}, which is still running"),
         crate::ProcessState::Dead => {
-            format!("{who}, which is gone; `tdict clean` or TensorDict::remove_leftovers removes it")
+            format!("{who}, which is gone; TensorDict::remove_leftovers removes it")
         }
         _ => format!("{who} on another machine or container; remove it by hand once that writer is gone"),
     }
