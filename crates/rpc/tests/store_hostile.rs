@@ -540,3 +540,44 @@ fn a_deadline_2_pow_64_seconds_away_is_answered() -> TestResult {
     }
     still_serving(&sandbox, &name, &mut server, 3)
 }
+
+/// A key removed from a folder store on a full filesystem: the removal is refused whole (the
+/// index could not be written), the key is still there, and still there after a restart; with
+/// room again the removal goes through and survives a restart. Runs `rpc-test-peer
+/// store-rm-full` in a mount namespace with a tmpfs of 256 KiB, which takes root and `unshare`;
+/// elsewhere it is skipped, saying why.
+#[test]
+fn a_removal_on_a_full_disk_is_all_or_nothing() -> TestResult {
+    if !nix::unistd::geteuid().is_root() {
+        println!("skipped: mounting a small tmpfs in a namespace of its own takes root");
+        return Ok(());
+    }
+    match Command::new("unshare").args(["-m", "true"]).stderr(Stdio::null()).status() {
+        Ok(status) if status.success() => {}
+        _ => {
+            println!("skipped: `unshare -m` is not allowed here");
+            return Ok(());
+        }
+    }
+    let sandbox = Sandbox::new();
+    let name = store_name("rm-full");
+    let dir = tempfile::tempdir()?;
+    let script = r#"mount -t tmpfs -o size=256k tmpfs "$2" || exit 77; exec "$0" store-rm-full "$1" "$2""#;
+    let out = Command::new("unshare")
+        .args(["-m", "sh", "-c", script, env!("CARGO_BIN_EXE_rpc-test-peer"), &name, dir.path().to_str().unwrap()])
+        .env(tensordict_rpc::RUNTIME_DIR_ENV, sandbox.run_dir())
+        .stdin(Stdio::null())
+        .output()?;
+    if out.status.code() == Some(77) {
+        println!("skipped: a tmpfs cannot be mounted here");
+        return Ok(());
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report = format!("{}\n{stdout}{}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{report}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 5, "{report}");
+    assert!(lines[0].starts_with("refused: ") && lines[0].contains("No space left"), "{report}");
+    assert_eq!(&lines[1..], ["after: a,b", "restarted: a,b", "removed true", "restarted: b"], "{report}");
+    Ok(())
+}

@@ -19,6 +19,11 @@
 //! rpc-test-peer store-wait NAME KEY       loads KEY waiting forever; prints `loaded VERSION
 //!                                         CHECKSUM`, or `error: …` (exit status 3)
 //! rpc-test-peer store-put NAME KEY SEED   saves the 100-tensor state dict of SEED; prints `saved`
+//! rpc-test-peer store-rm-full NAME DIR
+//!     serves a folder store NAME in DIR (a small filesystem) from this process, saves `a` and
+//!     `b`, fills DIR's filesystem, then tries to remove `a`: prints `refused: …` or `removed`,
+//!     `after: KEYS`, `restarted: KEYS`; frees the room, removes `a` again and prints
+//!     `removed` and `restarted: KEYS`
 //! rpc-test-peer store-race NAME BYTES ROUNDS
 //!     serves the store NAME in shared memory from this process; each round saves two dicts of
 //!     BYTES bytes at once from two connections, prints `saved` or `refused: …` for each, and
@@ -191,6 +196,50 @@ fn store(command: &str, args: &[String]) -> Result<(), Failure> {
             let (td, _) = store_data::state_dict(seed.parse()?);
             store.save(key, &td, None)?;
             say("saved");
+            Ok(())
+        }
+        ("rm-full", [dir]) => {
+            let dir = std::path::Path::new(dir);
+            let options = || StoreOptions::default().dir(dir.join("store"));
+            let keys = |store: &Store| -> Result<String, Failure> {
+                let mut keys = store.keys("")?;
+                keys.sort();
+                Ok(keys.join(","))
+            };
+            let mut td = tensordict::TensorDict::new(Vec::<usize>::new());
+            td.set("x", memmap_tensor::Tensor::from_slice(&[1f32; 256], [256])?)?;
+            let server = StoreServer::start(name, options())?;
+            let store = connect()?;
+            store.save("a", &td, None)?;
+            store.save("b", &td, None)?;
+            // Fill the filesystem: the next write of the index finds no room.
+            let filler = dir.join("filler");
+            {
+                let mut f = std::fs::File::create(&filler)?;
+                let block = vec![7u8; 4096];
+                while f.write_all(&block).is_ok() {}
+                let _ = f.sync_all();
+            }
+            match store.remove("a") {
+                Ok(found) => say(format!("removed {found}")),
+                Err(e) => say(format!("refused: {e}")),
+            }
+            say(format!("after: {}", keys(&store)?));
+            drop(store);
+            server.stop();
+            server.wait(Some(std::time::Duration::from_secs(30)));
+            drop(server);
+            let server = StoreServer::start(name, options())?;
+            say(format!("restarted: {}", keys(&connect()?)?));
+            std::fs::remove_file(&filler)?;
+            let store = connect()?;
+            say(format!("removed {}", store.remove("a")?));
+            drop(store);
+            server.stop();
+            server.wait(Some(std::time::Duration::from_secs(30)));
+            drop(server);
+            let _server = StoreServer::start(name, options())?;
+            say(format!("restarted: {}", keys(&connect()?)?));
             Ok(())
         }
         ("race", [bytes, rounds]) => {

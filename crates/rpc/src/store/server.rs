@@ -257,6 +257,43 @@ impl Shared {
         }
     }
 
+    /// Removes `key`, all or nothing: a folder store's index without the key reaches the disk
+    /// before the key leaves memory, so a removal the disk refuses (full) changes nothing, and
+    /// what the caller is told is what a restart finds. Returns whether the key was there.
+    fn remove_key(&self, key: &str) -> Result<bool, WireError> {
+        // Held throughout: no other index write comes between this one and the change it records.
+        let _one_at_a_time = self.persisting.lock().unwrap_or_else(PoisonError::into_inner);
+        let id = {
+            let state = self.state();
+            if state.stopping {
+                return Err(WireError::ShuttingDown);
+            }
+            let Some(&id) = state.keys.get(key) else { return Ok(false) };
+            if let Backend::Dir { root } = &self.backend {
+                let mut index = Index::of(&state);
+                index.entries.retain(|e| e.key != key);
+                drop(state);
+                index.write(root).map_err(WireError::from)?;
+            }
+            id
+        };
+        let freed = {
+            let mut state = self.state();
+            // A save of the key since the index was read replaced it: that save wins, and its
+            // own index write (waiting on this one) records it.
+            if state.keys.get(key) != Some(&id) {
+                return Ok(true);
+            }
+            state.keys.remove(key);
+            if let Some(v) = state.versions.get_mut(&id) {
+                v.current = false;
+            }
+            state.drop_version(id, false)
+        };
+        self.delete(freed.into_iter().collect());
+        Ok(true)
+    }
+
     /// Writes the folder store's index (nothing for shared memory): the sealed entries, written
     /// to a temporary file, synced and renamed over the index.
     fn persist(&self) -> Result<()> {
@@ -543,23 +580,7 @@ impl StoreService for Session {
     }
 
     async fn remove(self, _: Context, key: String) -> Result<bool, WireError> {
-        let (found, freed) = {
-            let mut state = self.shared().state();
-            Self::refuse_if_stopping(&state)?;
-            match state.keys.remove(&key) {
-                None => (false, None),
-                Some(id) => {
-                    if let Some(v) = state.versions.get_mut(&id) {
-                        v.current = false;
-                    }
-                    (true, state.drop_version(id, false))
-                }
-            }
-        };
-        if found {
-            self.shared().commit(freed.into_iter().collect()).map_err(WireError::from)?;
-        }
-        Ok(found)
+        self.shared().remove_key(&key)
     }
 
     async fn list(self, _: Context) -> Result<Vec<EntryInfo>, WireError> {
