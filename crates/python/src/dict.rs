@@ -273,8 +273,9 @@ impl PyTensorDict {
         self.inner.is_shared()
     }
 
+    /// Python tensordict 0.15.3's repr (the Rust `Display`, one implementation for both).
     fn __repr__(&self) -> String {
-        repr(&self.inner, 1)
+        self.inner.to_string()
     }
 
     /// Pickles by where the dict lives (its folder or shared-memory prefix, and the rows it
@@ -311,28 +312,6 @@ pub(crate) fn _reopen(
         None => td,
     };
     Ok(PyTensorDict::new(td))
-}
-
-/// Python tensordict's `repr`, with this package's tensors.
-fn repr(td: &TensorDict, depth: usize) -> String {
-    let pad = "    ".repeat(depth);
-    let mut fields = Vec::new();
-    for (name, entry) in td.iter() {
-        let value = match entry {
-            Entry::Tensor(t) => crate::tensor::repr(t),
-            Entry::Dict(d) => repr(d, depth + 2),
-            Entry::NonTensor(v) | Entry::NonTensorStack(v) => format!("NonTensorData(data={v})"),
-            _ => "?".to_owned(),
-        };
-        fields.push(format!("{pad}    {name}: {value}"));
-    }
-    let device = td.device().map_or_else(|| "None".to_owned(), |d| d.to_string());
-    format!(
-        "TensorDict(\n{pad}fields={{\n{}}},\n{pad}batch_size=torch.Size({:?}),\n{pad}device={device},\n{pad}is_shared={})",
-        fields.join(",\n"),
-        td.batch_size(),
-        crate::tensor::py_bool(td.is_shared())
-    )
 }
 
 /// What a Python dict given to a call stands for.

@@ -2,23 +2,27 @@
 
 use std::fmt;
 
-use memmap_tensor::{StorageKind, Tensor};
+use memmap_tensor::Tensor;
 
 use crate::{Entry, TensorDict};
 
 impl fmt::Display for TensorDict {
-    /// Python's repr:
+    /// Python tensordict 0.15.3's repr (its default, compact form): the batch size, the device
+    /// as Python would have it (see `shown_device`), and the fields sorted by key, each a tensor's dtype and
+    /// shape past the batch dims, a nested dict's fields, or a non-tensor value's Python type;
+    /// on one line when it fits in 80 columns, else one field per line, nested the same way.
     ///
     /// ```text
-    /// TensorDict(
-    ///     fields={
-    ///         obs: Tensor(shape=torch.Size([1000, 84]), device=cpu, dtype=torch.float32, is_shared=False)},
-    ///     batch_size=torch.Size([1000]),
-    ///     device=None,
-    ///     is_shared=False)
+    /// TensorDict(batch_size=[1000], device=cpu, fields={action: i64[], next: {done: bool[1]}, obs: f32[84]})
     /// ```
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&repr(self))
+        let mut head = format!("TensorDict(batch_size={}, ", dims(self.batch_size()));
+        if let Some(device) = shown_device(self) {
+            head.push_str(&format!("device={device}, "));
+        }
+        head.push_str("fields=");
+        let used = head.chars().count();
+        write!(f, "{head}{})", render(&Node::Fields(String::new(), body(self)), "", used, 1))
     }
 }
 
@@ -28,63 +32,113 @@ impl fmt::Debug for TensorDict {
     }
 }
 
-/// Built the way Python's `TensorDictBase.__repr__` and `_td_fields` build it: field lines
-/// sorted, joined by `",\n"`, and indented by `textwrap.indent` (which skips blank lines).
-fn repr(td: &TensorDict) -> String {
-    let mut fields: Vec<String> = td
+/// What the compact repr shows of an entry: a token (`f32[84]`, `str`), or a nested dict's
+/// prefix (its extra batch dims) and fields.
+enum Node {
+    Token(String),
+    Fields(String, Vec<(String, Node)>),
+}
+
+/// The width the repr fits lines in (Python's `_COMPACT_WIDTH`).
+const WIDTH: usize = 80;
+
+/// `[a,b]`, as Python's compact repr writes a shape.
+fn dims(dims: &[usize]) -> String {
+    format!("[{}]", dims.iter().map(ToString::to_string).collect::<Vec<_>>().join(","))
+}
+
+/// The device Python would give the dict: the one its tensors are on if not the CPU, `cpu`
+/// for a dict mapped from a folder (Python's `load_memmap` and `memmap` set it), none for heap
+/// or shared memory.
+fn shown_device(td: &TensorDict) -> Option<memmap_tensor::Device> {
+    td.device().filter(|d| !d.is_cpu() || td.is_memmap())
+}
+
+/// The fields of `td`, sorted as Python sorts them (by their flat text).
+fn body(td: &TensorDict) -> Vec<(String, Node)> {
+    let batch = td.batch_size().len();
+    let device = shown_device(td);
+    let mut entries: Vec<(String, Node)> = td
         .iter()
         .map(|(name, entry)| {
-            let value = match entry {
-                Entry::Tensor(t) => tensor_repr(t),
-                Entry::Dict(d) => repr(d),
-                Entry::NonTensorStack(v) => {
-                    format!(
-                        "NonTensorStack(\n    {v},\n    batch_size={},\n    device=None)",
-                        size_repr(td.batch_size())
-                    )
+            let node = match entry {
+                Entry::Tensor(t) => Node::Token(token(t, batch, device.is_none())),
+                Entry::Dict(d) => {
+                    let extra = &d.batch_size()[batch.min(d.batch_size().len())..];
+                    let prefix = if extra.is_empty() { String::new() } else { dims(extra) };
+                    Node::Fields(prefix, body(d))
                 }
-                Entry::NonTensor(v) => {
-                    format!("NonTensorData(data={v}, batch_size={}, device=None)", size_repr(td.batch_size()))
-                }
+                Entry::NonTensor(v) => Node::Token(python_type(v).to_owned()),
+                Entry::NonTensorStack(_) => Node::Token("NonTensorStack".to_owned()),
             };
-            format!("{name}: {value}")
+            (name.to_owned(), node)
         })
         .collect();
-    fields.sort();
-    let fields = indent(&format!("\n{}", fields.join(",\n")));
-    let parts = [
-        indent(&format!("fields={{{fields}}}")),
-        indent(&format!("batch_size={}", size_repr(td.batch_size()))),
-        indent("device=None"),
-        indent(&format!("is_shared={}", py_bool(td.is_shared()))),
-    ];
-    format!("TensorDict(\n{})", parts.join(",\n"))
+    entries.sort_by_cached_key(|(key, node)| format!("{key}: {}", flat(node)));
+    entries
 }
 
-/// Python's `textwrap.indent(text, 4 * " ")`: four spaces before every line that is not blank.
-fn indent(text: &str) -> String {
-    text.split_inclusive('\n')
-        .map(|line| if line.trim().is_empty() { line.to_owned() } else { format!("    {line}") })
-        .collect()
+/// `f32[84]`: the short dtype and the shape past the dict's batch dims, and the device when
+/// the dict has none of its own.
+fn token(t: &Tensor, batch: usize, show_device: bool) -> String {
+    let mut token = format!("{}{}", short_dtype(t.dtype().as_torch_str()), dims(&t.dims()[batch.min(t.rank())..]));
+    if show_device && !t.device().is_cpu() {
+        token.push_str(&format!("@{}", t.device()));
+    }
+    token
 }
 
-fn tensor_repr(t: &Tensor) -> String {
-    let kind = match t.storage().kind() {
-        StorageKind::File => ", memmap",
-        _ => "",
-    };
-    format!(
-        "Tensor(shape={}, device=cpu, dtype={}, is_shared={}{kind})",
-        size_repr(t.dims()),
-        t.dtype().as_torch_str(),
-        py_bool(t.storage().kind() == StorageKind::Shm)
-    )
+/// `torch.float32` as `f32`, `torch.uint8` as `u8`, `torch.bfloat16` as `bf16`.
+fn short_dtype(torch: &str) -> String {
+    let mut name = torch.trim_start_matches("torch.").to_owned();
+    for (long, short) in [("float", "f"), ("uint", "u"), ("int", "i"), ("complex", "c")] {
+        name = name.replace(long, short);
+    }
+    name
 }
 
-fn size_repr(dims: &[usize]) -> String {
-    format!("torch.Size({dims:?})")
+/// The Python type a non-tensor value has once Python reads it.
+fn python_type(v: &serde_json::Value) -> &'static str {
+    use serde_json::Value;
+    match v {
+        Value::Null => "NoneType",
+        Value::Bool(_) => "bool",
+        Value::Number(n) if n.is_i64() || n.is_u64() => "int",
+        Value::Number(_) => "float",
+        Value::String(_) => "str",
+        Value::Array(_) => "list",
+        Value::Object(o) if o.len() == 1 && o.contains_key(crate::NON_FINITE_KEY) => "float",
+        Value::Object(_) => "dict",
+    }
 }
 
-fn py_bool(b: bool) -> &'static str {
-    if b { "True" } else { "False" }
+fn flat(node: &Node) -> String {
+    match node {
+        Node::Token(t) => t.clone(),
+        Node::Fields(prefix, entries) => {
+            let inner: Vec<String> = entries.iter().map(|(k, v)| format!("{k}: {}", flat(v))).collect();
+            format!("{prefix}{{{}}}", inner.join(", "))
+        }
+    }
+}
+
+/// One line if it fits in [`WIDTH`] columns with `used` columns before it and `tail` after;
+/// else one field per line, each rendered by the same rule (Python's `_compact_render`).
+fn render(node: &Node, indent: &str, used: usize, tail: usize) -> String {
+    let text = flat(node);
+    let Node::Fields(prefix, entries) = node else { return text };
+    if entries.is_empty() || used + text.chars().count() + tail <= WIDTH {
+        return text;
+    }
+    let pad = format!("{indent}    ");
+    let lines: Vec<String> = entries
+        .iter()
+        .enumerate()
+        .map(|(i, (key, value))| {
+            let value_tail = if i + 1 == entries.len() { tail + 1 } else { 1 };
+            let used = pad.chars().count() + key.chars().count() + 2;
+            format!("{pad}{key}: {}", render(value, &pad, used, value_tail))
+        })
+        .collect();
+    format!("{prefix}{{\n{}}}", lines.join(",\n"))
 }
