@@ -100,7 +100,7 @@ enum Fill {
 
 /// The state of one write: options and progress.
 pub(crate) struct Writing<'a> {
-    pub(crate) options: &'a WriteOptions,
+    options: &'a WriteOptions,
     fill: Fill,
     done_bytes: u64,
     total_bytes: u64,
