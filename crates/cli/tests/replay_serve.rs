@@ -48,6 +48,12 @@ impl World {
         self.dir.path().join(name)
     }
 
+    /// The service's Unix socket.
+    fn socket(&self) -> PathBuf {
+        let name = tensordict_replay::remote::service_name(&self.name).unwrap();
+        name.endpoint().socket_path(Some(&self.runtime())).unwrap().unwrap()
+    }
+
     fn pid_file(&self) -> PathBuf {
         self.runtime().join(format!("tdict-replay-{}.pid", self.name))
     }
@@ -437,12 +443,7 @@ fn stop_a_service_served_by_a_program() {
 fn a_busy_or_silent_service_is_not_called_missing() {
     let mut w = World::new("busy");
     w.serve(&["--capacity", "10"]);
-    let socket = tensordict_replay::remote::service_name(&w.name)
-        .unwrap()
-        .endpoint()
-        .socket_path(Some(&w.runtime()))
-        .unwrap()
-        .unwrap();
+    let socket = w.socket();
     let held = common::saturate(&socket);
     let stats = w.replay("stats", ["--connect-timeout", "1"]);
     let err = stats.error();
@@ -452,12 +453,7 @@ fn a_busy_or_silent_service_is_not_called_missing() {
     assert!(w.stats()["pid"].is_u64());
 
     let silent = World::new("silent");
-    let socket = tensordict_replay::remote::service_name(&silent.name)
-        .unwrap()
-        .endpoint()
-        .socket_path(Some(&silent.runtime()))
-        .unwrap()
-        .unwrap();
+    let socket = silent.socket();
     let _listener = common::silent_socket(&socket);
     let stats = silent.replay("stats", ["--connect-timeout", "1"]);
     let err = stats.error();

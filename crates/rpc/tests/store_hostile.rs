@@ -247,20 +247,9 @@ fn allocations_at_once_past_the_capacity_let_exactly_one_through() -> TestResult
 /// and then both saves of a round failed.)
 #[test]
 fn two_saves_that_fit_dev_shm_alone_but_not_together_let_exactly_one_through() -> TestResult {
-    if !nix::unistd::geteuid().is_root() {
-        println!("skipped: mounting a small tmpfs on /dev/shm in a namespace of its own takes root");
+    if let Some(why) = no_mount_namespace() {
+        println!("skipped: {why}");
         return Ok(());
-    }
-    match Command::new("unshare").args(["-m", "true"]).stderr(Stdio::null()).status() {
-        Ok(status) if status.success() => {}
-        Ok(status) => {
-            println!("skipped: `unshare -m` is not allowed here ({status})");
-            return Ok(());
-        }
-        Err(e) => {
-            println!("skipped: no `unshare` to run: {e}");
-            return Ok(());
-        }
     }
     let sandbox = Sandbox::new();
     let name = store_name("race-shm");
@@ -548,16 +537,9 @@ fn a_deadline_2_pow_64_seconds_away_is_answered() -> TestResult {
 /// elsewhere it is skipped, saying why.
 #[test]
 fn a_removal_on_a_full_disk_is_all_or_nothing() -> TestResult {
-    if !nix::unistd::geteuid().is_root() {
-        println!("skipped: mounting a small tmpfs in a namespace of its own takes root");
+    if let Some(why) = no_mount_namespace() {
+        println!("skipped: {why}");
         return Ok(());
-    }
-    match Command::new("unshare").args(["-m", "true"]).stderr(Stdio::null()).status() {
-        Ok(status) if status.success() => {}
-        _ => {
-            println!("skipped: `unshare -m` is not allowed here");
-            return Ok(());
-        }
     }
     let sandbox = Sandbox::new();
     let name = store_name("rm-full");
@@ -580,4 +562,17 @@ fn a_removal_on_a_full_disk_is_all_or_nothing() -> TestResult {
     assert!(lines[0].starts_with("refused: ") && lines[0].contains("No space left"), "{report}");
     assert_eq!(&lines[1..], ["after: a,b", "restarted: a,b", "removed true", "restarted: b"], "{report}");
     Ok(())
+}
+
+/// Why a test cannot mount a small tmpfs in a mount namespace of its own here, if it cannot:
+/// that takes root and `unshare -m`.
+fn no_mount_namespace() -> Option<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("mounting a small tmpfs in a namespace of its own takes root".into());
+    }
+    match Command::new("unshare").args(["-m", "true"]).stderr(Stdio::null()).status() {
+        Ok(status) if status.success() => None,
+        Ok(status) => Some(format!("`unshare -m` is not allowed here ({status})")),
+        Err(e) => Some(format!("no `unshare` to run: {e}")),
+    }
 }

@@ -206,6 +206,13 @@ fn store(command: &str, args: &[String]) -> Result<(), Failure> {
                 keys.sort();
                 Ok(keys.join(","))
             };
+            // Stops the server and starts a new one on the same folder, as a restart would.
+            let restart = |server: StoreServer| -> Result<StoreServer, Failure> {
+                server.stop();
+                server.wait(Some(std::time::Duration::from_secs(30)));
+                drop(server);
+                Ok(StoreServer::start(name, options())?)
+            };
             let mut td = tensordict::TensorDict::new(Vec::<usize>::new());
             td.set("x", memmap_tensor::Tensor::from_slice(&[1f32; 256], [256])?)?;
             let server = StoreServer::start(name, options())?;
@@ -226,19 +233,13 @@ fn store(command: &str, args: &[String]) -> Result<(), Failure> {
             }
             say(format!("after: {}", keys(&store)?));
             drop(store);
-            server.stop();
-            server.wait(Some(std::time::Duration::from_secs(30)));
-            drop(server);
-            let server = StoreServer::start(name, options())?;
+            let server = restart(server)?;
             say(format!("restarted: {}", keys(&connect()?)?));
             std::fs::remove_file(&filler)?;
             let store = connect()?;
             say(format!("removed {}", store.remove("a")?));
             drop(store);
-            server.stop();
-            server.wait(Some(std::time::Duration::from_secs(30)));
-            drop(server);
-            let _server = StoreServer::start(name, options())?;
+            let _server = restart(server)?;
             say(format!("restarted: {}", keys(&connect()?)?));
             Ok(())
         }
