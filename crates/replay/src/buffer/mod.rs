@@ -159,18 +159,20 @@ impl SampleInfo {
     /// rows, int64) and, when the sampler weights its draws, [`PRIORITY_WEIGHT_KEY`] (float64),
     /// so that code written for TorchRL finds what it reads.
     pub fn into_torchrl(self, mut td: TensorDict) -> Result<TensorDict> {
-        fn put<T: memmap_tensor::Element>(td: &mut TensorDict, key: &str, values: &[T]) -> tensordict::Result<()> {
-            let tensor = memmap_tensor::Tensor::from_slice(values, [values.len()])
-                .map_err(|source| tensordict::Error::Tensor { key: key.into(), source })?;
-            td.set(key, tensor)
-        }
         let index: Vec<i64> = self.indices.iter().map(|&i| i as i64).collect();
-        put(&mut td, INDEX_KEY, &index).op("sample")?;
+        set_column(&mut td, INDEX_KEY, &index).op("sample")?;
         if let Some(weights) = self.weights {
-            put(&mut td, PRIORITY_WEIGHT_KEY, &weights).op("sample")?;
+            set_column(&mut td, PRIORITY_WEIGHT_KEY, &weights).op("sample")?;
         }
         Ok(td)
     }
+}
+
+/// Sets `key` of `td` to a new heap tensor of `values`, one per row.
+fn set_column<T: memmap_tensor::Element>(td: &mut TensorDict, key: &str, values: &[T]) -> tensordict::Result<()> {
+    let tensor = memmap_tensor::Tensor::from_slice(values, [values.len()])
+        .map_err(|source| tensordict::Error::Tensor { key: key.into(), source })?;
+    td.set(key, tensor)
 }
 
 /// The state the lock guards (see the module docs).
@@ -429,13 +431,7 @@ impl ReplayBuffer {
         let fill_index = storage.keeps_index() && !batch.contains(INDEX_KEY);
         let batch = if fill_index {
             filled = batch.clone();
-            let zeros = memmap_tensor::Tensor::zeros([n], memmap_tensor::DType::I64, &memmap_tensor::Location::Heap);
-            filled
-                .set(
-                    INDEX_KEY,
-                    zeros.map_err(|source| tensordict::Error::Tensor { key: INDEX_KEY.into(), source }).op(OP)?,
-                )
-                .op(OP)?;
+            set_column(&mut filled, INDEX_KEY, &vec![0i64; n]).op(OP)?;
             &filled
         } else {
             batch
