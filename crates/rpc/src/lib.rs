@@ -108,6 +108,7 @@ mod error;
 mod reference;
 mod server;
 pub mod service;
+#[cfg(feature = "store")]
 pub mod store;
 pub mod transport;
 mod wire;

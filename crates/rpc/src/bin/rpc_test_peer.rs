@@ -35,6 +35,7 @@ use std::process::ExitCode;
 
 #[path = "../../tests/common/echo.rs"]
 mod echo;
+#[cfg(feature = "store")]
 #[path = "../../tests/common/store_data.rs"]
 mod store_data;
 
@@ -62,6 +63,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
         format!("usage: serve ENDPOINT [TOKEN_FILE] | sleep ENDPOINT MS [TOKEN_FILE] | echo ENDPOINT [SERVER_UID]; got {args:?}")
             .into()
     };
+    #[cfg(feature = "store")]
     if let Some(command) = args.first().and_then(|c| c.strip_prefix("store-")) {
         return store(command, &args[1..]);
     }
@@ -76,8 +78,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
             let server = EchoServer { announce: true, ..EchoServer::default() };
             let handle = tensordict_rpc::serve(&endpoint, server.serve(), options)?;
             println!("{}", handle.endpoint());
-            println!("ready");
-            std::io::stdout().flush().ok();
+            say("ready");
             loop {
                 std::thread::park();
             }
@@ -87,8 +88,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
             options.token = token(args.get(2))?;
             let handle = tensordict_rpc::worker::WorkerServer::new().serve_on(&endpoint, options)?;
             println!("{}", handle.endpoint());
-            println!("ready");
-            std::io::stdout().flush().ok();
+            say("ready");
             loop {
                 std::thread::park();
             }
@@ -99,8 +99,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
             options.token = token(args.get(3))?;
             let client: tensordict_rpc::BlockingClient<EchoClient> =
                 tensordict_rpc::BlockingClient::connect(&endpoint, &options)?;
-            println!("calling");
-            std::io::stdout().flush().ok();
+            say("calling");
             client.call(async |c, ctx| c.sleep(ctx, ms).await)?;
             println!("done");
             Ok(())
@@ -124,11 +123,13 @@ fn run(args: &[String]) -> Result<(), Failure> {
     }
 }
 
+/// One line to the test that runs this process, flushed at once.
 fn say(line: impl std::fmt::Display) {
     println!("{line}");
     std::io::stdout().flush().ok();
 }
 
+#[cfg(feature = "store")]
 fn store(command: &str, args: &[String]) -> Result<(), Failure> {
     use tensordict_rpc::store::{Store, StoreOptions, StoreServer, Wait};
 
@@ -300,6 +301,7 @@ fn store(command: &str, args: &[String]) -> Result<(), Failure> {
 /// kept for a while and checked again (holders keep what they mapped, whatever happens to the
 /// key meanwhile). Missing keys are fine (another client removed them); any other error or a
 /// mismatch fails.
+#[cfg(feature = "store")]
 fn mixed(store: &tensordict_rpc::store::Store, seed: u64, n: u64) -> Result<String, Failure> {
     use store_data::{Rng, check_mixed, mixed_dict};
     use tensordict_rpc::WireError;
