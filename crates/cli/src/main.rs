@@ -39,7 +39,7 @@ use clap::{Parser, Subcommand};
 use indicatif::DecimalBytes;
 use memmap_tensor::Access;
 use serde_json::{Value, json};
-use tensordict::{Error, TensorDict};
+use tensordict::{Error, KeyPath, TensorDict};
 use words::one_line;
 
 use crate::location::LocationParser;
@@ -61,7 +61,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Print the batch size and every leaf: key path, dtype, shape and size.
+    /// Print the batch size, every leaf (key path, dtype, shape, size), every non-tensor value,
+    /// and the entries this tool does not read (marked "not read", with what they hold).
     Info {
         /// The folder or shm:PREFIX.
         #[arg(value_parser = LocationParser)]
@@ -94,6 +95,11 @@ enum Command {
         /// never a mix).
         #[arg(long)]
         force: bool,
+        /// Leave out the entry at KEY (nested keys joined with `.`, as `info` shows them); may be
+        /// given more than once. Entries this tool does not read (`info` marks them "not read")
+        /// are copied as they are into a folder; shared memory cannot hold them.
+        #[arg(long, value_name = "KEY")]
+        exclude: Vec<String>,
     },
     /// Remove the hidden copies that killed writers left beside or inside a folder (`verify`
     /// reports them). Those of running writers, or of writers on other machines, are kept.
@@ -118,7 +124,7 @@ enum Command {
     #[command(subcommand)]
     Store(store::StoreCommand),
     /// Replay buffers: describe TorchRL dumps (info); serve one to processes and nodes (serve,
-    /// stats, stop).
+    /// stats, dump, stop).
     #[command(subcommand)]
     Replay(replay::ReplayCommand),
 }
@@ -159,8 +165,16 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Info { location, json, stats } => info(&location, json, stats),
         Command::Verify { location } => verify(&location),
-        Command::Copy { src, dst, fsync, force } => {
-            let td = src.open(Access::ReadOnly)?;
+        Command::Copy { src, dst, fsync, force, exclude } => {
+            let mut td = src.open(Access::ReadOnly)?;
+            for key in &exclude {
+                let path = KeyPath::new(key.split('.'));
+                ensure!(
+                    td.contains(&path),
+                    "--exclude {key}: {src} has no entry `{key}` (`tdict info {src}` lists them)"
+                );
+                td = td.exclude(&[path]);
+            }
             let progress = Progress::bar("copying", td.nbytes() as u64, Unit::Bytes, true);
             let options = tensordict::WriteOptions::default().progress(progress.callback()).cancel(interrupt::catch()?);
             match &dst {
@@ -174,7 +188,11 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 }
                 other => return Err(not_here(other)),
             }
-            out!("copied {} leaves ({}) to {dst}", td.leaves().len(), DecimalBytes(td.nbytes() as u64));
+            let as_is = match td.unreadable().len() {
+                0 => String::new(),
+                n => format!(" and {n} entries not read, as they are,"),
+            };
+            out!("copied {} leaves ({}){as_is} to {dst}", td.leaves().len(), DecimalBytes(td.nbytes() as u64));
             Ok(ExitCode::SUCCESS)
         }
         Command::Clean { path } => clean(&path),
@@ -218,8 +236,15 @@ fn info(location: &Location, as_json: bool, with_stats: bool) -> anyhow::Result<
     drop(progress);
     let non_tensor: Vec<Value> =
         td.non_tensors().into_iter().map(|(k, v)| json!({"key": k.parts(), "value": v})).collect();
+    let unreadable: Vec<Value> = td
+        .unreadable()
+        .into_iter()
+        .map(|(k, u)| json!({"key": k.parts(), "what": u.what(), "path": u.path()}))
+        .collect();
     if as_json {
-        let out = json!({"batch_size": td.batch_size(), "leaves": rows, "non_tensor": non_tensor});
+        let out = json!({
+            "batch_size": td.batch_size(), "leaves": rows, "non_tensor": non_tensor, "unreadable": unreadable,
+        });
         out!("{out}");
         return Ok(ExitCode::SUCCESS);
     }
@@ -229,7 +254,7 @@ fn info(location: &Location, as_json: bool, with_stats: bool) -> anyhow::Result<
         parts.join(".").chars().flat_map(char::escape_debug).collect::<String>()
     };
     out!("batch_size: {:?}", td.batch_size());
-    let width = rows.iter().chain(&non_tensor).map(|e| shown(e).chars().count()).max().unwrap_or(0);
+    let width = rows.iter().chain(&non_tensor).chain(&unreadable).map(|e| shown(e).chars().count()).max().unwrap_or(0);
     for leaf in &rows {
         let mut line = format!(
             "{:width$}  {:<15} {:<20} {:>10}",
@@ -245,6 +270,9 @@ fn info(location: &Location, as_json: bool, with_stats: bool) -> anyhow::Result<
     }
     for entry in &non_tensor {
         out!("{:width$}  (non-tensor) {}", shown(entry), entry["value"]);
+    }
+    for entry in &unreadable {
+        out!("{:width$}  (not read) {}", shown(entry), entry["what"].as_str().unwrap_or_default());
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -19,6 +19,10 @@ fn message(e: &(dyn std::error::Error + 'static)) -> String {
             "replacing it must be asked for (WriteOptions::overwrite)",
             "choose another path, or remove it first (`tdict rm`)",
         ),
+        Error::Unreadable { key, .. } => text.replace(
+            "(`TensorDict::exclude`)",
+            &format!("(`tdict copy --exclude {}` makes a copy without it)", key.joined(".")),
+        ),
         _ => text,
     }
 }

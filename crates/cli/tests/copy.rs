@@ -262,3 +262,69 @@ fn a_killed_copy_into_shared_memory_is_listed_refused_and_removed() {
     }
     assert!(incomplete >= runs / 2, "only {incomplete} of {runs} copies were killed mid-way");
 }
+
+/// A Python folder with entries this tool does not read (a pickled value, a tensorclass, a
+/// complex tensor, ...): `info` lists them, `copy` to a folder keeps them as they are, `copy`
+/// to shared memory says which one stops it and how to leave it out, and `--exclude` does.
+#[test]
+fn entries_not_read_are_listed_copied_as_they_are_or_left_out() {
+    let src = fixture("unreadable");
+    let run = tdict([OsStr::new("info"), src.as_os_str()]);
+    let out = run.ok();
+    for (key, what) in [("z", "a tensor of dtype `torch.complex64`"), ("next.info", "a pickled Python value")] {
+        let line = line_of(out, key).unwrap_or_else(|| panic!("{key} not listed:\n{run}"));
+        assert!(line.contains(&format!("(not read) {what}")), "{line}");
+    }
+    let info = tdict([OsStr::new("info"), src.as_os_str(), "--json".as_ref()]).json();
+    let keys: Vec<Value> = info["unreadable"].as_array().unwrap().iter().map(|u| u["key"].clone()).collect();
+    assert_eq!(
+        keys,
+        [
+            json!(["z"]),
+            json!(["obj"]),
+            json!(["tags"]),
+            json!(["point"]),
+            json!(["lazy"]),
+            json!(["nt"]),
+            json!(["next", "info"])
+        ]
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dst = tmp.path().join("copy");
+    let run = tdict([OsStr::new("copy"), src.as_os_str(), dst.as_os_str()]);
+    assert!(run.ok().contains("copied 2 leaves (36 B) and 7 entries not read, as they are, to"), "{run}");
+    assert_eq!(
+        fs::read(dst.join("point/_tensordict/x.memmap")).unwrap(),
+        fs::read(src.join("point/_tensordict/x.memmap")).unwrap()
+    );
+    assert_eq!(
+        tdict([OsStr::new("info"), dst.as_os_str(), "--json".as_ref()]).json()["unreadable"].as_array().unwrap().len(),
+        7
+    );
+
+    let prefix = shm_prefix("unreadable");
+    let _guard = ShmGuard(prefix.clone());
+    let target = format!("shm:{prefix}");
+    let run = tdict([OsStr::new("copy"), src.as_os_str(), target.as_ref()]);
+    let error = run.one_line_error();
+    assert!(
+        error.contains("key `z` holds a tensor of dtype `torch.complex64`, which this crate does not read"),
+        "{error}"
+    );
+    assert!(error.contains("(`tdict copy --exclude z` makes a copy without it)"), "{error}");
+    assert!(!error.contains("TensorDict::"), "the remedy is a command: {error}");
+
+    let mut args: Vec<String> = vec!["copy".into()];
+    for key in ["z", "obj", "tags", "point", "lazy", "nt", "next.info"] {
+        args.extend(["--exclude".into(), key.into()]);
+    }
+    args.extend([src.display().to_string(), target.clone()]);
+    assert!(tdict(&args).ok().contains("copied 2 leaves (36 B) to shm:"));
+    let shared = tdict(["info", &target, "--json"]).json();
+    assert_eq!(shared["unreadable"], json!([]));
+    assert_eq!(shared["leaves"].as_array().unwrap().len(), 2);
+
+    let run = tdict([OsStr::new("copy"), "--exclude".as_ref(), "nope".as_ref(), src.as_os_str(), dst.as_os_str()]);
+    assert!(run.one_line_error().contains("--exclude nope:"), "{run}");
+}

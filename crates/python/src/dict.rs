@@ -19,9 +19,10 @@ pyo3::create_exception!(
      failure. The message is the Rust error with its causes."
 );
 
-/// A Rust error as a Python exception, with its causes on one line.
+/// A Rust error as a Python exception, with its causes on one line; a remedy that names a
+/// Rust call names the Python method instead.
 pub(crate) fn to_py_err(e: impl std::error::Error + 'static) -> PyErr {
-    TensorDictError::new_err(ErrorChain(&e).to_string())
+    TensorDictError::new_err(ErrorChain(&e).to_string().replace("`TensorDict::exclude`", "`TensorDict.exclude`"))
 }
 
 /// A dict of tensors (nested dicts, non-tensor values), loaded from a memmap folder or shared
@@ -116,11 +117,14 @@ fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
     Ok(json.call_method1("loads", (v.to_string(),))?.unbind())
 }
 
-fn entry_to_py(py: Python<'_>, entry: &Entry, keep: &Keep) -> PyResult<Py<PyAny>> {
+/// The entry at `key` as a Python value; an entry this package does not read is an error
+/// saying what it holds.
+fn entry_to_py(py: Python<'_>, key: &KeyPath, entry: &Entry, keep: &Keep) -> PyResult<Py<PyAny>> {
     Ok(match entry {
         Entry::Tensor(t) => Py::new(py, PyTensor::with_keep(t.clone(), keep.clone()))?.into_any(),
         Entry::Dict(d) => Py::new(py, PyTensorDict { inner: d.clone(), keep: keep.clone() })?.into_any(),
         Entry::NonTensor(v) | Entry::NonTensorStack(v) => to_py(py, v)?,
+        Entry::Unreadable(u) => return Err(to_py_err(u.error(key))),
         other => {
             return Err(PyTypeError::new_err(format!("an entry of kind {} has no Python form", other.kind_name())));
         }
@@ -210,12 +214,46 @@ impl PyTensorDict {
     fn __getitem__(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         if let Some(path) = key_path(key)? {
             let entry = self.inner.get(path.clone()).map_err(|_| PyKeyError::new_err(format!("{path}")))?;
-            return entry_to_py(py, entry, &self.keep);
+            return entry_to_py(py, &path, entry, &self.keep);
         }
         let index = index(key)?;
-        let inner =
-            py.detach(|| self.inner.index(index)).map_err(|e| PyIndexError::new_err(ErrorChain(&e).to_string()))?;
+        let inner = py.detach(|| self.inner.index(index)).map_err(|e| match e {
+            e @ tensordict::Error::Unreadable { .. } => to_py_err(e),
+            e => PyIndexError::new_err(ErrorChain(&e).to_string()),
+        })?;
         Ok(Py::new(py, self.derived(inner))?.into_any())
+    }
+
+    /// A dict without the entries at `keys` (names, or tuples for nested keys): what is left of
+    /// a folder once the entries this package does not read are left out. Missing keys are
+    /// ignored, as tensordict ignores them.
+    #[pyo3(signature = (*keys))]
+    fn exclude(&self, keys: &Bound<'_, PyTuple>) -> PyResult<Self> {
+        let mut paths = Vec::with_capacity(keys.len());
+        for key in keys.iter() {
+            match key_path(&key)? {
+                Some(path) => paths.push(path),
+                None => return Err(PyKeyError::new_err(format!("{} is not a key", key.repr()?))),
+            }
+        }
+        Ok(self.derived(self.inner.exclude(&paths)))
+    }
+
+    /// The entries this package does not read, as `{key: what it holds}` (keys as `keys`
+    /// gives them): a pickled value, a tensorclass, a lazy stack, a nested tensor, a dtype such
+    /// as `torch.complex64`. Asking for one is an error; `exclude` leaves them out.
+    fn unreadable<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (key, u) in self.inner.unreadable() {
+            let parts: Vec<&str> = key.parts().iter().map(String::as_str).collect();
+            let key = if parts.len() == 1 {
+                parts[0].into_pyobject(py)?.into_any()
+            } else {
+                PyTuple::new(py, parts)?.into_any()
+            };
+            out.set_item(key, u.what())?;
+        }
+        Ok(out)
     }
 
     fn __contains__(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
@@ -232,7 +270,7 @@ impl PyTensorDict {
         for (name, entry) in self.inner.iter() {
             let value = match entry {
                 Entry::Dict(d) => self.derived(d.clone()).to_dict(py)?.into_any(),
-                other => entry_to_py(py, other, &self.keep)?,
+                other => entry_to_py(py, &KeyPath::from(name), other, &self.keep)?,
             };
             out.set_item(name, value)?;
         }
@@ -256,7 +294,7 @@ impl PyTensorDict {
                     let capsule = dlpack::export(py, t, self.keep.clone(), true)?;
                     from_dlpack.bind(py).call1((capsule,))?.unbind()
                 }
-                other => entry_to_py(py, other, &self.keep)?,
+                other => entry_to_py(py, &KeyPath::from(name), other, &self.keep)?,
             };
             out.set_item(name, value)?;
         }

@@ -247,3 +247,30 @@ def test_dicts_pickle_by_where_they_live(folder, tmp_path):
         tdr.TensorDict.unlink_shared(prefix)
     with pytest.raises(TypeError, match="where it lives"):
         pickle.dumps(sample())  # on the heap
+
+
+def test_a_folder_with_entries_not_read_loads_the_rest(tmp_path):
+    td = tdr.TensorDict.load_memmap(FIXTURES / "unreadable")
+    assert td.unreadable() == {
+        "z": "a tensor of dtype `torch.complex64`",
+        "obj": "a pickled Python value (`other.pickle`)",
+        "tags": "a stack of pickled Python values (`pickle.pkl`)",
+        "point": "a `Point` (a tensorclass or another non-TensorDict type)",
+        "lazy": "a lazy stack of dicts (`LazyStackedTensorDict`)",
+        "nt": "a nested tensor (one of tensors of different shapes)",
+        ("next", "info"): "a pickled Python value (`other.pickle`)",
+    }
+    assert td["obs"].numpy().ravel().tolist() == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(tdr.TensorDictError, match=r"key `obj` holds a pickled Python value .*`TensorDict.exclude`"):
+        td["obj"]
+    with pytest.raises(tdr.TensorDictError, match="key `z` holds"):
+        td[[0, 2]]
+    rest = td.exclude(*td.unreadable())
+    assert rest.unreadable() == {}
+    assert rest[[2, 0]]["next", "reward"].numpy().ravel().tolist() == [-1.0, 1.0]
+    # Written whole, the entries not read go along as they are.
+    copy = td.memmap(tmp_path / "copy")
+    assert copy.unreadable() == td.unreadable()
+    assert (tmp_path / "copy" / "obj" / "other.pickle").read_bytes() == (
+        FIXTURES / "unreadable" / "obj" / "other.pickle"
+    ).read_bytes()

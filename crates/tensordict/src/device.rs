@@ -111,6 +111,9 @@ impl TensorDict {
                 Entry::Dict(d) => Entry::Dict(d.rebuild_node(&path, next, batch0, stack)?),
                 Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
                 Entry::NonTensorStack(v) => stack(self.batch_size(), &path, v)?,
+                // Its files are not touched by a move of the whole dict; rows of it cannot be taken.
+                Entry::Unreadable(u) if batch0.is_none() => Entry::Unreadable(u.clone()),
+                Entry::Unreadable(u) => return Err(u.error(&path)),
             };
             entries.insert(name.to_owned(), value);
         }

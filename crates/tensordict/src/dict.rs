@@ -5,7 +5,7 @@ use memmap_tensor::{StorageKind, Tensor};
 use serde_json::Value;
 
 use crate::error::WithKey;
-use crate::{Error, KeyPath, Result};
+use crate::{Error, KeyPath, Result, Unreadable};
 
 /// One value of a [`TensorDict`].
 #[derive(Clone, Debug)]
@@ -24,16 +24,30 @@ pub enum Entry {
     /// Indexing and batch operations move the values as they move the elements of a tensor;
     /// an index that leaves no batch dim leaves one [`Entry::NonTensor`].
     NonTensorStack(Value),
+    /// An entry of a loaded folder that this crate does not read (a pickled value, a
+    /// tensorclass, a lazy stack, ...): named and typed, refused when asked for.
+    Unreadable(Unreadable),
 }
 
 impl Entry {
-    /// `"tensor"`, `"dict"` or `"non-tensor value"`, for messages.
+    /// `"tensor"`, `"dict"`, `"non-tensor value"`, `"non-tensor stack"` or `"Python-only entry"`
+    /// (an [`Entry::Unreadable`]), for messages.
     pub fn kind_name(&self) -> &'static str {
         match self {
             Entry::Tensor(_) => "tensor",
             Entry::Dict(_) => "dict",
             Entry::NonTensor(_) => "non-tensor value",
             Entry::NonTensorStack(_) => "non-tensor stack",
+            Entry::Unreadable(_) => "Python-only entry",
+        }
+    }
+
+    /// The error for finding this entry at `key` where an entry of kind `expected` is needed:
+    /// an unreadable entry says what it holds.
+    pub(crate) fn wrong_kind(&self, key: KeyPath, expected: &'static str) -> Error {
+        match self {
+            Entry::Unreadable(u) => u.error(&key),
+            other => Error::WrongEntryKind { key, expected, actual: other.kind_name() },
         }
     }
 
@@ -141,7 +155,7 @@ impl TensorDict {
         let key = key.into();
         match self.get(&key)? {
             Entry::Tensor(t) => Ok(t),
-            other => Err(Error::WrongEntryKind { key, expected: "tensor", actual: other.kind_name() }),
+            other => Err(other.wrong_kind(key, "tensor")),
         }
     }
 
@@ -150,7 +164,7 @@ impl TensorDict {
         let key = key.into();
         match self.get(&key)? {
             Entry::Dict(d) => Ok(d),
-            other => Err(Error::WrongEntryKind { key, expected: "dict", actual: other.kind_name() }),
+            other => Err(other.wrong_kind(key, "dict")),
         }
     }
 
@@ -159,7 +173,7 @@ impl TensorDict {
         let key = key.into();
         match self.get(&key)? {
             Entry::NonTensor(v) | Entry::NonTensorStack(v) => Ok(v),
-            other => Err(Error::WrongEntryKind { key, expected: "non-tensor value", actual: other.kind_name() }),
+            other => Err(other.wrong_kind(key, "non-tensor value")),
         }
     }
 
@@ -172,7 +186,7 @@ impl TensorDict {
         let key = key.into();
         match self.lookup_mut(&key) {
             Some(Entry::Tensor(t)) => Ok(t),
-            Some(other) => Err(Error::WrongEntryKind { key, expected: "tensor", actual: other.kind_name() }),
+            Some(other) => Err(other.wrong_kind(key, "tensor")),
             None => Err(Error::KeyNotFound { key }),
         }
     }
@@ -269,6 +283,18 @@ impl TensorDict {
         self.visit(&KeyPath::default(), &mut |path, entry| {
             if let Entry::NonTensor(v) | Entry::NonTensorStack(v) = entry {
                 out.push((path.clone(), v));
+            }
+        });
+        out
+    }
+
+    /// Every entry this crate does not read ([`Unreadable`]) with its key path, depth first in
+    /// insertion order: empty unless the dict was loaded from a folder that holds such entries.
+    pub fn unreadable(&self) -> Vec<(KeyPath, &Unreadable)> {
+        let mut out = Vec::new();
+        self.visit(&KeyPath::default(), &mut |path, entry| {
+            if let Entry::Unreadable(u) = entry {
+                out.push((path.clone(), u));
             }
         });
         out
@@ -431,7 +457,7 @@ impl TensorDict {
             let value = match entry {
                 Entry::Tensor(t) => Entry::Tensor(f(t).with_key(|| path.clone())?),
                 Entry::Dict(d) => Entry::Dict(d.apply_with_path(&path, f)?),
-                other @ (Entry::NonTensor(_) | Entry::NonTensorStack(_)) => other.clone(),
+                other @ (Entry::NonTensor(_) | Entry::NonTensorStack(_) | Entry::Unreadable(_)) => other.clone(),
             };
             check_fits(&path, &value, &self.batch_size)?;
             out.entries.insert(name.clone(), value);
@@ -587,7 +613,7 @@ pub(crate) fn check_fits(key: &KeyPath, value: &Entry, batch: &[usize]) -> Resul
     let shape = match value {
         Entry::Tensor(t) => t.dims(),
         Entry::Dict(d) => d.batch_size(),
-        Entry::NonTensor(_) => return Ok(()),
+        Entry::NonTensor(_) | Entry::Unreadable(_) => return Ok(()),
         Entry::NonTensorStack(v) => {
             return if !batch.is_empty() && stack_values(v, batch).is_some() {
                 Ok(())

@@ -70,6 +70,7 @@ fn body(td: &TensorDict) -> Vec<(String, Node)> {
                 }
                 Entry::NonTensor(v) => Node::Token(python_type(v).to_owned()),
                 Entry::NonTensorStack(_) => Node::Token("NonTensorStack".to_owned()),
+                Entry::Unreadable(_) => Node::Token("Unreadable".to_owned()),
             };
             (name.to_owned(), node)
         })

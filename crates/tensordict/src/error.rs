@@ -107,14 +107,30 @@ pub enum Error {
         /// The version found.
         version: i64,
     },
-    /// An entry of a kind this crate does not read (pickled values, nested tensors, ...).
-    #[error("{}: key `{key}`: {what} is not supported", path.display())]
+    /// A folder of a kind this crate does not read (a lazy stack, a tensorclass, ...) where a
+    /// dict is needed. (An entry of such a kind inside a dict is an [`crate::Unreadable`].)
+    #[error("{}: the folder holds {what}, which this crate does not read", path.display())]
     Unsupported {
         /// The folder or file.
         path: PathBuf,
         /// The key path.
         key: KeyPath,
         /// What was found.
+        what: String,
+    },
+    /// An entry of a kind this crate does not read ([`crate::Unreadable`]) was asked for: its
+    /// value, or an operation on the whole dict that needs it.
+    #[error(
+        "{}: key `{key}` holds {what}, which this crate does not read; the rest of the dict is \
+         usable once this entry is left out (`TensorDict::exclude`)",
+        path.display()
+    )]
+    Unreadable {
+        /// The key path.
+        key: KeyPath,
+        /// The file or folder that holds it.
+        path: PathBuf,
+        /// What it holds.
         what: String,
     },
     /// A write would replace data without being asked to ([`WriteOptions::overwrite`](crate::WriteOptions::overwrite)).

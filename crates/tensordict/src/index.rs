@@ -550,6 +550,7 @@ impl Plan {
                 Entry::NonTensorStack(v) => {
                     crate::dict::map_stack(v, td.batch_size(), &path, |positions| self.apply(positions))?
                 }
+                Entry::Unreadable(u) => return Err(u.error(&path)),
             };
             entries.insert(name.to_owned(), value);
         }

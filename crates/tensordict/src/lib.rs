@@ -46,6 +46,7 @@ mod read;
 mod replace;
 mod schema;
 mod shared;
+mod unreadable;
 
 pub use backing::{Backing, DictLocation, Generation};
 pub use dict::{Entry, TensorDict};
@@ -60,3 +61,4 @@ pub use memmap_tensor::ProcessState;
 pub use replace::Leftover;
 pub use schema::{EntrySchema, MAX_VALUE_DEPTH, Schema, TensorSchema};
 pub use shared::{Creator, SharedDictInfo};
+pub use unreadable::Unreadable;

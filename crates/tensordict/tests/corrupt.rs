@@ -279,7 +279,7 @@ fn entries_must_be_objects() -> TestResult {
 fn leaf_metadata_errors() -> TestResult {
     let dir = tempfile::tempdir()?;
     let cases: Vec<(&str, Value)> = vec![
-        ("unknown dtype", leaf("torch.complex64", json!([2]))),
+        ("unknown dtype", leaf("torch.banana", json!([2]))),
         ("dtype without prefix", leaf("float32", json!([2]))),
         ("dtype not a string", json!({"shape": [2], "dtype": 5})),
         ("no dtype", json!({"shape": [2]})),
@@ -484,9 +484,12 @@ fn unsupported_entry_kinds() -> TestResult {
         let prefix = dir.path().join(what);
         write_meta(&prefix, &node(vec![("x", entry)], json!([2])))?;
         fs::write(prefix.join("x.memmap"), [0u8; 64])?;
-        match load_err(&prefix, what) {
-            Error::Unsupported { key, .. } => assert_eq!(key, KeyPath::from("x"), "{what}"),
-            other => panic!("{what}: expected Unsupported, got {other:?}"),
+        // The folder loads; the entry is named, and refused when asked for.
+        let td = load(&prefix)?;
+        assert_eq!(td.unreadable().len(), 1, "{what}");
+        match td.get_tensor("x") {
+            Err(Error::Unreadable { key, .. }) => assert_eq!(key, KeyPath::from("x"), "{what}"),
+            other => panic!("{what}: expected Unreadable, got {other:?}"),
         }
     }
     // A node of another class.
@@ -505,12 +508,12 @@ fn non_tensor_folders_must_hold_json_data() -> TestResult {
     let prefix = dir.path().join("pickle");
     write_sound(&prefix)?;
     fs::write(prefix.join("v").join("other.pickle"), b"\x80\x04K\x01.")?;
-    match load_err(&prefix, "other.pickle") {
-        Error::Unsupported { key, what, .. } => {
+    match load(&prefix)?.get_non_tensor("v") {
+        Err(Error::Unreadable { key, what, .. }) => {
             assert_eq!(key, KeyPath::from("v"));
             assert!(what.contains("pickle"), "{what}");
         }
-        other => panic!("expected Unsupported, got {other:?}"),
+        other => panic!("expected Unreadable, got {other:?}"),
     }
 
     let prefix = dir.path().join("no-data");
@@ -520,10 +523,9 @@ fn non_tensor_folders_must_hold_json_data() -> TestResult {
         m.shift_remove("data");
     }
     write_meta(&prefix.join("v"), &meta)?;
-    match load_err(&prefix, "no data") {
-        Error::Unsupported { key, .. } => assert_eq!(key, KeyPath::from("v")),
-        other => panic!("expected Unsupported, got {other:?}"),
-    }
+    let err = load_err(&prefix, "no data");
+    assert_invalid_meta(&err, "no data");
+    assert!(err.to_string().contains("key `v`: a non-tensor value with neither `data` nor `other.pickle`"), "{err}");
 
     // `"data": null` is a value, not a missing one.
     let prefix = dir.path().join("null-data");

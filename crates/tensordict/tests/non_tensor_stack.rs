@@ -120,16 +120,16 @@ fn bad_stack_folders_are_refused() -> TestResult {
     let path = dir.path().join("td");
     sample(3)?.memmap(&path)?;
     let stack_meta = path.join("names/meta.json");
-    let cases = [
-        (r#"{"_type":"x","stack_dim":0,"data":"pickle.pkl"}"#, "pickled"),
-        (r#"{"_type":"x","stack_dim":0}"#, "without"),
-    ];
-    for (text, what) in cases {
-        fs::write(&stack_meta, text)?;
-        match TensorDict::load_memmap(&path, Access::ReadOnly) {
-            Err(Error::Unsupported { what: got, .. }) => assert!(got.contains(what), "{got}"),
-            other => panic!("{text}: {other:?}"),
-        }
+    // A pickled stack loads as an entry not read; one without data is a damaged folder.
+    fs::write(&stack_meta, r#"{"_type":"x","stack_dim":0,"data":"pickle.pkl"}"#)?;
+    match TensorDict::load_memmap(&path, Access::ReadOnly)?.get_non_tensor("names") {
+        Err(Error::Unreadable { what, .. }) => assert!(what.contains("pickled"), "{what}"),
+        other => panic!("{other:?}"),
+    }
+    fs::write(&stack_meta, r#"{"_type":"x","stack_dim":0}"#)?;
+    match TensorDict::load_memmap(&path, Access::ReadOnly) {
+        Err(e @ Error::InvalidMeta { .. }) => assert!(e.to_string().contains("`data` is neither"), "{e}"),
+        other => panic!("{other:?}"),
     }
     // Any stack_dim is read (the data is in batch order); one that is not a dim is refused.
     fs::write(&stack_meta, r#"{"stack_dim":1,"data":[1,2,3]}"#)?;

@@ -51,6 +51,9 @@ fn assert_same(a: &TensorDict, b: &TensorDict, ctx: &str) {
             (Entry::NonTensor(x), Entry::NonTensor(y)) | (Entry::NonTensorStack(x), Entry::NonTensorStack(y)) => {
                 assert_eq!(x, y, "{ctx}: value")
             }
+            (Entry::Unreadable(x), Entry::Unreadable(y)) => {
+                assert_eq!((x.what(), x.path()), (y.what(), y.path()), "{ctx}: entry not read")
+            }
             (x, y) => panic!("{ctx}: a {} and a {}", x.kind_name(), y.kind_name()),
         }
     }

@@ -12,7 +12,7 @@ use crate::dir::Dir;
 use crate::error::WithKey;
 use crate::key::{METADATA_KEYS, RESERVED_KEYS, candidate_names};
 use crate::replace::Destination;
-use crate::{Entry, Error, KeyPath, Result, TensorDict};
+use crate::{Entry, Error, KeyPath, Result, TensorDict, Unreadable};
 
 use super::{FORMAT_VERSION, MAX_DEPTH, MAX_META_BYTES, TD_TYPE};
 
@@ -278,7 +278,7 @@ fn read_node(
             return Err(Error::Unsupported {
                 path: meta_path.clone(),
                 key: path.clone(),
-                what: format!("node type `{other}`"),
+                what: node_type_words(other),
             });
         }
     }
@@ -304,9 +304,9 @@ fn read_node(
         let key = path.join(name);
         let entry = match child.as_object() {
             None => Err(invalid(format!("entry `{key}` is not an object"))),
-            Some(child) => {
+            Some(record) => {
                 let folder = || existing(dir, candidate_names(name, true), "").and_then(|n| dir.open_dir(&n));
-                match child.get("type").and_then(Value::as_str) {
+                let read = match record.get("type").and_then(Value::as_str) {
                     Some("TensorDict") => {
                         folder().and_then(|sub| read_node(&sub, &key, Some(&batch), leaves, problems)).map(Entry::Dict)
                     }
@@ -315,9 +315,14 @@ fn read_node(
                     Some(other) => Err(Error::Unsupported {
                         path: meta_path.clone(),
                         key: key.clone(),
-                        what: format!("entry type `{other}`"),
+                        what: entry_type_words(other),
                     }),
-                    None => read_leaf(dir, &meta_path, &key, child, &batch, leaves).map(Entry::Tensor),
+                    None => read_leaf(dir, &meta_path, &key, record, &batch, leaves).map(Entry::Tensor),
+                };
+                match read {
+                    // Kept by name and kind; the rest of the folder loads.
+                    Err(Error::Unsupported { what, .. }) => unreadable(dir, name, record, what).map(Entry::Unreadable),
+                    read => read,
                 }
             }
         };
@@ -342,15 +347,18 @@ fn read_leaf(
 ) -> Result<Tensor> {
     let invalid =
         |reason: String| Error::InvalidMeta { path: meta_path.to_owned(), reason: format!("key `{key}`: {reason}") };
+    let unsupported = |what: String| Error::Unsupported { path: meta_path.to_owned(), key: key.clone(), what };
     if meta.get("is_nested").and_then(Value::as_bool) == Some(true) {
-        return Err(Error::Unsupported {
-            path: meta_path.to_owned(),
-            key: key.clone(),
-            what: "a nested (jagged) tensor".into(),
-        });
+        return Err(unsupported("a nested tensor (one of tensors of different shapes)".into()));
     }
     let dtype_name = meta.get("dtype").and_then(Value::as_str).ok_or_else(|| invalid("no `dtype`".into()))?;
-    let dtype = DType::from_torch_str(dtype_name).map_err(|_| invalid(format!("unknown dtype `{dtype_name}`")))?;
+    let dtype = DType::from_torch_str(dtype_name).map_err(|_| {
+        if TORCH_DTYPES_NOT_READ.contains(&dtype_name.strip_prefix("torch.").unwrap_or("")) {
+            unsupported(format!("a tensor of dtype `{dtype_name}`"))
+        } else {
+            invalid(format!("unknown dtype `{dtype_name}`"))
+        }
+    })?;
     let shape = meta.get("shape").and_then(dims_of).ok_or_else(|| invalid("`shape` is not a list of sizes".into()))?;
     if !shape.starts_with(batch) {
         return Err(Error::BatchSizeMismatch { key: key.clone(), shape, batch_size: batch.to_vec() });
@@ -392,6 +400,69 @@ fn read_leaf(
     }
 }
 
+/// Dtypes torch writes that this crate does not read (after `torch.`).
+const TORCH_DTYPES_NOT_READ: &[&str] = &[
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "qint8",
+    "quint8",
+    "qint32",
+    "quint4x2",
+    "quint2x4",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+    "bits8",
+    "bits16",
+];
+
+/// The entry type of a parent's record (`{"type": "LazyStackedTensorDict"}`), for people.
+fn entry_type_words(kind: &str) -> String {
+    match kind {
+        "LazyStackedTensorDict" => "a lazy stack of dicts (`LazyStackedTensorDict`)".into(),
+        "PersistentTensorDict" => "an HDF5-backed dict (`PersistentTensorDict`)".into(),
+        // Python records a tensorclass by its class name.
+        other => format!("a `{other}` (a tensorclass or another non-TensorDict type)"),
+    }
+}
+
+/// A folder's own `_type` (`<class 'tensordict._lazy.LazyStackedTensorDict'>`), for people.
+fn node_type_words(kind: &str) -> String {
+    let class = kind.strip_prefix("<class '").and_then(|k| k.strip_suffix("'>")).unwrap_or(kind);
+    let name = class.rsplit('.').next().unwrap_or(class);
+    match name {
+        "LazyStackedTensorDict" | "PersistentTensorDict" => entry_type_words(name),
+        _ => format!("a `{class}` (a tensorclass or another non-TensorDict type)"),
+    }
+}
+
+/// The entry `name` of `dir` that is not read, with its record `record` in `dir`'s `meta.json`:
+/// its folder (for a record with a `type`), or its leaf file and, for a nested tensor, the file
+/// of its shapes.
+fn unreadable(dir: &Dir, name: &str, record: &Map<String, Value>, what: String) -> Result<Unreadable> {
+    let names = if record.contains_key("type") {
+        vec![existing(dir, candidate_names(name, true), "")?]
+    } else {
+        let file = existing(dir, candidate_names(name, false), ".memmap")?;
+        let shapes = format!("{}.shape.memmap", file.trim_end_matches(".memmap"));
+        let mut names = Vec::new();
+        for held in [file, shapes] {
+            if dir.kind(&held)?.is_some() {
+                names.push(held);
+            }
+        }
+        names
+    };
+    Ok(Unreadable::new(what, dir.path().to_owned(), names, Value::Object(record.clone())))
+}
+
 /// The first of `names` (plus `suffix`) that exists in `dir`, or the first one if none does
 /// (so that the error names the file Python would write).
 fn existing(dir: &Dir, names: Vec<String>, suffix: &str) -> Result<String> {
@@ -410,7 +481,7 @@ fn read_non_tensor(dir: &Dir, key: &KeyPath) -> Result<Value> {
         return Err(Error::Unsupported {
             path: dir.path().to_owned(),
             key: key.clone(),
-            what: "a pickled non-tensor value (`other.pickle`); only JSON values are read".into(),
+            what: "a pickled Python value (`other.pickle`)".into(),
         });
     }
     let meta = read_meta(dir)?;
@@ -418,10 +489,9 @@ fn read_non_tensor(dir: &Dir, key: &KeyPath) -> Result<Value> {
         .as_object()
         .ok_or_else(|| Error::InvalidMeta { path: meta_path.clone(), reason: "not a JSON object".into() })?;
     check_version(obj, &meta_path)?;
-    obj.get("data").cloned().ok_or_else(|| Error::Unsupported {
+    obj.get("data").cloned().ok_or_else(|| Error::InvalidMeta {
         path: meta_path.clone(),
-        key: key.clone(),
-        what: "a non-tensor value without JSON `data` (pickled?)".into(),
+        reason: format!("key `{key}`: a non-tensor value with neither `data` nor `other.pickle`"),
     })
 }
 
@@ -457,8 +527,13 @@ fn read_non_tensor_stack(dir: &Dir, key: &KeyPath, batch: &[usize]) -> Result<En
     }
     let data = match obj.get("data") {
         Some(Value::Array(values)) => Value::Array(values.clone()),
-        Some(Value::String(_)) => return Err(unsupported("a pickled NonTensorStack (`pickle.pkl`)".into())),
-        _ => return Err(unsupported("a NonTensorStack without JSON `data`".into())),
+        Some(Value::String(_)) => return Err(unsupported("a stack of pickled Python values (`pickle.pkl`)".into())),
+        _ => {
+            return Err(Error::InvalidMeta {
+                path: meta_path.clone(),
+                reason: format!("key `{key}`: a NonTensorStack whose `data` is neither a list nor a pickle file name"),
+            });
+        }
     };
     let stack = Entry::NonTensorStack(data);
     crate::dict::check_fits(key, &stack, batch)?;

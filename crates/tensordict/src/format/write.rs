@@ -307,6 +307,16 @@ impl TensorDict {
                     });
                     write_meta(&sub, &to_python_json_compact(&content))?;
                 }
+                // Copied as it is: a whole copy of a Python folder loses nothing. A zero-filled
+                // folder of the same schema cannot make one.
+                Entry::Unreadable(u) => match fill {
+                    Fill::Copy => {
+                        meta.insert(name.to_owned(), u.meta().clone());
+                        u.copy_into(dir)?;
+                        writing.check_cancel()?;
+                    }
+                    Fill::Zeros(_) => return Err(u.error(&key)),
+                },
             }
         }
         meta.insert("shape".into(), json!(resized(self.batch_size(), fill)));
@@ -342,6 +352,7 @@ fn check_writable_keys(td: &TensorDict, path: &KeyPath) -> Result<()> {
         let on_disk = match entry {
             Entry::Tensor(_) => format!("{}.memmap", encode_name(name)),
             Entry::Dict(_) | Entry::NonTensor(_) | Entry::NonTensorStack(_) => encode_name(name),
+            Entry::Unreadable(u) => u.names().first().cloned().unwrap_or_default(),
         };
         if !names.insert(on_disk) {
             return Err(Error::InvalidKey {
