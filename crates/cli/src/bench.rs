@@ -4,6 +4,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, ensure};
@@ -533,13 +534,46 @@ pub(crate) fn round(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
+/// Writes the benchmark folder. Ctrl-C or SIGTERM stops it between chunks, and the folder it
+/// was making is removed (an empty folder that was there is left empty).
 fn make(path: &Path, rows: usize) -> anyhow::Result<ExitCode> {
+    let cancel = crate::interrupt::catch()?;
+    let was_there = path.exists();
+    let options = tensordict::WriteOptions::default().cancel(Arc::clone(&cancel));
+    let mut td = make_schema()?.memmap_like_with(path, Some(rows), &options)?;
+    match fill(&mut td, rows, &cancel) {
+        Ok(()) => {}
+        Err(e) if crate::interrupt::is_cancelled(&e) => {
+            drop(td);
+            std::fs::remove_dir_all(path).with_context(|| format!("removing the unfinished {}", path.display()))?;
+            if was_there {
+                std::fs::create_dir(path).with_context(|| format!("{}", path.display()))?;
+            }
+            return Err(e);
+        }
+        Err(e) => return Err(e),
+    }
+    crate::out!("wrote {} ({rows} rows, {})", path.display(), indicatif::DecimalBytes(td.nbytes() as u64));
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The benchmark folder's schema, one row.
+fn make_schema() -> anyhow::Result<TensorDict> {
     let mut schema = TensorDict::new([1]);
     schema.set("obs", Tensor::zeros([1, 84], DType::F32, &memmap_tensor::Location::Heap)?)?;
     schema.set("action", Tensor::zeros([1], DType::I64, &memmap_tensor::Location::Heap)?)?;
     schema.set("reward", Tensor::zeros([1], DType::F32, &memmap_tensor::Location::Heap)?)?;
     schema.set("done", Tensor::zeros([1], DType::Bool, &memmap_tensor::Location::Heap)?)?;
-    let mut td = schema.memmap_like(path, Some(rows))?;
+    Ok(schema)
+}
+
+/// Fills the `rows` rows of the benchmark folder `td` and flushes them, checking `cancel`
+/// between chunks ([`tensordict::Error::Cancelled`] once it is set).
+fn fill(td: &mut TensorDict, rows: usize, cancel: &AtomicBool) -> anyhow::Result<()> {
+    let check = || -> anyhow::Result<()> {
+        anyhow::ensure!(!cancel.load(Ordering::Relaxed), tensordict::Error::Cancelled);
+        Ok(())
+    };
     // Rows are filled, then flushed, a chunk at a time: 2 steps per chunk on the bar.
     const CHUNK_ROWS: usize = 1 << 16;
     let progress = Progress::bar("writing", 2 * rows as u64, Unit::Items("row steps"), true);
@@ -552,6 +586,7 @@ fn make(path: &Path, rows: usize) -> anyhow::Result<ExitCode> {
                 row.fill((c * CHUNK_ROWS + r) as f32);
             }
             progress.inc((chunk.len() / 84) as u64);
+            check()?;
         }
     }
     {
@@ -568,9 +603,8 @@ fn make(path: &Path, rows: usize) -> anyhow::Result<ExitCode> {
             if key.parts() == ["obs"] {
                 progress.inc(len as u64);
             }
+            check()?;
         }
     }
-    drop(progress);
-    crate::out!("wrote {} ({rows} rows, {})", path.display(), indicatif::DecimalBytes(td.nbytes() as u64));
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }

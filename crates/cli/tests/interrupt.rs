@@ -1,5 +1,5 @@
-//! Ctrl-C (SIGINT) or SIGTERM during `tdict copy`: the copy removes what it was making, says so
-//! and exits 130; the destination (a folder, or `shm:PREFIX`) is as it was.
+//! Ctrl-C (SIGINT) or SIGTERM during `tdict copy` or `bench make`: the command removes what it
+//! was making, says so and exits 130; the destination (a folder, or `shm:PREFIX`) is as it was.
 
 #![allow(dead_code, reason = "each test file uses part of the shared helpers")]
 
@@ -91,5 +91,31 @@ fn an_interrupted_copy_to_shared_memory_removes_the_prefix() -> anyhow::Result<(
         }
     }
     assert!(interrupted > 0, "no copy was interrupted mid-way in {TRIES} tries");
+    Ok(())
+}
+
+/// `bench make` fills its folder in place after making it: a signal during the fill removes
+/// the folder, so no half-written benchmark folder is left to be measured.
+#[test]
+fn an_interrupted_bench_make_removes_its_folder() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("bench");
+    let mut interrupted = 0;
+    for (i, signal) in (0..TRIES).zip([Signal::SIGINT, Signal::SIGTERM].into_iter().cycle()) {
+        let child =
+            spawn(&["bench".as_ref(), "make".as_ref(), path.as_os_str(), "--rows".as_ref(), "2000000".as_ref()]);
+        let (code, stderr) = signal_when(child, signal, || path.join("meta.json").exists());
+        match code {
+            Some(130) => {
+                interrupted += 1;
+                assert!(stderr.contains("interrupted") && stderr.contains("removed"), "{stderr}");
+                assert!(!path.exists(), "try {i}: an interrupted bench make left {}", path.display());
+            }
+            Some(0) => std::fs::remove_dir_all(&path)?,
+            other => panic!("try {i}: exit {other:?}: {stderr}"),
+        }
+        assert!(TensorDict::leftovers(&path)?.is_empty(), "try {i}: leftovers after {code:?}");
+    }
+    assert!(interrupted > 0, "no bench make was interrupted mid-way in {TRIES} tries");
     Ok(())
 }
