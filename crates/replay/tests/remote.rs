@@ -898,3 +898,161 @@ fn a_learner_samples_to_a_device_and_holds_nothing_after() {
     }
     assert_eq!(client.stats().unwrap().open_leases, 0);
 }
+
+// === Rows by value (what a client on another node does; forced here on one node) ===
+
+/// Clients that send and receive rows by value share whole rows with clients that map the
+/// storage, through the same reservations and leases: nothing stays leased or reserved.
+#[test]
+fn rows_by_value_are_whole_and_leave_nothing_held() {
+    let f = Fixture::new("by-value");
+    let server = f.start(f.options(48).seed(11));
+    assert!(!f.connect().is_by_value(), "on the service's node rows go through the mapping");
+    let writers: Vec<_> = (0..2)
+        .map(|w| {
+            let client = f.connect().by_value(w == 0);
+            thread::spawn(move || {
+                for seq in 0..150 {
+                    let base = (w * 1_000_000 + seq * 10) as f64;
+                    let rows = client.extend(&batch(&[base, base + 1., base + 2., base + 3.])).unwrap();
+                    assert_eq!(rows.len(), 4);
+                }
+            })
+        })
+        .collect();
+    let learner = f.connect().by_value(true);
+    assert!(learner.is_by_value());
+    let mut out = batch(&[0.; 16]);
+    let mut seen = 0;
+    while writers.iter().any(|w| !w.is_finished()) || seen < 100 {
+        let (rows, info) = learner.sample(16, Some(Duration::from_secs(120))).unwrap();
+        assert_eq!(info.indices.len(), 16);
+        for v in check_rows(&rows) {
+            assert!(v.rem_euclid(10.) < 4., "a row never written: {v}");
+        }
+        let info = learner.sample_into(&mut out, 16, None).unwrap();
+        assert_eq!(info.indices.len(), 16);
+        check_rows(&out);
+        seen += 1;
+    }
+    for w in writers {
+        w.join().unwrap();
+    }
+    let stats = learner.stats().unwrap();
+    assert_eq!((stats.len, stats.write_count, stats.inserts), (48, 2 * 150 * 4, 2 * 150 * 4));
+    assert_eq!((stats.open_reservations, stats.open_leases), (0, 0));
+    check_rows(&server.buffer().get(0..48).unwrap());
+    // What was written by value is where the reply said.
+    let writer = f.connect().by_value(true);
+    let rows = writer.extend(&batch(&[7., 8.])).unwrap();
+    let stored = check_rows(&server.buffer().get(rows.clone()).unwrap());
+    assert_eq!(stored, [7., 8.]);
+}
+
+/// Batches larger than one frame go in several: an extend in several inserts, a sample drawn
+/// once and read in several replies under its lease (released at the end).
+#[test]
+fn batches_larger_than_a_frame_go_by_value_in_several_frames() {
+    let f = Fixture::new("by-value-big");
+    let _server = f.start(f.options(64).seed(5));
+    let client = f.connect().by_value(true);
+    // Rows of 96 KiB: about ten in a frame of 1 MiB.
+    let wide = |values: &[f64]| {
+        let n = values.len();
+        let mut td = TensorDict::new([n]);
+        let data: Vec<f64> = values.iter().flat_map(|&v| std::iter::repeat_n(v, 12_288)).collect();
+        td.set("obs", Tensor::from_slice(&data, [n, 12_288]).unwrap()).unwrap();
+        td
+    };
+    let values: Vec<f64> = (0..64).map(f64::from).collect();
+    assert_eq!(client.extend(&wide(&values)).unwrap(), (0..64).collect::<Vec<_>>());
+    let (rows, info) = client.sample(40, None).unwrap();
+    assert_eq!(rows.batch_size(), &[40]);
+    let obs: Vec<f64> = rows.get_tensor("obs").unwrap().to_vec().unwrap();
+    for (k, &row) in info.indices.iter().enumerate() {
+        assert!(obs[k * 12_288..(k + 1) * 12_288].iter().all(|&x| x == row as f64), "row {k} is storage row {row}");
+    }
+    assert_eq!(client.stats().unwrap().open_leases, 0, "the lease of the pieces is released");
+    // One row larger than a frame cannot go by value: an error that says so.
+    let g = Fixture::new("by-value-huge");
+    let _huge = g.start(g.options(2));
+    let mut huge = TensorDict::new([1]);
+    huge.set("obs", Tensor::zeros([1, 1 << 18], DType::F32, &Location::Heap).unwrap()).unwrap();
+    let refused = g.connect().by_value(true).extend(&huge).unwrap_err();
+    assert!(matches!(refused, Error::TooManyRows { max: 0, .. }), "{refused}");
+    assert!(refused.to_string().contains("does not fit in a frame"), "{refused}");
+    // A row that fits in a frame, but not beside the schema: 1 MiB minus a little.
+    let h = Fixture::new("by-value-edge");
+    let _edge = h.start(h.options(2));
+    let mut edge = TensorDict::new([1]);
+    edge.set("obs", Tensor::zeros([1, (1 << 18) - 64], DType::F32, &Location::Heap).unwrap()).unwrap();
+    let refused = h.connect().by_value(true).extend(&edge).unwrap_err();
+    assert!(matches!(refused, Error::TooManyRows { max: 0, .. }), "{refused}");
+}
+
+/// A prioritized service by value: weights come with the rows, priorities are taken, and a
+/// reservation written by value is committed as the caller says.
+#[test]
+fn a_prioritized_service_by_value_weights_rows_and_takes_reserved_writes() {
+    let f = Fixture::new("by-value-prio");
+    let _server = f.start(f.options(32).sampler(PrioritizedSpec::new(1.0, 1.0, 0.0)).seed(3));
+    let client = f.connect().by_value(true);
+    let values: Vec<f64> = (0..32).map(f64::from).collect();
+    client.extend(&batch(&values)).unwrap();
+    let mut priorities = vec![1e-3; 32];
+    priorities[5] = 1e3;
+    client.update_priority(&(0..32).collect::<Vec<_>>(), &priorities).unwrap();
+    let (td, info) = client.sample(64, None).unwrap();
+    assert!(info.weights.is_some());
+    assert!(info.indices.iter().filter(|&&i| i == 5).count() > 60);
+    assert!(check_rows(&td).iter().zip(&info.indices).all(|(&v, &i)| v == i as f64));
+
+    let reservation = client.reserve(2, None).unwrap();
+    let rows = reservation.rows().to_vec();
+    client.write_reserved(&reservation, &batch(&[500., 501.])).unwrap();
+    let refused = client.write_reserved(&reservation, &batch(&[1.])).unwrap_err();
+    assert!(memmap_tensor::ErrorChain(&refused).to_string().contains("batch rows"), "{refused}");
+    client.commit(reservation).unwrap();
+    let mapped = f.connect();
+    let (td, info) = mapped.sample(256, None).unwrap();
+    let written: Vec<f64> =
+        check_rows(&td).into_iter().zip(&info.indices).filter(|(_, i)| rows.contains(i)).map(|(v, _)| v).collect();
+    assert!(written.iter().all(|&v| v == 500. || v == 501.), "{written:?}");
+}
+
+/// Rows of another schema, reads of leases that are not the session's or past their rows, and
+/// samples of no rows or too many are refused; the service goes on serving.
+#[test]
+fn hostile_rows_by_value_are_refused() {
+    let f = Fixture::new("by-value-hostile");
+    let _server = f.start(f.options(8));
+    let client = f.connect().by_value(true);
+    client.extend(&batch(&[1.; 8])).unwrap();
+    let raw = f.raw();
+    // An insert of another schema.
+    let mut wrong = TensorDict::new([2]);
+    wrong.set("obs", Tensor::zeros([2, 9], DType::F32, &Location::Heap).unwrap()).unwrap();
+    let inline = tensordict_rpc::InlineDict::new(&wrong).unwrap();
+    let refused = raw.call(async |c, ctx| c.insert(ctx, inline, None).await).unwrap().unwrap_err();
+    assert!(matches!(refused, WireError::InvalidRequest { .. }), "{refused}");
+    // Leases: none of this session, rows past the lease, zero rows.
+    let refused = raw.call(async |c, ctx| c.read_leased(ctx, 12345, 0, 1).await).unwrap().unwrap_err();
+    assert!(matches!(refused, WireError::NotFound { .. }), "{refused}");
+    let lease = raw.call(async |c, ctx| c.sample(ctx, 2, None, Vec::new()).await).unwrap().unwrap();
+    for (from, count) in [(0, 0), (1, 2), (u64::MAX, 1)] {
+        let refused = raw.call(async |c, ctx| c.read_leased(ctx, lease.lease, from, count).await).unwrap().unwrap_err();
+        assert!(matches!(refused, WireError::InvalidRequest { .. }), "{from} {count}: {refused}");
+    }
+    let rows = raw.call(async |c, ctx| c.read_leased(ctx, lease.lease, 0, 2).await).unwrap().unwrap();
+    assert_eq!(check_rows(&rows.to_dict().unwrap()), [1., 1.]);
+    raw.call(async |c, ctx| c.release(ctx, vec![lease.lease]).await).unwrap().unwrap();
+    // Samples of no rows or too many.
+    for n in [0, u64::MAX] {
+        let refused = raw.call(async |c, ctx| c.sample_values(ctx, n, None, Vec::new()).await).unwrap().unwrap_err();
+        assert!(matches!(refused, WireError::InvalidRequest { .. }), "{n}: {refused}");
+    }
+    // Still serving, and holding nothing for anyone.
+    check_rows(&client.sample(4, None).unwrap().0);
+    let stats = client.stats().unwrap();
+    assert_eq!((stats.open_reservations, stats.open_leases), (0, 0));
+}

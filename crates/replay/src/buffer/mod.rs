@@ -582,6 +582,48 @@ impl ReplayBuffer {
         self.record_len(storage)
     }
 
+    /// Writes row `k` of `batch` (batch size `[n, ...]`, `n` the rows reserved, the storage's
+    /// keys, dtypes and row shapes) to the `k`-th row of `reservation`: for a service that
+    /// received the rows by value. In a buffer [for a shared
+    /// filesystem](ReplayBuffer::for_shared_filesystem) the rows are then flushed to the
+    /// files, where other nodes read them. Commit (or abort) the reservation afterwards.
+    pub fn write_reserved(&self, reservation: &Reservation, batch: &TensorDict) -> Result<()> {
+        const OP: &str = "write reserved rows";
+        self.check_own(reservation.buffer, "reservation")?;
+        let storage = self.storage.get().ok_or(Error::Empty)?;
+        storage.check_batch(OP, batch)?;
+        let n = batch.batch_size().first().copied().unwrap_or(0);
+        if n != reservation.rows.len() {
+            return Err(Error::LengthMismatch {
+                what: "write reserved rows: batch rows",
+                expected: reservation.rows.len(),
+                got: n,
+            });
+        }
+        storage.write_rows(&reservation.rows, batch)?;
+        if self.file_reads.is_some() {
+            storage.flush_rows(&reservation.rows)?;
+        }
+        Ok(())
+    }
+
+    /// Rows `range` of `lease` (positions in its rows, in batch order), read as the buffer
+    /// reads rows: gathered from the storage, or in a buffer [for a shared
+    /// filesystem](ReplayBuffer::for_shared_filesystem) read from the files. The lease keeps
+    /// them whole while they are read: for a service that sends sampled rows by value.
+    pub fn read_leased(&self, lease: &Lease, range: std::ops::Range<usize>) -> Result<TensorDict> {
+        self.check_own(lease.buffer, "lease")?;
+        let storage = self.storage.get().ok_or(Error::Empty)?;
+        let rows = lease.rows.get(range.clone()).ok_or_else(|| Error::BadBatch {
+            op: "read leased rows",
+            detail: format!("rows {range:?} of a lease of {} rows", lease.rows.len()),
+        })?;
+        match &self.file_reads {
+            Some(engine) => storage.read_rows(engine, rows),
+            None => storage.gather(rows),
+        }
+    }
+
     /// Gives up the rows of `reservation`: they stay hidden from samples until written again,
     /// since they may hold part of a write. The rate limiter stops counting them.
     pub fn abort(&self, reservation: Reservation) -> Result<()> {

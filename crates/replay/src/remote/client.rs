@@ -8,11 +8,15 @@ use std::time::{Duration, Instant};
 use memmap_tensor::Access;
 use tensordict::{Index, ReadMode, TensorDict};
 use tensordict_rpc::{
-    BlockingClient, ClientOptions, Deferred, Endpoint, InlineDict, RefLocation, TensorDictRef, WireError, windowed_wait,
+    BlockingClient, ClientOptions, Deferred, Endpoint, InlineDict, NodeId, RefLocation, TensorDictRef, WireError,
+    windowed_wait,
 };
 
 use super::service::{ReplayInfo, ReplayServiceClient, ReplayStats, Reserved};
-use super::{MAX_FRAME_BYTES, max_reserve_rows, max_sample_rows, reply_limit, service_name, weighted_sampler};
+use super::{
+    MAX_FRAME_BYTES, RowsByValue, VALUE_ENVELOPE_BYTES, max_reserve_rows, max_sample_rows, reply_limit, service_name,
+    weighted_sampler,
+};
 use crate::buffer::SampleInfo;
 use crate::error::{Error, Result, WithOp};
 use crate::storages::{RowFiles, Storage};
@@ -48,6 +52,11 @@ pub struct RemoteBuffer {
     /// The largest reply this connection carries: the service's frame limit, or this client's
     /// if smaller.
     max_frame_bytes: usize,
+    /// Set when rows cross the connection by value (a client on another node, or one that
+    /// asked): see [`RemoteBuffer::by_value`].
+    by_value: bool,
+    /// How many rows of the storage one frame carries by value, once the storage is known.
+    rows_by_value: OnceLock<RowsByValue>,
 }
 
 impl Drop for RemoteBuffer {
@@ -120,6 +129,7 @@ impl RemoteBuffer {
     pub fn connect_to(endpoint: &Endpoint, options: &ClientOptions) -> Result<RemoteBuffer> {
         let client: Arc<BlockingClient<ReplayServiceClient>> = Arc::new(BlockingClient::connect(endpoint, options)?);
         let info = client.invoke(async |c, ctx| c.hello(ctx).await)?;
+        let by_value = !info_node_is_here(&info);
         let sender = Arc::clone(&client);
         let releases = Deferred::start("replay-sender", RELEASE_GRACE, move |leases: Vec<u64>| {
             if let Err(e) = sender.invoke(async |c, ctx| c.release(ctx, leases).await) {
@@ -136,7 +146,27 @@ impl RemoteBuffer {
             read_mode: ReadMode::Direct,
             files: OnceLock::new(),
             max_frame_bytes: options.max_frame_bytes.min(MAX_FRAME_BYTES),
+            by_value,
+            rows_by_value: OnceLock::new(),
         })
+    }
+
+    /// Whether rows cross the connection by value: `extend` sends the rows' bytes with the
+    /// request that writes and commits them, and `sample` gets the sampled rows' bytes in its
+    /// reply, one round trip each (in several, each one frame, for batches larger than a
+    /// frame), with no mapping and no file access on this node. The default for a client on
+    /// another node than the service (unless it is [on a shared
+    /// filesystem](RemoteBuffer::on_shared_filesystem)); on the service's node rows go through
+    /// this process's mapping of the storage, with no copy of the bytes on the way. `false`
+    /// on another node needs the storage in a folder this node mounts.
+    pub fn by_value(mut self, yes: bool) -> Self {
+        self.by_value = yes;
+        self
+    }
+
+    /// Whether this client sends and receives rows by value (see [`RemoteBuffer::by_value`]).
+    pub fn is_by_value(&self) -> bool {
+        self.by_value
     }
 
     /// For a service whose rows are in a folder on a network filesystem (NFS, GlusterFS,
@@ -150,6 +180,7 @@ impl RemoteBuffer {
     /// storage must be a folder. On one node (shared memory, a local disk) it is not needed.
     pub fn on_shared_filesystem(mut self, engine: tensordict_aio::Engine) -> Self {
         self.shared_filesystem = Some(engine);
+        self.by_value = false;
         self
     }
 
@@ -215,6 +246,9 @@ impl RemoteBuffer {
         if n == 0 {
             return Ok(Vec::new());
         }
+        if self.by_value {
+            return self.insert_values(batch, n, wait);
+        }
         let sink = self.sink(Some(batch))?;
         sink.check_batch(OP, batch)?;
         // A batch longer than the buffer, or than one reservation's reply can carry, goes in
@@ -262,7 +296,9 @@ impl RemoteBuffer {
             let why = reply_limit(self.capacity(), false, self.max_frame_bytes);
             return Err(Error::TooManyRows { op: "reserve", rows: n, max, why });
         }
-        self.sink(None)?;
+        if !self.by_value {
+            self.sink(None)?;
+        }
         let reserved = self.reserve_raw(n, wait, None, "reserve")?;
         Ok(RemoteReservation { id: reserved.id, rows: reserved.rows.iter().map(|&r| r as usize).collect() })
     }
@@ -272,6 +308,11 @@ impl RemoteBuffer {
     /// `fdatasync`ed, ready to commit). The reservation stays open: commit or abort it.
     pub fn write_reserved(&self, reservation: &RemoteReservation, batch: &TensorDict) -> Result<()> {
         const OP: &str = "write reserved rows";
+        if self.by_value {
+            let rows = self.value_frame(OP, batch, None)?;
+            let id = reservation.id;
+            return Ok(self.client.invoke(async |c, ctx| c.write_reserved(ctx, id, rows).await)?);
+        }
         let sink = self.sink(None)?;
         sink.check_batch(OP, batch)?;
         let n = batch.batch_size()[0];
@@ -314,7 +355,10 @@ impl RemoteBuffer {
     /// fails at once. At most [`RemoteBuffer::max_sample_rows`] rows: a larger sample is
     /// refused before it is sent.
     pub fn sample(&self, batch_size: usize, wait: Option<Duration>) -> Result<(TensorDict, SampleInfo)> {
-        self.sample_with(batch_size, wait, |rows| match &self.shared_filesystem {
+        if self.by_value {
+            return self.sample_values(batch_size, wait);
+        }
+        self.sample_with(batch_size, wait, |_, rows| match &self.shared_filesystem {
             Some(engine) => self.files(None)?.read_rows(engine, rows, self.read_mode),
             None => self.readable()?.gather(rows),
         })
@@ -330,7 +374,11 @@ impl RemoteBuffer {
         batch_size: usize,
         wait: Option<Duration>,
     ) -> Result<(TensorDict, SampleInfo)> {
-        self.sample_with(batch_size, wait, |rows| match &self.shared_filesystem {
+        if self.by_value {
+            let (rows, info) = self.sample_values(batch_size, wait)?;
+            return Ok((rows.to(device).op("sample_to")?, info));
+        }
+        self.sample_with(batch_size, wait, |_, rows| match &self.shared_filesystem {
             Some(engine) => {
                 let read = self.files(None)?.read_rows(engine, rows, self.read_mode)?;
                 read.to(device).op("sample_to")
@@ -349,8 +397,14 @@ impl RemoteBuffer {
                 detail: format!("batch size {:?} does not start with {batch_size}", out.batch_size()),
             });
         }
+        if self.by_value {
+            let (rows, info) = self.sample_values(batch_size, wait)?;
+            let k = info.indices.len() as i64;
+            out.set_at(Index::slice(Some(0), Some(k), 1), &rows).op("sample_into")?;
+            return Ok(info);
+        }
         Ok(self
-            .sample_with(batch_size, wait, |rows| match &self.shared_filesystem {
+            .sample_with(batch_size, wait, |_, rows| match &self.shared_filesystem {
                 Some(engine) => {
                     let read = self.files(None)?.read_rows(engine, rows, self.read_mode)?;
                     let k = rows.len() as i64;
@@ -402,7 +456,7 @@ impl RemoteBuffer {
         &self,
         batch_size: usize,
         wait: Option<Duration>,
-        gather: impl FnOnce(&[usize]) -> Result<T>,
+        gather: impl FnOnce(u64, &[usize]) -> Result<T>,
     ) -> Result<(T, SampleInfo)> {
         let max = self.max_sample_rows();
         if batch_size > max {
@@ -437,10 +491,126 @@ impl RemoteBuffer {
         )
         .map_err(|e| timed_out("sample", start, e))?;
         let indices: Vec<usize> = sampled.indices.iter().map(|&r| r as usize).collect();
-        let gathered = gather(&indices);
+        let gathered = gather(sampled.lease, &indices);
         // Released with the next sample, or by the sender thread shortly after.
         self.releases.push(sampled.lease);
         Ok((gathered?, SampleInfo { indices, weights: sampled.weights }))
+    }
+
+    /// How many rows one frame carries by value: known from the storage's schema, the storage
+    /// made from `like`'s if the service has none.
+    fn rows_by_value(&self, like: Option<&TensorDict>) -> Result<RowsByValue> {
+        if let Some(limit) = self.rows_by_value.get() {
+            return Ok(*limit);
+        }
+        let reference = self.reference(like)?;
+        Ok(*self.rows_by_value.get_or_init(|| RowsByValue::of(&reference.schema)))
+    }
+
+    /// `batch` as one frame of rows by value, or [`Error::TooManyRows`] if it does not fit.
+    fn value_frame(&self, op: &'static str, batch: &TensorDict, like: Option<&TensorDict>) -> Result<InlineDict> {
+        let rows = batch.batch_size().first().copied().unwrap_or(0);
+        let max = self.rows_by_value(like)?.max_rows(self.capacity(), false, self.max_frame_bytes);
+        if rows > max {
+            let why = format!("rows go by value in frames of at most {} bytes", self.max_frame_bytes);
+            return Err(Error::TooManyRows { op, rows, max, why });
+        }
+        InlineDict::new(batch).op(op)
+    }
+
+    /// `extend` by value: the rows in frames of as many as fit, each written and committed by
+    /// the service in one request (the storage made from the batch's schema first, if the
+    /// service has none).
+    fn insert_values(&self, batch: &TensorDict, n: usize, wait: Option<Duration>) -> Result<Vec<usize>> {
+        const OP: &str = "extend";
+        let limit = self.rows_by_value(Some(batch))?;
+        let chunk = limit.max_rows(self.capacity(), false, self.max_frame_bytes).min(self.capacity());
+        if chunk == 0 {
+            let why = format!("one row does not fit in a frame of {} bytes", self.max_frame_bytes);
+            return Err(Error::TooManyRows { op: OP, rows: n, max: 0, why });
+        }
+        let mut written = Vec::with_capacity(n);
+        for start in (0..n).step_by(chunk) {
+            let end = (start + chunk).min(n);
+            let rows = if start == 0 && end == n {
+                InlineDict::new(batch)
+            } else {
+                InlineDict::new(&batch.index(Index::slice(Some(start as i64), Some(end as i64), 1)).op(OP)?)
+            }
+            .op(OP)?;
+            let begun = Instant::now();
+            let stored = windowed_wait(
+                wait,
+                WAIT_WINDOW,
+                |window| {
+                    let mut ctx = self.client.context();
+                    ctx.deadline += window;
+                    let rows = rows.clone();
+                    self.client.invoke_with(ctx, async |c, ctx| c.insert(ctx, rows, Some(window)).await)
+                },
+                is_timed_out,
+            )
+            .map_err(|e| timed_out(OP, begun, e))?;
+            written.extend(stored.iter().map(|&r| r as usize));
+        }
+        Ok(written)
+    }
+
+    /// `sample` by value: the rows in the reply when they fit in one frame; else drawn under a
+    /// lease and read in frames of as many rows as fit, then released.
+    fn sample_values(&self, batch_size: usize, wait: Option<Duration>) -> Result<(TensorDict, SampleInfo)> {
+        const OP: &str = "sample";
+        let weighted = weighted_sampler(&self.info.sampler);
+        // Before the storage exists (a sample waiting for the first rows) the service says
+        // whether the rows fit.
+        let known = self.rows_by_value.get().copied().or_else(|| match &self.info.storage {
+            Some(reference) => Some(*self.rows_by_value.get_or_init(|| RowsByValue::of(&reference.schema))),
+            None => self.rows_by_value(None).ok(),
+        });
+        let per_frame = known.map(|limit| limit.max_rows(self.capacity(), weighted, self.max_frame_bytes));
+        if let Some(per_frame) = per_frame.filter(|&max| batch_size > max) {
+            if per_frame == 0 {
+                let why = format!("one row does not fit in a frame of {} bytes", self.max_frame_bytes);
+                return Err(Error::TooManyRows { op: OP, rows: batch_size, max: 0, why });
+            }
+            return self.sample_with(batch_size, wait, |lease, rows| {
+                let mut parts = Vec::with_capacity(rows.len().div_ceil(per_frame));
+                for from in (0..rows.len()).step_by(per_frame) {
+                    let count = per_frame.min(rows.len() - from) as u64;
+                    let part =
+                        self.client.invoke(async |c, ctx| c.read_leased(ctx, lease, from as u64, count).await)?;
+                    parts.push(part.to_dict().op(OP)?);
+                }
+                let parts: Vec<&TensorDict> = parts.iter().collect();
+                TensorDict::cat(&parts, 0).op(OP)
+            });
+        }
+        let start = Instant::now();
+        let mut release = self.releases.take();
+        let sampled = windowed_wait(
+            wait,
+            WAIT_WINDOW,
+            |window| {
+                let mut ctx = self.client.context();
+                ctx.deadline += window;
+                let sent = std::mem::take(&mut release);
+                let answer = self.client.invoke_with(ctx, async |c, ctx| {
+                    c.sample_values(ctx, batch_size as u64, Some(window), sent.clone()).await
+                });
+                if let Err(e) = &answer
+                    && !matches!(e, tensordict_rpc::Error::Remote { .. })
+                    && !sent.is_empty()
+                {
+                    self.releases.extend(sent);
+                }
+                answer
+            },
+            is_timed_out,
+        )
+        .map_err(|e| timed_out(OP, start, e))?;
+        let rows = sampled.rows.to_dict().op(OP)?;
+        let indices = sampled.indices.iter().map(|&r| r as usize).collect();
+        Ok((rows, SampleInfo { indices, weights: sampled.weights }))
     }
 
     /// Reserves `n` rows, committing `commit` first; waits in windows.
@@ -501,6 +671,15 @@ impl RemoteBuffer {
                 // One row is enough to give the schema.
                 let row = like.index(Index::slice(Some(0), Some(1), 1)).op("create storage")?;
                 let inline = InlineDict::new(&row).op("create storage")?;
+                // Sent whole or not at all: a frame past the limit would end the connection.
+                if inline.nbytes().saturating_add(VALUE_ENVELOPE_BYTES) > self.max_frame_bytes {
+                    let why = format!(
+                        "one row of {} bytes does not fit in a frame of {} bytes",
+                        inline.nbytes(),
+                        self.max_frame_bytes
+                    );
+                    return Err(Error::TooManyRows { op: "create storage", rows: 1, max: 0, why });
+                }
                 self.client.invoke(async |c, ctx| c.create(ctx, inline).await)?
             }
             (None, None) => self.current_storage()?,
@@ -568,4 +747,9 @@ impl Sink<'_> {
             Sink::Files(files, engine) => files.write_rows(engine, rows, src),
         }
     }
+}
+
+/// Whether the service that said `info` runs on this node.
+fn info_node_is_here(info: &ReplayInfo) -> bool {
+    info.node.same_as(&NodeId::local())
 }

@@ -124,6 +124,42 @@ pub fn max_reserve_rows(capacity: usize, max_frame_bytes: usize) -> usize {
     max_frame_bytes.saturating_sub(REPLY_ENVELOPE_BYTES) / reply_row_bytes(capacity, false)
 }
 
+/// The bytes of a request or reply carrying rows by value that are not the rows or their
+/// indices and weights, beside the schema's text: tarpc's envelope (request id, deadline,
+/// trace context), the method's and results' tags, the lengths of the lists and of every
+/// tensor's bytes. A generous bound: it only decides how many rows go in one frame.
+pub(crate) const VALUE_ENVELOPE_BYTES: usize = 1024;
+
+/// How many rows of a storage one frame carries by value ([`ReplayService::sample_values`],
+/// [`ReplayService::insert`], [`ReplayService::read_leased`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RowsByValue {
+    /// The bytes of one row, every tensor together.
+    row_bytes: usize,
+    /// The rest of a frame: the envelope, the schema's text and the tensors' lengths.
+    fixed_bytes: usize,
+}
+
+impl RowsByValue {
+    /// For the storage whose schema (as its reference gives it) is `schema`: the schema's text
+    /// there, whose first dims are the capacity, is at least as long as the one a frame of
+    /// fewer rows carries.
+    pub(crate) fn of(schema: &tensordict::Schema) -> RowsByValue {
+        let tensors = schema.tensors();
+        let row_bytes =
+            tensors.iter().map(|(_, t)| t.shape.iter().skip(1).product::<usize>() * t.dtype.size_in_bytes()).sum();
+        let fixed_bytes = VALUE_ENVELOPE_BYTES + schema.to_json().len() + tensors.len() * VARINT_MAX_BYTES;
+        RowsByValue { row_bytes, fixed_bytes }
+    }
+
+    /// The most rows one frame of `max_frame_bytes` carries from a service of `capacity` rows,
+    /// each with its index (and its weight, `weighted`); at least 1 when one row fits.
+    pub(crate) fn max_rows(&self, capacity: usize, weighted: bool, max_frame_bytes: usize) -> usize {
+        let per_row = self.row_bytes + reply_row_bytes(capacity, weighted);
+        max_frame_bytes.saturating_sub(self.fixed_bytes) / per_row.max(1)
+    }
+}
+
 /// Whether `sampler` (as [`ReplayInfo::sampler`] says) weights its rows: its samples carry a
 /// weight per row ([`SamplerSpec::weighted`]).
 pub fn weighted_sampler(sampler: &SamplerSpec) -> bool {

@@ -10,9 +10,10 @@ use tarpc::context::Context;
 use tensordict_rpc::service::{self as named, OwnerLock, Served, SessionTable, StopSignal};
 use tensordict_rpc::{Endpoint, InlineDict, NodeId, Peer, ServerOptions, TensorDictRef, ToRef, WireError};
 
-use super::service::{LimiterInfo, ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled};
+use super::service::{LimiterInfo, ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled, SampledValues};
 use super::{
-    MAX_FRAME_BYTES, ReplayOptions, max_reserve_rows, max_sample_rows, reply_limit, service_name, weighted_sampler,
+    MAX_FRAME_BYTES, ReplayOptions, RowsByValue, max_reserve_rows, max_sample_rows, reply_limit, service_name,
+    weighted_sampler,
 };
 use crate::buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows};
 use crate::error::{Error, Result};
@@ -57,6 +58,8 @@ struct Shared {
     shm_prefix: Option<String>,
     /// Held while the storage is made, so that it is made once.
     creating: Mutex<()>,
+    /// How many rows a frame carries by value, once the storage exists.
+    by_value: std::sync::OnceLock<RowsByValue>,
     sessions: Mutex<Sessions>,
     stop: StopSignal,
 }
@@ -95,6 +98,44 @@ impl Shared {
     fn stopping(&self) -> std::result::Result<(), WireError> {
         if self.stop.is_stopped() { Err(WireError::ShuttingDown) } else { Ok(()) }
     }
+
+    /// Whether the sampler weights its rows.
+    fn weighted(&self) -> bool {
+        self.buffer.sampler_spec().is_some_and(|spec| weighted_sampler(&spec))
+    }
+
+    /// The most rows one reply carries by value; an error before the storage exists.
+    fn max_value_rows(&self) -> Result<usize> {
+        let limit = match self.by_value.get() {
+            Some(limit) => *limit,
+            None => {
+                let storage = self.buffer.storage().ok_or(Error::Empty)?;
+                let reference = storage.tensordict().to_ref().map_err(|e| Error::Remote(e.into()))?;
+                *self.by_value.get_or_init(|| RowsByValue::of(&reference.schema))
+            }
+        };
+        Ok(limit.max_rows(self.buffer.capacity(), self.weighted(), MAX_FRAME_BYTES))
+    }
+
+    /// Makes the storage with the schema of `like` if there is none (once, whoever asks), and
+    /// checks `like` against it.
+    fn create_storage(&self, like: &tensordict::TensorDict) -> std::result::Result<(), WireError> {
+        let _creating = self.creating.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.buffer.storage().is_none() {
+            check_room(like, self.buffer.capacity(), self.shm_prefix.is_some())?;
+        }
+        self.buffer.create_storage(like).map(drop).map_err(to_wire)
+    }
+}
+
+/// A batch sent by value, checked and on the heap.
+fn received(rows: &InlineDict) -> std::result::Result<tensordict::TensorDict, WireError> {
+    rows.to_dict().map_err(|e| invalid(format!("the rows sent are not a valid dict: {}", ErrorChain(&e))))
+}
+
+/// Rows read by the service, as a reply.
+fn sent(rows: &tensordict::TensorDict) -> Result<InlineDict> {
+    InlineDict::new(rows).map_err(|e| Error::Remote(e.into()))
 }
 
 impl ReplayServer {
@@ -144,6 +185,7 @@ impl ReplayServer {
             buffer,
             shm_prefix: prefix,
             creating: Mutex::new(()),
+            by_value: std::sync::OnceLock::new(),
             sessions: Mutex::new(Sessions::default()),
             stop: StopSignal::new(),
         });
@@ -352,11 +394,7 @@ impl ReplayService for Session {
         let session = self.clone();
         let made = tokio::task::spawn_blocking(move || -> std::result::Result<TensorDictRef, WireError> {
             let shared = session.shared();
-            let _creating = shared.creating.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if shared.buffer.storage().is_none() {
-                check_room(&like, shared.buffer.capacity(), shared.shm_prefix.is_some())?;
-            }
-            shared.buffer.create_storage(&like).map_err(to_wire)?;
+            shared.create_storage(&like)?;
             shared.storage_ref()?.ok_or_else(|| WireError::Other { message: "the storage vanished".into() })
         });
         made.await.map_err(|e| WireError::Other { message: format!("create: {e}") })?
@@ -461,6 +499,117 @@ impl ReplayService for Session {
 
     async fn release(self, _: Context, leases: Vec<u64>) -> std::result::Result<(), WireError> {
         self.release_now(&leases)
+    }
+
+    async fn sample_values(
+        self,
+        _: Context,
+        batch: u64,
+        wait: Option<Duration>,
+        release: Vec<u64>,
+    ) -> std::result::Result<SampledValues, WireError> {
+        self.release_held(&release)?;
+        self.shared().stopping()?;
+        if batch == 0 || batch > MAX_SAMPLE_ROWS {
+            return Err(invalid(format!("a sample of {batch} rows; ask for 1 to {MAX_SAMPLE_ROWS}")));
+        }
+        let batch = batch as usize;
+        let draw = move |session: &Session, slice: Duration| {
+            let shared = session.shared();
+            let (info, lease) = shared.buffer.sample_leased(batch, Some(slice))?;
+            // The storage exists once rows are drawn. A reply that cannot fit is refused
+            // before anything is read.
+            let read = shared.max_value_rows().and_then(|max| {
+                if lease.rows().len() > max {
+                    return Err(Error::TooManyRows {
+                        op: "sample_values",
+                        rows: lease.rows().len(),
+                        max,
+                        why: "the rows and their indices must fit in one reply: sample with `sample` and read the \
+                              rows with `read_leased` in pieces"
+                            .into(),
+                    });
+                }
+                shared.buffer.read_leased(&lease, 0..lease.rows().len())
+            });
+            // Read (or not): nothing stays leased.
+            shared.buffer.release(lease)?;
+            let rows = sent(&read?)?;
+            let indices = info.indices.iter().map(|&r| r as u64).collect();
+            Ok(SampledValues { indices, weights: info.weights, rows })
+        };
+        // As for `sample`: most draws need no wait, and skip the hand-over to a blocking thread.
+        match draw(&self, Duration::ZERO) {
+            Err(Error::Timeout { .. }) if wait != Some(Duration::ZERO) => self.waiting(wait, "sample", draw).await,
+            done => done.map_err(to_wire),
+        }
+    }
+
+    async fn read_leased(
+        self,
+        _: Context,
+        lease: u64,
+        from: u64,
+        count: u64,
+    ) -> std::result::Result<InlineDict, WireError> {
+        let max = self.shared().max_value_rows().map_err(to_wire)?;
+        if count == 0 || count > max as u64 {
+            return Err(invalid(format!("{count} rows read by value; one reply carries 1 to {max} rows")));
+        }
+        // Out of the table while it is read; this request holds the session, so the lease is
+        // put back before the session can end and release what it holds.
+        let held = self.shared().sessions().leases.take(self.0.id, lease).ok_or_else(|| not_found("lease", lease))?;
+        let from = usize::try_from(from).unwrap_or(usize::MAX);
+        let read = self.shared().buffer.read_leased(&held, from..from.saturating_add(count as usize));
+        let _ = self.shared().sessions().leases.insert(self.0.id, lease, held);
+        sent(&read.map_err(to_wire)?).map_err(to_wire)
+    }
+
+    async fn insert(
+        self,
+        _: Context,
+        rows: InlineDict,
+        wait: Option<Duration>,
+    ) -> std::result::Result<Vec<u64>, WireError> {
+        self.shared().stopping()?;
+        let batch = received(&rows)?;
+        drop(rows);
+        let n = batch.batch_size().first().copied().unwrap_or(0);
+        let capacity = self.shared().buffer.capacity();
+        if n == 0 || n > capacity {
+            return Err(invalid(format!("an insert of {n} rows; one insert writes 1 to {capacity} rows")));
+        }
+        let session = self.clone();
+        let like = batch.clone();
+        tokio::task::spawn_blocking(move || session.shared().create_storage(&like))
+            .await
+            .map_err(|e| WireError::Other { message: format!("insert: {e}") })??;
+        self.waiting(wait, "insert", move |session, slice| {
+            let buffer = &session.shared().buffer;
+            let reservation = buffer.reserve(n, Some(slice))?;
+            if let Err(e) = buffer.write_reserved(&reservation, &batch) {
+                let _ = buffer.abort(reservation);
+                return Err(e);
+            }
+            let rows = reservation.rows().iter().map(|&r| r as u64).collect();
+            buffer.commit(reservation)?;
+            Ok(rows)
+        })
+        .await
+    }
+
+    async fn write_reserved(
+        self,
+        _: Context,
+        reservation: u64,
+        rows: InlineDict,
+    ) -> std::result::Result<(), WireError> {
+        let batch = received(&rows)?;
+        let held = self.take_reservation(reservation)?;
+        let written = self.shared().buffer.write_reserved(&held, &batch);
+        // Back in the table: committed or aborted by the session, or aborted when it ends.
+        let _ = self.shared().sessions().reservations.insert(self.0.id, reservation, held);
+        written.map_err(to_wire)
     }
 
     async fn update_priority(

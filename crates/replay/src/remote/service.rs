@@ -33,6 +33,23 @@ pub trait ReplayService {
     async fn sample(batch: u64, wait: Option<Duration>, release: Vec<u64>) -> Result<Sampled, WireError>;
     /// Lets go of leases of this session.
     async fn release(leases: Vec<u64>) -> Result<(), WireError>;
+    /// Draws `batch` rows as `sample` does and replies with their bytes: for a client that
+    /// does not map the storage (on another node). The rows are read under a lease that is
+    /// released before the reply, so nothing stays leased. The reply must fit in one frame
+    /// (larger samples: `sample`, then `read_leased` in pieces).
+    async fn sample_values(batch: u64, wait: Option<Duration>, release: Vec<u64>) -> Result<SampledValues, WireError>;
+    /// Rows `from..from + count` (positions in the sample, in batch order) of a lease of this
+    /// session, by value: a sample too large for one reply is read in several.
+    async fn read_leased(lease: u64, from: u64, count: u64) -> Result<InlineDict, WireError>;
+    /// Writes `rows` (a batch sent by value) where the writer puts them and commits them,
+    /// waiting up to `wait` (`None`: without end) for the rate limiter: one request for what a
+    /// mapping client does with `reserve`, its writes and `commit`. Makes the storage from the
+    /// rows' schema if there is none. Replies with the storage rows, in batch order. A request
+    /// that does not arrive whole (its client died while sending it) writes nothing.
+    async fn insert(rows: InlineDict, wait: Option<Duration>) -> Result<Vec<u64>, WireError>;
+    /// Writes `rows` (by value) into a reservation of this session, which stays open (commit or
+    /// abort it): `reserve`, then this, then `commit`, for a caller that reserves ahead.
+    async fn write_reserved(reservation: u64, rows: InlineDict) -> Result<(), WireError>;
     /// Sets the priorities of rows (prioritized samplers).
     async fn update_priority(indices: Vec<u64>, priorities: Vec<f64>) -> Result<(), WireError>;
     /// Counters: valid rows, cursor, inserts and samples, open reservations and leases.
@@ -117,6 +134,18 @@ pub struct Sampled {
     pub indices: Vec<u64>,
     /// Importance weights, for samplers that have them.
     pub weights: Option<Vec<f64>>,
+}
+
+/// A sample sent by value by [`ReplayService::sample_values`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct SampledValues {
+    /// The storage rows, in batch order.
+    pub indices: Vec<u64>,
+    /// Importance weights, for samplers that have them.
+    pub weights: Option<Vec<f64>>,
+    /// The rows' bytes, in batch order.
+    pub rows: InlineDict,
 }
 
 /// Counters of a replay service.
