@@ -9,7 +9,9 @@
 //!   to the local buffer's figures;
 //! - four actor processes extend 32 rows at a time and one learner process samples 256 at a
 //!   time, all at once for `SECONDS`, each a child process of this one
-//!   (`tdict replay bench-peer`); the rows each side moved per second are summed.
+//!   (`tdict replay bench-peer`); the rows each side moved per second are summed;
+//! - the same two measures with the rows sent by value (`RemoteBuffer::by_value`, what clients
+//!   on another node do): the cost of carrying the bytes over the connection, on one node.
 //!
 //! The rows have the shapes of the rest of the benchmark: `obs` and `next/obs` `f32[84]`,
 //! `action` i64, `reward` f32, `done` bool.
@@ -48,6 +50,16 @@ pub(crate) struct Distributed {
     insert_rows_per_s: f64,
     /// Rows the learner sampled per second.
     sample_rows_per_s: f64,
+    /// The same four figures with the rows by value.
+    by_value: ByValue,
+}
+
+/// The figures of clients that send and receive rows by value.
+struct ByValue {
+    extend_us: f64,
+    sample_us: f64,
+    insert_rows_per_s: f64,
+    sample_rows_per_s: f64,
 }
 
 impl Distributed {
@@ -60,6 +72,10 @@ impl Distributed {
             "distributed_insert_rows_per_s": self.insert_rows_per_s.round(),
             "distributed_sample_rows_per_s": self.sample_rows_per_s.round(),
             "distributed_rows_per_s": (self.insert_rows_per_s + self.sample_rows_per_s).round(),
+            "remote_by_value_extend_us": round(self.by_value.extend_us),
+            "remote_by_value_sample_us": round(self.by_value.sample_us),
+            "distributed_by_value_insert_rows_per_s": self.by_value.insert_rows_per_s.round(),
+            "distributed_by_value_sample_rows_per_s": self.by_value.sample_rows_per_s.round(),
         });
         match fields {
             Value::Object(map) => map,
@@ -79,6 +95,12 @@ impl Distributed {
         crate::out!("  {:<44} {:>10.0} rows/s", "written", self.insert_rows_per_s);
         crate::out!("  {:<44} {:>10.0} rows/s", "sampled", self.sample_rows_per_s);
         crate::out!("  {:<44} {:>10.0} rows/s", "together", self.insert_rows_per_s + self.sample_rows_per_s);
+        let v = &self.by_value;
+        crate::out!("the same with rows by value (as clients on another node send and receive them):");
+        crate::out!("  {:<44} {:>10.1} µs", format!("extend of {EXTEND_ROWS} rows"), v.extend_us);
+        crate::out!("  {:<44} {:>10.1} µs", format!("uniform sample of {SAMPLE_ROWS}"), v.sample_us);
+        crate::out!("  {:<44} {:>10.0} rows/s", "written by the actors", v.insert_rows_per_s);
+        crate::out!("  {:<44} {:>10.0} rows/s", "sampled by the learner", v.sample_rows_per_s);
         Ok(())
     }
 }
@@ -130,25 +152,53 @@ pub(crate) fn measure(capacity: usize, iters: usize) -> anyhow::Result<Distribut
         Ok(())
     })?;
 
-    let (insert_rows_per_s, sample_rows_per_s) = together(&name, &run_dir)?;
+    let (insert_rows_per_s, sample_rows_per_s) = together(&name, &run_dir, false)?;
+
+    let by_value = RemoteBuffer::connect_with(&name, &ClientOptions::default().runtime_dir(&run_dir))
+        .context("connecting to the replay service")?
+        .by_value(true);
+    let extend_by_value_us = median_us(iters, || {
+        by_value.extend(&batch)?;
+        Ok(())
+    })?;
+    let sample_by_value_us = median_us(iters, || {
+        let (out, _) = by_value.sample(SAMPLE_ROWS, None)?;
+        drop(out);
+        Ok(())
+    })?;
+    drop(by_value);
+    let (insert_by_value, sample_by_value) = together(&name, &run_dir, true)?;
 
     client.shutdown().context("stopping the replay service")?;
     drop(client);
     service.wait()?;
-    Ok(Distributed { extend_us, sample_us, insert_rows_per_s, sample_rows_per_s })
+    Ok(Distributed {
+        extend_us,
+        sample_us,
+        insert_rows_per_s,
+        sample_rows_per_s,
+        by_value: ByValue {
+            extend_us: extend_by_value_us,
+            sample_us: sample_by_value_us,
+            insert_rows_per_s: insert_by_value,
+            sample_rows_per_s: sample_by_value,
+        },
+    })
 }
 
-/// Actors and learner at once: returns the rows per second written (summed over the actors)
-/// and sampled.
-fn together(name: &str, run_dir: &Path) -> anyhow::Result<(f64, f64)> {
+/// Actors and learner at once (rows by value, or through their mappings): returns the rows
+/// per second written (summed over the actors) and sampled.
+fn together(name: &str, run_dir: &Path, by_value: bool) -> anyhow::Result<(f64, f64)> {
     let seconds = SECONDS.to_string();
+    let how: &[&str] = if by_value { &["--by-value"] } else { &[] };
     let mut peers = Vec::new();
     for i in 0..ACTORS {
         let args = ["replay", "bench-peer", "--name", name, "--role", "actor", "--id", &i.to_string()];
-        peers.push(Peer::spawn(&format!("actor {i}"), &[&args[..], &["--seconds", &seconds]].concat(), run_dir)?);
+        let args = [&args[..], &["--seconds", &seconds], how].concat();
+        peers.push(Peer::spawn(&format!("actor {i}"), &args, run_dir)?);
     }
     let args = ["replay", "bench-peer", "--name", name, "--role", "learner", "--seconds", &seconds];
-    peers.push(Peer::spawn("learner", &args, run_dir)?);
+    peers.push(Peer::spawn("learner", &[&args[..], how].concat(), run_dir)?);
     for peer in &mut peers {
         peer.ready()?;
     }
@@ -185,6 +235,9 @@ pub(crate) struct PeerArgs {
     /// How long to run once told to go.
     #[arg(long, value_parser = crate::units::parse_seconds)]
     seconds: Duration,
+    /// Send and receive rows by value (as a client on another node does).
+    #[arg(long)]
+    by_value: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -196,7 +249,7 @@ enum Role {
 /// Connects, makes its batch, says `ready`, waits for `go` on stdin, runs, and prints
 /// `{"rows": N, "seconds": S}`.
 pub(crate) fn peer(args: &PeerArgs) -> anyhow::Result<ExitCode> {
-    let client = RemoteBuffer::connect(&args.name)?;
+    let client = RemoteBuffer::connect(&args.name)?.by_value(args.by_value);
     let batch = rows((args.id as usize) << 32, EXTEND_ROWS)?;
     crate::out!("ready");
     let mut line = String::new();

@@ -77,6 +77,8 @@ fn bench_replay_json_keys() {
     assert_eq!(
         keys,
         [
+            "distributed_by_value_insert_rows_per_s",
+            "distributed_by_value_sample_rows_per_s",
             "distributed_insert_rows_per_s",
             "distributed_rows_per_s",
             "distributed_sample_rows_per_s",
@@ -84,6 +86,8 @@ fn bench_replay_json_keys() {
             "iters",
             "prio_sample_us",
             "prio_slice_sample_us",
+            "remote_by_value_extend_us",
+            "remote_by_value_sample_us",
             "remote_extend_us",
             "remote_sample_us",
             "rows",
@@ -106,6 +110,10 @@ fn bench_replay_json_keys() {
         "distributed_insert_rows_per_s",
         "distributed_sample_rows_per_s",
         "distributed_rows_per_s",
+        "remote_by_value_extend_us",
+        "remote_by_value_sample_us",
+        "distributed_by_value_insert_rows_per_s",
+        "distributed_by_value_sample_rows_per_s",
     ] {
         let v = out[key].as_f64().unwrap_or_else(|| panic!("{key} is a number:\n{run}"));
         assert!(v > 0.0 && v.is_finite(), "{key}:\n{run}");
