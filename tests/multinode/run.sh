@@ -412,8 +412,8 @@ test_store_owner() {
     stop_service
 }
 
-# test_replay FS NAME (shared-fs | mapped): the actor on host 2, the learner on host 3, both
-# clients of that mode.
+# test_replay FS NAME (shared-fs | mapped | by-value): the actors on hosts 1 and 2, the learner on
+# host 3, all clients of that mode.
 test_replay() {
     local fs=$1 name=$2 mode=$3
     local log="$LOGS/$fs-$name" endpoint="tcp:$SERVER:$REPLAY_PORT" dir="$SHARED/$name-sync" rb="$SHARED/$name-rb"
@@ -475,12 +475,14 @@ kill_ready() {
     [ -n "$pid" ] && kill -9 "$pid"
 }
 
-# start_replay FS NAME CAPACITY DIR: the replay service on host 1 with its rows in DIR.
+# start_replay LOG CAPACITY DIR: the replay service on host 1 with its rows in DIR (`shm`: in
+# host 1's shared memory).
 start_replay() {
-    local log=$1 capacity=$2 dir=$3
+    local log=$1 capacity=$2 dir=$3 rows=()
+    [ "$dir" = shm ] || rows=(--dir "$dir")
     make_token
     start_service 1 "$log-server.log" "$REPLAY_PORT" "$TDICT" replay serve --name mn --no-fork \
-        --capacity "$capacity" --dir "$dir" --listen "tcp:$SERVER:$REPLAY_PORT" --token-file "$STATE/token" --seed 7
+        --capacity "$capacity" "${rows[@]}" --listen "tcp:$SERVER:$REPLAY_PORT" --token-file "$STATE/token" --seed 7
 }
 
 # start_filled_replay FS NAME LOG: a replay service of 64 rows in $SHARED/NAME-rb, filled by actor
@@ -648,7 +650,7 @@ bench() {
         stop_service
         return
     fi
-    if run_on 2 "$log-fill.log" replay-fill "$endpoint" "$STATE/token" 1 100000 1000; then
+    if run_on 2 "$log-fill.log" replay-fill-bench "$endpoint" "$STATE/token" 1 100000 1000 shared-fs; then
         local mode
         for mode in mapped shared-fs buffered; do
             run_on 3 "$log-sample-$mode.log" bench-sample "$endpoint" "$STATE/token" "$mode" 3 256 "$label" ||
@@ -664,6 +666,7 @@ bench() {
         echo "FAIL bench-$label/fill: $(tail -n 1 "$log-fill.log")"
     fi
     stop_service
+    bench_by_value "$label"
     # Whole-folder loads on host 2, cold: mapped and copied, read, read through the engine.
     if on 2 "$TDICT" bench make "$dir/load-dict" --rows 50000 >"$log-load.log" 2>&1 &&
         on 2 "$TDICT" bench load "$dir/load-dict" --iters 3 --cold --json >>"$log-load.log" 2>&1; then
@@ -671,6 +674,48 @@ bench() {
     else
         echo "FAIL bench-$label/load: $(tail -n 1 "$log-load.log")"
     fi
+}
+
+# json_number KEY FILE: the number KEY holds in the JSON line of FILE (0 if none).
+json_number() {
+    local n
+    n=$(grep -h -o "\"$1\":[0-9.]*" "$2" 2>/dev/null | head -n 1 | cut -d: -f2)
+    echo "${n:-0}"
+}
+
+# bench_by_value LABEL: rows by value across hosts, the service's rows in host 1's shared memory
+# (what by value is for: the bytes come from the service's memory, not from a file server). The
+# buffer is filled from host 2; a learner on host 3 samples 256 rows at a time for 3 s, every
+# 16th batch checked whole; then actors on hosts 2 and 3 extend 32 rows at a time together for
+# 3 s. Prints their lines and one summary line: `learner_remote_rows_per_s`,
+# `actors_remote_rows_per_s` (the two actors summed).
+bench_by_value() {
+    local label=$1 log="$LOGS/bench-$1-by-value" endpoint="tcp:$SERVER:$REPLAY_PORT"
+    if ! start_replay "$log" 100000 shm; then
+        echo "FAIL bench-$label/by-value: the service did not start: $(tail -n 1 "$log-server.log")"
+        stop_service
+        return
+    fi
+    if ! run_on 2 "$log-fill.log" replay-fill-bench "$endpoint" "$STATE/token" 1 100000 1000 by-value; then
+        echo "FAIL bench-$label/by-value-fill: $(tail -n 1 "$log-fill.log")"
+        stop_service
+        return
+    fi
+    run_on 3 "$log-sample.log" bench-sample "$endpoint" "$STATE/token" by-value 3 256 "$label" ||
+        echo "FAIL bench-$label/sample-by-value: $(tail -n 1 "$log-sample.log")"
+    grep -h '^{' "$log-sample.log"
+    local k pids=()
+    for k in 2 3; do
+        run_on "$k" "$log-extend-$k.log" bench-extend "$endpoint" "$STATE/token" by-value 3 32 "$label" "$k" &
+        pids+=($!)
+    done
+    for k in "${pids[@]}"; do wait "$k" || echo "FAIL bench-$label/extend-by-value: $(tail -q -n 1 "$log"-extend-*.log)"; done
+    grep -h '^{' "$log"-extend-*.log
+    local learner actors
+    learner=$(json_number rows_per_s "$log-sample.log")
+    actors=$(awk -v a="$(json_number rows_per_s "$log-extend-2.log")" -v b="$(json_number rows_per_s "$log-extend-3.log")" 'BEGIN { printf "%d", a + b }')
+    echo "{\"bench\":\"replay-by-value\",\"fs\":\"$label\",\"row_bytes\":696,\"learner_remote_rows_per_s\":$learner,\"actors_remote_rows_per_s\":$actors}"
+    stop_service
 }
 
 # want NAME: whether MULTINODE_ONLY (if set) names the test.
@@ -699,6 +744,9 @@ else
         # The same with clients that write and read through their mappings, as on one node: a
         # known failure on a network filesystem, which shows why the mode above is needed.
         want replay-mapped && test_replay "$fs" replay-mapped mapped
+        # Rows by value: the service reads and writes its folder through its own mapping, and
+        # the clients on other hosts get and send the bytes over the connection.
+        want replay-by-value && test_replay "$fs" replay-by-value by-value
         want replay-wrong-token && test_replay_wrong_token "$fs"
         want replay-actor-killed && test_replay_actor_killed "$fs"
         want replay-learner-killed && test_replay_learner_killed "$fs"

@@ -25,12 +25,13 @@ pub struct PyRemoteBuffer {
 #[pymethods]
 impl PyRemoteBuffer {
     #[new]
-    #[pyo3(signature = (target, *, token=None, runtime_dir=None))]
+    #[pyo3(signature = (target, *, token=None, runtime_dir=None, by_value=None))]
     fn py_new(
         py: Python<'_>,
         target: String,
         token: Option<String>,
         runtime_dir: Option<std::path::PathBuf>,
+        by_value: Option<bool>,
     ) -> PyResult<Self> {
         let options = client_options(token.as_deref(), runtime_dir)?;
         let endpoint = address(&target)?;
@@ -40,8 +41,18 @@ impl PyRemoteBuffer {
                 None => RemoteBuffer::connect_with(&target, &options),
             })
             .map_err(to_py_err)?;
+        let inner = match by_value {
+            Some(yes) => inner.by_value(yes),
+            None => inner,
+        };
         let weighted = inner.info().sampler.weighted();
         Ok(PyRemoteBuffer { inner, target, weighted })
+    }
+
+    /// Whether rows cross the connection by value (a service on another node, or asked for).
+    #[getter]
+    fn by_value(&self) -> bool {
+        self.inner.is_by_value()
     }
 
     /// Writes a batch; returns the rows written.

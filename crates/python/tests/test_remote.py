@@ -64,6 +64,14 @@ def test_a_python_server_and_clients_by_name_and_address(runtime):
         again = pickle.loads(pickle.dumps(learner))
         assert len(again) == 41
         assert again.stats()["open_leases"] == 0
+        # Rows by value, as from another node: the same rows, nothing left leased.
+        assert not learner.by_value
+        remote = RemoteReplayBuffer(server.tcp_endpoint, token="a-token-of-at-least-16-bytes", by_value=True)
+        assert remote.by_value and pickle.loads(pickle.dumps(remote)).by_value
+        assert remote.extend(rows(range(41, 45))) == list(range(41, 45))
+        sample = remote.sample(32)
+        np.testing.assert_array_equal(whole(sample), sample["index"].numpy())
+        assert remote.stats()["open_leases"] == 0
 
 
 def test_absent_services_and_bad_addresses_are_clear_errors(runtime):

@@ -293,20 +293,32 @@ def _ints(x):
 class RemoteReplayBuffer:
     """A client of a replay service: by name on this node (``"NAME"``, a service of
     ``tdict replay serve NAME`` or ``ReplayServer.start``), or by address (``"tcp:HOST:PORT"``
-    with the service's ``token``). TorchRL's calls; rows travel through the service's shared
-    memory or folder, not the socket.
+    with the service's ``token``). TorchRL's calls. On the service's node rows travel through
+    its shared memory or folder, not the socket; from another node they cross the connection
+    (``by_value``; ``by_value=False`` asks for the service's folder, mounted at the same path,
+    and ``True`` forces the bytes over the connection on one node too).
 
     A client pickles as its address and reconnects where it is unpickled. One made before a
     ``fork`` raises in the child (its connection's threads did not survive the fork): make a
     new one there, or pass it pickled."""
 
-    def __init__(self, target, *, token=None, batch_size=None, runtime_dir=None):
-        self._args = dict(target=str(target), token=token, batch_size=batch_size, runtime_dir=runtime_dir)
+    def __init__(self, target, *, token=None, batch_size=None, runtime_dir=None, by_value=None):
+        self._args = dict(
+            target=str(target), token=token, batch_size=batch_size, runtime_dir=runtime_dir, by_value=by_value
+        )
         self.batch_size = batch_size
         self._pid = os.getpid()
         self._rb = _native.RemoteReplayBuffer(
-            str(target), token=token, runtime_dir=None if runtime_dir is None else str(runtime_dir)
+            str(target),
+            token=token,
+            runtime_dir=None if runtime_dir is None else str(runtime_dir),
+            by_value=by_value,
         )
+
+    @property
+    def by_value(self):
+        """Whether rows cross the connection (see the class documentation)."""
+        return self._rb.by_value
 
     def _client(self):
         if os.getpid() != self._pid:

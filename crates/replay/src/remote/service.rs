@@ -33,6 +33,22 @@ pub trait ReplayService {
     async fn sample(batch: u64, wait: Option<Duration>, release: Vec<u64>) -> Result<Sampled, WireError>;
     /// Lets go of leases of this session.
     async fn release(leases: Vec<u64>) -> Result<(), WireError>;
+    /// Sets the priorities of rows (prioritized samplers).
+    async fn update_priority(indices: Vec<u64>, priorities: Vec<f64>) -> Result<(), WireError>;
+    /// Counters: valid rows, cursor, inserts and samples, open reservations and leases.
+    async fn stats() -> Result<ReplayStats, WireError>;
+    /// Writes the buffer as a TorchRL dump folder at `path` on the service's node: its
+    /// committed rows only, without waiting for reservations (see
+    /// [`crate::ReplayBuffer::dumps`]).
+    async fn dumps(path: String) -> Result<(), WireError>;
+    /// Stops the service (as dropping its server does).
+    async fn shutdown() -> Result<(), WireError>;
+    /// Says that no more rows will be written (see [`crate::ReplayBuffer::end_writes`]): from
+    /// now on reservations are refused, and so is a sample that only an insert would let go
+    /// (held back by the rate limiter, or of an empty buffer), at once rather than after a
+    /// wait without end. Samples the limiter allows go on. It cannot be undone.
+    async fn end_writes() -> Result<(), WireError>;
+    // Rows by value (added after the calls above, which keep their place on the wire).
     /// Draws `batch` rows as `sample` does and replies with their bytes: for a client that
     /// does not map the storage (on another node). The rows are read under a lease that is
     /// released before the reply, so nothing stays leased. The reply must fit in one frame
@@ -50,21 +66,6 @@ pub trait ReplayService {
     /// Writes `rows` (by value) into a reservation of this session, which stays open (commit or
     /// abort it): `reserve`, then this, then `commit`, for a caller that reserves ahead.
     async fn write_reserved(reservation: u64, rows: InlineDict) -> Result<(), WireError>;
-    /// Sets the priorities of rows (prioritized samplers).
-    async fn update_priority(indices: Vec<u64>, priorities: Vec<f64>) -> Result<(), WireError>;
-    /// Counters: valid rows, cursor, inserts and samples, open reservations and leases.
-    async fn stats() -> Result<ReplayStats, WireError>;
-    /// Writes the buffer as a TorchRL dump folder at `path` on the service's node: its
-    /// committed rows only, without waiting for reservations (see
-    /// [`crate::ReplayBuffer::dumps`]).
-    async fn dumps(path: String) -> Result<(), WireError>;
-    /// Stops the service (as dropping its server does).
-    async fn shutdown() -> Result<(), WireError>;
-    /// Says that no more rows will be written (see [`crate::ReplayBuffer::end_writes`]): from
-    /// now on reservations are refused, and so is a sample that only an insert would let go
-    /// (held back by the rate limiter, or of an empty buffer), at once rather than after a
-    /// wait without end. Samples the limiter allows go on. It cannot be undone.
-    async fn end_writes() -> Result<(), WireError>;
 }
 
 /// What a replay service says about itself.

@@ -177,19 +177,23 @@ pub(crate) fn bench_extend(
     seconds: f64,
     batch: usize,
     label: &str,
+    actor: i64,
 ) -> anyhow::Result<()> {
     let len = buffer.stats()?.len as i64;
+    let width = storage_width(buffer)?;
     ensure!(len as usize >= batch, "the buffer holds {len} rows, fewer than a batch of {batch}");
     let limit = Duration::from_secs_f64(seconds);
     let start = Instant::now();
     let mut times = Vec::new();
-    // Rows of actor 1 with sequence numbers already in the buffer, so samples stay checkable.
+    // Rows of actor 1 with sequence numbers already in the buffer, so samples stay checkable
+    // (another actor's rows are checked as actor 1's by the learner's bench: only one writes
+    // while it samples).
     let mut seq = 1;
     while start.elapsed() < limit {
         if seq + batch as i64 - 1 > len {
             seq = 1;
         }
-        let rows = actor_rows(1, seq, batch)?;
+        let rows = actor_rows_of_width(actor, seq, batch, width)?;
         let t0 = Instant::now();
         buffer.extend_within(&rows, Some(Duration::from_secs(10)))?;
         times.push(t0.elapsed());
@@ -201,6 +205,7 @@ pub(crate) fn bench_extend(
         "bench": "extend",
         "fs": label,
         "mode": mode,
+        "actor": actor,
         "batch": batch,
         "extends": times.len(),
         "p50_us": percentile(&times, 0.5).round(),

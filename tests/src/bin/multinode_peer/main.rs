@@ -110,6 +110,9 @@ use update::*;
 pub(crate) const UPDATE_ROWS: usize = 64;
 /// Values per row.
 pub(crate) const WIDTH: usize = 8;
+/// Values per row of the replay benchmarks: rows of 696 bytes (`key` i64[2], `obs` f64[85]),
+/// the size of the rows of `tdict bench replay` and of the TorchRL comparison.
+pub(crate) const BENCH_WIDTH: usize = 85;
 /// The rows the worker writes.
 pub(crate) const UPDATED: [i64; 5] = [3, 4, 5, 17, 63];
 /// Rows per batch the actor extends, and batches it writes.
@@ -152,7 +155,11 @@ fn run(args: &[String]) -> anyhow::Result<()> {
         ["replay-refused", endpoint] => replay_refused(endpoint),
         ["replay-fill", endpoint, token, actor, rows, batch] => {
             let buffer = replay_client(&client(endpoint, token)?, "shared-fs")?;
-            replay_fill(&buffer, actor.parse()?, rows.parse()?, batch.parse()?)
+            replay_fill(&buffer, actor.parse()?, rows.parse()?, batch.parse()?, WIDTH)
+        }
+        ["replay-fill-bench", endpoint, token, actor, rows, batch, mode] => {
+            let buffer = replay_client(&client(endpoint, token)?, mode)?;
+            replay_fill(&buffer, actor.parse()?, rows.parse()?, batch.parse()?, BENCH_WIDTH)
         }
         ["replay-reserver", endpoint, token, ready] => {
             let buffer = replay_client(&client(endpoint, token)?, "shared-fs")?;
@@ -182,7 +189,11 @@ fn run(args: &[String]) -> anyhow::Result<()> {
         }
         ["bench-extend", endpoint, token, mode, seconds, batch, label] => {
             let buffer = replay_client(&client(endpoint, token)?, mode)?;
-            bench_extend(&buffer, mode, seconds.parse()?, batch.parse()?, label)
+            bench_extend(&buffer, mode, seconds.parse()?, batch.parse()?, label, 1)
+        }
+        ["bench-extend", endpoint, token, mode, seconds, batch, label, actor] => {
+            let buffer = replay_client(&client(endpoint, token)?, mode)?;
+            bench_extend(&buffer, mode, seconds.parse()?, batch.parse()?, label, actor.parse()?)
         }
         ["stale-writer", dir, port, seconds] => stale_writer(Path::new(dir), port.parse()?, seconds.parse()?),
         ["stale-reader", addr, label] => stale_reader(addr, label),

@@ -16,13 +16,21 @@ pub(crate) fn replay_refused(endpoint: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) fn replay_fill(buffer: &RemoteBuffer, actor: i64, rows: usize, batch: usize) -> anyhow::Result<()> {
+pub(crate) fn replay_fill(
+    buffer: &RemoteBuffer,
+    actor: i64,
+    rows: usize,
+    batch: usize,
+    width: usize,
+) -> anyhow::Result<()> {
     ensure!(batch > 0, "a batch of 0 rows");
     let start = Instant::now();
     let mut seq = 1;
     while seq <= rows as i64 {
         let n = batch.min(rows + 1 - seq as usize);
-        buffer.extend(&actor_rows(actor, seq, n)?).with_context(|| format!("extending rows from seq {seq}"))?;
+        buffer
+            .extend(&actor_rows_of_width(actor, seq, n, width)?)
+            .with_context(|| format!("extending rows from seq {seq}"))?;
         seq += n as i64;
     }
     println!("{}: wrote {rows} rows of actor {actor} in {:.2} s", host(), start.elapsed().as_secs_f64());

@@ -3,16 +3,29 @@
 use super::*;
 
 /// A row of actor `actor`, number `seq` (from 1): `key = [actor, seq]`, `obs[j] = actor * 1e6 +
-/// seq * 100 + j`.
+/// seq * 100 + j`, `WIDTH` values.
 pub(crate) fn actor_rows(actor: i64, first_seq: i64, n: usize) -> anyhow::Result<TensorDict> {
+    actor_rows_of_width(actor, first_seq, n, WIDTH)
+}
+
+/// [`actor_rows`] with `width` values of `obs` (the benchmarks' rows: [`BENCH_WIDTH`]).
+pub(crate) fn actor_rows_of_width(actor: i64, first_seq: i64, n: usize, width: usize) -> anyhow::Result<TensorDict> {
     let mut td = TensorDict::new([n]);
     let key: Vec<i64> = (0..n as i64).flat_map(|i| [actor, first_seq + i]).collect();
     let obs: Vec<f64> = (0..n as i64)
-        .flat_map(|i| (0..WIDTH as i64).map(move |j| (actor * 1_000_000 + (first_seq + i) * 100 + j) as f64))
+        .flat_map(|i| (0..width as i64).map(move |j| (actor * 1_000_000 + (first_seq + i) * 100 + j) as f64))
         .collect();
     td.set("key", Tensor::from_slice(&key, [n, 2])?)?;
-    td.set("obs", Tensor::from_slice(&obs, [n, WIDTH])?)?;
+    td.set("obs", Tensor::from_slice(&obs, [n, width])?)?;
     Ok(td)
+}
+
+/// The width of `obs` in the service's storage (the rows an actor must write).
+pub(crate) fn storage_width(buffer: &RemoteBuffer) -> anyhow::Result<usize> {
+    let storage = buffer.info().storage.as_ref().context("the service has no storage yet")?;
+    let tensors = storage.schema.tensors();
+    let (_, obs) = tensors.iter().find(|(key, _)| key.parts() == ["obs"]).context("the storage has no `obs`")?;
+    obs.shape.get(1).copied().context("`obs` has no row dim")
 }
 
 /// A client of the replay service: `shared-fs` for a folder on a network filesystem (rows
@@ -28,8 +41,11 @@ pub(crate) fn replay_client(
     Ok(match mode {
         "shared-fs" => buffer.on_shared_filesystem(engine()?),
         "buffered" => buffer.on_shared_filesystem(engine()?).with_read_mode(ReadMode::Buffered),
-        "mapped" => buffer,
-        other => bail!("unknown client mode `{other}` (shared-fs, buffered or mapped)"),
+        "mapped" => buffer.by_value(false),
+        // Rows cross the connection (what a client on another node does by default; the
+        // hosts here share one kernel and /dev/shm, so they would count as one node).
+        "by-value" => buffer.by_value(true),
+        other => bail!("unknown client mode `{other}` (shared-fs, buffered, mapped or by-value)"),
     })
 }
 
@@ -117,18 +133,20 @@ pub(crate) fn check_rows_of(
     written: i64,
 ) -> anyhow::Result<(usize, Vec<(usize, String)>)> {
     let key = batch.get_tensor("key")?.contiguous()?.to_vec::<i64>()?;
-    let obs = batch.get_tensor("obs")?.contiguous()?.to_vec::<f64>()?;
+    let obs_tensor = batch.get_tensor("obs")?;
+    let width = obs_tensor.dims().get(1).copied().unwrap_or(0);
+    let obs = obs_tensor.contiguous()?.to_vec::<f64>()?;
     let n = key.len() / 2;
     let mut bad = Vec::new();
     for i in 0..n {
         let (a, seq) = (key[2 * i], key[2 * i + 1]);
-        let row = &obs[i * WIDTH..(i + 1) * WIDTH];
+        let row = &obs[i * width..(i + 1) * width];
         if !actors.contains(&a) || !(1..=written).contains(&seq) {
             let zeros = a == 0 && seq == 0 && row.iter().all(|&v| v == 0.0);
             bad.push((i, if zeros { "all zeros".to_owned() } else { format!("key [{a}, {seq}]") }));
             continue;
         }
-        let want: Vec<f64> = (0..WIDTH as i64).map(|j| (a * 1_000_000 + seq * 100 + j) as f64).collect();
+        let want: Vec<f64> = (0..width as i64).map(|j| (a * 1_000_000 + seq * 100 + j) as f64).collect();
         if row != want.as_slice() {
             bad.push((i, format!("key [{a}, {seq}] with obs {row:?}")));
         }
