@@ -23,7 +23,8 @@
 # mounts, e.g. `--fopen-keep-cache=on` after the default off), MULTINODE_STALE_SECONDS (how long
 # the stale-read test runs, 30 by default), MULTINODE_KEEP_LOGS=1 (keep the logs folder, printed
 # at the end), MULTINODE_ONLY (test names, without the filesystem, to run only those),
-# MULTINODE_ROUNDS (rounds of remote-update-rounds, 50 by default).
+# MULTINODE_ROUNDS (rounds of remote-update-rounds, 50 by default), MULTINODE_RELEASE=1 (release
+# builds, for benchmarks).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -38,6 +39,7 @@ STORE_PORT=7401
 REPLAY_PORT=7402
 BENCH_PORT=7403
 STALE_PORT=7404
+NET_PORT=7405
 # How long the stale-read test rewrites rows (seconds).
 STALE_SECONDS=${MULTINODE_STALE_SECONDS:-30}
 # The most seconds any one test process may run (the peers also give up by themselves).
@@ -75,9 +77,12 @@ fi
 
 # === Build ===
 
-TARGET="${CARGO_TARGET_DIR:-$ROOT/target}/debug"
+PROFILE=debug
+PROFILE_FLAG=()
+if [ "${MULTINODE_RELEASE:-0}" = 1 ]; then PROFILE=release PROFILE_FLAG=(--release); fi
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}/$PROFILE"
 BUILD_LOG=/tmp/tdict-multinode-build-$PREFIX.log
-if ! (cd "$ROOT" && cargo build --quiet -p tdict-cli -p integration-tests --bins) >"$BUILD_LOG" 2>&1; then
+if ! (cd "$ROOT" && cargo build --quiet "${PROFILE_FLAG[@]}" -p tdict-cli -p integration-tests --bins) >"$BUILD_LOG" 2>&1; then
     echo "FAIL build: cargo build failed (see $BUILD_LOG)"
     echo "0 passed, 1 failed"
     exit 1
@@ -687,10 +692,17 @@ json_number() {
 # (what by value is for: the bytes come from the service's memory, not from a file server). The
 # buffer is filled from host 2; a learner on host 3 samples 256 rows at a time for 3 s, every
 # 16th batch checked whole; then actors on hosts 2 and 3 extend 32 rows at a time together for
-# 3 s. Prints their lines and one summary line: `learner_remote_rows_per_s`,
-# `actors_remote_rows_per_s` (the two actors summed).
+# 3 s. First, what the hosts' network carries: one TCP stream from host 3 to host 1 for 3 s.
+# Prints their lines and one summary line: `learner_remote_rows_per_s`,
+# `actors_remote_rows_per_s` (the two actors summed), and the network's and the learner's bytes
+# per second.
 bench_by_value() {
     local label=$1 log="$LOGS/bench-$1-by-value" endpoint="tcp:$SERVER:$REPLAY_PORT"
+    run_on 1 "$log-net.log" net-sink "$NET_PORT" &
+    local sink=$!
+    run_on 3 "$log-net-source.log" net-source "$SERVER:$NET_PORT" 3 || echo "FAIL bench-$label/tcp: $(tail -n 1 "$log-net-source.log")"
+    wait "$sink" || echo "FAIL bench-$label/tcp: $(tail -n 1 "$log-net.log")"
+    grep -h '^{' "$log-net.log"
     if ! start_replay "$log" 100000 shm; then
         echo "FAIL bench-$label/by-value: the service did not start: $(tail -n 1 "$log-server.log")"
         stop_service
@@ -711,10 +723,11 @@ bench_by_value() {
     done
     for k in "${pids[@]}"; do wait "$k" || echo "FAIL bench-$label/extend-by-value: $(tail -q -n 1 "$log"-extend-*.log)"; done
     grep -h '^{' "$log"-extend-*.log
-    local learner actors
+    local learner actors net
     learner=$(json_number rows_per_s "$log-sample.log")
     actors=$(awk -v a="$(json_number rows_per_s "$log-extend-2.log")" -v b="$(json_number rows_per_s "$log-extend-3.log")" 'BEGIN { printf "%d", a + b }')
-    echo "{\"bench\":\"replay-by-value\",\"fs\":\"$label\",\"row_bytes\":696,\"learner_remote_rows_per_s\":$learner,\"actors_remote_rows_per_s\":$actors}"
+    net=$(json_number bytes_per_s "$log-net.log")
+    echo "{\"bench\":\"replay-by-value\",\"fs\":\"$label\",\"row_bytes\":696,\"learner_remote_rows_per_s\":$learner,\"actors_remote_rows_per_s\":$actors,\"network_bytes_per_s\":$net,\"learner_bytes_per_s\":$((${learner%.*} * 696))}"
     stop_service
 }
 

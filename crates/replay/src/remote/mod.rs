@@ -1,5 +1,6 @@
 //! A replay buffer shared by processes and nodes: actors write, learners sample, through a
-//! service that owns the buffer's state and never carries the rows' bytes.
+//! service that owns the buffer's state. On its node the rows' bytes never cross the
+//! connection; clients on other nodes send and receive them by value.
 //!
 //! A [`ReplayServer`] (in a process of one's own, or `tdict replay serve --name N`) keeps
 //! the cursor, the valid rows, the sampler (priorities included) and the rate limiter. The
@@ -23,8 +24,17 @@
 //! So a sample costs one call plus a local gather, and a write one call plus a local copy,
 //! whatever the size of the rows.
 //!
-//! Clients on other nodes reach a folder storage through a network filesystem, where a mapping
-//! neither shows other nodes' writes nor survives a file server that goes away. There
+//! A client on another node than the service gets and sends the rows **by value**
+//! ([`RemoteBuffer::by_value`]): an extend is one request that carries the rows, which the
+//! service reserves, writes and commits (`insert`), and a sample one reply that carries them,
+//! read by the service under a lease it releases before replying (`sample_values`). Batches
+//! larger than a frame go in several. The service keeps the same reservations, leases and rate
+//! limits, so rows are as whole as on one node, and a request cut short by a dead client
+//! writes nothing.
+//!
+//! Clients on other nodes may instead reach a folder storage through a network filesystem
+//! (for rows larger than the service's node can hold), where a mapping neither shows other
+//! nodes' writes nor survives a file server that goes away. There
 //! [`RemoteBuffer::on_shared_filesystem`] maps nothing: a writer `pwrite`s its reserved rows and
 //! `fdatasync`s them before the commit, and a learner reads its leased rows with `O_DIRECT` (see
 //! [`crate::RowFiles`], and the protocol in the repository's `DESIGN.md`).

@@ -215,3 +215,41 @@ pub(crate) fn bench_extend(
     println!("{json}");
     Ok(())
 }
+
+/// The receiving side of the network's bandwidth: one connection read to its end.
+pub(crate) fn net_sink(port: u16) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(("0.0.0.0", port)).with_context(|| format!("listening on port {port}"))?;
+    let (mut stream, _) = listener.accept()?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut bytes = 0u64;
+    let mut start = None;
+    loop {
+        let n = std::io::Read::read(&mut stream, &mut buf)?;
+        if n == 0 {
+            break;
+        }
+        start.get_or_insert_with(Instant::now);
+        bytes += n as u64;
+    }
+    let seconds = start.map_or(0.0, |s| s.elapsed().as_secs_f64());
+    ensure!(seconds > 0.0, "nothing was received");
+    let json = serde_json::json!({
+        "bench": "tcp",
+        "bytes": bytes,
+        "seconds": (seconds * 100.0).round() / 100.0,
+        "bytes_per_s": (bytes as f64 / seconds).round(),
+    });
+    println!("{json}");
+    Ok(())
+}
+
+/// The sending side: zeros for `seconds`, in 1 MiB writes.
+pub(crate) fn net_source(addr: &str, seconds: f64) -> anyhow::Result<()> {
+    let (_, mut stream) = connect_lines(addr)?;
+    let buf = vec![0u8; 1 << 20];
+    let start = Instant::now();
+    while start.elapsed().as_secs_f64() < seconds {
+        stream.write_all(&buf)?;
+    }
+    Ok(())
+}

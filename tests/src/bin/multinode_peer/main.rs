@@ -25,6 +25,9 @@
 //! multinode-peer replay-fill ENDPOINT TOKEN_FILE ACTOR ROWS BATCH
 //!                                             extend ROWS rows keyed (ACTOR, 1..=ROWS), BATCH
 //!                                             rows per call (a client for a shared filesystem)
+//! multinode-peer replay-fill-bench ENDPOINT TOKEN_FILE ACTOR ROWS BATCH MODE
+//!                                             the same with the benchmarks' 696-byte rows and a
+//!                                             client of MODE (as replay-actor's)
 //! multinode-peer replay-reserver ENDPOINT TOKEN_FILE READY
 //!                                             reserve 8 rows, write (fdatasync) half of them,
 //!                                             write `{"pid", "rows"}` to READY, then block
@@ -50,11 +53,16 @@
 //!                                             line of the round-trip times
 //! multinode-peer bench-sample ENDPOINT TOKEN_FILE MODE SECONDS BATCH LABEL
 //!                                             sample and gather BATCH rows for SECONDS, print
-//!                                             a JSON line of the rate (MODE as replay-actor's)
-//! multinode-peer bench-extend ENDPOINT TOKEN_FILE MODE SECONDS BATCH LABEL
+//!                                             a JSON line of the rate (MODE as replay-actor's:
+//!                                             `shared-fs`, `buffered`, `mapped`, `by-value`)
+//! multinode-peer bench-extend ENDPOINT TOKEN_FILE MODE SECONDS BATCH LABEL [ACTOR]
 //!                                             extend BATCH rows at a time for SECONDS (rows of
-//!                                             actor 1 that bench-sample accepts), print a JSON
-//!                                             line of the rate
+//!                                             ACTOR, 1 by default, which bench-sample accepts,
+//!                                             as wide as the storage's), print a JSON line of
+//!                                             the rate
+//! multinode-peer net-sink PORT                accept one TCP connection, read it to its end,
+//!                                             print a JSON line of the bytes and the rate
+//! multinode-peer net-source ADDR SECONDS      send zeros to ADDR for SECONDS, in 1 MiB writes
 //! multinode-peer stale-writer DIR PORT SECONDS
 //!                                             host 2: make a large (4 MiB) and a small (2 KiB)
 //!                                             storage folder in DIR, then round after round
@@ -195,6 +203,8 @@ fn run(args: &[String]) -> anyhow::Result<()> {
             let buffer = replay_client(&client(endpoint, token)?, mode)?;
             bench_extend(&buffer, mode, seconds.parse()?, batch.parse()?, label, actor.parse()?)
         }
+        ["net-sink", port] => net_sink(port.parse()?),
+        ["net-source", addr, seconds] => net_source(addr, seconds.parse()?),
         ["stale-writer", dir, port, seconds] => stale_writer(Path::new(dir), port.parse()?, seconds.parse()?),
         ["stale-reader", addr, label] => stale_reader(addr, label),
         _ => bail!("unknown arguments {args:?} (see the documentation of multinode_peer/main.rs)"),
