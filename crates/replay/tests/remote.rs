@@ -1056,3 +1056,39 @@ fn hostile_rows_by_value_are_refused() {
     let stats = client.stats().unwrap();
     assert_eq!((stats.open_reservations, stats.open_leases), (0, 0));
 }
+
+/// A client that dies while it sends rows by value leaves a frame cut short: the service drops
+/// that connection and writes nothing of it; a frame declared past the limit is refused at
+/// once. The service goes on serving, and holds nothing for the dead connections.
+#[test]
+fn rows_by_value_cut_short_or_too_long_write_nothing() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let f = Fixture::new("by-value-cut");
+    let _server = f.start(f.options(64));
+    let client = f.connect().by_value(true);
+    client.extend(&batch(&[1.; 8])).unwrap();
+    let before = client.stats().unwrap();
+    let endpoint = tensordict_replay::remote::service_name(&f.name).unwrap().endpoint();
+    let options = f.client_options();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    // What an insert of 256 rows of these takes, cut in half; then a prefix past the limit.
+    let cases: [(u32, usize); 2] = [(200_000, 100_000), ((1 << 20) + 1, 0)];
+    for (declared, sent) in cases {
+        runtime.block_on(async {
+            let mut stream = tensordict_rpc::connect_stream(&endpoint, &options).await.unwrap();
+            stream.write_all(&declared.to_be_bytes()).await.unwrap();
+            stream.write_all(&vec![7u8; sent]).await.unwrap();
+            if sent > 0 {
+                stream.shutdown().await.unwrap();
+            }
+            let mut rest = Vec::new();
+            let closed = tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut rest)).await;
+            assert!(closed.is_ok(), "{declared}: the service kept the connection open");
+        });
+    }
+    let after = client.stats().unwrap();
+    assert_eq!((after.len, after.write_count, after.inserts), (before.len, before.write_count, before.inserts));
+    assert_eq!((after.open_reservations, after.open_leases), (0, 0));
+    check_rows(&client.sample(4, None).unwrap().0);
+    client.extend(&batch(&[2.; 4])).unwrap();
+}
