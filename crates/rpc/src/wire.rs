@@ -231,7 +231,7 @@ mod bytes_list {
         }
     }
 
-    struct ByteBuf(Vec<u8>);
+    pub(super) struct ByteBuf(pub(super) Vec<u8>);
 
     impl<'de> serde::Deserialize<'de> for ByteBuf {
         fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -270,6 +270,20 @@ mod bytes_list {
     pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<u8>>, D::Error> {
         let bufs: Vec<ByteBuf> = serde::Deserialize::deserialize(d)?;
         Ok(bufs.into_iter().map(|b| b.0).collect())
+    }
+}
+
+/// One byte buffer as a byte string (a length and a copy), not as a sequence of numbers.
+pub(crate) mod byte_string {
+    use serde::{Deserializer, Serializer};
+
+    pub(crate) fn serialize<S: Serializer>(data: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(data)
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let buf: super::bytes_list::ByteBuf = serde::Deserialize::deserialize(d)?;
+        Ok(buf.0)
     }
 }
 

@@ -293,3 +293,80 @@ fn a_folder_served_from_another_node_is_refused() {
     assert!(err.contains("another store serves this folder: process 77"), "{err}");
     assert!(data.join("store.owner").exists(), "the other node's lock was taken");
 }
+
+/// Loads by value (what a client on another node does; forced here on one node): the entry
+/// is read from the store in pieces of at most a frame into this process's memory, with its
+/// values and views, in shared memory or in a folder; a writable load still maps the entry.
+#[test]
+fn loads_by_value_copy_entries_in_pieces_with_their_views() {
+    for in_folder in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut options = StoreOptions::default().runtime_dir(dir.path().join("run"));
+        if in_folder {
+            options = options.dir(dir.path().join("data"));
+        }
+        let store = Store::start_with(if in_folder { "by-value-dir" } else { "by-value" }, options).unwrap();
+        assert!(!store.is_by_value(), "on the store's node entries are mapped");
+        let store = store.by_value(true);
+        let mut td = state_dict(2.0);
+        // 40 MB: three reads of at most 16 MiB.
+        let big: Vec<f32> = (0..10_000_000).map(|i| (i % 9973) as f32).collect();
+        td.set("big", Tensor::from_slice(&big, [10_000_000]).unwrap()).unwrap();
+        store.save("model", &td, None).unwrap();
+        let loaded = store.load("model", Wait::NOW).unwrap();
+        for key in ["encoder.weight", "decoder.weight", "bias", "big"] {
+            assert_eq!(
+                loaded.get_tensor(key).unwrap().to_vec::<f32>().unwrap(),
+                td.get_tensor(key).unwrap().to_vec::<f32>().unwrap(),
+                "{key} (folder: {in_folder})"
+            );
+        }
+        let enc = loaded.get_tensor("encoder.weight").unwrap();
+        assert_eq!(enc.storage().kind(), memmap_tensor::StorageKind::Heap, "a copy in this process's memory");
+        if !in_folder {
+            assert!(enc.shares_storage_with(loaded.get_tensor("decoder.weight").unwrap()), "tied weights stay tied");
+        }
+        let private = store.load_private("model", Wait::NOW).unwrap();
+        assert_eq!(private.get_tensor("bias").unwrap().to_vec::<f32>().unwrap(), [2.0; 4]);
+        // A writable load maps the entry: its writes are the entry's.
+        let mut writable = store.load_writable("model", Wait::NOW).unwrap();
+        writable.get_tensor_mut("bias").unwrap().as_mut_slice::<f32>().unwrap()[0] = 7.0;
+        drop(writable);
+        let again = store.load("model", Wait::NOW).unwrap();
+        assert_eq!(again.get_tensor("bias").unwrap().to_vec::<f32>().unwrap()[0], 7.0);
+    }
+}
+
+/// Reads by value of leases the session does not hold, past the entry, or of no bytes or too
+/// many, are refused; the store goes on serving.
+#[test]
+fn hostile_reads_by_value_are_refused() {
+    use tensordict_rpc::store::StoreServiceClient;
+    let dir = tempfile::tempdir().unwrap();
+    let store =
+        Store::start_with("by-value-hostile", StoreOptions::default().runtime_dir(dir.path().join("run"))).unwrap();
+    store.save("model", &state_dict(1.0), None).unwrap();
+    let options = tensordict_rpc::ClientOptions::default().runtime_dir(dir.path().join("run"));
+    let raw: tensordict_rpc::BlockingClient<StoreServiceClient> =
+        tensordict_rpc::BlockingClient::connect(store.server().unwrap().endpoint(), &options).unwrap();
+    let refused = raw.call(async |c, ctx| c.read(ctx, 12345, 0, 8).await).unwrap().unwrap_err();
+    assert!(matches!(refused, WireError::NotFound { .. }), "{refused}");
+    let leased = raw
+        .call(async |c, ctx| c.load(ctx, vec!["model".into()], None, false, Vec::new(), Vec::new()).await)
+        .unwrap()
+        .unwrap();
+    let lease = leased[0].lease;
+    let bytes = leased[0].layout.as_ref().unwrap().bytes;
+    for (offset, len) in [(0, 0), (0, 1 << 30), (bytes, 1), (u64::MAX, 1), (bytes - 1, 2)] {
+        let refused = raw.call(async |c, ctx| c.read(ctx, lease, offset, len).await).unwrap().unwrap_err();
+        assert!(matches!(refused, WireError::InvalidRequest { .. }), "{offset} {len}: {refused}");
+    }
+    let all = raw.call(async |c, ctx| c.read(ctx, lease, 0, bytes).await).unwrap().unwrap();
+    assert_eq!(all.0.len() as u64, bytes);
+    // Another session's lease is not this one's to read.
+    let other: tensordict_rpc::BlockingClient<StoreServiceClient> =
+        tensordict_rpc::BlockingClient::connect(store.server().unwrap().endpoint(), &options).unwrap();
+    let refused = other.call(async |c, ctx| c.read(ctx, lease, 0, 8).await).unwrap().unwrap_err();
+    assert!(matches!(refused, WireError::NotFound { .. }), "{refused}");
+    assert_eq!(store.load("model", Wait::NOW).unwrap().get_tensor("bias").unwrap().to_vec::<f32>().unwrap(), [1.0; 4]);
+}

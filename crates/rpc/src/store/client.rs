@@ -47,6 +47,9 @@ struct Inner {
     info: StoreInfo,
     /// The store's node is this one: its shared memory can be mapped.
     same_node: bool,
+    /// Entries are loaded by value (their bytes over the connection), not mapped: see
+    /// [`Store::by_value`].
+    by_value: std::sync::atomic::AtomicBool,
     /// The layout of the version each key had when last loaded, so that loading the same
     /// version again sends and decodes no layout.
     layouts: Mutex<LayoutCache>,
@@ -191,7 +194,8 @@ impl Store {
                 runtime.block_on(send_unsent(&sender.client, unsent));
             }
         })?;
-        let inner = Inner { client, runtime, unsent, info, same_node, layouts };
+        let by_value = std::sync::atomic::AtomicBool::new(!same_node);
+        let inner = Inner { client, runtime, unsent, info, same_node, by_value, layouts };
         Ok(Store { inner: Arc::new(inner), server: None })
     }
 
@@ -212,6 +216,23 @@ impl Store {
         let mut store = Store::connect_to(server.endpoint(), &client_options)?;
         store.server = Some(server);
         Ok(store)
+    }
+
+    /// Whether loads copy entries into this process's memory over the connection (by value)
+    /// instead of mapping them: the default for a store on another node, whose shared memory
+    /// cannot be mapped here. Each load then reads the entry once from the store's memory
+    /// (or its folder) in pieces of at most a frame; views of one storage stay views of one.
+    /// `false` on another node maps entries of a store with a folder (`--dir`) that this node
+    /// mounts at the same path (a shared filesystem); `true` on the store's node copies. A
+    /// writable load ([`Store::load_writable`]) always maps: a copy would not write the entry.
+    pub fn by_value(self, yes: bool) -> Self {
+        self.inner.by_value.store(yes, std::sync::atomic::Ordering::Relaxed);
+        self
+    }
+
+    /// Whether loads copy entries by value (see [`Store::by_value`]).
+    pub fn is_by_value(&self) -> bool {
+        self.inner.by_value.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// What the store says about itself (name, node, storage, capacity, pid).
@@ -253,7 +274,7 @@ impl Store {
             store: Arc::clone(&self.inner),
             sealed: false,
         };
-        (allocation.dict, allocation.storage) = self.inner.map(&allocated.place, &layout, Access::ReadWrite)?;
+        (allocation.dict, allocation.storage) = self.inner.map(&allocated.place, &layout, Access::ReadWrite, None)?;
         Ok(allocation)
     }
 
@@ -310,7 +331,7 @@ impl Store {
             })
             .collect();
         for (out, l) in loaded.iter_mut().zip(&leased) {
-            out.dict = self.inner.map(&l.place, &l.layout, access)?.0;
+            out.dict = self.inner.map(&l.place, &l.layout, access, Some(l.lease))?.0;
         }
         Ok(loaded)
     }
@@ -431,7 +452,26 @@ impl Inner {
     }
 
     /// Maps a version: the dict, and for shared memory the one storage under it.
-    fn map(&self, place: &Place, layout: &EntryLayout, access: Access) -> Result<(TensorDict, Option<Arc<Storage>>)> {
+    /// The entry at `place`: mapped, or for a load (`lease`) by value, read from the store (see
+    /// [`Store::by_value`]).
+    fn map(
+        &self,
+        place: &Place,
+        layout: &EntryLayout,
+        access: Access,
+        lease: Option<u64>,
+    ) -> Result<(TensorDict, Option<Arc<Storage>>)> {
+        if let Some(lease) = lease
+            && access != Access::ReadWrite
+            && self.by_value.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            let (dict, storage) = super::by_value::assemble(layout, |offset, len| {
+                let (offset, len) = (offset as u64, len as u64);
+                let bytes = self.block_on(self.client.invoke(async |c, ctx| c.read(ctx, lease, offset, len).await))?;
+                Ok(bytes.0)
+            })?;
+            return Ok((dict, Some(storage)));
+        }
         match place {
             Place::Shm(name) => {
                 if !self.same_node {
@@ -439,8 +479,9 @@ impl Inner {
                         endpoint: self.client.endpoint().clone(),
                         error: WireError::InvalidRequest {
                             detail: format!(
-                                "the entry is in shared memory on node {}; serve the store with a folder on a \
-                                 shared filesystem (--dir) to load it from other nodes",
+                                "the entry is in shared memory on node {}, which this node cannot map: load it \
+                                 by value (`Store::by_value(true)`, the default from another node; not for a \
+                                 writable load), or serve the store with a folder on a shared filesystem (--dir)",
                                 self.info.node
                             ),
                         },

@@ -71,6 +71,7 @@
 //!   directory (see [`crate::endpoint`]), folders are made with mode 0700.
 
 mod backend;
+mod by_value;
 mod client;
 mod index;
 mod layout;
@@ -84,7 +85,7 @@ use std::time::Duration;
 pub use client::{Allocation, Loaded, Store};
 pub use layout::{EntryLayout, Placement};
 pub use server::StoreServer;
-pub use service::{Allocated, EntryInfo, Leased, Place, StoreInfo, StoreService, StoreServiceClient};
+pub use service::{Allocated, EntryBytes, EntryInfo, Leased, Place, StoreInfo, StoreService, StoreServiceClient};
 
 use crate::error::Result;
 use crate::service::{ServiceKind, ServiceName, ServiceOptions};

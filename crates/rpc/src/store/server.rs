@@ -14,7 +14,7 @@ use super::backend::{self, Backend};
 use super::index::{self, Index};
 use super::layout::EntryLayout;
 use super::registry::{State, Version};
-use super::service::{Allocated, EntryInfo, Leased, Place, StoreInfo, StoreService};
+use super::service::{Allocated, EntryBytes, EntryInfo, Leased, Place, StoreInfo, StoreService};
 use super::{StoreOptions, check_key, service_name};
 use crate::error::{Error, Result};
 use crate::server::Peer;
@@ -607,6 +607,35 @@ impl StoreService for Session {
         tracing::info!(peer = %self.0.peer, "store: asked to stop");
         self.shared().request_stop();
         Ok(())
+    }
+
+    async fn read(self, _: Context, lease: u64, offset: u64, len: u64) -> Result<EntryBytes, WireError> {
+        let max = super::by_value::MAX_READ_BYTES;
+        if len == 0 || len > max as u64 {
+            return Err(invalid(&format!("a read of {len} bytes; one read returns 1 to {max} bytes")));
+        }
+        let (place, layout) = {
+            let state = self.shared().state();
+            let held = state
+                .leases
+                .get(self.0.id, lease)
+                .ok_or_else(|| WireError::NotFound { what: format!("lease {lease} of this session") })?;
+            let version = state
+                .versions
+                .get(&held.version)
+                .ok_or_else(|| WireError::NotFound { what: format!("the version of lease {lease}") })?;
+            (version.place.clone(), Arc::clone(&version.layout))
+        };
+        if offset.checked_add(len).is_none_or(|end| end > layout.bytes) {
+            return Err(invalid(&format!("bytes {offset}..{offset}+{len} of an entry of {} bytes", layout.bytes)));
+        }
+        // The lease keeps the version, and so its storage, until this session lets it go; a
+        // release racing this read is this session's own doing.
+        let read = tokio::task::spawn_blocking(move || {
+            super::by_value::read_entry(&place, &layout, offset as usize, len as usize)
+        });
+        let bytes = read.await.map_err(|e| WireError::Other { message: format!("read: {e}") })?;
+        bytes.map(EntryBytes).map_err(|e| WireError::Other { message: ErrorChain(&e).to_string() })
     }
 }
 

@@ -48,7 +48,16 @@ pub trait StoreService {
     async fn list() -> Result<Vec<EntryInfo>, WireError>;
     /// Stops the store (as dropping its server does).
     async fn shutdown() -> Result<(), WireError>;
+    /// Bytes `offset..offset + len` of the entry a lease of this session holds, as its
+    /// [`EntryLayout`] places them (in a folder entry, each tensor's file at its placement; the
+    /// gaps between are zeros): what a client on another node loads by value, in pieces of at
+    /// most a frame. (After the calls above, which keep their place on the wire.)
+    async fn read(lease: u64, offset: u64, len: u64) -> Result<EntryBytes, WireError>;
 }
+
+/// Bytes of an entry, read by [`StoreService::read`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EntryBytes(#[serde(with = "crate::wire::byte_string")] pub Vec<u8>);
 
 /// What a store says about itself.
 #[derive(Clone, Debug, Serialize, Deserialize)]
