@@ -373,11 +373,32 @@ test_store() {
         run_on 2 "$log-save2.log" store-save "$endpoint" "$STATE/token" from-node-2 2 &&
             run_on 3 "$log-save3.log" store-save "$endpoint" "$STATE/token" from-node-3 3 &&
             run_on 3 "$log-load3.log" store-load "$endpoint" "$STATE/token" from-node-2 2 &&
-            run_on 2 "$log-load2.log" store-load "$endpoint" "$STATE/token" from-node-3 3
+            run_on 2 "$log-load2.log" store-load "$endpoint" "$STATE/token" from-node-3 3 &&
+            run_on 3 "$log-value3.log" store-load-by-value "$endpoint" "$STATE/token" from-node-2 2
     } || status=1
-    result "$fs/store" "$status" "$log"-save2.log "$log"-save3.log "$log"-load3.log "$log"-load2.log
+    result "$fs/store" "$status" "$log"-save2.log "$log"-save3.log "$log"-load3.log "$log"-load2.log "$log"-value3.log
     run_on 3 "$log-refused.log" store-refused "$endpoint"
     result "$fs/store-wrong-token" $? "$log-refused.log"
+    stop_service
+}
+
+# A store in host 1's shared memory: an entry saved from host 2 loads by value on host 3, read
+# from the store's memory over the connection (no shared filesystem involved).
+test_store_by_value() {
+    local fs=$1 log="$LOGS/$fs-store-by-value" endpoint="tcp:$SERVER:$STORE_PORT"
+    make_token
+    if ! start_service 1 "$log-server.log" "$STORE_PORT" "$TDICT" store serve --name mn-shm --no-fork \
+        --listen "$endpoint" --token-file "$STATE/token"; then
+        result "$fs/store-by-value" 1 "$log-server.log"
+        stop_service
+        return
+    fi
+    local status=0
+    {
+        run_on 2 "$log-save.log" store-save "$endpoint" "$STATE/token" in-memory 4 &&
+            run_on 3 "$log-load.log" store-load-by-value "$endpoint" "$STATE/token" in-memory 4
+    } || status=1
+    result "$fs/store-by-value" "$status" "$log-save.log" "$log-load.log"
     stop_service
 }
 
@@ -552,6 +573,54 @@ test_replay_learner_killed() {
         wait "$leaser" 2>/dev/null
     fi
     result "$fs/replay-learner-killed" "$status" "$log-fill.log" "$log-leaser.log" "$log-harness.log" "$log-actor.log"
+    stop_service
+}
+
+# Rows by value and dead peers. An actor on host 2 streaming rows by value (2,000 at a time,
+# about two frames) is killed mid-stream: the service keeps no reservation of it and every row a
+# learner on host 3 samples is whole. Then the service is killed under an actor (host 2) and a
+# learner (host 3) both streaming by value: each call fails within 10 s, none hangs.
+test_replay_by_value_deaths() {
+    local fs=$1 log="$LOGS/$fs-by-value-deaths" endpoint="tcp:$SERVER:$REPLAY_PORT" sync="$STATE/sync-by-value-$fs"
+    mkdir -p "$sync"
+    local status=0
+    if ! start_replay "$log" 8192 shm; then
+        result "$fs/replay-by-value-actor-killed" 1 "$log-server.log"
+        stop_service
+        return
+    fi
+    run_on 2 "$log-fill.log" replay-fill-bench "$endpoint" "$STATE/token" 1 4096 1000 by-value || status=1
+    : >"$log-harness.log"
+    if [ $status = 0 ]; then
+        start_peer 2 "$log-actor.log" replay-stream-actor "$endpoint" "$STATE/token" "$sync/actor-ready" 2
+        local actor=$!
+        if wait_until 60 test -s "$sync/actor-ready"; then
+            sleep 0.3
+            kill_ready "$sync/actor-ready" &&
+                echo "the harness: SIGKILL to the actor on host 2 while it streams rows" >>"$log-harness.log"
+        else
+            echo "the harness: the actor never wrote its first rows" >>"$log-harness.log"
+            status=1
+        fi
+        wait "$actor" 2>/dev/null
+        run_on 3 "$log-after.log" replay-after-stream-death "$endpoint" "$STATE/token" "$sync/actor-ready" || status=1
+    fi
+    result "$fs/replay-by-value-actor-killed" "$status" "$log-fill.log" "$log-harness.log" "$log-actor.log" "$log-after.log"
+    status=0
+    : >"$log-harness2.log"
+    start_peer 2 "$log-actor2.log" replay-stream-actor "$endpoint" "$STATE/token" "$sync/actor2-ready" 3
+    local actor2=$!
+    start_peer 3 "$log-learner.log" replay-stream-learner "$endpoint" "$STATE/token" "$sync/learner-ready"
+    local learner=$!
+    if wait_until 60 test -s "$sync/actor2-ready" && wait_until 60 test -s "$sync/learner-ready"; then
+        kill -9 "${STARTED[-1]}" && echo "the harness: SIGKILL to the service on host 1" >>"$log-harness2.log"
+    else
+        echo "the harness: the actor or the learner never started streaming" >>"$log-harness2.log"
+        status=1
+    fi
+    wait "$actor2" || status=1
+    wait "$learner" || status=1
+    result "$fs/replay-by-value-service-killed" "$status" "$log-harness2.log" "$log-actor2.log" "$log-learner.log"
     stop_service
 }
 
@@ -753,6 +822,7 @@ else
         want remote-update-rounds && test_remote_update_rounds "$fs"
         want store && test_store "$fs"
         want store-owner && test_store_owner "$fs"
+        want store-by-value && test_store_by_value "$fs"
         want replay && test_replay "$fs" replay shared-fs
         # The same with clients that write and read through their mappings, as on one node: a
         # known failure on a network filesystem, which shows why the mode above is needed.
@@ -761,6 +831,7 @@ else
         # the clients on other hosts get and send the bytes over the connection.
         want replay-by-value && test_replay "$fs" replay-by-value by-value
         want replay-wrong-token && test_replay_wrong_token "$fs"
+        want replay-by-value-deaths && test_replay_by_value_deaths "$fs"
         want replay-actor-killed && test_replay_actor_killed "$fs"
         want replay-learner-killed && test_replay_learner_killed "$fs"
         want stale-reads && test_stale_reads "$fs"

@@ -8,8 +8,9 @@
 //! multinode-peer update-worker DIR            host 2: write rows into DIR/dict, publish, reply
 //! multinode-peer store-save ENDPOINT TOKEN_FILE KEY SEED
 //! multinode-peer store-load ENDPOINT TOKEN_FILE KEY SEED
+//! multinode-peer store-load-by-value ENDPOINT TOKEN_FILE KEY SEED
 //! multinode-peer store-refused ENDPOINT       a client with a wrong token must be refused
-//! multinode-peer replay-actor ENDPOINT TOKEN_FILE DIR ACTOR (shared-fs | buffered | mapped)
+//! multinode-peer replay-actor ENDPOINT TOKEN_FILE DIR ACTOR (shared-fs | buffered | mapped | by-value)
 //!                                             extend rows keyed (ACTOR, seq) twice;
 //!                                             `shared-fs`: a client for a shared filesystem
 //!                                             (rows written with pwrite and fdatasynced before
@@ -40,6 +41,17 @@
 //! multinode-peer replay-extend-over ENDPOINT TOKEN_FILE READY BLOCKED ACTOR ROWS
 //!                                             extend ROWS rows over the leased ones: the write
 //!                                             waits (BLOCKED written) until the leaser dies
+//! multinode-peer replay-stream-actor ENDPOINT TOKEN_FILE READY ACTOR
+//!                                             by value, extend 2,000 rows at a time without
+//!                                             end, READY written after the first; when the
+//!                                             service dies, fail within 10 s and exit 0
+//! multinode-peer replay-stream-learner ENDPOINT TOKEN_FILE READY
+//!                                             by value, sample 256 rows at a time without end,
+//!                                             every row checked whole, READY after the first;
+//!                                             when the service dies, fail within 10 s, exit 0
+//! multinode-peer replay-after-stream-death ENDPOINT TOKEN_FILE READY
+//!                                             once the streaming actor of READY is killed: no
+//!                                             reservation stays, 50 samples all rows whole
 //! multinode-peer fs-make DIR                  make the dict DIR/dict with known values
 //! multinode-peer fs-client DIR CONTROL        load DIR/dict and check it again and again, each
 //!                                             load bounded; CONTROL/state tells `up`, `down`
@@ -149,7 +161,10 @@ fn run(args: &[String]) -> anyhow::Result<()> {
         ["update-owner", dir] => update_owner(Path::new(dir)),
         ["update-worker", dir] => update_worker(Path::new(dir)),
         ["store-save", endpoint, token, key, seed] => store_save(&client(endpoint, token)?, key, seed.parse()?),
-        ["store-load", endpoint, token, key, seed] => store_load(&client(endpoint, token)?, key, seed.parse()?),
+        ["store-load", endpoint, token, key, seed] => store_load(&client(endpoint, token)?, key, seed.parse()?, false),
+        ["store-load-by-value", endpoint, token, key, seed] => {
+            store_load(&client(endpoint, token)?, key, seed.parse()?, true)
+        }
         ["store-refused", endpoint] => store_refused(endpoint),
         ["replay-actor", endpoint, token, dir, actor, mode] => {
             let buffer = replay_client(&client(endpoint, token)?, mode)?;
@@ -176,6 +191,17 @@ fn run(args: &[String]) -> anyhow::Result<()> {
         ["replay-after-death", endpoint, token, ready, actor, rows] => {
             let buffer = replay_client(&client(endpoint, token)?, "shared-fs")?;
             replay_after_death(&buffer, Path::new(ready), actor.parse()?, rows.parse()?)
+        }
+        ["replay-stream-actor", endpoint, token, ready, actor] => replay_stream_actor(
+            &replay_client(&client(endpoint, token)?, "by-value")?,
+            Path::new(ready),
+            actor.parse()?,
+        ),
+        ["replay-stream-learner", endpoint, token, ready] => {
+            replay_stream_learner(&replay_client(&client(endpoint, token)?, "by-value")?, Path::new(ready))
+        }
+        ["replay-after-stream-death", endpoint, token, ready] => {
+            replay_after_stream_death(&replay_client(&client(endpoint, token)?, "by-value")?, Path::new(ready))
         }
         ["replay-leaser", endpoint, token, ready] => replay_leaser(&client(endpoint, token)?, Path::new(ready)),
         ["replay-extend-over", endpoint, token, ready, blocked, actor, rows] => replay_extend_over(

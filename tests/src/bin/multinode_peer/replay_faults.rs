@@ -176,3 +176,98 @@ pub(crate) fn replay_extend_over(
     println!("{}: 64 sampled rows are all the new actor's", host());
     Ok(())
 }
+
+/// Rows per extend of [`replay_stream_actor`]: of 696-byte rows, about two frames' worth, so
+/// that a kill lands in the middle of sending them as often as not.
+const STREAM_ROWS: usize = 2_000;
+
+/// An actor by value that extends [`STREAM_ROWS`] rows of actor `actor` again and again. After
+/// its first extend it writes `ready` (its pid, to be killed mid-stream). When the service dies
+/// instead, its next extend must fail within `SERVICE_DEATH_LIMIT`: it says so and exits 0.
+pub(crate) fn replay_stream_actor(buffer: &RemoteBuffer, ready: &Path, actor: i64) -> anyhow::Result<()> {
+    let width = storage_width(buffer)?;
+    let mut seq = 1;
+    let mut first = true;
+    loop {
+        let rows = actor_rows_of_width(actor, seq, STREAM_ROWS, width)?;
+        let started = Instant::now();
+        match buffer.extend(&rows) {
+            Ok(_) => seq += STREAM_ROWS as i64,
+            Err(e) => return service_died("actor", started, &anyhow::Error::new(e)),
+        }
+        if first {
+            put(ready, &serde_json::to_string(&Ready { pid: std::process::id(), rows: Vec::new() })?)?;
+            println!("{}: actor {actor} by value: first {STREAM_ROWS} rows written, extending on", host());
+            first = false;
+        }
+    }
+}
+
+/// A learner by value that samples 256 rows again and again, every row checked whole (of any
+/// actor). After its first sample it writes `ready`; when the service dies, its next sample must
+/// fail within `SERVICE_DEATH_LIMIT`: it says so and exits 0.
+pub(crate) fn replay_stream_learner(buffer: &RemoteBuffer, ready: &Path) -> anyhow::Result<()> {
+    let mut first = true;
+    let mut samples = 0u64;
+    loop {
+        let started = Instant::now();
+        let (batch, _) = match buffer.sample(256, Some(Duration::from_secs(20))) {
+            Ok(sampled) => sampled,
+            Err(e) => {
+                println!("{}: {samples} samples of 256 rows, each checked whole, before", host());
+                return service_died("learner", started, &anyhow::Error::new(e));
+            }
+        };
+        let (_, bad) = check_rows_whole(&batch)?;
+        ensure!(bad.is_empty(), "a sampled batch has {} rows not whole: {:?}", bad.len(), bad.first());
+        samples += 1;
+        if first {
+            put(ready, &serde_json::to_string(&Ready { pid: std::process::id(), rows: Vec::new() })?)?;
+            first = false;
+        }
+    }
+}
+
+/// How long a client may take to fail once its service is killed.
+const SERVICE_DEATH_LIMIT: Duration = Duration::from_secs(10);
+
+/// A call that failed because the service died: fine if it failed within
+/// [`SERVICE_DEATH_LIMIT`] of its start, with the error it gave.
+fn service_died(who: &str, started: Instant, e: &anyhow::Error) -> anyhow::Result<()> {
+    let took = started.elapsed();
+    ensure!(took < SERVICE_DEATH_LIMIT, "{who}: the call took {took:?} to fail: {e:#}");
+    println!("{}: {who}: the call failed {:.0} ms after it began: {e:#}", host(), took.as_secs_f64() * 1e3);
+    Ok(())
+}
+
+/// Rows of any actor checked whole: each row's `obs` is its own key's (no bound on `seq`).
+pub(crate) fn check_rows_whole(batch: &TensorDict) -> anyhow::Result<(usize, Vec<(usize, String)>)> {
+    let key = batch.get_tensor("key")?.contiguous()?.to_vec::<i64>()?;
+    let actors: Vec<i64> = key.iter().step_by(2).copied().collect();
+    check_rows_of(batch, &actors, i64::MAX)
+}
+
+/// After an actor by value was killed mid-stream: the service holds no reservation of it, and
+/// every sampled row is whole.
+pub(crate) fn replay_after_stream_death(buffer: &RemoteBuffer, ready: &Path) -> anyhow::Result<()> {
+    wait_for(ready, WAIT)?;
+    let took = eventually("the killed actor's session released", Duration::from_secs(30), || {
+        Ok(buffer.stats()?.open_reservations == 0)
+    })?;
+    let stats = buffer.stats()?;
+    println!(
+        "{}: {took:?} after watching: {} open reservations, {} rows written in all",
+        host(),
+        stats.open_reservations,
+        stats.write_count
+    );
+    let mut checked = 0;
+    for _ in 0..50 {
+        let (batch, _) = buffer.sample(256, Some(Duration::from_secs(10)))?;
+        let (whole, bad) = check_rows_whole(&batch)?;
+        ensure!(bad.is_empty(), "{} of 256 sampled rows not whole: {:?}", bad.len(), bad.first());
+        checked += whole;
+    }
+    println!("{}: {checked} rows sampled by value, every one whole", host());
+    Ok(())
+}

@@ -35,12 +35,22 @@ pub(crate) fn store_save((endpoint, options): &(Endpoint, ClientOptions), key: &
     Ok(())
 }
 
-pub(crate) fn store_load((endpoint, options): &(Endpoint, ClientOptions), key: &str, seed: i64) -> anyhow::Result<()> {
-    let store = Store::connect_to(endpoint, options).with_context(|| format!("connecting to {endpoint}"))?;
+/// Loads `key` and checks it is the dict of `seed`: mapped, or `by_value` copied from the
+/// store's memory over the connection (what a client on another machine does; the test hosts
+/// share one kernel and `/dev/shm`, so they count as one node and must ask).
+pub(crate) fn store_load(
+    (endpoint, options): &(Endpoint, ClientOptions),
+    key: &str,
+    seed: i64,
+    by_value: bool,
+) -> anyhow::Result<()> {
+    let store =
+        Store::connect_to(endpoint, options).with_context(|| format!("connecting to {endpoint}"))?.by_value(by_value);
     let loaded = store.load(key, Duration::from_secs(20)).with_context(|| format!("loading `{key}`"))?;
     same(&loaded, &seeded(seed)?).with_context(|| format!("`{key}` as loaded on {}", host()))?;
+    let how = if by_value { "by value" } else { "mapped" };
     println!(
-        "{}: loaded `{key}` (version {}) through {endpoint}: every value is the saver's",
+        "{}: loaded `{key}` (version {}, {how}) through {endpoint}: every value is the saver's",
         host(),
         loaded.version()
     );
