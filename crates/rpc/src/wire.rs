@@ -274,6 +274,7 @@ mod bytes_list {
 }
 
 /// One byte buffer as a byte string (a length and a copy), not as a sequence of numbers.
+#[cfg(feature = "store")]
 pub(crate) mod byte_string {
     use serde::{Deserializer, Serializer};
 

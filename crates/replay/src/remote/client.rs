@@ -463,33 +463,9 @@ impl RemoteBuffer {
             let why = reply_limit(self.capacity(), weighted_sampler(&self.info.sampler), self.max_frame_bytes);
             return Err(Error::TooManyRows { op: "sample", rows: batch_size, max, why });
         }
-        let start = Instant::now();
-        // Leases let go of since the last sample are released by this one.
-        let mut release = self.releases.take();
-        let sampled = windowed_wait(
-            wait,
-            WAIT_WINDOW,
-            |window| {
-                let mut ctx = self.client.context();
-                ctx.deadline += window;
-                let sent = std::mem::take(&mut release);
-                let answer = self.client.invoke_with(ctx, async |c, ctx| {
-                    c.sample(ctx, batch_size as u64, Some(window), sent.clone()).await
-                });
-                // A refusal came from a service that released them first; after any other
-                // failure they may not have arrived.
-                if let Err(e) = &answer
-                    && !matches!(e, tensordict_rpc::Error::Remote { .. })
-                    && !sent.is_empty()
-                {
-                    // Sent again (the service leaves alone what it released already).
-                    self.releases.extend(sent);
-                }
-                answer
-            },
-            is_timed_out,
-        )
-        .map_err(|e| timed_out("sample", start, e))?;
+        let Drawn::Leased(sampled) = self.draw(batch_size, wait, false)? else {
+            unreachable!("a draw without values is leased")
+        };
         let indices: Vec<usize> = sampled.indices.iter().map(|&r| r as usize).collect();
         let gathered = gather(sampled.lease, &indices);
         // Released with the next sample, or by the sender thread shortly after.
@@ -585,32 +561,51 @@ impl RemoteBuffer {
                 TensorDict::cat(&parts, 0).op(OP)
             });
         }
+        let Drawn::Values(sampled) = self.draw(batch_size, wait, true)? else {
+            unreachable!("a draw with values carries them")
+        };
+        let rows = sampled.rows.to_dict().op(OP)?;
+        let indices = sampled.indices.iter().map(|&r| r as usize).collect();
+        Ok((rows, SampleInfo { indices, weights: sampled.weights }))
+    }
+
+    /// Draws `batch_size` rows from the service, leased (`sample`) or with their bytes
+    /// (`sample_values`), waiting in windows. The leases let go of since the last draw are
+    /// released by this one.
+    fn draw(&self, batch_size: usize, wait: Option<Duration>, values: bool) -> Result<Drawn> {
         let start = Instant::now();
         let mut release = self.releases.take();
-        let sampled = windowed_wait(
+        windowed_wait(
             wait,
             WAIT_WINDOW,
             |window| {
                 let mut ctx = self.client.context();
                 ctx.deadline += window;
                 let sent = std::mem::take(&mut release);
-                let answer = self.client.invoke_with(ctx, async |c, ctx| {
-                    c.sample_values(ctx, batch_size as u64, Some(window), sent.clone()).await
-                });
+                let (n, held) = (batch_size as u64, sent.clone());
+                let answer = if values {
+                    self.client
+                        .invoke_with(ctx, async |c, ctx| c.sample_values(ctx, n, Some(window), held).await)
+                        .map(Drawn::Values)
+                } else {
+                    self.client
+                        .invoke_with(ctx, async |c, ctx| c.sample(ctx, n, Some(window), held).await)
+                        .map(Drawn::Leased)
+                };
+                // A refusal came from a service that released them first; after any other
+                // failure they may not have arrived.
                 if let Err(e) = &answer
                     && !matches!(e, tensordict_rpc::Error::Remote { .. })
                     && !sent.is_empty()
                 {
+                    // Sent again (the service leaves alone what it released already).
                     self.releases.extend(sent);
                 }
                 answer
             },
             is_timed_out,
         )
-        .map_err(|e| timed_out(OP, start, e))?;
-        let rows = sampled.rows.to_dict().op(OP)?;
-        let indices = sampled.indices.iter().map(|&r| r as usize).collect();
-        Ok((rows, SampleInfo { indices, weights: sampled.weights }))
+        .map_err(|e| timed_out("sample", start, e))
     }
 
     /// Reserves `n` rows, committing `commit` first; waits in windows.
@@ -723,6 +718,14 @@ impl RemoteBuffer {
 
 fn open(reference: &TensorDictRef, access: Access) -> Result<Storage> {
     Storage::attach(reference.open(access).op("map the replay storage")?)
+}
+
+/// What [`RemoteBuffer::draw`] got.
+enum Drawn {
+    /// Rows leased to this session, to read and then release.
+    Leased(super::service::Sampled),
+    /// The rows' bytes (nothing leased).
+    Values(super::service::SampledValues),
 }
 
 /// Where a client writes rows.
