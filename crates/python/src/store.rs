@@ -24,12 +24,13 @@ pub struct PyStore {
 #[pymethods]
 impl PyStore {
     #[new]
-    #[pyo3(signature = (target, *, token=None, runtime_dir=None))]
+    #[pyo3(signature = (target, *, token=None, runtime_dir=None, by_value=None))]
     fn py_new(
         py: Python<'_>,
         target: String,
         token: Option<String>,
         runtime_dir: Option<std::path::PathBuf>,
+        by_value: Option<bool>,
     ) -> PyResult<Self> {
         let options = client_options(token.as_deref(), runtime_dir)?;
         let endpoint = address(&target)?;
@@ -39,7 +40,17 @@ impl PyStore {
                 None => Store::connect_with(&target, &options),
             })
             .map_err(to_py_err)?;
+        let inner = match by_value {
+            Some(yes) => inner.by_value(yes),
+            None => inner,
+        };
         Ok(PyStore { inner, target })
+    }
+
+    /// Whether loads copy entries over the connection (a store on another node, or asked for).
+    #[getter]
+    fn by_value(&self) -> bool {
+        self.inner.is_by_value()
     }
 
     /// Serves a store named `name` from this process (entries in shared memory, or as folders

@@ -169,3 +169,18 @@ def test_a_load_waits_for_its_key_and_ctrl_c_wakes_it(store, short_dir):
     child.send_signal(signal.SIGINT)
     assert child.stdout.read().strip() == b"interrupted"
     assert child.wait(timeout=60) == 0
+
+
+def test_loads_by_value_copy_the_entry_with_its_tied_weights(store, short_dir):
+    """What a client on another node does (forced here on one node): the entry copied into
+    this process once, tied weights still one tensor's memory."""
+    store.save("policy/v1", state_dict())
+    assert not store.by_value
+    remote = Store(f"py{os.getpid()}", runtime_dir=short_dir, by_value=True)
+    assert remote.by_value and pickle.loads(pickle.dumps(remote)).by_value
+    w = remote.load("policy/v1")
+    e, h = w["embed.weight"], w["lm_head.weight"]
+    assert e.data_ptr() == h.data_ptr(), "tied weights share memory"
+    assert e.data_ptr() != store.load("policy/v1")["embed.weight"].data_ptr(), "a copy, not the store's memory"
+    np.testing.assert_array_equal(e.numpy(), np.arange(24, dtype=np.float32).reshape(6, 4))
+    assert int(w["step"].numpy()) == 7

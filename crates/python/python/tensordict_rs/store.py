@@ -19,14 +19,26 @@ __all__ = ["Store"]
 class Store:
     """A client of a named store: by name on this node, or ``"tcp:HOST:PORT"`` with the store's
     ``token``. ``Store.start(name)`` serves one from this process. Pickles as its address and
-    reconnects; one made before a ``fork`` raises in the child."""
+    reconnects; one made before a ``fork`` raises in the child.
 
-    def __init__(self, target, *, token=None, runtime_dir=None, _inner=None):
-        self._args = dict(target=str(target), token=token, runtime_dir=runtime_dir)
+    From another node, loads copy each entry once over the connection (``by_value``);
+    ``by_value=False`` maps the entries of a store with a folder this node mounts at the same
+    path, and ``True`` copies on the store's node too."""
+
+    def __init__(self, target, *, token=None, runtime_dir=None, by_value=None, _inner=None):
+        self._args = dict(target=str(target), token=token, runtime_dir=runtime_dir, by_value=by_value)
         self._pid = os.getpid()
         self._store = _inner or _native.Store(
-            str(target), token=token, runtime_dir=None if runtime_dir is None else str(runtime_dir)
+            str(target),
+            token=token,
+            runtime_dir=None if runtime_dir is None else str(runtime_dir),
+            by_value=by_value,
         )
+
+    @property
+    def by_value(self):
+        """Whether loads copy entries over the connection (see the class documentation)."""
+        return self._store.by_value
 
     @classmethod
     def start(cls, name, *, capacity=None, path=None, listen=None, token=None, runtime_dir=None):
