@@ -130,7 +130,7 @@ use update::*;
 pub(crate) const UPDATE_ROWS: usize = 64;
 /// Values per row.
 pub(crate) const WIDTH: usize = 8;
-/// Values per row of the replay benchmarks: rows of 696 bytes (`key` i64[2], `obs` f64[85]),
+/// Values per row of the replay benchmarks: rows of 696 bytes (`key: i64[2]`, `obs: f64[85]`),
 /// the size of the rows of `tdict bench replay` and of the TorchRL comparison.
 pub(crate) const BENCH_WIDTH: usize = 85;
 /// The rows the worker writes.
