@@ -579,12 +579,17 @@ impl ReplayService for Session {
         if n == 0 || n > capacity {
             return Err(invalid(format!("an insert of {n} rows; one insert writes 1 to {capacity} rows")));
         }
-        let session = self.clone();
-        let like = batch.clone();
-        tokio::task::spawn_blocking(move || session.shared().create_storage(&like))
-            .await
-            .map_err(|e| WireError::Other { message: format!("insert: {e}") })??;
-        self.waiting(wait, "insert", move |session, slice| {
+        // Checked against the storage before anything is reserved (the first insert makes it).
+        match self.shared().buffer.storage() {
+            Some(storage) => storage.check_batch("insert", &batch).map_err(to_wire)?,
+            None => {
+                let (session, like) = (self.clone(), batch.clone());
+                tokio::task::spawn_blocking(move || session.shared().create_storage(&like))
+                    .await
+                    .map_err(|e| WireError::Other { message: format!("insert: {e}") })??;
+            }
+        }
+        let write = move |session: &Session, slice: Duration| {
             let buffer = &session.shared().buffer;
             let reservation = buffer.reserve(n, Some(slice))?;
             if let Err(e) = buffer.write_reserved(&reservation, &batch) {
@@ -594,8 +599,12 @@ impl ReplayService for Session {
             let rows = reservation.rows().iter().map(|&r| r as u64).collect();
             buffer.commit(reservation)?;
             Ok(rows)
-        })
-        .await
+        };
+        // As for samples: most inserts need no wait, and skip the hand-over to a blocking thread.
+        match write(&self, Duration::ZERO) {
+            Err(Error::Timeout { .. }) if wait != Some(Duration::ZERO) => self.waiting(wait, "insert", write).await,
+            done => done.map_err(to_wire),
+        }
     }
 
     async fn write_reserved(
