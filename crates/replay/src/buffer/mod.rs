@@ -565,10 +565,7 @@ impl ReplayBuffer {
         let storage = self.storage.get().ok_or(Error::Empty)?;
         // What the sampler reads of the rows, read before they are published (nobody else
         // writes them while the reservation holds them).
-        let written = match &self.file_reads {
-            Some(engine) => storage.read_rows(engine, &reservation.rows),
-            None => storage.gather(&reservation.rows),
-        };
+        let written = self.read_back(storage, &reservation.rows);
         let mut state = self.state.lock();
         debug_assert!(state.rows.holds(&reservation.rows, reservation.ticket));
         state.rows.dequeue(&reservation.rows, written.is_ok());
@@ -618,6 +615,13 @@ impl ReplayBuffer {
             op: "read leased rows",
             detail: format!("rows {range:?} of a lease of {} rows", lease.rows.len()),
         })?;
+        self.read_back(storage, rows)
+    }
+
+    /// Rows `rows` as the buffer reads back what it holds: gathered from `storage`, or in a
+    /// buffer [for a shared filesystem](ReplayBuffer::for_shared_filesystem) read from the
+    /// files, which other nodes write past this process's mapping.
+    fn read_back(&self, storage: &Storage, rows: &[usize]) -> Result<TensorDict> {
         match &self.file_reads {
             Some(engine) => storage.read_rows(engine, rows),
             None => storage.gather(rows),

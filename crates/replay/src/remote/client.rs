@@ -309,7 +309,7 @@ impl RemoteBuffer {
     pub fn write_reserved(&self, reservation: &RemoteReservation, batch: &TensorDict) -> Result<()> {
         const OP: &str = "write reserved rows";
         if self.by_value {
-            let rows = self.value_frame(OP, batch, None)?;
+            let rows = self.value_frame(OP, batch)?;
             let id = reservation.id;
             return Ok(self.client.invoke(async |c, ctx| c.write_reserved(ctx, id, rows).await)?);
         }
@@ -484,9 +484,9 @@ impl RemoteBuffer {
     }
 
     /// `batch` as one frame of rows by value, or [`Error::TooManyRows`] if it does not fit.
-    fn value_frame(&self, op: &'static str, batch: &TensorDict, like: Option<&TensorDict>) -> Result<InlineDict> {
+    fn value_frame(&self, op: &'static str, batch: &TensorDict) -> Result<InlineDict> {
         let rows = batch.batch_size().first().copied().unwrap_or(0);
-        let max = self.rows_by_value(like)?.max_rows(self.capacity(), false, self.max_frame_bytes);
+        let max = self.rows_by_value(None)?.max_rows(self.capacity(), false, self.max_frame_bytes);
         if rows > max {
             let why = format!("rows go by value in frames of at most {} bytes", self.max_frame_bytes);
             return Err(Error::TooManyRows { op, rows, max, why });
@@ -539,11 +539,8 @@ impl RemoteBuffer {
         let weighted = weighted_sampler(&self.info.sampler);
         // Before the storage exists (a sample waiting for the first rows) the service says
         // whether the rows fit.
-        let known = self.rows_by_value.get().copied().or_else(|| match &self.info.storage {
-            Some(reference) => Some(*self.rows_by_value.get_or_init(|| RowsByValue::of(&reference.schema))),
-            None => self.rows_by_value(None).ok(),
-        });
-        let per_frame = known.map(|limit| limit.max_rows(self.capacity(), weighted, self.max_frame_bytes));
+        let per_frame =
+            self.rows_by_value(None).ok().map(|limit| limit.max_rows(self.capacity(), weighted, self.max_frame_bytes));
         if let Some(per_frame) = per_frame.filter(|&max| batch_size > max) {
             if per_frame == 0 {
                 let why = format!("one row does not fit in a frame of {} bytes", self.max_frame_bytes);

@@ -463,7 +463,7 @@ impl ReplayService for Session {
             return Err(invalid(format!("a sample of {batch} rows; ask for 1 to {MAX_SAMPLE_ROWS}")));
         }
         let capacity = self.shared().buffer.capacity();
-        let weighted = self.shared().buffer.sampler_spec().is_some_and(|spec| weighted_sampler(&spec));
+        let weighted = self.shared().weighted();
         let max = max_sample_rows(capacity, weighted, MAX_FRAME_BYTES);
         if batch > max as u64 {
             // Drawn, its reply could not be sent: the connection would end instead.
