@@ -26,18 +26,31 @@ fn bytes_at(storage: &Arc<Storage>, at: usize, len: usize) -> Result<Vec<u8>> {
         .map_err(tensor_err)
 }
 
-/// Bytes `offset..offset + len` of the entry at `place`, as `layout` places its tensors (the
-/// caller checked the range against `layout.bytes`). A folder entry's tensors are files of
-/// their own: each is read where its placement puts it, and the gaps are zeros.
-pub(super) fn read_entry(place: &Place, layout: &EntryLayout, offset: usize, len: usize) -> Result<Vec<u8>> {
-    match place {
+/// An entry opened by the store to be read by value: its shared-memory object, or its folder.
+/// A client reads an entry in several pieces; the store keeps it open between them.
+pub(super) enum Opened {
+    Shm(Arc<Storage>),
+    Folder(TensorDict),
+}
+
+/// Opens the entry at `place`, of `layout`, read-only.
+pub(super) fn open_entry(place: &Place, layout: &EntryLayout) -> Result<Opened> {
+    Ok(match place {
         Place::Shm(name) => {
             let size = usize::try_from(layout.bytes).unwrap_or(usize::MAX).max(1);
-            let storage = Arc::new(Storage::open_shm(name, Access::ReadOnly, size).map_err(tensor_err)?);
-            bytes_at(&storage, offset, len)
+            Opened::Shm(Arc::new(Storage::open_shm(name, Access::ReadOnly, size).map_err(tensor_err)?))
         }
-        Place::Folder(path) => {
-            let dict = TensorDict::load_memmap(path, Access::ReadOnly)?;
+        Place::Folder(path) => Opened::Folder(TensorDict::load_memmap(path, Access::ReadOnly)?),
+    })
+}
+
+/// Bytes `offset..offset + len` of the entry `opened`, as `layout` places its tensors (the
+/// caller checked the range against `layout.bytes`). A folder entry's tensors are files of
+/// their own: each is read where its placement puts it, and the gaps are zeros.
+pub(super) fn read_entry(opened: &Opened, layout: &EntryLayout, offset: usize, len: usize) -> Result<Vec<u8>> {
+    match opened {
+        Opened::Shm(storage) => bytes_at(storage, offset, len),
+        Opened::Folder(dict) => {
             let mut out = vec![0u8; len];
             let end = offset + len;
             for ((_, t), placement) in dict.leaves().into_iter().zip(&layout.placements) {

@@ -313,6 +313,9 @@ struct SessionInner {
     id: u64,
     shared: Arc<Shared>,
     peer: String,
+    /// The entry this session last read by value, by its lease: kept open between the pieces
+    /// of one load, let go of with the lease.
+    reading: Mutex<Option<(u64, Arc<super::by_value::Opened>)>>,
 }
 
 impl Session {
@@ -323,13 +326,20 @@ impl Session {
             state.next_session
         };
         tracing::debug!(session = id, %peer, "store: session opened");
-        Session(Arc::new(SessionInner { id, shared, peer: peer.to_string() }))
+        Session(Arc::new(SessionInner { id, shared, peer: peer.to_string(), reading: Mutex::new(None) }))
     }
 
     /// Lets go of the leases of this session among `leases` (others are left alone).
     fn release_leases(&self, leases: Vec<u64>) {
         if leases.is_empty() {
             return;
+        }
+        {
+            // An entry kept open for reads by value closes with its lease.
+            let mut reading = self.0.reading.lock().unwrap_or_else(PoisonError::into_inner);
+            if reading.as_ref().is_some_and(|(lease, _)| leases.contains(lease)) {
+                *reading = None;
+            }
         }
         let freed: Vec<Place> = {
             let mut state = self.shared().state();
@@ -630,9 +640,24 @@ impl StoreService for Session {
             return Err(invalid(&format!("bytes {offset}..{offset}+{len} of an entry of {} bytes", layout.bytes)));
         }
         // The lease keeps the version, and so its storage, until this session lets it go; a
-        // release racing this read is this session's own doing.
-        let read = tokio::task::spawn_blocking(move || {
-            super::by_value::read_entry(&place, &layout, offset as usize, len as usize)
+        // release racing this read is this session's own doing. The entry is opened once for
+        // all the pieces of a load.
+        let session = self.clone();
+        let read = tokio::task::spawn_blocking(move || -> Result<Vec<u8>> {
+            let cached = {
+                let reading = session.0.reading.lock().unwrap_or_else(PoisonError::into_inner);
+                reading.as_ref().filter(|(held, _)| *held == lease).map(|(_, opened)| Arc::clone(opened))
+            };
+            let opened = match cached {
+                Some(opened) => opened,
+                None => {
+                    let opened = Arc::new(super::by_value::open_entry(&place, &layout)?);
+                    *session.0.reading.lock().unwrap_or_else(PoisonError::into_inner) =
+                        Some((lease, Arc::clone(&opened)));
+                    opened
+                }
+            };
+            super::by_value::read_entry(&opened, &layout, offset as usize, len as usize)
         });
         let bytes = read.await.map_err(|e| WireError::Other { message: format!("read: {e}") })?;
         bytes.map(EntryBytes).map_err(|e| WireError::Other { message: ErrorChain(&e).to_string() })
