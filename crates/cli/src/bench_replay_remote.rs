@@ -40,8 +40,14 @@ const FILL_CHUNK: usize = 8192;
 /// How long a peer may take to connect and say it is ready.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// What was measured.
+/// What was measured: with the clients' rows through their mappings, and by value.
 pub(crate) struct Distributed {
+    mapped: Figures,
+    by_value: Figures,
+}
+
+/// One way of moving rows, measured.
+struct Figures {
     /// Median of one client's `extend` of `EXTEND_ROWS` rows, in µs.
     extend_us: f64,
     /// Median of one client's `sample` of `SAMPLE_ROWS` rows, in µs.
@@ -50,28 +56,19 @@ pub(crate) struct Distributed {
     insert_rows_per_s: f64,
     /// Rows the learner sampled per second.
     sample_rows_per_s: f64,
-    /// The same four figures with the rows by value.
-    by_value: ByValue,
-}
-
-/// The figures of clients that send and receive rows by value.
-struct ByValue {
-    extend_us: f64,
-    sample_us: f64,
-    insert_rows_per_s: f64,
-    sample_rows_per_s: f64,
 }
 
 impl Distributed {
     /// The figures as keys of `tdict bench replay --json`.
     pub(crate) fn json(&self) -> Map<String, Value> {
         let round = |v: f64| (v * 100.0).round() / 100.0;
+        let m = &self.mapped;
         let fields = json!({
-            "remote_extend_us": round(self.extend_us),
-            "remote_sample_us": round(self.sample_us),
-            "distributed_insert_rows_per_s": self.insert_rows_per_s.round(),
-            "distributed_sample_rows_per_s": self.sample_rows_per_s.round(),
-            "distributed_rows_per_s": (self.insert_rows_per_s + self.sample_rows_per_s).round(),
+            "remote_extend_us": round(m.extend_us),
+            "remote_sample_us": round(m.sample_us),
+            "distributed_insert_rows_per_s": m.insert_rows_per_s.round(),
+            "distributed_sample_rows_per_s": m.sample_rows_per_s.round(),
+            "distributed_rows_per_s": (m.insert_rows_per_s + m.sample_rows_per_s).round(),
             "remote_by_value_extend_us": round(self.by_value.extend_us),
             "remote_by_value_sample_us": round(self.by_value.sample_us),
             "distributed_by_value_insert_rows_per_s": self.by_value.insert_rows_per_s.round(),
@@ -85,16 +82,17 @@ impl Distributed {
 
     /// The figures as lines of `tdict bench replay`.
     pub(crate) fn print(&self) -> anyhow::Result<()> {
+        let m = &self.mapped;
         crate::out!("replay service (`tdict replay serve`, memmap rows), one client, median per call:");
-        crate::out!("  {:<44} {:>10.1} µs", format!("extend of {EXTEND_ROWS} rows"), self.extend_us);
-        crate::out!("  {:<44} {:>10.1} µs", format!("uniform sample of {SAMPLE_ROWS}"), self.sample_us);
+        crate::out!("  {:<44} {:>10.1} µs", format!("extend of {EXTEND_ROWS} rows"), m.extend_us);
+        crate::out!("  {:<44} {:>10.1} µs", format!("uniform sample of {SAMPLE_ROWS}"), m.sample_us);
         crate::out!(
             "{ACTORS} actor processes (extend of {EXTEND_ROWS}) and 1 learner process (sample of {SAMPLE_ROWS}), \
              {SECONDS} s:"
         );
-        crate::out!("  {:<44} {:>10.0} rows/s", "written", self.insert_rows_per_s);
-        crate::out!("  {:<44} {:>10.0} rows/s", "sampled", self.sample_rows_per_s);
-        crate::out!("  {:<44} {:>10.0} rows/s", "together", self.insert_rows_per_s + self.sample_rows_per_s);
+        crate::out!("  {:<44} {:>10.0} rows/s", "written", m.insert_rows_per_s);
+        crate::out!("  {:<44} {:>10.0} rows/s", "sampled", m.sample_rows_per_s);
+        crate::out!("  {:<44} {:>10.0} rows/s", "together", m.insert_rows_per_s + m.sample_rows_per_s);
         let v = &self.by_value;
         crate::out!("the same with rows by value (as clients on another node send and receive them):");
         crate::out!("  {:<44} {:>10.1} µs", format!("extend of {EXTEND_ROWS} rows"), v.extend_us);
@@ -142,8 +140,29 @@ pub(crate) fn measure(capacity: usize, iters: usize) -> anyhow::Result<Distribut
             .with_context(|| format!("filling rows {start}..{} of the service", start + n))?;
     }
     let batch = rows(fill, EXTEND_ROWS)?;
+    let mapped = figures(&client, &batch, iters, &name, &run_dir)?;
+    let by_value = RemoteBuffer::connect_with(&name, &ClientOptions::default().runtime_dir(&run_dir))
+        .context("connecting to the replay service")?
+        .by_value(true);
+    let by_value = figures(&by_value, &batch, iters, &name, &run_dir)?;
+
+    client.shutdown().context("stopping the replay service")?;
+    drop(client);
+    service.wait()?;
+    Ok(Distributed { mapped, by_value })
+}
+
+/// The figures of `client`'s way of moving rows: its own calls (`iters` of each, `batch` the
+/// rows it extends), then actors and learner of the same kind together.
+fn figures(
+    client: &RemoteBuffer,
+    batch: &TensorDict,
+    iters: usize,
+    name: &str,
+    run_dir: &Path,
+) -> anyhow::Result<Figures> {
     let extend_us = median_us(iters, || {
-        client.extend(&batch)?;
+        client.extend(batch)?;
         Ok(())
     })?;
     let sample_us = median_us(iters, || {
@@ -151,39 +170,8 @@ pub(crate) fn measure(capacity: usize, iters: usize) -> anyhow::Result<Distribut
         drop(out);
         Ok(())
     })?;
-
-    let (insert_rows_per_s, sample_rows_per_s) = together(&name, &run_dir, false)?;
-
-    let by_value = RemoteBuffer::connect_with(&name, &ClientOptions::default().runtime_dir(&run_dir))
-        .context("connecting to the replay service")?
-        .by_value(true);
-    let extend_by_value_us = median_us(iters, || {
-        by_value.extend(&batch)?;
-        Ok(())
-    })?;
-    let sample_by_value_us = median_us(iters, || {
-        let (out, _) = by_value.sample(SAMPLE_ROWS, None)?;
-        drop(out);
-        Ok(())
-    })?;
-    drop(by_value);
-    let (insert_by_value, sample_by_value) = together(&name, &run_dir, true)?;
-
-    client.shutdown().context("stopping the replay service")?;
-    drop(client);
-    service.wait()?;
-    Ok(Distributed {
-        extend_us,
-        sample_us,
-        insert_rows_per_s,
-        sample_rows_per_s,
-        by_value: ByValue {
-            extend_us: extend_by_value_us,
-            sample_us: sample_by_value_us,
-            insert_rows_per_s: insert_by_value,
-            sample_rows_per_s: sample_by_value,
-        },
-    })
+    let (insert_rows_per_s, sample_rows_per_s) = together(name, run_dir, client.is_by_value())?;
+    Ok(Figures { extend_us, sample_us, insert_rows_per_s, sample_rows_per_s })
 }
 
 /// Actors and learner at once (rows by value, or through their mappings): returns the rows
