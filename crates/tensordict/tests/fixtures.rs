@@ -8,6 +8,9 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tensordict::{KeyPath, TensorDict};
 
+mod common;
+use common::files_below;
+
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 fn fixtures_root() -> PathBuf {
@@ -137,24 +140,6 @@ fn verify_finds_python_folders_sound() {
         let problems = TensorDict::verify_memmap(&folder);
         assert!(problems.is_empty(), "{}: {problems:?}", folder.display());
     }
-}
-
-/// Every file below `dir`, relative, sorted.
-fn files_below(dir: &Path) -> Vec<PathBuf> {
-    fn walk(root: &Path, dir: &Path, out: &mut Vec<PathBuf>) {
-        for entry in std::fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                walk(root, &path, out);
-            } else {
-                out.push(path.strip_prefix(root).unwrap().to_owned());
-            }
-        }
-    }
-    let mut out = Vec::new();
-    walk(dir, dir, &mut out);
-    out.sort();
-    out
 }
 
 #[test]

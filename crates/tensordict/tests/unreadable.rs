@@ -11,6 +11,9 @@ use memmap_tensor::Access;
 use serde_json::Value;
 use tensordict::{Entry, Error, KeyPath, TensorDict, WriteOptions};
 
+mod common;
+use common::{copy_dir, files_below};
+
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 fn fixture() -> PathBuf {
@@ -104,24 +107,6 @@ fn shared_memory_cannot_hold_them_and_is_left_untouched() -> TestResult {
     Ok(())
 }
 
-/// Every file below `dir`, relative, sorted.
-fn files_below(dir: &Path) -> Vec<PathBuf> {
-    fn walk(root: &Path, dir: &Path, out: &mut Vec<PathBuf>) {
-        for entry in fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                walk(root, &path, out);
-            } else {
-                out.push(path.strip_prefix(root).unwrap().to_owned());
-            }
-        }
-    }
-    let mut out = Vec::new();
-    walk(dir, dir, &mut out);
-    out.sort();
-    out
-}
-
 #[test]
 fn a_copy_of_the_whole_folder_keeps_every_entry_byte_for_byte() -> TestResult {
     let tmp = tempfile::tempdir()?;
@@ -175,19 +160,6 @@ fn a_link_or_fifo_inside_an_entry_not_read_is_refused_and_nothing_is_written() -
     assert!(e.to_string().contains("obj/fifo"), "{e}");
     assert!(!dst.exists());
     Ok(())
-}
-
-fn copy_dir(src: &Path, dst: &Path) {
-    fs::create_dir_all(dst).unwrap();
-    for entry in fs::read_dir(src).unwrap() {
-        let entry = entry.unwrap();
-        let to = dst.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &to);
-        } else {
-            fs::copy(entry.path(), to).unwrap();
-        }
-    }
 }
 
 #[test]
