@@ -96,6 +96,17 @@ pub enum Advice {
     Sequential,
     /// The range will be needed soon: start reading it in now.
     WillNeed,
+    /// Back the range with huge pages (2 MiB on x86-64) where the kernel can: one address
+    /// translation then covers 512 times as much, so random reads across a region far larger
+    /// than the TLB's reach stop waiting for page walks. Linux maps files this way on
+    /// filesystems with large folios (ext4, XFS) and shared memory when `shmem_enabled` allows
+    /// it; elsewhere the advice changes nothing.
+    ///
+    /// A fault on a file page that is not cached then reads up to 2 MiB around it. That suits
+    /// a region written through the mapping or read mostly whole (a replay buffer's storage),
+    /// not sparse random reads of a file larger than memory, where each row would cost a
+    /// 2 MiB read.
+    HugePage,
 }
 
 /// Where Linux keeps named POSIX shared-memory objects (`shm_open` names are files here).
@@ -552,6 +563,11 @@ impl Storage {
             Advice::Random => memmap2::Advice::Random,
             Advice::Sequential => memmap2::Advice::Sequential,
             Advice::WillNeed => memmap2::Advice::WillNeed,
+            #[cfg(target_os = "linux")]
+            Advice::HugePage => memmap2::Advice::HugePage,
+            // Huge pages are a Linux advice; elsewhere there is nothing to ask for.
+            #[cfg(not(target_os = "linux"))]
+            Advice::HugePage => return Ok(()),
         };
         match &self.backing {
             Backing::File { map: Some(map), path, .. } if len > 0 => map

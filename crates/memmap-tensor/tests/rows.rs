@@ -517,3 +517,29 @@ proptest! {
         check_gather_scatter(shape, &seeds, variants)?;
     }
 }
+
+#[test]
+fn every_advice_is_taken_by_file_shared_and_heap_tensors_and_changes_no_value() -> TestResult {
+    use memmap_tensor::Advice;
+    let dir = tempfile::tempdir()?;
+    let shm_name = format!("/memmap-tensor-advice-{}", std::process::id());
+    // 3 MiB: past one 2 MiB huge page, so that the huge-page advice has whole pages to give.
+    let dims = [3 << 18, 1];
+    let locations = [Location::File(dir.path().join("advised.bin")), Location::Shm(shm_name), Location::Heap];
+    for location in &locations {
+        let mut t = Tensor::zeros(dims, DType::I32, location)?;
+        for advice in [Advice::HugePage, Advice::Random, Advice::Sequential, Advice::WillNeed, Advice::Normal] {
+            t.advise(advice).map_err(|e| format!("{advice:?} on {location:?}: {e}"))?;
+        }
+        // Written after the advice, as a replay storage is: the values are what was written.
+        let src = counting(&[4, 1], 7)?;
+        t.scatter_rows(&[0, 1, -2, -1], &src)?;
+        assert_eq!(t.gather_rows(&[0, 1, -2, -1, 2])?.to_vec::<i32>()?, [7, 8, 9, 10, 0], "{location:?}");
+        // A view advises its own bytes only.
+        t.narrow(0, 1 << 18, 1 << 18)?.advise(Advice::HugePage)?;
+        if let Location::Shm(name) = location {
+            memmap_tensor::Storage::unlink_shm(name)?;
+        }
+    }
+    Ok(())
+}

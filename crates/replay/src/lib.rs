@@ -25,7 +25,8 @@
 //! are the reference for the semantics; each module says which TorchRL class it follows.
 //! Rows are dim 0 of every tensor of the storage. How concurrent writes and samples keep rows
 //! whole is described in the docs of [`ReplayBuffer`]'s module, `buffer`.
-#![forbid(unsafe_code)]
+// One hint, `slab::prefetch`, is the only unsafe code.
+#![deny(unsafe_code)]
 #![deny(missing_docs)]
 
 pub mod buffer;
@@ -35,6 +36,7 @@ pub mod rate;
 #[cfg(feature = "remote")]
 pub mod remote;
 pub mod samplers;
+mod slab;
 pub mod storages;
 pub mod writers;
 

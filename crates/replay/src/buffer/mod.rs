@@ -830,7 +830,7 @@ impl ReplayBuffer {
             let short = drawn.len() < want;
             // Rows being written become visible when their write ends: worth waiting for.
             // Rows a failed write left are not valid until written again: draw past them.
-            let being_written = drawn.iter().any(|&i| state.rows.being_written(i));
+            let being_written = state.rows.any_being_written(&drawn);
             let before = indices.len();
             if whole_draws && !drawn.iter().all(|&i| state.rows.visible(i)) {
                 // A run with a row being written: the whole draw is dropped and made again.

@@ -18,25 +18,34 @@
 use std::collections::{HashMap, VecDeque};
 
 use crate::error::{Error, Result};
+use crate::slab::Slab;
 
 /// What the table keeps of one row. A sample reads and pins its rows at random over the whole
 /// buffer, so everything it looks at of a row sits in one 16-byte slot: one cache miss per row
 /// instead of one per field.
-#[derive(Clone, Copy, Debug, Default)]
+/// (Plain bytes, all zero for a row never written, so that the table can be a [`Slab`].)
+#[derive(Clone, Copy, Debug, Default, bytemuck::Zeroable, bytemuck::Pod)]
 #[repr(C, align(16))]
 struct RowState {
     /// Reads copying the row out.
     pins: u32,
     /// Tickets queued on the row (the cheap test of `RowTable::in_flight`).
     queued: u32,
-    /// Whether the row was completely written (and not spoiled since by a failed write).
-    filled: bool,
+    /// 1 if the row was completely written (and not spoiled since by a failed write), else 0.
+    filled: u8,
+    _unused: [u8; 7],
+}
+
+impl RowState {
+    fn filled(self) -> bool {
+        self.filled != 0
+    }
 }
 
 /// The state of every row of a buffer, and `len` (see the module docs).
 #[derive(Debug)]
 pub(super) struct RowTable {
-    rows: Vec<RowState>,
+    rows: Slab<RowState>,
     /// The length of the run of filled rows from row 0, as it was when a write last ended
     /// (TorchRL's `len`). A row spoiled below it does not shorten it.
     len: usize,
@@ -48,19 +57,17 @@ pub(super) struct RowTable {
 impl RowTable {
     /// A table of `capacity` empty rows, or an error if it cannot be allocated.
     pub(super) fn new(capacity: usize) -> Result<Self> {
-        let mut rows = Vec::new();
-        rows.try_reserve_exact(capacity).map_err(|e| Error::CapacityTooLarge {
+        let rows = Slab::try_zeroed(capacity).map_err(|e| Error::CapacityTooLarge {
             capacity,
             detail: format!("{} bytes of per-row state: {e}", capacity.saturating_mul(size_of::<RowState>())),
         })?;
-        rows.resize(capacity, RowState::default());
         Ok(RowTable { rows, len: 0, in_flight: HashMap::new(), next_ticket: 0 })
     }
 
     /// Rows `0..len` are filled (a storage loaded with them); `len` at most the capacity.
     pub(super) fn load(&mut self, len: usize) {
         let len = len.min(self.rows.len());
-        self.rows[..len].iter_mut().for_each(|r| r.filled = true);
+        self.rows[..len].iter_mut().for_each(|r| r.filled = 1);
         self.len = len;
     }
 
@@ -74,7 +81,7 @@ impl RowTable {
     /// sampled until the rows before them are.)
     pub(super) fn committed(&self, row: usize) -> bool {
         let state = self.rows[row];
-        state.filled && state.queued == 0
+        state.filled() && state.queued == 0
     }
 
     /// Whether a read may pin `row`: below `len`, filled, and no write queued on it.
@@ -87,6 +94,14 @@ impl RowTable {
         self.rows[row].queued > 0
     }
 
+    /// Whether a write is queued on any of `rows`. Reads the state of every row, without
+    /// stopping at the first one queued on: a sample's rows are scattered over the table, and
+    /// loads that do not wait on each other's outcome overlap (with an early exit, each would
+    /// wait for the one before), which leaves the table's lines cached for the checks that follow.
+    pub(super) fn any_being_written(&self, rows: &[usize]) -> bool {
+        rows.iter().fold(false, |any, &r| any | (self.rows[r].queued > 0))
+    }
+
     /// Whether `row` is neither pinned nor queued on: a write queued now could start at once.
     pub(super) fn free(&self, row: usize) -> bool {
         let state = self.rows[row];
@@ -97,7 +112,7 @@ impl RowTable {
     /// there (or none ever came), and none will make it valid.
     pub(super) fn spoiled(&self, row: usize) -> bool {
         let state = self.rows[row];
-        !state.filled && state.queued == 0
+        !state.filled() && state.queued == 0
     }
 
     /// Whether any write is queued.
@@ -141,10 +156,10 @@ impl RowTable {
             }
             let state = &mut self.rows[r];
             state.queued = state.queued.saturating_sub(1);
-            state.filled = written;
+            state.filled = u8::from(written);
         }
         if written {
-            while self.len < self.rows.len() && self.rows[self.len].filled {
+            while self.len < self.rows.len() && self.rows[self.len].filled() {
                 self.len += 1;
             }
         }

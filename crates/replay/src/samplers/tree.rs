@@ -23,83 +23,10 @@
 //! Values are checked when set: NaN, infinite and negative priorities are refused, so the
 //! invariants above hold for every tree reachable through the public API.
 
-use std::fmt;
-use std::ops::{Deref, DerefMut, Range};
+use std::ops::Range;
 
 use crate::error::{Error, Result};
-
-/// Arrays of at least this many bytes live in their own anonymous mapping, marked for huge
-/// pages; smaller ones on the heap.
-const MAPPED_MIN_BYTES: usize = 1 << 20;
-
-/// A zero-filled array of `f32` or `f64` for a tree. Large arrays are mapped with transparent
-/// huge pages requested: a search down a tree of a million leaves touches a different 4 KiB page
-/// at each of its lower levels, and on 4 KiB pages each of those reads first waits for an
-/// address translation (a page walk, the more costly in a virtual machine); with 2 MiB pages
-/// the translations of the whole tree stay cached. Where huge pages are not available the
-/// mapping works the same on small pages.
-enum Slab<T> {
-    Heap(Vec<T>),
-    Mapped { map: memmap2::MmapMut, len: usize, _values: std::marker::PhantomData<T> },
-}
-
-impl<T: bytemuck::Pod> Slab<T> {
-    fn zeroed(len: usize) -> Self {
-        let bytes = len * size_of::<T>();
-        if bytes >= MAPPED_MIN_BYTES
-            && let Ok(map) = memmap2::MmapMut::map_anon(bytes)
-        {
-            // Only a hint: without huge pages the mapping is used as it is.
-            #[cfg(target_os = "linux")]
-            let _ = map.advise(memmap2::Advice::HugePage);
-            return Slab::Mapped { map, len, _values: std::marker::PhantomData };
-        }
-        // An anonymous mapping that cannot be made is left to the heap, which reports the
-        // exhaustion as any allocation does.
-        Slab::Heap(vec![T::zeroed(); len])
-    }
-}
-
-impl<T: bytemuck::Pod> Deref for Slab<T> {
-    type Target = [T];
-
-    fn deref(&self) -> &[T] {
-        match self {
-            Slab::Heap(v) => v,
-            // A mapping is page-aligned, so the cast cannot fail on alignment.
-            Slab::Mapped { map, len, .. } => bytemuck::cast_slice(&map[..len * size_of::<T>()]),
-        }
-    }
-}
-
-impl<T: bytemuck::Pod> DerefMut for Slab<T> {
-    fn deref_mut(&mut self) -> &mut [T] {
-        match self {
-            Slab::Heap(v) => v,
-            Slab::Mapped { map, len, .. } => bytemuck::cast_slice_mut(&mut map[..*len * size_of::<T>()]),
-        }
-    }
-}
-
-impl<T: bytemuck::Pod> Clone for Slab<T> {
-    fn clone(&self) -> Self {
-        let mut copy = Self::zeroed(self.len());
-        copy.copy_from_slice(self);
-        copy
-    }
-}
-
-impl<T: bytemuck::Pod + PartialEq> PartialEq for Slab<T> {
-    fn eq(&self, other: &Self) -> bool {
-        **self == **other
-    }
-}
-
-impl<T: bytemuck::Pod + fmt::Debug> fmt::Debug for Slab<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_list().entries(self.iter()).finish()
-    }
-}
+use crate::slab::{Slab, prefetch};
 
 fn check_priority(index: usize, value: f32) -> Result<()> {
     if value.is_finite() && value >= 0.0 {
@@ -159,11 +86,18 @@ fn for_each_touched_parent(slots: usize, leaf_nodes: impl Iterator<Item = usize>
 /// whether to go right, and the mass left to find below the chosen child. Goes left while the
 /// mass falls inside the left subtree, or when the right one is all zeros (rounding can leave
 /// `remaining` a hair above a subtree's sum), but never into a left subtree of zeros.
+///
+/// Without a branch: which way a search goes is a coin toss the CPU cannot predict, and a
+/// mispredicted branch throws away the tree loads of the searches after it, which a batched
+/// descent relies on overlapping.
 #[inline(always)]
 fn descend_step(remaining: f64, left_sum: f64, right_sum: f64) -> (usize, f64) {
     let left = (remaining < left_sum || right_sum <= 0.0) && left_sum > 0.0;
-    let right = usize::from(!left);
-    (right, if left { remaining } else { remaining - left_sum })
+    // A product, not a select: the compiler turns any select between the two masses (even one
+    // made of bits, or marked unpredictable) back into a branch. `left_sum` is finite and not
+    // negative, so `left_sum * 0.0` is exactly `0.0`, and `left_sum * 1.0` exactly `left_sum`.
+    let passed = left_sum * f64::from(u8::from(!left));
+    (usize::from(!left), remaining - passed)
 }
 
 /// A search mass as the descent reads it: NaN searches past the end, negatives from the start.
@@ -248,11 +182,18 @@ impl SumTree {
     /// once, however many of its leaves changed.
     pub fn set_many(&mut self, indices: &[usize], values: &[f32]) -> Result<()> {
         check_updates("sum tree values for indices", self.capacity, indices, values)?;
+        let slots = self.slots;
+        for &i in indices {
+            prefetch(&self.leaves[i]);
+            prefetch(&self.nodes[(slots + i) >> 1]);
+        }
         for (&i, &v) in indices.iter().zip(values) {
             self.leaves[i] = v;
         }
-        let slots = self.slots;
-        for_each_touched_parent(slots, indices.iter().map(|&i| slots + i), |node| self.refresh(node));
+        for_each_touched_parent(slots, indices.iter().map(|&i| slots + i), |node| {
+            self.refresh(node);
+            prefetch(&self.nodes[node >> 1]);
+        });
         Ok(())
     }
 
@@ -333,6 +274,14 @@ impl SumTree {
                 let (right, rest) = descend_step(*rem, self.nodes[2 * *node], self.nodes[2 * *node + 1]);
                 *node = 2 * *node + right;
                 *rem = rest;
+                // The children the next level reads: asked for now, there by the time it
+                // comes back to this search.
+                let child = 2 * *node;
+                if child < self.slots {
+                    prefetch(&self.nodes[child]);
+                } else {
+                    prefetch(&self.leaves[child - self.slots]);
+                }
             }
             level *= 2;
         }
@@ -441,12 +390,17 @@ impl MinTree {
     pub fn set_many(&mut self, indices: &[usize], values: &[f32]) -> Result<()> {
         check_updates("min tree values for indices", self.capacity, indices, values)?;
         let slots = self.slots;
+        for &i in indices {
+            prefetch(&self.nodes[slots + i]);
+            prefetch(&self.nodes[(slots + i) >> 1]);
+        }
         for (&i, &v) in indices.iter().zip(values) {
             self.nodes[slots + i] = v;
         }
         let nodes = &mut self.nodes;
         for_each_touched_parent(slots, indices.iter().map(|&i| slots + i), |node| {
             nodes[node] = nodes[2 * node].min(nodes[2 * node + 1]);
+            prefetch(&nodes[node >> 1]);
         });
         Ok(())
     }

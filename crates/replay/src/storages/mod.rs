@@ -173,6 +173,7 @@ impl Storage {
                 (td, None, Some(prefix.clone()), None)
             }
         };
+        prefer_huge_pages(&td);
         let leaves = leaves_of(&td);
         let storage = Storage { td, capacity, leaves, folder, shm_prefix, owner: true, _temp: temp };
         storage.store_len(0)?;
@@ -405,6 +406,17 @@ fn check_batch_against(op: &'static str, storage_batch: &[usize], leaves: &[Leaf
 /// The key, dtype and row dims of each tensor of a storage dict.
 fn leaves_of(td: &TensorDict) -> Vec<Leaf> {
     td.leaves().into_iter().map(|(key, t)| Leaf { key, dtype: t.dtype(), row_dims: t.dims()[1..].to_vec() }).collect()
+}
+
+/// Asks for huge pages under every tensor of a new storage, before any row is written (a page
+/// already cached stays small). A sample reads rows scattered over the whole storage, one or a
+/// few cache lines per row and leaf: on 4 KiB pages nearly every one of them first waits for
+/// a page walk. The rows are written through the mapping, so no fault reads a file. Only a
+/// hint: where the kernel has no huge pages for the storage, it works the same on small ones.
+fn prefer_huge_pages(td: &TensorDict) {
+    for (_, t) in td.leaves() {
+        let _ = t.advise(memmap_tensor::Advice::HugePage);
+    }
 }
 
 /// Whether `folder` exists and holds anything.
