@@ -68,17 +68,19 @@ fn for_each_touched_parent(slots: usize, leaf_nodes: impl Iterator<Item = usize>
     level.dedup();
     debug_assert!(level.iter().all(|&n| (1..slots).contains(&n)));
     while !level.is_empty() {
-        for &node in &level {
+        // One pass per level: visit each node and keep its parent for the next level. Halving
+        // keeps the list sorted, so equal parents are neighbours. The root's parent, 0, ends it.
+        let mut kept = 0;
+        for read in 0..level.len() {
+            let node = level[read];
             visit(node);
+            let parent = node >> 1;
+            if parent != 0 && (kept == 0 || level[kept - 1] != parent) {
+                level[kept] = parent;
+                kept += 1;
+            }
         }
-        if level[0] == 1 {
-            break;
-        }
-        // Halving keeps the list sorted, so equal parents are neighbours.
-        for node in &mut level {
-            *node >>= 1;
-        }
-        level.dedup();
+        level.truncate(kept);
     }
 }
 
@@ -183,16 +185,24 @@ impl SumTree {
     pub fn set_many(&mut self, indices: &[usize], values: &[f32]) -> Result<()> {
         check_updates("sum tree values for indices", self.capacity, indices, values)?;
         let slots = self.slots;
+        // The arrays once, as plain slices, rather than through the slabs at every access.
+        let (leaves, nodes): (&mut [f32], &mut [f64]) = (&mut self.leaves, &mut self.nodes);
         for &i in indices {
-            prefetch(&self.leaves[i]);
-            prefetch(&self.nodes[(slots + i) >> 1]);
+            prefetch(&leaves[i]);
+            prefetch(&nodes[(slots + i) >> 1]);
         }
         for (&i, &v) in indices.iter().zip(values) {
-            self.leaves[i] = v;
+            leaves[i] = v;
         }
+        let half = slots / 2;
         for_each_touched_parent(slots, indices.iter().map(|&i| slots + i), |node| {
-            self.refresh(node);
-            prefetch(&self.nodes[node >> 1]);
+            nodes[node] = if node >= half {
+                let child = 2 * node - slots;
+                f64::from(leaves[child]) + f64::from(leaves[child + 1])
+            } else {
+                nodes[2 * node] + nodes[2 * node + 1]
+            };
+            prefetch(&nodes[node >> 1]);
         });
         Ok(())
     }
@@ -265,33 +275,34 @@ impl SumTree {
             return None;
         }
         let mut remaining: Vec<f64> = masses.iter().map(|&m| start_mass(m)).collect();
-        let mut nodes = vec![1usize; masses.len()];
-        // Levels whose children are inner nodes: every search reads `self.nodes`.
-        let half = self.slots / 2;
+        let mut at = vec![1usize; masses.len()];
+        let (slots, leaves, nodes): (usize, &[f32], &[f64]) = (self.slots, &self.leaves, &self.nodes);
+        // Levels whose children are inner nodes: every search reads `nodes`.
+        let half = slots / 2;
         let mut level = 1;
         while level < half {
-            for (node, rem) in nodes.iter_mut().zip(&mut remaining) {
-                let (right, rest) = descend_step(*rem, self.nodes[2 * *node], self.nodes[2 * *node + 1]);
+            for (node, rem) in at.iter_mut().zip(&mut remaining) {
+                let (right, rest) = descend_step(*rem, nodes[2 * *node], nodes[2 * *node + 1]);
                 *node = 2 * *node + right;
                 *rem = rest;
                 // The children the next level reads: asked for now, there by the time it
                 // comes back to this search.
                 let child = 2 * *node;
-                if child < self.slots {
-                    prefetch(&self.nodes[child]);
+                if child < slots {
+                    prefetch(&nodes[child]);
                 } else {
-                    prefetch(&self.leaves[child - self.slots]);
+                    prefetch(&leaves[child - slots]);
                 }
             }
             level *= 2;
         }
         // The last level: the children are leaves.
-        for (node, rem) in nodes.iter_mut().zip(&remaining) {
-            let child = 2 * *node - self.slots;
-            let (left_sum, right_sum) = (f64::from(self.leaves[child]), f64::from(self.leaves[child + 1]));
+        for (node, rem) in at.iter_mut().zip(&remaining) {
+            let child = 2 * *node - slots;
+            let (left_sum, right_sum) = (f64::from(leaves[child]), f64::from(leaves[child + 1]));
             *node = child + descend_step(*rem, left_sum, right_sum).0;
         }
-        Some(nodes)
+        Some(at)
     }
 
     /// The last leaf before `end` that is positive, in O(log n); `None` if all are zero.
@@ -390,14 +401,14 @@ impl MinTree {
     pub fn set_many(&mut self, indices: &[usize], values: &[f32]) -> Result<()> {
         check_updates("min tree values for indices", self.capacity, indices, values)?;
         let slots = self.slots;
+        let nodes: &mut [f32] = &mut self.nodes;
         for &i in indices {
-            prefetch(&self.nodes[slots + i]);
-            prefetch(&self.nodes[(slots + i) >> 1]);
+            prefetch(&nodes[slots + i]);
+            prefetch(&nodes[(slots + i) >> 1]);
         }
         for (&i, &v) in indices.iter().zip(values) {
-            self.nodes[slots + i] = v;
+            nodes[slots + i] = v;
         }
-        let nodes = &mut self.nodes;
         for_each_touched_parent(slots, indices.iter().map(|&i| slots + i), |node| {
             nodes[node] = nodes[2 * node].min(nodes[2 * node + 1]);
             prefetch(&nodes[node >> 1]);
