@@ -108,6 +108,20 @@ fn start_mass(mass: f64) -> f64 {
     if mass.is_nan() { f64::INFINITY } else { mass.max(0.0) }
 }
 
+/// The sum of inner node `node`'s two children, in a sum tree of `slots` leaf slots whose
+/// leaves are `leaves` and inner nodes `nodes`: each child an inner node, or a leaf widened to
+/// `f64`. (Over slices, so that a loop of updates reads the arrays without going through the
+/// slabs each time.)
+#[inline(always)]
+fn children_sum(leaves: &[f32], nodes: &[f64], slots: usize, node: usize) -> f64 {
+    let child = 2 * node;
+    if child >= slots {
+        f64::from(leaves[child - slots]) + f64::from(leaves[child + 1 - slots])
+    } else {
+        nodes[child] + nodes[child + 1]
+    }
+}
+
 /// A sum tree over `capacity` `f32` leaves, all zero at first.
 ///
 /// `set` and `get` are O(log n) and O(1); [`total`](Self::total) is O(1);
@@ -140,7 +154,7 @@ impl SumTree {
     /// Recomputes the inner node `node` from its children.
     #[inline(always)]
     fn refresh(&mut self, node: usize) {
-        self.nodes[node] = self.value(2 * node) + self.value(2 * node + 1);
+        self.nodes[node] = children_sum(&self.leaves, &self.nodes, self.slots, node);
     }
 
     /// A tree holding `leaves` (checked: each finite and non-negative), built in O(n).
@@ -194,14 +208,8 @@ impl SumTree {
         for (&i, &v) in indices.iter().zip(values) {
             leaves[i] = v;
         }
-        let half = slots / 2;
         for_each_touched_parent(slots, indices.iter().map(|&i| slots + i), |node| {
-            nodes[node] = if node >= half {
-                let child = 2 * node - slots;
-                f64::from(leaves[child]) + f64::from(leaves[child + 1])
-            } else {
-                nodes[2 * node] + nodes[2 * node + 1]
-            };
+            nodes[node] = children_sum(leaves, nodes, slots, node);
             prefetch(&nodes[node >> 1]);
         });
         Ok(())
