@@ -266,6 +266,22 @@ pub enum Error {
         /// The size asked for.
         bytes: usize,
     },
+    /// A size from a caller (a capacity, a batch, a shape) is more memory than the machine has
+    /// ([`crate::memory_ceiling`]): refused before anything is allocated.
+    #[error(
+        "{what}: {} is more than this machine's memory ({ceiling} bytes of RAM and swap)",
+        if *each == 1 { format!("{count} bytes") } else { format!("{count} × {each} bytes") }
+    )]
+    TooLarge {
+        /// What was asked for.
+        what: &'static str,
+        /// How many items.
+        count: u64,
+        /// Bytes of each.
+        each: u64,
+        /// RAM plus swap, in bytes.
+        ceiling: u64,
+    },
     /// An operation that needs a file was asked of heap or shm storage.
     #[error("{op}: the storage is not a file (it is {storage})")]
     NotAFile {

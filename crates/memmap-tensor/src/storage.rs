@@ -180,6 +180,7 @@ impl Storage {
     }
 
     fn heap_with(len_bytes: usize, zeroed: bool) -> Result<Self> {
+        crate::check_len("heap storage", len_bytes, 1)?;
         let layout =
             AllocLayout::from_size_align(len_bytes, HEAP_ALIGN).map_err(|_| Error::OutOfMemory { bytes: len_bytes })?;
         let ptr = if len_bytes == 0 {

@@ -393,6 +393,7 @@ impl Tensor {
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.check_elem::<T>("to_vec")?;
         let count = self.elem_count();
+        crate::check_len("to_vec", count, self.dtype.size_in_bytes())?;
         let mut out = Vec::new();
         // A mapping can be far larger than memory: a failed allocation is an error, not an abort.
         out.try_reserve_exact(count).map_err(|_| Error::OutOfMemory { bytes: self.nbytes() })?;
@@ -421,7 +422,7 @@ impl Tensor {
     /// Copies the raw bytes of the elements, in C order, into a new `Vec`. A tensor larger than
     /// the memory left is [`Error::OutOfMemory`], not an abort.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        let len = self.nbytes();
+        let len = crate::check_len("to_bytes", self.nbytes(), 1)?;
         let mut out = Vec::new();
         out.try_reserve_exact(len).map_err(|_| Error::OutOfMemory { bytes: len })?;
         out.resize(len, 0);
@@ -471,6 +472,10 @@ impl Tensor {
     /// tensor on a GPU is brought to the host first.
     fn copy_out(&self, op: &'static str, out: &mut [u8]) -> Result<()> {
         debug_assert_eq!(out.len(), self.nbytes());
+        if out.is_empty() {
+            // No elements; the dims may still be huge (`[2^62, 0, 2^62]`), past any strides.
+            return Ok(());
+        }
         if !self.device.is_cpu() || self.storage.host_ptr().is_none() {
             return self.to(Device::Cpu)?.copy_out(op, out);
         }
