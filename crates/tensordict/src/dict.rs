@@ -210,10 +210,32 @@ impl TensorDict {
         if key.is_empty() {
             return Err(Error::EmptyKeyPath);
         }
+        // No dict is ever deeper than the limit, so every walk down one (a repr, a clone, a
+        // drop, a write) is bounded: the deepest dict this entry makes or brings.
+        let depth = match &value {
+            Entry::Dict(d) => key.len() + d.depth(),
+            _ => key.len() - 1,
+        };
+        if depth > crate::MAX_DEPTH {
+            return Err(Error::TooDeep { key, depth });
+        }
         // Check before creating intermediate dicts, so that a failure changes nothing.
         check_fits(&key, &value, &self.lookup_parent_batch(&key)?)?;
         let (parent, name) = self.parent_mut(&key, true)?;
         Ok(parent.entries.insert(name.to_owned(), value))
+    }
+
+    /// How many levels of dicts this one holds below itself: 0 without nested dicts, else one
+    /// more than its deepest nested dict. At most [`crate::MAX_DEPTH`].
+    pub fn depth(&self) -> usize {
+        self.entries
+            .values()
+            .filter_map(|entry| match entry {
+                Entry::Dict(d) => Some(1 + d.depth()),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// Removes and returns the entry at `key`; the order of the others is kept.
@@ -690,6 +712,17 @@ pub(crate) fn positions(batch: &[usize], offset: usize) -> memmap_tensor::Result
 /// plain value when it has no dims (an integer index of every batch dim).
 pub(crate) fn stack_from_positions(values: &[&Value], picked: &Tensor, key: &KeyPath) -> Result<Entry> {
     let shape = picked.dims().to_vec();
+    // Nesting makes one value per position at every level, empty lists included: a stack of
+    // shape [2^32, 0] holds no value yet 2^32 lists. What it would make must fit first.
+    let made = shape
+        .iter()
+        .scan(1u64, |level, &d| {
+            *level = level.saturating_mul(d as u64);
+            Some(*level)
+        })
+        .fold(0u64, u64::saturating_add);
+    memmap_tensor::check_alloc("a non-tensor stack's values", made, size_of::<Value>() as u64)
+        .with_key(|| key.clone())?;
     let picked = picked.contiguous().with_key(|| key.clone())?.to_vec::<i64>().with_key(|| key.clone())?;
     let chosen: Vec<Value> = picked
         .iter()

@@ -22,7 +22,9 @@ impl fmt::Display for TensorDict {
         }
         head.push_str("fields=");
         let used = head.chars().count();
-        write!(f, "{head}{})", render(&Node::Fields(String::new(), body(self)), "", used, 1))
+        let mut out = head;
+        render(&Node::fields(String::new(), body(self)), "", used, 1, &mut out);
+        write!(f, "{out})")
     }
 }
 
@@ -33,10 +35,27 @@ impl fmt::Debug for TensorDict {
 }
 
 /// What the compact repr shows of an entry: a token (`f32[84]`, `str`), or a nested dict's
-/// prefix (its extra batch dims) and fields.
+/// prefix (its extra batch dims) and fields, with the width of its one-line form (so that
+/// deciding how to lay out each level costs nothing, and the repr is written in one pass).
 enum Node {
     Token(String),
-    Fields(String, Vec<(String, Node)>),
+    Fields { prefix: String, entries: Vec<(String, Node)>, width: usize },
+}
+
+impl Node {
+    fn fields(prefix: String, entries: Vec<(String, Node)>) -> Node {
+        let inner: usize = entries.iter().map(|(key, node)| key.chars().count() + 2 + node.width()).sum();
+        let width = prefix.chars().count() + 2 + inner + 2 * entries.len().saturating_sub(1);
+        Node::Fields { prefix, entries, width }
+    }
+
+    /// The width of the one-line form, in chars.
+    fn width(&self) -> usize {
+        match self {
+            Node::Token(t) => t.chars().count(),
+            Node::Fields { width, .. } => *width,
+        }
+    }
 }
 
 /// The width the repr fits lines in (Python's `_COMPACT_WIDTH`).
@@ -66,7 +85,7 @@ fn body(td: &TensorDict) -> Vec<(String, Node)> {
                 Entry::Dict(d) => {
                     let extra = &d.batch_size()[batch.min(d.batch_size().len())..];
                     let prefix = if extra.is_empty() { String::new() } else { dims(extra) };
-                    Node::Fields(prefix, body(d))
+                    Node::fields(prefix, body(d))
                 }
                 Entry::NonTensor(v) => Node::Token(python_type(v).to_owned()),
                 Entry::NonTensorStack(_) => Node::Token("NonTensorStack".to_owned()),
@@ -75,7 +94,13 @@ fn body(td: &TensorDict) -> Vec<(String, Node)> {
             (name.to_owned(), node)
         })
         .collect();
-    entries.sort_by_cached_key(|(key, node)| format!("{key}: {}", flat(node)));
+    if entries.len() > 1 {
+        entries.sort_by_cached_key(|(key, node)| {
+            let mut text = format!("{key}: ");
+            flat(node, &mut text);
+            text
+        });
+    }
     entries
 }
 
@@ -113,33 +138,47 @@ fn python_type(v: &serde_json::Value) -> &'static str {
     }
 }
 
-fn flat(node: &Node) -> String {
+/// Appends the one-line form of `node` to `out`.
+fn flat(node: &Node, out: &mut String) {
     match node {
-        Node::Token(t) => t.clone(),
-        Node::Fields(prefix, entries) => {
-            let inner: Vec<String> = entries.iter().map(|(k, v)| format!("{k}: {}", flat(v))).collect();
-            format!("{prefix}{{{}}}", inner.join(", "))
+        Node::Token(t) => out.push_str(t),
+        Node::Fields { prefix, entries, .. } => {
+            out.push_str(prefix);
+            out.push('{');
+            for (i, (key, value)) in entries.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                out.push_str(key);
+                out.push_str(": ");
+                flat(value, out);
+            }
+            out.push('}');
         }
     }
 }
 
-/// One line if it fits in [`WIDTH`] columns with `used` columns before it and `tail` after;
-/// else one field per line, each rendered by the same rule (Python's `_compact_render`).
-fn render(node: &Node, indent: &str, used: usize, tail: usize) -> String {
-    let text = flat(node);
-    let Node::Fields(prefix, entries) = node else { return text };
-    if entries.is_empty() || used + text.chars().count() + tail <= WIDTH {
-        return text;
+/// Appends `node` to `out`: on one line if it fits in [`WIDTH`] columns with `used` columns
+/// before it and `tail` after; else one field per line, each by the same rule (Python's
+/// `_compact_render`). One pass, linear in what it writes.
+fn render(node: &Node, indent: &str, used: usize, tail: usize, out: &mut String) {
+    let Node::Fields { prefix, entries, width } = node else { return flat(node, out) };
+    if entries.is_empty() || used + width + tail <= WIDTH {
+        return flat(node, out);
     }
     let pad = format!("{indent}    ");
-    let lines: Vec<String> = entries
-        .iter()
-        .enumerate()
-        .map(|(i, (key, value))| {
-            let value_tail = if i + 1 == entries.len() { tail + 1 } else { 1 };
-            let used = pad.chars().count() + key.chars().count() + 2;
-            format!("{pad}{key}: {}", render(value, &pad, used, value_tail))
-        })
-        .collect();
-    format!("{prefix}{{\n{}}}", lines.join(",\n"))
+    out.push_str(prefix);
+    out.push_str("{\n");
+    for (i, (key, value)) in entries.iter().enumerate() {
+        if i > 0 {
+            out.push_str(",\n");
+        }
+        let value_tail = if i + 1 == entries.len() { tail + 1 } else { 1 };
+        let used = pad.chars().count() + key.chars().count() + 2;
+        out.push_str(&pad);
+        out.push_str(key);
+        out.push_str(": ");
+        render(value, &pad, used, value_tail, out);
+    }
+    out.push('}');
 }

@@ -19,6 +19,17 @@ pub enum Error {
     /// A key path was empty (no components).
     #[error("empty key path")]
     EmptyKeyPath,
+    /// Setting the entry would nest dicts deeper than [`crate::MAX_DEPTH`] levels.
+    #[error(
+        "key `{key}`: dicts nested {depth} levels deep; at most {} are allowed (the limit of folders too)",
+        crate::MAX_DEPTH
+    )]
+    TooDeep {
+        /// The key of the entry.
+        key: KeyPath,
+        /// How deep its deepest dict would be.
+        depth: usize,
+    },
     /// An entry is not of the kind the operation needs (a tensor, a dict, a non-tensor value).
     #[error("key `{key}` holds a {actual}, not a {expected}")]
     WrongEntryKind {

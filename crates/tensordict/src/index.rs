@@ -118,6 +118,11 @@ fn nested_list(values: &[i64], shape: &[usize]) -> String {
     if shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) != Some(values.len()) {
         return format!("{values:?}");
     }
+    // No values: nested empty lists could be any number (`[2^62, 0]` is 2^62 of them), so the
+    // shape says what they would be.
+    if values.is_empty() && shape.len() > 1 {
+        return format!("[] of shape {shape:?}");
+    }
     match shape.split_first() {
         None => values.first().map(ToString::to_string).unwrap_or_default(),
         Some((&n, rest)) => {

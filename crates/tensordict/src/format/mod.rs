@@ -23,5 +23,14 @@ pub(crate) const NON_TENSOR_STACK_TYPE: &str = "<class 'tensordict.tensorclass.N
 pub const FORMAT_VERSION: i64 = 1;
 /// `meta.json` files larger than this are refused before they are read.
 pub const MAX_META_BYTES: u64 = 64 << 20;
-/// Folders nested deeper than this are refused (a hostile folder must not exhaust the stack).
+/// The deepest a dict may nest: a dict, in memory or as a folder, holds dicts at most this many
+/// levels below it, and setting an entry that would go deeper is [`crate::Error::TooDeep`].
+///
+/// Every walk down a dict (load, write, repr, clone, index, drop) recurses once per level, so
+/// a bound keeps a hostile folder or a self-referencing Python dict from exhausting the stack;
+/// 128 keeps the deepest walk far inside the smallest stack it runs on (a 2 MiB thread). It is
+/// one limit for memory and folders alike, so whatever is made can be written and whatever a
+/// folder holds loads. Real dicts nest a handful of levels (TorchRL's deepest keys, such as
+/// `("next", "agents", "observation")`, are three; a model's state dict, flattened to dotted
+/// names, none).
 pub const MAX_DEPTH: usize = 128;
