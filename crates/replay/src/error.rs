@@ -39,6 +39,14 @@ pub enum Error {
         /// What could not be allocated.
         detail: String,
     },
+    /// A batch size that the machine could not hold.
+    #[error("a batch of {batch_size} rows is too large: {detail}")]
+    BatchTooLarge {
+        /// The batch size asked for.
+        batch_size: usize,
+        /// Why it cannot be.
+        detail: String,
+    },
     /// A capacity of zero rows.
     #[error("a replay buffer needs a capacity of at least one row")]
     ZeroCapacity,

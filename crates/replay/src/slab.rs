@@ -1,6 +1,5 @@
 //! [`Slab`]: the arrays behind the samplers' trees and the buffer's row states.
 
-use std::collections::TryReserveError;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 
@@ -21,15 +20,11 @@ pub(crate) enum Slab<T> {
 }
 
 impl<T: bytemuck::Pod> Slab<T> {
-    /// An array of `len` values, all zero bytes (aborting, as a `Vec` does, if the memory
-    /// cannot be had).
-    pub(crate) fn zeroed(len: usize) -> Self {
-        Self::try_zeroed(len).unwrap_or_else(|_| Slab::Heap(vec![T::zeroed(); len]))
-    }
-
-    /// [`Slab::zeroed`], or an error if the memory cannot be had.
-    pub(crate) fn try_zeroed(len: usize) -> Result<Self, TryReserveError> {
-        let bytes = len.saturating_mul(size_of::<T>());
+    /// An array of `len` values, all zero bytes, or an error if the machine could not hold it
+    /// ([`memmap_tensor::check_len`]) or the memory cannot be had: a capacity comes from a
+    /// caller, and is checked before anything is allocated.
+    pub(crate) fn try_zeroed(len: usize) -> memmap_tensor::Result<Self> {
+        let bytes = memmap_tensor::check_len("an array of per-row state", len, size_of::<T>())?;
         if bytes >= MAPPED_MIN_BYTES
             && let Ok(map) = memmap2::MmapMut::map_anon(bytes)
         {
@@ -39,9 +34,9 @@ impl<T: bytemuck::Pod> Slab<T> {
             return Ok(Slab::Mapped { map, len, _values: std::marker::PhantomData });
         }
         // An anonymous mapping that cannot be made is left to the heap, which reports the
-        // exhaustion as any allocation does.
+        // exhaustion as an error.
         let mut values = Vec::new();
-        values.try_reserve_exact(len)?;
+        values.try_reserve_exact(len).map_err(|_| memmap_tensor::Error::OutOfMemory { bytes })?;
         values.resize(len, T::zeroed());
         Ok(Slab::Heap(values))
     }
@@ -70,7 +65,8 @@ impl<T: bytemuck::Pod> DerefMut for Slab<T> {
 
 impl<T: bytemuck::Pod> Clone for Slab<T> {
     fn clone(&self) -> Self {
-        let mut copy = Self::zeroed(self.len());
+        // A copy of an array that exists: out of memory, it aborts as a `Vec`'s clone does.
+        let Ok(mut copy) = Self::try_zeroed(self.len()) else { return Slab::Heap(self.to_vec()) };
         copy.copy_from_slice(self);
         copy
     }

@@ -135,7 +135,7 @@ fn batched_prefix_search_equals_one_search_per_mass() {
         }
     }
     assert_eq!(SumTree::from_leaves(&[2.0]).unwrap().find_prefix_many(&[]), Some(Vec::new()));
-    assert_eq!(SumTree::new(5).find_prefix_many(&[0.5]), None);
+    assert_eq!(SumTree::new(5).unwrap().find_prefix_many(&[0.5]), None);
 }
 
 #[test]
@@ -202,7 +202,7 @@ fn large_trees_search_update_clone_and_compare_like_small_ones() {
         assert_eq!(got, want, "mass {mass}");
         assert_eq!(sum.find_prefix(mass), Some(want));
     }
-    let fresh = MinTree::new(n);
+    let fresh = MinTree::new(n).unwrap();
     assert_eq!(fresh.min(), MinTree::EMPTY);
     assert!(fresh.leaves().iter().all(|&v| v == MinTree::EMPTY));
 }
@@ -261,8 +261,8 @@ fn sum_and_min_range_queries_match_brute_force() {
 fn trees_follow_updates_and_rebuild_from_their_leaves() {
     let mut rng = StdRng::seed_from_u64(3);
     let n = 37;
-    let mut sum = SumTree::new(n);
-    let mut min = MinTree::new(n);
+    let mut sum = SumTree::new(n).unwrap();
+    let mut min = MinTree::new(n).unwrap();
     assert_eq!(min.min(), MinTree::EMPTY);
     assert_eq!(sum.total(), 0.0);
     let mut shadow = vec![0.0f32; n];
@@ -308,7 +308,7 @@ fn trees_refuse_bad_values_and_indices_without_changing() {
     assert!(matches!(min.get(9), Err(Error::RowOutOfRange { index: 9, capacity: 3 })));
     assert!(matches!(sum.set_many(&[0], &[1.0, 2.0]), Err(Error::LengthMismatch { .. })));
     assert_eq!((sum, min), before);
-    let msg = SumTree::new(2).set(0, f32::NAN).unwrap_err().to_string();
+    let msg = SumTree::new(2).unwrap().set(0, f32::NAN).unwrap_err().to_string();
     assert!(msg.contains("row 0") && msg.contains("NaN"), "{msg}");
 }
 

@@ -330,6 +330,9 @@ impl<C> Client<C> {
             e @ (RpcError::Shutdown | RpcError::Channel(_) | RpcError::Send(_)) => {
                 Error::ConnectionLost { endpoint, source: e }
             }
+            RpcError::Server(e) if e.detail == crate::service::SHUTTING_DOWN => {
+                Error::Remote { endpoint, error: WireError::ShuttingDown }
+            }
             e => Error::Rpc(e),
         }
     }
@@ -470,6 +473,44 @@ pub fn windowed_wait<T, E>(
         }
     }
 }
+
+/// How long to wait, or how long something lives, from seconds given as a float (Python's
+/// `timeout=` and `ttl=`, the command line's `--timeout`): the one conversion every such number
+/// crosses, with Python's meanings. Infinity is without end (`Ok(None)`), and so is a finite
+/// number of seconds too long for a [`Duration`] (`1e300`: it would end after the sun); zero
+/// and negative numbers, `-inf` included, do not wait (`Duration::ZERO`); NaN is an error.
+///
+/// ```
+/// use std::time::Duration;
+/// use tensordict_rpc::seconds;
+/// assert_eq!(seconds(2.5), Ok(Some(Duration::from_millis(2500))));
+/// assert_eq!(seconds(f64::INFINITY), Ok(None));
+/// assert_eq!(seconds(1e300), Ok(None));
+/// assert_eq!(seconds(-1.0), Ok(Some(Duration::ZERO)));
+/// assert_eq!(seconds(f64::NEG_INFINITY), Ok(Some(Duration::ZERO)));
+/// assert!(seconds(f64::NAN).is_err());
+/// ```
+pub fn seconds(secs: f64) -> std::result::Result<Option<Duration>, NotSeconds> {
+    if secs.is_nan() {
+        return Err(NotSeconds);
+    }
+    if secs <= 0.0 {
+        return Ok(Some(Duration::ZERO));
+    }
+    Ok(Duration::try_from_secs_f64(secs).ok())
+}
+
+/// NaN given as a number of seconds ([`seconds`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NotSeconds;
+
+impl std::fmt::Display for NotSeconds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NaN is not a number of seconds")
+    }
+}
+
+impl StdError for NotSeconds {}
 
 /// Messages let go of where no call can be made (in a `Drop`: a lease, an allocation), on their
 /// way to the server. The next call that can carry them takes them ([`Deferred::take`]); if none

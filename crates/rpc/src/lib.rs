@@ -115,7 +115,9 @@ mod wire;
 pub mod worker;
 
 pub use auth::{MAX_TOKEN_FILE_BYTES, MIN_TOKEN_BYTES, Token};
-pub use client::{BlockingClient, Client, ClientOptions, Deferred, connect, connect_stream, windowed_wait};
+pub use client::{
+    BlockingClient, Client, ClientOptions, Deferred, NotSeconds, connect, connect_stream, seconds, windowed_wait,
+};
 pub use endpoint::{Endpoint, RUNTIME_DIR_ENV};
 pub use error::{ConnectFailure, Error, Resource, Result, WireError};
 pub use reference::{NodeId, RefLocation, TensorDictRef, ToRef};

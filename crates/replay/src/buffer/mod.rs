@@ -792,6 +792,11 @@ impl ReplayBuffer {
             let sampler = self.sampler.lock();
             (sampler.name(), sampler.whole_draws())
         };
+        // A batch size comes from a caller: its row numbers, weights and rows must fit the
+        // machine before any is drawn.
+        let row_bytes = self.storage.get().map_or(0, Storage::row_bytes);
+        memmap_tensor::check_len("a sample", batch_size, row_bytes + 2 * size_of::<u64>())
+            .map_err(|e| Error::BatchTooLarge { batch_size, detail: memmap_tensor::ErrorChain(&e).to_string() })?;
         let mut indices = Vec::with_capacity(batch_size);
         let mut weights: Option<Vec<f64>> = None;
         let mut rounds = 0;

@@ -57,10 +57,8 @@ pub(super) struct RowTable {
 impl RowTable {
     /// A table of `capacity` empty rows, or an error if it cannot be allocated.
     pub(super) fn new(capacity: usize) -> Result<Self> {
-        let rows = Slab::try_zeroed(capacity).map_err(|e| Error::CapacityTooLarge {
-            capacity,
-            detail: format!("{} bytes of per-row state: {e}", capacity.saturating_mul(size_of::<RowState>())),
-        })?;
+        let rows = Slab::try_zeroed(capacity)
+            .map_err(|e| Error::CapacityTooLarge { capacity, detail: memmap_tensor::ErrorChain(&e).to_string() })?;
         Ok(RowTable { rows, len: 0, in_flight: HashMap::new(), next_ticket: 0 })
     }
 

@@ -139,8 +139,8 @@ impl PrioritizedState {
             eps,
             max_priority: None,
             max_priority_within_buffer: false,
-            sum_tree: SumTree::new(capacity),
-            min_tree: MinTree::new(capacity),
+            sum_tree: SumTree::new(capacity)?,
+            min_tree: MinTree::new(capacity)?,
         })
     }
 

@@ -55,8 +55,18 @@ fn check_updates(what: &'static str, capacity: usize, indices: &[usize], values:
 
 /// Number of leaf slots: the smallest power of two holding `capacity` leaves, at least 2 (so
 /// that the root, node 1, is always an inner node).
-fn leaf_slots(capacity: usize) -> usize {
-    capacity.max(2).next_power_of_two()
+fn leaf_slots(capacity: usize) -> Result<usize> {
+    capacity.max(2).checked_next_power_of_two().ok_or_else(|| too_large(capacity, "more leaves than a tree can index"))
+}
+
+/// A capacity whose tree cannot be made.
+fn too_large(capacity: usize, detail: impl ToString) -> Error {
+    Error::CapacityTooLarge { capacity, detail: detail.to_string() }
+}
+
+/// `len` zero values for a tree of `capacity` leaves.
+fn zeroed<T: bytemuck::Pod>(capacity: usize, len: usize) -> Result<Slab<T>> {
+    Slab::try_zeroed(len).map_err(|e| too_large(capacity, memmap_tensor::ErrorChain(&e)))
 }
 
 /// The inner nodes above `leaves` (node ids, each `>= 1`) whose values must be recomputed, level
@@ -139,10 +149,11 @@ pub struct SumTree {
 }
 
 impl SumTree {
-    /// A tree of `capacity` leaves, all zero.
-    pub fn new(capacity: usize) -> Self {
-        let slots = leaf_slots(capacity);
-        Self { capacity, slots, leaves: Slab::zeroed(slots), nodes: Slab::zeroed(slots) }
+    /// A tree of `capacity` leaves, all zero; [`Error::CapacityTooLarge`] if the machine could
+    /// not hold it.
+    pub fn new(capacity: usize) -> Result<Self> {
+        let slots = leaf_slots(capacity)?;
+        Ok(Self { capacity, slots, leaves: zeroed(capacity, slots)?, nodes: zeroed(capacity, slots)? })
     }
 
     /// The value of node `node` (`1..2 * slots`): an inner sum, or a leaf widened to `f64`.
@@ -162,7 +173,7 @@ impl SumTree {
         for (i, &v) in leaves.iter().enumerate() {
             check_priority(i, v)?;
         }
-        let mut tree = Self::new(leaves.len());
+        let mut tree = Self::new(leaves.len())?;
         tree.leaves[..leaves.len()].copy_from_slice(leaves);
         for node in (1..tree.slots).rev() {
             tree.refresh(node);
@@ -360,12 +371,13 @@ impl MinTree {
     /// The value a leaf holds until it is set.
     pub const EMPTY: f32 = f32::MAX;
 
-    /// A tree of `capacity` leaves, all [`MinTree::EMPTY`].
-    pub fn new(capacity: usize) -> Self {
-        let slots = leaf_slots(capacity);
-        let mut nodes = Slab::zeroed(2 * slots);
+    /// A tree of `capacity` leaves, all [`MinTree::EMPTY`]; [`Error::CapacityTooLarge`] if the
+    /// machine could not hold it.
+    pub fn new(capacity: usize) -> Result<Self> {
+        let slots = leaf_slots(capacity)?;
+        let mut nodes = zeroed(capacity, slots.checked_mul(2).ok_or_else(|| too_large(capacity, "too many nodes"))?)?;
         nodes.fill(Self::EMPTY);
-        Self { capacity, slots, nodes }
+        Ok(Self { capacity, slots, nodes })
     }
 
     /// A tree holding `leaves` (checked: each finite and non-negative), built in O(n).
@@ -373,7 +385,7 @@ impl MinTree {
         for (i, &v) in leaves.iter().enumerate() {
             check_priority(i, v)?;
         }
-        let mut tree = Self::new(leaves.len());
+        let mut tree = Self::new(leaves.len())?;
         tree.nodes[tree.slots..tree.slots + leaves.len()].copy_from_slice(leaves);
         for node in (1..tree.slots).rev() {
             tree.nodes[node] = tree.nodes[2 * node].min(tree.nodes[2 * node + 1]);

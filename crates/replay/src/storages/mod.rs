@@ -199,6 +199,11 @@ impl Storage {
         self.capacity
     }
 
+    /// The bytes of one row, over every leaf.
+    pub fn row_bytes(&self) -> usize {
+        self.td.leaves().iter().map(|(_, t)| t.nbytes() / self.capacity.max(1)).sum()
+    }
+
     /// The dict of all `capacity` rows, valid or not (a clone shares the storage).
     pub fn tensordict(&self) -> &TensorDict {
         &self.td
@@ -430,6 +435,10 @@ fn folder_has_entries(folder: &Path) -> Result<bool> {
 
 /// A heap dict with `batch`'s schema and `capacity` rows (every row a copy of row 0).
 fn heap_like(batch: &TensorDict, capacity: usize) -> Result<TensorDict> {
+    // The capacity comes from a caller: its list of row numbers is checked before it is made
+    // (the rows themselves are heap storage, checked as any is).
+    memmap_tensor::check_len("a storage's rows", capacity, size_of::<i64>())
+        .map_err(|e| Error::CapacityTooLarge { capacity, detail: memmap_tensor::ErrorChain(&e).to_string() })?;
     batch.index(Index::List(vec![0; capacity])).op("create storage")
 }
 

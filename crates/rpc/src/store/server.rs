@@ -109,7 +109,7 @@ impl StoreServer {
             move |peer: &Peer| Session::new(Arc::clone(&shared), peer).serve()
         };
         let server_options = ServerOptions::default().max_frame_bytes(super::MAX_FRAME_BYTES);
-        let served = Served::start(&service, &runtime_dir, &options.service, server_options, make)?;
+        let served = Served::start(&service, &runtime_dir, &options.service, server_options, &shared.stop, make)?;
         let mut server = StoreServer {
             shared: Arc::clone(&shared),
             served: Some(served),
