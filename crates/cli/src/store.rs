@@ -397,7 +397,11 @@ fn parse_wait(s: &str) -> Result<Wait, String> {
     if s.trim().eq_ignore_ascii_case("forever") {
         return Ok(Wait::Forever);
     }
-    parse_seconds(s).map(Wait::For).map_err(|e| format!("{e} (or `forever`)"))
+    match crate::units::parse_wait_seconds(s) {
+        Ok(Some(duration)) => Ok(Wait::For(duration)),
+        Ok(None) => Ok(Wait::Forever),
+        Err(e) => Err(format!("{e} (or `forever`)")),
+    }
 }
 
 /// A capacity: a number of bytes ([`crate::units::SIZE_UNITS`]), more than none.
@@ -417,6 +421,7 @@ mod tests {
         assert_eq!(parse_capacity("2G"), Ok(2_000_000_000));
         assert!(parse_capacity("0").unwrap_err().contains("holds nothing"));
         assert!(parse_capacity("12XB").unwrap_err().contains("KiB"));
+        assert!(parse_capacity("1.5B").unwrap_err().contains("not a whole number of bytes"));
     }
 
     #[test]

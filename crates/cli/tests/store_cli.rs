@@ -372,6 +372,27 @@ fn a_capacity_refuses_what_does_not_fit_and_says_why() {
     assert!(run.usage_error().contains("0"), "{run}");
 }
 
+/// issue 27: `--capacity 1.5B` was rounded to 2 bytes and served. A size that is not whole
+/// bytes is a usage error that says so, and nothing is started: no daemon, no pid file, no
+/// socket, in the background or the foreground.
+#[test]
+fn a_capacity_of_part_of_a_byte_is_refused_before_anything_starts() {
+    let w = World::new("cli-fraction");
+    for args in [vec!["--capacity", "1.5B"], vec!["--no-fork", "--capacity", "1.5B"]] {
+        let run = w.store("serve", &args);
+        let err = run.usage_error();
+        assert!(err.contains("`1.5B` is not a whole number of bytes"), "{run}");
+        assert!(!err.contains("panicked"), "{run}");
+        assert_eq!(read_pid(&w.files().pid), None, "no pid file:\n{run}");
+        let left: Vec<_> = fs::read_dir(w.runtime()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert!(left.is_empty(), "serve left {left:?} in the runtime directory:\n{run}");
+    }
+    // A fraction that comes to whole bytes is a capacity.
+    let mut w = w;
+    let (line, _) = w.serve(&["--capacity", "1.5K"]);
+    assert!(line.contains("capacity 1.50 kB"), "{line}");
+}
+
 #[test]
 fn load_waits_as_long_as_it_is_told() {
     let mut w = World::new("cli-wait");

@@ -3,6 +3,7 @@
 //! sides, and hostile requests get errors.
 
 use std::path::Path;
+use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -1091,4 +1092,68 @@ fn rows_by_value_cut_short_or_too_long_write_nothing() {
     assert_eq!((after.open_reservations, after.open_leases), (0, 0));
     check_rows(&client.sample(4, None).unwrap().0);
     client.extend(&batch(&[2.; 4])).unwrap();
+}
+
+/// issue 27: a dump whose client gave up waiting was still written later, unasked. A dump waits
+/// for no reservation (see `a_dump_leaves_out_rows_being_written_without_waiting_for_them`),
+/// so what holds this one up is the serving process holding the sampler, which every dump
+/// reads. The client's call times out while the dump cannot move; once the sampler is let go
+/// the dump completes, and must not be put in place. Nothing here depends on timing: the hold
+/// ends only after the client has its error, and the service writes one dump at a time, so a
+/// second dump that succeeds was served after the first was put in place or removed.
+#[test]
+fn a_dump_whose_client_gave_up_is_never_written() {
+    let f = Fixture::new("dump-gave-up");
+    let dir = tempfile::tempdir().unwrap();
+    let server = f.start(f.options(8));
+    let actor = f.connect();
+    actor.extend(&batch(&[1., 2., 3., 4.])).unwrap();
+    // An actor stalled between reserve and commit.
+    let stalled = actor.reserve(2, None).unwrap();
+    // Both connected before the sampler is held (connecting reads its spec).
+    let hasty = f.raw();
+    let steady = f.connect();
+    let dump = dir.path().join("dump");
+    let (held_tx, held_rx) = mpsc::channel::<()>();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    thread::scope(|s| {
+        let server = &server;
+        let holder = s.spawn(move || {
+            server.buffer().with_sampler(|_| {
+                held_tx.send(()).unwrap();
+                release_rx.recv().unwrap();
+            })
+        });
+        held_rx.recv().unwrap();
+        let mut ctx = hasty.context();
+        ctx.deadline = Instant::now() + Duration::from_millis(300);
+        let path = dump.to_str().unwrap().to_owned();
+        let err = hasty.invoke_with(ctx, async |c, ctx| c.dumps(ctx, path).await).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                tensordict_rpc::Error::DeadlineExceeded { .. }
+                    | tensordict_rpc::Error::Remote { error: WireError::TimedOut { .. }, .. }
+            ),
+            "{err}"
+        );
+        release_tx.send(()).unwrap();
+        holder.join().unwrap();
+    });
+    // Served once the first dump is done with, and bounded by its own (default) timeout: the
+    // stalled reservation holds it up no more than before.
+    let later = dir.path().join("later");
+    steady.dumps(later.to_str().unwrap()).unwrap();
+    assert!(!dump.exists(), "the dump the client gave up on was written");
+    let mut left: Vec<String> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    left.sort();
+    assert_eq!(left, vec!["later".to_owned()], "nothing but the second dump, no hidden half-dump");
+    let back = ReplayBuffer::loads(&later, tensordict_replay::LoadOptions::default()).unwrap();
+    assert_eq!(check_rows(&back.get(0..4).unwrap()), vec![1., 2., 3., 4.]);
+    // The service goes on serving: the stalled actor commits, and a sample sees the rows.
+    actor.commit(stalled).unwrap();
+    assert_eq!(steady.stats().unwrap().len, 6);
+    let (_, info) = steady.sample(8, None).unwrap();
+    assert!(info.indices.iter().all(|&i| i < 6), "{:?}", info.indices);
 }

@@ -432,6 +432,12 @@ impl RemoteBuffer {
     /// dump holds the rows committed when it starts, packed (see
     /// [`crate::ReplayBuffer::dumps`]); it waits for no reservation, so a writer that stalled
     /// or died between reserve and commit neither holds it up nor gets its rows into it.
+    ///
+    /// The dump must be done within this connection's call timeout
+    /// ([`ClientOptions::call_timeout`], 10 s by default; a large buffer on a slow disk needs
+    /// more). One that is not, or whose call is given up any other way, is not written: when
+    /// this returns an error, no dump is at `path`, and none appears there later. The service
+    /// writes one dump at a time; a dump waits for the one before it within the same timeout.
     pub fn dumps(&self, path: &str) -> Result<()> {
         let path = path.to_owned();
         Ok(self.client.invoke(async |c, ctx| c.dumps(ctx, path).await)?)

@@ -65,6 +65,7 @@
 //! ```
 
 mod client;
+mod dumping;
 mod server;
 mod service;
 

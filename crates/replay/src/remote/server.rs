@@ -10,6 +10,7 @@ use tarpc::context::Context;
 use tensordict_rpc::service::{self as named, OwnerLock, Served, SessionTable, StopSignal};
 use tensordict_rpc::{Endpoint, InlineDict, NodeId, Peer, ServerOptions, TensorDictRef, ToRef, WireError};
 
+use super::dumping::{DumpTurn, Wanted, dump_for};
 use super::service::{LimiterInfo, ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled, SampledValues};
 use super::{
     MAX_FRAME_BYTES, ReplayOptions, RowsByValue, max_reserve_rows, max_sample_rows, reply_limit, service_name,
@@ -62,6 +63,8 @@ struct Shared {
     by_value: std::sync::OnceLock<RowsByValue>,
     sessions: Mutex<Sessions>,
     stop: StopSignal,
+    /// One dump at a time (see `dumping`).
+    dumping: DumpTurn,
 }
 
 /// The sessions: how many are open, and what each holds.
@@ -188,13 +191,14 @@ impl ReplayServer {
             by_value: std::sync::OnceLock::new(),
             sessions: Mutex::new(Sessions::default()),
             stop: StopSignal::new(),
+            dumping: DumpTurn::default(),
         });
         let make = {
             let shared = Arc::clone(&shared);
             move |peer: &Peer| Session::new(Arc::clone(&shared), peer).serve()
         };
         let server_options = ServerOptions::default().max_frame_bytes(MAX_FRAME_BYTES);
-        let served = Served::start(&service, &runtime_dir, &options.service, server_options, make)?;
+        let served = Served::start(&service, &runtime_dir, &options.service, server_options, &shared.stop, make)?;
         tracing::info!(replay = name, capacity = shared.buffer.capacity(), "serving");
         Ok(ReplayServer { shared, served: Some(served), _owner: owner, _folder_owner: folder_owner })
     }
@@ -388,7 +392,6 @@ impl ReplayService for Session {
     }
 
     async fn create(self, _: Context, like: InlineDict) -> std::result::Result<TensorDictRef, WireError> {
-        self.shared().stopping()?;
         let like =
             like.to_dict().map_err(|e| invalid(format!("the schema sent is not a valid dict: {}", ErrorChain(&e))))?;
         let session = self.clone();
@@ -407,7 +410,6 @@ impl ReplayService for Session {
         wait: Option<Duration>,
         commit: Option<u64>,
     ) -> std::result::Result<Reserved, WireError> {
-        self.shared().stopping()?;
         if let Some(id) = commit {
             self.commit_now(id)?;
         }
@@ -458,7 +460,6 @@ impl ReplayService for Session {
         release: Vec<u64>,
     ) -> std::result::Result<Sampled, WireError> {
         self.release_held(&release)?;
-        self.shared().stopping()?;
         if batch == 0 || batch > MAX_SAMPLE_ROWS {
             return Err(invalid(format!("a sample of {batch} rows; ask for 1 to {MAX_SAMPLE_ROWS}")));
         }
@@ -509,7 +510,6 @@ impl ReplayService for Session {
         release: Vec<u64>,
     ) -> std::result::Result<SampledValues, WireError> {
         self.release_held(&release)?;
-        self.shared().stopping()?;
         if batch == 0 || batch > MAX_SAMPLE_ROWS {
             return Err(invalid(format!("a sample of {batch} rows; ask for 1 to {MAX_SAMPLE_ROWS}")));
         }
@@ -571,7 +571,6 @@ impl ReplayService for Session {
         rows: InlineDict,
         wait: Option<Duration>,
     ) -> std::result::Result<Vec<u64>, WireError> {
-        self.shared().stopping()?;
         let batch = received(&rows)?;
         drop(rows);
         let n = batch.batch_size().first().copied().unwrap_or(0);
@@ -649,10 +648,13 @@ impl ReplayService for Session {
         })
     }
 
-    async fn dumps(self, _: Context, path: String) -> std::result::Result<(), WireError> {
-        let session = self.clone();
-        let done = tokio::task::spawn_blocking(move || session.shared().buffer.dumps(PathBuf::from(path)));
-        done.await.map_err(|e| WireError::Other { message: format!("dumps: {e}") })?.map_err(to_wire)
+    async fn dumps(self, ctx: Context, path: String) -> std::result::Result<(), WireError> {
+        // Bounded by the client's deadline, and not written once the client gave up: see
+        // `dumping`. The dump holds the service (not this session), so that a session whose
+        // client left ends, and gives up what it held, without waiting for the copy.
+        let (wanted, _dropped_with_this_request) = Wanted::new(ctx.deadline);
+        let shared = Arc::clone(&self.0.shared);
+        dump_for(&self.shared().dumping, PathBuf::from(path), wanted, move |at| shared.buffer.dumps(at)).await
     }
 
     async fn shutdown(self, _: Context) -> std::result::Result<(), WireError> {
@@ -701,7 +703,7 @@ fn not_found(what: &str, id: u64) -> WireError {
 }
 
 /// A buffer error as the client will read it.
-fn to_wire(error: Error) -> WireError {
+pub(super) fn to_wire(error: Error) -> WireError {
     match error {
         Error::Timeout { .. } => WireError::TimedOut { detail: error.to_string() },
         Error::Io { source, path } => {

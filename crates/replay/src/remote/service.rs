@@ -39,7 +39,9 @@ pub trait ReplayService {
     async fn stats() -> Result<ReplayStats, WireError>;
     /// Writes the buffer as a TorchRL dump folder at `path` on the service's node: its
     /// committed rows only, without waiting for reservations (see
-    /// [`crate::ReplayBuffer::dumps`]).
+    /// [`crate::ReplayBuffer::dumps`]). Bounded by the request's deadline: a dump not in place
+    /// by then (less the time for the reply to travel), or whose request was cancelled or whose
+    /// connection closed, is not written at all. One dump runs at a time.
     async fn dumps(path: String) -> Result<(), WireError>;
     /// Stops the service (as dropping its server does).
     async fn shutdown() -> Result<(), WireError>;
