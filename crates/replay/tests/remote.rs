@@ -88,7 +88,11 @@ impl Fixture {
     }
 
     fn connect(&self) -> RemoteBuffer {
-        RemoteBuffer::connect_with(&self.name, &self.client_options()).unwrap()
+        self.try_connect().unwrap()
+    }
+
+    fn try_connect(&self) -> Result<RemoteBuffer, Error> {
+        RemoteBuffer::connect_with(&self.name, &self.client_options())
     }
 
     fn raw(&self) -> BlockingClient<ReplayServiceClient> {
@@ -1156,4 +1160,25 @@ fn a_dump_whose_client_gave_up_is_never_written() {
     assert_eq!(steady.stats().unwrap().len, 6);
     let (_, info) = steady.sample(8, None).unwrap();
     assert!(info.indices.iter().all(|&i| i < 6), "{:?}", info.indices);
+}
+
+/// A stopped service refuses every call, of connected clients and of new ones, before it
+/// reaches the buffer: nothing is written or read after the stop.
+#[test]
+fn a_stopped_service_refuses_every_call_and_every_connection() {
+    let f = Fixture::new("stopped");
+    let server = f.start(f.options(16));
+    let client = f.connect();
+    client.extend(&batch(&[1., 2.])).unwrap();
+    server.stop();
+    let refused = |what: &str, result: Result<(), Error>| match result {
+        Err(Error::Remote(tensordict_rpc::Error::Remote { error: WireError::ShuttingDown, .. })) => {}
+        other => panic!("{what} after the stop: {other:?}"),
+    };
+    refused("stats", client.stats().map(drop));
+    refused("extend", client.extend(&batch(&[3.])).map(drop));
+    refused("sample", client.sample(1, Some(Duration::ZERO)).map(drop));
+    refused("update_priority", client.update_priority(&[0], &[1.0]));
+    refused("connect", f.try_connect().map(drop));
+    assert_eq!(server.buffer().len(), 2, "nothing was written after the stop");
 }
