@@ -12,6 +12,31 @@ use crate::dict::to_py_err;
 /// Waits longer than this are cut into windows, so that Ctrl-C is seen between them.
 const WAIT_WINDOW: Duration = Duration::from_millis(200);
 
+/// A number of seconds from Python (`timeout=`, `ttl=`), through [`tensordict_rpc::seconds`]:
+/// `None` for without end (`inf`, or more seconds than a `Duration` holds), zero for zero or
+/// less; NaN is a `ValueError` naming the argument.
+pub(crate) fn seconds(arg: &str, secs: f64) -> PyResult<Option<Duration>> {
+    tensordict_rpc::seconds(secs).map_err(|e| PyValueError::new_err(format!("{arg}: {e}")))
+}
+
+/// A wait from Python's `timeout=`: `None` and `inf` wait without end, zero and negative
+/// numbers do not wait.
+pub(crate) fn timeout(secs: Option<f64>) -> PyResult<Option<Duration>> {
+    secs.map_or(Ok(None), |s| seconds("timeout", s))
+}
+
+/// A lifetime from Python's `ttl=`: `None` and `inf` live until removed; a ttl of zero or less
+/// would remove the entry as it is made, and is refused (as Redis refuses such an expiry).
+pub(crate) fn ttl(secs: Option<f64>) -> PyResult<Option<Duration>> {
+    match secs.map(|s| seconds("ttl", s)).transpose()?.flatten() {
+        Some(Duration::ZERO) => Err(PyValueError::new_err(format!(
+            "ttl: {} seconds would remove the entry as it is saved: give a positive number of seconds, or None",
+            secs.unwrap_or_default()
+        ))),
+        ttl => Ok(ttl),
+    }
+}
+
 /// The options of a client: its token (TCP) and runtime directory (Unix sockets).
 pub(crate) fn client_options(token: Option<&str>, runtime_dir: Option<std::path::PathBuf>) -> PyResult<ClientOptions> {
     let mut options = ClientOptions::default();
@@ -67,4 +92,26 @@ pub(crate) fn wait_in_windows<T: Send, E: std::error::Error + Send + 'static>(
         Stop::Rust(e) => to_py_err(e),
         Stop::Python(e) => e,
     })
+}
+
+/// Connects with `connect`, in windows of at most [`WAIT_WINDOW`] each (the options' connect
+/// timeout cut into pieces) so that Ctrl-C is seen while a service is not there yet; `timed_out`
+/// tells the error of a window that ran out. The error of the last window is returned.
+pub(crate) fn connect_in_windows<T: Send, E: std::error::Error + Send + 'static>(
+    py: Python<'_>,
+    options: &ClientOptions,
+    connect: impl Fn(&ClientOptions) -> Result<T, E> + Send + Sync,
+    timed_out: impl Fn(&E) -> bool,
+) -> PyResult<T> {
+    wait_in_windows(
+        py,
+        Some(options.connect_timeout),
+        |window| connect(&options.clone().connect_timeout(window)),
+        timed_out,
+    )
+}
+
+/// Whether an rpc error is a connection attempt that ran out of time.
+pub(crate) fn connect_timed_out(e: &tensordict_rpc::Error) -> bool {
+    matches!(e, tensordict_rpc::Error::ConnectTimeout { .. })
 }

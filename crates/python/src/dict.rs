@@ -319,6 +319,11 @@ impl PyTensorDict {
     /// Pickles by where the dict lives (its folder or shared-memory prefix, and the rows it
     /// views): unpickling maps it again, in whatever process, with no copy. A dict on the heap
     /// cannot be pickled so: write it with `memmap` or `share_memory` first.
+    ///
+    /// The pickle also carries the view's batch size and every leaf's shape, and unpickling
+    /// gives back exactly that view (new unit dims, `td[None]`, put back) or raises: a view that
+    /// rows and unit dims cannot make again (`td[None, 2:4]`), or rows the folder no longer has,
+    /// are an error, never another dict.
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
         let backing = self.inner.backing().map_err(|e| {
             PyTypeError::new_err(format!(
@@ -326,30 +331,88 @@ impl PyTensorDict {
                 ErrorChain(&e)
             ))
         })?;
-        let writable = self.inner.leaves().iter().all(|(_, t)| t.storage().access() == Access::ReadWrite);
+        let leaves = self.inner.leaves();
+        let writable = leaves.iter().all(|(_, t)| t.storage().access() == Access::ReadWrite);
         let rows = backing.rows.map(|r| (r.start, r.end));
+        let shapes: Vec<(Vec<String>, Vec<usize>)> =
+            leaves.iter().map(|(k, t)| (k.parts().to_vec(), t.dims().to_vec())).collect();
         let reopen = py.import("tensordict_rs._native")?.getattr("_reopen")?;
-        let args = (backing.location.to_string(), writable, rows).into_pyobject(py)?;
+        let args = (backing.location.to_string(), writable, rows, self.inner.batch_size().to_vec(), shapes)
+            .into_pyobject(py)?;
         Ok((reopen, args))
     }
 }
 
-/// Maps a dict again from where it lives (what `TensorDict.__reduce__` pickles).
+/// Maps a dict again from where it lives (what `TensorDict.__reduce__` pickles), as the view
+/// it was: its rows, then the unit dims the view added, checked against the batch size and
+/// leaf shapes it had.
 #[pyfunction]
-#[pyo3(signature = (location, writable, rows=None))]
+#[pyo3(signature = (location, writable, rows=None, batch_size=None, shapes=None))]
 pub(crate) fn _reopen(
     py: Python<'_>,
     location: String,
     writable: bool,
     rows: Option<(usize, usize)>,
+    batch_size: Option<Vec<usize>>,
+    shapes: Option<Vec<(Vec<String>, Vec<usize>)>>,
 ) -> PyResult<PyTensorDict> {
     let location = tensordict::DictLocation::parse(std::ffi::OsStr::new(&location)).map_err(PyValueError::new_err)?;
     let td = py.detach(|| location.open(access(writable))).map_err(to_py_err)?;
+    let changed =
+        |what: String| TensorDictError::new_err(format!("{location} does not give back the view pickled: {what}"));
     let td = match rows {
-        Some((start, stop)) => td.index(Index::slice(Some(start as i64), Some(stop as i64), 1)).map_err(to_py_err)?,
+        Some((start, stop)) => {
+            let len = td.batch_size().first().copied().unwrap_or(0);
+            if start > stop || stop > len {
+                return Err(changed(format!("it viewed rows {start}..{stop}, and there are {len}")));
+            }
+            td.index(Index::slice(Some(start as i64), Some(stop as i64), 1)).map_err(to_py_err)?
+        }
         None => td,
     };
+    let Some(batch_size) = batch_size else { return Ok(PyTensorDict::new(td)) };
+    let td = match new_unit_dims(td.batch_size(), &batch_size) {
+        Some(index) if index.iter().any(|i| matches!(i, Index::NewDim)) => {
+            td.index(Index::Tuple(index)).map_err(to_py_err)?
+        }
+        Some(_) => td,
+        None => {
+            return Err(changed(format!(
+                "its batch size was {batch_size:?}, and the rows it names make {:?}",
+                td.batch_size()
+            )));
+        }
+    };
+    for (key, dims) in shapes.unwrap_or_default() {
+        let key = KeyPath::new(key);
+        match td.get(key.clone()) {
+            Ok(Entry::Tensor(t)) if t.dims() == dims.as_slice() => {}
+            Ok(Entry::Tensor(t)) => {
+                return Err(changed(format!("`{key}` had shape {dims:?}, and is {:?} now", t.dims())));
+            }
+            _ => return Err(changed(format!("`{key}` is gone"))),
+        }
+    }
     Ok(PyTensorDict::new(td))
+}
+
+/// The index that makes batch size `want` of `have` by adding unit dims (`None`s and full
+/// slices), or `None` if adding unit dims cannot. Adjacent unit dims are interchangeable, so
+/// matching each dim of `have` to the first equal dim of `want` left is enough.
+fn new_unit_dims(have: &[usize], want: &[usize]) -> Option<Vec<Index>> {
+    let mut index = Vec::with_capacity(want.len());
+    let mut rest = have.iter().peekable();
+    for &dim in want {
+        if rest.peek() == Some(&&dim) {
+            rest.next();
+            index.push(Index::slice(None, None, 1));
+        } else if dim == 1 {
+            index.push(Index::NewDim);
+        } else {
+            return None;
+        }
+    }
+    rest.next().is_none().then_some(index)
 }
 
 /// What a Python dict given to a call stands for.
@@ -387,7 +450,7 @@ pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, of: DictOf) -> PyResult<Tens
     };
     let batch_size = match of {
         DictOf::Rows => vec![
-            leading_dim(d)?
+            leading_dim(d, 0)?
                 .ok_or_else(|| PyValueError::new_err("a batch needs at least one array with a leading (batch) dim"))?,
         ],
         DictOf::Tensors | DictOf::Row => Vec::new(),
@@ -401,10 +464,14 @@ pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, of: DictOf) -> PyResult<Tens
 
 /// The first dim of the first array in `d` (depth first, in order), `None` when the first has
 /// no dims or there is none.
-fn leading_dim(d: &Bound<'_, PyDict>) -> PyResult<Option<usize>> {
+fn leading_dim(d: &Bound<'_, PyDict>, depth: usize) -> PyResult<Option<usize>> {
     for v in d.values() {
         if let Ok(nested) = v.cast::<PyDict>() {
-            match leading_dim(nested)? {
+            // Dicts deeper than the limit are refused by `fill`, with their key.
+            if depth >= tensordict::MAX_DEPTH {
+                continue;
+            }
+            match leading_dim(nested, depth + 1)? {
                 Some(n) => return Ok(Some(n)),
                 None => continue,
             }

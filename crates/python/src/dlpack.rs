@@ -25,6 +25,7 @@ use pyo3::types::PyCapsule;
 const DLTENSOR: &CStr = c"dltensor";
 const USED_DLTENSOR: &CStr = c"used_dltensor";
 const DLTENSOR_VERSIONED: &CStr = c"dltensor_versioned";
+const USED_DLTENSOR_VERSIONED: &CStr = c"used_dltensor_versioned";
 const FLAG_READ_ONLY: u64 = 1;
 
 const KDL_CPU: i32 = 1;
@@ -296,38 +297,82 @@ pub(crate) type Viewed = (usize, u8, u8, Vec<i64>, Vec<i64>);
 /// `__dlpack__`) as a new heap tensor, any strides. The producer's memory is read once and let
 /// go of before this returns.
 ///
+/// The producer is asked for a DLPack 1.0 tensor (`max_version=(1, 0)`), which is the only kind
+/// numpy exports for read-only and broadcast arrays; a producer that does not know the argument
+/// is asked again without it. Read-only, broadcast (stride 0) and negatively strided inputs are
+/// inputs like any other: copied once, their size checked against the machine's memory first
+/// (a stride-0 view can claim any number of elements).
+///
 /// With a `cache`, a tensor already imported by this call (tied weights) is shared instead of
 /// copied again; without one (rows about to be copied into a storage) nothing is looked up.
 pub(crate) fn import(obj: &Bound<'_, PyAny>, cache: Option<&mut ImportCache>) -> PyResult<Tensor> {
-    let capsule = obj.call_method0("__dlpack__")?;
+    let py = obj.py();
+    let kwargs = pyo3::types::PyDict::new(py);
+    kwargs.set_item("max_version", (1, 0))?;
+    let capsule = match obj.call_method("__dlpack__", (), Some(&kwargs)) {
+        Ok(capsule) => capsule,
+        Err(e) if e.is_instance_of::<PyTypeError>(py) => obj.call_method0("__dlpack__")?,
+        Err(e) => return Err(e),
+    };
     let capsule = capsule.cast_into::<PyCapsule>().map_err(PyErr::from)?;
     let raw = capsule.as_ptr();
-    // SAFETY: a `dltensor` capsule holds a DLManagedTensor (the DLPack contract); we rename
-    // it to `used_dltensor` and call its deleter once we have copied, as a consumer must.
+    // SAFETY: a `dltensor_versioned` capsule holds a DLManagedTensorVersioned and a `dltensor`
+    // capsule a DLManagedTensor (the DLPack contract). As a consumer must, we rename the capsule
+    // to its `used_` name (so that its destructor leaves the tensor alone) and call the tensor's
+    // deleter once, after the copy; the tensor stays valid until then.
     unsafe {
-        if pyo3::ffi::PyCapsule_IsValid(raw, DLTENSOR.as_ptr()) != 1 {
-            return Err(PyValueError::new_err("__dlpack__ did not return an unused `dltensor` capsule"));
+        if pyo3::ffi::PyCapsule_IsValid(raw, DLTENSOR_VERSIONED.as_ptr()) == 1 {
+            let managed =
+                pyo3::ffi::PyCapsule_GetPointer(raw, DLTENSOR_VERSIONED.as_ptr()).cast::<DLManagedTensorVersioned>();
+            let result = if (*managed).version.major == 1 {
+                read(&(*managed).dl_tensor, cache)
+            } else {
+                Err(PyValueError::new_err(format!(
+                    "the producer gave a DLPack {}.{} tensor: only DLPack 1.x is read",
+                    (*managed).version.major,
+                    (*managed).version.minor
+                )))
+            };
+            pyo3::ffi::PyCapsule_SetName(raw, USED_DLTENSOR_VERSIONED.as_ptr());
+            if let Some(deleter) = (*managed).deleter {
+                deleter(managed);
+            }
+            result
+        } else if pyo3::ffi::PyCapsule_IsValid(raw, DLTENSOR.as_ptr()) == 1 {
+            let managed = pyo3::ffi::PyCapsule_GetPointer(raw, DLTENSOR.as_ptr()).cast::<DLManagedTensor>();
+            let result = read(&(*managed).dl_tensor, cache);
+            pyo3::ffi::PyCapsule_SetName(raw, USED_DLTENSOR.as_ptr());
+            if let Some(deleter) = (*managed).deleter {
+                deleter(managed);
+            }
+            result
+        } else {
+            Err(PyValueError::new_err("__dlpack__ did not return an unused `dltensor` or `dltensor_versioned` capsule"))
         }
-        let managed = pyo3::ffi::PyCapsule_GetPointer(raw, DLTENSOR.as_ptr()).cast::<DLManagedTensor>();
-        let t = &(*managed).dl_tensor;
-        let key = if cache.is_some() { identity(t) } else { None };
-        let seen = match (&key, cache.as_deref()) {
-            (Some(k), Some(cache)) => cache.get(k).cloned(),
-            _ => None,
-        };
-        let result = match seen {
-            Some(tensor) => Ok(tensor),
-            None => copy_out(t),
-        };
-        if let (Some(k), Some(cache), Ok(tensor)) = (key, cache, &result) {
-            cache.entry(k).or_insert_with(|| tensor.clone());
-        }
-        pyo3::ffi::PyCapsule_SetName(raw, USED_DLTENSOR.as_ptr());
-        if let Some(deleter) = (*managed).deleter {
-            deleter(managed);
-        }
-        result
     }
+}
+
+/// The tensor `t` describes, copied (or, with a `cache`, shared with an earlier import of the
+/// same memory).
+///
+/// # Safety
+/// `t` describes a live DLPack tensor.
+unsafe fn read(t: &DLTensor, cache: Option<&mut ImportCache>) -> PyResult<Tensor> {
+    // SAFETY: the caller's contract.
+    let key = if cache.is_some() { unsafe { identity(t) } } else { None };
+    let seen = match (&key, cache.as_deref()) {
+        (Some(k), Some(cache)) => cache.get(k).cloned(),
+        _ => None,
+    };
+    let result = match seen {
+        Some(tensor) => Ok(tensor),
+        // SAFETY: the caller's contract.
+        None => unsafe { copy_out(t) },
+    };
+    if let (Some(k), Some(cache), Ok(tensor)) = (key, cache, &result) {
+        cache.entry(k).or_insert_with(|| tensor.clone());
+    }
+    result
 }
 
 /// What a DLPack tensor views: its first byte, dtype, shape and strides (`None` for a 0-d or
@@ -446,6 +491,8 @@ unsafe fn copy_out(t: &DLTensor) -> PyResult<Tensor> {
     let nbytes = shape.iter().try_fold(elem, |n, &d| n.checked_mul(d)).ok_or_else(|| {
         PyValueError::new_err(format!("a DLPack tensor of shape {shape:?} overflows the address space"))
     })?;
+    // A view can claim more elements than there is memory (stride 0): the copy must fit.
+    memmap_tensor::check_len("a tensor to copy", nbytes / elem, elem).map_err(crate::dict::to_py_err)?;
     let strides: Vec<isize> = if t.strides.is_null() || ndim == 0 {
         let mut s = vec![1isize; ndim];
         for i in (0..ndim.saturating_sub(1)).rev() {
@@ -469,7 +516,10 @@ unsafe fn copy_out(t: &DLTensor) -> PyResult<Tensor> {
         let bytes = unsafe { std::slice::from_raw_parts(base, nbytes) };
         return Tensor::from_bytes(bytes, dtype, shape.as_slice()).map_err(to_err);
     }
-    let mut bytes = Vec::with_capacity(nbytes);
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(nbytes)
+        .map_err(|_| crate::dict::to_py_err(memmap_tensor::Error::OutOfMemory { bytes: nbytes }))?;
     // SAFETY: the producer's memory covers every element its shape and strides name.
     unsafe { gather_strided(base, &shape, &strides, elem, &mut bytes) };
     Tensor::from_bytes(&bytes, dtype, shape.as_slice()).map_err(to_err)

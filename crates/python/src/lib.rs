@@ -8,6 +8,7 @@
 mod client;
 mod dict;
 mod dlpack;
+mod owned;
 mod remote;
 mod replay;
 mod store;

@@ -1,15 +1,16 @@
 //! `RemoteReplayBuffer` and `ReplayServer`: the replay service of tensordict-rs from Python.
 //! A Python actor writes into a buffer a Rust learner samples, and the other way round.
 
-use std::time::Duration;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use tensordict_replay::SamplerSpec;
 use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
 
-use crate::client::{address, client_options, listen_options, wait_in_windows};
+use crate::client::{address, client_options, connect_in_windows, connect_timed_out, listen_options, wait_in_windows};
 use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
+use crate::owned::Owned;
 use crate::replay::{priority_args, sample_dict};
 
 /// A client of a replay service (`tdict replay serve NAME`, `ReplayServer.start`): by name on
@@ -17,9 +18,15 @@ use crate::replay::{priority_args, sample_dict};
 /// `"uds:NAME"`). TorchRL's calls: `extend`, `add`, `sample`, `update_priority`, `len`.
 #[pyclass(name = "RemoteReplayBuffer", module = "tensordict_rs._native", frozen)]
 pub struct PyRemoteBuffer {
-    inner: RemoteBuffer,
+    inner: Owned<RemoteBuffer>,
     target: String,
     weighted: bool,
+}
+
+impl PyRemoteBuffer {
+    fn client(&self) -> PyResult<&RemoteBuffer> {
+        self.inner.get("a RemoteReplayBuffer")
+    }
 }
 
 #[pymethods]
@@ -35,36 +42,41 @@ impl PyRemoteBuffer {
     ) -> PyResult<Self> {
         let options = client_options(token.as_deref(), runtime_dir)?;
         let endpoint = address(&target)?;
-        let inner = py
-            .detach(|| match &endpoint {
-                Some(endpoint) => RemoteBuffer::connect_to(endpoint, &options),
-                None => RemoteBuffer::connect_with(&target, &options),
-            })
-            .map_err(to_py_err)?;
+        let inner = connect_in_windows(
+            py,
+            &options,
+            |options| match &endpoint {
+                Some(endpoint) => RemoteBuffer::connect_to(endpoint, options),
+                None => RemoteBuffer::connect_with(&target, options),
+            },
+            |e| matches!(e, tensordict_replay::Error::Remote(e) if connect_timed_out(e)),
+        )?;
         let inner = match by_value {
             Some(yes) => inner.by_value(yes),
             None => inner,
         };
         let weighted = inner.info().sampler.weighted();
-        Ok(PyRemoteBuffer { inner, target, weighted })
+        Ok(PyRemoteBuffer { inner: Owned::new(inner), target, weighted })
     }
 
     /// Whether rows cross the connection by value (a service on another node, or asked for).
     #[getter]
-    fn by_value(&self) -> bool {
-        self.inner.is_by_value()
+    fn by_value(&self) -> PyResult<bool> {
+        Ok(self.client()?.is_by_value())
     }
 
     /// Writes a batch; returns the rows written.
     fn extend(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
         let td = to_tensordict(batch, DictOf::Rows)?;
-        py.detach(|| self.inner.extend(&td)).map_err(to_py_err)
+        let inner = self.client()?;
+        py.detach(|| inner.extend(&td)).map_err(to_py_err)
     }
 
     /// Writes one row; returns its row.
     fn add(&self, py: Python<'_>, row: &Bound<'_, PyAny>) -> PyResult<usize> {
         let td = to_tensordict(row, DictOf::Row)?;
-        py.detach(|| self.inner.add(&td)).map_err(to_py_err)
+        let inner = self.client()?;
+        py.detach(|| inner.add(&td)).map_err(to_py_err)
     }
 
     /// Samples `batch_size` rows (with `index`, and `priority_weight` when prioritized),
@@ -72,11 +84,12 @@ impl PyRemoteBuffer {
     /// Ctrl-C interrupts the wait).
     #[pyo3(signature = (batch_size, *, timeout=None))]
     fn sample(&self, py: Python<'_>, batch_size: usize, timeout: Option<f64>) -> PyResult<PyTensorDict> {
-        let wait = timeout.map(|s| Duration::from_secs_f64(s.max(0.0)));
+        let wait = crate::client::timeout(timeout)?;
+        let inner = self.client()?;
         let (td, info) = wait_in_windows(
             py,
             wait,
-            |window| self.inner.sample(batch_size, Some(window)),
+            |window| inner.sample(batch_size, Some(window)),
             |e| matches!(e, tensordict_replay::Error::Timeout { .. }),
         )?;
         sample_dict(td, info, self.weighted)
@@ -85,23 +98,27 @@ impl PyRemoteBuffer {
     /// Sets the priorities of rows `index` (prioritized services).
     fn update_priority(&self, py: Python<'_>, index: &Bound<'_, PyAny>, priority: &Bound<'_, PyAny>) -> PyResult<()> {
         let (index, priority) = priority_args(index, priority)?;
-        py.detach(|| self.inner.update_priority(&index, &priority)).map_err(to_py_err)
+        let inner = self.client()?;
+        py.detach(|| inner.update_priority(&index, &priority)).map_err(to_py_err)
     }
 
     /// Asks the service to write a TorchRL dump folder at `path` (on the service's node) of
     /// the rows committed when it starts.
     fn dumps(&self, py: Python<'_>, path: String) -> PyResult<()> {
-        py.detach(|| self.inner.dumps(&path)).map_err(to_py_err)
+        let inner = self.client()?;
+        py.detach(|| inner.dumps(&path)).map_err(to_py_err)
     }
 
     /// Ends writes: samples the rate limiter would hold back fail at once from now on.
     fn end_writes(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.end_writes()).map_err(to_py_err)
+        let inner = self.client()?;
+        py.detach(|| inner.end_writes()).map_err(to_py_err)
     }
 
     /// The service's counters (rows, inserts, samples, open leases, sessions) as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
-        let s = py.detach(|| self.inner.stats()).map_err(to_py_err)?;
+        let inner = self.client()?;
+        let s = py.detach(|| inner.stats()).map_err(to_py_err)?;
         let d = pyo3::types::PyDict::new(py);
         for (k, v) in [
             ("len", s.len),
@@ -120,25 +137,38 @@ impl PyRemoteBuffer {
     }
 
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
-        let s = py.detach(|| self.inner.stats()).map_err(to_py_err)?;
+        let inner = self.client()?;
+        let s = py.detach(|| inner.stats()).map_err(to_py_err)?;
         Ok(usize::try_from(s.len).unwrap_or(usize::MAX))
     }
 
     /// The rows the service holds at most.
     #[getter]
-    fn capacity(&self) -> usize {
-        self.inner.capacity()
+    fn capacity(&self) -> PyResult<usize> {
+        Ok(self.client()?.capacity())
     }
 
-    fn __repr__(&self) -> String {
-        format!("RemoteReplayBuffer({:?}, capacity={})", self.target, self.inner.capacity())
+    fn __repr__(&self) -> PyResult<String> {
+        Ok(format!("RemoteReplayBuffer({:?}, capacity={})", self.target, self.client()?.capacity()))
     }
 }
 
 /// A replay service run by this process (its threads), as `tdict replay serve` runs one.
 #[pyclass(name = "ReplayServer", module = "tensordict_rs._native", frozen)]
 pub struct PyReplayServer {
-    inner: ReplayServer,
+    /// `None` once stopped.
+    inner: Owned<Mutex<Option<ReplayServer>>>,
+}
+
+impl PyReplayServer {
+    /// The server, unless it was stopped.
+    fn server(&self) -> PyResult<MutexGuard<'_, Option<ReplayServer>>> {
+        let server = self.inner.get("a ReplayServer")?.lock().unwrap_or_else(PoisonError::into_inner);
+        if server.is_none() {
+            return Err(crate::dict::TensorDictError::new_err("the replay server was stopped"));
+        }
+        Ok(server)
+    }
 }
 
 #[pymethods]
@@ -184,27 +214,36 @@ impl PyReplayServer {
             options = options.listen(endpoint, token);
         }
         let inner = py.detach(|| ReplayServer::start(&name, options)).map_err(to_py_err)?;
-        Ok(PyReplayServer { inner })
+        Ok(PyReplayServer { inner: Owned::new(Mutex::new(Some(inner))) })
     }
 
     /// The Unix-socket address clients on this node connect to.
     #[getter]
-    fn endpoint(&self) -> String {
-        self.inner.endpoint().to_string()
+    fn endpoint(&self) -> PyResult<String> {
+        Ok(self.server()?.as_ref().map(|s| s.endpoint().to_string()).unwrap_or_default())
     }
 
     /// The TCP address, if it listens on one.
     #[getter]
-    fn tcp_endpoint(&self) -> Option<String> {
-        self.inner.tcp_endpoint().map(ToString::to_string)
+    fn tcp_endpoint(&self) -> PyResult<Option<String>> {
+        Ok(self.server()?.as_ref().and_then(|s| s.tcp_endpoint().map(ToString::to_string)))
     }
 
-    /// Stops serving (clients get errors from now on).
-    fn stop(&self, py: Python<'_>) {
-        py.detach(|| self.inner.stop());
+    /// Stops serving: every call of every client, connected or connecting, fails from now on
+    /// (as the service stopping), the serving threads end, and the name is free to serve
+    /// again. Stopping a stopped server does nothing.
+    fn stop(&self, py: Python<'_>) -> PyResult<()> {
+        let server = self.inner.get("a ReplayServer")?.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(server) = server {
+            py.detach(|| {
+                server.stop();
+                drop(server);
+            });
+        }
+        Ok(())
     }
 
-    fn __len__(&self) -> usize {
-        self.inner.buffer().len()
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.server()?.as_ref().map_or(0, |s| s.buffer().len()))
     }
 }

@@ -6,13 +6,20 @@ use pyo3::prelude::*;
 use tensordict_replay::{LoadOptions, MaxValue, ReplayBuffer, RoundRobin, SamplerSpec, StorageConfig, Writer};
 
 use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
+use crate::owned::Owned;
 
 /// A replay buffer (TorchRL's `ReplayBuffer`): `extend`, `add`, `sample`, `update_priority`,
 /// `dumps`/`loads` in TorchRL's dump layout. Built by `tensordict_rs.replay.ReplayBuffer`.
 #[pyclass(name = "ReplayBuffer", module = "tensordict_rs._native", frozen)]
 pub struct PyReplayBuffer {
-    inner: ReplayBuffer,
+    inner: Owned<ReplayBuffer>,
     weighted: bool,
+}
+
+impl PyReplayBuffer {
+    fn rb(&self) -> PyResult<&ReplayBuffer> {
+        self.inner.get("a ReplayBuffer")
+    }
 }
 
 fn config(
@@ -61,7 +68,7 @@ impl PyReplayBuffer {
         let weighted = spec.weighted();
         let built = spec.build(capacity, seed).map_err(to_py_err)?;
         let inner = ReplayBuffer::new(config(storage, capacity, path, prefix)?, writer, built).map_err(to_py_err)?;
-        Ok(PyReplayBuffer { inner, weighted })
+        Ok(PyReplayBuffer { inner: Owned::new(inner), weighted })
     }
 
     /// Loads a TorchRL dump folder (written by TorchRL's `dumps` or ours) onto the heap.
@@ -72,13 +79,13 @@ impl PyReplayBuffer {
         options.seed = seed;
         let inner = py.detach(|| ReplayBuffer::loads(&path, options)).map_err(to_py_err)?;
         let weighted = inner.with_sampler(|s| s.spec().is_some_and(|spec| spec.weighted()));
-        Ok(PyReplayBuffer { inner, weighted })
+        Ok(PyReplayBuffer { inner: Owned::new(inner), weighted })
     }
 
     /// The default batch size (`None`: none), kept in dumps.
     #[getter]
-    fn batch_size(&self) -> Option<usize> {
-        self.inner.batch_size()
+    fn batch_size(&self) -> PyResult<Option<usize>> {
+        Ok(self.rb()?.batch_size())
     }
 
     #[setter]
@@ -86,7 +93,7 @@ impl PyReplayBuffer {
         if batch_size == Some(0) {
             return Err(PyValueError::new_err("a batch size of 0 samples nothing: give at least 1, or None"));
         }
-        self.inner.set_batch_size(batch_size);
+        self.rb()?.set_batch_size(batch_size);
         Ok(())
     }
 
@@ -94,20 +101,23 @@ impl PyReplayBuffer {
     /// rows written, as TorchRL's `extend` returns its indices.
     fn extend(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
         let td = to_tensordict(batch, DictOf::Rows)?;
-        py.detach(|| self.inner.extend(&td)).map_err(to_py_err)
+        let rb = self.rb()?;
+        py.detach(|| rb.extend(&td)).map_err(to_py_err)
     }
 
     /// Writes one row (no batch dim); returns its row, or `None` when a max-value writer
     /// kept it out.
     fn add(&self, py: Python<'_>, row: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
         let td = to_tensordict(row, DictOf::Row)?;
-        py.detach(|| self.inner.add(&td)).map_err(to_py_err)
+        let rb = self.rb()?;
+        py.detach(|| rb.add(&td)).map_err(to_py_err)
     }
 
     /// Samples `batch_size` rows: a dict with the storage's keys, `index` (the rows, int64)
     /// and, for prioritized samplers, `priority_weight` (float64), as TorchRL 0.14.1 returns.
     fn sample(&self, py: Python<'_>, batch_size: usize) -> PyResult<PyTensorDict> {
-        let (td, info) = py.detach(|| self.inner.sample(batch_size)).map_err(to_py_err)?;
+        let rb = self.rb()?;
+        let (td, info) = py.detach(|| rb.sample(batch_size)).map_err(to_py_err)?;
         sample_dict(td, info, self.weighted)
     }
 
@@ -115,49 +125,53 @@ impl PyReplayBuffer {
     /// to every row.
     fn update_priority(&self, py: Python<'_>, index: &Bound<'_, PyAny>, priority: &Bound<'_, PyAny>) -> PyResult<()> {
         let (index, priority) = priority_args(index, priority)?;
-        py.detach(|| self.inner.update_priority(index, &priority)).map_err(to_py_err)
+        let rb = self.rb()?;
+        py.detach(|| rb.update_priority(index, &priority)).map_err(to_py_err)
     }
 
     /// Writes a TorchRL dump folder at `path` (TorchRL 0.14.1's `ReplayBuffer.loads` reads it).
     fn dumps(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
-        py.detach(|| self.inner.dumps(&path)).map_err(to_py_err)
+        let rb = self.rb()?;
+        py.detach(|| rb.dumps(&path)).map_err(to_py_err)
     }
 
     /// Rows `index` of the storage.
     fn __getitem__(&self, py: Python<'_>, index: Vec<usize>) -> PyResult<PyTensorDict> {
-        let inner = py.detach(|| self.inner.get(index)).map_err(to_py_err)?;
+        let rb = self.rb()?;
+        let inner = py.detach(|| rb.get(index)).map_err(to_py_err)?;
         Ok(PyTensorDict::new(inner))
     }
 
-    fn __len__(&self) -> usize {
-        self.inner.len()
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.rb()?.len())
     }
 
     /// The number of rows the buffer holds at most.
     #[getter]
-    fn capacity(&self) -> usize {
-        self.inner.capacity()
+    fn capacity(&self) -> PyResult<usize> {
+        Ok(self.rb()?.capacity())
     }
 
     /// The sampler's spec, as JSON.
     #[getter]
     fn sampler_spec(&self) -> PyResult<String> {
-        let spec = self.inner.with_sampler(|s| s.spec());
+        let spec = self.rb()?.with_sampler(|s| s.spec());
         serde_json::to_string(&spec).map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
     /// The storage, as a dict (its rows are the buffer's, `len(self)` of them valid).
-    fn storage(&self) -> Option<PyTensorDict> {
-        self.inner.storage().map(|s| PyTensorDict::new(s.tensordict().clone()))
+    fn storage(&self) -> PyResult<Option<PyTensorDict>> {
+        Ok(self.rb()?.storage().map(|s| PyTensorDict::new(s.tensordict().clone())))
     }
 
-    fn __repr__(&self) -> String {
-        format!(
+    fn __repr__(&self) -> PyResult<String> {
+        let rb = self.rb()?;
+        Ok(format!(
             "ReplayBuffer(len={}, capacity={}, sampler={})",
-            self.inner.len(),
-            self.inner.capacity(),
-            self.inner.with_sampler(|s| s.name())
-        )
+            rb.len(),
+            rb.capacity(),
+            rb.with_sampler(|s| s.name())
+        ))
     }
 }
 

@@ -2,7 +2,7 @@
 //! loads in another as views of the store's shared memory (no copy of its bytes), tied
 //! weights kept, the entry leased for as long as any of its tensors is held.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
@@ -10,15 +10,22 @@ use pyo3::prelude::*;
 use tensordict_rpc::WireError;
 use tensordict_rpc::store::{Allocation, Store, StoreOptions, Wait};
 
-use crate::client::{address, client_options, listen_options, wait_in_windows};
+use crate::client::{address, client_options, connect_in_windows, connect_timed_out, listen_options, wait_in_windows};
 use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
+use crate::owned::Owned;
 
 /// A client of a named store (`tdict store serve NAME`, or `Store.start`): by name on this
 /// node, or `"tcp:HOST:PORT"` with the store's `token`.
 #[pyclass(name = "Store", module = "tensordict_rs._native", frozen)]
 pub struct PyStore {
-    inner: Store,
+    inner: Owned<Store>,
     target: String,
+}
+
+impl PyStore {
+    fn client(&self) -> PyResult<&Store> {
+        self.inner.get("a Store")
+    }
 }
 
 #[pymethods]
@@ -34,23 +41,26 @@ impl PyStore {
     ) -> PyResult<Self> {
         let options = client_options(token.as_deref(), runtime_dir)?;
         let endpoint = address(&target)?;
-        let inner = py
-            .detach(|| match &endpoint {
-                Some(endpoint) => Store::connect_to(endpoint, &options),
-                None => Store::connect_with(&target, &options),
-            })
-            .map_err(to_py_err)?;
+        let inner = connect_in_windows(
+            py,
+            &options,
+            |options| match &endpoint {
+                Some(endpoint) => Store::connect_to(endpoint, options),
+                None => Store::connect_with(&target, options),
+            },
+            connect_timed_out,
+        )?;
         let inner = match by_value {
             Some(yes) => inner.by_value(yes),
             None => inner,
         };
-        Ok(PyStore { inner, target })
+        Ok(PyStore { inner: Owned::new(inner), target })
     }
 
     /// Whether loads copy entries over the connection (a store on another node, or asked for).
     #[getter]
-    fn by_value(&self) -> bool {
-        self.inner.is_by_value()
+    fn by_value(&self) -> PyResult<bool> {
+        Ok(self.client()?.is_by_value())
     }
 
     /// Serves a store named `name` from this process (entries in shared memory, or as folders
@@ -80,7 +90,7 @@ impl PyStore {
             options = options.listen(endpoint, token);
         }
         let inner = py.detach(|| Store::start_with(&name, options)).map_err(to_py_err)?;
-        Ok(PyStore { inner, target: name })
+        Ok(PyStore { inner: Owned::new(inner), target: name })
     }
 
     /// Saves a dict (a `state_dict()` of torch tensors, numpy arrays, a TensorDict) under
@@ -89,8 +99,9 @@ impl PyStore {
     #[pyo3(signature = (key, value, *, ttl=None))]
     fn save(&self, py: Python<'_>, key: &str, value: &Bound<'_, PyAny>, ttl: Option<f64>) -> PyResult<()> {
         let td = to_tensordict(value, DictOf::Tensors)?;
-        let ttl = ttl.map(|s| Duration::from_secs_f64(s.max(0.0)));
-        py.detach(|| self.inner.save(key, &td, ttl)).map_err(to_py_err)
+        let ttl = crate::client::ttl(ttl)?;
+        let inner = self.client()?;
+        py.detach(|| inner.save(key, &td, ttl)).map_err(to_py_err)
     }
 
     /// Loads the entry `key` as a TensorDict viewing the store's memory (no copy), leased
@@ -101,17 +112,17 @@ impl PyStore {
     fn load(&self, py: Python<'_>, key: &str, timeout: Option<f64>, writable: bool) -> PyResult<PyTensorDict> {
         let wait = match timeout {
             None => Some(Duration::ZERO),
-            Some(s) if s.is_infinite() => None,
-            Some(s) => Some(Duration::from_secs_f64(s.max(0.0))),
+            Some(s) => crate::client::seconds("timeout", s)?,
         };
+        let inner = self.client()?;
         let loaded = wait_in_windows(
             py,
             wait,
             |window| {
                 if writable {
-                    self.inner.load_writable(key, Wait::For(window))
+                    inner.load_writable(key, Wait::For(window))
                 } else {
-                    self.inner.load_private(key, Wait::For(window))
+                    inner.load_private(key, Wait::For(window))
                 }
             },
             |e| matches!(e, tensordict_rpc::Error::Remote { error: WireError::NotFound { .. }, .. }),
@@ -124,16 +135,19 @@ impl PyStore {
     /// The keys starting with `prefix`, sorted.
     #[pyo3(signature = (prefix=""))]
     fn keys(&self, py: Python<'_>, prefix: &str) -> PyResult<Vec<String>> {
-        py.detach(|| self.inner.keys(prefix)).map_err(to_py_err)
+        let inner = self.client()?;
+        py.detach(|| inner.keys(prefix)).map_err(to_py_err)
     }
 
     /// Removes `key`; whether it was there. Loads holding it keep their views.
     fn remove(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
-        py.detach(|| self.inner.remove(key)).map_err(to_py_err)
+        let inner = self.client()?;
+        py.detach(|| inner.remove(key)).map_err(to_py_err)
     }
 
     fn __contains__(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
-        py.detach(|| self.inner.contains(key)).map_err(to_py_err)
+        let inner = self.client()?;
+        py.detach(|| inner.contains(key)).map_err(to_py_err)
     }
 
     /// Space in the store shaped like `like` (its keys, dtypes and shapes; its values are not
@@ -141,8 +155,9 @@ impl PyStore {
     /// key: an entry made without a copy of its bytes.
     fn allocate(&self, py: Python<'_>, like: &Bound<'_, PyAny>) -> PyResult<PyAllocation> {
         let td = to_tensordict(like, DictOf::Tensors)?;
-        let allocation = py.detach(|| self.inner.allocate(&td)).map_err(to_py_err)?;
-        Ok(PyAllocation { inner: Mutex::new(Some(allocation)) })
+        let inner = self.client()?;
+        let allocation = py.detach(|| inner.allocate(&td)).map_err(to_py_err)?;
+        Ok(PyAllocation { inner: Owned::new(Mutex::new(Some(allocation))) })
     }
 
     fn __repr__(&self) -> String {
@@ -153,7 +168,13 @@ impl PyStore {
 /// Space allocated in a store, to be filled and sealed under a key.
 #[pyclass(name = "Allocation", module = "tensordict_rs._native", frozen)]
 pub struct PyAllocation {
-    inner: Mutex<Option<Allocation>>,
+    inner: Owned<Mutex<Option<Allocation>>>,
+}
+
+impl PyAllocation {
+    fn allocation(&self) -> PyResult<MutexGuard<'_, Option<Allocation>>> {
+        Ok(self.inner.get("an Allocation")?.lock().unwrap_or_else(PoisonError::into_inner))
+    }
 }
 
 #[pymethods]
@@ -161,7 +182,7 @@ impl PyAllocation {
     /// The allocated dict, writable: its tensors are the store's memory.
     #[getter]
     fn dict(&self) -> PyResult<PyTensorDict> {
-        let guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let guard = self.allocation()?;
         let a = guard.as_ref().ok_or_else(|| PyValueError::new_err("this allocation was sealed already"))?;
         Ok(PyTensorDict::new((**a).clone()))
     }
@@ -169,13 +190,9 @@ impl PyAllocation {
     /// Publishes what was written under `key`, without a copy.
     #[pyo3(signature = (key, *, ttl=None))]
     fn seal(&self, py: Python<'_>, key: &str, ttl: Option<f64>) -> PyResult<()> {
-        let a = self
-            .inner
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .ok_or_else(|| PyValueError::new_err("this allocation was sealed already"))?;
-        let ttl = ttl.map(|s| Duration::from_secs_f64(s.max(0.0)));
+        // Checked before the allocation is taken: a bad ttl leaves it to seal again.
+        let ttl = crate::client::ttl(ttl)?;
+        let a = self.allocation()?.take().ok_or_else(|| PyValueError::new_err("this allocation was sealed already"))?;
         py.detach(|| a.seal_with_ttl(key, ttl)).map_err(to_py_err)
     }
 }

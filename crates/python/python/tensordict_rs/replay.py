@@ -13,7 +13,6 @@ Samples are ``tensordict_rs.TensorDict``s whose tensors cross into torch and num
 """
 
 import json
-import os
 
 from tensordict_rs import _native
 
@@ -307,7 +306,6 @@ class RemoteReplayBuffer:
             target=str(target), token=token, batch_size=batch_size, runtime_dir=runtime_dir, by_value=by_value
         )
         self.batch_size = batch_size
-        self._pid = os.getpid()
         self._rb = _native.RemoteReplayBuffer(
             str(target),
             token=token,
@@ -321,12 +319,7 @@ class RemoteReplayBuffer:
         return self._rb.by_value
 
     def _client(self):
-        if os.getpid() != self._pid:
-            raise RuntimeError(
-                f"this RemoteReplayBuffer was connected in process {self._pid}, and this is a forked "
-                f"child ({os.getpid()}): its connection did not survive the fork; make a new one "
-                "here (or pickle it, which reconnects)"
-            )
+        # Made before a fork, the native client raises RuntimeError in the child.
         return self._rb
 
     def extend(self, data):

@@ -9,7 +9,6 @@ as views of the store's shared memory, without a copy of its bytes.
 A loaded entry is leased until the dict and every tensor taken from it are gone.
 """
 
-import os
 
 from tensordict_rs import _native
 
@@ -27,7 +26,6 @@ class Store:
 
     def __init__(self, target, *, token=None, runtime_dir=None, by_value=None, _inner=None):
         self._args = dict(target=str(target), token=token, runtime_dir=runtime_dir, by_value=by_value)
-        self._pid = os.getpid()
         self._store = _inner or _native.Store(
             str(target),
             token=token,
@@ -54,11 +52,7 @@ class Store:
         return cls(name, token=token, runtime_dir=runtime_dir, _inner=inner)
 
     def _client(self):
-        if os.getpid() != self._pid:
-            raise RuntimeError(
-                f"this Store was connected in process {self._pid}, and this is a forked child "
-                f"({os.getpid()}): make a new one here (or pickle it, which reconnects)"
-            )
+        # Made before a fork, the native client raises RuntimeError in the child.
         return self._store
 
     def save(self, key, value, *, ttl=None):
