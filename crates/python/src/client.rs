@@ -95,23 +95,39 @@ pub(crate) fn wait_in_windows<T: Send, E: std::error::Error + Send + 'static>(
 }
 
 /// Connects with `connect`, in windows of at most [`WAIT_WINDOW`] each (the options' connect
-/// timeout cut into pieces) so that Ctrl-C is seen while a service is not there yet; `timed_out`
-/// tells the error of a window that ran out. The error of the last window is returned.
+/// timeout cut into pieces) so that Ctrl-C is seen while a service is not there yet. `rpc`
+/// finds the rpc error in `connect`'s error: a window that ran out is tried again, and the
+/// error given back counts the time and attempts of every window, not the last one's.
 pub(crate) fn connect_in_windows<T: Send, E: std::error::Error + Send + 'static>(
     py: Python<'_>,
     options: &ClientOptions,
     connect: impl Fn(&ClientOptions) -> Result<T, E> + Send + Sync,
-    timed_out: impl Fn(&E) -> bool,
+    rpc: impl Fn(&mut E) -> Option<&mut tensordict_rpc::Error> + Send + Sync,
 ) -> PyResult<T> {
+    let start = std::time::Instant::now();
+    let mut tried = 0u32;
+    // Whether the last window ran out (set by the attempt, read by the retry rule).
+    let ran_out = std::sync::atomic::AtomicBool::new(false);
     wait_in_windows(
         py,
         Some(options.connect_timeout),
-        |window| connect(&options.clone().connect_timeout(window)),
-        timed_out,
+        |window| {
+            connect(&options.clone().connect_timeout(window)).map_err(|mut e| {
+                let timeout = rpc(&mut e);
+                ran_out.store(timeout.is_some(), std::sync::atomic::Ordering::Relaxed);
+                if let Some(tensordict_rpc::Error::ConnectTimeout { waited, attempts, .. }) = timeout {
+                    tried = tried.saturating_add(*attempts);
+                    *attempts = tried;
+                    *waited = start.elapsed();
+                }
+                e
+            })
+        },
+        |_| ran_out.load(std::sync::atomic::Ordering::Relaxed),
     )
 }
 
-/// Whether an rpc error is a connection attempt that ran out of time.
-pub(crate) fn connect_timed_out(e: &tensordict_rpc::Error) -> bool {
-    matches!(e, tensordict_rpc::Error::ConnectTimeout { .. })
+/// The connect timeout an rpc error is, if it is one.
+pub(crate) fn connect_timeout(e: &mut tensordict_rpc::Error) -> Option<&mut tensordict_rpc::Error> {
+    matches!(e, tensordict_rpc::Error::ConnectTimeout { .. }).then_some(e)
 }

@@ -104,11 +104,57 @@ fn index(obj: &Bound<'_, PyAny>) -> PyResult<Index> {
         if let Ok(v) = l.extract::<Vec<i64>>() {
             return Ok(Index::List(v));
         }
+        // An array of more dims (`td[np.array([[0], [1]])]`), as nested lists.
+        if let Some((values, shape)) = rectangular(l) {
+            if !values.is_empty() && values.iter().all(|x| x.is_instance_of::<pyo3::types::PyBool>()) {
+                let mask = values.iter().map(|x| x.extract::<bool>()).collect::<PyResult<_>>()?;
+                return Ok(Index::MaskNd { mask, shape });
+            }
+            if let Ok(indices) = values.iter().map(|x| x.extract::<i64>()).collect::<PyResult<Vec<i64>>>() {
+                return Ok(Index::ListNd { indices, shape });
+            }
+        }
     }
     Err(PyIndexError::new_err(format!(
-        "{} is not an index: use an int, a slice, ..., None, a list or array of ints or bools, or a tuple of those",
-        obj.repr()?
+        "{} is not an index: use an int, a slice, ..., None, a (nested) list or array of ints or bools, or a \
+         tuple of those",
+        short_repr(obj)?
     )))
+}
+
+/// `repr(obj)`, cut after 200 chars: a list given as an index may hold millions of items.
+fn short_repr(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    const MAX: usize = 200;
+    let repr = obj.repr()?.to_string();
+    Ok(match repr.char_indices().nth(MAX) {
+        Some((cut, _)) => format!("{}...", &repr[..cut]),
+        None => repr,
+    })
+}
+
+/// The most dims an index array may have (torch's tensors have at most 64).
+const MAX_INDEX_DIMS: usize = 64;
+
+/// A nested list whose lists at each level all have one length: its items in C order and
+/// its shape; `None` if it is ragged or has more than [`MAX_INDEX_DIMS`] dims.
+fn rectangular<'py>(list: &Bound<'py, PyList>) -> Option<(Vec<Bound<'py, PyAny>>, Vec<usize>)> {
+    let mut shape = Vec::new();
+    let mut level = vec![list.clone().into_any()];
+    loop {
+        let lists: Vec<Bound<'py, PyList>> = level.iter().filter_map(|x| x.cast::<PyList>().ok().cloned()).collect();
+        if lists.is_empty() {
+            return Some((level, shape));
+        }
+        let len = lists[0].len();
+        if lists.len() != level.len() || lists.iter().any(|l| l.len() != len) || shape.len() == MAX_INDEX_DIMS {
+            return None;
+        }
+        shape.push(len);
+        level = lists.iter().flat_map(|l| l.iter()).collect();
+        if level.is_empty() {
+            return Some((level, shape));
+        }
+    }
 }
 
 /// A JSON value (a non-tensor entry) as a Python value.

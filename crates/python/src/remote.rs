@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use tensordict_replay::SamplerSpec;
 use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
 
-use crate::client::{address, client_options, connect_in_windows, connect_timed_out, listen_options, wait_in_windows};
+use crate::client::{address, client_options, connect_in_windows, connect_timeout, listen_options, wait_in_windows};
 use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
 use crate::owned::Owned;
 use crate::replay::{priority_args, sample_dict};
@@ -49,7 +49,10 @@ impl PyRemoteBuffer {
                 Some(endpoint) => RemoteBuffer::connect_to(endpoint, options),
                 None => RemoteBuffer::connect_with(&target, options),
             },
-            |e| matches!(e, tensordict_replay::Error::Remote(e) if connect_timed_out(e)),
+            |e| match e {
+                tensordict_replay::Error::Remote(e) => connect_timeout(e),
+                _ => None,
+            },
         )?;
         let inner = match by_value {
             Some(yes) => inner.by_value(yes),

@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use tensordict_rpc::WireError;
 use tensordict_rpc::store::{Allocation, Store, StoreOptions, Wait};
 
-use crate::client::{address, client_options, connect_in_windows, connect_timed_out, listen_options, wait_in_windows};
+use crate::client::{address, client_options, connect_in_windows, connect_timeout, listen_options, wait_in_windows};
 use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
 use crate::owned::Owned;
 
@@ -48,7 +48,7 @@ impl PyStore {
                 Some(endpoint) => Store::connect_to(endpoint, options),
                 None => Store::connect_with(&target, options),
             },
-            connect_timed_out,
+            connect_timeout,
         )?;
         let inner = match by_value {
             Some(yes) => inner.by_value(yes),

@@ -96,10 +96,14 @@ impl fmt::Display for Index {
                 }
                 Ok(())
             }
+            Index::List(v) if v.len() > SHOWN => write!(f, "[{}, ...] ({} positions)", first(v), v.len()),
             Index::List(v) => write!(f, "{v:?}"),
             Index::Mask(m) => write!(f, "mask(len={}, true={})", m.len(), m.iter().filter(|&&b| b).count()),
             Index::MaskNd { mask, shape } => {
                 write!(f, "mask(shape={shape:?}, true={})", mask.iter().filter(|&&b| b).count())
+            }
+            Index::ListNd { indices, shape } if indices.len() > SHOWN => {
+                write!(f, "positions of shape {shape:?}: [{}, ...]", first(indices))
             }
             Index::ListNd { indices, shape } => f.write_str(&nested_list(indices, shape)),
             Index::Ellipsis => f.write_str("..."),
@@ -110,6 +114,15 @@ impl fmt::Display for Index {
             }
         }
     }
+}
+
+/// Lists of positions longer than this print their first few (an index is printed in every
+/// error about it, and may hold millions).
+const SHOWN: usize = 16;
+
+/// The first positions of a long list, as `0, 4, 1`.
+fn first(values: &[i64]) -> String {
+    values.iter().take(SHOWN / 2).map(ToString::to_string).collect::<Vec<_>>().join(", ")
 }
 
 /// `values` of shape `shape` as nested Python lists (`[[0], [1]]`); the values alone if the
@@ -359,7 +372,9 @@ impl Plan {
                 if r.shape == broadcast { Some(r.positions) } else { broadcast_to(&r.positions, &r.shape, &broadcast) }
             })
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| invalid(format!("the broadcast index shape {broadcast:?} is too large")))?;
+            .ok_or_else(|| {
+                invalid(format!("the broadcast index shape {broadcast:?} is too large: more positions than this machine's memory holds"))
+            })?;
         let view_dims: Vec<usize> = view_positions(&steps);
         let adjacent = view_dims.windows(2).all(|w| w[1] == w[0] + 1);
         Ok(Plan { steps, broadcast, advanced, adjacent })
@@ -641,6 +656,9 @@ fn broadcast_shapes<'a>(shapes: impl Iterator<Item = &'a [usize]>) -> Option<Vec
 /// cannot be allocated.
 fn broadcast_to(values: &[i64], shape: &[usize], target: &[usize]) -> Option<Vec<i64>> {
     let count = target.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+    // Arrays broadcast against each other make as many positions as the product of their
+    // dims: checked against the machine's memory before they are made.
+    memmap_tensor::check_len("a broadcast index", count, size_of::<i64>()).ok()?;
     let mut out = Vec::new();
     out.try_reserve_exact(count).ok()?;
     // Strides of `shape` aligned at the end of `target`; 0 along broadcast dims.
