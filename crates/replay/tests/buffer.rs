@@ -236,6 +236,28 @@ fn bad_batches_are_refused_and_change_nothing() -> R {
     Ok(())
 }
 
+/// Sizes that come from a caller are checked against the machine's memory before anything is
+/// allocated: a capacity or a batch no machine could hold is an error, not an abort.
+#[test]
+fn capacities_and_batches_past_the_machines_memory_are_errors() -> R {
+    for capacity in [1usize << 40, 1 << 62, usize::MAX] {
+        let refused = ReplayBuffer::uniform(StorageConfig::heap(capacity)).unwrap_err();
+        assert!(matches!(refused, Error::CapacityTooLarge { .. }), "{refused}");
+        let spec = tensordict_replay::SamplerSpec::Prioritized(tensordict_replay::PrioritizedSpec::new(0.6, 0.4, 1e-8));
+        let refused = spec.build(capacity, None).unwrap_err();
+        assert!(matches!(refused, Error::CapacityTooLarge { .. }), "{refused}");
+    }
+    let buffer = ReplayBuffer::uniform(StorageConfig::heap(8))?;
+    buffer.extend(&rows(&[0, 1, 2], |_| 0.0)?)?;
+    for batch in [1usize << 40, usize::MAX] {
+        let refused = buffer.sample(batch).unwrap_err();
+        assert!(matches!(refused, Error::BatchTooLarge { batch_size, .. } if batch_size == batch), "{refused}");
+        assert!(refused.to_string().contains("more than this machine's memory"), "{refused}");
+    }
+    assert_eq!(buffer.sample(3)?.0.batch_size(), &[3]);
+    Ok(())
+}
+
 #[test]
 fn sample_into_fills_a_caller_owned_batch() -> R {
     let buffer = ReplayBuffer::uniform(StorageConfig::memmap(16))?;

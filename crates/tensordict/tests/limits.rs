@@ -89,3 +89,24 @@ proptest! {
         }
     }
 }
+
+/// No dict is made deeper than [`MAX_DEPTH`]: not by a long key, not by setting a deep dict
+/// under a key, and a refused set changes nothing. The deepest dict allowed prints.
+#[test]
+fn dicts_nest_at_most_max_depth_levels_in_memory() {
+    let deepest = chain(MAX_DEPTH, 0, &[]).expect("a dict MAX_DEPTH deep builds");
+    assert_eq!(deepest.depth(), MAX_DEPTH);
+    assert!(deepest.to_string().contains("v: int"));
+    let err = chain(MAX_DEPTH + 1, 0, &[]).unwrap_err();
+    assert!(
+        matches!(err.downcast_ref::<tensordict::Error>(), Some(tensordict::Error::TooDeep { depth, .. }) if *depth == MAX_DEPTH + 1),
+        "{err}"
+    );
+    let mut top = TensorDict::new([]);
+    let err = top.set("under", deepest.clone()).unwrap_err();
+    assert!(matches!(err, tensordict::Error::TooDeep { depth, .. } if depth == MAX_DEPTH + 1), "{err}");
+    assert!(top.is_empty(), "a refused set changes nothing");
+    top.set(KeyPath::new(std::iter::repeat_n("n", MAX_DEPTH)), TensorDict::new([])).expect("at the limit");
+    assert_eq!(top.depth(), MAX_DEPTH);
+    assert!(err.to_string().contains(&format!("at most {MAX_DEPTH}")), "{err}");
+}
