@@ -93,7 +93,10 @@ fn index(obj: &Bound<'_, PyAny>) -> PyResult<Index> {
         return Ok(Index::slice(part("start")?, part("stop")?, step));
     }
     if let Ok(t) = obj.cast::<PyTuple>() {
-        return Ok(Index::Tuple(t.iter().map(|p| index(&p)).collect::<PyResult<_>>()?));
+        // A tuple's items are indices of their own, never tuples: torch reads a tuple in a
+        // tuple as a list, and a nesting without end must not exhaust the stack.
+        let items = t.iter().map(|p| if p.is_instance_of::<PyTuple>() { index_item(&p) } else { index(&p) });
+        return Ok(Index::Tuple(items.collect::<PyResult<_>>()?));
     }
     // Arrays and tensors: as (nested) lists.
     let list = if obj.hasattr("tolist")? { obj.call_method0("tolist")? } else { obj.clone() };
@@ -130,6 +133,12 @@ fn short_repr(obj: &Bound<'_, PyAny>) -> PyResult<String> {
         Some((cut, _)) => format!("{}...", &repr[..cut]),
         None => repr,
     })
+}
+
+/// A tuple inside an index tuple: a list of positions (`td[(0, 1), :]` is `td[[0, 1], :]`).
+fn index_item(item: &Bound<'_, PyAny>) -> PyResult<Index> {
+    let list = PyList::new(item.py(), item.cast::<PyTuple>()?.iter())?;
+    index(list.as_any())
 }
 
 /// The most dims an index array may have (torch's tensors have at most 64).
@@ -184,6 +193,11 @@ impl PyTensorDict {
     #[new]
     #[pyo3(signature = (source, batch_size))]
     fn py_new(source: &Bound<'_, PyDict>, batch_size: Vec<usize>) -> PyResult<Self> {
+        if let Some(&dim) = batch_size.iter().find(|&&d| i64::try_from(d).is_err()) {
+            return Err(pyo3::exceptions::PyOverflowError::new_err(format!(
+                "a batch dim of {dim} is past the largest size a tensor has (2^63 - 1)"
+            )));
+        }
         let mut td = TensorDict::new(batch_size);
         fill(&mut td, &KeyPath::default(), source, Some(&mut dlpack::ImportCache::new()))?;
         Ok(PyTensorDict::new(td))
@@ -541,7 +555,10 @@ fn fill(
     source: &Bound<'_, PyDict>,
     mut cache: Option<&mut dlpack::ImportCache>,
 ) -> PyResult<()> {
-    for (k, v) in source.iter() {
+    // A snapshot of the items: reading a leaf runs Python code (`__dlpack__`), which may
+    // change the dict.
+    for item in source.items().iter() {
+        let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
         let name: String = k.extract().map_err(|_| PyTypeError::new_err("keys must be strings"))?;
         let path = prefix.join(&name);
         if let Ok(d) = v.cast::<PyDict>() {

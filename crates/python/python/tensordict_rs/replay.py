@@ -282,10 +282,17 @@ def _ints(x):
     if hasattr(x, "__dlpack__") and not isinstance(x, list):
         import numpy as np
 
-        return [int(i) for i in np.from_dlpack(x).reshape(-1)]
-    if hasattr(x, "tolist"):
+        x = np.from_dlpack(x).reshape(-1).tolist()
+    elif hasattr(x, "tolist"):
         x = x.tolist()
-    return [int(i) for i in x] if isinstance(x, (list, tuple)) else [int(x)]
+    return [_int(i) for i in x] if isinstance(x, (list, tuple)) else [_int(x)]
+
+
+def _int(i):
+    """A row number: an int (not a float, which ``int()`` would truncate), as torch requires."""
+    if isinstance(i, bool) or not hasattr(i, "__index__"):
+        raise IndexError(f"{i!r} is not a row number: rows are given as ints")
+    return i.__index__()
 
 
 

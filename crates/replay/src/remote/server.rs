@@ -725,6 +725,13 @@ fn check_room(like: &tensordict::TensorDict, capacity: usize, in_memory: bool) -
         return Err(invalid(format!("the schema's batch size {:?} has no rows", like.batch_size())));
     }
     let row_bytes: u128 = like.leaves().iter().map(|(_, t)| (t.nbytes() / rows) as u128).sum();
+    if row_bytes == 0 {
+        // A storage of empty rows has no file or shared memory for clients to map.
+        return Err(invalid(format!(
+            "the schema's rows hold no bytes (every leaf is empty: {:?}): a service stores rows of at least one byte",
+            like.leaves().iter().map(|(k, t)| format!("{k}: {:?}", t.dims())).collect::<Vec<_>>()
+        )));
+    }
     let need = row_bytes.saturating_mul(capacity as u128);
     if in_memory
         && let Some((room, resource)) = named::shm_room()
