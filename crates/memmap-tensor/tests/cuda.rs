@@ -2,12 +2,12 @@
 //! `cuda` feature) the GPU operations must be clear errors, never panics; with one, every move
 //! and gather is checked byte for byte against the host.
 //!
-//! GPU tests print one `skipped: no CUDA driver (why)` line per run where there is none. Run
-//! them on a GPU machine with `cargo test -p memmap-tensor --features cuda --test cuda`
-//! (README, "GPU").
+//! The GPU tests are `#[ignore]`d, so that where there is no driver the harness reports them as
+//! not run rather than passed. Run them on a GPU machine with `cargo test -p memmap-tensor
+//! --features cuda --test cuda -- --include-ignored` (or `tools/cuda/gpu-check.sh`; README, "GPU").
 
 use std::process::Command;
-use std::sync::{Arc, Once};
+use std::sync::Arc;
 
 use memmap_tensor::{
     Access, DType, Device, Error, GatherVia, Location, ManagedAdvice, Result, StorageKind, Tensor, ToOptions,
@@ -15,15 +15,13 @@ use memmap_tensor::{
 };
 use rand::{Rng, SeedableRng};
 
-/// The GPU to test on, or `None` (saying so once per run) where CUDA is unavailable.
-fn gpu() -> Option<Device> {
-    static SAID: Once = Once::new();
+/// The GPU the GPU tests run on. They are `#[ignore]`d, so that a machine without a driver
+/// reports them as not run (`--include-ignored` runs them on a GPU machine); run there without
+/// a driver, they fail saying why.
+fn gpu() -> Device {
     match Device::cuda_available() {
-        Ok(_) => Some(Device::Cuda(0)),
-        Err(why) => {
-            SAID.call_once(|| eprintln!("skipped: no CUDA driver ({why})"));
-            None
-        }
+        Ok(_) => Device::Cuda(0),
+        Err(why) => panic!("this GPU test needs a CUDA driver: {why}"),
     }
 }
 
@@ -135,8 +133,9 @@ fn without_a_driver_every_gpu_operation_says_why() -> Result<()> {
 // === On a GPU ===
 
 #[test]
+#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
 fn every_dtype_goes_to_the_gpu_and_back_byte_for_byte() -> Result<()> {
-    let Some(gpu) = gpu() else { return Ok(()) };
+    let gpu = gpu();
     let dir = tempfile::tempdir().unwrap();
     for (i, dtype) in DType::ALL.into_iter().enumerate() {
         let host = pattern(dtype, &[33, 5], i as u64)?;
@@ -162,8 +161,9 @@ fn every_dtype_goes_to_the_gpu_and_back_byte_for_byte() -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
 fn views_empty_tensors_and_every_destination() -> Result<()> {
-    let Some(gpu) = gpu() else { return Ok(()) };
+    let gpu = gpu();
     let dir = tempfile::tempdir().unwrap();
     let host = pattern(DType::F64, &[9, 8], 7)?;
     let view = host.slice(0, 1, 9, 3)?.permute(&[1, 0])?;
@@ -195,8 +195,9 @@ fn views_empty_tensors_and_every_destination() -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
 fn a_registered_mapping_is_copied_in_one_go_and_non_blocking_waits() -> Result<()> {
-    let Some(gpu) = gpu() else { return Ok(()) };
+    let gpu = gpu();
     let dir = tempfile::tempdir().unwrap();
     let host = pattern(DType::U8, &[4096, 697], 8)?;
     let file = host.copy_to(&Location::File(dir.path().join("rows")), &ToOptions::new())?.wait()?;
@@ -213,8 +214,9 @@ fn a_registered_mapping_is_copied_in_one_go_and_non_blocking_waits() -> Result<(
 }
 
 #[test]
+#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
 fn gathers_into_gpu_memory_match_host_gathers() -> Result<()> {
-    let Some(gpu) = gpu() else { return Ok(()) };
+    let gpu = gpu();
     let dir = tempfile::tempdir().unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(9);
     // Row sizes that take each of the kernel's word sizes, from files and the heap.
@@ -261,8 +263,9 @@ fn gathers_into_gpu_memory_match_host_gathers() -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
 fn managed_tensors_move_without_copying_and_copy_when_asked() -> Result<()> {
-    let Some(gpu) = gpu() else { return Ok(()) };
+    let gpu = gpu();
     let mut t = Tensor::zeros([256, 16], DType::F32, &Location::Managed(gpu))?;
     assert_eq!((t.device(), t.storage().kind()), (gpu, StorageKind::Managed));
     // On the GPU the host may not touch it; moved to the host, it may.
@@ -306,8 +309,9 @@ fn managed_tensors_move_without_copying_and_copy_when_asked() -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
 fn out_of_memory_and_missing_devices_are_errors() -> Result<()> {
-    let Some(gpu) = gpu() else { return Ok(()) };
+    let gpu = gpu();
     let info = memmap_tensor::cuda::memory_info(gpu)?;
     let too_much = info.total + (1 << 30);
     for location in [Location::Cuda(0), Location::Managed(gpu)] {
@@ -328,8 +332,9 @@ fn out_of_memory_and_missing_devices_are_errors() -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
 fn concurrent_moves_and_gathers_from_many_threads() -> Result<()> {
-    let Some(gpu) = gpu() else { return Ok(()) };
+    let gpu = gpu();
     let host = Arc::new(pattern(DType::U8, &[2000, 697], 13)?);
     std::thread::scope(|s| {
         let workers: Vec<_> = (0..8u64)
@@ -355,6 +360,7 @@ fn concurrent_moves_and_gathers_from_many_threads() -> Result<()> {
 /// A process killed while it holds registered, pinned, managed and device memory leaves
 /// nothing that stops the next one.
 #[test]
+#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
 fn a_process_killed_holding_gpu_memory_does_not_stop_the_next() -> Result<()> {
     if std::env::var_os("TDICT_CUDA_CHILD").is_some() {
         let gpu = Device::Cuda(0);
@@ -368,11 +374,16 @@ fn a_process_killed_holding_gpu_memory_does_not_stop_the_next() -> Result<()> {
         std::thread::sleep(std::time::Duration::from_secs(600));
         return Ok(());
     }
-    let Some(gpu) = gpu() else { return Ok(()) };
+    let gpu = gpu();
     let dir = tempfile::tempdir().unwrap();
     for _ in 0..2 {
         let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "a_process_killed_holding_gpu_memory_does_not_stop_the_next", "--nocapture"])
+            .args([
+                "--exact",
+                "a_process_killed_holding_gpu_memory_does_not_stop_the_next",
+                "--include-ignored",
+                "--nocapture",
+            ])
             .env("TDICT_CUDA_CHILD", dir.path())
             .stdout(std::process::Stdio::piped())
             .spawn()

@@ -1,8 +1,6 @@
 //! Dicts on devices: `to`, `gather_to`, and writing a GPU dict to a folder. The host side runs
-//! everywhere; the GPU tests print one `skipped: no CUDA driver (why)` line where there is none
-//! (run them with `--features cuda` on a GPU machine).
-
-use std::sync::Once;
+//! everywhere; the GPU tests are `#[ignore]`d (run them with `--features cuda -- --include-ignored`
+//! on a GPU machine).
 
 use memmap_tensor::{Access, DType, Device, Location, Tensor, TransferPath};
 use serde_json::json;
@@ -10,14 +8,13 @@ use tensordict::{Entry, TensorDict};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
-fn gpu() -> Option<Device> {
-    static SAID: Once = Once::new();
+/// The GPU the GPU tests run on. They are `#[ignore]`d, so that a machine without a driver
+/// reports them as not run (`--include-ignored` runs them on a GPU machine); run there without
+/// a driver, they fail saying why.
+fn gpu() -> Device {
     match Device::cuda_available() {
-        Ok(_) => Some(Device::Cuda(0)),
-        Err(why) => {
-            SAID.call_once(|| eprintln!("skipped: no CUDA driver ({why})"));
-            None
-        }
+        Ok(_) => Device::Cuda(0),
+        Err(why) => panic!("this GPU test needs a CUDA driver: {why}"),
     }
 }
 
@@ -93,8 +90,9 @@ fn without_a_driver_a_dict_move_says_why() -> TestResult {
 }
 
 #[test]
+#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
 fn a_dict_goes_to_the_gpu_and_back_and_to_a_folder() -> TestResult {
-    let Some(gpu) = gpu() else { return Ok(()) };
+    let gpu = gpu();
     let dir = tempfile::tempdir()?;
     let host = sample(300)?;
     let on_gpu = host.to(gpu)?;
@@ -110,8 +108,9 @@ fn a_dict_goes_to_the_gpu_and_back_and_to_a_folder() -> TestResult {
 }
 
 #[test]
+#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
 fn samples_from_a_folder_land_in_gpu_memory_in_one_launch() -> TestResult {
-    let Some(gpu) = gpu() else { return Ok(()) };
+    let gpu = gpu();
     let dir = tempfile::tempdir()?;
     let folder = sample(5000)?.memmap(dir.path().join("buffer"))?;
     let reader = TensorDict::load_memmap(dir.path().join("buffer"), Access::ReadOnly)?;
