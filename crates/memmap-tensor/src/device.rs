@@ -1,12 +1,19 @@
 //! [`Device`]: where a tensor's bytes are computed on, the axis beside where they are stored.
+//!
+//! A `Device` is where a tensor is: a name and an ordinal, `Copy`, compared and printed, with
+//! nothing open behind it. It is not the driver's handle of a GPU: that is the context and the
+//! streams (with the pools that belong to them), which the driver opens on first use of an
+//! ordinal and keeps to itself (`cuda/driver/context.rs`); nothing above the driver holds one.
 
 use std::fmt;
 use std::str::FromStr;
 
-use crate::{Error, Result, cuda};
+use crate::cuda::{Backend, Floor};
+use crate::{Error, Result};
 
 /// The device a tensor is on: the host, or a CUDA GPU by ordinal. Spelt as torch spells it
-/// (`"cpu"`, `"cuda:1"`; `"cuda"` is `cuda:0`).
+/// (`"cpu"`, `"cuda:1"`; `"cuda"` is `cuda:0`). Where a tensor is, not a handle to the GPU:
+/// the driver's per-GPU handle is its context and streams.
 ///
 /// Host bytes (heap, mapped files, shared memory, pinned memory) are on [`Device::Cpu`]. Device
 /// memory is on its GPU. Managed (unified) memory is reachable from both, and a tensor over it
@@ -39,7 +46,7 @@ impl Device {
     /// `cuda` feature, no driver library (`libcuda.so.1`) found, a driver older than this crate
     /// needs, or no device. Never panics; loads the driver on first call.
     pub fn cuda_available() -> Result<usize> {
-        cuda::device_count()
+        Floor::device_count()
     }
 
     /// Whether this is the host.
@@ -67,7 +74,7 @@ impl Device {
         match self {
             Device::Cpu => Ok(()),
             Device::Cuda(ordinal) => {
-                let count = cuda::device_count()?;
+                let count = Floor::device_count()?;
                 if ordinal < count { Ok(()) } else { Err(Error::NoSuchDevice { ordinal, count }) }
             }
         }

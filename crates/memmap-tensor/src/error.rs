@@ -360,6 +360,17 @@ pub enum Error {
         /// Bytes free when asked, as the driver reports them.
         free: usize,
     },
+    /// A request past a fixed limit of the driver or of one kernel launch (the rows or leaves
+    /// of one gather): nothing is wrong with CUDA, the request is too big for one call.
+    #[error("{count} {what} is more than the limit of {limit}")]
+    OverLimit {
+        /// What was counted (`rows in one gather launch`, `leaves in one gather launch`).
+        what: &'static str,
+        /// How many were asked for.
+        count: u64,
+        /// The most the call takes.
+        limit: u64,
+    },
     /// A managed-memory operation (prefetch, advice) on a tensor that is not in managed memory.
     #[error("{op}: the tensor is not in managed memory (it is in {storage})")]
     NotManaged {

@@ -366,7 +366,7 @@ fn copy_bytes(src: &Tensor, dst: &mut Tensor) -> Result<()> {
     if src.device().is_cpu() && dst.device().is_cpu() {
         dst.copy_from(src)
     } else {
-        crate::cuda::copy_into(src, dst)?.wait()
+        crate::moves::copy_into(src, dst)?.wait()
     }
 }
 

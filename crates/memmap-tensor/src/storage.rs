@@ -23,7 +23,7 @@
 //! Device memory is the one region the host cannot address: its storage has no host pointer
 //! (`base_ptr` is a dangling placeholder), and [`Storage::read`] and [`Storage::write`], the
 //! only ways to the lock under which bytes are touched, refuse it. Its bytes are reached
-//! through the driver only (`cuda/driver.rs` has that module's own argument).
+//! through the driver only (`cuda/driver/mod.rs` has that module's own argument).
 //!
 //! What the crate cannot control is other programs: another process may write a shared file or
 //! shm object at any time (that is the point of sharing), and readers may then see a row half
@@ -44,7 +44,8 @@ use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::{Device, Error, Result, cuda};
+use crate::cuda::{self, Backend, DriverMemory, Floor};
+use crate::{Device, Error, Result};
 
 /// Alignment of heap storage, in bytes: enough for any dtype and for SIMD loads.
 pub const HEAP_ALIGN: usize = 64;
@@ -411,7 +412,7 @@ impl Storage {
 
     /// The device whose memory this is: the host for everything but device and managed memory.
     pub fn device(&self) -> Device {
-        self.memory().map_or(Device::Cpu, cuda::Memory::device)
+        self.memory().map_or(Device::Cpu, DriverMemory::device)
     }
 
     /// Zeroes the whole region through the host (pinned and managed memory, when new).
@@ -433,7 +434,7 @@ impl Storage {
         if self.memory().is_some() || self.registered.get().is_some() || self.len == 0 {
             return Ok(());
         }
-        match cuda::register(self) {
+        match Floor::register(self) {
             Ok(registration) => {
                 // Another thread may have registered meanwhile (the driver refuses a second
                 // registration of a range, so this is rare): the first one stays.

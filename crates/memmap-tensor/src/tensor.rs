@@ -11,7 +11,7 @@ use ndarray::{ArrayBase, ArrayViewD, ArrayViewMutD, Data, Dimension, IxDyn, Shap
 use parking_lot::{RwLockReadGuard, RwLockWriteGuard};
 
 use crate::copy::{Strided, copy_strided};
-use crate::cuda::{self, ToOptions};
+use crate::cuda::{Backend, Floor, ToOptions};
 use crate::{Access, Advice, DType, Device, Element, Error, Layout, Result, Shape, Storage, StorageKind};
 
 /// Where a new tensor's bytes are allocated.
@@ -120,7 +120,7 @@ impl Tensor {
             Location::Heap => (Storage::heap_for_overwrite(len)?, Device::Cpu),
             Location::File(path) => (Storage::create_file(path, len)?, Device::Cpu),
             Location::Shm(name) => (Storage::create_shm(name, len)?, Device::Cpu),
-            Location::Pinned | Location::Managed(_) | Location::Cuda(_) => cuda::alloc_storage(location, len, zeroed)?,
+            Location::Pinned | Location::Managed(_) | Location::Cuda(_) => Floor::alloc(location, len, zeroed)?,
         };
         Ok(Self::from_storage(Arc::new(storage), 0, dtype, layout)?.with_device(device))
     }

@@ -19,23 +19,58 @@
 //! | managed memory, to another device | no copy: the tensor's device changes and the pages are prefetched ([`TransferPath::Moved`]) |
 //! | GPU → GPU | one device copy ([`TransferPath::Device`]) |
 //!
-//! Every copy runs on a stream of the GPU's own pool. A [`Transfer`] holds what the copy reads
-//! and writes until it is complete; [`Tensor::to`] waits for it, [`Tensor::to_with`] with
-//! `non_blocking` hands it back to wait on.
+//! GPU → host takes the same paths the other way (registered, pieces, staged). Every copy runs
+//! on a stream of the GPU's own pool. A [`Transfer`] holds what the copy reads and writes until
+//! it is complete; [`Tensor::to`] waits for it, [`Tensor::to_with`] with `non_blocking` hands it
+//! back to wait on.
+//!
+//! # Layers
+//!
+//! - This module: the public types and the table above.
+//! - `moves.rs` (above the floor): the planner. It sees tensors, and chooses the path once —
+//!   `Tensor::to_with` and `copy_to` between unchanged, moved and copied, and one match over
+//!   (source side, destination side) for a copy's path, as candle's `to_device` matches once
+//!   over (storage, device); the gathers choose kernel or host per leaf.
+//! - `backend.rs` (the floor): `Backend`, what a driver does in storages, byte spans, streams
+//!   and events. It never names a tensor.
+//! - `driver/` (feature `cuda`) and `off.rs` (without it) implement `Backend`: a function one of
+//!   them lacks is a compile error in its build, not a parity kept by hand.
 
-use std::any::Any;
+use crate::Result;
+#[cfg(doc)]
+use crate::Tensor;
 
-use crate::{Result, Tensor};
+mod backend;
+pub(crate) use backend::{Backend, Completion, DriverMemory, Keep, Leaf, Span};
 
 #[cfg(feature = "cuda")]
 mod driver;
+/// The floor of this build: the driver.
 #[cfg(feature = "cuda")]
-pub(crate) use driver::*;
+pub(crate) type Floor = driver::Driver;
 
 #[cfg(not(feature = "cuda"))]
 mod off;
+/// The floor of this build: no driver.
 #[cfg(not(feature = "cuda"))]
-pub(crate) use off::*;
+pub(crate) type Floor = off::Off;
+
+/// Driver memory under a storage (`Backing::Gpu`).
+pub(crate) type Memory = <Floor as Backend>::Memory;
+/// A host range registered with the driver.
+pub(crate) type Registration = <Floor as Backend>::Registration;
+/// Completion of queued GPU work.
+pub(crate) type Event = <Floor as Backend>::Event;
+
+/// The rows one gather launch takes (the kernel's grid counts them in 32 bits), or
+/// [`crate::Error::OverLimit`].
+pub(crate) fn launch_rows(rows: usize) -> Result<u32> {
+    u32::try_from(rows).map_err(|_| crate::Error::OverLimit {
+        what: "rows in one gather launch",
+        count: rows as u64,
+        limit: u64::from(u32::MAX),
+    })
+}
 
 /// The size of the pieces a one-shot move registers and copies in turn: registering 4 GiB costs
 /// more than copying it (about 120 ms against 80 on an H100), so the registering of one piece
@@ -171,13 +206,13 @@ pub struct MemoryInfo {
 
 /// The free and total memory of a GPU, and what this process's managed-block cache holds.
 pub fn memory_info(device: crate::Device) -> Result<MemoryInfo> {
-    driver_memory_info(device)
+    Floor::memory_info(device)
 }
 
 /// Frees the managed blocks this process keeps for reuse on `device` (the caching allocator's
 /// `empty_cache`). Allocation does it by itself before refusing for lack of memory.
 pub fn empty_cache(device: crate::Device) -> Result<()> {
-    driver_empty_cache(device)
+    Floor::empty_cache(device)
 }
 
 /// A copy (or a set of copies) that may still be running on a GPU, and its result.
@@ -190,7 +225,7 @@ pub fn empty_cache(device: crate::Device) -> Result<()> {
 pub struct Transfer<T> {
     value: Option<T>,
     pending: Vec<Event>,
-    keep: Vec<Box<dyn Any + Send + Sync>>,
+    keep: Keep,
     paths: Vec<TransferPath>,
 }
 
@@ -201,24 +236,12 @@ impl<T> Transfer<T> {
     }
 
     /// A transfer whose result is ready once `pending` completes, holding `keep` until then.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "only the driver queues work"))]
-    pub(crate) fn pending(
-        value: T,
-        path: TransferPath,
-        pending: Vec<Event>,
-        keep: Vec<Box<dyn Any + Send + Sync>>,
-    ) -> Self {
+    pub(crate) fn pending(value: T, path: TransferPath, pending: Vec<Event>, keep: Keep) -> Self {
         Transfer::pending_paths(value, vec![path], pending, keep)
     }
 
     /// [`Transfer::pending`], the bytes having gone more than one way.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "only the driver queues work"))]
-    pub(crate) fn pending_paths(
-        value: T,
-        paths: Vec<TransferPath>,
-        pending: Vec<Event>,
-        keep: Vec<Box<dyn Any + Send + Sync>>,
-    ) -> Self {
+    pub(crate) fn pending_paths(value: T, paths: Vec<TransferPath>, pending: Vec<Event>, keep: Keep) -> Self {
         Transfer { value: Some(value), pending, keep, paths }
     }
 
@@ -328,13 +351,4 @@ impl<T> std::fmt::Debug for Transfer<T> {
             .field("paths", &self.paths)
             .finish_non_exhaustive()
     }
-}
-
-/// A move within the host: the same tensor, or a copy where one is asked for.
-pub(crate) fn host_to_host(t: &Tensor, options: &ToOptions) -> Result<Transfer<Tensor>> {
-    if options.copy || options.pinned {
-        let location = if options.pinned { crate::Location::Pinned } else { crate::Location::Heap };
-        return t.copy_to(&location, options);
-    }
-    Ok(Transfer::ready(t.clone(), TransferPath::Unchanged))
 }

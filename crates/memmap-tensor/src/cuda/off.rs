@@ -1,41 +1,41 @@
-//! Built without the `cuda` feature: no memory of the driver's can exist (its types have no
-//! values), and every operation that would need the driver says so.
+//! Built without the `cuda` feature: the [`Backend`] whose every operation says that the build
+//! has no CUDA support. No memory of the driver's can exist (its types have no values), so
+//! their methods are empty matches.
 
 use std::ptr::NonNull;
+use std::sync::Arc;
 
-use super::{GatherVia, ManagedAdvice, MemoryInfo, ToOptions, Transfer};
-use crate::{Device, Error, Location, Result, Storage, StorageKind, Tensor};
+use super::{Backend, Completion, DriverMemory, Keep, Leaf, ManagedAdvice, MemoryInfo, Span};
+use crate::{Device, Error, Location, Result, Storage, StorageKind};
 
 fn unavailable<T>() -> Result<T> {
     Err(Error::CudaUnavailable { reason: "this build has no CUDA support (build with the `cuda` feature)".into() })
 }
 
-pub(crate) fn device_count() -> Result<usize> {
-    unavailable()
-}
+/// The backend of a build without the driver.
+pub(crate) enum Off {}
 
 /// No value: nothing can allocate driver memory in this build.
 pub(crate) enum Memory {}
 
-impl Memory {
-    pub(crate) fn kind(&self) -> StorageKind {
+impl DriverMemory for Memory {
+    fn kind(&self) -> StorageKind {
         match *self {}
     }
 
-    #[allow(dead_code, reason = "the driver's `Memory` has it; nothing calls it without one")]
-    pub(crate) fn len(&self) -> usize {
+    fn len(&self) -> usize {
         match *self {}
     }
 
-    pub(crate) fn host_ptr(&self) -> Option<NonNull<u8>> {
+    fn host_ptr(&self) -> Option<NonNull<u8>> {
         match *self {}
     }
 
-    pub(crate) fn device(&self) -> Device {
+    fn device(&self) -> Device {
         match *self {}
     }
 
-    pub(crate) fn address(&self) -> *mut u8 {
+    fn address(&self) -> *mut u8 {
         match *self {}
     }
 }
@@ -46,52 +46,100 @@ pub(crate) enum Registration {}
 /// No value: nothing can queue GPU work in this build.
 pub(crate) enum Event {}
 
-impl Event {
-    pub(crate) fn wait(&self) -> Result<()> {
+impl Completion for Event {
+    fn wait(&self) -> Result<()> {
         match *self {}
     }
 
-    pub(crate) fn query(&self) -> Result<bool> {
+    fn query(&self) -> Result<bool> {
         match *self {}
     }
 }
 
-pub(crate) fn alloc_storage(_: &Location, _: usize, _: bool) -> Result<(Storage, Device)> {
-    unavailable()
+/// No value: there are no streams in this build.
+pub(crate) enum Stream {}
+
+/// No value: there is no pinned memory in this build.
+pub(crate) enum PinnedLease {}
+
+impl AsRef<Arc<Storage>> for PinnedLease {
+    fn as_ref(&self) -> &Arc<Storage> {
+        match *self {}
+    }
 }
 
-pub(crate) fn register(_: &Storage) -> Result<Registration> {
-    unavailable()
-}
+impl Backend for Off {
+    type Memory = Memory;
+    type Registration = Registration;
+    type Event = Event;
+    type Stream = Stream;
+    type PinnedLease = PinnedLease;
 
-pub(crate) fn copy_to(_: &Tensor, _: &Location, _: &ToOptions) -> Result<Transfer<Tensor>> {
-    unavailable()
-}
+    fn supported() -> Result<()> {
+        unavailable()
+    }
 
-pub(crate) fn copy_into(_: &Tensor, _: &Tensor) -> Result<Transfer<()>> {
-    unavailable()
-}
+    fn device_count() -> Result<usize> {
+        unavailable()
+    }
 
-pub(crate) fn prefetch(_: &Tensor, _: Device) -> Result<Transfer<()>> {
-    unavailable()
-}
+    fn stream(_: Device) -> Result<Stream> {
+        unavailable()
+    }
 
-pub(crate) fn advise(_: &Tensor, _: ManagedAdvice) -> Result<()> {
-    unavailable()
-}
+    fn stream_for(memory: &Memory) -> Result<Stream> {
+        match *memory {}
+    }
 
-pub(crate) fn move_managed(_: &Tensor, _: Device, _: &ToOptions) -> Result<Transfer<Tensor>> {
-    unavailable()
-}
+    fn record(stream: &Stream) -> Result<Event> {
+        match *stream {}
+    }
 
-pub(crate) fn driver_memory_info(_: Device) -> Result<MemoryInfo> {
-    unavailable()
-}
+    fn alloc(_: &Location, _: usize, _: bool) -> Result<(Storage, Device)> {
+        unavailable()
+    }
 
-pub(crate) fn driver_empty_cache(_: Device) -> Result<()> {
-    unavailable()
-}
+    fn alloc_device(stream: &Stream, _: usize) -> Result<Storage> {
+        match *stream {}
+    }
 
-pub(crate) fn gather_rows_to(_: &[Tensor], _: &[i64], _: Device, _: GatherVia) -> Result<Transfer<Vec<Tensor>>> {
-    unavailable()
+    fn pinned_buffer(stream: &Stream, _: usize) -> Result<PinnedLease> {
+        match *stream {}
+    }
+
+    fn register(_: &Storage) -> Result<Registration> {
+        unavailable()
+    }
+
+    unsafe fn copy(stream: &Stream, _: Span<'_>, _: Span<'_>, _: usize) -> Result<()> {
+        match *stream {}
+    }
+
+    unsafe fn copy_pieces(stream: &Stream, _: Span<'_>, _: Span<'_>, _: usize, _: &mut Keep) -> Result<usize> {
+        match *stream {}
+    }
+
+    unsafe fn copy_staged(stream: &Stream, _: Span<'_>, _: Span<'_>, _: usize, _: usize, _: &mut Keep) -> Result<()> {
+        match *stream {}
+    }
+
+    unsafe fn launch_gather(stream: &Stream, _: &[Leaf<'_>], _: &[i64], _: &mut Keep) -> Result<()> {
+        match *stream {}
+    }
+
+    unsafe fn prefetch(memory: &Memory, _: usize, _: usize, _: Device) -> Result<Event> {
+        match *memory {}
+    }
+
+    fn advise(memory: &Memory, _: usize, _: usize, _: ManagedAdvice) -> Result<()> {
+        match *memory {}
+    }
+
+    fn memory_info(_: Device) -> Result<MemoryInfo> {
+        unavailable()
+    }
+
+    fn empty_cache(_: Device) -> Result<()> {
+        unavailable()
+    }
 }
