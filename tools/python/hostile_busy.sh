@@ -22,7 +22,7 @@ for i in $(seq 1 "$runs"); do
         echo "run $i: passed ($((SECONDS - started)) s): $(tail -1 <<<"$out")"
     else
         echo "run $i: FAILED ($((SECONDS - started)) s)"
-        grep -E "^(FAILED|ERROR)" <<<"$out" || tail -20 <<<"$out"
+        grep -E "^(FAILED|ERROR|E  )" <<<"$out" | head -80 || tail -20 <<<"$out"
     fi
 done
 echo "$passed of $runs runs passed beside two busy loops"

@@ -48,6 +48,13 @@ impl PyTensorDict {
     }
 }
 
+/// A device from Python: `"cpu"`, `"cuda"`, `"cuda:N"`, or anything that prints so (a
+/// `torch.device`).
+pub(crate) fn device(obj: &Bound<'_, PyAny>) -> PyResult<memmap_tensor::Device> {
+    let text = obj.str()?.to_string();
+    text.parse().map_err(|e: memmap_tensor::ParseDeviceError| PyValueError::new_err(format!("device {text:?}: {e}")))
+}
+
 fn access(writable: bool) -> Access {
     if writable { Access::ReadWrite } else { Access::CopyOnWrite }
 }
@@ -139,6 +146,21 @@ fn short_repr(obj: &Bound<'_, PyAny>) -> PyResult<String> {
 fn index_item(item: &Bound<'_, PyAny>) -> PyResult<Index> {
     let list = PyList::new(item.py(), item.cast::<PyTuple>()?.iter())?;
     index(list.as_any())
+}
+
+/// Whether `e` is a bad row index (an `IndexError` in Python).
+fn index_out_of_range(e: &tensordict::Error) -> bool {
+    if matches!(e, tensordict::Error::InvalidIndex { .. }) {
+        return true;
+    }
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(c) = cause {
+        if matches!(c.downcast_ref::<memmap_tensor::Error>(), Some(memmap_tensor::Error::IndexOutOfRange { .. })) {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// The most dims an index array may have (torch's tensors have at most 64).
@@ -359,6 +381,38 @@ impl PyTensorDict {
             out.set_item(name, value)?;
         }
         Ok(out.unbind())
+    }
+
+    /// The device every tensor is on (`"cpu"`, `"cuda:0"`), or `None` for a dict with no
+    /// tensors or tensors on several devices.
+    #[getter]
+    fn device(&self) -> Option<String> {
+        self.inner.device().map(|d| d.to_string())
+    }
+
+    /// The dict on `device` (`"cpu"`, `"cuda:0"`, a `torch.device`), as Python tensordict's
+    /// `to`: to a GPU, a mapped folder goes from its mapping (registered with the driver) in one
+    /// copy per tensor, with no copy on the host. Returns once the copies are complete (so the
+    /// tensors can be handed to torch on any stream). A dict already there is returned as it is.
+    fn to(&self, py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let device = self::device(device)?;
+        let inner = py.detach(|| self.inner.to(device)).map_err(to_py_err)?;
+        Ok(self.derived(inner))
+    }
+
+    /// Rows `indices` of the first batch dim gathered straight into new memory of `device`:
+    /// for a GPU, one kernel launch reads them from the mapping into device memory.
+    fn gather_to(&self, py: Python<'_>, device: &Bound<'_, PyAny>, indices: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let device = self::device(device)?;
+        let indices = dlpack::numbers::<i64>(indices, dlpack::ints)?;
+        let gathered = py.detach(|| {
+            let transfer = self.inner.gather_to(device, &indices)?;
+            transfer.wait().map_err(|source| tensordict::Error::Device { op: "gather_to", source })
+        });
+        let inner = gathered.map_err(|e| {
+            if index_out_of_range(&e) { PyIndexError::new_err(ErrorChain(&e).to_string()) } else { to_py_err(e) }
+        })?;
+        Ok(self.derived(inner))
     }
 
     /// Whether the tensors are mapped from files.

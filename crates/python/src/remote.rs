@@ -84,15 +84,26 @@ impl PyRemoteBuffer {
 
     /// Samples `batch_size` rows (with `index`, and `priority_weight` when prioritized),
     /// waiting for the rate limiter at most `timeout` seconds (`None`: as long as it takes;
-    /// Ctrl-C interrupts the wait).
-    #[pyo3(signature = (batch_size, *, timeout=None))]
-    fn sample(&self, py: Python<'_>, batch_size: usize, timeout: Option<f64>) -> PyResult<PyTensorDict> {
+    /// Ctrl-C interrupts the wait). With `device` (`"cuda:0"`, a `torch.device`), the rows land
+    /// in its memory, read by one kernel launch from the service's memory or folder.
+    #[pyo3(signature = (batch_size, *, timeout=None, device=None))]
+    fn sample(
+        &self,
+        py: Python<'_>,
+        batch_size: usize,
+        timeout: Option<f64>,
+        device: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyTensorDict> {
         let wait = crate::client::timeout(timeout)?;
+        let device = device.map(crate::dict::device).transpose()?;
         let inner = self.client()?;
         let (td, info) = wait_in_windows(
             py,
             wait,
-            |window| inner.sample(batch_size, Some(window)),
+            |window| match device {
+                Some(device) => inner.sample_to(device, batch_size, Some(window)),
+                None => inner.sample(batch_size, Some(window)),
+            },
             |e| matches!(e, tensordict_replay::Error::Timeout { .. }),
         )?;
         sample_dict(td, info, self.weighted)

@@ -115,9 +115,18 @@ impl PyReplayBuffer {
 
     /// Samples `batch_size` rows: a dict with the storage's keys, `index` (the rows, int64)
     /// and, for prioritized samplers, `priority_weight` (float64), as TorchRL 0.14.1 returns.
-    fn sample(&self, py: Python<'_>, batch_size: usize) -> PyResult<PyTensorDict> {
+    /// With `device` (`"cuda:0"`, a `torch.device`), the rows land in its memory: one kernel
+    /// launch reads them from the storage's mapping.
+    #[pyo3(signature = (batch_size, *, device=None))]
+    fn sample(&self, py: Python<'_>, batch_size: usize, device: Option<&Bound<'_, PyAny>>) -> PyResult<PyTensorDict> {
         let rb = self.rb()?;
-        let (td, info) = py.detach(|| rb.sample(batch_size)).map_err(to_py_err)?;
+        let device = device.map(crate::dict::device).transpose()?;
+        let (td, info) = py
+            .detach(|| match device {
+                Some(device) => rb.sample_to(device, batch_size),
+                None => rb.sample(batch_size),
+            })
+            .map_err(to_py_err)?;
         sample_dict(td, info, self.weighted)
     }
 

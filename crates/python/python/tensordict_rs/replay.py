@@ -226,12 +226,14 @@ class ReplayBuffer:
         writer kept it out."""
         return self._rb.add(data)
 
-    def sample(self, batch_size=None):
-        """A batch of rows, with ``index`` (and ``priority_weight`` when prioritized)."""
+    def sample(self, batch_size=None, *, device=None):
+        """A batch of rows, with ``index`` (and ``priority_weight`` when prioritized). With
+        ``device`` (``"cuda:0"``, a ``torch.device``) the rows land in its memory, read by one
+        kernel launch from the storage."""
         batch_size = batch_size if batch_size is not None else self.batch_size
         if batch_size is None:
             raise ValueError("give sample a batch_size, or the buffer one")
-        return self._rb.sample(int(batch_size))
+        return self._rb.sample(int(batch_size), device=device)
 
     def update_priority(self, index, priority):
         """Sets the priorities of rows ``index`` (arrays, tensors, lists or scalars)."""
@@ -337,14 +339,15 @@ class RemoteReplayBuffer:
         """Writes one row; returns its row."""
         return self._client().add(data)
 
-    def sample(self, batch_size=None, *, timeout=None):
+    def sample(self, batch_size=None, *, timeout=None, device=None):
         """A batch with ``index`` (and ``priority_weight`` when prioritized). Waits for the
         service's rate limiter at most ``timeout`` seconds (``None``: until it allows; Ctrl-C
-        interrupts)."""
+        interrupts). With ``device`` (``"cuda:0"``, a ``torch.device``) the rows land in its
+        memory."""
         batch_size = batch_size if batch_size is not None else self.batch_size
         if batch_size is None:
             raise ValueError("give sample a batch_size, or the buffer one")
-        return self._client().sample(int(batch_size), timeout=timeout)
+        return self._client().sample(int(batch_size), timeout=timeout, device=device)
 
     def update_priority(self, index, priority):
         """Sets the priorities of rows ``index``."""
