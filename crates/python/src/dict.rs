@@ -172,6 +172,8 @@ fn rectangular<'py>(list: &Bound<'py, PyList>) -> Option<(Vec<Bound<'py, PyAny>>
     let mut shape = Vec::new();
     let mut level = vec![list.clone().into_any()];
     loop {
+        // Tuples and arrays inside the list are nested lists too, as numpy and torch read them.
+        level = level.into_iter().map(|x| as_list(x)).collect::<Option<_>>()?;
         let lists: Vec<Bound<'py, PyList>> = level.iter().filter_map(|x| x.cast::<PyList>().ok().cloned()).collect();
         if lists.is_empty() {
             return Some((level, shape));
@@ -186,6 +188,18 @@ fn rectangular<'py>(list: &Bound<'py, PyList>) -> Option<(Vec<Bound<'py, PyAny>>
             return Some((level, shape));
         }
     }
+}
+
+/// `x` as a list where it is a tuple or an array (`tolist`); `x` itself otherwise; `None` if
+/// its `tolist` fails.
+fn as_list(x: Bound<'_, PyAny>) -> Option<Bound<'_, PyAny>> {
+    if let Ok(t) = x.cast::<PyTuple>() {
+        return PyList::new(x.py(), t.iter()).ok().map(Bound::into_any);
+    }
+    if !x.is_instance_of::<PyList>() && x.hasattr("tolist").unwrap_or(false) {
+        return x.call_method0("tolist").ok();
+    }
+    Some(x)
 }
 
 /// A JSON value (a non-tensor entry) as a Python value.
