@@ -587,7 +587,12 @@ INTERRUPTED = {
 @pytest.mark.parametrize("call", INTERRUPTED)
 def test_ctrl_c_while_connecting_or_waiting_raises_keyboard_interrupt(call):
     setup, blocking = INTERRUPTED[call]
-    code = f"{setup}\nprint('ready', flush=True)\n{blocking}\nprint('returned', flush=True)\n"
+    # Python's own Ctrl-C handler, whatever the test was started from (a shell's background job
+    # starts with SIGINT ignored, and its children inherit that).
+    code = (
+        f"import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n{setup}\n"
+        f"print('ready', flush=True)\n{blocking}\nprint('returned', flush=True)\n"
+    )
     runtime, work, env = _dirs()
     try:
         child = subprocess.Popen(
@@ -1042,7 +1047,9 @@ INDICES = {
     "slice('a')": ("slice('a')", "(IndexError, TypeError)"),
     "object()": ("object()", "(IndexError, TypeError)"),
     "{}": ("{}", "(IndexError, TypeError)"),
-    "64-deep-tuple": ("deep_tuple(64)", "IndexError"),
+    # Tuples in a tuple are nested lists, as in numpy: 65 levels is an array of more dims than
+    # an index may have (64).
+    "66-deep-tuple": ("deep_tuple(66)", "IndexError"),
     "100000-deep-tuple": ("deep_tuple(100_000)", "(IndexError, RecursionError, ValueError)"),
     "huge-gather": ("[0] * 2**20", "(IndexError, TensorDictError)"),
 }
@@ -1077,6 +1084,7 @@ assert td[np.zeros(10, bool)].batch_size == (0,)
 assert td[(None,) * 60].batch_size == (1,) * 60 + (10,)
 assert td[[[1, 2], [3, 4]]].batch_size == (2, 2)
 same(td[np.array([[1, 2], [3, 4]])]["a"].numpy(), np.array([[1, 2], [3, 4]]))
+assert td[deep_tuple(64)].batch_size == np.empty(10)[deep_tuple(64)].shape  # 63 dims, as numpy
 """
     )
 
