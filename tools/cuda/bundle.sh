@@ -5,7 +5,8 @@
 #   tests/   every test binary with GPU tests (release, no debug info, stripped)
 #   tdict    the CLI, for `tdict bench cuda --json`
 #   wheels/  the tensordict-rs wheel built with the `cuda` feature (abi3: any CPython >= 3.11),
-#            and pytest's wheels, installed there with `pip install --no-deps --target`
+#            and pytest's wheels, installed there with `pip install --no-deps --target`;
+#            wheels/numpy/ numpy's for CPython 3.12, installed only where python3 lacks numpy
 #
 # Needs: cargo; python3 with pip (maturin is installed into target/bundle-venv if it is not on
 # PATH; pytest's wheels are downloaded from PyPI). Prints the folder's size at the end: it
@@ -57,6 +58,9 @@ maturin=$(realpath "$maturin")
 wheels=$(realpath "$out/wheels")
 (cd crates/python && "$maturin" build --release --quiet --features cuda --out "$wheels")
 python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: --dest "$out/wheels" pytest
+# numpy for the GPU machine's python3 (3.12), in case torch came without it.
+python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: --no-deps \
+    --python-version 3.12 --platform manylinux2014_x86_64 --dest "$out/wheels/numpy" numpy
 
 echo "bundle: $out ($(du -sh "$out" | cut -f1))"
 ls -l "$out" "$out/tests" "$out/wheels"

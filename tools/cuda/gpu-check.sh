@@ -95,6 +95,10 @@ elif ! ls "$bundle"/wheels/tensordict_rs-*.whl >/dev/null 2>&1; then
 else
     python3 -m pip install --quiet --disable-pip-version-check --no-deps --no-index --target "$work/py" \
         "$bundle"/wheels/*.whl >>"$log" 2>&1
+    if ! python3 -c "import numpy" 2>/dev/null; then
+        python3 -m pip install --quiet --disable-pip-version-check --no-deps --no-index --target "$work/py" \
+            "$bundle"/wheels/numpy/*.whl >>"$log" 2>&1
+    fi
     tests=("$root/crates/python/tests/test_torch.py")
     for extra in "$root"/crates/python/tests/test_*cuda*.py "$root"/crates/python/tests/test_*gpu*.py; do
         [ -e "$extra" ] && tests+=("$extra")
