@@ -16,14 +16,15 @@ impl fmt::Display for TensorDict {
     /// TensorDict(batch_size=[1000], device=cpu, fields={action: i64[], next: {done: bool[1]}, obs: f32[84]})
     /// ```
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (fields, seen) = body(self);
         let mut head = format!("TensorDict(batch_size={}, ", dims(self.batch_size()));
-        if let Some(device) = shown_device(self) {
+        if let Some(device) = seen.shown_device() {
             head.push_str(&format!("device={device}, "));
         }
         head.push_str("fields=");
         let used = head.chars().count();
         let mut out = head;
-        render(&Node::fields(String::new(), body(self)), "", used, 1, &mut out);
+        render(&Node::fields(String::new(), fields), "", used, 1, &mut out);
         write!(f, "{out})")
     }
 }
@@ -66,33 +67,84 @@ fn dims(dims: &[usize]) -> String {
     format!("[{}]", dims.iter().map(ToString::to_string).collect::<Vec<_>>().join(","))
 }
 
-/// The device Python would give the dict: the one its tensors are on if not the CPU, `cpu`
-/// for a dict mapped from a folder (Python's `load_memmap` and `memmap` set it), none for heap
-/// or shared memory.
-fn shown_device(td: &TensorDict) -> Option<memmap_tensor::Device> {
-    td.device().filter(|d| !d.is_cpu() || td.is_memmap())
+/// What the tensors of a dict (its nested dicts' included) have in common, gathered in the same
+/// walk as its fields: each dict's is its own tensors' and its nested dicts', so that the repr
+/// walks every dict once (asking `TensorDict::device` and `is_memmap` of each nested dict would
+/// walk its subtree again at every level).
+#[derive(Clone, Copy)]
+struct Seen {
+    /// The device every tensor is on: `None` before the first tensor, `Some(None)` for several.
+    device: Option<Option<memmap_tensor::Device>>,
+    /// Some tensor holds data.
+    data: bool,
+    /// Every tensor that holds data is in a file.
+    all_files: bool,
 }
 
-/// The fields of `td`, sorted as Python sorts them (by their flat text).
-fn body(td: &TensorDict) -> Vec<(String, Node)> {
+impl Seen {
+    fn new() -> Self {
+        Seen { device: None, data: false, all_files: true }
+    }
+
+    fn tensor(&mut self, t: &Tensor) {
+        self.merge(Seen {
+            device: Some(Some(t.device())),
+            data: t.nbytes() > 0,
+            all_files: t.nbytes() == 0 || t.storage().kind() == memmap_tensor::StorageKind::File,
+        });
+    }
+
+    fn merge(&mut self, other: Seen) {
+        if let Some(device) = other.device {
+            self.device = Some(match (self.device, device) {
+                (None, d) => d,
+                (Some(Some(a)), Some(b)) if a == b => Some(a),
+                _ => None,
+            });
+        }
+        self.data |= other.data;
+        self.all_files &= other.all_files;
+    }
+
+    /// The device Python would give the dict: the one its tensors are on if not the CPU, `cpu`
+    /// for a dict mapped from a folder (Python's `load_memmap` and `memmap` set it), none for
+    /// heap or shared memory.
+    fn shown_device(self) -> Option<memmap_tensor::Device> {
+        let memmap = self.data && self.all_files;
+        self.device.flatten().filter(|d| !d.is_cpu() || memmap)
+    }
+}
+
+/// The fields of `td`, sorted as Python sorts them (by their flat text), and what its tensors
+/// have in common.
+fn body(td: &TensorDict) -> (Vec<(String, Node)>, Seen) {
     let batch = td.batch_size().len();
-    let device = shown_device(td);
-    let mut entries: Vec<(String, Node)> = td
-        .iter()
-        .map(|(name, entry)| {
-            let node = match entry {
-                Entry::Tensor(t) => Node::Token(token(t, batch, device.is_none())),
-                Entry::Dict(d) => {
-                    let extra = &d.batch_size()[batch.min(d.batch_size().len())..];
-                    let prefix = if extra.is_empty() { String::new() } else { dims(extra) };
-                    Node::fields(prefix, body(d))
-                }
-                Entry::NonTensor(v) => Node::Token(python_type(v).to_owned()),
-                Entry::NonTensorStack(_) => Node::Token("NonTensorStack".to_owned()),
-                Entry::Unreadable(_) => Node::Token("Unreadable".to_owned()),
-            };
-            (name.to_owned(), node)
-        })
+    let mut seen = Seen::new();
+    // Nested dicts first (what they saw is part of this dict's device); tensors once it is known.
+    let mut nodes: Vec<(String, Result<Node, &Tensor>)> = Vec::with_capacity(td.len());
+    for (name, entry) in td.iter() {
+        let node = match entry {
+            Entry::Tensor(t) => {
+                seen.tensor(t);
+                Err(t)
+            }
+            Entry::Dict(d) => {
+                let extra = &d.batch_size()[batch.min(d.batch_size().len())..];
+                let prefix = if extra.is_empty() { String::new() } else { dims(extra) };
+                let (fields, inner) = body(d);
+                seen.merge(inner);
+                Ok(Node::fields(prefix, fields))
+            }
+            Entry::NonTensor(v) => Ok(Node::Token(python_type(v).to_owned())),
+            Entry::NonTensorStack(_) => Ok(Node::Token("NonTensorStack".to_owned())),
+            Entry::Unreadable(_) => Ok(Node::Token("Unreadable".to_owned())),
+        };
+        nodes.push((name.to_owned(), node));
+    }
+    let show_devices = seen.shown_device().is_none();
+    let mut entries: Vec<(String, Node)> = nodes
+        .into_iter()
+        .map(|(name, node)| (name, node.unwrap_or_else(|t| Node::Token(token(t, batch, show_devices)))))
         .collect();
     if entries.len() > 1 {
         entries.sort_by_cached_key(|(key, node)| {
@@ -101,7 +153,7 @@ fn body(td: &TensorDict) -> Vec<(String, Node)> {
             text
         });
     }
-    entries
+    (entries, seen)
 }
 
 /// `f32[84]`: the short dtype and the shape past the dict's batch dims, and the device when
