@@ -476,33 +476,10 @@ impl Dump {
     }
 
     fn write_with(&self, path: &Path, packing: Option<&Packing>) -> Result<()> {
-        if exists(path)? {
-            let empty = fs::read_dir(path).map_err(io_err(path))?.next().is_none();
-            if !empty {
-                return Err(Error::DestinationExists { path: path.to_owned() });
-            }
-        }
-        let parent = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
-            _ => PathBuf::from("."),
-        };
-        let name = path.file_name().ok_or_else(|| Error::Inconsistent {
-            path: path.to_owned(),
-            problem: "has no file name to write the dump to".into(),
-        })?;
-        let tmp = tempfile::Builder::new()
-            .prefix(&format!(".{}.dump-", name.to_string_lossy()))
-            .tempdir_in(&parent)
-            .map_err(io_err(&parent))?;
-        self.write_contents(tmp.path(), packing)?;
-        sync_dir(tmp.path())?;
-        let built = tmp.keep();
-        if let Err(e) = tensordict_aio::retry_stale(|| fs::rename(&built, path)) {
-            // Best effort: the error is the rename's.
-            let _ = fs::remove_dir_all(&built);
-            return Err(Error::Io { path: path.to_owned(), source: e });
-        }
-        sync_dir(&parent)
+        let staging = Staging::beside(path)?;
+        self.write_contents(staging.path(), packing)?;
+        sync_dir(staging.path())?;
+        staging.put_in_place()
     }
 
     fn write_contents(&self, dir: &Path, packing: Option<&Packing>) -> Result<()> {
@@ -688,6 +665,58 @@ fn create_dir(path: &Path) -> Result<()> {
 }
 
 /// Flushes a folder's entries (and, recursively, its subfolders' entries) to disk.
+/// A dump being built: a hidden folder beside its path (`.NAME.dump-…`, the name a crash may
+/// leave), removed when dropped unless it is put in place. Made only for a path that is absent
+/// or empty: a dump never replaces one.
+pub(crate) struct Staging {
+    dir: tempfile::TempDir,
+    path: PathBuf,
+    parent: PathBuf,
+}
+
+impl Staging {
+    /// A staging folder for a dump at `path`; [`Error::DestinationExists`] if `path` holds
+    /// anything.
+    pub(crate) fn beside(path: &Path) -> Result<Staging> {
+        if exists(path)? && fs::read_dir(path).map_err(io_err(path))?.next().is_some() {
+            return Err(Error::DestinationExists { path: path.to_owned() });
+        }
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
+            _ => PathBuf::from("."),
+        };
+        let name = path.file_name().ok_or_else(|| Error::Inconsistent {
+            path: path.to_owned(),
+            problem: "has no file name to write the dump to".into(),
+        })?;
+        let dir = tempfile::Builder::new()
+            .prefix(&format!(".{}.dump-", name.to_string_lossy()))
+            .tempdir_in(&parent)
+            .map_err(io_err(&parent))?;
+        Ok(Staging { dir, path: path.to_owned(), parent })
+    }
+
+    /// Where to build the dump.
+    pub(crate) fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Renames the built dump to its path (still absent or empty) and syncs the folder it is in.
+    pub(crate) fn put_in_place(self) -> Result<()> {
+        let built = self.dir.keep();
+        if let Err(source) = tensordict_aio::retry_stale(|| fs::rename(&built, &self.path)) {
+            // Best effort: the error is the rename's.
+            let _ = fs::remove_dir_all(&built);
+            return Err(match source.kind() {
+                // Filled while the dump was built.
+                std::io::ErrorKind::DirectoryNotEmpty => Error::DestinationExists { path: self.path },
+                _ => Error::Io { path: self.path, source },
+            });
+        }
+        fs::File::open(&self.parent).and_then(|d| d.sync_all()).map_err(io_err(&self.parent))
+    }
+}
+
 fn sync_dir(path: &Path) -> Result<()> {
     for entry in fs::read_dir(path).map_err(io_err(path))? {
         let entry = entry.map_err(io_err(path))?;

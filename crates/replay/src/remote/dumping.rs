@@ -15,7 +15,6 @@
 //! retrying with a call timeout too short for their buffer do not pile up copies of it; a dump
 //! waiting for its turn waits no longer than its own deadline.
 
-use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,6 +23,7 @@ use std::time::{Duration, Instant};
 use tensordict_rpc::WireError;
 
 use super::server::to_wire;
+use crate::checkpoint::Staging;
 use crate::error::{Error, Result};
 
 /// The least time a finished dump must have left before its request's deadline to be put in
@@ -119,37 +119,12 @@ fn write_if_wanted(path: &Path, wanted: &Wanted, dump: impl FnOnce(&Path) -> Res
     if let Some(why) = wanted.gone() {
         return Err(given_up(why));
     }
-    // Refused before any copy, as `Dump::write` would refuse it.
-    if fs::read_dir(path).is_ok_and(|mut entries| entries.next().is_some()) {
-        return Err(Error::DestinationExists { path: path.to_owned() });
-    }
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
-        _ => PathBuf::from("."),
-    };
-    let name = path.file_name().ok_or_else(|| Error::Inconsistent {
-        path: path.to_owned(),
-        problem: "has no file name to write the dump to".into(),
-    })?;
-    // The same hidden name a dump being written has (`Dump::write`), which a crash may leave.
-    let staging = tempfile::Builder::new()
-        .prefix(&format!(".{}.dump-", name.to_string_lossy()))
-        .tempdir_in(&parent)
-        .map_err(|source| Error::Io { path: parent.clone(), source })?;
+    // Refused before any copy (a folder that holds anything), as `Dump::write` refuses it.
+    let staging = Staging::beside(path)?;
     // An error, or a panic, drops `staging`, which removes it.
     dump(staging.path())?;
     if let Some(why) = wanted.gone() {
         return Err(given_up(why));
     }
-    let built = staging.keep();
-    if let Err(source) = tensordict_aio::retry_stale(|| fs::rename(&built, path)) {
-        // Best effort: the error is the rename's.
-        let _ = fs::remove_dir_all(&built);
-        return Err(match source.kind() {
-            // Filled while the dump was written.
-            std::io::ErrorKind::DirectoryNotEmpty => Error::DestinationExists { path: path.to_owned() },
-            _ => Error::Io { path: path.to_owned(), source },
-        });
-    }
-    fs::File::open(&parent).and_then(|d| d.sync_all()).map_err(|source| Error::Io { path: parent, source })
+    staging.put_in_place()
 }
