@@ -94,6 +94,36 @@ pub(crate) fn wait_in_windows<T: Send, E: std::error::Error + Send + 'static>(
     })
 }
 
+/// How a client type connects: to an address, or to a service's name on this node.
+pub(crate) struct Connect<T, E> {
+    pub(crate) to: fn(&Endpoint, &ClientOptions) -> Result<T, E>,
+    pub(crate) by_name: fn(&str, &ClientOptions) -> Result<T, E>,
+    /// The rpc error inside the client's error (see [`connect_in_windows`]).
+    pub(crate) rpc: fn(&mut E) -> Option<&mut tensordict_rpc::Error>,
+}
+
+/// A client of `target` (a name on this node, `tcp:HOST:PORT` or `uds:NAME`) with `token` and
+/// `runtime_dir`, connected in windows that wake for Ctrl-C.
+pub(crate) fn connect<T: Send, E: std::error::Error + Send + 'static>(
+    py: Python<'_>,
+    target: &str,
+    token: Option<&str>,
+    runtime_dir: Option<std::path::PathBuf>,
+    how: &Connect<T, E>,
+) -> PyResult<T> {
+    let options = client_options(token, runtime_dir)?;
+    let endpoint = address(target)?;
+    connect_in_windows(
+        py,
+        &options,
+        |options| match &endpoint {
+            Some(endpoint) => (how.to)(endpoint, options),
+            None => (how.by_name)(target, options),
+        },
+        how.rpc,
+    )
+}
+
 /// Connects with `connect`, in windows of at most [`WAIT_WINDOW`] each (the options' connect
 /// timeout cut into pieces) so that Ctrl-C is seen while a service is not there yet. `rpc`
 /// finds the rpc error in `connect`'s error: a window that ran out is tried again, and the

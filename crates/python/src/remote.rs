@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use tensordict_replay::SamplerSpec;
 use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
 
-use crate::client::{address, client_options, connect_in_windows, connect_timeout, listen_options, wait_in_windows};
+use crate::client::{Connect, connect, connect_timeout, listen_options, wait_in_windows};
 use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
 use crate::owned::Owned;
 use crate::replay::{priority_args, sample_dict};
@@ -40,20 +40,15 @@ impl PyRemoteBuffer {
         runtime_dir: Option<std::path::PathBuf>,
         by_value: Option<bool>,
     ) -> PyResult<Self> {
-        let options = client_options(token.as_deref(), runtime_dir)?;
-        let endpoint = address(&target)?;
-        let inner = connect_in_windows(
-            py,
-            &options,
-            |options| match &endpoint {
-                Some(endpoint) => RemoteBuffer::connect_to(endpoint, options),
-                None => RemoteBuffer::connect_with(&target, options),
-            },
-            |e| match e {
+        let how = Connect {
+            to: RemoteBuffer::connect_to,
+            by_name: RemoteBuffer::connect_with,
+            rpc: |e| match e {
                 tensordict_replay::Error::Remote(e) => connect_timeout(e),
                 _ => None,
             },
-        )?;
+        };
+        let inner = connect(py, &target, token.as_deref(), runtime_dir, &how)?;
         let inner = match by_value {
             Some(yes) => inner.by_value(yes),
             None => inner,

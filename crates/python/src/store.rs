@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use tensordict_rpc::WireError;
 use tensordict_rpc::store::{Allocation, Store, StoreOptions, Wait};
 
-use crate::client::{address, client_options, connect_in_windows, connect_timeout, listen_options, wait_in_windows};
+use crate::client::{Connect, connect, connect_timeout, listen_options, wait_in_windows};
 use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
 use crate::owned::Owned;
 
@@ -39,17 +39,8 @@ impl PyStore {
         runtime_dir: Option<std::path::PathBuf>,
         by_value: Option<bool>,
     ) -> PyResult<Self> {
-        let options = client_options(token.as_deref(), runtime_dir)?;
-        let endpoint = address(&target)?;
-        let inner = connect_in_windows(
-            py,
-            &options,
-            |options| match &endpoint {
-                Some(endpoint) => Store::connect_to(endpoint, options),
-                None => Store::connect_with(&target, options),
-            },
-            connect_timeout,
-        )?;
+        let how = Connect { to: Store::connect_to, by_name: Store::connect_with, rpc: connect_timeout };
+        let inner = connect(py, &target, token.as_deref(), runtime_dir, &how)?;
         let inner = match by_value {
             Some(yes) => inner.by_value(yes),
             None => inner,
