@@ -199,9 +199,13 @@ impl Storage {
         self.capacity
     }
 
-    /// The bytes of one row, over every leaf.
+    /// The bytes of one row, over every leaf (from the schema kept at creation: no walk of the
+    /// dict, since a sample asks it each time).
     pub fn row_bytes(&self) -> usize {
-        self.td.leaves().iter().map(|(_, t)| t.nbytes() / self.capacity.max(1)).sum()
+        self.leaves
+            .iter()
+            .map(|leaf| leaf.row_dims.iter().fold(leaf.dtype.size_in_bytes(), |n, &d| n.saturating_mul(d)))
+            .fold(0, usize::saturating_add)
     }
 
     /// The dict of all `capacity` rows, valid or not (a clone shares the storage).
