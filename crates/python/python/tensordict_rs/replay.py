@@ -327,17 +327,13 @@ class RemoteReplayBuffer:
         """Whether rows cross the connection (see the class documentation)."""
         return self._rb.by_value
 
-    def _client(self):
-        # Made before a fork, the native client raises RuntimeError in the child.
-        return self._rb
-
     def extend(self, data):
         """Writes a batch; returns the rows written."""
-        return self._client().extend(data)
+        return self._rb.extend(data)
 
     def add(self, data):
         """Writes one row; returns its row."""
-        return self._client().add(data)
+        return self._rb.add(data)
 
     def sample(self, batch_size=None, *, timeout=None, device=None):
         """A batch with ``index`` (and ``priority_weight`` when prioritized). Waits for the
@@ -347,30 +343,30 @@ class RemoteReplayBuffer:
         batch_size = batch_size if batch_size is not None else self.batch_size
         if batch_size is None:
             raise ValueError("give sample a batch_size, or the buffer one")
-        return self._client().sample(int(batch_size), timeout=timeout, device=device)
+        return self._rb.sample(int(batch_size), timeout=timeout, device=device)
 
     def update_priority(self, index, priority):
         """Sets the priorities of rows ``index``."""
-        return self._client().update_priority(index, priority)
+        return self._rb.update_priority(index, priority)
 
     def dumps(self, path):
         """Asks the service to write a TorchRL dump folder at ``path`` (on its node)."""
-        self._client().dumps(str(path))
+        self._rb.dumps(str(path))
 
     def end_writes(self):
         """Tells the service no more writes come: limited samples fail at once from now on."""
-        self._client().end_writes()
+        self._rb.end_writes()
 
     def stats(self):
         """The service's counters."""
-        return self._client().stats()
+        return self._rb.stats()
 
     @property
     def capacity(self):
-        return self._client().capacity
+        return self._rb.capacity
 
     def __len__(self):
-        return len(self._client())
+        return len(self._rb)
 
     def __getstate__(self):
         return self._args

@@ -51,13 +51,9 @@ class Store:
         )
         return cls(name, token=token, runtime_dir=runtime_dir, _inner=inner)
 
-    def _client(self):
-        # Made before a fork, the native client raises RuntimeError in the child.
-        return self._store
-
     def save(self, key, value, *, ttl=None):
         """Saves a dict of tensors (a state dict, arrays, a TensorDict) under ``key``."""
-        self._client().save(key, value, ttl=ttl)
+        self._store.save(key, value, ttl=ttl)
 
     def load(self, key, *, timeout=None, writable=False):
         """The entry ``key`` as a TensorDict over the store's memory (no copy), leased while
@@ -65,20 +61,20 @@ class Store:
         read-only, torch's writes stay in this process. ``writable=True`` writes the entry
         itself, for every process (one writable load at a time). Waits up to ``timeout``
         seconds for the key (``None``: not at all; ``float("inf")``: until it appears)."""
-        return self._client().load(key, timeout=timeout, writable=writable)
+        return self._store.load(key, timeout=timeout, writable=writable)
 
     def keys(self, prefix=""):
-        return self._client().keys(prefix)
+        return self._store.keys(prefix)
 
     def remove(self, key):
-        return self._client().remove(key)
+        return self._store.remove(key)
 
     def allocate(self, like):
         """Space shaped like ``like`` to fill in place, then ``seal(key)``."""
-        return self._client().allocate(like)
+        return self._store.allocate(like)
 
     def __contains__(self, key):
-        return key in self._client()
+        return key in self._store
 
     def __getstate__(self):
         return self._args
