@@ -108,6 +108,14 @@ pub enum Error {
         /// The shape given.
         actual: Shape,
     },
+    /// A shape that cannot be broadcast to another (torch's `expand` rules).
+    #[error("cannot broadcast shape {from} to {to}: dims are matched from the right, and each must be equal or 1")]
+    NotBroadcastable {
+        /// The shape of the tensor.
+        from: Shape,
+        /// The shape asked for.
+        to: Shape,
+    },
     /// A reshape asked for a different number of elements.
     #[error("reshape: cannot reshape {from} into {to}: element counts differ")]
     ReshapeElemCount {

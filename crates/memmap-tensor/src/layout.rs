@@ -230,6 +230,24 @@ impl Layout {
         Ok(Layout { shape: Shape::from(dims), strides, offset: self.offset })
     }
 
+    /// This layout broadcast to `shape` (torch's `expand`): see [`crate::Tensor::broadcast_to`].
+    pub fn broadcast_to(&self, shape: Shape) -> Result<Self> {
+        let refuse = || Error::NotBroadcastable { from: self.shape.clone(), to: shape.clone() };
+        let extra = shape.rank().checked_sub(self.rank()).ok_or_else(refuse)?;
+        let mut strides = vec![0; shape.rank()];
+        for (i, (&have, &stride)) in self.dims().iter().zip(&self.strides).enumerate() {
+            let want = shape.dims()[extra + i];
+            strides[extra + i] = if have == want {
+                stride
+            } else if have == 1 {
+                0
+            } else {
+                return Err(refuse());
+            };
+        }
+        Layout::new(shape, strides, self.offset)
+    }
+
     /// The same elements with the dims reordered: dim `i` of the result is dim `perm[i]` of
     /// `self`, like `torch.permute`. `perm` must hold each of `0..rank` exactly once.
     pub fn permute(&self, perm: &[usize]) -> Result<Self> {

@@ -60,6 +60,7 @@
 compile_error!("memmap-tensor supports 64-bit targets only");
 
 mod batch;
+mod cast;
 mod copy;
 pub mod cuda;
 mod device;

@@ -329,6 +329,13 @@ impl Tensor {
         Ok(self.with_layout(self.layout.squeeze(dim)?))
     }
 
+    /// A view of this tensor broadcast to `shape` by torch's rules (`expand`): dims are matched
+    /// from the right, a dim of size 1 is repeated (stride 0), and dims missing on the left are
+    /// added. Nothing is copied; the view must not be written to (its elements alias).
+    pub fn broadcast_to(&self, shape: impl Into<Shape>) -> Result<Self> {
+        Ok(self.with_layout(self.layout.broadcast_to(shape.into())?))
+    }
+
     /// A view with the dims reordered: dim `i` of the result is dim `perm[i]` of `self`.
     /// `perm` must hold each of `0..rank` exactly once ([`Error::InvalidPermutation`]).
     pub fn permute(&self, perm: &[usize]) -> Result<Self> {

@@ -373,3 +373,57 @@ fn zero_sized_views_are_fine() -> TestResult {
     assert!(t.as_slice::<i32>()?.is_empty());
     Ok(())
 }
+
+/// `broadcast_to` follows torch's `expand` (and ndarray's `broadcast`): the same elements as
+/// ndarray gives, with repeated dims of stride 0, nothing copied.
+#[test]
+fn broadcast_matches_ndarray() -> TestResult {
+    for (dims, to) in [
+        (vec![3, 1], vec![3, 4]),
+        (vec![1, 4], vec![2, 3, 4]),
+        (vec![4], vec![5, 4]),
+        (vec![], vec![2, 2]),
+        (vec![2, 1, 3], vec![2, 5, 3]),
+        (vec![2, 3], vec![2, 3]),
+        (vec![1], vec![0]),
+    ] {
+        let (t, reference) = counting(&dims)?;
+        let b = t.broadcast_to(to.clone())?;
+        let expected = reference.broadcast(IxDyn(&to)).expect("ndarray broadcasts it");
+        assert_eq!(b.dims(), to.as_slice());
+        assert_eq!(b.to_vec::<i32>()?, expected.iter().copied().collect::<Vec<_>>(), "{dims:?} to {to:?}");
+        assert!(b.shares_storage_with(&t));
+    }
+    for (dims, to) in [(vec![3], vec![4]), (vec![2, 3], vec![3]), (vec![2, 1], vec![3, 1]), (vec![2], vec![2, 3])] {
+        let (t, _) = counting(&dims)?;
+        assert!(matches!(t.broadcast_to(to.clone()), Err(Error::NotBroadcastable { .. })), "{dims:?} to {to:?}");
+    }
+    Ok(())
+}
+
+/// `to_dtype` converts as torch's `.to(dtype)`: integers wrap, floats truncate toward zero,
+/// anything to bool is "not zero", and the same dtype is the tensor itself.
+#[test]
+fn dtype_conversions_follow_torch() -> TestResult {
+    let floats = Tensor::from_slice(&[-2.7f64, -0.5, 0.0, 0.5, 2.7, 300.0], [6])?;
+    assert_eq!(floats.to_dtype(DType::I64)?.to_vec::<i64>()?, [-2, 0, 0, 0, 2, 300]);
+    assert_eq!(floats.to_dtype(DType::Bool)?.to_vec_bool()?, [true, true, false, true, true, true]);
+    assert_eq!(floats.to_dtype(DType::F32)?.to_vec::<f32>()?, [-2.7f32, -0.5, 0.0, 0.5, 2.7, 300.0]);
+    let ints = Tensor::from_slice(&[300i64, -1, 2, i64::MAX], [4])?;
+    assert_eq!(ints.to_dtype(DType::U8)?.to_vec::<u8>()?, [44, 255, 2, 255]);
+    assert_eq!(ints.to_dtype(DType::I8)?.to_vec::<i8>()?, [44, -1, 2, -1]);
+    assert_eq!(ints.to_dtype(DType::F64)?.to_vec::<f64>()?, [300.0, -1.0, 2.0, i64::MAX as f64]);
+    assert_eq!(ints.to_dtype(DType::F16)?.to_vec::<half::f16>()?[0], half::f16::from_f32(300.0));
+    let bools = Tensor::from_bools(&[true, false], [2])?;
+    assert_eq!(bools.to_dtype(DType::F32)?.to_vec::<f32>()?, [1.0, 0.0]);
+    // NaN is not zero; out of range saturates (torch leaves it undefined).
+    let odd = Tensor::from_slice(&[f32::NAN, 1e10], [2])?;
+    assert_eq!(odd.to_dtype(DType::Bool)?.to_vec_bool()?, [true, true]);
+    assert_eq!(odd.to_dtype(DType::I32)?.to_vec::<i32>()?, [0, i32::MAX]);
+    // A strided view converts in C order; the same dtype shares the storage.
+    let (t, _) = counting(&[3, 4])?;
+    let view = t.slice(1, 1, 4, 2)?;
+    assert_eq!(view.to_dtype(DType::I64)?.to_vec::<i64>()?, [1, 3, 5, 7, 9, 11]);
+    assert!(view.to_dtype(DType::I32)?.shares_storage_with(&t));
+    Ok(())
+}

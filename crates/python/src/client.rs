@@ -7,7 +7,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use tensordict_rpc::{ClientOptions, Endpoint, Token};
 
-use crate::dict::to_py_err;
+use crate::error::to_py_err;
 
 /// Waits longer than this are cut into windows, so that Ctrl-C is seen between them.
 const WAIT_WINDOW: Duration = Duration::from_millis(200);

@@ -492,7 +492,7 @@ unsafe fn copy_out(t: &DLTensor) -> PyResult<Tensor> {
         PyValueError::new_err(format!("a DLPack tensor of shape {shape:?} overflows the address space"))
     })?;
     // A view can claim more elements than there is memory (stride 0): the copy must fit.
-    memmap_tensor::check_len("a tensor to copy", nbytes / elem, elem).map_err(crate::dict::to_py_err)?;
+    memmap_tensor::check_len("a tensor to copy", nbytes / elem, elem).map_err(crate::error::to_py_err)?;
     let strides: Vec<isize> = if t.strides.is_null() || ndim == 0 {
         let mut s = vec![1isize; ndim];
         for i in (0..ndim.saturating_sub(1)).rev() {
@@ -519,7 +519,7 @@ unsafe fn copy_out(t: &DLTensor) -> PyResult<Tensor> {
     let mut bytes = Vec::new();
     bytes
         .try_reserve_exact(nbytes)
-        .map_err(|_| crate::dict::to_py_err(memmap_tensor::Error::OutOfMemory { bytes: nbytes }))?;
+        .map_err(|_| crate::error::to_py_err(memmap_tensor::Error::OutOfMemory { bytes: nbytes }))?;
     // SAFETY: the producer's memory covers every element its shape and strides name.
     unsafe { gather_strided(base, &shape, &strides, elem, &mut bytes) };
     Tensor::from_bytes(&bytes, dtype, shape.as_slice()).map_err(to_err)

@@ -8,6 +8,7 @@
 mod client;
 mod dict;
 mod dlpack;
+mod error;
 mod owned;
 mod remote;
 mod replay;
@@ -34,7 +35,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyAllocation>()?;
     m.add_function(wrap_pyfunction!(live_exports, m)?)?;
     m.add_function(wrap_pyfunction!(dict::_reopen, m)?)?;
-    m.add("TensorDictError", m.py().get_type::<dict::TensorDictError>())?;
+    m.add_function(wrap_pyfunction!(dict::cat, m)?)?;
+    m.add_function(wrap_pyfunction!(dict::stack, m)?)?;
+    error::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -9,7 +9,8 @@ use tensordict_replay::SamplerSpec;
 use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
 
 use crate::client::{Connect, connect, connect_timeout, listen_options, wait_in_windows};
-use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
+use crate::dict::{DictOf, PyTensorDict, to_tensordict};
+use crate::error::to_py_err;
 use crate::owned::Owned;
 use crate::replay::{priority_args, sample_dict};
 
@@ -174,7 +175,7 @@ impl PyReplayServer {
     fn server(&self) -> PyResult<MutexGuard<'_, Option<ReplayServer>>> {
         let server = self.inner.get("a ReplayServer")?.lock().unwrap_or_else(PoisonError::into_inner);
         if server.is_none() {
-            return Err(crate::dict::TensorDictError::new_err("the replay server was stopped"));
+            return Err(crate::error::TensorDictError::new_err("the replay server was stopped"));
         }
         Ok(server)
     }

@@ -5,7 +5,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use tensordict_replay::{LoadOptions, MaxValue, ReplayBuffer, RoundRobin, SamplerSpec, StorageConfig, Writer};
 
-use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
+use crate::dict::{DictOf, PyTensorDict, to_tensordict};
+use crate::error::to_py_err;
 use crate::owned::Owned;
 
 /// A replay buffer (TorchRL's `ReplayBuffer`): `extend`, `add`, `sample`, `update_priority`,

@@ -11,7 +11,8 @@ use tensordict_rpc::WireError;
 use tensordict_rpc::store::{Allocation, Store, StoreOptions, Wait};
 
 use crate::client::{Connect, connect, connect_timeout, listen_options, wait_in_windows};
-use crate::dict::{DictOf, PyTensorDict, to_py_err, to_tensordict};
+use crate::dict::{DictOf, PyTensorDict, to_tensordict};
+use crate::error::to_py_err;
 use crate::owned::Owned;
 
 /// A client of a named store (`tdict store serve NAME`, or `Store.start`): by name on this
@@ -120,7 +121,7 @@ impl PyStore {
         )?;
         let td = (*loaded).clone();
         let keep: crate::dict::Keep = Some(Arc::new(loaded));
-        Ok(PyTensorDict { inner: td, keep })
+        Ok(PyTensorDict::with_keep(td, keep))
     }
 
     /// The keys starting with `prefix`, sorted.

@@ -718,6 +718,11 @@ impl TensorDict {
         plan.apply_dict(self, &KeyPath::default())
     }
 
+    /// The batch size `self.index(index)` would have, without indexing anything.
+    pub fn index_shape(&self, index: &Index) -> Result<Vec<usize>> {
+        Ok(Plan::resolve(index, self.batch_size())?.shape_after(self.batch_size()))
+    }
+
     /// `td[index] = src`: writes every tensor of `src` into the indexed elements of the tensor
     /// at the same key, in place (through to files and shared memory). Each tensor of `src`
     /// must have a counterpart here with the same dtype and the shape `self.index(index)` would
@@ -752,6 +757,116 @@ impl TensorDict {
         }
         for (path, target, s) in writes {
             plan.write(target, s).with_key(|| path)?;
+        }
+        Ok(())
+    }
+}
+
+impl TensorDict {
+    /// `td[index] = src` as torch and Python tensordict assign (where [`TensorDict::set_at`]
+    /// asks for exact shapes and dtypes):
+    /// - `src`'s batch size must be the indexed batch size (`self.index(index)`'s);
+    /// - each tensor of `src` is converted to the dtype of its counterpart here (torch's rules,
+    ///   [`Tensor::to_dtype`]) and broadcast to the indexed shape of it (its dims after the
+    ///   batch dims are matched from the right; dims of size 1 repeat);
+    /// - a tensor of `src` with no counterpart here gets one first: zeros on the heap, of this
+    ///   dict's batch size followed by the tensor's own dims after its batch dims (nested dicts
+    ///   on the way are created with their parent's batch size), as Python tensordict does.
+    ///
+    /// Non-tensor values of `src` are ignored. Everything is checked before anything is
+    /// created or written; a position picked twice keeps the last value written.
+    pub fn assign_at(&mut self, index: impl Into<Index>, src: &TensorDict) -> Result<()> {
+        let index = index.into();
+        let plan = Plan::resolve(&index, self.batch_size())?;
+        let batch = plan.shape_after(self.batch_size());
+        if src.batch_size() != batch.as_slice() {
+            return Err(Error::Incompatible {
+                op: "assign_at",
+                detail: format!(
+                    "the indexed dict has batch size {batch:?} (batch size {:?}, index {index}), which differs \
+                     from the value's batch size {:?}; only the dims after the batch dims broadcast",
+                    self.batch_size(),
+                    src.batch_size()
+                ),
+            });
+        }
+        let mut writes: Vec<(KeyPath, Tensor)> = Vec::new();
+        let mut created: Vec<(KeyPath, Tensor)> = Vec::new();
+        for (path, s) in src.leaves() {
+            let new_leaf;
+            let (target, fresh) = match self.get(&path) {
+                Ok(Entry::Tensor(t)) => (t, false),
+                Ok(other) => {
+                    return Err(Error::WrongEntryKind {
+                        key: path.clone(),
+                        expected: "tensor",
+                        actual: other.kind_name(),
+                    });
+                }
+                Err(Error::KeyNotFound { .. }) => {
+                    let mut dims = self.batch_size().to_vec();
+                    dims.extend_from_slice(&s.dims()[src.batch_dims()..]);
+                    new_leaf =
+                        Tensor::zeros(dims, s.dtype(), &memmap_tensor::Location::Heap).with_key(|| path.clone())?;
+                    (&new_leaf, true)
+                }
+                Err(e) => return Err(e),
+            };
+            let expected = plan.shape_after(target.dims());
+            let value = s.to_dtype(target.dtype()).with_key(|| path.clone())?;
+            let value = if value.dims() == expected.as_slice() {
+                value
+            } else {
+                value.broadcast_to(expected).and_then(|b| b.contiguous()).with_key(|| path.clone())?
+            };
+            if !target.storage().is_writable() {
+                return Err(Error::Tensor {
+                    key: path.clone(),
+                    source: memmap_tensor::Error::ReadOnly { op: "assign_at", storage: target.storage().describe() },
+                });
+            }
+            if fresh {
+                created.push((path.clone(), target.clone()));
+            }
+            writes.push((path, value));
+        }
+        if !created.is_empty() {
+            // Checked as a whole first, so that a leaf that does not fit creates nothing.
+            let mut with_new = self.clone();
+            for (path, t) in created {
+                with_new.set(path, t)?;
+            }
+            *self = with_new;
+        }
+        for (path, value) in writes {
+            let target = self.get_tensor(&path)?;
+            plan.write(target, &value).with_key(|| path)?;
+        }
+        Ok(())
+    }
+
+    /// `td[index] = value` for a single tensor (a scalar is a 0-d tensor), as torch assigns
+    /// one: the indexed elements of every tensor get `value`, converted to that tensor's dtype
+    /// and broadcast to its indexed shape. Everything is checked before anything is written.
+    pub fn fill_at(&mut self, index: impl Into<Index>, value: &Tensor) -> Result<()> {
+        let index = index.into();
+        let plan = Plan::resolve(&index, self.batch_size())?;
+        let mut writes: Vec<(KeyPath, Tensor)> = Vec::new();
+        for (path, target) in self.leaves() {
+            let expected = plan.shape_after(target.dims());
+            let v = value.to_dtype(target.dtype()).and_then(|v| v.broadcast_to(expected)).with_key(|| path.clone())?;
+            if !target.storage().is_writable() {
+                return Err(Error::Tensor {
+                    key: path.clone(),
+                    source: memmap_tensor::Error::ReadOnly { op: "fill_at", storage: target.storage().describe() },
+                });
+            }
+            let v = v.contiguous().with_key(|| path.clone())?;
+            writes.push((path, v));
+        }
+        for (path, v) in writes {
+            let target = self.get_tensor(&path)?;
+            plan.write(target, &v).with_key(|| path)?;
         }
         Ok(())
     }

@@ -349,3 +349,117 @@ fn chunk_of_an_empty_dim_gives_every_chunk_and_squeeze_keeps_other_sizes() -> Te
     assert!(matches!(five.squeeze(2), Err(Error::InvalidArgument { .. })));
     Ok(())
 }
+
+// === Assignments (`td[index] = value`) ===
+
+/// A tensor of the assignment table: `{"dtype", "shape", "values"}` (values as JSON numbers).
+fn table_tensor(v: &Value) -> AnyResult<Tensor> {
+    let values: Vec<f64> = v["values"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    let shape: Vec<usize> = serde_json::from_value(v["shape"].clone())?;
+    let dtype: DType = v["dtype"].as_str().unwrap().parse()?;
+    Ok(Tensor::from_slice(&values, shape)?.to_dtype(dtype)?)
+}
+
+/// The entries of a table value (`{name: tensor or nested entries}`) set into `td`.
+fn table_entries(td: &mut TensorDict, prefix: &[String], entries: &Value) -> TestResult {
+    for (name, v) in entries.as_object().unwrap() {
+        let path: Vec<String> = prefix.iter().cloned().chain([name.clone()]).collect();
+        if v.get("dtype").is_some() {
+            td.set(path, table_tensor(v)?)?;
+        } else {
+            table_entries(td, &path, v)?;
+        }
+    }
+    Ok(())
+}
+
+/// The dict every assignment of the table writes into.
+fn assignment_base() -> AnyResult<TensorDict> {
+    let range = |n: usize, dims: &[usize], dtype: DType| -> AnyResult<Tensor> {
+        Ok(Tensor::from_slice(&(0..n).map(|i| i as f64).collect::<Vec<_>>(), dims.to_vec())?.to_dtype(dtype)?)
+    };
+    let mut td = TensorDict::new([3, 4]);
+    td.set("a", range(24, &[3, 4, 2], DType::F32)?)?;
+    td.set("b", range(12, &[3, 4], DType::I64)?)?;
+    td.set(["n", "c"], range(36, &[3, 4, 3], DType::F32)?)?;
+    Ok(td)
+}
+
+/// `td[index] = value` of `tests/fixtures/parity/assignments.json` (`make_parity_writes.py`)
+/// through [`TensorDict::assign_at`] (dicts) and [`TensorDict::fill_at`] (numbers and single
+/// tensors): every leaf afterwards as Python tensordict left it, or an error where Python
+/// raised one, with nothing written. (The table's other writes, by key, are Python's own API and
+/// are checked from Python.) Python gives a dict of a shorter batch size the indexed one when
+/// its tensors allow; here the caller does, so such a value is given with the indexed one.
+#[test]
+fn assignments_by_index_match_python() -> TestResult {
+    let table: Value = serde_json::from_slice(&fs::read(parity_dir().join("assignments.json"))?)?;
+    let mut checked = 0;
+    for case in table["cases"].as_array().unwrap() {
+        if case["op"] != "setitem_index" {
+            continue;
+        }
+        let index = Index::Tuple(case["index"].as_array().unwrap().iter().map(item).collect());
+        let mut td = assignment_base()?;
+        let value = &case["value"];
+        let outcome = if let Some(n) = value.get("number") {
+            let scalar = match n {
+                Value::Bool(b) => Tensor::from_bools(&[*b], Vec::<usize>::new())?,
+                n if n.is_i64() => Tensor::from_slice(&[n.as_i64().unwrap()], Vec::<usize>::new())?,
+                n => Tensor::from_slice(&[n.as_f64().unwrap()], Vec::<usize>::new())?,
+            };
+            td.fill_at(index.clone(), &scalar)
+        } else if let Some(t) = value.get("tensor") {
+            td.fill_at(index.clone(), &table_tensor(t)?)
+        } else {
+            let entries = value.get("dict").or(value.get("td")).unwrap();
+            let batch = match value.get("batch_size") {
+                Some(b)
+                    if td.index_shape(&index).is_ok_and(|want| {
+                        let b: Vec<usize> = serde_json::from_value(b.clone()).unwrap();
+                        want.starts_with(&b)
+                    }) =>
+                {
+                    td.index_shape(&index)?
+                }
+                Some(b) => serde_json::from_value(b.clone())?,
+                None => td.index_shape(&index).unwrap_or_default(),
+            };
+            let mut src = TensorDict::new(batch);
+            match table_entries(&mut src, &[], entries) {
+                Ok(()) => td.assign_at(index.clone(), &src),
+                Err(e) => Err(Error::InvalidArgument { op: "table value", detail: e.to_string() }),
+            }
+        };
+        let expected = &case["result"];
+        match (outcome, expected.get("error")) {
+            (Err(_), Some(_)) => {
+                let untouched = assignment_base()?;
+                for (key, t) in untouched.leaves() {
+                    assert_eq!(
+                        td.get_tensor(&key)?.to_bytes()?,
+                        t.to_bytes()?,
+                        "{index}: a refused write wrote `{key}`"
+                    );
+                }
+            }
+            (Ok(()), Some(e)) => panic!("{index}: Python raised {e}, and assign_at wrote"),
+            (Err(e), None) => panic!("{index}: Python wrote, and assign_at failed: {e}"),
+            (Ok(()), None) => {
+                let leaves = expected["leaves"].as_object().unwrap();
+                assert_eq!(td.leaves().len(), leaves.len(), "{index}: leaves {:?}", td.keys(true, true));
+                for (name, want) in leaves {
+                    let t = td.get_tensor(name.split('.').collect::<Vec<&str>>().as_slice())?;
+                    assert_eq!(t.dtype().as_str(), want["dtype"], "{index}: `{name}`");
+                    assert_eq!(serde_json::to_value(t.dims())?, want["shape"], "{index}: `{name}`");
+                    let want: Vec<f64> =
+                        want["values"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+                    assert_eq!(t.to_dtype(DType::F64)?.to_vec::<f64>()?, want, "{index}: `{name}`");
+                }
+            }
+        }
+        checked += 1;
+    }
+    assert!(checked >= 25, "the table has the assignments by index ({checked})");
+    Ok(())
+}
