@@ -215,6 +215,16 @@ CONSUMERS = {
         same(got["x"].numpy(), B)
         same(got["r"].numpy(), R)
     """,
+    "Assignment": """
+        td = TensorDict({"x": np.zeros(np.shape(B), np.asarray(B).dtype)}, batch_size=[4])
+        td[:] = {"x": B}
+        same(td["x"].numpy(), B)
+        td["y"] = B
+        same(td["y"].numpy(), B)
+        row = TensorDict({"r": np.zeros(np.shape(R), np.asarray(R).dtype)}, batch_size=[])
+        row[...] = R
+        same(row["r"].numpy(), R)
+    """,
     "RemoteReplayBuffer": """
         server = ReplayServer("hostile", 8)
         client = RemoteReplayBuffer("hostile")
@@ -1488,4 +1498,77 @@ def test_rows_a_replay_buffer_does_not_have_raise(index, expected):
         """,
         INDEX=index,
         EXPECTED=expected,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Writes: values no tensor holds, dicts nested without end, indices out of range, a dict
+# changed while a write converts its value. An error, and nothing written.
+
+WRITES = {
+    "2**63 as a number": "raises(ValueError, lambda: td.__setitem__(0, 2**63), match='int64')",
+    "-2**63-1 as a number": "raises(ValueError, lambda: td.__setitem__(0, -2**63 - 1), match='int64')",
+    "2**63 in a list": "raises(ValueError, lambda: td.__setitem__('z', [2**63] * 4), match='int64')",
+    "inf and nan into ints": """
+        td[0] = INF
+        td[1] = NAN
+        same(td["i"].numpy()[:2], np.array([np.iinfo(np.int64).max, 0]))
+        assert math.isinf(td["f"].numpy()[0]) and math.isnan(td["f"].numpy()[1])
+    """,
+    "1e400 as a number": "td[2] = 1e400; assert math.isinf(td['f'].numpy()[2])",
+    "a bool index": "raises(IndexError, lambda: td.__setitem__(True, 1))",
+    "an index out of range": "raises(IndexError, lambda: td.__setitem__([0, 2**62], 1))",
+    "an index past int64": "raises((IndexError, OverflowError), lambda: td.__setitem__([2**64], 1))",
+    "a mask of the wrong length": "raises(IndexError, lambda: td.__setitem__(np.ones(3, bool), 1))",
+    "a value of the wrong batch": "raises(ValueError, lambda: td.__setitem__(slice(0, 2), {'i': np.zeros(3, np.int64)}))",
+    "a value of no known kind": "raises(TypeError, lambda: td.__setitem__(slice(0, 2), object()))",
+    "a key that is not a string": "raises(TypeError, lambda: td.__setitem__(slice(0, 2), {1: np.zeros(2)}))",
+    "a hostile key": """
+        td["../x"] = np.zeros(4)
+        td["a/b"] = np.zeros(4)
+        out = td.memmap("folder")
+        assert sorted(os.listdir("folder")) == sorted(["..%2Fx.memmap", "a%2Fb.memmap", "f.memmap", "i.memmap", "meta.json"])
+    """,
+    "dicts nested 200 deep": """
+        deep = {}
+        inner = deep
+        for _ in range(200):
+            inner["d"] = {}
+            inner = inner["d"]
+        raises(ValueError, lambda: td.__setitem__("deep", deep), match="deep")
+        assert td.keys() == ["i", "f"]
+    """,
+    "a value whose __dlpack__ raises": """
+        class Bad:
+            def __dlpack__(self, **kw):
+                raise RuntimeError("no")
+            def __dlpack_device__(self):
+                return (1, 0)
+        raises(RuntimeError, lambda: td.__setitem__("b", Bad()), match="no")
+        raises(RuntimeError, lambda: td.__setitem__(0, {"i": Bad()}), match="no")
+        assert td.keys() == ["i", "f"]
+    """,
+    "a dict deleted under a nested handle": """
+        td["n"] = {"a": np.zeros(4)}
+        n = td["n"]
+        del td["n"]
+        raises(KeyError, lambda: n.__setitem__(0, 1), match="no longer")
+        raises(KeyError, lambda: n.__setitem__("b", np.zeros(4)), match="no longer")
+    """,
+    "a read-only mapping": """
+        td.memmap("ro")
+        cow = TensorDict.load_memmap("ro")
+        raises(PermissionError, lambda: cow.__setitem__(slice(None), 5), match="writable=True")
+        same(TensorDict.load_memmap("ro")["i"].numpy(), np.zeros(4, np.int64))
+    """,
+}
+
+
+@pytest.mark.parametrize("case", WRITES)
+def test_a_hostile_write_raises_and_writes_nothing(case):
+    run(
+        """
+td = TensorDict({"i": np.zeros(4, np.int64), "f": np.zeros(4, np.float32)}, batch_size=[4])
+"""
+        + textwrap.dedent(WRITES[case])
     )

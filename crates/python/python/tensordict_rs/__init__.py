@@ -5,11 +5,34 @@ into numpy and torch by DLPack without a copy.
     >>> td = tdr.TensorDict({"obs": np.zeros((4, 3), np.float32)}, batch_size=[4])
     >>> folder = td.memmap("/tmp/my-dict")          # Python tensordict's memmap format
     >>> obs = np.from_dlpack(folder["obs"])           # the mapping itself, no copy
+    >>> folder[[0, 2]] = {"obs": np.ones((2, 3), np.float32)}   # rows written to the files
+
+Errors are raised by kind: every one is a ``TensorDictError`` and, where Python has an
+exception for its kind, that one too (``TensorDictKeyError`` is a ``KeyError``,
+``TensorDictTimeoutError`` a ``TimeoutError``).
 
 The native module is ``tensordict_rs._native``; this package re-exports it.
 """
 
-from tensordict_rs._native import Tensor, TensorDict, TensorDictError, __version__, live_exports
+from tensordict_rs._native import (
+    Tensor,
+    TensorDict,
+    TensorDictConnectionError,
+    TensorDictError,
+    TensorDictFileExistsError,
+    TensorDictFileNotFoundError,
+    TensorDictIndexError,
+    TensorDictKeyError,
+    TensorDictMemoryError,
+    TensorDictPermissionError,
+    TensorDictTimeoutError,
+    TensorDictTypeError,
+    TensorDictValueError,
+    __version__,
+    cat,
+    live_exports,
+    stack,
+)
 from tensordict_rs.replay import RemoteReplayBuffer, ReplayBuffer, ReplayServer
 from tensordict_rs.store import Store
 
@@ -20,8 +43,20 @@ __all__ = [
     "Store",
     "Tensor",
     "TensorDict",
+    "TensorDictConnectionError",
     "TensorDictError",
+    "TensorDictFileExistsError",
+    "TensorDictFileNotFoundError",
+    "TensorDictIndexError",
+    "TensorDictKeyError",
+    "TensorDictMemoryError",
+    "TensorDictPermissionError",
+    "TensorDictTimeoutError",
+    "TensorDictTypeError",
+    "TensorDictValueError",
+    "cat",
     "live_exports",
+    "stack",
     "to_tensordict",
     "__version__",
 ]

@@ -1,9 +1,12 @@
 //! Keys and indices from Python: `"a"`, `("next", "obs")`, and torch's indexing of batch dims.
 
+use memmap_tensor::DType;
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySlice, PyTuple};
 use tensordict::{Index, KeyPath};
+
+use crate::error::to_py_err;
 
 /// A key: `"a"`, or a tuple of strings for a nested key (`("next", "obs")`).
 pub(crate) fn key_path(key: &Bound<'_, PyAny>) -> PyResult<Option<KeyPath>> {
@@ -51,7 +54,10 @@ pub(crate) fn index(obj: &Bound<'_, PyAny>) -> PyResult<Index> {
         let items = t.iter().map(|p| if p.is_instance_of::<PyTuple>() { index_item(&p) } else { index(&p) });
         return Ok(Index::Tuple(items.collect::<PyResult<_>>()?));
     }
-    // Arrays and tensors: as (nested) lists.
+    if let Some(index) = array_index(obj)? {
+        return Ok(index);
+    }
+    // Other arrays and tensors: as (nested) lists.
     let list = if obj.hasattr("tolist")? { obj.call_method0("tolist")? } else { obj.clone() };
     if let Ok(l) = list.cast::<PyList>() {
         if l.iter().all(|x| x.is_instance_of::<pyo3::types::PyBool>()) && !l.is_empty() {
@@ -76,6 +82,33 @@ pub(crate) fn index(obj: &Bound<'_, PyAny>) -> PyResult<Index> {
          tuple of those",
         short_repr(obj)?
     )))
+}
+
+/// An array or tensor of ints or bools with at least one dim, read through DLPack (no Python
+/// object per element: a 1024-row index costs a copy of 8 KiB, not 1024 ints made and read).
+/// `None` for anything else (a float array, a 0-d array, a GPU tensor): read as lists, which
+/// say what is wrong.
+fn array_index(obj: &Bound<'_, PyAny>) -> PyResult<Option<Index>> {
+    if obj.is_instance_of::<PyList>() || !obj.hasattr("__dlpack__")? {
+        return Ok(None);
+    }
+    let Ok(t) = crate::dlpack::import(obj, None) else { return Ok(None) };
+    let shape = t.dims().to_vec();
+    let nd = shape.len() > 1;
+    if shape.is_empty() || shape.len() > MAX_INDEX_DIMS {
+        return Ok(None);
+    }
+    Ok(match t.dtype() {
+        DType::Bool => {
+            let mask = t.to_vec_bool().map_err(to_py_err)?;
+            Some(if nd { Index::MaskNd { mask, shape } } else { Index::Mask(mask) })
+        }
+        DType::F16 | DType::BF16 | DType::F32 | DType::F64 => None,
+        _ => {
+            let indices = crate::dlpack::ints(&t).map_err(to_py_err)?;
+            Some(if nd { Index::ListNd { indices, shape } } else { Index::List(indices) })
+        }
+    })
 }
 
 /// `repr(obj)`, cut after 200 chars: a list given as an index may hold millions of items.
