@@ -298,7 +298,8 @@ fn replay_kind(e: &tensordict_replay::Error) -> Option<Kind> {
         | E::TooManyRows { .. }
         | E::InvalidName { .. }
         | E::RateLimit { .. }
-        | E::OutputMismatch { .. } => Kind::Value,
+        | E::OutputMismatch { .. }
+        | E::WriterCannot { .. } => Kind::Value,
         E::FolderNotEmpty { .. } | E::DestinationExists { .. } => Kind::FileExists,
         E::Missing { .. } => Kind::FileNotFound,
         E::Timeout { .. } => Kind::Timeout,

@@ -12,6 +12,7 @@ mod error;
 mod owned;
 mod remote;
 mod replay;
+mod spec;
 mod store;
 mod tensor;
 

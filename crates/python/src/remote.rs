@@ -3,9 +3,7 @@
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use tensordict_replay::SamplerSpec;
 use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
 
 use crate::client::{Connect, connect, connect_timeout, listen_options, wait_in_windows};
@@ -183,18 +181,20 @@ impl PyReplayServer {
 
 #[pymethods]
 impl PyReplayServer {
-    /// Starts serving a buffer of `capacity` rows under `name`. `sampler` is a sampler spec
-    /// as JSON; `path`, a folder for the rows (else shared memory); `listen`, a
+    /// Starts serving a buffer of `capacity` rows under `name`. `sampler` and `writer` are a
+    /// `tensordict_rs.replay` sampler and writer or their specs (a service takes the
+    /// round-robin writer only: its clients reserve rows before they write them); `path`, a folder for the rows (else shared memory); `listen`, a
     /// `tcp:HOST:PORT` to serve on too, with `token`; `load`, a TorchRL dump folder to start
     /// from (its rows, writer and sampler state).
     #[staticmethod]
-    #[pyo3(signature = (name, capacity, *, sampler=None, path=None, listen=None, token=None, runtime_dir=None, seed=None, load=None))]
+    #[pyo3(signature = (name, capacity, *, sampler=None, writer=None, path=None, listen=None, token=None, runtime_dir=None, seed=None, load=None))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         py: Python<'_>,
         name: String,
         capacity: usize,
-        sampler: Option<String>,
+        sampler: Option<&Bound<'_, PyAny>>,
+        writer: Option<&Bound<'_, PyAny>>,
         path: Option<std::path::PathBuf>,
         listen: Option<String>,
         token: Option<String>,
@@ -206,10 +206,11 @@ impl PyReplayServer {
         if let Some(dump) = load {
             options = options.load(dump);
         }
-        if let Some(spec) = sampler {
-            let spec: SamplerSpec =
-                serde_json::from_str(&spec).map_err(|e| PyValueError::new_err(format!("sampler spec: {e}")))?;
-            options = options.sampler(spec);
+        if let Some(sampler) = sampler {
+            options = options.sampler(crate::spec::sampler(sampler)?);
+        }
+        if let Some(writer) = writer {
+            options = options.writer(crate::spec::writer(writer)?);
         }
         if let Some(dir) = path {
             options = options.dir(dir);

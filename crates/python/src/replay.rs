@@ -3,7 +3,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use tensordict_replay::{LoadOptions, MaxValue, ReplayBuffer, RoundRobin, SamplerSpec, StorageConfig, Writer};
+use tensordict_replay::{LoadOptions, ReplayBuffer, StorageConfig};
 
 use crate::dict::{DictOf, PyTensorDict, to_tensordict};
 use crate::error::to_py_err;
@@ -44,28 +44,22 @@ fn config(
 
 #[pymethods]
 impl PyReplayBuffer {
-    /// `sampler` is a sampler spec as JSON (`{"prioritized": {"alpha": 0.6, ...}}`); `writer`
-    /// is `round-robin` or `max-value:KEY` (a dotted key path).
+    /// `sampler` and `writer` are `tensordict_rs.replay` samplers and writers, or their specs
+    /// (`{"prioritized": {"alpha": 0.6, "beta": 0.4}}`, `"round-robin"`,
+    /// `{"max-value": {"rank_key": ["next", "reward"]}}`).
     #[new]
     #[pyo3(signature = (capacity, storage, sampler, writer, *, path=None, prefix=None, seed=None))]
     fn py_new(
         capacity: usize,
         storage: &str,
-        sampler: &str,
-        writer: &str,
+        sampler: &Bound<'_, PyAny>,
+        writer: &Bound<'_, PyAny>,
         path: Option<std::path::PathBuf>,
         prefix: Option<String>,
         seed: Option<u64>,
     ) -> PyResult<Self> {
-        let spec: SamplerSpec =
-            serde_json::from_str(sampler).map_err(|e| PyValueError::new_err(format!("sampler spec: {e}")))?;
-        let writer: Box<dyn Writer> = match writer.split_once(':') {
-            None if writer == "round-robin" => Box::new(RoundRobin::new()),
-            Some(("max-value", key)) => Box::new(MaxValue::new(tensordict::KeyPath::new(key.split('.')))),
-            _ => {
-                return Err(PyValueError::new_err(format!("writer `{writer}`: expected round-robin or max-value:KEY")));
-            }
-        };
+        let spec = crate::spec::sampler(sampler)?;
+        let writer = crate::spec::writer(writer)?.build().map_err(to_py_err)?;
         let weighted = spec.weighted();
         let built = spec.build(capacity, seed).map_err(to_py_err)?;
         let inner = ReplayBuffer::new(config(storage, capacity, path, prefix)?, writer, built).map_err(to_py_err)?;
@@ -162,11 +156,12 @@ impl PyReplayBuffer {
         Ok(self.rb()?.capacity())
     }
 
-    /// The sampler's spec, as JSON.
+    /// The sampler's spec (`{"prioritized": {"alpha": 0.6, ...}}`), as a sampler's `_spec()`
+    /// gives it.
     #[getter]
-    fn sampler_spec(&self) -> PyResult<String> {
+    fn sampler_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let spec = self.rb()?.with_sampler(|s| s.spec());
-        serde_json::to_string(&spec).map_err(|e| PyValueError::new_err(e.to_string()))
+        crate::spec::to_py(py, &spec)
     }
 
     /// The storage, as a dict (its rows are the buffer's, `len(self)` of them valid).

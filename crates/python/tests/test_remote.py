@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 
 import tensordict_rs as tdr
-from tensordict_rs.replay import PrioritizedSampler, RemoteReplayBuffer, ReplayServer
+from tensordict_rs.replay import (
+    PrioritizedSampler,
+    RemoteReplayBuffer,
+    ReplayServer,
+    RoundRobinWriter,
+    TensorDictMaxValueWriter,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -200,3 +206,11 @@ def test_a_service_dumps_and_a_new_one_starts_from_the_dump(runtime, tmp_path):
         again = RemoteReplayBuffer("py-undump", runtime_dir=runtime)
         assert len(again) == 20
         assert set(whole(again.sample(64)).tolist()) <= set(range(20))
+
+
+def test_a_service_takes_the_round_robin_writer_and_refuses_others(runtime):
+    with ReplayServer("py-writer", 8, writer=RoundRobinWriter(), runtime_dir=runtime):
+        client = RemoteReplayBuffer("py-writer", runtime_dir=runtime)
+        assert client.extend(rows([1, 2, 3])) == [0, 1, 2]
+    with pytest.raises(ValueError, match="max-value writer cannot serve a replay service"):
+        ReplayServer("py-writer-max", 8, writer=TensorDictMaxValueWriter("reward"), runtime_dir=runtime)

@@ -17,6 +17,7 @@ from tensordict_rs.replay import (
     ReplayBuffer,
     SamplerWithoutReplacement,
     SliceSampler,
+    RoundRobinWriter,
     TensorDictMaxValueWriter,
 )
 
@@ -96,6 +97,27 @@ def test_max_value_writer_keeps_the_best_rows():
         rb.add({k: v[0] for k, v in rows([i]).items()})
     kept = sorted(rb.storage["reward"].numpy().tolist())
     assert kept == pytest.approx([0.06, 0.07, 0.08, 0.09])
+
+
+def test_writers_and_samplers_cross_as_typed_specs():
+    # A nested rank key whose names hold dots: a key path, not a dotted string.
+    rb = ReplayBuffer(storage=LazyTensorStorage(2), writer=TensorDictMaxValueWriter(("next", "r.v"), reduction="max"))
+    for i, v in enumerate([[1.0, 5.0], [4.0, 0.0], [3.0, 3.0]]):
+        rb.add({"x": np.int64(i), "next": {"r.v": np.array(v, np.float32)}})
+    assert sorted(rb.storage["x"].numpy().tolist()) == [0, 1], "the rows of largest max kept"
+    native = tdr.replay._native.ReplayBuffer
+    spec = {"prioritized": {"alpha": 0.5, "beta": 0.25, "eps": 1e-8, "max_priority_within_buffer": False}}
+    made = native(8, "heap", spec, "round-robin")
+    assert made.sampler_spec["prioritized"]["alpha"] == 0.5
+    assert native(8, "heap", PrioritizedSampler(8, 0.5, 0.25), RoundRobinWriter()).sampler_spec == made.sampler_spec
+    with pytest.raises(ValueError, match="unknown variant `fifo`.*round-robin, max-value"):
+        native(8, "heap", RandomSampler(), "fifo")
+    with pytest.raises(ValueError, match="unknown field `alhpa`"):
+        native(8, "heap", {"prioritized": {"alhpa": 0.5, "beta": 0.1, "eps": 1e-8, "max_priority_within_buffer": False}}, "round-robin")
+    with pytest.raises(ValueError, match="unknown field `extra`"):
+        native(8, "heap", RandomSampler(), {"max-value": {"rank_key": ["r"], "extra": 1}})
+    with pytest.raises(ValueError, match="reduction"):
+        ReplayBuffer(storage=LazyTensorStorage(2), writer=TensorDictMaxValueWriter("r", reduction="sideways"))
 
 
 @pytest.mark.parametrize("name", ["uniform_wrapped", "prioritized", "slices", "max_value_writer"])

@@ -49,4 +49,4 @@ pub use samplers::{
     Slice, SliceShape, SliceSpec, SumTree, Uniform, UniformSpec, WithoutReplacement, WithoutReplacementSpec,
 };
 pub use storages::{Backend, RowFiles, STORAGE_METADATA, Storage, StorageConfig};
-pub use writers::{MaxValue, Reduction, RoundRobin, Writer};
+pub use writers::{MaxValue, Reduction, RoundRobin, Writer, WriterSpec};

@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use memmap_tensor::{Access, Tensor};
 use tensordict::{Index, TensorDict};
 use tensordict_replay::{
-    Error, MaxValue, ReplayBuffer, RoundRobin, Sampler, StorageConfig, Uniform, WithoutReplacement, Writer,
+    Error, MaxValue, Reduction, ReplayBuffer, RoundRobin, Sampler, StorageConfig, Uniform, WithoutReplacement, Writer,
+    WriterSpec,
 };
 
 type R = anyhow::Result<()>;
@@ -197,6 +198,37 @@ fn max_value_writer_state_matches_the_torchrl_dump() -> R {
     // A rank key that is missing is named.
     let err = MaxValue::new("score").reserve(&batch, 16).unwrap_err();
     assert!(err.to_string().contains("score"), "{err}");
+    Ok(())
+}
+
+/// A writer's spec is its serde form: `"round-robin"`, `{"max-value": {...}}`; it builds the
+/// writer it names, and says which can serve a replay service.
+#[test]
+fn writer_specs_name_and_build_their_writers() -> R {
+    let specs: Vec<WriterSpec> = serde_json::from_str(
+        r#"["round-robin", {"max-value": {"rank_key": ["next", "r.v"]}}, {"max-value": {"rank_key": ["r"], "reduction": "median"}}]"#,
+    )?;
+    assert_eq!(specs[0], WriterSpec::default());
+    assert_eq!(
+        specs[1],
+        WriterSpec::MaxValue { rank_key: vec!["next".into(), "r.v".into()], reduction: Reduction::Sum }
+    );
+    for spec in &specs {
+        assert_eq!(spec.build()?.name(), spec.name());
+        assert!(WriterSpec::NAMES.contains(&spec.name()));
+        let again: WriterSpec = serde_json::from_str(&serde_json::to_string(spec)?)?;
+        assert_eq!(&again, spec);
+    }
+    assert!(specs[0].places_rows_blind() && !specs[1].places_rows_blind());
+    for bad in [
+        r#""fifo""#,
+        r#"{"max-value": {"rank_key": ["r"], "extra": 1}}"#,
+        r#"{"max-value": {"rank_key": ["r"], "reduction": "mode"}}"#,
+    ] {
+        assert!(serde_json::from_str::<WriterSpec>(bad).is_err(), "{bad}");
+    }
+    let empty = WriterSpec::MaxValue { rank_key: vec![], reduction: Reduction::Max };
+    assert!(matches!(empty.build(), Err(Error::RankKey { .. })));
     Ok(())
 }
 

@@ -463,6 +463,18 @@ fn hostile_requests_get_errors() {
     assert!(matches!(refused, Error::CapacityTooLarge { .. }), "{refused}");
 }
 
+/// A service places rows with a writer that does not need their values (its clients reserve
+/// rows first): round-robin serves, a max-value writer is refused at start, naming why.
+#[test]
+fn a_service_refuses_a_writer_that_needs_the_rows_values() {
+    let f = Fixture::new("writers");
+    let max_value =
+        tensordict_replay::WriterSpec::MaxValue { rank_key: vec!["reward".into()], reduction: Default::default() };
+    let refused = ReplayServer::start("writers-max", f.options(8).writer(max_value)).unwrap_err();
+    assert!(matches!(refused, Error::WriterCannot { writer: "max-value", .. }), "{refused}");
+    let _served = f.start(f.options(8).writer(tensordict_replay::WriterSpec::RoundRobin));
+}
+
 /// A sample whose reply would not fit in a frame is refused up front, by the client and by
 /// the service, with an error naming the real limit; the largest allowed sample is served.
 #[test]

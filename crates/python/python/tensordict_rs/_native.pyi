@@ -122,8 +122,8 @@ class ReplayBuffer:
         self,
         capacity: int,
         storage: str,
-        sampler: str,
-        writer: str,
+        sampler: Any,
+        writer: Any,
         *,
         path: str | None = None,
         prefix: str | None = None,
@@ -144,7 +144,7 @@ class ReplayBuffer:
     @property
     def capacity(self) -> int: ...
     @property
-    def sampler_spec(self) -> str: ...
+    def sampler_spec(self) -> Any: ...
     def __getitem__(self, index: list[int]) -> TensorDict: ...
     def __len__(self) -> int: ...
 
@@ -171,7 +171,8 @@ class ReplayServer:
         name: str,
         capacity: int,
         *,
-        sampler: str | None = None,
+        sampler: Any = None,
+        writer: Any = None,
         path: str | None = None,
         listen: str | None = None,
         token: str | None = None,

@@ -12,7 +12,6 @@ Samples are ``tensordict_rs.TensorDict``s whose tensors cross into torch and num
 ``tensordict_rs.to_tensordict`` makes a Python ``tensordict.TensorDict`` of one.
 """
 
-import json
 
 from tensordict_rs import _native
 
@@ -171,18 +170,21 @@ class PrioritizedSliceSampler:
 class RoundRobinWriter:
     """Writes rows in order, wrapping at the capacity."""
 
-    def _native(self):
+    def _spec(self):
         return "round-robin"
 
 
 class TensorDictMaxValueWriter:
-    """Keeps the rows with the largest ``rank_key``."""
+    """Keeps the rows with the largest ``rank_key`` (a key, or a tuple for a nested one),
+    several values of a row reduced by ``reduction`` (``"sum"``, ``"mean"``, ``"max"``,
+    ``"min"``, ``"median"``)."""
 
-    def __init__(self, rank_key="reward"):
+    def __init__(self, rank_key="reward", reduction="sum"):
         self.rank_key = _key(rank_key)
+        self.reduction = reduction
 
-    def _native(self):
-        return "max-value:" + ".".join(self.rank_key)
+    def _spec(self):
+        return {"max-value": {"rank_key": self.rank_key, "reduction": self.reduction}}
 
 
 class ReplayBuffer:
@@ -202,7 +204,7 @@ class ReplayBuffer:
         if capacity != storage.max_size:
             raise ValueError(f"the sampler's max_capacity ({capacity}) is not the storage's max_size ({storage.max_size})")
         self._rb = _native.ReplayBuffer(
-            storage.max_size, sampler=json.dumps(sampler._spec()), writer=writer._native(), seed=seed, **storage._native()
+            storage.max_size, sampler=sampler, writer=writer, seed=seed, **storage._native()
         )
         self.batch_size = batch_size
 
@@ -383,15 +385,28 @@ class ReplayServer:
     this node connect by ``name``, others at ``listen`` (``"tcp:HOST:PORT"``) with ``token``."""
 
     def __init__(
-        self, name, capacity, *, sampler=None, path=None, listen=None, token=None, runtime_dir=None, seed=None, load=None
+        self,
+        name,
+        capacity,
+        *,
+        sampler=None,
+        writer=None,
+        path=None,
+        listen=None,
+        token=None,
+        runtime_dir=None,
+        seed=None,
+        load=None,
     ):
-        """``load``: a TorchRL dump folder to start from (its rows, writer and sampler)."""
-        spec = None if sampler is None else json.dumps(sampler._spec())
+        """``load``: a TorchRL dump folder to start from (its rows, writer and sampler).
+        ``writer``: a service takes ``RoundRobinWriter`` only (its clients reserve rows before
+        they write them); another is refused."""
         self.name = name
         self._server = _native.ReplayServer.start(
             name,
             int(capacity),
-            sampler=spec,
+            sampler=sampler,
+            writer=writer,
             path=None if path is None else str(path),
             listen=listen,
             token=token,

@@ -78,6 +78,7 @@ pub use service::{LimiterInfo, ReplayInfo, ReplayService, ReplayServiceClient, R
 use crate::error::{Error, Result};
 use crate::rate::RateLimiter;
 pub use crate::samplers::SamplerSpec;
+use crate::writers::WriterSpec;
 
 /// The longest service name, in bytes.
 pub const MAX_NAME_BYTES: usize = tensordict_rpc::service::MAX_NAME_BYTES;
@@ -200,6 +201,10 @@ pub struct ReplayOptions {
     pub overwrite: bool,
     /// The sampler.
     pub sampler: SamplerSpec,
+    /// The writer: one that places rows without their values ([`WriterSpec::places_rows_blind`],
+    /// round-robin), since clients reserve rows before they write them; another is refused
+    /// when the service starts.
+    pub writer: WriterSpec,
     /// A rate limiter (none by default).
     pub limiter: Option<RateLimiter>,
     /// Where it is served (runtime directory, TCP endpoint and token).
@@ -222,6 +227,7 @@ impl ReplayOptions {
             dir: None,
             overwrite: false,
             sampler: SamplerSpec::default(),
+            writer: WriterSpec::default(),
             limiter: None,
             service: tensordict_rpc::service::ServiceOptions::default(),
             seed: None,
@@ -245,6 +251,12 @@ impl ReplayOptions {
     /// Draws with `sampler` (a [`SamplerSpec`], or any sampler's spec: `PrioritizedSpec`...).
     pub fn sampler(mut self, sampler: impl Into<SamplerSpec>) -> Self {
         self.sampler = sampler.into();
+        self
+    }
+
+    /// Places rows with `writer` (only round-robin serves: see the field).
+    pub fn writer(mut self, writer: WriterSpec) -> Self {
+        self.writer = writer;
         self
     }
 

@@ -19,7 +19,6 @@ use super::{
 use crate::buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows};
 use crate::error::{Error, Result};
 use crate::storages::{Backend, StorageConfig};
-use crate::writers::RoundRobin;
 
 /// The largest sample one request may ask for, whatever the frames. The reply must also fit
 /// in one frame, which allows fewer rows: see [`super::max_sample_rows`].
@@ -151,6 +150,12 @@ impl ReplayServer {
         let service = service_name(name)?;
         if options.capacity == 0 && options.load.is_none() {
             return Err(Error::ZeroCapacity);
+        }
+        if !options.writer.places_rows_blind() {
+            return Err(Error::WriterCannot {
+                writer: options.writer.name(),
+                op: "serve a replay service, whose clients reserve rows before they have their values",
+            });
         }
         let runtime_dir = named::runtime_dir(&options.service)?;
         let owner = service.lock(&runtime_dir)?;
@@ -674,7 +679,7 @@ impl ReplayService for Session {
 fn new_buffer(backend: Backend, options: &ReplayOptions) -> Result<ReplayBuffer> {
     let config = StorageConfig { backend, capacity: options.capacity };
     let sampler = options.sampler.build(options.capacity, options.seed)?;
-    ReplayBuffer::new(config, Box::new(RoundRobin::new()), sampler)
+    ReplayBuffer::new(config, options.writer.build()?, sampler)
 }
 
 /// Takes the lock of a storage folder, `.NAME.owner` beside the folder `NAME` (so the folder

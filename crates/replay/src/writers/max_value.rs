@@ -15,8 +15,10 @@ use super::{Writer, batch_rows, other_kind};
 use crate::checkpoint::{WriterDump, WriterKind};
 use crate::error::{Error, Result};
 
-/// How [`MaxValue`] turns a row's several rank values into one.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// How [`MaxValue`] turns a row's several rank values into one (named as TorchRL names them:
+/// `"sum"`, `"mean"`, `"max"`, `"min"`, `"median"`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum Reduction {
     /// The sum (TorchRL's default).

@@ -17,6 +17,7 @@ pub mod round_robin;
 
 use std::fmt;
 
+use serde::{Deserialize, Serialize};
 use tensordict::{KeyPath, TensorDict};
 
 use crate::checkpoint::WriterDump;
@@ -24,6 +25,63 @@ use crate::error::{Error, Result};
 
 pub use max_value::{MaxValue, Reduction};
 pub use round_robin::RoundRobin;
+
+/// A writer and its options: the one serde form of a writer's configuration, beside
+/// [`crate::SamplerSpec`] (what the Python classes, the CLI and a replay service's options
+/// give). Serialized as `"round-robin"` or `{"max-value": {"rank_key": ["a", "b"], "reduction":
+/// "sum"}}`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+#[non_exhaustive]
+pub enum WriterSpec {
+    /// [`RoundRobin`]: rows in order, wrapping at the capacity.
+    #[default]
+    RoundRobin,
+    /// [`MaxValue`]: keeps the rows with the largest value at `rank_key`.
+    MaxValue {
+        /// The key path of the rank (its parts; `["next", "reward"]`).
+        rank_key: Vec<String>,
+        /// How a row's several rank values become one.
+        #[serde(default)]
+        reduction: Reduction,
+    },
+}
+
+impl WriterSpec {
+    /// The name of every writer a spec can describe.
+    pub const NAMES: &[&str] = &["round-robin", "max-value"];
+
+    /// The writer, in its empty state.
+    pub fn build(&self) -> Result<Box<dyn Writer>> {
+        Ok(match self {
+            WriterSpec::RoundRobin => Box::new(RoundRobin::new()),
+            WriterSpec::MaxValue { rank_key, reduction } => {
+                if rank_key.is_empty() {
+                    return Err(Error::RankKey {
+                        key: String::new(),
+                        detail: "a max-value writer needs a rank key".into(),
+                    });
+                }
+                Box::new(MaxValue::with_reduction(KeyPath::new(rank_key.clone()), *reduction))
+            }
+        })
+    }
+
+    /// The writer's name, as [`Writer::name`] gives it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            WriterSpec::RoundRobin => "round-robin",
+            WriterSpec::MaxValue { .. } => "max-value",
+        }
+    }
+
+    /// Whether the writer places rows without looking at them ([`Writer::reserve_rows`]): only
+    /// such a writer can serve a replay service, whose clients reserve rows before they have
+    /// the rows' values.
+    pub fn places_rows_blind(&self) -> bool {
+        matches!(self, WriterSpec::RoundRobin)
+    }
+}
 
 /// Chooses the storage row of each row of a batch.
 pub trait Writer: Send + fmt::Debug {
