@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 
 use crate::copy::{self, Rows, Strided, copy_strided};
 use crate::tensor::normalize_index;
-use crate::{Error, Result, Shape, Tensor};
+use crate::{Advice, Error, Result, Shape, StorageKind, Tensor};
 
 impl Tensor {
     /// Gathers the rows `indices` of dim 0 into a new contiguous heap tensor of shape
@@ -65,6 +65,7 @@ impl Tensor {
         if self.shares_storage_with(src) {
             return self.scatter_rows(indices, &src.deep_clone()?);
         }
+        self.populate_rows(indices, size);
         let _locks = Tensor::lock_pair(src, self, OP)?;
         // SAFETY: as in `gather_rows_into`, with source and destination swapped.
         unsafe {
@@ -75,6 +76,29 @@ impl Tensor {
             }
         }
         Ok(())
+    }
+
+    /// Before rows of a mapping are written whole: has the kernel map each row writable in
+    /// one call ([`Advice::PopulateWrite`]) when a row spans several pages, instead of one
+    /// fault per page (a sparse file's first write, or any write after a flush). Only a hint:
+    /// a kernel without it, or a failure, leaves the writes to fault as they would.
+    fn populate_rows(&self, indices: &[i64], size: usize) {
+        /// Rows smaller than this are written by faults as cheaply.
+        const POPULATE_MIN_ROW_BYTES: usize = 64 * 1024;
+        let storage = self.storage();
+        let (Some(row_elems), true) = (self.layout().row_elems(), self.layout().rows_contiguous()) else { return };
+        let row_bytes = row_elems * self.dtype().size_in_bytes();
+        if row_bytes < POPULATE_MIN_ROW_BYTES || !matches!(storage.kind(), StorageKind::File | StorageKind::Shm) {
+            return;
+        }
+        let stride = self.layout().strides()[0] * self.dtype().size_in_bytes();
+        let base = self.byte_offset() + self.layout().offset_elems() * self.dtype().size_in_bytes();
+        for &i in indices {
+            let row = copy::row_of(i, size);
+            if storage.advise_range(Advice::PopulateWrite, base + row * stride, row_bytes).is_err() {
+                return;
+            }
+        }
     }
 
     /// Copies `src` (shape `[rows.len(), dims[1..]…]`) into rows `rows` of dim 0.

@@ -543,3 +543,30 @@ fn every_advice_is_taken_by_file_shared_and_heap_tensors_and_changes_no_value() 
     }
     Ok(())
 }
+
+/// Rows of several pages scattered into a sparse file and into shared memory (the kernel is
+/// asked to map each row writable in one call first): every byte lands, in both, and the file
+/// holds them after a flush.
+#[test]
+fn scatter_of_rows_spanning_pages_into_mappings() -> Result<(), Box<dyn std::error::Error>> {
+    let dir = tempfile::tempdir()?;
+    let row = 96 * 1024;
+    let path = dir.path().join("big.memmap");
+    let shm = format!("/tdict-populate-{}", std::process::id());
+    for location in [memmap_tensor::Location::File(path.clone()), memmap_tensor::Location::Shm(shm.clone())] {
+        let mut t = Tensor::zeros([16, row], memmap_tensor::DType::U8, &location)?;
+        let src: Vec<u8> = (0..3 * row).map(|i| (i % 251) as u8).collect();
+        t.scatter_rows(&[5, -1, 0], &Tensor::from_slice(&src, [3, row])?)?;
+        t.flush()?;
+        let all = t.to_vec::<u8>()?;
+        assert_eq!(&all[5 * row..6 * row], &src[..row]);
+        assert_eq!(&all[15 * row..], &src[row..2 * row]);
+        assert_eq!(&all[..row], &src[2 * row..]);
+        assert!(all[row..5 * row].iter().all(|&b| b == 0));
+    }
+    memmap_tensor::Storage::unlink_shm(&shm)?;
+    let on_disk = std::fs::read(&path)?;
+    assert_eq!(on_disk[5 * row], 0);
+    assert_eq!(on_disk[5 * row + 1], 1);
+    Ok(())
+}

@@ -15,6 +15,7 @@ mod replay;
 mod spec;
 mod store;
 mod tensor;
+mod worker;
 
 use pyo3::prelude::*;
 
@@ -37,6 +38,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(live_exports, m)?)?;
     m.add_function(wrap_pyfunction!(dict::_reopen, m)?)?;
     m.add_function(wrap_pyfunction!(dict::cat, m)?)?;
+    m.add_class::<worker::PyTensorDictRef>()?;
+    m.add_class::<worker::PyWorker>()?;
+    m.add_class::<worker::PyWorkerServer>()?;
+    m.add_function(wrap_pyfunction!(worker::_ref_from_json, m)?)?;
     m.add_function(wrap_pyfunction!(dict::stack, m)?)?;
     error::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

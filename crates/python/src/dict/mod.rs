@@ -23,7 +23,9 @@ use tensordict::{Entry, Index, KeyPath, TensorDict};
 
 pub(crate) use convert::{DictOf, to_tensordict};
 use convert::{entry_from_py, fill, rows_from_py};
-use index::{index, key_path};
+pub(crate) use index::index;
+pub(crate) use index::index as parse_index;
+use index::key_path;
 
 use crate::dlpack;
 use crate::error::{Kind, raise, to_py_err};
@@ -587,6 +589,22 @@ impl PyTensorDict {
         let td = self.dict()?;
         let parts = td.unbind(batch_dim(&td, dim)?).map_err(to_py_err)?;
         Ok(parts.into_iter().map(|p| self.derived(p)).collect())
+    }
+
+    /// A reference to this dict (a few hundred bytes, picklable) at the generation its storage
+    /// is at: what to send to another process or a `Worker` instead of the rows. The dict must
+    /// live in a folder or shared memory.
+    fn to_ref(&self) -> PyResult<crate::worker::PyTensorDictRef> {
+        crate::worker::to_ref(&*self.dict()?)
+    }
+
+    /// Flushes the dict and publishes a new generation of its storage: references made before
+    /// are refused from now on (their rows may have changed). Returns the new generation as
+    /// `(id, counter)`.
+    fn publish(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
+        let td = self.dict()?;
+        let generation = py.detach(|| td.flush().and_then(|()| td.publish())).map_err(to_py_err)?;
+        Ok((generation.id, generation.counter))
     }
 
     /// Writes the changes of every tensor mapped from a file back to it and waits (`msync`), so
