@@ -15,7 +15,9 @@ times (medians of three rounds) are printed side by side.
     python examples/python/remote_update.py 1000       # PyTorch's 1000 frames (1.2 GB)
 
 With ``--worker-at tcp:HOST:PORT --token TOKEN --folder PATH`` it uses a worker already running
-elsewhere (another node; the folder on a filesystem both see) instead of starting one.
+elsewhere (another node; the folder on a filesystem both see, at the same path) instead of
+starting one, and makes the update by reference only. Such a worker is started with
+``--worker NAME RUNTIME_DIR --listen tcp:HOST:PORT --token TOKEN --serve-seconds N``.
 """
 
 import argparse
@@ -34,11 +36,15 @@ import tensordict_rs as tdr
 ROWS = [4, 5, 6, 7, -2]
 
 
-def serve(name, runtime, listen=None, token=None):
+def serve(name, runtime, listen=None, token=None, seconds=None):
     """The worker process: the worker service (by reference), and updates by value of dicts
-    pickled to its standard input, until its parent closes that."""
+    pickled to its standard input, until its parent closes that (or for `seconds`, serving
+    references only, for a caller on another node)."""
     with tdr.WorkerServer(name, runtime_dir=runtime, listen=listen, token=token) as server:
         print(server.tcp_endpoint or server.endpoint, flush=True)
+        if seconds is not None:
+            time.sleep(seconds)
+            return
         while True:
             try:
                 arrays = pickle.load(sys.stdin.buffer)
@@ -49,26 +55,30 @@ def serve(name, runtime, listen=None, token=None):
             sys.stdout.flush()
 
 
-def update(worker, td, pipe=None, rounds=3):
+def update(worker, td, folder, pipe=None, rounds=3):
     """By reference, and by value through `pipe` (the worker process's standard input and
     output), `rounds` times each; returns the median seconds (by reference, by value or None)."""
-    # By reference: the worker writes ones into the rows, in the file both map; the ones are
-    # a dict in shared memory, sent by reference too.
+    # By reference: the worker writes ones into the rows, in the file both map. The ones are a
+    # dict sent by reference too: in shared memory, or beside the dict for a worker on another
+    # node (shared memory is one node's).
     prefix = f"remote-update-{os.getpid()}"
-    ones = tdr.TensorDict({"memmap": np.ones((len(ROWS), 640, 640, 3), np.uint8)}, [len(ROWS)]).share_memory(prefix)
-    frames = np.from_dlpack(td["memmap"])
+    ones = tdr.TensorDict({"memmap": np.ones((len(ROWS), 640, 640, 3), np.uint8)}, [len(ROWS)])
+    ones = ones.share_memory(prefix) if pipe is not None else ones.memmap(folder + "-ones", overwrite=True)
     by_ref = []
     try:
         for _ in range(rounds):
-            frames[ROWS] = 0
             sent = td.to_ref()
             start = time.perf_counter()
             back = worker.set_at(sent, ROWS, ones.to_ref())
             by_ref.append(time.perf_counter() - start)
             assert back.generation[1] == sent.generation[1] + 1, (sent, back)
-            assert (frames[ROWS, :1, :1, :1] == 1).all(), "the worker's writes are in the mapping"
+            # A fresh mapping: on a network filesystem only a new open sees another node's writes.
+            frames = np.from_dlpack(back.open()["memmap"])
+            assert (frames[ROWS, :1, :1, :1] == 1).all(), "the worker's writes are in the folder"
+            assert not frames[0].any(), "and only there"
     finally:
-        tdr.TensorDict.unlink_shared(prefix)
+        if pipe is not None:
+            tdr.TensorDict.unlink_shared(prefix)
     try:
         sent.open()
     except ValueError as stale:
@@ -80,6 +90,7 @@ def update(worker, td, pipe=None, rounds=3):
 
     # By value: the whole dict goes to the worker and comes back, as without references.
     send, receive = pipe
+    frames = np.from_dlpack(td["memmap"])
     by_value = []
     for _ in range(rounds):
         frames[ROWS] = 0
@@ -97,12 +108,13 @@ def main():
     parser.add_argument("frames", nargs="?", type=int, default=50)
     parser.add_argument("--worker", nargs=2, metavar=("NAME", "RUNTIME"), help=argparse.SUPPRESS)
     parser.add_argument("--listen", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-seconds", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--worker-at", help="a worker already running (tcp:HOST:PORT)")
     parser.add_argument("--token", help="the token of --worker-at")
     parser.add_argument("--folder", help="where to make the dict (a filesystem the worker sees too)")
     args = parser.parse_args()
     if args.worker:
-        return serve(*args.worker, listen=args.listen, token=args.token)
+        return serve(*args.worker, listen=args.listen, token=args.token, seconds=args.serve_seconds)
     if args.frames < 8:
         parser.error("at least 8 frames: rows 4 to 7 and -2 are written")
 
@@ -126,7 +138,7 @@ def main():
             worker = tdr.Worker("remote-update", runtime_dir=runtime)
             pipe = (child.stdin, child.stdout)
         try:
-            by_ref, by_value = update(worker, td, pipe)
+            by_ref, by_value = update(worker, td, folder, pipe)
         finally:
             if child is not None:
                 child.stdin.close()

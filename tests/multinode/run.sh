@@ -24,7 +24,8 @@
 # the stale-read test runs, 30 by default), MULTINODE_KEEP_LOGS=1 (keep the logs folder, printed
 # at the end), MULTINODE_ONLY (test names, without the filesystem, to run only those),
 # MULTINODE_ROUNDS (rounds of remote-update-rounds, 50 by default), MULTINODE_RELEASE=1 (release
-# builds, for benchmarks).
+# builds, for benchmarks), MULTINODE_PYTHON (a Python with tensordict_rs installed: adds
+# python-remote-update, the Python example with its worker on host 1 and its caller on host 2).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -40,6 +41,7 @@ REPLAY_PORT=7402
 BENCH_PORT=7403
 STALE_PORT=7404
 NET_PORT=7405
+PY_PORT=7406
 # How long the stale-read test rewrites rows (seconds).
 STALE_SECONDS=${MULTINODE_STALE_SECONDS:-30}
 # The most seconds any one test process may run (the peers also give up by themselves).
@@ -331,6 +333,27 @@ test_remote_update_rounds() {
     wait "$owner"
     local owner_status=$?
     result "$fs/remote-update-rounds" $((owner_status | worker_status)) "$log-worker.log" "$log-owner.log"
+}
+
+# examples/python/remote_update.py across hosts: the worker (the Python WorkerServer) on host 1
+# serving TCP with a token, the caller on host 2 making the dict on the shared folder and having
+# the worker write its rows by reference; the caller checks them through a fresh mapping.
+test_python_remote_update() {
+    local fs=$1 dir="$SHARED/py-update" log="$LOGS/$fs-py-update" example="$ROOT/examples/python/remote_update.py"
+    make_token
+    on 1 mkdir -p "$dir"
+    if ! start_service 1 "$log-worker.log" "$PY_PORT" "$MULTINODE_PYTHON" "$example" --worker mn-py-update \
+        "$STATE/n1/runtime" --listen "tcp:$SERVER:$PY_PORT" --token "$(cat "$STATE/token")" --serve-seconds "$PROCESS_LIMIT"; then
+        result "$fs/python-remote-update" 1 "$log-worker.log"
+        stop_service
+        return
+    fi
+    on 2 timeout -s KILL "$PROCESS_LIMIT" "$MULTINODE_PYTHON" "$example" --worker-at "tcp:$SERVER:$PY_PORT" \
+        --token "$(cat "$STATE/token")" --folder "$dir/data" >"$log-caller.log" 2>&1
+    local status=$?
+    grep -q "the reference sent is refused now" "$log-caller.log" || status=1
+    result "$fs/python-remote-update" "$status" "$log-caller.log" "$log-worker.log"
+    stop_service
 }
 
 # start_service K LOG CMD...: a server in the foreground on host K; waits until its port answers.
@@ -820,6 +843,7 @@ else
         fi
         want remote-update && test_remote_update "$fs"
         want remote-update-rounds && test_remote_update_rounds "$fs"
+        [ -n "${MULTINODE_PYTHON:-}" ] && want python-remote-update && test_python_remote_update "$fs"
         want store && test_store "$fs"
         want store-owner && test_store_owner "$fs"
         want store-by-value && test_store_by_value "$fs"
