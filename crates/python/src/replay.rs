@@ -109,7 +109,7 @@ impl PyReplayBuffer {
     }
 
     /// Samples `batch_size` rows: a dict with the storage's keys, `index` (the rows, int64)
-    /// and, for prioritized samplers, `priority_weight` (float64), as TorchRL 0.14.1 returns.
+    /// and, for prioritized samplers, `priority_weight` (float32), as TorchRL 0.14.1 returns.
     /// With `device` (`"cuda:0"`, a `torch.device`), the rows land in its memory: one kernel
     /// launch reads them from the storage's mapping.
     #[pyo3(signature = (batch_size, *, device=None))]
@@ -150,6 +150,26 @@ impl PyReplayBuffer {
         Ok(self.rb()?.len())
     }
 
+    /// How many rows have been written since the buffer was made or emptied (TorchRL's
+    /// `write_count`).
+    #[getter]
+    fn write_count(&self) -> PyResult<u64> {
+        Ok(self.rb()?.write_count())
+    }
+
+    /// Empties the buffer (TorchRL's `empty()`): no row valid, the writer back at row 0, the
+    /// sampler's state forgotten; the storage stays.
+    fn empty(&self, py: Python<'_>) -> PyResult<()> {
+        let rb = self.rb()?;
+        py.detach(|| rb.empty()).map_err(to_py_err)
+    }
+
+    /// Draws from now on as a sampler seeded with `seed` would.
+    fn reseed(&self, seed: u64) -> PyResult<()> {
+        self.rb()?.reseed(seed);
+        Ok(())
+    }
+
     /// The number of rows the buffer holds at most.
     #[getter]
     fn capacity(&self) -> PyResult<usize> {
@@ -181,7 +201,7 @@ impl PyReplayBuffer {
 }
 
 /// A sample as TorchRL 0.14.1 returns it: the rows, `index` (int64) and, for samplers that
-/// weight their draws, `priority_weight` (float64).
+/// weight their draws, `priority_weight` (float32).
 pub(crate) fn sample_dict(
     td: tensordict::TensorDict,
     mut info: tensordict_replay::SampleInfo,

@@ -63,7 +63,7 @@ def test_prioritized_samples_carry_weights_and_follow_priorities():
     rb.extend(rows(range(50)))
     sample = rb.sample()
     assert "priority_weight" in sample.keys()
-    assert sample["priority_weight"].dtype == "torch.float64"
+    assert sample["priority_weight"].dtype == "torch.float32", "TorchRL's dtype"
     index = check(sample)
     # Make row 7 far likelier than the rest: it dominates the next samples.
     rb.update_priority(np.arange(50), np.full(50, 1e-6))

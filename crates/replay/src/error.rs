@@ -272,6 +272,14 @@ pub enum Error {
         /// The row.
         index: usize,
     },
+    /// An operation that needs the buffer quiet, asked for while it was not.
+    #[error("{op}: {why}; try again once it is done")]
+    Busy {
+        /// The operation.
+        op: &'static str,
+        /// What is under way.
+        why: &'static str,
+    },
     /// A reservation or lease that does not belong to this buffer.
     #[error("{what} does not belong to this buffer")]
     Foreign {

@@ -201,6 +201,33 @@ fn max_value_writer_state_matches_the_torchrl_dump() -> R {
     Ok(())
 }
 
+/// `empty` as TorchRL's: nothing valid, the writer back at row 0 with no writes counted, the
+/// sampler's priorities forgotten; then the buffer fills again. `reseed` makes draws repeat.
+#[test]
+fn empty_and_reseed_as_torchrl() -> R {
+    let rb = ReplayBuffer::new(
+        StorageConfig::heap(8),
+        Box::new(RoundRobin::new()),
+        Box::new(tensordict_replay::Prioritized::new(8, 0.6, 0.4, 1e-8)?),
+    )?;
+    rb.extend(&rows(&[0, 1, 2, 3, 4], |i| i as f32)?)?;
+    rb.update_priority(vec![1usize], &[100.0])?;
+    assert_eq!((rb.len(), rb.write_count()), (5, 5));
+    rb.reseed(7);
+    let first = rb.sample(16)?.1.indices;
+    rb.reseed(7);
+    assert_eq!(rb.sample(16)?.1.indices, first, "the same seed draws the same rows");
+    rb.empty()?;
+    assert_eq!((rb.len(), rb.write_count()), (0, 0));
+    assert!(rb.sample(1).is_err(), "nothing to sample");
+    assert_eq!(rb.extend(&rows(&[9, 8], |i| i as f32)?)?, vec![0, 1], "the writer starts again at row 0");
+    assert_eq!(rb.len(), 2);
+    // Priorities were forgotten: both rows are drawn.
+    let drawn: HashSet<usize> = rb.sample(64)?.1.indices.into_iter().collect();
+    assert_eq!(drawn, HashSet::from([0, 1]));
+    Ok(())
+}
+
 /// A writer's spec is its serde form: `"round-robin"`, `{"max-value": {...}}`; it builds the
 /// writer it names, and says which can serve a replay service.
 #[test]
@@ -546,7 +573,9 @@ fn samples_carry_what_torchrl_code_reads() -> R {
     let index = td.get_tensor(tensordict_replay::INDEX_KEY)?;
     assert_eq!(index.dtype(), memmap_tensor::DType::I64);
     assert_eq!(index.to_vec::<i64>()?, indices.iter().map(|&i| i as i64).collect::<Vec<_>>());
-    assert_eq!(td.get_tensor(tensordict_replay::PRIORITY_WEIGHT_KEY)?.to_vec::<f64>()?, weights);
+    let weight = td.get_tensor(tensordict_replay::PRIORITY_WEIGHT_KEY)?;
+    assert_eq!(weight.dtype(), memmap_tensor::DType::F32, "TorchRL's dtype");
+    assert_eq!(weight.to_vec::<f32>()?, weights.iter().map(|&w| w as f32).collect::<Vec<_>>());
     // Each sampled row is the row its index names.
     assert_eq!(f32s(&td, "obs").chunks(4).map(|r| r[0] as i64 / 10).collect::<Vec<_>>(), index.to_vec::<i64>()?);
 

@@ -156,12 +156,16 @@ pub const PRIORITY_WEIGHT_KEY: &str = "priority_weight";
 
 impl SampleInfo {
     /// The sample `td` as TorchRL 0.14.1's `sample` returns it: with [`INDEX_KEY`] (the storage
-    /// rows, int64) and, when the sampler weights its draws, [`PRIORITY_WEIGHT_KEY`] (float64),
-    /// so that code written for TorchRL finds what it reads.
+    /// rows, int64) and, when the sampler weights its draws, [`PRIORITY_WEIGHT_KEY`] (float32,
+    /// TorchRL's dtype: a float64 weight would turn a float32 loss and its backward pass into
+    /// float64), so that code written for TorchRL finds what it reads.
     pub fn into_torchrl(self, mut td: TensorDict) -> Result<TensorDict> {
         let index: Vec<i64> = self.indices.iter().map(|&i| i as i64).collect();
         set_column(&mut td, INDEX_KEY, &index).op("sample")?;
         if let Some(weights) = self.weights {
+            // Weights are in (0, 1]: float32 holds them to its precision, as TorchRL computes them.
+            #[allow(clippy::cast_possible_truncation)]
+            let weights: Vec<f32> = weights.iter().map(|&w| w as f32).collect();
             set_column(&mut td, PRIORITY_WEIGHT_KEY, &weights).op("sample")?;
         }
         Ok(td)
@@ -400,6 +404,37 @@ impl ReplayBuffer {
     pub fn writer_state(&self) -> (usize, u64) {
         let state = self.state.lock();
         (state.writer.cursor(), state.writer.write_count())
+    }
+
+    /// Empties the buffer, as TorchRL's `empty()`: no row is valid, the writer starts again
+    /// at row 0 with a write count of 0, and the sampler forgets its state (priorities,
+    /// epochs). The storage and its schema stay (rows are overwritten by the next writes).
+    /// Refused while a write is under way or a sample's rows are being read
+    /// ([`Error::Busy`]), with nothing changed.
+    pub fn empty(&self) -> Result<()> {
+        let mut state = self.state.lock();
+        if !state.rows.clear() {
+            return Err(Error::Busy { op: "empty", why: "a write or a read of rows is under way" });
+        }
+        state.writer.reset();
+        self.sampler.lock().reset();
+        drop(state);
+        self.changed.notify_all();
+        match self.storage.get() {
+            Some(storage) => self.record_len(storage),
+            None => Ok(()),
+        }
+    }
+
+    /// Draws from now on as if the sampler had been seeded with `seed` ([`Sampler::reseed`]).
+    pub fn reseed(&self, seed: u64) {
+        self.sampler.lock().reseed(seed);
+    }
+
+    /// How many rows have been written since the buffer was made (or emptied), as the writer
+    /// counts them (TorchRL's `write_count`).
+    pub fn write_count(&self) -> u64 {
+        self.with_writer(|w| w.write_count())
     }
 
     /// Runs `f` on the writer (to save its state), under the state lock: `f` must not call

@@ -180,6 +180,17 @@ impl RowTable {
             state.pins = state.pins.saturating_sub(1);
         }
     }
+
+    /// Every row empty again and `len` 0, unless a write is queued or a read pins a row: then
+    /// `false`, and nothing changed.
+    pub(super) fn clear(&mut self) -> bool {
+        if self.writes_under_way() || self.rows.iter().any(|r| r.pins > 0) {
+            return false;
+        }
+        self.rows.iter_mut().for_each(|r| *r = RowState::default());
+        self.len = 0;
+        true
+    }
 }
 
 #[cfg(test)]

@@ -238,6 +238,13 @@ pub trait Sampler: Send + fmt::Debug {
     /// Forgets everything (the buffer was emptied). The default does nothing.
     fn reset(&mut self) {}
 
+    /// Draws from now on as a sampler seeded with `seed` would (its other state kept): what a
+    /// caller that owns the randomness uses (TorchRL draws from torch's generator at each
+    /// sample). The default, for a sampler defined elsewhere, keeps its draws.
+    fn reseed(&mut self, seed: u64) {
+        let _ = seed;
+    }
+
     /// The number of rows the sampler was built for, for samplers that keep per-row state.
     /// A buffer refuses a sampler whose capacity differs from its own.
     fn capacity(&self) -> Option<usize> {

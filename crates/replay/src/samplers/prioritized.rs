@@ -618,6 +618,10 @@ impl fmt::Debug for Prioritized {
 }
 
 impl Sampler for Prioritized {
+    fn reseed(&mut self, seed: u64) {
+        self.rng = rng_from(Some(seed));
+    }
+
     fn name(&self) -> &'static str {
         PrioritizedSpec::NAME
     }

@@ -282,6 +282,10 @@ impl Masked {
 }
 
 impl Sampler for PrioritizedSlice {
+    fn reseed(&mut self, seed: u64) {
+        self.slice.rng = rng_from(Some(seed));
+    }
+
     fn name(&self) -> &'static str {
         NAME
     }

@@ -325,6 +325,10 @@ fn to_i64(t: &Tensor, flags: bool) -> std::result::Result<Vec<i64>, String> {
 }
 
 impl Sampler for Slice {
+    fn reseed(&mut self, seed: u64) {
+        self.rng = rng_from(Some(seed));
+    }
+
     fn name(&self) -> &'static str {
         NAME
     }

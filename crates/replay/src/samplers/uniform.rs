@@ -68,6 +68,10 @@ impl fmt::Debug for Uniform {
 }
 
 impl Sampler for Uniform {
+    fn reseed(&mut self, seed: u64) {
+        self.rng = rng_from(Some(seed));
+    }
+
     fn name(&self) -> &'static str {
         UniformSpec::NAME
     }

@@ -130,6 +130,10 @@ impl fmt::Debug for WithoutReplacement {
 }
 
 impl Sampler for WithoutReplacement {
+    fn reseed(&mut self, seed: u64) {
+        self.rng = rng_from(Some(seed));
+    }
+
     fn name(&self) -> &'static str {
         WithoutReplacementSpec::NAME
     }
