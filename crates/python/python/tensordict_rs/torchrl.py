@@ -109,15 +109,46 @@ class TensorDictMaxValueWriter(_replay.TensorDictMaxValueWriter):
         super().__init__("reward" if rank_key is None else rank_key, reduction)
 
 
+# tensordict's constructor checks every leaf against the batch size; a sample's leaves were
+# checked by the Rust buffer already, and `_new_unsafe` (tensordict >= 0.5) skips that: a third of
+# the cost. The public constructor where it is missing.
+_NEW = getattr(_TensorDict, "_new_unsafe", None)
+
+
+def _tree(source, batch_size):
+    if _NEW is None:
+        return _TensorDict(source, batch_size=batch_size)
+    return _NEW({k: _tree(v, batch_size) if isinstance(v, dict) else v for k, v in source.items()}, batch_size=batch_size)
+
+
 def _to_torch(td):
     """A ``tensordict_rs.TensorDict`` as a ``tensordict.TensorDict`` over the same memory."""
-    return _TensorDict(td.to_torch(), batch_size=td.batch_size)
+    return _tree(td.to_torch(), torch.Size(td.batch_size))
 
 
 def _numbers(x, dtype):
     """Indices or priorities from TorchRL code (tensors maybe on a GPU or needing grad) as a
-    CPU tensor of ``dtype``."""
-    return torch.as_tensor(x).detach().to(device="cpu", dtype=dtype).reshape(-1)
+    numpy array of ``dtype`` (numpy's DLPack export costs a tenth of torch's)."""
+    return torch.as_tensor(x).detach().to(device="cpu", dtype=dtype).reshape(-1).numpy()
+
+
+def _arrays(data):
+    """Rows to write, their CPU tensors as numpy arrays over the same memory (the buffer reads
+    numpy's DLPack export at a tenth of the cost of torch's); other leaves as they are (the
+    buffer reads them by DLPack too, or refuses them saying why)."""
+    if isinstance(data, _TensorDict):
+        data = data.to_dict()
+    if not isinstance(data, dict):
+        return data
+
+    def leaf(v):
+        if isinstance(v, dict):
+            return {k: leaf(x) for k, x in v.items()}
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.requires_grad and v.dtype != torch.bfloat16:
+            return v.numpy()
+        return v
+
+    return leaf(data)
 
 
 _REDUCTIONS = {"max": torch.amax, "min": torch.amin, "mean": torch.mean, "sum": torch.sum}
@@ -197,17 +228,19 @@ class ReplayBuffer:
     def extend(self, data):
         """Writes a batch (a ``tensordict.TensorDict``, a dict of tensors); returns the rows
         written, as an int64 tensor."""
-        return torch.tensor(self._rb.extend(data), dtype=torch.int64)
+        return torch.tensor(self._rb.extend(_arrays(data)), dtype=torch.int64)
 
     def add(self, data):
         """Writes one row; returns its row."""
-        return self._rb.add(data)
+        return self._rb.add(_arrays(data))
 
     def sample(self, batch_size=None, return_info=False):
         """A batch of rows as a ``tensordict.TensorDict`` (and, with ``return_info``, a dict of
         ``index`` and, when prioritized, ``priority_weight``)."""
         self._rb._rb.reseed(self._seed())
         td = _to_torch(self._rb.sample(batch_size))
+        if self._in_sample and not return_info:
+            return td
         info = {k: td.get(k) for k in ("priority_weight", "index") if k in td.keys()}
         if not self._in_sample:
             td = td.exclude(*info)
@@ -217,8 +250,6 @@ class ReplayBuffer:
         """Sets the priorities of rows ``index`` (tensors, possibly needing grad or on a GPU)."""
         index = _numbers(index, torch.int64)
         priority = _numbers(priority, torch.float64)
-        if priority.numel() == 1 and index.numel() > 1:
-            priority = priority.expand(index.numel())
         self._rb.update_priority(index, priority)
 
     def empty(self):
@@ -235,7 +266,7 @@ class ReplayBuffer:
         if isinstance(index, slice):
             rows = list(range(n)[index])
         else:
-            rows = [int(i) for i in _numbers(index, torch.int64)]
+            rows = _numbers(index, torch.int64).tolist()
         bad = [i for i in rows if not -n <= i < n]
         if bad:
             raise IndexError(f"row {bad[0]} of a buffer of {n} rows")
