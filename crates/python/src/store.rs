@@ -49,6 +49,13 @@ impl PyStore {
         Ok(PyStore { inner: Owned::new(inner), target })
     }
 
+    /// For a store served by this process with `listen=`: the TCP address, with the port the
+    /// system chose for port 0.
+    #[getter]
+    fn tcp_endpoint(&self) -> PyResult<Option<String>> {
+        Ok(self.client()?.tcp_endpoint().map(ToString::to_string))
+    }
+
     /// Whether loads copy entries over the connection (a store on another node, or asked for).
     #[getter]
     fn by_value(&self) -> PyResult<bool> {

@@ -34,6 +34,12 @@ class Store:
         )
 
     @property
+    def tcp_endpoint(self):
+        """For a store served by this process with ``listen=``: its TCP address (the port
+        the system chose for port 0)."""
+        return self._store.tcp_endpoint
+
+    @property
     def by_value(self):
         """Whether loads copy entries over the connection (see the class documentation)."""
         return self._store.by_value

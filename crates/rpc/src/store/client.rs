@@ -230,6 +230,12 @@ impl Store {
         self
     }
 
+    /// For a store this process serves ([`Store::start_with`] with a TCP endpoint): that
+    /// endpoint, with the port actually bound (port 0 asks the system for one).
+    pub fn tcp_endpoint(&self) -> Option<&Endpoint> {
+        self.server.as_ref().and_then(StoreServer::tcp_endpoint)
+    }
+
     /// Whether loads copy entries by value (see [`Store::by_value`]).
     pub fn is_by_value(&self) -> bool {
         self.inner.by_value.load(std::sync::atomic::Ordering::Relaxed)
