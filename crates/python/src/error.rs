@@ -228,7 +228,7 @@ fn dict_kind(e: &tensordict::Error) -> Option<Kind> {
         | E::Incompatible { .. }
         | E::InvalidArgument { .. } => Kind::Value,
         E::WouldReplace { .. } | E::DestinationExists { .. } | E::SharedPrefixInUse { .. } => Kind::FileExists,
-        E::SharedNotFound { .. } => Kind::FileNotFound,
+        E::SharedNotFound { .. } | E::NotADict { .. } => Kind::FileNotFound,
         E::Io { .. } | E::Device { .. } | E::Tensor { .. } => return None,
         _ => Kind::Other,
     })

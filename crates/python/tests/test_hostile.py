@@ -1572,3 +1572,44 @@ td = TensorDict({"i": np.zeros(4, np.int64), "f": np.zeros(4, np.float32)}, batc
 """
         + textwrap.dedent(WRITES[case])
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. References and workers: pickles of references that are not, nested without end, or that
+# name what is not there; worker calls with targets and indices of every wrong kind.
+
+REFS = {
+    "bytes that are not JSON": "raises(ValueError, lambda: tdr._native._ref_from_json(b'\\xff\\x00'), match='not a TensorDictRef')",
+    "JSON nested without end": "raises(ValueError, lambda: tdr._native._ref_from_json(b'[' * 200_000), match='not a TensorDictRef')",
+    "a reference to a folder that is gone": """
+        td = TensorDict({"x": np.zeros(4)}, batch_size=[4]).memmap("gone")
+        ref = pickle.loads(pickle.dumps(td.to_ref()))
+        import shutil; shutil.rmtree("gone")
+        raises(FileNotFoundError, lambda: ref.open())
+    """,
+    "a reference with a schema that is not one": """
+        raw = {"schema": "{}", "location": {"Folder": {"path": "x"}}, "generation": {"id": 1, "counter": 0}, "rows": None}
+        raises(ValueError, lambda: tdr._native._ref_from_json(json.dumps(raw).encode()))
+    """,
+    "worker calls of every wrong kind": """
+        ws = tdr.WorkerServer("hostile-worker")
+        w = tdr.Worker("hostile-worker")
+        td = TensorDict({"x": np.zeros(4)}, batch_size=[4]).memmap("w")
+        raises(TypeError, lambda: w.set_at(object(), [0], {"x": np.zeros(1)}))
+        raises(TypeError, lambda: w.set_at(td, [0], object()))
+        raises(IndexError, lambda: w.set_at(td, [2**70], {"x": np.zeros(1)}))
+        raises(ValueError, lambda: w.set_at(td, [7], {"x": np.zeros(1)}), match="out of range")
+        raises(ValueError, lambda: w.index(td, [0], "\\x00bad"))
+        raises(KeyError, lambda: w.describe(2**64 - 1))
+        raises(TypeError, lambda: w.open(5))
+        raises(ValueError, lambda: w.set_at(td, [0], {"x": np.zeros((1, 3))}))
+        assert w.describe(td).generation[1] == 0, "nothing was published"
+        ws.stop()
+        raises(ConnectionError, lambda: w.describe(td))
+    """,
+}
+
+
+@pytest.mark.parametrize("case", REFS)
+def test_a_hostile_reference_or_worker_call_raises(case):
+    run(textwrap.dedent(REFS[case]))

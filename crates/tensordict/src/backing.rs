@@ -163,14 +163,14 @@ impl DictLocation {
         let io_err = |op, source| Error::Io { op, path: path.clone(), source };
         // There must be a dict: never plant a file in some other folder, or for a prefix that
         // holds nothing.
-        let (dict, holder) = match self {
-            DictLocation::Folder(root) => (root.join("meta.json"), root.clone()),
+        let (dict, missing) = match self {
+            DictLocation::Folder(root) => (root.join("meta.json"), Error::NotADict { path: root.clone() }),
             DictLocation::Shm(prefix) => {
-                (PathBuf::from(format!("/dev/shm/{prefix}.meta")), PathBuf::from(format!("shm:{prefix}")))
+                (PathBuf::from(format!("/dev/shm/{prefix}.meta")), Error::SharedNotFound { prefix: prefix.clone() })
             }
         };
         if !dict.exists() {
-            return Err(Error::DestinationExists { path: holder, reason: "it holds no TensorDict".into() });
+            return Err(missing);
         }
         let id = loop {
             let id = rand::random::<u64>();

@@ -32,6 +32,7 @@ import shutil
 import tempfile
 import time
 import uuid
+import weakref
 
 import ray
 
@@ -54,6 +55,8 @@ class _Served:
         self._ip = ray.util.get_node_ip_address()
         self._runtime = tempfile.mkdtemp(prefix="tdict-ray-")
         os.chmod(self._runtime, 0o700)
+        # Removed with the actor, or at its process's exit (where a `__del__` finds modules gone).
+        weakref.finalize(self, shutil.rmtree, self._runtime, True)
         self._token = secrets.token_hex(16)
 
     def _address(self, name, tcp, shared_filesystem):
@@ -66,9 +69,6 @@ class _Served:
             "shared_filesystem": shared_filesystem,
             "pid": os.getpid(),
         }
-
-    def __del__(self):
-        shutil.rmtree(getattr(self, "_runtime", ""), ignore_errors=True)
 
 
 class _ReplayService(_Served):

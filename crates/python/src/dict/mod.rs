@@ -419,8 +419,10 @@ impl PyTensorDict {
     /// `td[key] = value` and `td[index] = value`, as Python tensordict assigns.
     ///
     /// A key sets an entry: a tensor (anything with `__dlpack__`, copied once), a dict or
-    /// TensorDict (a nested dict), a list of numbers (a tensor), a list of strings as long as
-    /// the first batch dim (a non-tensor stack), or a JSON-able value. An existing tensor
+    /// TensorDict (a nested dict), a number or a list of numbers (a tensor, of torch's dtype
+    /// for it, as Python tensordict makes one; the constructor, unlike it, keeps plain numbers
+    /// as non-tensor values), a list of strings as long as the one batch dim (a non-tensor
+    /// stack), or another JSON-able value. An existing tensor
     /// mapped from a folder or shared memory is written in place instead, so the folder holds
     /// the value: it keeps its shape and dtype. (Python tensordict replaces the tensor of a
     /// loaded folder with one in memory and leaves the file as it was.)
