@@ -112,6 +112,11 @@ fn target(obj: &Bound<'_, PyAny>) -> PyResult<Target> {
     )))
 }
 
+/// A torch-style index from Python (as `td[index]` takes it) in its wire form.
+fn wire_index(index: &Bound<'_, PyAny>) -> PyResult<WireIndex> {
+    WireIndex::new(&crate::dict::parse_index(index)?).map_err(to_py_err)
+}
+
 /// The rows `set_at` writes: a reference (the worker maps it), or a dict sent by value.
 fn source(obj: &Bound<'_, PyAny>) -> PyResult<Source> {
     if let Ok(r) = obj.cast::<PyTensorDictRef>() {
@@ -203,7 +208,7 @@ impl PyWorker {
         source: &Bound<'_, PyAny>,
     ) -> PyResult<PyTensorDictRef> {
         let target = self::target(target)?;
-        let index = WireIndex::new(&crate::dict::parse_index(index)?).map_err(to_py_err)?;
+        let index = wire_index(index)?;
         let source = self::source(source)?;
         let inner = self.call(py, async |c, ctx| c.set_at(ctx, target, index, source).await)?;
         Ok(PyTensorDictRef { inner })
@@ -219,7 +224,7 @@ impl PyWorker {
         out: &Bound<'_, PyAny>,
     ) -> PyResult<PyTensorDictRef> {
         let target = self::target(target)?;
-        let index = WireIndex::new(&crate::dict::parse_index(index)?).map_err(to_py_err)?;
+        let index = wire_index(index)?;
         let out: std::path::PathBuf = out.extract()?;
         let out = DictLocation::parse(out.as_os_str()).map_err(PyValueError::new_err)?;
         let inner = self.call(py, async |c, ctx| c.index(ctx, target, index, out).await)?;

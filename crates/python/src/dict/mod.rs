@@ -23,7 +23,7 @@ use tensordict::{Entry, Index, KeyPath, TensorDict};
 
 pub(crate) use convert::{DictOf, to_tensordict};
 use convert::{entry_from_py, fill, rows_from_py};
-pub(crate) use index::index;
+use index::index;
 pub(crate) use index::index as parse_index;
 use index::key_path;
 
