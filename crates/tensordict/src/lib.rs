@@ -42,6 +42,7 @@ mod format;
 mod index;
 mod json;
 mod key;
+pub mod loader;
 mod read;
 mod replace;
 mod schema;

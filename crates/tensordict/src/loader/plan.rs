@@ -1,0 +1,298 @@
+//! Which rows each batch of an epoch holds, for each rank: orders, shards and resuming.
+//!
+//! An epoch's rows are put in order ([`Order`]) from the seed and the epoch alone, then cut
+//! into *global batches* of `batch_size` rows (the last one short, or dropped with
+//! `drop_last`). Rank `r` of `w` is handed global batches `r, r + w, r + 2w, …`: the ranks'
+//! parts are disjoint and cover the epoch, and which rows a global batch holds does not depend
+//! on `w`. So a run stopped and resumed on another number of ranks can be handed exactly the
+//! global batches that had not been handed out ([`Progress`], [`BatchPlan::resume`]).
+//!
+//! The permutations are drawn with a generator written here (SplitMix64 and Lemire's bounded
+//! draw), not `rand`'s `StdRng`, whose stream may change between `rand` versions: a run resumed
+//! with a newer build must see the same epoch.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// How an epoch's rows are ordered.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum Order {
+    /// Rows `0, 1, 2, …`, every epoch.
+    Sequential,
+    /// A random permutation of the rows, drawn from `seed` and the epoch.
+    Shuffled {
+        /// The seed.
+        seed: u64,
+    },
+    /// For data larger than memory: runs of `block_rows` consecutive rows, the runs in a random
+    /// order and the rows of each run shuffled among themselves (FFCV's "quasi-random" order).
+    /// A batch then reads a few long runs instead of `batch_size` scattered rows.
+    Blocks {
+        /// The seed.
+        seed: u64,
+        /// Rows in a run (at least 1).
+        block_rows: usize,
+    },
+}
+
+impl Order {
+    /// The rows `0..rows` in the order of epoch `epoch`.
+    pub fn epoch_rows(&self, rows: usize, epoch: u64) -> Result<Vec<usize>> {
+        let mut order: Vec<usize> = (0..rows).collect();
+        match *self {
+            Order::Sequential => {}
+            Order::Shuffled { seed } => shuffle(&mut order, &mut Mixer::new(seed, epoch)),
+            Order::Blocks { seed, block_rows } => {
+                if block_rows == 0 {
+                    return Err(Error::InvalidArgument {
+                        op: "Order::Blocks",
+                        detail: "block_rows must be at least 1".into(),
+                    });
+                }
+                let mut draw = Mixer::new(seed, epoch);
+                let mut blocks: Vec<usize> = (0..rows.div_ceil(block_rows)).collect();
+                shuffle(&mut blocks, &mut draw);
+                order.clear();
+                for b in blocks {
+                    let start = order.len();
+                    order.extend(b * block_rows..((b + 1) * block_rows).min(rows));
+                    shuffle(&mut order[start..], &mut draw);
+                }
+            }
+        }
+        Ok(order)
+    }
+}
+
+/// SplitMix64 over the seed and the epoch: the same numbers on every platform and build.
+struct Mixer(u64);
+
+impl Mixer {
+    fn new(seed: u64, epoch: u64) -> Mixer {
+        let mut m = Mixer(seed ^ 0x6a09_e667_f3bc_c909);
+        let first = m.next();
+        Mixer(first ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A uniform draw in `0..n` (`n >= 1`), without modulo bias (Lemire's method).
+    fn below(&mut self, n: u64) -> u64 {
+        let threshold = n.wrapping_neg() % n;
+        loop {
+            let product = u128::from(self.next()) * u128::from(n);
+            // The low half is the fraction; the high half the draw.
+            #[allow(clippy::cast_possible_truncation)]
+            let (high, low) = ((product >> 64) as u64, product as u64);
+            if low >= threshold {
+                return high;
+            }
+        }
+    }
+}
+
+/// Fisher–Yates with the mixer's draws.
+fn shuffle(items: &mut [usize], draw: &mut Mixer) {
+    for i in (1..items.len()).rev() {
+        // `i + 1` fits: `i` is an index of a slice.
+        let j = draw.below(i as u64 + 1);
+        #[allow(clippy::cast_possible_truncation)]
+        items.swap(i, j as usize);
+    }
+}
+
+/// What a rank hands out in one epoch: the global batches of the epoch (see the module
+/// documentation) that are its part and not yet handed out.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchPlan {
+    /// Rows of the dict.
+    pub rows: usize,
+    /// Rows of a batch.
+    pub batch_size: usize,
+    /// Whether a short last global batch is dropped.
+    pub drop_last: bool,
+    /// The order of each epoch.
+    pub order: Order,
+    /// The epoch.
+    pub epoch: u64,
+    /// This rank.
+    pub rank: usize,
+    /// The number of ranks.
+    pub world: usize,
+    /// The global batches of this epoch already handed out (by any rank, before a resume),
+    /// as sorted, disjoint ranges; none for a fresh epoch.
+    #[serde(default)]
+    pub handed: Vec<(u64, u64)>,
+    /// How many of its own batches this rank skips (a rank resumed from its own progress).
+    #[serde(default)]
+    pub skip: u64,
+}
+
+/// How far a rank got in an epoch: what [`BatchPlan::progress`] records and
+/// [`BatchPlan::resume`] takes (torchdata's `state_dict`, in our terms).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    /// The plan the rank followed.
+    pub plan: BatchPlan,
+    /// How many of its batches it handed out (batches read ahead but not handed out do not
+    /// count: they are handed out again after a resume).
+    pub handed_out: u64,
+}
+
+impl BatchPlan {
+    /// The plan of rank `rank` of `world` for epoch `epoch`, checked.
+    pub fn new(
+        rows: usize,
+        batch_size: usize,
+        drop_last: bool,
+        order: Order,
+        epoch: u64,
+        rank: usize,
+        world: usize,
+    ) -> Result<BatchPlan> {
+        let bad = |detail: String| Error::InvalidArgument { op: "BatchPlan", detail };
+        if batch_size == 0 {
+            return Err(bad("batch_size must be at least 1".into()));
+        }
+        if world == 0 || rank >= world {
+            return Err(bad(format!("rank {rank} of a world of {world}: give 0 <= rank < world")));
+        }
+        if let Order::Blocks { block_rows: 0, .. } = order {
+            return Err(bad("block_rows must be at least 1".into()));
+        }
+        Ok(BatchPlan { rows, batch_size, drop_last, order, epoch, rank, world, handed: Vec::new(), skip: 0 })
+    }
+
+    /// The number of global batches in an epoch.
+    pub fn global_batches(&self) -> u64 {
+        let full = self.rows / self.batch_size;
+        let short = !self.drop_last && !self.rows.is_multiple_of(self.batch_size);
+        (full + usize::from(short)) as u64
+    }
+
+    /// The global batches this rank hands out this epoch, in order.
+    pub fn own_batches(&self) -> Vec<u64> {
+        let remaining = (0..self.global_batches()).filter(|k| !self.was_handed(*k));
+        let own = remaining.enumerate().filter(|(j, _)| j % self.world == self.rank).map(|(_, k)| k);
+        own.skip(usize::try_from(self.skip).unwrap_or(usize::MAX)).collect()
+    }
+
+    /// The number of batches this rank hands out this epoch.
+    pub fn len(&self) -> usize {
+        self.own_batches().len()
+    }
+
+    /// Whether this rank has no batch this epoch.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn was_handed(&self, k: u64) -> bool {
+        self.handed.iter().any(|&(start, end)| (start..end).contains(&k))
+    }
+
+    /// The rows of global batch `k` of this epoch, given the epoch's order (`epoch_rows`).
+    pub fn batch_rows(&self, epoch_rows: &[usize], k: u64) -> Vec<usize> {
+        let start = usize::try_from(k).unwrap_or(usize::MAX).saturating_mul(self.batch_size).min(epoch_rows.len());
+        let end = start.saturating_add(self.batch_size).min(epoch_rows.len());
+        epoch_rows[start..end].to_vec()
+    }
+
+    /// This rank's batches of this epoch, each a list of rows, in the order it hands them out.
+    pub fn batches(&self) -> Result<Vec<Vec<usize>>> {
+        let order = self.order.epoch_rows(self.rows, self.epoch)?;
+        Ok(self.own_batches().into_iter().map(|k| self.batch_rows(&order, k)).collect())
+    }
+
+    /// The plan of the next epoch (nothing handed out yet).
+    pub fn next_epoch(&self) -> BatchPlan {
+        BatchPlan { epoch: self.epoch + 1, handed: Vec::new(), skip: 0, ..self.clone() }
+    }
+
+    /// The progress of this rank once it has handed out `handed_out` of its batches.
+    pub fn progress(&self, handed_out: u64) -> Progress {
+        Progress { plan: self.clone(), handed_out }
+    }
+
+    /// The plan of rank `rank` of `world` for the rest of the epoch the ranks of a stopped run
+    /// were in, from the progress of **every** one of them (on the same number of ranks, a rank
+    /// may resume from its own progress alone: give `&[own]` with `world` unchanged). The rest
+    /// is exactly the global batches no rank had handed out, shared among the new ranks as a
+    /// fresh epoch's are. Progress of different epochs, dicts or orders is refused.
+    pub fn resume(progress: &[Progress], rank: usize, world: usize) -> Result<BatchPlan> {
+        let bad = |detail: String| Error::InvalidArgument { op: "BatchPlan::resume", detail };
+        let first = progress.first().ok_or_else(|| bad("no progress to resume from".into()))?;
+        let p = &first.plan;
+        for other in progress {
+            let o = &other.plan;
+            if (o.rows, o.batch_size, o.drop_last, &o.order, o.epoch, o.world, &o.handed)
+                != (p.rows, p.batch_size, p.drop_last, &p.order, p.epoch, p.world, &p.handed)
+                || o.rank >= o.world
+            {
+                return Err(bad(format!(
+                    "the progress of rank {} and rank {} are of different plans (rows, batch size, order, epoch or \
+                     world)",
+                    o.rank, p.rank
+                )));
+            }
+        }
+        let complete = progress.len() == p.world;
+        if !complete {
+            // One rank on the same number of ranks goes on with its own part: the other ranks'
+            // parts stay theirs, whatever they handed out.
+            if progress.len() != 1 || world != p.world || rank != p.rank {
+                return Err(bad(format!(
+                    "the run had {} ranks and the progress of {} was given: give every rank's, or resume a \
+                     rank from its own on the same number of ranks",
+                    p.world,
+                    progress.len()
+                )));
+            }
+            let own = p.len() as u64;
+            if first.handed_out > own {
+                return Err(bad(format!("rank {rank} handed out {} batches of its {own}", first.handed_out)));
+            }
+            return Ok(BatchPlan { skip: p.skip + first.handed_out, ..p.clone() });
+        }
+        let mut handed: Vec<u64> = p.handed.iter().flat_map(|&(s, e)| s..e).collect();
+        let mut ranks_seen = vec![false; p.world];
+        for q in progress {
+            if std::mem::replace(&mut ranks_seen[q.plan.rank], true) {
+                return Err(bad(format!("rank {} is given twice", q.plan.rank)));
+            }
+            // What it skipped (a rank resumed on its own before) was handed out too.
+            let own = BatchPlan { skip: 0, ..q.plan.clone() }.own_batches();
+            let n = usize::try_from(q.plan.skip.saturating_add(q.handed_out)).unwrap_or(usize::MAX);
+            if n > own.len() {
+                return Err(bad(format!("rank {} handed out {n} batches of its {}", q.plan.rank, own.len())));
+            }
+            handed.extend_from_slice(&own[..n]);
+        }
+        let mut plan = BatchPlan::new(p.rows, p.batch_size, p.drop_last, p.order.clone(), p.epoch, rank, world)?;
+        plan.handed = ranges(handed);
+        Ok(plan)
+    }
+}
+
+/// Sorted, merged ranges of `items`.
+fn ranges(mut items: Vec<u64>) -> Vec<(u64, u64)> {
+    items.sort_unstable();
+    items.dedup();
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for k in items {
+        match out.last_mut() {
+            Some((_, end)) if *end == k => *end += 1,
+            _ => out.push((k, k + 1)),
+        }
+    }
+    out
+}
