@@ -1,0 +1,338 @@
+//! [`Loader`]: a dict read in batches by a background thread, `prefetch` batches ahead of the
+//! caller, following a [`BatchPlan`].
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::thread::JoinHandle;
+
+use memmap_tensor::StorageKind;
+use tensordict_aio::Engine;
+
+use super::plan::{BatchPlan, Order, Progress};
+use crate::{Error, Generation, ReadMode, Result, TensorDict};
+
+/// How a loader reads the rows of a batch.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Reads {
+    /// Through the dict's mappings (`index`): fastest when the rows are in memory. A file
+    /// truncated by another process would kill the reader with `SIGBUS`: for folders others
+    /// may change, read the files.
+    Mapping,
+    /// Explicit reads of the leaf files through an I/O engine (`gather_direct`): rows not in
+    /// memory are read many at once, in file order, and a file that fails or ends early is an
+    /// error naming it. For folders only.
+    Files {
+        /// The engine the reads go through.
+        engine: Engine,
+        /// Through the page cache, or `O_DIRECT`.
+        mode: ReadMode,
+    },
+}
+
+/// How a [`Loader`] hands out batches.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct LoaderOptions {
+    /// Rows of a batch.
+    pub batch_size: usize,
+    /// Whether a short last batch of an epoch is dropped.
+    pub drop_last: bool,
+    /// The order of each epoch.
+    pub order: Order,
+    /// This rank, of `world`.
+    pub rank: usize,
+    /// The number of ranks the epoch is shared among.
+    pub world: usize,
+    /// Batches read ahead of the caller (at least 1).
+    pub prefetch: usize,
+    /// How rows are read; `None`: files for a folder (no `SIGBUS`), the mapping otherwise.
+    pub reads: Option<Reads>,
+}
+
+impl LoaderOptions {
+    /// Batches of `batch_size` rows, in order, on one rank, two batches ahead.
+    pub fn new(batch_size: usize) -> LoaderOptions {
+        LoaderOptions {
+            batch_size,
+            drop_last: false,
+            order: Order::Sequential,
+            rank: 0,
+            world: 1,
+            prefetch: 2,
+            reads: None,
+        }
+    }
+
+    /// Drops a short last batch.
+    pub fn drop_last(mut self, yes: bool) -> Self {
+        self.drop_last = yes;
+        self
+    }
+
+    /// Orders each epoch so.
+    pub fn order(mut self, order: Order) -> Self {
+        self.order = order;
+        self
+    }
+
+    /// Rank `rank` of `world`.
+    pub fn shard(mut self, rank: usize, world: usize) -> Self {
+        (self.rank, self.world) = (rank, world);
+        self
+    }
+
+    /// Reads `prefetch` batches ahead.
+    pub fn prefetch(mut self, prefetch: usize) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// Reads rows so.
+    pub fn reads(mut self, reads: Reads) -> Self {
+        self.reads = Some(reads);
+        self
+    }
+}
+
+/// A dict read in batches (see the module documentation of `loader`), epoch after epoch: an
+/// iterator of batches for the current epoch; [`Loader::set_epoch`] starts another.
+///
+/// A background thread reads up to `prefetch` batches ahead while the caller holds the last
+/// one; at most `prefetch + 1` batches are alive in the loader and its thread. For a dict in a
+/// folder or in shared memory, the loader checks the storage's generation before each batch:
+/// a folder replaced (or republished) since the loader opened it is an error, never a mix of
+/// the two versions. Dropping the loader stops and joins its thread.
+pub struct Loader {
+    dict: TensorDict,
+    plan: BatchPlan,
+    prefetch: usize,
+    reads: Reads,
+    /// The generation the storage was at when the loader opened it.
+    generation: Option<(crate::DictLocation, Generation)>,
+    /// Batches of this epoch handed out to the caller.
+    handed_out: u64,
+    running: Option<Running>,
+}
+
+struct Running {
+    batches: Receiver<Result<TensorDict>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Unblocks a send: the receiver goes first.
+        let (_, dead) = sync_channel(0);
+        drop(std::mem::replace(&mut self.batches, dead));
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Loader {
+    /// A loader of `dict` (its first batch dim is the rows) for epoch 0.
+    pub fn new(dict: TensorDict, options: LoaderOptions) -> Result<Loader> {
+        let rows = *dict.batch_size().first().ok_or_else(|| Error::InvalidArgument {
+            op: "Loader",
+            detail: "the dict has no batch dim to read rows of".into(),
+        })?;
+        if options.prefetch == 0 {
+            return Err(Error::InvalidArgument { op: "Loader", detail: "prefetch must be at least 1".into() });
+        }
+        let plan =
+            BatchPlan::new(rows, options.batch_size, options.drop_last, options.order, 0, options.rank, options.world)?;
+        let in_files = !dict.leaves().is_empty()
+            && dict.leaves().iter().all(|(_, t)| t.nbytes() == 0 || t.storage().kind() == StorageKind::File);
+        let reads = match options.reads {
+            Some(Reads::Files { .. }) if !in_files => {
+                return Err(Error::InvalidArgument {
+                    op: "Loader",
+                    detail: "file reads need a dict whose tensors are all in a folder's files".into(),
+                });
+            }
+            Some(reads) => reads,
+            None if in_files => Reads::Files {
+                engine: Engine::new().map_err(|source| Error::Io {
+                    op: "start the I/O engine",
+                    path: Default::default(),
+                    source,
+                })?,
+                mode: ReadMode::Buffered,
+            },
+            None => Reads::Mapping,
+        };
+        let generation = match dict.backing() {
+            Ok(backing) => {
+                let generation = backing.location.generation()?;
+                Some((backing.location, generation))
+            }
+            Err(_) => None,
+        };
+        Ok(Loader { dict, plan, prefetch: options.prefetch, reads, generation, handed_out: 0, running: None })
+    }
+
+    /// How rows are read (to report which ran).
+    pub fn reads(&self) -> &Reads {
+        &self.reads
+    }
+
+    /// The epoch handed out now.
+    pub fn epoch(&self) -> u64 {
+        self.plan.epoch
+    }
+
+    /// The batches of this epoch still to hand out.
+    pub fn remaining(&self) -> usize {
+        self.plan.len().saturating_sub(usize::try_from(self.handed_out).unwrap_or(usize::MAX))
+    }
+
+    /// The batches of a whole epoch for this rank.
+    pub fn len(&self) -> usize {
+        BatchPlan { handed: Vec::new(), skip: 0, ..self.plan.clone() }.len()
+    }
+
+    /// Whether an epoch has no batch for this rank.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Starts epoch `epoch` (its own order): batches read ahead for the epoch before are
+    /// dropped.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.running = None;
+        self.plan = BatchPlan { epoch, handed: Vec::new(), skip: 0, ..self.plan.clone() };
+        self.handed_out = 0;
+    }
+
+    /// How far this rank got: what [`Loader::resume`] takes. Batches read ahead but not handed
+    /// out do not count.
+    pub fn progress(&self) -> Progress {
+        self.plan.progress(self.handed_out)
+    }
+
+    /// Goes on from where the ranks of a run stopped (see [`BatchPlan::resume`]): the rest of
+    /// that epoch, shared among this loader's ranks.
+    pub fn resume(&mut self, progress: &[Progress]) -> Result<()> {
+        let plan = BatchPlan::resume(progress, self.plan.rank, self.plan.world)?;
+        if plan.rows != self.plan.rows {
+            return Err(Error::InvalidArgument {
+                op: "Loader::resume",
+                detail: format!("the progress is of a dict of {} rows; this one has {}", plan.rows, self.plan.rows),
+            });
+        }
+        self.running = None;
+        self.plan = plan;
+        self.handed_out = 0;
+        Ok(())
+    }
+
+    fn start(&mut self) -> Result<&mut Running> {
+        if self.running.is_none() {
+            let skip = usize::try_from(self.handed_out).unwrap_or(usize::MAX);
+            let batches: Vec<Vec<usize>> = self.plan.batches()?.into_iter().skip(skip).collect();
+            // A batch in the channel, one being read: `prefetch` ahead in all.
+            let (tx, rx) = sync_channel(self.prefetch - 1);
+            let stop = Arc::new(AtomicBool::new(false));
+            let reader = Reader {
+                dict: self.dict.clone(),
+                reads: self.reads.clone(),
+                generation: self.generation.clone(),
+                stop: Arc::clone(&stop),
+            };
+            let thread = std::thread::Builder::new()
+                .name("tdict-loader".into())
+                .spawn(move || reader.run(batches, &tx))
+                .map_err(|source| Error::Io { op: "start the loader's thread", path: Default::default(), source })?;
+            self.running = Some(Running { batches: rx, stop, thread: Some(thread) });
+        }
+        Ok(self.running.as_mut().expect("started above"))
+    }
+}
+
+impl Iterator for Loader {
+    type Item = Result<TensorDict>;
+
+    /// The next batch of this epoch, read ahead by the loader's thread; `None` once the
+    /// epoch's batches are all handed out (call [`Loader::set_epoch`] for the next).
+    fn next(&mut self) -> Option<Result<TensorDict>> {
+        if self.remaining() == 0 {
+            self.running = None;
+            return None;
+        }
+        let running = match self.start() {
+            Ok(running) => running,
+            Err(e) => return Some(Err(e)),
+        };
+        match running.batches.recv() {
+            Ok(Ok(batch)) => {
+                self.handed_out += 1;
+                Some(Ok(batch))
+            }
+            // A failed read is not handed out: the same batch is read again on the next call.
+            Ok(Err(e)) => {
+                self.running = None;
+                Some(Err(e))
+            }
+            Err(_) => {
+                self.running = None;
+                Some(Err(Error::InvalidArgument { op: "Loader", detail: "the loader's thread ended early".into() }))
+            }
+        }
+    }
+}
+
+/// What the loader's thread reads with.
+struct Reader {
+    dict: TensorDict,
+    reads: Reads,
+    generation: Option<(crate::DictLocation, Generation)>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Reader {
+    fn run(self, batches: Vec<Vec<usize>>, out: &SyncSender<Result<TensorDict>>) {
+        for rows in batches {
+            if self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let batch = self.read(&rows);
+            let failed = batch.is_err();
+            if out.send(batch).is_err() || failed {
+                return;
+            }
+        }
+    }
+
+    /// Checks the storage is at the generation the loader opened (before and after the read:
+    /// a replacement while the rows are read is an error too, never a mix).
+    fn same_generation(&self) -> Result<()> {
+        let Some((location, generation)) = &self.generation else { return Ok(()) };
+        let now = location.generation()?;
+        if now == *generation {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument {
+            op: "Loader",
+            detail: format!(
+                "{location} is at generation {now}; the loader opened it at {generation}: it was replaced or \
+                 republished (open a new loader to read the new version)"
+            ),
+        })
+    }
+
+    fn read(&self, rows: &[usize]) -> Result<TensorDict> {
+        self.same_generation()?;
+        let indices: Vec<i64> = rows.iter().map(|&r| i64::try_from(r).unwrap_or(i64::MAX)).collect();
+        let batch = match &self.reads {
+            Reads::Mapping => self.dict.index(indices),
+            Reads::Files { engine, mode } => self.dict.gather_direct(engine, &indices, *mode),
+        }?;
+        self.same_generation()?;
+        Ok(batch)
+    }
+}

@@ -1,0 +1,189 @@
+//! The loader over real folders and shared memory: every row once per epoch whatever the reads,
+//! resuming with batches in flight, epochs, a folder replaced or a file truncated under it, and
+//! no thread left after a drop mid-epoch.
+
+use std::collections::BTreeSet;
+
+use memmap_tensor::{DType, Location, Tensor};
+use tensordict::loader::{Loader, LoaderOptions, Order, Progress, Reads};
+use tensordict::{ReadMode, TensorDict, WriteOptions};
+use tensordict_aio::Engine;
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+const ROWS: usize = 1000;
+
+/// A dict whose row `i` holds `i` in every leaf.
+fn dataset(rows: usize) -> Result<TensorDict, Box<dyn std::error::Error>> {
+    let ids: Vec<i64> = (0..rows as i64).collect();
+    let image: Vec<u8> = (0..rows).flat_map(|i| [(i % 251) as u8; 48]).collect();
+    let mut td = TensorDict::new([rows]);
+    td.set("id", Tensor::from_slice(&ids, [rows])?)?;
+    td.set(["x", "image"], Tensor::from_slice(&image, [rows, 3, 4, 4])?)?;
+    Ok(td)
+}
+
+/// The ids of a batch, checked against its other leaf.
+fn ids(batch: &TensorDict) -> Result<Vec<i64>, Box<dyn std::error::Error>> {
+    let ids = batch.get_tensor("id")?.to_vec::<i64>()?;
+    let image = batch.get_tensor(["x", "image"])?.to_vec::<u8>()?;
+    for (k, id) in ids.iter().enumerate() {
+        assert!(image[k * 48..(k + 1) * 48].iter().all(|&b| i64::from(b) == id % 251), "row {id} whole");
+    }
+    Ok(ids)
+}
+
+fn drain(loader: &mut Loader) -> Result<Vec<i64>, Box<dyn std::error::Error>> {
+    let mut all = Vec::new();
+    for batch in loader {
+        all.extend(ids(&batch?)?);
+    }
+    Ok(all)
+}
+
+#[test]
+fn every_row_once_per_epoch_by_mapping_and_by_file_reads() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let folder = dataset(ROWS)?.memmap(dir.path().join("d"))?;
+    let engine = Engine::new()?;
+    for reads in [
+        Reads::Mapping,
+        Reads::Files { engine: engine.clone(), mode: ReadMode::Buffered },
+        Reads::Files { engine, mode: ReadMode::Direct },
+    ] {
+        let options = LoaderOptions::new(64).order(Order::Shuffled { seed: 5 }).prefetch(3).reads(reads.clone());
+        let mut loader = Loader::new(folder.clone(), options)?;
+        assert_eq!(loader.len(), ROWS.div_ceil(64));
+        let first = drain(&mut loader)?;
+        assert_eq!(first.iter().copied().collect::<BTreeSet<_>>().len(), ROWS, "{reads:?}");
+        assert!(loader.next().is_none(), "the epoch is over");
+        loader.set_epoch(1);
+        let second = drain(&mut loader)?;
+        assert_eq!(second.len(), ROWS);
+        assert_ne!(first, second, "another epoch, another order");
+    }
+    // The default for a folder: file reads (a truncated file is an error, not SIGBUS).
+    assert!(matches!(Loader::new(folder, LoaderOptions::new(8))?.reads(), Reads::Files { .. }));
+    Ok(())
+}
+
+#[test]
+fn a_dict_in_memory_or_shared_memory_is_read_by_its_mapping() -> TestResult {
+    let heap = dataset(100)?;
+    let mut loader = Loader::new(heap.clone(), LoaderOptions::new(30).drop_last(true))?;
+    assert!(matches!(loader.reads(), Reads::Mapping));
+    assert_eq!(drain(&mut loader)?, (0..90).collect::<Vec<_>>());
+    let engine = Engine::new()?;
+    assert!(
+        Loader::new(heap.clone(), LoaderOptions::new(8).reads(Reads::Files { engine, mode: ReadMode::Buffered }))
+            .is_err()
+    );
+    let prefix = format!("tdict-loader-{}", std::process::id());
+    let shared = heap.share_memory(&prefix)?;
+    let mut loader = Loader::new(shared, LoaderOptions::new(7).shard(1, 3))?;
+    let got = drain(&mut loader)?;
+    TensorDict::unlink_shared(&prefix)?;
+    assert_eq!(got, (7..14).chain(28..35).chain(49..56).chain(70..77).chain(91..98).collect::<Vec<_>>());
+    Ok(())
+}
+
+#[test]
+fn resuming_with_batches_in_flight_gives_exactly_the_rest_on_any_world() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let folder = dataset(ROWS)?.memmap(dir.path().join("d"))?;
+    let options = |rank, world| {
+        LoaderOptions::new(50).order(Order::Blocks { seed: 3, block_rows: 16 }).shard(rank, world).prefetch(4)
+    };
+    // Two ranks stop after 3 and 5 batches, each with more read ahead than handed out.
+    let mut before = Vec::new();
+    let mut progress: Vec<Progress> = Vec::new();
+    for (rank, n) in [(0, 3), (1, 5)] {
+        let mut loader = Loader::new(folder.clone(), options(rank, 2))?;
+        for _ in 0..n {
+            before.extend(ids(&loader.next().unwrap()?)?);
+        }
+        progress.push(loader.progress());
+    }
+    // Three ranks go on.
+    let mut after = Vec::new();
+    for rank in 0..3 {
+        let mut loader = Loader::new(folder.clone(), options(rank, 3))?;
+        loader.resume(&progress)?;
+        after.extend(drain(&mut loader)?);
+    }
+    assert_eq!(before.len(), 8 * 50);
+    let mut all: Vec<i64> = before.into_iter().chain(after).collect();
+    all.sort_unstable();
+    assert_eq!(all, (0..ROWS as i64).collect::<Vec<_>>(), "every row once, before or after");
+    // One rank alone on the same world goes on with its own part.
+    let mut loader = Loader::new(folder.clone(), options(1, 2))?;
+    let whole = drain(&mut loader)?;
+    let mut again = Loader::new(folder.clone(), options(1, 2))?;
+    again.resume(&[progress[1].clone()])?;
+    assert_eq!(drain(&mut again)?, whole[5 * 50..].to_vec());
+    Ok(())
+}
+
+#[test]
+fn a_folder_replaced_under_the_loader_is_an_error_not_a_mix() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("d");
+    let folder = dataset(ROWS)?.memmap(&path)?;
+    let mut loader = Loader::new(folder, LoaderOptions::new(100).prefetch(1))?;
+    ids(&loader.next().unwrap()?)?;
+    dataset(ROWS)?.memmap_with(&path, &WriteOptions::default().overwrite(true))?;
+    let mut failed = None;
+    for batch in loader.by_ref() {
+        if let Err(e) = batch {
+            failed = Some(e);
+            break;
+        }
+    }
+    let e = failed.expect("a batch read after the replacement fails");
+    assert!(e.to_string().contains("generation"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn a_file_truncated_under_file_reads_is_an_error_naming_it() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("d");
+    let folder = dataset(ROWS)?.memmap(&path)?;
+    let mut loader = Loader::new(folder, LoaderOptions::new(100).order(Order::Shuffled { seed: 1 }).prefetch(1))?;
+    ids(&loader.next().unwrap()?)?;
+    std::fs::OpenOptions::new().write(true).open(path.join("x").join("image.memmap"))?.set_len(10)?;
+    let e = loader.find_map(Result::err).expect("a read of the truncated file fails");
+    assert!(memmap_tensor::ErrorChain(&e).to_string().contains("image"), "{e}");
+    Ok(())
+}
+
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
+}
+
+#[test]
+fn a_loader_dropped_mid_epoch_leaves_no_thread() -> TestResult {
+    let heap = dataset(ROWS)?;
+    let before = threads();
+    let mut loader = Loader::new(heap, LoaderOptions::new(10).prefetch(8).reads(Reads::Mapping))?;
+    ids(&loader.next().unwrap()?)?;
+    assert!(threads() > before, "its thread runs");
+    drop(loader);
+    assert_eq!(threads(), before, "and is gone once the loader is");
+    Ok(())
+}
+
+#[test]
+fn bad_options_are_refused() -> TestResult {
+    let heap = dataset(10)?;
+    assert!(Loader::new(heap.clone(), LoaderOptions::new(0)).is_err());
+    assert!(Loader::new(heap.clone(), LoaderOptions::new(2).prefetch(0)).is_err());
+    assert!(Loader::new(heap.clone(), LoaderOptions::new(2).shard(3, 3)).is_err());
+    assert!(Loader::new(TensorDict::new(Vec::<usize>::new()), LoaderOptions::new(2)).is_err());
+    let mut other = TensorDict::new([5]);
+    other.set("id", Tensor::zeros([5], DType::I64, &Location::Heap)?)?;
+    let mut loader = Loader::new(heap, LoaderOptions::new(2))?;
+    let progress = Loader::new(other, LoaderOptions::new(2))?.progress();
+    assert!(loader.resume(&[progress]).is_err(), "progress of another dict");
+    Ok(())
+}
