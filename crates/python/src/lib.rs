@@ -9,6 +9,7 @@ mod client;
 mod dict;
 mod dlpack;
 mod error;
+mod loader;
 mod owned;
 mod remote;
 mod replay;
@@ -38,6 +39,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(live_exports, m)?)?;
     m.add_function(wrap_pyfunction!(dict::_reopen, m)?)?;
     m.add_function(wrap_pyfunction!(dict::cat, m)?)?;
+    m.add_class::<loader::PyLoader>()?;
     m.add_class::<worker::PyTensorDictRef>()?;
     m.add_class::<worker::PyWorker>()?;
     m.add_class::<worker::PyWorkerServer>()?;

@@ -36,10 +36,12 @@ from tensordict_rs._native import (
     live_exports,
     stack,
 )
+from tensordict_rs.loader import DataLoader
 from tensordict_rs.replay import RemoteReplayBuffer, ReplayBuffer, ReplayServer
 from tensordict_rs.store import Store
 
 __all__ = [
+    "DataLoader",
     "RemoteReplayBuffer",
     "ReplayBuffer",
     "ReplayServer",

@@ -254,33 +254,59 @@ impl Loader {
     }
 }
 
+/// What [`Loader::next_within`] found.
+#[derive(Debug)]
+pub enum Next {
+    /// The next batch.
+    Batch(TensorDict),
+    /// The epoch's batches are all handed out.
+    Done,
+    /// The next batch was not read within the wait.
+    NotYet,
+}
+
+impl Loader {
+    /// The next batch, waiting at most `wait` for it (so that a caller can look for Ctrl-C
+    /// between waits); [`Iterator::next`] waits as long as it takes.
+    pub fn next_within(&mut self, wait: std::time::Duration) -> Result<Next> {
+        if self.remaining() == 0 {
+            self.running = None;
+            return Ok(Next::Done);
+        }
+        let running = self.start()?;
+        let got = match running.batches.recv_timeout(wait) {
+            Ok(got) => got,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => return Ok(Next::NotYet),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                Err(Error::InvalidArgument { op: "Loader", detail: "the loader's thread ended early".into() })
+            }
+        };
+        match got {
+            Ok(batch) => {
+                self.handed_out += 1;
+                Ok(Next::Batch(batch))
+            }
+            // A failed read is not handed out: the same batch is read again on the next call.
+            Err(e) => {
+                self.running = None;
+                Err(e)
+            }
+        }
+    }
+}
+
 impl Iterator for Loader {
     type Item = Result<TensorDict>;
 
     /// The next batch of this epoch, read ahead by the loader's thread; `None` once the
     /// epoch's batches are all handed out (call [`Loader::set_epoch`] for the next).
     fn next(&mut self) -> Option<Result<TensorDict>> {
-        if self.remaining() == 0 {
-            self.running = None;
-            return None;
-        }
-        let running = match self.start() {
-            Ok(running) => running,
-            Err(e) => return Some(Err(e)),
-        };
-        match running.batches.recv() {
-            Ok(Ok(batch)) => {
-                self.handed_out += 1;
-                Some(Ok(batch))
-            }
-            // A failed read is not handed out: the same batch is read again on the next call.
-            Ok(Err(e)) => {
-                self.running = None;
-                Some(Err(e))
-            }
-            Err(_) => {
-                self.running = None;
-                Some(Err(Error::InvalidArgument { op: "Loader", detail: "the loader's thread ended early".into() }))
+        loop {
+            match self.next_within(std::time::Duration::from_secs(3600)) {
+                Ok(Next::Batch(batch)) => return Some(Ok(batch)),
+                Ok(Next::Done) => return None,
+                Ok(Next::NotYet) => continue,
+                Err(e) => return Some(Err(e)),
             }
         }
     }

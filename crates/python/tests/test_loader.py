@@ -1,0 +1,131 @@
+"""`tensordict_rs.DataLoader`: every row once an epoch, shards, epochs, state_dict and resume
+(with batches read ahead, on another number of ranks), file reads and mapping reads, Ctrl-C
+while iterating (a real SIGINT to a child), and errors."""
+
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import tensordict_rs as tdr
+from tensordict_rs import DataLoader, TensorDict
+
+ROWS = 500
+
+
+def dataset(rows=ROWS):
+    ids = np.arange(rows)
+    return TensorDict({"id": ids, "image": np.repeat(ids[:, None] % 251, 48, 1).astype(np.uint8)}, [rows])
+
+
+def ids(batch):
+    got = batch["id"].numpy()
+    assert (batch["image"].numpy() == (got % 251)[:, None]).all(), "rows whole"
+    return got.tolist()
+
+
+@pytest.fixture
+def folder(tmp_path):
+    return dataset().memmap(tmp_path / "data")
+
+
+def test_every_row_once_an_epoch_and_epochs_reshuffle(folder):
+    loader = DataLoader(folder, batch_size=64, shuffle=True, seed=3, prefetch=3)
+    assert loader.reads == "files" and len(loader) == 8
+    first = [i for b in loader for i in ids(b)]
+    assert sorted(first) == list(range(ROWS)) and first != sorted(first)
+    second = [i for b in loader for i in ids(b)]  # a new pass is the next epoch
+    assert sorted(second) == list(range(ROWS)) and second != first and loader.epoch == 1
+    loader.set_epoch(0)
+    assert [i for b in loader for i in ids(b)] == first, "the same seed and epoch, the same order"
+    mapped = DataLoader(folder, batch_size=64, shuffle=True, seed=3, reads="mapping")
+    assert mapped.reads == "mapping" and [i for b in mapped for i in ids(b)] == first
+    heap = DataLoader(dataset(), batch_size=100, drop_last=True)
+    assert heap.reads == "mapping" and [i for b in heap for i in ids(b)] == list(range(ROWS))
+
+
+def test_shards_are_disjoint_and_cover_the_epoch(folder):
+    for world in (1, 2, 3, 7):
+        seen = []
+        for rank in range(world):
+            seen += [i for b in DataLoader(folder, 32, shuffle=True, rank=rank, world_size=world) for i in ids(b)]
+        assert sorted(seen) == list(range(ROWS)), world
+
+
+def test_state_dict_resumes_exactly_after_the_last_batch_handed_out(folder):
+    loaders = [DataLoader(folder, 40, shuffle=True, seed=1, rank=r, world_size=2, prefetch=4) for r in range(2)]
+    before = []
+    for loader, n in zip(loaders, (2, 5)):
+        it = iter(loader)
+        before += [i for _ in range(n) for i in ids(next(it))]
+    states = pickle.loads(pickle.dumps([loader.state_dict() for loader in loaders]))
+    # The same rank alone goes on; or three ranks share the rest.
+    alone = DataLoader(folder, 40, shuffle=True, seed=1, rank=1, world_size=2)
+    alone.load_state_dict(states[1])
+    whole = [i for b in DataLoader(folder, 40, shuffle=True, seed=1, rank=1, world_size=2) for i in ids(b)]
+    assert [i for b in alone for i in ids(b)] == whole[5 * 40:]
+    after = []
+    for rank in range(3):
+        loader = DataLoader(folder, 40, shuffle=True, seed=1, rank=rank, world_size=3)
+        loader.load_state_dict(states)
+        after += [i for b in loader for i in ids(b)]
+    assert sorted(before + after) == list(range(ROWS))
+    with pytest.raises(ValueError, match="not the progress"):
+        alone.load_state_dict({"progress": {"nonsense": 1}})
+
+
+def test_blocks_and_bad_arguments(folder):
+    blocks = DataLoader(folder, 50, shuffle=True, block_rows=25)
+    got = [i for b in blocks for i in ids(b)]
+    assert sorted(got) == list(range(ROWS))
+    assert all(len({i // 25 for i in got[k:k + 25]}) <= 2 for k in range(0, ROWS, 25)), "runs of neighbours"
+    with pytest.raises(ValueError, match="shuffle=True"):
+        DataLoader(folder, 10, block_rows=5)
+    with pytest.raises(ValueError, match="batch_size"):
+        DataLoader(folder, 0)
+    with pytest.raises(ValueError, match="rank"):
+        DataLoader(folder, 10, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="reads"):
+        DataLoader(folder, 10, reads="telepathy")
+    with pytest.raises(ValueError, match="file reads"):
+        DataLoader(dataset(), 10, reads="files")
+    with pytest.warns(UserWarning, match="pin_memory"):
+        DataLoader(folder, 10, pin_memory=True)
+
+
+def test_a_folder_replaced_under_the_loader_raises(folder, tmp_path):
+    loader = DataLoader(folder, 50, prefetch=1)
+    it = iter(loader)
+    ids(next(it))
+    dataset().memmap(tmp_path / "data", overwrite=True)
+    with pytest.raises(tdr.TensorDictError, match="generation"):
+        for _ in it:
+            pass
+
+
+def test_ctrl_c_while_iterating_raises_keyboard_interrupt(tmp_path):
+    code = f"""
+import numpy as np, sys, tensordict_rs as tdr
+td = tdr.TensorDict({{"x": np.zeros((4_000_000, 16), np.float32)}}, [4_000_000]).memmap({str(tmp_path / "big")!r})
+loader = tdr.DataLoader(td, batch_size=500_000, shuffle=True, prefetch=1)
+try:
+    print("iterating", flush=True)
+    while True:
+        for batch in loader:
+            pass
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "iterating"
+        time.sleep(0.5)
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0 and out.strip() == "interrupted"
