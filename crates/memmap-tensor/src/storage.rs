@@ -649,6 +649,37 @@ impl Storage {
         }
     }
 
+    /// The fraction of the region's pages that are in memory now (`mincore`): for a file
+    /// mapping, how much of the file the page cache holds (what decides whether reading rows
+    /// through the mapping or with explicit reads is faster). 1 for heap and driver memory,
+    /// and for an empty region.
+    pub fn resident_fraction(&self) -> Result<f64> {
+        let mapped = matches!(self.backing, Backing::File { map: Some(_), .. } | Backing::Shm { map: Some(_), .. });
+        if !mapped || self.len == 0 {
+            return Ok(1.0);
+        }
+        // SAFETY: `sysconf` reads a constant of the system; no memory is passed.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
+        let mut pages = vec![0u8; self.len.div_ceil(page)];
+        // SAFETY: `ptr` is the start of this storage's own mapping (page-aligned, as `mmap`
+        // returns), live for as long as `self`, and `len` bytes long; `pages` holds one byte
+        // per page of that length, as `mincore` writes. Nothing is read or written through the
+        // mapping.
+        let status = unsafe { libc::mincore(self.ptr.as_ptr().cast(), self.len, pages.as_mut_ptr()) };
+        if status != 0 {
+            let source = std::io::Error::last_os_error();
+            return Err(match &self.backing {
+                Backing::File { path, .. } => Error::FileIo { op: "mincore", path: path.clone(), source },
+                Backing::Shm { name, .. } => Error::ShmIo { op: "mincore", name: name.clone(), source },
+                _ => unreachable!("only mappings get here"),
+            });
+        }
+        let resident = pages.iter().filter(|&&p| p & 1 == 1).count();
+        // Page counts are far below 2^52: the ratio is exact enough.
+        #[allow(clippy::cast_precision_loss)]
+        Ok(resident as f64 / pages.len() as f64)
+    }
+
     /// Base address of the region. Dereference only under [`Storage::read`] or
     /// [`Storage::write`], within `len_bytes()`.
     pub(crate) fn base_ptr(&self) -> *mut u8 {

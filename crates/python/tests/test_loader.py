@@ -35,7 +35,7 @@ def folder(tmp_path):
 
 def test_every_row_once_an_epoch_and_epochs_reshuffle(folder):
     loader = DataLoader(folder, batch_size=64, shuffle=True, seed=3, prefetch=3)
-    assert loader.reads == "files" and len(loader) == 8
+    assert loader.reads == "mapping" and len(loader) == 8, "a folder in the page cache is read by its mapping"
     first = [i for b in loader for i in ids(b)]
     assert sorted(first) == list(range(ROWS)) and first != sorted(first)
     second = [i for b in loader for i in ids(b)]  # a new pass is the next epoch

@@ -9,9 +9,10 @@
     ...         train(batch.to_torch())
 
 Batches are read by a background thread ``prefetch`` batches ahead while the caller works on
-the last one: for a folder, with explicit reads of its files (many rows at once, in file
-order; a file truncated by another process is an error, never a crash), for a dict in memory or
-in shared memory through its mapping (``reads=`` forces either). ``shuffle=True`` draws each
+the last one: through the dict's mapping when it is in memory (a folder the page cache holds,
+measured when an epoch starts), with explicit reads of its files otherwise (many rows at once,
+in file order); ``reads=`` forces either, and ``loader.reads`` says which ran. A file truncated
+by another process is an error naming it, never a crash. ``shuffle=True`` draws each
 epoch's order from ``seed`` and the epoch (``set_epoch``) alone, so every rank of a job with the
 same seed agrees on it; ``block_rows`` shuffles runs of that many rows instead, for data larger
 than memory (each read is long). ``rank``/``world_size`` (by default from

@@ -7,4 +7,4 @@ mod plan;
 mod read_ahead;
 
 pub use plan::{BatchPlan, Order, Progress};
-pub use read_ahead::{Loader, LoaderOptions, Next, Reads};
+pub use read_ahead::{Loader, LoaderOptions, Next, RESIDENT_FOR_MAPPING, Reads};

@@ -47,7 +47,7 @@ pub struct LoaderOptions {
     pub world: usize,
     /// Batches read ahead of the caller (at least 1).
     pub prefetch: usize,
-    /// How rows are read; `None`: files for a folder (no `SIGBUS`), the mapping otherwise.
+    /// How rows are read; `None`: chosen when an epoch starts (see [`Loader`]).
     pub reads: Option<Reads>,
 }
 
@@ -99,6 +99,15 @@ impl LoaderOptions {
 /// A dict read in batches (see the module documentation of `loader`), epoch after epoch: an
 /// iterator of batches for the current epoch; [`Loader::set_epoch`] starts another.
 ///
+/// Unless told ([`LoaderOptions::reads`]), a dict in a folder is read through its mapping when
+/// the page cache holds [`RESIDENT_FOR_MAPPING`] of its files (measured with `mincore` when an
+/// epoch starts: in memory the mapping is fastest), and with explicit reads of the files
+/// otherwise (many rows in flight at once, in file order); a dict in memory or shared memory
+/// through its mapping. [`Loader::reads`] says which ran. Before each batch read through the
+/// mapping, the files' lengths are checked: a file truncated by another process is an error
+/// naming it rather than a `SIGBUS` (a truncation between that check and the copy is not
+/// caught; explicit reads catch every one).
+///
 /// A background thread reads up to `prefetch` batches ahead while the caller holds the last
 /// one; at most `prefetch + 1` batches are alive in the loader and its thread. For a dict in a
 /// folder or in shared memory, the loader checks the storage's generation before each batch:
@@ -106,6 +115,8 @@ impl LoaderOptions {
 /// the two versions. Dropping the loader stops and joins its thread.
 pub struct Loader {
     dict: TensorDict,
+    /// Whether the caller chose the reads (else they are chosen at each epoch).
+    chosen: bool,
     plan: BatchPlan,
     prefetch: usize,
     reads: Reads,
@@ -146,25 +157,16 @@ impl Loader {
         }
         let plan =
             BatchPlan::new(rows, options.batch_size, options.drop_last, options.order, 0, options.rank, options.world)?;
-        let in_files = !dict.leaves().is_empty()
-            && dict.leaves().iter().all(|(_, t)| t.nbytes() == 0 || t.storage().kind() == StorageKind::File);
+        let chosen = options.reads.is_some();
         let reads = match options.reads {
-            Some(Reads::Files { .. }) if !in_files => {
+            Some(Reads::Files { .. }) if !in_files(&dict) => {
                 return Err(Error::InvalidArgument {
                     op: "Loader",
                     detail: "file reads need a dict whose tensors are all in a folder's files".into(),
                 });
             }
             Some(reads) => reads,
-            None if in_files => Reads::Files {
-                engine: Engine::new().map_err(|source| Error::Io {
-                    op: "start the I/O engine",
-                    path: Default::default(),
-                    source,
-                })?,
-                mode: ReadMode::Buffered,
-            },
-            None => Reads::Mapping,
+            None => choose_reads(&dict, None)?,
         };
         let generation = match dict.backing() {
             Ok(backing) => {
@@ -173,7 +175,7 @@ impl Loader {
             }
             Err(_) => None,
         };
-        Ok(Loader { dict, plan, prefetch: options.prefetch, reads, generation, handed_out: 0, running: None })
+        Ok(Loader { dict, chosen, plan, prefetch: options.prefetch, reads, generation, handed_out: 0, running: None })
     }
 
     /// How rows are read (to report which ran).
@@ -207,6 +209,12 @@ impl Loader {
         self.running = None;
         self.plan = BatchPlan { epoch, handed: Vec::new(), skip: 0, ..self.plan.clone() };
         self.handed_out = 0;
+        if !self.chosen {
+            // What the page cache holds may have changed since the last epoch.
+            if let Ok(reads) = choose_reads(&self.dict, Some(&self.reads)) {
+                self.reads = reads;
+            }
+        }
     }
 
     /// How far this rank got: what [`Loader::resume`] takes. Batches read ahead but not handed
@@ -312,6 +320,71 @@ impl Iterator for Loader {
     }
 }
 
+/// The fraction of a folder's bytes the page cache must hold for a loader to read it through
+/// the mapping rather than with explicit reads.
+pub const RESIDENT_FOR_MAPPING: f64 = 0.9;
+
+/// Whether every tensor with data of `dict` is in a folder's files.
+fn in_files(dict: &TensorDict) -> bool {
+    let leaves = dict.leaves();
+    !leaves.is_empty() && leaves.iter().all(|(_, t)| t.nbytes() == 0 || t.storage().kind() == StorageKind::File)
+}
+
+/// The reads for `dict` now: the mapping unless it is a folder the page cache does not hold
+/// (see [`Loader`]); `current` keeps its engine if it already has one.
+fn choose_reads(dict: &TensorDict, current: Option<&Reads>) -> Result<Reads> {
+    if !in_files(dict) {
+        return Ok(Reads::Mapping);
+    }
+    let (mut resident, mut total) = (0.0, 0.0);
+    let mut seen = std::collections::HashSet::new();
+    for (key, t) in dict.leaves() {
+        let storage = t.storage();
+        if seen.insert(Arc::as_ptr(storage)) {
+            #[allow(clippy::cast_precision_loss)]
+            let bytes = storage.len_bytes() as f64;
+            resident += storage.resident_fraction().map_err(|source| Error::Tensor { key, source })? * bytes;
+            total += bytes;
+        }
+    }
+    if total == 0.0 || resident / total >= RESIDENT_FOR_MAPPING {
+        return Ok(Reads::Mapping);
+    }
+    Ok(match current {
+        Some(files @ Reads::Files { .. }) => files.clone(),
+        _ => Reads::Files {
+            engine: Engine::new().map_err(|source| Error::Io {
+                op: "start the I/O engine",
+                path: Default::default(),
+                source,
+            })?,
+            mode: ReadMode::Buffered,
+        },
+    })
+}
+
+/// Refuses a read through the mapping of a file shorter now than it was mapped (another
+/// process truncated it): touching its missing pages would be a `SIGBUS`.
+fn files_whole(dict: &TensorDict) -> Result<()> {
+    for (key, t) in dict.leaves() {
+        let storage = t.storage();
+        let Some(path) = storage.path() else { continue };
+        let len =
+            std::fs::metadata(path).map_err(|source| Error::Io { op: "stat", path: path.to_owned(), source })?.len();
+        if len < storage.len_bytes() as u64 {
+            return Err(Error::Tensor {
+                key,
+                source: memmap_tensor::Error::FileTooShort {
+                    path: path.to_owned(),
+                    actual_bytes: len,
+                    required_bytes: storage.len_bytes() as u64,
+                },
+            });
+        }
+    }
+    Ok(())
+}
+
 /// What the loader's thread reads with.
 struct Reader {
     dict: TensorDict,
@@ -355,7 +428,10 @@ impl Reader {
         self.same_generation()?;
         let indices: Vec<i64> = rows.iter().map(|&r| i64::try_from(r).unwrap_or(i64::MAX)).collect();
         let batch = match &self.reads {
-            Reads::Mapping => self.dict.index(indices),
+            Reads::Mapping => {
+                files_whole(&self.dict)?;
+                self.dict.index(indices)
+            }
             Reads::Files { engine, mode } => self.dict.gather_direct(engine, &indices, *mode),
         }?;
         self.same_generation()?;
