@@ -59,6 +59,33 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Epochs of random batches of a folder through the loader (`tensordict::loader`): samples
+    /// per second (compare with tools/python/bench_loader.py, torch's `DataLoader`).
+    Loader {
+        /// The folder (any memmap folder, Python tensordict's included).
+        path: PathBuf,
+        /// Rows per batch.
+        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=MAX_BATCH))]
+        batch: u64,
+        /// Epochs to time (the best is reported too).
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=1000))]
+        epochs: u64,
+        /// Batches read ahead.
+        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=1024))]
+        prefetch: u64,
+        /// How rows are read (`auto`: by what the page cache holds).
+        #[arg(long, value_enum, default_value_t = crate::bench_loader::ReadsArg::Auto)]
+        reads: crate::bench_loader::ReadsArg,
+        /// Shuffle runs of this many rows instead of rows (for data larger than memory).
+        #[arg(long)]
+        block_rows: Option<usize>,
+        /// Evict the folder's files from the page cache before every epoch.
+        #[arg(long)]
+        cold: bool,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write the benchmark folder: N rows of obs (84 x f32), action (i64), reward (f32), done (bool).
     Make {
         /// The folder to create.
@@ -193,6 +220,18 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
             gather(&location, &GatherOptions { batch, iters, mode, o_direct, cold }, json)
         }
         BenchCommand::Make { path, rows } => make(&path, usize::try_from(rows)?),
+        BenchCommand::Loader { path, batch, epochs, prefetch, reads, block_rows, cold, json } => {
+            let opts = crate::bench_loader::Options {
+                batch: usize::try_from(batch)?,
+                epochs,
+                prefetch: usize::try_from(prefetch)?,
+                reads,
+                block_rows,
+                cold,
+                json,
+            };
+            crate::bench_loader::run(&path, &opts)
+        }
         BenchCommand::Rpc { transport, iters, json } => crate::bench_rpc::run(transport, usize::try_from(iters)?, json),
         BenchCommand::Store { echo_server: Some(endpoint), .. } => crate::bench_store::serve_echo(&endpoint),
         BenchCommand::Store { size, iters, json, echo_server: None } => {

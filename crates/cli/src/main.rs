@@ -17,6 +17,7 @@ pub(crate) use out;
 
 mod bench;
 mod bench_cuda;
+mod bench_loader;
 mod bench_replay;
 mod bench_replay_remote;
 mod bench_rpc;

@@ -276,3 +276,35 @@ fn bench_cuda(dir: &str) -> Run {
         "--json",
     ])
 }
+
+#[test]
+fn bench_loader_json_over_every_read_and_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("bench");
+    tdict([OsStr::new("bench"), "make".as_ref(), dir.as_os_str(), "--rows".as_ref(), "3000".as_ref()]).ok();
+    for (reads, extra) in
+        [("auto", None), ("mapping", None), ("files", Some("--cold")), ("direct", Some("--block-rows=64"))]
+    {
+        let mut args: Vec<&OsStr> = vec![
+            "bench".as_ref(),
+            "loader".as_ref(),
+            dir.as_os_str(),
+            "--batch".as_ref(),
+            "256".as_ref(),
+            "--reads".as_ref(),
+            reads.as_ref(),
+            "--json".as_ref(),
+        ];
+        args.extend(extra.map(OsStr::new));
+        let out = tdict(args).json();
+        assert_eq!(out["rows"], json!(3000), "{out}");
+        assert_eq!(out["samples_per_s"].as_array().unwrap().len(), 2, "{out}");
+        assert!(out["best_samples_per_s"].as_f64().unwrap() > 0.0, "{out}");
+        if reads != "auto" {
+            assert_eq!(out["reads"], json!(reads), "{out}");
+        }
+    }
+    let run = tdict([OsStr::new("bench"), "loader".as_ref(), dir.as_os_str(), "--batch".as_ref(), "0".as_ref()]);
+    expect_gather_refused(&run);
+    assert!(run.stderr.contains("--batch"), "the message names --batch:\n{run}");
+}

@@ -1,0 +1,110 @@
+//! `tdict bench loader`: epochs of random batches of a folder through `tensordict::loader`,
+//! samples per second (compare with `tools/python/bench_loader.py`, which runs torch's
+//! `DataLoader` on the same folder).
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{Context, ensure};
+use memmap_tensor::Access;
+use tensordict::loader::{Loader, LoaderOptions, Order, Reads};
+use tensordict::{ReadMode, TensorDict};
+
+/// How `bench loader` reads rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ReadsArg {
+    /// The loader's choice (by what the page cache holds).
+    Auto,
+    /// Through the mapping.
+    Mapping,
+    /// Explicit reads through the page cache.
+    Files,
+    /// Explicit reads with O_DIRECT.
+    Direct,
+}
+
+pub(crate) struct Options {
+    pub(crate) batch: usize,
+    pub(crate) epochs: u64,
+    pub(crate) prefetch: usize,
+    pub(crate) reads: ReadsArg,
+    pub(crate) block_rows: Option<usize>,
+    pub(crate) cold: bool,
+    pub(crate) json: bool,
+}
+
+/// Every file below `dir`, its pages dropped from the page cache.
+fn evict_all(dir: &Path) -> anyhow::Result<()> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let path = entry?.path();
+        if path.is_dir() {
+            evict_all(&path)?;
+        } else if path.extension().is_some_and(|e| e == "memmap") {
+            crate::bench::evict(&path)?;
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn run(folder: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
+    ensure!(
+        opts.batch > 0 && opts.epochs > 0 && opts.prefetch > 0,
+        "--batch, --epochs and --prefetch must be positive"
+    );
+    let order = match opts.block_rows {
+        Some(block_rows) => Order::Blocks { seed: 0, block_rows },
+        None => Order::Shuffled { seed: 0 },
+    };
+    let engine = || tensordict_aio::Engine::new().context("starting the I/O engine");
+    let mut rates = Vec::new();
+    let mut ran = String::new();
+    let mut rows = 0;
+    for epoch in 0..opts.epochs {
+        if opts.cold {
+            evict_all(folder)?;
+        }
+        let td = TensorDict::load_memmap(folder, Access::ReadOnly)
+            .with_context(|| format!("loading {}", folder.display()))?;
+        rows = td.batch_size().first().copied().unwrap_or(0);
+        let mut options = LoaderOptions::new(opts.batch).order(order.clone()).prefetch(opts.prefetch);
+        options = match opts.reads {
+            ReadsArg::Auto => options,
+            ReadsArg::Mapping => options.reads(Reads::Mapping),
+            ReadsArg::Files => options.reads(Reads::Files { engine: engine()?, mode: ReadMode::Buffered }),
+            ReadsArg::Direct => options.reads(Reads::Files { engine: engine()?, mode: ReadMode::Direct }),
+        };
+        let mut loader = Loader::new(td, options)?;
+        loader.set_epoch(epoch);
+        ran = match loader.reads() {
+            Reads::Files { mode: ReadMode::Direct, .. } => "direct".into(),
+            Reads::Files { .. } => "files".into(),
+            _ => "mapping".into(),
+        };
+        let start = Instant::now();
+        let mut samples = 0usize;
+        for batch in &mut loader {
+            samples += batch?.batch_size()[0];
+        }
+        rates.push(samples as f64 / start.elapsed().as_secs_f64());
+    }
+    let best = rates.iter().copied().fold(0.0, f64::max);
+    if opts.json {
+        let out = serde_json::json!({
+            "folder": folder.display().to_string(),
+            "rows": rows,
+            "batch": opts.batch,
+            "prefetch": opts.prefetch,
+            "reads": ran,
+            "order": if opts.block_rows.is_some() { "blocks" } else { "shuffled" },
+            "block_rows": opts.block_rows,
+            "cold": opts.cold,
+            "samples_per_s": rates.iter().map(|r| r.round()).collect::<Vec<_>>(),
+            "best_samples_per_s": best.round(),
+        });
+        crate::out!("{out}");
+    } else {
+        crate::out!("{rows} rows, batches of {}, reads {ran}: best epoch {:.0} samples/s", opts.batch, best);
+    }
+    Ok(ExitCode::SUCCESS)
+}
