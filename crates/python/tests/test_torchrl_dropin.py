@@ -132,3 +132,34 @@ def test_plain_buffers_give_the_info_apart_and_seeds_repeat_draws():
         trl.LazyTensorStorage(10, device="cuda:0")
     with pytest.raises(IndexError):
         rb[10]
+
+
+def test_prefetch_draws_ahead_in_the_same_order_as_without():
+    from tensordict import TensorDict
+
+    from tensordict_rs import torchrl as trl
+
+    data = TensorDict({"x": torch.arange(1000)}, [1000])
+    buffers = []
+    for prefetch in (None, 3):
+        rb = trl.TensorDictPrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=trl.LazyTensorStorage(1000),
+                                                   batch_size=32, prefetch=prefetch)
+        rb.extend(data)
+        buffers.append(rb)
+    torch.manual_seed(11)
+    plain = [buffers[0].sample()["index"].tolist() for _ in range(6)]
+    torch.manual_seed(11)
+    ahead = [buffers[1].sample()["index"].tolist() for _ in range(6)]
+    assert ahead == plain, "the same draws, in the same order"
+    # Priorities updated and rows written while samples are in flight: later samples see them.
+    rb = buffers[1]
+    for step in range(20):
+        sample = rb.sample()
+        assert torch.equal(sample["x"], sample["index"]), "row i holds i"
+        sample["td_error"] = torch.rand(32)
+        rb.update_tensordict_priority(sample)
+        rb.extend(TensorDict({"x": torch.arange(4) + 4 * step}, [4]))  # rows 4 step.. (the writer wrapped)
+    rb.empty()
+    assert len(rb) == 0
+    with pytest.raises(ValueError, match="prefetch"):
+        trl.ReplayBuffer(storage=trl.LazyTensorStorage(4), prefetch=-1)

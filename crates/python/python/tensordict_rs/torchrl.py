@@ -17,13 +17,21 @@ torch's random generator (the one given as ``generator=``, else torch's default)
 ``torch.manual_seed`` makes a run repeat, as with TorchRL. Needs torch and tensordict; code
 without torch uses ``tensordict_rs.replay``, whose samples are ``tensordict_rs.TensorDict``s.
 
+``prefetch=N`` draws N samples ahead on a thread while the caller trains, as TorchRL's does:
+a sample drawn ahead is of the rows and priorities as they were when it was drawn (rows written
+and priorities updated after that show in later samples), and the draws come from torch's
+generator in the same order as without prefetching.
+
 Left out on purpose (an error names them when asked for): ``transform``, ``collate_fn``,
-``pin_memory``, ``prefetch``, ``dim_extend``, ``shared`` and the service backends (a
+``pin_memory``, ``dim_extend``, ``shared`` and the service backends (a
 ``tensordict_rs.ReplayServer`` serves a buffer to other processes and nodes), ``checkpointer``
 (``dumps``/``loads`` write and read TorchRL's dump layout), storages on a device or of more
 than one dim (``sample(device=...)`` moves samples instead), ``ListStorage``, and iterating a
 buffer.
 """
+
+import collections
+import concurrent.futures
 
 import torch
 from tensordict import TensorDict as _TensorDict
@@ -187,7 +195,6 @@ class ReplayBuffer:
             type(self).__name__,
             collate_fn=collate_fn,
             pin_memory=pin_memory,
-            prefetch=prefetch,
             transform=transform,
             transform_factory=transform_factory,
             dim_extend=dim_extend,
@@ -204,6 +211,11 @@ class ReplayBuffer:
         )
         self._prioritized = isinstance(sampler, (_replay.PrioritizedSampler, _replay.PrioritizedSliceSampler))
         self._reduction = getattr(sampler, "reduction", "max")
+        if prefetch is not None and int(prefetch) < 0:
+            raise ValueError(f"prefetch={prefetch}: give a number of samples to draw ahead, or None")
+        self._prefetch = int(prefetch or 0)
+        self._ahead = collections.deque()  # (batch size, future) of samples drawn ahead
+        self._executor = None
 
     def _seed(self):
         """A seed drawn from torch's generator (this buffer's, else torch's default)."""
@@ -234,11 +246,28 @@ class ReplayBuffer:
         """Writes one row; returns its row."""
         return self._rb.add(_arrays(data))
 
+    def _draw(self, batch_size, seed):
+        self._rb._rb.reseed(seed)
+        return self._rb.sample(batch_size)
+
+    def _drawn(self, batch_size):
+        """The next sample: drawn now, or (with ``prefetch``) the oldest drawn ahead, the queue
+        topped up. The seeds are drawn here, in the caller's order."""
+        if not self._prefetch:
+            return self._draw(batch_size, self._seed())
+        batch_size = batch_size if batch_size is not None else self.batch_size
+        if self._ahead and self._ahead[0][0] != batch_size:
+            self._ahead.clear()  # drawn for another batch size
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tdict-prefetch")
+        while len(self._ahead) < self._prefetch + 1:
+            self._ahead.append((batch_size, self._executor.submit(self._draw, batch_size, self._seed())))
+        return self._ahead.popleft()[1].result()
+
     def sample(self, batch_size=None, return_info=False):
         """A batch of rows as a ``tensordict.TensorDict`` (and, with ``return_info``, a dict of
         ``index`` and, when prioritized, ``priority_weight``)."""
-        self._rb._rb.reseed(self._seed())
-        td = _to_torch(self._rb.sample(batch_size))
+        td = _to_torch(self._drawn(batch_size))
         if self._in_sample and not return_info:
             return td
         info = {k: td.get(k) for k in ("priority_weight", "index") if k in td.keys()}
@@ -254,7 +283,19 @@ class ReplayBuffer:
 
     def empty(self):
         """Empties the buffer: no row, no write counted, the sampler's state forgotten."""
+        self._drop_ahead()
         self._rb._rb.empty()
+
+    def _drop_ahead(self):
+        """Waits for the samples drawn ahead and forgets them."""
+        for _, future in self._ahead:
+            future.exception()
+        self._ahead.clear()
+
+    def __del__(self):
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
 
     def __getitem__(self, index):
         """Rows of the storage: an int (one row, no batch dim), a slice, a list or a tensor."""
@@ -279,6 +320,7 @@ class ReplayBuffer:
     def loads(self, path):
         """Replaces this buffer's rows, writer and sampler state with a dump's (TorchRL's
         ``loads``)."""
+        self._drop_ahead()
         self._rb = _replay.ReplayBuffer.loads(path, batch_size=self.batch_size, seed=self._seed())
         return self
 
