@@ -51,7 +51,8 @@ fn every_row_once_per_epoch_by_mapping_and_by_file_reads() -> TestResult {
         Reads::Files { engine: engine.clone(), mode: ReadMode::Buffered },
         Reads::Files { engine, mode: ReadMode::Direct },
     ] {
-        let options = LoaderOptions::new(64).order(Order::Shuffled { seed: 5 }).prefetch(3).reads(reads.clone());
+        let options =
+            LoaderOptions::new(64).order(Order::Shuffled { seed: 5 }).prefetch(3).readers(3).reads(reads.clone());
         let mut loader = Loader::new(folder.clone(), options)?;
         assert_eq!(loader.len(), ROWS.div_ceil(64));
         let first = drain(&mut loader)?;
@@ -61,6 +62,10 @@ fn every_row_once_per_epoch_by_mapping_and_by_file_reads() -> TestResult {
         let second = drain(&mut loader)?;
         assert_eq!(second.len(), ROWS);
         assert_ne!(first, second, "another epoch, another order");
+        // Three readers hand batches out in the plan's order: one reader gives the same.
+        let mut one =
+            Loader::new(folder.clone(), LoaderOptions::new(64).order(Order::Shuffled { seed: 5 }).readers(1))?;
+        assert_eq!(drain(&mut one)?, first);
     }
     Ok(())
 }

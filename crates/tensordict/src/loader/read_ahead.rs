@@ -1,9 +1,10 @@
 //! [`Loader`]: a dict read in batches by a background thread, `prefetch` batches ahead of the
 //! caller, following a [`BatchPlan`].
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 use memmap_tensor::StorageKind;
@@ -47,12 +48,16 @@ pub struct LoaderOptions {
     pub world: usize,
     /// Batches read ahead of the caller (at least 1).
     pub prefetch: usize,
+    /// Threads reading batches (at least 1): with two, one batch's reads are in flight while
+    /// another's complete (and gathers from memory run on two cores).
+    pub readers: usize,
     /// How rows are read; `None`: chosen when an epoch starts (see [`Loader`]).
     pub reads: Option<Reads>,
 }
 
 impl LoaderOptions {
-    /// Batches of `batch_size` rows, in order, on one rank, two batches ahead.
+    /// Batches of `batch_size` rows, in order, on one rank, two batches ahead, read by two
+    /// threads.
     pub fn new(batch_size: usize) -> LoaderOptions {
         LoaderOptions {
             batch_size,
@@ -61,6 +66,7 @@ impl LoaderOptions {
             rank: 0,
             world: 1,
             prefetch: 2,
+            readers: 2,
             reads: None,
         }
     }
@@ -86,6 +92,12 @@ impl LoaderOptions {
     /// Reads `prefetch` batches ahead.
     pub fn prefetch(mut self, prefetch: usize) -> Self {
         self.prefetch = prefetch;
+        self
+    }
+
+    /// Reads batches on `readers` threads.
+    pub fn readers(mut self, readers: usize) -> Self {
+        self.readers = readers;
         self
     }
 
@@ -119,6 +131,7 @@ pub struct Loader {
     chosen: bool,
     plan: BatchPlan,
     prefetch: usize,
+    readers: usize,
     reads: Reads,
     /// The generation the storage was at when the loader opened it.
     generation: Option<(crate::DictLocation, Generation)>,
@@ -128,18 +141,57 @@ pub struct Loader {
 }
 
 struct Running {
-    batches: Receiver<Result<TensorDict>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    /// Batches read, numbered from the start of this run, in the order they completed.
+    batches: Receiver<(usize, Result<TensorDict>)>,
+    /// Batches read out of order, until their turn.
+    waiting: BTreeMap<usize, Result<TensorDict>>,
+    /// The number of the next batch to hand out.
+    next: usize,
+    flow: Arc<Flow>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// What the loader and its reader threads share: which batch is read next, and how many were
+/// handed out (a reader starts batch `k` only once `k < handed + prefetch`).
+struct Flow {
+    turns: Mutex<Turns>,
+    changed: Condvar,
+    stop: AtomicBool,
+}
+
+struct Turns {
+    next_to_read: usize,
+    handed: usize,
+}
+
+impl Flow {
+    /// The next batch number for a reader, waiting for room; `None` when there is none left or
+    /// the loader stopped.
+    fn take(&self, batches: usize, prefetch: usize) -> Option<usize> {
+        let mut turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            if self.stop.load(Ordering::Acquire) || turns.next_to_read >= batches {
+                return None;
+            }
+            if turns.next_to_read < turns.handed + prefetch {
+                turns.next_to_read += 1;
+                return Some(turns.next_to_read - 1);
+            }
+            turns = self.changed.wait(turns).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    fn handed_one(&self) {
+        self.turns.lock().unwrap_or_else(PoisonError::into_inner).handed += 1;
+        self.changed.notify_all();
+    }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        // Unblocks a send: the receiver goes first.
-        let (_, dead) = sync_channel(0);
-        drop(std::mem::replace(&mut self.batches, dead));
-        if let Some(thread) = self.thread.take() {
+        self.flow.stop.store(true, Ordering::Release);
+        self.flow.changed.notify_all();
+        for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
     }
@@ -152,8 +204,11 @@ impl Loader {
             op: "Loader",
             detail: "the dict has no batch dim to read rows of".into(),
         })?;
-        if options.prefetch == 0 {
-            return Err(Error::InvalidArgument { op: "Loader", detail: "prefetch must be at least 1".into() });
+        if options.prefetch == 0 || options.readers == 0 {
+            return Err(Error::InvalidArgument {
+                op: "Loader",
+                detail: "prefetch and readers must be at least 1".into(),
+            });
         }
         let plan =
             BatchPlan::new(rows, options.batch_size, options.drop_last, options.order, 0, options.rank, options.world)?;
@@ -175,7 +230,17 @@ impl Loader {
             }
             Err(_) => None,
         };
-        Ok(Loader { dict, chosen, plan, prefetch: options.prefetch, reads, generation, handed_out: 0, running: None })
+        Ok(Loader {
+            dict,
+            chosen,
+            plan,
+            prefetch: options.prefetch,
+            readers: options.readers,
+            reads,
+            generation,
+            handed_out: 0,
+            running: None,
+        })
     }
 
     /// How rows are read (to report which ran).
@@ -242,21 +307,35 @@ impl Loader {
     fn start(&mut self) -> Result<&mut Running> {
         if self.running.is_none() {
             let skip = usize::try_from(self.handed_out).unwrap_or(usize::MAX);
-            let batches: Vec<Vec<usize>> = self.plan.batches()?.into_iter().skip(skip).collect();
-            // A batch in the channel, one being read: `prefetch` ahead in all.
-            let (tx, rx) = sync_channel(self.prefetch - 1);
-            let stop = Arc::new(AtomicBool::new(false));
-            let reader = Reader {
-                dict: self.dict.clone(),
-                reads: self.reads.clone(),
-                generation: self.generation.clone(),
-                stop: Arc::clone(&stop),
-            };
-            let thread = std::thread::Builder::new()
-                .name("tdict-loader".into())
-                .spawn(move || reader.run(batches, &tx))
-                .map_err(|source| Error::Io { op: "start the loader's thread", path: Default::default(), source })?;
-            self.running = Some(Running { batches: rx, stop, thread: Some(thread) });
+            let batches: Arc<Vec<Vec<usize>>> = Arc::new(self.plan.batches()?.into_iter().skip(skip).collect());
+            let (tx, rx) = channel();
+            let flow = Arc::new(Flow {
+                turns: Mutex::new(Turns { next_to_read: 0, handed: 0 }),
+                changed: Condvar::new(),
+                stop: AtomicBool::new(false),
+            });
+            let mut threads = Vec::with_capacity(self.readers);
+            for _ in 0..self.readers.min(batches.len().max(1)) {
+                let reader = Reader {
+                    dict: self.dict.clone(),
+                    reads: self.reads.clone(),
+                    generation: self.generation.clone(),
+                    flow: Arc::clone(&flow),
+                };
+                let (batches, tx, prefetch) = (Arc::clone(&batches), tx.clone(), self.prefetch);
+                let thread = std::thread::Builder::new()
+                    .name("tdict-loader".into())
+                    .spawn(move || reader.run(&batches, prefetch, &tx));
+                match thread {
+                    Ok(thread) => threads.push(thread),
+                    Err(source) => {
+                        // The threads started stop with `Running`'s drop.
+                        drop(Running { batches: rx, waiting: BTreeMap::new(), next: 0, flow, threads });
+                        return Err(Error::Io { op: "start the loader's threads", path: Default::default(), source });
+                    }
+                }
+            }
+            self.running = Some(Running { batches: rx, waiting: BTreeMap::new(), next: 0, flow, threads });
         }
         Ok(self.running.as_mut().expect("started above"))
     }
@@ -282,13 +361,27 @@ impl Loader {
             return Ok(Next::Done);
         }
         let running = self.start()?;
-        let got = match running.batches.recv_timeout(wait) {
-            Ok(got) => got,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => return Ok(Next::NotYet),
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                Err(Error::InvalidArgument { op: "Loader", detail: "the loader's thread ended early".into() })
+        let deadline = std::time::Instant::now() + wait;
+        let got = loop {
+            if let Some(got) = running.waiting.remove(&running.next) {
+                break got;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match running.batches.recv_timeout(left) {
+                Ok((k, got)) => {
+                    running.waiting.insert(k, got);
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => return Ok(Next::NotYet),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    break Err(Error::InvalidArgument {
+                        op: "Loader",
+                        detail: "the loader's threads ended early".into(),
+                    });
+                }
             }
         };
+        running.next += 1;
+        running.flow.handed_one();
         match got {
             Ok(batch) => {
                 self.handed_out += 1;
@@ -390,18 +483,17 @@ struct Reader {
     dict: TensorDict,
     reads: Reads,
     generation: Option<(crate::DictLocation, Generation)>,
-    stop: Arc<AtomicBool>,
+    flow: Arc<Flow>,
 }
 
 impl Reader {
-    fn run(self, batches: Vec<Vec<usize>>, out: &SyncSender<Result<TensorDict>>) {
-        for rows in batches {
-            if self.stop.load(Ordering::Acquire) {
-                return;
-            }
-            let batch = self.read(&rows);
+    /// Reads the batches its turns give it, until none is left, the loader stops, or a read
+    /// fails (the loader then starts again from the failed batch).
+    fn run(self, batches: &[Vec<usize>], prefetch: usize, out: &Sender<(usize, Result<TensorDict>)>) {
+        while let Some(k) = self.flow.take(batches.len(), prefetch) {
+            let batch = self.read(&batches[k]);
             let failed = batch.is_err();
-            if out.send(batch).is_err() || failed {
+            if out.send((k, batch)).is_err() || failed {
                 return;
             }
         }
