@@ -186,7 +186,8 @@ impl BatchPlan {
         own.skip(usize::try_from(self.skip).unwrap_or(usize::MAX)).collect()
     }
 
-    /// The number of batches this rank hands out this epoch.
+    /// The number of batches this rank hands out this epoch (it walks the epoch's global
+    /// batches: keep it rather than ask again).
     pub fn len(&self) -> usize {
         self.own_batches().len()
     }
@@ -196,8 +197,10 @@ impl BatchPlan {
         self.len() == 0
     }
 
+    /// Whether global batch `k` was handed out before (the ranges are sorted and disjoint).
     fn was_handed(&self, k: u64) -> bool {
-        self.handed.iter().any(|&(start, end)| (start..end).contains(&k))
+        let after = self.handed.partition_point(|&(start, _)| start <= k);
+        after > 0 && k < self.handed[after - 1].1
     }
 
     /// The rows of global batch `k` of this epoch, given the epoch's order (`epoch_rows`).

@@ -127,6 +127,8 @@ impl LoaderOptions {
 /// the two versions. Dropping the loader stops and joins its thread.
 pub struct Loader {
     dict: TensorDict,
+    /// `plan.len()`, counted once per plan (it walks the epoch's batches).
+    plan_len: usize,
     /// Whether the caller chose the reads (else they are chosen at each epoch).
     chosen: bool,
     plan: BatchPlan,
@@ -232,6 +234,7 @@ impl Loader {
         };
         Ok(Loader {
             dict,
+            plan_len: plan.len(),
             chosen,
             plan,
             prefetch: options.prefetch,
@@ -255,7 +258,7 @@ impl Loader {
 
     /// The batches of this epoch still to hand out.
     pub fn remaining(&self) -> usize {
-        self.plan.len().saturating_sub(usize::try_from(self.handed_out).unwrap_or(usize::MAX))
+        self.plan_len.saturating_sub(usize::try_from(self.handed_out).unwrap_or(usize::MAX))
     }
 
     /// The batches of a whole epoch for this rank.
@@ -273,6 +276,7 @@ impl Loader {
     pub fn set_epoch(&mut self, epoch: u64) {
         self.running = None;
         self.plan = BatchPlan { epoch, handed: Vec::new(), skip: 0, ..self.plan.clone() };
+        self.plan_len = self.plan.len();
         self.handed_out = 0;
         if !self.chosen {
             // What the page cache holds may have changed since the last epoch.
@@ -299,6 +303,7 @@ impl Loader {
             });
         }
         self.running = None;
+        self.plan_len = plan.len();
         self.plan = plan;
         self.handed_out = 0;
         Ok(())
