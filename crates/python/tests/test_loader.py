@@ -129,3 +129,26 @@ except KeyboardInterrupt:
     finally:
         child.kill()
     assert child.returncode == 0 and out.strip() == "interrupted"
+
+
+def test_a_hostile_state_dict_is_refused_or_harmless(folder):
+    loader = DataLoader(folder, 10, shuffle=True)
+    good = loader.state_dict()
+    plan = good["progress"]["plan"]
+    hostile = [
+        {"progress": {"plan": dict(plan, rows=2**63), "handed_out": 0}},
+        {"progress": {"plan": dict(plan, world=2**62), "handed_out": 0}},
+        {"progress": {"plan": dict(plan, rank=5), "handed_out": 0}},
+        {"progress": {"plan": dict(plan, batch_size=0), "handed_out": 0}},
+        {"progress": dict(good["progress"], handed_out=2**64 - 1)},
+        {"progress": {"plan": dict(plan, skip=2**64 - 1), "handed_out": 2**64 - 1}},
+        [{"progress": {"plan": dict(plan, world=2), "handed_out": 0}}] * 2,
+    ]
+    for state in hostile:
+        with pytest.raises((ValueError, tdr.TensorDictError)):
+            loader.load_state_dict(state)
+    # Ranges past the end, overlapping and unsorted: clamped and merged, every row still once.
+    loader.load_state_dict({"progress": {"plan": dict(plan, handed=[[40, 2**64 - 1], [3, 9], [0, 5]]), "handed_out": 0}})
+    left = [i for b in loader for i in ids(b)]
+    assert len(left) == ROWS - 19 * 10, "batches 0..9 and 40..50 were handed out"
+    assert len(set(left)) == len(left)

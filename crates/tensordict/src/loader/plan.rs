@@ -159,17 +159,24 @@ impl BatchPlan {
         rank: usize,
         world: usize,
     ) -> Result<BatchPlan> {
+        let plan = BatchPlan { rows, batch_size, drop_last, order, epoch, rank, world, handed: Vec::new(), skip: 0 };
+        plan.check()?;
+        Ok(plan)
+    }
+
+    /// Refuses a plan no loader could follow (a plan read from a saved state may be any).
+    fn check(&self) -> Result<()> {
         let bad = |detail: String| Error::InvalidArgument { op: "BatchPlan", detail };
-        if batch_size == 0 {
+        if self.batch_size == 0 {
             return Err(bad("batch_size must be at least 1".into()));
         }
-        if world == 0 || rank >= world {
-            return Err(bad(format!("rank {rank} of a world of {world}: give 0 <= rank < world")));
+        if self.world == 0 || self.rank >= self.world {
+            return Err(bad(format!("rank {} of a world of {}: give 0 <= rank < world", self.rank, self.world)));
         }
-        if let Order::Blocks { block_rows: 0, .. } = order {
+        if let Order::Blocks { block_rows: 0, .. } = self.order {
             return Err(bad("block_rows must be at least 1".into()));
         }
-        Ok(BatchPlan { rows, batch_size, drop_last, order, epoch, rank, world, handed: Vec::new(), skip: 0 })
+        Ok(())
     }
 
     /// The number of global batches in an epoch.
@@ -234,6 +241,9 @@ impl BatchPlan {
     pub fn resume(progress: &[Progress], rank: usize, world: usize) -> Result<BatchPlan> {
         let bad = |detail: String| Error::InvalidArgument { op: "BatchPlan::resume", detail };
         let first = progress.first().ok_or_else(|| bad("no progress to resume from".into()))?;
+        for q in progress {
+            q.plan.check()?;
+        }
         let p = &first.plan;
         for other in progress {
             let o = &other.plan;
@@ -264,9 +274,10 @@ impl BatchPlan {
             if first.handed_out > own {
                 return Err(bad(format!("rank {rank} handed out {} batches of its {own}", first.handed_out)));
             }
-            return Ok(BatchPlan { skip: p.skip + first.handed_out, ..p.clone() });
+            let handed = merged(p.handed.clone(), p.global_batches());
+            return Ok(BatchPlan { skip: p.skip.saturating_add(first.handed_out), handed, ..p.clone() });
         }
-        let mut handed: Vec<u64> = p.handed.iter().flat_map(|&(s, e)| s..e).collect();
+        let mut handed: Vec<u64> = Vec::new();
         let mut ranks_seen = vec![false; p.world];
         for q in progress {
             if std::mem::replace(&mut ranks_seen[q.plan.rank], true) {
@@ -281,9 +292,29 @@ impl BatchPlan {
             handed.extend_from_slice(&own[..n]);
         }
         let mut plan = BatchPlan::new(p.rows, p.batch_size, p.drop_last, p.order.clone(), p.epoch, rank, world)?;
-        plan.handed = ranges(handed);
+        let mut all = merged(p.handed.clone(), plan.global_batches());
+        all.extend(ranges(handed));
+        plan.handed = merged(all, plan.global_batches());
         Ok(plan)
     }
+}
+
+/// `ranges` (maybe from elsewhere: unsorted, overlapping, past the end) within `0..limit`,
+/// sorted and merged, without walking what they cover.
+fn merged(mut ranges: Vec<(u64, u64)>, limit: u64) -> Vec<(u64, u64)> {
+    ranges.retain_mut(|(start, end)| {
+        *end = (*end).min(limit);
+        start < end
+    });
+    ranges.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (start, end) in ranges {
+        match out.last_mut() {
+            Some((_, last)) if start <= *last => *last = (*last).max(end),
+            _ => out.push((start, end)),
+        }
+    }
+    out
 }
 
 /// Sorted, merged ranges of `items`.

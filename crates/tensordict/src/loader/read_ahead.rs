@@ -295,13 +295,17 @@ impl Loader {
     /// Goes on from where the ranks of a run stopped (see [`BatchPlan::resume`]): the rest of
     /// that epoch, shared among this loader's ranks.
     pub fn resume(&mut self, progress: &[Progress]) -> Result<()> {
-        let plan = BatchPlan::resume(progress, self.plan.rank, self.plan.world)?;
-        if plan.rows != self.plan.rows {
+        // Checked first: the plan's batches are walked, and a progress may come from anywhere.
+        if let Some(other) = progress.iter().find(|p| p.plan.rows != self.plan.rows) {
             return Err(Error::InvalidArgument {
                 op: "Loader::resume",
-                detail: format!("the progress is of a dict of {} rows; this one has {}", plan.rows, self.plan.rows),
+                detail: format!(
+                    "the progress is of a dict of {} rows; this one has {}",
+                    other.plan.rows, self.plan.rows
+                ),
             });
         }
+        let plan = BatchPlan::resume(progress, self.plan.rank, self.plan.world)?;
         self.running = None;
         self.plan_len = plan.len();
         self.plan = plan;
