@@ -8,7 +8,7 @@
     ...     for batch in loader:                          # TensorDicts, read ahead on a thread
     ...         train(batch.to_torch())
 
-Batches are read by a background thread ``prefetch`` batches ahead while the caller works on
+Batches are read by background threads ``prefetch`` batches ahead while the caller works on
 the last one: through the dict's mapping when it is in memory (a folder the page cache holds,
 measured when an epoch starts), with explicit reads of its files otherwise (many rows at once,
 in file order); ``reads=`` forces either, and ``loader.reads`` says which ran. A file truncated

@@ -1,4 +1,4 @@
-//! [`Loader`]: a dict read in batches by a background thread, `prefetch` batches ahead of the
+//! [`Loader`]: a dict read in batches by background threads, `prefetch` batches ahead of the
 //! caller, following a [`BatchPlan`].
 
 use std::collections::BTreeMap;
@@ -120,11 +120,13 @@ impl LoaderOptions {
 /// naming it rather than a `SIGBUS` (a truncation between that check and the copy is not
 /// caught; explicit reads catch every one).
 ///
-/// A background thread reads up to `prefetch` batches ahead while the caller holds the last
-/// one; at most `prefetch + 1` batches are alive in the loader and its thread. For a dict in a
+/// Background threads (`readers` of them) read up to `prefetch` batches ahead while the caller
+/// holds the last one: a reader starts a batch only while fewer than `prefetch` are read or being
+/// read beyond those handed out, so at most `prefetch + 1` batches are alive in the loader, its
+/// threads and the caller's hand. Batches are handed out in the plan's order. For a dict in a
 /// folder or in shared memory, the loader checks the storage's generation before each batch:
 /// a folder replaced (or republished) since the loader opened it is an error, never a mix of
-/// the two versions. Dropping the loader stops and joins its thread.
+/// the two versions. Dropping the loader stops and joins its threads.
 pub struct Loader {
     dict: TensorDict,
     /// `plan.len()`, counted once per plan (it walks the epoch's batches).
