@@ -116,23 +116,41 @@ fn readers_during_rewrites_see_one_version_each() -> anyhow::Result<()> {
 }
 
 /// The fallback's window: the writer renamed the old folder aside, then died before renaming
-/// the new one into place. The next load puts the old folder back.
+/// the new one into place. The next load puts the old folder back. (An old folder without its
+/// writer's staging folder is a half-removed old tree, and is never put back: see the next test.)
 #[test]
 fn a_writer_killed_between_the_two_renames_is_recovered() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let prefix = dir.path().join("buffer");
     version(3)?.memmap(&prefix)?;
     // A writer killed while it builds its copy leaves a hidden folder named with its identity.
-    let mut child = writer("memmap", &prefix, 4, 1000, true)?;
+    // The kill may land later, once that folder was renamed into place: then another writer.
+    let mut attempts = 0;
     let staged = loop {
-        let found = std::fs::read_dir(dir.path())?
-            .filter_map(Result::ok)
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .find(|n| n.starts_with(".tdict-new-"));
-        if let Some(name) = found {
-            child.kill()?;
-            child.wait()?;
+        attempts += 1;
+        anyhow::ensure!(attempts <= 100, "no writer was killed while building its copy in 100 tries");
+        let mut child = writer("memmap", &prefix, 4, 1000, true)?;
+        let found = loop {
+            let found = std::fs::read_dir(dir.path())?
+                .filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .find(|n| n.starts_with(".tdict-new-"));
+            if found.is_some() {
+                child.kill()?;
+                child.wait()?;
+                break found;
+            }
+            if child.try_wait()?.is_some() {
+                break None;
+            }
+        };
+        if let Some(name) = found.filter(|name| dir.path().join(name).exists()) {
             break name;
+        }
+        // Past its swap: put the folder back as a whole dict for the next try.
+        TensorDict::remove_leftovers(&prefix)?;
+        if !prefix.join("meta.json").exists() {
+            version(3)?.memmap_with(&prefix, &WriteOptions::default().overwrite(true))?;
         }
     };
     let newest = TensorDict::load_memmap(&prefix, Access::ReadOnly)?;
@@ -146,11 +164,62 @@ fn a_writer_killed_between_the_two_renames_is_recovered() -> anyhow::Result<()> 
     assert_eq!(check_version(&td, false)?, v);
     assert!(prefix.join("meta.json").exists() && !aside.exists(), "the old folder is back in place");
 
-    // A writer finding the same state recovers it too before it writes.
+    // A writer finding the same state recovers it too before it writes. (The write of version
+    // 9 removed the dead writer's staging folder, as a leftover: the state between the two
+    // renames has one, so it is made again.)
     version(9)?.memmap_with(&prefix, &WriteOptions::default().overwrite(true))?;
+    std::fs::create_dir_all(dir.path().join(&staged))?;
     std::fs::rename(&prefix, &aside)?;
     let err = version(10)?.memmap(&prefix);
     assert!(err.is_err(), "the recovered folder is not replaced without asking: {err:?}");
     assert_eq!(check_version(&TensorDict::load_memmap(&prefix, Access::ReadOnly)?, false)?, 9);
+    Ok(())
+}
+
+/// A writer killed while removing its old tree after both renames leaves a `.tdict-old-` folder,
+/// maybe half removed, and no staging folder. If the destination later goes missing (another
+/// writer dying between its renames), that folder is not put back in place of the dict.
+#[test]
+fn a_half_removed_old_tree_is_never_put_back() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let prefix = dir.path().join("buffer");
+    version(5)?.memmap(&prefix)?;
+    // A dead writer's old tree, half removed: its meta.json is there, a leaf file is not. Its
+    // name carries the identity of a writer killed here (`.tdict-KIND-HASH-PID-START-BOOT-NS-N`).
+    let dead = {
+        let mut child = writer("memmap", &prefix, 6, 1000, true)?;
+        let name = loop {
+            let found = std::fs::read_dir(dir.path())?
+                .filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .find(|n| n.starts_with(".tdict-"));
+            if let Some(name) = found {
+                break name;
+            }
+            anyhow::ensure!(child.try_wait()?.is_none(), "the writer ended before it staged");
+        };
+        child.kill()?;
+        child.wait()?;
+        let mut parts: Vec<String> = name.split('-').map(str::to_owned).collect();
+        anyhow::ensure!(parts.len() == 8, "a hidden name of eight parts: {name}");
+        parts[1] = "old".into();
+        parts[7] = "99".into();
+        parts.join("-")
+    };
+    TensorDict::remove_leftovers(&prefix)?;
+    let kept = TensorDict::load_memmap(&prefix, Access::ReadOnly)?;
+    let v = check_version(&kept, false)?;
+    drop(kept);
+    let half = dir.path().join(&dead);
+    version(4)?.memmap(&half)?;
+    std::fs::remove_file(half.join("obs.memmap"))?;
+    assert_eq!(TensorDict::leftovers(&prefix)?.len(), 1, "the half-removed tree is this dict's leftover");
+    // The destination goes missing: the half-removed tree must not take its place.
+    let aside = dir.path().join("elsewhere");
+    std::fs::rename(&prefix, &aside)?;
+    assert!(TensorDict::load_memmap(&prefix, Access::ReadOnly).is_err(), "nothing to load");
+    assert!(!prefix.exists(), "the half-removed tree was not put back");
+    std::fs::rename(&aside, &prefix)?;
+    assert_eq!(check_version(&TensorDict::load_memmap(&prefix, Access::ReadOnly)?, false)?, v);
     Ok(())
 }

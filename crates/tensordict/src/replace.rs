@@ -211,14 +211,23 @@ impl Destination {
     /// If the destination is missing and an `old` folder of a dead writer is beside it, the
     /// writer died between the two renames of the fallback swap: put the old folder back. Waits
     /// for a live writer in that window.
+    ///
+    /// Only an `old` folder whose writer's staging folder is still there is put back: that is
+    /// the state between the two renames. An `old` folder without it is the old tree of a
+    /// writer that died while removing it after the swap, maybe half removed: never put back.
     pub(crate) fn recover(&self) -> Result<()> {
         let deadline = Instant::now() + SWAP_WAIT;
         while !self.real.exists() {
             let hash = name_hash(&self.name);
-            let olds: Vec<(PathBuf, ProcessState)> = hidden_siblings(&self.parent)
-                .into_iter()
-                .filter(|(_, kind, h, _)| kind == "old" && *h == hash)
-                .map(|(path, _, _, writer)| (path, writer.state()))
+            let siblings = hidden_siblings(&self.parent);
+            let olds: Vec<(PathBuf, ProcessState)> = siblings
+                .iter()
+                .filter(|(_, kind, h, writer)| {
+                    kind == "old"
+                        && *h == hash
+                        && siblings.iter().any(|(_, k, h2, w)| k == "new" && *h2 == hash && w == writer)
+                })
+                .map(|(path, _, _, writer)| (path.clone(), writer.state()))
                 .collect();
             if let Some((old, _)) = olds.iter().find(|(_, state)| *state == ProcessState::Dead) {
                 match rename(old, &self.real) {
