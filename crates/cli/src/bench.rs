@@ -275,7 +275,7 @@ fn gather(location: &Location, opts: &GatherOptions, as_json: bool) -> anyhow::R
     let mut td = location.open(Access::ReadOnly)?;
     let rows = *td.batch_size().first().context("the dict has no batch dim to gather along")?;
     ensure!(rows > 0, "the dict has no rows");
-    let files: Vec<PathBuf> = td.leaves().iter().filter_map(|(_, t)| t.storage().path().map(Path::to_owned)).collect();
+    let files = leaf_files(&td);
     let row_bytes: usize = td.leaves().iter().map(|(_, t)| t.nbytes() / rows).sum();
     let gather_bytes = (opts.batch as u64).saturating_mul(row_bytes as u64);
     ensure!(
@@ -370,8 +370,7 @@ const LOAD_WAYS: [&str; 3] = ["map_copy", "read", "read_engine"];
 fn load(path: &Path, iters: usize, cold: bool, as_json: bool) -> anyhow::Result<ExitCode> {
     let (files, bytes, leaves) = {
         let td = TensorDict::load_memmap(path, Access::ReadOnly)?;
-        let files: Vec<PathBuf> =
-            td.leaves().iter().filter_map(|(_, t)| t.storage().path().map(Path::to_owned)).collect();
+        let files = leaf_files(&td);
         (files, td.nbytes(), td.leaves().len())
     };
     let engine = Engine::new().context("starting the I/O engine")?;
@@ -423,6 +422,11 @@ fn load(path: &Path, iters: usize, cold: bool, as_json: bool) -> anyhow::Result<
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The files of a folder-backed dict's leaves (what `--cold` evicts).
+pub(crate) fn leaf_files(td: &TensorDict) -> Vec<PathBuf> {
+    td.leaves().iter().filter_map(|(_, t)| t.storage().path().map(Path::to_owned)).collect()
 }
 
 /// Drops the file's pages from the page cache (they are clean: the folder was flushed).

@@ -34,19 +34,6 @@ pub(crate) struct Options {
     pub(crate) json: bool,
 }
 
-/// Every file below `dir`, its pages dropped from the page cache.
-fn evict_all(dir: &Path) -> anyhow::Result<()> {
-    for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
-        let path = entry?.path();
-        if path.is_dir() {
-            evict_all(&path)?;
-        } else if path.extension().is_some_and(|e| e == "memmap") {
-            crate::bench::evict(&path)?;
-        }
-    }
-    Ok(())
-}
-
 pub(crate) fn run(folder: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
     ensure!(
         opts.batch > 0 && opts.epochs > 0 && opts.prefetch > 0,
@@ -61,11 +48,14 @@ pub(crate) fn run(folder: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
     let mut ran = String::new();
     let mut rows = 0;
     for epoch in 0..opts.epochs {
-        if opts.cold {
-            evict_all(folder)?;
-        }
         let td = TensorDict::load_memmap(folder, Access::ReadOnly)
             .with_context(|| format!("loading {}", folder.display()))?;
+        if opts.cold {
+            // Mapped but not touched: this process holds none of the pages evicted.
+            for file in crate::bench::leaf_files(&td) {
+                crate::bench::evict(&file)?;
+            }
+        }
         rows = td.batch_size().first().copied().unwrap_or(0);
         let mut options = LoaderOptions::new(opts.batch).order(order.clone()).prefetch(opts.prefetch);
         options = match opts.reads {
