@@ -45,7 +45,7 @@ pub(crate) fn run(folder: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
     };
     let engine = || tensordict_aio::Engine::new().context("starting the I/O engine");
     let mut rates = Vec::new();
-    let mut ran = String::new();
+    let mut ran = "";
     let mut rows = 0;
     for epoch in 0..opts.epochs {
         let td = TensorDict::load_memmap(folder, Access::ReadOnly)
@@ -66,11 +66,7 @@ pub(crate) fn run(folder: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
         };
         let mut loader = Loader::new(td, options)?;
         loader.set_epoch(epoch);
-        ran = match loader.reads() {
-            Reads::Files { mode: ReadMode::Direct, .. } => "direct".into(),
-            Reads::Files { .. } => "files".into(),
-            _ => "mapping".into(),
-        };
+        ran = loader.reads().name();
         let start = Instant::now();
         let mut samples = 0usize;
         for batch in &mut loader {

@@ -133,11 +133,7 @@ impl PyLoader {
     /// How rows are read: `"mapping"`, `"files"` or `"direct"`.
     #[getter]
     fn reads(&self) -> PyResult<&'static str> {
-        Ok(match self.loader()?.reads() {
-            Reads::Files { mode: ReadMode::Direct, .. } => "direct",
-            Reads::Files { .. } => "files",
-            _ => "mapping",
-        })
+        Ok(self.loader()?.reads().name())
     }
 
     /// Starts epoch `epoch`.

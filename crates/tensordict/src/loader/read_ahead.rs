@@ -32,6 +32,17 @@ pub enum Reads {
     },
 }
 
+impl Reads {
+    /// A short name for reports: `"mapping"`, `"files"` or `"direct"` (`O_DIRECT` file reads).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Reads::Mapping => "mapping",
+            Reads::Files { mode: ReadMode::Direct, .. } => "direct",
+            Reads::Files { .. } => "files",
+        }
+    }
+}
+
 /// How a [`Loader`] hands out batches.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
