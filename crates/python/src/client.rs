@@ -10,7 +10,7 @@ use tensordict_rpc::{ClientOptions, Endpoint, Token};
 use crate::error::to_py_err;
 
 /// Waits longer than this are cut into windows, so that Ctrl-C is seen between them.
-const WAIT_WINDOW: Duration = Duration::from_millis(200);
+pub(crate) const WAIT_WINDOW: Duration = Duration::from_millis(200);
 
 /// A number of seconds from Python (`timeout=`, `ttl=`), through [`tensordict_rpc::seconds`]:
 /// `None` for without end (`inf`, or more seconds than a `Duration` holds), zero for zero or

@@ -2,7 +2,6 @@
 //! `tensordict_rs.DataLoader` with torch's names.
 
 use std::sync::{Mutex, PoisonError};
-use std::time::Duration;
 
 use memmap_tensor::Device;
 use pyo3::exceptions::{PyStopIteration, PyValueError};
@@ -10,12 +9,10 @@ use pyo3::prelude::*;
 use tensordict::ReadMode;
 use tensordict::loader::{Loader, LoaderOptions, Next, Order, Progress, Reads};
 
+use crate::client::WAIT_WINDOW;
 use crate::dict::PyTensorDict;
 use crate::error::to_py_err;
 use crate::owned::Owned;
-
-/// How long one wait for a batch lasts before Python's signal handlers run (Ctrl-C).
-const WAIT_WINDOW: Duration = Duration::from_millis(200);
 
 /// A dict read in batches by a background thread (see `tensordict_rs.DataLoader`).
 #[pyclass(name = "Loader", module = "tensordict_rs._native", frozen)]

@@ -277,7 +277,8 @@ impl BatchPlan {
             let handed = merged(p.handed.clone(), p.global_batches());
             return Ok(BatchPlan { skip: p.skip.saturating_add(first.handed_out), handed, ..p.clone() });
         }
-        let mut handed: Vec<u64> = Vec::new();
+        // What was handed out before this run, and what each rank handed out in it.
+        let mut handed: Vec<(u64, u64)> = p.handed.clone();
         let mut ranks_seen = vec![false; p.world];
         for q in progress {
             if std::mem::replace(&mut ranks_seen[q.plan.rank], true) {
@@ -289,12 +290,10 @@ impl BatchPlan {
             if n > own.len() {
                 return Err(bad(format!("rank {} handed out {n} batches of its {}", q.plan.rank, own.len())));
             }
-            handed.extend_from_slice(&own[..n]);
+            handed.extend(own[..n].iter().map(|&k| (k, k + 1)));
         }
         let mut plan = BatchPlan::new(p.rows, p.batch_size, p.drop_last, p.order.clone(), p.epoch, rank, world)?;
-        let mut all = merged(p.handed.clone(), plan.global_batches());
-        all.extend(ranges(handed));
-        plan.handed = merged(all, plan.global_batches());
+        plan.handed = merged(handed, plan.global_batches());
         Ok(plan)
     }
 }
@@ -312,20 +311,6 @@ fn merged(mut ranges: Vec<(u64, u64)>, limit: u64) -> Vec<(u64, u64)> {
         match out.last_mut() {
             Some((_, last)) if start <= *last => *last = (*last).max(end),
             _ => out.push((start, end)),
-        }
-    }
-    out
-}
-
-/// Sorted, merged ranges of `items`.
-fn ranges(mut items: Vec<u64>) -> Vec<(u64, u64)> {
-    items.sort_unstable();
-    items.dedup();
-    let mut out: Vec<(u64, u64)> = Vec::new();
-    for k in items {
-        match out.last_mut() {
-            Some((_, end)) if *end == k => *end += 1,
-            _ => out.push((k, k + 1)),
         }
     }
     out
