@@ -7,7 +7,7 @@ use memmap_tensor::Device;
 use pyo3::exceptions::{PyStopIteration, PyValueError};
 use pyo3::prelude::*;
 use tensordict::ReadMode;
-use tensordict::loader::{Loader, LoaderOptions, Next, Order, Progress, Reads};
+use tensordict::loader::{Destination, Loader, LoaderOptions, Next, Order, Progress, Reads};
 
 use crate::client::WAIT_WINDOW;
 use crate::dict::PyTensorDict;
@@ -18,8 +18,6 @@ use crate::owned::Owned;
 #[pyclass(name = "Loader", module = "tensordict_rs._native", frozen)]
 pub struct PyLoader {
     inner: Owned<Mutex<Loader>>,
-    /// Where batches are moved once read (`None`: where they were read, the host).
-    device: Option<Device>,
     keep: crate::dict::Keep,
 }
 
@@ -33,9 +31,12 @@ impl PyLoader {
 impl PyLoader {
     /// `order`: `"sequential"`, `"shuffled"` or `"blocks"` (shuffled runs of `block_rows`
     /// rows); `reads`: `"mapping"`, `"files"` or `"direct"` (`O_DIRECT`), `None` for files of a
-    /// folder and the mapping otherwise.
+    /// folder and the mapping otherwise; `device`: a GPU batches land in (`None` or `"cpu"`:
+    /// the host); `pin_memory`: host batches in page-locked memory (a warning and pageable
+    /// memory where there is no CUDA driver, as torch's `DataLoader` does without an
+    /// accelerator).
     #[new]
-    #[pyo3(signature = (dict, batch_size, *, order="sequential", seed=0, block_rows=None, drop_last=false, rank=0, world_size=1, prefetch=2, reads=None, device=None))]
+    #[pyo3(signature = (dict, batch_size, *, order="sequential", seed=0, block_rows=None, drop_last=false, rank=0, world_size=1, prefetch=2, reads=None, device=None, pin_memory=false))]
     #[allow(clippy::too_many_arguments)]
     fn py_new(
         py: Python<'_>,
@@ -50,6 +51,7 @@ impl PyLoader {
         prefetch: usize,
         reads: Option<&str>,
         device: Option<&Bound<'_, PyAny>>,
+        pin_memory: bool,
     ) -> PyResult<Self> {
         let order = match (order, block_rows) {
             ("sequential", None) => Order::Sequential,
@@ -77,10 +79,25 @@ impl PyLoader {
                 return Err(PyValueError::new_err(format!("reads {other:?}: \"mapping\", \"files\" or \"direct\"")));
             }
         };
-        let device = device.map(crate::dict::device).transpose()?;
+        let destination = match device.map(crate::dict::device).transpose()? {
+            Some(gpu @ Device::Cuda(_)) => Destination::Device(gpu),
+            _ if pin_memory => match Device::cuda_available() {
+                Ok(_) => Destination::Pinned,
+                Err(why) => {
+                    let warning = py.get_type::<pyo3::exceptions::PyUserWarning>();
+                    let message = format!(
+                        "pin_memory: no page-locked memory without CUDA ({why}); batches stay in pageable memory"
+                    );
+                    PyErr::warn(py, &warning, &std::ffi::CString::new(message)?, 2)?;
+                    Destination::Heap
+                }
+            },
+            _ => Destination::Heap,
+        };
+        let options = options.destination(destination);
         let td = dict.get().dict()?.as_ref().clone();
         let loader = py.detach(|| Loader::new(td, options)).map_err(to_py_err)?;
-        Ok(PyLoader { inner: Owned::new(Mutex::new(loader)), device, keep: dict.get().keep.clone() })
+        Ok(PyLoader { inner: Owned::new(Mutex::new(loader)), keep: dict.get().keep.clone() })
     }
 
     /// The next batch of the epoch; `StopIteration` at its end. Waits without the GIL, and
@@ -91,15 +108,7 @@ impl PyLoader {
             py.check_signals()?;
             let next = py.detach(|| inner.lock().unwrap_or_else(PoisonError::into_inner).next_within(WAIT_WINDOW));
             match next.map_err(to_py_err)? {
-                Next::Batch(batch) => {
-                    let batch = match self.device {
-                        Some(device) if batch.device() != Some(device) => {
-                            py.detach(|| batch.to(device)).map_err(to_py_err)?
-                        }
-                        _ => batch,
-                    };
-                    return Ok(PyTensorDict::with_keep(batch, self.keep.clone()));
-                }
+                Next::Batch(batch) => return Ok(PyTensorDict::with_keep(batch, self.keep.clone())),
                 Next::Done => return Err(PyStopIteration::new_err(())),
                 Next::NotYet => continue,
             }
@@ -131,6 +140,18 @@ impl PyLoader {
     #[getter]
     fn reads(&self) -> PyResult<&'static str> {
         Ok(self.loader()?.reads().name())
+    }
+
+    /// Where batches land: `"heap"`, `"pinned"` or a GPU (`"cuda:0"`).
+    #[getter]
+    fn destination(&self) -> PyResult<String> {
+        Ok(self.loader()?.destination().name())
+    }
+
+    /// How many batch buffers the loader keeps for reuse (at most `prefetch + 2`).
+    #[getter]
+    fn buffers(&self) -> PyResult<usize> {
+        Ok(self.loader()?.buffers())
     }
 
     /// Starts epoch `epoch`.

@@ -97,6 +97,22 @@ def test_blocks_and_bad_arguments(folder):
         DataLoader(folder, 10, pin_memory=True)
 
 
+@pytest.mark.parametrize("reads", ["mapping", "files"])
+def test_batches_reuse_buffers_and_arrays_kept_are_never_written_again(folder, reads):
+    loader = DataLoader(folder, 50, shuffle=True, prefetch=2, reads=reads)
+    assert loader.destination == "heap"
+    got = [i for b in loader for i in ids(b)]
+    assert sorted(got) == list(range(ROWS))
+    assert 1 <= loader.buffers <= 4, "prefetch + 2 at most"
+    # Arrays kept past their batch (numpy by DLPack shares the batch's memory): the loader
+    # never reads into them again.
+    kept = [(b["id"].numpy(), b["image"].numpy()) for b in loader]
+    assert sorted(int(i) for ids_, _ in kept for i in ids_) == list(range(ROWS))
+    for ids_, image in kept:
+        assert (image == (ids_ % 251)[:, None]).all()
+    assert loader.buffers <= 4
+
+
 def test_a_folder_replaced_under_the_loader_raises(folder, tmp_path):
     loader = DataLoader(folder, 50, prefetch=1)
     it = iter(loader)

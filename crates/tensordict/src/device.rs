@@ -9,7 +9,7 @@ use crate::error::WithKey;
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
 
 /// Makes a non-tensor stack of the new dict from the old one's: its batch size, key and value.
-type StackFn<'a> = dyn Fn(&[usize], &KeyPath, &serde_json::Value) -> Result<Entry> + 'a;
+pub(crate) type StackFn<'a> = dyn Fn(&[usize], &KeyPath, &serde_json::Value) -> Result<Entry> + 'a;
 
 impl TensorDict {
     /// The device every tensor of the dict is on, or `None` for a dict without tensors or
@@ -92,7 +92,12 @@ impl TensorDict {
     /// This dict's structure over new tensors (in `leaves()` order), with dim 0 of every batch
     /// size set to `batch0` if given, and the non-tensor stacks made by `stack` (which gets the
     /// old batch size).
-    fn rebuild(&self, tensors: Vec<Tensor>, batch0: Option<usize>, stack: &StackFn<'_>) -> Result<TensorDict> {
+    pub(crate) fn rebuild(
+        &self,
+        tensors: Vec<Tensor>,
+        batch0: Option<usize>,
+        stack: &StackFn<'_>,
+    ) -> Result<TensorDict> {
         self.rebuild_node(&KeyPath::default(), &mut tensors.into_iter(), batch0, stack)
     }
 

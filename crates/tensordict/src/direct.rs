@@ -214,12 +214,12 @@ fn gather_node(
 }
 
 /// Whether the rows of `t` are read from its file (or, with no bytes to read, made in memory).
-fn reads_file(t: &Tensor, rows: &[usize]) -> bool {
+pub(crate) fn reads_file(t: &Tensor, rows: &[usize]) -> bool {
     t.elem_count() != 0 && !rows.is_empty()
 }
 
 /// The file rows of every tensor of `td` that [`reads_file`], in the order [`rebuild`] takes them.
-fn collect_sources(
+pub(crate) fn collect_sources(
     td: &TensorDict,
     path: &KeyPath,
     rows: &[usize],

@@ -12,7 +12,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use memmap_tensor::{DType, Location, Tensor};
+use memmap_tensor::{DType, Layout, Location, Tensor};
 use tensordict_aio::{AlignedBuf, BufPart, Engine};
 
 use crate::{Error, KeyPath, ReadMode, Result};
@@ -109,7 +109,61 @@ struct Run {
 /// Rows are the caller's to check against the files: a file that ends before a row does is an
 /// [`Error::Io`] (`UnexpectedEof`) naming the file and the rows, never a short tensor.
 pub fn read_file_rows(engine: &Engine, sources: &[RowsInFile], rows: &[usize], mode: ReadMode) -> Result<Vec<Tensor>> {
-    let Some(first) = sources.first() else { return Ok(Vec::new()) };
+    let mut outs = Vec::with_capacity(sources.len());
+    for source in sources {
+        let mut dims = vec![rows.len()];
+        dims.extend_from_slice(&source.row_dims);
+        // Every byte is written by the read below before the tensor is handed out.
+        outs.push(
+            Tensor::zeros(dims, source.dtype, &Location::Heap)
+                .map_err(|e| Error::Tensor { key: source.key.clone(), source: e })?,
+        );
+    }
+    read_file_rows_into(engine, sources, rows, mode, &mut outs)?;
+    Ok(outs)
+}
+
+/// [`read_file_rows`] into existing tensors, one per source, each contiguous in host memory
+/// (heap, pinned, shared memory) with the source's dtype and shape `[rows.len(), row_dims...]`:
+/// what a loader reading every batch into the same buffers calls. The tensors are checked
+/// before anything is read; they are written through their storage (a clone of a tensor sees
+/// the rows).
+pub fn read_file_rows_into(
+    engine: &Engine,
+    sources: &[RowsInFile],
+    rows: &[usize],
+    mode: ReadMode,
+    outs: &mut [Tensor],
+) -> Result<()> {
+    if outs.len() != sources.len() {
+        return Err(Error::InvalidArgument {
+            op: "read_file_rows_into",
+            detail: format!("{} tensors for {} sources", outs.len(), sources.len()),
+        });
+    }
+    // Each tensor's bytes, as one `u8` view of its storage.
+    let mut bytes = Vec::with_capacity(outs.len());
+    for (source, out) in sources.iter().zip(outs.iter()) {
+        let mut dims = vec![rows.len()];
+        dims.extend_from_slice(&source.row_dims);
+        if out.dtype() != source.dtype || out.dims() != dims.as_slice() || !out.is_contiguous() {
+            return Err(Error::InvalidArgument {
+                op: "read_file_rows_into",
+                detail: format!(
+                    "key `{}`: rows go into a contiguous {} tensor of shape {dims:?}, not a {} {:?} one",
+                    source.key,
+                    source.dtype,
+                    out.dtype(),
+                    out.dims()
+                ),
+            });
+        }
+        let as_tensor_err = |e| Error::Tensor { key: source.key.clone(), source: e };
+        let layout = Layout::contiguous([out.nbytes()]).map_err(as_tensor_err)?;
+        let offset = out.byte_offset() + out.layout().offset_elems() * out.dtype().size_in_bytes();
+        bytes.push(Tensor::from_storage(Arc::clone(out.storage()), offset, DType::U8, layout).map_err(as_tensor_err)?);
+    }
+    let Some(first) = sources.first() else { return Ok(()) };
     let mut sorted = rows.to_vec();
     sorted.sort_unstable();
     sorted.dedup();
@@ -159,31 +213,26 @@ pub fn read_file_rows(engine: &Engine, sources: &[RowsInFile], rows: &[usize], m
     let whole = whole.as_ref().map_or(&[][..], |b| b.as_slice());
 
     let mut at = 0;
-    let mut tensors = Vec::with_capacity(sources.len());
-    for (source, runs) in sources.iter().zip(&plans) {
-        let mut dims = vec![rows.len()];
-        dims.extend_from_slice(&source.row_dims);
-        let as_tensor_err = |e| Error::Tensor { key: source.key.clone(), source: e };
-        let mut out =
-            Tensor::zeros(dims, source.dtype, &Location::Heap).and_then(Tensor::into_io_buf).map_err(as_tensor_err)?;
-        if !runs.is_empty() {
-            let starts: Vec<usize> =
-                runs.iter().scan(at, |next, run| Some(std::mem::replace(next, *next + run.len))).collect();
-            let row_bytes = source.row_bytes;
-            for (dst, &r) in out.as_mut_bytes().chunks_exact_mut(row_bytes).zip(rows) {
-                let i = runs.partition_point(|run| run.end <= r);
-                let run = &runs[i];
-                // Within the read: no overflow, the read holds the row (checked above).
-                let from = starts[i]
-                    + run.skip
-                    + usize::try_from(source.row_start(r) - source.row_start(run.first)).unwrap_or(usize::MAX);
-                dst.copy_from_slice(&whole[from..from + row_bytes]);
-            }
-            at += runs.iter().map(|run| run.len).sum::<usize>();
+    for ((source, runs), out) in sources.iter().zip(&plans).zip(&mut bytes) {
+        if runs.is_empty() {
+            continue;
         }
-        tensors.push(out.into_tensor());
+        let mut dst = out.as_mut_slice::<u8>().map_err(|e| Error::Tensor { key: source.key.clone(), source: e })?;
+        let starts: Vec<usize> =
+            runs.iter().scan(at, |next, run| Some(std::mem::replace(next, *next + run.len))).collect();
+        let row_bytes = source.row_bytes;
+        for (dst, &r) in dst.chunks_exact_mut(row_bytes).zip(rows) {
+            let i = runs.partition_point(|run| run.end <= r);
+            let run = &runs[i];
+            // Within the read: no overflow, the read holds the row (checked above).
+            let from = starts[i]
+                + run.skip
+                + usize::try_from(source.row_start(r) - source.row_start(run.first)).unwrap_or(usize::MAX);
+            dst.copy_from_slice(&whole[from..from + row_bytes]);
+        }
+        at += runs.iter().map(|run| run.len).sum::<usize>();
     }
-    Ok(tensors)
+    Ok(())
 }
 
 /// The reads of `sorted` (distinct, ascending) rows of `source`: a row joins the run before it

@@ -53,7 +53,7 @@ pub use backing::{Backing, DictLocation, Generation};
 pub use dict::{Entry, TensorDict};
 pub use direct::ReadMode;
 pub use error::{Error, Result};
-pub use file_rows::{MAX_MERGED_READ, MERGE_GAP, RowsInFile, read_file_rows};
+pub use file_rows::{MAX_MERGED_READ, MERGE_GAP, RowsInFile, read_file_rows, read_file_rows_into};
 pub use format::{FORMAT_VERSION, MAX_DEPTH, MAX_META_BYTES, WRITE_PIECE, WriteOptions};
 pub use index::Index;
 pub use json::{NON_FINITE_KEY, json_as_f64, json_float, parse as parse_python_json, to_python_json};

@@ -125,3 +125,64 @@ fn samples_from_a_folder_land_in_gpu_memory_in_one_launch() -> TestResult {
     assert!(reader.leaves().iter().filter(|(_, t)| t.nbytes() > 0).all(|(_, t)| t.storage().is_registered()));
     Ok(())
 }
+
+/// A folder of `sample`'s tensors (a loader's buffers take dicts without non-tensor stacks).
+fn tensors_folder(dir: &std::path::Path, rows: usize) -> Result<TensorDict, Box<dyn std::error::Error>> {
+    let mut td = sample(rows)?;
+    td.remove("names")?;
+    Ok(td.memmap(dir.join("d"))?)
+}
+
+#[test]
+fn without_a_driver_a_loader_into_pinned_or_gpu_memory_says_why() -> TestResult {
+    use tensordict::loader::{Destination, Loader, LoaderOptions};
+    if Device::cuda_available().is_ok() {
+        eprintln!("skipped: a CUDA driver is present (this test is for machines without one)");
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let td = tensors_folder(dir.path(), 8)?;
+    for destination in [Destination::Pinned, Destination::Device(Device::Cuda(0))] {
+        let e = Loader::new(td.clone(), LoaderOptions::new(4).destination(destination)).err().ok_or("no error")?;
+        let e = chain(&e);
+        assert!(e.contains("CUDA is not available"), "{destination:?}: {e}");
+    }
+    // The host is a destination anywhere.
+    let mut loader = Loader::new(td, LoaderOptions::new(4).destination(Destination::Device(Device::Cpu)))?;
+    assert_eq!(loader.next().transpose()?.ok_or("no batch")?.device(), Some(Device::Cpu));
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
+fn a_loader_hands_out_batches_in_pinned_and_gpu_memory() -> TestResult {
+    use memmap_tensor::StorageKind;
+    use tensordict::loader::{Destination, Loader, LoaderOptions, Order, Reads};
+    let gpu = gpu();
+    let dir = tempfile::tempdir()?;
+    let td = tensors_folder(dir.path(), 1000)?;
+    let engine = tensordict_aio::Engine::new()?;
+    for reads in [Reads::Mapping, Reads::Files { engine, mode: tensordict::ReadMode::Buffered }] {
+        for destination in [Destination::Pinned, Destination::Device(gpu)] {
+            let options = LoaderOptions::new(256).order(Order::Shuffled { seed: 3 }).reads(reads.clone());
+            let mut loader = Loader::new(td.clone(), options.destination(destination))?;
+            let plan = loader.progress().plan.batches()?;
+            for (batch, rows) in (&mut loader).zip(plan) {
+                let batch = batch?;
+                let want = td.index(rows.iter().map(|&r| r as i64).collect::<Vec<_>>())?;
+                match destination {
+                    Destination::Pinned => {
+                        let (_, obs) = batch.leaves().into_iter().next().ok_or("no leaf")?;
+                        assert_eq!(obs.storage().kind(), StorageKind::Pinned);
+                        same_bytes(&batch, &want)?;
+                    }
+                    _ => {
+                        assert_eq!(batch.device(), Some(gpu), "{reads:?}");
+                        same_bytes(&batch.to(Device::Cpu)?, &want)?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}

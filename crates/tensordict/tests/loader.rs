@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 
 use memmap_tensor::{DType, Location, Tensor};
-use tensordict::loader::{Loader, LoaderOptions, Order, Progress, Reads};
+use tensordict::loader::{Destination, Loader, LoaderOptions, Order, Progress, Reads};
 use tensordict::{ReadMode, TensorDict, WriteOptions};
 use tensordict_aio::Engine;
 
@@ -207,5 +207,73 @@ fn bad_options_are_refused() -> TestResult {
     let mut loader = Loader::new(heap, LoaderOptions::new(2))?;
     let progress = Loader::new(other, LoaderOptions::new(2))?.progress();
     assert!(loader.resume(&[progress]).is_err(), "progress of another dict");
+    Ok(())
+}
+
+/// Where `batch`'s leaf `id` lives: the same address is the same buffer.
+fn buffer_of(batch: &TensorDict) -> Result<usize, Box<dyn std::error::Error>> {
+    Ok(std::sync::Arc::as_ptr(batch.get_tensor("id")?.storage()) as usize)
+}
+
+#[test]
+fn batches_land_in_reused_buffers_and_a_batch_kept_is_never_written_again() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let folder = dataset(ROWS)?.memmap(dir.path().join("d"))?;
+    let prefetch = 3;
+    for reads in [Reads::Mapping, Reads::Files { engine: Engine::new()?, mode: ReadMode::Buffered }] {
+        let options = LoaderOptions::new(50)
+            .order(Order::Shuffled { seed: 2 })
+            .prefetch(prefetch)
+            .readers(2)
+            .reads(reads.clone());
+        let mut loader = Loader::new(folder.clone(), options)?;
+        assert_eq!(loader.destination(), Destination::Heap);
+        // Each batch dropped before the next: the epoch runs in a handful of buffers.
+        let mut seen = BTreeSet::new();
+        let mut rows = Vec::new();
+        for batch in &mut loader {
+            let batch = batch?;
+            seen.insert(buffer_of(&batch)?);
+            rows.extend(ids(&batch)?);
+        }
+        assert_eq!(rows.iter().copied().collect::<BTreeSet<_>>().len(), ROWS, "{reads:?}");
+        assert!(seen.len() <= prefetch + 2, "{} buffers for 20 batches ({reads:?})", seen.len());
+        assert!(loader.buffers() <= prefetch + 2, "{} kept", loader.buffers());
+
+        // Every batch kept: none is written again, and the loader still keeps at most
+        // prefetch + 2 (the others are the caller's, freed when it drops them).
+        loader.set_epoch(1);
+        let kept: Vec<TensorDict> = loader.by_ref().collect::<Result<_, _>>()?;
+        let mut again = Vec::new();
+        for batch in &kept {
+            again.extend(ids(batch)?);
+        }
+        assert_eq!(again.iter().copied().collect::<BTreeSet<_>>().len(), ROWS, "{reads:?}");
+        let distinct: BTreeSet<usize> = kept.iter().map(buffer_of).collect::<Result<_, _>>()?;
+        assert_eq!(distinct.len(), kept.len(), "a kept batch shares no buffer with another");
+        assert!(loader.buffers() <= prefetch + 2, "{} kept", loader.buffers());
+    }
+    Ok(())
+}
+
+#[test]
+fn a_dict_with_non_tensor_stacks_is_read_into_new_memory_each_batch() -> TestResult {
+    let mut td = dataset(100)?;
+    td.set(
+        "name",
+        tensordict::Entry::NonTensorStack(serde_json::json!((0..100).map(|i| format!("r{i}")).collect::<Vec<_>>())),
+    )?;
+    let mut loader = Loader::new(td, LoaderOptions::new(30).order(Order::Shuffled { seed: 1 }))?;
+    let mut rows = 0;
+    for batch in &mut loader {
+        let batch = batch?;
+        let names = batch.non_tensors();
+        let ids = ids(&batch)?;
+        let (_, names) = names.iter().find(|(k, _)| k.to_string() == "name").ok_or("no names")?;
+        let want: Vec<String> = ids.iter().map(|i| format!("r{i}")).collect();
+        assert_eq!(**names, serde_json::json!(want));
+        rows += ids.len();
+    }
+    assert_eq!((rows, loader.buffers()), (100, 0));
     Ok(())
 }

@@ -20,9 +20,13 @@ than memory (each read is long). ``rank``/``world_size`` (by default from
 parts covering it. ``state_dict()``/``load_state_dict()`` resume exactly after the last batch
 handed out, on the same number of ranks from a rank's own state, or on any number from the
 states of every rank (a list).
-"""
 
-import warnings
+Batches land in buffers the loader reads into again once every tensor of a batch (every torch
+or numpy array made from it too) is gone: an epoch allocates a handful of batches, not one per
+batch, and a batch kept is never written again. ``pin_memory=True`` makes those buffers
+page-locked (where there is a CUDA driver; a warning and pageable memory otherwise, as torch
+does); ``device="cuda:N"`` gathers each batch straight into that GPU's memory.
+"""
 
 from tensordict_rs import _native
 
@@ -63,11 +67,6 @@ class DataLoader:
             default_rank, default_world = _distributed()
             rank = default_rank if rank is None else rank
             world_size = default_world if world_size is None else world_size
-        if pin_memory:
-            # As torch's DataLoader does without an accelerator: a warning, and pageable batches.
-            # A GPU's batches are best given device= (read straight into its memory).
-            warnings.warn("pin_memory is not supported here: batches stay in pageable memory (give device='cuda:N' "
-                          "to have them moved to a GPU)", stacklevel=2)
         order = "blocks" if block_rows is not None else ("shuffled" if shuffle else "sequential")
         if block_rows is not None and not shuffle:
             raise ValueError("block_rows shuffles runs of rows: give shuffle=True with it")
@@ -83,6 +82,7 @@ class DataLoader:
             prefetch=int(prefetch),
             reads=reads,
             device=device,
+            pin_memory=bool(pin_memory),
         )
         self.batch_size = int(batch_size)
         self._exhausted = False
@@ -112,6 +112,16 @@ class DataLoader:
     @property
     def epoch(self):
         return self._loader.epoch
+
+    @property
+    def destination(self):
+        """Where batches land: ``"heap"``, ``"pinned"`` or a GPU (``"cuda:0"``)."""
+        return self._loader.destination
+
+    @property
+    def buffers(self):
+        """How many batch buffers the loader keeps for reuse (at most ``prefetch + 2``)."""
+        return self._loader.buffers
 
     @property
     def reads(self):

@@ -7,9 +7,10 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
-use memmap_tensor::StorageKind;
+use memmap_tensor::{Device, StorageKind};
 use tensordict_aio::Engine;
 
+use super::buffers::{Buffers, Destination};
 use super::plan::{BatchPlan, Order, Progress};
 use crate::{Error, Generation, ReadMode, Result, TensorDict};
 
@@ -64,6 +65,8 @@ pub struct LoaderOptions {
     pub readers: usize,
     /// How rows are read; `None`: chosen when an epoch starts (see [`Loader`]).
     pub reads: Option<Reads>,
+    /// Where batches land.
+    pub destination: Destination,
 }
 
 impl LoaderOptions {
@@ -79,6 +82,7 @@ impl LoaderOptions {
             prefetch: 2,
             readers: 2,
             reads: None,
+            destination: Destination::Heap,
         }
     }
 
@@ -117,6 +121,12 @@ impl LoaderOptions {
         self.reads = Some(reads);
         self
     }
+
+    /// Hands out batches there.
+    pub fn destination(mut self, destination: Destination) -> Self {
+        self.destination = destination;
+        self
+    }
 }
 
 /// A dict read in batches (see the module documentation of `loader`), epoch after epoch: an
@@ -133,8 +143,12 @@ impl LoaderOptions {
 ///
 /// Background threads (`readers` of them) read up to `prefetch` batches ahead while the caller
 /// holds the last one: a reader starts a batch only while fewer than `prefetch` are read or being
-/// read beyond those handed out, so at most `prefetch + 1` batches are alive in the loader, its
-/// threads and the caller's hand. Batches are handed out in the plan's order. For a dict in a
+/// read beyond those handed out. Batches land where [`LoaderOptions::destination`] says, by
+/// default in heap buffers the loader reads into again once the caller has dropped them; it
+/// keeps at most `prefetch + 2` of them ([`Loader::buffers`]): those read ahead, the one the
+/// caller holds, and the one before it, which a loop such as Python's `for` still holds while it
+/// asks for the next. A caller keeping more batches than that gets new memory for the others,
+/// freed when it drops them. Batches are handed out in the plan's order. For a dict in a
 /// folder or in shared memory, the loader checks the storage's generation before each batch:
 /// a folder replaced (or republished) since the loader opened it is an error, never a mix of
 /// the two versions. Dropping the loader stops and joins its threads.
@@ -150,6 +164,9 @@ pub struct Loader {
     reads: Reads,
     /// The generation the storage was at when the loader opened it.
     generation: Option<(crate::DictLocation, Generation)>,
+    destination: Destination,
+    /// The buffers batches are read into (`None`: new memory for each batch).
+    buffers: Option<Arc<Buffers>>,
     /// Batches of this epoch handed out to the caller.
     handed_out: u64,
     running: Option<Running>,
@@ -227,6 +244,8 @@ impl Loader {
         }
         let plan =
             BatchPlan::new(rows, options.batch_size, options.drop_last, options.order, 0, options.rank, options.world)?;
+        options.destination.check()?;
+        let buffers = Buffers::new(&dict, options.destination, options.prefetch.saturating_add(2)).map(Arc::new);
         let chosen = options.reads.is_some();
         let reads = match options.reads {
             Some(Reads::Files { .. }) if !in_files(&dict) => {
@@ -254,9 +273,22 @@ impl Loader {
             readers: options.readers,
             reads,
             generation,
+            destination: options.destination,
+            buffers,
             handed_out: 0,
             running: None,
         })
+    }
+
+    /// Where batches land.
+    pub fn destination(&self) -> Destination {
+        self.destination
+    }
+
+    /// How many batch buffers the loader keeps now (at most `prefetch + 2`; none for a dict
+    /// read into new memory each batch, one with non-tensor stacks).
+    pub fn buffers(&self) -> usize {
+        self.buffers.as_ref().map_or(0, |b| b.len())
     }
 
     /// How rows are read (to report which ran).
@@ -342,6 +374,8 @@ impl Loader {
                     dict: self.dict.clone(),
                     reads: self.reads.clone(),
                     generation: self.generation.clone(),
+                    destination: self.destination,
+                    buffers: self.buffers.clone(),
                     flow: Arc::clone(&flow),
                 };
                 let (batches, tx, prefetch) = (Arc::clone(&batches), tx.clone(), self.prefetch);
@@ -505,6 +539,8 @@ struct Reader {
     dict: TensorDict,
     reads: Reads,
     generation: Option<(crate::DictLocation, Generation)>,
+    destination: Destination,
+    buffers: Option<Arc<Buffers>>,
     flow: Arc<Flow>,
 }
 
@@ -541,14 +577,40 @@ impl Reader {
     fn read(&self, rows: &[usize]) -> Result<TensorDict> {
         self.same_generation()?;
         let indices: Vec<i64> = rows.iter().map(|&r| i64::try_from(r).unwrap_or(i64::MAX)).collect();
-        let batch = match &self.reads {
-            Reads::Mapping => {
+        let gpu = match self.destination {
+            Destination::Device(device @ Device::Cuda(_)) => Some(device),
+            _ => None,
+        };
+        let batch = match (&self.reads, gpu) {
+            (Reads::Mapping, Some(device)) => {
                 files_whole(&self.dict)?;
-                self.dict.index(indices)
+                let transfer = self.dict.gather_to(device, &indices)?;
+                transfer.wait().map_err(|source| Error::Device { op: "gather_to", source })?
             }
-            Reads::Files { engine, mode } => self.dict.gather_direct(engine, &indices, *mode),
-        }?;
+            (reads, _) => {
+                let on_host = self.read_on_host(reads, rows, &indices)?;
+                match gpu {
+                    Some(device) => on_host.to(device)?,
+                    None => on_host,
+                }
+            }
+        };
         self.same_generation()?;
         Ok(batch)
+    }
+
+    /// The rows on the host: into a buffer when the loader has them, else into new memory.
+    fn read_on_host(&self, reads: &Reads, rows: &[usize], indices: &[i64]) -> Result<TensorDict> {
+        match (reads, &self.buffers) {
+            (Reads::Mapping, buffers) => {
+                files_whole(&self.dict)?;
+                match buffers {
+                    Some(buffers) => buffers.gather(indices),
+                    None => self.dict.index(indices.to_vec()),
+                }
+            }
+            (Reads::Files { engine, mode }, Some(buffers)) => buffers.read(engine, rows, *mode),
+            (Reads::Files { engine, mode }, None) => self.dict.gather_direct(engine, indices, *mode),
+        }
     }
 }
