@@ -32,6 +32,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tensor::PyTensor>()?;
     m.add_class::<dict::PyTensorDict>()?;
     m.add_class::<replay::PyReplayBuffer>()?;
+    m.add_class::<replay::PyPrefetch>()?;
     m.add_class::<remote::PyRemoteBuffer>()?;
     m.add_class::<remote::PyReplayServer>()?;
     m.add_class::<store::PyStore>()?;

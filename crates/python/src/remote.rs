@@ -17,14 +17,14 @@ use crate::replay::{priority_args, sample_dict};
 /// `"uds:NAME"`). TorchRL's calls: `extend`, `add`, `sample`, `update_priority`, `len`.
 #[pyclass(name = "RemoteReplayBuffer", module = "tensordict_rs._native", frozen)]
 pub struct PyRemoteBuffer {
-    inner: Owned<RemoteBuffer>,
+    inner: Owned<std::sync::Arc<RemoteBuffer>>,
     target: String,
     weighted: bool,
 }
 
 impl PyRemoteBuffer {
     fn client(&self) -> PyResult<&RemoteBuffer> {
-        self.inner.get("a RemoteReplayBuffer")
+        self.inner.get("a RemoteReplayBuffer").map(|c| &**c)
     }
 }
 
@@ -53,7 +53,7 @@ impl PyRemoteBuffer {
             None => inner,
         };
         let weighted = inner.info().sampler.weighted();
-        Ok(PyRemoteBuffer { inner: Owned::new(inner), target, weighted })
+        Ok(PyRemoteBuffer { inner: Owned::new(std::sync::Arc::new(inner)), target, weighted })
     }
 
     /// Whether rows cross the connection by value (a service on another node, or asked for).
@@ -101,6 +101,22 @@ impl PyRemoteBuffer {
             |e| matches!(e, tensordict_replay::Error::Timeout { .. }),
         )?;
         sample_dict(td, info, self.weighted)
+    }
+
+    /// Samples of `batch_size` rows drawn from the service `ahead` of the caller on a thread
+    /// (TorchRL's `prefetch`): a sample drawn ahead holds the rows and priorities of when it
+    /// was drawn; the thread waits for rows and for the rate limiter.
+    #[pyo3(signature = (batch_size, ahead, *, device=None))]
+    fn prefetch(
+        &self,
+        batch_size: usize,
+        ahead: usize,
+        device: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<crate::replay::PyPrefetch> {
+        let device = device.map(crate::dict::device).transpose()?.unwrap_or_default();
+        let prefetch =
+            self.inner.get("a RemoteReplayBuffer")?.prefetch(batch_size, ahead, device).map_err(to_py_err)?;
+        Ok(crate::replay::PyPrefetch::new(prefetch, self.weighted))
     }
 
     /// Sets the priorities of rows `index` (prioritized services).

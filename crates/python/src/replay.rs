@@ -3,7 +3,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use tensordict_replay::{LoadOptions, ReplayBuffer, StorageConfig};
+use tensordict_replay::{LoadOptions, Prefetch, ReplayBuffer, StorageConfig};
 
 use crate::dict::{DictOf, PyTensorDict, to_tensordict};
 use crate::error::to_py_err;
@@ -13,13 +13,13 @@ use crate::owned::Owned;
 /// `dumps`/`loads` in TorchRL's dump layout. Built by `tensordict_rs.replay.ReplayBuffer`.
 #[pyclass(name = "ReplayBuffer", module = "tensordict_rs._native", frozen)]
 pub struct PyReplayBuffer {
-    inner: Owned<ReplayBuffer>,
+    inner: Owned<std::sync::Arc<ReplayBuffer>>,
     weighted: bool,
 }
 
 impl PyReplayBuffer {
     fn rb(&self) -> PyResult<&ReplayBuffer> {
-        self.inner.get("a ReplayBuffer")
+        self.inner.get("a ReplayBuffer").map(|b| &**b)
     }
 }
 
@@ -63,7 +63,7 @@ impl PyReplayBuffer {
         let weighted = spec.weighted();
         let built = spec.build(capacity, seed).map_err(to_py_err)?;
         let inner = ReplayBuffer::new(config(storage, capacity, path, prefix)?, writer, built).map_err(to_py_err)?;
-        Ok(PyReplayBuffer { inner: Owned::new(inner), weighted })
+        Ok(PyReplayBuffer { inner: Owned::new(std::sync::Arc::new(inner)), weighted })
     }
 
     /// Loads a TorchRL dump folder (written by TorchRL's `dumps` or ours) onto the heap.
@@ -74,7 +74,7 @@ impl PyReplayBuffer {
         options.seed = seed;
         let inner = py.detach(|| ReplayBuffer::loads(&path, options)).map_err(to_py_err)?;
         let weighted = inner.with_sampler(|s| s.spec().is_some_and(|spec| spec.weighted()));
-        Ok(PyReplayBuffer { inner: Owned::new(inner), weighted })
+        Ok(PyReplayBuffer { inner: Owned::new(std::sync::Arc::new(inner)), weighted })
     }
 
     /// The default batch size (`None`: none), kept in dumps.
@@ -123,6 +123,15 @@ impl PyReplayBuffer {
             })
             .map_err(to_py_err)?;
         sample_dict(td, info, self.weighted)
+    }
+
+    /// Samples of `batch_size` rows drawn `ahead` of the caller on a thread (TorchRL's
+    /// `prefetch`): a sample drawn ahead holds the rows and priorities of when it was drawn.
+    #[pyo3(signature = (batch_size, ahead, *, device=None))]
+    fn prefetch(&self, batch_size: usize, ahead: usize, device: Option<&Bound<'_, PyAny>>) -> PyResult<PyPrefetch> {
+        let device = device.map(crate::dict::device).transpose()?.unwrap_or_default();
+        let prefetch = self.inner.get("a ReplayBuffer")?.prefetch(batch_size, ahead, device).map_err(to_py_err)?;
+        Ok(PyPrefetch::new(prefetch, self.weighted))
     }
 
     /// Sets the priorities of rows `index` (prioritized samplers); a single priority applies
@@ -225,4 +234,72 @@ pub(crate) fn priority_args(index: &Bound<'_, PyAny>, priority: &Bound<'_, PyAny
     let priority = crate::dlpack::numbers::<f64>(priority, crate::dlpack::floats)?;
     let priority = if priority.len() == 1 && index.len() > 1 { vec![priority[0]; index.len()] } else { priority };
     Ok((index, priority))
+}
+
+/// Samples drawn ahead on a thread (`ReplayBuffer.prefetch`, `RemoteReplayBuffer.prefetch`).
+#[pyclass(name = "Prefetch", module = "tensordict_rs._native", frozen)]
+pub struct PyPrefetch {
+    inner: Owned<std::sync::Mutex<Prefetch>>,
+    weighted: bool,
+}
+
+impl PyPrefetch {
+    pub(crate) fn new(prefetch: Prefetch, weighted: bool) -> Self {
+        PyPrefetch { inner: Owned::new(std::sync::Mutex::new(prefetch)), weighted }
+    }
+
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Prefetch>> {
+        Ok(self.inner.get("a prefetch")?.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+}
+
+#[pymethods]
+impl PyPrefetch {
+    /// The oldest sample drawn ahead, waiting at most `timeout` seconds for it (`None`: as
+    /// long as it takes; Ctrl-C interrupts the wait): `TensorDictTimeoutError` if none came.
+    #[pyo3(signature = (*, timeout=None))]
+    fn sample(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyTensorDict> {
+        let wait = crate::client::timeout(timeout)?;
+        let inner = self.inner.get("a prefetch")?;
+        let start = std::time::Instant::now();
+        loop {
+            py.check_signals()?;
+            let window = match wait {
+                Some(wait) => crate::client::WAIT_WINDOW.min(wait.saturating_sub(start.elapsed())),
+                None => crate::client::WAIT_WINDOW,
+            };
+            let got =
+                py.detach(|| inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).sample_within(window));
+            match got.map_err(to_py_err)? {
+                Some((td, info)) => return sample_dict(td, info, self.weighted),
+                None if wait.is_some_and(|wait| start.elapsed() >= wait) => {
+                    return Err(to_py_err(tensordict_replay::Error::Timeout {
+                        op: "sample",
+                        waited: start.elapsed(),
+                        why: "no sample was drawn ahead in time: no rows yet, or the rate limiter holds samples back"
+                            .into(),
+                    }));
+                }
+                None => {}
+            }
+        }
+    }
+
+    /// Samples drawn and waiting to be taken (at most `ahead`).
+    #[getter]
+    fn ready(&self) -> PyResult<usize> {
+        Ok(self.lock()?.ready())
+    }
+
+    /// The rows of each sample.
+    #[getter]
+    fn batch_size(&self) -> PyResult<usize> {
+        Ok(self.lock()?.batch_size())
+    }
+
+    /// How many samples are drawn ahead at most.
+    #[getter]
+    fn ahead(&self) -> PyResult<usize> {
+        Ok(self.lock()?.ahead())
+    }
 }

@@ -214,3 +214,27 @@ def test_a_service_takes_the_round_robin_writer_and_refuses_others(runtime):
         assert client.extend(rows([1, 2, 3])) == [0, 1, 2]
     with pytest.raises(ValueError, match="max-value writer cannot serve a replay service"):
         ReplayServer("py-writer-max", 8, writer=TensorDictMaxValueWriter("reward"), runtime_dir=runtime)
+
+
+def test_a_client_prefetches_samples_and_waits_for_rows(runtime):
+    with ReplayServer("py-prefetch", 64, sampler=PrioritizedSampler(64, 1.0, 1.0), runtime_dir=runtime, seed=2):
+        learner = RemoteReplayBuffer("py-prefetch", runtime_dir=runtime, batch_size=8, prefetch=3)
+        # Started before any row: the wait is bounded by timeout.
+        with pytest.raises(TimeoutError, match="timed out"):
+            learner.sample(timeout=0.2)
+        actor = RemoteReplayBuffer("py-prefetch", runtime_dir=runtime)
+        actor.extend(rows(range(64)))
+        for _ in range(10):
+            sample = learner.sample()
+            np.testing.assert_array_equal(whole(sample), sample["index"].numpy())
+            learner.update_priority(sample["index"], 3.0)
+        assert learner._ahead.ready <= 3
+        # Another batch size: the samples drawn for the last one are dropped.
+        assert learner.sample(5)["index"].shape == (5,)
+        # It pickles with its prefetch.
+        assert pickle.loads(pickle.dumps(learner))._prefetch == 3
+        del learner
+        deadline = time.monotonic() + 60
+        while actor.stats()["open_leases"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert actor.stats()["open_leases"] == 0

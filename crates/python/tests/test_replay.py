@@ -2,6 +2,7 @@
 `priority_weight`, priorities, slices, dumps both ways (TorchRL 0.14.1's fixtures), and errors."""
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -154,3 +155,28 @@ def test_bad_input_gets_clear_exceptions():
     with pytest.raises(tdr.TensorDictError):
         rb.update_priority([0], [1.0])  # not prioritized
     assert len(rb) == 5, "refused writes left nothing behind"
+
+
+def test_prefetch_draws_ahead_and_a_priority_update_counts_from_the_next_draw():
+    rb = PrioritizedReplayBuffer(alpha=1.0, beta=1.0, eps=0.0, storage=LazyTensorStorage(64), batch_size=16,
+                                 seed=4, prefetch=2)
+    with pytest.raises(tdr.TensorDictError, match="empty"):
+        rb.sample()  # no rows: an error at once, as without prefetch
+    rb.extend(rows(range(64)))
+    # Row 7 almost never drawn.
+    low = np.ones(64)
+    low[7] = 1e-12
+    rb.update_priority(np.arange(64), low)
+    check(rb.sample())
+    deadline = time.monotonic() + 60
+    while rb._ahead.ready < 2 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert rb._ahead.ready == 2
+    # Only row 7 now: the two samples drawn ahead keep the old priorities, later ones do not.
+    high = np.full(64, 1e-12)
+    high[7] = 1.0
+    rb.update_priority(np.arange(64), high)
+    sevens = [(check(rb.sample()) == 7).mean() for _ in range(5)]
+    assert sevens[0] < 1 and sevens[1] < 1 and sevens[2:] == [1.0, 1.0, 1.0], sevens
+    with pytest.raises(ValueError, match="prefetch"):
+        ReplayBuffer(prefetch=-1)

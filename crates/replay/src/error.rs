@@ -316,6 +316,12 @@ pub enum Error {
         /// How that is computed: bytes a row, and the frame limit.
         why: String,
     },
+    /// A prefetcher's thread could not start, or ended early (a draw panicked).
+    #[error("replay prefetch: {detail}")]
+    Prefetch {
+        /// What happened.
+        detail: String,
+    },
     /// The replay service or its connection failed.
     #[cfg(feature = "remote")]
     #[error("replay service")]

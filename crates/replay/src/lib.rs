@@ -32,6 +32,7 @@
 pub mod buffer;
 pub mod checkpoint;
 pub mod error;
+pub mod prefetch;
 pub mod rate;
 #[cfg(feature = "remote")]
 pub mod remote;
@@ -42,6 +43,7 @@ pub mod writers;
 
 pub use buffer::{INDEX_KEY, Lease, LoadOptions, PRIORITY_WEIGHT_KEY, ReplayBuffer, Reservation, Rows, SampleInfo};
 pub use error::{Error, Result};
+pub use prefetch::Prefetch;
 pub use rate::{RateCounts, RateLimiter};
 pub use samplers::{
     Draw, Episodes, MaxPriority, MinTree, Prioritized, PrioritizedParts, PrioritizedSlice, PrioritizedSliceSpec,

@@ -10,6 +10,11 @@ holders here, and the buffer is tensordict-rs's (``tensordict_rs._native.ReplayB
 
 Samples are ``tensordict_rs.TensorDict``s whose tensors cross into torch and numpy by DLPack;
 ``tensordict_rs.to_tensordict`` makes a Python ``tensordict.TensorDict`` of one.
+
+``prefetch=N`` (local buffers and service clients) draws N samples ahead on a thread while the
+caller trains, as TorchRL's ``prefetch`` does: a sample drawn ahead holds the rows and
+priorities of when it was drawn (a priority updated after that counts from the next draw), and
+the thread waits for rows and for the rate limiter.
 """
 
 
@@ -187,11 +192,37 @@ class TensorDictMaxValueWriter:
         return {"max-value": {"rank_key": self.rank_key, "reduction": self.reduction}}
 
 
-class ReplayBuffer:
+class _Prefetching:
+    """``sample`` through samples drawn ahead (``prefetch=N``), one prefetch per batch size and
+    device: another batch size or device drops the samples drawn for the last one."""
+
+    _prefetch = 0
+    _ahead = None
+    _ahead_for = None
+
+    def _set_prefetch(self, prefetch):
+        if prefetch is not None and (isinstance(prefetch, bool) or int(prefetch) < 0):
+            raise ValueError(f"prefetch={prefetch!r}: give a number of samples to draw ahead, or None")
+        self._prefetch = int(prefetch or 0)
+        self._ahead = None
+
+    def _prefetched(self, batch_size, device, timeout=None):
+        wanted = (batch_size, None if device is None else str(device))
+        if self._ahead is None or self._ahead_for != wanted:
+            self._ahead = None  # its thread stops here
+            self._ahead = self._rb.prefetch(batch_size, self._prefetch, device=device)
+            self._ahead_for = wanted
+        return self._ahead.sample(timeout=timeout)
+
+
+class ReplayBuffer(_Prefetching):
     """TorchRL's ``ReplayBuffer``: ``extend``, ``add``, ``sample``, ``update_priority``,
     ``len``, ``dumps`` and ``loads`` (TorchRL 0.14.1's dump layout, both ways)."""
 
-    def __init__(self, *, storage=None, sampler=None, writer=None, batch_size=None, seed=None, _inner=None):
+    def __init__(
+        self, *, storage=None, sampler=None, writer=None, batch_size=None, seed=None, prefetch=None, _inner=None
+    ):
+        self._set_prefetch(prefetch)
         if _inner is not None:
             self._rb = _inner
             if batch_size is not None:
@@ -231,10 +262,13 @@ class ReplayBuffer:
     def sample(self, batch_size=None, *, device=None):
         """A batch of rows, with ``index`` (and ``priority_weight`` when prioritized). With
         ``device`` (``"cuda:0"``, a ``torch.device``) the rows land in its memory, read by one
-        kernel launch from the storage."""
+        kernel launch from the storage. With ``prefetch``, the oldest sample drawn ahead (it
+        waits for rows if the buffer is empty)."""
         batch_size = batch_size if batch_size is not None else self.batch_size
         if batch_size is None:
             raise ValueError("give sample a batch_size, or the buffer one")
+        if self._prefetch:
+            return self._prefetched(int(batch_size), device)
         return self._rb.sample(int(batch_size), device=device)
 
     def update_priority(self, index, priority):
@@ -246,10 +280,10 @@ class ReplayBuffer:
         self._rb.dumps(str(path))
 
     @classmethod
-    def loads(cls, path, batch_size=None, seed=None):
+    def loads(cls, path, batch_size=None, seed=None, prefetch=None):
         """A buffer from a TorchRL dump folder (its rows on the heap), with the dump's default
         batch size unless ``batch_size`` is given."""
-        return cls(batch_size=batch_size, _inner=_native.ReplayBuffer.loads(str(path), seed=seed))
+        return cls(batch_size=batch_size, prefetch=prefetch, _inner=_native.ReplayBuffer.loads(str(path), seed=seed))
 
     @property
     def storage(self):
@@ -272,13 +306,14 @@ TensorDictReplayBuffer = ReplayBuffer
 class PrioritizedReplayBuffer(ReplayBuffer):
     """TorchRL's ``PrioritizedReplayBuffer``: a ``PrioritizedSampler`` over ``storage``."""
 
-    def __init__(self, *, alpha, beta, eps=1e-8, storage=None, batch_size=None, seed=None):
+    def __init__(self, *, alpha, beta, eps=1e-8, storage=None, batch_size=None, seed=None, prefetch=None):
         storage = storage if storage is not None else LazyTensorStorage(1_000_000)
         super().__init__(
             storage=storage,
             sampler=PrioritizedSampler(storage.max_size, alpha, beta, eps),
             batch_size=batch_size,
             seed=seed,
+            prefetch=prefetch,
         )
 
 
@@ -300,7 +335,7 @@ def _int(i):
 
 
 
-class RemoteReplayBuffer:
+class RemoteReplayBuffer(_Prefetching):
     """A client of a replay service: by name on this node (``"NAME"``, a service of
     ``tdict replay serve NAME`` or ``ReplayServer.start``), or by address (``"tcp:HOST:PORT"``
     with the service's ``token``). TorchRL's calls. On the service's node rows travel through
@@ -312,10 +347,16 @@ class RemoteReplayBuffer:
     ``fork`` raises in the child (its connection's threads did not survive the fork): make a
     new one there, or pass it pickled."""
 
-    def __init__(self, target, *, token=None, batch_size=None, runtime_dir=None, by_value=None):
+    def __init__(self, target, *, token=None, batch_size=None, runtime_dir=None, by_value=None, prefetch=None):
         self._args = dict(
-            target=str(target), token=token, batch_size=batch_size, runtime_dir=runtime_dir, by_value=by_value
+            target=str(target),
+            token=token,
+            batch_size=batch_size,
+            runtime_dir=runtime_dir,
+            by_value=by_value,
+            prefetch=prefetch,
         )
+        self._set_prefetch(prefetch)
         self.batch_size = batch_size
         self._rb = _native.RemoteReplayBuffer(
             str(target),
@@ -341,10 +382,13 @@ class RemoteReplayBuffer:
         """A batch with ``index`` (and ``priority_weight`` when prioritized). Waits for the
         service's rate limiter at most ``timeout`` seconds (``None``: until it allows; Ctrl-C
         interrupts). With ``device`` (``"cuda:0"``, a ``torch.device``) the rows land in its
-        memory."""
+        memory. With ``prefetch``, the oldest sample drawn ahead, waiting at most ``timeout``
+        for it."""
         batch_size = batch_size if batch_size is not None else self.batch_size
         if batch_size is None:
             raise ValueError("give sample a batch_size, or the buffer one")
+        if self._prefetch:
+            return self._prefetched(int(batch_size), device, timeout)
         return self._rb.sample(int(batch_size), timeout=timeout, device=device)
 
     def update_priority(self, index, priority):

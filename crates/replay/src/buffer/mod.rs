@@ -734,6 +734,31 @@ impl ReplayBuffer {
         Ok((out, info))
     }
 
+    /// [`ReplayBuffer::sample`] into new memory of `device` (as [`ReplayBuffer::sample_to`];
+    /// the heap for [`memmap_tensor::Device::Cpu`]), waiting at most `wait` for rows (an empty
+    /// buffer, its storage not made yet included) and for the rate limiter:
+    /// [`Error::Timeout`] if none came in time. `None` waits as [`ReplayBuffer::sample`] does
+    /// (the rate limiter's own timeout; an empty buffer is an error at once).
+    pub fn sample_within(
+        &self,
+        device: memmap_tensor::Device,
+        batch_size: usize,
+        wait: Option<Duration>,
+    ) -> Result<(TensorDict, SampleInfo)> {
+        let wait = wait.or_else(|| self.limiter_timeout());
+        if wait.is_none() {
+            self.storage.get().ok_or(Error::Empty)?;
+        }
+        let info = self.draw(batch_size, wait, "sample")?;
+        // Rows were drawn: the storage that holds them exists.
+        let storage = self.storage.get().ok_or(Error::Empty)?;
+        let out = self.with_pins(&info.indices, || match device {
+            memmap_tensor::Device::Cpu => storage.gather(&info.indices),
+            device => storage.gather_to(device, &info.indices),
+        })?;
+        Ok((out, info))
+    }
+
     /// Like [`ReplayBuffer::sample`], gathering into `out`, a caller-owned dict with the
     /// storage's keys and dtypes and `batch_size` rows. If the sampler returns fewer rows, the
     /// first rows of `out` are filled and the info says how many.
