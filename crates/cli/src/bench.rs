@@ -79,7 +79,9 @@ pub(crate) enum BenchCommand {
         /// Shuffle runs of this many rows instead of rows (for data larger than memory).
         #[arg(long)]
         block_rows: Option<usize>,
-        /// Evict the folder's files from the page cache before every epoch.
+        /// Evict the folder's files from the page cache before every epoch (pages an epoch read
+        /// through the mapping stay mapped, and so cached: with `--reads mapping` only the first
+        /// epoch is cold).
         #[arg(long)]
         cold: bool,
         /// Print one JSON object.

@@ -44,27 +44,27 @@ pub(crate) fn run(folder: &Path, opts: &Options) -> anyhow::Result<ExitCode> {
         None => Order::Shuffled { seed: 0 },
     };
     let engine = || tensordict_aio::Engine::new().context("starting the I/O engine");
+    let td =
+        TensorDict::load_memmap(folder, Access::ReadOnly).with_context(|| format!("loading {}", folder.display()))?;
+    let rows = td.batch_size().first().copied().unwrap_or(0);
+    let mut options = LoaderOptions::new(opts.batch).order(order).prefetch(opts.prefetch);
+    options = match opts.reads {
+        ReadsArg::Auto => options,
+        ReadsArg::Mapping => options.reads(Reads::Mapping),
+        ReadsArg::Files => options.reads(Reads::Files { engine: engine()?, mode: ReadMode::Buffered }),
+        ReadsArg::Direct => options.reads(Reads::Files { engine: engine()?, mode: ReadMode::Direct }),
+    };
+    let leaf_files = crate::bench::leaf_files(&td);
+    // One loader for every epoch, as a training run has: its buffers are made in the first.
+    let mut loader = Loader::new(td, options)?;
     let mut rates = Vec::new();
     let mut ran = "";
-    let mut rows = 0;
     for epoch in 0..opts.epochs {
-        let td = TensorDict::load_memmap(folder, Access::ReadOnly)
-            .with_context(|| format!("loading {}", folder.display()))?;
         if opts.cold {
-            // Mapped but not touched: this process holds none of the pages evicted.
-            for file in crate::bench::leaf_files(&td) {
-                crate::bench::evict(&file)?;
+            for file in &leaf_files {
+                crate::bench::evict(file)?;
             }
         }
-        rows = td.batch_size().first().copied().unwrap_or(0);
-        let mut options = LoaderOptions::new(opts.batch).order(order.clone()).prefetch(opts.prefetch);
-        options = match opts.reads {
-            ReadsArg::Auto => options,
-            ReadsArg::Mapping => options.reads(Reads::Mapping),
-            ReadsArg::Files => options.reads(Reads::Files { engine: engine()?, mode: ReadMode::Buffered }),
-            ReadsArg::Direct => options.reads(Reads::Files { engine: engine()?, mode: ReadMode::Direct }),
-        };
-        let mut loader = Loader::new(td, options)?;
         loader.set_epoch(epoch);
         ran = loader.reads().name();
         let start = Instant::now();
