@@ -19,8 +19,8 @@ Measures, each over an epoch of random batches of 256:
   classes (D4RL, OpenX) put over such a folder (a `LazyMemmapStorage` once filled is the same);
 - `fio_blocks_per_s`, `fio_1m_mb_per_s`: fio's random reads of row-sized blocks (12 KiB) of the
   image file, and of 1 MiB blocks, `O_DIRECT`, io_uring, queue depth 32 (with `--cold`, when fio
-  is installed, run first; `fio_blocks_per_s_after` again at the end): the disk's limits for the
-  shuffled order and for the page-aware one (whose reads are long);
+  is installed, run first, before anything maps the folder): the disk's limits for the shuffled
+  order and for the page-aware one (whose reads are long);
 - `consumer_epoch_s`, `longer_alone_s`, `overlap_ratio`: ours from Python again with a consumer
   that waits (sleeps, as a training step waiting on its GPU does) as long per batch as a batch
   takes to read, against the longer of the reads alone and the consumer alone (timed: a sleep
@@ -157,10 +157,11 @@ def main():
         out = {"rows": rows, "row_bytes": 3 * 64 * 64 + 8 + 64 * 4, "batch": BATCH, "cold": args.cold}
         before = evict if args.cold else warm
         peer_limit = args.peer_batches if args.cold else None
-        epochs = 1 if args.cold else args.epochs
+        epochs = args.epochs
 
         if args.cold:
-            # First, next to our reads: a cloud disk's throughput drifts over minutes of reads.
+            # First: a cloud disk's throughput drifts over minutes of reads, and an `O_DIRECT`
+            # read of a file another reader maps is slowed by the kernel's page-cache checks.
             small, large = fio(folder), fio(folder, "1m")
             out["fio_blocks_per_s"] = small and round(small["iops"])
             out["fio_1m_mb_per_s"] = large and round(large["bw"] * 1024 / 1e6)
@@ -179,6 +180,23 @@ def main():
                 before(folder)
                 rates.append(samples_per_s(loader))
             out[f"ours_{name}"] = round(max(rates))
+
+        # The overlap, before the peers map the folder (their mapped pages would fill a small
+        # memory cgroup): a consumer busy as long per batch as a batch takes to read.
+        reads = "files" if args.cold else "mapping"
+        per_batch = BATCH / out[f"ours_{reads}"]
+        loader = tdr.DataLoader(tdr.TensorDict.load_memmap(folder), BATCH, shuffle=True, prefetch=4, reads=reads)
+        if not args.cold:
+            samples_per_s(loader)  # an epoch before, as in training: the loader's buffers exist
+        before(folder)
+        with_consumer = samples_per_s(loader, lambda: time.sleep(per_batch))
+        out["consumer_epoch_s"] = round(rows / with_consumer, 3)
+        start = time.perf_counter()
+        for _ in range(len(loader)):
+            time.sleep(per_batch)
+        consumer_alone = time.perf_counter() - start
+        out["longer_alone_s"] = round(max(rows / out[f"ours_{reads}"], consumer_alone), 3)
+        out["overlap_ratio"] = round(out["consumer_epoch_s"] / out["longer_alone_s"], 2)
 
         dataset = Rows(folder)
         for workers in (0, 1, 2):
@@ -221,24 +239,7 @@ def main():
                 out["files_over_fio"] = round(out["ours_files"] / out["fio_blocks_per_s"], 2)
                 blocks_mb_per_s = out["ours_blocks"] * out["row_bytes"] / 1e6
                 out["blocks_over_fio_1m"] = round(blocks_mb_per_s / out["fio_1m_mb_per_s"], 2)
-                after = fio(folder)
-                out["fio_blocks_per_s_after"] = round(after["iops"])
 
-        # The overlap: a consumer busy as long per batch as a batch takes to read.
-        reads = "files" if args.cold else "mapping"
-        per_batch = BATCH / out[f"ours_{reads}"]
-        loader = tdr.DataLoader(tdr.TensorDict.load_memmap(folder), BATCH, shuffle=True, prefetch=4, reads=reads)
-        if not args.cold:
-            samples_per_s(loader)  # an epoch before, as in training: the loader's buffers exist
-        before(folder)
-        with_consumer = samples_per_s(loader, lambda: time.sleep(per_batch))
-        out["consumer_epoch_s"] = round(rows / with_consumer, 3)
-        start = time.perf_counter()
-        for _ in range(len(loader)):
-            time.sleep(per_batch)
-        consumer_alone = time.perf_counter() - start
-        out["longer_alone_s"] = round(max(rows / out[f"ours_{reads}"], consumer_alone), 3)
-        out["overlap_ratio"] = round(out["consumer_epoch_s"] / out["longer_alone_s"], 2)
     print(json.dumps(out))
 
 
