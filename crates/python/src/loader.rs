@@ -29,14 +29,15 @@ impl PyLoader {
 
 #[pymethods]
 impl PyLoader {
-    /// `order`: `"sequential"`, `"shuffled"` or `"blocks"` (shuffled runs of `block_rows`
-    /// rows); `reads`: `"mapping"`, `"files"` or `"direct"` (`O_DIRECT`), `None` for files of a
+    /// `order`: `"sequential"`, `"shuffled"`, `"blocks"` (shuffled runs of `block_rows`
+    /// rows), or `"subset"` (the rows `rows`, in that order, or shuffled each epoch with
+    /// `shuffle`); `reads`: `"mapping"`, `"files"` or `"direct"` (`O_DIRECT`), `None` for files of a
     /// folder and the mapping otherwise; `device`: a GPU batches land in (`None` or `"cpu"`:
     /// the host); `pin_memory`: host batches in page-locked memory (a warning and pageable
     /// memory where there is no CUDA driver, as torch's `DataLoader` does without an
     /// accelerator).
     #[new]
-    #[pyo3(signature = (dict, batch_size, *, order="sequential", seed=0, block_rows=None, drop_last=false, rank=0, world_size=1, prefetch=2, reads=None, device=None, pin_memory=false))]
+    #[pyo3(signature = (dict, batch_size, *, order="sequential", seed=0, block_rows=None, rows=None, shuffle=false, drop_last=false, rank=0, world_size=1, prefetch=2, reads=None, device=None, pin_memory=false))]
     #[allow(clippy::too_many_arguments)]
     fn py_new(
         py: Python<'_>,
@@ -45,6 +46,8 @@ impl PyLoader {
         order: &str,
         seed: u64,
         block_rows: Option<usize>,
+        rows: Option<&Bound<'_, PyAny>>,
+        shuffle: bool,
         drop_last: bool,
         rank: usize,
         world_size: usize,
@@ -53,15 +56,26 @@ impl PyLoader {
         device: Option<&Bound<'_, PyAny>>,
         pin_memory: bool,
     ) -> PyResult<Self> {
-        let order = match (order, block_rows) {
-            ("sequential", None) => Order::Sequential,
-            ("shuffled", None) => Order::Shuffled { seed },
-            ("blocks", Some(block_rows)) => Order::Blocks { seed, block_rows },
-            ("blocks", None) => return Err(PyValueError::new_err("the blocks order needs block_rows")),
-            (other, _) => {
+        let order = match (order, block_rows, rows) {
+            ("sequential", None, None) => Order::Sequential,
+            ("shuffled", None, None) => Order::Shuffled { seed },
+            ("blocks", Some(block_rows), None) => Order::Blocks { seed, block_rows },
+            ("blocks", None, None) => return Err(PyValueError::new_err("the blocks order needs block_rows")),
+            ("subset", None, Some(rows)) => {
+                let rows = crate::dlpack::numbers::<i64>(rows, crate::dlpack::ints)?
+                    .into_iter()
+                    .map(|r| {
+                        usize::try_from(r).map_err(|_| {
+                            pyo3::exceptions::PyIndexError::new_err(format!("row {r} is negative: give rows as 0..len"))
+                        })
+                    })
+                    .collect::<PyResult<Vec<usize>>>()?;
+                Order::Subset { rows, seed: shuffle.then_some(seed) }
+            }
+            (other, _, _) => {
                 return Err(PyValueError::new_err(format!(
-                    "order {other:?} (with block_rows {block_rows:?}): \"sequential\", \"shuffled\", or \"blocks\" with \
-                     block_rows"
+                    "order {other:?} (with block_rows {block_rows:?}): \"sequential\", \"shuffled\", \"blocks\" with \
+                     block_rows, or \"subset\" with rows"
                 )));
             }
         };

@@ -78,6 +78,23 @@ def test_state_dict_resumes_exactly_after_the_last_batch_handed_out(folder):
         alone.load_state_dict({"progress": {"nonsense": 1}})
 
 
+def test_indices_are_the_epoch_in_order_or_shuffled(folder):
+    split = np.arange(0, ROWS, 3)
+    in_order = DataLoader(folder, 7, indices=split)
+    assert [i for b in in_order for i in ids(b)] == split.tolist()
+    shuffled = DataLoader(folder, 7, indices=split, shuffle=True, seed=1)
+    first = [i for b in shuffled for i in ids(b)]
+    second = [i for b in shuffled for i in ids(b)]
+    assert sorted(first) == sorted(second) == split.tolist() and first != second, "each epoch its own order"
+    assert len(shuffled) == -(-len(split) // 7)
+    with pytest.raises(IndexError, match="negative"):
+        DataLoader(folder, 7, indices=[1, -2])
+    with pytest.raises(ValueError, match="500"):
+        DataLoader(folder, 7, indices=[1, ROWS])
+    with pytest.raises(ValueError, match="block_rows"):
+        DataLoader(folder, 7, indices=[1], shuffle=True, block_rows=4)
+
+
 def test_blocks_and_bad_arguments(folder):
     blocks = DataLoader(folder, 50, shuffle=True, block_rows=25)
     got = [i for b in blocks for i in ids(b)]

@@ -174,3 +174,36 @@ fn bad_plans_and_progress_are_refused() {
     assert!(BatchPlan::resume(&[a.progress(99)], 0, 2).is_err(), "more than its batches");
     assert!(BatchPlan::resume(&[], 0, 1).is_err());
 }
+
+#[test]
+fn a_subset_is_the_epoch_shuffled_or_in_the_order_given() -> TestResult {
+    // A split with a repeat: every entry once per epoch, over any world.
+    let given: Vec<usize> = vec![9, 3, 3, 50, 0, 17, 98, 42, 5, 61, 77];
+    for seed in [None, Some(4)] {
+        let order = Order::Subset { rows: given.clone(), seed };
+        for world in [1, 2, 3, 7] {
+            let mut seen: Vec<usize> = epoch(100, 3, false, &order, 1, world).into_iter().flatten().flatten().collect();
+            if seed.is_none() && world == 1 {
+                assert_eq!(seen, given, "the order given");
+            }
+            seen.sort_unstable();
+            let mut want = given.clone();
+            want.sort_unstable();
+            assert_eq!(seen, want, "{order:?}, world {world}");
+        }
+        // Resumed on another world: exactly the rest.
+        let (before, after) = stop_and_resume(100, 2, &order, 3, &[1, 0, 2], 2);
+        let mut all = [before, after].concat();
+        all.sort_unstable();
+        let mut want = given.clone();
+        want.sort_unstable();
+        assert_eq!(all, want);
+    }
+    let shuffled = Order::Subset { rows: given.clone(), seed: Some(4) };
+    assert_ne!(shuffled.epoch_rows(100, 0)?, shuffled.epoch_rows(100, 1)?, "each epoch its own order");
+    // A row past the dict's is refused, by the plan and by the order.
+    let bad = Order::Subset { rows: vec![1, 100], seed: None };
+    assert!(BatchPlan::new(100, 4, false, bad.clone(), 0, 0, 1).is_err());
+    assert!(bad.epoch_rows(100, 0).is_err());
+    Ok(())
+}

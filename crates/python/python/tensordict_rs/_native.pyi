@@ -285,6 +285,8 @@ class Loader:
         order: str = "sequential",
         seed: int = 0,
         block_rows: int | None = None,
+        rows: Any = None,
+        shuffle: bool = False,
         drop_last: bool = False,
         rank: int = 0,
         world_size: int = 1,

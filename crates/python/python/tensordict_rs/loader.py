@@ -15,7 +15,9 @@ in file order); ``reads=`` forces either, and ``loader.reads`` says which ran. A
 by another process is an error naming it, never a crash. ``shuffle=True`` draws each
 epoch's order from ``seed`` and the epoch (``set_epoch``) alone, so every rank of a job with the
 same seed agrees on it; ``block_rows`` shuffles runs of that many rows instead, for data larger
-than memory (each read is long). ``rank``/``world_size`` (by default from
+than memory (each read is long). ``indices`` makes an epoch those rows (a split, a filtered
+set): in the order given, or shuffled each epoch with ``shuffle=True`` (torch's
+``SubsetRandomSampler``). ``rank``/``world_size`` (by default from
 ``torch.distributed`` when it is initialised) give each rank a disjoint part of each epoch, the
 parts covering it. ``state_dict()``/``load_state_dict()`` resume exactly after the last batch
 handed out, on the same number of ranks from a rank's own state, or on any number from the
@@ -56,6 +58,7 @@ class DataLoader:
         *,
         seed=0,
         block_rows=None,
+        indices=None,
         rank=None,
         world_size=None,
         prefetch=2,
@@ -70,12 +73,18 @@ class DataLoader:
         order = "blocks" if block_rows is not None else ("shuffled" if shuffle else "sequential")
         if block_rows is not None and not shuffle:
             raise ValueError("block_rows shuffles runs of rows: give shuffle=True with it")
+        if indices is not None:
+            if block_rows is not None:
+                raise ValueError("indices are the epoch's rows: block_rows does not apply to them")
+            order = "subset"
         self._loader = _native.Loader(
             dataset,
             int(batch_size),
             order=order,
             seed=int(seed),
             block_rows=block_rows,
+            rows=indices,
+            shuffle=bool(shuffle),
             drop_last=bool(drop_last),
             rank=int(rank),
             world_size=int(world_size),

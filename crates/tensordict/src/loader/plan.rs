@@ -36,34 +36,60 @@ pub enum Order {
         /// Rows in a run (at least 1).
         block_rows: usize,
     },
+    /// The caller's rows (a split, a filtered set; repeats allowed), in the order given, or
+    /// shuffled each epoch from `seed` and the epoch (torch's `SubsetRandomSampler`). The
+    /// epoch is these rows: its batches cover them, not the whole dict.
+    Subset {
+        /// The rows, each below the dict's.
+        rows: Vec<usize>,
+        /// The seed of a shuffle each epoch; `None` keeps the order given.
+        seed: Option<u64>,
+    },
 }
 
 impl Order {
-    /// The rows `0..rows` in the order of epoch `epoch`.
+    /// The rows of epoch `epoch` of a dict of `rows` rows, in order: `0..rows` in this order,
+    /// or a subset's rows.
     pub fn epoch_rows(&self, rows: usize, epoch: u64) -> Result<Vec<usize>> {
-        let mut order: Vec<usize> = (0..rows).collect();
-        match *self {
-            Order::Sequential => {}
-            Order::Shuffled { seed } => shuffle(&mut order, &mut Mixer::new(seed, epoch)),
+        match self {
+            Order::Sequential => Ok((0..rows).collect()),
+            Order::Shuffled { seed } => {
+                let mut order: Vec<usize> = (0..rows).collect();
+                shuffle(&mut order, &mut Mixer::new(*seed, epoch));
+                Ok(order)
+            }
             Order::Blocks { seed, block_rows } => {
-                if block_rows == 0 {
+                if *block_rows == 0 {
                     return Err(Error::InvalidArgument {
                         op: "Order::Blocks",
                         detail: "block_rows must be at least 1".into(),
                     });
                 }
-                let mut draw = Mixer::new(seed, epoch);
-                let mut blocks: Vec<usize> = (0..rows.div_ceil(block_rows)).collect();
+                let mut draw = Mixer::new(*seed, epoch);
+                let mut blocks: Vec<usize> = (0..rows.div_ceil(*block_rows)).collect();
                 shuffle(&mut blocks, &mut draw);
-                order.clear();
+                let mut order = Vec::with_capacity(rows);
                 for b in blocks {
                     let start = order.len();
                     order.extend(b * block_rows..((b + 1) * block_rows).min(rows));
                     shuffle(&mut order[start..], &mut draw);
                 }
+                Ok(order)
+            }
+            Order::Subset { rows: given, seed } => {
+                if let Some(&bad) = given.iter().find(|&&r| r >= rows) {
+                    return Err(Error::InvalidArgument {
+                        op: "Order::Subset",
+                        detail: format!("row {bad} of a dict of {rows} rows"),
+                    });
+                }
+                let mut order = given.clone();
+                if let Some(seed) = *seed {
+                    shuffle(&mut order, &mut Mixer::new(seed, epoch));
+                }
+                Ok(order)
             }
         }
-        Ok(order)
     }
 }
 
@@ -173,16 +199,29 @@ impl BatchPlan {
         if self.world == 0 || self.rank >= self.world {
             return Err(bad(format!("rank {} of a world of {}: give 0 <= rank < world", self.rank, self.world)));
         }
-        if let Order::Blocks { block_rows: 0, .. } = self.order {
-            return Err(bad("block_rows must be at least 1".into()));
+        match &self.order {
+            Order::Blocks { block_rows: 0, .. } => Err(bad("block_rows must be at least 1".into())),
+            Order::Subset { rows, .. } => match rows.iter().find(|&&r| r >= self.rows) {
+                Some(r) => Err(bad(format!("the subset's row {r} is not a row of a dict of {}", self.rows))),
+                None => Ok(()),
+            },
+            _ => Ok(()),
         }
-        Ok(())
+    }
+
+    /// The rows an epoch covers: the dict's, or a subset's.
+    pub fn epoch_len(&self) -> usize {
+        match &self.order {
+            Order::Subset { rows, .. } => rows.len(),
+            _ => self.rows,
+        }
     }
 
     /// The number of global batches in an epoch.
     pub fn global_batches(&self) -> u64 {
-        let full = self.rows / self.batch_size;
-        let short = !self.drop_last && !self.rows.is_multiple_of(self.batch_size);
+        let len = self.epoch_len();
+        let full = len / self.batch_size;
+        let short = !self.drop_last && !len.is_multiple_of(self.batch_size);
         (full + usize::from(short)) as u64
     }
 
