@@ -58,3 +58,21 @@ def test_a_remote_sample_lands_in_gpu_memory(tmp_path):
         client.extend(rows(2048))
         sample = client.sample(256, device="cuda:0")
         assert torch.equal(on_gpu(sample["id"]).cpu(), torch.from_dlpack(sample["index"]).cpu())
+
+
+@pytest.mark.parametrize("reads", ["mapping", "files"])
+def test_a_data_loader_hands_out_batches_in_gpu_and_pinned_memory(tmp_path, reads):
+    td = tdr.TensorDict(rows(3000), batch_size=[3000]).memmap(tmp_path / "d")
+    gpu = tdr.DataLoader(td, 256, shuffle=True, reads=reads, device="cuda:0")
+    assert gpu.destination == "cuda:0"
+    seen = []
+    for batch in gpu:
+        assert batch.device == "cuda:0"
+        ids = on_gpu(batch["id"]).cpu()
+        assert torch.equal(on_gpu(batch["obs"]).cpu()[:, 0], (ids * 4).float())
+        seen.extend(ids.tolist())
+    assert sorted(seen) == list(range(3000))
+    pinned = tdr.DataLoader(td, 256, reads=reads, pin_memory=True)
+    assert pinned.destination == "pinned"
+    first = next(iter(pinned))
+    assert torch.from_dlpack(first["obs"]).is_pinned()

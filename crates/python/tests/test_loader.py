@@ -2,6 +2,8 @@
 (with batches read ahead, on another number of ranks), file reads and mapping reads, Ctrl-C
 while iterating (a real SIGINT to a child), and errors."""
 
+import gc
+import os
 import pickle
 import signal
 import subprocess
@@ -128,6 +130,30 @@ def test_batches_reuse_buffers_and_arrays_kept_are_never_written_again(folder, r
     for ids_, image in kept:
         assert (image == (ids_ % 251)[:, None]).all()
     assert loader.buffers <= 4
+
+
+def loader_threads():
+    """The loader threads of this process (native threads: Python's `threading` does not list them)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:
+            pass  # a thread that ended meanwhile
+    return names.count("tdict-loader")
+
+
+def test_a_loader_dropped_mid_epoch_leaves_no_thread(folder):
+    gc.collect()  # loaders of earlier tests go first
+    before = loader_threads()
+    loader = DataLoader(folder, 10, shuffle=True, prefetch=4)
+    batch = next(iter(loader))
+    assert loader_threads() > before
+    del loader
+    gc.collect()
+    assert loader_threads() == before
+    ids(batch)  # a batch handed out outlives its loader
 
 
 def test_a_folder_replaced_under_the_loader_raises(folder, tmp_path):
