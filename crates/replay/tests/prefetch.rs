@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use memmap_tensor::{Device, Tensor};
 use tensordict::TensorDict;
 use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
-use tensordict_replay::{Error, PrioritizedSpec, ReplayBuffer, StorageConfig};
+use tensordict_replay::{Error, PrioritizedSpec, RateLimiter, ReplayBuffer, StorageConfig};
 use tensordict_rpc::ClientOptions;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
@@ -124,21 +124,21 @@ fn an_empty_buffer_is_an_error_and_a_drop_stops_a_prefetch_that_waits() -> TestR
     buffer.extend(&rows(&[0, 1, 2]))?;
     let (sample, info) = prefetch.sample()?;
     ids(&sample, &info.indices);
-    // Writes ended on an emptied buffer: the draws fail, and the error reaches the caller.
-    buffer.empty()?;
-    buffer.end_writes();
-    let mut failed = false;
-    for _ in 0..3 {
-        match prefetch.sample() {
-            Ok(_) => {}
-            Err(e) => {
-                failed = true;
-                assert!(matches!(e, Error::WritesEnded { .. } | Error::Empty), "{e}");
-                break;
-            }
-        }
+    drop(prefetch);
+    // A draw's error reaches the caller in its turn: the rate limiter lets two samples of 3 go
+    // (diff 4 - samples, min -2), the third waits until writes end, then fails.
+    let limiter = RateLimiter::sample_to_insert_ratio(1.0, 2, 4.0)?;
+    let limited = Arc::new(ReplayBuffer::uniform(StorageConfig::heap(16))?.with_rate_limiter(limiter));
+    limited.extend(&rows(&[0, 1, 2, 3]))?;
+    let mut prefetch = limited.prefetch(3, 4, Device::Cpu)?;
+    for _ in 0..2 {
+        let (sample, info) = prefetch.sample()?;
+        ids(&sample, &info.indices);
     }
-    assert!(failed, "samples drawn before the end, then the error");
+    assert!(prefetch.sample_within(Duration::from_millis(20))?.is_none(), "the limiter holds the third back");
+    limited.end_writes();
+    let refused = prefetch.sample().unwrap_err();
+    assert!(matches!(refused, Error::WritesEnded { op: "sample", .. }), "{refused}");
     drop(prefetch);
     // A prefetch of a buffer that never gets rows: dropped while its thread waits.
     let idle = Arc::new(ReplayBuffer::uniform(StorageConfig::heap(10))?);
