@@ -8,9 +8,7 @@ use std::time::{Duration, Instant};
 
 use memmap_tensor::{Device, Tensor};
 use tensordict::TensorDict;
-use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
-use tensordict_replay::{Error, PrioritizedSpec, RateLimiter, ReplayBuffer, StorageConfig};
-use tensordict_rpc::ClientOptions;
+use tensordict_replay::{Error, RateLimiter, ReplayBuffer, StorageConfig};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -151,8 +149,12 @@ fn an_empty_buffer_is_an_error_and_a_drop_stops_a_prefetch_that_waits() -> TestR
     Ok(())
 }
 
+#[cfg(feature = "remote")]
 #[test]
 fn a_service_client_prefetches_and_holds_no_lease_after() -> TestResult {
+    use tensordict_replay::PrioritizedSpec;
+    use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
+    use tensordict_rpc::ClientOptions;
     let _serial = serial();
     let dir = tempfile::tempdir()?;
     let run = dir.path().join("run");
