@@ -57,7 +57,8 @@ fn ones(td: &TensorDict, rows: usize) -> tensordict::Result<TensorDict> {
     for (key, t) in td.leaves() {
         let mut dims = t.dims().to_vec();
         dims[0] = rows;
-        let bytes = vec![1u8; dims.iter().product::<usize>() * t.dtype().size_in_bytes()];
+        let len = t.dtype().bytes_of(&dims).map_err(|source| tensordict::Error::Tensor { key: key.clone(), source })?;
+        let bytes = vec![1u8; len];
         let filled = Tensor::from_bytes(&bytes, t.dtype(), dims)
             .map_err(|source| tensordict::Error::Tensor { key: key.clone(), source })?;
         out.set(key, filled)?;

@@ -6,8 +6,7 @@
 //! trailing dims of each block into single `memcpy`s. Along dim 0 the index operations use the
 //! row kernels of [`Tensor::gather_rows`] and [`Tensor::scatter_rows`].
 
-use crate::copy::row_of;
-use crate::rows::check_indices;
+use crate::row_index::{RowIndex, checked_along};
 use crate::{Error, Result, Shape, Tensor};
 
 impl Tensor {
@@ -81,17 +80,17 @@ impl Tensor {
     pub fn index_select(&self, dim: usize, indices: &[i64]) -> Result<Tensor> {
         const OP: &str = "index_select";
         let size = self.layout().dim(dim, OP)?;
-        check_indices(OP, indices, dim, size)?;
+        let rows = checked_along(OP, indices, dim, size)?;
         if dim == 0 {
-            return self.gather_rows(indices);
+            return self.gather_index(&RowIndex::resolved(rows, size));
         }
         let mut dims = self.dims().to_vec();
         dims[dim] = indices.len();
         // The blocks `select(dim, k)` below cover `out`, so every element is written before `out`
         // is returned; if a copy failed, `out` would be dropped unread.
         let out = Tensor::for_overwrite(dims, self.dtype())?;
-        for (k, &index) in indices.iter().enumerate() {
-            let src = self.with_layout(self.layout().select(dim, row_of(index, size))?);
+        for (k, &row) in rows.iter().enumerate() {
+            let src = self.with_layout(self.layout().select(dim, row)?);
             out.with_layout(out.layout().select(dim, k)?).copy_from_as(OP, &src)?;
         }
         Ok(out)
@@ -110,21 +109,21 @@ impl Tensor {
         let mut expected = self.dims().to_vec();
         expected[dim] = indices.len();
         self.check_same_kind(OP, src, &Shape::from(expected))?;
-        check_indices(OP, indices, dim, size)?;
+        let rows = checked_along(OP, indices, dim, size)?;
         if !self.storage().is_writable() {
             return Err(Error::ReadOnly { op: OP, storage: self.storage().describe() });
         }
         if dim == 0 {
-            return self.scatter_rows(indices, src);
+            return self.scatter_index(&RowIndex::resolved(rows, size), src);
         }
         if self.shares_storage_with(src) {
             return self.index_copy(dim, indices, &src.deep_clone()?);
         }
         // Nothing below can fail once the checks above passed (same shapes, distinct and
         // writable storages), so no copy is left half done.
-        for (k, &index) in indices.iter().enumerate() {
+        for (k, &row) in rows.iter().enumerate() {
             let from = src.with_layout(src.layout().select(dim, k)?);
-            self.with_layout(self.layout().select(dim, row_of(index, size))?).copy_from_as(OP, &from)?;
+            self.with_layout(self.layout().select(dim, row)?).copy_from_as(OP, &from)?;
         }
         Ok(())
     }

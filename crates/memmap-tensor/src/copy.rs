@@ -97,29 +97,19 @@ const PREFETCH_DISTANCE: usize = 8;
 const PREFETCH_DISTANCE_MAX: usize = 32;
 const PREFETCH_BYTES_AHEAD: usize = 1024;
 
-/// Row number of a checked index in `-size..size` (negative counts from the end).
-#[inline(always)]
-pub(crate) fn row_of(index: i64, size: usize) -> usize {
-    // Lossless: targets are 64-bit (see `lib.rs`).
-    #[allow(clippy::cast_possible_truncation)]
-    let magnitude = index.unsigned_abs() as usize;
-    if index < 0 { size - magnitude } else { magnitude }
-}
-
-/// `dst[k] = src[rows[k]]` for every k, where `src` has `size` rows.
+/// `dst[k] = src[rows[k]]` for every k.
 ///
 /// # Safety
-/// - every index in `rows` is in `-size..size`, and `0..rows.len()` are valid rows of `dst`;
+/// - every row in `rows` is a valid row of `src`, and `0..rows.len()` are valid rows of `dst`;
 /// - `src.row_bytes == dst.row_bytes`, and all those rows are within their regions;
 /// - the regions do not overlap, and no reference into `dst`'s region is alive.
-pub(crate) unsafe fn gather_rows(src: Rows<*const u8>, rows: &[i64], size: usize, dst: Rows<*mut u8>) {
+pub(crate) unsafe fn gather_rows(src: Rows<*const u8>, rows: &[usize], dst: Rows<*mut u8>) {
     let n = src.row_bytes;
     let distance = (PREFETCH_BYTES_AHEAD / n.max(1)).clamp(PREFETCH_DISTANCE, PREFETCH_DISTANCE_MAX);
-    for (k, &i) in rows.iter().enumerate() {
+    for (k, &r) in rows.iter().enumerate() {
         if let Some(&ahead) = rows.get(k + distance) {
-            prefetch_bytes(src.base.wrapping_add(src.first + row_of(ahead, size) * src.stride_bytes), n);
+            prefetch_bytes(src.base.wrapping_add(src.first + ahead * src.stride_bytes), n);
         }
-        let r = row_of(i, size);
         // SAFETY: row `r` of `src` and row `k` of `dst` are in bounds and disjoint (contract).
         unsafe {
             copy_row(src.base.add(src.first + r * src.stride_bytes), dst.base.add(dst.first + k * dst.stride_bytes), n);
@@ -127,15 +117,13 @@ pub(crate) unsafe fn gather_rows(src: Rows<*const u8>, rows: &[i64], size: usize
     }
 }
 
-/// `dst[rows[k]] = src[k]` for every k, in order (a repeated row keeps the last write), where
-/// `dst` has `size` rows.
+/// `dst[rows[k]] = src[k]` for every k, in order (a repeated row keeps the last write).
 ///
 /// # Safety
 /// As for [`gather_rows`] with the roles of the index swapped.
-pub(crate) unsafe fn scatter_rows(src: Rows<*const u8>, rows: &[i64], size: usize, dst: Rows<*mut u8>) {
+pub(crate) unsafe fn scatter_rows(src: Rows<*const u8>, rows: &[usize], dst: Rows<*mut u8>) {
     let n = src.row_bytes;
-    for (k, &i) in rows.iter().enumerate() {
-        let r = row_of(i, size);
+    for (k, &r) in rows.iter().enumerate() {
         // SAFETY: row `k` of `src` and row `r` of `dst` are in bounds and disjoint (contract).
         unsafe {
             copy_row(src.base.add(src.first + k * src.stride_bytes), dst.base.add(dst.first + r * dst.stride_bytes), n);
@@ -235,13 +223,7 @@ fn prefetch(p: *const u8) {
 ///
 /// # Safety
 /// As for [`gather_rows`]; the caller keeps both regions locked until this returns.
-pub(crate) unsafe fn gather_rows_parallel(
-    src: Rows<*const u8>,
-    rows: &[i64],
-    size: usize,
-    dst: Rows<*mut u8>,
-    threads: usize,
-) {
+pub(crate) unsafe fn gather_rows_parallel(src: Rows<*const u8>, rows: &[usize], dst: Rows<*mut u8>, threads: usize) {
     let per = rows.len().div_ceil(threads.max(1)).max(1);
     std::thread::scope(|scope| {
         let mut chunks = rows.chunks(per).enumerate();
@@ -249,11 +231,11 @@ pub(crate) unsafe fn gather_rows_parallel(
         for (c, chunk) in chunks {
             let part = Rows { first: dst.first + c * per * dst.stride_bytes, ..dst };
             // SAFETY: each chunk writes its own rows `c * per ..` of `dst`; contract as above.
-            scope.spawn(move || unsafe { gather_rows(src, chunk, size, part) });
+            scope.spawn(move || unsafe { gather_rows(src, chunk, part) });
         }
         if let Some((_, chunk)) = first {
             // SAFETY: rows `0..per` of `dst`; contract as above.
-            unsafe { gather_rows(src, chunk, size, dst) };
+            unsafe { gather_rows(src, chunk, dst) };
         }
     });
 }

@@ -67,6 +67,15 @@ impl DType {
         }
     }
 
+    /// Bytes of `dims` elements of this dtype (a tensor's `[n, ...]`, a row's `[...]`), or
+    /// [`Error::ShapeOverflow`](crate::Error::ShapeOverflow) if they do not fit in `usize`: the
+    /// one checked way to size rows and tensors from shapes that came from elsewhere.
+    pub fn bytes_of(self, dims: &[usize]) -> crate::Result<usize> {
+        dims.iter()
+            .try_fold(self.size_in_bytes(), |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| crate::Error::ShapeOverflow { shape: dims.to_vec() })
+    }
+
     /// The short lowercase name (`"float32"`), as torch spells it after `torch.`.
     pub const fn as_str(self) -> &'static str {
         match self {

@@ -10,6 +10,13 @@
 //! any dim ([`Tensor::cat`], [`Tensor::stack`], [`Tensor::index_select`],
 //! [`Tensor::index_copy`]) whole blocks, never single elements.
 //!
+//! Row numbers are checked once: a [`RowIndex`] holds rows checked against a number of rows
+//! (negative indices resolved by [`normalize_index`], the one place that does it), and
+//! [`Tensor::gather_index`], [`Tensor::gather_index_into`] and [`Tensor::scatter_index`] take it
+//! as proof, so the dicts and replay buffers above gather every leaf of a batch without
+//! checking its rows again. Byte sizes of shapes that come from elsewhere are
+//! [`DType::bytes_of`], checked.
+//!
 //! ```
 //! use memmap_tensor::{Access, DType, Location, Tensor};
 //!
@@ -74,6 +81,7 @@ mod maps;
 mod moves;
 mod offload;
 mod process;
+mod row_index;
 mod rows;
 mod shape;
 mod stats;
@@ -91,6 +99,7 @@ pub use lockfile::{LockFile, LockOptions};
 pub use maps::{MAP_HEADROOM, MAX_MAP_COUNT_ENV, MapCount};
 pub use offload::{OFFLOAD_CHUNK_BYTES, TensorOffloader};
 pub use process::{ProcessId, ProcessState};
+pub use row_index::{RowIndex, normalize_index};
 pub use shape::Shape;
 pub use stats::Stats;
 pub use storage::{Access, Advice, HEAP_ALIGN, ShmObject, Storage, StorageKind};

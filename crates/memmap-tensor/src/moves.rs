@@ -21,7 +21,7 @@ use std::sync::Arc;
 use crate::cuda::{
     self, Backend, DriverMemory, Floor, GatherVia, Keep, Leaf, ManagedAdvice, Span, ToOptions, Transfer, TransferPath,
 };
-use crate::rows::check_indices;
+use crate::row_index::RowIndex;
 use crate::{DType, Device, Error, Layout, Location, Result, Storage, StorageKind, Tensor};
 
 impl Tensor {
@@ -131,13 +131,24 @@ impl Tensor {
         via: GatherVia,
     ) -> Result<Transfer<Vec<Tensor>>> {
         const OP: &str = "gather_rows_to";
+        let size = sources.first().map_or(Ok(0), |t| t.rows_shape(OP, 0).map(|_| t.dims()[0]))?;
+        // Checked once for every source (they must have the same number of rows).
+        Tensor::gather_index_to_many_via(sources, device, &RowIndex::checked(OP, indices, size)?, via)
+    }
+
+    /// [`Tensor::gather_rows_to_many_via`] of rows checked already ([`RowIndex`]).
+    pub fn gather_index_to_many_via(
+        sources: &[Tensor],
+        device: Device,
+        rows: &RowIndex,
+        via: GatherVia,
+    ) -> Result<Transfer<Vec<Tensor>>> {
+        const OP: &str = "gather_rows_to";
         device.check()?;
-        let mut rows = Vec::with_capacity(indices.len());
         let mut size = None;
         for t in sources {
-            t.rows_shape(OP, indices.len())?;
+            t.rows_shape(OP, rows.len())?;
             let n = t.dims()[0];
-            check_indices(OP, indices, 0, n)?;
             if size.is_some_and(|s| s != n) {
                 return Err(crate::Error::ShapeMismatch {
                     op: OP,
@@ -145,16 +156,14 @@ impl Tensor {
                     actual: crate::Shape::from(n),
                 });
             }
+            rows.fits(OP, t)?;
             size = Some(n);
         }
-        // Sizes of mapped tensors fit in i64 (they are below isize::MAX bytes).
-        let n = i64::try_from(size.unwrap_or(0)).unwrap_or(i64::MAX);
-        rows.extend(indices.iter().map(|&i| if i < 0 { i + n } else { i }));
         if device.is_cpu() {
-            let out = sources.iter().map(|t| t.to(Device::Cpu)?.gather_rows(&rows)).collect::<Result<Vec<_>>>()?;
+            let out = sources.iter().map(|t| t.to(Device::Cpu)?.gather_index(rows)).collect::<Result<Vec<_>>>()?;
             return Ok(Transfer::ready(out, TransferPath::Host));
         }
-        gather_to_gpu(sources, &rows, device, via)
+        gather_to_gpu(sources, rows, device, via)
     }
 
     /// Registers this tensor's storage with the CUDA driver for as long as the storage lives
@@ -360,7 +369,7 @@ fn contiguous_for_copy(t: &Tensor) -> Result<Tensor> {
 /// new device memory on `device`: one kernel launch reading the sources where they are (device
 /// memory, or host memory registered for the purpose), and host threads into pinned memory for
 /// the sources the kernel cannot read (or all of them, with [`GatherVia::Host`]).
-fn gather_to_gpu(sources: &[Tensor], rows: &[i64], device: Device, via: GatherVia) -> Result<Transfer<Vec<Tensor>>> {
+fn gather_to_gpu(sources: &[Tensor], rows: &RowIndex, device: Device, via: GatherVia) -> Result<Transfer<Vec<Tensor>>> {
     Floor::supported()?;
     let stream = Floor::stream(device)?;
     let n = rows.len();
@@ -379,7 +388,7 @@ fn gather_to_gpu(sources: &[Tensor], rows: &[i64], device: Device, via: GatherVi
         };
         let mut shape = src.dims().to_vec();
         shape[0] = n;
-        let row_bytes = src.dims()[1..].iter().product::<usize>() * src.dtype().size_in_bytes();
+        let row_bytes = src.dtype().bytes_of(&src.dims()[1..])?;
         // The kernel reads device memory, and host memory once registered for as long as the
         // storage lives; not where the driver refuses to register it.
         let reachable = match via {
@@ -413,11 +422,14 @@ fn gather_to_gpu(sources: &[Tensor], rows: &[i64], device: Device, via: GatherVi
                 }
             })
             .collect::<Vec<_>>();
-        // SAFETY: `rows` are non-negative and below every source's row count (checked by
+        // The kernel's row numbers are 64-bit signed; every row is below a mapped tensor's row
+        // count, which fits.
+        let kernel_rows: Vec<i64> = rows.rows().iter().map(|&r| i64::try_from(r).unwrap_or(i64::MAX)).collect();
+        // SAFETY: `rows` are below every source's row count (a `RowIndex` checked by
         // `gather_rows_to_many_via`); each output is a new contiguous [rows, ...] tensor of the
         // source's row size; the sources go into `keep` and the outputs into the transfer's
         // value, which it holds until the event recorded below.
-        unsafe { Floor::launch_gather(&stream, &leaves, rows, &mut keep)? };
+        unsafe { Floor::launch_gather(&stream, &leaves, &kernel_rows, &mut keep)? };
         paths.push(TransferPath::GatherKernel);
     }
     keep.extend(by_kernel.into_iter().map(|(_, src, _)| Box::new(src) as Box<dyn std::any::Any + Send + Sync>));
@@ -446,14 +458,14 @@ fn gather_on_host(
     stream: &<Floor as Backend>::Stream,
     sources: &[Tensor],
     which: &[(usize, Vec<usize>)],
-    rows: &[i64],
+    rows: &RowIndex,
     keep: &mut Keep,
 ) -> Result<Vec<Tensor>> {
     let mut offsets = Vec::with_capacity(which.len());
     let mut total = 0usize;
     for (i, shape) in which {
         offsets.push(total);
-        let bytes = shape.iter().product::<usize>() * sources[*i].dtype().size_in_bytes();
+        let bytes = sources[*i].dtype().bytes_of(shape)?;
         total = (total + bytes).next_multiple_of(PACK_ALIGN);
     }
     let pinned = Floor::pinned_buffer(stream, total)?;
@@ -464,7 +476,7 @@ fn gather_on_host(
         let layout = Layout::contiguous(shape.as_slice())?;
         let mut staged = Tensor::from_storage(Arc::clone(pinned.as_ref()), offset, src.dtype(), layout.clone())?;
         let on_host = if src.device().is_cpu() { src.clone() } else { src.to(Device::Cpu)? };
-        on_host.gather_rows_into(rows, &mut staged)?;
+        on_host.gather_index_into(rows, &mut staged)?;
         outs.push(Tensor::from_storage(Arc::clone(&device), offset, src.dtype(), layout)?);
     }
     // SAFETY: both hold `total` bytes; the pinned buffer is held by `keep` until the copy is

@@ -387,8 +387,8 @@ fn check_key(key: &str) -> Result<()> {
 
 impl Manifest {
     fn chunks(&self) -> usize {
-        let bytes = self.shape.iter().product::<usize>() * self.dtype.size_in_bytes();
-        bytes.div_ceil(self.chunk)
+        // A decoded manifest's size was checked (`decode`); one made here is a tensor's.
+        self.dtype.bytes_of(&self.shape).unwrap_or(usize::MAX).div_ceil(self.chunk)
     }
 
     fn encode(&self) -> Vec<u8> {

@@ -4,7 +4,7 @@ use std::ops::Range;
 use std::sync::OnceLock;
 
 use crate::copy::{self, Rows, Strided, copy_strided};
-use crate::tensor::normalize_index;
+use crate::row_index::RowIndex;
 use crate::{Advice, Error, Result, Shape, StorageKind, Tensor};
 
 impl Tensor {
@@ -12,10 +12,16 @@ impl Tensor {
     /// `[indices.len(), dims[1..]…]`. Negative indices count from the end; repeats are allowed;
     /// an index outside `-len..len` is [`Error::IndexOutOfRange`] and nothing is copied.
     pub fn gather_rows(&self, indices: &[i64]) -> Result<Tensor> {
+        self.gather_index(&RowIndex::checked("gather_rows", indices, self.rows_of("gather_rows")?)?)
+    }
+
+    /// [`Tensor::gather_rows`] of rows checked already ([`RowIndex`]): nothing is checked or
+    /// normalised per row.
+    pub fn gather_index(&self, rows: &RowIndex) -> Result<Tensor> {
         // The gather writes every byte of `out` (all of its rows) before returning it, and
         // nothing reads `out` if it fails, so its memory need not be zeroed first.
-        let mut out = Tensor::for_overwrite(self.rows_shape("gather_rows", indices.len())?, self.dtype())?;
-        self.gather_rows_into(indices, &mut out)?;
+        let mut out = Tensor::for_overwrite(self.rows_shape("gather_rows", rows.len())?, self.dtype())?;
+        self.gather_index_into(rows, &mut out)?;
         Ok(out)
     }
 
@@ -24,31 +30,40 @@ impl Tensor {
     /// contiguous (the common case) and they do not share storage.
     pub fn gather_rows_into(&self, indices: &[i64], out: &mut Tensor) -> Result<()> {
         const OP: &str = "gather_rows_into";
-        let expected = self.rows_shape(OP, indices.len())?;
+        // The kinds first: a wrong output is named before a wrong index.
+        self.check_same_kind(OP, out, &self.rows_shape(OP, indices.len())?)?;
+        self.gather_index_into(&RowIndex::checked(OP, indices, self.rows_of(OP)?)?, out)
+    }
+
+    /// [`Tensor::gather_rows_into`] of rows checked already ([`RowIndex`]).
+    pub fn gather_index_into(&self, rows: &RowIndex, out: &mut Tensor) -> Result<()> {
+        const OP: &str = "gather_rows_into";
+        let expected = self.rows_shape(OP, rows.len())?;
         self.check_same_kind(OP, out, &expected)?;
-        let size = self.dims()[0];
-        check_indices(OP, indices, 0, size)?;
+        rows.fits(OP, self)?;
         if self.shares_storage_with(out) {
-            return out.copy_from(&self.gather_rows(indices)?);
+            return out.copy_from(&self.gather_index(rows)?);
         }
+        let rows = rows.rows();
         let _locks = Tensor::lock_pair(self, out, OP)?;
         if self.layout().rows_contiguous() && out.layout().rows_contiguous() {
-            let (src, dst) = (rows(self.strided(), self), rows(out.strided_mut(), out));
-            let threads = gather_threads(indices.len() * src.row_bytes);
-            // SAFETY: every index is in `-size..size` (checked above) and `out` has
-            // `indices.len()` rows of the same row size (checked above); both layouts were checked
-            // against their storages at construction; the storages are distinct (checked above);
-            // both locks are held until the copy (and every worker thread) is done.
+            let (src, dst) = (row_geometry(self.strided(), self), row_geometry(out.strided_mut(), out));
+            let threads = gather_threads(rows.len() * src.row_bytes);
+            // SAFETY: every row is below this tensor's dim 0 (a `RowIndex` that fits, checked
+            // above) and `out` has `rows.len()` rows of the same row size (checked above); both
+            // layouts were checked against their storages at construction; the storages are
+            // distinct (checked above); both locks are held until the copy (and every worker
+            // thread) is done.
             unsafe {
                 if threads > 1 {
-                    copy::gather_rows_parallel(src, indices, size, dst, threads);
+                    copy::gather_rows_parallel(src, rows, dst, threads);
                 } else {
-                    copy::gather_rows(src, indices, size, dst);
+                    copy::gather_rows(src, rows, dst);
                 }
             }
         } else {
             // SAFETY: as above.
-            unsafe { copy_rows_strided(self, out, indices.len(), |k| copy::row_of(indices[k], size), |k| k) };
+            unsafe { copy_rows_strided(self, out, rows.len(), |k| rows[k], |k| k) };
         }
         Ok(())
     }
@@ -58,31 +73,45 @@ impl Tensor {
     /// same dtype. Every index is checked before anything is written.
     pub fn scatter_rows(&mut self, indices: &[i64], src: &Tensor) -> Result<()> {
         const OP: &str = "scatter_rows";
-        let expected = self.rows_shape(OP, indices.len())?;
+        // The kinds first: a wrong source is named before a wrong index.
+        self.check_same_kind(OP, src, &self.rows_shape(OP, indices.len())?)?;
+        let rows = RowIndex::checked(OP, indices, self.rows_of(OP)?)?;
+        self.scatter_index(&rows, src)
+    }
+
+    /// [`Tensor::scatter_rows`] to rows checked already ([`RowIndex`]).
+    pub fn scatter_index(&mut self, rows: &RowIndex, src: &Tensor) -> Result<()> {
+        const OP: &str = "scatter_rows";
+        let expected = self.rows_shape(OP, rows.len())?;
         self.check_same_kind(OP, src, &expected)?;
-        let size = self.dims()[0];
-        check_indices(OP, indices, 0, size)?;
+        rows.fits(OP, self)?;
         if self.shares_storage_with(src) {
-            return self.scatter_rows(indices, &src.deep_clone()?);
+            return self.scatter_index(rows, &src.deep_clone()?);
         }
-        self.populate_rows(indices, size);
+        let rows = rows.rows();
+        self.populate_rows(rows);
         let _locks = Tensor::lock_pair(src, self, OP)?;
-        // SAFETY: as in `gather_rows_into`, with source and destination swapped.
+        // SAFETY: as in `gather_index_into`, with source and destination swapped.
         unsafe {
             if self.layout().rows_contiguous() && src.layout().rows_contiguous() {
-                copy::scatter_rows(rows(src.strided(), src), indices, size, rows(self.strided_mut(), self));
+                copy::scatter_rows(row_geometry(src.strided(), src), rows, row_geometry(self.strided_mut(), self));
             } else {
-                copy_rows_strided(src, self, indices.len(), |k| k, |k| copy::row_of(indices[k], size));
+                copy_rows_strided(src, self, rows.len(), |k| k, |k| rows[k]);
             }
         }
         Ok(())
+    }
+
+    /// The size of dim 0, or an error for a scalar.
+    fn rows_of(&self, op: &'static str) -> Result<usize> {
+        self.dims().first().copied().ok_or(Error::ScalarTensor { op })
     }
 
     /// Before rows of a mapping are written whole: has the kernel map each row writable in
     /// one call ([`Advice::PopulateWrite`]) when a row spans several pages, instead of one
     /// fault per page (a sparse file's first write, or any write after a flush). Only a hint:
     /// a kernel without it, or a failure, leaves the writes to fault as they would.
-    fn populate_rows(&self, indices: &[i64], size: usize) {
+    fn populate_rows(&self, rows: &[usize]) {
         /// Rows smaller than this are written by faults as cheaply.
         const POPULATE_MIN_ROW_BYTES: usize = 64 * 1024;
         let storage = self.storage();
@@ -93,8 +122,7 @@ impl Tensor {
         }
         let stride = self.layout().strides()[0] * self.dtype().size_in_bytes();
         let base = self.byte_offset() + self.layout().offset_elems() * self.dtype().size_in_bytes();
-        for &i in indices {
-            let row = copy::row_of(i, size);
+        for &row in rows {
             if storage.advise_range(Advice::PopulateWrite, base + row * stride, row_bytes).is_err() {
                 return;
             }
@@ -130,7 +158,7 @@ impl Tensor {
 }
 
 /// The row geometry of a tensor whose rows are contiguous, from its strided region.
-fn rows<P: Copy>(region: Strided<'_, P>, t: &Tensor) -> Rows<P> {
+fn row_geometry<P: Copy>(region: Strided<'_, P>, t: &Tensor) -> Rows<P> {
     let elem = t.dtype().size_in_bytes();
     Rows {
         base: region.base,
@@ -184,12 +212,4 @@ fn gather_threads(bytes: usize) -> usize {
     }
     let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
     cores.min(bytes / (PARALLEL_MIN_BYTES / 2))
-}
-
-/// Checks that every index is in `-size..size`, where `size` is the size of dim `dim`.
-pub(crate) fn check_indices(op: &'static str, indices: &[i64], dim: usize, size: usize) -> Result<()> {
-    match indices.iter().find(|&&i| normalize_index(i, size).is_none()) {
-        Some(&index) => Err(Error::IndexOutOfRange { op, index, dim, size }),
-        None => Ok(()),
-    }
 }

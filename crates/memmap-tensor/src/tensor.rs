@@ -310,7 +310,12 @@ impl Tensor {
     /// end.
     pub fn select(&self, dim: usize, index: i64) -> Result<Self> {
         let size = self.layout.dim(dim, "select")?;
-        let i = normalize_index(index, size).ok_or(Error::IndexOutOfRange { op: "select", index, dim, size })?;
+        let i = crate::row_index::normalize_index(index, size).ok_or(Error::IndexOutOfRange {
+            op: "select",
+            index,
+            dim,
+            size,
+        })?;
         Ok(self.with_layout(self.layout.select(dim, i)?))
     }
 
@@ -624,13 +629,6 @@ impl Tensor {
             offset: self.layout.offset_elems(),
         }
     }
-}
-
-/// Normalizes a possibly negative index into `0..size`.
-pub(crate) fn normalize_index(index: i64, size: usize) -> Option<usize> {
-    let size_i = i64::try_from(size).ok()?;
-    let i = if index < 0 { index.checked_add(size_i)? } else { index };
-    if (0..size_i).contains(&i) { usize::try_from(i).ok() } else { None }
 }
 
 impl fmt::Debug for Tensor {

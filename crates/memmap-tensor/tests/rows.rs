@@ -570,3 +570,30 @@ fn scatter_of_rows_spanning_pages_into_mappings() -> Result<(), Box<dyn std::err
     assert_eq!(on_disk[5 * row + 1], 1);
     Ok(())
 }
+
+#[test]
+fn a_row_index_is_checked_once_and_gathers_and_scatters_as_the_lists_do() -> TestResult {
+    use memmap_tensor::RowIndex;
+    let t = Tensor::from_slice(&(0..12).collect::<Vec<i32>>(), [6, 2])?;
+    let index = RowIndex::new(&[5, -1, 0, -6], 6)?;
+    assert_eq!((index.rows(), index.size(), index.len()), (&[5, 5, 0, 0][..], 6, 4));
+    assert_eq!(t.gather_index(&index)?.to_vec::<i32>()?, t.gather_rows(&[5, -1, 0, -6])?.to_vec::<i32>()?);
+    assert!(matches!(RowIndex::new(&[6], 6), Err(Error::IndexOutOfRange { index: 6, size: 6, .. })));
+    assert!(matches!(RowIndex::new(&[-7], 6), Err(Error::IndexOutOfRange { index: -7, .. })));
+    assert!(matches!(RowIndex::new(&[i64::MIN], 6), Err(Error::IndexOutOfRange { .. })));
+    assert!(matches!(RowIndex::from_rows(&[1, 6], 6), Err(Error::IndexOutOfRange { index: 6, .. })));
+    // Checked against more rows than a tensor has: each row is looked at, and one past the
+    // tensor's is refused, nothing copied.
+    let wide = RowIndex::from_rows(&[1, 4], 100)?;
+    assert_eq!(t.gather_index(&wide)?.to_vec::<i32>()?, vec![2, 3, 8, 9]);
+    let past = RowIndex::from_rows(&[1, 6], 100)?;
+    assert!(matches!(t.gather_index(&past), Err(Error::IndexOutOfRange { index: 6, size: 6, .. })));
+    let mut out = t.deep_clone()?;
+    assert!(matches!(out.scatter_index(&past, &t.gather_rows(&[0, 1])?), Err(Error::IndexOutOfRange { .. })));
+    assert_eq!(out.to_vec::<i32>()?, t.to_vec::<i32>()?, "nothing written");
+    out.scatter_index(&RowIndex::from_rows(&[3], 6)?, &Tensor::from_slice(&[-1i32, -2], [1, 2])?)?;
+    assert_eq!(out.gather_rows(&[3])?.to_vec::<i32>()?, vec![-1, -2]);
+    assert_eq!(memmap_tensor::normalize_index(-1, 6), Some(5));
+    assert_eq!(memmap_tensor::normalize_index(-1, 0), None);
+    Ok(())
+}

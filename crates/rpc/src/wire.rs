@@ -141,9 +141,9 @@ impl InlineDict {
         let mut next = self.data.iter();
         self.schema.build(&mut |key, t| {
             let bytes = next.next().map(Vec::as_slice).unwrap_or_default();
-            // Checked before anything is allocated: the shape comes from the peer. (A validated
-            // schema's byte sizes do not overflow.)
-            let want = t.shape.iter().product::<usize>() * t.dtype.size_in_bytes();
+            // Checked before anything is allocated: the shape comes from the peer.
+            let want =
+                t.dtype.bytes_of(&t.shape).map_err(|e| Error::InvalidSchema { reason: format!("`{key}`: {e}") })?;
             if bytes.len() != want {
                 return Err(Error::InvalidSchema {
                     reason: format!(

@@ -2,7 +2,7 @@
 //! for the paths the bytes take).
 
 use indexmap::IndexMap;
-use memmap_tensor::{Device, GatherVia, Tensor, ToOptions, Transfer};
+use memmap_tensor::{Device, GatherVia, RowIndex, Tensor, ToOptions, Transfer};
 
 use crate::dict::map_stack;
 use crate::error::WithKey;
@@ -65,26 +65,20 @@ impl TensorDict {
             });
         }
         let n = self.batch_size()[0];
-        let mut rows = Vec::with_capacity(indices.len());
-        for &i in indices {
-            let row = if i < 0 { i.checked_add(n as i64) } else { Some(i) };
-            match row {
-                Some(r) if (0..n as i64).contains(&r) => rows.push(r),
-                _ => {
-                    return Err(Error::InvalidIndex {
-                        index: i.to_string(),
-                        batch_size: self.batch_size().to_vec(),
-                        reason: format!("out of range for a first batch dim of {n} (gather_to)"),
-                    });
-                }
-            }
-        }
+        let rows = RowIndex::new(indices, n).map_err(|e| Error::InvalidIndex {
+            index: match e {
+                memmap_tensor::Error::IndexOutOfRange { index, .. } => index.to_string(),
+                _ => format!("{indices:?}"),
+            },
+            batch_size: self.batch_size().to_vec(),
+            reason: format!("out of range for a first batch dim of {n} (gather_to)"),
+        })?;
         let leaves: Vec<Tensor> = self.leaves().into_iter().map(|(_, t)| t.clone()).collect();
-        let gathered = Tensor::gather_rows_to_many_via(&leaves, device, &rows, via)
+        let gathered = Tensor::gather_index_to_many_via(&leaves, device, &rows, via)
             .map_err(|source| Error::Device { op: "gather_to", source })?;
         gathered.try_map(|tensors| {
             self.rebuild(tensors, Some(rows.len()), &|batch, path, stack| {
-                map_stack(stack, batch, path, |positions| positions.gather_rows(&rows))
+                map_stack(stack, batch, path, |positions| positions.gather_index(&rows))
             })
         })
     }

@@ -10,7 +10,6 @@ use tensordict_aio::{Engine, Offloader};
 
 use crate::error::WithKey;
 use crate::file_rows::{RowsInFile, read_file_rows};
-use crate::index::normalize;
 use crate::schema::{self, Schema};
 use crate::{Entry, Error, KeyPath, MAX_META_BYTES, Result, TensorDict};
 
@@ -37,7 +36,7 @@ impl TensorDict {
         };
         let mut resolved = Vec::with_capacity(indices.len());
         for &i in indices {
-            resolved.push(normalize(i, rows).ok_or_else(|| Error::InvalidIndex {
+            resolved.push(memmap_tensor::normalize_index(i, rows).ok_or_else(|| Error::InvalidIndex {
                 index: format!("{indices:?}"),
                 batch_size: self.batch_size().to_vec(),
                 reason: format!("{i} out of range for dim 0 of size {rows}"),
@@ -152,8 +151,7 @@ fn restore_once(offloader: &Offloader, name: &str) -> Result<Attempt> {
         if stored.strip_prefix(&prefix).is_none_or(|i| i.is_empty() || !i.bytes().all(|b| b.is_ascii_digit())) {
             return Err(bad(format!("`{key}` is stored under a foreign key `{stored}`")));
         }
-        // The schema was validated: the byte size does not overflow.
-        let nbytes = t.shape.iter().product::<usize>() * t.dtype.size_in_bytes();
+        let nbytes = t.dtype.bytes_of(&t.shape).map_err(|e| bad(format!("`{key}`: {e}")))?;
         // Checked again after the read; checking here keeps a damaged schema from making this
         // allocate more than is stored.
         let held = offloader.len_of(stored);
@@ -289,5 +287,5 @@ fn file_source(t: &Tensor, key: &KeyPath, mode: ReadMode) -> Result<RowsInFile> 
         ReadMode::Direct => nix::libc::O_DIRECT,
     };
     let file = Arc::new(storage.reopen_file(flags).with_key(|| key.clone())?);
-    Ok(RowsInFile::contiguous(file, path, key.clone(), t.dtype(), &t.dims()[1..]).placed(start_bytes, stride_bytes))
+    Ok(RowsInFile::contiguous(file, path, key.clone(), t.dtype(), &t.dims()[1..])?.placed(start_bytes, stride_bytes))
 }

@@ -43,16 +43,16 @@ impl RowsInFile {
     /// The rows of a tensor `key` stored in `file` (opened with `O_DIRECT` for
     /// [`ReadMode::Direct`]) as a C-contiguous array from its first byte: row `r` is at
     /// `r * row_bytes`, where a row is `row_dims` elements of `dtype`. `path` names the file in
-    /// errors.
+    /// errors. A row too large to size is an error naming the key.
     pub fn contiguous(
         file: Arc<File>,
         path: impl Into<PathBuf>,
         key: KeyPath,
         dtype: DType,
         row_dims: &[usize],
-    ) -> Self {
-        let row_bytes = row_dims.iter().product::<usize>() * dtype.size_in_bytes();
-        RowsInFile {
+    ) -> Result<Self> {
+        let row_bytes = dtype.bytes_of(row_dims).map_err(|source| Error::Tensor { key: key.clone(), source })?;
+        Ok(RowsInFile {
             file,
             path: path.into(),
             key,
@@ -61,7 +61,7 @@ impl RowsInFile {
             row_bytes,
             start_bytes: 0,
             stride_bytes: row_bytes as u64,
-        }
+        })
     }
 
     /// The same rows, row 0 at byte `start_bytes` of the file and each next row `stride_bytes`
@@ -267,7 +267,7 @@ mod tests {
     use super::*;
 
     fn source(file: Arc<File>, row_bytes: usize) -> RowsInFile {
-        RowsInFile::contiguous(file, "rows.bin", KeyPath::from("x"), DType::U8, &[row_bytes])
+        RowsInFile::contiguous(file, "rows.bin", KeyPath::from("x"), DType::U8, &[row_bytes]).unwrap()
     }
 
     fn spans(runs: &[Run]) -> Vec<(usize, usize)> {

@@ -16,7 +16,7 @@ use std::fmt;
 use std::ops::{Range, RangeFrom, RangeFull, RangeInclusive, RangeTo};
 
 use indexmap::IndexMap;
-use memmap_tensor::{Location, Tensor};
+use memmap_tensor::{Location, RowIndex, Tensor, normalize_index};
 
 use crate::error::WithKey;
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
@@ -246,15 +246,19 @@ struct Plan {
     broadcast: Vec<usize>,
     /// Per advanced index, its positions (in range) broadcast to `broadcast`, in C order.
     advanced: Vec<Vec<i64>>,
+    /// The one advanced index's positions as checked rows of its dim (when there is one).
+    rows: Option<RowIndex>,
     /// Whether the advanced indices are next to each other in the view (their broadcast dims
     /// then replace them in place; otherwise they go first).
     adjacent: bool,
 }
 
-/// An advanced index before broadcasting: its shape and its positions (in range).
+/// An advanced index before broadcasting: its shape, its positions (in range) and the size of
+/// the dim they index.
 struct RawAdvanced {
     shape: Vec<usize>,
     positions: Vec<i64>,
+    size: usize,
 }
 
 impl Plan {
@@ -298,7 +302,7 @@ impl Plan {
                 Index::NewDim => steps.push(Step::New),
                 Index::Int(i) => {
                     let size = batch[dim];
-                    steps.push(Step::Select(normalize(*i, size).ok_or_else(|| out_of_range(*i, dim, size))?));
+                    steps.push(Step::Select(normalize_index(*i, size).ok_or_else(|| out_of_range(*i, dim, size))?));
                     dim += 1;
                 }
                 Index::Slice { start, stop, step } => {
@@ -310,7 +314,7 @@ impl Plan {
                 Index::List(list) => {
                     let positions = in_range(list, batch[dim]).map_err(|i| out_of_range(i, dim, batch[dim]))?;
                     steps.push(Step::Advanced);
-                    raw.push(RawAdvanced { shape: vec![list.len()], positions });
+                    raw.push(RawAdvanced { shape: vec![list.len()], positions, size: batch[dim] });
                     dim += 1;
                 }
                 Index::ListNd { indices, shape } => {
@@ -319,7 +323,7 @@ impl Plan {
                     }
                     let positions = in_range(indices, batch[dim]).map_err(|i| out_of_range(i, dim, batch[dim]))?;
                     steps.push(Step::Advanced);
-                    raw.push(RawAdvanced { shape: shape.clone(), positions });
+                    raw.push(RawAdvanced { shape: shape.clone(), positions, size: batch[dim] });
                     dim += 1;
                 }
                 Index::Mask(mask) => {
@@ -332,7 +336,7 @@ impl Plan {
                     }
                     let positions: Vec<i64> = true_positions(mask).map(to_i64).collect();
                     steps.push(Step::Advanced);
-                    raw.push(RawAdvanced { shape: vec![positions.len()], positions });
+                    raw.push(RawAdvanced { shape: vec![positions.len()], positions, size: batch[dim] });
                     dim += 1;
                 }
                 Index::MaskNd { mask, shape } => {
@@ -353,7 +357,7 @@ impl Plan {
                         let inner: usize = shape[k + 1..].iter().product();
                         let positions = trues.iter().map(|&flat| to_i64((flat / inner) % shape[k])).collect();
                         steps.push(Step::Advanced);
-                        raw.push(RawAdvanced { shape: vec![trues.len()], positions });
+                        raw.push(RawAdvanced { shape: vec![trues.len()], positions, size: shape[k] });
                     }
                     dim += shape.len();
                 }
@@ -365,6 +369,12 @@ impl Plan {
             let shapes: Vec<String> = raw.iter().map(|r| format!("{:?}", r.shape)).collect();
             invalid(format!("shape mismatch: the index arrays cannot be broadcast together ({})", shapes.join(", ")))
         })?;
+        // One advanced index: its positions checked once as rows of its dim, for every leaf's
+        // gather or scatter to take as they are.
+        let rows = match raw.as_slice() {
+            [one] => Some(RowIndex::new(&one.positions, one.size).map_err(|e| invalid(e.to_string()))?),
+            _ => None,
+        };
         let advanced = raw
             .into_iter()
             // An index already of the broadcast shape (always, for a single list) is used as is.
@@ -377,7 +387,7 @@ impl Plan {
             })?;
         let view_dims: Vec<usize> = view_positions(&steps);
         let adjacent = view_dims.windows(2).all(|w| w[1] == w[0] + 1);
-        Ok(Plan { steps, broadcast, advanced, adjacent })
+        Ok(Plan { steps, broadcast, advanced, rows, adjacent })
     }
 
     /// The shape of the result for a tensor (or batch) of shape `dims`, which starts with the
@@ -461,8 +471,8 @@ impl Plan {
         }
         // One list along one dim: a row gather (or torch's index_select), in place.
         if let ([dim], [_]) = (adv_dims.as_slice(), self.broadcast.as_slice()) {
-            return match dim {
-                0 => view.gather_rows(&self.advanced[0]),
+            return match (dim, &self.rows) {
+                (0, Some(rows)) => view.gather_index(rows),
                 _ => view.index_select(*dim, &self.advanced[0]),
             };
         }
@@ -500,7 +510,10 @@ impl Plan {
             return view.copy_from(src);
         }
         if let ([dim], [_]) = (adv_dims.as_slice(), self.broadcast.as_slice()) {
-            return view.index_copy(*dim, &self.advanced[0], src);
+            return match (dim, &self.rows) {
+                (0, Some(rows)) => view.scatter_index(rows, src),
+                _ => view.index_copy(*dim, &self.advanced[0], src),
+            };
         }
         let b = self.broadcast.len();
         let first = adv_dims[0];
@@ -684,13 +697,6 @@ fn broadcast_to(values: &[i64], shape: &[usize], target: &[usize]) -> Option<Vec
     Some(out)
 }
 
-/// `index` normalized into `0..size`, or `None` when out of range.
-pub(crate) fn normalize(index: i64, size: usize) -> Option<usize> {
-    let size_i = i64::try_from(size).ok()?;
-    let i = if index < 0 { index.checked_add(size_i)? } else { index };
-    if (0..size_i).contains(&i) { usize::try_from(i).ok() } else { None }
-}
-
 /// Python's slice resolution for a positive step: `(start, len, step)`, or `None` if the step
 /// is not positive.
 fn resolve_slice(start: Option<i64>, stop: Option<i64>, step: i64, size: usize) -> Option<(usize, usize, usize)> {
@@ -716,6 +722,22 @@ impl TensorDict {
         let index = index.into();
         let plan = Plan::resolve(&index, self.batch_size())?;
         plan.apply_dict(self, &KeyPath::default())
+    }
+
+    /// Rows `rows` of the first batch dim, gathered into new heap memory: `self.index(list)`
+    /// for rows checked already ([`RowIndex`], against this dict's first batch dim or fewer),
+    /// so that no leaf checks them again (a replay sample's gather).
+    pub fn gather_index(&self, rows: &RowIndex) -> Result<TensorDict> {
+        if self.batch_dims() == 0 {
+            return Err(Error::InvalidArgument { op: "gather_index", detail: "the dict has no batch dim".into() });
+        }
+        let mut tensors = Vec::new();
+        for (key, t) in self.leaves() {
+            tensors.push(t.gather_index(rows).with_key(|| key.clone())?);
+        }
+        self.rebuild(tensors, Some(rows.len()), &|batch, path, stack| {
+            crate::dict::map_stack(stack, batch, path, |positions| positions.gather_index(rows))
+        })
     }
 
     /// The batch size `self.index(index)` would have, without indexing anything.

@@ -158,8 +158,11 @@ impl RowsByValue {
     /// fewer rows carries.
     pub(crate) fn of(schema: &tensordict::Schema) -> RowsByValue {
         let tensors = schema.tensors();
-        let row_bytes =
-            tensors.iter().map(|(_, t)| t.shape.iter().skip(1).product::<usize>() * t.dtype.size_in_bytes()).sum();
+        // A row too large to count carries no row by value (saturated, not wrapped).
+        let row_bytes = tensors
+            .iter()
+            .map(|(_, t)| t.dtype.bytes_of(t.shape.get(1..).unwrap_or_default()).unwrap_or(usize::MAX))
+            .fold(0usize, usize::saturating_add);
         let fixed_bytes = VALUE_ENVELOPE_BYTES + schema.to_json().len() + tensors.len() * VARINT_MAX_BYTES;
         RowsByValue { row_bytes, fixed_bytes }
     }

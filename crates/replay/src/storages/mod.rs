@@ -244,9 +244,18 @@ impl Storage {
         td.set_at(Index::List(to_i64(rows)), src).op("write rows")
     }
 
+    /// `rows` checked once against the capacity, for every leaf's gather to take as they are.
+    fn row_index(&self, rows: &[usize]) -> Result<memmap_tensor::RowIndex> {
+        let capacity = self.capacity();
+        memmap_tensor::RowIndex::from_rows(rows, capacity).map_err(|_| Error::RowOutOfRange {
+            index: rows.iter().copied().find(|&r| r >= capacity).unwrap_or(capacity),
+            capacity,
+        })
+    }
+
     /// Rows `rows` gathered into a new heap dict of batch size `[rows.len(), ...]`.
     pub fn gather(&self, rows: &[usize]) -> Result<TensorDict> {
-        self.td.index(Index::List(to_i64(rows))).op("gather rows")
+        self.td.gather_index(&self.row_index(rows)?).op("gather rows")
     }
 
     /// Rows `rows` gathered into new memory of `device` (one kernel launch reading the
@@ -283,11 +292,11 @@ impl Storage {
                 return Err(mismatch(&leaf.key, "is read-only".into()));
             }
         }
-        let indices = to_i64(rows);
+        let rows = self.row_index(rows)?;
         for leaf in &self.leaves {
             let src = self.td.get_tensor(&leaf.key).op("gather rows")?;
             let dst = out.get_tensor_mut(&leaf.key).op("gather rows")?;
-            src.gather_rows_into(&indices, dst)
+            src.gather_index_into(&rows, dst)
                 .map_err(|source| Error::TensorDict { op: "gather rows", source: tensor_error(&leaf.key, source) })?;
         }
         Ok(())

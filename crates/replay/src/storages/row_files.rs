@@ -63,12 +63,16 @@ impl RowFiles {
                 )));
             }
             let row_dims = t.shape[1..].to_vec();
-            // The schema was validated: the byte size does not overflow.
-            let row_bytes = row_dims.iter().product::<usize>() * t.dtype.size_in_bytes();
             let path = folder.join(relative);
+            let too_large =
+                |e: String| Error::Inconsistent { path: path.clone(), problem: format!("key `{key}`: {e}") };
+            let row_bytes = t.dtype.bytes_of(&row_dims).map_err(|e| too_large(e.to_string()))?;
             if row_bytes > 0 {
                 let held = fs::metadata(&path).map_err(|source| Error::Io { path: path.clone(), source })?.len();
-                let needed = (capacity * row_bytes) as u64;
+                let needed = capacity
+                    .checked_mul(row_bytes)
+                    .ok_or_else(|| too_large(format!("{capacity} rows of {row_bytes} bytes overflow")))?
+                    as u64;
                 if held < needed {
                     return Err(Error::Inconsistent {
                         path,
@@ -187,13 +191,10 @@ impl RowFiles {
                 .custom_flags(flags)
                 .open(&leaf.path)
                 .map_err(|source| Error::Io { path: leaf.path.clone(), source })?;
-            sources.push(RowsInFile::contiguous(
-                Arc::new(file),
-                &leaf.path,
-                leaf.key.clone(),
-                leaf.dtype,
-                &leaf.row_dims,
-            ));
+            sources.push(
+                RowsInFile::contiguous(Arc::new(file), &leaf.path, leaf.key.clone(), leaf.dtype, &leaf.row_dims)
+                    .op("read rows")?,
+            );
         }
         let mut read = tensordict::read_file_rows(engine, &sources, rows, mode).op("read rows")?.into_iter();
         let mut leaves = self.leaves.iter();
