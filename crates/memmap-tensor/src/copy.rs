@@ -80,12 +80,6 @@ pub(crate) struct Rows<P> {
     pub(crate) row_bytes: usize,
 }
 
-// SAFETY: a `Rows` is an address plus arithmetic; sending it to a scoped worker thread is sound
-// because the caller keeps the storage locked (and alive) until every worker has joined.
-unsafe impl Send for Rows<*const u8> {}
-// SAFETY: as above; workers write disjoint destination rows under the caller's write lock.
-unsafe impl Send for Rows<*mut u8> {}
-
 /// How many rows ahead of the current one the gather prefetches, at least and at most: about
 /// `PREFETCH_BYTES_AHEAD` bytes ahead. Short rows copy so quickly that the prefetch must run
 /// many rows ahead to hide a miss (measured on 1024 random rows of a 1M-row file: 8-byte rows
@@ -217,25 +211,4 @@ fn prefetch(p: *const u8) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
-}
-
-/// [`gather_rows`] split across `threads` scoped threads (the caller's thread takes a share).
-///
-/// # Safety
-/// As for [`gather_rows`]; the caller keeps both regions locked until this returns.
-pub(crate) unsafe fn gather_rows_parallel(src: Rows<*const u8>, rows: &[usize], dst: Rows<*mut u8>, threads: usize) {
-    let per = rows.len().div_ceil(threads.max(1)).max(1);
-    std::thread::scope(|scope| {
-        let mut chunks = rows.chunks(per).enumerate();
-        let first = chunks.next();
-        for (c, chunk) in chunks {
-            let part = Rows { first: dst.first + c * per * dst.stride_bytes, ..dst };
-            // SAFETY: each chunk writes its own rows `c * per ..` of `dst`; contract as above.
-            scope.spawn(move || unsafe { gather_rows(src, chunk, part) });
-        }
-        if let Some((_, chunk)) = first {
-            // SAFETY: rows `0..per` of `dst`; contract as above.
-            unsafe { gather_rows(src, chunk, dst) };
-        }
-    });
 }

@@ -80,6 +80,7 @@ mod lockfile;
 mod maps;
 mod moves;
 mod offload;
+mod pool;
 mod process;
 mod row_index;
 mod rows;

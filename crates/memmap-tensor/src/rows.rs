@@ -1,11 +1,12 @@
 //! Row operations along dim 0: gather, scatter and range copies. The hot path of batch indexing.
 
 use std::ops::Range;
-use std::sync::OnceLock;
+use std::sync::Arc;
 
 use crate::copy::{self, Rows, Strided, copy_strided};
+use crate::pool::{Leg, Pool};
 use crate::row_index::RowIndex;
-use crate::{Advice, Error, Result, Shape, StorageKind, Tensor};
+use crate::{Advice, Error, Result, Shape, Storage, StorageKind, Tensor};
 
 impl Tensor {
     /// Gathers the rows `indices` of dim 0 into a new contiguous heap tensor of shape
@@ -48,17 +49,17 @@ impl Tensor {
         let _locks = Tensor::lock_pair(self, out, OP)?;
         if self.layout().rows_contiguous() && out.layout().rows_contiguous() {
             let (src, dst) = (row_geometry(self.strided(), self), row_geometry(out.strided_mut(), out));
-            let threads = gather_threads(rows.len() * src.row_bytes);
+            // The pool (its threads) starts with the first gather large enough to share.
+            let pool = (rows.len() * src.row_bytes >= SHARED_MIN_BYTES).then(Pool::get);
             // SAFETY: every row is below this tensor's dim 0 (a `RowIndex` that fits, checked
             // above) and `out` has `rows.len()` rows of the same row size (checked above); both
             // layouts were checked against their storages at construction; the storages are
-            // distinct (checked above); both locks are held until the copy (and every worker
-            // thread) is done.
+            // distinct (checked above); both locks are held until the copy (and every chunk a
+            // helper took) is done.
             unsafe {
-                if threads > 1 {
-                    copy::gather_rows_parallel(src, rows, dst, threads);
-                } else {
-                    copy::gather_rows(src, rows, dst);
+                match pool {
+                    Some(pool) if pool.shares(rows.len()) => pool.gather(&[Leg { src, dst }], rows),
+                    _ => copy::gather_rows(src, rows, dst),
                 }
             }
         } else {
@@ -66,6 +67,72 @@ impl Tensor {
             unsafe { copy_rows_strided(self, out, rows.len(), |k| rows[k], |k| k) };
         }
         Ok(())
+    }
+
+    /// [`Tensor::gather_index`] of every tensor of `sources` (each with at least the rows
+    /// `rows` was checked against) at once: the rows of all of them are shared among the cores
+    /// as one piece of work (see [`Tensor::gather_index`]), which a dict's or a replay
+    /// sample's leaves are.
+    pub fn gather_index_many(sources: &[&Tensor], rows: &RowIndex) -> Result<Vec<Tensor>> {
+        const OP: &str = "gather_rows";
+        let mut outs = Vec::with_capacity(sources.len());
+        for src in sources {
+            rows.fits(OP, src)?;
+            // Every byte is written below before the tensor is handed out.
+            outs.push(Tensor::for_overwrite(src.rows_shape(OP, rows.len())?, src.dtype())?);
+        }
+        let pairs = sources.iter().zip(outs.iter_mut());
+        let (shared, alone): (Vec<_>, Vec<_>) =
+            pairs.partition(|(src, out)| src.layout().rows_contiguous() && out.layout().rows_contiguous());
+        for (src, out) in alone {
+            src.gather_index_into(rows, out)?;
+        }
+        let mut legs = Vec::with_capacity(shared.len());
+        let mut bytes = 0usize;
+        // Every storage locked at once, in address order (as `Storage::lock_pair` orders two),
+        // so that no other copy waits for one of them while holding another: the sources read
+        // (one lock for views of one storage), the outputs, new storages, written.
+        let mut storages: Vec<(Arc<Storage>, bool)> = Vec::with_capacity(2 * shared.len());
+        for (src, out) in &shared {
+            src.on_host(OP)?;
+            storages.push((Arc::clone(src.storage()), false));
+            storages.push((Arc::clone(out.storage()), true));
+        }
+        storages.sort_by_key(|(storage, _)| Arc::as_ptr(storage));
+        storages.dedup_by_key(|(storage, _)| Arc::as_ptr(storage));
+        let mut read_locks = Vec::new();
+        let mut write_locks = Vec::new();
+        for (storage, write) in &storages {
+            if *write {
+                write_locks.push(storage.write(OP)?);
+            } else {
+                read_locks.push(storage.read(OP)?);
+            }
+        }
+        for (src, out) in shared {
+            let leg = Leg { src: row_geometry(src.strided(), src), dst: row_geometry(out.strided_mut(), out) };
+            bytes = bytes.saturating_add(rows.len() * leg.src.row_bytes);
+            legs.push(leg);
+        }
+        let pool = (bytes >= SHARED_MIN_BYTES).then(Pool::get);
+        let rows = rows.rows();
+        // SAFETY: every row is below each source's dim 0 (a `RowIndex` that fits each, checked
+        // above); each output is a new contiguous tensor of `rows.len()` rows of its source's
+        // row size, distinct from every other storage; every storage is locked (read for the
+        // sources, write for the outputs) until the copies (and every chunk a helper took) are
+        // done.
+        unsafe {
+            match pool {
+                Some(pool) if pool.shares(rows.len()) => pool.gather(&legs, rows),
+                _ => {
+                    for leg in &legs {
+                        copy::gather_rows(leg.src, rows, leg.dst);
+                    }
+                }
+            }
+        }
+        drop((read_locks, write_locks));
+        Ok(outs)
     }
 
     /// Writes row `k` of `src` to row `indices[k]` of dim 0, for every k in order (a repeated
@@ -198,18 +265,6 @@ unsafe fn copy_rows_strided(
     }
 }
 
-/// Gathers smaller than this run on the calling thread. Measured on 2 cores: spawning a second
-/// thread costs more than a whole 1024-row (344 KB) gather (90 µs against 42 µs), while a
-/// 32768-row (11 MB) gather runs 1.6 times faster on two threads.
-const PARALLEL_MIN_BYTES: usize = 4 << 20;
-
-/// Threads to split a gather of `bytes` across: one per core, each with at least
-/// `PARALLEL_MIN_BYTES / 2` to copy.
-fn gather_threads(bytes: usize) -> usize {
-    static CORES: OnceLock<usize> = OnceLock::new();
-    if bytes < PARALLEL_MIN_BYTES {
-        return 1;
-    }
-    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
-    cores.min(bytes / (PARALLEL_MIN_BYTES / 2))
-}
+/// Gathers of fewer bytes run on the calling thread alone: below this, waking a helper and
+/// sharing the chunks costs more than it saves (see the crate's benchmarks).
+const SHARED_MIN_BYTES: usize = 64 << 10;

@@ -597,3 +597,51 @@ fn a_row_index_is_checked_once_and_gathers_and_scatters_as_the_lists_do() -> Tes
     assert_eq!(memmap_tensor::normalize_index(-1, 0), None);
     Ok(())
 }
+
+/// Gathers large enough to be shared with the helper threads, from several threads at once
+/// (each posting its own gathers), every row checked against the source.
+#[test]
+fn large_gathers_shared_with_helpers_are_exact_from_many_threads_at_once() -> TestResult {
+    const ROWS: usize = 10_000;
+    const ROW: usize = 100;
+    let data: Vec<u8> =
+        (0..ROWS * ROW).map(|i| ((i / ROW) as u32).wrapping_mul(2_654_435_761).to_le_bytes()[i % 4]).collect();
+    let src = Arc::new(Tensor::from_bytes(&data, DType::U8, [ROWS, ROW])?);
+    let threads: Vec<_> = (0..4u64)
+        .map(|seed| {
+            let src = Arc::clone(&src);
+            std::thread::spawn(move || -> memmap_tensor::Result<()> {
+                let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                for round in 0..100 {
+                    let n = 64 + round * 37 % 2000;
+                    let indices: Vec<i64> = (0..n)
+                        .map(|_| {
+                            x ^= x << 13;
+                            x ^= x >> 7;
+                            x ^= x << 17;
+                            (x % ROWS as u64) as i64
+                        })
+                        .collect();
+                    let got = src.gather_rows(&indices)?.to_bytes()?;
+                    for (k, &i) in indices.iter().enumerate() {
+                        let i = i as usize;
+                        assert_eq!(
+                            &got[k * ROW..(k + 1) * ROW],
+                            &data_row(i, ROW)[..],
+                            "row {k} ({i}) of round {round}"
+                        );
+                    }
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("a gathering thread panicked")?;
+    }
+    Ok(())
+}
+
+fn data_row(i: usize, row: usize) -> Vec<u8> {
+    (i * row..(i + 1) * row).map(|j| ((j / row) as u32).wrapping_mul(2_654_435_761).to_le_bytes()[j % 4]).collect()
+}

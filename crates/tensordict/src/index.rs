@@ -720,6 +720,21 @@ impl TensorDict {
     /// tensor of its batch size (an index that leaves no dim leaves one plain value).
     pub fn index(&self, index: impl Into<Index>) -> Result<TensorDict> {
         let index = index.into();
+        // The common gather, a list over the first batch dim: its rows checked once, every leaf
+        // gathered at once.
+        if let (Index::List(list), Some(&size)) = (&index, self.batch_size().first()) {
+            let rows = RowIndex::new(list, size).map_err(|e| Error::InvalidIndex {
+                index: index.to_string(),
+                batch_size: self.batch_size().to_vec(),
+                reason: match e {
+                    memmap_tensor::Error::IndexOutOfRange { index, .. } => {
+                        format!("index {index} out of range for dim 0 of size {size}")
+                    }
+                    other => other.to_string(),
+                },
+            })?;
+            return self.gather_index(&rows);
+        }
         let plan = Plan::resolve(&index, self.batch_size())?;
         plan.apply_dict(self, &KeyPath::default())
     }
@@ -731,10 +746,20 @@ impl TensorDict {
         if self.batch_dims() == 0 {
             return Err(Error::InvalidArgument { op: "gather_index", detail: "the dict has no batch dim".into() });
         }
-        let mut tensors = Vec::new();
-        for (key, t) in self.leaves() {
-            tensors.push(t.gather_index(rows).with_key(|| key.clone())?);
-        }
+        let leaves = self.leaves();
+        let sources: Vec<&Tensor> = leaves.iter().map(|(_, t)| *t).collect();
+        // Every leaf at once (the rows shared among the cores as one piece of work); an error
+        // is found again leaf by leaf, to name its key.
+        let tensors = match Tensor::gather_index_many(&sources, rows) {
+            Ok(tensors) => tensors,
+            Err(_) => {
+                let mut tensors = Vec::with_capacity(leaves.len());
+                for (key, t) in &leaves {
+                    tensors.push(t.gather_index(rows).with_key(|| key.clone())?);
+                }
+                tensors
+            }
+        };
         self.rebuild(tensors, Some(rows.len()), &|batch, path, stack| {
             crate::dict::map_stack(stack, batch, path, |positions| positions.gather_index(rows))
         })

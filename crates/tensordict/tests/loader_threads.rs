@@ -7,8 +7,16 @@ use tensordict::loader::{Loader, LoaderOptions, Reads};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
+/// The loader's threads (by name: the process has others, such as the gather helpers, which
+/// live as long as it does).
 fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|name| name.trim() == "tdict-loader")
+                .count()
+        })
+        .unwrap_or(0)
 }
 
 #[test]

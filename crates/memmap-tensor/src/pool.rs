@@ -1,0 +1,315 @@
+//! The other cores for row gathers: persistent helper threads that share a gather's rows with
+//! the caller.
+//!
+//! A gather is posted as a [`Job`] cut into chunks of rows. The caller and any helper awake
+//! claim chunks from one counter, so the caller never waits for a helper to arrive: if none is
+//! awake in time (parked, or its core busy with other work), the caller copies every chunk
+//! itself, as a one-thread gather would. It waits only for chunks a helper has claimed and not
+//! finished. A helper descheduled in the middle of a chunk (a busy machine) would make that
+//! wait long, so a wait longer than [`STALL`] turns the helpers off for the next
+//! [`BACKOFF_GATHERS`] gathers (twice as many after each further stall, half as many after each
+//! shared gather without one): on a busy machine gathers run on one thread, as before.
+//!
+//! An awake helper beats a heartbeat while it spins; one silent for [`SILENT`] has lost its core,
+//! and a gather posted then runs on the caller alone (no stall to risk).
+//!
+//! A helper spins for [`SPIN`] after its last chunk before it parks, so back-to-back gathers
+//! (a replay sample's leaves, a loader's batches) find it awake; waking a parked one costs tens
+//! of microseconds (see `shared/gather-pool.md` in the project's notes), which the caller spends
+//! copying.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+use crate::copy::{self, Rows};
+
+/// Bytes a chunk holds (at least [`MIN_CHUNK_ROWS`] rows): small enough that a helper's
+/// unfinished chunk is a short wait, large enough that claiming one costs little next to
+/// copying it.
+const CHUNK_BYTES: usize = 8 << 10;
+const MIN_CHUNK_ROWS: usize = 32;
+
+/// How long a helper spins for the next gather before it parks.
+const SPIN: Duration = Duration::from_micros(200);
+
+/// A wait this long for a helper's chunk counts as a stall (its core was taken away).
+const STALL: Duration = Duration::from_micros(50);
+
+/// Gathers run on the caller's thread alone after a stall (doubled per stall, halved per shared
+/// gather without one, between this and [`BACKOFF_MAX`]).
+const BACKOFF_GATHERS: u32 = 64;
+const BACKOFF_MAX: u32 = 4096;
+
+/// At most this many helpers, whatever the cores.
+const MAX_HELPERS: usize = 3;
+
+/// One leaf of a gather: its rows are read from `src` into `dst`.
+#[derive(Clone, Copy)]
+pub(crate) struct Leg {
+    pub(crate) src: Rows<*const u8>,
+    pub(crate) dst: Rows<*mut u8>,
+}
+
+impl Leg {
+    /// Rows of this leg in one chunk.
+    fn chunk_rows(&self) -> usize {
+        (CHUNK_BYTES / self.src.row_bytes.max(1)).max(MIN_CHUNK_ROWS)
+    }
+}
+
+/// One gather of the same rows from every leg: `leg.dst[k] = leg.src[rows[k]]` for `k` in
+/// `0..len`, in chunks of each leg's rows.
+struct Job {
+    legs: Vec<Leg>,
+    /// The first chunk of each leg, and the chunk count at the end.
+    firsts: Vec<usize>,
+    rows: *const usize,
+    len: usize,
+    chunks: usize,
+    /// The next chunk to claim.
+    next: AtomicUsize,
+    /// Chunks copied.
+    done: AtomicUsize,
+}
+
+// SAFETY: a `Job` holds addresses into the caller's rows and regions, which are read and
+// written only by whoever claims a chunk (`Job::work`), and only for that chunk's rows: the
+// poster waits until every claimed chunk is done before it returns (`Pool::gather`), so no
+// address is used after the caller's borrow ends. A helper holding the `Job` later only reads
+// its atomics and finds no chunk left.
+unsafe impl Send for Job {}
+// SAFETY: as above; chunks are disjoint rows of `dst`, each claimed once through `next`.
+unsafe impl Sync for Job {}
+
+impl Job {
+    /// Claims and copies chunks until none is left.
+    fn work(&self) {
+        loop {
+            let c = self.next.fetch_add(1, Ordering::AcqRel);
+            if c >= self.chunks {
+                return;
+            }
+            let leg_index = self.firsts.partition_point(|&first| first <= c) - 1;
+            let leg = &self.legs[leg_index];
+            let per = leg.chunk_rows();
+            let start = (c - self.firsts[leg_index]) * per;
+            let end = (start + per).min(self.len);
+            // SAFETY: chunk `c` was claimed by this thread alone (the counter hands each out
+            // once), its rows `start..end` are within the caller's `rows` slice, and the poster
+            // keeps that slice and every leg's regions borrowed until this chunk is counted done
+            // (see the `Send` impl above).
+            unsafe {
+                let rows = std::slice::from_raw_parts(self.rows.add(start), end - start);
+                let part = Rows { first: leg.dst.first + start * leg.dst.stride_bytes, ..leg.dst };
+                copy::gather_rows(leg.src, rows, part);
+            }
+            self.done.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// The helpers and the job they look at.
+struct Shared {
+    job: Mutex<Option<Arc<Job>>>,
+    /// Bumped at every post: what a spinning helper watches.
+    posted: AtomicU64,
+    /// Per helper: whether it is parked (the poster then unparks it).
+    parked: Vec<AtomicBool>,
+    /// Per helper: when it last looked for work while awake, in nanoseconds since `start`.
+    heartbeat: Vec<AtomicU64>,
+    start: Instant,
+}
+
+impl Shared {
+    fn now(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+/// An awake helper that has not looked for work for this long lost its core to other work: the
+/// machine is busy, and a gather shared now could stall on it.
+const SILENT: Duration = Duration::from_micros(20);
+
+pub(crate) struct Pool {
+    shared: Arc<Shared>,
+    helpers: Vec<Thread>,
+    /// Gathers left to run on the caller's thread alone after a stall.
+    backoff: AtomicU32,
+    /// The length of the next backoff.
+    next_backoff: AtomicU32,
+    cores: usize,
+    /// When `/proc/loadavg` was last read, and whether it said busy.
+    load_read_at: AtomicU64,
+    loaded: AtomicBool,
+}
+
+/// How often the load is read.
+const LOAD_EVERY: Duration = Duration::from_millis(10);
+
+impl Pool {
+    /// The process's pool, started on first use: one helper per core beyond the first (at
+    /// most [`MAX_HELPERS`]); none on one core or when threads cannot be started.
+    pub(crate) fn get() -> &'static Pool {
+        static POOL: OnceLock<Pool> = OnceLock::new();
+        POOL.get_or_init(|| {
+            let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+            let wanted = cores.saturating_sub(1).min(MAX_HELPERS);
+            let shared = Arc::new(Shared {
+                job: Mutex::new(None),
+                posted: AtomicU64::new(0),
+                parked: (0..wanted).map(|_| AtomicBool::new(false)).collect(),
+                heartbeat: (0..wanted).map(|_| AtomicU64::new(0)).collect(),
+                start: Instant::now(),
+            });
+            let mut helpers = Vec::new();
+            for i in 0..wanted {
+                let shared = Arc::clone(&shared);
+                let started = std::thread::Builder::new().name("tdict-gather".into()).spawn(move || helper(&shared, i));
+                match started {
+                    Ok(handle) => helpers.push(handle.thread().clone()),
+                    // Fewer helpers: the gathers run with those there are.
+                    Err(_) => break,
+                }
+            }
+            Pool {
+                shared,
+                helpers,
+                backoff: AtomicU32::new(0),
+                next_backoff: AtomicU32::new(BACKOFF_GATHERS),
+                cores,
+                load_read_at: AtomicU64::new(0),
+                loaded: AtomicBool::new(false),
+            }
+        })
+    }
+
+    /// Whether a gather of `rows` rows should be shared now (there are helpers, it has at least
+    /// two chunks, and no stall turned sharing off).
+    pub(crate) fn shares(&self, rows: usize) -> bool {
+        if self.helpers.is_empty() || rows < 2 * MIN_CHUNK_ROWS {
+            return false;
+        }
+        let left = self.backoff.load(Ordering::Relaxed);
+        if left > 0 {
+            self.backoff.store(left - 1, Ordering::Relaxed);
+            return false;
+        }
+        // An awake helper that has been silent lately is not running: the cores are taken. A
+        // parked one is woken only when fewer threads are runnable than there are cores: waking
+        // it on a busy machine takes the caller's own core away.
+        let now = self.shared.now();
+        let silent = u64::try_from(SILENT.as_nanos()).unwrap_or(u64::MAX);
+        let mut any_parked = false;
+        for (parked, beat) in self.shared.parked.iter().zip(&self.shared.heartbeat) {
+            if parked.load(Ordering::Relaxed) {
+                any_parked = true;
+            } else if now.saturating_sub(beat.load(Ordering::Relaxed)) > silent {
+                return false;
+            }
+        }
+        !any_parked || !self.busy(now)
+    }
+
+    /// Whether at least as many threads are runnable as there are cores (`/proc/loadavg`'s
+    /// fourth field), read at most every [`LOAD_EVERY`].
+    fn busy(&self, now: u64) -> bool {
+        let every = u64::try_from(LOAD_EVERY.as_nanos()).unwrap_or(u64::MAX);
+        if now.saturating_sub(self.load_read_at.load(Ordering::Relaxed)) >= every {
+            self.load_read_at.store(now, Ordering::Relaxed);
+            let runnable = std::fs::read_to_string("/proc/loadavg")
+                .ok()
+                .and_then(|text| text.split_whitespace().nth(3)?.split('/').next()?.parse::<usize>().ok());
+            // Unknown: not busy (the stall backoff still guards).
+            self.loaded.store(runnable.is_some_and(|r| r > self.cores), Ordering::Relaxed);
+        }
+        self.loaded.load(Ordering::Relaxed)
+    }
+
+    /// `leg.dst[k] = leg.src[rows[k]]` for every leg, the chunks shared with the helpers.
+    ///
+    /// # Safety
+    /// As for [`copy::gather_rows`], for every leg: every row is a valid row of its `src`,
+    /// `0..rows.len()` are valid rows of its `dst`, the row sizes agree, no two regions written
+    /// overlap each other or a region read, and the caller keeps them all locked (and alive)
+    /// until this returns.
+    pub(crate) unsafe fn gather(&self, legs: &[Leg], rows: &[usize]) {
+        let mut firsts = Vec::with_capacity(legs.len() + 1);
+        let mut chunks = 0;
+        for leg in legs {
+            firsts.push(chunks);
+            chunks += rows.len().div_ceil(leg.chunk_rows());
+        }
+        firsts.push(chunks);
+        let job = Arc::new(Job {
+            legs: legs.to_vec(),
+            firsts,
+            rows: rows.as_ptr(),
+            len: rows.len(),
+            chunks,
+            next: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+        });
+        *self.shared.job.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&job));
+        self.shared.posted.fetch_add(1, Ordering::SeqCst);
+        for (helper, parked) in self.helpers.iter().zip(&self.shared.parked) {
+            if parked.load(Ordering::SeqCst) {
+                helper.unpark();
+            }
+        }
+        job.work();
+        // Only chunks a helper claimed are left: wait for them (none, if no helper came). A
+        // helper whose core was taken away needs this core perhaps: after a short spin, yield.
+        let waiting = Instant::now();
+        while job.done.load(Ordering::Acquire) < job.chunks {
+            std::hint::spin_loop();
+        }
+        // A stall doubles the next backoff; a shared gather without one halves it, so that on
+        // a machine busy for a while sharing is tried less and less often.
+        let backoff = self.next_backoff.load(Ordering::Relaxed);
+        if waiting.elapsed() >= STALL {
+            self.backoff.store(backoff, Ordering::Relaxed);
+            self.next_backoff.store((backoff * 2).min(BACKOFF_MAX), Ordering::Relaxed);
+        } else {
+            self.next_backoff.store((backoff / 2).max(BACKOFF_GATHERS), Ordering::Relaxed);
+        }
+        let mut slot = self.shared.job.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.as_ref().is_some_and(|j| Arc::ptr_eq(j, &job)) {
+            *slot = None;
+        }
+    }
+}
+
+/// A helper's life: take each posted job's chunks, spin a while for the next, then park.
+fn helper(shared: &Shared, i: usize) {
+    let mut seen = shared.posted.load(Ordering::SeqCst);
+    let mut idle_since = Instant::now();
+    loop {
+        let posted = shared.posted.load(Ordering::SeqCst);
+        if posted != seen {
+            seen = posted;
+            let job = shared.job.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            if let Some(job) = job {
+                job.work();
+            }
+            idle_since = Instant::now();
+            shared.heartbeat[i].store(shared.now(), Ordering::Relaxed);
+            continue;
+        }
+        if idle_since.elapsed() < SPIN {
+            shared.heartbeat[i].store(shared.now(), Ordering::Relaxed);
+            std::hint::spin_loop();
+            continue;
+        }
+        // Parked only after saying so and looking once more, so a post in between is seen
+        // (or unparks it: an unpark before the park makes the park return at once).
+        shared.parked[i].store(true, Ordering::SeqCst);
+        if shared.posted.load(Ordering::SeqCst) == seen {
+            std::thread::park();
+        }
+        shared.heartbeat[i].store(shared.now(), Ordering::Relaxed);
+        shared.parked[i].store(false, Ordering::SeqCst);
+        idle_since = Instant::now();
+    }
+}
