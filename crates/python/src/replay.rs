@@ -261,28 +261,21 @@ impl PyPrefetch {
     fn sample(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyTensorDict> {
         let wait = crate::client::timeout(timeout)?;
         let inner = self.inner.get("a prefetch")?;
-        let start = std::time::Instant::now();
-        loop {
-            py.check_signals()?;
-            let window = match wait {
-                Some(wait) => crate::client::WAIT_WINDOW.min(wait.saturating_sub(start.elapsed())),
-                None => crate::client::WAIT_WINDOW,
-            };
-            let got =
-                py.detach(|| inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).sample_within(window));
-            match got.map_err(to_py_err)? {
-                Some((td, info)) => return sample_dict(td, info, self.weighted),
-                None if wait.is_some_and(|wait| start.elapsed() >= wait) => {
-                    return Err(to_py_err(tensordict_replay::Error::Timeout {
-                        op: "sample",
-                        waited: start.elapsed(),
-                        why: "no sample was drawn ahead in time: no rows yet, or the rate limiter holds samples back"
-                            .into(),
-                    }));
-                }
-                None => {}
-            }
-        }
+        let (td, info) = crate::client::wait_in_windows(
+            py,
+            wait,
+            |window| {
+                let next = inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).sample_within(window)?;
+                next.ok_or_else(|| tensordict_replay::Error::Timeout {
+                    op: "sample",
+                    waited: window,
+                    why: "no sample was drawn ahead in time: no rows yet, or the rate limiter holds samples back"
+                        .into(),
+                })
+            },
+            |e| matches!(e, tensordict_replay::Error::Timeout { .. }),
+        )?;
+        sample_dict(td, info, self.weighted)
     }
 
     /// Samples drawn and waiting to be taken (at most `ahead`).

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use memmap_tensor::{Device, Location, Tensor};
+use memmap_tensor::{Device, Location, RowIndex, Tensor};
 
 use crate::direct::{collect_sources, reads_file};
 use crate::error::WithKey;
@@ -119,12 +119,15 @@ impl Buffers {
         Ok(buffer)
     }
 
-    /// Rows `indices` of the dict, gathered from its mappings into a buffer.
-    pub(super) fn gather(&self, indices: &[i64]) -> Result<TensorDict> {
-        let mut buffer = self.take(indices.len())?;
+    /// Rows `rows` of the dict (checked once, for every leaf), gathered from its mappings into
+    /// a buffer.
+    pub(super) fn gather(&self, rows: &[usize]) -> Result<TensorDict> {
+        let size = self.dict.batch_size().first().copied().unwrap_or(0);
+        let rows = RowIndex::from_rows(rows, size).with_key(KeyPath::default)?;
+        let mut buffer = self.take(rows.len())?;
         for (key, t) in self.dict.leaves() {
             let out = buffer.get_tensor_mut(key.clone())?;
-            t.gather_rows_into(indices, out).with_key(|| key.clone())?;
+            t.gather_index_into(&rows, out).with_key(|| key.clone())?;
         }
         Ok(buffer)
     }

@@ -605,7 +605,7 @@ impl Reader {
             (Reads::Mapping, buffers) => {
                 files_whole(&self.dict)?;
                 match buffers {
-                    Some(buffers) => buffers.gather(indices),
+                    Some(buffers) => buffers.gather(rows),
                     None => self.dict.index(indices.to_vec()),
                 }
             }
