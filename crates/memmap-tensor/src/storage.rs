@@ -6,7 +6,8 @@
 //! This module owns every raw pointer of the crate. It is sound because:
 //!
 //! 1. **The region lives as long as the `Storage`.** A heap region is one allocation freed in
-//!    `Drop`; a file or shm region is one `mmap` unmapped in `Drop`. Nothing here remaps, grows or
+//!    `Drop`; a file or shm region is one `mmap` unmapped in `Drop`; a borrowed region is kept
+//!    alive by its owner, which `Drop` lets go of (the contract of [`Storage::borrowed`]). Nothing here remaps, grows or
 //!    shrinks a region, and this crate never truncates a file or shm object: new files are built
 //!    under a temporary name and renamed into place, so a process that mapped the old file keeps
 //!    the old inode.
@@ -83,6 +84,9 @@ pub enum StorageKind {
     Pinned,
     /// CUDA managed (unified) memory, reachable from the host and the GPUs.
     Managed,
+    /// Host memory another owner keeps alive and this crate only reads: a numpy array or a
+    /// torch tensor seen through DLPack while a call copies it ([`Storage::borrowed`]).
+    Borrowed,
 }
 
 /// Access pattern hints for mapped storage (`madvise`).
@@ -163,6 +167,10 @@ enum Backing {
     /// Device, pinned or managed memory from the CUDA driver.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "no driver memory exists without the driver"))]
     Gpu(cuda::Memory),
+    /// Memory someone else allocated, valid while `owner` lives (dropped with the storage).
+    Borrowed {
+        _owner: Box<dyn Send + Sync>,
+    },
 }
 
 // SAFETY: `Storage` owns its region (point 1 of the module doc) and every access to it goes
@@ -197,6 +205,21 @@ impl Storage {
             NonNull::new(raw).ok_or(Error::OutOfMemory { bytes: len_bytes })?
         };
         Ok(Self::with_backing(ptr, len_bytes, Access::ReadWrite, Backing::Heap { layout }))
+    }
+
+    /// A read-only storage over `len_bytes` at `ptr` that another owner allocated (a numpy
+    /// array, a torch tensor: DLPack's data pointer), kept alive by `owner`, which is dropped
+    /// with the storage. Nothing is copied: copying out of it (`Tensor::copy_from`, a save into
+    /// a store) reads the owner's memory once. Writes through it are refused
+    /// ([`Access::ReadOnly`]).
+    ///
+    /// # Safety
+    /// - `ptr..ptr + len_bytes` is readable and stays allocated until `owner` is dropped;
+    /// - nothing writes those bytes while a `Tensor` over this storage reads them (a writer
+    ///   elsewhere in the process would race with our reads, as it would with any reader).
+    pub unsafe fn borrowed(ptr: NonNull<u8>, len_bytes: usize, owner: Box<dyn Send + Sync>) -> Result<Self> {
+        crate::check_len("borrowed storage", len_bytes, 1)?;
+        Ok(Self::with_backing(ptr, len_bytes, Access::ReadOnly, Backing::Borrowed { _owner: owner }))
     }
 
     /// Creates a file of `len_bytes` zero bytes at `path` and maps it read-write.
@@ -382,7 +405,9 @@ impl Storage {
         };
         match &mut backing {
             Backing::File { map: slot, .. } | Backing::Shm { map: slot, .. } => *slot = map,
-            Backing::Heap { .. } | Backing::Gpu(_) => unreachable!("only files and shm are mapped"),
+            Backing::Heap { .. } | Backing::Gpu(_) | Backing::Borrowed { .. } => {
+                unreachable!("only files and shm are mapped")
+            }
         }
         Self::with_backing(ptr, len, access, backing)
     }
@@ -479,13 +504,14 @@ impl Storage {
         self.access
     }
 
-    /// Heap, file, shm, or memory of the CUDA driver.
+    /// Heap, file, shm, memory of the CUDA driver, or borrowed memory.
     pub fn kind(&self) -> StorageKind {
         match &self.backing {
             Backing::Heap { .. } => StorageKind::Heap,
             Backing::File { .. } => StorageKind::File,
             Backing::Shm { .. } => StorageKind::Shm,
             Backing::Gpu(m) => m.kind(),
+            Backing::Borrowed { .. } => StorageKind::Borrowed,
         }
     }
 
@@ -536,6 +562,7 @@ impl Storage {
             Backing::Heap { .. } => "heap".to_owned(),
             Backing::File { path, .. } => path.display().to_string(),
             Backing::Shm { name, .. } => format!("shm:{name}"),
+            Backing::Borrowed { .. } => "borrowed memory".to_owned(),
             Backing::Gpu(m) => match m.kind() {
                 StorageKind::Pinned => "pinned memory".to_owned(),
                 StorageKind::Managed => format!("managed memory of {}", m.device()),
@@ -828,6 +855,43 @@ fn check_shm_name(name: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn borrowed_memory_is_read_in_place_never_written_and_let_go_with_the_storage() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+
+        struct Owner(Vec<u32>, Arc<AtomicBool>);
+        impl Drop for Owner {
+            fn drop(&mut self) {
+                self.1.store(true, Ordering::SeqCst);
+            }
+        }
+        let dropped = Arc::new(AtomicBool::new(false));
+        let owner = Owner((0..16).collect(), Arc::clone(&dropped));
+        let ptr = NonNull::new(owner.0.as_ptr().cast_mut().cast::<u8>()).unwrap();
+        // SAFETY: the vector's 64 bytes live in `owner`, which the storage keeps; nothing writes them.
+        let storage = Arc::new(unsafe { Storage::borrowed(ptr, 64, Box::new(owner)) }.unwrap());
+        assert_eq!(storage.kind(), StorageKind::Borrowed);
+        assert_eq!(storage.base_ptr(), ptr.as_ptr(), "no copy");
+        assert!(!storage.is_writable() && storage.describe() == "borrowed memory");
+        let t = crate::Tensor::from_storage(
+            Arc::clone(&storage),
+            0,
+            crate::DType::U32,
+            crate::Layout::contiguous([16]).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(t.to_vec::<u32>().unwrap(), (0..16).collect::<Vec<u32>>());
+        let mut copy = crate::Tensor::zeros([16], crate::DType::U32, &crate::Location::Heap).unwrap();
+        copy.copy_from(&t).unwrap();
+        assert_eq!(copy.to_vec::<u32>().unwrap()[15], 15);
+        assert!(matches!(t.clone().copy_from(&copy), Err(Error::ReadOnly { .. })));
+        drop(t);
+        assert!(!dropped.load(Ordering::SeqCst));
+        drop(storage);
+        assert!(dropped.load(Ordering::SeqCst), "the owner goes with the storage");
+    }
 
     #[test]
     fn shm_names_are_checked() {

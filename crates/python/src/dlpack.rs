@@ -286,16 +286,124 @@ unsafe extern "C" fn capsule_versioned_destructor(capsule: *mut pyo3::ffi::PyObj
     }
 }
 
-/// Tensors imported by one call, by what they view: a tensor given twice (tied weights of a
-/// state dict) is copied once and shared, as in the producer.
-pub(crate) type ImportCache = std::collections::HashMap<Viewed, Tensor>;
+/// How one call imports the tensors it is given.
+///
+/// A tensor given twice (tied weights of a state dict) is imported once and shared, as in the
+/// producer. A call that copies the tensors somewhere before it returns (a store's `save`)
+/// borrows them: they view the producer's memory, kept alive until the call lets go, and are
+/// read once, by that copy.
+pub(crate) struct Imports {
+    seen: std::collections::HashMap<Viewed, Tensor>,
+    borrow: bool,
+}
+
+impl Imports {
+    /// Imports that copy each tensor into memory of its own (what outlives the call).
+    pub(crate) fn copying() -> Self {
+        Imports { seen: Default::default(), borrow: false }
+    }
+
+    /// Imports that view the producer's memory where they can (contiguous host tensors), for a
+    /// call that copies them before it returns and keeps nothing.
+    pub(crate) fn borrowing() -> Self {
+        Imports { seen: Default::default(), borrow: true }
+    }
+}
 
 /// What a DLPack tensor views: its first byte, dtype code and bits, shape and strides.
 pub(crate) type Viewed = (usize, u8, u8, Vec<i64>, Vec<i64>);
 
-/// A copy of a DLPack producer's tensor (a numpy array, a torch tensor: anything with
-/// `__dlpack__`) as a new heap tensor, any strides. The producer's memory is read once and let
-/// go of before this returns.
+/// A producer's tensor taken from its capsule: ours to let go of, once.
+enum Managed {
+    Versioned(*mut DLManagedTensorVersioned),
+    Unversioned(*mut DLManagedTensor),
+}
+
+impl Managed {
+    /// The tensor taken from `capsule`, which is renamed to its `used_` name (so its destructor
+    /// leaves the tensor alone); `None` for a capsule that holds no unused tensor.
+    ///
+    /// # Safety
+    /// `capsule` is a live capsule object.
+    unsafe fn take(capsule: *mut pyo3::ffi::PyObject) -> Option<Managed> {
+        // SAFETY: a `dltensor_versioned` capsule holds a DLManagedTensorVersioned and a
+        // `dltensor` capsule a DLManagedTensor (the DLPack contract); once renamed, the tensor
+        // is the consumer's, who calls its deleter once.
+        unsafe {
+            if pyo3::ffi::PyCapsule_IsValid(capsule, DLTENSOR_VERSIONED.as_ptr()) == 1 {
+                let ptr = pyo3::ffi::PyCapsule_GetPointer(capsule, DLTENSOR_VERSIONED.as_ptr());
+                pyo3::ffi::PyCapsule_SetName(capsule, USED_DLTENSOR_VERSIONED.as_ptr());
+                Some(Managed::Versioned(ptr.cast()))
+            } else if pyo3::ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
+                let ptr = pyo3::ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr());
+                pyo3::ffi::PyCapsule_SetName(capsule, USED_DLTENSOR.as_ptr());
+                Some(Managed::Unversioned(ptr.cast()))
+            } else {
+                None
+            }
+        }
+    }
+
+    /// The version of a versioned tensor; `None` for an unversioned one (DLPack before 1.0).
+    fn version(&self) -> Option<(u32, u32)> {
+        match *self {
+            // SAFETY: the tensor is live until `release`, which takes `self`.
+            Managed::Versioned(m) => Some(unsafe { ((*m).version.major, (*m).version.minor) }),
+            Managed::Unversioned(_) => None,
+        }
+    }
+
+    fn tensor(&self) -> &DLTensor {
+        match *self {
+            // SAFETY: the tensor is live until `release`, which takes `self`.
+            Managed::Versioned(m) => unsafe { &(*m).dl_tensor },
+            // SAFETY: as above.
+            Managed::Unversioned(m) => unsafe { &(*m).dl_tensor },
+        }
+    }
+
+    /// Lets the producer free the tensor: its deleter, once.
+    fn release(self) {
+        // SAFETY: `take` made the tensor ours; `self` is consumed, so this runs once.
+        unsafe {
+            match self {
+                Managed::Versioned(m) => {
+                    if let Some(deleter) = (*m).deleter {
+                        deleter(m);
+                    }
+                }
+                Managed::Unversioned(m) => {
+                    if let Some(deleter) = (*m).deleter {
+                        deleter(m);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A producer's tensor kept alive under a borrowed import, let go of (with the GIL held: a
+/// numpy deleter drops a Python reference) when the storage viewing it goes.
+struct Lent(Option<Managed>);
+
+// SAFETY: the producer's tensor is only read through the storage, and its deleter runs once,
+// with the GIL held, on whichever thread drops the storage (as any Python consumer's would).
+unsafe impl Send for Lent {}
+// SAFETY: as above; nothing of `Lent` is reachable through a shared reference.
+unsafe impl Sync for Lent {}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if let Some(managed) = self.0.take() {
+            Python::attach(|_| managed.release());
+        }
+    }
+}
+
+/// A DLPack producer's tensor (a numpy array, a torch tensor: anything with `__dlpack__`) as
+/// one of ours: a copy on the heap, any strides, with the producer's memory let go of before
+/// this returns; or, with [`Imports::borrowing`], a read-only view of that memory for a
+/// contiguous host tensor (others are copied as above).
 ///
 /// The producer is asked for a DLPack 1.0 tensor (`max_version=(1, 0)`), which is the only kind
 /// numpy exports for read-only and broadcast arrays; a producer that does not know the argument
@@ -303,9 +411,9 @@ pub(crate) type Viewed = (usize, u8, u8, Vec<i64>, Vec<i64>);
 /// inputs like any other: copied once, their size checked against the machine's memory first
 /// (a stride-0 view can claim any number of elements).
 ///
-/// With a `cache`, a tensor already imported by this call (tied weights) is shared instead of
-/// copied again; without one (rows about to be copied into a storage) nothing is looked up.
-pub(crate) fn import(obj: &Bound<'_, PyAny>, cache: Option<&mut ImportCache>) -> PyResult<Tensor> {
+/// With `imports`, a tensor already imported by this call (tied weights) is shared instead of
+/// imported again; without them (rows about to be copied into a storage) nothing is looked up.
+pub(crate) fn import(obj: &Bound<'_, PyAny>, imports: Option<&mut Imports>) -> PyResult<Tensor> {
     let py = obj.py();
     let kwargs = pyo3::types::PyDict::new(py);
     kwargs.set_item("max_version", (1, 0))?;
@@ -315,64 +423,123 @@ pub(crate) fn import(obj: &Bound<'_, PyAny>, cache: Option<&mut ImportCache>) ->
         Err(e) => return Err(e),
     };
     let capsule = capsule.cast_into::<PyCapsule>().map_err(PyErr::from)?;
-    let raw = capsule.as_ptr();
-    // SAFETY: a `dltensor_versioned` capsule holds a DLManagedTensorVersioned and a `dltensor`
-    // capsule a DLManagedTensor (the DLPack contract). As a consumer must, we rename the capsule
-    // to its `used_` name (so that its destructor leaves the tensor alone) and call the tensor's
-    // deleter once, after the copy; the tensor stays valid until then.
-    unsafe {
-        if pyo3::ffi::PyCapsule_IsValid(raw, DLTENSOR_VERSIONED.as_ptr()) == 1 {
-            let managed =
-                pyo3::ffi::PyCapsule_GetPointer(raw, DLTENSOR_VERSIONED.as_ptr()).cast::<DLManagedTensorVersioned>();
-            let result = if (*managed).version.major == 1 {
-                read(&(*managed).dl_tensor, cache)
-            } else {
-                Err(PyValueError::new_err(format!(
-                    "the producer gave a DLPack {}.{} tensor: only DLPack 1.x is read",
-                    (*managed).version.major,
-                    (*managed).version.minor
-                )))
-            };
-            pyo3::ffi::PyCapsule_SetName(raw, USED_DLTENSOR_VERSIONED.as_ptr());
-            if let Some(deleter) = (*managed).deleter {
-                deleter(managed);
-            }
-            result
-        } else if pyo3::ffi::PyCapsule_IsValid(raw, DLTENSOR.as_ptr()) == 1 {
-            let managed = pyo3::ffi::PyCapsule_GetPointer(raw, DLTENSOR.as_ptr()).cast::<DLManagedTensor>();
-            let result = read(&(*managed).dl_tensor, cache);
-            pyo3::ffi::PyCapsule_SetName(raw, USED_DLTENSOR.as_ptr());
-            if let Some(deleter) = (*managed).deleter {
-                deleter(managed);
-            }
-            result
-        } else {
-            Err(PyValueError::new_err("__dlpack__ did not return an unused `dltensor` or `dltensor_versioned` capsule"))
-        }
+    // SAFETY: `capsule` is alive (held above).
+    let Some(managed) = (unsafe { Managed::take(capsule.as_ptr()) }) else {
+        return Err(PyValueError::new_err(
+            "__dlpack__ did not return an unused `dltensor` or `dltensor_versioned` capsule",
+        ));
+    };
+    if let Some((major, minor)) = managed.version()
+        && major != 1
+    {
+        managed.release();
+        return Err(PyValueError::new_err(format!(
+            "the producer gave a DLPack {major}.{minor} tensor: only DLPack 1.x is read"
+        )));
     }
+    read(managed, imports)
 }
 
-/// The tensor `t` describes, copied (or, with a `cache`, shared with an earlier import of the
-/// same memory).
-///
-/// # Safety
-/// `t` describes a live DLPack tensor.
-unsafe fn read(t: &DLTensor, cache: Option<&mut ImportCache>) -> PyResult<Tensor> {
-    // SAFETY: the caller's contract.
-    let key = if cache.is_some() { unsafe { identity(t) } } else { None };
-    let seen = match (&key, cache.as_deref()) {
-        (Some(k), Some(cache)) => cache.get(k).cloned(),
+/// The tensor `managed` describes: copied, borrowed, or shared with an earlier import of the
+/// same memory. `managed` is released here, or kept by a borrowed tensor's storage.
+fn read(managed: Managed, imports: Option<&mut Imports>) -> PyResult<Tensor> {
+    // SAFETY: the tensor is live until `managed` is released.
+    let key = if imports.is_some() { unsafe { identity(managed.tensor()) } } else { None };
+    let seen = match (&key, imports.as_deref()) {
+        (Some(k), Some(imports)) => imports.seen.get(k).cloned(),
         _ => None,
     };
     let result = match seen {
-        Some(tensor) => Ok(tensor),
-        // SAFETY: the caller's contract.
-        None => unsafe { copy_out(t) },
+        Some(tensor) => {
+            managed.release();
+            Ok(tensor)
+        }
+        None if imports.as_deref().is_some_and(|i| i.borrow) => lend(managed),
+        None => {
+            // SAFETY: as above.
+            let copied = unsafe { copy_out(managed.tensor()) };
+            managed.release();
+            copied
+        }
     };
-    if let (Some(k), Some(cache), Ok(tensor)) = (key, cache, &result) {
-        cache.entry(k).or_insert_with(|| tensor.clone());
+    if let (Some(k), Some(imports), Ok(tensor)) = (key, imports, &result) {
+        imports.seen.entry(k).or_insert_with(|| tensor.clone());
     }
     result
+}
+
+/// A read-only tensor over the producer's memory, which stays the producer's (released when
+/// the tensor's storage goes): for a contiguous host tensor with elements, at an address its
+/// dtype can be read at. Anything else is copied ([`copy_out`]).
+fn lend(managed: Managed) -> PyResult<Tensor> {
+    // SAFETY: the tensor is live until `managed` is released.
+    let view = match unsafe { contiguous_view(managed.tensor()) } {
+        Ok(Some(view)) => view,
+        Ok(None) => {
+            // SAFETY: as above.
+            let copied = unsafe { copy_out(managed.tensor()) };
+            managed.release();
+            return copied;
+        }
+        Err(e) => {
+            managed.release();
+            return Err(e);
+        }
+    };
+    let to_err = |e: memmap_tensor::Error| PyValueError::new_err(e.to_string());
+    // SAFETY: `contiguous_view` checked that the producer's memory holds `view.nbytes` packed in
+    // C order from `view.base` on the host (DLPack), and it stays allocated until the
+    // producer's deleter runs, which `Lent` does when the storage is dropped. The storage is
+    // read-only, and borrowing imports are made for calls that copy the dict and drop it
+    // before they return, while the caller's arrays are theirs to keep unchanged.
+    let storage = unsafe { memmap_tensor::Storage::borrowed(view.base, view.nbytes, Box::new(Lent(Some(managed)))) }
+        .map_err(to_err)?;
+    let layout = Layout::contiguous(view.shape.as_slice()).map_err(to_err)?;
+    Tensor::from_storage(std::sync::Arc::new(storage), 0, view.dtype, layout).map_err(to_err)
+}
+
+/// A host DLPack tensor whose elements are packed in C order from `base`.
+struct ContiguousView {
+    base: std::ptr::NonNull<u8>,
+    nbytes: usize,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+/// `t` as a [`ContiguousView`], when it is one with elements at an address aligned for its
+/// dtype; `None` when it must be copied instead; an error for what cannot be read at all.
+///
+/// # Safety
+/// `t` describes a live DLPack tensor.
+unsafe fn contiguous_view(t: &DLTensor) -> PyResult<Option<ContiguousView>> {
+    if t.device.device_type != KDL_CPU && t.device.device_type != KDL_CUDA_HOST {
+        return Ok(None);
+    }
+    let dtype = from_dl_dtype(t.dtype)?;
+    let ndim = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err("negative ndim"))?;
+    if ndim > 0 && t.shape.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: DLPack: `shape` (and `strides`, when not null) hold `ndim` entries.
+    let dims: &[i64] = if ndim == 0 { &[] } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) } };
+    let Ok(shape) = dims.iter().map(|&d| usize::try_from(d)).collect::<Result<Vec<usize>, _>>() else {
+        return Ok(None);
+    };
+    let Some(nbytes) = shape.iter().try_fold(dtype.size_in_bytes(), |n, &d| n.checked_mul(d)) else {
+        return Ok(None);
+    };
+    let packed = ndim == 0 || t.strides.is_null() || {
+        // SAFETY: as above.
+        let strides = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
+        let strides: Option<Vec<usize>> = strides.iter().map(|&s| usize::try_from(s).ok()).collect();
+        strides.is_some_and(|s| Layout::new(shape.as_slice(), s, 0).is_ok_and(|l| l.is_contiguous()))
+    };
+    let base = t.data.cast::<u8>().wrapping_add(t.byte_offset as usize);
+    let aligned = (base as usize).is_multiple_of(dtype.size_in_bytes());
+    Ok(match std::ptr::NonNull::new(base) {
+        Some(base) if packed && aligned && nbytes > 0 => Some(ContiguousView { base, nbytes, dtype, shape }),
+        _ => None,
+    })
 }
 
 /// What a DLPack tensor views: its first byte, dtype, shape and strides (`None` for a 0-d or

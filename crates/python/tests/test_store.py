@@ -90,6 +90,62 @@ def test_a_lease_lasts_as_long_as_the_last_tensor(store):
         store.load("w")
 
 
+def test_save_reads_the_callers_arrays_once_and_keeps_nothing_of_them(store):
+    """`save` views contiguous arrays where they are (no copy before the one into the store):
+    what it saved is the arrays' values at the call, later writes to them change nothing, and
+    no reference to them outlives the call. Arrays it cannot view (strided, broadcast,
+    read-only, 0-d, empty, unaligned) are saved as they read."""
+    import weakref
+
+    base = np.arange(48, dtype=np.float32).reshape(6, 8)
+    read_only = np.arange(5, dtype=np.int16)
+    read_only.flags.writeable = False
+    unaligned = np.frombuffer(np.arange(9, dtype=np.uint8).tobytes(), dtype=np.uint8)[1:].view(np.uint16)
+    sd = {
+        "w": base,
+        "tied": base,
+        "w.T": base.T,
+        "every_other": base[:, ::2],
+        "reversed": base[::-1],
+        "broadcast": np.broadcast_to(np.float64(3.5), (1000, 1000)),
+        "read_only": read_only,
+        "scalar": np.array(7, np.int64),
+        "empty": np.zeros((0, 3), np.float32),
+        "unaligned": unaligned,
+    }
+    expected = {k: np.array(v) for k, v in sd.items()}
+    probe = weakref.ref(base)
+    store.save("lent", sd)
+    base[...] = -1  # after the call: the entry keeps what was saved
+    got = store.load("lent")
+    for key, want in expected.items():
+        arr = got[key].numpy()
+        assert arr.shape == want.shape and arr.dtype == want.dtype, key
+        assert (arr == want).all(), key
+    assert got["w"].data_ptr() == got["tied"].data_ptr(), "tied arrays stay one tensor"
+    del sd, base, got
+    gc.collect()
+    assert probe() is None, "the store kept a reference to the caller's array"
+
+
+def test_save_of_torch_tensors_views_them_and_lets_them_go(store):
+    torch = pytest.importorskip("torch")
+    import weakref
+
+    w = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    sd = {"w": w, "w.T": w.t(), "half": torch.ones(4, dtype=torch.bfloat16), "flag": torch.tensor(True)}
+    probe = weakref.ref(w)
+    store.save("torch", sd)
+    w.zero_()
+    got = store.load("torch")
+    assert torch.equal(torch.from_dlpack(got["w"]), torch.arange(64, dtype=torch.float32).reshape(8, 8))
+    assert torch.equal(torch.from_dlpack(got["w.T"]), torch.arange(64, dtype=torch.float32).reshape(8, 8).t())
+    assert torch.from_dlpack(got["half"]).dtype == torch.bfloat16 and bool(torch.from_dlpack(got["flag"]))
+    del sd, w, got
+    gc.collect()
+    assert probe() is None, "the store kept a reference to the caller's tensor"
+
+
 def test_allocate_fill_and_seal_makes_an_entry_without_a_copy(store):
     allocation = store.allocate({"w": np.zeros((3, 5), np.float32), "b": np.zeros(5, np.float32)})
     d = allocation.dict

@@ -16,8 +16,10 @@ use memmap_tensor::Tensor;
 /// What a Python dict given to a call stands for.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum DictOf {
-    /// Tensors kept as they are (a state dict): no batch size, and a tensor given twice (tied
-    /// weights) stays one tensor.
+    /// Tensors kept as they are (a state dict), for a call that copies them before it returns
+    /// and keeps nothing of them (a store's `save`, the shapes for `allocate`): no batch size,
+    /// a tensor given twice (tied weights) stays one tensor, and contiguous host arrays are
+    /// viewed where they are rather than copied first.
     Tensors,
     /// Rows to write: the batch size is the first dim of the first array.
     Rows,
@@ -26,7 +28,7 @@ pub(crate) enum DictOf {
 }
 
 /// A dict from Python: one of ours (shared, not copied), or a Python dict of arrays or a Python
-/// tensordict (copied once), as `of` says.
+/// tensordict (copied once, or for [`DictOf::Tensors`] viewed), as `of` says.
 pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, of: DictOf) -> PyResult<TensorDict> {
     if let Ok(td) = obj.cast::<PyTensorDict>() {
         return Ok(td.get().dict()?.as_ref().clone());
@@ -55,8 +57,11 @@ pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, of: DictOf) -> PyResult<Tens
     };
     let mut td = TensorDict::new(batch_size);
     // Rows are copied into a storage next, so tied arrays need not be found.
-    let mut cache = (of == DictOf::Tensors).then(dlpack::ImportCache::new);
-    fill(&mut td, &KeyPath::default(), d, cache.as_mut())?;
+    let mut imports = match of {
+        DictOf::Tensors => Some(dlpack::Imports::borrowing()),
+        DictOf::Rows | DictOf::Row => None,
+    };
+    fill(&mut td, &KeyPath::default(), d, imports.as_mut())?;
     Ok(td)
 }
 
@@ -91,7 +96,7 @@ pub(super) fn fill(
     td: &mut TensorDict,
     prefix: &KeyPath,
     source: &Bound<'_, PyDict>,
-    mut cache: Option<&mut dlpack::ImportCache>,
+    mut imports: Option<&mut dlpack::Imports>,
 ) -> PyResult<()> {
     // A snapshot of the items: reading a leaf runs Python code (`__dlpack__`), which may
     // change the dict.
@@ -102,19 +107,19 @@ pub(super) fn fill(
         if let Ok(d) = v.cast::<PyDict>() {
             let batch = td.batch_size().to_vec();
             td.set(path.clone(), TensorDict::new(batch)).map_err(to_py_err)?;
-            fill(td, &path, d, cache.as_deref_mut())?;
+            fill(td, &path, d, imports.as_deref_mut())?;
         } else if let Ok(t) = v.cast::<PyTensor>() {
             td.set(path, t.get().inner.clone()).map_err(to_py_err)?;
         } else if let Ok(nested) = v.cast::<PyTensorDict>() {
             let batch = td.batch_size().to_vec();
             td.set(path, rebatch(nested.get().dict()?.as_ref().clone(), &batch)).map_err(to_py_err)?;
         } else if v.hasattr("__dlpack__")? {
-            let tensor = dlpack::import(&v, cache.as_deref_mut())?;
+            let tensor = dlpack::import(&v, imports.as_deref_mut())?;
             td.set(path, tensor).map_err(to_py_err)?;
         } else if v.hasattr("__array__")? && v.hasattr("dtype")? {
             // numpy scalars (a row's `reward`) have no `__dlpack__`: as 0-d arrays they do.
             let array = v.py().import("numpy")?.call_method1("asarray", (&v,))?;
-            td.set(path, dlpack::import(&array, cache.as_deref_mut())?).map_err(to_py_err)?;
+            td.set(path, dlpack::import(&array, imports.as_deref_mut())?).map_err(to_py_err)?;
         } else {
             let json = v.py().import("json")?.call_method1("dumps", (&v,))?.extract::<String>()?;
             let value: Value =

@@ -260,7 +260,7 @@ impl PyTensorDict {
             )));
         }
         let mut td = TensorDict::new(batch_size);
-        fill(&mut td, &KeyPath::default(), source, Some(&mut dlpack::ImportCache::new()))?;
+        fill(&mut td, &KeyPath::default(), source, Some(&mut dlpack::Imports::copying()))?;
         Ok(PyTensorDict::new(td))
     }
 
