@@ -30,10 +30,19 @@ use crate::copy::{self, Rows};
 const CHUNK_BYTES: usize = 8 << 10;
 const MIN_CHUNK_ROWS: usize = 32;
 
+/// Bytes a chunk of a large copy holds: a few hundred microseconds of copying into memory
+/// touched for the first time, so a copy of tens of megabytes has enough chunks to share
+/// evenly, and claiming one costs nothing next to it.
+const COPY_CHUNK_BYTES: usize = 1 << 20;
+
+/// Copies at least this large are shared.
+pub(crate) const COPY_MIN_BYTES: usize = 4 << 20;
+
 /// How long a helper spins for the next gather before it parks.
 const SPIN: Duration = Duration::from_micros(200);
 
-/// A wait this long for a helper's chunk counts as a stall (its core was taken away).
+/// A wait this long (plus twice the time a chunk took the caller) for a helper's chunk counts
+/// as a stall (its core was taken away).
 const STALL: Duration = Duration::from_micros(50);
 
 /// Gathers run on the caller's thread alone after a stall (doubled per stall, halved per shared
@@ -58,14 +67,24 @@ impl Leg {
     }
 }
 
-/// One gather of the same rows from every leg: `leg.dst[k] = leg.src[rows[k]]` for `k` in
-/// `0..len`, in chunks of each leg's rows.
+/// What a job copies.
+enum Work {
+    /// One gather of the same rows from every leg: `leg.dst[k] = leg.src[rows[k]]` for `k` in
+    /// `0..len`, in chunks of each leg's rows.
+    Gather {
+        legs: Vec<Leg>,
+        /// The first chunk of each leg, and the chunk count at the end.
+        firsts: Vec<usize>,
+        rows: *const usize,
+        len: usize,
+    },
+    /// `len` bytes from `src` to `dst`, in chunks of [`COPY_CHUNK_BYTES`].
+    Copy { src: *const u8, dst: *mut u8, len: usize },
+}
+
+/// Work cut into chunks that whoever comes claims.
 struct Job {
-    legs: Vec<Leg>,
-    /// The first chunk of each leg, and the chunk count at the end.
-    firsts: Vec<usize>,
-    rows: *const usize,
-    len: usize,
+    work: Work,
     chunks: usize,
     /// The next chunk to claim.
     next: AtomicUsize,
@@ -74,37 +93,60 @@ struct Job {
 }
 
 // SAFETY: a `Job` holds addresses into the caller's rows and regions, which are read and
-// written only by whoever claims a chunk (`Job::work`), and only for that chunk's rows: the
-// poster waits until every claimed chunk is done before it returns (`Pool::gather`), so no
-// address is used after the caller's borrow ends. A helper holding the `Job` later only reads
-// its atomics and finds no chunk left.
+// written only by whoever claims a chunk (`Job::work`), and only for that chunk's rows or
+// bytes: the poster waits until every claimed chunk is done before it returns (`Pool::run`),
+// so no address is used after the caller's borrow ends. A helper holding the `Job` later only
+// reads its atomics and finds no chunk left.
 unsafe impl Send for Job {}
-// SAFETY: as above; chunks are disjoint rows of `dst`, each claimed once through `next`.
+// SAFETY: as above; chunks are disjoint rows or bytes of `dst`, each claimed once through `next`.
 unsafe impl Sync for Job {}
 
 impl Job {
-    /// Claims and copies chunks until none is left.
-    fn work(&self) {
+    /// Claims and copies chunks until none is left; returns how many this thread copied.
+    fn work(&self) -> usize {
+        let mut copied = 0;
         loop {
             let c = self.next.fetch_add(1, Ordering::AcqRel);
             if c >= self.chunks {
-                return;
+                return copied;
             }
-            let leg_index = self.firsts.partition_point(|&first| first <= c) - 1;
-            let leg = &self.legs[leg_index];
-            let per = leg.chunk_rows();
-            let start = (c - self.firsts[leg_index]) * per;
-            let end = (start + per).min(self.len);
             // SAFETY: chunk `c` was claimed by this thread alone (the counter hands each out
-            // once), its rows `start..end` are within the caller's `rows` slice, and the poster
-            // keeps that slice and every leg's regions borrowed until this chunk is counted done
-            // (see the `Send` impl above).
-            unsafe {
-                let rows = std::slice::from_raw_parts(self.rows.add(start), end - start);
-                let part = Rows { first: leg.dst.first + start * leg.dst.stride_bytes, ..leg.dst };
-                copy::gather_rows(leg.src, rows, part);
-            }
+            // once), and the poster keeps every region borrowed until it is counted done (see
+            // the `Send` impl above).
+            unsafe { self.chunk(c) };
+            copied += 1;
             self.done.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Copies chunk `c`.
+    ///
+    /// # Safety
+    /// `c < self.chunks`, claimed by the calling thread alone, the poster's regions still
+    /// borrowed.
+    unsafe fn chunk(&self, c: usize) {
+        match self.work {
+            Work::Gather { ref legs, ref firsts, rows, len } => {
+                let leg_index = firsts.partition_point(|&first| first <= c) - 1;
+                let leg = &legs[leg_index];
+                let per = leg.chunk_rows();
+                let start = (c - firsts[leg_index]) * per;
+                let end = (start + per).min(len);
+                // SAFETY: rows `start..end` are within the caller's `rows` slice and rows
+                // `start..end` of the leg's `dst` are this chunk's alone (the contract).
+                unsafe {
+                    let rows = std::slice::from_raw_parts(rows.add(start), end - start);
+                    let part = Rows { first: leg.dst.first + start * leg.dst.stride_bytes, ..leg.dst };
+                    copy::gather_rows(leg.src, rows, part);
+                }
+            }
+            Work::Copy { src, dst, len } => {
+                let start = c * COPY_CHUNK_BYTES;
+                let n = COPY_CHUNK_BYTES.min(len - start);
+                // SAFETY: bytes `start..start + n` lie within both regions (`c < chunks`), and
+                // this chunk's bytes of `dst` are its alone (the contract).
+                unsafe { std::ptr::copy_nonoverlapping(src.add(start), dst.add(start), n) };
+            }
         }
     }
 }
@@ -184,11 +226,22 @@ impl Pool {
         })
     }
 
-    /// Whether a gather of `rows` rows should be shared now: there are helpers, it has at least
-    /// two chunks, no stall turned sharing off, no awake helper is silent, and a parked one is
-    /// woken only on a machine that is not busy.
+    /// Whether a gather of `rows` rows should be shared now: it has at least two chunks and
+    /// the helpers may be asked ([`Pool::may_share`]).
     pub(crate) fn shares(&self, rows: usize) -> bool {
-        if self.helpers.is_empty() || rows < 2 * MIN_CHUNK_ROWS {
+        rows >= 2 * MIN_CHUNK_ROWS && self.may_share()
+    }
+
+    /// Whether a copy of `len` bytes should be shared now (as [`Pool::shares`]): at least
+    /// [`COPY_MIN_BYTES`].
+    pub(crate) fn shares_copy(&self, len: usize) -> bool {
+        len >= COPY_MIN_BYTES && self.may_share()
+    }
+
+    /// Whether work may be shared now: there are helpers, no stall turned sharing off, no
+    /// awake helper is silent, and a parked one is woken only on a machine that is not busy.
+    fn may_share(&self) -> bool {
+        if self.helpers.is_empty() {
             return false;
         }
         let left = self.backoff.load(Ordering::Relaxed);
@@ -242,15 +295,22 @@ impl Pool {
             chunks += rows.len().div_ceil(leg.chunk_rows());
         }
         firsts.push(chunks);
-        let job = Arc::new(Job {
-            legs: legs.to_vec(),
-            firsts,
-            rows: rows.as_ptr(),
-            len: rows.len(),
-            chunks,
-            next: AtomicUsize::new(0),
-            done: AtomicUsize::new(0),
-        });
+        self.run(Work::Gather { legs: legs.to_vec(), firsts, rows: rows.as_ptr(), len: rows.len() }, chunks);
+    }
+
+    /// Copies `len` bytes from `src` to `dst`, the chunks shared with the helpers.
+    ///
+    /// # Safety
+    /// `src..src + len` is readable and `dst..dst + len` writable, they do not overlap, and
+    /// the caller keeps both locked (and alive) until this returns.
+    pub(crate) unsafe fn copy(&self, src: *const u8, dst: *mut u8, len: usize) {
+        self.run(Work::Copy { src, dst, len }, len.div_ceil(COPY_CHUNK_BYTES));
+    }
+
+    /// Posts `work` in `chunks` chunks, copies chunks until none is left to claim, and waits
+    /// for those a helper claimed.
+    fn run(&self, work: Work, chunks: usize) {
+        let job = Arc::new(Job { work, chunks, next: AtomicUsize::new(0), done: AtomicUsize::new(0) });
         *self.shared.job.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&job));
         self.shared.posted.fetch_add(1, Ordering::SeqCst);
         for (helper, parked) in self.helpers.iter().zip(&self.shared.parked) {
@@ -258,17 +318,25 @@ impl Pool {
                 helper.unpark();
             }
         }
-        job.work();
+        let working = Instant::now();
+        let copied = job.work();
+        // What one chunk took here: a helper's unfinished chunk may take as long.
+        let per_chunk = working.elapsed() / u32::try_from(copied.max(1)).unwrap_or(u32::MAX);
         // Only chunks a helper claimed are left: wait for them (none, if no helper came). A
-        // helper whose core was taken away needs this core perhaps: after a short spin, yield.
+        // helper whose core was taken away may need this core: past a stall, yield it.
         let waiting = Instant::now();
+        let stall = STALL + 2 * per_chunk;
         while job.done.load(Ordering::Acquire) < job.chunks {
-            std::hint::spin_loop();
+            if waiting.elapsed() < stall {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
-        // A stall doubles the next backoff; a shared gather without one halves it, so that on
-        // a machine busy for a while sharing is tried less and less often.
+        // A stall doubles the next backoff; a shared job without one halves it, so that on a
+        // machine busy for a while sharing is tried less and less often.
         let backoff = self.next_backoff.load(Ordering::Relaxed);
-        if waiting.elapsed() >= STALL {
+        if waiting.elapsed() >= stall {
             self.backoff.store(backoff, Ordering::Relaxed);
             self.next_backoff.store((backoff * 2).min(BACKOFF_MAX), Ordering::Relaxed);
         } else {
@@ -311,5 +379,26 @@ fn helper(shared: &Shared, i: usize) {
         shared.heartbeat[i].store(shared.now(), Ordering::Relaxed);
         shared.parked[i].store(false, Ordering::SeqCst);
         idle_since = Instant::now();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The chunks of a posted copy cover its bytes exactly once, whoever claims them: lengths
+    /// below, at and past a chunk, and a short last chunk.
+    #[test]
+    fn a_posted_copy_writes_every_byte_once_and_nothing_past_it() {
+        let pool = Pool::get();
+        for len in [1, COPY_CHUNK_BYTES - 1, COPY_CHUNK_BYTES, 3 * COPY_CHUNK_BYTES + 17] {
+            let src: Vec<u8> = (0..len).map(|i| u8::try_from(i % 251).unwrap()).collect();
+            let mut dst = vec![0xAAu8; len + 64];
+            // SAFETY: `src` holds `len` bytes and `dst` more; they are distinct vectors, borrowed
+            // until the copy returns.
+            unsafe { pool.copy(src.as_ptr(), dst.as_mut_ptr(), len) };
+            assert!(dst[..len] == src[..], "a byte of the {len}-byte copy differs");
+            assert!(dst[len..].iter().all(|&b| b == 0xAA), "the {len}-byte copy wrote past its end");
+        }
     }
 }

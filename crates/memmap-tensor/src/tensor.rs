@@ -474,9 +474,25 @@ impl Tensor {
             return self.copy_from_as(op, &src.deep_clone()?);
         }
         let _locks = Tensor::lock_pair(src, self, op)?;
+        let (from, to, elem) = (src.strided(), self.strided_mut(), self.dtype.size_in_bytes());
+        let len = self.nbytes();
+        // A large copy of one run of bytes is shared among the cores: into memory touched for
+        // the first time (a new file or shm object) it is bound by the page faults, which each
+        // core takes on its own (see `pool.rs`).
+        if len >= crate::pool::COPY_MIN_BYTES && src.is_contiguous() && self.is_contiguous() {
+            let pool = crate::pool::Pool::get();
+            if pool.shares_copy(len) {
+                // SAFETY: both tensors are contiguous, so their `len` bytes run from element 0
+                // (`offset` elements past `base`), within their storages (layouts checked at
+                // construction); the storages are distinct (checked above) and locked until the
+                // copy and every chunk a helper took are done.
+                unsafe { pool.copy(from.base.add(from.offset * elem), to.base.add(to.offset * elem), len) };
+                return Ok(());
+            }
+        }
         // SAFETY: both layouts were checked against their storages at construction; the storages
         // are distinct allocations or mappings (checked above); the locks are held.
-        unsafe { copy_strided(src.strided(), self.strided_mut(), self.dtype.size_in_bytes()) };
+        unsafe { copy_strided(from, to, elem) };
         Ok(())
     }
 

@@ -642,6 +642,51 @@ fn large_gathers_shared_with_helpers_are_exact_from_many_threads_at_once() -> Te
     Ok(())
 }
 
+/// Copies large enough to be shared with the helper threads (heap to heap, heap to shared
+/// memory, views at odd offsets and of odd lengths), from several threads at once while others
+/// gather: every byte checked.
+#[test]
+fn large_copies_shared_with_helpers_are_exact_from_many_threads_at_once() -> TestResult {
+    // 9 MiB and 3 bytes: several chunks of a shared copy and a short last one.
+    const LEN: usize = (9 << 20) + 3;
+    let data: Vec<u8> = (0..LEN + 1000).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[i % 4]).collect();
+    let src = Arc::new(Tensor::from_bytes(&data, DType::U8, [data.len()])?);
+    let prefix = format!("/tdict-test-copies-{}", std::process::id());
+    let threads: Vec<_> = (0..4usize)
+        .map(|t| {
+            let (src, data, prefix) = (Arc::clone(&src), data.clone(), prefix.clone());
+            std::thread::spawn(move || -> memmap_tensor::Result<()> {
+                for round in 0..6usize {
+                    let start = (t * 7 + round * 131) % 1000;
+                    let view = src.narrow(0, start, LEN)?;
+                    let mut out = if round % 2 == 0 {
+                        Tensor::zeros([LEN], DType::U8, &Location::Heap)?
+                    } else {
+                        Tensor::zeros([LEN], DType::U8, &Location::Shm(format!("{prefix}-{t}-{round}")))?
+                    };
+                    out.copy_from(&view)?;
+                    let got = out.to_bytes()?;
+                    if let Some(k) = (0..LEN).find(|&k| got[k] != data[start + k]) {
+                        panic!("byte {k} of round {round} on thread {t} differs");
+                    }
+                    if let Some(name) = out.storage().shm_name() {
+                        memmap_tensor::Storage::unlink_shm(name)?;
+                    }
+                    // A gather in between, posted to the same helpers.
+                    let rows = src.narrow(0, 0, 1 << 20)?.reshape([1 << 14, 64])?;
+                    let got = rows.gather_rows(&(0..2048).rev().collect::<Vec<i64>>())?.to_bytes()?;
+                    assert_eq!(&got[..64], &data[2047 * 64..2048 * 64]);
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("a copying thread panicked")?;
+    }
+    Ok(())
+}
+
 fn data_row(i: usize, row: usize) -> Vec<u8> {
     (i * row..(i + 1) * row).map(|j| ((j / row) as u32).wrapping_mul(2_654_435_761).to_le_bytes()[j % 4]).collect()
 }
