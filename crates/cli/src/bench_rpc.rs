@@ -158,6 +158,16 @@ pub(crate) fn run(transport: Transport, iters: usize, as_json: bool) -> anyhow::
         }
     }
 
+    // What the reference's encoding costs a round trip: encoded and decoded twice (the call and
+    // its answer), as the transport does, with no socket.
+    let started = Instant::now();
+    for _ in 0..iters {
+        let there: TensorDictRef = bincode::deserialize(&bincode::serialize(&reference)?)?;
+        let back: TensorDictRef = bincode::deserialize(&bincode::serialize(&there)?)?;
+        anyhow::ensure!(back.generation == reference.generation, "the reference changed in its encoding");
+    }
+    let codec = started.elapsed() / u32::try_from(iters)?;
+
     // The remote update, three ways, on 123 MB with its pages allocated.
     let mut schema = TensorDict::new([1]);
     schema.set("memmap", Tensor::zeros([1, 640, 640, 3], DType::U8, &Location::Heap)?)?;
@@ -191,6 +201,7 @@ pub(crate) fn run(transport: Transport, iters: usize, as_json: bool) -> anyhow::
         "ref_p50_us": us(ref_p50),
         "ref_p99_us": us(ref_p99),
         "ref_bytes": ref_bytes,
+        "ref_codec_us": us(codec),
         "update_by_ref_us": us(by_ref),
         "update_by_value_us": us(by_value),
         "update_rows_by_value_us": us(rows_by_value),
@@ -202,6 +213,7 @@ pub(crate) fn run(transport: Transport, iters: usize, as_json: bool) -> anyhow::
         out!("transport {name}, {iters} round trips each");
         out!("echo:       p50 {:>9.1} us  p99 {:>9.1} us", us(echo_p50), us(echo_p99));
         out!("reference:  p50 {:>9.1} us  p99 {:>9.1} us  ({ref_bytes} bytes, 10 leaves)", us(ref_p50), us(ref_p99));
+        out!("  of which encoding and decoding it there and back: {:.2} us", us(codec));
         out!("update of rows {ROWS:?} of a {} MB dict:", big.nbytes() / 1_000_000);
         out!("  by reference        {:>12.1} us", us(by_ref));
         out!("  by value            {:>12.1} us  (the dict's bytes there and back)", us(by_value));

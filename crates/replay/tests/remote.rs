@@ -832,7 +832,7 @@ fn row_files_refuse_files_shorter_than_the_storage_and_names_outside_the_folder(
         "{cut}"
     );
     // A schema whose file is outside the folder.
-    let mut hostile = reference.schema.clone();
+    let mut hostile = tensordict::Schema::clone(&reference.schema);
     if let Some(tensordict::EntrySchema::Tensor(t)) = hostile.entries.get_mut("obs") {
         t.name = "../escape.memmap".into();
     }

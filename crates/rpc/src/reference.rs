@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use memmap_tensor::{Access, StorageKind};
 use serde::{Deserialize, Serialize};
@@ -97,7 +98,7 @@ pub struct TensorDictRef {
     /// The dict's schema (of the view, if it is one); tensor names say where each tensor's bytes
     /// are: a file relative to the folder, or a shm object.
     #[serde(with = "crate::wire::schema_json")]
-    pub schema: Schema,
+    pub schema: Arc<Schema>,
     /// Where the bytes are.
     pub location: RefLocation,
     /// The generation of that storage when the reference was made.
@@ -142,7 +143,12 @@ impl ToRef for TensorDict {
                 _ => String::new(),
             })
         })?;
-        Ok(TensorDictRef { schema, location, generation: backing.location.generation()?, rows: backing.rows })
+        Ok(TensorDictRef {
+            schema: Arc::new(schema),
+            location,
+            generation: backing.location.generation()?,
+            rows: backing.rows,
+        })
     }
 }
 

@@ -107,7 +107,7 @@ impl IndexItem {
 /// batches too small to be worth a shared folder or shared memory.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct InlineDict {
-    #[serde(with = "schema_json")]
+    #[serde(with = "schema_json::owned")]
     schema: Schema,
     #[serde(with = "bytes_list")]
     data: Vec<Vec<u8>>,
@@ -164,56 +164,93 @@ impl InlineDict {
 /// bounded depth ([`Schema::from_json`]), so a hostile frame cannot exhaust the stack.
 pub(crate) mod schema_json {
     use std::collections::VecDeque;
-    use std::sync::{Mutex, PoisonError};
+    use std::sync::{Arc, Mutex, PoisonError};
 
-    use serde::{Deserialize, Deserializer, Serializer};
+    use serde::{Deserializer, Serializer};
     use tensordict::Schema;
 
     /// Schemas sent or received lately, with their exact text: the same dict's references cross
-    /// the wire again and again (every call of a worker or store), and encoding, decoding and
-    /// checking one costs more than the rest of a round trip. Only schemas that passed every
-    /// check (or were made here) are kept; entries are bounded in number and size.
-    static DECODED: Mutex<VecDeque<(Box<str>, Schema)>> = Mutex::new(VecDeque::new());
+    /// the wire again and again (every call of a worker or store), and encoding, decoding,
+    /// checking and copying one costs more than the rest of a round trip. A reference decoded
+    /// from a known text shares the schema kept here, so a reference sent back (or on) is found
+    /// by pointer, without comparing schemas. Only schemas that passed every check (or were
+    /// made here) are kept; entries are bounded in number and size.
+    static DECODED: Mutex<VecDeque<(Box<str>, Arc<Schema>)>> = Mutex::new(VecDeque::new());
     const CACHED_SCHEMAS: usize = 64;
     const MAX_CACHED_TEXT: usize = 16 << 10;
 
-    pub(crate) fn serialize<S: Serializer>(schema: &Schema, s: S) -> Result<S::Ok, S::Error> {
-        // A schema that came in (or went out) lately has its text at hand.
-        if let Some((text, _)) = cache().iter().find(|(_, known)| known == schema) {
-            return s.serialize_str(text);
+    pub(crate) fn serialize<S: Serializer>(schema: &Arc<Schema>, s: S) -> Result<S::Ok, S::Error> {
+        encode(schema, Some(schema), s)
+    }
+
+    /// Writes `schema`'s text: a schema that came in (or went out) lately has it at hand, found
+    /// by pointer when `shared` is the one kept (a reference passed on), else by value.
+    fn encode<S: Serializer>(schema: &Schema, shared: Option<&Arc<Schema>>, s: S) -> Result<S::Ok, S::Error> {
+        {
+            let cache = cache();
+            let known = shared.and_then(|shared| cache.iter().find(|(_, known)| Arc::ptr_eq(known, shared)));
+            if let Some((text, _)) = known.or_else(|| cache.iter().find(|(_, known)| **known == *schema)) {
+                return s.serialize_str(text);
+            }
         }
         let json = schema.to_json();
         let text = std::str::from_utf8(&json).map_err(serde::ser::Error::custom)?;
-        remember(text, schema);
+        remember(text, &shared.map_or_else(|| Arc::new(schema.clone()), Arc::clone));
         s.serialize_str(text)
     }
 
-    fn cache() -> std::sync::MutexGuard<'static, VecDeque<(Box<str>, Schema)>> {
+    fn cache() -> std::sync::MutexGuard<'static, VecDeque<(Box<str>, Arc<Schema>)>> {
         DECODED.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn remember(text: &str, schema: &Schema) {
+    fn remember(text: &str, schema: &Arc<Schema>) {
         if text.len() <= MAX_CACHED_TEXT {
             let mut cache = cache();
             if cache.len() >= CACHED_SCHEMAS {
                 cache.pop_front();
             }
-            cache.push_back((text.into(), schema.clone()));
+            cache.push_back((text.into(), Arc::clone(schema)));
         }
     }
 
-    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Schema, D::Error> {
-        let text = String::deserialize(d)?;
-        decode(&text).map_err(serde::de::Error::custom)
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<Schema>, D::Error> {
+        // The text is looked at where the decoder holds it, not copied into a `String` first.
+        struct Text;
+        impl serde::de::Visitor<'_> for Text {
+            type Value = Arc<Schema>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a schema as JSON text")
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Arc<Schema>, E> {
+                decode(text).map_err(E::custom)
+            }
+        }
+        d.deserialize_str(Text)
     }
 
-    fn decode(text: &str) -> tensordict::Result<Schema> {
+    fn decode(text: &str) -> tensordict::Result<Arc<Schema>> {
         if let Some((_, schema)) = cache().iter().find(|(known, _)| **known == *text) {
-            return Ok(schema.clone());
+            return Ok(Arc::clone(schema));
         }
-        let schema = Schema::from_json(text.as_bytes())?;
+        let schema = Arc::new(Schema::from_json(text.as_bytes())?);
         remember(text, &schema);
         Ok(schema)
+    }
+
+    /// The same encoding for a schema held by value (a dict sent by value, an entry's layout).
+    pub(crate) mod owned {
+        use std::sync::Arc;
+
+        use serde::{Deserializer, Serializer};
+        use tensordict::Schema;
+
+        pub(crate) fn serialize<S: Serializer>(schema: &Schema, s: S) -> Result<S::Ok, S::Error> {
+            super::encode(schema, None, s)
+        }
+
+        pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Schema, D::Error> {
+            super::deserialize(d).map(Arc::unwrap_or_clone)
+        }
     }
 }
 
@@ -329,5 +366,31 @@ mod tests {
         let mut missing = back;
         missing.data.pop();
         assert!(missing.to_dict().is_err());
+    }
+
+    /// A schema decoded from a known text is the one kept (no copy), is sent back by pointer as
+    /// the same text, and an equal schema made anew encodes to that text too: the bytes on the
+    /// wire do not depend on the cache.
+    #[test]
+    fn schemas_decoded_again_are_shared_and_encode_to_the_same_text() {
+        #[derive(serde::Serialize, serde::Deserialize)]
+        struct Carried(#[serde(with = "schema_json")] std::sync::Arc<tensordict::Schema>);
+
+        let mut td = TensorDict::new([3]);
+        td.set("obs", Tensor::zeros([3, 7], DType::F32, &Location::Heap).unwrap()).unwrap();
+        td.set(["next", "unique_key_of_this_test"], Tensor::zeros([3], DType::I64, &Location::Heap).unwrap()).unwrap();
+        let schema = tensordict::Schema::of(&td, &mut |_, _| Ok(String::new())).unwrap();
+        let fresh = bincode::serialize(&Carried(std::sync::Arc::new(schema.clone()))).unwrap();
+        let first: Carried = bincode::deserialize(&fresh).unwrap();
+        let second: Carried = bincode::deserialize(&fresh).unwrap();
+        assert!(std::sync::Arc::ptr_eq(&first.0, &second.0), "a known text decodes to the schema kept");
+        assert_eq!(*first.0, schema);
+        assert_eq!(bincode::serialize(&second).unwrap(), fresh);
+        assert_eq!(bincode::serialize(&Carried(std::sync::Arc::new(schema))).unwrap(), fresh);
+        // Text that is not a schema is an error, known or not.
+        let mut hostile = fresh.clone();
+        let at = hostile.len() - 2;
+        hostile[at] = b'{';
+        assert!(bincode::deserialize::<Carried>(&hostile).is_err());
     }
 }

@@ -23,7 +23,7 @@ const REGION_ALIGN: usize = 64;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EntryLayout {
     /// Keys, dtypes, shapes, batch sizes and non-tensor values (tensor names are not used).
-    #[serde(with = "crate::wire::schema_json")]
+    #[serde(with = "crate::wire::schema_json::owned")]
     pub schema: Schema,
     /// One per tensor, in [`Schema::tensors`] order.
     pub placements: Vec<Placement>,

@@ -58,7 +58,7 @@ pub(crate) fn stale_writer(dir: &Path, port: u16, seconds: f64) -> anyhow::Resul
         let reference = td.to_ref()?;
         drop(td);
         files.push((RowFiles::new(&folder, &reference.schema)?, rows, width));
-        folders.push((folder, reference.schema));
+        folders.push((folder, std::sync::Arc::unwrap_or_clone(reference.schema)));
     }
     let listener = TcpListener::bind(("0.0.0.0", port)).with_context(|| format!("listening on port {port}"))?;
     let (stream, peer) = listener.accept()?;
