@@ -6,9 +6,12 @@
 //! awake in time (parked, or its core busy with other work), the caller copies every chunk
 //! itself, as a one-thread gather would. It waits only for chunks a helper has claimed and not
 //! finished. A helper descheduled in the middle of a chunk (a busy machine) would make that
-//! wait long, so a wait longer than [`STALL`] turns the helpers off for the next
-//! [`BACKOFF_GATHERS`] gathers (twice as many after each further stall, half as many after each
-//! shared gather without one): on a busy machine gathers run on one thread, as before.
+//! wait long, so a wait longer than [`STALL`] turns the helpers off for [`BACKOFF_MIN`] (twice
+//! as long after each further stall, up to [`BACKOFF_MAX`]; half as long after each shared job
+//! without one): on a busy machine gathers run on one thread, as before, trying the helpers
+//! again now and then. The backoff is a time, not a number of gathers, so that a core taken for
+//! a moment (another library's threads spinning after their own work) costs a moment of
+//! one-thread gathers, however many gathers run meanwhile.
 //!
 //! An awake helper beats a heartbeat while it spins; one silent for [`SILENT`] has lost its core,
 //! and a gather posted then runs on the caller alone (no stall to risk).
@@ -17,7 +20,7 @@
 //! (a replay sample's leaves, a loader's batches) find it awake; waking a parked one costs tens
 //! of microseconds (17 to 53 measured on a 2-core VM), which the caller spends copying.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -45,10 +48,10 @@ const SPIN: Duration = Duration::from_micros(200);
 /// as a stall (its core was taken away).
 const STALL: Duration = Duration::from_micros(50);
 
-/// Gathers run on the caller's thread alone after a stall (doubled per stall, halved per shared
-/// gather without one, between this and [`BACKOFF_MAX`]).
-const BACKOFF_GATHERS: u32 = 64;
-const BACKOFF_MAX: u32 = 4096;
+/// How long work runs on the caller's thread alone after a stall (doubled per stall, halved
+/// per shared job without one, between this and [`BACKOFF_MAX`]).
+const BACKOFF_MIN: Duration = Duration::from_millis(2);
+const BACKOFF_MAX: Duration = Duration::from_millis(128);
 
 /// At most this many helpers, whatever the cores.
 const MAX_HELPERS: usize = 3;
@@ -176,10 +179,11 @@ const SILENT: Duration = Duration::from_micros(20);
 pub(crate) struct Pool {
     shared: Arc<Shared>,
     helpers: Vec<Thread>,
-    /// Gathers left to run on the caller's thread alone after a stall.
-    backoff: AtomicU32,
-    /// The length of the next backoff.
-    next_backoff: AtomicU32,
+    /// Until when (nanoseconds since `shared.start`) work runs on the caller's thread alone,
+    /// after a stall.
+    backoff_until: AtomicU64,
+    /// The length of the next backoff, in nanoseconds.
+    next_backoff: AtomicU64,
     cores: usize,
     /// When `/proc/loadavg` was last read, and whether it said busy.
     load_read_at: AtomicU64,
@@ -217,8 +221,8 @@ impl Pool {
             Pool {
                 shared,
                 helpers,
-                backoff: AtomicU32::new(0),
-                next_backoff: AtomicU32::new(BACKOFF_GATHERS),
+                backoff_until: AtomicU64::new(0),
+                next_backoff: AtomicU64::new(nanos(BACKOFF_MIN)),
                 cores,
                 load_read_at: AtomicU64::new(0),
                 loaded: AtomicBool::new(false),
@@ -244,16 +248,14 @@ impl Pool {
         if self.helpers.is_empty() {
             return false;
         }
-        let left = self.backoff.load(Ordering::Relaxed);
-        if left > 0 {
-            self.backoff.store(left - 1, Ordering::Relaxed);
+        let now = self.shared.now();
+        if now < self.backoff_until.load(Ordering::Relaxed) {
             return false;
         }
         // An awake helper that has been silent lately is not running: the cores are taken. A
         // parked one is woken only when fewer threads are runnable than there are cores: waking
         // it on a busy machine takes the caller's own core away.
-        let now = self.shared.now();
-        let silent = u64::try_from(SILENT.as_nanos()).unwrap_or(u64::MAX);
+        let silent = nanos(SILENT);
         let mut any_parked = false;
         for (parked, beat) in self.shared.parked.iter().zip(&self.shared.heartbeat) {
             if parked.load(Ordering::Relaxed) {
@@ -268,7 +270,7 @@ impl Pool {
     /// Whether more threads are runnable than there are cores (`/proc/loadavg`'s fourth field,
     /// which counts the reader too), read at most every [`LOAD_EVERY`].
     fn busy(&self, now: u64) -> bool {
-        let every = u64::try_from(LOAD_EVERY.as_nanos()).unwrap_or(u64::MAX);
+        let every = nanos(LOAD_EVERY);
         if now.saturating_sub(self.load_read_at.load(Ordering::Relaxed)) >= every {
             self.load_read_at.store(now, Ordering::Relaxed);
             let runnable = std::fs::read_to_string("/proc/loadavg")
@@ -337,16 +339,21 @@ impl Pool {
         // machine busy for a while sharing is tried less and less often.
         let backoff = self.next_backoff.load(Ordering::Relaxed);
         if waiting.elapsed() >= stall {
-            self.backoff.store(backoff, Ordering::Relaxed);
-            self.next_backoff.store((backoff * 2).min(BACKOFF_MAX), Ordering::Relaxed);
+            self.backoff_until.store(self.shared.now().saturating_add(backoff), Ordering::Relaxed);
+            self.next_backoff.store((backoff * 2).min(nanos(BACKOFF_MAX)), Ordering::Relaxed);
         } else {
-            self.next_backoff.store((backoff / 2).max(BACKOFF_GATHERS), Ordering::Relaxed);
+            self.next_backoff.store((backoff / 2).max(nanos(BACKOFF_MIN)), Ordering::Relaxed);
         }
         let mut slot = self.shared.job.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.as_ref().is_some_and(|j| Arc::ptr_eq(j, &job)) {
             *slot = None;
         }
     }
+}
+
+/// `d` in nanoseconds.
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// A helper's life: take each posted job's chunks, spin a while for the next, then park.
