@@ -1,7 +1,8 @@
-//! The other cores for row gathers: persistent helper threads that share a gather's rows with
-//! the caller.
+//! The other cores for row gathers and large copies: persistent helper threads that share a
+//! gather's rows (or a copy's bytes) with the caller.
 //!
-//! A gather is posted as a [`Job`] cut into chunks of rows. The caller and any helper awake
+//! A gather is posted as a [`Job`] cut into chunks of rows (a copy, into chunks of
+//! [`COPY_CHUNK_BYTES`]). The caller and any helper awake
 //! claim chunks from one counter, so the caller never waits for a helper to arrive: if none is
 //! awake in time (parked, or its core busy with other work), the caller copies every chunk
 //! itself, as a one-thread gather would. It waits only for chunks a helper has claimed and not

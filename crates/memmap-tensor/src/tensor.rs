@@ -458,7 +458,10 @@ impl Tensor {
     /// Copies `src` into this tensor element by element (same shape and dtype). Any layouts;
     /// if both view the same storage the source is copied aside first. A source on a GPU is
     /// brought to the host first (so a GPU dict can be written to a folder or shared memory);
-    /// this tensor must be on the host.
+    /// this tensor must be on the host. A copy of 4 MiB or more between two contiguous tensors
+    /// is shared with the other cores (the threads row gathers use), which matters most into
+    /// memory touched for the first time: a new file or shared-memory object, where every page
+    /// costs the kernel a fault.
     pub fn copy_from(&mut self, src: &Tensor) -> Result<()> {
         self.copy_from_as("copy_from", src)
     }
