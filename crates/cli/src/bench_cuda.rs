@@ -32,7 +32,9 @@ pub(crate) struct Options {
 pub(crate) fn run(opts: &Options) -> anyhow::Result<ExitCode> {
     let count = Device::cuda_available()?;
     let gpu = opts.device;
-    ensure!(gpu.is_cuda(), "--device must be a CUDA device (cuda:N)");
+    let Some(ordinal) = gpu.ordinal().filter(|_| gpu.is_cuda()) else {
+        anyhow::bail!("--device must be a CUDA device (cuda:N)");
+    };
     gpu.check().with_context(|| format!("this machine has {count} CUDA device(s)"))?;
     let rows = usize::try_from(opts.size)? / ROW_BYTES;
     ensure!(rows >= 1024, "--size must hold at least 1024 rows of {ROW_BYTES} bytes");
@@ -110,7 +112,7 @@ pub(crate) fn run(opts: &Options) -> anyhow::Result<ExitCode> {
 
     // Managed memory: prefetch to the GPU and back.
     let managed_bytes = (1usize << 30).min(bytes);
-    let managed = Tensor::zeros([managed_bytes], DType::U8, &Location::Managed(gpu))?;
+    let managed = Tensor::zeros([managed_bytes], DType::U8, &Location::Managed(ordinal))?;
     let on_host = managed.to(Device::Cpu)?;
     on_host.prefetch(gpu)?.wait()?;
     let mut times = Vec::with_capacity(opts.reps);

@@ -16,6 +16,7 @@ use crate::{Access, Advice, DType, Device, Element, Error, Layout, Result, Shape
 
 /// Where a new tensor's bytes are allocated.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Location {
     /// Private heap memory.
     Heap,
@@ -26,8 +27,9 @@ pub enum Location {
     /// Page-locked host memory from the CUDA driver (feature `cuda`): on the host, copied to
     /// and from GPUs at full speed.
     Pinned,
-    /// CUDA managed (unified) memory of a GPU, the tensor on that device (feature `cuda`).
-    Managed(Device),
+    /// CUDA managed (unified) memory allocated by the GPU with this ordinal, the tensor on that
+    /// device (feature `cuda`).
+    Managed(usize),
     /// Device memory of the GPU with this ordinal, stream-ordered (feature `cuda`).
     Cuda(usize),
 }
@@ -37,8 +39,7 @@ impl Location {
     pub fn device(&self) -> Device {
         match self {
             Location::Heap | Location::File(_) | Location::Shm(_) | Location::Pinned => Device::Cpu,
-            Location::Managed(device) => *device,
-            Location::Cuda(ordinal) => Device::Cuda(*ordinal),
+            Location::Managed(ordinal) | Location::Cuda(ordinal) => Device::Cuda(*ordinal),
         }
     }
 
@@ -48,7 +49,7 @@ impl Location {
         match device {
             Device::Cpu if options.pinned => Location::Pinned,
             Device::Cpu => Location::Heap,
-            Device::Cuda(_) if options.managed => Location::Managed(device),
+            Device::Cuda(ordinal) if options.managed => Location::Managed(ordinal),
             Device::Cuda(ordinal) => Location::Cuda(ordinal),
         }
     }

@@ -118,7 +118,7 @@ fn without_a_driver_every_gpu_operation_says_why() -> Result<()> {
     unavailable(Device::Cuda(0).check(), "check");
     unavailable(Tensor::zeros([2], DType::U8, &Location::Cuda(0)).map(drop), "zeros on cuda");
     unavailable(Tensor::zeros([2], DType::U8, &Location::Pinned).map(drop), "pinned");
-    unavailable(Tensor::zeros([2], DType::U8, &Location::Managed(Device::Cuda(0))).map(drop), "managed");
+    unavailable(Tensor::zeros([2], DType::U8, &Location::Managed(0)).map(drop), "managed");
     unavailable(t.gather_rows_to(Device::Cuda(0), &[0, 1]).map(drop), "gather_rows_to");
     unavailable(t.register(), "register");
     unavailable(t.copy_to(&Location::Pinned, &ToOptions::new()).map(drop), "copy_to pinned");
@@ -266,7 +266,7 @@ fn gathers_into_gpu_memory_match_host_gathers() -> Result<()> {
 #[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
 fn managed_tensors_move_without_copying_and_copy_when_asked() -> Result<()> {
     let gpu = gpu();
-    let mut t = Tensor::zeros([256, 16], DType::F32, &Location::Managed(gpu))?;
+    let mut t = Tensor::zeros([256, 16], DType::F32, &Location::Managed(0))?;
     assert_eq!((t.device(), t.storage().kind()), (gpu, StorageKind::Managed));
     // On the GPU the host may not touch it; moved to the host, it may.
     assert!(matches!(t.as_mut_slice::<f32>().map(drop), Err(Error::WrongDevice { .. })));
@@ -300,7 +300,7 @@ fn managed_tensors_move_without_copying_and_copy_when_asked() -> Result<()> {
     drop((t, on_host, copy));
     let info = memmap_tensor::cuda::memory_info(gpu)?;
     assert!(info.cached >= len, "{info:?}");
-    let again = Tensor::zeros([256, 16], DType::F32, &Location::Managed(gpu))?;
+    let again = Tensor::zeros([256, 16], DType::F32, &Location::Managed(0))?;
     assert!(memmap_tensor::cuda::memory_info(gpu)?.cached < info.cached);
     drop(again);
     memmap_tensor::cuda::empty_cache(gpu)?;
@@ -314,7 +314,7 @@ fn out_of_memory_and_missing_devices_are_errors() -> Result<()> {
     let gpu = gpu();
     let info = memmap_tensor::cuda::memory_info(gpu)?;
     let too_much = info.total + (1 << 30);
-    for location in [Location::Cuda(0), Location::Managed(gpu)] {
+    for location in [Location::Cuda(0), Location::Managed(0)] {
         match Tensor::zeros([too_much], DType::U8, &location) {
             Err(Error::DeviceOutOfMemory { needed, .. }) => assert!(needed >= too_much),
             other => panic!("{location:?}: expected DeviceOutOfMemory, got {:?}", other.map(|t| t.nbytes())),
@@ -368,7 +368,7 @@ fn a_process_killed_holding_gpu_memory_does_not_stop_the_next() -> Result<()> {
         let file = Tensor::zeros([1 << 20], DType::U8, &Location::File(format!("{dir}/held").into()))?;
         file.register()?;
         let _pinned = Tensor::zeros([1 << 20], DType::U8, &Location::Pinned)?;
-        let _managed = Tensor::zeros([1 << 20], DType::U8, &Location::Managed(gpu))?;
+        let _managed = Tensor::zeros([1 << 20], DType::U8, &Location::Managed(0))?;
         let _device = file.to(gpu)?;
         println!("holding");
         std::thread::sleep(std::time::Duration::from_secs(600));

@@ -488,10 +488,12 @@ fn lend(managed: Managed) -> PyResult<Tensor> {
     };
     let to_err = |e: memmap_tensor::Error| PyValueError::new_err(e.to_string());
     // SAFETY: `contiguous_view` checked that the producer's memory holds `view.nbytes` packed in
-    // C order from `view.base` on the host (DLPack), and it stays allocated until the
-    // producer's deleter runs, which `Lent` does when the storage is dropped. The storage is
-    // read-only, and borrowing imports are made for calls that copy the dict and drop it
-    // before they return, while the caller's arrays are theirs to keep unchanged.
+    // C order from `view.base` on the host, and DLPack's contract keeps it allocated (not
+    // freed, not moved: an exporter may not resize what it exported) until the producer's
+    // deleter runs, which `Lent` does when the storage is dropped. The storage is read-only,
+    // and borrowing imports are made for calls that copy the dict and drop it before they
+    // return; a caller writing its arrays meanwhile from another thread gets a torn copy, as
+    // with any reader of them.
     let storage = unsafe { memmap_tensor::Storage::borrowed(view.base, view.nbytes, Box::new(Lent(Some(managed)))) }
         .map_err(to_err)?;
     let layout = Layout::contiguous(view.shape.as_slice()).map_err(to_err)?;

@@ -48,6 +48,9 @@ impl Destination {
             Destination::Heap | Destination::Device(Device::Cpu) => return Ok(()),
             Destination::Pinned => None,
             Destination::Device(Device::Cuda(gpu)) => Some(gpu),
+            Destination::Device(other) => {
+                return Err(Error::InvalidArgument { op: "Loader", detail: format!("no batches on {other}") });
+            }
         };
         let count = Device::cuda_available().map_err(|source| Error::Device { op: "Loader", source })?;
         match gpu {

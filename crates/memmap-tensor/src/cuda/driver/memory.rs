@@ -252,18 +252,16 @@ pub(super) fn alloc(location: &Location, len: usize, zeroed: bool) -> Result<(St
             stream.record()?.wait()?;
             Ok((Storage::from_memory(Memory::Device(mem)), Device::Cuda(*ordinal)))
         }
-        Location::Managed(device) => {
-            let Device::Cuda(_) = device else {
-                // Managed memory is allocated by (and first placed on) a GPU.
-                return Err(Error::WrongDevice { op: "managed memory", device: *device });
-            };
-            let gpu = gpu(*device)?;
+        Location::Managed(ordinal) => {
+            // Managed memory is allocated by (and first placed on) a GPU.
+            let device = Device::Cuda(*ordinal);
+            let gpu = gpu(device)?;
             let mem = alloc_managed(&gpu, len)?;
             let storage = Storage::from_memory(Memory::Managed(mem));
             if zeroed {
                 storage.zero_host_bytes()?;
             }
-            Ok((storage, *device))
+            Ok((storage, device))
         }
         Location::Pinned => {
             let gpu = gpu(Device::Cuda(0))?;
