@@ -277,3 +277,28 @@ fn a_dict_with_non_tensor_stacks_is_read_into_new_memory_each_batch() -> TestRes
     assert_eq!((rows, loader.buffers()), (100, 0));
     Ok(())
 }
+
+/// Loaders dropped at every point of an epoch, hundreds of times: a reader waiting for room
+/// (prefetch 1) must see the stop whenever it comes, even between its check and its wait. A
+/// drop that hangs shows as this test not finishing: the watchdog fails it instead.
+#[test]
+fn loaders_dropped_at_any_moment_never_leave_a_reader_waiting() -> TestResult {
+    let heap = dataset(ROWS)?;
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let result = (0..400usize).try_for_each(|round| -> Result<(), String> {
+            let options = LoaderOptions::new(10).prefetch(1).readers(2).reads(Reads::Mapping);
+            let mut loader = Loader::new(heap.clone(), options).map_err(|e| e.to_string())?;
+            for _ in 0..round % 4 {
+                loader.next().ok_or("an epoch of 100 batches ended early")?.map_err(|e| e.to_string())?;
+            }
+            drop(loader);
+            Ok(())
+        });
+        let _ = done.send(result);
+    });
+    match finished.recv_timeout(std::time::Duration::from_secs(300)) {
+        Ok(result) => Ok(result?),
+        Err(_) => panic!("a dropped loader did not stop its readers within 300 s: one missed the stop"),
+    }
+}

@@ -221,7 +221,12 @@ impl Flow {
 
 impl Drop for Running {
     fn drop(&mut self) {
-        self.flow.stop.store(true, Ordering::Release);
+        // Set under the lock a reader checks it under: a reader between its check and its
+        // wait would otherwise miss the notification and wait forever.
+        {
+            let _turns = self.flow.turns.lock().unwrap_or_else(PoisonError::into_inner);
+            self.flow.stop.store(true, Ordering::Release);
+        }
         self.flow.changed.notify_all();
         for thread in self.threads.drain(..) {
             let _ = thread.join();
