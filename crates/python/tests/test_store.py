@@ -93,8 +93,9 @@ def test_a_lease_lasts_as_long_as_the_last_tensor(store):
 def test_save_reads_the_callers_arrays_once_and_keeps_nothing_of_them(store):
     """`save` views contiguous arrays where they are (no copy before the one into the store):
     what it saved is the arrays' values at the call, later writes to them change nothing, and
-    no reference to them outlives the call. Arrays it cannot view (strided, broadcast,
-    read-only, 0-d, empty, unaligned) are saved as they read."""
+    no reference to them outlives the call. Arrays of every kind (strided, broadcast and
+    unaligned ones are copied first; read-only and 0-d ones are viewed too) are saved as they
+    read."""
     import weakref
 
     base = np.arange(48, dtype=np.float32).reshape(6, 8)
