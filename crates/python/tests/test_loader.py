@@ -167,7 +167,11 @@ def test_a_folder_replaced_under_the_loader_raises(folder, tmp_path):
 
 
 def test_ctrl_c_while_iterating_raises_keyboard_interrupt(tmp_path):
+    # The child handles SIGINT as Python does by default, whatever it inherited (a test run in
+    # the background starts with SIGINT ignored, and its children inherit that).
     code = f"""
+import signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import numpy as np, sys, tensordict_rs as tdr
 td = tdr.TensorDict({{"x": np.zeros((4_000_000, 16), np.float32)}}, [4_000_000]).memmap({str(tmp_path / "big")!r})
 loader = tdr.DataLoader(td, batch_size=500_000, shuffle=True, prefetch=1)

@@ -95,7 +95,10 @@ def test_a_sample_the_limiter_holds_back_times_out_and_ctrl_c_wakes_a_wait(runti
             learner.sample(4, timeout=0.3)  # empty: nothing to sample
         assert time.monotonic() - started >= 0.3
         # A wait without end, interrupted by SIGINT, raises KeyboardInterrupt.
+        # The child handles SIGINT as Python does by default, whatever it inherited (a test run
+        # in the background starts with SIGINT ignored, and its children inherit that).
         code = (
+            "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "import tensordict_rs.replay as r\n"
             f"b = r.RemoteReplayBuffer('py-wait', runtime_dir={str(runtime)!r})\n"
             "try:\n    print('waiting', flush=True)\n    b.sample(4)\nexcept KeyboardInterrupt:\n    print('interrupted', flush=True)\n"
@@ -104,7 +107,10 @@ def test_a_sample_the_limiter_holds_back_times_out_and_ctrl_c_wakes_a_wait(runti
         assert child.stdout.readline().strip() == "waiting"
         time.sleep(0.3)
         child.send_signal(signal.SIGINT)
-        out, _ = child.communicate(timeout=60)
+        try:
+            out, _ = child.communicate(timeout=60)
+        finally:
+            child.kill()
         assert out.strip() == "interrupted"
 
 

@@ -212,8 +212,11 @@ def test_a_load_waits_for_its_key_and_ctrl_c_wakes_it(store, short_dir):
     assert (store.load("late", timeout=30.0)["x"].numpy() == 1.0).all()
     saver.join()
     # A wait without end, interrupted by SIGINT, raises KeyboardInterrupt.
+    # The child handles SIGINT as Python does by default, whatever it inherited (a test run in
+    # the background starts with SIGINT ignored, and its children inherit that).
     code = (
-        "import pickle, sys\n"
+        "import pickle, signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "store = pickle.loads(sys.stdin.buffer.read())\n"
         "try:\n    print('waiting', flush=True)\n    store.load('never', timeout=float('inf'))\n"
         "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n"
@@ -224,8 +227,11 @@ def test_a_load_waits_for_its_key_and_ctrl_c_wakes_it(store, short_dir):
     assert child.stdout.readline().strip() == b"waiting"
     time.sleep(0.5)
     child.send_signal(signal.SIGINT)
+    try:
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.kill()
     assert child.stdout.read().strip() == b"interrupted"
-    assert child.wait(timeout=60) == 0
 
 
 def test_loads_by_value_copy_the_entry_with_its_tied_weights(store, short_dir):
