@@ -7,10 +7,10 @@
 //!
 //! 1. **The region lives as long as the `Storage`.** A heap region is one allocation freed in
 //!    `Drop`; a file or shm region is one `mmap` unmapped in `Drop`; a borrowed region is kept
-//!    alive by its owner, which `Drop` lets go of (the contract of [`Storage::borrowed`]). Nothing here remaps, grows or
-//!    shrinks a region, and this crate never truncates a file or shm object: new files are built
-//!    under a temporary name and renamed into place, so a process that mapped the old file keeps
-//!    the old inode.
+//!    alive by its owner, which `Drop` lets go of (the contract of [`Storage::borrowed`]).
+//!    Nothing here remaps, grows or shrinks a region, and this crate never truncates a file or
+//!    shm object: new files are built under a temporary name and renamed into place, so a
+//!    process that mapped the old file keeps the old inode.
 //! 2. **Lengths are checked before mapping.** A file or shm object shorter than the requested
 //!    length is refused before `mmap`, so no access of ours lands past the end of the object
 //!    (the SIGBUS path). Blocks of new files and shm objects are allocated up front
