@@ -356,6 +356,19 @@ pub enum Error {
         /// memory access was encountered`).
         message: String,
     },
+    /// GPU memory another library hands over (a DLPack tensor's address) that the driver does
+    /// not know as memory of the device it is said to be on.
+    #[error("{len} bytes at {address:#x} are not GPU memory of {device}: {reason}")]
+    NotDeviceMemory {
+        /// The first byte's address.
+        address: u64,
+        /// How many bytes were handed over.
+        len: usize,
+        /// The device they were said to be on.
+        device: crate::Device,
+        /// What the driver says about them.
+        reason: String,
+    },
     /// Not enough free memory on a device (or, for pinned memory, pinnable host memory).
     #[error("{op}: {needed} bytes asked of {device}, which has {free} bytes free")]
     DeviceOutOfMemory {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use crate::copy::{self, Rows, Strided, copy_strided};
 use crate::pool::{Leg, Pool};
 use crate::row_index::RowIndex;
-use crate::{Advice, Error, Result, Shape, Storage, StorageKind, Tensor};
+use crate::{Advice, Device, Error, Result, Shape, Storage, StorageKind, Tensor};
 
 impl Tensor {
     /// Gathers the rows `indices` of dim 0 into a new contiguous heap tensor of shape
@@ -137,7 +137,8 @@ impl Tensor {
 
     /// Writes row `k` of `src` to row `indices[k]` of dim 0, for every k in order (a repeated
     /// index keeps the last row written). `src` has shape `[indices.len(), dims[1..]…]` and the
-    /// same dtype. Every index is checked before anything is written.
+    /// same dtype. Every index is checked before anything is written. A source on a GPU is
+    /// brought to the host first, as [`Tensor::copy_from`] brings it.
     pub fn scatter_rows(&mut self, indices: &[i64], src: &Tensor) -> Result<()> {
         const OP: &str = "scatter_rows";
         // The kinds first: a wrong source is named before a wrong index.
@@ -152,6 +153,9 @@ impl Tensor {
         let expected = self.rows_shape(OP, rows.len())?;
         self.check_same_kind(OP, src, &expected)?;
         rows.fits(OP, self)?;
+        if !src.device().is_cpu() {
+            return self.scatter_index(rows, &src.to(Device::Cpu)?);
+        }
         if self.shares_storage_with(src) {
             return self.scatter_index(rows, &src.deep_clone()?);
         }

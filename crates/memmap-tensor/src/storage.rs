@@ -222,6 +222,38 @@ impl Storage {
         Ok(Self::with_backing(ptr, len_bytes, Access::ReadOnly, Backing::Borrowed { _owner: owner }))
     }
 
+    /// A storage over `len_bytes` at `address` of GPU memory another library allocated (a torch
+    /// CUDA tensor: DLPack's data pointer), kept alive by `owner`, which is dropped with the
+    /// storage. Nothing is copied: tensors over it are on `device` and share the producer's
+    /// memory, as `torch.from_dlpack` shares it; `access` is what the producer allows
+    /// ([`Access::ReadOnly`] makes a tensor exported back to DLPack say so). The driver is
+    /// asked what the first and last byte are: device memory of `device` (or managed memory)
+    /// at both ends, or [`Error::NotDeviceMemory`]. Without the `cuda` feature or a driver, an
+    /// [`Error::CudaUnavailable`].
+    ///
+    /// The producer's pending work on the memory must be complete, or ordered before ours, by
+    /// the time a tensor over it is read: DLPack's stream protocol, with a [`cuda::Stream`]
+    /// handed to the producer and synchronized.
+    ///
+    /// # Safety
+    /// - `address..address + len_bytes` stays allocated until `owner` is dropped;
+    /// - nothing writes those bytes while a copy or kernel over this storage reads them.
+    pub unsafe fn borrowed_gpu(
+        address: u64,
+        len_bytes: usize,
+        device: Device,
+        access: Access,
+        owner: Box<dyn Send + Sync>,
+    ) -> Result<Self> {
+        device.check()?;
+        if !device.is_cuda() {
+            return Err(Error::WrongDevice { op: "borrowed_gpu", device });
+        }
+        crate::check_len("borrowed GPU storage", len_bytes, 1)?;
+        // SAFETY: the caller's contract is the floor's.
+        unsafe { Floor::borrow(address, len_bytes, device, access, owner) }
+    }
+
     /// Creates a file of `len_bytes` zero bytes at `path` and maps it read-write.
     ///
     /// The file is built under a temporary name in the same folder, its blocks are allocated
@@ -419,9 +451,16 @@ impl Storage {
     /// Storage over memory the CUDA driver allocated. Device memory gets no host pointer.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "only the driver allocates"))]
     pub(crate) fn from_memory(memory: cuda::Memory) -> Self {
+        Self::from_memory_as(memory, Access::ReadWrite)
+    }
+
+    /// [`Storage::from_memory`] with the access given (borrowed memory's producer may say
+    /// read-only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "only the driver allocates"))]
+    pub(crate) fn from_memory_as(memory: cuda::Memory, access: Access) -> Self {
         let ptr = memory.host_ptr().unwrap_or_else(aligned_dangling);
         let len = memory.len();
-        Self::with_backing(ptr, len, Access::ReadWrite, Backing::Gpu(memory))
+        Self::with_backing(ptr, len, access, Backing::Gpu(memory))
     }
 
     /// The driver's memory under this storage, for device, pinned and managed storage.

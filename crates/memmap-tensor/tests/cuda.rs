@@ -8,10 +8,11 @@
 
 use std::process::Command;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use memmap_tensor::{
-    Access, DType, Device, Error, GatherVia, Location, ManagedAdvice, Result, StorageKind, Tensor, ToOptions,
-    TransferPath,
+    Access, DType, Device, Error, GatherVia, Layout, Location, ManagedAdvice, Result, Storage, StorageKind, Tensor,
+    ToOptions, TransferPath,
 };
 use rand::{Rng, SeedableRng};
 
@@ -32,6 +33,22 @@ fn pattern(dtype: DType, shape: &[usize], seed: u64) -> Result<Tensor> {
     let bytes: Vec<u8> =
         (0..n).map(|_| if dtype == DType::Bool { rng.random_range(0..2) } else { rng.random() }).collect();
     Tensor::from_bytes(&bytes, dtype, shape)
+}
+
+/// What keeps borrowed memory alive in these tests: says when it is dropped.
+struct Owner(Option<Tensor>, Arc<AtomicBool>);
+
+impl Owner {
+    fn new() -> (Owner, Arc<AtomicBool>) {
+        let dropped = Arc::new(AtomicBool::new(false));
+        (Owner(None, Arc::clone(&dropped)), dropped)
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.1.store(true, Ordering::SeqCst);
+    }
 }
 
 // === Everywhere ===
@@ -124,6 +141,13 @@ fn without_a_driver_every_gpu_operation_says_why() -> Result<()> {
     unavailable(t.copy_to(&Location::Pinned, &ToOptions::new()).map(drop), "copy_to pinned");
     unavailable(t.to_with(Device::Cpu, &ToOptions::new().pinned(true)).map(drop), "to pinned");
     unavailable(memmap_tensor::cuda::memory_info(Device::Cuda(0)).map(drop), "memory_info");
+    unavailable(memmap_tensor::cuda::Stream::new(Device::Cuda(0)).map(drop), "a stream");
+    // Another library's GPU memory cannot be viewed either, and its owner is let go of at once.
+    let (owner, dropped) = Owner::new();
+    // SAFETY: nothing is read: without a driver the call fails first.
+    let borrowed = unsafe { Storage::borrowed_gpu(1 << 20, 64, Device::Cuda(0), Access::ReadWrite, Box::new(owner)) };
+    unavailable(borrowed.map(drop), "borrowed_gpu");
+    assert!(dropped.load(Ordering::SeqCst), "the owner of memory that could not be viewed is dropped");
     assert!(!t.storage().is_registered());
     // The host path is untouched by all that.
     assert_eq!(t.to(Device::Cpu)?.to_bytes()?, t.to_bytes()?);
@@ -259,6 +283,59 @@ fn gathers_into_gpu_memory_match_host_gathers() -> Result<()> {
             assert_eq!(out.to_bytes()?, src.gather_rows(&[49, 0, 7])?.to_bytes()?, "{via:?}");
         }
     }
+    Ok(())
+}
+
+/// GPU memory another library allocated (here, a tensor of ours standing in for torch's) is
+/// viewed where it is: read, gathered and moved like our own, its owner kept until the last
+/// view goes; an address that is not device memory of the device named is refused.
+#[test]
+#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
+fn another_librarys_gpu_memory_is_viewed_in_place_and_checked_first() -> Result<()> {
+    let gpu = gpu();
+    let host = pattern(DType::F32, &[64, 8], 11)?;
+    let theirs = host.to(gpu)?;
+    let (mut owner, dropped) = Owner::new();
+    owner.0 = Some(theirs.clone());
+    let stream = memmap_tensor::cuda::Stream::new(gpu)?;
+    assert!(stream.handle() > 2, "a stream of ours, not a default stream's code");
+    stream.synchronize()?;
+    let address = theirs.data_ptr() as u64;
+    // SAFETY: `theirs` (held by the owner) keeps the memory allocated; nothing writes it.
+    let storage = unsafe { Storage::borrowed_gpu(address, theirs.nbytes(), gpu, Access::ReadOnly, Box::new(owner)) }?;
+    assert_eq!((storage.kind(), storage.device(), storage.is_writable()), (StorageKind::Cuda, gpu, false));
+    let view = Tensor::from_storage(Arc::new(storage), 0, DType::F32, Layout::contiguous([64, 8])?)?;
+    assert_eq!(view.device(), gpu);
+    assert_eq!(view.data_ptr() as u64, address);
+    assert_eq!(view.to(Device::Cpu)?.to_bytes()?, host.to_bytes()?);
+    let rows = [3i64, 0, 63, 3];
+    let gathered = view.gather_rows_to(gpu, &rows)?;
+    assert_eq!(gathered.paths(), [TransferPath::GatherKernel]);
+    assert_eq!(gathered.wait()?.to_bytes()?, host.gather_rows(&rows)?.to_bytes()?);
+    let strided = view.slice(1, 1, 8, 2)?;
+    assert_eq!(strided.to(Device::Cpu)?.to_bytes()?, host.slice(1, 1, 8, 2)?.to_bytes()?);
+    // Rows written from it into host memory come down first.
+    let mut into = Tensor::zeros([64, 8], DType::F32, &Location::Heap)?;
+    into.scatter_rows(&[5, 6], &view.narrow(0, 0, 2)?)?;
+    assert_eq!(into.narrow(0, 5, 2)?.to_bytes()?, host.narrow(0, 0, 2)?.to_bytes()?);
+    drop((view, strided));
+    assert!(dropped.load(Ordering::SeqCst), "the owner goes with the last view");
+    // Refused: host memory, the host as the device, a device that is not there.
+    let (owner, dropped) = Owner::new();
+    // SAFETY: refused before anything reads it.
+    let e = unsafe { Storage::borrowed_gpu(host.data_ptr() as u64, 64, gpu, Access::ReadOnly, Box::new(owner)) };
+    assert!(matches!(e, Err(Error::NotDeviceMemory { .. })), "{e:?}");
+    assert!(dropped.load(Ordering::SeqCst));
+    // SAFETY: as above.
+    let e = unsafe { Storage::borrowed_gpu(address, 64, Device::Cpu, Access::ReadOnly, Box::new(())) };
+    assert!(matches!(e, Err(Error::WrongDevice { .. })), "{e:?}");
+    // SAFETY: as above.
+    let e = unsafe { Storage::borrowed_gpu(address, 64, Device::Cuda(999), Access::ReadOnly, Box::new(())) };
+    assert!(matches!(e, Err(Error::NoSuchDevice { .. })), "{e:?}");
+    // An empty view needs no address.
+    // SAFETY: no bytes.
+    let empty = unsafe { Storage::borrowed_gpu(0, 0, gpu, Access::ReadWrite, Box::new(())) }?;
+    assert_eq!(empty.len_bytes(), 0);
     Ok(())
 }
 

@@ -290,15 +290,15 @@ unsafe extern "C" fn capsule_versioned_destructor(capsule: *mut pyo3::ffi::PyObj
 ///
 /// A tensor given twice (tied weights of a state dict) is imported once and shared, as in the
 /// producer. A call that copies the tensors somewhere before it returns (a store's `save`)
-/// borrows them: they view the producer's memory, kept alive until the call lets go, and are
-/// read once, by that copy.
+/// borrows host tensors: they view the producer's memory, kept alive until the call lets go,
+/// and are read once, by that copy. GPU tensors are always viewed where they are ([`import`]).
 pub(crate) struct Imports {
     seen: std::collections::HashMap<Viewed, Tensor>,
     borrow: bool,
 }
 
 impl Imports {
-    /// Imports that copy each tensor into memory of its own (what outlives the call).
+    /// Imports that copy each host tensor into memory of its own (what outlives the call).
     pub(crate) fn copying() -> Self {
         Imports { seen: Default::default(), borrow: false }
     }
@@ -310,8 +310,8 @@ impl Imports {
     }
 }
 
-/// What a DLPack tensor views: its first byte, dtype code and bits, shape and strides.
-pub(crate) type Viewed = (usize, u8, u8, Vec<i64>, Vec<i64>);
+/// What a DLPack tensor views: its device, first byte, dtype, shape and strides.
+type Viewed = ((i32, i32), usize, DType, Vec<usize>, Vec<isize>);
 
 /// A producer's tensor taken from its capsule: ours to let go of, once.
 enum Managed {
@@ -350,6 +350,15 @@ impl Managed {
             // SAFETY: the tensor is live until `release`, which takes `self`.
             Managed::Versioned(m) => Some(unsafe { ((*m).version.major, (*m).version.minor) }),
             Managed::Unversioned(_) => None,
+        }
+    }
+
+    /// Whether the producer said the memory must not be written (only a versioned tensor can).
+    fn read_only(&self) -> bool {
+        match *self {
+            // SAFETY: as in `version`.
+            Managed::Versioned(m) => (unsafe { (*m).flags } & FLAG_READ_ONLY) != 0,
+            Managed::Unversioned(_) => false,
         }
     }
 
@@ -401,25 +410,52 @@ impl Drop for Lent {
 }
 
 /// A DLPack producer's tensor (a numpy array, a torch tensor: anything with `__dlpack__`) as
-/// one of ours: a copy on the heap, any strides, with the producer's memory let go of before
-/// this returns; or, with [`Imports::borrowing`], a read-only view of that memory for a
-/// contiguous host tensor (others are copied as above).
+/// one of ours.
+///
+/// - A host tensor is copied to the heap, any strides, and the producer's memory let go of
+///   before this returns; or, with [`Imports::borrowing`], viewed read-only in place when it
+///   is contiguous (others are copied as above).
+/// - A CUDA tensor (device or managed memory) is viewed where it is, on its GPU, sharing the
+///   producer's memory as `torch.from_dlpack` shares it (writable unless the producer said
+///   read-only); the producer's memory is let go of when the last tensor over it goes. The
+///   dict can hold it there; a call that writes it somewhere else (a folder, a store, a host
+///   dict's rows) copies it from the GPU then. The stream protocol is honoured: the producer
+///   is given a stream of ours (`__dlpack__(stream=...)`), which makes its pending work on the
+///   tensor precede that stream's, and the stream is synchronized before the tensor is used.
 ///
 /// The producer is asked for a DLPack 1.0 tensor (`max_version=(1, 0)`), which is the only kind
 /// numpy exports for read-only and broadcast arrays; a producer that does not know the argument
-/// is asked again without it. Read-only, broadcast (stride 0) and negatively strided inputs are
-/// inputs like any other: copied once, their size checked against the machine's memory first
-/// (a stride-0 view can claim any number of elements).
+/// is asked again without it. Read-only, broadcast (stride 0) and negatively strided host
+/// inputs are inputs like any other: copied once, their size checked against the machine's
+/// memory first (a stride-0 view can claim any number of elements). A GPU tensor with a
+/// negative stride cannot be viewed (our layouts have none) and is refused with what to do.
 ///
 /// With `imports`, a tensor already imported by this call (tied weights) is shared instead of
 /// imported again; without them (rows about to be copied into a storage) nothing is looked up.
 pub(crate) fn import(obj: &Bound<'_, PyAny>, imports: Option<&mut Imports>) -> PyResult<Tensor> {
     let py = obj.py();
+    // A CUDA producer is given a stream to order its work before (the array API's protocol:
+    // `__dlpack_device__` says where the tensor is before it is asked for).
+    let said = dlpack_device(obj)?;
+    let stream = match said {
+        Some((KDL_CUDA | KDL_CUDA_MANAGED, id)) => {
+            let ordinal = usize::try_from(id)
+                .map_err(|_| PyValueError::new_err(format!("__dlpack_device__ gave a CUDA device id of {id}")))?;
+            Some(memmap_tensor::cuda::Stream::new(Device::Cuda(ordinal)).map_err(crate::error::to_py_err)?)
+        }
+        _ => None,
+    };
     let kwargs = pyo3::types::PyDict::new(py);
+    if let Some(stream) = &stream {
+        kwargs.set_item("stream", stream.handle())?;
+    }
     kwargs.set_item("max_version", (1, 0))?;
     let capsule = match obj.call_method("__dlpack__", (), Some(&kwargs)) {
         Ok(capsule) => capsule,
-        Err(e) if e.is_instance_of::<PyTypeError>(py) => obj.call_method0("__dlpack__")?,
+        Err(e) if e.is_instance_of::<PyTypeError>(py) => {
+            kwargs.del_item("max_version")?;
+            obj.call_method("__dlpack__", (), Some(&kwargs))?
+        }
         Err(e) => return Err(e),
     };
     let capsule = capsule.cast_into::<PyCapsule>().map_err(PyErr::from)?;
@@ -437,27 +473,66 @@ pub(crate) fn import(obj: &Bound<'_, PyAny>, imports: Option<&mut Imports>) -> P
             "the producer gave a DLPack {major}.{minor} tensor: only DLPack 1.x is read"
         )));
     }
+    if let Some(stream) = stream {
+        // The stream ordered the work of the device it was made for: the tensor must be there.
+        let gave = (managed.tensor().device.device_type, managed.tensor().device.device_id);
+        let synchronized = if said == Some(gave) {
+            stream.synchronize().map_err(crate::error::to_py_err)
+        } else {
+            Err(PyValueError::new_err(format!(
+                "__dlpack_device__ said {said:?} (DLPack device type, id) and __dlpack__ gave a tensor on {gave:?}"
+            )))
+        };
+        if let Err(e) = synchronized {
+            managed.release();
+            return Err(e);
+        }
+    }
     read(managed, imports)
 }
 
-/// The tensor `managed` describes: copied, borrowed, or shared with an earlier import of the
-/// same memory. `managed` is released here, or kept by a borrowed tensor's storage.
+/// `obj.__dlpack_device__()`: (DLPack device type, id), or `None` for a producer without it.
+fn dlpack_device(obj: &Bound<'_, PyAny>) -> PyResult<Option<(i32, i32)>> {
+    if !obj.hasattr("__dlpack_device__")? {
+        return Ok(None);
+    }
+    let device = obj.call_method0("__dlpack_device__")?;
+    // An IntEnum for the type, as numpy and torch give it, reads as an int.
+    device.extract::<(i32, i32)>().map(Some).map_err(|_| {
+        PyValueError::new_err(format!(
+            "__dlpack_device__ gave {}, not a (device type, device id) pair of ints",
+            device.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+        ))
+    })
+}
+
+/// The tensor `managed` describes: copied, viewed, or shared with an earlier import of the
+/// same memory. `managed` is released here, or kept by a viewing tensor's storage.
 fn read(managed: Managed, imports: Option<&mut Imports>) -> PyResult<Tensor> {
     // SAFETY: the tensor is live until `managed` is released.
-    let key = if imports.is_some() { unsafe { identity(managed.tensor()) } } else { None };
+    let described = match unsafe { describe(managed.tensor()) } {
+        Ok(d) => d,
+        Err(e) => {
+            managed.release();
+            return Err(e);
+        }
+    };
+    let key = imports.as_ref().and_then(|_| described.identity());
     let seen = match (&key, imports.as_deref()) {
         (Some(k), Some(imports)) => imports.seen.get(k).cloned(),
         _ => None,
     };
+    let on_gpu = matches!(described.device.0, KDL_CUDA | KDL_CUDA_MANAGED);
     let result = match seen {
         Some(tensor) => {
             managed.release();
             Ok(tensor)
         }
-        None if imports.as_deref().is_some_and(|i| i.borrow) => lend(managed),
+        None if on_gpu => view_on_gpu(managed, &described),
+        None if imports.as_deref().is_some_and(|i| i.borrow) => lend(managed, &described),
         None => {
-            // SAFETY: as above.
-            let copied = unsafe { copy_out(managed.tensor()) };
+            // SAFETY: the tensor is live until `managed` is released; `described` is its own.
+            let copied = unsafe { copy_out(&described) };
             managed.release();
             copied
         }
@@ -468,104 +543,165 @@ fn read(managed: Managed, imports: Option<&mut Imports>) -> PyResult<Tensor> {
     result
 }
 
-/// A read-only tensor over the producer's memory, which stays the producer's (released when
-/// the tensor's storage goes): for a contiguous host tensor with elements, at an address its
-/// dtype can be read at. Anything else is copied ([`copy_out`]).
-fn lend(managed: Managed) -> PyResult<Tensor> {
-    // SAFETY: the tensor is live until `managed` is released.
-    let view = match unsafe { contiguous_view(managed.tensor()) } {
-        Ok(Some(view)) => view,
-        Ok(None) => {
-            // SAFETY: as above.
-            let copied = unsafe { copy_out(managed.tensor()) };
+/// What a DLPack tensor says of itself, read and checked once.
+struct Described {
+    /// DLPack device type and id.
+    device: (i32, i32),
+    dtype: DType,
+    shape: Vec<usize>,
+    /// Element strides, C order's when the producer gave none.
+    strides: Vec<isize>,
+    /// The first element's address (data plus byte offset): a host address, or a device
+    /// address for a CUDA tensor.
+    base: *mut u8,
+    /// Bytes of the elements, packed.
+    nbytes: usize,
+    /// Whether the elements lie packed in C order from `base`.
+    packed: bool,
+}
+
+impl Described {
+    fn on_host(&self) -> bool {
+        matches!(self.device.0, KDL_CPU | KDL_CUDA_HOST)
+    }
+
+    /// What it views, to share a tensor given twice (`None` for one without elements, which is
+    /// never worth sharing).
+    fn identity(&self) -> Option<Viewed> {
+        (self.nbytes > 0)
+            .then(|| (self.device, self.base as usize, self.dtype, self.shape.clone(), self.strides.clone()))
+    }
+
+    /// The strides as a layout's (none negative), or `None`.
+    fn layout(&self) -> Option<Layout> {
+        let strides = self.strides.iter().map(|&s| usize::try_from(s).ok()).collect::<Option<Vec<usize>>>()?;
+        Layout::new(self.shape.as_slice(), strides, 0).ok()
+    }
+}
+
+/// Reads a DLPack tensor's description: dtype, shape, strides and where its first element is.
+/// An error for what cannot be read at all (a dtype we have no name for, negative dims, a size
+/// past the address space).
+///
+/// # Safety
+/// `t` describes a live DLPack tensor (`shape`, and `strides` when not null, hold `ndim`
+/// entries).
+unsafe fn describe(t: &DLTensor) -> PyResult<Described> {
+    let dtype = from_dl_dtype(t.dtype)?;
+    let ndim = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err("a DLPack tensor with a negative ndim"))?;
+    // A 0-d tensor's shape (and strides) may be a null pointer.
+    let dims: &[i64] = if ndim == 0 {
+        &[]
+    } else if t.shape.is_null() {
+        return Err(PyValueError::new_err("a DLPack tensor with dims but no shape"));
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts(t.shape, ndim) }
+    };
+    let shape: Vec<usize> = dims
+        .iter()
+        .map(|&d| usize::try_from(d).map_err(|_| PyValueError::new_err("a DLPack tensor with a negative dim")))
+        .collect::<PyResult<_>>()?;
+    let nbytes = shape.iter().try_fold(dtype.size_in_bytes(), |n, &d| n.checked_mul(d)).ok_or_else(|| {
+        PyValueError::new_err(format!("a DLPack tensor of shape {shape:?} overflows the address space"))
+    })?;
+    let strides: Vec<isize> = if t.strides.is_null() || ndim == 0 {
+        let mut s = vec![1isize; ndim];
+        for i in (0..ndim.saturating_sub(1)).rev() {
+            s[i] = s[i + 1].saturating_mul(isize::try_from(shape[i + 1]).unwrap_or(isize::MAX));
+        }
+        s
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts(t.strides, ndim) }.iter().map(|&s| s as isize).collect()
+    };
+    let base = t.data.cast::<u8>().wrapping_add(t.byte_offset as usize);
+    let mut described = Described {
+        device: (t.device.device_type, t.device.device_id),
+        dtype,
+        shape,
+        strides,
+        base,
+        nbytes,
+        packed: false,
+    };
+    described.packed = described.layout().is_some_and(|l| l.is_contiguous());
+    Ok(described)
+}
+
+/// A read-only tensor over the producer's host memory, which stays the producer's (released
+/// when the tensor's storage goes): for a contiguous host tensor with elements, at an address
+/// its dtype can be read at. Anything else is copied ([`copy_out`]).
+fn lend(managed: Managed, d: &Described) -> PyResult<Tensor> {
+    let aligned = (d.base as usize).is_multiple_of(d.dtype.size_in_bytes());
+    let base = match std::ptr::NonNull::new(d.base) {
+        Some(base) if d.on_host() && d.packed && aligned && d.nbytes > 0 => base,
+        _ => {
+            // SAFETY: the tensor is live until `managed` is released; `d` is its own.
+            let copied = unsafe { copy_out(d) };
             managed.release();
             return copied;
         }
-        Err(e) => {
-            managed.release();
-            return Err(e);
-        }
     };
     let to_err = |e: memmap_tensor::Error| PyValueError::new_err(e.to_string());
-    // SAFETY: `contiguous_view` checked that the producer's memory holds `view.nbytes` packed in
-    // C order from `view.base` on the host, and DLPack's contract keeps it allocated (not
-    // freed, not moved: an exporter may not resize what it exported) until the producer's
-    // deleter runs, which `Lent` does when the storage is dropped. The storage is read-only,
-    // and borrowing imports are made for calls that copy the dict and drop it before they
-    // return; a caller writing its arrays meanwhile from another thread gets a torn copy, as
-    // with any reader of them.
-    let storage = unsafe { memmap_tensor::Storage::borrowed(view.base, view.nbytes, Box::new(Lent(Some(managed)))) }
-        .map_err(to_err)?;
-    let layout = Layout::contiguous(view.shape.as_slice()).map_err(to_err)?;
-    Tensor::from_storage(std::sync::Arc::new(storage), 0, view.dtype, layout).map_err(to_err)
+    // SAFETY: the producer's memory holds `d.nbytes` packed in C order from `base` on the host
+    // (checked just above), and DLPack's contract keeps it allocated (not freed, not moved: an
+    // exporter may not resize what it exported) until the producer's deleter runs, which
+    // `Lent` does when the storage is dropped. The storage is read-only, and borrowing imports
+    // are made for calls that copy the dict and drop it before they return; a caller writing
+    // its arrays meanwhile from another thread gets a torn copy, as with any reader of them.
+    let storage =
+        unsafe { memmap_tensor::Storage::borrowed(base, d.nbytes, Box::new(Lent(Some(managed)))) }.map_err(to_err)?;
+    let layout = Layout::contiguous(d.shape.as_slice()).map_err(to_err)?;
+    Tensor::from_storage(std::sync::Arc::new(storage), 0, d.dtype, layout).map_err(to_err)
 }
 
-/// A host DLPack tensor whose elements are packed in C order from `base`.
-struct ContiguousView {
-    base: std::ptr::NonNull<u8>,
-    nbytes: usize,
-    dtype: DType,
-    shape: Vec<usize>,
-}
-
-/// `t` as a [`ContiguousView`], when it is one with elements at an address aligned for its
-/// dtype; `None` when it must be copied instead; an error for what cannot be read at all.
-///
-/// # Safety
-/// `t` describes a live DLPack tensor.
-unsafe fn contiguous_view(t: &DLTensor) -> PyResult<Option<ContiguousView>> {
-    if t.device.device_type != KDL_CPU && t.device.device_type != KDL_CUDA_HOST {
-        return Ok(None);
-    }
-    let dtype = from_dl_dtype(t.dtype)?;
-    let ndim = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err("negative ndim"))?;
-    if ndim > 0 && t.shape.is_null() {
-        return Ok(None);
-    }
-    // SAFETY: DLPack: `shape` (and `strides`, when not null) hold `ndim` entries.
-    let dims: &[i64] = if ndim == 0 { &[] } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) } };
-    let Ok(shape) = dims.iter().map(|&d| usize::try_from(d)).collect::<Result<Vec<usize>, _>>() else {
-        return Ok(None);
+/// A tensor on its GPU over the producer's device or managed memory (any strides but
+/// negative ones), which stays the producer's: released when the tensor's storage goes.
+fn view_on_gpu(managed: Managed, d: &Described) -> PyResult<Tensor> {
+    let id = d.device.1;
+    let refuse = |managed: Managed, message: String| {
+        managed.release();
+        Err(PyValueError::new_err(message))
     };
-    let Some(nbytes) = shape.iter().try_fold(dtype.size_in_bytes(), |n, &d| n.checked_mul(d)) else {
-        return Ok(None);
+    let Ok(ordinal) = usize::try_from(id) else {
+        return refuse(managed, format!("a CUDA tensor on device id {id}"));
     };
-    let packed = ndim == 0 || t.strides.is_null() || {
-        // SAFETY: as above.
-        let strides = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
-        let strides: Option<Vec<usize>> = strides.iter().map(|&s| usize::try_from(s).ok()).collect();
-        strides.is_some_and(|s| Layout::new(shape.as_slice(), s, 0).is_ok_and(|l| l.is_contiguous()))
+    let Some(layout) = d.layout() else {
+        return refuse(
+            managed,
+            format!(
+                "a CUDA tensor of shape {:?} with strides {:?} (negative, or reaching past the address space) \
+                 cannot be viewed here: make it contiguous on its GPU first (.contiguous(), or \
+                 cupy.ascontiguousarray)",
+                d.shape, d.strides
+            ),
+        );
     };
-    let base = t.data.cast::<u8>().wrapping_add(t.byte_offset as usize);
-    let aligned = (base as usize).is_multiple_of(dtype.size_in_bytes());
-    Ok(match std::ptr::NonNull::new(base) {
-        Some(base) if packed && aligned && nbytes > 0 => Some(ContiguousView { base, nbytes, dtype, shape }),
-        _ => None,
-    })
-}
-
-/// What a DLPack tensor views: its first byte, dtype, shape and strides (`None` for a 0-d or
-/// empty tensor, which is never worth sharing).
-///
-/// # Safety
-/// `t` describes a live DLPack tensor.
-unsafe fn identity(t: &DLTensor) -> Option<Viewed> {
-    let ndim = usize::try_from(t.ndim).ok().filter(|&n| n > 0)?;
-    if t.shape.is_null() {
-        return None;
+    if !(d.base as usize).is_multiple_of(d.dtype.size_in_bytes()) {
+        return refuse(
+            managed,
+            format!("a CUDA tensor at {:#x}, not aligned for {}: make it contiguous first", d.base as usize, d.dtype),
+        );
     }
-    // SAFETY: DLPack: `shape` (and `strides`, when not null) hold `ndim` entries.
-    let shape = unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec();
-    if shape.contains(&0) {
-        return None;
-    }
-    let strides = if t.strides.is_null() {
-        Vec::new()
+    let len = if d.nbytes == 0 {
+        0
     } else {
-        // SAFETY: as above.
-        unsafe { std::slice::from_raw_parts(t.strides, ndim) }.to_vec()
+        layout.required_bytes(d.dtype.size_in_bytes()).map_err(crate::error::to_py_err)?
     };
-    Some((t.data as usize + t.byte_offset as usize, t.dtype.code, t.dtype.bits, shape, strides))
+    let access = if managed.read_only() { Access::ReadOnly } else { Access::ReadWrite };
+    let device = Device::Cuda(ordinal);
+    // SAFETY: DLPack's contract keeps the producer's memory allocated, and its pending work on
+    // it ordered before ours (`import` synchronized the stream the producer was given), until
+    // the deleter runs, which `Lent` does when the storage is dropped; the span `len` covers
+    // every element the (non-negative) strides reach from `base`, and the driver checks both
+    // ends before anything reads it. Writes to it by the producer while a copy of ours reads
+    // it race as they would with any other consumer of the memory.
+    let storage = unsafe {
+        memmap_tensor::Storage::borrowed_gpu(d.base as u64, len, device, access, Box::new(Lent(Some(managed))))
+    }
+    .map_err(crate::error::to_py_err)?;
+    Tensor::from_storage(std::sync::Arc::new(storage), 0, d.dtype, layout).map_err(crate::error::to_py_err)
 }
 
 /// Row numbers or priorities from Python: one of our tensors, anything with `__dlpack__` (a
@@ -580,7 +716,7 @@ pub(crate) fn numbers<T: for<'a, 'py> FromPyObject<'a, 'py> + Copy>(
         return as_vec(&t.get().inner);
     }
     if obj.hasattr("__dlpack__")? {
-        return as_vec(&import(obj, None)?);
+        return as_vec(&to_host(import(obj, None)?)?);
     }
     if let Ok(v) = obj.extract::<Vec<T>>() {
         return Ok(v);
@@ -591,6 +727,12 @@ pub(crate) fn numbers<T: for<'a, 'py> FromPyObject<'a, 'py> + Copy>(
             obj.repr().map_or_else(|_| "?".into(), |r| r.to_string())
         ))
     })
+}
+
+/// `t`, or for a tensor on a GPU, a copy of it on the host (row numbers, priorities and
+/// indices are read there).
+pub(crate) fn to_host(t: Tensor) -> PyResult<Tensor> {
+    if t.device().is_cpu() { Ok(t) } else { t.to(Device::Cpu).map_err(crate::error::to_py_err) }
 }
 
 /// A tensor's elements as int64 (integer dtypes only).
@@ -630,68 +772,34 @@ pub(crate) fn floats(t: &Tensor) -> memmap_tensor::Result<Vec<f64>> {
 /// Copies a DLPack tensor on the host into a new contiguous heap tensor.
 ///
 /// # Safety
-/// `t` describes live memory as DLPack says (shape, strides in elements or null for C order,
-/// data + byte_offset).
-unsafe fn copy_out(t: &DLTensor) -> PyResult<Tensor> {
-    if t.device.device_type != KDL_CPU && t.device.device_type != KDL_CUDA_HOST {
+/// `d` describes live memory (as [`describe`] read it from a live tensor).
+unsafe fn copy_out(d: &Described) -> PyResult<Tensor> {
+    if !d.on_host() {
         return Err(PyValueError::new_err(format!(
-            "the tensor is on DLPack device type {} (id {}): only host tensors are read here; \
-             move it with .cpu() first",
-            t.device.device_type, t.device.device_id
+            "the tensor is on DLPack device type {} (id {}): host and CUDA tensors are read here; move it to \
+             the host or a CUDA device first",
+            d.device.0, d.device.1
         )));
     }
-    let dtype = from_dl_dtype(t.dtype)?;
-    let ndim = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err("negative ndim"))?;
-    // A 0-d tensor's shape (and strides) may be a null pointer.
-    let dims: &[i64] = if ndim == 0 || t.shape.is_null() {
-        &[]
-    } else {
-        // SAFETY: DLPack: `shape` holds `ndim` entries.
-        unsafe { std::slice::from_raw_parts(t.shape, ndim) }
-    };
-    if dims.len() != ndim {
-        return Err(PyValueError::new_err("a DLPack tensor with dims but no shape"));
-    }
-    let shape: Vec<usize> = dims
-        .iter()
-        .map(|&d| usize::try_from(d).map_err(|_| PyValueError::new_err("a negative dim")))
-        .collect::<PyResult<_>>()?;
-    let elem = dtype.size_in_bytes();
-    let nbytes = shape.iter().try_fold(elem, |n, &d| n.checked_mul(d)).ok_or_else(|| {
-        PyValueError::new_err(format!("a DLPack tensor of shape {shape:?} overflows the address space"))
-    })?;
+    let elem = d.dtype.size_in_bytes();
     // A view can claim more elements than there is memory (stride 0): the copy must fit.
-    memmap_tensor::check_len("a tensor to copy", nbytes / elem, elem).map_err(crate::error::to_py_err)?;
-    let strides: Vec<isize> = if t.strides.is_null() || ndim == 0 {
-        let mut s = vec![1isize; ndim];
-        for i in (0..ndim.saturating_sub(1)).rev() {
-            s[i] = s[i + 1] * shape[i + 1] as isize;
-        }
-        s
-    } else {
-        // SAFETY: DLPack: `strides` holds `ndim` entries when not null.
-        unsafe { std::slice::from_raw_parts(t.strides, ndim) }.iter().map(|&s| s as isize).collect()
-    };
-    let base = t.data.cast::<u8>().wrapping_add(t.byte_offset as usize);
+    memmap_tensor::check_len("a tensor to copy", d.nbytes / elem, elem).map_err(crate::error::to_py_err)?;
     let to_err = |e: memmap_tensor::Error| PyValueError::new_err(e.to_string());
-    if nbytes == 0 {
-        return Tensor::from_bytes(&[], dtype, shape.as_slice()).map_err(to_err);
+    if d.nbytes == 0 {
+        return Tensor::from_bytes(&[], d.dtype, d.shape.as_slice()).map_err(to_err);
     }
-    let packed = strides.iter().all(|&s| s >= 0)
-        && Layout::new(shape.as_slice(), strides.iter().map(|&s| s as usize).collect(), 0)
-            .is_ok_and(|l| l.is_contiguous());
-    if packed {
+    if d.packed {
         // SAFETY: the producer's memory covers its elements, `nbytes` packed in C order.
-        let bytes = unsafe { std::slice::from_raw_parts(base, nbytes) };
-        return Tensor::from_bytes(bytes, dtype, shape.as_slice()).map_err(to_err);
+        let bytes = unsafe { std::slice::from_raw_parts(d.base, d.nbytes) };
+        return Tensor::from_bytes(bytes, d.dtype, d.shape.as_slice()).map_err(to_err);
     }
     let mut bytes = Vec::new();
     bytes
-        .try_reserve_exact(nbytes)
-        .map_err(|_| crate::error::to_py_err(memmap_tensor::Error::OutOfMemory { bytes: nbytes }))?;
+        .try_reserve_exact(d.nbytes)
+        .map_err(|_| crate::error::to_py_err(memmap_tensor::Error::OutOfMemory { bytes: d.nbytes }))?;
     // SAFETY: the producer's memory covers every element its shape and strides name.
-    unsafe { gather_strided(base, &shape, &strides, elem, &mut bytes) };
-    Tensor::from_bytes(&bytes, dtype, shape.as_slice()).map_err(to_err)
+    unsafe { gather_strided(d.base, &d.shape, &d.strides, elem, &mut bytes) };
+    Tensor::from_bytes(&bytes, d.dtype, d.shape.as_slice()).map_err(to_err)
 }
 
 /// Appends the elements at `base` with `shape` and element `strides` to `out`, in C order.

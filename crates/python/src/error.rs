@@ -207,7 +207,8 @@ fn tensor_kind(e: &memmap_tensor::Error) -> Option<Kind> {
         | E::Misaligned { .. }
         | E::InvalidShmName { .. }
         | E::NoSuchDevice { .. }
-        | E::WrongDevice { .. } => Kind::Value,
+        | E::WrongDevice { .. }
+        | E::NotDeviceMemory { .. } => Kind::Value,
         E::DTypeMismatch { .. } | E::UnknownDType { .. } => Kind::Type,
         E::ReadOnly { .. } => Kind::Permission,
         E::OutOfMemory { .. } | E::TooLarge { .. } | E::DeviceOutOfMemory { .. } => Kind::Memory,

@@ -76,3 +76,87 @@ def test_a_data_loader_hands_out_batches_in_gpu_and_pinned_memory(tmp_path, read
     assert pinned.destination == "pinned"
     first = next(iter(pinned))
     assert torch.from_dlpack(first["obs"]).is_pinned()
+
+
+def test_torch_cuda_tensors_are_taken_in_on_their_gpu_without_a_copy():
+    x = torch.arange(24, dtype=torch.float32, device="cuda").reshape(6, 4)
+    td = tdr.TensorDict({"x": x, "n": {"col": x[:, 1], "every_other": x[:, ::2]}}, batch_size=[6])
+    assert td.device == "cuda:0"
+    back = on_gpu(td["x"])
+    assert back.data_ptr() == x.data_ptr()  # the same memory, as torch.from_dlpack shares it
+    col = on_gpu(td["n", "col"])
+    assert (col.data_ptr(), col.stride()) == (x[:, 1].data_ptr(), x[:, 1].stride())
+    assert torch.equal(on_gpu(td["n", "every_other"]), x[:, ::2])
+    x.add_(1)
+    assert torch.equal(on_gpu(td["x"]), x)
+    # Rows of it gathered, and the dict moved to the host, are the rows torch has.
+    assert torch.equal(on_gpu(td[[5, 0]]["x"]), x[[5, 0]])
+    assert torch.equal(torch.from_dlpack(td.to("cpu")["x"]), x.cpu())
+
+
+def test_a_cuda_producer_is_given_our_stream_and_its_pending_work_comes_first():
+    class Recorder:
+        def __init__(self, t):
+            self.t, self.calls = t, []
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+        def __dlpack__(self, **kwargs):
+            self.calls.append(kwargs)
+            return self.t.__dlpack__(**kwargs)
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.zeros(1 << 22, device="cuda")
+        torch.cuda._sleep(100_000_000)  # tens of ms of GPU time queued before the fill
+        x.fill_(3.0)
+        recorder = Recorder(x)
+        td = tdr.TensorDict({"x": recorder}, batch_size=[])
+    stream = recorder.calls[0]["stream"]
+    assert isinstance(stream, int) and stream > 2, recorder.calls
+    # Read on torch's default stream, which knows nothing of `side`: the import waited for it.
+    assert torch.equal(on_gpu(td["x"]).cpu(), torch.full((1 << 22,), 3.0))
+
+
+def test_cuda_rows_and_indices_written_into_a_folder_come_down_from_the_gpu(tmp_path):
+    td = tdr.TensorDict(rows(100), batch_size=[100]).memmap(tmp_path / "d")
+    at = torch.tensor([1, 5, 9], device="cuda")
+    td[at] = {"obs": torch.full((3, 4), 7.0, device="cuda"), "id": torch.tensor([70, 50, 90], device="cuda")}
+    ids = np.from_dlpack(td["id"])
+    assert ids[[1, 5, 9]].tolist() == [70, 50, 90] and ids[2] == 2
+    assert (np.from_dlpack(td["obs"])[[1, 5, 9]] == 7.0).all()
+    td["w"] = torch.ones(100, device="cuda")
+    assert np.from_dlpack(td["w"]).sum() == 100
+    again = tdr.TensorDict.load_memmap(tmp_path / "d")
+    assert np.from_dlpack(again["id"])[[1, 5, 9]].tolist() == [70, 50, 90]
+
+
+def test_a_replay_buffer_takes_cuda_rows_priorities_and_indices(tmp_path):
+    from tensordict_rs.replay import PrioritizedSampler
+
+    rb = ReplayBuffer(storage=LazyMemmapStorage(64, scratch_dir=tmp_path), sampler=PrioritizedSampler(64, 0.7, 0.5))
+    gpu_rows = {"obs": torch.arange(64.0, device="cuda").reshape(16, 4), "id": torch.arange(16, device="cuda")}
+    index = rb.extend(gpu_rows)
+    assert list(index) == list(range(16))
+    rb.update_priority(torch.arange(16, device="cuda"), torch.full((16,), 2.0, device="cuda"))
+    sample = rb.sample(8, device="cuda:0")
+    ids = on_gpu(sample["id"])
+    assert torch.equal(on_gpu(sample["obs"])[:, 0], (ids * 4).float())
+
+
+def test_a_store_saves_cuda_tensors():
+    import os
+    import shutil
+    import tempfile
+
+    runtime = tempfile.mkdtemp(prefix="tdr", dir="/tmp")  # a socket's path holds 107 bytes
+    try:
+        store = tdr.Store.start(f"gpu{os.getpid()}", runtime_dir=runtime)
+        w = torch.randn(256, 128, device="cuda")
+        store.save("w", {"w": w, "b": torch.zeros(128, device="cuda")})
+        loaded = store.load("w")
+        assert torch.equal(torch.from_dlpack(loaded["w"]), w.cpu())
+        assert torch.equal(torch.from_dlpack(loaded["b"]), torch.zeros(128))
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)

@@ -1345,8 +1345,12 @@ class DLManagedTensorVersioned(ctypes.Structure):
 _DATA = ctypes.create_string_buffer(4096)
 
 
-def forged(shape=(4,), strides=None, ndim=None, code=2, bits=32, lanes=1, device=1, version=None, shape_null=False):
-    # A hand-made DLPack tensor (no deleter) over 4 KiB of zeros: its header lies, its memory is real.
+def forged(
+    shape=(4,), strides=None, ndim=None, code=2, bits=32, lanes=1, device=1, version=None, shape_null=False,
+    deleter=None,
+):
+    # A hand-made DLPack tensor over 4 KiB of zeros: its header lies, its memory is real. Its
+    # deleter (a ctypes function, or none) is what a consumer calls to let it go.
     shape_array = (ctypes.c_int64 * max(len(shape), 1))(*shape)
     strides_array = None if strides is None else (ctypes.c_int64 * max(len(strides), 1))(*strides)
     t = DLTensor(
@@ -1354,9 +1358,10 @@ def forged(shape=(4,), strides=None, ndim=None, code=2, bits=32, lanes=1, device
         DLDataType(code, bits, lanes), None if shape_null else shape_array, strides_array, 0,
     )
     _KEEP.extend([shape_array, strides_array])
+    deleter = None if deleter is None else ctypes.cast(deleter, ctypes.c_void_p)
     if version is None:
-        return capsule(DLManagedTensor(t, None, None), b"dltensor")
-    return capsule(DLManagedTensorVersioned(version[0], version[1], None, None, 0, t), b"dltensor_versioned")
+        return capsule(DLManagedTensor(t, None, deleter), b"dltensor")
+    return capsule(DLManagedTensorVersioned(version[0], version[1], None, deleter, 0, t), b"dltensor_versioned")
 
 
 class Forged:
@@ -1381,7 +1386,8 @@ LEAVES = {
     "forged-complex": ("Forged(code=5, bits=64)", "TypeError"),
     "forged-4-lanes": ("Forged(lanes=4)", "TypeError"),
     "forged-odd-bits": ("Forged(code=2, bits=24)", "TypeError"),
-    "forged-cuda": ("Forged(device=2)", "ValueError"),
+    # Viewed on its GPU: no driver here, or (on a GPU) host memory that says it is a GPU's.
+    "forged-cuda": ("Forged(device=2)", "TensorDictError"),
     "forged-unknown-device": ("Forged(device=99)", "ValueError"),
     "forged-dlpack-2.0": ("Forged(version=(2, 0))", "ValueError"),
     "complex64": ("np.zeros(4, np.complex64)", "TypeError"),
@@ -1414,6 +1420,71 @@ gc.collect()
 assert tdr.live_exports() == 0
 """,
         EXPECTED=expected,
+    )
+
+
+def test_a_cuda_producer_is_given_a_stream_and_its_tensor_is_let_go_of_once_whatever_fails():
+    # A CUDA producer (`__dlpack_device__` says so) is asked with `stream=` one of ours; one
+    # that cannot be read (no driver here; on a GPU, host memory that says it is a GPU's)
+    # raises, and the tensor it gave is let go of (its deleter) exactly once. So is a tensor of
+    # a device we do not read.
+    run(
+        DLPACK_PRELUDE
+        + """
+deleted = []
+ON_DELETE = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda managed: deleted.append(managed))
+try:
+    TensorDict({"a": np.zeros(1)}, batch_size=[]).to("cuda:0")
+    driver = True
+except TensorDictError:
+    driver = False
+
+class CudaProducer:
+    shape = (4,)
+    def __init__(self, device=(2, 0), gives=2):
+        self.device, self.gives, self.calls = device, gives, []
+    def __dlpack_device__(self):
+        return self.device
+    def __dlpack__(self, **kwargs):
+        self.calls.append(kwargs)
+        return forged(device=self.gives, version=(1, 0), deleter=ON_DELETE)
+
+p = CudaProducer()
+if driver:
+    raises(ValueError, lambda: TensorDict({"x": p}, batch_size=[4]), match="not GPU memory of cuda:0")
+    assert len(p.calls) == 1 and isinstance(p.calls[0]["stream"], int) and p.calls[0]["stream"] > 2, p.calls
+    assert deleted and len(deleted) == 1, deleted
+    liar = CudaProducer(gives=1)  # says CUDA, gives a host tensor
+    raises(ValueError, lambda: TensorDict({"x": liar}, batch_size=[4]), match="__dlpack_device__ said")
+    assert len(deleted) == 2, deleted
+else:
+    raises(TensorDictError, lambda: TensorDict({"x": p}, batch_size=[4]), match="CUDA is not available")
+    assert p.calls == [] and deleted == []  # never asked: there is no stream to give it
+for device in ["x", (2,), (2, -1), (2, 2**40)]:
+    p = CudaProducer(device=device)
+    raises((ValueError, TypeError, TensorDictError), lambda: TensorDict({"x": p}, batch_size=[4]))
+    assert p.calls == []
+
+deleted.clear()
+class Silent:  # no `__dlpack_device__`: the capsule alone says where the tensor is
+    shape = (4,)
+    def __init__(self, gives):
+        self.gives = gives
+    def __dlpack__(self, **kwargs):
+        return forged(device=self.gives, deleter=ON_DELETE)
+for consume in [
+    lambda v: TensorDict({"x": v}, batch_size=[4]),
+    lambda v: ReplayBuffer(storage=LazyTensorStorage(8)).extend({"x": v}),
+    lambda v: tdr.Store.start("cuda-leaves").save("k", {"x": v}),
+]:
+    for gives, expected in [(2, TensorDictError), (13, TensorDictError), (10, ValueError)]:
+        deleted.clear()
+        raises(expected, lambda: consume(Silent(gives)))
+        gc.collect()
+        assert len(deleted) == 1, (gives, deleted)
+gc.collect()
+assert tdr.live_exports() == 0
+"""
     )
 
 

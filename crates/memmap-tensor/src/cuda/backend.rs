@@ -14,7 +14,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use super::{ManagedAdvice, MemoryInfo};
-use crate::{Device, Location, Result, Storage, StorageKind};
+use crate::{Access, Device, Location, Result, Storage, StorageKind};
 
 /// What a pending copy reads and writes, held until its events complete (see
 /// [`Transfer`](super::Transfer)).
@@ -100,6 +100,9 @@ pub(crate) trait Backend {
     fn stream_for(memory: &Self::Memory) -> Result<Self::Stream>;
     /// An event recorded now on `stream`: complete once everything queued so far is.
     fn record(stream: &Self::Stream) -> Result<Self::Event>;
+    /// The stream's handle as another library takes it (a `CUstream`, the integer DLPack's
+    /// `stream` argument is).
+    fn stream_handle(stream: &Self::Stream) -> u64;
 
     // === Memory and registration ===
 
@@ -114,6 +117,21 @@ pub(crate) trait Backend {
     fn pinned_buffer(stream: &Self::Stream, len: usize) -> Result<Self::PinnedLease>;
     /// Registers a host storage's whole region, in whole pages, for as long as it lives.
     fn register(storage: &Storage) -> Result<Self::Registration>;
+    /// A storage over `len` bytes at `address` of GPU memory another library allocated (device
+    /// memory of `device`, or managed memory), with `access`, kept alive by `owner` (dropped
+    /// with the storage). Both ends of the range are checked with the driver first: an address
+    /// that is not such memory is an error, not a fault in a later copy.
+    ///
+    /// # Safety
+    /// `address..address + len` stays allocated until `owner` is dropped, and nothing else
+    /// writes it while a copy or kernel of ours reads it.
+    unsafe fn borrow(
+        address: u64,
+        len: usize,
+        device: Device,
+        access: Access,
+        owner: Box<dyn Send + Sync>,
+    ) -> Result<Storage>;
 
     // === Copies ===
 

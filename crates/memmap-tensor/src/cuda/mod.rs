@@ -24,6 +24,11 @@
 //! it is complete; [`Tensor::to`] waits for it, [`Tensor::to_with`] with `non_blocking` hands it
 //! back to wait on.
 //!
+//! GPU memory another library allocated (a torch CUDA tensor, through DLPack) is viewed where
+//! it is with [`crate::Storage::borrowed_gpu`], after the driver confirms what it is, and then
+//! takes the paths device memory takes; a [`Stream`] handed to that library first orders its
+//! pending work before ours (DLPack's stream protocol).
+//!
 //! # Layers
 //!
 //! - This module: the public types and the table above.
@@ -70,6 +75,36 @@ pub(crate) fn launch_rows(rows: usize) -> Result<u32> {
         count: rows as u64,
         limit: u64::from(u32::MAX),
     })
+}
+
+/// A stream of one GPU, lent to another library for DLPack's stream protocol: a producer asked
+/// for a tensor with `__dlpack__(stream=s.handle())` orders its pending work on that tensor
+/// before whatever runs on this stream later, and [`Stream::synchronize`] waits for that work.
+/// This is how a tensor over another library's memory ([`crate::Storage::borrowed_gpu`]) is
+/// made safe to read on any of this crate's streams.
+pub struct Stream(<Floor as Backend>::Stream);
+
+impl Stream {
+    /// A stream of the GPU `device` (from its pool; back in the pool when dropped).
+    pub fn new(device: crate::Device) -> Result<Stream> {
+        device.check()?;
+        if !device.is_cuda() {
+            return Err(crate::Error::WrongDevice { op: "a CUDA stream", device });
+        }
+        Floor::stream(device).map(Stream)
+    }
+
+    /// The stream's handle as other libraries take it: a `CUstream` (`cudaStream_t`) as an
+    /// integer, never 0, 1 or 2 (DLPack's default-stream codes).
+    pub fn handle(&self) -> u64 {
+        Floor::stream_handle(&self.0)
+    }
+
+    /// Blocks until everything queued on the stream so far is complete (the producer's work
+    /// it was told to wait for included).
+    pub fn synchronize(&self) -> Result<()> {
+        Floor::record(&self.0)?.wait()
+    }
 }
 
 /// The size of the pieces a one-shot move registers and copies in turn: registering 4 GiB costs

@@ -6,7 +6,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use super::{Backend, Completion, DriverMemory, Keep, Leaf, ManagedAdvice, MemoryInfo, Span};
-use crate::{Device, Error, Location, Result, Storage, StorageKind};
+use crate::{Access, Device, Error, Location, Result, Storage, StorageKind};
 
 fn unavailable<T>() -> Result<T> {
     Err(Error::CudaUnavailable { reason: "this build has no CUDA support (build with the `cuda` feature)".into() })
@@ -95,6 +95,10 @@ impl Backend for Off {
         match *stream {}
     }
 
+    fn stream_handle(stream: &Stream) -> u64 {
+        match *stream {}
+    }
+
     fn alloc(_: &Location, _: usize, _: bool) -> Result<(Storage, Device)> {
         unavailable()
     }
@@ -108,6 +112,10 @@ impl Backend for Off {
     }
 
     fn register(_: &Storage) -> Result<Registration> {
+        unavailable()
+    }
+
+    unsafe fn borrow(_: u64, _: usize, _: Device, _: Access, _: Box<dyn Send + Sync>) -> Result<Storage> {
         unavailable()
     }
 

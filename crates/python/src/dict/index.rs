@@ -86,13 +86,14 @@ pub(crate) fn index(obj: &Bound<'_, PyAny>) -> PyResult<Index> {
 
 /// An array or tensor of ints or bools with at least one dim, read through DLPack (no Python
 /// object per element: a 1024-row index costs a copy of 8 KiB, not 1024 ints made and read).
-/// `None` for anything else (a float array, a 0-d array, a GPU tensor): read as lists, which
-/// say what is wrong.
+/// A GPU tensor's indices are copied to the host first. `None` for anything else (a float
+/// array, a 0-d array): read as lists, which say what is wrong.
 fn array_index(obj: &Bound<'_, PyAny>) -> PyResult<Option<Index>> {
     if obj.is_instance_of::<PyList>() || !obj.hasattr("__dlpack__")? {
         return Ok(None);
     }
     let Ok(t) = crate::dlpack::import(obj, None) else { return Ok(None) };
+    let t = crate::dlpack::to_host(t)?;
     let shape = t.dims().to_vec();
     let nd = shape.len() > 1;
     if shape.is_empty() || shape.len() > MAX_INDEX_DIMS {

@@ -51,6 +51,7 @@ const SYMBOLS: &[&str] = &[
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
     "cuMemHostGetDevicePointer_v2",
+    "cuPointerGetAttribute",
     "cuMemcpyAsync",
     "cuMemsetD8Async",
     "cuModuleLoadData",

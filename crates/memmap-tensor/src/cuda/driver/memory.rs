@@ -10,7 +10,7 @@ use cudarc::driver::sys::{self, CUresult};
 
 use super::context::{Gpu, StreamLease, gpu};
 use crate::cuda::{Completion, DriverMemory, Span};
-use crate::{Device, Error, Location, Result, Storage, StorageKind};
+use crate::{Access, Device, Error, Location, Result, Storage, StorageKind};
 
 /// Managed blocks are kept for reuse in multiples of this (the driver's large page).
 const MANAGED_BLOCK: usize = 2 << 20;
@@ -20,6 +20,8 @@ pub(crate) enum Memory {
     Device(DeviceMemory),
     Pinned(PinnedMemory),
     Managed(ManagedMemory),
+    /// Device or managed memory another library allocated (a torch CUDA tensor).
+    Borrowed(BorrowedMemory),
 }
 
 pub(crate) struct DeviceMemory {
@@ -43,6 +45,15 @@ pub(crate) struct ManagedMemory {
     block: usize,
 }
 
+pub(crate) struct BorrowedMemory {
+    gpu: Arc<Gpu>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    managed: bool,
+    /// Keeps the memory allocated; dropped with it.
+    _owner: Box<dyn Send + Sync>,
+}
+
 // SAFETY: the allocations are plain memory owned by these values (freed only in `Drop`);
 // concurrent access to their bytes is governed by the `Storage` that holds them.
 unsafe impl Send for PinnedMemory {}
@@ -57,13 +68,18 @@ unsafe impl Sync for DeviceMemory {}
 unsafe impl Send for ManagedMemory {}
 // SAFETY: as for `Send`.
 unsafe impl Sync for ManagedMemory {}
+// SAFETY: as for `DeviceMemory` and `ManagedMemory`; the owner is `Send + Sync` itself.
+unsafe impl Send for BorrowedMemory {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for BorrowedMemory {}
 
 impl DriverMemory for Memory {
     fn kind(&self) -> StorageKind {
         match self {
-            Memory::Device(_) => StorageKind::Cuda,
             Memory::Pinned(_) => StorageKind::Pinned,
             Memory::Managed(_) => StorageKind::Managed,
+            Memory::Borrowed(m) if m.managed => StorageKind::Managed,
+            Memory::Device(_) | Memory::Borrowed(_) => StorageKind::Cuda,
         }
     }
 
@@ -72,15 +88,18 @@ impl DriverMemory for Memory {
             Memory::Device(m) => m.len,
             Memory::Pinned(m) => m.len,
             Memory::Managed(m) => m.len,
+            Memory::Borrowed(m) => m.len,
         }
     }
 
     fn host_ptr(&self) -> Option<NonNull<u8>> {
+        // Managed memory has one address on the host and every device.
+        let managed = |ptr: sys::CUdeviceptr| Some(NonNull::new(ptr as *mut u8).unwrap_or(NonNull::dangling()));
         match self {
-            Memory::Device(_) => None,
             Memory::Pinned(m) => Some(m.ptr),
-            // Managed memory has one address on the host and every device.
-            Memory::Managed(m) => Some(NonNull::new(m.ptr as *mut u8).unwrap_or(NonNull::dangling())),
+            Memory::Managed(m) => managed(m.ptr),
+            Memory::Borrowed(m) if m.managed => managed(m.ptr),
+            Memory::Device(_) | Memory::Borrowed(_) => None,
         }
     }
 
@@ -89,6 +108,7 @@ impl DriverMemory for Memory {
             Memory::Device(m) => m.gpu.device,
             Memory::Pinned(_) => Device::Cpu,
             Memory::Managed(m) => m.gpu.device,
+            Memory::Borrowed(m) => m.gpu.device,
         }
     }
 
@@ -104,6 +124,7 @@ impl Memory {
             Memory::Device(m) => m.ptr,
             Memory::Pinned(m) => m.device_ptr,
             Memory::Managed(m) => m.ptr,
+            Memory::Borrowed(m) => m.ptr,
         }
     }
 
@@ -113,6 +134,7 @@ impl Memory {
             Memory::Device(m) => &m.gpu,
             Memory::Pinned(m) => &m.gpu,
             Memory::Managed(m) => &m.gpu,
+            Memory::Borrowed(m) => &m.gpu,
         }
     }
 }
@@ -275,6 +297,77 @@ pub(super) fn alloc(location: &Location, len: usize, zeroed: bool) -> Result<(St
             unreachable!("host locations are allocated by Storage")
         }
     }
+}
+
+// === Borrowed memory ===
+
+/// A storage over `len` bytes at `address` of another library's GPU memory: device memory of
+/// `device`, or managed memory, as the driver says at both ends of the range.
+///
+/// # Safety
+/// The range stays allocated until `owner` is dropped (with the storage).
+pub(super) unsafe fn borrow(
+    address: u64,
+    len: usize,
+    device: Device,
+    access: Access,
+    owner: Box<dyn Send + Sync>,
+) -> Result<Storage> {
+    let gpu = gpu(device)?;
+    let refuse = |reason: String| Error::NotDeviceMemory { address, len, device, reason };
+    let managed = if len == 0 {
+        false
+    } else {
+        let last = address.checked_add(len as u64 - 1).ok_or_else(|| refuse("the range wraps around".into()))?;
+        let first = pointer(&gpu, address).map_err(&refuse)?;
+        if pointer(&gpu, last).map_err(&refuse)? != first {
+            return Err(refuse(format!("its last byte is not the same kind of memory as its first ({first:?})")));
+        }
+        match first {
+            Pointer::Managed => true,
+            Pointer::Device(ordinal) if Device::Cuda(ordinal) == device => false,
+            Pointer::Device(ordinal) => return Err(refuse(format!("it is memory of cuda:{ordinal}"))),
+            Pointer::Host => return Err(refuse("it is host memory (pinned or registered)".into())),
+        }
+    };
+    let memory = BorrowedMemory { gpu, ptr: address, len, managed, _owner: owner };
+    Ok(Storage::from_memory_as(Memory::Borrowed(memory), access))
+}
+
+/// What the driver says an address is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pointer {
+    /// Device memory of the GPU with this ordinal.
+    Device(usize),
+    /// Managed memory, reachable from the host and every GPU.
+    Managed,
+    /// Host memory the driver knows (pinned or registered).
+    Host,
+}
+
+/// What `ptr` is, or the driver's reason it is none of the three.
+fn pointer(gpu: &Gpu, ptr: sys::CUdeviceptr) -> std::result::Result<Pointer, String> {
+    gpu.bind().map_err(|e| e.to_string())?;
+    let attribute = |attribute: sys::CUpointer_attribute, out: *mut c_void| {
+        // SAFETY: the context is current; `out` points to a value of the size the attribute
+        // writes (an `unsigned int` for the memory type and managed flag, an `int` for the
+        // ordinal); the driver only reads its own records of `ptr`, which may be any number.
+        let r = unsafe { sys::cuPointerGetAttribute(out, attribute, ptr) };
+        r.result().map_err(super::context::describe)
+    };
+    let mut is_managed: u32 = 0;
+    attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED, (&raw mut is_managed).cast())?;
+    if is_managed != 0 {
+        return Ok(Pointer::Managed);
+    }
+    let mut kind: u32 = 0;
+    attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, (&raw mut kind).cast())?;
+    if kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return Ok(Pointer::Host);
+    }
+    let mut ordinal: i32 = -1;
+    attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, (&raw mut ordinal).cast())?;
+    usize::try_from(ordinal).map(Pointer::Device).map_err(|_| format!("the driver gives it device ordinal {ordinal}"))
 }
 
 // === Registration ===

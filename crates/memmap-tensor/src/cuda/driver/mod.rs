@@ -45,7 +45,7 @@ pub(crate) use context::{Event, StreamLease};
 pub(crate) use memory::{Memory, PinnedLease, Registration};
 
 use super::{Backend, Keep, Leaf, ManagedAdvice, MemoryInfo, Span};
-use crate::{Device, Location, Result, Storage};
+use crate::{Access, Device, Location, Result, Storage};
 
 /// The driver as the crate's [`Backend`].
 pub(crate) struct Driver;
@@ -77,6 +77,10 @@ impl Backend for Driver {
         stream.record()
     }
 
+    fn stream_handle(stream: &StreamLease) -> u64 {
+        stream.raw() as u64
+    }
+
     fn alloc(location: &Location, len: usize, zeroed: bool) -> Result<(Storage, Device)> {
         memory::alloc(location, len, zeroed)
     }
@@ -91,6 +95,17 @@ impl Backend for Driver {
 
     fn register(storage: &Storage) -> Result<Registration> {
         memory::register(storage)
+    }
+
+    unsafe fn borrow(
+        address: u64,
+        len: usize,
+        device: Device,
+        access: Access,
+        owner: Box<dyn Send + Sync>,
+    ) -> Result<Storage> {
+        // SAFETY: the caller's contract is `memory::borrow`'s.
+        unsafe { memory::borrow(address, len, device, access, owner) }
     }
 
     unsafe fn copy(stream: &StreamLease, src: Span<'_>, dst: Span<'_>, len: usize) -> Result<()> {
