@@ -236,7 +236,8 @@ impl Storage {
     /// handed to the producer and synchronized.
     ///
     /// # Safety
-    /// - `address..address + len_bytes` stays allocated until `owner` is dropped;
+    /// - `address..address + len_bytes` is allocated, with no hole in it (the driver's check
+    ///   sees its two ends only), and stays so until `owner` is dropped;
     /// - nothing writes those bytes while a copy or kernel over this storage reads them.
     pub unsafe fn borrowed_gpu(
         address: u64,

@@ -73,12 +73,24 @@ impl TensorDict {
             batch_size: self.batch_size().to_vec(),
             reason: format!("out of range for a first batch dim of {n} (gather_to)"),
         })?;
+        self.gather_index_to("gather_to", device, &rows, via)
+    }
+
+    /// Rows checked already (against the first batch dim, which the dict has) gathered into
+    /// new memory of `device`, reported as operation `op`.
+    pub(crate) fn gather_index_to(
+        &self,
+        op: &'static str,
+        device: Device,
+        rows: &RowIndex,
+        via: GatherVia,
+    ) -> Result<Transfer<TensorDict>> {
         let leaves: Vec<Tensor> = self.leaves().into_iter().map(|(_, t)| t.clone()).collect();
-        let gathered = Tensor::gather_index_to_many_via(&leaves, device, &rows, via)
-            .map_err(|source| Error::Device { op: "gather_to", source })?;
+        let gathered = Tensor::gather_index_to_many_via(&leaves, device, rows, via)
+            .map_err(|source| Error::Device { op, source })?;
         gathered.try_map(|tensors| {
             self.rebuild(tensors, Some(rows.len()), &|batch, path, stack| {
-                map_stack(stack, batch, path, |positions| positions.gather_index(&rows))
+                map_stack(stack, batch, path, |positions| positions.gather_index(rows))
             })
         })
     }

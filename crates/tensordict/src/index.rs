@@ -16,7 +16,7 @@ use std::fmt;
 use std::ops::{Range, RangeFrom, RangeFull, RangeInclusive, RangeTo};
 
 use indexmap::IndexMap;
-use memmap_tensor::{Location, RowIndex, Tensor, normalize_index};
+use memmap_tensor::{Device, Location, RowIndex, Tensor, normalize_index};
 
 use crate::error::WithKey;
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
@@ -505,6 +505,10 @@ impl Plan {
     /// The plan's write: `src` (of the shape [`Plan::apply`] gives) into the indexed elements of
     /// `target`, in place.
     fn write(&self, target: &Tensor, src: &Tensor) -> memmap_tensor::Result<()> {
+        // A source on a GPU written into host memory comes down once, not once per element.
+        if target.device().is_cpu() && !src.device().is_cpu() {
+            return self.write(target, &src.to(Device::Cpu)?);
+        }
         let (mut view, adv_dims) = self.view(target)?;
         if adv_dims.is_empty() {
             return view.copy_from(src);
@@ -741,10 +745,18 @@ impl TensorDict {
 
     /// Rows `rows` of the first batch dim, gathered into new heap memory: `self.index(list)`
     /// for rows checked already ([`RowIndex`], against this dict's first batch dim or fewer),
-    /// so that no leaf checks them again (a replay sample's gather).
+    /// so that no leaf checks them again (a replay sample's gather). A dict whose tensors are
+    /// all on one GPU is gathered there, into new device memory, by one kernel launch (as torch
+    /// indexes a CUDA tensor), and returned once the gather is complete.
     pub fn gather_index(&self, rows: &RowIndex) -> Result<TensorDict> {
         if self.batch_dims() == 0 {
             return Err(Error::InvalidArgument { op: "gather_index", detail: "the dict has no batch dim".into() });
+        }
+        if let Some(device) = self.device().filter(|d| d.is_cuda()) {
+            return self
+                .gather_index_to("index", device, rows, memmap_tensor::GatherVia::Auto)?
+                .wait()
+                .map_err(|source| Error::Device { op: "index", source });
         }
         let leaves = self.leaves();
         let sources: Vec<&Tensor> = leaves.iter().map(|(_, t)| *t).collect();

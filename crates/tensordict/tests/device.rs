@@ -126,6 +126,27 @@ fn samples_from_a_folder_land_in_gpu_memory_in_one_launch() -> TestResult {
     Ok(())
 }
 
+#[test]
+#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
+fn rows_of_a_gpu_dict_written_into_a_folder_come_down_once() -> TestResult {
+    let gpu = gpu();
+    let dir = tempfile::tempdir()?;
+    let host = sample(40)?;
+    let mut folder = sample(100)?.memmap(dir.path().join("d"))?;
+    let rows = host.to(gpu)?.index(vec![0i64, 1, 2])?;
+    assert_eq!(rows.device(), Some(gpu));
+    // By rows (a scatter) and by a range.
+    folder.set_at(vec![7i64, 3, 99], &rows)?;
+    same_bytes(&folder.index(vec![7i64, 3, 99])?, &host.index(vec![0i64, 1, 2])?)?;
+    folder.set_at(10..13, &rows)?;
+    same_bytes(&folder.index(10..13)?, &host.index(vec![0i64, 1, 2])?)?;
+    // A GPU tensor written into a mapped tensor by `copy_from` comes down too.
+    let mut reward = folder.get_tensor(["next", "reward"])?.narrow(0, 0, 40)?;
+    reward.copy_from(&host.get_tensor(["next", "reward"])?.to(gpu)?)?;
+    assert_eq!(reward.to_bytes()?, host.get_tensor(["next", "reward"])?.to_bytes()?);
+    Ok(())
+}
+
 /// A folder of `sample`'s tensors (a loader's buffers take dicts without non-tensor stacks).
 fn tensors_folder(dir: &std::path::Path, rows: usize) -> Result<TensorDict, Box<dyn std::error::Error>> {
     let mut td = sample(rows)?;
