@@ -6,7 +6,9 @@
 #   tdict    the CLI, for `tdict bench cuda --json`
 #   wheels/  the tensordict-rs wheel built with the `cuda` feature (abi3: any CPython >= 3.11),
 #            and pytest's wheels, installed there with `pip install --no-deps --target`;
-#            wheels/numpy/ numpy's for CPython 3.12, installed only where python3 lacks numpy
+#            wheels/numpy/ numpy's for CPython 3.12, installed only where python3 lacks numpy;
+#            wheels/torchrl/ TorchRL's and tensordict's (and what they import) for CPython 3.12
+#            and torch 2.11, for the replay comparison, used only where python3 lacks TorchRL
 #
 # Needs: cargo; python3 with pip (maturin is installed into target/bundle-venv if it is not on
 # PATH; pytest's wheels are downloaded from PyPI). Prints the folder's size at the end: it
@@ -61,6 +63,14 @@ python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: 
 # numpy for the GPU machine's python3 (3.12), in case torch came without it.
 python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: --no-deps \
     --python-version 3.12 --platform manylinux2014_x86_64 --dest "$out/wheels/numpy" numpy
+
+# TorchRL and tensordict for the replay comparison, for the GPU machine's python3 (3.12) and
+# torch (2.11: TorchRL 0.12 and tensordict 0.12 are the releases made for it; checked to import
+# and run tools/python/bench_replay_cuda.py with torch 2.11 on CPython 3.12), with what they
+# import that torch and pytest's wheels do not bring.
+python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: --no-deps \
+    --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --dest "$out/wheels/torchrl" torchrl==0.12.0 tensordict==0.12.4 cloudpickle pyvers orjson importlib_metadata zipp
 
 echo "bundle: $out ($(du -sh "$out" | cut -f1))"
 ls -l "$out" "$out/tests" "$out/wheels"

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check: runs, on a machine with an NVIDIA GPU and from the bundle alone (no Rust, no
 # network; make it with tools/cuda/bundle.sh), every GPU test, `tdict bench cuda --json`,
-# torch's side of the same benchmark (tools/python/bench_torch_cuda.py) and the Python tests
-# that use torch, and writes into OUT:
+# torch's side of the same benchmark (tools/python/bench_torch_cuda.py), the Python tests
+# that use torch, and a replay sample into GPU memory from Python beside TorchRL's
+# (tools/python/bench_replay_cuda.py), and writes into OUT:
 #
 #   gpu-check.log   everything every part printed
 #   figures.json    {"parts": {part: "passed" | "failed (...)" | "skipped: why"}, "tests": {binary:
-#                   summary line}, "tdict": tdict's figures, "torch": torch's figures, "seconds"}
+#                   summary line}, "tdict": tdict's figures, "torch": torch's figures,
+#                   "replay": the replay figures, "seconds"}
 #
 # Where there is no GPU it prints one `skipped: why` line per part. Each part has a time limit,
 # so that the whole check ends within about 6 minutes (a second run after fixes fits the GPU
@@ -111,6 +113,29 @@ else
     fi
 fi
 
+# 5. A replay sample straight into GPU memory from Python, beside TorchRL's sample then `.to`
+# (TorchRL and tensordict from the bundle, where python3 has none; without them only ours is
+# measured, and the figures say why).
+if [ -n "$gpu" ]; then
+    record replay "skipped: $gpu"
+elif ! python3 -c "import torch; assert torch.cuda.is_available()" 2>>"$log" || [ ! -d "$work/py/tensordict_rs" ]; then
+    record replay "skipped: no torch with CUDA, or no tensordict_rs wheel installed above"
+else
+    path="$work/py"
+    if ! python3 -c "import torchrl" 2>/dev/null && ls "$bundle"/wheels/torchrl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install --quiet --disable-pip-version-check --no-deps --no-index --target "$work/torchrl" \
+            "$bundle"/wheels/torchrl/*.whl >>"$log" 2>&1
+        path="$work/py:$work/torchrl"
+    fi
+    if (cd "$work" && PYTHONPATH="$path" timeout 90 python3 "$root/tools/python/bench_replay_cuda.py" \
+        --rows 200000 --batch 256 --iters 2000) >"$work/replay.json" 2>>"$log"; then
+        cat "$work/replay.json" >>"$log"
+        record replay passed
+    else
+        record replay "failed (exit status $?)"
+    fi
+fi
+
 python3 - "$out/figures.json" "$work" "$((SECONDS - started))" "${parts[@]}" <<'PY'
 import json, os, sys
 path, work, seconds, *parts = sys.argv[1:]
@@ -120,7 +145,10 @@ def load(name):
             return json.load(f)
     except (OSError, ValueError):
         return None
-figures = {"parts": {}, "tests": {}, "tdict": load("tdict.json"), "torch": load("torch.json"), "seconds": int(seconds)}
+figures = {
+    "parts": {}, "tests": {}, "tdict": load("tdict.json"), "torch": load("torch.json"), "replay": load("replay.json"),
+    "seconds": int(seconds),
+}
 for part in parts:
     key, _, value = part.partition("=")
     if key.startswith("test:"):
