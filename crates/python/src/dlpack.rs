@@ -20,7 +20,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use memmap_tensor::{Access, DType, Device, Layout, StorageKind, Tensor};
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyCapsule;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyCapsule, PyType};
 
 const DLTENSOR: &CStr = c"dltensor";
 const USED_DLTENSOR: &CStr = c"used_dltensor";
@@ -293,20 +294,28 @@ unsafe extern "C" fn capsule_versioned_destructor(capsule: *mut pyo3::ffi::PyObj
 /// borrows host tensors: they view the producer's memory, kept alive until the call lets go,
 /// and are read once, by that copy. GPU tensors are always viewed where they are ([`import`]).
 pub(crate) struct Imports {
-    seen: std::collections::HashMap<Viewed, Tensor>,
+    /// Tensors imported so far, by what they view; `None` where a tensor given twice need not
+    /// stay one (rows, copied into a storage).
+    seen: Option<std::collections::HashMap<Viewed, Tensor>>,
     borrow: bool,
 }
 
 impl Imports {
     /// Imports that copy each host tensor into memory of its own (what outlives the call).
     pub(crate) fn copying() -> Self {
-        Imports { seen: Default::default(), borrow: false }
+        Imports { seen: Some(Default::default()), borrow: false }
     }
 
     /// Imports that view the producer's memory where they can (contiguous host tensors), for a
     /// call that copies them before it returns and keeps nothing.
     pub(crate) fn borrowing() -> Self {
-        Imports { seen: Default::default(), borrow: true }
+        Imports { seen: Some(Default::default()), borrow: true }
+    }
+
+    /// [`Imports::borrowing`] for rows, which a storage copies: a tensor given twice is
+    /// viewed twice (nothing is looked up).
+    pub(crate) fn borrowing_rows() -> Self {
+        Imports { seen: None, borrow: true }
     }
 }
 
@@ -431,7 +440,8 @@ impl Drop for Lent {
 /// negative stride cannot be viewed (our layouts have none) and is refused with what to do.
 ///
 /// With `imports`, a tensor already imported by this call (tied weights) is shared instead of
-/// imported again; without them (rows about to be copied into a storage) nothing is looked up.
+/// imported again (unless they are [`Imports::borrowing_rows`]); without them nothing is looked
+/// up and host tensors are copied.
 pub(crate) fn import(obj: &Bound<'_, PyAny>, imports: Option<&mut Imports>) -> PyResult<Tensor> {
     let py = obj.py();
     // A CUDA producer is given a stream to order its work before (the array API's protocol:
@@ -491,12 +501,32 @@ pub(crate) fn import(obj: &Bound<'_, PyAny>, imports: Option<&mut Imports>) -> P
     read(managed, imports)
 }
 
-/// `obj.__dlpack_device__()`: (DLPack device type, id), or `None` for a producer without it.
+/// `obj.__dlpack_device__()`: (DLPack device type, id), or `None` for a producer without it
+/// or one on the host.
 fn dlpack_device(obj: &Bound<'_, PyAny>) -> PyResult<Option<(i32, i32)>> {
-    if !obj.hasattr("__dlpack_device__")? {
+    let py = obj.py();
+    // A numpy array is on the host: the commonest input is asked nothing.
+    static NDARRAY: PyOnceLock<Option<Py<PyType>>> = PyOnceLock::new();
+    let ndarray = NDARRAY.get_or_init(py, || {
+        let ndarray = py.import("numpy").and_then(|np| np.getattr("ndarray"));
+        ndarray.ok().and_then(|t| t.cast_into::<PyType>().ok()).map(Bound::unbind)
+    });
+    if ndarray.as_ref().is_some_and(|t| obj.get_type().is(t.bind(py))) {
         return Ok(None);
     }
-    let device = obj.call_method0("__dlpack_device__")?;
+    // torch's `__dlpack_device__` asks of a CPU tensor whether it is pinned, which costs more
+    // than the rest of its import (1.7 µs a tensor); its `is_cuda` says whether a stream is
+    // needed at all at a twentieth of that. (An object whose `is_cuda` says false of a CUDA
+    // tensor gets no stream: it is still read, without the ordering.)
+    if let Some(is_cuda) = obj.getattr_opt(pyo3::intern!(py, "is_cuda"))?
+        && !is_cuda.is_truthy()?
+    {
+        return Ok(None);
+    }
+    if !obj.hasattr(pyo3::intern!(py, "__dlpack_device__"))? {
+        return Ok(None);
+    }
+    let device = obj.call_method0(pyo3::intern!(py, "__dlpack_device__"))?;
     // An IntEnum for the type, as numpy and torch give it, reads as an int.
     device.extract::<(i32, i32)>().map(Some).map_err(|_| {
         PyValueError::new_err(format!(
@@ -517,9 +547,9 @@ fn read(managed: Managed, imports: Option<&mut Imports>) -> PyResult<Tensor> {
             return Err(e);
         }
     };
-    let key = imports.as_ref().and_then(|_| described.identity());
-    let seen = match (&key, imports.as_deref()) {
-        (Some(k), Some(imports)) => imports.seen.get(k).cloned(),
+    let key = imports.as_ref().filter(|i| i.seen.is_some()).and_then(|_| described.identity());
+    let seen = match (&key, imports.as_ref().and_then(|i| i.seen.as_ref())) {
+        (Some(k), Some(seen)) => seen.get(k).cloned(),
         _ => None,
     };
     let on_gpu = matches!(described.device.0, KDL_CUDA | KDL_CUDA_MANAGED);
@@ -537,8 +567,8 @@ fn read(managed: Managed, imports: Option<&mut Imports>) -> PyResult<Tensor> {
             copied
         }
     };
-    if let (Some(k), Some(imports), Ok(tensor)) = (key, imports, &result) {
-        imports.seen.entry(k).or_insert_with(|| tensor.clone());
+    if let (Some(k), Some(seen), Ok(tensor)) = (key, imports.and_then(|i| i.seen.as_mut()), &result) {
+        seen.entry(k).or_insert_with(|| tensor.clone());
     }
     result
 }

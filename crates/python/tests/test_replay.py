@@ -59,6 +59,42 @@ def test_extend_and_sample_like_torchrl(storage):
     assert len(rb) == 61
 
 
+def test_extend_and_add_read_the_callers_arrays_in_place_and_keep_none_of_them():
+    """`extend` and `add` view contiguous arrays where they are (the storage's copy is the only
+    one): the rows written are the arrays' values at the call, later writes to the arrays change
+    nothing, and no reference to them outlives the call. Strided, broadcast and read-only arrays
+    are written as they read."""
+    import gc
+    import weakref
+
+    batch = rows(range(8))
+    strided = np.arange(32, dtype=np.float32).reshape(8, 4)[:, ::-1]
+    batch["strided"] = strided
+    read_only = np.arange(8, dtype=np.int16)
+    read_only.flags.writeable = False
+    batch["read_only"] = read_only
+    batch["broadcast"] = np.broadcast_to(np.float64(2.5), (8, 3))
+    expected = {k: np.array(v) for k, v in batch.items()}
+    probe = weakref.ref(batch["obs"])
+    rb = ReplayBuffer(storage=LazyTensorStorage(16), seed=1)
+    assert rb.extend(batch) == list(range(8))
+    one = {k: np.array(v[0]) for k, v in batch.items()}
+    one_probe = weakref.ref(one["obs"])
+    assert rb.add(one) == 8
+    for v in list(batch.values()) + list(one.values()):
+        if v.flags.writeable:
+            v[...] = -1  # after the calls: the storage keeps what was written
+    sample = rb.sample(64)
+    index = sample["index"].numpy()
+    for key, want in expected.items():
+        got = sample[key].numpy()
+        want = np.concatenate([want, want[:1]])[index]
+        assert got.dtype == want.dtype and (got == want).all(), key
+    del batch, one, sample
+    gc.collect()
+    assert probe() is None and one_probe() is None, "the buffer kept a reference to the caller's array"
+
+
 def test_prioritized_samples_carry_weights_and_follow_priorities():
     rb = PrioritizedReplayBuffer(alpha=1.0, beta=0.4, storage=LazyTensorStorage(50), batch_size=64, seed=2)
     rb.extend(rows(range(50)))

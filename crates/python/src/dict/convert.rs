@@ -21,9 +21,11 @@ pub(crate) enum DictOf {
     /// a tensor given twice (tied weights) stays one tensor, and contiguous host arrays are
     /// viewed where they are rather than copied first.
     Tensors,
-    /// Rows to write: the batch size is the first dim of the first array.
+    /// Rows to write, for a call that copies them (into a storage, a message) before it
+    /// returns: the batch size is the first dim of the first array, and contiguous host arrays
+    /// are viewed where they are rather than copied first.
     Rows,
-    /// One row to write: no batch size.
+    /// One row to write, as [`DictOf::Rows`]: no batch size.
     Row,
 }
 
@@ -58,10 +60,10 @@ pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, of: DictOf) -> PyResult<Tens
     let mut td = TensorDict::new(batch_size);
     // Rows are copied into a storage next, so tied arrays need not be found.
     let mut imports = match of {
-        DictOf::Tensors => Some(dlpack::Imports::borrowing()),
-        DictOf::Rows | DictOf::Row => None,
+        DictOf::Tensors => dlpack::Imports::borrowing(),
+        DictOf::Rows | DictOf::Row => dlpack::Imports::borrowing_rows(),
     };
-    fill(&mut td, &KeyPath::default(), d, imports.as_mut())?;
+    fill(&mut td, &KeyPath::default(), d, Some(&mut imports))?;
     Ok(td)
 }
 
