@@ -7,7 +7,7 @@ A `tensordict_rs.replay.ReplayBuffer` over a `LazyMemmapStorage` of ROWS rows of
 episode every 100 rows), filled before timing. Medians per call in µs over ITERS calls, after
 ITERS / 10 untimed:
 
-- extend_us: `extend` of 32 rows (numpy arrays, copied once into the storage);
+- extend_us: `extend` of 32 rows (numpy arrays, read in place by the storage's copy);
 - sample_us: `sample(256)`, uniform;
 - prio_sample_us: prioritized `sample(256)` + `update_priority` of those rows;
 - slice_sample_us: `sample(256)` with SliceSampler(num_slices 8, traj_key "episode");
