@@ -457,14 +457,15 @@ pub(crate) fn import(obj: &Bound<'_, PyAny>, imports: Option<&mut Imports>) -> P
     };
     let kwargs = pyo3::types::PyDict::new(py);
     if let Some(stream) = &stream {
-        kwargs.set_item("stream", stream.handle())?;
+        kwargs.set_item(pyo3::intern!(py, "stream"), stream.handle())?;
     }
-    kwargs.set_item("max_version", (1, 0))?;
-    let capsule = match obj.call_method("__dlpack__", (), Some(&kwargs)) {
+    kwargs.set_item(pyo3::intern!(py, "max_version"), (1, 0))?;
+    let dlpack = pyo3::intern!(py, "__dlpack__");
+    let capsule = match obj.call_method(dlpack, (), Some(&kwargs)) {
         Ok(capsule) => capsule,
         Err(e) if e.is_instance_of::<PyTypeError>(py) => {
-            kwargs.del_item("max_version")?;
-            obj.call_method("__dlpack__", (), Some(&kwargs))?
+            kwargs.del_item(pyo3::intern!(py, "max_version"))?;
+            obj.call_method(dlpack, (), Some(&kwargs))?
         }
         Err(e) => return Err(e),
     };
