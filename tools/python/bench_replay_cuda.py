@@ -25,27 +25,10 @@ import logging
 import tempfile
 import time
 
-import numpy as np
 import torch
 
 import tensordict_rs.replay as ours
-
-FILL_CHUNK = 8192
-EPISODE_LEN = 100
-
-
-def rows(start, n):
-    """Rows `start..start + n` as numpy arrays (ours) — TorchRL's are the same values."""
-    ids = np.arange(start, start + n, dtype=np.int64)
-    obs = (ids[:, None] * 84 + np.arange(84)).astype(np.float32)
-    return {
-        "obs": obs,
-        "action": ids % 6,
-        "reward": (ids % 7).astype(np.float32),
-        "done": ids % EPISODE_LEN == EPISODE_LEN - 1,
-        "episode": ids // EPISODE_LEN,
-        "next": {"obs": obs + 1.0},
-    }
+from bench_bindings import FILL_CHUNK, rows  # this script's folder: the rows of `tdict bench replay`
 
 
 def percentiles_us(iters, call, sync):
@@ -77,7 +60,7 @@ def torchrl_buffer(n, folder):
 
     logging.getLogger("torchrl").setLevel(logging.WARNING)
 
-    def as_torch(d):
+    def as_torch(d):  # the same values as torch tensors
         return {k: as_torch(v) if isinstance(v, dict) else torch.from_numpy(v) for k, v in d.items()}
 
     rb = TensorDictReplayBuffer(storage=LazyMemmapStorage(n, scratch_dir=folder), sampler=RandomSampler())

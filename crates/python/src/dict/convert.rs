@@ -58,7 +58,8 @@ pub(crate) fn to_tensordict(obj: &Bound<'_, PyAny>, of: DictOf) -> PyResult<Tens
         DictOf::Tensors | DictOf::Row => Vec::new(),
     };
     let mut td = TensorDict::new(batch_size);
-    // Rows are copied into a storage next, so tied arrays need not be found.
+    // A state dict's tied tensors stay one; rows are copied into a storage next, so tied
+    // arrays need not be found.
     let mut imports = match of {
         DictOf::Tensors => dlpack::Imports::borrowing(),
         DictOf::Rows | DictOf::Row => dlpack::Imports::borrowing_rows(),
