@@ -32,7 +32,7 @@ pub(crate) struct Options {
 pub(crate) fn run(opts: &Options) -> anyhow::Result<ExitCode> {
     let count = Device::cuda_available()?;
     let gpu = opts.device;
-    let Some(ordinal) = gpu.ordinal().filter(|_| gpu.is_cuda()) else {
+    let Some(ordinal) = gpu.ordinal() else {
         anyhow::bail!("--device must be a CUDA device (cuda:N)");
     };
     gpu.check().with_context(|| format!("this machine has {count} CUDA device(s)"))?;

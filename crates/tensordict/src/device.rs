@@ -8,6 +8,13 @@ use crate::dict::map_stack;
 use crate::error::WithKey;
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
 
+/// The device every one of `tensors` is on; `None` for none, or for tensors on several.
+pub(crate) fn one_device<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Option<Device> {
+    let mut devices = tensors.into_iter().map(Tensor::device);
+    let first = devices.next()?;
+    devices.all(|d| d == first).then_some(first)
+}
+
 /// Makes a non-tensor stack of the new dict from the old one's: its batch size, key and value.
 pub(crate) type StackFn<'a> = dyn Fn(&[usize], &KeyPath, &serde_json::Value) -> Result<Entry> + 'a;
 
@@ -15,9 +22,7 @@ impl TensorDict {
     /// The device every tensor of the dict is on, or `None` for a dict without tensors or
     /// with tensors on several devices (as Python tensordict's `td.device`).
     pub fn device(&self) -> Option<Device> {
-        let mut devices = self.leaves().into_iter().map(|(_, t)| t.device());
-        let first = devices.next()?;
-        devices.all(|d| d == first).then_some(first)
+        one_device(self.leaves().into_iter().map(|(_, t)| t))
     }
 
     /// The dict with every tensor on `device`, once all copies are complete (Python's

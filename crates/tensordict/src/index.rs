@@ -752,14 +752,14 @@ impl TensorDict {
         if self.batch_dims() == 0 {
             return Err(Error::InvalidArgument { op: "gather_index", detail: "the dict has no batch dim".into() });
         }
-        if let Some(device) = self.device().filter(|d| d.is_cuda()) {
+        let leaves = self.leaves();
+        let sources: Vec<&Tensor> = leaves.iter().map(|(_, t)| *t).collect();
+        if let Some(device) = crate::device::one_device(sources.iter().copied()).filter(|d| d.is_cuda()) {
             return self
                 .gather_index_to("index", device, rows, memmap_tensor::GatherVia::Auto)?
                 .wait()
                 .map_err(|source| Error::Device { op: "index", source });
         }
-        let leaves = self.leaves();
-        let sources: Vec<&Tensor> = leaves.iter().map(|(_, t)| *t).collect();
         // Every leaf at once (the rows shared among the cores as one piece of work); an error
         // is found again leaf by leaf, to name its key.
         let tensors = match Tensor::gather_index_many(&sources, rows) {
