@@ -4,35 +4,44 @@
 //!
 //! # Generations
 //!
-//! A generation is a pair: a random `id`, given to a folder or prefix when its generation is
-//! first asked for (so a folder replaced by a write, or a prefix removed and shared again, gets a
-//! new one), and a `counter` that writers bump when they publish changed rows. It is stored in a
-//! 16-byte file (`id`, then `counter`, little-endian): `.tdict-generation` in the top folder of a
-//! dict (Python tensordict ignores the file), or `/dev/shm/<prefix>.gen` for a shared dict.
+//! A generation is a pair: an `id`, which changes when the folder or prefix is replaced (by a
+//! write, or by removing and sharing again), and a `counter` that writers bump when they publish
+//! changed rows. It is stored in a 16-byte file (`id`, then `counter`, little-endian):
+//! `.tdict-generation` in the top folder of a dict (Python tensordict ignores the file), or
+//! `/dev/shm/<prefix>.gen` for a shared dict.
+//!
+//! Readers never write: a folder or prefix without the file (no writer published it yet; Python
+//! writes none) is at counter 0, with an id hashed from its metadata file's modification time,
+//! length and bytes, which every node of a shared filesystem computes alike. So references, the
+//! loader and the worker work on read-only filesystems and leave the folders they read as they
+//! were. The first publish writes the file, keeping that id; a dict this crate writes over
+//! another gets a file with a new random id at once.
 //!
 //! The protocol: a writer that changed rows flushes them (`msync`; see
-//! [`TensorDict::publish`]) and only then bumps the counter, under an exclusive `flock` of the
+//! [`TensorDict::publish`]) and only then bumps the counter, under a lock file beside the
 //! generation file, so a reader that sees the new counter finds the new rows on disk. A reader
 //! holding a reference of an older generation knows its data was replaced or changed: on one
 //! machine a mapping shows later writes anyway, but on a network filesystem an existing mapping
 //! never sees another node's writes, and only a reopen after the new generation is seen does.
 
 use std::fs::File;
-use std::io::ErrorKind;
-use std::io::Write;
+use std::hash::Hasher;
+use std::io::{ErrorKind, Read};
 use std::ops::Range;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use memmap_tensor::{Access, LockFile, LockOptions, StorageKind, Tensor};
 
+use crate::dir::Dir;
 use crate::key::{candidate_names, encode_name};
 use crate::{Entry, Error, KeyPath, Result, TensorDict};
 
 /// The name of a folder's generation file.
 const GENERATION_FILE: &str = ".tdict-generation";
 
-/// The generation of a folder or shared dict (see the module documentation).
+/// The generation of a folder or shared dict (see the module documentation): read by
+/// [`DictLocation::generation`], bumped by [`TensorDict::publish`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub struct Generation {
@@ -102,33 +111,37 @@ impl DictLocation {
         }
     }
 
-    /// The generation of the dict stored here; the first call gives it a random id.
+    /// The generation of the dict stored here. Reading it writes nothing, so it works on a
+    /// read-only filesystem and leaves the folder as it was: a folder or prefix that no writer
+    /// has published has no generation file, and its generation is counter 0 with an id derived
+    /// from its metadata file (see the module documentation).
     pub fn generation(&self) -> Result<Generation> {
-        let path = self.generation_path()?;
-        loop {
-            match read_generation(&path) {
-                Err(Error::Io { source, .. }) if source.kind() == ErrorKind::NotFound => self.create_generation()?,
-                read => return read,
-            }
-        }
+        self.files()?.read()
     }
 
     /// Adds one to the generation's counter and returns the new generation. Flush the changed
-    /// rows first: see [`TensorDict::publish`].
+    /// rows first: see [`TensorDict::publish`]. The first publish of a folder or prefix creates
+    /// its generation file, keeping the id it had without one.
     ///
     /// The new generation is written to a temporary file that is renamed over the old one, under
     /// a lock file (`.tdict-generation.lock`, taken by exclusive creation, which holds across the
     /// nodes of a network filesystem where `flock` may not). A reader that opens the generation
     /// file afterwards opens a new file, so no cache of the old file's contents can answer it.
+    ///
+    /// This writes into the folder: on a read-only filesystem it fails with an [`Error::Io`]
+    /// that says so (publish from a host that mounts the folder writable).
     pub fn bump_generation(&self) -> Result<Generation> {
-        self.generation()?;
-        let path = self.generation_path()?;
-        let io_err = |op, path: &Path, source| Error::Io { op, path: path.to_owned(), source };
+        let files = self.files()?;
+        let path = files.dir.child(&files.generation);
         let mut lock_path = path.clone().into_os_string();
         lock_path.push(".lock");
-        let _lock = LockFile::acquire(Path::new(&lock_path), &LockOptions::brief())
-            .map_err(|source| Error::Tensor { key: KeyPath::default(), source })?;
-        let mut now = read_generation(&path)?;
+        let lock = LockFile::acquire(Path::new(&lock_path), &LockOptions::brief());
+        let _lock = lock.map_err(|source| match read_only(files.dir.path()) {
+            Some(e) => e,
+            None => Error::Tensor { key: KeyPath::default(), source },
+        })?;
+        // Read again under the lock, from the folder now at the path the lock is in.
+        let mut now = self.files()?.read()?;
         now.counter = now.counter.checked_add(1).ok_or_else(|| Error::InvalidMeta {
             path: path.clone(),
             reason: "the generation counter is at its largest value".into(),
@@ -140,56 +153,124 @@ impl DictLocation {
             DictLocation::Shm(_) => tensordict_aio::Durability::Atomic,
         };
         tensordict_aio::replace_file(&path, &encode_generation(now), 0o644, durability)
-            .map_err(|e| io_err("replace", &path, e))?;
+            .map_err(|source| Error::Io { op: "replace", path, source })?;
         Ok(now)
     }
 
     /// Where the generation is kept. A prefix comes from a reference, perhaps from a peer: it is
     /// checked as `share_memory` checks it, so the path stays in `/dev/shm`.
-    fn generation_path(&self) -> Result<PathBuf> {
+    fn files(&self) -> Result<GenerationFiles> {
+        let missing = |e: Error, absent: Error| match e {
+            Error::Io { source, .. } if source.kind() == ErrorKind::NotFound => absent,
+            other => other,
+        };
         Ok(match self {
-            DictLocation::Folder(root) => root.join(GENERATION_FILE),
+            DictLocation::Folder(root) => GenerationFiles {
+                dir: Dir::open_top(root).map_err(|e| missing(e, Error::NotADict { path: root.clone() }))?,
+                generation: GENERATION_FILE.to_owned(),
+                meta: "meta.json".to_owned(),
+                absent: Error::NotADict { path: root.clone() },
+            },
             DictLocation::Shm(prefix) => {
                 crate::shared::check_prefix(prefix)?;
-                PathBuf::from(format!("/dev/shm/{prefix}.gen"))
+                GenerationFiles {
+                    dir: Dir::open_top(Path::new(SHM_DIR))?,
+                    generation: format!("{prefix}.gen"),
+                    meta: format!("{prefix}.meta"),
+                    absent: Error::SharedNotFound { prefix: prefix.clone() },
+                }
             }
         })
     }
+}
 
-    /// Creates the generation file with a random id, complete or not at all: written under a
-    /// temporary name, then linked into place (which fails if another process was first).
-    fn create_generation(&self) -> Result<()> {
-        let path = self.generation_path()?;
-        let io_err = |op, source| Error::Io { op, path: path.clone(), source };
-        // There must be a dict: never plant a file in some other folder, or for a prefix that
-        // holds nothing.
-        let (dict, missing) = match self {
-            DictLocation::Folder(root) => (root.join("meta.json"), Error::NotADict { path: root.clone() }),
-            DictLocation::Shm(prefix) => {
-                (PathBuf::from(format!("/dev/shm/{prefix}.meta")), Error::SharedNotFound { prefix: prefix.clone() })
-            }
-        };
-        if !dict.exists() {
-            return Err(missing);
-        }
-        let id = loop {
-            let id = rand::random::<u64>();
-            if id != 0 {
-                break id;
-            }
-        };
-        let (tmp, mut file) = tensordict_aio::create_temporary(&path, 0o644).map_err(|e| io_err("create", e))?;
-        let written = file.write_all(&encode_generation(Generation { id, counter: 0 }));
-        drop(file);
-        let linked = written.and_then(|()| std::fs::hard_link(&tmp, &path));
-        // Best effort: the temporary name is ours alone.
-        let _ = std::fs::remove_file(&tmp);
-        match linked {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(()),
-            Err(e) => Err(io_err("create", e)),
+/// Where shared dicts keep their files.
+const SHM_DIR: &str = "/dev/shm";
+
+/// The files of a location's generation, in the folder that holds them (opened once, so the
+/// generation file and the metadata file are read from the same folder even while a writer
+/// swaps a new one into place).
+struct GenerationFiles {
+    dir: Dir,
+    /// The generation file's name in `dir`.
+    generation: String,
+    /// The name of the dict's metadata file in `dir` (`meta.json`, `PREFIX.meta`).
+    meta: String,
+    /// What a missing metadata file means: no dict there.
+    absent: Error,
+}
+
+impl GenerationFiles {
+    /// The generation in the generation file, or without one, the unpublished generation.
+    fn read(self) -> Result<Generation> {
+        match self.dir.open_file(&self.generation, Access::ReadOnly) {
+            Ok(file) => read_from(&file, &self.dir.child(&self.generation)),
+            Err(Error::Io { source, .. }) if source.kind() == ErrorKind::NotFound => self.unpublished(),
+            Err(e) => Err(e),
         }
     }
+
+    /// The generation of a dict no writer has published: counter 0, and an id that is a hash of
+    /// its metadata file's modification time, length and bytes. These are what every node of a
+    /// network filesystem sees alike (inode numbers are not, on sshfs), and what a replacement
+    /// of the dict (by this crate, which also gives the new folder a generation file, or by
+    /// Python tensordict) or a change of its keys or shapes changes.
+    fn unpublished(self) -> Result<Generation> {
+        let path = self.dir.child(&self.meta);
+        let file = match self.dir.open_file(&self.meta, Access::ReadOnly) {
+            Err(Error::Io { source, .. }) if source.kind() == ErrorKind::NotFound => return Err(self.absent),
+            opened => opened?,
+        };
+        let io_err = |op, source| Error::Io { op, path: path.clone(), source };
+        let stat = file.metadata().map_err(|e| io_err("stat", e))?;
+        if stat.len() > crate::format::MAX_META_BYTES {
+            return Err(Error::InvalidMeta { path, reason: format!("{} bytes, over the size limit", stat.len()) });
+        }
+        let mut bytes = Vec::with_capacity(usize::try_from(stat.len()).unwrap_or(0));
+        (&file).take(crate::format::MAX_META_BYTES).read_to_end(&mut bytes).map_err(|e| io_err("read", e))?;
+        // FNV-1a, which every build and node computes alike.
+        let mut hash = fnv::FnvHasher::default();
+        hash.write(b"tdict-generation\0");
+        hash.write(&stat.mtime().to_le_bytes());
+        hash.write(&stat.mtime_nsec().to_le_bytes());
+        hash.write(&(bytes.len() as u64).to_le_bytes());
+        hash.write(&bytes);
+        // Ids are never 0 (the random ids of generation files are not either).
+        Ok(Generation { id: hash.finish().max(1), counter: 0 })
+    }
+}
+
+/// A new generation file for a staging folder that will replace a dict (nobody else reads it
+/// yet): readers of the replaced dict see another id, however alike the two folders' metadata.
+pub(crate) fn write_fresh_generation(folder: &Path) -> Result<()> {
+    let id = loop {
+        let id = rand::random::<u64>();
+        if id != 0 {
+            break id;
+        }
+    };
+    let path = folder.join(GENERATION_FILE);
+    // The folder is synced whole before it is put in place, when the write asks for that.
+    std::fs::write(&path, encode_generation(Generation { id, counter: 0 })).map_err(|source| Error::Io {
+        op: "create",
+        path,
+        source,
+    })
+}
+
+/// The clear error for a write refused because the filesystem of `folder` is mounted
+/// read-only, if it is.
+fn read_only(folder: &Path) -> Option<Error> {
+    let flags = nix::sys::statvfs::statvfs(folder).ok()?.flags();
+    flags.contains(nix::sys::statvfs::FsFlags::ST_RDONLY).then(|| Error::Io {
+        op: "publish",
+        path: folder.to_owned(),
+        source: std::io::Error::new(
+            ErrorKind::ReadOnlyFilesystem,
+            "the filesystem is mounted read-only, and publishing writes the generation file here: publish from a \
+             host that mounts it writable (reading needs no publish)",
+        ),
+    })
 }
 
 /// The 16 bytes of a generation file: the id, then the counter, little-endian.
@@ -198,24 +279,6 @@ fn encode_generation(generation: Generation) -> [u8; 16] {
     bytes[..8].copy_from_slice(&generation.id.to_le_bytes());
     bytes[8..].copy_from_slice(&generation.counter.to_le_bytes());
     bytes
-}
-
-fn open_generation(path: &Path) -> Result<File> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|source| Error::Io { op: "open", path: path.to_owned(), source })?;
-    let regular = file.metadata().map(|m| m.is_file()).unwrap_or(false);
-    if !regular {
-        let source = std::io::Error::new(ErrorKind::InvalidInput, "not a regular file");
-        return Err(Error::Io { op: "open", path: path.to_owned(), source });
-    }
-    Ok(file)
-}
-
-fn read_generation(path: &Path) -> Result<Generation> {
-    read_from(&open_generation(path)?, path)
 }
 
 fn read_from(file: &File, path: &Path) -> Result<Generation> {

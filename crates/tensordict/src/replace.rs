@@ -69,7 +69,9 @@ fn parse_hidden(file_name: &str) -> Option<(&str, u64, ProcessId)> {
 
 /// FNV-1a: stable across builds, so leftovers of another version of this program are found.
 fn name_hash(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+    let mut hash = fnv::FnvHasher::default();
+    std::hash::Hasher::write(&mut hash, name.as_bytes());
+    std::hash::Hasher::finish(&hash)
 }
 
 /// Where a dict folder goes: the real folder (a link at the destination is followed) and the

@@ -122,6 +122,62 @@ fn generations_count_publishes_and_change_with_the_folder() -> TestResult {
     Ok(())
 }
 
+/// Reading a generation writes nothing: a folder or shared dict never published has counter 0
+/// and an id of its metadata file, the same on every read; a first publish keeps that id, and
+/// a replacement (by this crate, or a folder put in place by another writer) changes it.
+#[test]
+fn an_unpublished_generation_is_read_without_writing() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let root = dir.path().join("buffer");
+    let td = sample()?.memmap(&root)?;
+    let location = td.backing()?.location;
+    let listing = || -> std::io::Result<Vec<std::ffi::OsString>> {
+        let mut names: Vec<_> =
+            std::fs::read_dir(&root)?.map(|e| e.map(|e| e.file_name())).collect::<Result<_, _>>()?;
+        names.sort();
+        Ok(names)
+    };
+    let before = listing()?;
+    let first = location.generation()?;
+    assert_eq!((first.counter, location.generation()?), (0, first));
+    assert_eq!(listing()?, before, "a read of the generation wrote into the folder");
+
+    // Another writer puts a folder with the same meta.json in place (written later): another id.
+    let other = dir.path().join("other");
+    sample()?.memmap(&other)?;
+    let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
+    std::fs::File::options().write(true).open(other.join("meta.json"))?.set_modified(later)?;
+    assert_eq!(std::fs::read(other.join("meta.json"))?, std::fs::read(root.join("meta.json"))?);
+    std::fs::remove_dir_all(&root)?;
+    std::fs::rename(&other, &root)?;
+    let replaced = location.generation()?;
+    assert_ne!(replaced.id, first.id);
+    assert_eq!(location.generation()?, replaced);
+
+    // The first publish keeps the id.
+    let reopened = TensorDict::load_memmap(&root, Access::ReadWrite)?;
+    let published = reopened.publish()?;
+    assert_eq!((published.id, published.counter), (replaced.id, 1));
+
+    // This crate's replacement gives the new folder a generation of its own at once.
+    sample()?.memmap_with(&root, &tensordict::WriteOptions::default().overwrite(true))?;
+    let fresh = location.generation()?;
+    assert_eq!(fresh.counter, 0);
+    assert_ne!(fresh.id, published.id);
+    assert!(root.join(".tdict-generation").exists());
+
+    // Shared memory: nothing is created by a read either.
+    let prefix = format!("tdict-backing-read-{}", std::process::id());
+    let _ = TensorDict::unlink_shared(&prefix);
+    let shared = sample()?.share_memory(&prefix)?;
+    let read = shared.backing()?.location.generation();
+    let created = std::path::Path::new(&format!("/dev/shm/{prefix}.gen")).exists();
+    TensorDict::unlink_shared(&prefix)?;
+    assert_eq!(read?.counter, 0);
+    assert!(!created, "a read of a shared dict's generation created its file");
+    Ok(())
+}
+
 /// Each publish renames a new generation file into place (a reader's fresh open never meets a
 /// cached copy of the old one), under a lock file that holds across nodes; a lock left by a
 /// publisher killed while holding it is taken over at once, and nothing else stays behind.

@@ -232,6 +232,10 @@ impl TensorDict {
         let mut writing = Writing { options, fill, done_bytes: 0, total_bytes };
         writing.check_cancel()?;
         self.write_node(staging.path(), &KeyPath::default(), &mut writing)?;
+        if existing == Existing::Dict {
+            // Readers of the dict replaced see a new generation, however alike the two folders.
+            crate::backing::write_fresh_generation(staging.path())?;
+        }
         if options.fsync {
             sync_tree(staging.path(), 0)?;
         }
