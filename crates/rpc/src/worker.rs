@@ -181,8 +181,14 @@ impl WorkerServer {
         {
             return Ok((h, dict));
         }
-        // Not held at this generation: open it, outside the lock (it maps files).
-        let dict = reference.open(Access::ReadWrite).map_err(invalid)?;
+        // Not held at this generation: open it, outside the lock (it maps files). Storage this
+        // process may not write (a read-only mount, files of another user) is served read-only:
+        // reads work, and a write is refused as a write into read-only storage.
+        let dict = match reference.open(Access::ReadWrite) {
+            Err(e) if unwritable(&e) => reference.open(Access::ReadOnly),
+            opened => opened,
+        }
+        .map_err(invalid)?;
         let mut held = self.held();
         // Another call may have opened the same place and generation meanwhile: share its handle.
         if let Some(&h) = held.by_place.get(&place)
@@ -437,4 +443,19 @@ impl Worker for WorkerSession {
         held.unhold(h);
         Ok(())
     }
+}
+
+/// Whether `e` comes of storage this process may not open for writing: a read-only filesystem,
+/// or files it has no write permission for.
+fn unwritable(e: &tensordict::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(now) = cause {
+        if let Some(io) = now.downcast_ref::<std::io::Error>()
+            && matches!(io.kind(), std::io::ErrorKind::ReadOnlyFilesystem | std::io::ErrorKind::PermissionDenied)
+        {
+            return true;
+        }
+        cause = now.source();
+    }
+    false
 }
