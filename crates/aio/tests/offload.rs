@@ -277,3 +277,60 @@ proptest! {
         }
     }
 }
+
+/// Every file of `dir` with its bytes and modification time (what a reader must not change).
+fn folder_state(dir: &std::path::Path) -> std::io::Result<Vec<(String, Vec<u8>, std::time::SystemTime)>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        files.push((
+            entry.file_name().to_string_lossy().into_owned(),
+            std::fs::read(entry.path())?,
+            entry.metadata()?.modified()?,
+        ));
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// A read-only offloader reads what was offloaded, refuses every write, removes nothing, leaves
+/// the folder as it was, and shares the file with other readers but not with a writer.
+#[test]
+fn a_read_only_offloader_reads_and_writes_nothing() -> std::io::Result<()> {
+    for engine in engines() {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("offload.bin");
+        let absent = Offloader::open_read_only_with_engine(&path, engine.clone()).unwrap_err();
+        assert_eq!(absent.kind(), std::io::ErrorKind::NotFound, "{absent}");
+        assert!(!path.exists(), "opening read-only created the file");
+        {
+            let off = Offloader::with_engine(&path, engine.clone())?;
+            off.sync_write_group(vec![("a".to_owned(), pattern(1, 9000)), ("b".to_owned(), pattern(2, 10))]).0?;
+            let busy = Offloader::open_read_only_with_engine(&path, engine.clone()).unwrap_err();
+            assert_eq!(busy.kind(), std::io::ErrorKind::WouldBlock, "{busy}");
+        }
+        let before = folder_state(dir.path())?;
+        {
+            let off = Offloader::open_read_only_with_engine(&path, engine.clone())?;
+            let other = Offloader::open_read_only_with_engine(&path, engine.clone())?;
+            assert!(off.is_read_only());
+            assert_eq!(off.sync_read("a", Vec::with_capacity(9000)).1, pattern(1, 9000));
+            assert_eq!(other.sync_read_group(vec![("b".to_owned(), Vec::with_capacity(10))]).1[0].1, pattern(2, 10));
+            let (refused, back) = off.sync_write("c", pattern(3, 100));
+            let refused = refused.unwrap_err();
+            assert_eq!(refused.kind(), std::io::ErrorKind::PermissionDenied, "{refused}");
+            assert!(refused.to_string().contains("read-only"), "{refused}");
+            assert_eq!(back, pattern(3, 100), "the buffer comes back");
+            assert!(off.sync_replace_prefix("", Vec::<(String, Vec<u8>)>::new()).0.is_err());
+            assert!(!off.remove("a"), "a read-only offloader removes nothing");
+            assert_eq!(off.keys(), ["a", "b"]);
+            off.synchronize()?;
+            let writer = Offloader::with_engine(&path, engine.clone()).unwrap_err();
+            assert_eq!(writer.kind(), std::io::ErrorKind::WouldBlock, "{writer}");
+        }
+        assert_eq!(folder_state(dir.path())?, before, "a read-only offloader changed the folder");
+        // A writer opens it again once the readers are gone.
+        Offloader::with_engine(&path, engine.clone())?;
+    }
+    Ok(())
+}

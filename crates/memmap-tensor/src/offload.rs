@@ -93,6 +93,19 @@ impl TensorOffloader {
         }
     }
 
+    /// Opens the offload file at `path` to restore what was offloaded there, writing nothing
+    /// (no orphan chunks removed, no index saved): it works on a read-only filesystem, as
+    /// [`tensordict_aio::Offloader::open_read_only`] does. Offloads and removals are refused.
+    pub fn open_read_only(path: impl AsRef<std::path::Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let files = Offloader::open_read_only(path).map_err(|source| Error::FileIo {
+            op: "open offload file",
+            path: path.into(),
+            source,
+        })?;
+        Ok(TensorOffloader { files, chunk: OFFLOAD_CHUNK_BYTES })
+    }
+
     /// Over an offloader opened already.
     pub fn from_offloader(files: Offloader) -> Self {
         TensorOffloader { files, chunk: OFFLOAD_CHUNK_BYTES }
@@ -116,6 +129,7 @@ impl TensorOffloader {
     /// the key keeps its old tensor.
     pub fn offload(&self, key: &str, t: &Tensor) -> Result<()> {
         check_key(key)?;
+        self.check_writable("offload")?;
         let t = if t.is_contiguous() {
             t.clone()
         } else if t.device().is_cpu() {
@@ -196,12 +210,29 @@ impl TensorOffloader {
     /// Whether there was one.
     pub fn remove(&self, key: &str) -> Result<bool> {
         check_key(key)?;
+        self.check_writable("remove")?;
         let Some(manifest) = self.manifest(key)? else { return Ok(false) };
         self.files.remove(key);
         for i in 0..manifest.chunks() {
             self.files.remove(&chunk_key(key, manifest.generation, i));
         }
         Ok(true)
+    }
+
+    /// Refuses `op` on an offloader opened read-only.
+    fn check_writable(&self, op: &'static str) -> Result<()> {
+        if !self.files.is_read_only() {
+            return Ok(());
+        }
+        Err(Error::FileIo {
+            op,
+            path: self.files.path().into(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                "the offload file was opened read-only (TensorOffloader::open_read_only): open it with \
+                 TensorOffloader::open to write",
+            ),
+        })
     }
 
     /// The keys that hold tensors, sorted.

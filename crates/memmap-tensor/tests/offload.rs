@@ -171,3 +171,27 @@ fn gpu_tensors_go_out_and_come_back_to_either_side() -> Result<()> {
     assert_eq!(off.restore("state", Device::Cpu)?.to_bytes()?, host.to_bytes()?);
     Ok(())
 }
+
+/// Opened read-only, the offloader restores what was offloaded and refuses to change anything:
+/// no offload, no removal, not even of orphan chunks.
+#[test]
+fn a_read_only_offloader_restores_and_changes_nothing() -> Result<()> {
+    let dir = tempfile::tempdir().unwrap();
+    let t = pattern(DType::F32, &[300, 7], 5)?;
+    {
+        let off = open(&dir)?;
+        off.offload("w", &t)?;
+        let (r, _) = off.files().sync_write("nobody\u{1f}0000000000000001\u{1f}3", vec![1u8; 10]);
+        r.unwrap();
+    }
+    let off = TensorOffloader::open_read_only(dir.path().join("swap"))?;
+    assert_eq!(off.restore("w", Device::Cpu)?.to_bytes()?, t.to_bytes()?);
+    assert_eq!(off.files().keys().len(), 1 + t.nbytes().div_ceil(4096) + 1, "the orphan chunk is kept");
+    for refused in [off.offload("x", &t).map(|()| false), off.remove("w")] {
+        let err = refused.unwrap_err();
+        let chain = memmap_tensor::ErrorChain(&err).to_string();
+        assert!(chain.contains("opened read-only"), "{chain}");
+    }
+    assert_eq!(off.keys(), ["w"]);
+    Ok(())
+}

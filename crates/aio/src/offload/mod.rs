@@ -90,9 +90,12 @@ struct Saved {
 struct Inner {
     engine: Engine,
     file: Arc<File>,
-    /// An exclusive `flock` on the file for as long as the offloader lives: two offloaders on
-    /// one file would overwrite each other's index.
+    /// A `flock` on the file for as long as the offloader lives: exclusive for one that writes
+    /// (two offloaders on one file would overwrite each other's index), shared for read-only
+    /// ones (which keep a writer out while they read).
     _lock: Flock<File>,
+    /// Opened with [`Offloader::open_read_only`]: every write is refused.
+    read_only: bool,
     path: PathBuf,
     index_path: PathBuf,
     state: Mutex<State>,
@@ -166,13 +169,36 @@ impl Offloader {
 
     /// [`Offloader::new`] with a given engine.
     pub fn with_engine(path: impl AsRef<Path>, engine: Engine) -> io::Result<Offloader> {
-        let path = path.as_ref().to_owned();
+        Self::open_with(path.as_ref(), engine, false)
+    }
+
+    /// Opens the offload file at `path` to read what was offloaded there, writing nothing: it
+    /// works on a read-only filesystem and leaves the file, its index and the folder as they
+    /// were. The file must exist. Writes are refused with a `PermissionDenied` error and
+    /// [`Offloader::remove`] removes nothing; the index is never saved.
+    ///
+    /// Any number of read-only offloaders (in this or other processes) may read one file at
+    /// once, while no offloader that writes has it open (that is a `WouldBlock` error, either
+    /// way round).
+    pub fn open_read_only(path: impl AsRef<Path>) -> io::Result<Offloader> {
+        Self::open_with(path.as_ref(), Engine::global()?, true)
+    }
+
+    /// [`Offloader::open_read_only`] with a given engine.
+    pub fn open_read_only_with_engine(path: impl AsRef<Path>, engine: Engine) -> io::Result<Offloader> {
+        Self::open_with(path.as_ref(), engine, true)
+    }
+
+    fn open_with(path: &Path, engine: Engine, read_only: bool) -> io::Result<Offloader> {
+        let path = path.to_owned();
         let mut index_path = path.clone().into_os_string();
         index_path.push(".index");
         let index_path = PathBuf::from(index_path);
-        let file = open_regular(&path, true)?;
-        let lock = lock_exclusive(&file, &path)?;
-        remove_stale_temporaries(&index_path);
+        let file = open_regular(&path, !read_only)?;
+        let lock = lock(&file, &path, read_only)?;
+        if !read_only {
+            remove_stale_temporaries(&index_path);
+        }
         let (alloc, index) = match open_regular(&index_path, false) {
             Ok(f) => index::read(f, &index_path, file.metadata()?.len())?,
             Err(e) if e.kind() == io::ErrorKind::NotFound => (ExtentAllocator::new(), BTreeMap::new()),
@@ -183,6 +209,7 @@ impl Offloader {
                 engine,
                 file: Arc::new(file),
                 _lock: lock,
+                read_only,
                 path,
                 index_path,
                 state: Mutex::new(State {
@@ -202,6 +229,11 @@ impl Offloader {
     /// The offload file.
     pub fn path(&self) -> &Path {
         &self.inner.path
+    }
+
+    /// Whether it was opened with [`Offloader::open_read_only`].
+    pub fn is_read_only(&self) -> bool {
+        self.inner.read_only
     }
 
     /// True if `key` holds data (written and completed).
@@ -336,8 +368,12 @@ impl Offloader {
     }
 
     /// Removes `key`; returns whether it existed. The removal is saved by the next save; its
-    /// space is reused after that.
+    /// space is reused after that. A read-only offloader removes nothing and returns `false`
+    /// (see [`Offloader::is_read_only`]).
     pub fn remove(&self, key: &str) -> bool {
+        if self.inner.read_only {
+            return false;
+        }
         let mut state = self.inner.state();
         match state.index.remove(key) {
             Some(slot) => {
@@ -391,6 +427,16 @@ impl Offloader {
         B: IoBuf,
         F: FnOnce(io::Result<()>, Vec<(String, B)>) + Send + 'static,
     {
+        if self.inner.read_only {
+            let e = io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} was opened read-only (Offloader::open_read_only): open it with Offloader::new to write",
+                    self.inner.path.display()
+                ),
+            );
+            return callback(Err(e), items);
+        }
         let mut slots = Vec::with_capacity(items.len());
         {
             let mut state = self.inner.state();
@@ -700,13 +746,15 @@ fn not_regular(path: &Path, what: &str) -> io::Error {
 /// An exclusive `flock` on the open offload file. A previous offloader of this process may
 /// still be letting go (its last completion callback finishing on the engine thread), so a busy
 /// lock is retried for a moment before it is reported.
-fn lock_exclusive(file: &File, path: &Path) -> io::Result<Flock<File>> {
+/// Locks the offload file for an offloader: shared for a read-only one, else exclusive.
+fn lock(file: &File, path: &Path, shared: bool) -> io::Result<Flock<File>> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let how = if shared { FlockArg::LockSharedNonblock } else { FlockArg::LockExclusiveNonblock };
     // A second descriptor of the same open file: the lock belongs to the open file, and is
     // released when the `Flock` is dropped.
     let mut handle = file.try_clone()?;
     loop {
-        match Flock::lock(handle, FlockArg::LockExclusiveNonblock) {
+        match Flock::lock(handle, how) {
             Ok(lock) => return Ok(lock),
             Err((f, Errno::EWOULDBLOCK)) if std::time::Instant::now() < deadline => {
                 handle = f;
@@ -715,7 +763,11 @@ fn lock_exclusive(file: &File, path: &Path) -> io::Result<Flock<File>> {
             Err((_, Errno::EWOULDBLOCK)) => {
                 return Err(io::Error::new(
                     io::ErrorKind::WouldBlock,
-                    format!("{} is in use by another offloader (in this or another process)", path.display()),
+                    if shared {
+                        format!("{} is open in an offloader that writes (in this or another process)", path.display())
+                    } else {
+                        format!("{} is in use by another offloader (in this or another process)", path.display())
+                    },
                 ));
             }
             Err((_, errno)) => return Err(errno.into()),
