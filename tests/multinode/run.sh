@@ -489,6 +489,60 @@ test_replay() {
     stop_service
 }
 
+# ro_on K LOG CMD...: CMD on host K, bounded, in a mount namespace of its own where the shared
+# folder is mounted read-only (a bind remount: only that mount's read-only flag, so the host's
+# other processes, and the other hosts, still see the folder writable).
+ro_on() {
+    local k=$1 log=$2
+    shift 2
+    on "$k" env MULTINODE_DEADLINE=$((PROCESS_LIMIT - 10)) timeout -s KILL "$PROCESS_LIMIT" \
+        unshare --mount --propagation private sh -c 'mount -o remount,bind,ro "$0" && exec "$@"' "$SHARED" "$@" >>"$log" 2>&1
+}
+
+# A dict made on host 1 is read on host 3, which mounts the shared folder read-only (EROFS):
+# loads (read-only and copy-on-write), index, read, verify, the generation (counter 0, the id
+# host 1 computes), references and read_direct, the loader through the mapping and through
+# buffered and O_DIRECT file reads, a worker's describe and index; tdict info, verify and copy.
+# What would write (opening to write, the worker's set_at, a publish) is refused saying why.
+# The folder, as host 1 sees it, is unchanged after them all: no generation or lock file
+# appears. Then host 1 publishes, and host 3 (still read-only) sees the new generation: the
+# reference taken before is refused, a fresh one is at counter 1 with the same id.
+test_read_only() {
+    local fs=$1 dir="$SHARED/read-only" log="$LOGS/$fs-read-only" sync="$STATE/sync-read-only-$fs"
+    local copy="$STATE/n3/read-only-copy-$fs"
+    mkdir -p "$sync"
+    on 1 mkdir -p "$dir"
+    local status=0 start=$SECONDS readers_start readers=""
+    : >"$log-reader.log"
+    : >"$log-tdict.log"
+    : >"$log-after.log"
+    {
+        run_on 1 "$log-make.log" ro-make "$dir" "$sync/generation.json" &&
+            run_on 1 "$log-before.log" ro-state "$dir" "$sync/before.json" &&
+            readers_start=$SECONDS &&
+            ro_on 3 "$log-reader.log" "$PEER" ro-reader "$dir" "$sync/generation.json" "$sync/ref.json" &&
+            ro_on 3 "$log-tdict.log" "$TDICT" info "$dir/dict" --json --stats &&
+            { grep -q '"batch_size":\[2048\].*"unreadable":\[\]' "$log-tdict.log" ||
+                { echo "FAIL: tdict info shows no 2048 rows all readable" >>"$log-tdict.log" && false; }; } &&
+            ro_on 3 "$log-tdict.log" "$TDICT" verify "$dir/dict" &&
+            ro_on 3 "$log-tdict.log" "$TDICT" copy "$dir/dict" "$copy" &&
+            run_on 3 "$log-copy.log" ro-check-copy "$copy" &&
+            readers=$((SECONDS - readers_start)) &&
+            run_on 1 "$log-unchanged.log" ro-unchanged "$dir" "$sync/before.json" &&
+            # The read-only flag stayed in the readers' namespace: host 3 itself still writes.
+            on 3 sh -c "echo node-3 >$SHARED/.read-only-probe && rm $SHARED/.read-only-probe" >>"$log-unchanged.log" 2>&1 &&
+            echo "the harness: host 3, outside the readers' mount namespace, still writes $SHARED" >>"$log-unchanged.log" &&
+            run_on 1 "$log-publish.log" ro-publish "$dir" "$sync/generation.json" &&
+            ro_on 3 "$log-after.log" "$PEER" ro-after-publish "$dir" "$sync/ref.json"
+    } || status=1
+    sed -i 's/^/node-3 (read-only): tdict: /' "$log-tdict.log"
+    echo "the harness: the test took $((SECONDS - start)) s${readers:+ (the readers on host 3: $readers s)}" >"$log-harness.log"
+    result "$fs/read-only" "$status" "$log-make.log" "$log-before.log" "$log-reader.log" "$log-tdict.log" \
+        "$log-copy.log" "$log-unchanged.log" "$log-publish.log" "$log-after.log" "$log-harness.log"
+    rm -rf "$copy" "$sync"
+    on 1 rm -rf "$dir"
+}
+
 # A writer on host 2 rewrites rows of a large (4 MiB) and a small (2 KiB) file in place, round
 # after round (pwrite, fdatasync), and tells a reader on host 3 over TCP; the reader opens the
 # files afresh and reads the rows through its page cache and with O_DIRECT: no row may be older
@@ -858,6 +912,7 @@ else
         want replay-by-value-deaths && test_replay_by_value_deaths "$fs"
         want replay-actor-killed && test_replay_actor_killed "$fs"
         want replay-learner-killed && test_replay_learner_killed "$fs"
+        want read-only && test_read_only "$fs"
         want stale-reads && test_stale_reads "$fs"
         # Last: the mounts may take a while to be whole again after it.
         want file-server-restart && test_file_server_restart "$fs"

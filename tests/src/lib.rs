@@ -91,3 +91,157 @@ pub fn objects_under(prefix: &str) -> Vec<String> {
         .map(|o| o.name)
         .collect()
 }
+
+/// Read-only mounts for the tests of readers: a folder bind-mounted read-only, as a read-only
+/// NFS or GlusterFS export, a squashfs image or a container layer behaves (writes fail with
+/// `EROFS`), and the state of a folder to compare before and after a reader.
+pub mod read_only {
+    use std::collections::BTreeMap;
+    use std::os::unix::fs::MetadataExt;
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    /// A folder seen twice: [`ReadOnlyMount::source`], writable, and [`ReadOnlyMount::view`],
+    /// the same folder mounted read-only. Unmounted when dropped.
+    #[derive(Debug)]
+    pub struct ReadOnlyMount {
+        view: PathBuf,
+        source: PathBuf,
+        _dir: tempfile::TempDir,
+    }
+
+    impl ReadOnlyMount {
+        /// A new empty folder and its read-only view, or `None`, after printing one
+        /// `skipped: why` line for `test`, where this process may not mount (not root, or no
+        /// `mount`).
+        pub fn new(test: &str) -> anyhow::Result<Option<ReadOnlyMount>> {
+            let dir = tempfile::tempdir()?;
+            let (source, view) = (dir.path().join("source"), dir.path().join("view"));
+            std::fs::create_dir(&source)?;
+            std::fs::create_dir(&view)?;
+            if !mount_read_only(&source, &view, test)? {
+                return Ok(None);
+            }
+            Ok(Some(ReadOnlyMount { view, source, _dir: dir }))
+        }
+
+        /// `path` itself mounted read-only over itself, for as long as the guard lives (or
+        /// `None`, after one `skipped: why` line for `test`).
+        pub fn over(path: &Path, test: &str) -> anyhow::Result<Option<ReadOnlyOver>> {
+            Ok(mount_read_only(path, path, test)?.then(|| ReadOnlyOver { path: path.to_owned() }))
+        }
+
+        /// The writable folder.
+        pub fn source(&self) -> &Path {
+            &self.source
+        }
+
+        /// The same folder, read-only.
+        pub fn view(&self) -> &Path {
+            &self.view
+        }
+    }
+
+    impl Drop for ReadOnlyMount {
+        fn drop(&mut self) {
+            unmount(&self.view);
+        }
+    }
+
+    /// A folder mounted read-only over itself ([`ReadOnlyMount::over`]); writable again once
+    /// dropped.
+    #[derive(Debug)]
+    pub struct ReadOnlyOver {
+        path: PathBuf,
+    }
+
+    impl Drop for ReadOnlyOver {
+        fn drop(&mut self) {
+            unmount(&self.path);
+        }
+    }
+
+    /// Binds `source` at `target` and makes that mount read-only; false (after the skip line)
+    /// where mounting is not allowed here.
+    fn mount_read_only(source: &Path, target: &Path, test: &str) -> anyhow::Result<bool> {
+        if !is_root() {
+            println!("skipped: {test}: read-only bind mounts need root");
+            return Ok(false);
+        }
+        let run = |args: &[&std::ffi::OsStr]| Command::new("mount").args(args).output();
+        let bound = match run(&["--bind".as_ref(), source.as_os_str(), target.as_os_str()]) {
+            Ok(out) if out.status.success() => true,
+            Ok(out) => {
+                println!("skipped: {test}: mount --bind failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+                return Ok(false);
+            }
+            Err(e) => {
+                println!("skipped: {test}: no mount command ({e})");
+                return Ok(false);
+            }
+        };
+        let remounted = run(&["-o".as_ref(), "remount,bind,ro".as_ref(), target.as_os_str()])?;
+        if bound && !remounted.status.success() {
+            unmount(target);
+            anyhow::bail!("mount -o remount,bind,ro failed: {}", String::from_utf8_lossy(&remounted.stderr).trim());
+        }
+        // The mount must refuse writes, or the tests would prove nothing.
+        let probe = target.join(".tdict-read-only-probe");
+        match std::fs::write(&probe, b"x") {
+            Err(e) if e.raw_os_error() == Some(30) => Ok(true),
+            other => {
+                let _ = std::fs::remove_file(&probe);
+                unmount(target);
+                anyhow::bail!("{} was mounted read-only, and a write gave {other:?}", target.display())
+            }
+        }
+    }
+
+    fn unmount(path: &Path) {
+        // Lazily: a mapping a test still holds keeps the mount busy.
+        let _ = Command::new("umount").arg("-l").arg(path).status();
+    }
+
+    fn is_root() -> bool {
+        std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+    }
+
+    /// What a reader must leave as it was, for each path under a folder: its kind, mode,
+    /// length, modification time and bytes (access times are left out: reading sets them).
+    pub type FolderState = BTreeMap<PathBuf, (u32, u64, i64, i64, Vec<u8>)>;
+
+    /// The state of every file and folder under `root`, links not followed.
+    pub fn folder_state(root: &Path) -> anyhow::Result<FolderState> {
+        let mut state = BTreeMap::new();
+        let mut pending = vec![root.to_owned()];
+        while let Some(dir) = pending.pop() {
+            for entry in std::fs::read_dir(&dir)? {
+                let path = entry?.path();
+                let meta = std::fs::symlink_metadata(&path)?;
+                let bytes = if meta.is_file() { std::fs::read(&path)? } else { Vec::new() };
+                if meta.is_dir() {
+                    pending.push(path.clone());
+                }
+                let at = path.strip_prefix(root)?.to_owned();
+                state.insert(at, (meta.mode(), meta.len(), meta.mtime(), meta.mtime_nsec(), bytes));
+            }
+        }
+        Ok(state)
+    }
+
+    /// Fails naming what differs if `root` is not in the state `before`.
+    pub fn check_unchanged(root: &Path, before: &FolderState, reader: &str) -> anyhow::Result<()> {
+        let after = folder_state(root)?;
+        for (path, was) in before {
+            match after.get(path) {
+                None => anyhow::bail!("{reader} removed {}", path.display()),
+                Some(now) if now != was => anyhow::bail!("{reader} changed {}", path.display()),
+                _ => {}
+            }
+        }
+        if let Some(new) = after.keys().find(|p| !before.contains_key(*p)) {
+            anyhow::bail!("{reader} created {}", new.display());
+        }
+        Ok(())
+    }
+}

@@ -56,6 +56,27 @@
 //! multinode-peer fs-client DIR CONTROL        load DIR/dict and check it again and again, each
 //!                                             load bounded; CONTROL/state tells `up`, `down`
 //!                                             (errors) then `up-again`; stop at CONTROL/stop
+//! multinode-peer ro-make DIR GENERATION_FILE host 1: make the dict DIR/dict with known values,
+//!                                             write its generation (never published) to
+//!                                             GENERATION_FILE
+//! multinode-peer ro-state DIR FILE            write the state of DIR (every file's mode,
+//!                                             length, times, bytes) to FILE
+//! multinode-peer ro-unchanged DIR FILE        DIR is still as FILE says: nothing created,
+//!                                             removed or changed (no generation or lock file)
+//! multinode-peer ro-reader DIR GENERATION_FILE REF_FILE
+//!                                             host 3, DIR mounted read-only: writes are refused
+//!                                             (EROFS); loads, index, read, verify, the
+//!                                             generation (GENERATION_FILE's), references and
+//!                                             read_direct, the loader in each read mode and a
+//!                                             worker work, each bounded, with a line per check;
+//!                                             a publish is refused saying the mount is
+//!                                             read-only; the whole dict's reference to REF_FILE
+//! multinode-peer ro-publish DIR GENERATION_FILE
+//!                                             host 1: publish DIR/dict (counter 1, the id kept)
+//! multinode-peer ro-after-publish DIR REF_FILE
+//!                                             host 3, read-only: REF_FILE's reference is refused
+//!                                             for its generation; a fresh one is at counter 1
+//! multinode-peer ro-check-copy FOLDER         FOLDER (a copy of the dict) holds every value
 //! multinode-peer bench-update-owner DIR PORT ROUNDS (strict | wait)
 //! multinode-peer bench-update-worker ADDR ROUNDS LABEL
 //!                                             ROUNDS remote updates over TCP: the worker writes,
@@ -112,6 +133,7 @@ use tensordict_rpc::{BlockingClient, ClientOptions, Endpoint, TensorDictRef, ToR
 
 mod bench;
 mod file_server;
+mod read_only;
 mod replay_faults;
 mod replay_service;
 mod stale;
@@ -120,6 +142,7 @@ mod update;
 
 use bench::*;
 use file_server::*;
+use read_only::*;
 use replay_faults::*;
 use replay_service::*;
 use stale::*;
@@ -213,6 +236,15 @@ fn run(args: &[String]) -> anyhow::Result<()> {
         ),
         ["fs-make", dir] => fs_make(Path::new(dir)),
         ["fs-client", dir, control] => fs_client(Path::new(dir), Path::new(control)),
+        ["ro-make", dir, generation] => ro_make(Path::new(dir), Path::new(generation)),
+        ["ro-state", dir, file] => ro_state(Path::new(dir), Path::new(file)),
+        ["ro-unchanged", dir, file] => ro_unchanged(Path::new(dir), Path::new(file)),
+        ["ro-reader", dir, generation, reference] => {
+            ro_reader(Path::new(dir), Path::new(generation), Path::new(reference))
+        }
+        ["ro-publish", dir, generation] => ro_publish(Path::new(dir), Path::new(generation)),
+        ["ro-after-publish", dir, reference] => ro_after_publish(Path::new(dir), Path::new(reference)),
+        ["ro-check-copy", folder] => ro_check_copy(Path::new(folder)),
         ["bench-update-owner", dir, port, rounds, mode] => {
             bench_update_owner(Path::new(dir), port.parse()?, rounds.parse()?, mode)
         }
