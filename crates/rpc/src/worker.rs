@@ -215,6 +215,9 @@ impl WorkerServer {
         let mut held = self.held();
         let entry = held.dicts.get_mut(&h).ok_or_else(gone)?;
         let known = entry.reference.generation;
+        // Counters only grow: a read older than what another call saw since lost a race with
+        // that call's publish (it opened the generation file before the new one was renamed in).
+        let now = if now.id == known.id && now.counter < known.counter { known } else { now };
         // Bumps not explained by this worker's finished publishes must be its publishes under way.
         // (A counter far ahead is refused before it is counted: the file may say anything.)
         let possible = now.id == known.id
