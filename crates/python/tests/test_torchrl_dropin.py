@@ -1,12 +1,19 @@
 """`tensordict_rs.torchrl` as a drop-in for `torchrl.data`: a DQN training loop written for
 TorchRL runs unchanged but for its import, and learns as it does with TorchRL; the samples are
 what TorchRL's are (a `tensordict.TensorDict` of torch tensors, `torch.Size` batch sizes, int64
-`index`, float32 `priority_weight`). Needs torch, tensordict and TorchRL (skipped without)."""
+`index`, float32 `priority_weight`). The parts are TorchRL's own classes and the buffers
+subclasses of TorchRL's: a buffer run by the engine hands its state to TorchRL's parts when they
+are asked for, with the rows, cursor, write count and priorities TorchRL alone would have, and
+everything TorchRL does (transforms, `collate_fn`, iteration, pickling, `state_dict`,
+`ListStorage`, pytrees, slice marks, the max-value writer) works on our buffers. Needs torch,
+tensordict and TorchRL (skipped without)."""
+
+import pickle
 
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("tensordict")
+TensorDict = pytest.importorskip("tensordict").TensorDict
 pytest.importorskip("torchrl")
 
 # A DQN on a chain of six states (go right to reach the reward at the end), written as TorchRL's
@@ -106,16 +113,34 @@ def test_a_torchrl_dqn_runs_unchanged_but_for_the_import_and_learns_as_with_torc
     assert isinstance(ours["batch_size"], torch.Size)
 
 
-def test_plain_buffers_give_the_info_apart_and_seeds_repeat_draws():
-    from tensordict import TensorDict
+def rows(n, start=0):
+    return TensorDict({"x": torch.arange(start, start + n), "next": {"reward": torch.arange(start, start + n).float()}}, [n])
+
+
+def test_the_parts_are_torchrls_and_the_buffers_subclass_torchrls():
+    import torchrl.data as torchrl_data
+    from torchrl.data import replay_buffers
 
     from tensordict_rs import torchrl as trl
 
-    data = TensorDict({"x": torch.arange(10)}, [10])
+    for name in trl.__all__:
+        ours, theirs = getattr(trl, name), getattr(torchrl_data, name, None) or getattr(replay_buffers, name)
+        assert ours is theirs or issubclass(ours, theirs), name
+    for name in ("ReplayBuffer", "TensorDictReplayBuffer", "PrioritizedReplayBuffer", "TensorDictPrioritizedReplayBuffer"):
+        assert getattr(trl, name) is not getattr(torchrl_data, name), f"{name} is ours"
+
+
+def test_the_engine_runs_a_training_loops_buffer_and_gives_what_torchrl_gives():
+    from tensordict_rs import torchrl as trl
+
     rb = trl.ReplayBuffer(storage=trl.LazyTensorStorage(10), sampler=trl.PrioritizedSampler(10, 0.6, 0.4), batch_size=4)
-    rb.extend(data)
+    assert "engine=tensordict_rs" in repr(rb)
+    with pytest.raises(RuntimeError, match="empty"):
+        rb.sample()
+    index = rb.extend(rows(10))
+    assert index.dtype == torch.int64 and index.tolist() == list(range(10))
     sample, info = rb.sample(return_info=True)
-    assert list(sample.keys()) == ["x"]
+    assert sorted(sample.keys()) == ["next", "x"]
     assert info["index"].dtype == torch.int64 and info["priority_weight"].dtype == torch.float32
     assert torch.equal(sample["x"], info["index"]), "row i holds i"
     rb.update_priority(info["index"], torch.ones(4, requires_grad=True))
@@ -123,43 +148,188 @@ def test_plain_buffers_give_the_info_apart_and_seeds_repeat_draws():
     first = rb.sample()["x"]
     torch.manual_seed(5)
     assert torch.equal(rb.sample()["x"], first), "torch.manual_seed repeats the draws, as with TorchRL"
-    generator = torch.Generator().manual_seed(1)
-    seeded = trl.ReplayBuffer(storage=trl.LazyTensorStorage(10), batch_size=4, generator=generator)
-    seeded.extend(data)
-    with pytest.raises(NotImplementedError, match="transform"):
-        trl.ReplayBuffer(storage=trl.LazyTensorStorage(10), transform=lambda x: x)
-    with pytest.raises(NotImplementedError, match="host"):
-        trl.LazyTensorStorage(10, device="cuda:0")
     with pytest.raises(IndexError):
         rb[10]
+    assert rb[3]["x"].item() == 3 and rb[1:3]["x"].tolist() == [1, 2]
+    assert "engine=tensordict_rs" in repr(rb), "nothing so far needed TorchRL's parts"
 
 
-def test_prefetch_draws_ahead_in_the_same_order_as_without():
-    from tensordict import TensorDict
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_the_engine_hands_its_state_to_torchrls_parts_as_torchrl_would_have_it(prioritized, tmp_path):
+    """The same writes and priority updates on our buffer and on TorchRL's: once our buffer's
+    parts are asked for, they hold what TorchRL's hold."""
+    import torchrl.data as torchrl_data
 
     from tensordict_rs import torchrl as trl
 
-    data = TensorDict({"x": torch.arange(1000)}, [1000])
-    buffers = []
-    for prefetch in (None, 3):
-        rb = trl.TensorDictPrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=trl.LazyTensorStorage(1000),
-                                                   batch_size=32, prefetch=prefetch)
-        rb.extend(data)
-        buffers.append(rb)
-    torch.manual_seed(11)
-    plain = [buffers[0].sample()["index"].tolist() for _ in range(6)]
-    torch.manual_seed(11)
-    ahead = [buffers[1].sample()["index"].tolist() for _ in range(6)]
-    assert ahead == plain, "the same draws, in the same order"
-    # Priorities updated and rows written while samples are in flight: later samples see them.
-    rb = buffers[1]
-    for step in range(20):
+    def make(module):
+        storage = module.LazyMemmapStorage(20, scratch_dir=tmp_path / module.__name__)
+        if prioritized:
+            return module.TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=storage, batch_size=8)
+        return module.TensorDictReplayBuffer(storage=storage, batch_size=8)
+
+    ours, theirs = make(trl), make(torchrl_data)
+    for start in range(0, 50, 7):
+        batch = rows(7, start)
+        batch["td_error"] = torch.rand(7) + 0.1
+        for rb in (ours, theirs):
+            rb.extend(batch.clone())
+        update = TensorDict({"index": torch.tensor([1, 5, 6]), "td_error": torch.tensor([3.0, 0.25, 9.0])}, [3])
+        for rb in (ours, theirs):
+            rb.update_tensordict_priority(update.clone())
+    assert "engine=tensordict_rs" in repr(ours)
+    assert (len(ours), ours.write_count) == (len(theirs), theirs.write_count) == (20, 56)
+    # The parts asked for: the engine's state moves to them, and TorchRL's code runs from here.
+    assert ours.writer._cursor == theirs.writer._cursor
+    assert "engine=tensordict_rs" not in repr(ours)
+    assert torch.equal(ours.storage[:]["x"], theirs.storage[:]["x"])
+    if prioritized:
+        for tree in ("_sum_tree", "_min_tree"):
+            a, b = getattr(ours.sampler, tree), getattr(theirs.sampler, tree)
+            assert [a[i] for i in range(20)] == pytest.approx([b[i] for i in range(20)], rel=1e-5), tree
+        assert ours.sampler._max_priority[0] == pytest.approx(theirs.sampler._max_priority[0])
+    # Both go on alike, TorchRL's code on the same state.
+    batch = rows(5, 100)
+    batch["td_error"] = torch.arange(5) + 1.0
+    for rb in (ours, theirs):
+        rb.extend(batch.clone())
+        rb.update_priority(torch.tensor([0, 2]), torch.tensor([4.0, 5.0]))
+    assert torch.equal(ours.storage[:]["x"], theirs.storage[:]["x"]) and ours.writer._cursor == theirs.writer._cursor
+    if prioritized:
+        assert [ours.sampler._sum_tree[i] for i in range(20)] == pytest.approx([theirs.sampler._sum_tree[i] for i in range(20)])
+    sample = ours.sample()
+    assert torch.equal(sample["x"], ours.storage[sample["index"]]["x"])
+
+
+def test_what_torchrl_does_with_a_buffer_works_on_ours(tmp_path):
+    from tensordict_rs import torchrl as trl
+
+    # Pickling, and state_dict round trips.
+    rb = trl.TensorDictReplayBuffer(storage=trl.LazyTensorStorage(16), batch_size=4)
+    rb.extend(rows(10))
+    back = pickle.loads(pickle.dumps(rb))
+    assert len(back) == 10 and back.sample()["x"].max() < 10
+    other = trl.TensorDictReplayBuffer(storage=trl.LazyTensorStorage(16), batch_size=4)
+    other.extend(rows(1))
+    other.load_state_dict(rb.state_dict())
+    assert len(other) == 10 and other.write_count == 10
+    # Iteration: an epoch of a sampler without replacement, as TorchRL's.
+    epoch = trl.ReplayBuffer(storage=trl.LazyTensorStorage(12), sampler=trl.SamplerWithoutReplacement(), batch_size=4)
+    epoch.extend(rows(12))
+    assert sorted(i for batch in epoch for i in batch["x"].tolist()) == list(range(12))
+    # A transform and a collate_fn.
+    scaled = trl.ReplayBuffer(storage=trl.LazyTensorStorage(8), batch_size=3, transform=lambda td: td.set("y", td["x"] * 2))
+    scaled.extend(rows(8))
+    sample = scaled.sample()
+    assert torch.equal(sample["y"], sample["x"] * 2)
+    collated = trl.ReplayBuffer(storage=trl.ListStorage(8), batch_size=3, collate_fn=lambda items: sorted(items))
+    collated.extend([5, 1, 4, 2])
+    drawn = collated.sample()
+    assert drawn == sorted(drawn) and set(drawn) <= {1, 2, 4, 5}
+    # Pytrees: a dict is stored and sampled as a dict, as TorchRL does.
+    tree = trl.ReplayBuffer(storage=trl.LazyTensorStorage(8), batch_size=2)
+    tree.extend({"a": torch.arange(4), "b": (torch.zeros(4, 2), torch.ones(4))})
+    drawn = tree.sample()
+    assert isinstance(drawn, dict) and drawn["a"].shape == (2,) and isinstance(drawn["b"], tuple)
+    # Errors of TorchRL's kinds.
+    with pytest.raises(RuntimeError, match="batch_size"):
+        trl.ReplayBuffer(storage=trl.LazyTensorStorage(4)).sample()
+
+
+def test_slice_samples_mark_where_slices_end_and_the_max_value_writer_ranks_as_torchrl():
+    import torchrl.data as torchrl_data
+
+    from tensordict_rs import torchrl as trl
+
+    episodes = TensorDict(
+        {"episode": torch.arange(40) // 10, "obs": torch.arange(40), "next": {"done": (torch.arange(40) % 10 == 9)[:, None]}},
+        [40],
+    )
+
+    def slice_sample(module):
+        rb = module.TensorDictReplayBuffer(
+            storage=module.LazyTensorStorage(40), sampler=module.SliceSampler(num_slices=4, traj_key="episode"), batch_size=12
+        )
+        rb.extend(episodes.clone())
+        torch.manual_seed(7)
+        return rb.sample()
+
+    mine, theirs = slice_sample(trl), slice_sample(torchrl_data)
+    for key in [("next", "truncated"), ("next", "done"), ("next", "terminated"), "obs", "index"]:
+        assert torch.equal(mine[key], theirs[key]), key
+    assert mine["next", "truncated"].reshape(4, 3)[:, -1].all(), "every slice's last step is marked"
+
+    def kept(module):
+        rb = module.TensorDictReplayBuffer(storage=module.LazyTensorStorage(5), writer=module.TensorDictMaxValueWriter(), batch_size=5)
+        for start in range(0, 20, 4):
+            batch = rows(4, start)
+            batch["next", "reward"] = torch.rand(4)
+            batch["reward"] = -batch["next", "reward"]
+            rb.extend(batch)
+        return sorted(rb[:]["x"].tolist())
+
+    torch.manual_seed(1)
+    ours = kept(trl)
+    torch.manual_seed(1)
+    assert ours == kept(torchrl_data), "ranked by ('next', 'reward'), as TorchRL ranks"
+
+
+def test_prefetch_is_torchrls():
+    from tensordict_rs import torchrl as trl
+
+    rb = trl.TensorDictReplayBuffer(storage=trl.LazyTensorStorage(100), batch_size=8, prefetch=3)
+    rb.extend(rows(100))
+    for _ in range(10):
         sample = rb.sample()
-        assert torch.equal(sample["x"], sample["index"]), "row i holds i"
-        sample["td_error"] = torch.rand(32)
-        rb.update_tensordict_priority(sample)
-        rb.extend(TensorDict({"x": torch.arange(4) + 4 * step}, [4]))  # rows 4 step.. (the writer wrapped)
-    rb.empty()
-    assert len(rb) == 0
+        assert torch.equal(sample["x"], sample["index"])
     with pytest.raises(ValueError, match="prefetch"):
-        trl.ReplayBuffer(storage=trl.LazyTensorStorage(4), prefetch=-1)
+        trl.ReplayBuffer(storage=trl.LazyTensorStorage(4), prefetch=3)
+
+
+def test_parts_the_caller_kept_see_what_the_buffer_holds():
+    from tensordict_rs import torchrl as trl
+
+    storage, writer = trl.LazyTensorStorage(10), trl.TensorDictRoundRobinWriter()
+    rb = trl.TensorDictReplayBuffer(storage=storage, writer=writer, batch_size=2)
+    rb.extend(rows(4))
+    assert "engine=tensordict_rs" in repr(rb)
+    assert len(storage) == 4 and storage[:4]["x"].tolist() == [0, 1, 2, 3], "the storage kept by the caller"
+    assert type(storage) is trl.LazyTensorStorage and writer._cursor == 4
+    rb.extend(rows(2, 4))
+    assert len(storage) == 6 and len(rb) == 6
+    # A storage given to two buffers is written by TorchRL's code alone.
+    shared = trl.LazyTensorStorage(10)
+    first = trl.ReplayBuffer(storage=shared, batch_size=2)
+    second = trl.ReplayBuffer(storage=shared, batch_size=2)
+    first.extend(rows(3))
+    assert len(second) == 3 and "engine=tensordict_rs" not in repr(first) + repr(second)
+
+
+def test_hostile_calls_raise_what_torchrl_raises_or_clearer():
+    import torchrl.data as torchrl_data
+
+    from tensordict_rs import torchrl as trl
+
+    def make(module):
+        rb = module.TensorDictPrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=module.LazyTensorStorage(100), batch_size=8)
+        rb.extend(rows(10))
+        return rb
+
+    calls = {
+        "a NaN priority": lambda rb: rb.update_priority(torch.tensor([1]), torch.tensor([float("nan")])),
+        "a row past the storage": lambda rb: rb.update_priority(torch.tensor([1000]), torch.tensor([1.0])),
+        "a leaf of another shape": lambda rb: rb.extend(TensorDict({"x": torch.zeros(3, 2), "next": {"reward": torch.zeros(3)}}, [3])),
+        "a negative batch size": lambda rb: rb.sample(-1),
+        "a float batch size": lambda rb: rb.sample(2.5),
+    }
+    for what, call in calls.items():
+        outcome = []
+        for module in (trl, torchrl_data):
+            try:
+                call(make(module))
+                outcome.append(None)
+            except Exception as e:  # noqa: BLE001 - the kinds are compared
+                outcome.append(type(e))
+        assert outcome[0] == outcome[1], (what, outcome)
+    with pytest.raises((ValueError, MemoryError)):
+        make(trl).sample(10**13)

@@ -9,116 +9,115 @@
     >>> sample["td_error"] = td_error
     >>> rb.update_tensordict_priority(sample)
 
-Samples are what TorchRL's are: a ``tensordict.TensorDict`` of torch tensors (over the sample's
-memory, by DLPack: no copy), ``batch_size`` a ``torch.Size``, ``index`` int64 and
-``priority_weight`` float32 where TorchRL puts them (in the sample for the ``TensorDict*``
-buffers, in the info of ``sample(return_info=True)`` for ``ReplayBuffer``). Draws come from
-torch's random generator (the one given as ``generator=``, else torch's default), so
-``torch.manual_seed`` makes a run repeat, as with TorchRL. Needs torch and tensordict; code
-without torch uses ``tensordict_rs.replay``, whose samples are ``tensordict_rs.TensorDict``s.
+Every name here is TorchRL's own: the storages, samplers and writers are TorchRL's classes
+themselves, and the four buffers (``ReplayBuffer``, ``TensorDictReplayBuffer``,
+``PrioritizedReplayBuffer``, ``TensorDictPrioritizedReplayBuffer``) are subclasses of TorchRL's.
+So whatever TorchRL does with them works: transforms, ``collate_fn``, iteration, pickling,
+``state_dict``, checkpointers, ``ListStorage``, pytrees, storages of several dims.
 
-``prefetch=N`` draws N samples ahead on a thread while the caller trains, as TorchRL's does:
-a sample drawn ahead is of the rows and priorities as they were when it was drawn (rows written
-and priorities updated after that show in later samples), and the draws come from torch's
-generator in the same order as without prefetching.
+The engine. A buffer made of the parts a training loop uses most (a ``LazyTensorStorage`` or
+``LazyMemmapStorage`` of one dim on the host, a ``RandomSampler`` or ``PrioritizedSampler``, a
+round-robin writer, and none of transforms, ``collate_fn``, ``pin_memory``, ``prefetch``,
+checkpointers, sharing, sample units, consumption or ``compilable``) runs ``extend``, ``add``,
+``sample``, ``update_priority``, ``update_tensordict_priority``, ``len``, ``rb[i]``,
+``empty``, ``write_count`` and ``dumps`` in the Rust replay engine (``tensordict_rs.replay``),
+with what TorchRL gives: samples are ``tensordict.TensorDict``s of torch tensors over the
+sample's memory (no copy), ``index`` int64 and ``priority_weight`` float32 where TorchRL puts
+them, errors of TorchRL's types, and draws from the buffer's torch generator (its
+``generator=``, else torch's default), so ``torch.manual_seed`` repeats a run (the draws are
+the engine's, not the ones TorchRL's samplers would make).
 
-Left out on purpose (an error names them when asked for): ``transform``, ``collate_fn``,
-``pin_memory``, ``dim_extend``, ``shared`` and the service backends (a
-``tensordict_rs.ReplayServer`` serves a buffer to other processes and nodes), ``checkpointer``
-(``dumps``/``loads`` write and read TorchRL's dump layout), storages on a device or of more
-than one dim (``sample(device=...)`` moves samples instead), ``ListStorage``, and iterating a
-buffer.
+The first time anything else is asked of such a buffer (its ``storage``, ``sampler`` or
+``writer``, ``state_dict``, pickling, iteration, ``loads``, data the engine does not take such
+as pytrees or lists) the engine hands its state to the TorchRL parts, once, and TorchRL's own
+code runs from then on: rows, writer cursor and write count, priorities and the default
+priority all carry over (through TorchRL's dump format), so the result is what TorchRL alone
+would give. Any other buffer is TorchRL's from the start.
 """
 
-import collections
-import concurrent.futures
+import operator
+import tempfile
+import warnings
+import weakref
+from pathlib import Path
 
 import torch
+import torchrl.data as _trl
 from tensordict import TensorDict as _TensorDict
+from torchrl.data.replay_buffers import samplers as _samplers
+from torchrl.data.replay_buffers import storages as _storages
+from torchrl.data.replay_buffers import writers as _writers
 
 from tensordict_rs import replay as _replay
 
+# TorchRL's own classes, under the names `torchrl.data` gives them.
+Storage = _storages.Storage
+TensorStorage = _storages.TensorStorage
+LazyTensorStorage = _storages.LazyTensorStorage
+LazyMemmapStorage = _storages.LazyMemmapStorage
+ListStorage = _storages.ListStorage
+LazyStackStorage = _storages.LazyStackStorage
+CompressedListStorage = _storages.CompressedListStorage
+StorageEnsemble = _storages.StorageEnsemble
+Sampler = _samplers.Sampler
+RandomSampler = _samplers.RandomSampler
+SamplerWithoutReplacement = _samplers.SamplerWithoutReplacement
+PrioritizedSampler = _samplers.PrioritizedSampler
+SliceSampler = _samplers.SliceSampler
+SliceSamplerWithoutReplacement = _samplers.SliceSamplerWithoutReplacement
+PrioritizedSliceSampler = _samplers.PrioritizedSliceSampler
+StalenessAwareSampler = _samplers.StalenessAwareSampler
+SamplerEnsemble = _samplers.SamplerEnsemble
+ConsumingSampler = _samplers.ConsumingSampler
+Writer = _writers.Writer
+RoundRobinWriter = _writers.RoundRobinWriter
+TensorDictRoundRobinWriter = _writers.TensorDictRoundRobinWriter
+TensorDictMaxValueWriter = _writers.TensorDictMaxValueWriter
+ImmutableDatasetWriter = _writers.ImmutableDatasetWriter
+WriterEnsemble = _writers.WriterEnsemble
+RemoteTensorDictReplayBuffer = _trl.RemoteTensorDictReplayBuffer
+ReplayBufferEnsemble = _trl.ReplayBufferEnsemble
+
 __all__ = [
-    "LazyMemmapStorage",
+    "Storage",
+    "TensorStorage",
     "LazyTensorStorage",
+    "LazyMemmapStorage",
+    "ListStorage",
+    "LazyStackStorage",
+    "CompressedListStorage",
+    "StorageEnsemble",
+    "Sampler",
     "RandomSampler",
     "SamplerWithoutReplacement",
     "PrioritizedSampler",
     "SliceSampler",
+    "SliceSamplerWithoutReplacement",
     "PrioritizedSliceSampler",
+    "StalenessAwareSampler",
+    "SamplerEnsemble",
+    "ConsumingSampler",
+    "Writer",
     "RoundRobinWriter",
     "TensorDictRoundRobinWriter",
     "TensorDictMaxValueWriter",
+    "ImmutableDatasetWriter",
+    "WriterEnsemble",
     "ReplayBuffer",
     "TensorDictReplayBuffer",
     "PrioritizedReplayBuffer",
     "TensorDictPrioritizedReplayBuffer",
+    "RemoteTensorDictReplayBuffer",
+    "ReplayBufferEnsemble",
 ]
 
-
-def _refuse(what, **given):
-    """Raises for the first of TorchRL's options that is left out here and was given."""
-    for name, value in given.items():
-        if value is not None and value is not False:
-            raise NotImplementedError(
-                f"{what}({name}=...) is not supported by tensordict_rs.torchrl (see its documentation "
-                "for what is left out, and what to use instead)"
-            )
-
-
-def _check_device(device):
-    if device is not None and torch.device(device).type != "cpu":
-        raise NotImplementedError(
-            f"a storage on {device}: storages are on the host here; sample(device=...) puts a sample on a GPU"
-        )
-
-
-class LazyMemmapStorage(_replay.LazyMemmapStorage):
-    """TorchRL's ``LazyMemmapStorage``: rows in memory-mapped files (in ``scratch_dir``, else a
-    temporary folder), made with the schema of the first batch."""
-
-    def __init__(self, max_size, *, scratch_dir=None, device="cpu", ndim=1, existsok=False, compilable=False):
-        _check_device(device)
-        _refuse("LazyMemmapStorage", ndim=None if ndim == 1 else ndim)
-        super().__init__(max_size, scratch_dir=scratch_dir)
-
-
-class LazyTensorStorage(_replay.LazyTensorStorage):
-    """TorchRL's ``LazyTensorStorage``: rows in this process's memory."""
-
-    def __init__(self, max_size, *, device="cpu", ndim=1, compilable=False):
-        _check_device(device)
-        _refuse("LazyTensorStorage", ndim=None if ndim == 1 else ndim)
-        super().__init__(max_size)
-
-
-RandomSampler = _replay.RandomSampler
-SamplerWithoutReplacement = _replay.SamplerWithoutReplacement
-SliceSampler = _replay.SliceSampler
-PrioritizedSliceSampler = _replay.PrioritizedSliceSampler
-RoundRobinWriter = _replay.RoundRobinWriter
-TensorDictRoundRobinWriter = _replay.RoundRobinWriter
-
-
-class PrioritizedSampler(_replay.PrioritizedSampler):
-    """TorchRL's ``PrioritizedSampler`` (its signature; ``dtype`` and ``reduction`` as there)."""
-
-    def __init__(
-        self, max_capacity, alpha, beta, eps=1e-8, dtype=torch.float, reduction="max", max_priority_within_buffer=False
-    ):
-        super().__init__(max_capacity, alpha, beta, eps, max_priority_within_buffer)
-        self.reduction = reduction
-
-
-class TensorDictMaxValueWriter(_replay.TensorDictMaxValueWriter):
-    """TorchRL's ``TensorDictMaxValueWriter``: keeps the rows of largest ``rank_key``."""
-
-    def __init__(self, rank_key=None, reduction="sum", **kwargs):
-        super().__init__("reward" if rank_key is None else rank_key, reduction)
-
+_EMPTY = "Cannot sample from an empty storage."
+# What the engine takes over; any use of them hands the engine's state back to TorchRL's code.
+_PARTS = ("_storage", "_sampler", "_writer", "_transform")
+_REDUCTIONS = {"max": torch.amax, "min": torch.amin, "mean": torch.mean, "sum": torch.sum}
 
 # tensordict's constructor checks every leaf against the batch size; a sample's leaves were
-# checked by the Rust buffer already, and `_new_unsafe` (tensordict >= 0.5) skips that: a third of
+# checked by the engine already, and `_new_unsafe` (tensordict >= 0.5) skips that: a third of
 # the cost. The public constructor where it is missing.
 _NEW = getattr(_TensorDict, "_new_unsafe", None)
 
@@ -137,251 +136,445 @@ def _to_torch(td):
 def _numbers(x, dtype):
     """Indices or priorities from TorchRL code (tensors maybe on a GPU or needing grad) as a
     numpy array of ``dtype`` (numpy's DLPack export costs a tenth of torch's)."""
+    if type(x) is torch.Tensor and x.dtype == dtype and x.device.type == "cpu" and not x.requires_grad:
+        return x.reshape(-1).numpy()
     return torch.as_tensor(x).detach().to(device="cpu", dtype=dtype).reshape(-1).numpy()
 
 
-def _arrays(data):
-    """Rows to write, their CPU tensors as numpy arrays over the same memory (the buffer reads
-    numpy's DLPack export at a tenth of the cost of torch's); other leaves as they are (the
-    buffer reads them by DLPack too, or refuses them saying why)."""
-    if isinstance(data, _TensorDict):
-        data = data.to_dict()
-    if not isinstance(data, dict):
-        return data
+def _rows(data, batch_dims):
+    """The leaves of a row (``batch_dims`` 0) or of rows (1) to write, as numpy arrays over the
+    same memory (the engine reads numpy's DLPack export at a tenth of the cost of torch's), or
+    ``None`` where the engine does not take the data as TorchRL would (TorchRL's own code then
+    writes it): a dense ``tensordict.TensorDict`` of CPU tensors, nested ones of the same batch
+    dims, nothing else (a dict is a pytree to TorchRL, stored and sampled as one)."""
+    if type(data) is not _TensorDict or data.batch_dims != batch_dims:
+        return None
+    device = data.device
+    if device is not None and device.type != "cpu":
+        return None
+    rows = {}
+    for key, value in data.items():
+        if type(value) is torch.Tensor:
+            if value.device.type != "cpu" or value.requires_grad or value.dtype == torch.bfloat16:
+                return None
+            if value.layout != torch.strided:
+                return None
+            rows[key] = value.numpy()
+        else:
+            nested = _rows(value, batch_dims)
+            if nested is None:
+                return None
+            rows[key] = nested
+    return rows or None
 
-    def leaf(v):
-        if isinstance(v, dict):
-            return {k: leaf(x) for k, x in v.items()}
-        if isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.requires_grad and v.dtype != torch.bfloat16:
-            return v.numpy()
-        return v
 
-    return leaf(data)
-
-
-_REDUCTIONS = {"max": torch.amax, "min": torch.amin, "mean": torch.mean, "sum": torch.sum}
-
-
-class ReplayBuffer:
-    """TorchRL's ``ReplayBuffer``: ``sample`` returns the rows alone (``return_info=True``
-    also returns ``{"index", "priority_weight"}``)."""
-
-    #: Whether samples carry ``index`` (and ``priority_weight``) themselves.
-    _in_sample = False
-
-    def __init__(
-        self,
-        *,
-        storage=None,
-        sampler=None,
-        writer=None,
-        batch_size=None,
-        generator=None,
-        collate_fn=None,
-        pin_memory=False,
-        prefetch=None,
-        transform=None,
-        transform_factory=None,
-        dim_extend=None,
-        checkpointer=None,
-        shared=False,
-        sample_unit=None,
-        consume_after_n_samples=None,
-        compilable=None,
-        delayed_init=None,
-        **others,
-    ):
-        _refuse(
-            type(self).__name__,
-            collate_fn=collate_fn,
-            pin_memory=pin_memory,
-            transform=transform,
-            transform_factory=transform_factory,
-            dim_extend=dim_extend,
-            checkpointer=checkpointer,
-            shared=shared,
-            sample_unit=sample_unit,
-            consume_after_n_samples=consume_after_n_samples,
-            **{k: v for k, v in others.items() if k not in ("service_backend", "transport") or v not in ("direct", "auto")},
+def _engine_parts(storage, sampler, writer):
+    """The engine's storage, sampler and writer for TorchRL's parts, or ``None`` where a part
+    is not one the engine runs exactly as TorchRL does."""
+    if type(storage) is LazyMemmapStorage:
+        if storage.existsok or storage.ndim != 1:
+            return None
+        engine_storage = _replay.LazyMemmapStorage(storage.max_size, storage.scratch_dir)
+    elif type(storage) is LazyTensorStorage:
+        if storage.ndim != 1:
+            return None
+        engine_storage = _replay.LazyTensorStorage(storage.max_size)
+    else:
+        return None
+    if storage.initialized or len(storage) or getattr(storage, "_compilable", False):
+        return None
+    if getattr(storage, "device", "cpu") not in ("cpu", torch.device("cpu"), "auto", None):
+        return None
+    if type(sampler) is RandomSampler:
+        engine_sampler = _replay.RandomSampler()
+    elif type(sampler) is PrioritizedSampler:
+        if sampler.max_size != storage.max_size or sampler.device.type != "cpu":
+            return None
+        engine_sampler = _replay.PrioritizedSampler(
+            sampler.max_size, sampler.alpha, sampler.beta, sampler._eps, sampler._max_priority_within_buffer
         )
-        self._generator = generator
-        storage = storage if storage is not None else LazyTensorStorage(1_000_000)
-        self._rb = _replay.ReplayBuffer(
-            storage=storage, sampler=sampler, writer=writer, batch_size=batch_size, seed=self._seed()
-        )
-        self._prioritized = isinstance(sampler, (_replay.PrioritizedSampler, _replay.PrioritizedSliceSampler))
-        self._reduction = getattr(sampler, "reduction", "max")
-        if prefetch is not None and int(prefetch) < 0:
-            raise ValueError(f"prefetch={prefetch}: give a number of samples to draw ahead, or None")
-        self._prefetch = int(prefetch or 0)
-        self._ahead = collections.deque()  # (batch size, future) of samples drawn ahead
-        self._executor = None
+    else:
+        return None
+    if type(writer) not in (RoundRobinWriter, TensorDictRoundRobinWriter) or getattr(writer, "_compilable", False):
+        return None
+    return engine_storage, engine_sampler, _replay.RoundRobinWriter()
+
+
+class ReplayBuffer(_trl.ReplayBuffer):
+    """TorchRL's ``ReplayBuffer``, run by the Rust engine while its parts allow (see the module
+    documentation); TorchRL's own code otherwise."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        _fuse(self, kwargs)
+
+
+class TensorDictReplayBuffer(_trl.TensorDictReplayBuffer, ReplayBuffer):
+    """TorchRL's ``TensorDictReplayBuffer``: samples carry ``index`` (and ``priority_weight``
+    when prioritized), and rows written with ``priority_key`` get that priority."""
+
+
+class PrioritizedReplayBuffer(_trl.PrioritizedReplayBuffer, ReplayBuffer):
+    """TorchRL's ``PrioritizedReplayBuffer``: a ``PrioritizedSampler`` over ``storage``."""
+
+
+class TensorDictPrioritizedReplayBuffer(_trl.TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer):
+    """TorchRL's ``TensorDictPrioritizedReplayBuffer``."""
+
+
+def _fuse(rb, kwargs):
+    """Gives the buffer to the engine if TorchRL's parts allow: its class becomes the engine's
+    subclass of it, and its parts wait, armed, for the handover."""
+    extras = ("collate_fn", "transform", "transform_factory", "checkpointer", "sample_unit")
+    extras += ("consume_after_n_samples", "prefetch", "dim_extend", "compilable", "delayed_init")
+    if any(kwargs.get(name) for name in extras) or kwargs.get("pin_memory") or kwargs.get("shared"):
+        return
+    if type(rb) not in _ENGINE_CLASSES or not rb._initialized or (rb._transform is not None and len(rb._transform)):
+        return
+    if not getattr(rb, "_sync", True):  # TensorDictPrioritizedReplayBuffer(sync=False)
+        return
+    storage, sampler, writer = rb._storage, rb._sampler, rb._writer
+    if list(storage._attached_entities_iter()) != [rb] or writer.tracks_generations:
+        return
+    parts = _engine_parts(storage, sampler, writer)
+    if parts is None:
+        return
+    engine_storage, engine_sampler, engine_writer = parts
+    rb.__dict__["_engine"] = _replay.ReplayBuffer(
+        storage=engine_storage, sampler=engine_sampler, writer=engine_writer, seed=0
+    )
+    rb.__dict__["_handover"] = {name: rb.__dict__.pop(name) for name in _PARTS}
+    rb.__dict__["_prioritized"] = type(sampler) is PrioritizedSampler
+    rb.__dict__["_reduction"] = getattr(sampler, "reduction", "max")
+    for part in (storage, sampler, writer):  # not the transform, a TorchRL object of the buffer's
+        _arm(part, rb)
+    rb.__class__ = _ENGINE_CLASSES[type(rb)]
+
+
+# --- Parts that wait for the handover.
+
+_ARMED = {}
+
+
+def _arm(part, rb):
+    """Makes any use of ``part`` (by whoever holds it) hand the engine's state over first: its
+    class becomes a subclass of its own whose attribute lookups do that."""
+    cls = type(part)
+    armed = _ARMED.get(cls)
+    if armed is None:
+        armed = _ARMED[cls] = type(cls.__name__, (cls,), {"__getattribute__": _wake, "__module__": cls.__module__})
+    object.__getattribute__(part, "__dict__")["_tdict_owner"] = weakref.ref(rb)
+    part.__class__ = armed
+
+
+def _wake(part, name):
+    """The lookup of an armed part: the owner's engine hands its state over, then the lookup."""
+    owner = object.__getattribute__(part, "__dict__").get("_tdict_owner")
+    rb = owner() if owner is not None else None
+    if rb is not None:
+        rb._hand_over()
+    else:
+        _disarm(part)
+    return getattr(part, name)
+
+
+def _disarm(part):
+    fields = object.__getattribute__(part, "__dict__")
+    fields.pop("_tdict_owner", None)
+    cls = object.__getattribute__(part, "__class__")
+    if cls in _ARMED.values():
+        part.__class__ = cls.__bases__[0]
+
+
+class _Engine:
+    """What the engine runs of a buffer, as TorchRL's code would (see the module
+    documentation); mixed into the engine's subclass of each of the four buffers."""
+
+    def __getattr__(self, name):
+        # Only reached for attributes not found: the parts, while the engine holds the state.
+        if name in _PARTS and "_handover" in self.__dict__:
+            self._hand_over()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _hand_over(self):
+        """Moves the engine's state into TorchRL's parts and gives the buffer back to TorchRL's
+        code: the storage takes the engine's memory as it is (the files of a memmap storage,
+        mapped again as TorchRL maps them; the engine's heap memory, by DLPack), the writer and
+        the sampler take their state through TorchRL's dump format, which the engine writes
+        and TorchRL's parts read."""
+        with self._replay_lock:  # TorchRL's lock of the buffer: one handover, whole
+            self._hand_over_locked()
+
+    def _hand_over_locked(self):
+        fields = self.__dict__
+        if "_engine" not in fields:
+            return
+        engine = fields.pop("_engine")
+        parts = fields.pop("_handover")
+        last_written = fields.pop("_last_written", None)
+        for name in ("_prioritized", "_reduction"):
+            fields.pop(name, None)
+        for name in ("_storage", "_sampler", "_writer"):
+            _disarm(parts[name])
+        fields.update(parts)
+        self.__class__ = type(self).__bases__[-1]
+        stored = engine.storage
+        if stored is None:
+            return
+        storage, sampler, writer = parts["_storage"], parts["_sampler"], parts["_writer"]
+        storage._storage = None
+        if type(storage) is LazyMemmapStorage:
+            try:
+                storage._storage = _TensorDict.load_memmap(stored.to_ref().location)
+            except (OSError, RuntimeError):
+                pass  # its folder was removed meanwhile: the engine's mapping still holds the rows
+        if storage._storage is None:
+            storage._storage = _to_torch(stored)
+        # The engine's memory (and a temporary folder of its) lives as long as the storage
+        # (held by the finalizer, not by the storage, which pickles as TorchRL's).
+        weakref.finalize(storage, _let_go, engine)
+        storage.initialized = True
+        storage._len = len(engine)
+        if last_written is not None:
+            storage._set_last_cursor(last_written)
+        storage._bump_mutation_revision()
+        with tempfile.TemporaryDirectory(prefix="tdict-torchrl-") as tmp:
+            engine.dumps(tmp)
+            sampler.loads(Path(tmp, "sampler"))
+            writer.loads(Path(tmp, "writer"))
+        if type(sampler) is PrioritizedSampler and sampler._max_priority is not None:
+            value, index = sampler._max_priority
+            if value is not None and not isinstance(value, torch.Tensor):
+                sampler._max_priority = (torch.tensor(float(value)), torch.tensor(int(index)))
+
+    def __reduce_ex__(self, protocol):
+        self._hand_over()
+        return self.__reduce_ex__(protocol)
 
     def _seed(self):
-        """A seed drawn from torch's generator (this buffer's, else torch's default)."""
-        return int(torch.randint(0, 2**62, (), generator=self._generator))
+        """A seed for the engine's next draw, from the buffer's torch generator (else torch's)."""
+        return int(torch.randint(0, 2**62, (), generator=self._rng))
 
-    @property
-    def batch_size(self):
-        return self._rb.batch_size
-
-    @batch_size.setter
-    def batch_size(self, value):
-        self._rb.batch_size = value
+    def __len__(self):
+        return len(self._engine)
 
     @property
     def write_count(self):
-        """How many rows were written since the buffer was made or emptied."""
-        return self._rb._rb.write_count
+        return self._engine._rb.write_count
 
-    def __len__(self):
-        return len(self._rb)
-
-    def extend(self, data):
-        """Writes a batch (a ``tensordict.TensorDict``, a dict of tensors); returns the rows
-        written, as an int64 tensor."""
-        return torch.tensor(self._rb.extend(_arrays(data)), dtype=torch.int64)
-
-    def add(self, data):
-        """Writes one row; returns its row."""
-        return self._rb.add(_arrays(data))
-
-    def _draw(self, batch_size, seed):
-        self._rb._rb.reseed(seed)
-        return self._rb.sample(batch_size)
-
-    def _drawn(self, batch_size):
-        """The next sample: drawn now, or (with ``prefetch``) the oldest drawn ahead, the queue
-        topped up. The seeds are drawn here, in the caller's order."""
-        if not self._prefetch:
-            return self._draw(batch_size, self._seed())
-        batch_size = batch_size if batch_size is not None else self.batch_size
-        if self._ahead and self._ahead[0][0] != batch_size:
-            self._ahead.clear()  # drawn for another batch size
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tdict-prefetch")
-        while len(self._ahead) < self._prefetch + 1:
-            self._ahead.append((batch_size, self._executor.submit(self._draw, batch_size, self._seed())))
-        return self._ahead.popleft()[1].result()
-
-    def sample(self, batch_size=None, return_info=False):
-        """A batch of rows as a ``tensordict.TensorDict`` (and, with ``return_info``, a dict of
-        ``index`` and, when prioritized, ``priority_weight``)."""
-        td = _to_torch(self._drawn(batch_size))
-        if self._in_sample and not return_info:
-            return td
-        info = {k: td.get(k) for k in ("priority_weight", "index") if k in td.keys()}
-        if not self._in_sample:
-            td = td.exclude(*info)
-        return (td, info) if return_info else td
-
-    def update_priority(self, index, priority):
-        """Sets the priorities of rows ``index`` (tensors, possibly needing grad or on a GPU)."""
-        index = _numbers(index, torch.int64)
-        priority = _numbers(priority, torch.float64)
-        self._rb.update_priority(index, priority)
-
-    def empty(self):
-        """Empties the buffer: no row, no write counted, the sampler's state forgotten."""
-        self._drop_ahead()
-        self._rb._rb.empty()
-
-    def _drop_ahead(self):
-        """Waits for the samples drawn ahead and forgets them."""
-        for _, future in self._ahead:
-            future.exception()
-        self._ahead.clear()
-
-    def __del__(self):
-        executor = getattr(self, "_executor", None)
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
-
-    def __getitem__(self, index):
-        """Rows of the storage: an int (one row, no batch dim), a slice, a list or a tensor."""
-        n = len(self)
-        if isinstance(index, int):
-            if not -n <= index < n:
-                raise IndexError(f"row {index} of a buffer of {n} rows")
-            return _to_torch(self._rb[[index % n]])[0]
-        if isinstance(index, slice):
-            rows = list(range(n)[index])
-        else:
-            rows = _numbers(index, torch.int64).tolist()
-        bad = [i for i in rows if not -n <= i < n]
-        if bad:
-            raise IndexError(f"row {bad[0]} of a buffer of {n} rows")
-        return _to_torch(self._rb[[i % n for i in rows]])
-
-    def dumps(self, path):
-        """Writes TorchRL's dump layout at ``path``."""
-        self._rb.dumps(path)
-
-    def loads(self, path):
-        """Replaces this buffer's rows, writer and sampler state with a dump's (TorchRL's
-        ``loads``)."""
-        self._drop_ahead()
-        self._rb = _replay.ReplayBuffer.loads(path, batch_size=self.batch_size, seed=self._seed())
-        return self
-
-    def __repr__(self):
-        return f"{type(self).__name__}({self._rb!r})"
-
-
-class TensorDictReplayBuffer(ReplayBuffer):
-    """TorchRL's ``TensorDictReplayBuffer``: samples carry ``index`` (and ``priority_weight``
-    when prioritized); rows written with ``priority_key`` set get that priority."""
-
-    _in_sample = True
-
-    def __init__(self, *, priority_key="td_error", **kwargs):
-        super().__init__(**kwargs)
-        self.priority_key = priority_key
-
-    def extend(self, data):
-        index = super().extend(data)
-        if self._prioritized and self.priority_key in data.keys(include_nested=isinstance(self.priority_key, tuple)):
-            self.update_priority(index, self._priority_of(data))
+    def extend(self, data, *, update_priority=None):
+        index = self._engine_extend(data) if update_priority is None else self._hand_over()
+        if index is None:
+            return self.extend(data, update_priority=update_priority)
         return index
 
-    def _priority_of(self, data):
-        priority = torch.as_tensor(data.get(self.priority_key)).detach()
-        if priority.ndim > 1:
-            priority = _REDUCTIONS[self._reduction](priority.reshape(priority.shape[0], -1), dim=1)
-        return priority
+    def _engine_extend(self, data):
+        """The rows written by the engine, as TorchRL's int64 tensor; ``None``, the state handed
+        over, for data the engine does not take as TorchRL would, or refuses (TorchRL's code
+        then writes it, or raises what TorchRL raises)."""
+        rows = _rows(data, 1)
+        if rows is None:
+            return self._hand_over()
+        try:
+            written = self._engine.extend(rows)
+        except Exception:  # noqa: BLE001 - refused before anything is written; TorchRL decides
+            return self._hand_over()
+        index = torch.tensor(written, dtype=torch.int64)
+        self.__dict__["_last_written"] = index
+        return index
+
+    def _engine_add(self, data):
+        """The row written by the engine; ``None``, the state handed over, as for a batch."""
+        row = _rows(data, 0)
+        if row is None:
+            return self._hand_over()
+        try:
+            written = self._engine.add(row)
+        except Exception:  # noqa: BLE001 - refused before anything is written; TorchRL decides
+            return self._hand_over()
+        self.__dict__["_last_written"] = written
+        return written
+
+    def add(self, data):
+        index = self._engine_add(data)
+        if index is None:
+            return self.add(data)
+        return index
+
+    def update_priority(self, index, priority):
+        if not self._prioritized:
+            return None
+        rows = _numbers(torch.stack(index, -1) if isinstance(index, tuple) else index, torch.int64)
+        values = _numbers(priority, torch.float64)
+        if len(values) == 1 and len(rows) != 1:
+            values = values.repeat(len(rows))
+        try:
+            self._engine.update_priority(rows, values)
+        except Exception:  # noqa: BLE001 - refused before anything changed; TorchRL decides
+            self._hand_over()
+            return self.update_priority(index, priority)
+        return None
+
+    def sample(self, batch_size=None, return_info=False):
+        sampled = self._engine_sample(batch_size, False)
+        if sampled is None:
+            return self.sample(batch_size, return_info=return_info)
+        data, info = sampled
+        return (data, info) if return_info else data
+
+    def _engine_sample(self, batch_size, info_in_rows):
+        """A sample as TorchRL gives it: the rows, and ``index`` (with ``priority_weight`` when
+        prioritized) in the info, and in the rows too with ``info_in_rows``; ``None``, the state
+        handed over, for a batch size that is not a count (TorchRL's code raises its error)."""
+        if batch_size is not None and self._batch_size is not None and batch_size != self._batch_size:
+            if not self._warned_batch_size_conflict:
+                self._warned_batch_size_conflict = True
+                warnings.warn(
+                    f"Got conflicting batch_sizes in constructor ({self._batch_size}) and `sample` ({batch_size}). "
+                    "Refer to the ReplayBuffer documentation for a proper usage of the batch-size arguments. "
+                    "The batch-size provided to the sample method will prevail."
+                )
+        elif batch_size is None:
+            batch_size = self._batch_size
+        if batch_size is None:
+            raise RuntimeError(
+                "batch_size not specified. You can specify the batch_size when constructing the replay buffer, "
+                "or pass it to the sample method. Refer to the ReplayBuffer documentation for a proper usage of "
+                "the batch-size arguments."
+            )
+        try:
+            batch_size = operator.index(batch_size)
+        except TypeError:
+            batch_size = -1
+        if batch_size < 0:
+            return self._hand_over()
+        if not len(self._engine):
+            raise RuntimeError(_EMPTY)
+        self._engine._rb.reseed(self._seed())
+        td = _to_torch(self._engine.sample(batch_size))
+        info = {"priority_weight": td.get("priority_weight"), "index": td.get("index")}
+        if not self._prioritized:
+            del info["priority_weight"]
+        return (td if info_in_rows else td.exclude(*info)), info
+
+    def __getitem__(self, index):
+        n = len(self)
+        if isinstance(index, int) and not isinstance(index, bool):
+            if not -n <= index < n:
+                raise IndexError(f"index {index} is out of range for a buffer of {n} rows")
+            return _to_torch(self._engine[[index % n]])[0]
+        if isinstance(index, slice) or (isinstance(index, torch.Tensor) and index.dtype == torch.int64 and index.ndim == 1):
+            rows = list(range(n)[index]) if isinstance(index, slice) else index.tolist()
+            bad = [i for i in rows if not -n <= i < n]
+            if bad:
+                raise IndexError(f"index {bad[0]} is out of range for a buffer of {n} rows")
+            return _to_torch(self._engine[[i % n for i in rows]])
+        self._hand_over()
+        return self[index]
+
+    def empty(self, empty_write_count=True):
+        if not empty_write_count:
+            self._hand_over()
+            return self.empty(empty_write_count=False)
+        self._engine._rb.empty()
+        return None
+
+    def dumps(self, path):
+        if self._rng is None and self._engine.storage is not None:
+            self._engine.batch_size = self._batch_size
+            return self._engine.dumps(path)
+        self._hand_over()
+        return self.dumps(path)
+
+    def __repr__(self):
+        return (
+            f"{type(self).__name__}(rows={len(self)}, batch_size={self._batch_size}, prioritized={self._prioritized}, "
+            "engine=tensordict_rs)"
+        )
+
+
+class _TensorDictEngine(_Engine):
+    """The engine's ``TensorDictReplayBuffer``: ``index`` set in written rows and put in
+    samples, with ``priority_weight`` when prioritized; priorities from ``priority_key``."""
+
+    def extend(self, tensordicts, *, update_priority=None):
+        index = self._engine_extend(tensordicts)
+        if index is None:
+            return self.extend(tensordicts, update_priority=update_priority)
+        # TorchRL sets `index` in what its (empty) transform gave back, a copy: the caller's
+        # dict is left as it was.
+        if update_priority is None or update_priority:
+            if self._prioritized and self._has_priority(tensordicts):
+                self.update_priority(index, self._priority_vector(tensordicts))
+        return index
+
+    def add(self, data):
+        index = self._engine_add(data)
+        if index is None:
+            return self.add(data)
+        # Without a priority, the row has the sampler's default one already (the engine's
+        # write gives it, as TorchRL's sampler does). The caller's dict is left as it was.
+        if self._prioritized and self._has_priority(data):
+            row = data.copy()
+            self._set_index_in_td(row, index)
+            self.update_tensordict_priority(row)
+        return index
+
+    def _has_priority(self, data):
+        return data.get(self.priority_key, None) is not None
+
+    def sample(self, batch_size=None, return_info=False, include_info=None):
+        if include_info is not None:
+            self._hand_over()
+            return self.sample(batch_size, return_info=return_info, include_info=include_info)
+        sampled = self._engine_sample(batch_size, True)
+        if sampled is None:
+            return self.sample(batch_size, return_info=return_info)
+        data, info = sampled
+        return (data, info) if return_info else data
 
     def update_tensordict_priority(self, data):
-        """Sets the priorities of the rows ``data["index"]`` to ``data[priority_key]`` (reduced
-        over its dims past the first, as TorchRL's ``reduction`` says)."""
-        self.update_priority(data.get("index"), self._priority_of(data))
+        """TorchRL's: the priorities of rows ``data["index"]`` from ``data[priority_key]``."""
+        if not self._prioritized:
+            return None
+        if not self._has_priority(data):
+            # The sampler's default priority lives in TorchRL's sampler.
+            self._hand_over()
+            return self.update_tensordict_priority(data)
+        priority = self._priority_vector(data if data.ndim else data.unsqueeze(0))
+        index = data.get("index")
+        while index.ndim > max(priority.ndim, 1):
+            index = index[..., 0]
+        return self.update_priority(index, priority)
+
+    def _priority_vector(self, data):
+        """TorchRL's ``_get_priority_vector``: ``priority_key`` reduced over the dims past the
+        first by the sampler's ``reduction``."""
+        priority = torch.as_tensor(data.get(self.priority_key)).detach()
+        if priority.ndim == 1:
+            return priority
+        priority = priority.reshape(priority.shape[0], -1)
+        if self._reduction == "median":
+            return priority.median(1).values
+        return _REDUCTIONS[self._reduction](priority, dim=1)
 
 
-class PrioritizedReplayBuffer(ReplayBuffer):
-    """TorchRL's ``PrioritizedReplayBuffer``: a ``PrioritizedSampler`` over ``storage``."""
-
-    def __init__(self, *, alpha, beta, eps=1e-8, dtype=torch.float, storage=None, reduction="max", **kwargs):
-        storage = storage if storage is not None else LazyTensorStorage(1_000_000)
-        sampler = PrioritizedSampler(storage.max_size, alpha, beta, eps, dtype, reduction)
-        super().__init__(storage=storage, sampler=sampler, **kwargs)
+def _engine_class(public, engine):
+    """The engine's subclass of ``public``, named as it is (TorchRL's reprs and messages)."""
+    return type(public.__name__, (engine, public), {"__module__": public.__module__, "__qualname__": public.__qualname__})
 
 
-class TensorDictPrioritizedReplayBuffer(TensorDictReplayBuffer):
-    """TorchRL's ``TensorDictPrioritizedReplayBuffer``."""
+_ENGINE_CLASSES = {
+    ReplayBuffer: _engine_class(ReplayBuffer, _Engine),
+    PrioritizedReplayBuffer: _engine_class(PrioritizedReplayBuffer, _Engine),
+    TensorDictReplayBuffer: _engine_class(TensorDictReplayBuffer, _TensorDictEngine),
+    TensorDictPrioritizedReplayBuffer: _engine_class(TensorDictPrioritizedReplayBuffer, _TensorDictEngine),
+}
 
-    def __init__(
-        self,
-        *,
-        alpha,
-        beta,
-        priority_key="td_error",
-        eps=1e-8,
-        storage=None,
-        reduction="max",
-        sampler_device=None,
-        sync=True,
-        **kwargs,
-    ):
-        _check_device(sampler_device)
-        storage = storage if storage is not None else LazyTensorStorage(1_000_000)
-        sampler = PrioritizedSampler(storage.max_size, alpha, beta, eps, reduction=reduction)
-        super().__init__(priority_key=priority_key, storage=storage, sampler=sampler, **kwargs)
+
+def _let_go(engine):
+    """Nothing: a finalizer that holds ``engine`` until the storage that took its memory goes."""
+    del engine
+
+
