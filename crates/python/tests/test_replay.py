@@ -136,6 +136,15 @@ def test_max_value_writer_keeps_the_best_rows():
     assert kept == pytest.approx([0.06, 0.07, 0.08, 0.09])
 
 
+def test_the_max_value_writer_ranks_by_next_reward_by_default_and_buffers_do_not_iterate():
+    rb = ReplayBuffer(storage=LazyTensorStorage(2), writer=TensorDictMaxValueWriter(), batch_size=2)
+    for i, (reward, next_reward) in enumerate([(9.0, 1.0), (0.0, 3.0), (5.0, 2.0)]):
+        rb.add({"x": np.int64(i), "reward": np.float32(reward), "next": {"reward": np.float32(next_reward)}})
+    assert sorted(rb.storage["x"].numpy().tolist()) == [1, 2], "ranked by ('next', 'reward'), as TorchRL ranks"
+    with pytest.raises(TypeError, match="not iterable: call sample"):
+        iter(rb)
+
+
 def test_writers_and_samplers_cross_as_typed_specs():
     # A nested rank key whose names hold dots: a key path, not a dotted string.
     rb = ReplayBuffer(storage=LazyTensorStorage(2), writer=TensorDictMaxValueWriter(("next", "r.v"), reduction="max"))

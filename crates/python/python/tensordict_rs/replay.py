@@ -180,11 +180,11 @@ class RoundRobinWriter:
 
 
 class TensorDictMaxValueWriter:
-    """Keeps the rows with the largest ``rank_key`` (a key, or a tuple for a nested one),
-    several values of a row reduced by ``reduction`` (``"sum"``, ``"mean"``, ``"max"``,
-    ``"min"``, ``"median"``)."""
+    """Keeps the rows with the largest ``rank_key`` (a key, or a tuple for a nested one;
+    ``("next", "reward")`` by default, as TorchRL's), several values of a row reduced by
+    ``reduction`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``, ``"median"``)."""
 
-    def __init__(self, rank_key="reward", reduction="sum"):
+    def __init__(self, rank_key=("next", "reward"), reduction="sum"):
         self.rank_key = _key(rank_key)
         self.reduction = reduction
 
@@ -292,6 +292,14 @@ class ReplayBuffer(_Prefetching):
 
     def __getitem__(self, index):
         return self._rb[_ints(index)]
+
+    def __iter__(self):
+        # Without this, Python would walk the rows through __getitem__, where TorchRL's buffers
+        # yield sampler batches: refuse rather than differ.
+        raise TypeError(
+            f"{type(self).__name__} is not iterable: call sample() in a loop (or use tensordict_rs.torchrl, "
+            "whose buffers iterate as TorchRL's)"
+        )
 
     def __len__(self):
         return len(self._rb)
