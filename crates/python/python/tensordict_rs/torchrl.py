@@ -453,9 +453,9 @@ class _Engine:
             raise RuntimeError(_EMPTY)
         self._engine._rb.reseed(self._seed())
         td = _to_torch(self._engine.sample(batch_size))
-        info = {"priority_weight": td.get("priority_weight"), "index": td.get("index")}
-        if not self._prioritized:
-            del info["priority_weight"]
+        # TorchRL's order: the sampler's info, then the index.
+        info = {"priority_weight": td.get("priority_weight")} if self._prioritized else {}
+        info["index"] = td.get("index")
         return (td if info_in_rows else td.exclude(*info)), info
 
     def __getitem__(self, index):
