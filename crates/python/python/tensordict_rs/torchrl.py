@@ -364,40 +364,30 @@ class _Engine:
         return self._engine._rb.write_count
 
     def extend(self, data, *, update_priority=None):
-        index = self._engine_extend(data) if update_priority is None else self._hand_over()
+        index = self._engine_write(data, 1) if update_priority is None else self._hand_over()
         if index is None:
             return self.extend(data, update_priority=update_priority)
         return index
 
-    def _engine_extend(self, data):
-        """The rows written by the engine, as TorchRL's int64 tensor; ``None``, the state handed
-        over, for data the engine does not take as TorchRL would, or refuses (TorchRL's code
-        then writes it, or raises what TorchRL raises)."""
-        rows = _rows(data, 1)
+    def _engine_write(self, data, batch_dims):
+        """What the engine wrote: TorchRL's int64 tensor of the rows of a batch (``batch_dims``
+        1), the row of one row (0); ``None``, the state handed over, for data the engine does
+        not take as TorchRL would, or refuses (TorchRL's code then writes it, or raises what
+        TorchRL raises)."""
+        rows = _rows(data, batch_dims)
         if rows is None:
             return self._hand_over()
         try:
-            written = self._engine.extend(rows)
+            written = self._engine.extend(rows) if batch_dims else self._engine.add(rows)
         except Exception:  # noqa: BLE001 - refused before anything is written; TorchRL decides
             return self._hand_over()
-        index = torch.tensor(written, dtype=torch.int64)
-        self.__dict__["_last_written"] = index
-        return index
-
-    def _engine_add(self, data):
-        """The row written by the engine; ``None``, the state handed over, as for a batch."""
-        row = _rows(data, 0)
-        if row is None:
-            return self._hand_over()
-        try:
-            written = self._engine.add(row)
-        except Exception:  # noqa: BLE001 - refused before anything is written; TorchRL decides
-            return self._hand_over()
+        if batch_dims:
+            written = torch.tensor(written, dtype=torch.int64)
         self.__dict__["_last_written"] = written
         return written
 
     def add(self, data):
-        index = self._engine_add(data)
+        index = self._engine_write(data, 0)
         if index is None:
             return self.add(data)
         return index
@@ -499,7 +489,7 @@ class _TensorDictEngine(_Engine):
     samples, with ``priority_weight`` when prioritized; priorities from ``priority_key``."""
 
     def extend(self, tensordicts, *, update_priority=None):
-        index = self._engine_extend(tensordicts)
+        index = self._engine_write(tensordicts, 1)
         if index is None:
             return self.extend(tensordicts, update_priority=update_priority)
         # TorchRL sets `index` in what its (empty) transform gave back, a copy: the caller's
@@ -510,7 +500,7 @@ class _TensorDictEngine(_Engine):
         return index
 
     def add(self, data):
-        index = self._engine_add(data)
+        index = self._engine_write(data, 0)
         if index is None:
             return self.add(data)
         # Without a priority, the row has the sampler's default one already (the engine's
