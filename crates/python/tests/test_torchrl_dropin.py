@@ -333,3 +333,22 @@ def test_hostile_calls_raise_what_torchrl_raises_or_clearer():
         assert outcome[0] == outcome[1], (what, outcome)
     with pytest.raises((ValueError, MemoryError)):
         make(trl).sample(10**13)
+
+
+def test_a_handover_that_fails_leaves_the_buffer_the_engines_whole():
+    from tensordict_rs import torchrl as trl
+
+    rb = trl.TensorDictPrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=trl.LazyTensorStorage(16), batch_size=4)
+    rb.extend(rows(10))
+    engine = rb._engine
+    dumps = engine.dumps
+
+    def full_disk(path):
+        raise OSError(28, "No space left on device")
+
+    engine.dumps = full_disk
+    with pytest.raises(OSError, match="No space left"):
+        rb.storage
+    assert "engine=tensordict_rs" in repr(rb) and len(rb) == 10 and rb.sample()["x"].max() < 10
+    engine.dumps = dumps
+    assert len(rb.storage) == 10 and rb.writer._cursor == 10

@@ -310,7 +310,20 @@ class _Engine:
         fields = self.__dict__
         if "_engine" not in fields:
             return
-        engine = fields.pop("_engine")
+        engine = fields["_engine"]
+        stored = engine.storage
+        with tempfile.TemporaryDirectory(prefix="tdict-torchrl-") as tmp:
+            if stored is not None:
+                # First the step that can fail (a full disk): until the dump is written, the
+                # buffer stays the engine's, whole.
+                engine.dumps(tmp)
+            self._take_back(engine, stored, Path(tmp))
+
+    def _take_back(self, engine, stored, dump):
+        """Gives the parts the engine's state (``stored``, its storage, and ``dump``, its dump)
+        and the buffer back to TorchRL's class."""
+        fields = self.__dict__
+        del fields["_engine"]
         parts = fields.pop("_handover")
         last_written = fields.pop("_last_written", None)
         for name in ("_prioritized", "_reduction"):
@@ -319,7 +332,6 @@ class _Engine:
             _disarm(parts[name])
         fields.update(parts)
         self.__class__ = type(self).__bases__[-1]
-        stored = engine.storage
         if stored is None:
             return
         storage, sampler, writer = parts["_storage"], parts["_sampler"], parts["_writer"]
@@ -339,10 +351,8 @@ class _Engine:
         if last_written is not None:
             storage._set_last_cursor(last_written)
         storage._bump_mutation_revision()
-        with tempfile.TemporaryDirectory(prefix="tdict-torchrl-") as tmp:
-            engine.dumps(tmp)
-            sampler.loads(Path(tmp, "sampler"))
-            writer.loads(Path(tmp, "writer"))
+        sampler.loads(dump / "sampler")
+        writer.loads(dump / "writer")
         if type(sampler) is PrioritizedSampler and sampler._max_priority is not None:
             value, index = sampler._max_priority
             if value is not None and not isinstance(value, torch.Tensor):
