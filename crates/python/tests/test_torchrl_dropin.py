@@ -317,7 +317,6 @@ def test_hostile_calls_raise_what_torchrl_raises_or_clearer():
 
     calls = {
         "a NaN priority": lambda rb: rb.update_priority(torch.tensor([1]), torch.tensor([float("nan")])),
-        "a row past the storage": lambda rb: rb.update_priority(torch.tensor([1000]), torch.tensor([1.0])),
         "a leaf of another shape": lambda rb: rb.extend(TensorDict({"x": torch.zeros(3, 2), "next": {"reward": torch.zeros(3)}}, [3])),
         "a negative batch size": lambda rb: rb.sample(-1),
         "a float batch size": lambda rb: rb.sample(2.5),
@@ -333,6 +332,24 @@ def test_hostile_calls_raise_what_torchrl_raises_or_clearer():
         assert outcome[0] == outcome[1], (what, outcome)
     with pytest.raises((ValueError, MemoryError)):
         make(trl).sample(10**13)
+    # A row past the sum tree's memory (TorchRL's tree of 100 rows has 128 leaves; it writes
+    # the rows between, which ours take too, and past them into whatever memory follows, a
+    # crash later, so TorchRL's buffer is not called with one here): ours refuses it, with the
+    # engine running the buffer and after the handover, and no priority changes.
+    for handed_over in (False, True):
+        rb = make(trl)
+        if handed_over:
+            rb.storage
+        assert ("engine=tensordict_rs" in repr(rb)) != handed_over
+        for past in (torch.tensor([1000]), torch.tensor([3, 128]), 128):
+            with pytest.raises(IndexError, match=r"past the end of the prioritized sampler's sum tree \(128 rows\)"):
+                rb.update_priority(past, torch.tensor(5.0))
+        with pytest.raises(IndexError, match="row 128 is past the end"):
+            rb.update_tensordict_priority(TensorDict({"index": torch.tensor([128]), "td_error": torch.tensor([5.0])}, [1]))
+        sampler = rb.sampler
+        assert sampler._sum_tree.query(0, 128) == pytest.approx(10.0)
+        rb.update_priority(torch.tensor([127]), torch.tensor(5.0))  # TorchRL's too
+        assert sampler._sum_tree.query(0, 128) > 11.0
 
 
 def test_a_handover_that_fails_leaves_the_buffer_the_engines_whole():

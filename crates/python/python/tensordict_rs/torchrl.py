@@ -208,6 +208,10 @@ class ReplayBuffer(_trl.ReplayBuffer):
         super().__init__(**kwargs)
         _fuse(self, kwargs)
 
+    def update_priority(self, index, priority):
+        _check_tree_rows(index, _tree_leaves(self.__dict__.get("_prioritized_sampler") or self._sampler))
+        return super().update_priority(index, priority)
+
 
 class TensorDictReplayBuffer(_trl.TensorDictReplayBuffer, ReplayBuffer):
     """TorchRL's ``TensorDictReplayBuffer``: samples carry ``index`` (and ``priority_weight``
@@ -220,6 +224,38 @@ class PrioritizedReplayBuffer(_trl.PrioritizedReplayBuffer, ReplayBuffer):
 
 class TensorDictPrioritizedReplayBuffer(_trl.TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer):
     """TorchRL's ``TensorDictPrioritizedReplayBuffer``."""
+
+
+def _tree_leaves(sampler):
+    """How many rows the sum tree of ``sampler`` holds in memory, ``None`` for a sampler that
+    is not prioritized. TorchRL's trees have a power of two of leaves past the sampler's size
+    (8 for 5 rows), and TorchRL writes the rows between too (a sampler smaller than its
+    storage), so those are taken; past the leaves is past the tree's memory."""
+    size = getattr(sampler, "_max_capacity", None)
+    if not isinstance(size, int):
+        return None
+    leaves = getattr(sampler.__dict__.get("_sum_tree"), "capacity", None)
+    return leaves if isinstance(leaves, int) else 1 << size.bit_length()
+
+
+def _check_tree_rows(index, leaves):
+    """Refuses, as an ``IndexError``, a row at or past ``leaves``, the end of a prioritized
+    sampler's sum tree (``None``: not prioritized). TorchRL writes a priority into its tree at
+    each row of a one-dim index unchecked, so such a row lands past the tree's memory, a crash
+    some time later (rows of several dims go through numpy's ``ravel_multi_index``, which checks
+    them)."""
+    if leaves is None or isinstance(index, tuple):
+        return
+    try:
+        rows = torch.as_tensor(index, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError):
+        return  # not rows: TorchRL raises its error
+    if rows.ndim > 1:
+        return
+    past = rows >= leaves
+    if bool(past.any()):
+        row = int(rows.reshape(-1)[past.reshape(-1)][0])
+        raise IndexError(f"row {row} is past the end of the prioritized sampler's sum tree ({leaves} rows)")
 
 
 def _fuse(rb, kwargs):
@@ -245,6 +281,7 @@ def _fuse(rb, kwargs):
     )
     rb.__dict__["_handover"] = {name: rb.__dict__.pop(name) for name in _PARTS}
     rb.__dict__["_prioritized"] = type(sampler) is PrioritizedSampler
+    rb.__dict__["_tree_leaves"] = _tree_leaves(sampler)
     rb.__dict__["_reduction"] = getattr(sampler, "reduction", "max")
     for part in (storage, sampler, writer):  # not the transform, a TorchRL object of the buffer's
         _arm(part, rb)
@@ -326,7 +363,7 @@ class _Engine:
         del fields["_engine"]
         parts = fields.pop("_handover")
         last_written = fields.pop("_last_written", None)
-        for name in ("_prioritized", "_reduction"):
+        for name in ("_prioritized", "_tree_leaves", "_reduction"):
             fields.pop(name, None)
         for name in ("_storage", "_sampler", "_writer"):
             _disarm(parts[name])
@@ -405,6 +442,7 @@ class _Engine:
     def update_priority(self, index, priority):
         if not self._prioritized:
             return None
+        _check_tree_rows(index, self._tree_leaves)
         rows = _numbers(torch.stack(index, -1) if isinstance(index, tuple) else index, torch.int64)
         values = _numbers(priority, torch.float64)
         if len(values) == 1 and len(rows) != 1:
