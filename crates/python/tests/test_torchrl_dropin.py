@@ -369,3 +369,16 @@ def test_a_handover_that_fails_leaves_the_buffer_the_engines_whole():
     assert "engine=tensordict_rs" in repr(rb) and len(rb) == 10 and rb.sample()["x"].max() < 10
     engine.dumps = dumps
     assert len(rb.storage) == 10 and rb.writer._cursor == 10
+
+
+def test_rows_the_engine_cannot_read_in_place_are_written_by_torchrl():
+    from tensordict_rs import torchrl as trl
+
+    for leaf in (torch.arange(4, dtype=torch.bfloat16), torch.arange(4.0, requires_grad=True)):
+        rb = trl.TensorDictReplayBuffer(storage=trl.LazyTensorStorage(8), batch_size=2)
+        assert "engine=tensordict_rs" in repr(rb)
+        index = rb.extend(TensorDict({"x": leaf}, [4]))
+        assert "engine=tensordict_rs" not in repr(rb)
+        assert index.tolist() == [0, 1, 2, 3] and len(rb) == 4
+        stored = rb.storage[torch.arange(4)]["x"]
+        assert stored.dtype == leaf.dtype and stored.detach().tolist() == leaf.detach().tolist()

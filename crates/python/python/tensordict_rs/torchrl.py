@@ -41,6 +41,7 @@ import warnings
 import weakref
 from pathlib import Path
 
+import numpy as np
 import torch
 import torchrl.data as _trl
 from tensordict import TensorDict as _TensorDict
@@ -135,8 +136,14 @@ def _to_torch(td):
 
 def _numbers(x, dtype):
     """Indices or priorities from TorchRL code (tensors maybe on a GPU or needing grad) as a
-    numpy array of ``dtype`` (numpy's DLPack export costs a tenth of torch's)."""
-    if type(x) is torch.Tensor and x.dtype == dtype and x.device.type == "cpu" and not x.requires_grad:
+    numpy array of ``dtype`` (numpy's DLPack export costs a tenth of torch's); float32
+    priorities stay float32 (the engine widens them exactly, for less than torch's copy)."""
+    if (
+        type(x) is torch.Tensor
+        and (x.dtype == dtype or (dtype == torch.float64 and x.dtype == torch.float32))
+        and x.device.type == "cpu"
+        and not x.requires_grad
+    ):
         return x.reshape(-1).numpy()
     return torch.as_tensor(x).detach().to(device="cpu", dtype=dtype).reshape(-1).numpy()
 
@@ -155,11 +162,12 @@ def _rows(data, batch_dims):
     rows = {}
     for key, value in data.items():
         if type(value) is torch.Tensor:
-            if value.device.type != "cpu" or value.requires_grad or value.dtype == torch.bfloat16:
+            try:
+                # `numpy()` refuses what the engine must not take: tensors off the host,
+                # needing grad, sparse, or of dtypes numpy lacks (bfloat16).
+                rows[key] = value.numpy()
+            except (RuntimeError, TypeError, ValueError):
                 return None
-            if value.layout != torch.strided:
-                return None
-            rows[key] = value.numpy()
         else:
             nested = _rows(value, batch_dims)
             if nested is None:
@@ -401,7 +409,7 @@ class _Engine:
 
     def _seed(self):
         """A seed for the engine's next draw, from the buffer's torch generator (else torch's)."""
-        return int(torch.randint(0, 2**62, (), generator=self._rng))
+        return int(torch.empty((), dtype=torch.int64).random_(0, 2**62, generator=self._rng))
 
     def __len__(self):
         return len(self._engine)
@@ -429,7 +437,7 @@ class _Engine:
         except Exception:  # noqa: BLE001 - refused before anything is written; TorchRL decides
             return self._hand_over()
         if batch_dims:
-            written = torch.tensor(written, dtype=torch.int64)
+            written = torch.from_numpy(np.array(written, dtype=np.int64))
         self.__dict__["_last_written"] = written
         return written
 
@@ -442,7 +450,6 @@ class _Engine:
     def update_priority(self, index, priority):
         if not self._prioritized:
             return None
-        _check_tree_rows(index, self._tree_leaves)
         rows = _numbers(torch.stack(index, -1) if isinstance(index, tuple) else index, torch.int64)
         values = _numbers(priority, torch.float64)
         if len(values) == 1 and len(rows) != 1:
@@ -450,6 +457,7 @@ class _Engine:
         try:
             self._engine.update_priority(rows, values)
         except Exception:  # noqa: BLE001 - refused before anything changed; TorchRL decides
+            _check_tree_rows(index, self._tree_leaves)  # past the tree's memory: not TorchRL's
             self._hand_over()
             return self.update_priority(index, priority)
         return None
