@@ -496,18 +496,7 @@ impl Dump {
         meta.insert("is_pytree".into(), json!(false));
         meta.insert("len".into(), json!(self.storage.len));
         write_file(&storage_dir.join("storage_metadata.json"), &to_python_json(&Value::Object(meta)))?;
-
-        if let Some(writer) = &self.writer {
-            write_writer(&dir.join("writer"), writer)?;
-        }
-        match &self.sampler {
-            SamplerDump::Stateless => {}
-            SamplerDump::Prioritized(p) => write_prioritized(&dir.join("sampler"), p)?,
-            SamplerDump::WithoutReplacement(state) => {
-                let sampler_dir = dir.join("sampler");
-                state.memmap_with(&sampler_dir, &options).map_err(dict_err(&sampler_dir))?;
-            }
-        }
+        write_state(dir, self.writer.as_ref(), &self.sampler, &self.buffer)?;
         if let Some(rng) = &self.rng_state {
             let rng_dir = dir.join("rng_state");
             rng.memmap_with(&rng_dir, &options).map_err(dict_err(&rng_dir))?;
@@ -515,18 +504,46 @@ impl Dump {
         if let Some(bytes) = &self.transform {
             write_file(&dir.join("transform.t"), bytes)?;
         }
-        let mut meta = Map::new();
-        meta.insert("batch_size".into(), self.buffer.batch_size.map_or(Value::Null, Value::from));
-        meta.insert(
-            "consume_after_n_samples".into(),
-            self.buffer.consume_after_n_samples.map_or(Value::Null, Value::from),
-        );
-        write_file(&dir.join("buffer_metadata.json"), &to_python_json(&Value::Object(meta)))?;
         if let Some(prefetch) = &self.prefetch {
             write_file(&dir.join("prefetch.pkl"), &prefetch.to_pickle())?;
         }
         Ok(())
     }
+}
+
+/// Writes a dump's parts other than its rows into the folder `dir`: `writer/`, `sampler/` and
+/// `buffer_metadata.json`, each where TorchRL's `loads()` reads it.
+fn write_state(dir: &Path, writer: Option<&WriterDump>, sampler: &SamplerDump, buffer: &BufferMetadata) -> Result<()> {
+    if let Some(writer) = writer {
+        write_writer(&dir.join("writer"), writer)?;
+    }
+    match sampler {
+        SamplerDump::Stateless => {}
+        SamplerDump::Prioritized(p) => write_prioritized(&dir.join("sampler"), p)?,
+        SamplerDump::WithoutReplacement(state) => {
+            let sampler_dir = dir.join("sampler");
+            let options = WriteOptions::default().fsync(true);
+            state.memmap_with(&sampler_dir, &options).map_err(dict_err(&sampler_dir))?;
+        }
+    }
+    let mut meta = Map::new();
+    meta.insert("batch_size".into(), buffer.batch_size.map_or(Value::Null, Value::from));
+    meta.insert("consume_after_n_samples".into(), buffer.consume_after_n_samples.map_or(Value::Null, Value::from));
+    write_file(&dir.join("buffer_metadata.json"), &to_python_json(&Value::Object(meta)))
+}
+
+/// Writes the state parts of a dump (see [`write_state`]) as a new folder at `path` (missing,
+/// or an empty folder), which appears whole or not at all, as [`Dump::write`]'s does.
+pub(crate) fn write_state_folder(
+    path: &Path,
+    writer: Option<&WriterDump>,
+    sampler: &SamplerDump,
+    buffer: &BufferMetadata,
+) -> Result<()> {
+    let staging = Staging::beside(path)?;
+    write_state(staging.path(), writer, sampler, buffer)?;
+    sync_dir(staging.path())?;
+    staging.put_in_place()
 }
 
 /// How many bytes of rows a packed dump gathers at a time.

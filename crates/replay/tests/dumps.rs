@@ -614,3 +614,41 @@ fn a_torchrl_buffer_continued_from_rust_fills_its_index_column() {
     let index = back.get(all.clone()).unwrap().get_tensor("index").unwrap().to_vec::<i64>().unwrap();
     assert_eq!(index, all.iter().map(|&r| r as i64).collect::<Vec<_>>(), "every row's index is its row");
 }
+
+/// `dump_state` writes exactly the state parts `dumps` writes (writer, sampler, buffer
+/// metadata), for each writer and sampler with state, and nothing of the rows; with rows being
+/// written it is refused and writes nothing.
+#[test]
+fn a_state_dump_is_a_dump_without_its_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let prioritized = ReplayBuffer::prioritized(StorageConfig::heap(16), 0.7, 0.5, 1e-6).unwrap();
+    fill(&prioritized, 23);
+    prioritized.update_priority(vec![0usize, 3, 9], &[0.5, 4.0, 12.0]).unwrap();
+    prioritized.set_batch_size(Some(4));
+    let without = ReplayBuffer::new(
+        StorageConfig::heap(8),
+        Box::new(RoundRobin::new()),
+        Box::new(WithoutReplacement::build(false, true, Some(3))),
+    )
+    .unwrap();
+    fill(&without, 8);
+    without.sample(3).unwrap();
+    let max_value =
+        ReplayBuffer::new(StorageConfig::heap(8), Box::new(MaxValue::new("reward")), Box::new(Uniform::new())).unwrap();
+    fill(&max_value, 12);
+    for (k, buffer) in [&prioritized, &without, &max_value].into_iter().enumerate() {
+        let (whole, state) = (dir.path().join(format!("whole{k}")), dir.path().join(format!("state{k}")));
+        buffer.dumps(&whole).unwrap();
+        buffer.dump_state(&state).unwrap();
+        let mut want = files(&whole);
+        want.retain(|path, _| !path.starts_with("storage") && !path.ends_with("prefetch.pkl"));
+        assert_eq!(files(&state), want, "buffer {k}");
+        assert!(state.join("writer").is_dir() && state.join("buffer_metadata.json").is_file(), "buffer {k}");
+    }
+
+    let reservation = prioritized.reserve(2, None).unwrap();
+    let refused = dir.path().join("refused");
+    assert!(matches!(prioritized.dump_state(&refused), Err(Error::Busy { op: "dump_state", .. })));
+    assert!(!refused.exists());
+    prioritized.abort(reservation).unwrap();
+}

@@ -8,7 +8,7 @@ use std::path::Path;
 use tensordict::TensorDict;
 
 use super::ReplayBuffer;
-use crate::checkpoint::{BufferMetadata, Dump, Packing, Prefetch, StorageDump};
+use crate::checkpoint::{BufferMetadata, Dump, Packing, Prefetch, StorageDump, write_state_folder};
 use crate::error::{Error, Result, WithOp};
 use crate::samplers::SamplerSpec;
 use crate::storages::{Backend, Storage, StorageConfig};
@@ -143,6 +143,34 @@ impl ReplayBuffer {
             };
             if identity { dump.write(path) } else { dump.write_packed(path.as_ref(), &packing) }
         })
+    }
+
+    /// Writes the writer's and sampler's state at `path` as a TorchRL dump folder holds them
+    /// (`writer/`, `sampler/`, `buffer_metadata.json`), without the rows: for a caller that
+    /// keeps the storage where it is (the Python TorchRL drop-in hands its engine's storage
+    /// folder to TorchRL's storage as it is, then the writer's and sampler's state through
+    /// this), at a cost that does not grow with the rows. `path` must be missing or an empty
+    /// folder, and appears whole or not at all.
+    ///
+    /// The state describes the storage only when every row below `len` is valid and no row
+    /// is being written: otherwise it is refused as [`Error::Busy`] (a dump, [`Self::dumps`],
+    /// packs the valid rows instead).
+    pub fn dump_state(&self, path: impl AsRef<Path>) -> Result<()> {
+        let capacity = self.config.capacity;
+        let state = self.state.lock();
+        let len = state.rows.len();
+        let packing = Packing::new((0..capacity).filter(|&r| state.rows.committed(r)).collect(), capacity);
+        if !packing.is_identity(len) {
+            return Err(Error::Busy {
+                op: "dump_state",
+                why: "rows below the buffer's length are being written or not valid",
+            });
+        }
+        let writer = state.writer.dumps()?;
+        let sampler = self.sampler.lock().dumps()?;
+        drop(state);
+        let buffer = BufferMetadata { batch_size: self.batch_size().map(|b| b as u64), consume_after_n_samples: None };
+        write_state_folder(path.as_ref(), Some(&writer), &sampler, &buffer)
     }
 
     /// Builds a buffer from the TorchRL dump folder at `path` (TorchRL's `ReplayBuffer.loads`):
