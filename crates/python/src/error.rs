@@ -300,7 +300,8 @@ fn replay_kind(e: &tensordict_replay::Error) -> Option<Kind> {
         | E::InvalidName { .. }
         | E::RateLimit { .. }
         | E::OutputMismatch { .. }
-        | E::WriterCannot { .. } => Kind::Value,
+        | E::WriterCannot { .. }
+        | E::SliceMarks { .. } => Kind::Value,
         E::FolderNotEmpty { .. } | E::DestinationExists { .. } => Kind::FileExists,
         E::Missing { .. } => Kind::FileNotFound,
         E::Timeout { .. } => Kind::Timeout,

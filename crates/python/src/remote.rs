@@ -76,10 +76,11 @@ impl PyRemoteBuffer {
         py.detach(|| inner.add(&td)).map_err(to_py_err)
     }
 
-    /// Samples `batch_size` rows (with `index`, and `priority_weight` when prioritized),
-    /// waiting for the rate limiter at most `timeout` seconds (`None`: as long as it takes;
-    /// Ctrl-C interrupts the wait). With `device` (`"cuda:0"`, a `torch.device`), the rows land
-    /// in its memory, read by one kernel launch from the service's memory or folder.
+    /// Samples `batch_size` rows (with `index`, `priority_weight` when prioritized, and the
+    /// marks of where slices end for slice samplers, as `ReplayBuffer.sample` says), waiting
+    /// for the rate limiter at most `timeout` seconds (`None`: as long as it takes; Ctrl-C
+    /// interrupts the wait). With `device` (`"cuda:0"`, a `torch.device`), the rows land in its
+    /// memory, read by one kernel launch from the service's memory or folder.
     #[pyo3(signature = (batch_size, *, timeout=None, device=None))]
     fn sample(
         &self,

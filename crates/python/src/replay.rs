@@ -110,6 +110,10 @@ impl PyReplayBuffer {
 
     /// Samples `batch_size` rows: a dict with the storage's keys, `index` (the rows, int64)
     /// and, for prioritized samplers, `priority_weight` (float32), as TorchRL 0.14.1 returns.
+    /// A slice sampler's sample is marked where each slice ends, as TorchRL's `SliceSampler`
+    /// marks it: `("next", "truncated")` (bool, `[n, 1]`) true on each slice's last row,
+    /// `("next", "done")` the stored flag or'ed with it, `("next", "terminated")` as stored
+    /// (all false when the rows have none), and `index` of shape `[n, 1]`.
     /// With `device` (`"cuda:0"`, a `torch.device`), the rows land in its memory: one kernel
     /// launch reads them from the storage's mapping.
     #[pyo3(signature = (batch_size, *, device=None))]
@@ -209,8 +213,9 @@ impl PyReplayBuffer {
     }
 }
 
-/// A sample as TorchRL 0.14.1 returns it: the rows, `index` (int64) and, for samplers that
-/// weight their draws, `priority_weight` (float32).
+/// A sample as TorchRL 0.14.1 returns it: the rows, `index` (int64), for samplers that
+/// weight their draws `priority_weight` (float32), and for slice samplers the marks of where
+/// each slice ends (see `tensordict_replay::SampleInfo::into_torchrl`).
 pub(crate) fn sample_dict(
     td: tensordict::TensorDict,
     mut info: tensordict_replay::SampleInfo,

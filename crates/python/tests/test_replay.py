@@ -1,5 +1,6 @@
 """Replay buffers from Python with TorchRL's names: writes, samples with `index` and
-`priority_weight`, priorities, slices, dumps both ways (TorchRL 0.14.1's fixtures), and errors."""
+`priority_weight`, priorities, slices and the marks of where they end, dumps both ways
+(TorchRL 0.14.1's fixtures), and errors."""
 
 import json
 import time
@@ -14,6 +15,7 @@ from tensordict_rs.replay import (
     LazyTensorStorage,
     PrioritizedReplayBuffer,
     PrioritizedSampler,
+    PrioritizedSliceSampler,
     RandomSampler,
     ReplayBuffer,
     SamplerWithoutReplacement,
@@ -38,8 +40,9 @@ def rows(ids):
 
 
 def check(sample):
-    """Every sampled row is the row its index names (the buffer was filled with ids 0..n)."""
-    index = sample["index"].numpy()
+    """Every sampled row is the row its index names (the buffer was filled with ids 0..n).
+    (A slice sample's index has one column, as TorchRL gives it: it is read flat.)"""
+    index = sample["index"].numpy().reshape(-1)
     obs = sample["obs"].numpy()
     np.testing.assert_array_equal(obs[:, 0], 10 * index)
     return index
@@ -126,6 +129,125 @@ def test_slices_are_runs_of_one_episode():
     assert (episodes == episodes[:, :1]).all(), "each slice stays in its episode"
     index = check(sample).reshape(4, 8)
     assert (np.diff(index, axis=1) == 1).all(), "consecutive steps"
+
+
+def episode_rows(lengths):
+    """Consecutive episodes of `lengths` steps: `step` (0, 1, ... over all rows), `episode`,
+    ("next", "done") set on each episode's last step and ("next", "terminated") on the last
+    episode's last step (bool, shape [n, 1], as TorchRL stores them)."""
+    n = sum(lengths)
+    done = np.zeros((n, 1), dtype=bool)
+    done[np.cumsum(lengths) - 1] = True
+    terminated = np.zeros((n, 1), dtype=bool)
+    terminated[n - 1] = True
+    return {
+        "step": np.arange(n, dtype=np.int64),
+        "episode": np.repeat(np.arange(len(lengths)), lengths).astype(np.int64),
+        "next": {"done": done, "terminated": terminated},
+    }
+
+
+def slice_ends(step, episode, slice_len):
+    """Where each slice of a sample ends (bool per row), told from its rows alone: a slice runs
+    while the next row is the next step of the same episode, for at most `slice_len` rows."""
+    ends = np.zeros(len(step), dtype=bool)
+    start = 0
+    for k in range(len(step)):
+        last = (
+            k + 1 == len(step)
+            or k + 1 - start == slice_len
+            or step[k + 1] != step[k] + 1
+            or episode[k + 1] != episode[k]
+        )
+        if last:
+            ends[k] = True
+            start = k + 1
+    return ends
+
+
+def check_slice_marks(sample, rows, slice_len, flat):
+    """Checks the marks of where the slices of `sample` end, as TorchRL's `SliceSampler`
+    (default `truncated_key`) and `TensorDictReplayBuffer` give them; `flat` reads a tensor as
+    numpy. Returns the slices' lengths."""
+    index = flat(sample["index"])
+    n = len(index)
+    step, episode = flat(sample["step"]), flat(sample["episode"])
+    np.testing.assert_array_equal(step, index, "each row is the row its index names")
+    ends = slice_ends(step, episode, slice_len)
+    truncated = flat(sample["next", "truncated"])
+    np.testing.assert_array_equal(truncated, ends, "truncated on the last row of each slice, only there")
+    stored_done = rows["next"]["done"][index, 0]
+    np.testing.assert_array_equal(flat(sample["next", "done"]), stored_done | ends, "done: stored or truncated")
+    np.testing.assert_array_equal(flat(sample["next", "terminated"]), rows["next"]["terminated"][index, 0])
+    for key in [("next", "truncated"), ("next", "done"), ("next", "terminated"), "index"]:
+        assert tuple(sample[key].shape) == (n, 1), key
+    return np.diff(np.flatnonzero(np.concatenate([[True], ends])))
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        SliceSampler(slice_len=4, traj_key="episode", strict_length=False),
+        PrioritizedSliceSampler(64, alpha=0.6, beta=0.4, slice_len=4, end_key=("next", "done"), strict_length=False),
+    ],
+    ids=["slice", "prioritized-slice"],
+)
+@pytest.mark.parametrize("prefetch", [None, 2], ids=["drawn-now", "prefetched"])
+def test_a_slice_sample_marks_where_its_slices_end(sampler, prefetch):
+    # Episodes of 2 and 7 steps, slices of 4 without strict_length: slices of 2 and 4 rows
+    # share a sample, and some end on an episode's last step (stored done) and some not.
+    rows = episode_rows([2, 7, 2, 7])
+    rb = ReplayBuffer(storage=LazyTensorStorage(64), sampler=sampler, seed=5, prefetch=prefetch)
+    rb.extend(rows)
+    flat = lambda t: t.numpy().reshape(-1)  # noqa: E731
+    lengths = set()
+    for _ in range(50):
+        sample = rb.sample(12)
+        assert sample["next", "truncated"].dtype == "torch.bool"
+        assert sample["next", "done"].dtype == "torch.bool"
+        assert sample["index"].dtype == "torch.int64"
+        lengths |= set(check_slice_marks(sample, rows, 4, flat).tolist())
+        if isinstance(sampler, PrioritizedSliceSampler):
+            assert tuple(sample["priority_weight"].shape) == (sample.batch_size[0],)
+    assert lengths == {2, 4}
+
+
+def test_slice_marks_match_torchrls_slice_sampler():
+    torch = pytest.importorskip("torch")
+    tensordict = pytest.importorskip("tensordict")
+    torchrl_data = pytest.importorskip("torchrl.data")
+    rows = episode_rows([2, 7, 2, 7])
+    flat = lambda t: t.numpy().reshape(-1)  # noqa: E731 (torch's tensors and ours both have numpy())
+    theirs = torchrl_data.TensorDictReplayBuffer(
+        storage=torchrl_data.LazyTensorStorage(64),
+        sampler=torchrl_data.SliceSampler(slice_len=4, traj_key="episode", strict_length=False),
+    )
+    n = len(rows["step"])
+    theirs.extend(
+        tensordict.TensorDict(
+            {
+                "step": torch.from_numpy(rows["step"]),
+                "episode": torch.from_numpy(rows["episode"]),
+                "next": {k: torch.from_numpy(v) for k, v in rows["next"].items()},
+            },
+            batch_size=[n],
+        )
+    )
+    ours = ReplayBuffer(
+        storage=LazyTensorStorage(64), sampler=SliceSampler(slice_len=4, traj_key="episode", strict_length=False), seed=6
+    )
+    ours.extend(rows)
+    keys = [("next", "truncated"), ("next", "done"), ("next", "terminated"), "index"]
+    for seed in range(20):
+        # The same rule holds for both: TorchRL's sample checks this test's reading of TorchRL.
+        torch.manual_seed(seed)
+        their_sample = theirs.sample(12)
+        check_slice_marks(their_sample, rows, 4, flat)
+        our_sample = ours.sample(12)
+        check_slice_marks(our_sample, rows, 4, flat)
+        for key in keys:
+            assert str(their_sample[key].dtype) == our_sample[key].dtype, key
+            assert tuple(their_sample[key].shape)[1:] == tuple(our_sample[key].shape)[1:], key
 
 
 def test_max_value_writer_keeps_the_best_rows():

@@ -304,7 +304,7 @@ pub enum Error {
         why: &'static str,
     },
     /// A request to a replay service for more rows than one reply can carry: the reply (the
-    /// rows' indices, and weights) must fit in one frame of the connection.
+    /// rows' indices, and weights and slice lengths) must fit in one frame of the connection.
     #[error("{op} of {rows} rows: one reply carries at most {max} rows ({why})")]
     TooManyRows {
         /// `"sample"` or `"reserve"`.
@@ -315,6 +315,16 @@ pub enum Error {
         max: usize,
         /// How that is computed: bytes a row, and the frame limit.
         why: String,
+    },
+    /// A sample of slices whose stored flags cannot carry the marks of where its slices end
+    /// ([`crate::SampleInfo::into_torchrl`]): a done flag that is not one bool or integer per
+    /// row.
+    #[error("marking where the slices of a sample end: key `{key}`: {detail}")]
+    SliceMarks {
+        /// The key path of the flag, dotted (`next.done`).
+        key: String,
+        /// What is wrong with it.
+        detail: String,
     },
     /// A prefetcher's thread could not start, or ended early (a draw panicked).
     #[error("replay prefetch: {detail}")]

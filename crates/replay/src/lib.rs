@@ -41,7 +41,10 @@ mod slab;
 pub mod storages;
 pub mod writers;
 
-pub use buffer::{INDEX_KEY, Lease, LoadOptions, PRIORITY_WEIGHT_KEY, ReplayBuffer, Reservation, Rows, SampleInfo};
+pub use buffer::{
+    DONE_KEY, INDEX_KEY, Lease, LoadOptions, PRIORITY_WEIGHT_KEY, ReplayBuffer, Reservation, Rows, SampleInfo,
+    TERMINATED_KEY, TRUNCATED_KEY,
+};
 pub use error::{Error, Result};
 pub use prefetch::Prefetch;
 pub use rate::{RateCounts, RateLimiter};

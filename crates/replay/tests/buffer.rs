@@ -490,7 +490,7 @@ fn samplers_plug_in_through_the_trait() -> R {
             self.writes.lock().unwrap().extend_from_slice(indices);
         }
         fn sample(&mut self, batch: usize, len: usize) -> tensordict_replay::Result<tensordict_replay::Draw> {
-            Ok((vec![len - 1; batch], Some(vec![0.5; batch])))
+            Ok(tensordict_replay::Draw::weighted(vec![len - 1; batch], vec![0.5; batch]))
         }
         fn update_priority(&mut self, indices: &[usize], priorities: &[f64]) -> tensordict_replay::Result<()> {
             assert_eq!(indices.len(), priorities.len());
@@ -508,6 +508,57 @@ fn samplers_plug_in_through_the_trait() -> R {
     assert_eq!(info.weights, Some(vec![0.5, 0.5]));
     buffer.update_priority(0..2, &[1.0, 2.0])?;
     assert!(matches!(buffer.update_priority(0..5, &[1.0; 5]), Err(Error::IndexOutOfRange { .. })));
+    Ok(())
+}
+
+#[test]
+fn slices_reach_a_sample_only_from_whole_draws_that_cover_their_rows() -> R {
+    /// Draws rows `0, 1, 2, ...` (and `extra` rows more than asked), saying they are runs of
+    /// `runs` rows; `whole` says whether its draws are usable only whole.
+    #[derive(Debug)]
+    struct Runs {
+        whole: bool,
+        runs: Option<Vec<usize>>,
+        extra: usize,
+    }
+    impl Sampler for Runs {
+        fn name(&self) -> &'static str {
+            "runs"
+        }
+        fn whole_draws(&self) -> bool {
+            self.whole
+        }
+        fn sample(&mut self, batch: usize, len: usize) -> tensordict_replay::Result<tensordict_replay::Draw> {
+            let draw = tensordict_replay::Draw::new((0..batch + self.extra).map(|i| i % len).collect());
+            Ok(match &self.runs {
+                Some(runs) => draw.with_slices(runs.clone()),
+                None => draw,
+            })
+        }
+    }
+    let sample = |whole: bool, runs: Option<Vec<usize>>, extra: usize| {
+        let sampler = Runs { whole, runs, extra };
+        let buffer = ReplayBuffer::new(StorageConfig::heap(8), Box::new(RoundRobin::new()), Box::new(sampler))?;
+        buffer.extend(&rows(&(0..8).collect::<Vec<_>>(), |_| 0.0)?)?;
+        anyhow::Ok(buffer.sample(4).map(|(_, info)| info))
+    };
+    // A whole draw's runs are the sample's.
+    let info = sample(true, Some(vec![3, 1]), 0)??;
+    assert_eq!((info.indices, info.slices), (vec![0, 1, 2, 3], Some(vec![3, 1])));
+    // Another sampler's draws may lose rows or be mixed: their runs are not kept.
+    let info = sample(false, Some(vec![3, 1]), 0)??;
+    assert_eq!((info.indices.len(), info.slices), (4, None));
+    // Runs that do not cover the rows, or a run of no rows, or more rows than asked for, are
+    // the sampler's error, by name.
+    for (runs, extra, says) in [
+        (Some(vec![2, 1]), 0, "slices of 3 rows in all for 4 rows"),
+        (Some(vec![4, 0]), 0, "a slice of no rows"),
+        (None, 1, "drew 5 rows when asked for 4"),
+    ] {
+        let err = sample(true, runs, extra)?.unwrap_err();
+        assert!(matches!(&err, Error::Sampler { sampler: "runs", .. }), "{err}");
+        assert!(err.to_string().contains(says), "{err}");
+    }
     Ok(())
 }
 
@@ -583,7 +634,10 @@ fn samples_carry_what_torchrl_code_reads() -> R {
         ReplayBuffer::new(StorageConfig::heap(16), Box::new(RoundRobin::new()), Box::new(Uniform::seeded(1)))?;
     uniform.extend(&rows(&(0..16).collect::<Vec<_>>(), |_| 0.0)?)?;
     let (td, info) = uniform.sample(4)?;
+    assert_eq!(info.slices, None, "only slice samplers cut their samples");
     let td = info.into_torchrl(td)?;
     assert!(td.contains(tensordict_replay::INDEX_KEY) && !td.contains(tensordict_replay::PRIORITY_WEIGHT_KEY));
+    assert_eq!(td.get_tensor(tensordict_replay::INDEX_KEY)?.dims(), &[4]);
+    assert!(!td.contains(tensordict_replay::TRUNCATED_KEY) && !td.contains(tensordict_replay::TERMINATED_KEY));
     Ok(())
 }

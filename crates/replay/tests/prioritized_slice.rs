@@ -1,7 +1,7 @@
 //! The prioritized slice sampler through the buffer's public API: slice starts drawn in
 //! proportion to `(p + eps)^alpha` over the rows that can start a slice, TorchRL's importance
 //! weights, slices inside one trajectory and never across the writer's cursor, refusals by
-//! name, and the TorchRL dump form.
+//! name, the TorchRL dump form, and a sample saying where each slice ends.
 
 use tensordict::{Index, TensorDict};
 use tensordict_replay::checkpoint::{Dump, SamplerDump};
@@ -14,7 +14,7 @@ type R = anyhow::Result<()>;
 const EPS: f64 = 1e-8;
 
 mod common;
-use common::{end_key, episodes, traj_key};
+use common::{check_slice_marks, end_key, episodes, traj_key};
 
 fn buffer(capacity: usize, sampler: PrioritizedSlice) -> anyhow::Result<ReplayBuffer> {
     Ok(ReplayBuffer::new(StorageConfig::heap(capacity), Box::new(RoundRobin::new()), Box::new(sampler))?)
@@ -224,6 +224,46 @@ fn slices_stay_in_one_episode_and_off_the_cursor_while_priorities_change() -> R 
             buffer.update_priority(info.indices.as_slice(), &p)?;
         }
         assert_eq!(buffer.writer_state().0, total % 64);
+    }
+    Ok(())
+}
+
+#[test]
+fn a_sample_says_where_each_slice_ends_with_one_weight_per_slice() -> R {
+    // Episodes of 2 and 8 steps, slices of 4 without strict_length: slices of 2 and 4 rows.
+    for (k, episodes_of) in [traj_key(), end_key()].into_iter().enumerate() {
+        let sampler = PrioritizedSlice::new(16, 0.6, 0.4, EPS, episodes_of.clone(), SliceShape::SliceLen(4))?
+            .strict_length(false)
+            .seeded(20 + k as u64);
+        let buffer = buffer(16, sampler)?;
+        buffer.extend(&episodes(&[2, 8], 0, 0)?)?;
+        buffer.update_priority((0..10).collect::<Vec<usize>>(), &[5., 1., 1., 2., 3., 4., 5., 1., 1., 1.])?;
+        let mut lengths = std::collections::HashSet::new();
+        for _ in 0..200 {
+            let (sample, info) = buffer.sample(12)?;
+            let runs = info.slices.clone().expect("a slice sample says where its slices end");
+            assert_eq!(runs.len(), 3, "{episodes_of:?}");
+            let weights = info.weights.clone().expect("weights");
+            let (steps, eps) = (i64s(&sample, "step"), i64s(&sample, "episode"));
+            let mut at = 0;
+            for &n in &runs {
+                assert!(n == 2 || n == 4, "{runs:?}");
+                let r = at..at + n;
+                assert!(r.clone().skip(1).all(|i| steps[i] == steps[i - 1] + 1 && eps[i] == eps[r.start]), "{runs:?}");
+                assert!(weights[r.clone()].iter().all(|&w| w == weights[r.start]), "one weight per slice");
+                at = r.end;
+            }
+            assert_eq!(at, info.indices.len());
+            lengths.extend(runs.iter().copied());
+            let stored = common::bools_at(&sample, ["next", "done"]).0;
+            let indices = info.indices.clone();
+            let td = info.into_torchrl(sample)?;
+            check_slice_marks(&td, &indices, &runs, &stored, None);
+            let weight = td.get_tensor("priority_weight")?;
+            assert_eq!(weight.dims(), &[indices.len()]);
+            assert_eq!(weight.to_vec::<f32>()?, weights.iter().map(|&w| w as f32).collect::<Vec<_>>());
+        }
+        assert_eq!(lengths, [2, 4].into(), "{episodes_of:?}: both lengths drawn");
     }
     Ok(())
 }

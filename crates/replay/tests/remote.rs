@@ -14,6 +14,8 @@ use tensordict_replay::{Error, RateLimiter, ReplayBuffer};
 use tensordict_replay::{PrioritizedSpec, SliceSpec, UniformSpec, WithoutReplacementSpec};
 use tensordict_rpc::{BlockingClient, ClientOptions, WireError};
 
+mod common;
+
 /// A batch of `values.len()` rows; every tensor of row `k` holds `values[k]`, so a row mixed
 /// from two writes is seen by [`check_rows`].
 fn batch(values: &[f64]) -> TensorDict {
@@ -479,25 +481,39 @@ fn a_service_refuses_a_writer_that_needs_the_rows_values() {
 /// the service, with an error naming the real limit; the largest allowed sample is served.
 #[test]
 fn samples_larger_than_one_reply_can_carry_are_refused_naming_the_limit() {
-    for (name, sampler, weighted) in [
-        ("big-uniform", SamplerSpec::from(UniformSpec::new()), false),
-        ("big-prioritized", PrioritizedSpec::new(0.6, 0.4, 1e-6).into(), true),
+    // Slices of one row each: the most slice lengths a reply can carry.
+    let slices = SliceSpec::new(
+        tensordict_replay::Episodes::TrajKey("episode".into()),
+        tensordict_replay::SliceShape::SliceLen(1),
+    );
+    for (name, sampler, expected) in [
+        ("big-uniform", SamplerSpec::from(UniformSpec::new()), 349_508),
+        ("big-prioritized", PrioritizedSpec::new(0.6, 0.4, 1e-6).into(), 95_320),
+        ("big-slices", slices.clone().into(), 262_131),
+        (
+            "big-prioritized-slices",
+            tensordict_replay::PrioritizedSliceSpec::new(PrioritizedSpec::new(0.6, 0.4, 1e-6), slices.clone()).into(),
+            87_377,
+        ),
     ] {
+        let (weighted, sliced) = (sampler.weighted(), sampler.sliced());
         let f = Fixture::new(name);
         let capacity = 1 << 16;
-        let _server = f.start(f.options(capacity).sampler(sampler).seed(1));
+        let _server = f.start(f.options(capacity).sampler(sampler.clone()).seed(1));
         let client = f.connect();
         let mut rows = TensorDict::new([capacity]);
         rows.set("x", Tensor::zeros([capacity], DType::U8, &Location::Heap).unwrap()).unwrap();
+        rows.set("episode", Tensor::zeros([capacity], DType::I64, &Location::Heap).unwrap()).unwrap();
         client.extend(&rows).unwrap();
         let max = client.max_sample_rows();
         assert_eq!(
             max,
-            tensordict_replay::remote::max_sample_rows(capacity, weighted, tensordict_replay::remote::MAX_FRAME_BYTES)
+            tensordict_replay::remote::max_sample_rows(capacity, &sampler, tensordict_replay::remote::MAX_FRAME_BYTES)
         );
-        assert_eq!(max, if weighted { 95_321 } else { 349_512 });
+        assert_eq!(max, expected, "{name}");
         let (td, info) = client.sample(max, None).unwrap();
         assert_eq!((td.batch_size()[0], info.weights.is_some()), (max, weighted));
+        assert_eq!(info.slices, sliced.then(|| vec![1; max]), "{name}");
         let refused = client.sample(max + 1, None).unwrap_err();
         assert!(matches!(refused, Error::TooManyRows { op: "sample", max: m, .. } if m == max), "{refused}");
         assert!(memmap_tensor::ErrorChain(&refused).to_string().contains(&format!("at most {max} rows")), "{refused}");
@@ -682,14 +698,26 @@ fn a_slice_service_hands_out_runs_of_one_episode() {
     let _server = f.start(f.options(64).sampler(spec).seed(9));
     let client = f.connect();
     extend_episodes(&client, 6);
-    for _ in 0..50 {
-        let (td, info) = client.sample(16, None).unwrap();
-        let values = check_rows(&td);
-        for run in values.chunks(4) {
-            assert!(run.windows(2).all(|w| w[1] == w[0] + 1.), "a slice of consecutive steps of one episode: {run:?}");
-            assert_eq!((run[0] / 100.).floor(), (run[3] / 100.).floor(), "{run:?}");
+    // Through the mapping and by value, a sample says where its slices end, and carries
+    // TorchRL's marks of it (the rows have no done or terminated flags of their own).
+    for by_value in [false, true] {
+        let client = f.connect().by_value(by_value);
+        for _ in 0..50 {
+            let (td, info) = client.sample(16, None).unwrap();
+            let values = check_rows(&td);
+            for run in values.chunks(4) {
+                assert!(
+                    run.windows(2).all(|w| w[1] == w[0] + 1.),
+                    "a slice of consecutive steps of one episode: {run:?}"
+                );
+                assert_eq!((run[0] / 100.).floor(), (run[3] / 100.).floor(), "{run:?}");
+            }
+            assert_eq!(info.indices.len(), 16);
+            assert_eq!(info.slices, Some(vec![4; 4]), "by value: {by_value}");
+            let indices = info.indices.clone();
+            let td = info.into_torchrl(td).unwrap();
+            common::check_slice_marks(&td, &indices, &[4; 4], &[false; 16], None);
         }
-        assert_eq!(info.indices.len(), 16);
     }
     // A schema without the episode key is refused by the sampler, naming it.
     let g = Fixture::new("slices-no-key");

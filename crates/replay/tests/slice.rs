@@ -1,18 +1,19 @@
 //! The slice sampler through the buffer's public API: slices stay inside one trajectory and
 //! never run from the newest row into the oldest, lengths and `strict_length` as TorchRL's
-//! `SliceSampler`, uniform draws, both trajectory sources, TorchRL's `slices` fixture.
+//! `SliceSampler`, uniform draws, both trajectory sources, TorchRL's `slices` fixture, and a
+//! sample saying where each slice ends (its slice lengths, and TorchRL's truncation marks).
 
 use std::path::PathBuf;
 
 use memmap_tensor::{Access, Tensor};
 use tensordict::{Index, TensorDict};
 use tensordict_replay::checkpoint::Dump;
-use tensordict_replay::{Episodes, Error, ReplayBuffer, RoundRobin, Slice, Storage, StorageConfig};
+use tensordict_replay::{Episodes, Error, ReplayBuffer, RoundRobin, SampleInfo, Slice, Storage, StorageConfig};
 
 type R = anyhow::Result<()>;
 
 mod common;
-use common::{end_key, episodes, traj_key};
+use common::{check_slice_marks, end_key, episodes, traj_key};
 
 /// Writes `data` in chunks of `chunk` rows.
 fn extend_in_chunks(buffer: &ReplayBuffer, data: &TensorDict, chunk: usize) -> R {
@@ -387,4 +388,133 @@ proptest::proptest! {
             }
         }
     }
+}
+
+/// Checks that `slices` cut the sample's rows into runs of consecutive steps of one trajectory:
+/// consecutive storage rows (wrapping at `len`), one episode, consecutive global steps, and no
+/// done flag but possibly on a run's last row.
+fn check_runs(sample: &TensorDict, indices: &[usize], slices: &[usize], len: usize) {
+    assert_eq!(slices.iter().sum::<usize>(), indices.len(), "slices {slices:?}");
+    let (steps, eps, done) = (i64s(sample, "step"), i64s(sample, "episode"), dones(sample));
+    let mut start = 0;
+    for &n in slices {
+        assert!(n > 0, "an empty slice in {slices:?}");
+        let r = start..start + n;
+        for i in r.start + 1..r.end {
+            assert_eq!(indices[i], (indices[i - 1] + 1) % len, "rows {:?}", &indices[r.clone()]);
+            assert_eq!(steps[i], steps[i - 1] + 1, "steps {:?}", &steps[r.clone()]);
+            assert_eq!(eps[i], eps[r.start], "episodes {:?}", &eps[r.clone()]);
+            assert!(!done[i - 1], "a slice runs past a done flag: {:?}", &done[r.clone()]);
+        }
+        start = r.end;
+    }
+}
+
+#[test]
+fn a_slice_sample_says_where_each_slice_ends_as_torchrl_marks_it() -> R {
+    for episodes_of in [traj_key(), end_key()] {
+        let buffer = buffer(64, Slice::slice_len(4, episodes_of.clone())?.seeded(11))?;
+        extend_in_chunks(&buffer, &episodes(&mixed_lengths(150), 0, 0)?, 7)?;
+        let mut ends_on_a_done = 0;
+        for _ in 0..100 {
+            let (sample, info) = buffer.sample(16)?;
+            let slices = info.slices.clone().expect("a slice sample says where its slices end");
+            assert_eq!(slices, vec![4; 4], "{episodes_of:?}");
+            check_runs(&sample, &info.indices, &slices, 64);
+            let stored = dones(&sample);
+            ends_on_a_done += stored.iter().filter(|&&d| d).count();
+            let indices = info.indices.clone();
+            let td = info.into_torchrl(sample)?;
+            check_slice_marks(&td, &indices, &slices, &stored, None);
+        }
+        // Some slices end on an episode's last step: its stored done stays set.
+        assert!(ends_on_a_done > 0, "{episodes_of:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn slices_of_short_trajectories_are_marked_at_their_own_ends() -> R {
+    // Episodes of 2 and 8 steps, slices of 4 without strict_length: a slice of the short
+    // episode has 2 rows, so slices of different lengths share a sample.
+    let data = episodes(&[2, 8], 0, 0)?;
+    let mut terminated = vec![false; 10];
+    terminated[9] = true;
+    let mut rows = data.clone();
+    rows.set(["next", "terminated"], Tensor::from_bools(&terminated, [10, 1])?)?;
+    let loose = buffer(32, Slice::num_slices(3, end_key())?.strict_length(false).seeded(12))?;
+    loose.extend(&rows)?;
+    let mut lengths = std::collections::HashSet::new();
+    for _ in 0..100 {
+        // 3 slices of up to 4 rows.
+        let (sample, info) = loose.sample(12)?;
+        let slices = info.slices.clone().expect("slices");
+        assert_eq!(slices.len(), 3);
+        assert!(slices.iter().all(|&n| n == 2 || n == 4), "{slices:?}");
+        assert_eq!(slices.iter().sum::<usize>(), info.indices.len());
+        assert_eq!(sample.batch_size(), &[info.indices.len()]);
+        check_runs(&sample, &info.indices, &slices, 10);
+        lengths.extend(slices.iter().copied());
+        let stored = dones(&sample);
+        let stored_terminated = sample.get_tensor(["next", "terminated"])?.to_vec_bool()?;
+        let indices = info.indices.clone();
+        let td = info.into_torchrl(sample)?;
+        check_slice_marks(&td, &indices, &slices, &stored, Some(&stored_terminated));
+    }
+    assert_eq!(lengths, [2, 4].into(), "both lengths drawn");
+    Ok(())
+}
+
+/// Rows of episodes of `lengths` whose `next/done` is replaced by `done` (flags per row, in
+/// the dtype and shape of the tensor), trajectories read from `episode`.
+fn with_done(lengths: &[usize], done: Tensor) -> anyhow::Result<TensorDict> {
+    let mut rows = episodes(lengths, 0, 0)?;
+    rows.set(["next", "done"], done)?;
+    Ok(rows)
+}
+
+#[test]
+fn stored_done_flags_keep_their_dtype_and_shape_and_get_the_marks() -> R {
+    // Integer flags of one dim: or'ed with 1 on each slice's last row, dtype and shape kept.
+    // (Trajectories come from `episode`: the flag of row 4 is inside episode 1, so it is kept
+    // as it is on the first row of a slice.)
+    let flags: Vec<i32> = vec![0, 0, 2, 0, 8, 0, 0, 4];
+    let buffer = buffer(16, Slice::slice_len(2, traj_key())?.seeded(13))?;
+    buffer.extend(&with_done(&[3, 5], Tensor::from_slice(&flags, [8])?)?)?;
+    for _ in 0..20 {
+        let (sample, info) = buffer.sample(6)?;
+        let indices = info.indices.clone();
+        let td = info.into_torchrl(sample)?;
+        let done = td.get_tensor(["next", "done"])?;
+        assert_eq!((done.dtype(), done.dims()), (memmap_tensor::DType::I32, &[6][..]));
+        let expected: Vec<i32> =
+            indices.iter().enumerate().map(|(k, &r)| if k % 2 == 1 { flags[r] | 1 } else { flags[r] }).collect();
+        assert_eq!(done.to_vec::<i32>()?, expected, "rows {indices:?}");
+    }
+
+    // Without a stored done, done is a copy of the marks; a done that is not one flag per row,
+    // or not a flag, is refused by name.
+    let info = || SampleInfo { indices: vec![0, 1, 2], weights: None, slices: Some(vec![2, 1]) };
+    let mut bare = TensorDict::new([3]);
+    bare.set("obs", Tensor::from_slice(&[1f32, 2., 3.], [3])?)?;
+    let td = info().into_torchrl(bare.clone())?;
+    check_slice_marks(&td, &[0, 1, 2], &[2, 1], &[false; 3], None);
+    for (done, what) in
+        [(Tensor::from_bools(&[false; 9], [3, 3])?, "[3, 3]"), (Tensor::from_slice(&[0f32; 3], [3, 1])?, "float32")]
+    {
+        let mut rows = bare.clone();
+        rows.set(["next", "done"], done)?;
+        let err = info().into_torchrl(rows).unwrap_err();
+        assert!(matches!(&err, Error::SliceMarks { key, .. } if key == "next.done"), "{err}");
+        assert!(err.to_string().contains(what), "{err}");
+    }
+    // Slices that do not cover the rows are refused, not guessed.
+    let uneven = SampleInfo { indices: vec![0, 1, 2], weights: None, slices: Some(vec![2, 2]) };
+    let err = uneven.into_torchrl(bare.clone()).unwrap_err();
+    assert!(matches!(err, Error::LengthMismatch { expected: 3, got: 4, .. }), "{err}");
+    // Without slices nothing is marked, and the index keeps one dim.
+    let plain = SampleInfo { indices: vec![0, 1, 2], weights: None, slices: None }.into_torchrl(bare)?;
+    assert!(!plain.contains(["next", "truncated"]) && !plain.contains(["next", "done"]));
+    assert_eq!(plain.get_tensor("index")?.dims(), &[3]);
+    Ok(())
 }

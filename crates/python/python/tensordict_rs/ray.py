@@ -245,7 +245,8 @@ class RayReplayBuffer:
         return self._call(lambda c: c.add(data))
 
     def sample(self, batch_size=None, *, timeout=None):
-        """A batch of rows with ``index`` (and ``priority_weight`` when prioritized)."""
+        """A batch of rows with ``index`` (and ``priority_weight`` when prioritized, and the
+        marks of where slices end for slice samplers: see ``ReplayBuffer.sample``)."""
         batch_size = batch_size if batch_size is not None else self.batch_size
         return self._call(lambda c: c.sample(batch_size, timeout=timeout))
 

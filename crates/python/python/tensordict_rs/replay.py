@@ -126,7 +126,12 @@ def _slices(num_slices, slice_len, traj_key, end_key):
 
 class SliceSampler:
     """Runs of consecutive steps of one trajectory (``traj_key``, default ``"episode"``, or
-    ``end_key``)."""
+    ``end_key``). A sample is marked where each slice ends, as TorchRL's ``SliceSampler``
+    marks it (with its default ``truncated_key``): ``("next", "truncated")`` (bool, shape
+    ``[n, 1]``) is true on the last row of every slice, ``("next", "done")`` is the stored flag
+    or'ed with it (a copy of it when the rows have none), ``("next", "terminated")`` is the
+    stored flag (all false when the rows have none), and ``index`` has shape ``[n, 1]``. So
+    returns and advantages computed over a sample stop at the end of each slice."""
 
     def __init__(self, num_slices=None, slice_len=None, traj_key=None, end_key=None, strict_length=True):
         self.episodes, self.shape = _slices(num_slices, slice_len, traj_key, end_key)
@@ -137,7 +142,9 @@ class SliceSampler:
 
 
 class PrioritizedSliceSampler:
-    """Slices whose starts are drawn by priority."""
+    """Slices whose starts are drawn by priority; samples carry ``priority_weight`` (one
+    weight per slice, repeated on its rows) and the marks of where each slice ends, as
+    ``SliceSampler``'s do."""
 
     def __init__(
         self,
@@ -260,7 +267,8 @@ class ReplayBuffer(_Prefetching):
         return self._rb.add(data)
 
     def sample(self, batch_size=None, *, device=None):
-        """A batch of rows, with ``index`` (and ``priority_weight`` when prioritized). With
+        """A batch of rows, with ``index`` (and ``priority_weight`` when prioritized; a slice
+        sampler's batch is marked where each slice ends, as ``SliceSampler`` says). With
         ``device`` (``"cuda:0"``, a ``torch.device``) the rows land in its memory, read by one
         kernel launch from the storage. With ``prefetch``, the oldest sample drawn ahead (it
         waits for rows if the buffer is empty)."""
@@ -387,7 +395,8 @@ class RemoteReplayBuffer(_Prefetching):
         return self._rb.add(data)
 
     def sample(self, batch_size=None, *, timeout=None, device=None):
-        """A batch with ``index`` (and ``priority_weight`` when prioritized). Waits for the
+        """A batch with ``index`` (and ``priority_weight`` when prioritized; a slice sampler's
+        batch is marked where each slice ends, as ``SliceSampler`` says). Waits for the
         service's rate limiter at most ``timeout`` seconds (``None``: until it allows; Ctrl-C
         interrupts). With ``device`` (``"cuda:0"``, a ``torch.device``) the rows land in its
         memory. With ``prefetch``, the oldest sample drawn ahead, waiting at most ``timeout``

@@ -1,8 +1,10 @@
 //! [`ReplayBuffer`]: a storage, a writer and a sampler behind one `&self` API.
 //!
 //! This file holds the API and the draw; `rows.rs` the rows' state machine (the bookkeeping
-//! below, with tests of its own), `indices.rs` the [`Rows`] indices, and `dumps.rs` the
-//! buffer's side of a checkpoint ([`ReplayBuffer::dumps`], [`ReplayBuffer::loads`]).
+//! below, with tests of its own), `indices.rs` the [`Rows`] indices, `dumps.rs` the
+//! buffer's side of a checkpoint ([`ReplayBuffer::dumps`], [`ReplayBuffer::loads`]), and
+//! `slice_marks.rs` the marks of where slices end in a sample as TorchRL gives it
+//! ([`SampleInfo::into_torchrl`]).
 //!
 //! Neither the writer nor the sampler locks anything: the buffer calls them under its locks.
 //! The writer lives in the state the buffer's lock guards (below). The sampler sits behind a
@@ -66,6 +68,7 @@
 mod dumps;
 mod indices;
 mod rows;
+mod slice_marks;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -78,13 +81,14 @@ use tensordict::{Index, TensorDict};
 
 use crate::error::{Error, Result, WithOp};
 use crate::rate::{RateCounts, RateLimiter};
-use crate::samplers::{Prioritized, Sampler, SamplerSpec, Uniform};
+use crate::samplers::{Draw, Prioritized, Sampler, SamplerSpec, Uniform};
 use crate::storages::{Backend, Storage, StorageConfig};
 use crate::writers::{RoundRobin, Writer};
 use rows::RowTable;
 
 pub use dumps::LoadOptions;
 pub use indices::Rows;
+pub use slice_marks::{DONE_KEY, TERMINATED_KEY, TRUNCATED_KEY};
 
 /// How often a sample draws again for rows being written before it waits for a write to end.
 const REDRAWS_BEFORE_WAIT: usize = 8;
@@ -140,13 +144,19 @@ impl Lease {
     }
 }
 
-/// What a sample read: the storage rows, and the sampler's importance weights if it has any.
+/// What a sample read: the storage rows, the sampler's importance weights if it has any, and
+/// where its slices end if it draws slices.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SampleInfo {
     /// The storage row of each sampled row, in batch order.
     pub indices: Vec<usize>,
     /// One weight per sampled row, for samplers that weight their draws.
     pub weights: Option<Vec<f64>>,
+    /// For samplers that draw runs of consecutive steps of one trajectory (the slice samplers):
+    /// the number of rows of each run, in batch order ([`crate::Draw::slices`]). The first
+    /// `slices[0]` rows are the first run, the next `slices[1]` the second, and so on; the
+    /// lengths sum to `indices.len()`. `None` for other samplers.
+    pub slices: Option<Vec<usize>>,
 }
 
 /// The key of the sampled rows' storage indices in a sample as TorchRL returns it.
@@ -155,28 +165,61 @@ pub const INDEX_KEY: &str = "index";
 pub const PRIORITY_WEIGHT_KEY: &str = "priority_weight";
 
 impl SampleInfo {
-    /// The sample `td` as TorchRL 0.14.1's `sample` returns it: with [`INDEX_KEY`] (the storage
-    /// rows, int64) and, when the sampler weights its draws, [`PRIORITY_WEIGHT_KEY`] (float32,
-    /// TorchRL's dtype: a float64 weight would turn a float32 loss and its backward pass into
-    /// float64), so that code written for TorchRL finds what it reads.
+    /// The sample `td` (one row per index) as TorchRL 0.14.1's `sample` returns it: with
+    /// [`INDEX_KEY`] (the storage rows, int64) and, when the sampler weights its draws,
+    /// [`PRIORITY_WEIGHT_KEY`] (float32, TorchRL's dtype: a float64 weight would turn a float32
+    /// loss and its backward pass into float64), so that code written for TorchRL finds what it
+    /// reads.
+    ///
+    /// A sample of slices ([`SampleInfo::slices`] set) is marked where each slice ends, as
+    /// TorchRL's `SliceSampler` (with its default `truncated_key`) and `TensorDictReplayBuffer`
+    /// mark it, so that returns and advantages stop there:
+    ///
+    /// - [`TRUNCATED_KEY`]: bool, shape `[n, 1]`, true on the last row of every slice (replacing
+    ///   any stored value);
+    /// - [`DONE_KEY`]: the stored flag with the last row of every slice set (or'ed with 1), in
+    ///   the stored dtype (bool or integer), shape (`[n]` or `[n, 1]`) and device; where the
+    ///   rows have none, a copy of the truncation marks;
+    /// - [`TERMINATED_KEY`]: the stored flag as it is; where the rows have none, bool `[n, 1]`,
+    ///   all false;
+    /// - [`INDEX_KEY`] has shape `[n, 1]`, as TorchRL gives it for slice samplers.
+    ///
+    /// Refused, with [`Error::SliceMarks`]: a stored done that is not one bool or integer flag
+    /// per row; with [`Error::LengthMismatch`]: slices whose lengths do not sum to the number
+    /// of indices.
     pub fn into_torchrl(self, mut td: TensorDict) -> Result<TensorDict> {
+        let n = self.indices.len();
         let index: Vec<i64> = self.indices.iter().map(|&i| i as i64).collect();
-        set_column(&mut td, INDEX_KEY, &index).op("sample")?;
+        match &self.slices {
+            None => set_leaf(&mut td, INDEX_KEY, &index, &[n], "sample")?,
+            Some(slices) => {
+                slice_marks::mark_slice_ends(&mut td, slices, n)?;
+                set_leaf(&mut td, INDEX_KEY, &index, &[n, 1], "sample")?;
+            }
+        }
         if let Some(weights) = self.weights {
             // Weights are in (0, 1]: float32 holds them to its precision, as TorchRL computes them.
             #[allow(clippy::cast_possible_truncation)]
             let weights: Vec<f32> = weights.iter().map(|&w| w as f32).collect();
-            set_column(&mut td, PRIORITY_WEIGHT_KEY, &weights).op("sample")?;
+            set_leaf(&mut td, PRIORITY_WEIGHT_KEY, &weights, &[n], "sample")?;
         }
         Ok(td)
     }
 }
 
-/// Sets `key` of `td` to a new heap tensor of `values`, one per row.
-fn set_column<T: memmap_tensor::Element>(td: &mut TensorDict, key: &str, values: &[T]) -> tensordict::Result<()> {
-    let tensor = memmap_tensor::Tensor::from_slice(values, [values.len()])
-        .map_err(|source| tensordict::Error::Tensor { key: key.into(), source })?;
-    td.set(key, tensor)
+/// Sets `key` of `td` to a new heap tensor of `values`, shaped `dims`; `op` names the
+/// operation in errors.
+fn set_leaf<T: memmap_tensor::Element>(
+    td: &mut TensorDict,
+    key: &str,
+    values: &[T],
+    dims: &[usize],
+    op: &'static str,
+) -> Result<()> {
+    let tensor = memmap_tensor::Tensor::from_slice(values, dims)
+        .map_err(|source| tensordict::Error::Tensor { key: key.into(), source })
+        .op(op)?;
+    td.set(key, tensor).op(op)
 }
 
 /// The state the lock guards (see the module docs).
@@ -466,7 +509,7 @@ impl ReplayBuffer {
         let fill_index = storage.keeps_index() && !batch.contains(INDEX_KEY);
         let batch = if fill_index {
             filled = batch.clone();
-            set_column(&mut filled, INDEX_KEY, &vec![0i64; n]).op(OP)?;
+            set_leaf(&mut filled, INDEX_KEY, &vec![0i64; n], &[n], OP)?;
             &filled
         } else {
             batch
@@ -714,8 +757,8 @@ impl ReplayBuffer {
     }
 
     /// Draws `batch_size` rows with the sampler and returns them gathered into a new heap
-    /// dict, with their indices (and weights). A sampler without replacement may return fewer
-    /// rows at the end of an epoch.
+    /// dict, with their indices (and weights, and slice lengths: see [`SampleInfo`]). A sampler
+    /// without replacement may return fewer rows at the end of an epoch.
     pub fn sample(&self, batch_size: usize) -> Result<(TensorDict, SampleInfo)> {
         let storage = self.storage.get().ok_or(Error::Empty)?;
         let info = self.draw(batch_size, self.limiter_timeout(), "sample")?;
@@ -859,6 +902,8 @@ impl ReplayBuffer {
             .map_err(|e| Error::BatchTooLarge { batch_size, detail: memmap_tensor::ErrorChain(&e).to_string() })?;
         let mut indices = Vec::with_capacity(batch_size);
         let mut weights: Option<Vec<f64>> = None;
+        // Kept for whole draws only (see below): they sum to `indices.len()`, or are `None`.
+        let mut slices: Option<Vec<usize>> = None;
         let mut rounds = 0;
         let mut fruitless = 0;
         loop {
@@ -879,19 +924,8 @@ impl ReplayBuffer {
             // Under the state lock, taken only for the draw: the draw loop below waits on the
             // state lock's condition, which a write's publication (taking the sampler lock to
             // tell the sampler) must be able to end.
-            let (drawn, w) = self.sampler.lock().sample(want, len)?;
-            if let Some(&bad) = drawn.iter().find(|&&i| i >= len) {
-                return Err(Error::Sampler { sampler, detail: format!("drew row {bad} from {len} valid rows") });
-            }
-            if w.as_ref().is_some_and(|w| w.len() != drawn.len()) {
-                return Err(Error::Sampler {
-                    sampler,
-                    detail: format!("gave {} weights for {} rows", w.map_or(0, |w| w.len()), drawn.len()),
-                });
-            }
-            if drawn.is_empty() {
-                return Err(Error::Sampler { sampler, detail: format!("drew no rows from {len} valid rows") });
-            }
+            let Draw { rows: drawn, weights: w, slices: runs, .. } = self.sampler.lock().sample(want, len)?;
+            check_draw(sampler, &drawn, w.as_deref(), runs.as_deref(), want, len)?;
             let short = drawn.len() < want;
             // Rows being written become visible when their write ends: worth waiting for.
             // Rows a failed write left are not valid until written again: draw past them.
@@ -907,6 +941,14 @@ impl ReplayBuffer {
                             weights.get_or_insert_with(Vec::new).push(w[j]);
                         }
                     }
+                }
+                if whole_draws {
+                    // Every row of the draw was kept. A whole draw kept ends the loop (it has
+                    // `want` rows, or fewer and is short), so it is the sample's only draw and
+                    // its runs are the sample's; should another precede it, the runs are
+                    // dropped rather than guessed. Other samplers' draws lose rows and are
+                    // mixed, so their runs are never kept.
+                    slices = if before == 0 { runs } else { None };
                 }
                 if indices.len() == batch_size || (short && !indices.is_empty()) {
                     break;
@@ -942,6 +984,8 @@ impl ReplayBuffer {
                         if let Some(w) = weights.as_mut() {
                             w.swap_remove(k);
                         }
+                        // The rows no longer form the runs drawn.
+                        slices = None;
                     }
                 }
             }
@@ -952,7 +996,8 @@ impl ReplayBuffer {
             // Samples let held-back inserts go.
             self.changed.notify_all();
         }
-        Ok(SampleInfo { indices, weights })
+        debug_assert!(slices.as_ref().is_none_or(|s| s.iter().sum::<usize>() == indices.len()));
+        Ok(SampleInfo { indices, weights, slices })
     }
 
     /// The rate limiter's timeout, for the calls that do not take their own.
@@ -1029,6 +1074,43 @@ impl ReplayBuffer {
         }
         Ok(())
     }
+}
+
+/// Checks a draw of the sampler named `sampler`, asked for `want` rows among `len` valid rows:
+/// at least one row and at most `want`, every row valid, one weight per row, and runs of at
+/// least one row that cover the rows exactly.
+fn check_draw(
+    sampler: &'static str,
+    drawn: &[usize],
+    weights: Option<&[f64]>,
+    runs: Option<&[usize]>,
+    want: usize,
+    len: usize,
+) -> Result<()> {
+    let refuse = |detail: String| Err(Error::Sampler { sampler, detail });
+    if let Some(&bad) = drawn.iter().find(|&&i| i >= len) {
+        return refuse(format!("drew row {bad} from {len} valid rows"));
+    }
+    if let Some(w) = weights.filter(|w| w.len() != drawn.len()) {
+        return refuse(format!("gave {} weights for {} rows", w.len(), drawn.len()));
+    }
+    if drawn.is_empty() {
+        return refuse(format!("drew no rows from {len} valid rows"));
+    }
+    if drawn.len() > want {
+        return refuse(format!("drew {} rows when asked for {want}", drawn.len()));
+    }
+    if let Some(runs) = runs {
+        if runs.contains(&0) {
+            return refuse("gave a slice of no rows".into());
+        }
+        let total = runs.iter().try_fold(0usize, |sum, &n| sum.checked_add(n));
+        if total != Some(drawn.len()) {
+            let total = total.map_or_else(|| "more than usize::MAX".to_owned(), |t| t.to_string());
+            return refuse(format!("gave slices of {total} rows in all for {} rows", drawn.len()));
+        }
+    }
+    Ok(())
 }
 
 /// `timeout` after `start`, if it can be told apart from never.

@@ -14,8 +14,8 @@ use tensordict_rpc::{
 
 use super::service::{ReplayInfo, ReplayServiceClient, ReplayStats, Reserved};
 use super::{
-    MAX_FRAME_BYTES, RowsByValue, VALUE_ENVELOPE_BYTES, max_reserve_rows, max_sample_rows, reply_limit, service_name,
-    weighted_sampler,
+    MAX_FRAME_BYTES, ReplyColumns, RowsByValue, VALUE_ENVELOPE_BYTES, max_reserve_rows, max_sample_rows, reply_limit,
+    service_name, slices_from_wire,
 };
 use crate::buffer::SampleInfo;
 use crate::error::{Error, Result, WithOp};
@@ -206,11 +206,12 @@ impl RemoteBuffer {
         self.info.capacity as usize
     }
 
-    /// The most rows one [`RemoteBuffer::sample`] can ask for: its reply (indices, and weights
-    /// for a prioritized sampler) must fit in one frame (see [`super::max_sample_rows`]). A
-    /// larger sample is refused before it is sent, with [`Error::TooManyRows`].
+    /// The most rows one [`RemoteBuffer::sample`] can ask for: its reply (indices, weights for
+    /// a prioritized sampler, slice lengths for a slice sampler) must fit in one frame (see
+    /// [`super::max_sample_rows`]). A larger sample is refused before it is sent, with
+    /// [`Error::TooManyRows`].
     pub fn max_sample_rows(&self) -> usize {
-        max_sample_rows(self.capacity(), weighted_sampler(&self.info.sampler), self.max_frame_bytes)
+        max_sample_rows(self.capacity(), &self.info.sampler, self.max_frame_bytes)
     }
 
     /// The most rows one [`RemoteBuffer::reserve`] can ask for (see
@@ -293,7 +294,7 @@ impl RemoteBuffer {
     pub fn reserve(&self, n: usize, wait: Option<Duration>) -> Result<RemoteReservation> {
         let max = self.max_reserve_rows();
         if n > max {
-            let why = reply_limit(self.capacity(), false, self.max_frame_bytes);
+            let why = reply_limit(self.capacity(), ReplyColumns::INDEX, self.max_frame_bytes);
             return Err(Error::TooManyRows { op: "reserve", rows: n, max, why });
         }
         if !self.by_value {
@@ -350,10 +351,10 @@ impl RemoteBuffer {
     }
 
     /// Draws `batch_size` rows and gathers them into a new heap dict, with their indices (and
-    /// weights). Waits at most `wait` for the rate limiter (`None`: without end), unless
-    /// writes have ended ([`RemoteBuffer::end_writes`]): then a sample the limiter holds back
-    /// fails at once. At most [`RemoteBuffer::max_sample_rows`] rows: a larger sample is
-    /// refused before it is sent.
+    /// weights, and slice lengths: see [`SampleInfo`]). Waits at most `wait` for the rate
+    /// limiter (`None`: without end), unless writes have ended ([`RemoteBuffer::end_writes`]):
+    /// then a sample the limiter holds back fails at once. At most
+    /// [`RemoteBuffer::max_sample_rows`] rows: a larger sample is refused before it is sent.
     pub fn sample(&self, batch_size: usize, wait: Option<Duration>) -> Result<(TensorDict, SampleInfo)> {
         if self.by_value {
             return self.sample_values(batch_size, wait);
@@ -466,17 +467,20 @@ impl RemoteBuffer {
     ) -> Result<(T, SampleInfo)> {
         let max = self.max_sample_rows();
         if batch_size > max {
-            let why = reply_limit(self.capacity(), weighted_sampler(&self.info.sampler), self.max_frame_bytes);
+            let why = reply_limit(self.capacity(), ReplyColumns::of(&self.info.sampler), self.max_frame_bytes);
             return Err(Error::TooManyRows { op: "sample", rows: batch_size, max, why });
         }
         let Drawn::Leased(sampled) = self.draw(batch_size, wait, false)? else {
             unreachable!("a draw without values is leased")
         };
         let indices: Vec<usize> = sampled.indices.iter().map(|&r| r as usize).collect();
-        let gathered = gather(sampled.lease, &indices);
+        // A reply whose slices do not cover its rows is refused unread.
+        let read = slices_from_wire(sampled.slices, indices.len())
+            .and_then(|slices| Ok((gather(sampled.lease, &indices)?, slices)));
         // Released with the next sample, or by the sender thread shortly after.
         self.releases.push(sampled.lease);
-        Ok((gathered?, SampleInfo { indices, weights: sampled.weights }))
+        let (gathered, slices) = read?;
+        Ok((gathered, SampleInfo { indices, weights: sampled.weights, slices }))
     }
 
     /// How many rows one frame carries by value: known from the storage's schema, the storage
@@ -492,7 +496,7 @@ impl RemoteBuffer {
     /// `batch` as one frame of rows by value, or [`Error::TooManyRows`] if it does not fit.
     fn value_frame(&self, op: &'static str, batch: &TensorDict) -> Result<InlineDict> {
         let rows = batch.batch_size().first().copied().unwrap_or(0);
-        let max = self.rows_by_value(None)?.max_rows(self.capacity(), false, self.max_frame_bytes);
+        let max = self.rows_by_value(None)?.max_rows(self.capacity(), ReplyColumns::INDEX, self.max_frame_bytes);
         if rows > max {
             let why = format!("rows go by value in frames of at most {} bytes", self.max_frame_bytes);
             return Err(Error::TooManyRows { op, rows, max, why });
@@ -506,7 +510,7 @@ impl RemoteBuffer {
     fn insert_values(&self, batch: &TensorDict, n: usize, wait: Option<Duration>) -> Result<Vec<usize>> {
         const OP: &str = "extend";
         let limit = self.rows_by_value(Some(batch))?;
-        let chunk = limit.max_rows(self.capacity(), false, self.max_frame_bytes).min(self.capacity());
+        let chunk = limit.max_rows(self.capacity(), ReplyColumns::INDEX, self.max_frame_bytes).min(self.capacity());
         if chunk == 0 {
             let why = format!("one row does not fit in a frame of {} bytes", self.max_frame_bytes);
             return Err(Error::TooManyRows { op: OP, rows: n, max: 0, why });
@@ -542,11 +546,11 @@ impl RemoteBuffer {
     /// lease and read in frames of as many rows as fit, then released.
     fn sample_values(&self, batch_size: usize, wait: Option<Duration>) -> Result<(TensorDict, SampleInfo)> {
         const OP: &str = "sample";
-        let weighted = weighted_sampler(&self.info.sampler);
+        let columns = ReplyColumns::of(&self.info.sampler);
         // Before the storage exists (a sample waiting for the first rows) the service says
         // whether the rows fit.
         let per_frame =
-            self.rows_by_value(None).ok().map(|limit| limit.max_rows(self.capacity(), weighted, self.max_frame_bytes));
+            self.rows_by_value(None).ok().map(|limit| limit.max_rows(self.capacity(), columns, self.max_frame_bytes));
         if let Some(per_frame) = per_frame.filter(|&max| batch_size > max) {
             if per_frame == 0 {
                 let why = format!("one row does not fit in a frame of {} bytes", self.max_frame_bytes);
@@ -568,8 +572,9 @@ impl RemoteBuffer {
             unreachable!("a draw with values carries them")
         };
         let rows = sampled.rows.to_dict().op(OP)?;
-        let indices = sampled.indices.iter().map(|&r| r as usize).collect();
-        Ok((rows, SampleInfo { indices, weights: sampled.weights }))
+        let indices: Vec<usize> = sampled.indices.iter().map(|&r| r as usize).collect();
+        let slices = slices_from_wire(sampled.slices, indices.len())?;
+        Ok((rows, SampleInfo { indices, weights: sampled.weights, slices }))
     }
 
     /// Draws `batch_size` rows from the service, leased (`sample`) or with their bytes

@@ -13,7 +13,8 @@
 //!   samples, and a writer that dies in between (its connection ends) has its reservation
 //!   aborted: those rows stay hidden until they are written again, so a half-written row is
 //!   never sampled.
-//! - A learner ([`RemoteBuffer::sample`]) gets row indices and weights, gathers the rows from
+//! - A learner ([`RemoteBuffer::sample`]) gets row indices (with weights and slice lengths
+//!   for the samplers that have them: [`crate::SampleInfo`]), gathers the rows from
 //!   its own mapping, then releases them. The rows are leased to it in between: writes of those
 //!   rows wait, so what it gathers is whole. A learner that dies has its leases released.
 //! - `update_priority` goes to the service, which owns the priorities.
@@ -84,7 +85,8 @@ use crate::writers::WriterSpec;
 pub const MAX_NAME_BYTES: usize = tensordict_rpc::service::MAX_NAME_BYTES;
 
 /// The largest frame a replay service sends or reads, in bytes (rpc's default, which the
-/// service keeps). Every reply must fit in one: a sample's indices (and weights), a
+/// service keeps). Every reply must fit in one: a sample's indices (and weights, and slice
+/// lengths), a
 /// reservation's rows. [`max_sample_rows`] and [`max_reserve_rows`] say how many rows that is.
 pub const MAX_FRAME_BYTES: usize = tensordict_rpc::DEFAULT_MAX_FRAME_BYTES;
 
@@ -95,8 +97,10 @@ const VARINT_MAX_BYTES: usize = 9;
 const TAG_BYTES: usize = 1;
 /// The most bytes of a sample's or a reservation's reply that are not its rows: tarpc's
 /// request id and `Ok`, the method's variant and the `Ok` of its `Result`, then the lease or
-/// reservation id, the length of the indices, and the `Some` and length of the weights.
-const REPLY_ENVELOPE_BYTES: usize = VARINT_MAX_BYTES + 3 * TAG_BYTES + 3 * VARINT_MAX_BYTES + TAG_BYTES;
+/// reservation id, the length of the indices, the `Some` and length of the weights, and the
+/// `Some` and length of the slice lengths.
+const REPLY_ENVELOPE_BYTES: usize =
+    VARINT_MAX_BYTES + 3 * TAG_BYTES + 3 * VARINT_MAX_BYTES + TAG_BYTES + TAG_BYTES + VARINT_MAX_BYTES;
 
 /// The bytes `value` takes in the wire's encoding (bincode's varint).
 const fn varint_bytes(value: u64) -> usize {
@@ -111,21 +115,62 @@ const fn varint_bytes(value: u64) -> usize {
     }
 }
 
-/// The most bytes one row takes in a reply of a service of `capacity` rows: its index, and
-/// its weight for a `weighted` sampler.
-fn reply_row_bytes(capacity: usize, weighted: bool) -> usize {
-    let index = varint_bytes(capacity.saturating_sub(1) as u64);
-    if weighted { index + size_of::<f64>() } else { index }
+/// What a reply carries for each row beside its index, as its sampler draws: a weight
+/// ([`SamplerSpec::weighted`]), a share of the slice lengths ([`SamplerSpec::sliced`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ReplyColumns {
+    /// A weight per row (8 bytes).
+    weighted: bool,
+    /// The length of each slice (at most 1 byte a row: see [`reply_row_bytes`]).
+    sliced: bool,
 }
 
-/// The most rows one sample of a service of `capacity` rows can return, its sampler weighting
-/// its rows (`weighted`) or not, when replies may be `max_frame_bytes` long (the smaller of
-/// [`MAX_FRAME_BYTES`] and the client's [`tensordict_rpc::ClientOptions::max_frame_bytes`]), and at
-/// most [`MAX_SAMPLE_ROWS`]. With 1 MiB frames: about 349,000 rows from up to 65,536 rows
-/// without weights, about 95,000 with them. A larger sample is refused with an error that
-/// says so (sample in several requests); see [`RemoteBuffer::max_sample_rows`].
-pub fn max_sample_rows(capacity: usize, weighted: bool, max_frame_bytes: usize) -> usize {
-    let rows = max_frame_bytes.saturating_sub(REPLY_ENVELOPE_BYTES) / reply_row_bytes(capacity, weighted);
+impl ReplyColumns {
+    /// Only the index (a reservation's reply, rows sent by value to the service).
+    pub(crate) const INDEX: ReplyColumns = ReplyColumns { weighted: false, sliced: false };
+
+    /// What a sample of `sampler` carries.
+    pub(crate) fn of(sampler: &SamplerSpec) -> ReplyColumns {
+        ReplyColumns { weighted: sampler.weighted(), sliced: sampler.sliced() }
+    }
+
+    /// What a row holds, for messages.
+    fn describe(self) -> &'static str {
+        match (self.weighted, self.sliced) {
+            (false, false) => "an index",
+            (true, false) => "an index and a weight",
+            (false, true) => "an index and at most a byte of slice lengths",
+            (true, true) => "an index, a weight and at most a byte of slice lengths",
+        }
+    }
+}
+
+/// The most bytes one row takes in a reply of a service of `capacity` rows: its index, its
+/// weight for a weighted sampler, and for a slice sampler 1 byte for the slice lengths. (A
+/// slice of `l` rows has its length in at most `l` bytes: 1 byte below 251, at most 9 from
+/// there; so the lengths of slices covering `n` rows take at most `n` bytes.)
+fn reply_row_bytes(capacity: usize, columns: ReplyColumns) -> usize {
+    let index = varint_bytes(capacity.saturating_sub(1) as u64);
+    let weight = if columns.weighted { size_of::<f64>() } else { 0 };
+    let slice = usize::from(columns.sliced);
+    index + weight + slice
+}
+
+/// The most rows one sample of a service of `capacity` rows can return, drawn by `sampler`
+/// (a weight per row for a weighted sampler, the slice lengths for a slice sampler), when
+/// replies may be `max_frame_bytes` long (the smaller of [`MAX_FRAME_BYTES`] and the client's
+/// [`tensordict_rpc::ClientOptions::max_frame_bytes`]), and at most [`MAX_SAMPLE_ROWS`]. With
+/// 1 MiB frames, from up to 65,536 rows: about 349,000 rows without weights, about 95,000
+/// with them, about 262,000 for a slice sampler and 87,000 for a prioritized slice sampler. A
+/// larger sample is refused with an error that says so (sample in several requests); see
+/// [`RemoteBuffer::max_sample_rows`].
+pub fn max_sample_rows(capacity: usize, sampler: &SamplerSpec, max_frame_bytes: usize) -> usize {
+    max_reply_rows(capacity, ReplyColumns::of(sampler), max_frame_bytes)
+}
+
+/// The most rows one sample's reply carries (see [`max_sample_rows`]).
+pub(crate) fn max_reply_rows(capacity: usize, columns: ReplyColumns, max_frame_bytes: usize) -> usize {
+    let rows = max_frame_bytes.saturating_sub(REPLY_ENVELOPE_BYTES) / reply_row_bytes(capacity, columns);
     rows.min(usize::try_from(MAX_SAMPLE_ROWS).unwrap_or(usize::MAX))
 }
 
@@ -133,13 +178,13 @@ pub fn max_sample_rows(capacity: usize, weighted: bool, max_frame_bytes: usize) 
 /// may be `max_frame_bytes` long (see [`max_sample_rows`]); `RemoteBuffer::extend` writes a
 /// longer batch in several reservations.
 pub fn max_reserve_rows(capacity: usize, max_frame_bytes: usize) -> usize {
-    max_frame_bytes.saturating_sub(REPLY_ENVELOPE_BYTES) / reply_row_bytes(capacity, false)
+    max_frame_bytes.saturating_sub(REPLY_ENVELOPE_BYTES) / reply_row_bytes(capacity, ReplyColumns::INDEX)
 }
 
 /// The bytes of a request or reply carrying rows by value that are not the rows or their
-/// indices and weights, beside the schema's text: tarpc's envelope (request id, deadline,
-/// trace context), the method's and results' tags, the lengths of the lists and of every
-/// tensor's bytes. A generous bound: it only decides how many rows go in one frame.
+/// indices, weights and slice lengths, beside the schema's text: tarpc's envelope (request id,
+/// deadline, trace context), the method's and results' tags, the lengths of the lists and of
+/// every tensor's bytes. A generous bound: it only decides how many rows go in one frame.
 pub(crate) const VALUE_ENVELOPE_BYTES: usize = 1024;
 
 /// How many rows of a storage one frame carries by value ([`ReplayService::sample_values`],
@@ -168,10 +213,31 @@ impl RowsByValue {
     }
 
     /// The most rows one frame of `max_frame_bytes` carries from a service of `capacity` rows,
-    /// each with its index (and its weight, `weighted`); at least 1 when one row fits.
-    pub(crate) fn max_rows(&self, capacity: usize, weighted: bool, max_frame_bytes: usize) -> usize {
-        let per_row = self.row_bytes + reply_row_bytes(capacity, weighted);
+    /// each with its index and what else `columns` says; at least 1 when one row fits.
+    pub(crate) fn max_rows(&self, capacity: usize, columns: ReplyColumns, max_frame_bytes: usize) -> usize {
+        let per_row = self.row_bytes + reply_row_bytes(capacity, columns);
         max_frame_bytes.saturating_sub(self.fixed_bytes) / per_row.max(1)
+    }
+}
+
+/// A sample's slice lengths as the wire carries them.
+pub(crate) fn wire_slices(slices: Option<Vec<usize>>) -> Option<Vec<u64>> {
+    slices.map(|s| s.into_iter().map(|n| n as u64).collect())
+}
+
+/// A reply's slice lengths (`slices`, from the wire) for a sample of `rows` rows: refused
+/// unless each is at least 1 and they sum to `rows`.
+pub(crate) fn slices_from_wire(slices: Option<Vec<u64>>, rows: usize) -> Result<Option<Vec<usize>>> {
+    let Some(slices) = slices else { return Ok(None) };
+    let total = slices.iter().try_fold(0u64, |sum, &n| sum.checked_add(n));
+    let lengths: Option<Vec<usize>> = slices.iter().map(|&n| usize::try_from(n).ok().filter(|&n| n > 0)).collect();
+    match lengths {
+        Some(lengths) if total == Some(rows as u64) => Ok(Some(lengths)),
+        _ => Err(Error::LengthMismatch {
+            what: "the slices of a sample from the replay service (each of at least one row, summing to its rows)",
+            expected: rows,
+            got: total.and_then(|t| usize::try_from(t).ok()).unwrap_or(usize::MAX),
+        }),
     }
 }
 
@@ -182,12 +248,12 @@ pub fn weighted_sampler(sampler: &SamplerSpec) -> bool {
 }
 
 /// Why a sample (or reservation) of more than `max` rows is refused, for its error.
-fn reply_limit(capacity: usize, weighted: bool, max_frame_bytes: usize) -> String {
+fn reply_limit(capacity: usize, columns: ReplyColumns, max_frame_bytes: usize) -> String {
     format!(
         "a reply holds {} bytes a row ({}) from a service of {capacity} rows, and must fit in a \
          {max_frame_bytes}-byte frame; ask for fewer rows per request",
-        reply_row_bytes(capacity, weighted),
-        if weighted { "an index and a weight" } else { "an index" },
+        reply_row_bytes(capacity, columns),
+        columns.describe(),
     )
 }
 
@@ -324,6 +390,14 @@ mod tests {
     use super::*;
     use bincode::Options as _;
 
+    /// Every kind of reply a sample may have.
+    const COLUMNS: [ReplyColumns; 4] = [
+        ReplyColumns { weighted: false, sliced: false },
+        ReplyColumns { weighted: true, sliced: false },
+        ReplyColumns { weighted: false, sliced: true },
+        ReplyColumns { weighted: true, sliced: true },
+    ];
+
     /// The size of `message` as the reply to a request, in the wire's encoding, with the
     /// largest request id.
     fn reply_bytes(message: ReplayServiceResponse) -> usize {
@@ -331,11 +405,14 @@ mod tests {
         bincode::DefaultOptions::new().serialized_size(&reply).unwrap() as usize
     }
 
-    fn sample_reply(capacity: usize, rows: usize, weighted: bool) -> usize {
+    /// The largest reply of a sample of `rows` rows: the largest indices, and slices of one row
+    /// each (the most bytes of slice lengths for those rows).
+    fn sample_reply(capacity: usize, rows: usize, columns: ReplyColumns) -> usize {
         let sampled = Sampled {
             lease: u64::MAX,
             indices: vec![capacity as u64 - 1; rows],
-            weights: weighted.then(|| vec![0.5; rows]),
+            weights: columns.weighted.then(|| vec![0.5; rows]),
+            slices: columns.sliced.then(|| vec![1; rows]),
         };
         reply_bytes(ReplayServiceResponse::Sample(Ok(sampled)))
     }
@@ -343,21 +420,46 @@ mod tests {
     #[test]
     fn the_largest_sample_and_reservation_replies_fit_in_a_frame_and_little_more_would_not() {
         for capacity in [1, 250, 251, 65_536, 65_537, 1 << 32, (1 << 32) + 1] {
-            for weighted in [false, true] {
-                let max = max_sample_rows(capacity, weighted, MAX_FRAME_BYTES);
-                assert!(sample_reply(capacity, max, weighted) <= MAX_FRAME_BYTES, "{capacity} {weighted}");
+            for columns in COLUMNS {
+                let max = max_reply_rows(capacity, columns, MAX_FRAME_BYTES);
+                assert!(sample_reply(capacity, max, columns) <= MAX_FRAME_BYTES, "{capacity} {columns:?}");
                 // The envelope is counted at its largest: the real limit is within it.
-                let slack = REPLY_ENVELOPE_BYTES.div_ceil(reply_row_bytes(capacity, weighted)) + 1;
+                let slack = REPLY_ENVELOPE_BYTES.div_ceil(reply_row_bytes(capacity, columns)) + 1;
                 if max < MAX_SAMPLE_ROWS as usize {
-                    assert!(sample_reply(capacity, max + slack, weighted) > MAX_FRAME_BYTES, "{capacity} {weighted}");
+                    assert!(sample_reply(capacity, max + slack, columns) > MAX_FRAME_BYTES, "{capacity} {columns:?}");
                 }
             }
             let max = max_reserve_rows(capacity, MAX_FRAME_BYTES);
             let reserved = Reserved { id: u64::MAX, rows: vec![capacity as u64 - 1; max] };
             assert!(reply_bytes(ReplayServiceResponse::Reserve(Ok(reserved))) <= MAX_FRAME_BYTES);
         }
+        // Slices of any lengths take at most a byte a row: one slice of all the rows, slices of
+        // 250 and 251 rows (the longest of one byte, the shortest of three).
+        let columns = ReplyColumns { weighted: true, sliced: true };
+        let max = max_reply_rows(65_536, columns, MAX_FRAME_BYTES);
+        for slices in [vec![max as u64], [250, 251].repeat(max / 501)] {
+            let rows = slices.iter().sum::<u64>() as usize;
+            let sampled = Sampled {
+                lease: u64::MAX,
+                indices: vec![65_535; rows],
+                weights: Some(vec![0.5; rows]),
+                slices: Some(slices),
+            };
+            assert!(reply_bytes(ReplayServiceResponse::Sample(Ok(sampled))) <= MAX_FRAME_BYTES);
+        }
         // The figures the docs give.
-        assert_eq!(max_sample_rows(65_536, false, MAX_FRAME_BYTES), 349_512);
-        assert_eq!(max_sample_rows(65_536, true, MAX_FRAME_BYTES), 95_321);
+        let figures: Vec<usize> = COLUMNS.iter().map(|&c| max_reply_rows(65_536, c, MAX_FRAME_BYTES)).collect();
+        assert_eq!(figures, [349_508, 95_320, 262_131, 87_377]);
+    }
+
+    #[test]
+    fn slices_from_the_wire_must_cover_the_rows() {
+        assert_eq!(slices_from_wire(None, 3).unwrap(), None);
+        assert_eq!(slices_from_wire(Some(vec![2, 1]), 3).unwrap(), Some(vec![2, 1]));
+        assert_eq!(wire_slices(Some(vec![2, 1])), Some(vec![2, 1]));
+        for bad in [vec![2, 2], vec![0, 3], vec![], vec![u64::MAX, 4]] {
+            let err = slices_from_wire(Some(bad.clone()), 3).unwrap_err();
+            assert!(matches!(err, Error::LengthMismatch { expected: 3, .. }), "{bad:?}: {err}");
+        }
     }
 }

@@ -13,8 +13,8 @@ use tensordict_rpc::{Endpoint, InlineDict, NodeId, Peer, ServerOptions, TensorDi
 use super::dumping::{DumpTurn, Wanted, dump_for};
 use super::service::{LimiterInfo, ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled, SampledValues};
 use super::{
-    MAX_FRAME_BYTES, ReplayOptions, RowsByValue, max_reserve_rows, max_sample_rows, reply_limit, service_name,
-    weighted_sampler,
+    MAX_FRAME_BYTES, ReplayOptions, ReplyColumns, RowsByValue, max_reply_rows, max_reserve_rows, reply_limit,
+    service_name, wire_slices,
 };
 use crate::buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows};
 use crate::error::{Error, Result};
@@ -101,9 +101,9 @@ impl Shared {
         if self.stop.is_stopped() { Err(WireError::ShuttingDown) } else { Ok(()) }
     }
 
-    /// Whether the sampler weights its rows.
-    fn weighted(&self) -> bool {
-        self.buffer.sampler_spec().is_some_and(|spec| weighted_sampler(&spec))
+    /// What a sample's reply carries beside the rows' indices (weights, slice lengths).
+    fn columns(&self) -> ReplyColumns {
+        self.buffer.sampler_spec().map_or(ReplyColumns::INDEX, |spec| ReplyColumns::of(&spec))
     }
 
     /// The most rows one reply carries by value; an error before the storage exists.
@@ -116,7 +116,7 @@ impl Shared {
                 *self.by_value.get_or_init(|| RowsByValue::of(&reference.schema))
             }
         };
-        Ok(limit.max_rows(self.buffer.capacity(), self.weighted(), MAX_FRAME_BYTES))
+        Ok(limit.max_rows(self.buffer.capacity(), self.columns(), MAX_FRAME_BYTES))
     }
 
     /// Makes the storage with the schema of `like` if there is none (once, whoever asks), and
@@ -424,7 +424,7 @@ impl ReplayService for Session {
         if n > max {
             return Err(invalid(format!(
                 "a reservation of {n} rows: one reply carries at most {max} rows ({})",
-                reply_limit(capacity, false, MAX_FRAME_BYTES)
+                reply_limit(capacity, ReplyColumns::INDEX, MAX_FRAME_BYTES)
             )));
         }
         if self.shared().sessions().reservations.count(self.0.id) >= MAX_RESERVATIONS_PER_SESSION {
@@ -469,13 +469,13 @@ impl ReplayService for Session {
             return Err(invalid(format!("a sample of {batch} rows; ask for 1 to {MAX_SAMPLE_ROWS}")));
         }
         let capacity = self.shared().buffer.capacity();
-        let weighted = self.shared().weighted();
-        let max = max_sample_rows(capacity, weighted, MAX_FRAME_BYTES);
+        let columns = self.shared().columns();
+        let max = max_reply_rows(capacity, columns, MAX_FRAME_BYTES);
         if batch > max as u64 {
             // Drawn, its reply could not be sent: the connection would end instead.
             return Err(invalid(format!(
                 "a sample of {batch} rows: one reply carries at most {max} rows ({})",
-                reply_limit(capacity, weighted, MAX_FRAME_BYTES)
+                reply_limit(capacity, columns, MAX_FRAME_BYTES)
             )));
         }
         if self.shared().sessions().leases.count(self.0.id) >= MAX_LEASES_PER_SESSION {
@@ -493,7 +493,8 @@ impl ReplayService for Session {
             let id = sessions.next();
             // Ids are counted, never reused.
             let _ = sessions.leases.insert(session.0.id, id, lease);
-            Ok(Sampled { lease: id, indices: info.indices.iter().map(|&r| r as u64).collect(), weights: info.weights })
+            let indices = info.indices.iter().map(|&r| r as u64).collect();
+            Ok(Sampled { lease: id, indices, weights: info.weights, slices: wire_slices(info.slices) })
         };
         // Most samples need no wait: drawn here, they skip the hand-over to a blocking thread.
         // (With no time to wait the buffer never blocks; it only takes its lock.)
@@ -541,7 +542,7 @@ impl ReplayService for Session {
             shared.buffer.release(lease)?;
             let rows = sent(&read?)?;
             let indices = info.indices.iter().map(|&r| r as u64).collect();
-            Ok(SampledValues { indices, weights: info.weights, rows })
+            Ok(SampledValues { indices, weights: info.weights, slices: wire_slices(info.slices), rows })
         };
         // As for `sample`: most draws need no wait, and skip the hand-over to a blocking thread.
         match draw(&self, Duration::ZERO) {

@@ -137,6 +137,9 @@ pub struct Sampled {
     pub indices: Vec<u64>,
     /// Importance weights, for samplers that have them.
     pub weights: Option<Vec<f64>>,
+    /// The number of rows of each slice, in batch order, for slice samplers
+    /// ([`crate::SampleInfo::slices`]).
+    pub slices: Option<Vec<u64>>,
 }
 
 /// A sample sent by value by [`ReplayService::sample_values`].
@@ -147,6 +150,9 @@ pub struct SampledValues {
     pub indices: Vec<u64>,
     /// Importance weights, for samplers that have them.
     pub weights: Option<Vec<f64>>,
+    /// The number of rows of each slice, in batch order, for slice samplers
+    /// ([`crate::SampleInfo::slices`]).
+    pub slices: Option<Vec<u64>>,
     /// The rows' bytes, in batch order.
     pub rows: InlineDict,
 }

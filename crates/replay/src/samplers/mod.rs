@@ -63,7 +63,8 @@ pub use tree::{MinTree, SumTree};
 /// Declares the registered samplers, one line each, `module::Sampler(Spec)`: the module
 /// (`module.rs` beside this file) and its re-exported sampler and spec, the [`SamplerSpec`]
 /// variant `Sampler(Spec)`, and the spec's dispatch ([`SamplerSpec::build`],
-/// [`SamplerSpec::name`], [`SamplerSpec::weighted`], [`SamplerSpec::NAMES`]).
+/// [`SamplerSpec::name`], [`SamplerSpec::weighted`], [`SamplerSpec::sliced`],
+/// [`SamplerSpec::NAMES`]).
 macro_rules! registry {
     ($($(#[$attr:meta])* $module:ident :: $sampler:ident ($spec:ident)),+ $(,)?) => {
         $(
@@ -105,6 +106,14 @@ macro_rules! registry {
             pub fn weighted(&self) -> bool {
                 match self {
                     $(SamplerSpec::$sampler(_) => <$spec as SamplerOptions>::WEIGHTED,)+
+                }
+            }
+
+            /// Whether the sampler draws runs of consecutive steps (slices), its draws saying
+            /// where each run ends ([`Draw::slices`]).
+            pub fn sliced(&self) -> bool {
+                match self {
+                    $(SamplerSpec::$sampler(_) => <$spec as SamplerOptions>::SLICED,)+
                 }
             }
 
@@ -171,13 +180,48 @@ pub trait SamplerOptions:
     /// their replies by it).
     const WEIGHTED: bool = false;
 
+    /// Whether the sampler draws runs of consecutive steps and says where each ends
+    /// ([`Draw::slices`]; a replay service's clients size their replies by it too).
+    const SLICED: bool = false;
+
     /// The sampler for a buffer of `capacity` rows, its draws fixed by `seed` (from the OS
     /// when `None`); options out of range are refused.
     fn build(&self, capacity: usize, seed: Option<u64>) -> Result<Self::Built>;
 }
 
-/// Row indices and, for samplers that weight their draws, one importance weight per index.
-pub type Draw = (Vec<usize>, Option<Vec<f64>>);
+/// What a sampler drew ([`Sampler::sample`]): row indices, in batch order, with what the
+/// sampler knows about them.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct Draw {
+    /// The rows drawn, in batch order.
+    pub rows: Vec<usize>,
+    /// One importance weight per row, for samplers that weight their draws.
+    pub weights: Option<Vec<f64>>,
+    /// For samplers that draw runs of consecutive steps of one trajectory (slices): the number
+    /// of rows of each run, in draw order. The first `slices[0]` rows are the first run, the
+    /// next `slices[1]` the second, and so on; the lengths are at least 1 and sum to
+    /// `rows.len()`.
+    pub slices: Option<Vec<usize>>,
+}
+
+impl Draw {
+    /// The rows `rows`, without weights or slices.
+    pub fn new(rows: Vec<usize>) -> Self {
+        Draw { rows, weights: None, slices: None }
+    }
+
+    /// The rows `rows`, with one importance weight each.
+    pub fn weighted(rows: Vec<usize>, weights: Vec<f64>) -> Self {
+        Draw { rows, weights: Some(weights), slices: None }
+    }
+
+    /// The same draw, its rows cut into runs of `slices` rows (see [`Draw::slices`]).
+    pub fn with_slices(mut self, slices: Vec<usize>) -> Self {
+        self.slices = Some(slices);
+        self
+    }
+}
 
 /// Chooses the rows of each sample. A buffer calls it under a lock of its own:
 /// implementations need no locks, and should be quick.
@@ -220,13 +264,17 @@ pub trait Sampler: Send + fmt::Debug {
 
     /// Whether a draw is usable only whole (its rows form runs that must stay together): a
     /// buffer then draws again from scratch when any drawn row is being written, instead of
-    /// replacing that row alone. The default is `false`.
+    /// replacing that row alone. The default is `false`. A buffer keeps the slices of a draw
+    /// ([`Draw::slices`]) only for such a sampler, whose draws it never cuts or mixes.
     fn whole_draws(&self) -> bool {
         false
     }
 
     /// Draws `batch` row indices among rows `0..len` (`len >= 1`), with weights if the sampler
-    /// has them. May return fewer than `batch` (the end of an epoch without `drop_last`).
+    /// has them, and the length of each run for samplers that draw runs of consecutive steps
+    /// (see [`Draw`]). May return fewer than `batch` (the end of an epoch without `drop_last`,
+    /// a slice of a short trajectory). A buffer refuses a draw whose weights or slices do not
+    /// match its rows.
     fn sample(&mut self, batch: usize, len: usize) -> Result<Draw>;
 
     /// Sets the priorities of rows `indices`. Samplers without priorities refuse.

@@ -641,7 +641,7 @@ impl Sampler for Prioritized {
             return Err(Error::Empty);
         }
         let (indices, weights) = self.state.sample(batch, len, &mut self.rng)?;
-        Ok((indices, Some(weights.into_iter().map(f64::from).collect())))
+        Ok(Draw::weighted(indices, weights.into_iter().map(f64::from).collect()))
     }
 
     /// Priorities are narrowed to `f32` (TorchRL's tree precision); a value that does not fit

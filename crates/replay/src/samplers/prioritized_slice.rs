@@ -31,6 +31,14 @@
 //! it. This is TorchRL's `(N·P(i))^(-beta)` normalised by the largest weight the unmasked
 //! distribution could give.
 //!
+//! # What a sample carries
+//!
+//! What a [`Slice`] sample carries (see the docs of [`super::slice`]): rows slice by slice, each
+//! slice in time order, the length of each slice ([`Draw::slices`], then
+//! [`crate::SampleInfo::slices`]), and in TorchRL's form ([`crate::SampleInfo::into_torchrl`])
+//! the marks of where each slice ends (`("next", "truncated")`, and `("next", "done")` or'ed
+//! with it); and besides, each row's weight (`priority_weight`).
+//!
 //! # Drawing
 //!
 //! Instead of masking the tree (O(rows that cannot start) per sample), a start is drawn from the
@@ -136,6 +144,7 @@ impl SamplerOptions for PrioritizedSliceSpec {
     type Built = PrioritizedSlice;
     const NAME: &'static str = NAME;
     const WEIGHTED: bool = true;
+    const SLICED: bool = true;
 
     fn build(&self, capacity: usize, seed: Option<u64>) -> Result<PrioritizedSlice> {
         let mut sampler = PrioritizedSlice::from_state(self.prioritized().state(capacity)?, self.episodes.clone(), self.shape)?
@@ -337,6 +346,7 @@ impl Sampler for PrioritizedSlice {
         let mut masked: Option<Masked> = None;
         let mut indices = Vec::with_capacity(batch);
         let mut weights = Vec::with_capacity(batch);
+        let mut slices = Vec::with_capacity(num_slices);
         for _ in 0..num_slices {
             let mut start = None;
             if masked.is_none() {
@@ -371,8 +381,9 @@ impl Sampler for PrioritizedSlice {
             let weight = f64::from(state.weight(leaves[row], p_min));
             indices.extend((0..n).map(|i| (row + i) % len));
             weights.extend(std::iter::repeat_n(weight, n));
+            slices.push(n);
         }
-        Ok((indices, Some(weights)))
+        Ok(Draw::weighted(indices, weights).with_slices(slices))
     }
 
     /// Priorities are narrowed to `f32` (TorchRL's tree precision); a value that does not fit

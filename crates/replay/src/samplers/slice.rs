@@ -28,7 +28,17 @@
 //! sample with no eligible trajectory is refused; without it every trajectory is eligible and
 //! a slice of a shorter trajectory is the whole trajectory (the batch then holds fewer rows).
 //! Indices come slice by slice, each slice in time order (wrapping from the last row to row 0
-//! where a trajectory does).
+//! where a trajectory does), and a draw says how long each slice is ([`Draw::slices`]).
+//!
+//! # What a sample carries
+//!
+//! A buffer passes the slice lengths on ([`crate::SampleInfo::slices`]), and
+//! [`crate::SampleInfo::into_torchrl`] marks where each slice ends as TorchRL's
+//! `SliceSampler` does with its default `truncated_key`: `("next", "truncated")` is true on the
+//! last row of every slice, `("next", "done")` is the stored flag or'ed with it (the mark alone
+//! when the rows have none), `("next", "terminated")` is the stored flag (false when the rows
+//! have none), and `index` has one column. So returns and advantages computed over a sample
+//! (GAE, TD(λ)) stop at the end of each slice instead of running into the next one.
 //!
 //! # Cost
 //!
@@ -167,6 +177,7 @@ impl fmt::Display for SliceSpec {
 impl SamplerOptions for SliceSpec {
     type Built = Slice;
     const NAME: &'static str = NAME;
+    const SLICED: bool = true;
 
     fn build(&self, _capacity: usize, seed: Option<u64>) -> Result<Slice> {
         let mut slice = Slice::new(self.episodes.clone(), self.shape)?.strict_length(self.strict_length);
@@ -385,6 +396,7 @@ impl Sampler for Slice {
         }
         let rng = &mut self.rng;
         let mut indices = Vec::with_capacity(batch);
+        let mut slices = Vec::with_capacity(num_slices);
         for _ in 0..num_slices {
             let Some(t) = view.pick(min_len, &mut *rng) else {
                 return Err(Error::Sampler { sampler: NAME, detail: "lost track of its trajectories".into() });
@@ -392,8 +404,9 @@ impl Sampler for Slice {
             let n = slice_len.min(t.len);
             let offset = rng.random_range(0..=t.len - n);
             indices.extend((0..n).map(|i| (t.start + offset + i) % len));
+            slices.push(n);
         }
-        Ok((indices, None))
+        Ok(Draw::new(indices).with_slices(slices))
     }
 
     fn reset(&mut self) {

@@ -84,7 +84,7 @@ impl Sampler for Uniform {
         if len == 0 {
             return Err(Error::Empty);
         }
-        Ok(((0..batch).map(|_| self.rng.random_range(0..len)).collect(), None))
+        Ok(Draw::new((0..batch).map(|_| self.rng.random_range(0..len)).collect()))
     }
 
     /// TorchRL's `RandomSampler` saves nothing, and neither does this sampler.

@@ -166,7 +166,7 @@ impl Sampler for WithoutReplacement {
         let start = epoch.remaining.len() - take;
         let mut out: Vec<usize> = epoch.remaining.drain(start..).collect();
         out.reverse();
-        Ok((out, None))
+        Ok(Draw::new(out))
     }
 
     fn reset(&mut self) {

@@ -111,3 +111,43 @@ pub fn episodes(lengths: &[usize], first_episode: i64, first: i64) -> anyhow::Re
     td.set(["next", "done"], Tensor::from_bools(&done, [n, 1])?)?;
     Ok(td)
 }
+
+/// The bools of `td` at `key`, with the tensor's shape.
+pub fn bools_at(td: &TensorDict, key: [&str; 2]) -> (Vec<bool>, Vec<usize>) {
+    let t = td.get_tensor(key).unwrap();
+    assert_eq!(t.dtype(), memmap_tensor::DType::Bool, "{key:?}");
+    (t.to_vec_bool().unwrap(), t.dims().to_vec())
+}
+
+/// Checks the marks [`tensordict_replay::SampleInfo::into_torchrl`] put on `td`, a sample of
+/// the storage rows `indices` cut into slices of `slices` rows, against TorchRL 0.14.1's
+/// `SliceSampler` (`_finalize_index`) and `TensorDictReplayBuffer`: `next/truncated` bool
+/// `[n, 1]`, true on the last row of each slice and only there; `next/done` the rows' stored
+/// flags (`stored_done`, bool `[n, 1]` as [`episodes`] stores them) or'ed with it;
+/// `next/terminated` as stored (`stored_terminated`), else bool `[n, 1]` all false; `index`
+/// int64 `[n, 1]`.
+pub fn check_slice_marks(
+    td: &TensorDict,
+    indices: &[usize],
+    slices: &[usize],
+    stored_done: &[bool],
+    stored_terminated: Option<&[bool]>,
+) {
+    let n = indices.len();
+    assert_eq!(slices.iter().sum::<usize>(), n, "slices {slices:?} for {n} rows");
+    let last_of_slice: Vec<bool> = slices.iter().flat_map(|&len| (0..len).map(move |k| k + 1 == len)).collect();
+    let (truncated, dims) = bools_at(td, ["next", "truncated"]);
+    assert_eq!((truncated, dims), (last_of_slice.clone(), vec![n, 1]), "next/truncated for slices {slices:?}");
+    let (done, dims) = bools_at(td, ["next", "done"]);
+    let expected: Vec<bool> = stored_done.iter().zip(&last_of_slice).map(|(&d, &t)| d || t).collect();
+    assert_eq!((done, dims), (expected, vec![n, 1]), "next/done for slices {slices:?}, stored {stored_done:?}");
+    let (terminated, dims) = bools_at(td, ["next", "terminated"]);
+    match stored_terminated {
+        Some(stored) => assert_eq!(terminated, stored, "next/terminated as stored"),
+        None => assert_eq!((terminated, dims), (vec![false; n], vec![n, 1]), "next/terminated all false"),
+    }
+    let index = td.get_tensor("index").unwrap();
+    assert_eq!(index.dtype(), memmap_tensor::DType::I64);
+    assert_eq!(index.dims(), &[n, 1], "index as TorchRL's TensorDictReplayBuffer gives it for slices");
+    assert_eq!(index.to_vec::<i64>().unwrap(), indices.iter().map(|&i| i as i64).collect::<Vec<_>>());
+}
