@@ -152,6 +152,13 @@ impl PyReplayBuffer {
         py.detach(|| rb.dumps(&path)).map_err(to_py_err)
     }
 
+    /// Writes the writer's and sampler's state at `path` as a TorchRL dump folder holds them,
+    /// without the rows (refused while rows are being written).
+    fn dump_state(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
+        let rb = self.rb()?;
+        py.detach(|| rb.dump_state(&path)).map_err(to_py_err)
+    }
+
     /// Rows `index` of the storage.
     fn __getitem__(&self, py: Python<'_>, index: Vec<usize>) -> PyResult<PyTensorDict> {
         let rb = self.rb()?;

@@ -304,6 +304,22 @@ def test_torchrl_dumps_load_and_ours_load_back(name, tmp_path):
     np.testing.assert_array_equal(back.storage["obs"].numpy(), rb.storage["obs"].numpy())
 
 
+def test_a_state_dump_is_the_dump_without_its_rows(tmp_path):
+    rb = PrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyMemmapStorage(16, tmp_path / "rows"), batch_size=4)
+    rb.extend(rows(range(23)))
+    rb.update_priority(np.array([0, 3, 9]), np.array([0.5, 4.0, 12.0]))
+    rb.dumps(tmp_path / "whole")
+    rb.dump_state(tmp_path / "state")
+
+    def files(root):
+        return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+    whole = {p: b for p, b in files(tmp_path / "whole").items() if p.parts[0] not in ("storage", "prefetch.pkl")}
+    assert files(tmp_path / "state") == whole and {p.parts[0] for p in whole} == {"writer", "sampler", "buffer_metadata.json"}
+    with pytest.raises(FileExistsError, match="not empty"):
+        rb.dump_state(tmp_path / "state")
+
+
 def test_bad_input_gets_clear_exceptions():
     with pytest.raises(ValueError, match="max_capacity"):
         ReplayBuffer(storage=LazyTensorStorage(10), sampler=PrioritizedSampler(20, 0.6, 0.4))

@@ -358,16 +358,16 @@ def test_a_handover_that_fails_leaves_the_buffer_the_engines_whole():
     rb = trl.TensorDictPrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=trl.LazyTensorStorage(16), batch_size=4)
     rb.extend(rows(10))
     engine = rb._engine
-    dumps = engine.dumps
+    dump_state = engine.dump_state
 
     def full_disk(path):
         raise OSError(28, "No space left on device")
 
-    engine.dumps = full_disk
+    engine.dump_state = full_disk
     with pytest.raises(OSError, match="No space left"):
         rb.storage
     assert "engine=tensordict_rs" in repr(rb) and len(rb) == 10 and rb.sample()["x"].max() < 10
-    engine.dumps = dumps
+    engine.dump_state = dump_state
     assert len(rb.storage) == 10 and rb.writer._cursor == 10
 
 

@@ -287,6 +287,13 @@ class ReplayBuffer(_Prefetching):
         """Writes a TorchRL dump folder at ``path``."""
         self._rb.dumps(str(path))
 
+    def dump_state(self, path):
+        """Writes a TorchRL dump folder at ``path`` without its rows: the writer's and the
+        sampler's state and the buffer's metadata (``writer/``, ``sampler/``,
+        ``buffer_metadata.json``), for a caller that keeps the storage where it is. Its cost
+        does not grow with the rows. Refused while rows are being written."""
+        self._rb.dump_state(str(path))
+
     @classmethod
     def loads(cls, path, batch_size=None, seed=None, prefetch=None):
         """A buffer from a TorchRL dump folder (its rows on the heap), with the dump's default

@@ -359,9 +359,11 @@ class _Engine:
         stored = engine.storage
         with tempfile.TemporaryDirectory(prefix="tdict-torchrl-") as tmp:
             if stored is not None:
-                # First the step that can fail (a full disk): until the dump is written, the
-                # buffer stays the engine's, whole.
-                engine.dumps(tmp)
+                # First the step that can fail (a full disk): until the writer's and sampler's
+                # state is written, the buffer stays the engine's, whole. The rows stay where
+                # they are (the storage takes the engine's memory), so this costs the same
+                # whatever their number.
+                engine.dump_state(tmp)
             self._take_back(engine, stored, Path(tmp))
 
     def _take_back(self, engine, stored, dump):
