@@ -215,3 +215,228 @@ def test_a_hostile_state_dict_is_refused_or_harmless(folder):
     left = [i for b in loader for i in ids(b)]
     assert len(left) == ROWS - 19 * 10, "batches 0..9 and 40..50 were handed out"
     assert len(set(left)) == len(left)
+
+
+# "The loader holds", items 2, 4, 5, 6 and 7: a hostile caller's sizes, states, arguments,
+# iterations and truncated files.
+
+
+def test_sizes_past_their_range_are_refused_when_the_loader_is_made(folder):
+    # Item 2: prefetch=2**64-1 was taken, and the readers' `handed + prefetch` wrapped around:
+    # every reader waited forever.
+    for prefetch in (2**64 - 1, 2**64 - 1000, 2**16 + 1, 2**64, 0, -1):
+        with pytest.raises(ValueError, match="prefetch"):
+            DataLoader(folder, 10, prefetch=prefetch)
+    for kwargs, name in [
+        ({"rank": -1}, "rank"),
+        ({"rank": 2**64, "world_size": 2**64}, "world_size"),
+        ({"world_size": 0}, "world_size"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"shuffle": True, "block_rows": 0}, "block_rows"),
+        ({"shuffle": True, "block_rows": 2**64}, "block_rows"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            DataLoader(folder, 10, **kwargs)
+    for kwargs in ({"prefetch": 2.0}, {"prefetch": "2"}, {"prefetch": True}, {"seed": 1.5}, {"rank": False}):
+        with pytest.raises(TypeError, match=next(iter(kwargs))):
+            DataLoader(folder, 10, **kwargs)
+    # The most batches ahead the loader takes reads the epoch, in order, without waiting.
+    most = DataLoader(folder, 10, prefetch=2**16)
+    assert [i for b in most for i in ids(b)] == list(range(ROWS))
+
+
+def forged(state, **fields):
+    """`state` with fields of its plan replaced (`handed_out=` replaces the progress's)."""
+    progress = dict(state["progress"])
+    if "handed_out" in fields:
+        progress["handed_out"] = fields.pop("handed_out")
+    progress["plan"] = dict(progress["plan"], **fields)
+    return dict(state, progress=progress)
+
+
+def test_a_state_of_the_wrong_types_is_refused_naming_the_field(folder):
+    # Item 4: bools were read by their truth ("false" as True) and ints from bools and floats.
+    loader = DataLoader(folder, 10, shuffle=True, seed=1)
+    it = iter(loader)
+    before = [i for _ in range(2) for i in ids(next(it))]
+    state = loader.state_dict()
+    assert state["exhausted"] is False and state["progress"]["handed_out"] == 2
+    plan = state["progress"]["plan"]
+    ints = ["rows", "batch_size", "epoch", "rank", "world", "skip"]
+    bad = [forged(state, **{name: value}) for name in ints for value in (True, 2.0, "1", None, -1, 2**64)]
+    bad += [forged(state, handed_out=value) for value in (True, 1.5, "2", -1, 2**64)]
+    bad += [forged(state, drop_last=value) for value in ("false", 0, 1, None)]
+    bad += [forged(state, order=value) for value in ("random", {"shuffled": {"seed": True}}, {"shuffled": {"seed": 1.0}})]
+    bad += [forged(state, handed=value) for value in ([[0, True]], [[0.0, 1]], "0..1", [[0, 1, 2]])]
+    bad += [forged(state, extra=1), dict(state, progress=dict(state["progress"], extra=1))]
+    bad += [{k: v for k, v in state["progress"]["plan"].items() if k != "skip"}]
+    bad += [dict(state, exhausted=value) for value in ("false", "true", 0, 1, None)]
+    bad += [dict(state, epoch=3), {"exhausted": False}, state["progress"], [state, "no state"]]
+    for forgery in bad:
+        with pytest.raises(ValueError) as refused:
+            loader.load_state_dict(forgery)
+        assert "state" in str(refused.value) or "progress" in str(refused.value), forgery
+    with pytest.raises(ValueError, match=r"\['exhausted'\] is 'false'"):
+        loader.load_state_dict(dict(state, exhausted="false"))
+    with pytest.raises(ValueError, match=r"\['drop_last'\].*expected a boolean"):
+        loader.load_state_dict(forged(state, drop_last="false"))
+    with pytest.raises(ValueError, match=r"\['epoch'\].*boolean"):
+        loader.load_state_dict(forged(state, epoch=True))
+    # Nothing refused was adopted: the state itself still resumes after the second batch.
+    assert plan == state["progress"]["plan"]
+    loader.load_state_dict(pickle.loads(pickle.dumps(state)))
+    rest = [i for b in loader for i in ids(b)]
+    assert sorted(before + rest) == list(range(ROWS))
+
+
+def test_a_state_of_another_configuration_is_refused_naming_what_differs(folder):
+    # Item 4: a state of another seed, batch size, order, drop_last or indices was adopted
+    # silently, and `loader.batch_size` reported the wrong one.
+    loader = DataLoader(folder, 10, shuffle=True, seed=1)
+    whole = [i for b in DataLoader(folder, 10, shuffle=True, seed=1) for i in ids(b)]
+    others = [
+        ({"batch_size": 10, "shuffle": True, "seed": 2}, "seed 2 in the state, 1 here"),
+        ({"batch_size": 20, "shuffle": True, "seed": 1}, "batch size 20 in the state, 10 here"),
+        ({"batch_size": 10, "shuffle": True, "seed": 1, "drop_last": True}, "drop_last true in the state"),
+        ({"batch_size": 10}, "order sequential in the state, shuffled here"),
+        ({"batch_size": 10, "shuffle": True, "seed": 1, "block_rows": 5}, "order blocks in the state"),
+        ({"batch_size": 10, "shuffle": True, "seed": 1, "indices": [3, 1, 2]}, "order subset in the state"),
+    ]
+    for kwargs, says in others:
+        with pytest.raises(ValueError, match=says):
+            loader.load_state_dict(DataLoader(folder, **kwargs).state_dict())
+    assert loader.batch_size == 10 and len(loader) == 50
+    with pytest.raises(AttributeError):
+        loader.batch_size = 20  # as torch's: set when the loader is made
+    split = DataLoader(folder, 2, indices=[3, 1, 2])
+    for indices, says in [([3, 4, 2], "entry 1 is row 4 in the state, row 1 here"), ([3, 1], "a subset of 2 rows")]:
+        with pytest.raises(ValueError, match=says):
+            split.load_state_dict(DataLoader(folder, 2, indices=indices).state_dict())
+    with pytest.raises(ValueError, match="seed"):
+        split.load_state_dict(DataLoader(folder, 2, indices=[3, 1, 2], shuffle=True).state_dict())
+    assert [i for b in loader for i in ids(b)] == whole, "nothing refused was adopted"
+
+
+def test_one_rank_of_several_resumed_with_a_skip_past_its_batches_is_refused(folder):
+    # Item 4: the state was taken and the rank handed out nothing.
+    loader = DataLoader(folder, 10, shuffle=True, rank=1, world_size=2)
+    state = loader.state_dict()
+    for skip, handed_out in [(26, 0), (2**64 - 1, 0), (20, 6)]:
+        with pytest.raises(ValueError, match="of its 25 batches"):
+            loader.load_state_dict(forged(state, skip=skip, handed_out=handed_out))
+    assert len([b for b in loader]) == 25
+    loader.load_state_dict(forged(state, skip=20, handed_out=5))
+    assert [b for b in loader] == [], "all 25 were handed out"
+
+
+def torch_error(**kwargs):
+    """The exception torch's `DataLoader` raises for `kwargs` (None if it takes them)."""
+    torch = pytest.importorskip("torch")
+    try:
+        torch.utils.data.DataLoader(range(10), **kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever torch raises is what is compared
+        return e
+    return None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"batch_size": b} for b in (2.5, "64", True, False, 0, -1, 2.0)] + [{"drop_last": d} for d in (1, "x", None, 0)],
+    ids=repr,
+)
+def test_arguments_torch_refuses_are_refused_with_its_exception(folder, kwargs):
+    # Item 5: batch_size=2.5, "64" and True were taken (int(2.5), int("64"), int(True)).
+    theirs = torch_error(**kwargs)
+    assert theirs is not None, f"torch takes {kwargs}"
+    with pytest.raises(type(theirs)) as ours:
+        DataLoader(folder, **kwargs)
+    assert str(ours.value).split(",")[0] == str(theirs).split(",")[0], "torch's words"
+
+
+def test_indices_are_one_dimension_of_rows(folder):
+    # Item 5: a 2-d array was flattened and a bare number taken as one row.
+    for indices in (np.arange(6).reshape(2, 3), np.array(4), [[1, 2], [3, 4]]):
+        with pytest.raises((ValueError, TypeError), match="one dimension"):
+            DataLoader(folder, 2, indices=indices)
+    for number in (4, np.int64(4), True):
+        with pytest.raises(ValueError, match="a single number"):
+            DataLoader(folder, 2, indices=number)
+    with pytest.raises(TypeError, match="one dimension"):
+        DataLoader(folder, 2, indices=[1.5, 2])
+    assert [i for b in DataLoader(folder, 2, indices=range(4, 9)) for i in ids(b)] == [4, 5, 6, 7, 8]
+    assert [i for b in DataLoader(folder, 2, indices=np.array([9, 7], np.uint16)) for i in ids(b)] == [9, 7]
+
+
+def test_each_iter_is_a_new_iterator_as_torchs(folder):
+    # Item 6: iter(loader) was the loader itself: zip(loader, loader) paired consecutive
+    # batches, and nested loops shared one epoch.
+    loader = DataLoader(folder, 64)
+    assert iter(loader) is not loader and iter(loader) is not iter(loader)
+    pairs = [(ids(a), ids(b)) for a, b in zip(loader, loader)]
+    assert len(pairs) == len(loader) == 8 and all(a == b for a, b in pairs), "each batch with itself"
+    torch = sys.modules.get("torch") or pytest.importorskip("torch")
+    theirs = torch.utils.data.DataLoader(range(ROWS), batch_size=64)
+    assert all(torch.equal(a, b) for a, b in zip(theirs, theirs)), "torch's does the same"
+    # Iterators go on by themselves: a second one starts the epoch again.
+    shuffled = DataLoader(folder, 50, shuffle=True, seed=4)
+    first = iter(shuffled)
+    head = ids(next(first))
+    second = iter(shuffled)
+    assert ids(next(second)) == head and ids(next(first)) == ids(next(second))
+    # Nested loops: each inner loop a whole epoch (the next one once an inner loop ended), and
+    # the outer loop its own whole epoch.
+    nested = DataLoader(folder, 100, shuffle=True, seed=5)
+    outer, inner = [], []
+    for batch in nested:
+        outer += ids(batch)
+        inner.append([i for b in nested for i in ids(b)])
+    assert sorted(outer) == list(range(ROWS)) and len(inner) == 5
+    assert all(sorted(epoch) == list(range(ROWS)) for epoch in inner) and inner[0] != inner[1]
+    assert inner[0] == outer and nested.epoch == 4, "the first inner loop was the outer's epoch, 0; the last 4"
+
+
+def test_state_dict_is_the_latest_iterators_place(folder):
+    loader = DataLoader(folder, 50, shuffle=True, seed=6)
+    whole = [i for b in DataLoader(folder, 50, shuffle=True, seed=6) for i in ids(b)]
+    old = iter(loader)
+    for _ in range(4):
+        next(old)
+    latest = iter(loader)
+    got = [i for _ in range(3) for i in ids(next(latest))]
+    state = loader.state_dict()
+    assert state["progress"]["handed_out"] == 3 and state["exhausted"] is False
+    resumed = DataLoader(folder, 50, shuffle=True, seed=6)
+    resumed.load_state_dict(state)
+    assert got + [i for b in resumed for i in ids(b)] == whole
+    # The state loaded is the next iterator's; the one after starts the epoch from its start.
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    assert ids(next(iter(resumed))) == whole[:50] and ids(next(it)) == whole[150:200]
+    # A state of an epoch read to its end starts the next epoch.
+    for _ in latest:
+        pass
+    done = loader.state_dict()
+    assert done["exhausted"] is True
+    resumed.load_state_dict(done)
+    assert sorted(i for b in resumed for i in ids(b)) == list(range(ROWS)) and resumed.epoch == 1
+
+
+def test_a_file_truncated_under_file_reads_is_the_error_of_the_mapping(folder, tmp_path):
+    # Item 7: a read that ended early was raised as ConnectionError; it is the same error as a
+    # read through the mapping gives for the same file (FileTooShort).
+    files = DataLoader(folder, 50, prefetch=1, reads="files")
+    it = iter(files)
+    ids(next(it))
+    with open(tmp_path / "data" / "image.memmap", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(tdr.TensorDictError) as by_files:
+        for _ in it:
+            pass
+    # A loader through the mapping made now checks the file before its first batch.
+    with pytest.raises(tdr.TensorDictError) as by_mapping:
+        next(iter(DataLoader(folder, 50, reads="mapping")))
+    assert not isinstance(by_files.value, ConnectionError), by_files.value
+    assert type(by_files.value) is type(by_mapping.value)
+    assert str(by_files.value) == str(by_mapping.value)
+    assert "image.memmap: file has 10 bytes but the tensor needs 24000" in str(by_files.value)

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 
 use memmap_tensor::{DType, Location, Tensor};
-use tensordict::loader::{Destination, Loader, LoaderOptions, Order, Progress, Reads};
+use tensordict::loader::{Destination, Loader, LoaderOptions, MAX_PREFETCH, MAX_READERS, Order, Progress, Reads};
 use tensordict::{ReadMode, TensorDict, WriteOptions};
 use tensordict_aio::Engine;
 
@@ -185,19 +185,137 @@ fn a_folder_replaced_under_the_loader_is_an_error_not_a_mix() -> TestResult {
 /// Explicit reads catch every truncation. (The folder was just written, so by default it would
 /// be read through its mapping, where a truncation in the middle of a batch's copy is a
 /// `SIGBUS`, as `Reads::Mapping` says: this test names its reads.)
+///
+/// Regression ("The loader holds", item 7): a read that ended early was an `UnexpectedEof` I/O
+/// error, which Python raised as `ConnectionError`; it is now `FileTooShort`, as the check
+/// before a read through the mapping says it.
 #[test]
-fn a_file_truncated_under_file_reads_is_an_error_naming_it() -> TestResult {
+fn a_file_truncated_under_file_reads_is_the_same_error_as_under_the_mapping() -> TestResult {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("d");
     let folder = dataset(ROWS)?.memmap(&path)?;
+    let image = path.join("x").join("image.memmap");
     let files = Reads::Files { engine: Engine::new()?, mode: ReadMode::Buffered };
-    let options = LoaderOptions::new(100).order(Order::Shuffled { seed: 1 }).prefetch(1).reads(files);
-    let mut loader = Loader::new(folder, options)?;
+    let options = LoaderOptions::new(100).order(Order::Shuffled { seed: 1 }).prefetch(1);
+    let mut loader = Loader::new(folder.clone(), options.clone().reads(files))?;
     assert!(matches!(loader.reads(), Reads::Files { .. }));
     ids(&loader.next().unwrap()?)?;
-    std::fs::OpenOptions::new().write(true).open(path.join("x").join("image.memmap"))?.set_len(10)?;
-    let e = loader.find_map(Result::err).expect("a read of the truncated file fails");
-    assert!(memmap_tensor::ErrorChain(&e).to_string().contains("image"), "{e}");
+    std::fs::OpenOptions::new().write(true).open(&image)?.set_len(10)?;
+    let by_files = loader.find_map(Result::err).expect("a read of the truncated file fails");
+    // A loader through the mapping made now checks the file before its first batch.
+    let mut mapped = Loader::new(folder, options.reads(Reads::Mapping))?;
+    let by_mapping = mapped.find_map(Result::err).expect("the truncated file is refused");
+    for e in [&by_files, &by_mapping] {
+        match e {
+            tensordict::Error::Tensor {
+                key,
+                source: memmap_tensor::Error::FileTooShort { path, actual_bytes: 10, required_bytes: 48_000 },
+            } => {
+                assert_eq!((key.to_string(), path.as_path()), ("x.image".to_string(), image.as_path()), "{e}");
+            }
+            other => panic!("a truncated file: {other:?}"),
+        }
+    }
+    assert_eq!(by_files.to_string(), by_mapping.to_string());
+    Ok(())
+}
+
+/// Regression ("The loader holds", item 2): `prefetch` near `usize::MAX` was taken, and a reader's
+/// `handed + prefetch` wrapped around: every reader waited forever for room.
+#[test]
+fn sizes_out_of_range_are_refused_when_the_loader_is_made() -> TestResult {
+    let heap = dataset(100)?;
+    let refused = |options: LoaderOptions, name: &str| {
+        let e = Loader::new(heap.clone(), options).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains(name) && e.contains("give 1 to"), "{name}: {e:?}");
+    };
+    for prefetch in [0, MAX_PREFETCH + 1, usize::MAX - 999, usize::MAX] {
+        refused(LoaderOptions::new(10).prefetch(prefetch), "prefetch");
+    }
+    for readers in [0, MAX_READERS + 1, usize::MAX] {
+        refused(LoaderOptions::new(10).readers(readers), "readers");
+    }
+    // The largest of each reads every row, in order.
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let read = || -> Result<Vec<i64>, String> {
+            let options = LoaderOptions::new(10).prefetch(MAX_PREFETCH).readers(MAX_READERS);
+            let mut loader = Loader::new(heap, options).map_err(|e| e.to_string())?;
+            drain(&mut loader).map_err(|e| e.to_string())
+        };
+        let _ = done.send(read());
+    });
+    let rows = finished.recv_timeout(std::time::Duration::from_secs(300)).expect("the loader hung");
+    assert_eq!(rows?, (0..100).collect::<Vec<i64>>());
+    Ok(())
+}
+
+/// Regression ("The loader holds", item 4): progress of a loader with another seed, batch size,
+/// order, `drop_last` or subset was adopted, and the loader handed out that loader's batches.
+#[test]
+fn progress_of_another_configuration_is_refused_naming_what_differs() -> TestResult {
+    let heap = dataset(100)?;
+    let options = || LoaderOptions::new(10).order(Order::Shuffled { seed: 1 });
+    let mut loader = Loader::new(heap.clone(), options())?;
+    let first = drain(&mut Loader::new(heap.clone(), options())?)?;
+    let subset = |rows: Vec<usize>| Order::Subset { rows, seed: None };
+    let others = [
+        (options().order(Order::Shuffled { seed: 2 }), "seed 2 in the state, 1 here"),
+        (LoaderOptions::new(20).order(Order::Shuffled { seed: 1 }), "batch size 20 in the state, 10 here"),
+        (options().drop_last(true), "drop_last true in the state, false here"),
+        (options().order(Order::Sequential), "the order sequential in the state, shuffled here"),
+        (options().order(Order::Blocks { seed: 1, block_rows: 4 }), "the order blocks in the state, shuffled here"),
+    ];
+    for (other, says) in others {
+        let progress = Loader::new(heap.clone(), other)?.progress();
+        let e = loader.resume(&[progress]).expect_err(says).to_string();
+        assert!(e.contains(says) && e.contains("another loader"), "{says}: {e}");
+    }
+    // Subsets: other rows, another length, another shuffle.
+    let mut split = Loader::new(heap.clone(), options().order(subset(vec![1, 2, 3])))?;
+    for (order, says) in [
+        (subset(vec![1, 5, 3]), "entry 1 is row 5 in the state, row 2 here"),
+        (subset(vec![1, 2]), "a subset of 2 rows in the state, of 3 here"),
+        (Order::Subset { rows: vec![1, 2, 3], seed: Some(4) }, "shuffle seed Some(4) in the state, None here"),
+    ] {
+        let progress = Loader::new(heap.clone(), options().order(order))?.progress();
+        let e = split.resume(&[progress]).expect_err(says).to_string();
+        assert!(e.contains(says), "{says}: {e}");
+    }
+    // Nothing was adopted: the loader still hands out its own epoch.
+    assert_eq!(drain(&mut loader)?, first);
+    // Its own configuration on another epoch is a resume.
+    let mut other_epoch = Loader::new(heap, options())?;
+    other_epoch.set_epoch(3);
+    other_epoch.next().unwrap()?;
+    loader.resume(&[other_epoch.progress()])?;
+    assert_eq!((loader.epoch(), loader.remaining()), (3, 9));
+    Ok(())
+}
+
+/// A branch goes on from where its loader is, with threads of its own (Python's `iter()` gives
+/// each iterator one), and shares its buffers.
+#[test]
+fn a_branch_hands_out_the_rest_of_the_epoch_by_itself() -> TestResult {
+    let heap = dataset(100)?;
+    let mut loader = Loader::new(heap.clone(), LoaderOptions::new(10).order(Order::Shuffled { seed: 7 }).prefetch(2))?;
+    let whole = drain(&mut Loader::new(heap, LoaderOptions::new(10).order(Order::Shuffled { seed: 7 }))?)?;
+    let mut head = Vec::new();
+    for _ in 0..3 {
+        head.extend(ids(&loader.next().unwrap()?)?);
+    }
+    let mut branch = loader.branch();
+    assert_eq!((branch.epoch(), branch.remaining()), (0, 7));
+    // In step, batch for batch: the same rows, each its own batch.
+    let mut in_step = Vec::new();
+    for (a, b) in (&mut loader).zip(&mut branch) {
+        let (a, b) = (a?, b?);
+        assert_eq!(ids(&a)?, ids(&b)?);
+        assert_ne!(buffer_of(&a)?, buffer_of(&b)?, "two batches held at once are two buffers");
+        in_step.extend(ids(&a)?);
+    }
+    assert_eq!([head, in_step].concat(), whole);
+    assert!(loader.buffers() <= 2 + 2 && loader.buffers() == branch.buffers(), "one pool");
     Ok(())
 }
 

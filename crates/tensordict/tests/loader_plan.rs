@@ -175,6 +175,24 @@ fn bad_plans_and_progress_are_refused() {
     assert!(BatchPlan::resume(&[], 0, 1).is_err());
 }
 
+/// Regression ("The loader holds", item 4): a single rank's progress on a run of several ranks,
+/// with a `skip` past its batches, was taken and the rank handed out nothing.
+#[test]
+fn a_rank_resumed_alone_with_a_skip_past_its_batches_is_refused() -> TestResult {
+    let plan = BatchPlan::new(100, 10, false, Order::Shuffled { seed: 1 }, 0, 1, 2)?;
+    assert_eq!(plan.len(), 5);
+    for (skip, handed_out) in [(6, 0), (u64::MAX, 0), (3, 3), (u64::MAX, u64::MAX)] {
+        let forged = BatchPlan { skip, ..plan.clone() }.progress(handed_out);
+        let e = BatchPlan::resume(&[forged], 1, 2).expect_err("more than the rank's batches").to_string();
+        assert!(e.contains("of its 5 batches"), "{e}");
+    }
+    // Up to all of them is a resume: the rest, or nothing left.
+    let rest = BatchPlan::resume(&[BatchPlan { skip: 2, ..plan.clone() }.progress(1)], 1, 2)?;
+    assert_eq!(rest.batches()?, plan.batches()?[3..].to_vec());
+    assert!(BatchPlan::resume(&[BatchPlan { skip: 5, ..plan.clone() }.progress(0)], 1, 2)?.is_empty());
+    Ok(())
+}
+
 #[test]
 fn a_subset_is_the_epoch_shuffled_or_in_the_order_given() -> TestResult {
     // A split with a repeat: every entry once per epoch, over any world.

@@ -48,6 +48,16 @@ pub enum Order {
 }
 
 impl Order {
+    /// The order's kind: `"sequential"`, `"shuffled"`, `"blocks"` or `"subset"`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Order::Sequential => "sequential",
+            Order::Shuffled { .. } => "shuffled",
+            Order::Blocks { .. } => "blocks",
+            Order::Subset { .. } => "subset",
+        }
+    }
+
     /// The rows of epoch `epoch` of a dict of `rows` rows, in order: `0..rows` in this order,
     /// or a subset's rows.
     pub fn epoch_rows(&self, rows: usize, epoch: u64) -> Result<Vec<usize>> {
@@ -71,7 +81,8 @@ impl Order {
                 let mut order = Vec::with_capacity(rows);
                 for b in blocks {
                     let start = order.len();
-                    order.extend(b * block_rows..((b + 1) * block_rows).min(rows));
+                    // `b < rows.div_ceil(block_rows)`: the run starts within the rows.
+                    order.extend(b * block_rows..(b + 1).saturating_mul(*block_rows).min(rows));
                     shuffle(&mut order[start..], &mut draw);
                 }
                 Ok(order)
@@ -262,9 +273,50 @@ impl BatchPlan {
         Ok(self.own_batches().into_iter().map(|k| self.batch_rows(&order, k)).collect())
     }
 
-    /// The plan of the next epoch (nothing handed out yet).
+    /// How a saved plan's epochs differ from this plan's, in words: `None` when both cut the
+    /// same rows into the same batches (the same rows, batch size, `drop_last` and order,
+    /// seed and subset included); the epoch, the ranks and what was handed out may differ.
+    pub(super) fn difference(&self, saved: &BatchPlan) -> Option<String> {
+        let differs = |what: &str, theirs: &dyn std::fmt::Debug, ours: &dyn std::fmt::Debug| {
+            Some(format!("{what} {theirs:?} in the state, {ours:?} here"))
+        };
+        if saved.rows != self.rows {
+            return differs("a dict of rows", &saved.rows, &self.rows);
+        }
+        if saved.batch_size != self.batch_size {
+            return differs("batch size", &saved.batch_size, &self.batch_size);
+        }
+        if saved.drop_last != self.drop_last {
+            return differs("drop_last", &saved.drop_last, &self.drop_last);
+        }
+        match (&saved.order, &self.order) {
+            (a, b) if a == b => None,
+            (Order::Shuffled { seed: a }, Order::Shuffled { seed: b }) => differs("seed", a, b),
+            (Order::Blocks { seed: a, block_rows: x }, Order::Blocks { seed: b, block_rows: y }) => {
+                if x == y {
+                    differs("seed", a, b)
+                } else {
+                    differs("block_rows", x, y)
+                }
+            }
+            (Order::Subset { rows: a, seed: x }, Order::Subset { rows: b, seed: y }) => {
+                if a == b {
+                    differs("the subset's shuffle seed", x, y)
+                } else if a.len() != b.len() {
+                    Some(format!("a subset of {} rows in the state, of {} here", a.len(), b.len()))
+                } else {
+                    let at = a.iter().zip(b).position(|(a, b)| a != b).unwrap_or(0);
+                    Some(format!("the subset's entry {at} is row {} in the state, row {} here", a[at], b[at]))
+                }
+            }
+            (a, b) => Some(format!("the order {} in the state, {} here", a.name(), b.name())),
+        }
+    }
+
+    /// The plan of the next epoch (nothing handed out yet); the last epoch, `u64::MAX`, is
+    /// followed by itself.
     pub fn next_epoch(&self) -> BatchPlan {
-        BatchPlan { epoch: self.epoch + 1, handed: Vec::new(), skip: 0, ..self.clone() }
+        BatchPlan { epoch: self.epoch.saturating_add(1), handed: Vec::new(), skip: 0, ..self.clone() }
     }
 
     /// The progress of this rank once it has handed out `handed_out` of its batches.
@@ -309,12 +361,19 @@ impl BatchPlan {
                     progress.len()
                 )));
             }
-            let own = p.len() as u64;
-            if first.handed_out > own {
-                return Err(bad(format!("rank {rank} handed out {} batches of its {own}", first.handed_out)));
+            // What it skipped before (resumed on its own already) and what it handed out since
+            // are both its batches: together no more than it has.
+            let own = BatchPlan { skip: 0, ..p.clone() }.len() as u64;
+            let done = p.skip.saturating_add(first.handed_out);
+            if done > own {
+                return Err(bad(format!(
+                    "rank {rank} skipped {} and handed out {} of its {own} batches: the state is not of this epoch's \
+                     plan",
+                    p.skip, first.handed_out
+                )));
             }
             let handed = merged(p.handed.clone(), p.global_batches());
-            return Ok(BatchPlan { skip: p.skip.saturating_add(first.handed_out), handed, ..p.clone() });
+            return Ok(BatchPlan { skip: done, handed, ..p.clone() });
         }
         // What was handed out before this run, and what each rank handed out in it.
         let mut handed: Vec<(u64, u64)> = p.handed.clone();

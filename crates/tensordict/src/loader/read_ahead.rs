@@ -44,6 +44,13 @@ impl Reads {
     }
 }
 
+/// The most batches a [`Loader`] reads ahead ([`LoaderOptions::prefetch`]): each is held in
+/// memory until it is handed out, so a larger count is a mistake rather than a plan.
+pub const MAX_PREFETCH: usize = 1 << 16;
+
+/// The most threads a [`Loader`] reads with ([`LoaderOptions::readers`]).
+pub const MAX_READERS: usize = 256;
+
 /// How a [`Loader`] hands out batches.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -58,10 +65,10 @@ pub struct LoaderOptions {
     pub rank: usize,
     /// The number of ranks the epoch is shared among.
     pub world: usize,
-    /// Batches read ahead of the caller (at least 1).
+    /// Batches read ahead of the caller: 1 to [`MAX_PREFETCH`].
     pub prefetch: usize,
-    /// Threads reading batches (at least 1): with two, one batch's reads are in flight while
-    /// another's complete (and gathers from memory run on two cores).
+    /// Threads reading batches, 1 to [`MAX_READERS`]: with two, one batch's reads are in flight
+    /// while another's complete (and gathers from memory run on two cores).
     pub readers: usize,
     /// How rows are read; `None`: chosen when an epoch starts (see [`Loader`]).
     pub reads: Option<Reads>,
@@ -205,7 +212,9 @@ impl Flow {
             if self.stop.load(Ordering::Acquire) || turns.next_to_read >= batches {
                 return None;
             }
-            if turns.next_to_read < turns.handed + prefetch {
+            // Saturating: `handed + prefetch` past `usize::MAX` is room for every batch, not a
+            // wrapped-around limit every reader waits on forever.
+            if turns.next_to_read < turns.handed.saturating_add(prefetch) {
                 turns.next_to_read += 1;
                 return Some(turns.next_to_read - 1);
             }
@@ -235,17 +244,24 @@ impl Drop for Running {
 }
 
 impl Loader {
-    /// A loader of `dict` (its first batch dim is the rows) for epoch 0.
+    /// A loader of `dict` (its first batch dim is the rows) for epoch 0. Every size is checked
+    /// here, before any thread starts: `batch_size` at least 1, `prefetch` 1 to
+    /// [`MAX_PREFETCH`], `readers` 1 to [`MAX_READERS`], `rank < world`, a subset's rows and
+    /// `block_rows` (an [`Error::InvalidArgument`] saying which is out of range).
     pub fn new(dict: TensorDict, options: LoaderOptions) -> Result<Loader> {
         let rows = *dict.batch_size().first().ok_or_else(|| Error::InvalidArgument {
             op: "Loader",
             detail: "the dict has no batch dim to read rows of".into(),
         })?;
-        if options.prefetch == 0 || options.readers == 0 {
-            return Err(Error::InvalidArgument {
-                op: "Loader",
-                detail: "prefetch and readers must be at least 1".into(),
-            });
+        for (name, value, max) in
+            [("prefetch", options.prefetch, MAX_PREFETCH), ("readers", options.readers, MAX_READERS)]
+        {
+            if !(1..=max).contains(&value) {
+                return Err(Error::InvalidArgument {
+                    op: "Loader",
+                    detail: format!("{name} {value}: give 1 to {max}"),
+                });
+            }
         }
         let plan =
             BatchPlan::new(rows, options.batch_size, options.drop_last, options.order, 0, options.rank, options.world)?;
@@ -344,16 +360,26 @@ impl Loader {
 
     /// Goes on from where the ranks of a run stopped (see [`BatchPlan::resume`]): the rest of
     /// that epoch, shared among this loader's ranks.
+    ///
+    /// The progress must be of loaders configured as this one: the same dict rows, batch size,
+    /// `drop_last` and order (its seed, block size or subset included); only the epoch, the
+    /// ranks and what was handed out come from it. Progress of another configuration is refused
+    /// with an error saying what differs (to go on with it, make the loader with its
+    /// configuration, which [`Progress::plan`] holds): adopting it would hand out other
+    /// batches than this loader's options say, and report them wrongly.
     pub fn resume(&mut self, progress: &[Progress]) -> Result<()> {
         // Checked first: the plan's batches are walked, and a progress may come from anywhere.
-        if let Some(other) = progress.iter().find(|p| p.plan.rows != self.plan.rows) {
-            return Err(Error::InvalidArgument {
-                op: "Loader::resume",
-                detail: format!(
-                    "the progress is of a dict of {} rows; this one has {}",
-                    other.plan.rows, self.plan.rows
-                ),
-            });
+        for other in progress {
+            if let Some(difference) = self.plan.difference(&other.plan) {
+                return Err(Error::InvalidArgument {
+                    op: "Loader::resume",
+                    detail: format!(
+                        "the progress of rank {} is of another loader: {difference}; resume a loader made with the \
+                         same rows, batch size, drop_last and order",
+                        other.plan.rank
+                    ),
+                });
+            }
         }
         let plan = BatchPlan::resume(progress, self.plan.rank, self.plan.world)?;
         self.running = None;
@@ -361,6 +387,28 @@ impl Loader {
         self.plan = plan;
         self.handed_out = 0;
         Ok(())
+    }
+
+    /// Another loader of the same dict and options at the same point: the rest of this epoch
+    /// (or the resumed part of it), read by threads of its own, which share this loader's batch
+    /// buffers and I/O engine. Each goes on by itself after that: a second pass over an epoch
+    /// while the first one is still going (Python's `iter()`, which gives a new iterator each
+    /// time). Nothing is read until the branch's first batch is asked for.
+    pub fn branch(&self) -> Loader {
+        Loader {
+            dict: self.dict.clone(),
+            plan_len: self.plan_len,
+            chosen: self.chosen,
+            plan: self.plan.clone(),
+            prefetch: self.prefetch,
+            readers: self.readers,
+            reads: self.reads.clone(),
+            generation: self.generation.clone(),
+            destination: self.destination,
+            buffers: self.buffers.clone(),
+            handed_out: self.handed_out,
+            running: None,
+        }
     }
 
     fn start(&mut self) -> Result<&mut Running> {
@@ -614,8 +662,20 @@ impl Reader {
                     None => self.dict.index(indices.to_vec()),
                 }
             }
-            (Reads::Files { engine, mode }, Some(buffers)) => buffers.read(engine, rows, *mode),
-            (Reads::Files { engine, mode }, None) => self.dict.gather_direct(engine, indices, *mode),
+            (Reads::Files { engine, mode }, buffers) => {
+                let read = match buffers {
+                    Some(buffers) => buffers.read(engine, rows, *mode),
+                    None => self.dict.gather_direct(engine, indices, *mode),
+                };
+                // A read that ended early met a file shorter than its tensor: the same error as
+                // the check before a read through the mapping (the file's length now, and what
+                // its tensor needs), not an end of file that could be mistaken for a lost
+                // connection.
+                read.map_err(|e| match files_whole(&self.dict) {
+                    Err(short @ Error::Tensor { source: memmap_tensor::Error::FileTooShort { .. }, .. }) => short,
+                    _ => e,
+                })
+            }
         }
     }
 }
