@@ -84,7 +84,7 @@ pub(crate) fn wait_in_windows<T: Send, E: std::error::Error + Send + 'static>(
         WAIT_WINDOW,
         |window| {
             py.check_signals().map_err(Stop::Python)?;
-            py.detach(|| call(window)).map_err(Stop::Rust)
+            crate::gil::detach(py, || call(window)).map_err(Stop::Rust)
         },
         |e| matches!(e, Stop::Rust(e) if not_yet(e)),
     );

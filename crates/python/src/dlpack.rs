@@ -412,7 +412,11 @@ unsafe impl Sync for Lent {}
 
 impl Drop for Lent {
     fn drop(&mut self) {
-        if let Some(managed) = self.0.take() {
+        // Attaching while the interpreter exits could end this thread inside our frames (see
+        // `crate::gil`): then the producer's tensor is left to the exiting process.
+        if let Some(managed) = self.0.take()
+            && !crate::gil::exiting()
+        {
             Python::attach(|_| managed.release());
         }
     }

@@ -9,6 +9,7 @@ mod client;
 mod dict;
 mod dlpack;
 mod error;
+mod gil;
 mod loader;
 mod owned;
 mod remote;
@@ -38,6 +39,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyStore>()?;
     m.add_class::<store::PyAllocation>()?;
     m.add_function(wrap_pyfunction!(live_exports, m)?)?;
+    m.add_function(wrap_pyfunction!(gil::_finalizing, m)?)?;
     m.add_function(wrap_pyfunction!(dict::_reopen, m)?)?;
     m.add_function(wrap_pyfunction!(dict::cat, m)?)?;
     m.add_class::<loader::PyLoader>()?;

@@ -66,14 +66,14 @@ impl PyRemoteBuffer {
     fn extend(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
         let td = to_tensordict(batch, DictOf::Rows)?;
         let inner = self.client()?;
-        py.detach(|| inner.extend(&td)).map_err(to_py_err)
+        crate::gil::detach(py, || inner.extend(&td)).map_err(to_py_err)
     }
 
     /// Writes one row; returns its row.
     fn add(&self, py: Python<'_>, row: &Bound<'_, PyAny>) -> PyResult<usize> {
         let td = to_tensordict(row, DictOf::Row)?;
         let inner = self.client()?;
-        py.detach(|| inner.add(&td)).map_err(to_py_err)
+        crate::gil::detach(py, || inner.add(&td)).map_err(to_py_err)
     }
 
     /// Samples `batch_size` rows (with `index`, `priority_weight` when prioritized, and the
@@ -124,26 +124,26 @@ impl PyRemoteBuffer {
     fn update_priority(&self, py: Python<'_>, index: &Bound<'_, PyAny>, priority: &Bound<'_, PyAny>) -> PyResult<()> {
         let (index, priority) = priority_args(index, priority)?;
         let inner = self.client()?;
-        py.detach(|| inner.update_priority(&index, &priority)).map_err(to_py_err)
+        crate::gil::detach(py, || inner.update_priority(&index, &priority)).map_err(to_py_err)
     }
 
     /// Asks the service to write a TorchRL dump folder at `path` (on the service's node) of
     /// the rows committed when it starts.
     fn dumps(&self, py: Python<'_>, path: String) -> PyResult<()> {
         let inner = self.client()?;
-        py.detach(|| inner.dumps(&path)).map_err(to_py_err)
+        crate::gil::detach(py, || inner.dumps(&path)).map_err(to_py_err)
     }
 
     /// Ends writes: samples the rate limiter would hold back fail at once from now on.
     fn end_writes(&self, py: Python<'_>) -> PyResult<()> {
         let inner = self.client()?;
-        py.detach(|| inner.end_writes()).map_err(to_py_err)
+        crate::gil::detach(py, || inner.end_writes()).map_err(to_py_err)
     }
 
     /// The service's counters (rows, inserts, samples, open leases, sessions) as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         let inner = self.client()?;
-        let s = py.detach(|| inner.stats()).map_err(to_py_err)?;
+        let s = crate::gil::detach(py, || inner.stats()).map_err(to_py_err)?;
         let d = pyo3::types::PyDict::new(py);
         for (k, v) in [
             ("len", s.len),
@@ -163,7 +163,7 @@ impl PyRemoteBuffer {
 
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
         let inner = self.client()?;
-        let s = py.detach(|| inner.stats()).map_err(to_py_err)?;
+        let s = crate::gil::detach(py, || inner.stats()).map_err(to_py_err)?;
         Ok(usize::try_from(s.len).unwrap_or(usize::MAX))
     }
 
@@ -241,7 +241,7 @@ impl PyReplayServer {
         if let Some((endpoint, token)) = listen_options(listen, token)? {
             options = options.listen(endpoint, token);
         }
-        let inner = py.detach(|| ReplayServer::start(&name, options)).map_err(to_py_err)?;
+        let inner = crate::gil::detach(py, || ReplayServer::start(&name, options)).map_err(to_py_err)?;
         Ok(PyReplayServer { inner: Owned::new(Mutex::new(Some(inner))) })
     }
 
@@ -263,7 +263,7 @@ impl PyReplayServer {
     fn stop(&self, py: Python<'_>) -> PyResult<()> {
         let server = self.inner.get("a ReplayServer")?.lock().unwrap_or_else(PoisonError::into_inner).take();
         if let Some(server) = server {
-            py.detach(|| {
+            crate::gil::detach(py, || {
                 server.stop();
                 drop(server);
             });

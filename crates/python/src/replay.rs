@@ -72,7 +72,7 @@ impl PyReplayBuffer {
     fn loads(py: Python<'_>, path: std::path::PathBuf, seed: Option<u64>) -> PyResult<Self> {
         let mut options = LoadOptions::default();
         options.seed = seed;
-        let inner = py.detach(|| ReplayBuffer::loads(&path, options)).map_err(to_py_err)?;
+        let inner = crate::gil::detach(py, || ReplayBuffer::loads(&path, options)).map_err(to_py_err)?;
         let weighted = inner.with_sampler(|s| s.spec().is_some_and(|spec| spec.weighted()));
         Ok(PyReplayBuffer { inner: Owned::new(std::sync::Arc::new(inner)), weighted })
     }
@@ -97,7 +97,7 @@ impl PyReplayBuffer {
     fn extend(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
         let td = to_tensordict(batch, DictOf::Rows)?;
         let rb = self.rb()?;
-        py.detach(|| rb.extend(&td)).map_err(to_py_err)
+        crate::gil::detach(py, || rb.extend(&td)).map_err(to_py_err)
     }
 
     /// Writes one row (no batch dim); returns its row, or `None` when a max-value writer
@@ -105,7 +105,7 @@ impl PyReplayBuffer {
     fn add(&self, py: Python<'_>, row: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
         let td = to_tensordict(row, DictOf::Row)?;
         let rb = self.rb()?;
-        py.detach(|| rb.add(&td)).map_err(to_py_err)
+        crate::gil::detach(py, || rb.add(&td)).map_err(to_py_err)
     }
 
     /// Samples `batch_size` rows: a dict with the storage's keys, `index` (the rows, int64)
@@ -120,12 +120,11 @@ impl PyReplayBuffer {
     fn sample(&self, py: Python<'_>, batch_size: usize, device: Option<&Bound<'_, PyAny>>) -> PyResult<PyTensorDict> {
         let rb = self.rb()?;
         let device = device.map(crate::dict::device).transpose()?;
-        let (td, info) = py
-            .detach(|| match device {
-                Some(device) => rb.sample_to(device, batch_size),
-                None => rb.sample(batch_size),
-            })
-            .map_err(to_py_err)?;
+        let (td, info) = crate::gil::detach(py, || match device {
+            Some(device) => rb.sample_to(device, batch_size),
+            None => rb.sample(batch_size),
+        })
+        .map_err(to_py_err)?;
         sample_dict(td, info, self.weighted)
     }
 
@@ -143,26 +142,26 @@ impl PyReplayBuffer {
     fn update_priority(&self, py: Python<'_>, index: &Bound<'_, PyAny>, priority: &Bound<'_, PyAny>) -> PyResult<()> {
         let (index, priority) = priority_args(index, priority)?;
         let rb = self.rb()?;
-        py.detach(|| rb.update_priority(index, &priority)).map_err(to_py_err)
+        crate::gil::detach(py, || rb.update_priority(index, &priority)).map_err(to_py_err)
     }
 
     /// Writes a TorchRL dump folder at `path` (TorchRL 0.14.1's `ReplayBuffer.loads` reads it).
     fn dumps(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
         let rb = self.rb()?;
-        py.detach(|| rb.dumps(&path)).map_err(to_py_err)
+        crate::gil::detach(py, || rb.dumps(&path)).map_err(to_py_err)
     }
 
     /// Writes the writer's and sampler's state at `path` as a TorchRL dump folder holds them,
     /// without the rows (refused while rows are being written).
     fn dump_state(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
         let rb = self.rb()?;
-        py.detach(|| rb.dump_state(&path)).map_err(to_py_err)
+        crate::gil::detach(py, || rb.dump_state(&path)).map_err(to_py_err)
     }
 
     /// Rows `index` of the storage.
     fn __getitem__(&self, py: Python<'_>, index: Vec<usize>) -> PyResult<PyTensorDict> {
         let rb = self.rb()?;
-        let inner = py.detach(|| rb.get(index)).map_err(to_py_err)?;
+        let inner = crate::gil::detach(py, || rb.get(index)).map_err(to_py_err)?;
         Ok(PyTensorDict::new(inner))
     }
 
@@ -181,7 +180,7 @@ impl PyReplayBuffer {
     /// sampler's state forgotten; the storage stays.
     fn empty(&self, py: Python<'_>) -> PyResult<()> {
         let rb = self.rb()?;
-        py.detach(|| rb.empty()).map_err(to_py_err)
+        crate::gil::detach(py, || rb.empty()).map_err(to_py_err)
     }
 
     /// Draws from now on as a sampler seeded with `seed` would.

@@ -88,7 +88,7 @@ impl PyStore {
         if let Some((endpoint, token)) = listen_options(listen, token)? {
             options = options.listen(endpoint, token);
         }
-        let inner = py.detach(|| Store::start_with(&name, options)).map_err(to_py_err)?;
+        let inner = crate::gil::detach(py, || Store::start_with(&name, options)).map_err(to_py_err)?;
         Ok(PyStore { inner: Owned::new(inner), target: name })
     }
 
@@ -100,7 +100,7 @@ impl PyStore {
         let td = to_tensordict(value, DictOf::Tensors)?;
         let ttl = crate::client::ttl(ttl)?;
         let inner = self.client()?;
-        py.detach(|| inner.save(key, &td, ttl)).map_err(to_py_err)
+        crate::gil::detach(py, || inner.save(key, &td, ttl)).map_err(to_py_err)
     }
 
     /// Loads the entry `key` as a TensorDict viewing the store's memory (no copy), leased
@@ -135,18 +135,18 @@ impl PyStore {
     #[pyo3(signature = (prefix=""))]
     fn keys(&self, py: Python<'_>, prefix: &str) -> PyResult<Vec<String>> {
         let inner = self.client()?;
-        py.detach(|| inner.keys(prefix)).map_err(to_py_err)
+        crate::gil::detach(py, || inner.keys(prefix)).map_err(to_py_err)
     }
 
     /// Removes `key`; whether it was there. Loads holding it keep their views.
     fn remove(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
         let inner = self.client()?;
-        py.detach(|| inner.remove(key)).map_err(to_py_err)
+        crate::gil::detach(py, || inner.remove(key)).map_err(to_py_err)
     }
 
     fn __contains__(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
         let inner = self.client()?;
-        py.detach(|| inner.contains(key)).map_err(to_py_err)
+        crate::gil::detach(py, || inner.contains(key)).map_err(to_py_err)
     }
 
     /// Space in the store shaped like `like` (its keys, dtypes and shapes; its values are not
@@ -155,7 +155,7 @@ impl PyStore {
     fn allocate(&self, py: Python<'_>, like: &Bound<'_, PyAny>) -> PyResult<PyAllocation> {
         let td = to_tensordict(like, DictOf::Tensors)?;
         let inner = self.client()?;
-        let allocation = py.detach(|| inner.allocate(&td)).map_err(to_py_err)?;
+        let allocation = crate::gil::detach(py, || inner.allocate(&td)).map_err(to_py_err)?;
         Ok(PyAllocation { inner: Owned::new(Mutex::new(Some(allocation))) })
     }
 
@@ -192,6 +192,6 @@ impl PyAllocation {
         // Checked before the allocation is taken: a bad ttl leaves it to seal again.
         let ttl = crate::client::ttl(ttl)?;
         let a = self.allocation()?.take().ok_or_else(|| PyValueError::new_err("this allocation was sealed already"))?;
-        py.detach(|| a.seal_with_ttl(key, ttl)).map_err(to_py_err)
+        crate::gil::detach(py, || a.seal_with_ttl(key, ttl)).map_err(to_py_err)
     }
 }

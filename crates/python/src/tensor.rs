@@ -94,7 +94,7 @@ impl PyTensor {
         }
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
         let tensor = if copy == Some(true) {
-            py.detach(|| self.inner.deep_clone()).map_err(crate::error::to_py_err)?
+            crate::gil::detach(py, || self.inner.deep_clone()).map_err(crate::error::to_py_err)?
         } else {
             self.inner.clone()
         };

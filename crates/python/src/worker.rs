@@ -37,7 +37,7 @@ impl PyTensorDictRef {
     #[pyo3(signature = (*, writable=false))]
     fn open(&self, py: Python<'_>, writable: bool) -> PyResult<PyTensorDict> {
         let access = if writable { Access::ReadWrite } else { Access::CopyOnWrite };
-        let td = py.detach(|| self.inner.open(access)).map_err(to_py_err)?;
+        let td = crate::gil::detach(py, || self.inner.open(access)).map_err(to_py_err)?;
         Ok(PyTensorDict::new(td))
     }
 
@@ -148,7 +148,7 @@ impl PyWorker {
     ) -> PyResult<T> {
         let client = self.inner.get("a Worker")?;
         let endpoint = self.target.clone();
-        let answer = py.detach(|| client.lock().unwrap_or_else(PoisonError::into_inner).call(f));
+        let answer = crate::gil::detach(py, || client.lock().unwrap_or_else(PoisonError::into_inner).call(f));
         match answer {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(refused)) => Err(to_py_err(tensordict_rpc::Error::Remote {
@@ -279,10 +279,11 @@ impl PyWorkerServer {
             options = options.runtime_dir(dir);
         }
         let worker = WorkerServer::new();
-        let mut handles = vec![py.detach(|| worker.clone().serve_on(&local, options.clone())).map_err(to_py_err)?];
+        let mut handles =
+            vec![crate::gil::detach(py, || worker.clone().serve_on(&local, options.clone())).map_err(to_py_err)?];
         if let Some((endpoint, token)) = listen_options(listen, token)? {
             let tcp = options.token(token);
-            handles.push(py.detach(|| worker.serve_on(&endpoint, tcp)).map_err(to_py_err)?);
+            handles.push(crate::gil::detach(py, || worker.serve_on(&endpoint, tcp)).map_err(to_py_err)?);
         }
         Ok(PyWorkerServer { inner: Owned::new(Mutex::new(handles)), name })
     }
@@ -304,7 +305,7 @@ impl PyWorkerServer {
     fn stop(&self, py: Python<'_>) -> PyResult<()> {
         let handles =
             std::mem::take(&mut *self.inner.get("a WorkerServer")?.lock().unwrap_or_else(PoisonError::into_inner));
-        py.detach(|| drop(handles));
+        crate::gil::detach(py, || drop(handles));
         Ok(())
     }
 

@@ -14,6 +14,9 @@ exception for its kind, that one too (``TensorDictKeyError`` is a ``KeyError``,
 The native module is ``tensordict_rs._native``; this package re-exports it.
 """
 
+import atexit
+
+from tensordict_rs._native import _finalizing
 from tensordict_rs._native import (
     Tensor,
     TensorDict,
@@ -76,3 +79,9 @@ def to_tensordict(td):
     from tensordict import TensorDict as PyTensorDict
 
     return PyTensorDict(td.to_torch(), batch_size=list(td.batch_size))
+
+
+# A daemon thread still inside a call of ours when the interpreter exits must not take the GIL
+# back while CPython finalizes (that ends the thread inside native frames, and aborts the
+# process): at exit such calls park their thread instead (see the native module's `gil`).
+atexit.register(_finalizing)

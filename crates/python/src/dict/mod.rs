@@ -191,7 +191,7 @@ fn write_in_place(py: Python<'_>, key: &KeyPath, target: Tensor, value: &Tensor,
         value.clone()
     };
     let mut target = target;
-    py.detach(|| target.copy_from(&value)).map_err(to_py_err)
+    crate::gil::detach(py, || target.copy_from(&value)).map_err(to_py_err)
 }
 
 /// Refuses `td[index] = ...` when a tensor it writes is mapped read-only or copy-on-write.
@@ -272,7 +272,7 @@ impl PyTensorDict {
     #[staticmethod]
     #[pyo3(signature = (path, *, writable=false))]
     fn load_memmap(py: Python<'_>, path: std::path::PathBuf, writable: bool) -> PyResult<Self> {
-        let inner = py.detach(|| TensorDict::load_memmap(&path, access(writable))).map_err(to_py_err)?;
+        let inner = crate::gil::detach(py, || TensorDict::load_memmap(&path, access(writable))).map_err(to_py_err)?;
         Ok(PyTensorDict::new(inner))
     }
 
@@ -281,7 +281,7 @@ impl PyTensorDict {
     #[staticmethod]
     #[pyo3(signature = (prefix, *, writable=false))]
     fn open_shared(py: Python<'_>, prefix: String, writable: bool) -> PyResult<Self> {
-        let inner = py.detach(|| TensorDict::open_shared(&prefix, access(writable))).map_err(to_py_err)?;
+        let inner = crate::gil::detach(py, || TensorDict::open_shared(&prefix, access(writable))).map_err(to_py_err)?;
         Ok(PyTensorDict::new(inner))
     }
 
@@ -291,7 +291,7 @@ impl PyTensorDict {
     fn memmap(&self, py: Python<'_>, path: std::path::PathBuf, overwrite: bool) -> PyResult<Self> {
         let td = self.dict()?;
         let options = tensordict::WriteOptions::default().overwrite(overwrite);
-        let inner = py.detach(|| td.memmap_with(&path, &options)).map_err(to_py_err)?;
+        let inner = crate::gil::detach(py, || td.memmap_with(&path, &options)).map_err(to_py_err)?;
         Ok(PyTensorDict::new(inner))
     }
 
@@ -310,14 +310,14 @@ impl PyTensorDict {
         let td = self.dict()?;
         let rows = rows_from_py(&td, batch_size)?;
         let options = tensordict::WriteOptions::default().overwrite(overwrite);
-        let inner = py.detach(|| td.memmap_like_with(&prefix, rows, &options)).map_err(to_py_err)?;
+        let inner = crate::gil::detach(py, || td.memmap_like_with(&prefix, rows, &options)).map_err(to_py_err)?;
         Ok(PyTensorDict::new(inner))
     }
 
     /// Copies the dict into the shared-memory prefix `prefix` and returns it from there.
     fn share_memory(&self, py: Python<'_>, prefix: String) -> PyResult<Self> {
         let td = self.dict()?;
-        let inner = py.detach(|| td.share_memory(&prefix)).map_err(to_py_err)?;
+        let inner = crate::gil::detach(py, || td.share_memory(&prefix)).map_err(to_py_err)?;
         Ok(PyTensorDict::new(inner))
     }
 
@@ -331,7 +331,7 @@ impl PyTensorDict {
     ) -> PyResult<Self> {
         let td = self.dict()?;
         let rows = rows_from_py(&td, batch_size)?;
-        let inner = py.detach(|| td.share_memory_like(&prefix, rows)).map_err(to_py_err)?;
+        let inner = crate::gil::detach(py, || td.share_memory_like(&prefix, rows)).map_err(to_py_err)?;
         Ok(PyTensorDict::new(inner))
     }
 
@@ -412,7 +412,7 @@ impl PyTensorDict {
             return self.entry_to_py(py, &path, entry);
         }
         let index = index(key)?;
-        let inner = py.detach(|| td.index(index)).map_err(to_py_err)?;
+        let inner = crate::gil::detach(py, || td.index(index)).map_err(to_py_err)?;
         Ok(Py::new(py, self.derived(inner))?.into_any())
     }
 
@@ -442,7 +442,7 @@ impl PyTensorDict {
         if let Some(value) = convert::single_value(value)? {
             check_all_writable(&td, None)?;
             let mut view = (*td).clone();
-            return py.detach(|| view.fill_at(index, &value)).map_err(to_py_err);
+            return crate::gil::detach(py, || view.fill_at(index, &value)).map_err(to_py_err);
         }
         let batch = td.index_shape(&index).map_err(to_py_err)?;
         let src = convert::rows_with_batch(value, &batch)?;
@@ -453,7 +453,7 @@ impl PyTensorDict {
             self.mutate(|d| d.assign_at(index, &src))
         } else {
             let mut view = (*td).clone();
-            py.detach(|| view.assign_at(index, &src)).map_err(to_py_err)
+            crate::gil::detach(py, || view.assign_at(index, &src)).map_err(to_py_err)
         }
     }
 
@@ -535,7 +535,7 @@ impl PyTensorDict {
         if !recurse {
             return Ok(self.derived((*td).clone()));
         }
-        let copy = py.detach(|| td.deep_clone()).map_err(to_py_err)?;
+        let copy = crate::gil::detach(py, || td.deep_clone()).map_err(to_py_err)?;
         Ok(PyTensorDict::new(copy))
     }
 
@@ -605,7 +605,7 @@ impl PyTensorDict {
     /// `(id, counter)`.
     fn publish(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
         let td = self.dict()?;
-        let generation = py.detach(|| td.flush().and_then(|()| td.publish())).map_err(to_py_err)?;
+        let generation = crate::gil::detach(py, || td.flush().and_then(|()| td.publish())).map_err(to_py_err)?;
         Ok((generation.id, generation.counter))
     }
 
@@ -613,7 +613,7 @@ impl PyTensorDict {
     /// that they survive a crash of the machine. Returns the dict.
     fn flush<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, Self>> {
         let td = slf.get().dict()?;
-        slf.py().detach(|| td.flush()).map_err(to_py_err)?;
+        crate::gil::detach(slf.py(), || td.flush()).map_err(to_py_err)?;
         Ok(slf.clone())
     }
 
@@ -695,7 +695,7 @@ impl PyTensorDict {
     fn to(&self, py: Python<'_>, device: &Bound<'_, PyAny>) -> PyResult<Self> {
         let device = self::device(device)?;
         let td = self.dict()?;
-        let inner = py.detach(|| td.to(device)).map_err(to_py_err)?;
+        let inner = crate::gil::detach(py, || td.to(device)).map_err(to_py_err)?;
         Ok(self.derived(inner))
     }
 
@@ -705,7 +705,7 @@ impl PyTensorDict {
         let device = self::device(device)?;
         let indices = dlpack::numbers::<i64>(indices, dlpack::ints)?;
         let td = self.dict()?;
-        let gathered = py.detach(|| {
+        let gathered = crate::gil::detach(py, || {
             let transfer = td.gather_to(device, &indices)?;
             transfer.wait().map_err(|source| tensordict::Error::Device { op: "gather_to", source })
         });
@@ -800,7 +800,7 @@ fn join(py: Python<'_>, dicts: Vec<Bound<'_, PyAny>>, dim: i64, new_dim: bool) -
         raise(Kind::Index, format!("{op}: dim {dim} is out of range for dicts of batch size {:?}", first.batch_size()))
     })?;
     let refs: Vec<&TensorDict> = tds.iter().collect();
-    let out = py.detach(|| if new_dim { TensorDict::stack(&refs, d) } else { TensorDict::cat(&refs, d) });
+    let out = crate::gil::detach(py, || if new_dim { TensorDict::stack(&refs, d) } else { TensorDict::cat(&refs, d) });
     Ok(PyTensorDict::new(out.map_err(to_py_err)?))
 }
 
@@ -818,7 +818,7 @@ pub(crate) fn _reopen(
     shapes: Option<Vec<(Vec<String>, Vec<usize>)>>,
 ) -> PyResult<PyTensorDict> {
     let location = tensordict::DictLocation::parse(std::ffi::OsStr::new(&location)).map_err(PyValueError::new_err)?;
-    let td = py.detach(|| location.open(access(writable))).map_err(to_py_err)?;
+    let td = crate::gil::detach(py, || location.open(access(writable))).map_err(to_py_err)?;
     let changed = |what: String| raise(Kind::Other, format!("{location} does not give back the view pickled: {what}"));
     let td = match rows {
         Some((start, stop)) => {
