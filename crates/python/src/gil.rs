@@ -40,8 +40,8 @@ const EXIT_GRACE: Duration = Duration::from_secs(2);
 
 /// Runs `f` with the GIL released, as `py.detach(f)` does, unless the interpreter started
 /// exiting meanwhile: then the thread parks for good (see the module docs), unless it is the
-/// thread that finalizes the interpreter. A panic of `f`
-/// reaches the caller once the GIL is back, as with `py.detach`.
+/// thread that finalizes the interpreter. A panic of `f` reaches the caller once the GIL is
+/// back, as with `py.detach`.
 pub(crate) fn detach<T, F>(py: Python<'_>, f: F) -> T
 where
     F: Send + FnOnce() -> T,
