@@ -152,6 +152,11 @@ def test_a_loader_dropped_mid_epoch_leaves_no_thread(folder):
     assert loader_threads() > before
     del loader
     gc.collect()
+    # The drop joins the threads; the kernel takes each out of /proc/self/task a moment after
+    # the join returns (30 s is a hang guard, not a timing requirement).
+    deadline = time.monotonic() + 30
+    while loader_threads() != before and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert loader_threads() == before
     ids(batch)  # a batch handed out outlives its loader
 
