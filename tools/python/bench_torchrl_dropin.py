@@ -20,12 +20,11 @@ Usage: python tools/python/bench_torchrl_dropin.py [--rows 1000000] [--iters 200
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 import warnings
 
 import torch
+from bench_bindings import median_us  # the same measure as the native API's benchmark
 from tensordict import TensorDict
 
 warnings.filterwarnings("ignore")
@@ -48,17 +47,6 @@ def rows(start, n):
         },
         [n],
     )
-
-
-def median_us(iters, call):
-    for _ in range(max(1, iters // 10)):
-        call()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter_ns()
-        call()
-        times.append(time.perf_counter_ns() - t)
-    return round(statistics.median(times) / 1e3, 2)
 
 
 def buffers(module, n, scratch):
