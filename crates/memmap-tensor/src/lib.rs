@@ -73,6 +73,7 @@ pub mod cuda;
 mod device;
 mod dtype;
 mod error;
+mod fault;
 mod io;
 mod layout;
 mod limits;

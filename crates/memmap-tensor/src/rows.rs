@@ -66,7 +66,7 @@ impl Tensor {
             // SAFETY: as above.
             unsafe { copy_rows_strided(self, out, rows.len(), |k| rows[k], |k| k) };
         }
-        Ok(())
+        Tensor::intact_after(self, out)
     }
 
     /// [`Tensor::gather_index`] of every tensor of `sources` (each with at least the rows
@@ -132,6 +132,9 @@ impl Tensor {
             }
         }
         drop((read_locks, write_locks));
+        for (storage, _) in &storages {
+            storage.intact()?;
+        }
         Ok(outs)
     }
 
@@ -170,7 +173,7 @@ impl Tensor {
                 copy_rows_strided(src, self, rows.len(), |k| k, |k| rows[k]);
             }
         }
-        Ok(())
+        Tensor::intact_after(src, self)
     }
 
     /// The size of dim 0, or an error for a scalar.

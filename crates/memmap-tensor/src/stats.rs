@@ -48,6 +48,8 @@ impl Tensor {
             stats.min = Some(stats.min.map_or(x, |m| nan_or(m, x, f64::min)));
             stats.max = Some(stats.max.map_or(x, |m| nan_or(m, x, f64::max)));
         }
+        drop(borrowed);
+        self.storage().intact()?;
         Ok(stats)
     }
 }

@@ -13,7 +13,7 @@
 //!    process that mapped the old file keeps the old inode.
 //! 2. **Lengths are checked before mapping.** A file or shm object shorter than the requested
 //!    length is refused before `mmap`, so no access of ours lands past the end of the object
-//!    (the SIGBUS path). Blocks of new files and shm objects are allocated up front
+//!    (the SIGBUS path) unless another program cuts it shorter (below). Blocks of new files and shm objects are allocated up front
 //!    (`posix_fallocate`), so a full disk or a full `/dev/shm` is an `Err` at creation, not a
 //!    SIGBUS on first write.
 //! 3. **References only exist under the lock.** The crate creates `&[T]` into a region only while
@@ -29,8 +29,9 @@
 //! What the crate cannot control is other programs: another process may write a shared file or
 //! shm object at any time (that is the point of sharing), and readers may then see a row half
 //! written. Processes coordinate through row ownership and generations (see the crate docs). A
-//! program that *truncates* a file while we map it makes our accesses fault; no mmap-based
-//! library can prevent that, and this crate never does it.
+//! program that *truncates* a file while we map it makes our accesses past the new end fault;
+//! this crate never does it, and when another program does, the fault is turned into an error
+//! (`fault.rs`; [`Storage::intact`]) instead of ending the process.
 
 use std::alloc::{self, Layout as AllocLayout};
 use std::fs::{File, OpenOptions};
@@ -46,6 +47,7 @@ use nix::sys::stat::Mode;
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::cuda::{self, Backend, DriverMemory, Floor};
+use crate::fault;
 use crate::{Device, Error, Result};
 
 /// Alignment of heap storage, in bytes: enough for any dtype and for SIMD loads.
@@ -157,12 +159,12 @@ enum Backing {
     /// descriptors. `id` recognises the mapped file when it is opened again by path.
     File {
         path: PathBuf,
-        map: Option<MmapRaw>,
+        map: Option<Mapping>,
         id: FileId,
     },
     Shm {
         name: String,
-        map: Option<MmapRaw>,
+        map: Option<Mapping>,
     },
     /// Device, pinned or managed memory from the CUDA driver.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "no driver memory exists without the driver"))]
@@ -431,9 +433,9 @@ impl Storage {
         Ok(objects)
     }
 
-    fn from_map(map: Option<MmapRaw>, access: Access, mut backing: Backing) -> Self {
+    fn from_map(map: Option<Mapping>, access: Access, mut backing: Backing) -> Self {
         let (ptr, len) = match &map {
-            Some(m) => (NonNull::new(m.as_mut_ptr()).expect("mmap never returns null on success"), m.len()),
+            Some(m) => (NonNull::new(m.map.as_mut_ptr()).expect("mmap never returns null on success"), m.map.len()),
             None => (aligned_dangling(), 0),
         };
         match &mut backing {
@@ -621,7 +623,7 @@ impl Storage {
     pub fn flush_range(&self, offset: usize, len: usize) -> Result<()> {
         self.check_range(offset, len)?;
         match &self.backing {
-            Backing::File { path, map: Some(map), .. } if len > 0 => {
+            Backing::File { path, map: Some(Mapping { map, .. }), .. } if len > 0 => {
                 map.flush_range(offset, len).map_err(|source| Error::FileIo { op: "msync", path: path.clone(), source })
             }
             _ => Ok(()),
@@ -646,10 +648,10 @@ impl Storage {
             Advice::HugePage | Advice::PopulateWrite => return Ok(()),
         };
         match &self.backing {
-            Backing::File { map: Some(map), path, .. } if len > 0 => map
+            Backing::File { map: Some(Mapping { map, .. }), path, .. } if len > 0 => map
                 .advise_range(advice, offset, len)
                 .map_err(|source| Error::FileIo { op: "madvise", path: path.clone(), source }),
-            Backing::Shm { map: Some(map), name } if len > 0 => map
+            Backing::Shm { map: Some(Mapping { map, .. }), name } if len > 0 => map
                 .advise_range(advice, offset, len)
                 .map_err(|source| Error::ShmIo { op: "madvise", name: name.clone(), source }),
             _ => Ok(()),
@@ -659,6 +661,42 @@ impl Storage {
     /// [`Storage::advise_range`] over the whole region.
     pub fn advise(&self, advice: Advice) -> Result<()> {
         self.advise_range(advice, 0, self.len)
+    }
+
+    /// Whether the region still shows its file or shm object: `Ok` unless another program cut
+    /// the object shorter while this storage maps it and an access past the new end faulted.
+    /// Such a fault does not end the process: the pages from the faulting one to the end of the
+    /// region read zeros from then on, writes to them go nowhere, and this says so for good as
+    /// [`Error::FileTooShort`] (or [`Error::ShmTooShort`]), with at most the bytes the object
+    /// had when the fault happened. Open the file again to read it as it is now.
+    ///
+    /// Every copy of this crate (gathers, scatters, `copy_from`, `to_vec`, moves to a GPU)
+    /// checks this after it ran, so a copy that read a torn region fails instead of returning
+    /// zeros. A borrowed view ([`crate::Tensor::as_slice`], a numpy array or torch tensor over
+    /// the mapping) reads the zeros without an error: call this after reading through one to
+    /// know whether what it read was the file. Heap and driver memory are always intact.
+    pub fn intact(&self) -> Result<()> {
+        let torn_at = match &self.backing {
+            Backing::File { map: Some(Mapping { watch: Some(watch), .. }), .. }
+            | Backing::Shm { map: Some(Mapping { watch: Some(watch), .. }), .. } => watch.torn_at(),
+            _ => None,
+        };
+        let Some(torn_at) = torn_at else { return Ok(()) };
+        // The object had at most `torn_at` bytes at the fault; it may have changed since (a
+        // rewrite in place grows it again), so the smaller of the two is what is known.
+        let now = |path: &Path| std::fs::metadata(path).map_or(0, |m| m.len());
+        let required_bytes = self.len as u64;
+        Err(match &self.backing {
+            Backing::File { path, .. } => {
+                Error::FileTooShort { path: path.clone(), actual_bytes: now(path).min(torn_at as u64), required_bytes }
+            }
+            Backing::Shm { name, .. } => Error::ShmTooShort {
+                name: name.clone(),
+                actual_bytes: now(&Path::new(SHM_DIR).join(name.trim_start_matches('/'))).min(torn_at as u64),
+                required_bytes,
+            },
+            _ => unreachable!("only mappings are watched"),
+        })
     }
 
     fn check_range(&self, offset: usize, len: usize) -> Result<()> {
@@ -789,11 +827,11 @@ fn aligned_dangling() -> NonNull<u8> {
     NonNull::<Aligned>::dangling().cast()
 }
 
-fn map_file(file: &File, path: &Path, len: usize, access: Access) -> Result<Option<MmapRaw>> {
+fn map_file(file: &File, path: &Path, len: usize, access: Access) -> Result<Option<Mapping>> {
     map_fd(file, len, access).map_err(|source| Error::FileIo { op: "mmap", path: path.to_owned(), source })
 }
 
-fn map_fd(file: &File, len: usize, access: Access) -> std::io::Result<Option<MmapRaw>> {
+fn map_fd(file: &File, len: usize, access: Access) -> std::io::Result<Option<Mapping>> {
     if len == 0 {
         return Ok(None);
     }
@@ -811,7 +849,18 @@ fn map_fd(file: &File, len: usize, access: Access) -> std::io::Result<Option<Mma
         // `MmapMut` slice.
         Access::CopyOnWrite => unsafe { options.no_reserve_swap().map_copy(file) }.map(MmapRaw::from),
     };
-    map.map(Some).map_err(crate::maps::explain_mmap_error)
+    let map = map.map_err(crate::maps::explain_mmap_error)?;
+    let prot = if access == Access::ReadOnly { libc::PROT_READ } else { libc::PROT_READ | libc::PROT_WRITE };
+    let watch = fault::Watch::new(map.as_mut_ptr() as usize, map.len(), prot);
+    Ok(Some(Mapping { watch, map }))
+}
+
+/// A file or shm mapping and its entry in the table of mappings that a `SIGBUS` handler turns
+/// into errors (`fault.rs`). The entry goes first when dropped (fields drop in order), before the
+/// pages are unmapped.
+struct Mapping {
+    watch: Option<fault::Watch>,
+    map: MmapRaw,
 }
 
 /// Sets the length of a new, empty file to `len` and allocates its blocks.

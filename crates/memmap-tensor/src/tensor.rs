@@ -491,13 +491,13 @@ impl Tensor {
                 // construction); the storages are distinct (checked above) and locked until the
                 // copy and every chunk a helper took are done.
                 unsafe { pool.copy(from.base.add(from.offset * elem), to.base.add(to.offset * elem), len) };
-                return Ok(());
+                return Tensor::intact_after(src, self);
             }
         }
         // SAFETY: both layouts were checked against their storages at construction; the storages
         // are distinct allocations or mappings (checked above); the locks are held.
         unsafe { copy_strided(from, to, elem) };
-        Ok(())
+        Tensor::intact_after(src, self)
     }
 
     /// Copies the elements in C order into `out`, which must be exactly `nbytes()` long. A
@@ -518,7 +518,7 @@ impl Tensor {
         // SAFETY: the source layout was checked against the storage at construction and the read
         // lock is held; `out` is a separate allocation of exactly the contiguous size.
         unsafe { copy_strided(self.strided(), dst, self.dtype.size_in_bytes()) };
-        Ok(())
+        self.storage.intact()
     }
 
     // === Files and the page cache ===
@@ -608,6 +608,14 @@ impl Tensor {
     /// GPU: the host must not touch it while the GPU may).
     pub(crate) fn on_host(&self, op: &'static str) -> Result<()> {
         if self.device.is_cpu() { Ok(()) } else { Err(Error::WrongDevice { op, device: self.device }) }
+    }
+
+    /// After a copy from `src` into `dst`: an error if either's file or shm object was cut shorter
+    /// under its mapping meanwhile (see [`Storage::intact`]), so that what a torn mapping gave or
+    /// took is not reported as copied.
+    pub(crate) fn intact_after(src: &Tensor, dst: &Tensor) -> Result<()> {
+        src.storage.intact()?;
+        dst.storage.intact()
     }
 
     /// The read lock of `src` and the write lock of `dst`, both on the host (see

@@ -215,7 +215,8 @@ unsafe fn stage_to_device(
         in_flight[i % 2] = Some(stream.record()?);
     }
     keep.push(Box::new(staging));
-    Ok(())
+    // A mapped source cut shorter meanwhile read zeros from where it was cut: an error.
+    src.storage.intact()
 }
 
 /// Driver memory through one pinned buffer, each piece waited for and copied out; complete
@@ -240,5 +241,6 @@ unsafe fn stage_to_host(stream: &StreamLease, dst: Span<'_>, sides: &Sides, from
             parallel_copy(from, to);
         }
     }
-    Ok(())
+    // A mapped destination cut shorter meanwhile took the last pieces nowhere: an error.
+    dst.storage.intact()
 }
