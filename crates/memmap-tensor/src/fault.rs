@@ -169,7 +169,10 @@ impl Watch {
     /// (the file then had at most that many bytes). `None` while the mapping is whole.
     pub(crate) fn torn_at(&self) -> Option<usize> {
         let slot = slot(self.index).expect("a watch's slot exists for as long as the watch");
-        slot.torn_at.load(Ordering::Acquire).checked_sub(1)
+        // Orders the copy's reads before this load: a copy that read zero pages finds the mark
+        // their handler set before mapping them.
+        fence(Ordering::SeqCst);
+        slot.torn_at.load(Ordering::SeqCst).checked_sub(1)
     }
 }
 
@@ -231,19 +234,19 @@ fn tear(addr: usize) -> bool {
         let Some((start, end, prot)) = slot.holding(addr) else { continue };
         let from = addr - addr % page;
         let Ok(prot) = libc::c_int::try_from(prot) else { return false };
+        // The mark comes first: another thread reading the zero pages once they are mapped
+        // must find the mapping marked when its copy checks (the check follows the copy).
+        // The earliest tear is kept (another thread may have torn the same mapping meanwhile).
+        let at = from - start + 1;
+        let _ =
+            slot.torn_at.fetch_update(Ordering::SeqCst, Ordering::Relaxed, |now| (now == 0 || now > at).then_some(at));
+        fence(Ordering::SeqCst);
         let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE;
         // SAFETY: `from..end` lies inside a live mapping of this crate (its slot holds `addr`
         // and is stable; see the module's argument), so `MAP_FIXED` replaces pages of that
         // mapping only, which stays owned by its storage and is unmapped whole when it goes.
         let mapped = unsafe { libc::mmap(from as *mut libc::c_void, end - from, prot, flags, -1, 0) };
-        if mapped == libc::MAP_FAILED {
-            return false;
-        }
-        // Keep the earliest tear (another thread may have torn the same mapping meanwhile).
-        let at = from - start + 1;
-        let _ =
-            slot.torn_at.fetch_update(Ordering::Release, Ordering::Relaxed, |now| (now == 0 || now > at).then_some(at));
-        return true;
+        return mapped != libc::MAP_FAILED;
     }
     false
 }
