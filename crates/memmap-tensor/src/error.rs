@@ -232,7 +232,9 @@ pub enum Error {
         /// A description of the storage (path or shm name).
         storage: String,
     },
-    /// A file is shorter than its tensor needs. It is refused before it is mapped.
+    /// A file is shorter than its tensor needs. It is refused before it is mapped, and a copy
+    /// through a mapping of it that another program cut shorter fails with it
+    /// ([`crate::Storage::intact`]).
     #[error("{}: file has {actual_bytes} bytes but the tensor needs {required_bytes}", path.display())]
     FileTooShort {
         /// The file.
@@ -242,7 +244,8 @@ pub enum Error {
         /// Bytes the tensor needs.
         required_bytes: u64,
     },
-    /// A shared-memory object is smaller than its tensor needs. It is refused before it is mapped.
+    /// A shared-memory object is smaller than its tensor needs. It is refused before it is mapped,
+    /// and a copy through a mapping of it that another program cut shorter fails with it.
     #[error("shared memory `{name}` has {actual_bytes} bytes but the tensor needs {required_bytes}")]
     ShmTooShort {
         /// The shm name.

@@ -42,7 +42,9 @@
 //! mismatches, overflowing shapes, misaligned typed views, read-only storage. A file or shm
 //! object shorter than its tensor is refused *before* it is mapped, and this crate never
 //! truncates a file that may be mapped, so its accesses never fault (see [`Storage`] for the
-//! whole argument, and the one thing it cannot prevent: another program truncating the file).
+//! whole argument). What it cannot prevent, another program cutting a mapped file or shm object
+//! shorter, does not kill the process either: the fault (`SIGBUS`) is caught, and the copy that
+//! met it returns [`Error::FileTooShort`] or [`Error::ShmTooShort`] ([`Storage::intact`]).
 //!
 //! # Sharing and concurrency
 //!

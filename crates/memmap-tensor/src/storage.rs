@@ -663,12 +663,14 @@ impl Storage {
         self.advise_range(advice, 0, self.len)
     }
 
-    /// Whether the region still shows its file or shm object: `Ok` unless another program cut
-    /// the object shorter while this storage maps it and an access past the new end faulted.
-    /// Such a fault does not end the process: the pages from the faulting one to the end of the
-    /// region read zeros from then on, writes to them go nowhere, and this says so for good as
-    /// [`Error::FileTooShort`] (or [`Error::ShmTooShort`]), with at most the bytes the object
-    /// had when the fault happened. Open the file again to read it as it is now.
+    /// Whether the region still shows its file or shm object: `Ok` unless an access to it
+    /// faulted (`SIGBUS`) because another program cut the object shorter while this storage
+    /// maps it (or the file's server could not fill a page). Such a fault does not end the
+    /// process: the pages from the faulting one to the end of the region read zeros from then
+    /// on, writes to them go nowhere, and this says so for good as [`Error::FileTooShort`] (or
+    /// [`Error::ShmTooShort`]) with at most the bytes the object had when the fault happened, or
+    /// as the [`Error::FileIo`] of looking at a file that cannot be looked at now. Open the file
+    /// again to read it as it is now.
     ///
     /// Every copy of this crate (gathers, scatters, `copy_from`, `to_vec`, moves to a GPU)
     /// checks this after it ran, so a copy that read a torn region fails instead of returning
@@ -687,6 +689,11 @@ impl Storage {
         let now = |path: &Path| std::fs::metadata(path).map_or(0, |m| m.len());
         let required_bytes = self.len as u64;
         Err(match &self.backing {
+            // A file that cannot be looked at now (its file server stopped): that error, which
+            // says more than a length.
+            Backing::File { path, .. } if let Err(source) = std::fs::metadata(path) => {
+                Error::FileIo { op: "read through the mapping", path: path.clone(), source }
+            }
             Backing::File { path, .. } => {
                 Error::FileTooShort { path: path.clone(), actual_bytes: now(path).min(torn_at as u64), required_bytes }
             }

@@ -2,6 +2,7 @@
 GB, so CI does not install it)."""
 
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -187,3 +188,20 @@ def test_a_torchrl_buffer_continued_from_python_goes_back_to_torchrl(tmp_path):
     sample = theirs.sample()  # the batch size the dump carries (the fixture's)
     assert len(sample) == rb.batch_size
     assert torch.equal(sample["obs"][:, 0], sample["obs"][:, 1] - 1)
+
+
+def test_a_folder_rewritten_in_place_by_python_tensordict_stops_a_loader(tmp_path):
+    # Python tensordict's memmap(existsok=True) writes over the same files (and a new
+    # meta.json): a loader over the folder stops instead of mixing the two versions in one
+    # epoch, whichever it sees first, the files' times or the folder's version.
+    tensordict = pytest.importorskip("tensordict")
+    ids = torch.arange(1000)
+    tensordict.TensorDict({"id": ids}, batch_size=[1000]).memmap(tmp_path / "d")
+    for f in (tmp_path / "d").iterdir():
+        os.utime(f, (1e9, 1e9))
+    it = iter(tdr.DataLoader(tdr.TensorDict.load_memmap(tmp_path / "d"), 100, prefetch=1))
+    assert next(it)["id"].numpy().tolist() == list(range(100))
+    tensordict.TensorDict({"id": ids + 1000}, batch_size=[1000]).memmap(tmp_path / "d", existsok=True)
+    with pytest.raises(tdr.TensorDictError, match="was written since the loader opened it|replaced or republished"):
+        for _ in it:
+            pass

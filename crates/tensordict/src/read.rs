@@ -1,10 +1,13 @@
 //! Memmap folders read into memory instead of mapped: [`TensorDict::read_memmap`] and
 //! [`TensorDict::read_memmap_with`].
 //!
-//! A mapping turns every failure of the file under it into a signal: a page that cannot be
-//! read (the file server of a network filesystem stopped, the file was truncated by another
-//! process) kills the process that touches it with `SIGBUS`. These loads never map a leaf
-//! file: they read it with explicit calls, so the same failures are errors naming the file.
+//! A mapping turns every failure of the file under it into a fault: a page that cannot be read
+//! (the file server of a network filesystem stopped, the file was truncated by another process)
+//! raises `SIGBUS` in the process that touches it. The copies of `memmap-tensor` turn that fault
+//! into an error, but the mapping reads zeros from there on (`Storage::intact`), and a view
+//! handed to other code reads them without one. These loads never map a leaf file: they read
+//! it with explicit calls, so the same failures are errors naming the file and the dict keeps
+//! the values it read.
 
 use std::fs::File;
 use std::io;
@@ -25,7 +28,8 @@ impl TensorDict {
     ///
     /// This is the load for folders on a network filesystem (NFS, GlusterFS, sshfs, ...), or
     /// for any file another process may truncate: a mapped page whose file server went away
-    /// kills the process with `SIGBUS` when it is touched, while a read that fails here (`EIO`,
+    /// faults when it is touched (an error for this library's copies, zeros from then on for
+    /// the mapping and its views), while a read that fails here (`EIO`,
     /// `ENOTCONN`, a file that ends early) is an [`Error::Io`] naming the file. (On a *hard*
     /// NFS mount the kernel makes reads wait for the server instead of failing; that is the
     /// mount's choice.)

@@ -182,9 +182,39 @@ fn a_folder_replaced_under_the_loader_is_an_error_not_a_mix() -> TestResult {
     Ok(())
 }
 
-/// Explicit reads catch every truncation. (The folder was just written, so by default it would
-/// be read through its mapping, where a truncation in the middle of a batch's copy is a
-/// `SIGBUS`, as `Reads::Mapping` says: this test names its reads.)
+/// Regression ("The loader holds", item 8): a leaf file rewritten in place, as Python
+/// tensordict's `memmap(existsok=True)` writes it (same files, same length, no generation
+/// bump), went unseen and an epoch mixed the two versions. Its modification time tells, in
+/// both read modes; the file's old time is set far back first, so that the rewrite's time
+/// differs whatever the filesystem's clock tick.
+#[test]
+fn a_leaf_rewritten_in_place_is_an_error_not_a_mix() -> TestResult {
+    let engine = Engine::new()?;
+    for reads in [Reads::Mapping, Reads::Files { engine, mode: ReadMode::Buffered }] {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("d");
+        let folder = dataset(ROWS)?.memmap(&path)?;
+        let id_file = path.join("id.memmap");
+        let old = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000_000);
+        std::fs::File::options().write(true).open(&id_file)?.set_modified(old)?;
+        let mut loader = Loader::new(folder, LoaderOptions::new(100).prefetch(1).reads(reads.clone()))?;
+        ids(&loader.next().unwrap()?)?;
+        // Row 0's id rewritten in place: the file keeps its inode and its length.
+        std::os::unix::fs::FileExt::write_all_at(
+            &std::fs::File::options().write(true).open(&id_file)?,
+            &7i64.to_ne_bytes(),
+            0,
+        )?;
+        let e = loader.find_map(Result::err).expect("a batch read after the rewrite fails");
+        assert!(
+            e.to_string().contains("id.memmap (key `id`) was written since the loader opened it"),
+            "{reads:?}: {e}"
+        );
+    }
+    Ok(())
+}
+
+/// Explicit reads catch every truncation, as reads through the mapping do (`truncated.rs`).
 ///
 /// Regression ("The loader holds", item 7): a read that ended early was an `UnexpectedEof` I/O
 /// error, which Python raised as `ConnectionError`; it is now `FileTooShort`, as the check

@@ -11,8 +11,20 @@
 Batches are read by background threads ``prefetch`` batches ahead while the caller works on
 the last one: through the dict's mapping when it is in memory (a folder the page cache holds,
 measured when an epoch starts), with explicit reads of its files otherwise (many rows at once,
-in file order); ``reads=`` forces either, and ``loader.reads`` says which ran. A file truncated
-by another process is an error naming it, never a crash. ``shuffle=True`` draws each
+in file order); ``reads=`` forces either, and ``loader.reads`` says which ran.
+
+What a reader racing a writer gets: a folder replaced or republished since the loader opened it
+is an error (its generation), never a mix of versions. A file truncated by another process is
+a ``TensorDictError`` naming it (``file has N bytes but the tensor needs M``), never a crash,
+in either read mode. Through the mapping, the files' lengths are checked before each batch; a
+cut between that check and the copy is caught by the copy (the ``SIGBUS`` is turned into the
+error), after which that leaf's mapping reads zeros past the cut: load the folder again to go
+on (numpy or torch arrays taken from the dict before then read those zeros without an error).
+File reads never see the zeros. A writer that rewrites rows in place without publishing
+(Python tensordict's ``memmap(existsok=True)`` over the same files, another process writing
+the mapping) cannot be told from the data: batches may then hold rows of both versions.
+
+``shuffle=True`` draws each
 epoch's order from ``seed`` and the epoch (``set_epoch``) alone, so every rank of a job with the
 same seed agrees on it; ``block_rows`` shuffles runs of that many rows instead, for data larger
 than memory (each read is long). ``indices`` makes an epoch those rows (a split, a filtered

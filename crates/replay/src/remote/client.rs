@@ -171,8 +171,8 @@ impl RemoteBuffer {
 
     /// For a service whose rows are in a folder on a network filesystem (NFS, GlusterFS,
     /// sshfs...) that this node mounts at the same path: there a mapping never sees another
-    /// node's writes, and a page of a mapping that a dead file server cannot fill kills the
-    /// process (`SIGBUS`). So this client never maps the storage: it writes its rows with
+    /// node's writes, and a page of a mapping that a dead file server cannot fill faults
+    /// (`SIGBUS`, an error for the copy and zeros from then on). So this client never maps the storage: it writes its rows with
     /// `pwrite`s through `engine` and `fdatasync`s the files before it commits them, and reads
     /// sampled rows from files it opens after the sample's lease with `O_DIRECT` reads,
     /// neighbouring rows merged and every read in flight at once (see [`RowFiles`];

@@ -25,8 +25,8 @@ struct FileLeaf {
 
 /// The tensor files of a memmap storage folder, written and read with explicit I/O and never
 /// mapped: how a node reaches a storage folder on a network filesystem (NFS, GlusterFS,
-/// sshfs...), where a mapping neither sees other nodes' writes nor survives a file server that
-/// goes away (a page it cannot fill is a `SIGBUS`).
+/// sshfs...), where a mapping neither sees other nodes' writes nor keeps its data when a file
+/// server goes away (a page it cannot fill faults, and reads zeros from then on).
 ///
 /// Made from the storage's [`Schema`] (each tensor's file, relative to the folder, and its
 /// dtype and shape, dim 0 the capacity). Writes are `pwrite`s of the rows' bytes followed by

@@ -626,6 +626,11 @@ impl Allocation {
             // A folder: what was written goes to disk before the entry is published.
             self.dict.flush()?;
         }
+        // Writes into memory that another program cut shorter meanwhile went nowhere
+        // (`Storage::intact`): such an entry is never published.
+        for (key, t) in self.dict.leaves() {
+            t.storage().intact().map_err(|source| tensordict::Error::Tensor { key, source })?;
+        }
         let (id, key) = (self.id, key.to_owned());
         store.block_on(store.client.invoke(async |c, ctx| c.seal(ctx, id, key, ttl).await))?;
         self.sealed = true;

@@ -32,10 +32,13 @@ impl TensorDict {
     ///
     /// The tensors are mappings of the files: a page that cannot be read when it is first
     /// touched, because the file was truncated by another process or because the file server
-    /// of a network filesystem (NFS, GlusterFS, sshfs, ...) stopped, kills the process with
-    /// `SIGBUS`; no error can be returned then. Where a copy of a dict on a network filesystem
-    /// is what is wanted, [`TensorDict::read_memmap`] reads it into memory instead, and such a
-    /// failure is an [`Error::Io`] naming the file.
+    /// of a network filesystem (NFS, GlusterFS, sshfs, ...) stopped, faults (`SIGBUS`). The
+    /// process lives on: the copy that touched it (`index`, a gather, a loader batch) is an
+    /// error naming the leaf (`FileTooShort`), and the leaf's mapping reads zeros past that
+    /// point until the folder is loaded again (a view of it handed out reads them without an
+    /// error; `memmap_tensor::Storage::intact` tells). Where a copy of a dict on a network
+    /// filesystem is what is wanted, [`TensorDict::read_memmap`] reads it into memory instead,
+    /// and such a failure is an [`Error::Io`] naming the file.
     ///
     /// Every leaf with elements is one memory mapping, and a process may have at most
     /// `vm.max_map_count` (65,530 by default); past it, `mmap` fails and so does the

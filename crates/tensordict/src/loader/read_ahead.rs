@@ -2,25 +2,28 @@
 //! caller, following a [`BatchPlan`].
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
+use std::time::SystemTime;
 
 use memmap_tensor::{Device, StorageKind};
 use tensordict_aio::Engine;
 
 use super::buffers::{Buffers, Destination};
 use super::plan::{BatchPlan, Order, Progress};
-use crate::{Error, Generation, ReadMode, Result, TensorDict};
+use crate::{Error, Generation, KeyPath, ReadMode, Result, TensorDict};
 
 /// How a loader reads the rows of a batch.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub enum Reads {
     /// Through the dict's mappings (`index`): fastest when the rows are in memory. A file
-    /// truncated by another process would kill the reader with `SIGBUS`: for folders others
-    /// may change, read the files.
+    /// truncated by another process is an error naming it (`FileTooShort`), found before the
+    /// batch or by the copy that meets the cut; in the second case the leaf's mapping reads
+    /// zeros past the cut from then on, and the dict is loaded again to go on.
     Mapping,
     /// Explicit reads of the leaf files through an I/O engine (`gather_direct`): rows not in
     /// memory are read many at once, in file order, and a file that fails or ends early is an
@@ -145,8 +148,10 @@ impl LoaderOptions {
 /// otherwise (many rows in flight at once, in file order); a dict in memory or shared memory
 /// through its mapping. [`Loader::reads`] says which ran. Before each batch read through the
 /// mapping, the files' lengths are checked: a file truncated by another process is an error
-/// naming it rather than a `SIGBUS` (a truncation between that check and the copy is not
-/// caught; explicit reads catch every one).
+/// naming it, and the dict's mapping stays whole, so a loader goes on once the file is back. A
+/// truncation between that check and the copy is the same error from the copy (the fault is
+/// caught; see `memmap_tensor::Storage::intact`), and then the mapping reads zeros past the
+/// cut: load the folder again to go on.
 ///
 /// Background threads (`readers` of them) read up to `prefetch` batches ahead while the caller
 /// holds the last one: a reader starts a batch only while fewer than `prefetch` are read or being
@@ -169,8 +174,8 @@ pub struct Loader {
     prefetch: usize,
     readers: usize,
     reads: Reads,
-    /// The generation the storage was at when the loader opened it.
-    generation: Option<(crate::DictLocation, Generation)>,
+    /// The storage's generation and its files as they were when the loader opened it.
+    version: Arc<Version>,
     destination: Destination,
     /// The buffers batches are read into (`None`: new memory for each batch).
     buffers: Option<Arc<Buffers>>,
@@ -278,13 +283,7 @@ impl Loader {
             Some(reads) => reads,
             None => choose_reads(&dict, None)?,
         };
-        let generation = match dict.backing() {
-            Ok(backing) => {
-                let generation = backing.location.generation()?;
-                Some((backing.location, generation))
-            }
-            Err(_) => None,
-        };
+        let version = Arc::new(Version::of(&dict)?);
         Ok(Loader {
             dict,
             plan_len: plan.len(),
@@ -293,7 +292,7 @@ impl Loader {
             prefetch: options.prefetch,
             readers: options.readers,
             reads,
-            generation,
+            version,
             destination: options.destination,
             buffers,
             handed_out: 0,
@@ -403,7 +402,7 @@ impl Loader {
             prefetch: self.prefetch,
             readers: self.readers,
             reads: self.reads.clone(),
-            generation: self.generation.clone(),
+            version: Arc::clone(&self.version),
             destination: self.destination,
             buffers: self.buffers.clone(),
             handed_out: self.handed_out,
@@ -426,7 +425,7 @@ impl Loader {
                 let reader = Reader {
                     dict: self.dict.clone(),
                     reads: self.reads.clone(),
-                    generation: self.generation.clone(),
+                    version: Arc::clone(&self.version),
                     destination: self.destination,
                     buffers: self.buffers.clone(),
                     flow: Arc::clone(&flow),
@@ -566,7 +565,8 @@ fn choose_reads(dict: &TensorDict, current: Option<&Reads>) -> Result<Reads> {
 }
 
 /// Refuses a read through the mapping of a file shorter now than it was mapped (another
-/// process truncated it): touching its missing pages would be a `SIGBUS`.
+/// process truncated it) before the copy: touching its missing pages would fault, and the
+/// fault, though caught, leaves the mapping reading zeros past the cut for good.
 fn files_whole(dict: &TensorDict) -> Result<()> {
     for (key, t) in dict.leaves() {
         let storage = t.storage();
@@ -587,11 +587,108 @@ fn files_whole(dict: &TensorDict) -> Result<()> {
     Ok(())
 }
 
+/// What the loader checks before and after each batch, as it was when the loader was made: the
+/// storage's generation (a folder replaced or republished) and the length and modification
+/// time of each leaf file (a file rewritten in place, as Python tensordict's
+/// `memmap(existsok=True)` does, which changes no generation). Both are cheap to look at: one
+/// small read and a `stat` per leaf. A rewrite that keeps a file's length within the
+/// filesystem's clock tick of the loader's look is not seen.
+#[derive(Debug)]
+struct Version {
+    generation: Option<(crate::DictLocation, Generation)>,
+    files: Vec<FileStamp>,
+}
+
+/// A leaf file as the loader found it.
+#[derive(Debug)]
+struct FileStamp {
+    key: KeyPath,
+    path: PathBuf,
+    /// Bytes its tensor needs.
+    needed: u64,
+    len: u64,
+    modified: Option<SystemTime>,
+}
+
+impl Version {
+    fn of(dict: &TensorDict) -> Result<Version> {
+        let generation = match dict.backing() {
+            Ok(backing) => {
+                let generation = backing.location.generation()?;
+                Some((backing.location, generation))
+            }
+            Err(_) => None,
+        };
+        let mut files = Vec::new();
+        for (key, t) in dict.leaves() {
+            let Some(path) = t.storage().path() else { continue };
+            let meta = stat(path)?;
+            let needed = t.storage().len_bytes() as u64;
+            files.push(FileStamp {
+                key,
+                path: path.to_owned(),
+                needed,
+                len: meta.len(),
+                modified: meta.modified().ok(),
+            });
+        }
+        Ok(Version { generation, files })
+    }
+
+    /// An error if the storage is at another generation, or a leaf file is shorter than its
+    /// tensor (`FileTooShort`: touching the missing pages through the mapping would fault) or
+    /// was written since.
+    fn check(&self) -> Result<()> {
+        if let Some((location, generation)) = &self.generation {
+            let now = location.generation()?;
+            if now != *generation {
+                return Err(Error::InvalidArgument {
+                    op: "Loader",
+                    detail: format!(
+                        "{location} is at generation {now}; the loader opened it at {generation}: it was replaced \
+                         or republished (open a new loader to read the new version)"
+                    ),
+                });
+            }
+        }
+        for file in &self.files {
+            let meta = stat(&file.path)?;
+            if meta.len() < file.needed {
+                return Err(Error::Tensor {
+                    key: file.key.clone(),
+                    source: memmap_tensor::Error::FileTooShort {
+                        path: file.path.clone(),
+                        actual_bytes: meta.len(),
+                        required_bytes: file.needed,
+                    },
+                });
+            }
+            if meta.len() != file.len || meta.modified().ok() != file.modified {
+                return Err(Error::InvalidArgument {
+                    op: "Loader",
+                    detail: format!(
+                        "{} (key `{}`) was written since the loader opened it (its length or modification time \
+                         changed: another program rewrote it in place, as Python tensordict's \
+                         `memmap(existsok=True)` does); open a new loader to read the new version",
+                        file.path.display(),
+                        file.key
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn stat(path: &Path) -> Result<std::fs::Metadata> {
+    std::fs::metadata(path).map_err(|source| Error::Io { op: "stat", path: path.to_owned(), source })
+}
+
 /// What the loader's thread reads with.
 struct Reader {
     dict: TensorDict,
     reads: Reads,
-    generation: Option<(crate::DictLocation, Generation)>,
+    version: Arc<Version>,
     destination: Destination,
     buffers: Option<Arc<Buffers>>,
     flow: Arc<Flow>,
@@ -610,21 +707,10 @@ impl Reader {
         }
     }
 
-    /// Checks the storage is at the generation the loader opened (before and after the read:
-    /// a replacement while the rows are read is an error too, never a mix).
+    /// Checks the storage is as the loader opened it (before and after the read: a replacement
+    /// or a rewrite while the rows are read is an error too, never a mix).
     fn same_generation(&self) -> Result<()> {
-        let Some((location, generation)) = &self.generation else { return Ok(()) };
-        let now = location.generation()?;
-        if now == *generation {
-            return Ok(());
-        }
-        Err(Error::InvalidArgument {
-            op: "Loader",
-            detail: format!(
-                "{location} is at generation {now}; the loader opened it at {generation}: it was replaced or \
-                 republished (open a new loader to read the new version)"
-            ),
-        })
+        self.version.check()
     }
 
     fn read(&self, rows: &[usize]) -> Result<TensorDict> {
@@ -636,7 +722,6 @@ impl Reader {
         };
         let batch = match (&self.reads, gpu) {
             (Reads::Mapping, Some(device)) => {
-                files_whole(&self.dict)?;
                 let transfer = self.dict.gather_to(device, &indices)?;
                 transfer.wait().map_err(|source| Error::Device { op: "gather_to", source })?
             }
@@ -655,13 +740,10 @@ impl Reader {
     /// The rows on the host: into a buffer when the loader has them, else into new memory.
     fn read_on_host(&self, reads: &Reads, rows: &[usize], indices: &[i64]) -> Result<TensorDict> {
         match (reads, &self.buffers) {
-            (Reads::Mapping, buffers) => {
-                files_whole(&self.dict)?;
-                match buffers {
-                    Some(buffers) => buffers.gather(rows),
-                    None => self.dict.index(indices.to_vec()),
-                }
-            }
+            (Reads::Mapping, buffers) => match buffers {
+                Some(buffers) => buffers.gather(rows),
+                None => self.dict.index(indices.to_vec()),
+            },
             (Reads::Files { engine, mode }, buffers) => {
                 let read = match buffers {
                     Some(buffers) => buffers.read(engine, rows, *mode),
