@@ -302,3 +302,60 @@ fn concurrent_shares_of_one_prefix_leave_one_dict() {
     assert_eq!(prefix.objects().len(), 10, "owner, 8 tensors, schema");
     assert!(TensorDict::verify_shared(prefix.as_str()).is_empty());
 }
+
+/// Which dicts are orphans, by owner records written by hand: memory meant to last as long as
+/// a dead creator, and a dict a dead creator never finished, are removed; a finished dict
+/// meant to outlive its creator, and anything whose creator runs or cannot be told, are kept.
+/// `share_memory_like_owned` writes a record that lasts with its creator.
+#[test]
+fn orphans_are_removed_and_published_dicts_kept() {
+    let pid = std::process::id();
+    let record = |start: u64, boot: &str, lasts: Option<&str>| {
+        let mut r =
+            serde_json::json!({"version": 1, "pid": pid, "start_time": start, "boot_id": boot, "pid_ns": own_pid_ns()});
+        if let Some(lasts) = lasts {
+            r["lasts"] = lasts.into();
+        }
+        r.to_string()
+    };
+    let (dead, alive, boot) = (own_start_time() + 1, own_start_time(), own_boot_id());
+    // (name, record, finished, orphan)
+    let cases = [
+        ("dead-owned", record(dead, &boot, Some("creator")), true, true),
+        ("dead-unfinished", record(dead, &boot, None), false, true),
+        ("dead-published", record(dead, &boot, None), true, false),
+        ("alive-owned", record(alive, &boot, Some("creator")), true, false),
+        ("foreign-owned", record(dead, "another-boot", Some("creator")), true, false),
+    ];
+    let mut prefixes = Vec::new();
+    for (name, record, finished, _) in &cases {
+        let prefix = ShmPrefix::new(&format!("orphan-{name}"));
+        if *finished {
+            drop(small_dict().share_memory(prefix.as_str()).unwrap());
+            Storage::unlink_shm(&format!("/{}.owner", prefix.as_str())).unwrap();
+        }
+        Storage::create_shm_bytes(&format!("/{}.owner", prefix.as_str()), record.as_bytes()).unwrap();
+        prefixes.push(prefix);
+    }
+    let ours = |info: &SharedDictInfo| prefixes.iter().any(|p| p.as_str() == info.prefix);
+    let removed = TensorDict::remove_dead_where(|info| info.is_orphan() && ours(info)).unwrap();
+    let mut removed: Vec<String> = removed.into_iter().map(|info| info.prefix).collect();
+    removed.sort();
+    let mut expected: Vec<String> =
+        cases.iter().zip(&prefixes).filter(|(case, _)| case.3).map(|(_, p)| p.as_str().to_owned()).collect();
+    expected.sort();
+    assert_eq!(removed, expected);
+    for ((name, _, _, orphan), prefix) in cases.iter().zip(&prefixes) {
+        assert_eq!(prefix.objects().is_empty(), *orphan, "{name}");
+    }
+    // A dict made to last with its creator says so, and is not an orphan while it runs.
+    let owned = ShmPrefix::new("orphan-made-owned");
+    let td = small_dict().share_memory_like_owned(owned.as_str(), Some(8)).unwrap();
+    let info = info_of(owned.as_str()).unwrap();
+    assert_eq!(
+        (info.lasts, info.creator.state, info.is_orphan()),
+        (tensordict::Lifetime::Creator, ProcessState::Alive, false)
+    );
+    assert_eq!(TensorDict::remove_dead_where(|i| i.prefix == owned.as_str()).unwrap(), Vec::new());
+    drop(td);
+}

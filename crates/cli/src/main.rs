@@ -132,12 +132,22 @@ enum Command {
 
 #[derive(Subcommand)]
 enum ShmCommand {
-    /// List shared dicts: prefix, objects, size, whether complete, and their creator: alive,
-    /// finished (exited after completing the dict), dead (killed before) or unknown.
+    /// List shared dicts: prefix, objects, size, whether complete, their creator (alive,
+    /// finished: exited after completing the dict, dead: killed before, or unknown), how long
+    /// they last (until removed, or as long as their creator) and whether they are orphans.
     Ls {
         /// Print one JSON object (sizes in bytes).
         #[arg(long)]
         json: bool,
+    },
+    /// Remove every orphan: shared memory of a replay service, buffer or store whose process is
+    /// gone (killed, or stopped without freeing it), and dicts whose creator died before
+    /// finishing them. Nothing whose creator still runs or cannot be told is touched, nor a
+    /// finished dict meant to outlive its creator (`tdict rm shm:PREFIX` removes one).
+    Clean {
+        /// Say what would be removed, and remove nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
 }
 
@@ -207,6 +217,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Shm(ShmCommand::Ls { json }) => shm_ls(json),
+        Command::Shm(ShmCommand::Clean { dry_run }) => shm_clean(dry_run),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Store(cmd) => store::run(cmd),
         Command::Replay(cmd) => replay::run(cmd),
@@ -334,7 +345,8 @@ fn shm_ls(as_json: bool) -> anyhow::Result<ExitCode> {
             .map(|d| {
                 json!({
                     "prefix": d.prefix, "objects": d.objects, "bytes": d.bytes, "complete": d.complete,
-                    "creator": creator(d), "creator_pid": d.creator.pid,
+                    "creator": creator(d), "creator_pid": d.creator.pid, "lasts": d.lasts.as_str(),
+                    "orphan": tensordict_rpc::service::is_orphan(d),
                 })
             })
             .collect();
@@ -343,20 +355,70 @@ fn shm_ls(as_json: bool) -> anyhow::Result<ExitCode> {
     }
     let shown = |p: &str| p.chars().flat_map(char::escape_debug).collect::<String>();
     let width = dicts.iter().map(|d| shown(&d.prefix).chars().count()).max().unwrap_or(0).max("PREFIX".len());
-    out!("{:width$}  {:>7}  {:>10}  {:<8}  CREATOR", "PREFIX", "OBJECTS", "SIZE", "COMPLETE");
+    out!("{:width$}  {:>7}  {:>10}  {:<8}  {:<13}  CREATOR", "PREFIX", "OBJECTS", "SIZE", "COMPLETE", "LASTS");
     for d in &dicts {
-        let creator = match d.creator.pid {
+        let mut creator = match d.creator.pid {
             Some(pid) => format!("{} (pid {pid})", creator(d)),
             None => creator(d).to_owned(),
         };
+        if tensordict_rpc::service::is_orphan(d) {
+            creator.push_str(": orphan (`tdict shm clean` removes it)");
+        }
         out!(
-            "{:width$}  {:>7}  {:>10}  {:<8}  {creator}",
+            "{:width$}  {:>7}  {:>10}  {:<8}  {:<13}  {creator}",
             shown(&d.prefix),
             d.objects,
             DecimalBytes(d.bytes).to_string(),
             if d.complete { "yes" } else { "no" },
+            lasts(d.lasts),
         );
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn lasts(lasts: tensordict::Lifetime) -> &'static str {
+    match lasts {
+        tensordict::Lifetime::Creator => "its creator",
+        _ => "until removed",
+    }
+}
+
+fn shm_clean(dry_run: bool) -> anyhow::Result<ExitCode> {
+    use tensordict_rpc::service::is_orphan;
+    let removed = if dry_run {
+        TensorDict::list_shared()?.into_iter().filter(is_orphan).collect()
+    } else {
+        TensorDict::remove_dead_where(is_orphan)?
+    };
+    let verb = if dry_run { "would remove" } else { "removed" };
+    for d in &removed {
+        let why = match (d.lasts, d.complete) {
+            (_, false) => "never finished",
+            (tensordict::Lifetime::Creator, true) => "lasted as long as its creator",
+            _ => "a service's memory",
+        };
+        out!(
+            "{verb} {} ({} objects, {}): creator {}, {why}",
+            d.prefix.chars().flat_map(char::escape_debug).collect::<String>(),
+            d.objects,
+            DecimalBytes(d.bytes),
+            d.creator
+        );
+    }
+    let kept = TensorDict::list_shared()?
+        .into_iter()
+        .filter(|d| d.complete && d.creator.state == tensordict::ProcessState::Dead && !is_orphan(d))
+        .count();
+    let bytes: u64 = removed.iter().map(|d| d.bytes).sum();
+    out!(
+        "{verb} {} orphan{} ({}); kept {kept} finished dict{} meant to outlive {} creator (`tdict rm shm:PREFIX` \
+         removes one)",
+        removed.len(),
+        if removed.len() == 1 { "" } else { "s" },
+        DecimalBytes(bytes),
+        if kept == 1 { "" } else { "s" },
+        if kept == 1 { "its" } else { "their" },
+    );
     Ok(ExitCode::SUCCESS)
 }
 

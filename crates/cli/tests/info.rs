@@ -288,3 +288,48 @@ fn a_copy_that_finished_shows_its_creator_as_finished() {
     let line = line_of(run.ok(), &prefix).unwrap_or_else(|| panic!("{run}"));
     assert!(line.contains("finished") && !line.contains("dead"), "{line}");
 }
+
+/// `tdict shm clean` removes orphans and nothing else: the memory of an owner that is gone (its
+/// record says it lasts with its creator, whose pid now names another process) goes, a finished
+/// copy meant to outlive its creator stays; `--dry-run` only says what would go, and `shm ls`
+/// marks the orphan.
+#[test]
+fn shm_clean_removes_orphans_and_keeps_finished_copies() {
+    let (orphan, finished) = (shm_prefix("clean-orphan"), shm_prefix("clean-finished"));
+    let _guards = (ShmGuard(orphan.clone()), ShmGuard(finished.clone()));
+    drop(small_dict().share_memory_like_owned(&orphan, Some(4)).unwrap());
+    // Its creator gone: this process's pid with another start time (a pid now reused).
+    let stat = fs::read_to_string("/proc/self/stat").unwrap();
+    let start: u64 = stat.rsplit_once(')').unwrap().1.split_whitespace().nth(19).unwrap().parse().unwrap();
+    let record = json!({
+        "version": 1, "pid": std::process::id(), "start_time": start + 1, "lasts": "creator",
+        "boot_id": fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim(),
+        "pid_ns": fs::read_link("/proc/self/ns/pid").unwrap().to_string_lossy(),
+    });
+    memmap_tensor::Storage::unlink_shm(&format!("/{orphan}.owner")).unwrap();
+    memmap_tensor::Storage::create_shm_bytes(&format!("/{orphan}.owner"), record.to_string().as_bytes()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    small_dict().memmap(dir.path().join("src")).unwrap();
+    tdict([OsStr::new("copy"), dir.path().join("src").as_os_str(), OsStr::new(&format!("shm:{finished}"))]).ok();
+
+    let listed = tdict(["shm", "ls", "--json"]).json();
+    let entry =
+        |prefix: &str| listed["shared"].as_array().unwrap().iter().find(|e| e["prefix"] == prefix).cloned().unwrap();
+    assert_eq!((&entry(&orphan)["lasts"], &entry(&orphan)["orphan"]), (&json!("creator"), &json!(true)));
+    assert_eq!((&entry(&finished)["lasts"], &entry(&finished)["orphan"]), (&json!("removed"), &json!(false)));
+    let ls = tdict(["shm", "ls"]);
+    assert!(line_of(ls.ok(), &orphan).is_some_and(|l| l.contains("orphan")), "{ls}");
+
+    let dry = tdict(["shm", "clean", "--dry-run"]);
+    assert!(dry.ok().lines().any(|l| l.starts_with(&format!("would remove {orphan} "))), "{dry}");
+    assert!(!shm_objects(&orphan).is_empty(), "a dry run removed it");
+    let clean = tdict(["shm", "clean"]);
+    let out = clean.ok();
+    assert!(
+        out.lines().any(|l| l.starts_with(&format!("removed {orphan} (")) && l.contains("creator dead")),
+        "{clean}"
+    );
+    assert!(!out.contains(&finished), "{clean}");
+    assert!(shm_objects(&orphan).is_empty(), "the orphan is still there");
+    assert!(!shm_objects(&finished).is_empty(), "the finished copy was removed");
+}

@@ -152,11 +152,12 @@ impl Watch {
         install()?;
         let page = PAGE.load(Ordering::Relaxed);
         let end = start.checked_add(len)?.checked_next_multiple_of(page)?;
+        let prot = usize::try_from(prot).ok()?;
         let mut index = FREE_HINT.load(Ordering::Relaxed);
         loop {
             let slot = slot_or_grow(index)?;
             if slot.claimed.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok() {
-                slot.set(start, end, usize::try_from(prot).ok()?);
+                slot.set(start, end, prot);
                 HIGH.fetch_max(index + 1, Ordering::Release);
                 FREE_HINT.fetch_max(index + 1, Ordering::Relaxed);
                 return Some(Watch { index });
@@ -256,7 +257,8 @@ fn tear(addr: usize) -> bool {
 fn pass_on(signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
     let before = PREVIOUS.get().copied().flatten();
     let handler = before.map_or(libc::SIG_DFL, |b| b.sa_sigaction);
-    if handler == libc::SIG_IGN && before.is_some_and(|_| !is_fault(info)) {
+    if handler == libc::SIG_IGN && !is_fault(info) {
+        // Ignored before us: a `kill -BUS` stays ignored.
         return;
     }
     if handler == libc::SIG_DFL || handler == libc::SIG_IGN {

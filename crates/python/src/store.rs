@@ -92,6 +92,17 @@ impl PyStore {
         Ok(PyStore { inner: Owned::new(inner), target: name })
     }
 
+    /// For a store this client serves (`Store.start`): stops it and frees its memory now, as
+    /// dropping it would. Calls of every client fail from then on. Nothing for a client of a
+    /// store served elsewhere.
+    fn stop(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = self.client()?;
+        if let Some(server) = inner.server() {
+            crate::gil::detach(py, || server.release());
+        }
+        Ok(())
+    }
+
     /// Saves a dict (a `state_dict()` of torch tensors, numpy arrays, a TensorDict) under
     /// `key`, copying its bytes into the store once; tensors that share memory (tied weights)
     /// are saved once and stay shared.

@@ -4,6 +4,7 @@ a child interpreter several times; before the exit hook, CPython ended such thre
 frames when they took the GIL back during finalization, and the process aborted
 (``FATAL: exception not rethrown``, SIGABRT) in 5 runs of 5."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -83,3 +84,31 @@ time.sleep(0.3)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["late", str(float(np.arange(80).sum()))]
+
+
+def test_services_free_their_shared_memory_when_the_interpreter_exits(tmp_path):
+    # A replay server and a store served by a script that ends without stopping them (a plain
+    # return, and an uncaught exception): their shared memory goes with the process.
+    script = textwrap.dedent(
+        f"""
+        import os, sys, numpy as np
+        import tensordict_rs as tdr
+        from tensordict_rs import Store
+        from tensordict_rs.replay import ReplayServer, RemoteReplayBuffer
+        run = {str(tmp_path)!r}
+        server = ReplayServer(f"exit{{os.getpid()}}", 64, runtime_dir=run)
+        RemoteReplayBuffer(f"exit{{os.getpid()}}", runtime_dir=run).extend({{"x": np.ones((8, 4), np.float32)}})
+        store = Store.start(f"exit{{os.getpid()}}", runtime_dir=run)
+        store.save("w", {{"w": np.ones(16, np.float32)}})
+        made = [n for n in os.listdir("/dev/shm") if f"-exit{{os.getpid()}}" in n]
+        print(os.getpid(), len(made), flush=True)
+        if sys.argv[1] == "raise":
+            raise SystemExit("ending with an exception")
+        """
+    )
+    for how in ("return", "raise"):
+        child = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=120)
+        pid, made = child.stdout.split()
+        assert int(made) >= 4, f"{how}: the services made {made} objects"
+        left = [n for n in os.listdir("/dev/shm") if f"-exit{pid}" in n]
+        assert left == [], f"{how}: {left} ({child.stderr[-2000:]})"

@@ -247,3 +247,24 @@ def test_loads_by_value_copy_the_entry_with_its_tied_weights(store, short_dir):
     assert e.data_ptr() != store.load("policy/v1")["embed.weight"].data_ptr(), "a copy, not the store's memory"
     np.testing.assert_array_equal(e.numpy(), np.arange(24, dtype=np.float32).reshape(6, 4))
     assert int(w["step"].numpy()) == 7
+
+
+def test_stop_frees_the_stores_shared_memory_at_once(short_dir):
+    # A store served by this process frees its shared memory when stopped, not when its client
+    # happens to be collected (a Ray actor's process ends without collecting it). Loads held
+    # keep their data; calls fail from then on.
+    name = f"stop{os.getpid()}"
+    store = Store.start(name, runtime_dir=short_dir)
+    store.save("w", state_dict())
+    held = store.load("w")
+
+    def ours():
+        return [n for n in os.listdir("/dev/shm") if n.startswith("tdict-store-") and n.split(".")[0].endswith(f"-{name}")]
+
+    assert sorted(n.rsplit(".", 1)[1] for n in ours()) == ["1", "owner"], ours()
+    store.stop()
+    assert ours() == []
+    assert held["embed.weight"].numpy()[5, 3] == 23.0
+    with pytest.raises(ConnectionError):
+        store.save("x", state_dict())
+    store.stop()  # again: nothing

@@ -99,6 +99,15 @@ fn child() {
             std::fs::write(&ready, format!("{:?}", sampled.indices)).unwrap();
             std::mem::forget(raw);
         }
+        // A service in shared memory with rows in it, killed while it serves.
+        "service" => {
+            let server = ReplayServer::start(&name, ReplayOptions::new(8).runtime_dir(&run).seed(5)).unwrap();
+            let client = RemoteBuffer::connect_with(&name, &options).unwrap();
+            client.extend(&batch(&[1.; 8])).unwrap();
+            std::fs::write(&ready, "serving").unwrap();
+            std::mem::forget(client);
+            std::mem::forget(server);
+        }
         other => panic!("unknown role {other}"),
     }
     loop {
@@ -334,4 +343,41 @@ fn kill_and_check_rows_hidden(writer: &mut std::process::Child, client: &RemoteB
         assert!(info.indices.iter().all(|&i| i >= 4), "{:?}", info.indices);
         assert!(check_rows(&td).iter().all(|&v| v == 1.));
     }
+}
+
+/// What a replay service killed by SIGKILL leaves in shared memory (its rows) is an orphan,
+/// removed by the next replay service that starts, whatever its name and runtime directory (a
+/// Ray actor's service has a new name each time, so waiting for one of the same name is not
+/// enough). A live service's memory is never touched.
+#[test]
+fn what_a_killed_service_leaves_in_shared_memory_the_next_service_removes() {
+    child();
+    let test = "what_a_killed_service_leaves_in_shared_memory_the_next_service_removes";
+    let dir = tempfile::tempdir().unwrap();
+    let (run, ready) = (dir.path().join("run-killed"), dir.path().join("ready"));
+    let name = format!("killed-service-{}", std::process::id());
+    let mut service = spawn("service", test, &run, &name, &ready);
+    assert_eq!(wait_for_file(&ready, &mut service.0), "serving");
+    let pid = service.0.id();
+    let made_by_it = || -> Vec<tensordict::SharedDictInfo> {
+        TensorDict::list_shared().unwrap().into_iter().filter(|d| d.creator.pid == Some(pid)).collect()
+    };
+    let made = made_by_it();
+    assert_eq!(made.len(), 1, "the service's storage: {made:?}");
+    assert_eq!(
+        (made[0].lasts, made[0].creator.state),
+        (tensordict::Lifetime::Creator, tensordict::ProcessState::Alive)
+    );
+    // Another service starting while it runs leaves its memory alone.
+    let other_run = dir.path().join("run-other");
+    let other = ReplayServer::start("next-service", ReplayOptions::new(8).runtime_dir(&other_run)).unwrap();
+    assert_eq!(made_by_it().len(), 1, "a live service's memory was removed");
+    drop(other);
+    service.0.kill().unwrap(); // SIGKILL
+    service.0.wait().unwrap();
+    let orphan = made_by_it();
+    assert!(orphan.len() == 1 && orphan[0].is_orphan(), "{orphan:?}");
+    let next = ReplayServer::start("next-service", ReplayOptions::new(8).runtime_dir(&other_run)).unwrap();
+    assert_eq!(made_by_it(), Vec::new(), "the killed service's memory outlived the next start");
+    drop(next);
 }

@@ -178,6 +178,21 @@ pub fn shm_stem(kind: &str, runtime_dir: &Path, name: &str) -> String {
     format!("tdict-{kind}-{}-{:08x}-{name}", current_uid(), hash as u32)
 }
 
+/// Whether `prefix` has the form of a service's shared-memory stem ([`shm_stem`]):
+/// `tdict-replay-` or `tdict-store-`, a uid, 8 hex digits, `-` and a service name.
+pub fn is_service_stem(prefix: &str) -> bool {
+    let Some(rest) = prefix.strip_prefix("tdict-replay-").or_else(|| prefix.strip_prefix("tdict-store-")) else {
+        return false;
+    };
+    let mut parts = rest.splitn(3, '-');
+    let (Some(uid), Some(hash), Some(name)) = (parts.next(), parts.next(), parts.next()) else { return false };
+    !uid.is_empty()
+        && uid.bytes().all(|b| b.is_ascii_digit())
+        && hash.len() == 8
+        && hash.bytes().all(|b| b.is_ascii_hexdigit())
+        && !name.is_empty()
+}
+
 /// Resolves the runtime directory (option, then environment, then XDG, then `/tmp`), creates it
 /// with mode 0700 if missing, and checks it is a private directory of this uid.
 ///

@@ -149,6 +149,27 @@ impl ServiceName {
         shm_stem(self.kind.word, runtime_dir, &self.name)
     }
 
+    /// Removes the shared memory that services of this kind and user left when they were
+    /// killed (in any runtime directory, under any name): every orphaned shared dict
+    /// (`tensordict::SharedDictInfo::is_orphan`) whose prefix is this kind's and this user's
+    /// (`tdict-KIND-UID-`). A service calls it when it starts, so that what a `kill -9`, an
+    /// out-of-memory kill or a stopped Ray actor left is freed by the next service of its kind.
+    /// Best effort: what cannot be listed or removed stays for `tdict shm clean`.
+    pub fn remove_orphans_of_kind(&self) {
+        let stem = format!("tdict-{}-{}-", self.kind.word, crate::endpoint::current_uid());
+        match tensordict::TensorDict::remove_dead_where(|info| is_orphan(info) && info.prefix.starts_with(&stem)) {
+            Ok(removed) => {
+                for orphan in removed {
+                    tracing::info!(
+                        prefix = %orphan.prefix, bytes = orphan.bytes, creator = %orphan.creator,
+                        "removed what a killed {} left in shared memory", self.kind.noun
+                    );
+                }
+            }
+            Err(e) => tracing::warn!("could not look for what killed {}s left in shared memory: {e}", self.kind.noun),
+        }
+    }
+
     /// Takes its owner lock in `runtime_dir` (see [`OwnerLock`]).
     pub fn lock(&self, runtime_dir: &Path) -> Result<OwnerLock> {
         let path = self.files(runtime_dir).lock;
@@ -423,6 +444,15 @@ pub fn shm_room() -> Option<(u64, Resource)> {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
         (a, b) => a.or(b),
     }
+}
+
+/// Whether nothing can use the shared dict `info` any more: an orphan by its owner record
+/// ([`tensordict::SharedDictInfo::is_orphan`]), or shared memory of a replay service or a store
+/// (named by [`crate::endpoint::shm_stem`]) whose process is dead, which is an orphan whatever
+/// its record says (versions before `Lifetime` recorded none). What `tdict shm clean` removes.
+pub fn is_orphan(info: &tensordict::SharedDictInfo) -> bool {
+    info.is_orphan()
+        || (info.creator.state == tensordict::ProcessState::Dead && crate::endpoint::is_service_stem(&info.prefix))
 }
 
 #[cfg(test)]

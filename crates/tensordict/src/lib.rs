@@ -61,5 +61,5 @@ pub use key::KeyPath;
 pub use memmap_tensor::ProcessState;
 pub use replace::Leftover;
 pub use schema::{EntrySchema, MAX_VALUE_DEPTH, Schema, TensorSchema};
-pub use shared::{Creator, SharedDictInfo};
+pub use shared::{Creator, Lifetime, SharedDictInfo};
 pub use unreadable::Unreadable;

@@ -24,7 +24,8 @@
 //!
 //! # Owner record
 //!
-//! `/p.owner` holds JSON `{"version": 1, "pid", "start_time", "boot_id", "pid_ns"}`: the
+//! `/p.owner` holds JSON `{"version": 1, "pid", "start_time", "boot_id", "pid_ns"}`, and
+//! `"lasts": "creator"` for a dict that lasts only as long as its creator ([`Lifetime`]): the
 //! creator's pid, its start time (field 22 of `/proc/<pid>/stat`, clock ticks since boot), the
 //! first 8 hex digits of the boot id (`/proc/sys/kernel/random/boot_id`; a whole boot id is read
 //! too) and its pid namespace (`pid:[N]`, from `/proc/self/ns/pid`). A
@@ -70,6 +71,31 @@ impl std::fmt::Display for Creator {
     }
 }
 
+/// How long a shared dict is meant to last, as its owner record says.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Lifetime {
+    /// Until someone removes it ([`TensorDict::unlink_shared`], `tdict rm shm:PREFIX`): a dict
+    /// published for other processes, which outlives the one that made it.
+    #[default]
+    UntilRemoved,
+    /// As long as the process that made it, which removes it when it ends: a replay buffer's
+    /// or a store's own memory. What such a process leaves when it is killed is an orphan
+    /// ([`SharedDictInfo::is_orphan`]), removed by the next owner of its kind that starts and
+    /// by [`TensorDict::remove_orphans`] (`tdict shm clean`).
+    Creator,
+}
+
+impl Lifetime {
+    /// `"removed"` (lasts until removed) or `"creator"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lifetime::UntilRemoved => "removed",
+            Lifetime::Creator => "creator",
+        }
+    }
+}
+
 /// A shared dict, or what a killed creator left of one, as listed by
 /// [`TensorDict::list_shared`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -85,6 +111,18 @@ pub struct SharedDictInfo {
     pub complete: bool,
     /// Who created it.
     pub creator: Creator,
+    /// How long it is meant to last.
+    pub lasts: Lifetime,
+}
+
+impl SharedDictInfo {
+    /// Whether nothing can use it any more: its creator is dead (killed, or gone without
+    /// removing it) and it was meant to last only as long as its creator, or was never
+    /// finished. A finished dict meant to outlive its creator is never an orphan, nor is
+    /// anything whose creator runs or cannot be told (another boot or pid namespace).
+    pub fn is_orphan(&self) -> bool {
+        self.creator.state == ProcessState::Dead && (self.lasts == Lifetime::Creator || !self.complete)
+    }
 }
 
 impl TensorDict {
@@ -100,7 +138,7 @@ impl TensorDict {
     /// killed during the call leaves an incomplete prefix that [`TensorDict::list_shared`]
     /// reports and [`TensorDict::unlink_shared`] removes.
     pub fn share_memory(&self, prefix: &str) -> Result<TensorDict> {
-        self.share(prefix, None, &WriteOptions::default())
+        self.share(prefix, None, &WriteOptions::default(), Lifetime::UntilRemoved)
     }
 
     /// [`TensorDict::share_memory`], reporting progress and stopping when asked
@@ -115,7 +153,7 @@ impl TensorDict {
                     .into(),
             });
         }
-        self.share(prefix, None, options)
+        self.share(prefix, None, options, Lifetime::UntilRemoved)
     }
 
     /// Like [`TensorDict::share_memory`], but every tensor is zeros (nothing is copied), and
@@ -124,27 +162,36 @@ impl TensorDict {
     /// a copy on the heap (shared memory takes pages only as they are written). Non-tensor
     /// values are kept; per-element ones (`NonTensorStack`) cannot be resized and are refused.
     pub fn share_memory_like(&self, prefix: &str, batch0: Option<usize>) -> Result<TensorDict> {
+        self.share_like("share_memory_like", prefix, batch0, Lifetime::UntilRemoved)
+    }
+
+    /// [`TensorDict::share_memory_like`] for memory that lasts only as long as this process
+    /// ([`Lifetime::Creator`]): the caller removes it ([`TensorDict::unlink_shared`]) when it
+    /// is done, and if the process is killed first, the objects are orphans that the next
+    /// owner of its kind to start, or `tdict shm clean`, removes.
+    pub fn share_memory_like_owned(&self, prefix: &str, batch0: Option<usize>) -> Result<TensorDict> {
+        self.share_like("share_memory_like_owned", prefix, batch0, Lifetime::Creator)
+    }
+
+    fn share_like(&self, op: &'static str, prefix: &str, batch0: Option<usize>, lasts: Lifetime) -> Result<TensorDict> {
         if batch0.is_some() && self.batch_dims() == 0 {
-            return Err(Error::InvalidArgument {
-                op: "share_memory_like",
-                detail: "the dict has no batch dim to resize".into(),
-            });
+            return Err(Error::InvalidArgument { op, detail: "the dict has no batch dim to resize".into() });
         }
-        self.share(prefix, Some(batch0), &WriteOptions::default())
+        self.share(prefix, Some(batch0), &WriteOptions::default(), lasts)
     }
 
     /// Shares a copy (`like: None`) or zeros, resized to `like: Some(Some(n))` rows.
-    fn share(&self, prefix: &str, like: Option<Option<usize>>, options: &WriteOptions) -> Result<TensorDict> {
+    fn share(
+        &self,
+        prefix: &str,
+        like: Option<Option<usize>>,
+        options: &WriteOptions,
+        lasts: Lifetime,
+    ) -> Result<TensorDict> {
         check_prefix(prefix)?;
         schema::check_limits(self)?;
+        Self::claim_shared(prefix, lasts)?;
         let owner = object_name(prefix, Part::Owner);
-        match Storage::create_shm_bytes(&owner, &owner_record()) {
-            Ok(()) => {}
-            Err(memmap_tensor::Error::ShmIo { ref source, .. }) if source.kind() == ErrorKind::AlreadyExists => {
-                return Err(in_use(prefix));
-            }
-            Err(e) => return Err(Error::Tensor { key: KeyPath::default(), source: e }),
-        }
         let mut created = Vec::new();
         let result = self.share_into(prefix, like, options, &mut created);
         if result.is_err() {
@@ -314,6 +361,53 @@ impl TensorDict {
         }
         Ok(())
     }
+
+    /// Creates the owner record of `prefix` and nothing else: for a process that makes the
+    /// prefix's objects itself (`/PREFIX.0`, `/PREFIX.1`, …: a store's entries), so that
+    /// [`TensorDict::list_shared`] names it as their creator and, with [`Lifetime::Creator`],
+    /// [`TensorDict::remove_orphans`] removes them once it is dead. Fails with
+    /// [`Error::SharedPrefixInUse`] if anything under `prefix` has an owner record already.
+    pub fn claim_shared(prefix: &str, lasts: Lifetime) -> Result<()> {
+        check_prefix(prefix)?;
+        match Storage::create_shm_bytes(&object_name(prefix, Part::Owner), &owner_record(lasts)) {
+            Ok(()) => Ok(()),
+            Err(memmap_tensor::Error::ShmIo { ref source, .. }) if source.kind() == ErrorKind::AlreadyExists => {
+                Err(in_use(prefix))
+            }
+            Err(e) => Err(Error::Tensor { key: KeyPath::default(), source: e }),
+        }
+    }
+
+    /// Removes every orphaned shared dict of this machine ([`SharedDictInfo::is_orphan`]): memory
+    /// that lasted as long as a creator that is dead now, and dicts whose creator died before
+    /// finishing them. Returns what it removed. Nothing whose creator runs, or cannot be told
+    /// (another boot or pid namespace), and no finished dict meant to outlive its creator, is
+    /// touched; nor are the objects of other users that this process may not remove.
+    pub fn remove_orphans() -> Result<Vec<SharedDictInfo>> {
+        Self::remove_dead_where(SharedDictInfo::is_orphan)
+    }
+
+    /// Removes the shared dicts that `pick` chooses among those whose creator is dead (an owner
+    /// that starts removes the orphans of its kind), as [`TensorDict::remove_orphans`] does.
+    pub fn remove_dead_where(pick: impl Fn(&SharedDictInfo) -> bool) -> Result<Vec<SharedDictInfo>> {
+        let mut removed = Vec::new();
+        for info in Self::list_shared()? {
+            if info.creator.state != ProcessState::Dead || !pick(&info) {
+                continue;
+            }
+            // A prefix taken again since it was listed is its new creator's.
+            if owner_of(&info.prefix).0 != info.creator {
+                continue;
+            }
+            match Self::unlink_shared(&info.prefix) {
+                Ok(()) | Err(Error::SharedNotFound { .. }) => removed.push(info),
+                Err(Error::Tensor { source: memmap_tensor::Error::ShmIo { source, .. }, .. })
+                    if source.kind() == ErrorKind::PermissionDenied => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(removed)
+    }
 }
 
 /// What an object is within its prefix.
@@ -409,13 +503,17 @@ fn objects_of(prefix: &str) -> Result<Vec<(Part, ShmObject)>> {
 fn summarize(prefix: String, objects: &[(Part, ShmObject)]) -> SharedDictInfo {
     let has = |wanted: Part| objects.iter().any(|(part, _)| *part == wanted);
     let complete = has(Part::Meta) && schema_len(&prefix).is_ok_and(|len| len.is_some());
-    let creator =
-        if has(Part::Owner) { creator_of(&prefix) } else { Creator { pid: None, state: ProcessState::Unknown } };
+    let (creator, lasts) = if has(Part::Owner) {
+        owner_of(&prefix)
+    } else {
+        (Creator { pid: None, state: ProcessState::Unknown }, Lifetime::UntilRemoved)
+    };
     SharedDictInfo {
         objects: objects.len(),
         bytes: objects.iter().map(|(_, o)| o.len_bytes).sum(),
         complete,
         creator,
+        lasts,
         prefix,
     }
 }
@@ -437,7 +535,7 @@ fn missing_schema(prefix: &str) -> Error {
         Ok(objects) => {
             let has_owner = objects.iter().any(|(part, _)| *part == Part::Owner);
             let creator =
-                if has_owner { creator_of(prefix) } else { Creator { pid: None, state: ProcessState::Unknown } };
+                if has_owner { owner_of(prefix).0 } else { Creator { pid: None, state: ProcessState::Unknown } };
             Error::SharedIncomplete { prefix: prefix.to_owned(), creator }
         }
         Err(e) => e,
@@ -502,21 +600,24 @@ fn bad_schema(prefix: &str, reason: String) -> Error {
 // === Owner records ===
 
 /// The owner record of this process (see the module documentation).
-fn owner_record() -> Vec<u8> {
+fn owner_record(lasts: Lifetime) -> Vec<u8> {
     let me = ProcessId::me();
-    let record = json!({
+    let mut record = json!({
         "version": OWNER_VERSION,
         "pid": me.pid,
         "start_time": me.start,
         "boot_id": me.boot,
         "pid_ns": format!("pid:[{}]", me.pidns),
     });
+    if lasts == Lifetime::Creator {
+        record["lasts"] = json!(Lifetime::Creator.as_str());
+    }
     record.to_string().into_bytes()
 }
 
-/// The creator of `prefix`, from its owner record.
-fn creator_of(prefix: &str) -> Creator {
-    let unknown = Creator { pid: None, state: ProcessState::Unknown };
+/// The creator of `prefix` and how long it lasts, from its owner record.
+fn owner_of(prefix: &str) -> (Creator, Lifetime) {
+    let unknown = (Creator { pid: None, state: ProcessState::Unknown }, Lifetime::UntilRemoved);
     let Ok(bytes) = Storage::read_shm_bytes(&object_name(prefix, Part::Owner), MAX_OWNER_BYTES) else {
         return unknown;
     };
@@ -530,7 +631,8 @@ fn creator_of(prefix: &str) -> Creator {
     let text = |field: &str| record.get(field).and_then(Value::as_str).unwrap_or_default();
     let start = record.get("start_time").and_then(Value::as_u64);
     let id = ProcessId::new(pid, start, text("boot_id"), text("pid_ns"));
-    Creator { pid: Some(pid), state: id.state() }
+    let lasts = if text("lasts") == Lifetime::Creator.as_str() { Lifetime::Creator } else { Lifetime::UntilRemoved };
+    (Creator { pid: Some(pid), state: id.state() }, lasts)
 }
 
 #[cfg(test)]

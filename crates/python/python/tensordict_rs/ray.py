@@ -96,6 +96,9 @@ class _ReplayService(_Served):
         )
         self._address_ = self._address(name, self._server.tcp_endpoint, bool(shared_filesystem and path))
         self._address_["restored"] = load is not None
+        # Stopped with the actor or at its process's exit (before the runtime folder goes), so
+        # that its shared memory is freed there too.
+        weakref.finalize(self, self._server.stop)
 
     def address(self):
         return self._address_
@@ -122,6 +125,7 @@ class _StoreService(_Served):
             name, capacity=capacity, path=path, listen=f"tcp:{self._ip}:0", token=self._token, runtime_dir=self._runtime
         )
         self._address_ = self._address(name, self._store.tcp_endpoint, bool(shared_filesystem and path))
+        weakref.finalize(self, self._store.stop)
 
     def address(self):
         return self._address_

@@ -57,6 +57,12 @@ class Store:
         )
         return cls(name, token=token, runtime_dir=runtime_dir, _inner=inner)
 
+    def stop(self):
+        """For a store served by this process (``Store.start``): stops it and frees its memory
+        now, rather than when this client is collected. Clients get errors from then on.
+        Nothing for a client of a store served elsewhere."""
+        self._store.stop()
+
     def save(self, key, value, *, ttl=None):
         """Saves a dict of tensors (a state dict, arrays, a TensorDict) under ``key``."""
         self._store.save(key, value, ttl=ttl)

@@ -171,6 +171,8 @@ impl ReplayServer {
             // Left by a killed service of this name: the name's lock is ours now.
             let _ = tensordict::TensorDict::unlink_shared(prefix);
         }
+        // And what killed services of other names left (a Ray actor's name is new each time).
+        service.remove_orphans_of_kind();
         let mut buffer = match &options.load {
             Some(dump) => {
                 let mut load = LoadOptions::default().with_backend(backend);

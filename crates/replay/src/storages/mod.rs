@@ -169,7 +169,9 @@ impl Storage {
             }
             Backend::Heap => (heap_like(batch, capacity)?, None, None, None),
             Backend::Shared { prefix } => {
-                let td = batch.share_memory_like(prefix, Some(capacity)).op(OP)?;
+                // The storage's own memory: it goes with the storage (see `Drop`), and what a
+                // killed process leaves is an orphan for the next service or `tdict shm clean`.
+                let td = batch.share_memory_like_owned(prefix, Some(capacity)).op(OP)?;
                 (td, None, Some(prefix.clone()), None)
             }
         };

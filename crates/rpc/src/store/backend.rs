@@ -130,6 +130,21 @@ pub(super) fn reap_shm(base: &str) {
     }
 }
 
+/// Writes the owner record of `base` (`/{base}.owner`, as a shared dict's, saying the objects
+/// last as long as this process): `tdict shm ls` then names the store's process as the creator
+/// of its entries, and when it is killed they are orphans that `tdict shm clean` or the next
+/// store removes. A record a killed server of this name left is replaced (the store's lock is
+/// held, so it is not a live server's).
+pub(super) fn claim_shm(base: &str) -> Result<()> {
+    let _ = Storage::unlink_shm(&format!("/{base}.owner"));
+    TensorDict::claim_shared(base, tensordict::Lifetime::Creator).map_err(Error::from)
+}
+
+/// Removes the owner record [`claim_shm`] made, once the entries are gone.
+pub(super) fn release_shm(base: &str) {
+    let _ = Storage::unlink_shm(&format!("/{base}.owner"));
+}
+
 pub(super) fn entries_dir(root: &Path) -> PathBuf {
     root.join("entries")
 }

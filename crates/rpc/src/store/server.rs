@@ -80,6 +80,8 @@ impl StoreServer {
         let dir_lock = match &backend {
             Backend::Shm { base } => {
                 backend::reap_shm(base);
+                service.remove_orphans_of_kind();
+                backend::claim_shm(base)?;
                 None
             }
             Backend::Dir { root } => {
@@ -158,6 +160,16 @@ impl StoreServer {
     pub fn stop(&self) {
         self.shared.request_stop();
     }
+
+    /// Stops the store (as [`StoreServer::stop`]) and frees its memory now, as dropping the
+    /// server would: for a process that is about to end without dropping it (Python at exit,
+    /// where objects are not always collected; a Ray actor ended by its driver). Entries mapped
+    /// by clients stay readable to them until they let go; a store with a folder keeps its
+    /// sealed entries there, as a drop does.
+    pub fn release(&self) {
+        self.shared.request_stop();
+        self.shared.free();
+    }
 }
 
 impl Drop for StoreServer {
@@ -168,9 +180,17 @@ impl Drop for StoreServer {
         if let Some(expiry) = self.expiry.take() {
             let _ = expiry.join();
         }
+        self.shared.free();
+    }
+}
+
+impl Shared {
+    /// Frees every version but a folder store's current sealed ones, writes the index, and
+    /// removes what remains of the store in shared memory (its owner record last).
+    fn free(&self) {
         let freed: Vec<Place> = {
-            let mut state = self.shared.state();
-            let keep_sealed = matches!(self.shared.backend, Backend::Dir { .. });
+            let mut state = self.state();
+            let keep_sealed = matches!(self.backend, Backend::Dir { .. });
             let gone: Vec<u64> = state
                 .versions
                 .iter()
@@ -179,17 +199,16 @@ impl Drop for StoreServer {
                 .collect();
             gone.into_iter().filter_map(|id| state.versions.remove(&id)).map(|v| v.place).collect()
         };
-        self.shared.delete(freed);
-        if let Err(e) = self.shared.persist() {
+        self.delete(freed);
+        if let Err(e) = self.persist() {
             tracing::warn!("store: could not write the index on exit: {e}");
         }
-        if let Backend::Shm { base } = &self.shared.backend {
+        if let Backend::Shm { base } = &self.backend {
             backend::reap_shm(base);
+            backend::release_shm(base);
         }
     }
-}
 
-impl Shared {
     fn state(&self) -> MutexGuard<'_, State> {
         // Every change to the state is completed before the lock is let go, so a panic elsewhere
         // leaves it consistent.
