@@ -11,6 +11,7 @@ mod dlpack;
 mod error;
 mod gil;
 mod loader;
+mod orphans;
 mod owned;
 mod remote;
 mod replay;
@@ -48,6 +49,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<worker::PyWorkerServer>()?;
     m.add_function(wrap_pyfunction!(worker::_ref_from_json, m)?)?;
     m.add_function(wrap_pyfunction!(dict::stack, m)?)?;
+    m.add_function(wrap_pyfunction!(orphans::remove_orphans, m)?)?;
     error::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -3,7 +3,9 @@ clients in Ray tasks and actors from the handle Ray passes (the Unix socket on t
 TCP with the token otherwise), a writer actor killed by Ray mid-extend (no torn row sampled), and
 the service actor restarted by Ray from its checkpoint. Skipped where Ray is not installed."""
 
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -167,3 +169,68 @@ def test_a_service_actor_and_its_client_made_by_hand():
             replay_client(handle, transport="carrier-pigeon")
     finally:
         ray.kill(handle)
+
+
+def leftovers(address):
+    """What a service actor made and still there: its runtime folder, and its service's shared
+    memory (objects named after the service)."""
+    shm = [n for n in os.listdir("/dev/shm") if f"-{address['name']}." in n]
+    return ([address["runtime_dir"]] if os.path.exists(address["runtime_dir"]) else []) + shm
+
+
+def gone(pid):
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, f"the actor's process {pid} never ended"
+        time.sleep(0.05)
+
+
+def test_a_service_shut_down_leaves_nothing():
+    rb = RayReplayBuffer(storage=LazyTensorStorage(64), batch_size=4)
+    rb.extend(rows(0, 8))
+    address = service_address(rb.actor)
+    assert len(leftovers(address)) >= 4, leftovers(address)
+    rb.shutdown()
+    gone(address["pid"])
+    assert leftovers(address) == []
+
+
+def test_what_a_killed_service_actor_left_the_next_one_on_its_node_removes():
+    handle = ReplayService.options(num_cpus=0).remote("killed-ray", 64)
+    replay_client(handle).extend(rows(0, 8))
+    killed = service_address(handle)
+    ray.kill(handle)  # no cleanup in the actor: its process just ends
+    gone(killed["pid"])
+    assert len(leftovers(killed)) >= 4, "a kill leaves the memory and the folder"
+    nxt = ReplayService.options(num_cpus=0).remote("next-ray", 64)
+    started = service_address(nxt)
+    assert leftovers(killed) == []
+    # Ended by itself (Ray's graceful exit), a service frees what it holds.
+    replay_client(nxt).extend(rows(0, 8))
+    ray.wait([nxt.__ray_terminate__.remote()], timeout=60)
+    gone(started["pid"])
+    assert leftovers(started) == []
+
+
+def test_a_driver_that_exits_without_shutting_down_leaves_nothing():
+    # A driver of the same cluster makes a buffer and exits without a word: at its exit its
+    # service actor ends itself before Ray disconnects, freeing its memory and folder.
+    code = f"""
+import json, os, ray, numpy as np
+ray.init(address={ray.get_runtime_context().gcs_address!r}, logging_level="ERROR", log_to_driver=False)
+from tensordict_rs.ray import RayReplayBuffer, service_address
+from tensordict_rs.replay import LazyTensorStorage
+rb = RayReplayBuffer(storage=LazyTensorStorage(64), batch_size=4)
+rb.extend({{"x": np.ones((8, 4), np.float32)}})
+print(json.dumps(service_address(rb.actor)), flush=True)
+"""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert child.returncode == 0, child.stderr[-3000:]
+    address = json.loads(child.stdout.strip().splitlines()[-1])
+    gone(address["pid"])
+    assert leftovers(address) == []

@@ -3,6 +3,7 @@ their bytes, tied weights kept, leases held exactly as long as a tensor is, allo
 and entries crossing to and from Rust (`tdict store save/load`)."""
 
 import gc
+import json
 import os
 import pickle
 import shutil
@@ -268,3 +269,26 @@ def test_stop_frees_the_stores_shared_memory_at_once(short_dir):
     with pytest.raises(ConnectionError):
         store.save("x", state_dict())
     store.stop()  # again: nothing
+
+
+def test_remove_orphans_removes_what_a_dead_owner_left_and_nothing_else(short_dir):
+    # An owner record of a process that is gone (this pid, another start time), saying the
+    # memory lasted as long as it: an orphan. A live store's memory is kept.
+    stat = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    record = {
+        "version": 1, "pid": os.getpid(), "start_time": int(stat[19]) + 1, "lasts": "creator",
+        "boot_id": open("/proc/sys/kernel/random/boot_id").read().strip(),
+        "pid_ns": os.readlink("/proc/self/ns/pid"),
+    }
+    prefix = f"tdr-orphan-{os.getpid()}"
+    with open(f"/dev/shm/{prefix}.owner", "w") as f:
+        f.write(json.dumps(record))
+    with open(f"/dev/shm/{prefix}.0", "wb") as f:
+        f.write(b"\0" * 64)
+    live = Store.start(f"live{os.getpid()}", runtime_dir=short_dir)
+    live.save("w", state_dict())
+    removed = tdr.remove_orphans()
+    assert prefix in removed
+    assert not any(n.startswith(f"{prefix}.") for n in os.listdir("/dev/shm"))
+    assert live.load("w")["step"].numpy() == 7, "the live store's memory is kept"
+    assert not any(f"-live{os.getpid()}" in p for p in removed)

@@ -37,6 +37,7 @@ from tensordict_rs._native import (
     __version__,
     cat,
     live_exports,
+    remove_orphans,
     stack,
 )
 from tensordict_rs.loader import DataLoader
@@ -59,17 +60,18 @@ __all__ = [
     "TensorDictKeyError",
     "TensorDictMemoryError",
     "TensorDictPermissionError",
+    "TensorDictRef",
     "TensorDictTimeoutError",
     "TensorDictTypeError",
-    "TensorDictRef",
     "TensorDictValueError",
     "Worker",
     "WorkerServer",
+    "__version__",
     "cat",
     "live_exports",
+    "remove_orphans",
     "stack",
     "to_tensordict",
-    "__version__",
 ]
 
 

@@ -30,6 +30,11 @@ class TensorDictMemoryError(TensorDictError, MemoryError): ...
 def live_exports() -> int:
     """Tensors handed out by DLPack whose consumers still hold them."""
 
+def remove_orphans(runtime_dir: str | None = None) -> list[str]:
+    """Removes shared memory nothing can use any more (a killed service's, a dict never
+    finished), as ``tdict shm clean``; with ``runtime_dir``, only that of services that ran with
+    that runtime folder. Returns the prefixes removed."""
+
 def _finalizing() -> int:
     """The exit hook: calls ending from now on park their thread (registered with atexit)."""
 

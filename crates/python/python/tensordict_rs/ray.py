@@ -24,11 +24,22 @@ the service's folder is on a filesystem both nodes mount: ``shared_filesystem=Tr
 gives torch tensors). ``ReplayService`` and ``StoreService`` are the actors themselves, for
 code that manages them (``ReplayService.options(num_cpus=1).remote(name, capacity)``), and
 ``replay_client``/``store_client`` make clients from their handles.
+
+Nothing is left behind. ``RayReplayBuffer.shutdown()``, and the exit of the driver that made the
+buffer, end its actor gracefully: the service frees its shared memory and its runtime folder
+(``/tmp/tdict-ray-*``). An actor ended by ``ray.kill`` or ``ray.shutdown()`` does not get to (its
+process just ends): the next service actor on its node removes what it left (a restarted actor
+removes what its previous life left), and so does the exit of a driver that made a
+``RayReplayBuffer``, for its node.
 """
 
+import atexit
+import fcntl
+import glob
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 import time
 import uuid
@@ -36,6 +47,7 @@ import weakref
 
 import ray
 
+from tensordict_rs._native import remove_orphans
 from tensordict_rs.replay import RemoteReplayBuffer, ReplayServer
 from tensordict_rs.store import Store
 
@@ -48,15 +60,77 @@ def _node():
     return ray.get_runtime_context().get_node_id()
 
 
+# Held (flock) by a service actor's process for as long as it lives, in its runtime folder.
+_ALIVE = "actor.lock"
+
+
+def _sweep():
+    """Removes what service actors of this node left when their process ended without cleaning
+    up (``ray.kill``, ``ray.shutdown``, a killed worker): each runtime folder whose actor is gone
+    (nobody holds its lock), and the shared memory of its services."""
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), "tdict-ray-*")):
+        try:
+            info = os.lstat(folder)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        try:
+            fd = os.open(os.path.join(folder, _ALIVE), os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            # A folder being made has no lock for a moment; one older than a minute never will.
+            if time.time() - info.st_mtime < 60:
+                continue
+            fd = None
+        except OSError:
+            continue
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # its actor runs
+            remove_orphans(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+# Service actors this process made (and ends at its exit if they still run), by
+# ``RayReplayBuffer``; weakly, so that an actor whose handles are all gone ends as Ray ends it.
+_made = weakref.WeakSet()
+
+
+def _at_exit():
+    """At the driver's exit (registered once Ray runs, so that it comes before Ray's own
+    shutdown): ends the service actors it made, letting them free what they hold, then removes
+    what actors of this node that ended without cleaning up (killed, or ended by an earlier
+    ``ray.shutdown()``) left behind."""
+    if _made and ray.is_initialized():
+        try:
+            ended = [actor.__ray_terminate__.remote() for actor in list(_made)]
+            ray.wait(ended, num_returns=len(ended), timeout=10)
+        except Exception:  # noqa: BLE001 - at exit, Ray may be half gone; the sweep still runs
+            pass
+    _made.clear()
+    _sweep()
+
+
 class _Served:
     """What a service actor tells its clients: where it is and how to reach it."""
 
     def __init__(self):
         self._ip = ray.util.get_node_ip_address()
+        # What earlier actors of this node left (a Ray restart of this one included).
+        _sweep()
         self._runtime = tempfile.mkdtemp(prefix="tdict-ray-")
         os.chmod(self._runtime, 0o700)
-        # Removed with the actor, or at its process's exit (where a `__del__` finds modules gone).
-        weakref.finalize(self, shutil.rmtree, self._runtime, True)
+        self._alive = os.open(os.path.join(self._runtime, _ALIVE), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._alive, fcntl.LOCK_EX)
+        # Removed with the actor, or at its process's exit (where a `__del__` finds modules gone);
+        # after a kill, by the next actor's sweep or the driver's at its exit.
+        weakref.finalize(self, _remove_runtime, self._runtime, self._alive)
         self._token = secrets.token_hex(16)
 
     def _address(self, name, tcp, shared_filesystem):
@@ -69,6 +143,11 @@ class _Served:
             "shared_filesystem": shared_filesystem,
             "pid": os.getpid(),
         }
+
+
+def _remove_runtime(folder, alive):
+    shutil.rmtree(folder, True)
+    os.close(alive)
 
 
 class _ReplayService(_Served):
@@ -224,6 +303,13 @@ class RayReplayBuffer:
             checkpoint=checkpoint,
             seed=seed,
         )
+        # Ended with this process, as Ray ends an actor its driver owns; a detached actor is
+        # meant to outlive it.
+        if (remote_config or {}).get("lifetime") != "detached":
+            if not _made:
+                atexit.unregister(_at_exit)
+                atexit.register(_at_exit)
+            _made.add(self._actor)
 
     @property
     def actor(self):
@@ -285,9 +371,17 @@ class RayReplayBuffer:
         return [self.client() for _ in range(num_clients)]
 
     def shutdown(self):
-        """Stops the service and its actor."""
+        """Stops the service and its actor. The actor ends itself, so that its service frees
+        its shared memory and runtime folder (killed if it has not ended within 30 s: what it
+        leaves, the next service actor of its node removes)."""
         self._client = None
-        ray.kill(self._actor, no_restart=True)
+        _made.discard(self._actor)
+        try:
+            ready, _ = ray.wait([self._actor.__ray_terminate__.remote()], timeout=30)
+        except Exception:  # noqa: BLE001 - an actor already gone, or Ray shutting down
+            ready = []
+        if not ready:
+            ray.kill(self._actor, no_restart=True)
 
     close = shutdown
 
