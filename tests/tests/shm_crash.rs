@@ -359,3 +359,34 @@ fn orphans_are_removed_and_published_dicts_kept() {
     assert_eq!(TensorDict::remove_dead_where(|i| i.prefix == owned.as_str()).unwrap(), Vec::new());
     drop(td);
 }
+
+/// An owner that starts again on the prefix a killed one of it used: the orphan there is
+/// removed and the prefix shared anew; a finished dict meant to outlive its dead creator is not
+/// an orphan, and sharing onto it is refused.
+#[test]
+fn an_owned_share_replaces_the_orphan_a_killed_owner_left_under_its_prefix() {
+    let pid = std::process::id();
+    let dead = |lasts: Option<&str>| {
+        let mut r = serde_json::json!({"version": 1, "pid": pid, "start_time": own_start_time() + 1,
+            "boot_id": own_boot_id(), "pid_ns": own_pid_ns()});
+        if let Some(lasts) = lasts {
+            r["lasts"] = lasts.into();
+        }
+        r.to_string()
+    };
+    for (name, lasts, replaced) in [("restart-owned", Some("creator"), true), ("restart-published", None, false)] {
+        let prefix = ShmPrefix::new(name);
+        drop(small_dict().share_memory(prefix.as_str()).unwrap());
+        Storage::unlink_shm(&format!("/{}.owner", prefix.as_str())).unwrap();
+        Storage::create_shm_bytes(&format!("/{}.owner", prefix.as_str()), dead(lasts).as_bytes()).unwrap();
+        let again = small_dict().share_memory_like_owned(prefix.as_str(), Some(5));
+        if replaced {
+            let td = again.unwrap();
+            assert_eq!(td.batch_size(), &[5]);
+            let info = info_of(prefix.as_str()).unwrap();
+            assert_eq!((info.creator.state, info.lasts), (ProcessState::Alive, tensordict::Lifetime::Creator));
+        } else {
+            assert!(matches!(again, Err(Error::SharedPrefixInUse { .. })), "{name}: {again:?}");
+        }
+    }
+}

@@ -316,7 +316,7 @@ fn shm_clean_removes_orphans_and_keeps_finished_copies() {
     let entry =
         |prefix: &str| listed["shared"].as_array().unwrap().iter().find(|e| e["prefix"] == prefix).cloned().unwrap();
     assert_eq!((&entry(&orphan)["lasts"], &entry(&orphan)["orphan"]), (&json!("creator"), &json!(true)));
-    assert_eq!((&entry(&finished)["lasts"], &entry(&finished)["orphan"]), (&json!("removed"), &json!(false)));
+    assert_eq!((&entry(&finished)["lasts"], &entry(&finished)["orphan"]), (&json!("until removed"), &json!(false)));
     let ls = tdict(["shm", "ls"]);
     assert!(line_of(ls.ok(), &orphan).is_some_and(|l| l.contains("orphan")), "{ls}");
 

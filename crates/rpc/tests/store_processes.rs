@@ -250,8 +250,9 @@ fn eight_clients_of_mixed_operations_leave_a_consistent_store() -> TestResult {
     assert_eq!(places.len(), list.len());
     let first = places.first().expect("an entry");
     let stem = &first[..=first.rfind('.').expect("objects are named STEM.VERSION")];
-    let objects: BTreeSet<String> = shm_objects().into_iter().filter(|o| o.starts_with(stem)).collect();
-    assert_eq!(objects, places, "the store's objects in /dev/shm are exactly its entries");
+    let mut objects: BTreeSet<String> = shm_objects().into_iter().filter(|o| o.starts_with(stem)).collect();
+    assert!(objects.remove(&format!("{stem}owner")), "the store's owner record: {objects:?}");
+    assert_eq!(objects, places, "the store's objects in /dev/shm are exactly its entries and its owner record");
 
     // The store says what it counts as used when a request does not fit.
     let listed: u64 = list.iter().map(|e| e.bytes).sum();
@@ -512,8 +513,12 @@ fn clients_killed_at_any_point_leave_only_whole_entries() -> TestResult {
         let places: BTreeSet<String> = list.iter().map(|e| shm_name(&e.place).to_owned()).collect();
         if let Some(first) = places.first() {
             let stem = &first[..=first.rfind('.').expect("STEM.VERSION")];
-            let objects: BTreeSet<String> = shm_objects().into_iter().filter(|o| o.starts_with(stem)).collect();
-            assert_eq!(objects, places, "round {round}: the store's objects are exactly its entries");
+            let mut objects: BTreeSet<String> = shm_objects().into_iter().filter(|o| o.starts_with(stem)).collect();
+            assert!(objects.remove(&format!("{stem}owner")), "round {round}: the owner record: {objects:?}");
+            assert_eq!(
+                objects, places,
+                "round {round}: the store's objects are exactly its entries and its owner record"
+            );
         }
     }
     Ok(())

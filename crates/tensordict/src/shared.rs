@@ -87,10 +87,10 @@ pub enum Lifetime {
 }
 
 impl Lifetime {
-    /// `"removed"` (lasts until removed) or `"creator"`.
+    /// `"until removed"` or `"creator"` (as long as its creator).
     pub fn as_str(self) -> &'static str {
         match self {
-            Lifetime::UntilRemoved => "removed",
+            Lifetime::UntilRemoved => "until removed",
             Lifetime::Creator => "creator",
         }
     }
@@ -168,8 +168,15 @@ impl TensorDict {
     /// [`TensorDict::share_memory_like`] for memory that lasts only as long as this process
     /// ([`Lifetime::Creator`]): the caller removes it ([`TensorDict::unlink_shared`]) when it
     /// is done, and if the process is killed first, the objects are orphans that the next
-    /// owner of its kind to start, or `tdict shm clean`, removes.
+    /// owner of its kind to start, or `tdict shm clean`, removes. An orphan under `prefix`
+    /// itself (what a killed owner of the same prefix left) is removed first, so that a
+    /// restarted owner starts again; anything else there is [`Error::SharedPrefixInUse`].
     pub fn share_memory_like_owned(&self, prefix: &str, batch0: Option<usize>) -> Result<TensorDict> {
+        check_prefix(prefix)?;
+        let objects = objects_of(prefix)?;
+        if !objects.is_empty() && summarize(prefix.to_owned(), &objects).is_orphan() {
+            Self::remove_dead_where(|info| info.prefix == prefix && info.is_orphan())?;
+        }
         self.share_like("share_memory_like_owned", prefix, batch0, Lifetime::Creator)
     }
 
