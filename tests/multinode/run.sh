@@ -111,13 +111,14 @@ on() {
 # processes, the hosts' shells), then the namespaces and the state folder. Mounts live in the
 # hosts' mount namespaces and go with them.
 teardown() {
-    local pid ns i
+    local pid ns i alive
     # Services still running are asked to stop first (SIGTERM: they free their shared memory),
     # then killed if they have not within 5 s.
     for pid in "${STARTED[@]}"; do kill -TERM "$pid" 2>/dev/null; done
     for i in $(seq 50); do
-        for pid in "${STARTED[@]}"; do kill -0 "$pid" 2>/dev/null && break; done
-        kill -0 "$pid" 2>/dev/null || break
+        alive=0
+        for pid in "${STARTED[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        [ "$alive" = 0 ] && break
         sleep 0.1
     done
     for pid in "${STARTED[@]}"; do kill -9 "$pid" 2>/dev/null; done

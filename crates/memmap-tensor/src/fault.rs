@@ -109,7 +109,8 @@ impl Slot {
 static TABLE: [AtomicPtr<Slot>; CHUNKS] = [const { AtomicPtr::new(ptr::null_mut()) }; CHUNKS];
 /// Slots ever claimed, as a bound: the handler scans `0..HIGH`.
 static HIGH: AtomicUsize = AtomicUsize::new(0);
-/// Below this every slot has been claimed at some point: where a new mapping starts looking.
+/// Where a new mapping starts looking for a free slot: those below were taken when last seen
+/// (a hint only; the search goes on past taken slots).
 static FREE_HINT: AtomicUsize = AtomicUsize::new(0);
 /// The page size, read once when the handler is installed.
 static PAGE: AtomicUsize = AtomicUsize::new(0);

@@ -230,7 +230,7 @@ def test_a_hostile_state_dict_is_refused_or_harmless(folder):
 def test_sizes_past_their_range_are_refused_when_the_loader_is_made(folder):
     # Item 2: prefetch=2**64-1 was taken, and the readers' `handed + prefetch` wrapped around:
     # every reader waited forever.
-    for prefetch in (2**64 - 1, 2**64 - 1000, 2**16 + 1, 2**64, 0, -1):
+    for prefetch in (2**64 - 1, 2**64 - 1000, 2**16 + 1, 2**64, -1):
         with pytest.raises(ValueError, match="prefetch"):
             DataLoader(folder, 10, prefetch=prefetch)
     for kwargs, name in [
@@ -521,3 +521,24 @@ def test_a_leaf_rewritten_in_place_is_an_error_not_a_mix(folder, tmp_path):
             for _ in it:
                 pass
         os.utime(id_file, (1e9, 1e9))
+
+
+def test_prefetch_zero_reads_in_the_callers_thread_as_torchs_num_workers_zero(folder):
+    # Item 5 of the Python-writes issue: prefetch=0 was refused. It starts no thread, and gives
+    # the batches, state and resume a loader reading ahead gives.
+    gc.collect()  # loaders of earlier tests go first, and their threads (30 s: a hang guard)
+    deadline = time.monotonic() + 30
+    while loader_threads() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert loader_threads() == 0
+    here = DataLoader(folder, 40, shuffle=True, seed=2, prefetch=0)
+    it = iter(here)
+    got = [i for _ in range(4) for i in ids(next(it))]
+    assert loader_threads() == 0, "prefetch=0 started a thread"
+    state = here.state_dict()
+    got += [i for b in it for i in ids(b)]
+    ahead = [i for b in DataLoader(folder, 40, shuffle=True, seed=2, prefetch=3) for i in ids(b)]
+    assert got == ahead
+    resumed = DataLoader(folder, 40, shuffle=True, seed=2, prefetch=0)
+    resumed.load_state_dict(state)
+    assert [i for b in resumed for i in ids(b)] == ahead[4 * 40 :]

@@ -11,7 +11,9 @@
 Batches are read by background threads ``prefetch`` batches ahead while the caller works on
 the last one: through the dict's mapping when it is in memory (a folder the page cache holds,
 measured when an epoch starts), with explicit reads of its files otherwise (many rows at once,
-in file order); ``reads=`` forces either, and ``loader.reads`` says which ran.
+in file order); ``reads=`` forces either, and ``loader.reads`` says which ran. ``prefetch=0``
+starts no thread: each batch is read in the caller's thread when it asks for it, as torch's
+``num_workers=0`` does, and everything else behaves the same.
 
 What a reader racing a writer gets: a folder replaced or republished since the loader opened it
 is an error (its generation), never a mix of versions. A file truncated by another process is
@@ -51,7 +53,7 @@ the latest iterator made, which is the one a ``for`` loop over the loader is rea
 Arguments are checked as torch checks them, when the loader is made: ``batch_size`` a positive
 int (``ValueError`` otherwise, with torch's message; numpy ints are taken too, where torch takes
 Python ints only), ``drop_last`` a bool (``ValueError``); ``seed``, ``rank``, ``world_size``,
-``prefetch`` (1 to 65536) and ``block_rows`` ints in range (``TypeError`` for a bool, a float or
+``prefetch`` (0 to 65536) and ``block_rows`` ints in range (``TypeError`` for a bool, a float or
 a str, ``ValueError`` out of range); ``indices`` one dimension of ints (a list, a range, a 1-d
 array or tensor), never a bare number.
 
@@ -167,7 +169,7 @@ class DataLoader:
         if not isinstance(drop_last, bool):
             raise ValueError(f"drop_last should be a boolean value, but got drop_last={drop_last}")
         seed = _int("seed", seed, 0)
-        prefetch = _int("prefetch", prefetch, 1)
+        prefetch = _int("prefetch", prefetch, 0)
         if block_rows is not None:
             block_rows = _int("block_rows", block_rows, 1)
         if rank is None or world_size is None:

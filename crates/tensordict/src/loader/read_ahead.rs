@@ -68,7 +68,10 @@ pub struct LoaderOptions {
     pub rank: usize,
     /// The number of ranks the epoch is shared among.
     pub world: usize,
-    /// Batches read ahead of the caller: 1 to [`MAX_PREFETCH`].
+    /// Batches read ahead of the caller: 0 to [`MAX_PREFETCH`]. With 0 no thread is started:
+    /// each batch is read in the caller's thread when it is asked for (torch's
+    /// `num_workers=0`), with everything else (orders, ranks, resume, reads, destinations) the
+    /// same.
     pub prefetch: usize,
     /// Threads reading batches, 1 to [`MAX_READERS`]: with two, one batch's reads are in flight
     /// while another's complete (and gathers from memory run on two cores).
@@ -114,7 +117,7 @@ impl LoaderOptions {
         self
     }
 
-    /// Reads `prefetch` batches ahead.
+    /// Reads `prefetch` batches ahead (0: none, each read in the caller's thread when asked).
     pub fn prefetch(mut self, prefetch: usize) -> Self {
         self.prefetch = prefetch;
         self
@@ -155,7 +158,8 @@ impl LoaderOptions {
 ///
 /// Background threads (`readers` of them) read up to `prefetch` batches ahead while the caller
 /// holds the last one: a reader starts a batch only while fewer than `prefetch` are read or being
-/// read beyond those handed out. Batches land where [`LoaderOptions::destination`] says, by
+/// read beyond those handed out. With `prefetch` 0 no thread is started, and each batch is read
+/// in the caller's thread when it asks for it. Batches land where [`LoaderOptions::destination`] says, by
 /// default in heap buffers the loader reads into again once the caller has dropped them; it
 /// keeps at most `prefetch + 2` of them ([`Loader::buffers`]): those read ahead, the one the
 /// caller holds, and the one before it, which a loop such as Python's `for` still holds while it
@@ -185,6 +189,10 @@ pub struct Loader {
 }
 
 struct Running {
+    /// The run's batches (its rows), numbered from its start.
+    planned: Arc<Vec<Vec<usize>>>,
+    /// With `prefetch` 0, what reads each batch in the caller's thread (no thread is started).
+    here: Option<Reader>,
     /// Batches read, numbered from the start of this run, in the order they completed.
     batches: Receiver<(usize, Result<TensorDict>)>,
     /// Batches read out of order, until their turn.
@@ -250,7 +258,7 @@ impl Drop for Running {
 
 impl Loader {
     /// A loader of `dict` (its first batch dim is the rows) for epoch 0. Every size is checked
-    /// here, before any thread starts: `batch_size` at least 1, `prefetch` 1 to
+    /// here, before any thread starts: `batch_size` at least 1, `prefetch` 0 to
     /// [`MAX_PREFETCH`], `readers` 1 to [`MAX_READERS`], `rank < world`, a subset's rows and
     /// `block_rows` (an [`Error::InvalidArgument`] saying which is out of range).
     pub fn new(dict: TensorDict, options: LoaderOptions) -> Result<Loader> {
@@ -258,13 +266,13 @@ impl Loader {
             op: "Loader",
             detail: "the dict has no batch dim to read rows of".into(),
         })?;
-        for (name, value, max) in
-            [("prefetch", options.prefetch, MAX_PREFETCH), ("readers", options.readers, MAX_READERS)]
+        for (name, value, min, max) in
+            [("prefetch", options.prefetch, 0, MAX_PREFETCH), ("readers", options.readers, 1, MAX_READERS)]
         {
-            if !(1..=max).contains(&value) {
+            if !(min..=max).contains(&value) {
                 return Err(Error::InvalidArgument {
                     op: "Loader",
-                    detail: format!("{name} {value}: give 1 to {max}"),
+                    detail: format!("{name} {value}: give {min} to {max}"),
                 });
             }
         }
@@ -420,32 +428,44 @@ impl Loader {
                 changed: Condvar::new(),
                 stop: AtomicBool::new(false),
             });
-            let mut threads = Vec::with_capacity(self.readers);
-            for _ in 0..self.readers.min(batches.len().max(1)) {
-                let reader = Reader {
-                    dict: self.dict.clone(),
-                    reads: self.reads.clone(),
-                    version: Arc::clone(&self.version),
-                    destination: self.destination,
-                    buffers: self.buffers.clone(),
-                    flow: Arc::clone(&flow),
-                };
+            let threads_wanted = if self.prefetch == 0 { 0 } else { self.readers.min(batches.len().max(1)) };
+            let mut running = Running {
+                planned: Arc::clone(&batches),
+                here: (self.prefetch == 0).then(|| self.reader()),
+                batches: rx,
+                waiting: BTreeMap::new(),
+                next: 0,
+                flow,
+                threads: Vec::with_capacity(threads_wanted),
+            };
+            for _ in 0..threads_wanted {
+                let (reader, flow) = (self.reader(), Arc::clone(&running.flow));
                 let (batches, tx, prefetch) = (Arc::clone(&batches), tx.clone(), self.prefetch);
                 let thread = std::thread::Builder::new()
                     .name("tdict-loader".into())
-                    .spawn(move || reader.run(&batches, prefetch, &tx));
+                    .spawn(move || reader.run(&flow, &batches, prefetch, &tx));
                 match thread {
-                    Ok(thread) => threads.push(thread),
+                    Ok(thread) => running.threads.push(thread),
+                    // The threads started stop with `Running`'s drop.
                     Err(source) => {
-                        // The threads started stop with `Running`'s drop.
-                        drop(Running { batches: rx, waiting: BTreeMap::new(), next: 0, flow, threads });
                         return Err(Error::Io { op: "start the loader's threads", path: Default::default(), source });
                     }
                 }
             }
-            self.running = Some(Running { batches: rx, waiting: BTreeMap::new(), next: 0, flow, threads });
+            self.running = Some(running);
         }
         Ok(self.running.as_mut().expect("started above"))
+    }
+
+    /// What reads batches: the dict, how, and where they land.
+    fn reader(&self) -> Reader {
+        Reader {
+            dict: self.dict.clone(),
+            reads: self.reads.clone(),
+            version: Arc::clone(&self.version),
+            destination: self.destination,
+            buffers: self.buffers.clone(),
+        }
     }
 }
 
@@ -471,6 +491,10 @@ impl Loader {
         let running = self.start()?;
         let deadline = std::time::Instant::now() + wait;
         let got = loop {
+            // `prefetch` 0: read now, in this thread (however long it takes).
+            if let Some(reader) = &running.here {
+                break reader.read(&running.planned[running.next]);
+            }
             if let Some(got) = running.waiting.remove(&running.next) {
                 break got;
             }
@@ -639,18 +663,28 @@ impl Version {
     /// tensor (`FileTooShort`: touching the missing pages through the mapping would fault) or
     /// was written since.
     fn check(&self) -> Result<()> {
-        if let Some((location, generation)) = &self.generation {
-            let now = location.generation()?;
-            if now != *generation {
-                return Err(Error::InvalidArgument {
-                    op: "Loader",
-                    detail: format!(
-                        "{location} is at generation {now}; the loader opened it at {generation}: it was replaced \
-                         or republished (open a new loader to read the new version)"
-                    ),
-                });
-            }
+        self.same_generation()?;
+        // A folder replaced after the look at its generation changes its files too: said as the
+        // replacement it is.
+        self.same_files().map_err(|e| self.same_generation().err().unwrap_or(e))
+    }
+
+    fn same_generation(&self) -> Result<()> {
+        let Some((location, generation)) = &self.generation else { return Ok(()) };
+        let now = location.generation()?;
+        if now == *generation {
+            return Ok(());
         }
+        Err(Error::InvalidArgument {
+            op: "Loader",
+            detail: format!(
+                "{location} is at generation {now}; the loader opened it at {generation}: it was replaced \
+                 or republished (open a new loader to read the new version)"
+            ),
+        })
+    }
+
+    fn same_files(&self) -> Result<()> {
         for file in &self.files {
             let meta = stat(&file.path)?;
             if meta.len() < file.needed {
@@ -684,21 +718,20 @@ fn stat(path: &Path) -> Result<std::fs::Metadata> {
     std::fs::metadata(path).map_err(|source| Error::Io { op: "stat", path: path.to_owned(), source })
 }
 
-/// What the loader's thread reads with.
+/// What the loader's threads (or, with `prefetch` 0, the caller's) read with.
 struct Reader {
     dict: TensorDict,
     reads: Reads,
     version: Arc<Version>,
     destination: Destination,
     buffers: Option<Arc<Buffers>>,
-    flow: Arc<Flow>,
 }
 
 impl Reader {
     /// Reads the batches its turns give it, until none is left, the loader stops, or a read
     /// fails (the loader then starts again from the failed batch).
-    fn run(self, batches: &[Vec<usize>], prefetch: usize, out: &Sender<(usize, Result<TensorDict>)>) {
-        while let Some(k) = self.flow.take(batches.len(), prefetch) {
+    fn run(self, flow: &Flow, batches: &[Vec<usize>], prefetch: usize, out: &Sender<(usize, Result<TensorDict>)>) {
+        while let Some(k) = flow.take(batches.len(), prefetch) {
             let batch = self.read(&batches[k]);
             let failed = batch.is_err();
             if out.send((k, batch)).is_err() || failed {
