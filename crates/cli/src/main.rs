@@ -385,8 +385,14 @@ fn lasts(lasts: tensordict::Lifetime) -> &'static str {
 
 fn shm_clean(dry_run: bool) -> anyhow::Result<ExitCode> {
     use tensordict_rpc::service::is_orphan;
+    let listed = TensorDict::list_shared()?;
+    // Finished dicts of dead creators that are not orphans: what the clean leaves on purpose.
+    let kept = listed
+        .iter()
+        .filter(|d| d.complete && d.creator.state == tensordict::ProcessState::Dead && !is_orphan(d))
+        .count();
     let removed = if dry_run {
-        TensorDict::list_shared()?.into_iter().filter(is_orphan).collect()
+        listed.into_iter().filter(is_orphan).collect()
     } else {
         TensorDict::remove_dead_where(is_orphan)?
     };
@@ -405,10 +411,6 @@ fn shm_clean(dry_run: bool) -> anyhow::Result<ExitCode> {
             d.creator
         );
     }
-    let kept = TensorDict::list_shared()?
-        .into_iter()
-        .filter(|d| d.complete && d.creator.state == tensordict::ProcessState::Dead && !is_orphan(d))
-        .count();
     let bytes: u64 = removed.iter().map(|d| d.bytes).sum();
     out!(
         "{verb} {} orphan{} ({}); kept {kept} finished dict{} meant to outlive {} creator (`tdict rm shm:PREFIX` \

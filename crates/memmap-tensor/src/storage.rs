@@ -686,22 +686,21 @@ impl Storage {
         let Some(torn_at) = torn_at else { return Ok(()) };
         // The object had at most `torn_at` bytes at the fault; it may have changed since (a
         // rewrite in place grows it again), so the smaller of the two is what is known.
-        let now = |path: &Path| std::fs::metadata(path).map_or(0, |m| m.len());
-        let required_bytes = self.len as u64;
+        let (torn_at, required_bytes) = (torn_at as u64, self.len as u64);
         Err(match &self.backing {
-            // A file that cannot be looked at now (its file server stopped): that error, which
-            // says more than a length.
-            Backing::File { path, .. } if let Err(source) = std::fs::metadata(path) => {
-                Error::FileIo { op: "read through the mapping", path: path.clone(), source }
-            }
-            Backing::File { path, .. } => {
-                Error::FileTooShort { path: path.clone(), actual_bytes: now(path).min(torn_at as u64), required_bytes }
-            }
-            Backing::Shm { name, .. } => Error::ShmTooShort {
-                name: name.clone(),
-                actual_bytes: now(&Path::new(SHM_DIR).join(name.trim_start_matches('/'))).min(torn_at as u64),
-                required_bytes,
+            Backing::File { path, .. } => match std::fs::metadata(path) {
+                Ok(meta) => {
+                    Error::FileTooShort { path: path.clone(), actual_bytes: meta.len().min(torn_at), required_bytes }
+                }
+                // A file that cannot be looked at now (its file server stopped): that error,
+                // which says more than a length.
+                Err(source) => Error::FileIo { op: "read through the mapping", path: path.clone(), source },
             },
+            Backing::Shm { name, .. } => {
+                let now =
+                    std::fs::metadata(Path::new(SHM_DIR).join(name.trim_start_matches('/'))).map_or(0, |m| m.len());
+                Error::ShmTooShort { name: name.clone(), actual_bytes: now.min(torn_at), required_bytes }
+            }
             _ => unreachable!("only mappings are watched"),
         })
     }

@@ -24,6 +24,14 @@ fn filled(location: &Location) -> Result<Tensor, Error> {
     Ok(t)
 }
 
+/// A file of [`filled`] rows in a folder of its own (kept while the folder lives).
+fn filled_file() -> Result<(tempfile::TempDir, std::path::PathBuf), Box<dyn std::error::Error>> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("t.bin");
+    drop(filled(&Location::File(path.clone()))?);
+    Ok((dir, path))
+}
+
 fn cut(path: &std::path::Path, len: u64) {
     OpenOptions::new().write(true).open(path).unwrap().set_len(len).unwrap();
 }
@@ -42,9 +50,7 @@ fn is_short(result: Result<impl std::fmt::Debug, Error>, most: u64) -> bool {
 
 #[test]
 fn every_copy_out_of_a_file_cut_shorter_is_an_error() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let path = dir.path().join("t.bin");
-    drop(filled(&Location::File(path.clone()))?);
+    let (_dir, path) = filled_file()?;
     // One fresh mapping per way of copying: a tear is for good, so each needs its own.
     type Copy = fn(&Tensor) -> Result<(), Error>;
     let copies: [(&str, Copy); 6] = [
@@ -70,9 +76,7 @@ fn every_copy_out_of_a_file_cut_shorter_is_an_error() -> TestResult {
 
 #[test]
 fn rows_before_the_cut_read_until_a_copy_reaches_past_it() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let path = dir.path().join("t.bin");
-    drop(filled(&Location::File(path.clone()))?);
+    let (_dir, path) = filled_file()?;
     let t = Tensor::open_file(&path, DType::U8, [ROWS, ROW], Access::ReadOnly)?;
     // Half the file is left: rows 0..512.
     let half = (ROWS * ROW / 2) as u64;
@@ -92,9 +96,7 @@ fn rows_before_the_cut_read_until_a_copy_reaches_past_it() -> TestResult {
 
 #[test]
 fn writes_into_a_file_cut_shorter_are_errors() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let path = dir.path().join("t.bin");
-    drop(filled(&Location::File(path.clone()))?);
+    let (_dir, path) = filled_file()?;
     for access in [Access::ReadWrite, Access::CopyOnWrite] {
         let mut t = Tensor::open_file(&path, DType::U8, [ROWS, ROW], access)?;
         cut(&path, 0);

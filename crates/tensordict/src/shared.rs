@@ -174,8 +174,11 @@ impl TensorDict {
     pub fn share_memory_like_owned(&self, prefix: &str, batch0: Option<usize>) -> Result<TensorDict> {
         check_prefix(prefix)?;
         let objects = objects_of(prefix)?;
-        if !objects.is_empty() && summarize(prefix.to_owned(), &objects).is_orphan() {
-            Self::remove_dead_where(|info| info.prefix == prefix && info.is_orphan())?;
+        if !objects.is_empty() {
+            let info = summarize(prefix.to_owned(), &objects);
+            if info.is_orphan() {
+                remove_dead(&info)?;
+            }
         }
         self.share_like("share_memory_like_owned", prefix, batch0, Lifetime::Creator)
     }
@@ -399,21 +402,28 @@ impl TensorDict {
     pub fn remove_dead_where(pick: impl Fn(&SharedDictInfo) -> bool) -> Result<Vec<SharedDictInfo>> {
         let mut removed = Vec::new();
         for info in Self::list_shared()? {
-            if info.creator.state != ProcessState::Dead || !pick(&info) {
-                continue;
-            }
-            // A prefix taken again since it was listed is its new creator's.
-            if owner_of(&info.prefix).0 != info.creator {
-                continue;
-            }
-            match Self::unlink_shared(&info.prefix) {
-                Ok(()) | Err(Error::SharedNotFound { .. }) => removed.push(info),
-                Err(Error::Tensor { source: memmap_tensor::Error::ShmIo { source, .. }, .. })
-                    if source.kind() == ErrorKind::PermissionDenied => {}
-                Err(e) => return Err(e),
+            if info.creator.state == ProcessState::Dead && pick(&info) && remove_dead(&info)? {
+                removed.push(info);
             }
         }
         Ok(removed)
+    }
+}
+
+/// Removes the prefix `info` lists, whose creator is dead, unless it was taken again since it
+/// was listed (its new creator's) or this process may not remove it; whether it is gone.
+fn remove_dead(info: &SharedDictInfo) -> Result<bool> {
+    if owner_of(&info.prefix).0 != info.creator {
+        return Ok(false);
+    }
+    match TensorDict::unlink_shared(&info.prefix) {
+        Ok(()) | Err(Error::SharedNotFound { .. }) => Ok(true),
+        Err(Error::Tensor { source: memmap_tensor::Error::ShmIo { source, .. }, .. })
+            if source.kind() == ErrorKind::PermissionDenied =>
+        {
+            Ok(false)
+        }
+        Err(e) => Err(e),
     }
 }
 

@@ -588,29 +588,6 @@ fn choose_reads(dict: &TensorDict, current: Option<&Reads>) -> Result<Reads> {
     })
 }
 
-/// Refuses a read through the mapping of a file shorter now than it was mapped (another
-/// process truncated it) before the copy: touching its missing pages would fault, and the
-/// fault, though caught, leaves the mapping reading zeros past the cut for good.
-fn files_whole(dict: &TensorDict) -> Result<()> {
-    for (key, t) in dict.leaves() {
-        let storage = t.storage();
-        let Some(path) = storage.path() else { continue };
-        let len =
-            std::fs::metadata(path).map_err(|source| Error::Io { op: "stat", path: path.to_owned(), source })?.len();
-        if len < storage.len_bytes() as u64 {
-            return Err(Error::Tensor {
-                key,
-                source: memmap_tensor::Error::FileTooShort {
-                    path: path.to_owned(),
-                    actual_bytes: len,
-                    required_bytes: storage.len_bytes() as u64,
-                },
-            });
-        }
-    }
-    Ok(())
-}
-
 /// What the loader checks before and after each batch, as it was when the loader was made: the
 /// storage's generation (a folder replaced or republished) and the length and modification
 /// time of each leaf file (a file rewritten in place, as Python tensordict's
@@ -687,16 +664,7 @@ impl Version {
     fn same_files(&self) -> Result<()> {
         for file in &self.files {
             let meta = stat(&file.path)?;
-            if meta.len() < file.needed {
-                return Err(Error::Tensor {
-                    key: file.key.clone(),
-                    source: memmap_tensor::Error::FileTooShort {
-                        path: file.path.clone(),
-                        actual_bytes: meta.len(),
-                        required_bytes: file.needed,
-                    },
-                });
-            }
+            file.long_enough(meta.len())?;
             if meta.len() != file.len || meta.modified().ok() != file.modified {
                 return Err(Error::InvalidArgument {
                     op: "Loader",
@@ -711,6 +679,31 @@ impl Version {
             }
         }
         Ok(())
+    }
+
+    /// `FileTooShort` for the first leaf file shorter now than its tensor (another process
+    /// truncated it).
+    fn files_long_enough(&self) -> Result<()> {
+        self.files.iter().try_for_each(|file| file.long_enough(stat(&file.path)?.len()))
+    }
+}
+
+impl FileStamp {
+    /// `FileTooShort` if `len` bytes are fewer than its tensor needs: touching the missing pages
+    /// through the mapping would fault, and the fault, though caught, leaves the mapping
+    /// reading zeros past the cut for good.
+    fn long_enough(&self, len: u64) -> Result<()> {
+        if len >= self.needed {
+            return Ok(());
+        }
+        Err(Error::Tensor {
+            key: self.key.clone(),
+            source: memmap_tensor::Error::FileTooShort {
+                path: self.path.clone(),
+                actual_bytes: len,
+                required_bytes: self.needed,
+            },
+        })
     }
 }
 
@@ -786,7 +779,7 @@ impl Reader {
                 // the check before a read through the mapping (the file's length now, and what
                 // its tensor needs), not an end of file that could be mistaken for a lost
                 // connection.
-                read.map_err(|e| match files_whole(&self.dict) {
+                read.map_err(|e| match self.version.files_long_enough() {
                     Err(short @ Error::Tensor { source: memmap_tensor::Error::FileTooShort { .. }, .. }) => short,
                     _ => e,
                 })
