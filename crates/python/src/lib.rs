@@ -41,7 +41,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyAllocation>()?;
     m.add_function(wrap_pyfunction!(live_exports, m)?)?;
     m.add_function(wrap_pyfunction!(gil::_finalizing, m)?)?;
-    m.add_function(wrap_pyfunction!(dict::_reopen, m)?)?;
+    m.add_function(wrap_pyfunction!(dict::_reopen_view, m)?)?;
     m.add_function(wrap_pyfunction!(dict::cat, m)?)?;
     m.add_class::<loader::PyLoader>()?;
     m.add_class::<worker::PyTensorDictRef>()?;
@@ -51,6 +51,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dict::stack, m)?)?;
     m.add_function(wrap_pyfunction!(orphans::remove_orphans, m)?)?;
     error::register(m)?;
+    m.add("TensorDictLockedError", dict::locked_error_class(m.py())?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -83,6 +83,8 @@ def snapshot(td):
 
 
 def run(td, case):
+    if case.get("locked"):
+        td.lock_()
     op = case["op"]
     if op == "setitem_index":
         td[tuple(index_item(i) for i in case["index"])] = value(case["value"])
@@ -92,11 +94,34 @@ def run(td, case):
         del td[key(case["key"])]
     elif op == "update":
         td.update(value(case["value"]))
+    elif op == "update_inplace":
+        td.update(value(case["value"]), inplace=True)
+    elif op == "update_":
+        td.update_(value(case["value"]))
+    elif op == "set_":
+        td.set_(key(case["key"]), value(case["value"]))
+    elif op == "set_inplace":
+        td.set(key(case["key"]), value(case["value"]), inplace=True)
+    elif op == "set_at_":
+        td.set_at_(key(case["key"]), value(case["value"]), tuple(index_item(i) for i in case["index"]))
+    elif op == "fill_":
+        td.fill_(key(case["key"]), value(case["value"]))
+    elif op == "batch_size":
+        td.batch_size = value(case["value"])
+    else:
+        raise ValueError(op)
 
 
 # Python's RuntimeError (a shape torch cannot broadcast, a batch size that does not fit) is a
-# ValueError here; the others are the same built-in.
-ERRORS = {"RuntimeError": ValueError, "IndexError": IndexError, "KeyError": KeyError}
+# ValueError here, but for a locked dict's refusal, which is a RuntimeError in both; the others
+# are the same built-in.
+ERRORS = {"RuntimeError": ValueError, "_InplaceWriteError": ValueError, "IndexError": IndexError, "KeyError": KeyError}
+
+
+def expected_error(message):
+    if message.startswith("RuntimeError: Cannot modify locked TensorDict"):
+        return tdr.TensorDictLockedError
+    return ERRORS[message.split(":")[0]]
 
 
 @pytest.mark.parametrize("case", TABLE["cases"], ids=lambda c: f"{c['op']}-{c.get('index', c.get('key', ''))}")
@@ -105,7 +130,7 @@ def test_writes_match_python_tensordict(case):
     expected = case["result"]
     if "error" in expected:
         before = snapshot(td)
-        kind = ERRORS[expected["error"].split(":")[0]]
+        kind = expected_error(expected["error"])
         with pytest.raises(kind):
             run(td, case)
         assert snapshot(td) == before, "a refused write changed nothing"
@@ -118,3 +143,26 @@ def test_writes_match_python_tensordict(case):
         assert (have["dtype"], have["shape"]) == (want["dtype"], want["shape"]), name
         assert np.allclose(have["values"], want["values"]), (name, have["values"], want["values"])
     assert got["non_tensor"] == expected["non_tensor"]
+
+
+def folder_bytes(path):
+    """Every file under `path` with its bytes: what a refused write must leave as it was."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+REFUSED = [c for c in TABLE["cases"] if "error" in c["result"]]
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=lambda c: f"{c['op']}-{c.get('index', c.get('key', ''))}")
+def test_a_refused_write_leaves_the_folder_as_it_was(case, tmp_path):
+    # Every write Python tensordict refuses, into a dict mapped read-write from a folder: refused
+    # here too, before anything reaches the folder (Python tensordict writes the first entries
+    # of an `update` before it refuses).
+    folder = tmp_path / "td"
+    td = base().memmap(folder).unlock_()
+    before, rows = folder_bytes(folder), snapshot(td)
+    with pytest.raises(tdr.TensorDictError):
+        run(td, case)
+    assert folder_bytes(folder) == before
+    assert snapshot(td) == rows
+    assert td.is_locked == bool(case.get("locked"))

@@ -68,9 +68,12 @@ def test_an_entry_assigned_into_a_mapped_dict_is_written_in_place(tmp_path):
     assert np.from_dlpack(folder["step"]).tolist() == [0, 2, 4, 6, 8, 10]
     with pytest.raises(ValueError, match="keeps its shape and dtype"):
         again["step"] = np.zeros(6, np.float64)
-    # set(inplace=True) converts and broadcasts as torch's copy_ does.
-    again.set("obs", np.array([1, 2, 3]), inplace=True)
-    assert np.from_dlpack(folder["obs"]).tolist() == [[1.0, 2.0, 3.0]] * 6
+    # set(inplace=True) converts and broadcasts as torch's copy_ does, the value's leading dims
+    # being the batch size (as Python tensordict asks).
+    again.set("obs", np.arange(1, 7).reshape(6, 1), inplace=True)
+    assert np.from_dlpack(folder["obs"]).tolist() == [[float(i)] * 3 for i in range(1, 7)]
+    with pytest.raises(ValueError, match="batch size"):
+        again.set("obs", np.array([1, 2, 3]), inplace=True)
     # A new entry lives in memory: the folder is as it was.
     again["extra"] = np.ones(6, np.float32)
     assert not (tmp_path / "d" / "extra.memmap").exists()

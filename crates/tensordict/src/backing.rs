@@ -313,7 +313,7 @@ impl TensorDict {
     /// places, or that is another kind of view (a selected row, a step, a gather).
     pub fn backing(&self) -> Result<Backing> {
         let mut found = Found::default();
-        self.find_backing(&KeyPath::default(), self.batch_dims() > 0, &mut found)?;
+        self.find_backing(&KeyPath::default(), Some(self.batch_dims() > 0), &mut found)?;
         let not_shareable = |detail: String| Error::InvalidArgument { op: "backing", detail };
         let location = found.location.ok_or_else(|| {
             not_shareable("the dict has no tensor data in a file or shared memory to refer to".into())
@@ -325,6 +325,19 @@ impl TensorDict {
         Ok(Backing { location, rows })
     }
 
+    /// The one folder or shared-memory prefix this dict's tensors are mapped from, whatever
+    /// views of them it holds (a selected row, a step, new unit dims): what a view is found
+    /// again from in another process, given its layouts. Fails as [`TensorDict::backing`] for
+    /// data on the heap or in several places. Tensors of no elements are not looked at.
+    pub fn location(&self) -> Result<DictLocation> {
+        let mut found = Found::default();
+        self.find_backing(&KeyPath::default(), None, &mut found)?;
+        found.location.ok_or_else(|| Error::InvalidArgument {
+            op: "location",
+            detail: "the dict has no tensor data in a file or shared memory to refer to".into(),
+        })
+    }
+
     /// Flushes every file-backed tensor (`msync`), then bumps the generation of the folder or
     /// prefix holding this dict, and returns the new generation: a writer calls this after it
     /// changed rows and before it tells anyone (see the `backing` module documentation).
@@ -334,15 +347,16 @@ impl TensorDict {
         backing.location.bump_generation()
     }
 
-    /// `by_rows`: the top dict has a batch dim, so a view of a range of its rows is allowed.
-    fn find_backing(&self, path: &KeyPath, by_rows: bool, found: &mut Found) -> Result<()> {
+    /// `by_rows`: whether the rows are looked for (`None`: not), and whether the top dict has
+    /// a batch dim, so that a view of a range of its rows is allowed.
+    fn find_backing(&self, path: &KeyPath, by_rows: Option<bool>, found: &mut Found) -> Result<()> {
         for (name, entry) in self.iter() {
             let key = path.join(name);
             match entry {
                 Entry::Dict(d) => d.find_backing(&key, by_rows, found)?,
                 Entry::Tensor(t) if t.elem_count() > 0 => {
                     let location = tensor_location(t, &key)?;
-                    let rows = tensor_rows(t, &key, by_rows)?;
+                    let rows = by_rows.map(|by_rows| tensor_rows(t, &key, by_rows)).transpose()?;
                     found.add(location, rows, &key)?;
                 }
                 _ => {}
@@ -361,7 +375,7 @@ struct Found {
 }
 
 impl Found {
-    fn add(&mut self, location: DictLocation, rows: (usize, usize, usize), key: &KeyPath) -> Result<()> {
+    fn add(&mut self, location: DictLocation, rows: Option<(usize, usize, usize)>, key: &KeyPath) -> Result<()> {
         let differs = |detail: String| Error::InvalidArgument { op: "backing", detail };
         match &self.location {
             Some(known) if *known != location => {
@@ -369,6 +383,7 @@ impl Found {
             }
             _ => self.location = Some(location),
         }
+        let Some(rows) = rows else { return Ok(()) };
         match self.rows {
             Some(known) if known != rows => Err(differs(format!(
                 "`{key}` views rows {}..{} of {}, other tensors rows {}..{} of {}",

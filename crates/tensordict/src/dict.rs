@@ -333,6 +333,31 @@ impl TensorDict {
         }
     }
 
+    /// Changes the batch size to `batch_size`, as Python tensordict's `td.batch_size = ...`
+    /// does: every tensor's shape must start with it, and nested dicts of fewer batch dims take
+    /// it too (those of more must start with it). The batch dims may grow or shrink; the data is
+    /// not touched. A failure leaves the dict as it was.
+    pub fn set_batch_size(&mut self, batch_size: impl Into<Vec<usize>>) -> Result<()> {
+        *self = self.rebatched(&KeyPath::default(), batch_size.into())?;
+        Ok(())
+    }
+
+    fn rebatched(&self, prefix: &KeyPath, batch_size: Vec<usize>) -> Result<TensorDict> {
+        let mut out = TensorDict::new(batch_size);
+        for (name, entry) in &self.entries {
+            let path = prefix.join(name);
+            let entry = match entry {
+                Entry::Dict(d) if d.batch_dims() < out.batch_dims() => {
+                    Entry::Dict(d.rebatched(&path, out.batch_size.clone())?)
+                }
+                other => other.clone(),
+            };
+            check_fits(&path, &entry, &out.batch_size)?;
+            out.entries.insert(name.clone(), entry);
+        }
+        Ok(out)
+    }
+
     /// Sets every entry of `other` into `self`; nested dicts present in both are merged.
     pub fn update(&mut self, other: &TensorDict) -> Result<()> {
         // Check everything first so that a failure leaves `self` unchanged.

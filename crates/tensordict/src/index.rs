@@ -76,6 +76,16 @@ impl Index {
         Index::Slice { start: None, stop: None, step: 1 }
     }
 
+    /// Whether indexing with this gathers elements (a list or a mask), making a copy, rather
+    /// than viewing them where they are.
+    pub fn gathers(&self) -> bool {
+        match self {
+            Index::List(_) | Index::ListNd { .. } | Index::Mask(_) | Index::MaskNd { .. } => true,
+            Index::Tuple(items) => items.iter().any(Index::gathers),
+            _ => false,
+        }
+    }
+
     /// `start:stop:step`.
     pub fn slice(start: Option<i64>, stop: Option<i64>, step: i64) -> Self {
         Index::Slice { start, stop, step }
@@ -824,7 +834,10 @@ impl TensorDict {
 impl TensorDict {
     /// `td[index] = src` as torch and Python tensordict assign (where [`TensorDict::set_at`]
     /// asks for exact shapes and dtypes):
-    /// - `src`'s batch size must be the indexed batch size (`self.index(index)`'s);
+    /// - `src`'s batch size must be the indexed batch size (`self.index(index)`'s), or its last
+    ///   dims: then `src` is repeated over the first ones (an indexed batch size `[6, 3]` takes
+    ///   a value of batch size `[3]`, each of the 6 rows getting it), as Python tensordict
+    ///   expands it;
     /// - each tensor of `src` is converted to the dtype of its counterpart here (torch's rules,
     ///   [`Tensor::to_dtype`]) and broadcast to the indexed shape of it (its dims after the
     ///   batch dims are matched from the right; dims of size 1 repeat);
@@ -838,14 +851,18 @@ impl TensorDict {
         let index = index.into();
         let plan = Plan::resolve(&index, self.batch_size())?;
         let batch = plan.shape_after(self.batch_size());
-        if src.batch_size() != batch.as_slice() {
+        let src_batch = src.batch_size();
+        // Python tensordict expands a value whose batch size is the last dims of the indexed
+        // one, and nothing else: no dim of size 1 repeats, and no batch size of 0 dims.
+        let repeated = src_batch != batch.as_slice();
+        if repeated && (src_batch.is_empty() || src_batch.len() >= batch.len() || !batch.ends_with(src_batch)) {
             return Err(Error::Incompatible {
                 op: "assign_at",
                 detail: format!(
                     "the indexed dict has batch size {batch:?} (batch size {:?}, index {index}), which differs \
-                     from the value's batch size {:?}; only the dims after the batch dims broadcast",
+                     from the value's batch size {src_batch:?}: a value's batch size must be the indexed one, or \
+                     its last dims (the value is then repeated over the first)",
                     self.batch_size(),
-                    src.batch_size()
                 ),
             });
         }
@@ -872,6 +889,16 @@ impl TensorDict {
                 Err(e) => return Err(e),
             };
             let expected = plan.shape_after(target.dims());
+            // Repeated over the leading batch dims first, then broadcast as torch writes a
+            // tensor of the full batch size: the two differ when the value has fewer dims
+            // after its batch dims than the target.
+            let s = if repeated {
+                let mut dims = batch.clone();
+                dims.extend_from_slice(&s.dims()[src.batch_dims()..]);
+                &s.broadcast_to(dims).with_key(|| path.clone())?
+            } else {
+                s
+            };
             let value = s.to_dtype(target.dtype()).with_key(|| path.clone())?;
             let value = if value.dims() == expected.as_slice() {
                 value

@@ -277,3 +277,18 @@ fn a_shared_dict_like_another_has_its_schema_zeros_and_the_rows_asked_for() -> T
     assert!(TensorDict::open_shared(&prefix, Access::ReadOnly).is_err(), "a refused resize leaves nothing");
     Ok(())
 }
+
+#[test]
+fn every_view_of_a_stored_dict_knows_its_location() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let td = sample()?.memmap(dir.path().join("buffer"))?;
+    let root = dir.path().join("buffer");
+    for view in [td.index(Index::slice(Some(0), Some(100), 2))?, td.index(3)?, td.index((Index::NewDim, 2..4))?] {
+        assert_eq!(view.location()?, DictLocation::Folder(root.clone()));
+    }
+    // A gather is a copy on the heap; a dict of nothing stored has no location.
+    let err = td.index(vec![1i64, 5])?.location().unwrap_err();
+    assert!(err.to_string().contains("heap"), "{err}");
+    assert!(sample()?.location().is_err());
+    Ok(())
+}

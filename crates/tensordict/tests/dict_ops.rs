@@ -772,3 +772,67 @@ TensorDict(batch_size=[3], fields={
     assert_eq!(td.to_string(), expected);
     Ok(())
 }
+
+// === Batch size ===
+
+#[test]
+fn set_batch_size_grows_or_shrinks_the_batch_dims_as_python_sets_them() -> TestResult {
+    let mut td = sample()?;
+    td.set_batch_size([2])?;
+    assert_eq!(td.batch_size(), &[2]);
+    // Nested dicts keep a batch size that still starts with the new one.
+    assert_eq!(td.get_dict("n")?.batch_size(), &[2, 3]);
+
+    let mut flat = TensorDict::new(Vec::<usize>::new());
+    flat.set("a", counting(&[2, 3, 4], 0)?)?;
+    flat.set("n", TensorDict::new(Vec::<usize>::new()))?;
+    flat.set(["n", "x"], counting(&[2, 3], 0)?)?;
+    flat.set_batch_size([2, 3])?;
+    assert_eq!(flat.batch_size(), &[2, 3]);
+    // A nested dict of fewer batch dims takes the new batch size too.
+    assert_eq!(flat.get_dict("n")?.batch_size(), &[2, 3]);
+    Ok(())
+}
+
+#[test]
+fn a_batch_size_the_tensors_do_not_have_is_refused_and_changes_nothing() -> TestResult {
+    let mut td = sample()?;
+    let before = snapshot(&td)?;
+    for batch in [vec![3], vec![2, 3, 4], vec![2, 2]] {
+        let err = expect_err(td.set_batch_size(batch.clone()), "a batch size that does not fit");
+        assert!(matches!(err, Error::BatchSizeMismatch { .. }), "{batch:?}: {err}");
+        assert_eq!(td.batch_size(), &[2, 3]);
+    }
+    // The nested dict of fewer batch dims is named by its whole key.
+    let mut flat = TensorDict::new(Vec::<usize>::new());
+    flat.set(["n", "x"], counting(&[4], 0)?)?;
+    let err = expect_err(flat.set_batch_size([2]), "a nested tensor that does not fit");
+    assert!(err.to_string().contains("n.x"), "{err}");
+    assert_eq!(snapshot(&td)?, before);
+    Ok(())
+}
+
+#[test]
+fn a_value_whose_batch_size_is_the_last_dims_of_the_indexed_one_is_repeated() -> TestResult {
+    let mut td = TensorDict::new([3, 2]);
+    td.set("a", zeros(&[3, 2, 4], DType::I32)?)?;
+    let mut row = TensorDict::new([2]);
+    row.set("a", counting(&[2, 1], 10)?)?;
+    // Rows 0 and 2 (an indexed batch size of [2, 2]) each get the value, broadcast over its last dim.
+    td.assign_at(vec![0i64, 2], &row)?;
+    let a = td.get_tensor("a")?.to_vec::<i32>()?;
+    assert_eq!(&a[..8], &[10, 10, 10, 10, 11, 11, 11, 11]);
+    assert_eq!(&a[8..16], &[0; 8]);
+    assert_eq!(&a[16..], &[10, 10, 10, 10, 11, 11, 11, 11]);
+
+    // Not a size-1 dim, not a batch size of no dims, not the first dims.
+    for batch in [vec![1, 2], vec![], vec![3]] {
+        let mut src = TensorDict::new(batch.clone());
+        let mut dims = batch.clone();
+        dims.push(4);
+        src.set("a", counting(&dims, 1)?)?;
+        let err = expect_err(td.assign_at(.., &src), "a batch size that is not the last dims");
+        assert!(err.to_string().contains("its last dims"), "{batch:?}: {err}");
+    }
+    Ok(())
+}

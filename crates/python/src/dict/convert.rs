@@ -135,7 +135,7 @@ pub(super) fn fill(
 
 /// Whether `obj` is a Python `tensordict.TensorDict` (or a tensorclass): it has a batch size
 /// and gives its entries by `to_dict`.
-fn is_python_tensordict(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+pub(super) fn is_python_tensordict(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     Ok(!obj.is_instance_of::<PyDict>() && obj.hasattr("batch_size")? && obj.hasattr("to_dict")?)
 }
 
@@ -165,11 +165,20 @@ pub(crate) fn dict_arg(obj: &Bound<'_, PyAny>) -> PyResult<TensorDict> {
 
 /// The value of `td[index] = value` when it is a dict of rows: ours (shared), a Python
 /// tensordict (its batch size), or a dict of arrays (given the indexed batch size `batch`).
+///
+/// A dict whose batch size is neither `batch` nor its last dims (which `assign_at` repeats over
+/// the first) is given `batch` when its tensors allow, as Python tensordict sets it.
 pub(crate) fn rows_with_batch(value: &Bound<'_, PyAny>, batch: &[usize]) -> PyResult<TensorDict> {
-    // A dict of a shorter batch size takes the indexed one when its tensors allow, as in
-    // Python tensordict.
+    let fit = |d: TensorDict| {
+        let b = d.batch_size();
+        if b == batch || (!b.is_empty() && b.len() < batch.len() && batch.ends_with(b)) {
+            d
+        } else {
+            with_batch(d, batch)
+        }
+    };
     if let Ok(td) = value.cast::<PyTensorDict>() {
-        return Ok(rebatch(td.get().dict()?.as_ref().clone(), batch));
+        return Ok(fit(td.get().dict()?.as_ref().clone()));
     }
     if let Ok(d) = value.cast::<PyDict>() {
         let mut td = TensorDict::new(batch.to_vec());
@@ -177,7 +186,7 @@ pub(crate) fn rows_with_batch(value: &Bound<'_, PyAny>, batch: &[usize]) -> PyRe
         return Ok(td);
     }
     if is_python_tensordict(value)? {
-        return Ok(rebatch(from_python_tensordict(value)?, batch));
+        return Ok(fit(from_python_tensordict(value)?));
     }
     Err(PyTypeError::new_err(format!(
         "td[index] = value takes a TensorDict, a dict of arrays, a tensordict.TensorDict, a tensor or a number; \
@@ -307,22 +316,20 @@ fn json(value: &Bound<'_, PyAny>) -> PyResult<Value> {
     serde_json::from_str(&text).map_err(|e| PyTypeError::new_err(format!("{}: {e}", type_name(value))))
 }
 
-/// `d` with the batch size `batch` when its own is a shorter start of it (a dict made without
-/// one, set into a dict that has one), as Python tensordict does; nested dicts likewise. A dict
-/// whose tensors do not fit `batch` is given back as it was, for `set` to refuse.
+/// `d` with the batch size `batch` (a dict set into a dict of that batch size, whose own does
+/// not start with it), as Python tensordict sets it.
 fn rebatch(d: TensorDict, batch: &[usize]) -> TensorDict {
-    if d.batch_size().len() >= batch.len() || !batch.starts_with(d.batch_size()) {
-        return d;
+    if d.batch_size().starts_with(batch) { d } else { with_batch(d, batch) }
+}
+
+/// `d` with the batch size `batch` ([`TensorDict::set_batch_size`]); a dict whose tensors do
+/// not fit `batch` is given back as it was, for the write to refuse with its own message.
+fn with_batch(d: TensorDict, batch: &[usize]) -> TensorDict {
+    let mut out = d.clone();
+    match out.set_batch_size(batch) {
+        Ok(()) => out,
+        Err(_) => d,
     }
-    let mut out = TensorDict::new(batch.to_vec());
-    let fits = d.iter().all(|(name, entry)| {
-        let entry = match entry {
-            Entry::Dict(n) => Entry::Dict(rebatch(n.clone(), batch)),
-            other => other.clone(),
-        };
-        out.set(name, entry).is_ok()
-    });
-    if fits { out } else { d }
 }
 
 /// The entries of `other` for `update`: (key, value) of ours, of a Python tensordict, or of a

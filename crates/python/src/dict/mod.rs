@@ -10,10 +10,13 @@
 
 mod convert;
 mod index;
+mod lock;
+mod pickle;
+mod write;
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use memmap_tensor::{Access, StorageKind, Tensor};
+use memmap_tensor::Access;
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -22,10 +25,14 @@ use serde_json::Value;
 use tensordict::{Entry, Index, KeyPath, TensorDict};
 
 pub(crate) use convert::{DictOf, to_tensordict};
-use convert::{entry_from_py, fill, rows_from_py};
+use convert::{fill, rows_from_py};
 use index::index;
 pub(crate) use index::index as parse_index;
 use index::key_path;
+use lock::Locks;
+pub(crate) use lock::locked_error_class;
+pub(crate) use pickle::_reopen_view;
+use write::Mode;
 
 use crate::dlpack;
 use crate::error::{Kind, raise, to_py_err};
@@ -36,11 +43,17 @@ use crate::tensor::PyTensor;
 #[pyclass(name = "TensorDict", module = "tensordict_rs", frozen)]
 pub struct PyTensorDict {
     /// The tree this handle is on, shared with the handles of its nested dicts.
-    root: Arc<Mutex<Arc<TensorDict>>>,
+    root: Arc<Mutex<Tree>>,
     /// Where in the tree this dict is (empty for the tree itself).
     path: KeyPath,
     /// What must outlive every tensor of the dict, beside its storages: a store lease.
     pub(crate) keep: Keep,
+}
+
+/// A tree of dicts, as the handles on it see it: the dicts, and which of them are locked.
+struct Tree {
+    dict: Arc<TensorDict>,
+    locks: Locks,
 }
 
 /// Held by a dict, its tensors and every DLPack export of them (a store's lease on an entry).
@@ -52,156 +65,113 @@ impl PyTensorDict {
     }
 
     pub(crate) fn with_keep(inner: TensorDict, keep: Keep) -> Self {
-        PyTensorDict { root: Arc::new(Mutex::new(Arc::new(inner))), path: KeyPath::default(), keep }
+        Self::with_locks(inner, keep, Locks::default())
     }
 
-    /// A new tree derived from this dict (an index, a copy): it keeps what this one keeps.
+    /// A dict locked from the top, as `memmap` and `share_memory` return it.
+    fn locked(inner: TensorDict) -> Self {
+        Self::with_locks(inner, None, Locks::stored())
+    }
+
+    fn with_locks(inner: TensorDict, keep: Keep, locks: Locks) -> Self {
+        let tree = Tree { dict: Arc::new(inner), locks };
+        PyTensorDict { root: Arc::new(Mutex::new(tree)), path: KeyPath::default(), keep }
+    }
+
+    /// A new tree derived from this dict (a copy, a selection): it keeps what this one keeps,
+    /// and is not locked.
     fn derived(&self, inner: TensorDict) -> Self {
         Self::with_keep(inner, self.keep.clone())
     }
 
+    /// A view of this dict (an index, a split): a new tree that keeps what this one keeps, and
+    /// is locked as Python tensordict locks it (`Locks::of_view`; `keep` for a split).
+    fn view(&self, inner: TensorDict, keep: bool) -> Self {
+        let locks = self.tree().locks.of_view(&self.path, keep);
+        Self::with_locks(inner, self.keep.clone(), locks)
+    }
+
     /// The nested dict at `key` below this one, as a handle on the same tree.
     fn nested(&self, key: &KeyPath) -> Self {
+        PyTensorDict { root: self.root.clone(), path: self.below(key), keep: self.keep.clone() }
+    }
+
+    /// The path in the tree of `key` of this dict.
+    fn below(&self, key: &KeyPath) -> KeyPath {
         let mut parts = self.path.parts().to_vec();
         parts.extend_from_slice(key.parts());
-        PyTensorDict { root: self.root.clone(), path: KeyPath::new(parts), keep: self.keep.clone() }
+        KeyPath::new(parts)
+    }
+
+    fn tree(&self) -> std::sync::MutexGuard<'_, Tree> {
+        self.root.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether this dict is locked (by itself, or by a dict it is nested in).
+    fn is_locked_now(&self) -> bool {
+        self.tree().locks.covers(&self.path)
     }
 
     /// The dict now: a snapshot, whose tensors share their memory with the tree's.
     pub(crate) fn dict(&self) -> PyResult<Arc<TensorDict>> {
-        let root = self.root.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let root = self.tree().dict.clone();
         if self.path.is_empty() {
             return Ok(root);
         }
         match root.get_dict(&self.path) {
             Ok(d) => Ok(Arc::new(d.clone())),
-            Err(_) => Err(raise(
-                Kind::Key,
-                format!("the nested dict `{}` this handle stood for is no longer in its parent", self.path),
-            )),
+            Err(_) => Err(self.gone()),
         }
+    }
+
+    fn gone(&self) -> PyErr {
+        raise(Kind::Key, format!("the nested dict `{}` this handle stood for is no longer in its parent", self.path))
     }
 
     /// Changes the dict by `f`, under the tree's lock: `f` runs no Python code and does not
     /// release the GIL. A failure of `f` changes nothing.
-    fn mutate<R>(&self, f: impl FnOnce(&mut TensorDict) -> tensordict::Result<R>) -> PyResult<R> {
-        let mut root = self.root.lock().unwrap_or_else(PoisonError::into_inner);
-        if self.path.is_empty() {
-            // A copy of the tree (not of the data) if a snapshot of it is still held.
-            let mut tree = (**root).clone();
-            let out = f(&mut tree).map_err(to_py_err)?;
-            *root = Arc::new(tree);
-            return Ok(out);
+    ///
+    /// `keys` are the keys whose entries `f` sets or removes: refused if the dict they are in is
+    /// locked, and a lock on a dict replaced or removed there is forgotten.
+    fn mutate<R>(&self, keys: &[KeyPath], f: impl FnOnce(&mut TensorDict) -> tensordict::Result<R>) -> PyResult<R> {
+        let mut tree = self.tree();
+        for key in keys {
+            if tree.locks.covers(&self.below(&write::parent(key))) {
+                let what = if self.dict_of(&tree)?.contains(key.clone()) {
+                    format!("`{key}` is a key of it")
+                } else {
+                    format!("`{key}` is not a key of it")
+                };
+                return Err(lock::locked(what));
+            }
         }
-        let mut nested = root
-            .get_dict(&self.path)
-            .map_err(|_| {
-                raise(
-                    Kind::Key,
-                    format!("the nested dict `{}` this handle stood for is no longer in its parent", self.path),
-                )
-            })?
-            .clone();
-        let out = f(&mut nested).map_err(to_py_err)?;
-        let mut tree = (**root).clone();
-        tree.set(self.path.clone(), nested).map_err(to_py_err)?;
-        *root = Arc::new(tree);
+        let out = if self.path.is_empty() {
+            // A copy of the tree (not of the data) if a snapshot of it is still held.
+            let mut dict = (*tree.dict).clone();
+            let out = f(&mut dict).map_err(to_py_err)?;
+            tree.dict = Arc::new(dict);
+            out
+        } else {
+            let mut nested = self.dict_of(&tree)?;
+            let out = f(&mut nested).map_err(to_py_err)?;
+            let mut dict = (*tree.dict).clone();
+            dict.set(self.path.clone(), nested).map_err(to_py_err)?;
+            tree.dict = Arc::new(dict);
+            out
+        };
+        for key in keys {
+            tree.locks.forget(&self.below(key));
+        }
         Ok(out)
     }
 
-    /// `td[key] = value` for an entry: in place into a mapped tensor, else set.
-    fn set_entry(&self, py: Python<'_>, key: KeyPath, value: &Bound<'_, PyAny>, inplace: bool) -> PyResult<()> {
-        let td = self.dict()?;
-        let existing = match td.get(key.clone()) {
-            Ok(Entry::Tensor(t)) => Some(t.clone()),
-            _ => None,
-        };
-        // The batch size of the dict the entry goes into (a nested one for a nested key).
-        let parent = KeyPath::from(&key.parts()[..key.len().saturating_sub(1)]);
-        let batch = match td.get_dict(parent) {
-            Ok(d) => d.batch_size().to_vec(),
-            Err(_) => td.batch_size().to_vec(),
-        };
-        let entry = entry_from_py(value, &batch)?;
-        match existing {
-            Some(target) if inplace || is_mapped(&target) => {
-                let Entry::Tensor(value) = entry else {
-                    return Err(raise(
-                        Kind::Type,
-                        format!("`{key}` holds a tensor, written in place: its value must be a tensor"),
-                    ));
-                };
-                write_in_place(py, &key, target, &value, inplace)
-            }
-            _ => self.mutate(|d| d.set(key, entry)),
+    /// This handle's dict in `tree`, copied (its tensors shared).
+    fn dict_of(&self, tree: &Tree) -> PyResult<TensorDict> {
+        if self.path.is_empty() {
+            return Ok((*tree.dict).clone());
         }
+        tree.dict.get_dict(&self.path).cloned().map_err(|_| self.gone())
     }
-}
-
-/// Whether `t` is mapped from a file or shared memory: assigning to it writes the memory.
-fn is_mapped(t: &Tensor) -> bool {
-    matches!(t.storage().kind(), StorageKind::File | StorageKind::Shm)
-}
-
-/// Refuses a write into `t` unless its memory is writable for everyone who maps it, saying how
-/// to open it so.
-fn check_writable(key: &KeyPath, t: &Tensor) -> PyResult<()> {
-    let storage = t.storage();
-    match storage.access() {
-        Access::ReadWrite => Ok(()),
-        access => {
-            let how = match storage.kind() {
-                StorageKind::Shm => "TensorDict.open_shared(prefix, writable=True)",
-                _ => "TensorDict.load_memmap(path, writable=True)",
-            };
-            let mode = if access == Access::ReadOnly { "read-only" } else { "copy-on-write (the default)" };
-            Err(raise(
-                Kind::Permission,
-                format!(
-                    "`{key}` is mapped {mode} from {}: a write would not reach it. Open the dict with {how} \
-                     to write to it",
-                    storage.describe()
-                ),
-            ))
-        }
-    }
-}
-
-/// Writes `value` into the mapped tensor `target` in place: the same shape and dtype, unless
-/// `convert` (`set(..., inplace=True)`, which broadcasts and converts as torch's `copy_`).
-fn write_in_place(py: Python<'_>, key: &KeyPath, target: Tensor, value: &Tensor, convert: bool) -> PyResult<()> {
-    check_writable(key, &target)?;
-    let value = if convert {
-        value.to_dtype(target.dtype()).and_then(|v| v.broadcast_to(target.shape().clone())).map_err(to_py_err)?
-    } else if value.dims() != target.dims() || value.dtype() != target.dtype() {
-        return Err(raise(
-            Kind::Value,
-            format!(
-                "`{key}` is mapped from {} as {} {:?}, and a value of {} {:?} cannot replace it there: a mapped \
-                 leaf keeps its shape and dtype (`del td[key]` first to hold a new tensor in memory, or write a \
-                 new folder with memmap)",
-                target.storage().describe(),
-                target.dtype(),
-                target.dims(),
-                value.dtype(),
-                value.dims()
-            ),
-        ));
-    } else {
-        value.clone()
-    };
-    let mut target = target;
-    crate::gil::detach(py, || target.copy_from(&value)).map_err(to_py_err)
-}
-
-/// Refuses `td[index] = ...` when a tensor it writes is mapped read-only or copy-on-write.
-fn check_all_writable(td: &TensorDict, keys: Option<&TensorDict>) -> PyResult<()> {
-    for (key, t) in td.leaves() {
-        if keys.is_none_or(|k| k.contains(key.clone())) && is_mapped(t) {
-            check_writable(&key, t)?;
-        }
-    }
-    Ok(())
 }
 
 /// A device from Python: `"cpu"`, `"cuda"`, `"cuda:N"`, or anything that prints so (a
@@ -286,19 +256,20 @@ impl PyTensorDict {
     }
 
     /// Writes the dict to the folder `path` in Python tensordict's memmap format (atomically)
-    /// and returns it mapped from there, read-write.
+    /// and returns it mapped from there, read-write and locked (as Python tensordict's
+    /// `memmap`): its tensors take writes, its keys do not change until `unlock_()`.
     #[pyo3(signature = (path, *, overwrite=false))]
     fn memmap(&self, py: Python<'_>, path: std::path::PathBuf, overwrite: bool) -> PyResult<Self> {
         let td = self.dict()?;
         let options = tensordict::WriteOptions::default().overwrite(overwrite);
         let inner = crate::gil::detach(py, || td.memmap_with(&path, &options)).map_err(to_py_err)?;
-        Ok(PyTensorDict::new(inner))
+        Ok(PyTensorDict::locked(inner))
     }
 
     /// A folder at `prefix` with this dict's structure, dtypes and shapes, every tensor zeros
     /// (non-tensor values kept), mapped read-write: the way to make a dataset or a buffer to
     /// fill. `batch_size` changes the number of rows (the first batch dim; an int, or a batch
-    /// size that differs from this one only there).
+    /// size that differs from this one only there). Locked, as `memmap` returns it.
     #[pyo3(signature = (prefix, batch_size=None, *, overwrite=false))]
     fn memmap_like(
         &self,
@@ -311,17 +282,18 @@ impl PyTensorDict {
         let rows = rows_from_py(&td, batch_size)?;
         let options = tensordict::WriteOptions::default().overwrite(overwrite);
         let inner = crate::gil::detach(py, || td.memmap_like_with(&prefix, rows, &options)).map_err(to_py_err)?;
-        Ok(PyTensorDict::new(inner))
+        Ok(PyTensorDict::locked(inner))
     }
 
-    /// Copies the dict into the shared-memory prefix `prefix` and returns it from there.
+    /// Copies the dict into the shared-memory prefix `prefix` and returns it from there,
+    /// locked (as Python tensordict's `share_memory_`).
     fn share_memory(&self, py: Python<'_>, prefix: String) -> PyResult<Self> {
         let td = self.dict()?;
         let inner = crate::gil::detach(py, || td.share_memory(&prefix)).map_err(to_py_err)?;
-        Ok(PyTensorDict::new(inner))
+        Ok(PyTensorDict::locked(inner))
     }
 
-    /// `memmap_like` into shared memory: zeros of this structure under `prefix`.
+    /// `memmap_like` into shared memory: zeros of this structure under `prefix`, locked.
     #[pyo3(signature = (prefix, batch_size=None))]
     fn share_memory_like(
         &self,
@@ -332,7 +304,7 @@ impl PyTensorDict {
         let td = self.dict()?;
         let rows = rows_from_py(&td, batch_size)?;
         let inner = crate::gil::detach(py, || td.share_memory_like(&prefix, rows)).map_err(to_py_err)?;
-        Ok(PyTensorDict::new(inner))
+        Ok(PyTensorDict::locked(inner))
     }
 
     /// Removes the shared-memory dict `prefix`.
@@ -345,6 +317,13 @@ impl PyTensorDict {
     #[getter]
     fn batch_size<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         PyTuple::new(py, self.dict()?.batch_size())
+    }
+
+    /// `td.batch_size = [...]`, as in Python tensordict: every tensor's shape must start with
+    /// it; nested dicts of fewer batch dims take it. A locked dict takes it.
+    #[setter(batch_size)]
+    fn set_batch_size(&self, batch_size: Vec<usize>) -> PyResult<()> {
+        self.mutate(&[], |d| d.set_batch_size(batch_size))
     }
 
     /// The batch size (Python tensordict's `shape`).
@@ -412,8 +391,18 @@ impl PyTensorDict {
             return self.entry_to_py(py, &path, entry);
         }
         let index = index(key)?;
+        // Python tensordict returns the dict itself for `...`, `()` and `:`, locked as it is;
+        // rows gathered by a list or a mask are a copy.
+        let whole = match &index {
+            Index::Ellipsis => true,
+            Index::Tuple(items) => items.is_empty(),
+            Index::Slice { start: None, stop: None, step: 1 } => true,
+            _ => false,
+        };
+        let copied = index.gathers();
         let inner = crate::gil::detach(py, || td.index(index)).map_err(to_py_err)?;
-        Ok(Py::new(py, self.derived(inner))?.into_any())
+        let out = if copied { self.derived(inner) } else { self.view(inner, whole) };
+        Ok(Py::new(py, out)?.into_any())
     }
 
     /// `td[key] = value` and `td[index] = value`, as Python tensordict assigns.
@@ -429,43 +418,29 @@ impl PyTensorDict {
     ///
     /// An index writes the indexed rows of every tensor of `value` (a TensorDict, a dict of
     /// arrays, a Python `tensordict.TensorDict`) through to the memory that backs them. Its
-    /// batch size must be the indexed one; its tensors are converted to the dtypes here and
-    /// broadcast over their other dims; a key missing here is created (zeros, in memory). A
-    /// number or a single tensor is written into every tensor. A dict mapped read-only or
-    /// copy-on-write refuses, with nothing written.
+    /// batch size must be the indexed one, or its last dims (a TensorDict is then repeated over
+    /// the first, as Python tensordict expands it); its tensors are converted to the dtypes
+    /// here and broadcast over their other dims; a key missing here is created (zeros, in
+    /// memory), unless the dict is locked. A number or a single tensor is written into every
+    /// tensor. A dict mapped read-only or copy-on-write refuses, and so does a locked dict
+    /// asked for a new key or to replace one: with nothing written, whatever the form.
     fn __setitem__(&self, py: Python<'_>, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
-        if let Some(path) = key_path(key)? {
-            return self.set_entry(py, path, value, false);
-        }
-        let index = index(key)?;
-        let td = self.dict()?;
-        if let Some(value) = convert::single_value(value)? {
-            check_all_writable(&td, None)?;
-            let mut view = (*td).clone();
-            return crate::gil::detach(py, || view.fill_at(index, &value)).map_err(to_py_err);
-        }
-        let batch = td.index_shape(&index).map_err(to_py_err)?;
-        let src = convert::rows_with_batch(value, &batch)?;
-        check_all_writable(&td, Some(&src))?;
-        let creates = src.leaves().iter().any(|(k, _)| !td.contains(k.clone()));
-        if creates {
-            // New leaves change the tree: under its lock (zeros are made, then the rows written).
-            self.mutate(|d| d.assign_at(index, &src))
-        } else {
-            let mut view = (*td).clone();
-            crate::gil::detach(py, || view.assign_at(index, &src)).map_err(to_py_err)
+        match key_path(key)? {
+            Some(path) => self.write_entries(py, vec![(path, value.clone())], Mode::Replace, false),
+            None => self.write_index(py, index(key)?, value),
         }
     }
 
     /// `del td[key]`: removes the entry from the dict (a folder it was loaded from keeps it).
+    /// A locked dict refuses it.
     fn __delitem__(&self, key: &Bound<'_, PyAny>) -> PyResult<()> {
         let path = required_key(key)?;
-        self.mutate(|d| d.remove(path)).map(drop)
+        self.mutate(std::slice::from_ref(&path), |d| d.remove(path.clone())).map(drop)
     }
 
-    /// `td[key] = value`, returning the dict. With `inplace=True`, an existing tensor is written
-    /// in place whatever backs it (the value converted to its dtype and broadcast to its shape,
-    /// as torch's `copy_`).
+    /// `td[key] = value`, returning the dict. With `inplace=True`, a tensor present is written
+    /// in place whatever backs it (the value's leading dims the batch size, converted to the
+    /// tensor's dtype and broadcast to its shape, as torch's `copy_`), and a new key is set.
     #[pyo3(signature = (key, value, *, inplace=false))]
     fn set<'py>(
         slf: &Bound<'py, Self>,
@@ -473,7 +448,42 @@ impl PyTensorDict {
         value: &Bound<'py, PyAny>,
         inplace: bool,
     ) -> PyResult<Bound<'py, Self>> {
-        slf.get().set_entry(slf.py(), required_key(key)?, value, inplace)?;
+        let mode = if inplace { Mode::InPlaceOrNew } else { Mode::Replace };
+        slf.get().write_entries(slf.py(), vec![(required_key(key)?, value.clone())], mode, false)?;
+        Ok(slf.clone())
+    }
+
+    /// Writes `value` into the entry at `key` in place, as `set(key, value, inplace=True)`,
+    /// and returns the dict: a key not present is a `KeyError`. A locked dict takes it.
+    fn set_<'py>(
+        slf: &Bound<'py, Self>,
+        key: &Bound<'py, PyAny>,
+        value: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, Self>> {
+        slf.get().write_entries(slf.py(), vec![(required_key(key)?, value.clone())], Mode::InPlace, true)?;
+        Ok(slf.clone())
+    }
+
+    /// Writes `value` (a number or a tensor) into the tensor at `key` at `index` of the batch
+    /// dims, converted and broadcast as torch writes `tensor[index] = value`; returns the dict.
+    fn set_at_<'py>(
+        slf: &Bound<'py, Self>,
+        key: &Bound<'py, PyAny>,
+        value: &Bound<'py, PyAny>,
+        index: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, Self>> {
+        slf.get().write_at_key(slf.py(), required_key(key)?, value, self::index(index)?, "set_at_")?;
+        Ok(slf.clone())
+    }
+
+    /// Fills the tensor at `key` (every tensor below it, for a nested dict) with `value` (a
+    /// number or a 0-d tensor); returns the dict.
+    fn fill_<'py>(
+        slf: &Bound<'py, Self>,
+        key: &Bound<'py, PyAny>,
+        value: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, Self>> {
+        slf.get().write_at_key(slf.py(), required_key(key)?, value, Index::Tuple(Vec::new()), "fill_")?;
         Ok(slf.clone())
     }
 
@@ -484,21 +494,43 @@ impl PyTensorDict {
     }
 
     /// Sets every entry of `other` (a TensorDict, a dict, a Python tensordict) as `td[key] =
-    /// value` does; nested dicts present in both are merged. Returns the dict.
+    /// value` does, or with `inplace=True` as `set(key, value, inplace=True)` does; a dict
+    /// value at the key of a nested dict is written into it, entry by entry. Everything is
+    /// checked first: a refused update writes nothing. Returns the dict.
     #[pyo3(signature = (other, *, inplace=false))]
     fn update<'py>(slf: &Bound<'py, Self>, other: &Bound<'py, PyAny>, inplace: bool) -> PyResult<Bound<'py, Self>> {
-        let py = slf.py();
+        let mode = if inplace { Mode::InPlaceOrNew } else { Mode::Replace };
+        slf.get().write_entries(slf.py(), convert::entries_of(other)?, mode, true)?;
+        Ok(slf.clone())
+    }
+
+    /// `update` in place, as `set_` writes: every key of `other` must be present here (a
+    /// `KeyError` otherwise, with nothing written). A locked dict takes it. Returns the dict.
+    fn update_<'py>(slf: &Bound<'py, Self>, other: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Self>> {
+        slf.get().write_entries(slf.py(), convert::entries_of(other)?, Mode::InPlace, true)?;
+        Ok(slf.clone())
+    }
+
+    /// Whether the dict is locked: it refuses new keys, deletions and `td[key] = value`, and
+    /// takes writes into its tensors (`td[index] = value`, `set_`, `update_`, `set_at_`,
+    /// `fill_`). `memmap` and `share_memory` return a locked dict, as Python tensordict's do.
+    #[getter]
+    fn is_locked(&self) -> bool {
+        self.is_locked_now()
+    }
+
+    /// Locks the dict and the dicts nested in it; returns it.
+    fn lock_<'py>(slf: &Bound<'py, Self>) -> Bound<'py, Self> {
         let this = slf.get();
-        for (key, value) in convert::entries_of(other)? {
-            match (this.dict()?.get(key.clone()), value.cast::<PyDict>()) {
-                // A dict into a dict: merged, entry by entry.
-                (Ok(Entry::Dict(_)), Ok(_)) => {
-                    let nested = Bound::new(py, this.nested(&key))?;
-                    Self::update(&nested, &value, inplace)?;
-                }
-                _ => this.set_entry(py, key, &value, inplace)?,
-            }
-        }
+        this.tree().locks.lock(&this.path);
+        slf.clone()
+    }
+
+    /// Unlocks the dict and the dicts nested in it; returns it. A dict nested in a locked one
+    /// cannot be unlocked alone.
+    fn unlock_<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, Self>> {
+        let this = slf.get();
+        this.tree().locks.unlock(&this.path).map_err(lock::locked_message)?;
         Ok(slf.clone())
     }
 
@@ -582,7 +614,7 @@ impl PyTensorDict {
             }
         };
         let parts = td.split(&sizes, d).map_err(to_py_err)?;
-        Ok(parts.into_iter().map(|p| self.derived(p)).collect())
+        Ok(parts.into_iter().map(|p| self.view(p, true)).collect())
     }
 
     /// The dicts along a batch dim, that dim removed, as views.
@@ -590,7 +622,7 @@ impl PyTensorDict {
     fn unbind(&self, dim: i64) -> PyResult<Vec<Self>> {
         let td = self.dict()?;
         let parts = td.unbind(batch_dim(&td, dim)?).map_err(to_py_err)?;
-        Ok(parts.into_iter().map(|p| self.derived(p)).collect())
+        Ok(parts.into_iter().map(|p| self.view(p, false)).collect())
     }
 
     /// A reference to this dict (a few hundred bytes, picklable) at the generation its storage
@@ -696,7 +728,7 @@ impl PyTensorDict {
         let device = self::device(device)?;
         let td = self.dict()?;
         let inner = crate::gil::detach(py, || td.to(device)).map_err(to_py_err)?;
-        Ok(self.derived(inner))
+        Ok(self.view(inner, true))
     }
 
     /// Rows `indices` of the first batch dim gathered straight into new memory of `device`:
@@ -727,31 +759,13 @@ impl PyTensorDict {
         Ok(self.dict()?.to_string())
     }
 
-    /// Pickles by where the dict lives (its folder or shared-memory prefix, and the rows it
-    /// views): unpickling maps it again, in whatever process, with no copy. A dict on the heap
-    /// cannot be pickled so: write it with `memmap` or `share_memory` first.
-    ///
-    /// The pickle also carries the view's batch size and every leaf's shape, and unpickling
-    /// gives back exactly that view (new unit dims, `td[None]`, put back) or raises: a view that
-    /// rows and unit dims cannot make again (`td[None, 2:4]`), or rows the folder no longer has,
-    /// are an error, never another dict.
+    /// Pickles by where the dict lives (its folder or shared-memory prefix) and the layout of
+    /// each tensor over the memory there: unpickling maps it again, in whatever process, with
+    /// no copy, as exactly the view it was (see `pickle.rs`). A dict with data on the heap
+    /// cannot be pickled so, and `dumps` says so: write it with `memmap` or `share_memory`
+    /// first.
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
-        let td = self.dict()?;
-        let backing = td.backing().map_err(|e| {
-            PyTypeError::new_err(format!(
-                "a TensorDict pickles by where it lives (a folder or shared memory): {}",
-                memmap_tensor::ErrorChain(&e)
-            ))
-        })?;
-        let leaves = td.leaves();
-        let writable = leaves.iter().all(|(_, t)| t.storage().access() == Access::ReadWrite);
-        let rows = backing.rows.map(|r| (r.start, r.end));
-        let shapes: Vec<(Vec<String>, Vec<usize>)> =
-            leaves.iter().map(|(k, t)| (k.parts().to_vec(), t.dims().to_vec())).collect();
-        let reopen = py.import("tensordict_rs._native")?.getattr("_reopen")?;
-        let args =
-            (backing.location.to_string(), writable, rows, td.batch_size().to_vec(), shapes).into_pyobject(py)?;
-        Ok((reopen, args))
+        self.reduce(py)
     }
 }
 
@@ -802,75 +816,4 @@ fn join(py: Python<'_>, dicts: Vec<Bound<'_, PyAny>>, dim: i64, new_dim: bool) -
     let refs: Vec<&TensorDict> = tds.iter().collect();
     let out = crate::gil::detach(py, || if new_dim { TensorDict::stack(&refs, d) } else { TensorDict::cat(&refs, d) });
     Ok(PyTensorDict::new(out.map_err(to_py_err)?))
-}
-
-/// Maps a dict again from where it lives (what `TensorDict.__reduce__` pickles), as the view
-/// it was: its rows, then the unit dims the view added, checked against the batch size and
-/// leaf shapes it had.
-#[pyfunction]
-#[pyo3(signature = (location, writable, rows=None, batch_size=None, shapes=None))]
-pub(crate) fn _reopen(
-    py: Python<'_>,
-    location: String,
-    writable: bool,
-    rows: Option<(usize, usize)>,
-    batch_size: Option<Vec<usize>>,
-    shapes: Option<Vec<(Vec<String>, Vec<usize>)>>,
-) -> PyResult<PyTensorDict> {
-    let location = tensordict::DictLocation::parse(std::ffi::OsStr::new(&location)).map_err(PyValueError::new_err)?;
-    let td = crate::gil::detach(py, || location.open(access(writable))).map_err(to_py_err)?;
-    let changed = |what: String| raise(Kind::Other, format!("{location} does not give back the view pickled: {what}"));
-    let td = match rows {
-        Some((start, stop)) => {
-            let len = td.batch_size().first().copied().unwrap_or(0);
-            if start > stop || stop > len {
-                return Err(changed(format!("it viewed rows {start}..{stop}, and there are {len}")));
-            }
-            td.index(Index::slice(Some(start as i64), Some(stop as i64), 1)).map_err(to_py_err)?
-        }
-        None => td,
-    };
-    let Some(batch_size) = batch_size else { return Ok(PyTensorDict::new(td)) };
-    let td = match new_unit_dims(td.batch_size(), &batch_size) {
-        Some(index) if index.iter().any(|i| matches!(i, Index::NewDim)) => {
-            td.index(Index::Tuple(index)).map_err(to_py_err)?
-        }
-        Some(_) => td,
-        None => {
-            return Err(changed(format!(
-                "its batch size was {batch_size:?}, and the rows it names make {:?}",
-                td.batch_size()
-            )));
-        }
-    };
-    for (key, dims) in shapes.unwrap_or_default() {
-        let key = KeyPath::new(key);
-        match td.get(key.clone()) {
-            Ok(Entry::Tensor(t)) if t.dims() == dims.as_slice() => {}
-            Ok(Entry::Tensor(t)) => {
-                return Err(changed(format!("`{key}` had shape {dims:?}, and is {:?} now", t.dims())));
-            }
-            _ => return Err(changed(format!("`{key}` is gone"))),
-        }
-    }
-    Ok(PyTensorDict::new(td))
-}
-
-/// The index that makes batch size `want` of `have` by adding unit dims (`None`s and full
-/// slices), or `None` if adding unit dims cannot. Adjacent unit dims are interchangeable, so
-/// matching each dim of `have` to the first equal dim of `want` left is enough.
-fn new_unit_dims(have: &[usize], want: &[usize]) -> Option<Vec<Index>> {
-    let mut index = Vec::with_capacity(want.len());
-    let mut rest = have.iter().peekable();
-    for &dim in want {
-        if rest.peek() == Some(&&dim) {
-            rest.next();
-            index.push(Index::slice(None, None, 1));
-        } else if dim == 1 {
-            index.push(Index::NewDim);
-        } else {
-            return None;
-        }
-    }
-    rest.next().is_none().then_some(index)
 }

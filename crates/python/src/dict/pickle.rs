@@ -1,0 +1,160 @@
+//! Pickling a dict by where it lives: the folder or shared-memory prefix its tensors are mapped
+//! from, and what each entry of the view is, so that unpickling, in any process, maps the same
+//! memory again (no copy) and gives back exactly the view pickled.
+//!
+//! A tensor is pickled as its layout over the stored tensor's memory (shape, strides, offset)
+//! and the file or shm object it lies in, so every view indexing makes without copying (rows,
+//! a selected row, steps, new unit dims, `td["next"]`) comes back as it was: batch sizes,
+//! shapes, rows and writability, and the lock. A dict holding data on the heap (written to,
+//! gathered by a list or mask, made in memory) or in several places is refused by `dumps`,
+//! on the sender's side. Unpickling checks every layout against the memory it finds: a
+//! folder or prefix replaced since by one with fewer rows or other dtypes is an error, never
+//! another dict.
+
+use std::collections::HashMap;
+use std::os::unix::ffi::OsStrExt;
+
+use memmap_tensor::{Access, DType, Layout, Location, StorageKind, Tensor};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+use tensordict::{DictLocation, Entry, KeyPath, TensorDict};
+
+use super::{Locks, PyTensorDict};
+use crate::error::{Kind, raise, to_py_err};
+
+/// One entry of a pickled view: what it is, its key, and what makes it again.
+///
+/// `(kind, key parts, dims, strides, offset, text, storage)`, where `kind` is `"dict"` (dims:
+/// its batch size), `"tensor"` (its layout over the storage, in elements; text: its dtype;
+/// storage: the file path or shm object name it lies in), `"value"` or `"stack"` (text: the
+/// non-tensor value as JSON), or `"unreadable"` (found again at its key).
+type Item = (String, Vec<String>, Vec<usize>, Vec<usize>, usize, String, Vec<u8>);
+
+impl PyTensorDict {
+    /// What `__reduce__` gives: `_reopen_view` and its arguments.
+    pub(super) fn reduce<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let td = self.dict()?;
+        let refused = |detail: String| {
+            PyTypeError::new_err(format!(
+                "a TensorDict pickles by where it lives (a folder or shared memory): {detail}"
+            ))
+        };
+        let location = td.location().map_err(|e| refused(memmap_tensor::ErrorChain(&e).to_string()))?;
+        let mut items = Vec::new();
+        walk(&td, &KeyPath::default(), &mut items).map_err(refused)?;
+        let writable = td.leaves().iter().all(|(_, t)| t.storage().access() == Access::ReadWrite);
+        let reopen = py.import("tensordict_rs._native")?.getattr("_reopen_view")?;
+        let args = (location.to_string(), writable, td.batch_size().to_vec(), items, self.is_locked_now())
+            .into_pyobject(py)?;
+        Ok((reopen, args))
+    }
+}
+
+/// Appends the items of `td`'s entries (below `path`) to `items`, depth first: a nested dict
+/// before its entries.
+fn walk(td: &TensorDict, path: &KeyPath, items: &mut Vec<Item>) -> Result<(), String> {
+    for (name, entry) in td.iter() {
+        let key = path.join(name);
+        let parts = key.parts().to_vec();
+        let item = |kind: &str, dims: Vec<usize>, text: String| {
+            (kind.to_owned(), parts.clone(), dims, vec![], 0, text, vec![])
+        };
+        match entry {
+            Entry::Dict(d) => {
+                items.push(item("dict", d.batch_size().to_vec(), String::new()));
+                walk(d, &key, items)?;
+            }
+            Entry::Tensor(t) if t.elem_count() == 0 => {
+                items.push(item("tensor", t.dims().to_vec(), t.dtype().to_string()));
+            }
+            Entry::Tensor(t) => {
+                let storage = storage_name(t).ok_or_else(|| format!("`{key}` holds data on the heap"))?;
+                let elem = t.dtype().size_in_bytes();
+                if !t.byte_offset().is_multiple_of(elem) {
+                    return Err(format!("`{key}` starts inside an element of its storage"));
+                }
+                let layout = t.layout();
+                let offset = t.byte_offset() / elem + layout.offset_elems();
+                items.push((
+                    "tensor".into(),
+                    parts,
+                    t.dims().to_vec(),
+                    layout.strides().to_vec(),
+                    offset,
+                    t.dtype().to_string(),
+                    storage,
+                ));
+            }
+            Entry::NonTensor(v) => items.push(item("value", vec![], v.to_string())),
+            Entry::NonTensorStack(v) => items.push(item("stack", vec![], v.to_string())),
+            Entry::Unreadable(_) => items.push(item("unreadable", vec![], String::new())),
+            other => return Err(format!("`{key}` holds a {}, which does not pickle", other.kind_name())),
+        }
+    }
+    Ok(())
+}
+
+/// The file path or shm object name of the storage `t` is mapped from; `None` for the heap.
+fn storage_name(t: &Tensor) -> Option<Vec<u8>> {
+    let storage = t.storage();
+    match storage.kind() {
+        StorageKind::File => storage.path().map(|p| p.as_os_str().as_bytes().to_vec()),
+        StorageKind::Shm => storage.shm_name().map(|n| n.as_bytes().to_vec()),
+        _ => None,
+    }
+}
+
+/// Maps a pickled view again (what `TensorDict.__reduce__` pickles): the dict at `location`
+/// opened, and each entry of the view made again over the memory it finds there, checked.
+#[pyfunction]
+#[pyo3(signature = (location, writable, batch_size, items, locked=false))]
+pub(crate) fn _reopen_view(
+    py: Python<'_>,
+    location: String,
+    writable: bool,
+    batch_size: Vec<usize>,
+    items: Vec<Item>,
+    locked: bool,
+) -> PyResult<PyTensorDict> {
+    let location = DictLocation::parse(std::ffi::OsStr::new(&location)).map_err(PyValueError::new_err)?;
+    let access = if writable { Access::ReadWrite } else { Access::CopyOnWrite };
+    let opened = crate::gil::detach(py, || location.open(access)).map_err(to_py_err)?;
+    let changed = |what: String| raise(Kind::Other, format!("{location} does not give back the view pickled: {what}"));
+    let stored: HashMap<Vec<u8>, &Tensor> =
+        opened.leaves().into_iter().filter_map(|(_, t)| storage_name(t).map(|name| (name, t))).collect();
+    let mut td = TensorDict::new(batch_size);
+    for (kind, parts, dims, strides, offset, text, storage) in items {
+        let key = KeyPath::new(parts);
+        let entry = match kind.as_str() {
+            "dict" => Entry::Dict(TensorDict::new(dims)),
+            "tensor" => {
+                let dtype: DType = text.parse().map_err(|_| changed(format!("`{key}` had dtype {text:?}")))?;
+                if dims.contains(&0) {
+                    Entry::Tensor(Tensor::zeros(dims, dtype, &Location::Heap).map_err(to_py_err)?)
+                } else {
+                    let source = stored.get(&storage).ok_or_else(|| changed(format!("`{key}` is gone")))?;
+                    if source.dtype() != dtype {
+                        return Err(changed(format!("`{key}` was {dtype}, and is {} now", source.dtype())));
+                    }
+                    let view = Layout::new(dims, strides, offset)
+                        .and_then(|layout| Tensor::from_storage(source.storage().clone(), 0, dtype, layout))
+                        .map_err(|e| changed(format!("`{key}`: {}", memmap_tensor::ErrorChain(&e))))?;
+                    Entry::Tensor(view)
+                }
+            }
+            "value" | "stack" => {
+                let value = serde_json::from_str(&text).map_err(|e| changed(format!("`{key}`: {e}")))?;
+                if kind == "value" { Entry::NonTensor(value) } else { Entry::NonTensorStack(value) }
+            }
+            "unreadable" => match opened.get(key.clone()) {
+                Ok(entry @ Entry::Unreadable(_)) => entry.clone(),
+                _ => return Err(changed(format!("`{key}` is gone"))),
+            },
+            other => return Err(PyValueError::new_err(format!("a pickled view has no entries of kind {other:?}"))),
+        };
+        td.set(key, entry).map_err(to_py_err)?;
+    }
+    let locks = if locked { Locks::stored() } else { Locks::default() };
+    Ok(PyTensorDict::with_locks(td, None, locks))
+}
