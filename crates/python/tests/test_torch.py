@@ -205,3 +205,28 @@ def test_a_folder_rewritten_in_place_by_python_tensordict_stops_a_loader(tmp_pat
     with pytest.raises(tdr.TensorDictError, match="was written since the loader opened it|replaced or republished"):
         for _ in it:
             pass
+
+
+def test_a_python_tensordict_value_is_repeated_over_the_first_batch_dims_as_python_tensordict_does(tmp_path):
+    # The same write, by Python tensordict into its dict and by us into ours, on folders both
+    # wrote: the same bytes afterwards, and the same refusals.
+    tensordict = pytest.importorskip("tensordict")
+    zeros = {"a": torch.zeros(6, 3, 2), "b": torch.zeros(6, 3, dtype=torch.int64)}
+    theirs = tensordict.TensorDict(zeros, [6, 3]).memmap(tmp_path / "theirs")
+    ours = tdr.TensorDict({k: v.numpy() for k, v in zeros.items()}, [6, 3]).memmap(tmp_path / "ours")
+    row = tensordict.TensorDict({"a": torch.arange(6.0).reshape(3, 2), "b": torch.arange(3)}, [3])
+    for index in [slice(1, 5), (slice(None, None, 2),), torch.tensor([0, 5])]:
+        theirs[index] = row
+        ours[index.numpy() if isinstance(index, torch.Tensor) else index] = row
+    for key in ("a", "b"):
+        assert (tmp_path / "ours" / f"{key}.memmap").read_bytes() == (tmp_path / "theirs" / f"{key}.memmap").read_bytes()
+    bad = tensordict.TensorDict({"b": torch.arange(2)}, [2])
+    with pytest.raises(RuntimeError):
+        theirs[1:3] = bad
+    with pytest.raises(ValueError):
+        ours[1:3] = bad
+    # Both dicts are locked: a new key is a RuntimeError in both.
+    with pytest.raises(RuntimeError):
+        theirs["new"] = torch.zeros(6, 3)
+    with pytest.raises(RuntimeError):
+        ours["new"] = np.zeros((6, 3))
