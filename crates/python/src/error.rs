@@ -1,7 +1,9 @@
 //! Errors at the boundary: every error of the Rust crates becomes one Python exception chosen
 //! by what kind of failure it is, so that Python code catches it as it would catch Python's
 //! own (`except KeyError`, `except TimeoutError`), and still as ours (`except
-//! TensorDictError`).
+//! TensorDictError`). The kind is `tensordict_rpc::ErrorKind`, found by the one classification
+//! the servers use too: a refusal by a worker, store or replay service carries its kind across
+//! the wire and raises the class the same call raises locally.
 //!
 //! Each kind has a class deriving from both `TensorDictError` and the built-in it stands for
 //! (`TensorDictKeyError(TensorDictError, KeyError)`). The message is the Rust error with its
@@ -10,12 +12,12 @@
 //! happened (a key, a path, an operation) defer to their cause.
 
 use std::error::Error as StdError;
-use std::io::ErrorKind as IoKind;
 
 use memmap_tensor::ErrorChain;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
+use tensordict_rpc::ErrorKind;
 
 pyo3::create_exception!(
     tensordict_rs,
@@ -26,7 +28,8 @@ pyo3::create_exception!(
      exception for are raised as a subclass of both (`TensorDictKeyError` is a `KeyError`)."
 );
 
-/// What kind of failure an error is: which Python exception it is raised as.
+/// What kind of failure an error is: which Python exception it is raised as. The kinds of
+/// `tensordict_rpc::ErrorKind`, for the errors these bindings find themselves too ([`raise`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
     Key,
@@ -132,182 +135,29 @@ pub(crate) fn raise(kind: Kind, message: impl Into<String>) -> PyErr {
     })
 }
 
-/// The kind of the first error of `e`'s chain that has a definite one.
+/// The kind of `e`: that of the first error of its chain that has a definite one, as the
+/// servers find it for the refusals they send ([`tensordict_replay::kind_of`], which knows the
+/// errors of every crate these bindings use), so that a call refused remotely raises what the
+/// same call raises locally.
 pub(crate) fn kind_of(e: &(dyn StdError + 'static)) -> Kind {
-    let mut cause = Some(e);
-    while let Some(c) = cause {
-        if let Some(kind) = definite(c) {
-            return kind;
-        }
-        cause = c.source();
-    }
-    Kind::Other
+    Kind::from(tensordict_replay::kind_of(e))
 }
 
-/// The kind of `e` itself, or `None` if it only adds context to its cause.
-fn definite(e: &(dyn StdError + 'static)) -> Option<Kind> {
-    if let Some(e) = e.downcast_ref::<memmap_tensor::Error>() {
-        return tensor_kind(e);
-    }
-    if let Some(e) = e.downcast_ref::<tensordict::Error>() {
-        return dict_kind(e);
-    }
-    if let Some(e) = e.downcast_ref::<tensordict_rpc::Error>() {
-        return rpc_kind(e);
-    }
-    if let Some(e) = e.downcast_ref::<tensordict_rpc::WireError>() {
-        return Some(wire_kind(e));
-    }
-    if let Some(e) = e.downcast_ref::<tensordict_replay::Error>() {
-        return replay_kind(e);
-    }
-    if let Some(e) = e.downcast_ref::<std::io::Error>() {
-        // An I/O error that wraps another error (a decoder's) is that error's kind.
-        return io_kind(e.kind()).or_else(|| e.get_ref().map(|inner| kind_of(inner)));
-    }
-    None
-}
-
-fn io_kind(kind: IoKind) -> Option<Kind> {
-    Some(match kind {
-        IoKind::NotFound => Kind::FileNotFound,
-        IoKind::AlreadyExists => Kind::FileExists,
-        IoKind::PermissionDenied | IoKind::ReadOnlyFilesystem => Kind::Permission,
-        IoKind::TimedOut => Kind::Timeout,
-        IoKind::ConnectionRefused
-        | IoKind::ConnectionReset
-        | IoKind::ConnectionAborted
-        | IoKind::NotConnected
-        | IoKind::BrokenPipe
-        | IoKind::UnexpectedEof
-        | IoKind::HostUnreachable
-        | IoKind::NetworkUnreachable => Kind::Connection,
-        IoKind::OutOfMemory => Kind::Memory,
-        IoKind::InvalidInput => Kind::Value,
-        _ => return None,
-    })
-}
-
-fn tensor_kind(e: &memmap_tensor::Error) -> Option<Kind> {
-    use memmap_tensor::Error as E;
-    Some(match e {
-        E::IndexOutOfRange { .. } | E::RangeOutOfBounds { .. } | E::DimOutOfRange { .. } => Kind::Index,
-        E::ShapeOverflow { .. }
-        | E::RankMismatch { .. }
-        | E::ShapeMismatch { .. }
-        | E::ReshapeElemCount { .. }
-        | E::NotBroadcastable { .. }
-        | E::NotContiguous { .. }
-        | E::OverlappingLayout { .. }
-        | E::ScalarTensor { .. }
-        | E::DimSizeNotOne { .. }
-        | E::InvalidPermutation { .. }
-        | E::EmptyInput { .. }
-        | E::LayoutOutOfBounds { .. }
-        | E::Misaligned { .. }
-        | E::InvalidShmName { .. }
-        | E::NoSuchDevice { .. }
-        | E::WrongDevice { .. }
-        | E::NotDeviceMemory { .. } => Kind::Value,
-        E::DTypeMismatch { .. } | E::UnknownDType { .. } => Kind::Type,
-        E::ReadOnly { .. } => Kind::Permission,
-        E::OutOfMemory { .. } | E::TooLarge { .. } | E::DeviceOutOfMemory { .. } => Kind::Memory,
-        E::FileIo { .. } | E::ShmIo { .. } => return None,
-        _ => Kind::Other,
-    })
-}
-
-fn dict_kind(e: &tensordict::Error) -> Option<Kind> {
-    use tensordict::Error as E;
-    Some(match e {
-        E::KeyNotFound { .. } | E::EmptyKeyPath => Kind::Key,
-        E::InvalidIndex { .. } => Kind::Index,
-        E::WrongEntryKind { .. } => Kind::Type,
-        E::TooDeep { .. }
-        | E::BatchSizeMismatch { .. }
-        | E::InvalidKey { .. }
-        | E::Incompatible { .. }
-        | E::InvalidArgument { .. } => Kind::Value,
-        E::WouldReplace { .. } | E::DestinationExists { .. } | E::SharedPrefixInUse { .. } => Kind::FileExists,
-        E::SharedNotFound { .. } | E::NotADict { .. } => Kind::FileNotFound,
-        E::Io { .. } | E::Device { .. } | E::Tensor { .. } => return None,
-        _ => Kind::Other,
-    })
-}
-
-fn rpc_kind(e: &tensordict_rpc::Error) -> Option<Kind> {
-    use tensordict_rpc::Error as E;
-    Some(match e {
-        E::ConnectTimeout { .. } | E::HandshakeTimeout { .. } | E::DeadlineExceeded { .. } => Kind::Timeout,
-        E::Connect { .. } | E::ConnectionLost { .. } | E::HandshakeIo { .. } | E::Busy { .. } => Kind::Connection,
-        E::AuthRefused { .. } | E::ServerAuthFailed { .. } | E::UidRefused { .. } | E::TokenRequired { .. } => {
-            Kind::Permission
-        }
-        E::InvalidEndpoint { .. }
-        | E::InvalidSocketName { .. }
-        | E::SocketPathTooLong { .. }
-        | E::TokenTooShort { .. }
-        | E::InvalidServiceName { .. }
-        | E::FrameTooLarge { .. } => Kind::Value,
-        E::Rpc(rpc) => match rpc {
-            tarpc::client::RpcError::DeadlineExceeded => Kind::Timeout,
-            tarpc::client::RpcError::Server(_) => Kind::Other,
-            _ => Kind::Connection,
-        },
-        // Transparent: its cause is not in the chain `source` walks.
-        E::Dict(inner) => return dict_kind(inner).or_else(|| Some(kind_of(inner))),
-        E::Remote { error, .. } => wire_kind(error),
-        _ => Kind::Other,
-    })
-}
-
-fn wire_kind(e: &tensordict_rpc::WireError) -> Kind {
-    use tensordict_rpc::WireError as W;
-    match e {
-        W::NotFound { .. } => Kind::Key,
-        W::InvalidRequest { .. } => Kind::Value,
-        W::CapacityExceeded { .. } | W::ResourceExhausted { .. } => Kind::Memory,
-        W::ShuttingDown => Kind::Connection,
-        W::TimedOut { .. } => Kind::Timeout,
-        W::Io { kind, .. } => match kind.as_str() {
-            "NotFound" => Kind::FileNotFound,
-            "PermissionDenied" | "ReadOnlyFilesystem" => Kind::Permission,
-            "AlreadyExists" => Kind::FileExists,
+impl From<ErrorKind> for Kind {
+    fn from(kind: ErrorKind) -> Kind {
+        match kind {
+            ErrorKind::Key => Kind::Key,
+            ErrorKind::Index => Kind::Index,
+            ErrorKind::Value => Kind::Value,
+            ErrorKind::Type => Kind::Type,
+            ErrorKind::FileNotFound => Kind::FileNotFound,
+            ErrorKind::FileExists => Kind::FileExists,
+            ErrorKind::Permission => Kind::Permission,
+            ErrorKind::Timeout => Kind::Timeout,
+            ErrorKind::Connection => Kind::Connection,
+            ErrorKind::Memory => Kind::Memory,
+            // `Other`, and kinds newer than these bindings.
             _ => Kind::Other,
-        },
-        _ => Kind::Other,
+        }
     }
-}
-
-fn replay_kind(e: &tensordict_replay::Error) -> Option<Kind> {
-    use tensordict_replay::Error as E;
-    Some(match e {
-        E::IndexOutOfRange { .. } | E::RowOutOfRange { .. } => Kind::Index,
-        E::ZeroCapacity
-        | E::ZeroBatchSize
-        | E::BadBatch { .. }
-        | E::SchemaMismatch { .. }
-        | E::RankKey { .. }
-        | E::InvalidPriority { .. }
-        | E::LengthMismatch { .. }
-        | E::InvalidRange { .. }
-        | E::NonPositiveMass { .. }
-        | E::InvalidParameter { .. }
-        | E::CapacityMismatch { .. }
-        | E::CapacityTooLarge { .. }
-        | E::BatchTooLarge { .. }
-        | E::TooManyRows { .. }
-        | E::InvalidName { .. }
-        | E::RateLimit { .. }
-        | E::OutputMismatch { .. }
-        | E::WriterCannot { .. }
-        | E::SliceMarks { .. } => Kind::Value,
-        E::FolderNotEmpty { .. } | E::DestinationExists { .. } => Kind::FileExists,
-        E::Missing { .. } => Kind::FileNotFound,
-        E::Timeout { .. } => Kind::Timeout,
-        E::TensorDict { .. } | E::Io { .. } | E::Dict { .. } | E::Tensor { .. } => return None,
-        E::Remote(_) => return None,
-        E::Refused(wire) => wire_kind(wire),
-        _ => Kind::Other,
-    })
 }

@@ -17,7 +17,9 @@ from tensordict_rs.replay import (
     PrioritizedSampler,
     PrioritizedSliceSampler,
     RandomSampler,
+    RemoteReplayBuffer,
     ReplayBuffer,
+    ReplayServer,
     SamplerWithoutReplacement,
     SliceSampler,
     RoundRobinWriter,
@@ -338,6 +340,29 @@ def test_bad_input_gets_clear_exceptions():
     with pytest.raises(tdr.TensorDictError):
         rb.update_priority([0], [1.0])  # not prioritized
     assert len(rb) == 5, "refused writes left nothing behind"
+
+
+def test_a_service_refuses_a_call_with_the_class_the_same_call_raises_locally(tmp_path):
+    local = PrioritizedReplayBuffer(alpha=1.0, beta=1.0, eps=0.0, storage=LazyTensorStorage(32))
+    runtime = tmp_path / "run"
+    with ReplayServer("py-kinds", 32, sampler=PrioritizedSampler(32, 1.0, 1.0), runtime_dir=runtime):
+        remote = RemoteReplayBuffer("py-kinds", runtime_dir=runtime)
+        local.extend(rows(range(8)))
+        remote.extend(rows(range(8)))
+        cases = {
+            "a row out of range": ([99], [1.0]),
+            "more priorities than rows": ([0, 1], [1.0, 2.0, 3.0]),
+            "a negative priority": ([0], [-1.0]),
+        }
+        for what, (index, priority) in cases.items():
+            with pytest.raises(tdr.TensorDictError) as here:
+                local.update_priority(index, priority)
+            with pytest.raises(tdr.TensorDictError) as there:
+                remote.update_priority(index, priority)
+            assert type(there.value) is type(here.value), f"{what}: {there.value!r}, locally {here.value!r}"
+        with pytest.raises(IndexError) as refused:
+            remote.update_priority([99], [1.0])
+        assert isinstance(refused.value, tdr.TensorDictIndexError)
 
 
 def test_prefetch_draws_ahead_and_a_priority_update_counts_from_the_next_draw():

@@ -202,6 +202,29 @@ def test_bad_input_gets_clear_exceptions(store, short_dir):
     assert "../x" in store
 
 
+def test_a_refusal_raises_the_class_of_its_kind(store, short_dir):
+    """The store's refusals arrive with their kind: a key it does not hold is a missing key (a
+    `KeyError`, as a dict's), a key it does not take a bad value, a store too small for an
+    entry out of memory. Alike from a client that loads by value."""
+    store.save("there", state_dict())
+    remote = Store(f"py{os.getpid()}", runtime_dir=short_dir, by_value=True)
+    for client in (store, remote):
+        with pytest.raises(KeyError) as missing:
+            client.load("absent")
+        assert type(missing.value) is tdr.TensorDictKeyError
+        with pytest.raises(tdr.TensorDictKeyError):
+            client.load("absent", timeout=0.1)
+        with pytest.raises(tdr.TensorDictValueError):
+            client.save("no\0nul", {"x": np.zeros(2)})
+    small = Store.start(f"small{os.getpid()}", runtime_dir=short_dir, capacity=16)
+    try:
+        with pytest.raises(MemoryError) as full:
+            small.save("big", state_dict())
+        assert isinstance(full.value, tdr.TensorDictMemoryError)
+    finally:
+        small.stop()
+
+
 def test_a_load_waits_for_its_key_and_ctrl_c_wakes_it(store, short_dir):
     import signal
     import threading

@@ -116,9 +116,38 @@ def test_a_worker_in_another_process_writes_and_gathers_where_the_data_is(tmp_pa
         worker.describe(handle)
     with pytest.raises(TypeError):
         worker.set_at("nope", [0], {})
-    # The wire carries a refusal's message, not its kind: a bad index is a ValueError there.
-    with pytest.raises(ValueError, match="out of range"):
+    # A refusal crosses the wire with its kind: a bad index is an IndexError there too.
+    with pytest.raises(IndexError, match="out of range"):
         worker.set_at(td, [99], {"obs": np.zeros((1, 4), np.float32), "next": {"reward": np.zeros(1)}})
+
+
+def test_a_refusal_raises_the_class_the_same_call_raises_locally(tmp_path, worker_process):
+    _, worker = worker_process
+    td = TensorDict(rows(), [8]).memmap(tmp_path / "d")
+    one = {"obs": np.zeros((1, 4), np.float32), "next": {"reward": np.zeros(1)}}
+    cases = {
+        "a row out of range": ([99], one),
+        "a row out of range, negative": ([-9], one),
+        "a mask of another length": ([True] * 3, one),
+        "a source of another batch size": ([0], rows(2)),
+    }
+    for what, (index, value) in cases.items():
+        with pytest.raises(tdr.TensorDictError) as here:
+            td[index] = value
+        with pytest.raises(tdr.TensorDictError) as there:
+            worker.set_at(td, index, value)
+        assert type(there.value) is type(here.value), f"{what}: {there.value!r}, locally {here.value!r}"
+    # The index error, as Python's own and as ours.
+    with pytest.raises(IndexError) as refused:
+        worker.set_at(td, [99], one)
+    assert isinstance(refused.value, tdr.TensorDictIndexError)
+    # A gather of a row out of range, and a handle let go of: an index, a key.
+    with pytest.raises(tdr.TensorDictIndexError):
+        worker.index(td, [0, 8], tmp_path / "out")
+    handle = worker.open(td.to_ref())
+    worker.close(handle)
+    with pytest.raises(tdr.TensorDictKeyError):
+        worker.describe(handle)
 
 
 def test_a_worker_killed_during_set_at_fails_the_call_and_leaves_the_folder(tmp_path, worker_process):

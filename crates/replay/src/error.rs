@@ -2,6 +2,9 @@
 
 use std::path::{Path, PathBuf};
 
+#[cfg(feature = "remote")]
+use tensordict_rpc::ErrorKind;
+
 /// Everything that can go wrong with a replay buffer. Variants name what is wrong (the key,
 /// the index, the folder, the sizes involved).
 #[derive(Debug, thiserror::Error)]
@@ -353,6 +356,47 @@ impl Error {
             _ => None,
         }
     }
+
+    /// The kind of this error itself, or `None` if it only adds context to its cause.
+    fn definite_kind(&self) -> Option<ErrorKind> {
+        use Error as E;
+        Some(match self {
+            E::IndexOutOfRange { .. } | E::RowOutOfRange { .. } => ErrorKind::Index,
+            E::ZeroCapacity
+            | E::ZeroBatchSize
+            | E::BadBatch { .. }
+            | E::SchemaMismatch { .. }
+            | E::RankKey { .. }
+            | E::InvalidPriority { .. }
+            | E::LengthMismatch { .. }
+            | E::InvalidRange { .. }
+            | E::NonPositiveMass { .. }
+            | E::InvalidParameter { .. }
+            | E::CapacityMismatch { .. }
+            | E::CapacityTooLarge { .. }
+            | E::BatchTooLarge { .. }
+            | E::TooManyRows { .. }
+            | E::InvalidName { .. }
+            | E::RateLimit { .. }
+            | E::OutputMismatch { .. }
+            | E::WriterCannot { .. }
+            | E::SliceMarks { .. } => ErrorKind::Value,
+            E::FolderNotEmpty { .. } | E::DestinationExists { .. } => ErrorKind::FileExists,
+            E::Missing { .. } => ErrorKind::FileNotFound,
+            E::Timeout { .. } => ErrorKind::Timeout,
+            E::TensorDict { .. } | E::Io { .. } | E::Dict { .. } | E::Tensor { .. } | E::Remote(_) => return None,
+            E::Refused(wire) => wire.kind(),
+            _ => ErrorKind::Other,
+        })
+    }
+}
+
+/// What kind of failure `e` is: [`ErrorKind::of`], knowing this crate's errors too (a row out
+/// of range is an [`ErrorKind::Index`]). The replay service says its refusals with it, and the
+/// Python bindings raise by it.
+#[cfg(feature = "remote")]
+pub fn kind_of(e: &(dyn std::error::Error + 'static)) -> ErrorKind {
+    ErrorKind::of_with(e, &|e| e.downcast_ref::<Error>().and_then(Error::definite_kind))
 }
 
 /// The crate's result type.

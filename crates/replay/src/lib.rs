@@ -45,6 +45,8 @@ pub use buffer::{
     DONE_KEY, INDEX_KEY, Lease, LoadOptions, PRIORITY_WEIGHT_KEY, ReplayBuffer, Reservation, Rows, SampleInfo,
     TERMINATED_KEY, TRUNCATED_KEY,
 };
+#[cfg(feature = "remote")]
+pub use error::kind_of;
 pub use error::{Error, Result};
 pub use prefetch::Prefetch;
 pub use rate::{RateCounts, RateLimiter};

@@ -12,7 +12,7 @@ use tensordict::TensorDict;
 use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, ReplayServiceClient, SamplerSpec};
 use tensordict_replay::{Error, RateLimiter, ReplayBuffer};
 use tensordict_replay::{PrioritizedSpec, SliceSpec, UniformSpec, WithoutReplacementSpec};
-use tensordict_rpc::{BlockingClient, ClientOptions, WireError};
+use tensordict_rpc::{BlockingClient, ClientOptions, ErrorKind, WireError};
 
 mod common;
 
@@ -398,9 +398,38 @@ fn a_prioritized_service_weights_samples_and_takes_priorities() {
     assert!(fives > 60, "row 5 holds nearly all the mass; drawn {fives} of 64");
     assert!(check_rows(&td).iter().zip(&info.indices).all(|(&v, &i)| v == i as f64));
     let bad = client.update_priority(&[0, 1], &[1.0, 2.0, 3.0]).unwrap_err();
-    assert!(matches!(bad.wire_error(), Some(WireError::InvalidRequest { .. })), "{bad}");
+    assert!(matches!(bad.wire_error(), Some(e) if e.kind() == ErrorKind::Value), "{bad}");
     let bad = client.update_priority(&[99], &[1.0]).unwrap_err();
     assert!(memmap_tensor::ErrorChain(&bad).to_string().contains("99"), "{bad}");
+}
+
+/// A refusal of the service arrives with the kind the same call fails with on a local buffer.
+#[test]
+fn a_refusal_arrives_with_the_kind_the_same_call_fails_with_locally() {
+    let f = Fixture::new("kinds");
+    let _server = f.start(f.options(32).sampler(PrioritizedSpec::new(1.0, 1.0, 0.0)));
+    let client = f.connect();
+    let local = ReplayBuffer::prioritized(tensordict_replay::StorageConfig::heap(32), 1.0, 1.0, 0.0).unwrap();
+    client.extend(&batch(&[1.; 8])).unwrap();
+    local.extend(&batch(&[1.; 8])).unwrap();
+    let cases = [
+        ("row 99 of 32", vec![99], vec![1.0], Some(ErrorKind::Index)),
+        ("3 priorities for 2 rows", vec![0, 1], vec![1.0, 2.0, 3.0], Some(ErrorKind::Value)),
+        ("a priority that is not a number", vec![0], vec![f64::NAN], None),
+    ];
+    for (what, rows, priorities, expected) in cases {
+        let here = local.update_priority(rows.clone(), &priorities).expect_err(what);
+        let there = client.update_priority(&rows, &priorities).expect_err(what);
+        assert!(there.wire_error().is_some(), "{what}: not the service's refusal: {there}");
+        let kind = tensordict_replay::kind_of(&here);
+        assert!(expected.is_none_or(|e| e == kind), "{what}, locally: {kind:?}: {here}");
+        assert_eq!(tensordict_replay::kind_of(&there), kind, "{what}: {there}");
+        // Said as before, with the local error's message.
+        let said = memmap_tensor::ErrorChain(&here).to_string();
+        assert!(memmap_tensor::ErrorChain(&there).to_string().ends_with(&said), "{what}: {there} does not say {said}");
+    }
+    let refused = f.raw().call(async |c, ctx| c.update_priority(ctx, vec![99], vec![1.0]).await).unwrap().unwrap_err();
+    assert!(matches!(refused, WireError::Refused { kind: ErrorKind::Index, .. }), "{refused:?}");
 }
 
 #[test]
@@ -417,11 +446,11 @@ fn hostile_requests_get_errors() {
     client.extend(&batch(&[1.; 8])).unwrap();
     for n in [0, 9, u64::MAX] {
         let refused = raw.call(async |c, ctx| c.reserve(ctx, n, None, None).await).unwrap().unwrap_err();
-        assert!(matches!(refused, WireError::InvalidRequest { .. }), "{n}: {refused}");
+        assert!(refused.kind() == ErrorKind::Value, "{n}: {refused}");
     }
     for n in [0, u64::MAX, tensordict_replay::remote::MAX_SAMPLE_ROWS + 1] {
         let refused = raw.call(async |c, ctx| c.sample(ctx, n, None, Vec::new()).await).unwrap().unwrap_err();
-        assert!(matches!(refused, WireError::InvalidRequest { .. }), "{n}: {refused}");
+        assert!(refused.kind() == ErrorKind::Value, "{n}: {refused}");
     }
     for id in [0, 1, u64::MAX] {
         let refused = raw.call(async |c, ctx| c.commit(ctx, id).await).unwrap().unwrap_err();
@@ -1079,14 +1108,14 @@ fn hostile_rows_by_value_are_refused() {
     wrong.set("obs", Tensor::zeros([2, 9], DType::F32, &Location::Heap).unwrap()).unwrap();
     let inline = tensordict_rpc::InlineDict::new(&wrong).unwrap();
     let refused = raw.call(async |c, ctx| c.insert(ctx, inline, None).await).unwrap().unwrap_err();
-    assert!(matches!(refused, WireError::InvalidRequest { .. }), "{refused}");
+    assert!(refused.kind() == ErrorKind::Value, "{refused}");
     // Leases: none of this session, rows past the lease, zero rows.
     let refused = raw.call(async |c, ctx| c.read_leased(ctx, 12345, 0, 1).await).unwrap().unwrap_err();
     assert!(matches!(refused, WireError::NotFound { .. }), "{refused}");
     let lease = raw.call(async |c, ctx| c.sample(ctx, 2, None, Vec::new()).await).unwrap().unwrap();
     for (from, count) in [(0, 0), (1, 2), (u64::MAX, 1)] {
         let refused = raw.call(async |c, ctx| c.read_leased(ctx, lease.lease, from, count).await).unwrap().unwrap_err();
-        assert!(matches!(refused, WireError::InvalidRequest { .. }), "{from} {count}: {refused}");
+        assert!(refused.kind() == ErrorKind::Value, "{from} {count}: {refused}");
     }
     let rows = raw.call(async |c, ctx| c.read_leased(ctx, lease.lease, 0, 2).await).unwrap().unwrap();
     assert_eq!(check_rows(&rows.to_dict().unwrap()), [1., 1.]);
@@ -1094,7 +1123,7 @@ fn hostile_rows_by_value_are_refused() {
     // Samples of no rows or too many.
     for n in [0, u64::MAX] {
         let refused = raw.call(async |c, ctx| c.sample_values(ctx, n, None, Vec::new()).await).unwrap().unwrap_err();
-        assert!(matches!(refused, WireError::InvalidRequest { .. }), "{n}: {refused}");
+        assert!(refused.kind() == ErrorKind::Value, "{n}: {refused}");
     }
     // Still serving, and holding nothing for anyone.
     check_rows(&client.sample(4, None).unwrap().0);

@@ -115,8 +115,8 @@ impl ClientOptions {
 }
 
 /// Connects and completes the handshake, retrying with exponential backoff until
-/// [`ClientOptions::connect_timeout`]; returns the raw stream, ready for frames (on a Unix
-/// socket, the handshake ends with a first frame of the client's, see [`crate::transport`]).
+/// [`ClientOptions::connect_timeout`]; returns the raw stream, ready for frames (the handshake
+/// ends with the client's hello frame, a tarpc message, see [`crate::transport`]).
 ///
 /// [`connect`] builds a tarpc client on top of this. Failures that retrying cannot fix (a refused
 /// token or uid, a server that does not prove the token, a peer speaking another protocol, a

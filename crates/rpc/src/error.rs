@@ -1,12 +1,16 @@
 //! The crate's one error type, and the serializable error that crosses the wire.
 
+use std::cell::Cell;
+use std::error::Error as StdError;
 use std::io;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use memmap_tensor::ErrorChain;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::endpoint::Endpoint;
+use crate::kind::ErrorKind;
 
 /// Everything that can go wrong in this crate.
 ///
@@ -421,7 +425,15 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// `std::io::Error` and this crate's [`Error`] do not serialize; a service method returns
 /// `Result<T, WireError>` instead, and transport failures arrive separately on the client as
 /// [`Error`].
+///
+/// Variants are encoded by position (bincode is not self-describing): a new variant goes last,
+/// and comes with a new wire version under which a server says it, to a peer of an older
+/// version, as a variant that peer knows (see [`crate::transport`]).
+// `remote = "Self"`: the derives make associated functions (`WireError::serialize`, `::deserialize`)
+// instead of the trait impls, which are written below so that serializing can first downgrade
+// the value for the peer it is meant for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(remote = "Self")]
 #[non_exhaustive]
 pub enum WireError {
     /// A named thing was not found.
@@ -494,6 +506,17 @@ pub enum WireError {
         /// The error's message.
         message: String,
     },
+    /// The server refused the request for an error of a kind the caller can tell apart (a
+    /// missing key, a bad index, a wrong dtype), as the same call made locally would fail.
+    /// New in wire version 2: a peer of version 1 receives it as [`WireError::Other`], with the
+    /// same message.
+    #[error("{message}")]
+    Refused {
+        /// What kind of error it is.
+        kind: ErrorKind,
+        /// The error with its causes, on one line.
+        message: String,
+    },
 }
 
 /// What a [`WireError::ResourceExhausted`] ran out of.
@@ -544,6 +567,75 @@ impl From<io::Error> for WireError {
 
 impl From<Error> for WireError {
     fn from(err: Error) -> Self {
-        WireError::Other { message: memmap_tensor::ErrorChain(&err).to_string() }
+        WireError::refused(&err)
+    }
+}
+
+impl WireError {
+    /// `error` as a refusal of its kind ([`ErrorKind::of`]), its causes on one line.
+    pub fn refused(error: &(dyn StdError + 'static)) -> WireError {
+        WireError::Refused { kind: ErrorKind::of(error), message: ErrorChain(error).to_string() }
+    }
+
+    /// `error`, which the request caused, as a refusal of its kind, said as
+    /// [`WireError::InvalidRequest`] says its detail (`invalid request: ...`).
+    pub fn invalid_request(error: &(dyn StdError + 'static)) -> WireError {
+        WireError::invalid_request_of(ErrorKind::of(error), ErrorChain(error))
+    }
+
+    /// A refusal of `kind`, said as [`WireError::InvalidRequest`] says `detail`: for an error
+    /// whose kind was found by [`ErrorKind::of_with`], or that is said with some context.
+    pub fn invalid_request_of(kind: ErrorKind, detail: impl std::fmt::Display) -> WireError {
+        let message = WireError::InvalidRequest { detail: detail.to_string() }.to_string();
+        WireError::Refused { kind, message }
+    }
+
+    /// This error as a peer of wire `version` can decode it, if that is not as it is: for
+    /// version 1, a [`WireError::Refused`] is [`WireError::Other`] with the same message.
+    pub(crate) fn downgraded(&self, version: u8) -> Option<WireError> {
+        match self {
+            WireError::Refused { message, .. } if version < 2 => Some(WireError::Other { message: message.clone() }),
+            _ => None,
+        }
+    }
+}
+
+thread_local! {
+    /// The wire version of the peer the value being serialized on this thread is meant for:
+    /// the newest outside [`for_peer`].
+    static PEER_VERSION: Cell<u8> = const { Cell::new(crate::transport::WIRE_VERSION) };
+}
+
+/// Runs `encode` with every [`WireError`] it serializes downgraded for a peer of wire
+/// `version`.
+///
+/// A server encodes each response in one synchronous call ([`crate::transport`]'s codec), so a
+/// thread-local set around that call reaches every `WireError` inside the response, whatever
+/// service-generated type holds it, and nothing else.
+pub(crate) fn for_peer<R>(version: u8, encode: impl FnOnce() -> R) -> R {
+    /// Puts the previous version back, even if `encode` panics.
+    struct Restore(u8);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            PEER_VERSION.set(self.0);
+        }
+    }
+    let _restore = Restore(PEER_VERSION.replace(version));
+    encode()
+}
+
+impl Serialize for WireError {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        // The associated functions the derive made (see the enum).
+        match self.downgraded(PEER_VERSION.get()) {
+            Some(older) => WireError::serialize(&older, serializer),
+            None => WireError::serialize(self, serializer),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for WireError {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        WireError::deserialize(deserializer)
     }
 }

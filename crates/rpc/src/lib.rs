@@ -105,6 +105,7 @@ mod auth;
 mod client;
 pub mod endpoint;
 mod error;
+mod kind;
 mod reference;
 mod server;
 pub mod service;
@@ -120,6 +121,7 @@ pub use client::{
 };
 pub use endpoint::{Endpoint, RUNTIME_DIR_ENV};
 pub use error::{ConnectFailure, Error, Resource, Result, WireError};
+pub use kind::ErrorKind;
 pub use reference::{NodeId, RefLocation, TensorDictRef, ToRef};
 pub use server::{Peer, ServerHandle, ServerOptions, serve, serve_per_connection};
 pub use transport::{DEFAULT_MAX_FRAME_BYTES, MAX_DEADLINE, Stream};

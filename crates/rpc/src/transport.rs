@@ -11,11 +11,12 @@
 //!                    status: OK (Unix socket, uid accepted), CHALLENGE (TCP),
 //!                            UID_REFUSED, BUSY (then the server closes)
 //! Unix socket, after OK:
-//! client -> server   a first frame, at once (tarpc's cancellation of a request never made)
+//! client -> server   the hello frame, at once (see "Versions" below)
 //! TCP only:
 //! client -> server   MAGIC | client nonce (32) | HMAC-SHA256(token, "…client proof" | nonces)
 //! server -> client   OK | HMAC-SHA256(token, "…server proof" | nonces)
 //!                    or TOKEN_REFUSED, or BUSY (no connection slot is free; then it closes)
+//! client -> server   the hello frame, once the server's proof is checked
 //! ```
 //!
 //! Until a connection has proven the token (TCP) or sent its first frame (Unix socket), the
@@ -29,6 +30,37 @@
 //!
 //! Plain TCP is **not encrypted**: the token is safe, the requests and responses are not. Use TCP
 //! endpoints on trusted networks, or tunnel them (SSH, WireGuard).
+//!
+//! # Versions
+//!
+//! What the handshake's `MAGIC` (`TDRPC\0v1`) names is the handshake above, which has not
+//! changed. What follows it, the tarpc messages and the types inside them, has a *wire version*
+//! of its own, which the client announces and the server follows, connection by connection:
+//!
+//! - **1**: every peer before versions were announced.
+//! - **2**: adds [`WireError::Refused`](crate::WireError::Refused), a refusal that carries its
+//!   [`ErrorKind`](crate::ErrorKind).
+//!
+//! The client announces its version in its *hello frame*, the first frame it sends, at once after
+//! the handshake on either transport: tarpc's cancellation of a request never made (id
+//! `u64::MAX`; request ids count up from 0), whose span id is the client's greeting
+//! `TDRPC\0v2`, read as a big-endian `u64` (the `v` and the digit that follows name the
+//! version). tarpc servers ignore a cancellation of a request they do not know, so a server of
+//! version 1 serves a client of version 2 as any other; and a client of version 2 decodes every
+//! answer of version 1, so it needs to know nothing about its server.
+//!
+//! A server takes the version of a connection from its first frame: the version of a hello frame
+//! that announces one (at most its own), 1 for anything else (the hello frame of a client of
+//! version 1, whose span id is 0, or on TCP, where such a client sent no hello frame, its first
+//! request). It then encodes every answer on that connection for that version: a value that
+//! version does not have is said as one it has, the same message (for version 1, a
+//! `WireError::Refused` is a `WireError::Other`).
+//!
+//! The version is announced in the hello frame rather than in the handshake's magic because a
+//! server of version 1 refuses any other magic, and the server's greeting cannot say which
+//! versions it speaks without being refused by clients of version 1: the hello frame is the one
+//! place both old and new peers already accept. A change to what crosses the wire (a new variant
+//! of an enum already sent, a new field) makes a new version, with its downgrade.
 //!
 //! # Framing
 //!
@@ -68,6 +100,37 @@ pub const DEFAULT_MAX_FRAME_BYTES: usize = 1 << 20;
 
 /// The first bytes the server sends on every connection.
 const MAGIC: [u8; 8] = *b"TDRPC\0v1";
+
+/// The wire version this side speaks (see "Versions" in the module documentation).
+pub(crate) const WIRE_VERSION: u8 = 2;
+
+/// The wire version of a peer that announces none.
+const FIRST_WIRE_VERSION: u8 = 1;
+
+/// The request id of the hello frame, a cancellation of a request never made.
+const HELLO_REQUEST_ID: u64 = u64::MAX;
+
+/// The span id of a hello frame that announces wire `version`: the greeting `TDRPC\0v` and the
+/// version's digit, as a big-endian `u64`.
+fn hello_span(version: u8) -> u64 {
+    let mut greeting = MAGIC;
+    greeting[MAGIC.len() - 1] = b'0' + version;
+    u64::from_be_bytes(greeting)
+}
+
+/// The wire version a connection whose first frame is `first` speaks, with a server of
+/// [`WIRE_VERSION`].
+fn version_of<T>(first: &WireClientMessage<T>) -> u8 {
+    let WireClientMessage::Cancel { trace_context, request_id: HELLO_REQUEST_ID } = first else {
+        return FIRST_WIRE_VERSION;
+    };
+    let greeting = u64::from(trace_context.span_id).to_be_bytes();
+    let (prefix, digit) = greeting.split_at(MAGIC.len() - 1);
+    match digit[0] {
+        d @ b'1'..=b'9' if prefix == &MAGIC[..MAGIC.len() - 1] => (d - b'0').min(WIRE_VERSION),
+        _ => FIRST_WIRE_VERSION,
+    }
+}
 
 const STATUS_OK: u8 = 0;
 const STATUS_CHALLENGE: u8 = 1;
@@ -170,9 +233,14 @@ pub(crate) type FirstFrame = Box<dyn FnOnce() -> io::Result<()>>;
 /// builds tarpc's message: tarpc's deserializer never sees the peer's value. The mirror must stay
 /// field for field the layout of tarpc's types (bincode is not self-describing);
 /// `the_mirror_decodes_what_tarpc_encodes` below checks it against the tarpc version in use.
+///
+/// The codec also keeps the connection's wire version, read from its first frame, and encodes
+/// every response for it (see "Versions" in the module documentation).
 pub(crate) struct ServerCodec<Req, Resp> {
     max_deadline: Duration,
     first_frame: Option<FirstFrame>,
+    /// The peer's wire version; `None` until the first frame is in.
+    peer_version: Option<u8>,
     ghost: PhantomData<fn() -> (Req, Resp)>,
 }
 
@@ -180,7 +248,7 @@ impl<Req, Resp> ServerCodec<Req, Resp> {
     /// A codec that clamps deadlines to `max_deadline` and calls `first_frame` (if any) once the
     /// first frame has been decoded.
     pub(crate) fn new(max_deadline: Duration, first_frame: Option<FirstFrame>) -> Self {
-        ServerCodec { max_deadline, first_frame, ghost: PhantomData }
+        ServerCodec { max_deadline, first_frame, peer_version: None, ghost: PhantomData }
     }
 }
 
@@ -191,6 +259,9 @@ impl<Req: DeserializeOwned, Resp> tokio_serde::Deserializer<ClientMessage<Req>> 
         let this = self.get_mut();
         let bincode = pin!(Bincode::<WireClientMessage<Req>, ()>::default());
         let message = tokio_serde::Deserializer::deserialize(bincode, src)?;
+        if this.peer_version.is_none() {
+            this.peer_version = Some(version_of(&message));
+        }
         if let Some(first_frame) = this.first_frame.take() {
             first_frame()?;
         }
@@ -202,7 +273,12 @@ impl<Req, Resp: Serialize> tokio_serde::Serializer<Response<Resp>> for ServerCod
     type Error = io::Error;
 
     fn serialize(self: Pin<&mut Self>, item: &Response<Resp>) -> io::Result<Bytes> {
-        tokio_serde::Serializer::serialize(pin!(Bincode::<(), Response<Resp>>::default()), item)
+        // A response answers a request, so the first frame is in; were it not, the oldest
+        // version is the one every peer reads.
+        let version = self.peer_version.unwrap_or(FIRST_WIRE_VERSION);
+        crate::error::for_peer(version, || {
+            tokio_serde::Serializer::serialize(pin!(Bincode::<(), Response<Resp>>::default()), item)
+        })
     }
 }
 
@@ -404,11 +480,14 @@ async fn server_exchange(stream: &mut Stream, admission: Admission<'_>) -> std::
     }
 }
 
-/// The frame a client sends on a Unix socket as soon as the server has accepted it: tarpc's
-/// cancellation of a request never made (id `u64::MAX`; request ids count up from 0), which
-/// tarpc servers ignore. Ours take a connection's first frame as the end of its handshake.
-fn first_frame() -> Vec<u8> {
-    let hello = ClientMessage::<()>::Cancel { trace_context: tarpc::trace::Context::default(), request_id: u64::MAX };
+/// The hello frame, which a client sends as soon as the server has accepted it: tarpc's
+/// cancellation of a request never made, which tarpc servers ignore, announcing the client's
+/// wire version in its span id (see "Versions" in the module documentation). On a Unix socket,
+/// our servers take a connection's first frame as the end of its handshake.
+fn hello_frame() -> Vec<u8> {
+    let trace_context =
+        tarpc::trace::Context { span_id: hello_span(WIRE_VERSION).into(), ..tarpc::trace::Context::default() };
+    let hello = ClientMessage::<()>::Cancel { trace_context, request_id: HELLO_REQUEST_ID };
     let body = tokio_serde::Serializer::serialize(pin!(Bincode::<(), ClientMessage<()>>::default()), &hello)
         .expect("a cancellation always serializes");
     let len = u32::try_from(body.len()).expect("a cancellation is a few bytes");
@@ -446,7 +525,7 @@ async fn client_exchange(stream: &mut Stream, endpoint: &Endpoint, token: Option
         (STATUS_UID_REFUSED, _) => {
             Err(Error::UidRefused { endpoint: endpoint.clone(), uid: crate::endpoint::current_uid() })
         }
-        (STATUS_OK, Stream::Unix(stream)) => stream.write_all(&first_frame()).await.map_err(io_err),
+        (STATUS_OK, Stream::Unix(stream)) => stream.write_all(&hello_frame()).await.map_err(io_err),
         (STATUS_CHALLENGE, stream @ Stream::Tcp(_)) => {
             let token = token.ok_or_else(|| Error::TokenRequired { endpoint: endpoint.clone() })?;
             let mut server_nonce = [0u8; NONCE_BYTES];
@@ -476,11 +555,10 @@ async fn client_exchange(stream: &mut Stream, endpoint: &Endpoint, token: Option
             }
             let mut proof = [0u8; PROOF_BYTES];
             stream.read_exact(&mut proof).await.map_err(io_err)?;
-            if token.verify_server(&server_nonce, &client_nonce, &proof) {
-                Ok(())
-            } else {
-                Err(Error::ServerAuthFailed { endpoint: endpoint.clone() })
+            if !token.verify_server(&server_nonce, &client_nonce, &proof) {
+                return Err(Error::ServerAuthFailed { endpoint: endpoint.clone() });
             }
+            stream.write_all(&hello_frame()).await.map_err(io_err)
         }
         (STATUS_OK, Stream::Tcp(_)) => {
             Err(protocol("a TCP server offered no challenge; refusing a server that does not prove the token".into()))
@@ -574,16 +652,76 @@ mod tests {
     }
 
     #[test]
-    fn the_first_frame_is_a_cancellation_tarpc_reads() {
-        let frame = first_frame();
+    fn the_hello_frame_is_a_cancellation_tarpc_reads_announcing_the_version() {
+        let frame = hello_frame();
         let (len, body) = frame.split_at(4);
         assert_eq!(u32::from_be_bytes(len.try_into().unwrap()) as usize, body.len());
+        // What a server of version 1 decodes (and tarpc ignores).
         let message: ClientMessage<()> = tokio_serde::Deserializer::deserialize(
             pin!(Bincode::<ClientMessage<()>, ()>::default()),
             &BytesMut::from(body),
         )
         .expect("tarpc decodes it");
-        assert!(matches!(message, ClientMessage::Cancel { request_id: u64::MAX, .. }), "{message:?}");
+        let ClientMessage::Cancel { request_id: u64::MAX, trace_context } = message else {
+            panic!("expected the cancellation of request u64::MAX, got {message:?}");
+        };
+        assert_eq!(u64::from(trace_context.span_id).to_be_bytes(), *b"TDRPC\0v2");
+        let mut codec = ServerCodec::<(), ()>::new(Duration::from_secs(1), None);
+        tokio_serde::Deserializer::deserialize(Pin::new(&mut codec), &BytesMut::from(body)).expect("decodes");
+        assert_eq!(codec.peer_version, Some(WIRE_VERSION));
+    }
+
+    #[test]
+    fn a_connection_speaks_the_version_its_first_frame_announces() {
+        let hello = |span: u64, request_id: u64| {
+            let trace_context = tarpc::trace::Context { span_id: span.into(), ..trace() };
+            WireClientMessage::<String>::Cancel { trace_context, request_id }
+        };
+        let greeting = |text: &[u8; 8]| u64::from_be_bytes(*text);
+        // Version 1's hello frame (a span id of 0), and a first request (a client of version 1
+        // on TCP), speak version 1.
+        assert_eq!(version_of(&hello(0, u64::MAX)), 1);
+        let context = WireContext { deadline: Duration::from_secs(1), trace_context: trace() };
+        assert_eq!(
+            version_of(&WireClientMessage::Request(WireRequest { context, id: 0, message: "x".to_string() })),
+            1
+        );
+        // A hello of a later version than ours speaks ours; anything unlike a greeting is 1.
+        assert_eq!(version_of(&hello(greeting(b"TDRPC\0v2"), u64::MAX)), 2);
+        assert_eq!(version_of(&hello(greeting(b"TDRPC\0v9"), u64::MAX)), WIRE_VERSION);
+        assert_eq!(version_of(&hello(greeting(b"TDRPC\0v2"), 7)), 1, "not the hello's request id");
+        for other in [b"TDRPC\0v0", b"TDRPC\0vx", b"XDRPC\0v2", b"TDRPC\0w2"] {
+            assert_eq!(version_of(&hello(greeting(other), u64::MAX)), 1, "{other:?}");
+        }
+    }
+
+    /// A response holding a refusal, encoded by a codec whose peer spoke `first`, decoded as a
+    /// client of this version reads it.
+    fn answered(first: &WireClientMessage<String>) -> crate::WireError {
+        let mut codec = ServerCodec::<String, Result<(), crate::WireError>>::new(Duration::from_secs(1), None);
+        tokio_serde::Deserializer::deserialize(Pin::new(&mut codec), &encode(first)).expect("decodes");
+        let refused = crate::WireError::Refused { kind: crate::ErrorKind::Index, message: "index 9".into() };
+        let response = Response { request_id: 1, message: Ok(Err(refused)) };
+        let bytes = tokio_serde::Serializer::serialize(Pin::new(&mut codec), &response).expect("encodes");
+        let back: Response<Result<(), crate::WireError>> =
+            tokio_serde::Deserializer::deserialize(pin!(Bincode::<_, ()>::default()), &BytesMut::from(&bytes[..]))
+                .expect("decodes");
+        back.message.expect("no server error").expect_err("a refusal")
+    }
+
+    #[test]
+    fn answers_are_downgraded_for_a_peer_of_version_1() {
+        let v2 = tarpc::trace::Context { span_id: hello_span(2).into(), ..trace() };
+        let refused = answered(&WireClientMessage::Cancel { trace_context: v2, request_id: u64::MAX });
+        assert_eq!(refused, crate::WireError::Refused { kind: crate::ErrorKind::Index, message: "index 9".into() });
+        let v1 = WireClientMessage::Cancel { trace_context: tarpc::trace::Context::default(), request_id: u64::MAX };
+        assert_eq!(answered(&v1), crate::WireError::Other { message: "index 9".into() });
+        // Outside a codec, nothing is downgraded.
+        let refused = crate::WireError::Refused { kind: crate::ErrorKind::Key, message: "k".into() };
+        let bytes = encode(&refused);
+        let back: crate::WireError =
+            tokio_serde::Deserializer::deserialize(pin!(Bincode::<_, ()>::default()), &bytes).expect("decodes");
+        assert_eq!(back, refused);
     }
 
     #[test]

@@ -350,9 +350,10 @@ fn gone(handle: u64) -> WireError {
     WireError::NotFound { what: format!("handle {handle} of this connection (closed, or never opened here)") }
 }
 
-/// A library error as the caller sees it.
+/// A library error as the caller sees it: an invalid request, of the kind the same call made
+/// locally fails with (a bad index, a missing key).
 fn invalid(e: tensordict::Error) -> WireError {
-    WireError::InvalidRequest { detail: memmap_tensor::ErrorChain(&e).to_string() }
+    WireError::invalid_request(&e)
 }
 
 /// One connection's view of a [`WorkerServer`]: its handles are its own, and are let go of

@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use memmap_tensor::{DType, Location, Tensor};
 use tensordict::TensorDict;
-use tensordict_rpc::WireError;
 use tensordict_rpc::store::{Store, StoreOptions, Wait};
+use tensordict_rpc::{ErrorKind, WireError};
 
 fn start(name: &str) -> (tempfile::TempDir, Store) {
     let dir = tempfile::tempdir().unwrap();
@@ -136,6 +136,25 @@ fn load_waits_for_a_key_and_times_out() {
     assert_eq!(both.len(), 2);
     let err = remote(store.load_many(&["late", "missing"], Wait::NOW).unwrap_err());
     assert!(memmap_tensor::ErrorChain(&err).to_string().contains("`missing`"), "{err}");
+}
+
+/// What the store refuses arrives with the kind a caller acts on, whatever variant says it.
+#[test]
+fn refusals_arrive_with_their_kind() {
+    let (dir, store) = start("kinds");
+    let missing = store.load("missing", Wait::NOW).unwrap_err();
+    assert_eq!(ErrorKind::of(&missing), ErrorKind::Key, "{missing}");
+    assert_eq!(remote(missing).kind(), ErrorKind::Key);
+    let missing = store.load_many(&["missing", "absent"], Wait::NOW).unwrap_err();
+    assert_eq!(ErrorKind::of(&missing), ErrorKind::Key, "{missing}");
+    // A key the store does not take (the server checks it).
+    let bad = store.save("no\0nul", &state_dict(1.0), None).unwrap_err();
+    assert_eq!(ErrorKind::of(&bad), ErrorKind::Value, "{bad}");
+    let capped =
+        Store::start_with("kinds-cap", StoreOptions::default().runtime_dir(dir.path().join("run")).capacity(16))
+            .unwrap();
+    let full = capped.save("big", &state_dict(1.0), None).unwrap_err();
+    assert_eq!(ErrorKind::of(&full), ErrorKind::Memory, "{full}");
 }
 
 #[test]

@@ -150,12 +150,12 @@ fn assert_too_short<T, E: Into<Box<dyn std::error::Error>>>(
 }
 
 /// Panics unless `result` is the store's refusal of a load by value whose read met the cut:
-/// memmap-tensor's too-short error of `cut`, as the store reports it (its message: the error
-/// itself does not cross the connection).
+/// memmap-tensor's too-short error of `cut`, as the store reports it (its message and kind: the
+/// error itself does not cross the connection).
 fn assert_refused_as_too_short<T>(result: tensordict_rpc::Result<T>, cut: &Cut, what: &str) {
     match result {
         Ok(_) => panic!("{what}: succeeded, but {cut:?} was cut"),
-        Err(tensordict_rpc::Error::Remote { error: WireError::Other { message }, .. }) => {
+        Err(tensordict_rpc::Error::Remote { error: WireError::Refused { message, .. }, .. }) => {
             assert!(
                 cut.named_in(&message) && message.contains("bytes but the tensor needs"),
                 "{what}: the store's message is not the too-short error of {cut:?}: {message}"

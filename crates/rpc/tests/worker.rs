@@ -3,8 +3,10 @@
 
 use memmap_tensor::{Access, DType, Location, Tensor};
 use tensordict::{Index, TensorDict};
-use tensordict_rpc::worker::{MAX_OPEN_DICTS, Source, Target, WorkerClient, WorkerServer};
-use tensordict_rpc::{BlockingClient, ClientOptions, Endpoint, InlineDict, ServerOptions, ToRef, WireError, WireIndex};
+use tensordict_rpc::worker::{Handle, MAX_OPEN_DICTS, Source, Target, WorkerClient, WorkerServer};
+use tensordict_rpc::{
+    BlockingClient, ClientOptions, Endpoint, ErrorKind, InlineDict, ServerOptions, ToRef, WireError, WireIndex,
+};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -86,9 +88,52 @@ fn rows_are_written_and_gathered_where_the_data_is() -> TestResult {
     let source = Source::Inline(InlineDict::new(&batch(1, 1.0)?)?);
     let target = Target::Ref(td.to_ref()?);
     let refused = client.call(async |c, ctx| c.set_at(ctx, target, index, source).await)?;
-    assert!(matches!(&refused, Err(WireError::InvalidRequest { detail }) if detail.contains("1000")), "{refused:?}");
+    assert!(
+        matches!(&refused, Err(WireError::Refused { kind: ErrorKind::Index, message }) if message.contains("1000")),
+        "{refused:?}"
+    );
     let current = td.to_ref()?;
     assert!(client.call(async |c, ctx| c.describe(ctx, Target::Ref(current)).await)?.is_ok());
+    Ok(())
+}
+
+#[test]
+fn a_refusal_arrives_with_the_kind_the_same_call_fails_with_locally() -> TestResult {
+    let running = start("worker-kinds")?;
+    let client = &running.client;
+    let data = tempfile::tempdir()?;
+    let td = buffer(8)?.memmap(data.path().join("buffer"))?;
+    let mut other_dtype = TensorDict::new([1]);
+    other_dtype.set("obs", Tensor::zeros([1, 4], DType::F64, &Location::Heap)?)?;
+    other_dtype.set(["next", "reward"], Tensor::zeros([1], DType::F64, &Location::Heap)?)?;
+    let mut unknown_key = batch(1, 1.0)?;
+    unknown_key.set("action", Tensor::zeros([1], DType::I64, &Location::Heap)?)?;
+    // The kind each fails with locally, where it is one a caller would rely on.
+    let cases = [
+        ("a row out of range", 8, batch(1, 1.0)?, Some(ErrorKind::Index)),
+        ("a source of another dtype", 0, other_dtype, None),
+        ("a source with a key the target lacks", 0, unknown_key, Some(ErrorKind::Key)),
+    ];
+    for (what, row, source, expected) in cases {
+        let local = td.clone().set_at(Index::List(vec![row]), &source).expect_err(what);
+        let kind = ErrorKind::of(&local);
+        assert!(expected.is_none_or(|e| e == kind), "{what}, locally: {kind:?}: {local}");
+        let (target, index) = (Target::Ref(td.to_ref()?), WireIndex::new(&Index::List(vec![row]))?);
+        let source = Source::Inline(InlineDict::new(&source)?);
+        let refused = client.call(async |c, ctx| c.set_at(ctx, target, index, source).await)?.expect_err(what);
+        assert!(matches!(refused, WireError::Refused { kind: k, .. } if k == kind), "{what}: {refused:?}");
+        // The message is the local error's, with its causes.
+        let said = memmap_tensor::ErrorChain(&local).to_string();
+        assert!(refused.to_string().ends_with(&said), "{what}: {refused} does not say {said}");
+    }
+    // A gather of a row out of range, and a handle never opened.
+    let (target, index) = (Target::Ref(td.to_ref()?), WireIndex::new(&Index::List(vec![0, 9]))?);
+    let out = tensordict::DictLocation::Folder(data.path().join("gathered"));
+    let refused = client.call(async |c, ctx| c.index(ctx, target, index, out).await)?.expect_err("row 9 of 8");
+    assert_eq!(refused.kind(), ErrorKind::Index, "{refused}");
+    let refused =
+        client.call(async |c, ctx| c.describe(ctx, Target::Handle(Handle(12345))).await)?.expect_err("no handle");
+    assert_eq!(refused.kind(), ErrorKind::Key, "{refused}");
     Ok(())
 }
 
@@ -109,7 +154,7 @@ fn a_stale_reference_is_refused_and_a_fresh_one_reopens() -> TestResult {
     buffer(10)?.memmap_with(data.path().join("buffer"), &tensordict::WriteOptions::default().overwrite(true))?;
     let refused = client.call(async |c, ctx| c.open(ctx, fresh.clone()).await)?;
     assert!(
-        matches!(&refused, Err(WireError::InvalidRequest { detail }) if detail.contains("generation")),
+        matches!(&refused, Err(e) if e.kind() == ErrorKind::Value && e.to_string().contains("generation")),
         "{refused:?}"
     );
     Ok(())

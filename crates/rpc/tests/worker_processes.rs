@@ -8,7 +8,7 @@ use common::{Peer, Sandbox, TestResult, name, peer_command};
 use memmap_tensor::{DType, Location, Tensor};
 use tensordict::{Index, TensorDict};
 use tensordict_rpc::worker::{Source, Target, WorkerClient};
-use tensordict_rpc::{BlockingClient, Endpoint, InlineDict, ToRef, WireError, WireIndex};
+use tensordict_rpc::{BlockingClient, Endpoint, ErrorKind, InlineDict, ToRef, WireIndex};
 
 /// A worker process serving `endpoint` (with a token file for TCP); returns the peer and the
 /// endpoint it serves (a TCP port is chosen by the worker).
@@ -56,7 +56,10 @@ fn update_through(client: &BlockingClient<WorkerClient>, td: &TensorDict) -> Tes
 
     // The reference sent first is of an older generation now: refused, and the worker goes on.
     let stale = client.call(async |c, ctx| c.open(ctx, sent.clone()).await)?;
-    assert!(matches!(&stale, Err(WireError::InvalidRequest { detail }) if detail.contains("generation")), "{stale:?}");
+    assert!(
+        matches!(&stale, Err(e) if e.kind() == ErrorKind::Value && e.to_string().contains("generation")),
+        "{stale:?}"
+    );
     let described = client.call(async |c, ctx| c.describe(ctx, Target::Ref(back.clone())).await)??;
     assert_eq!(described.generation, back.generation);
     Ok(())

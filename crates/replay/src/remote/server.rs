@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use memmap_tensor::ErrorChain;
 use tarpc::context::Context;
 use tensordict_rpc::service::{self as named, OwnerLock, Served, SessionTable, StopSignal};
-use tensordict_rpc::{Endpoint, InlineDict, NodeId, Peer, ServerOptions, TensorDictRef, ToRef, WireError};
+use tensordict_rpc::{Endpoint, ErrorKind, InlineDict, NodeId, Peer, ServerOptions, TensorDictRef, ToRef, WireError};
 
 use super::dumping::{DumpTurn, Wanted, dump_for};
 use super::service::{LimiterInfo, ReplayInfo, ReplayService, ReplayStats, Reserved, Sampled, SampledValues};
@@ -91,7 +91,8 @@ impl Shared {
     fn storage_ref(&self) -> std::result::Result<Option<TensorDictRef>, WireError> {
         match self.buffer.storage() {
             None => Ok(None),
-            Some(storage) => storage.tensordict().to_ref().map(Some).map_err(|e| WireError::Other {
+            Some(storage) => storage.tensordict().to_ref().map(Some).map_err(|e| WireError::Refused {
+                kind: ErrorKind::of(&e),
                 message: format!("cannot make a reference to the storage: {}", ErrorChain(&e)),
             }),
         }
@@ -132,7 +133,12 @@ impl Shared {
 
 /// A batch sent by value, checked and on the heap.
 fn received(rows: &InlineDict) -> std::result::Result<tensordict::TensorDict, WireError> {
-    rows.to_dict().map_err(|e| invalid(format!("the rows sent are not a valid dict: {}", ErrorChain(&e))))
+    rows.to_dict().map_err(|e| {
+        WireError::invalid_request_of(
+            ErrorKind::of(&e),
+            format!("the rows sent are not a valid dict: {}", ErrorChain(&e)),
+        )
+    })
 }
 
 /// Rows read by the service, as a reply.
@@ -399,8 +405,12 @@ impl ReplayService for Session {
     }
 
     async fn create(self, _: Context, like: InlineDict) -> std::result::Result<TensorDictRef, WireError> {
-        let like =
-            like.to_dict().map_err(|e| invalid(format!("the schema sent is not a valid dict: {}", ErrorChain(&e))))?;
+        let like = like.to_dict().map_err(|e| {
+            WireError::invalid_request_of(
+                ErrorKind::of(&e),
+                format!("the schema sent is not a valid dict: {}", ErrorChain(&e)),
+            )
+        })?;
         let session = self.clone();
         let made = tokio::task::spawn_blocking(move || -> std::result::Result<TensorDictRef, WireError> {
             let shared = session.shared();
@@ -710,18 +720,19 @@ fn not_found(what: &str, id: u64) -> WireError {
     WireError::NotFound { what: format!("{what} {id} of this session") }
 }
 
-/// A buffer error as the client will read it.
+/// A buffer error as the client will read it: of the kind the same call made on a local buffer
+/// fails with.
 pub(super) fn to_wire(error: Error) -> WireError {
     match error {
         Error::Timeout { .. } => WireError::TimedOut { detail: error.to_string() },
         Error::Io { source, path } => {
             WireError::Io { kind: format!("{:?}", source.kind()), message: format!("{}: {source}", path.display()) }
         }
-        Error::Remote(e) => WireError::Other { message: ErrorChain(&e).to_string() },
+        Error::Remote(e) => WireError::refused(&e),
         Error::Refused(e) => e,
         // Another client ended the writes: the request conflicts with that.
         Error::WritesEnded { .. } => WireError::Conflict { detail: error.to_string() },
-        other => WireError::InvalidRequest { detail: ErrorChain(&other).to_string() },
+        other => WireError::invalid_request_of(crate::kind_of(&other), ErrorChain(&other)),
     }
 }
 

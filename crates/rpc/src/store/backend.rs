@@ -32,18 +32,20 @@ impl Backend {
                 let name = format!("/{base}.{id}");
                 // Its room was checked and promised by `allocate`.
                 let len = usize::try_from(shm_bytes(layout)).map_err(|_| invalid("the entry is too large"))?;
-                Storage::create_shm(&name, len).map_err(|e| WireError::Other {
+                Storage::create_shm(&name, len).map_err(|e| WireError::Refused {
+                    kind: crate::ErrorKind::of(&e),
                     message: format!("cannot make {len} bytes of shared memory: {}", ErrorChain(&e)),
                 })?;
                 Ok(Place::Shm(name))
             }
             Backend::Dir { root } => {
                 let path = entries_dir(root).join(format!("v{id}"));
-                let like = zeros_like(layout).map_err(|e| invalid(&ErrorChain(&e).to_string()))?;
+                let like = zeros_like(layout).map_err(|e| WireError::invalid_request(&e))?;
                 if let Err(e) = like.memmap_like_with(&path, None, &WriteOptions::default()) {
                     // Nothing may stay of what was written before the failure (a full disk).
                     let _ = remove_path(&path);
-                    return Err(WireError::Other {
+                    return Err(WireError::Refused {
+                        kind: crate::ErrorKind::of(&e),
                         message: format!(
                             "cannot make the {} bytes of {}: {}",
                             layout.bytes,

@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use memmap_tensor::ErrorChain;
 use tarpc::context::Context;
 use tokio::sync::watch;
 
@@ -410,7 +409,7 @@ impl StoreService for Session {
         let layout = match &self.shared().backend {
             Backend::Shm { .. } => layout,
             Backend::Dir { .. } => {
-                EntryLayout::contiguous(layout.schema).map_err(|e| invalid(&ErrorChain(&e).to_string()))?
+                EntryLayout::contiguous(layout.schema).map_err(|e| WireError::invalid_request(&e))?
             }
         };
         // Shared memory to make; a folder's disk space is not checked (a full disk is an error
@@ -679,7 +678,7 @@ impl StoreService for Session {
             super::by_value::read_entry(&opened, &layout, offset as usize, len as usize)
         });
         let bytes = read.await.map_err(|e| WireError::Other { message: format!("read: {e}") })?;
-        bytes.map(EntryBytes).map_err(|e| WireError::Other { message: ErrorChain(&e).to_string() })
+        bytes.map(EntryBytes).map_err(WireError::from)
     }
 }
 

@@ -17,6 +17,8 @@ pub(crate) trait Echo {
     async fn big(len: u64) -> Vec<u8>;
     /// Fails with an application error that crosses the wire.
     async fn fail(why: String) -> Result<(), tensordict_rpc::WireError>;
+    /// Fails with a refusal of `kind` (new in wire version 2).
+    async fn refuse(kind: tensordict_rpc::ErrorKind, message: String) -> Result<(), tensordict_rpc::WireError>;
 }
 
 /// The test service's server: counts the sleeps it has started, and prints a line when one
@@ -48,5 +50,14 @@ impl Echo for EchoServer {
 
     async fn fail(self, _: Context, why: String) -> Result<(), tensordict_rpc::WireError> {
         Err(tensordict_rpc::WireError::InvalidRequest { detail: why })
+    }
+
+    async fn refuse(
+        self,
+        _: Context,
+        kind: tensordict_rpc::ErrorKind,
+        message: String,
+    ) -> Result<(), tensordict_rpc::WireError> {
+        Err(tensordict_rpc::WireError::Refused { kind, message })
     }
 }
