@@ -17,7 +17,6 @@ use memmap_tensor::ErrorChain;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
-use tensordict_rpc::ErrorKind;
 
 pyo3::create_exception!(
     tensordict_rs,
@@ -28,91 +27,85 @@ pyo3::create_exception!(
      exception for are raised as a subclass of both (`TensorDictKeyError` is a `KeyError`)."
 );
 
-/// What kind of failure an error is: which Python exception it is raised as. The kinds of
-/// `tensordict_rpc::ErrorKind`, for the errors these bindings find themselves too ([`raise`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kind {
-    Key,
-    Index,
-    Value,
-    Type,
-    FileNotFound,
-    FileExists,
-    Permission,
-    Timeout,
-    Connection,
-    Memory,
-    /// None of the above: raised as `TensorDictError` itself.
-    Other,
+/// What kind of failure an error is: which Python exception it is raised as
+/// (`tensordict_rpc::ErrorKind`, the one classification).
+pub(crate) use tensordict_rpc::ErrorKind as Kind;
+
+/// The kinds raised as a class of their own; any other (`Other`, and kinds newer than these
+/// bindings) is raised as `TensorDictError` itself.
+const CLASSED: [Kind; 10] = [
+    Kind::Key,
+    Kind::Index,
+    Kind::Value,
+    Kind::Type,
+    Kind::FileNotFound,
+    Kind::FileExists,
+    Kind::Permission,
+    Kind::Timeout,
+    Kind::Connection,
+    Kind::Memory,
+];
+
+/// The Python built-in `kind` derives from, by name, and the name of our class; `None` for a
+/// kind raised as `TensorDictError` itself.
+fn names(kind: Kind) -> Option<(&'static str, &'static str)> {
+    Some(match kind {
+        Kind::Key => ("KeyError", "TensorDictKeyError"),
+        Kind::Index => ("IndexError", "TensorDictIndexError"),
+        Kind::Value => ("ValueError", "TensorDictValueError"),
+        Kind::Type => ("TypeError", "TensorDictTypeError"),
+        Kind::FileNotFound => ("FileNotFoundError", "TensorDictFileNotFoundError"),
+        Kind::FileExists => ("FileExistsError", "TensorDictFileExistsError"),
+        Kind::Permission => ("PermissionError", "TensorDictPermissionError"),
+        Kind::Timeout => ("TimeoutError", "TensorDictTimeoutError"),
+        Kind::Connection => ("ConnectionError", "TensorDictConnectionError"),
+        Kind::Memory => ("MemoryError", "TensorDictMemoryError"),
+        _ => return None,
+    })
 }
 
-impl Kind {
-    const ALL: [Kind; 10] = [
-        Kind::Key,
-        Kind::Index,
-        Kind::Value,
-        Kind::Type,
-        Kind::FileNotFound,
-        Kind::FileExists,
-        Kind::Permission,
-        Kind::Timeout,
-        Kind::Connection,
-        Kind::Memory,
-    ];
+/// A new exception class `name` in `tensordict_rs` deriving from `TensorDictError` and the
+/// built-in `builtin`, with the docstring `doc`.
+pub(crate) fn subclass(py: Python<'_>, name: &str, builtin: &str, doc: &str) -> PyResult<Py<PyType>> {
+    let builtins = py.import("builtins")?;
+    let bases = PyTuple::new(py, [py.get_type::<TensorDictError>().into_any(), builtins.getattr(builtin)?])?;
+    let namespace = PyDict::new(py);
+    namespace.set_item("__module__", "tensordict_rs")?;
+    namespace.set_item("__doc__", doc)?;
+    Ok(builtins.getattr("type")?.call1((name, bases, namespace))?.cast_into::<PyType>()?.unbind())
+}
 
-    /// The Python built-in this kind derives from, by name, and the name of our class.
-    fn names(self) -> (&'static str, &'static str) {
-        match self {
-            Kind::Key => ("KeyError", "TensorDictKeyError"),
-            Kind::Index => ("IndexError", "TensorDictIndexError"),
-            Kind::Value => ("ValueError", "TensorDictValueError"),
-            Kind::Type => ("TypeError", "TensorDictTypeError"),
-            Kind::FileNotFound => ("FileNotFoundError", "TensorDictFileNotFoundError"),
-            Kind::FileExists => ("FileExistsError", "TensorDictFileExistsError"),
-            Kind::Permission => ("PermissionError", "TensorDictPermissionError"),
-            Kind::Timeout => ("TimeoutError", "TensorDictTimeoutError"),
-            Kind::Connection => ("ConnectionError", "TensorDictConnectionError"),
-            Kind::Memory => ("MemoryError", "TensorDictMemoryError"),
-            Kind::Other => ("Exception", "TensorDictError"),
-        }
-    }
-
-    /// The Python class errors of this kind are raised as (made once per interpreter).
-    fn class(self, py: Python<'_>) -> PyResult<Bound<'_, PyType>> {
-        static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
-        if self == Kind::Other {
-            return Ok(py.get_type::<TensorDictError>());
-        }
-        let classes = CLASSES.get_or_try_init(py, || -> PyResult<Vec<Py<PyType>>> {
-            let builtins = py.import("builtins")?;
-            let make_type = builtins.getattr("type")?;
-            Kind::ALL
-                .iter()
-                .map(|kind| {
-                    let (builtin, name) = kind.names();
-                    let bases =
-                        PyTuple::new(py, [py.get_type::<TensorDictError>().into_any(), builtins.getattr(builtin)?])?;
-                    let namespace = PyDict::new(py);
-                    namespace.set_item("__module__", "tensordict_rs")?;
-                    namespace.set_item(
-                        "__doc__",
-                        format!("An error of tensordict-rs that Python would raise as a `{builtin}`."),
-                    )?;
-                    Ok(make_type.call1((name, bases, namespace))?.cast_into::<PyType>()?.unbind())
-                })
-                .collect()
-        })?;
-        let at = Kind::ALL.iter().position(|k| *k == self).expect("every kind but Other is in ALL");
-        Ok(classes[at].bind(py).clone())
-    }
+/// The Python class errors of `kind` are raised as (made once per interpreter).
+fn class(py: Python<'_>, kind: Kind) -> PyResult<Bound<'_, PyType>> {
+    static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
+    let Some(at) = CLASSED.iter().position(|k| *k == kind) else {
+        return Ok(py.get_type::<TensorDictError>());
+    };
+    let classes = CLASSES.get_or_try_init(py, || -> PyResult<Vec<Py<PyType>>> {
+        CLASSED
+            .iter()
+            .filter_map(|kind| names(*kind))
+            .map(|(builtin, name)| {
+                subclass(
+                    py,
+                    name,
+                    builtin,
+                    &format!("An error of tensordict-rs that Python would raise as a `{builtin}`."),
+                )
+            })
+            .collect()
+    })?;
+    Ok(classes[at].bind(py).clone())
 }
 
 /// Adds `TensorDictError` and its subclasses of every kind to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("TensorDictError", py.get_type::<TensorDictError>())?;
-    for kind in Kind::ALL {
-        m.add(kind.names().1, kind.class(py)?)?;
+    for kind in CLASSED {
+        if let Some((_, name)) = names(kind) {
+            m.add(name, class(py, kind)?)?;
+        }
     }
     Ok(())
 }
@@ -129,7 +122,7 @@ pub(crate) fn to_py_err(e: impl StdError + 'static) -> PyErr {
 /// are errors of the dict rather than of the call (a read-only dict asked to write).
 pub(crate) fn raise(kind: Kind, message: impl Into<String>) -> PyErr {
     let message = message.into();
-    Python::attach(|py| match kind.class(py) {
+    Python::attach(|py| match class(py, kind) {
         Ok(class) => PyErr::from_type(class, message),
         Err(e) => e,
     })
@@ -140,24 +133,5 @@ pub(crate) fn raise(kind: Kind, message: impl Into<String>) -> PyErr {
 /// errors of every crate these bindings use), so that a call refused remotely raises what the
 /// same call raises locally.
 pub(crate) fn kind_of(e: &(dyn StdError + 'static)) -> Kind {
-    Kind::from(tensordict_replay::kind_of(e))
-}
-
-impl From<ErrorKind> for Kind {
-    fn from(kind: ErrorKind) -> Kind {
-        match kind {
-            ErrorKind::Key => Kind::Key,
-            ErrorKind::Index => Kind::Index,
-            ErrorKind::Value => Kind::Value,
-            ErrorKind::Type => Kind::Type,
-            ErrorKind::FileNotFound => Kind::FileNotFound,
-            ErrorKind::FileExists => Kind::FileExists,
-            ErrorKind::Permission => Kind::Permission,
-            ErrorKind::Timeout => Kind::Timeout,
-            ErrorKind::Connection => Kind::Connection,
-            ErrorKind::Memory => Kind::Memory,
-            // `Other`, and kinds newer than these bindings.
-            _ => Kind::Other,
-        }
-    }
+    tensordict_replay::kind_of(e)
 }

@@ -19,30 +19,21 @@
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyTuple, PyType};
+use pyo3::types::PyType;
 use tensordict::KeyPath;
-
-use crate::error::TensorDictError;
 
 /// What a locked dict raises: a `TensorDictError` and a `RuntimeError`, as Python tensordict
 /// raises a `RuntimeError`.
 pub(crate) fn locked_error_class(py: Python<'_>) -> PyResult<Bound<'_, PyType>> {
     static CLASS: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-    let class = CLASS.get_or_try_init(py, || -> PyResult<Py<PyType>> {
-        let builtins = py.import("builtins")?;
-        let bases = PyTuple::new(py, [py.get_type::<TensorDictError>().into_any(), builtins.getattr("RuntimeError")?])?;
-        let namespace = PyDict::new(py);
-        namespace.set_item("__module__", "tensordict_rs")?;
-        namespace.set_item(
-            "__doc__",
+    let class = CLASS.get_or_try_init(py, || {
+        crate::error::subclass(
+            py,
+            "TensorDictLockedError",
+            "RuntimeError",
             "A change of keys asked of a locked dict (Python tensordict raises a `RuntimeError`): \
              `unlock_()` it first, or write into the tensors it has with `set_`, `update_`, `td[index] = ...`.",
-        )?;
-        Ok(builtins
-            .getattr("type")?
-            .call1(("TensorDictLockedError", bases, namespace))?
-            .cast_into::<PyType>()?
-            .unbind())
+        )
     })?;
     Ok(class.bind(py).clone())
 }
