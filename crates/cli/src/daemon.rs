@@ -70,6 +70,24 @@ impl ServePaths {
     }
 }
 
+impl ServePaths {
+    /// The start of a server's ready line: `KIND `NAME` serving on ENDPOINT (socket …), pid …,
+    /// log …`.
+    pub(crate) fn ready_line(&self, kind: &str, name: &str, endpoint: &Endpoint) -> String {
+        format!(
+            "{kind} `{name}` serving on {endpoint} (socket {}), pid {}, log {}",
+            self.socket.display(),
+            std::process::id(),
+            self.log.as_deref().map_or_else(|| "stderr".to_owned(), |p| p.display().to_string()),
+        )
+    }
+
+    /// Where a server keeps what it holds, for its ready line: `folder DIR` or `shared memory`.
+    pub(crate) fn place(&self) -> String {
+        self.dir.as_deref().map_or_else(|| "shared memory".to_owned(), |d| format!("folder {}", d.display()))
+    }
+}
+
 /// The socket of `service` in `runtime`.
 pub(crate) fn socket_of(service: &tensordict_rpc::service::ServiceName, runtime: &Path) -> anyhow::Result<PathBuf> {
     Ok(service.endpoint().socket_path(Some(runtime))?.expect("a service's endpoint is a Unix socket"))
@@ -311,6 +329,76 @@ pub(crate) fn announce(ready: &str, daemon: bool) -> anyhow::Result<()> {
     if daemon {
         nix::unistd::dup2_stdout(std::io::stderr()).context("pointing stdout at the log")?;
     }
+    Ok(())
+}
+
+/// What [`serve_until_stopped`] needs of a server: the replay service's or the store's.
+pub(crate) trait Server: Send + Sync + 'static {
+    /// The TCP endpoint served, if any.
+    fn tcp_endpoint(&self) -> Option<&Endpoint>;
+    /// Asks the server to stop: `wait_stopped` returns.
+    fn stop(&self);
+    /// Blocks until the server is asked to stop (a client's `shutdown`, or `stop`).
+    fn wait_stopped(&self);
+}
+
+/// The replay service's and the store's servers, which have these methods of their own.
+macro_rules! server_of_its_methods {
+    ($($server:ty),*) => {$(
+        impl Server for $server {
+            fn tcp_endpoint(&self) -> Option<&Endpoint> {
+                <$server>::tcp_endpoint(self)
+            }
+
+            fn stop(&self) {
+                <$server>::stop(self);
+            }
+
+            fn wait_stopped(&self) {
+                self.wait(None);
+            }
+        }
+    )*};
+}
+
+server_of_its_methods!(tensordict_replay::remote::ReplayServer, tensordict_rpc::store::StoreServer);
+
+/// The error of a server that did not start because `name` is served already: the library's
+/// error, and the pid and pid file of the server that runs, when its pid file says.
+pub(crate) fn already_served(e: &(dyn std::error::Error + 'static), pid_file: &Path) -> anyhow::Error {
+    let by = read_pid(pid_file).map(|pid| format!(" (pid {pid}, from {})", pid_file.display()));
+    anyhow!("{}{}", memmap_tensor::ErrorChain(e), by.unwrap_or_default())
+}
+
+/// The tail of every `tdict KIND serve`, once `server` has started and holds its name's lock:
+/// writes the pid file (whatever one says is stale), announces `ready` (with the TCP endpoint,
+/// if any), serves until a client or a stop signal asks it to stop, and then frees the server,
+/// the pid file first.
+pub(crate) fn serve_until_stopped(
+    server: impl Server,
+    mut ready: String,
+    pid_file: &Path,
+    daemon: bool,
+    signals: StopSignals,
+) -> anyhow::Result<()> {
+    let pid_file = PidFile::write(pid_file)?;
+    if let Some(tcp) = server.tcp_endpoint() {
+        ready.push_str(&format!(", tcp {tcp}"));
+    }
+    announce(&ready, daemon)?;
+
+    let server = Arc::new(server);
+    let watcher = {
+        let server = Arc::clone(&server);
+        signals.watch(move || server.stop())?
+    };
+    server.wait_stopped();
+    watcher.finish();
+    // Removed while the lock is still held, so that a pid file of the next server is never
+    // removed by this one.
+    drop(pid_file);
+    // Ends the sessions and frees what the server made (its shared memory, say).
+    drop(Arc::into_inner(server).expect("the signal thread has ended"));
     Ok(())
 }
 

@@ -7,10 +7,9 @@ use std::ffi::OsString;
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, anyhow, bail, ensure};
+use anyhow::{Context, bail, ensure};
 use clap::{Args, ValueEnum};
 use serde_json::{Value, json};
 use tensordict::KeyPath;
@@ -21,7 +20,7 @@ use tensordict_replay::{
 };
 use tensordict_rpc::{ClientOptions, Endpoint, Token};
 
-use crate::daemon::{self, PidFile, ServePaths, parse_tcp, read_pid};
+use crate::daemon::{self, ServePaths, parse_tcp};
 use crate::units::parse_seconds;
 
 /// The prioritized sampler's defaults: priority exponent, importance-weight exponent, and the
@@ -410,23 +409,16 @@ fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let server = match ReplayServer::start(&args.name, options) {
         Ok(server) => server,
         Err(e @ tensordict_replay::Error::Remote(tensordict_rpc::Error::ServiceRunning { .. })) => {
-            let by = read_pid(&paths.pid).map(|pid| format!(" (pid {pid}, from {})", paths.pid.display()));
-            return Err(anyhow!("{}{}", memmap_tensor::ErrorChain(&e), by.unwrap_or_default()));
+            return Err(daemon::already_served(&e, &paths.pid));
         }
         Err(e) => return Err(anyhow::Error::new(e).context(format!("replay `{}`", args.name))),
     };
-    // The service's lock is held from here: whatever a pid file says, it is stale.
-    let pid_file = PidFile::write(&paths.pid)?;
 
     let mut ready = format!(
-        "replay `{}` serving on {} (socket {}), pid {}, log {}, {} rows in {}, {} sampler",
-        args.name,
-        server.endpoint(),
-        paths.socket.display(),
-        std::process::id(),
-        paths.log.as_deref().map_or_else(|| "stderr".to_owned(), |p| p.display().to_string()),
+        "{}, {} rows in {}, {} sampler",
+        paths.ready_line("replay", &args.name, server.endpoint()),
         server.buffer().capacity(),
-        paths.dir.as_deref().map_or_else(|| "shared memory".to_owned(), |d| format!("folder {}", d.display())),
+        paths.place(),
         server.buffer().sampler_name(),
     );
     if let Some(limiter) = server.buffer().rate_limiter() {
@@ -437,23 +429,7 @@ fn serve_here(args: ServeArgs) -> anyhow::Result<ExitCode> {
             limiter.samples_per_insert()
         ));
     }
-    if let Some(tcp) = server.tcp_endpoint() {
-        ready.push_str(&format!(", tcp {tcp}"));
-    }
-    daemon::announce(&ready, daemon)?;
-
-    let server = Arc::new(server);
-    let watcher = {
-        let server = Arc::clone(&server);
-        signals.watch(move || server.stop())?
-    };
-    server.wait(None);
-    watcher.finish();
-    // Removed while the lock is still held, so that a pid file of the next server is never
-    // removed by this one.
-    drop(pid_file);
-    // Ends the sessions and removes the storage made in shared memory.
-    drop(Arc::into_inner(server).expect("the signal thread has ended"));
+    daemon::serve_until_stopped(server, ready, &paths.pid, daemon, signals)?;
     tracing::info!(replay = args.name, "stopped");
     Ok(ExitCode::SUCCESS)
 }

@@ -5,10 +5,9 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, anyhow, ensure};
+use anyhow::{Context, ensure};
 use clap::{Args, Subcommand};
 use indicatif::DecimalBytes;
 use memmap_tensor::Access;
@@ -17,7 +16,7 @@ use tensordict::WriteOptions;
 use tensordict_rpc::store::{EntryInfo, Place, Store, StoreOptions, StoreServer, Wait};
 use tensordict_rpc::{ClientOptions, Endpoint, Token};
 
-use crate::daemon::{self, PidFile, ServePaths, parse_tcp, read_pid};
+use crate::daemon::{self, ServePaths, parse_tcp};
 use crate::location::LocationParser;
 use crate::units::parse_seconds;
 use tensordict::DictLocation as Location;
@@ -220,43 +219,16 @@ fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     }
     let server = match StoreServer::start(&args.name, options) {
         Ok(server) => server,
-        Err(e @ tensordict_rpc::Error::ServiceRunning { .. }) => {
-            let by = read_pid(&paths.pid).map(|pid| format!(" (pid {pid}, from {})", paths.pid.display()));
-            return Err(anyhow!("{}{}", memmap_tensor::ErrorChain(&e), by.unwrap_or_default()));
-        }
+        Err(e @ tensordict_rpc::Error::ServiceRunning { .. }) => return Err(daemon::already_served(&e, &paths.pid)),
         Err(e) => return Err(e.into()),
     };
-    // The store's lock is held from here: whatever a pid file says, it is stale.
-    let pid_file = PidFile::write(&paths.pid)?;
 
-    let mut ready = format!(
-        "store `{}` serving on {} (socket {}), pid {}, log {}, entries in {}",
-        args.name,
-        server.endpoint(),
-        paths.socket.display(),
-        std::process::id(),
-        paths.log.as_deref().map_or_else(|| "stderr".to_owned(), |p| p.display().to_string()),
-        paths.dir.as_deref().map_or_else(|| "shared memory".to_owned(), |d| format!("folder {}", d.display())),
-    );
+    let mut ready =
+        format!("{}, entries in {}", paths.ready_line("store", &args.name, server.endpoint()), paths.place());
     if let Some(bytes) = args.capacity {
         ready.push_str(&format!(", capacity {}", DecimalBytes(bytes)));
     }
-    if let Some(tcp) = server.tcp_endpoint() {
-        ready.push_str(&format!(", tcp {tcp}"));
-    }
-    daemon::announce(&ready, daemon)?;
-
-    let server = Arc::new(server);
-    let watcher = {
-        let server = Arc::clone(&server);
-        signals.watch(move || server.stop())?
-    };
-    server.wait(None);
-    watcher.finish();
-    // Removed while the lock is still held, so that a pid file of the next server is never
-    // removed by this one.
-    drop(pid_file);
-    drop(Arc::into_inner(server).expect("the signal thread has ended"));
+    daemon::serve_until_stopped(server, ready, &paths.pid, daemon, signals)?;
     tracing::info!(store = args.name, "stopped");
     Ok(ExitCode::SUCCESS)
 }

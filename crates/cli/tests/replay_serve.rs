@@ -3,12 +3,10 @@
 //! directory and service name; every server a test starts is stopped (or killed) by a guard,
 //! also when the test fails.
 
-use std::ffi::OsStr;
 use std::fs;
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
+use std::process::Stdio;
 use std::time::Duration;
 
 use memmap_tensor::Tensor;
@@ -21,101 +19,18 @@ use tensordict_replay::remote::{ReplayOptions, ReplayServer};
 use tensordict_rpc::{ClientOptions, Endpoint, Token};
 
 mod common;
-use common::{Run, alive, kill9, read_pid, wait_until};
+use common::daemon::World;
+use common::{alive, kill9, read_pid, wait_until};
 
-/// One test's world: a private runtime directory, a service name, and a guard that stops every
-/// server started in it when dropped.
-struct World {
-    dir: tempfile::TempDir,
-    name: String,
-    servers: Vec<u32>,
-}
-
+/// What only the replay tests ask of their world.
 impl World {
-    fn new(name: &str) -> World {
-        let dir = tempfile::tempdir().unwrap();
-        fs::create_dir(dir.path().join("run")).unwrap();
-        fs::set_permissions(dir.path().join("run"), fs::Permissions::from_mode(0o700)).unwrap();
-        // Unique across concurrent runs of the suite: shared memory is machine-wide.
-        World { dir, name: format!("{name}-{}", std::process::id()), servers: Vec::new() }
-    }
-
-    fn runtime(&self) -> PathBuf {
-        self.dir.path().join("run")
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    /// The service's Unix socket.
-    fn socket(&self) -> PathBuf {
-        let name = tensordict_replay::remote::service_name(&self.name).unwrap();
-        name.endpoint().socket_path(Some(&self.runtime())).unwrap().unwrap()
-    }
-
-    fn pid_file(&self) -> PathBuf {
-        self.runtime().join(format!("tdict-replay-{}.pid", self.name))
-    }
-
-    fn command<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> (Command, String) {
-        let (mut cmd, line) = common::command(args);
-        cmd.env("TDICT_RUNTIME_DIR", self.runtime());
-        (cmd, line)
-    }
-
-    fn tdict<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> Run {
-        let (cmd, line) = self.command(args);
-        Run::of(cmd, line)
-    }
-
-    /// `tdict replay SUB --name NAME ARGS…`.
-    fn replay<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, sub: &str, args: I) -> Run {
-        let mut all: Vec<std::ffi::OsString> =
-            vec!["replay".into(), sub.into(), "--name".into(), self.name.clone().into()];
-        all.extend(args.into_iter().map(|a| a.as_ref().to_owned()));
-        self.tdict(all)
-    }
-
-    /// `tdict replay serve` (a daemon): returns its ready line and pid (from the pid file), and
-    /// remembers the pid for the guard.
-    fn serve(&mut self, args: &[&str]) -> (String, u32) {
-        let run = self.replay("serve", args);
-        // Remembered before anything is asserted, so that the guard stops it whatever happens.
-        let pid = read_pid(&self.pid_file());
-        if let Some(pid) = pid {
-            self.servers.push(pid);
-        }
-        let line = run.ok().trim().to_owned();
-        let pid = pid.unwrap_or_else(|| panic!("no pid file after serve:\n{run}"));
-        assert_eq!(line.lines().count(), 1, "serve prints one line:\n{run}");
-        assert!(line.contains(&format!("pid {pid}")), "{line}");
-        assert!(alive(pid), "the daemon {pid} does not run after serve returned");
-        (line, pid)
-    }
-
     fn stats(&self) -> Value {
-        self.replay("stats", ["--json"]).json()
+        self.service("stats", ["--json"]).json()
     }
 
     /// A client of the service through the library.
     fn client(&self) -> RemoteBuffer {
         RemoteBuffer::connect_with(&self.name, &ClientOptions::default().runtime_dir(self.runtime())).unwrap()
-    }
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        for &pid in &self.servers {
-            if !alive(pid) {
-                continue;
-            }
-            // A clean stop frees its shared memory; a server that does not stop is killed.
-            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
-            if !wait_until(Duration::from_secs(10), || !alive(pid)) {
-                let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
-            }
-        }
     }
 }
 
@@ -150,7 +65,7 @@ fn shm_prefix(stats: &Value) -> String {
 /// what clients wrote and sampled; stop makes it exit and removes its pid file and socket.
 #[test]
 fn serve_stats_stop() {
-    let mut w = World::new("life");
+    let mut w = World::replay("life");
     let (line, pid) = w.serve(&["--capacity", "100", "--min-size", "8"]);
     assert!(line.contains("100 rows in shared memory"), "{line}");
     assert!(line.contains("min size 8"), "{line}");
@@ -176,15 +91,15 @@ fn serve_stats_stop() {
     assert!(stats["storage"].as_str().unwrap().starts_with("shm:"), "{stats}");
     drop(actor);
 
-    let text = w.replay("stats", Vec::<&str>::new());
+    let text = w.service("stats", Vec::<&str>::new());
     assert!(text.ok().contains("10 of 100"), "{text}");
 
-    let stopped = w.replay("stop", Vec::<&str>::new());
+    let stopped = w.service("stop", Vec::<&str>::new());
     assert!(stopped.ok().contains(&format!("pid {pid} exited")), "{stopped}");
     assert!(!alive(pid));
-    assert!(!w.pid_file().exists(), "the pid file outlived the daemon");
+    assert!(!w.files().pid.exists(), "the pid file outlived the daemon");
     assert!(!w.runtime().join(format!("tdict-replay-{}.sock", w.name)).exists(), "the socket outlived the daemon");
-    let gone = w.replay("stats", Vec::<&str>::new());
+    let gone = w.service("stats", Vec::<&str>::new());
     assert!(gone.error().contains("no replay service"), "{gone}");
 }
 
@@ -192,7 +107,7 @@ fn serve_stats_stop() {
 /// and as text.
 #[test]
 fn a_sampler_given_by_its_spec() {
-    let mut w = World::new("spec");
+    let mut w = World::replay("spec");
     let (line, _) = w.serve(&["--capacity", "10", "--sampler-spec", r#"{"without-replacement": {"drop_last": true}}"#]);
     assert!(line.contains("without-replacement sampler"), "{line}");
     let stats = w.stats();
@@ -209,25 +124,25 @@ fn a_sampler_given_by_its_spec() {
     seen.dedup();
     assert_eq!(seen.len(), 9, "{seen:?}");
     drop(client);
-    let text = w.replay("stats", Vec::<&str>::new());
+    let text = w.service("stats", Vec::<&str>::new());
     assert!(text.ok().contains("without-replacement (drop_last true, shuffle true)"), "{text}");
-    w.replay("stop", Vec::<&str>::new()).ok();
+    w.service("stop", Vec::<&str>::new()).ok();
 }
 
 /// A second serve of a running name fails, naming the pid that serves it; the first goes on.
 #[test]
 fn a_second_serve_names_the_running_pid() {
-    let mut w = World::new("twice");
+    let mut w = World::replay("twice");
     let (_, pid) = w.serve(&["--capacity", "10"]);
-    let second = w.replay("serve", ["--capacity", "10"]);
+    let second = w.service("serve", ["--capacity", "10"]);
     let error = second.error();
     assert!(error.contains("is already served"), "{second}");
     assert!(error.contains(&format!("pid {pid}")), "{second}");
-    assert_eq!(read_pid(&w.pid_file()), Some(pid), "the second serve touched the pid file");
+    assert_eq!(read_pid(&w.files().pid), Some(pid), "the second serve touched the pid file");
     assert!(alive(pid));
     assert_eq!(w.stats()["pid"], pid);
     // The foreground form fails the same way.
-    let foreground = w.replay("serve", ["--capacity", "10", "--no-fork"]);
+    let foreground = w.service("serve", ["--capacity", "10", "--no-fork"]);
     assert!(foreground.error().contains(&format!("pid {pid}")), "{foreground}");
 }
 
@@ -235,7 +150,7 @@ fn a_second_serve_names_the_running_pid() {
 /// and no daemon left running.
 #[test]
 fn bad_arguments_are_clear_errors() {
-    let w = World::new("bad");
+    let w = World::replay("bad");
     for (args, says) in [
         (vec!["--capacity", "0"], "--capacity"),
         (vec!["--capacity", "ten"], "--capacity"),
@@ -252,7 +167,7 @@ fn bad_arguments_are_clear_errors() {
         (vec!["--capacity", "10", "--sampler-spec", r#"{"greedy": {}}"#], "prioritized-slice"),
         (vec!["--capacity", "10", "--sampler-spec", r#"{"uniform": {}}"#, "--alpha", "0.5"], "--alpha"),
     ] {
-        let run = w.replay("serve", &args);
+        let run = w.service("serve", &args);
         assert!(run.usage_error().contains(says), "{args:?} should name {says}:\n{run}");
     }
     let bad_name = w.tdict(["replay", "serve", "--name", "a/b", "--capacity", "10"]);
@@ -270,21 +185,21 @@ fn bad_arguments_are_clear_errors() {
         (vec!["--capacity", "10", "--samples-per-insert", "-1", "--error-buffer", "4"], "samples_per_insert"),
         (vec!["--capacity", "10", "--samples-per-insert", "1", "--error-buffer", "-4"], "error_buffer"),
     ] {
-        let run = w.replay("serve", &args);
+        let run = w.service("serve", &args);
         assert!(run.error().contains(says), "{args:?} should say {says}:\n{run}");
     }
     let full = w.path("full");
     fs::create_dir(&full).unwrap();
     fs::write(full.join("notes.txt"), "mine").unwrap();
-    let run = w.replay("serve", ["--capacity", "10", "--dir", full.to_str().unwrap()]);
+    let run = w.service("serve", ["--capacity", "10", "--dir", full.to_str().unwrap()]);
     assert!(run.error().contains(&format!("--dir {} is not empty", full.display())), "{run}");
-    let run = w.replay("serve", ["--capacity", "10", "--dir", full.join("notes.txt").to_str().unwrap()]);
+    let run = w.service("serve", ["--capacity", "10", "--dir", full.join("notes.txt").to_str().unwrap()]);
     assert!(run.error().contains("not a folder"), "{run}");
     assert_eq!(fs::read_to_string(full.join("notes.txt")).unwrap(), "mine");
-    assert!(!w.pid_file().exists(), "a daemon was left behind");
-    let stats = w.replay("stats", Vec::<&str>::new());
+    assert!(!w.files().pid.exists(), "a daemon was left behind");
+    let stats = w.service("stats", Vec::<&str>::new());
     assert!(stats.error().contains("no replay service"), "{stats}");
-    let stop = w.replay("stop", Vec::<&str>::new());
+    let stop = w.service("stop", Vec::<&str>::new());
     assert!(stop.error().contains("start it with `tdict replay serve"), "{stop}");
 }
 
@@ -292,7 +207,7 @@ fn bad_arguments_are_clear_errors() {
 /// and socket are gone.
 #[test]
 fn sigterm_stops_and_frees_shared_memory() {
-    let mut w = World::new("term");
+    let mut w = World::replay("term");
     let (_, pid) = w.serve(&["--capacity", "64"]);
     w.client().extend(&rows(0, 20)).unwrap();
     let prefix = shm_prefix(&w.stats());
@@ -301,7 +216,7 @@ fn sigterm_stops_and_frees_shared_memory() {
     kill(Pid::from_raw(pid as i32), Signal::SIGTERM).unwrap();
     assert!(wait_until(Duration::from_secs(20), || !alive(pid)), "pid {pid} still runs after SIGTERM");
     assert_eq!(shm_objects(&prefix), Vec::<String>::new(), "shared memory left after SIGTERM");
-    assert!(!w.pid_file().exists());
+    assert!(!w.files().pid.exists());
     let log = fs::read_to_string(w.runtime().join(format!("tdict-replay-{}.log", w.name))).unwrap();
     assert!(log.contains("stopping on a signal") && log.contains("stopped"), "{log}");
 }
@@ -310,7 +225,7 @@ fn sigterm_stops_and_frees_shared_memory() {
 /// killed daemon left in shared memory is replaced by the new one's (no old row is seen).
 #[test]
 fn a_killed_daemon_is_replaced() {
-    let mut w = World::new("kill9");
+    let mut w = World::replay("kill9");
     let (_, pid) = w.serve(&["--capacity", "32"]);
     w.client().extend(&rows(1000, 32)).unwrap();
     let prefix = shm_prefix(&w.stats());
@@ -328,7 +243,7 @@ fn a_killed_daemon_is_replaced() {
     let steps = sample.get_tensor("step").unwrap().to_vec::<i64>().unwrap();
     assert!(steps.iter().all(|&s| (0..4).contains(&s)), "rows of the killed daemon were sampled: {steps:?}");
     drop(client);
-    w.replay("stop", Vec::<&str>::new()).ok();
+    w.service("stop", Vec::<&str>::new()).ok();
     assert_eq!(shm_objects(&prefix), Vec::<String>::new());
 }
 
@@ -336,33 +251,27 @@ fn a_killed_daemon_is_replaced() {
 /// asked, rows in a folder that outlives the service, and SIGINT stops it with status 0.
 #[test]
 fn foreground_prioritized_in_a_folder() {
-    let w = World::new("fg");
+    let mut w = World::replay("fg");
     let folder = w.path("rows");
-    let (mut cmd, _) = w.command([
-        "replay",
-        "serve",
-        "--no-fork",
-        "--name",
-        &w.name,
-        "--capacity",
-        "50",
-        "--dir",
-        folder.to_str().unwrap(),
-        "--sampler",
-        "prioritized",
-        "--alpha",
-        "0.7",
-        "--samples-per-insert",
-        "2",
-        "--error-buffer",
-        "100",
-        "--min-size",
-        "5",
-    ]);
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let guard = KillOnDrop(child.id());
+    let (mut child, line) = w.serve_foreground(
+        &[
+            "--capacity",
+            "50",
+            "--dir",
+            folder.to_str().unwrap(),
+            "--sampler",
+            "prioritized",
+            "--alpha",
+            "0.7",
+            "--samples-per-insert",
+            "2",
+            "--error-buffer",
+            "100",
+            "--min-size",
+            "5",
+        ],
+        Stdio::null(),
+    );
     assert!(line.contains("prioritized sampler") && line.contains(&format!("folder {}", folder.display())), "{line}");
 
     let stats = w.stats();
@@ -384,7 +293,6 @@ fn foreground_prioritized_in_a_folder() {
 
     kill(Pid::from_raw(child.id() as i32), Signal::SIGINT).unwrap();
     let status = child.wait().unwrap();
-    drop(guard);
     assert!(status.success(), "{status}");
     let info = w.tdict(["info", "--json", folder.to_str().unwrap()]).json();
     assert_eq!(info["batch_size"], serde_json::json!([50]));
@@ -394,15 +302,15 @@ fn foreground_prioritized_in_a_folder() {
 /// a private one, the ready line names the port, and a client that knows the token connects.
 #[test]
 fn tcp_with_a_token_file() {
-    let mut w = World::new("tcp");
+    let mut w = World::replay("tcp");
     let token_file = w.path("token");
     fs::write(&token_file, Token::generate().as_bytes()).unwrap();
     fs::set_permissions(&token_file, fs::Permissions::from_mode(0o644)).unwrap();
     let token_arg = token_file.display().to_string();
     let args = ["--capacity", "16", "--listen", "tcp:127.0.0.1:0", "--token-file", &token_arg];
-    let refused = w.replay("serve", args);
+    let refused = w.service("serve", args);
     assert!(refused.error().contains(&token_arg), "{refused}");
-    assert!(!w.pid_file().exists());
+    assert!(!w.files().pid.exists());
 
     fs::set_permissions(&token_file, fs::Permissions::from_mode(0o600)).unwrap();
     let (line, pid) = w.serve(&args);
@@ -420,7 +328,7 @@ fn tcp_with_a_token_file() {
 /// serving, goes on, and `stop` says so.
 #[test]
 fn stop_a_service_served_by_a_program() {
-    let w = World::new("inproc");
+    let w = World::replay("inproc");
     let server = ReplayServer::start(&w.name, ReplayOptions::new(8).runtime_dir(w.runtime())).unwrap();
     // The program's serving loop: until a client asks it to stop.
     let serving = std::thread::spawn(move || {
@@ -430,10 +338,10 @@ fn stop_a_service_served_by_a_program() {
     });
     let stats = w.stats();
     assert_eq!(stats["pid"], std::process::id());
-    let stopped = w.replay("stop", Vec::<&str>::new());
+    let stopped = w.service("stop", Vec::<&str>::new());
     assert!(stopped.ok().contains("serves it from a program of its own"), "{stopped}");
     assert!(serving.join().unwrap(), "the program was not asked to stop");
-    let gone = w.replay("stats", Vec::<&str>::new());
+    let gone = w.service("stats", Vec::<&str>::new());
     assert!(gone.error().contains("no replay service"), "{gone}");
 }
 
@@ -441,50 +349,34 @@ fn stop_a_service_served_by_a_program() {
 /// that never answers is a service that does not answer.
 #[test]
 fn a_busy_or_silent_service_is_not_called_missing() {
-    let mut w = World::new("busy");
+    let mut w = World::replay("busy");
     w.serve(&["--capacity", "10"]);
     let socket = w.socket();
     let held = common::saturate(&socket);
-    let stats = w.replay("stats", ["--connect-timeout", "1"]);
+    let stats = w.service("stats", ["--connect-timeout", "1"]);
     let err = stats.error();
     assert!(err.contains(&format!("replay service `{}` is running but busy", w.name)), "{stats}");
     assert!(err.contains(&socket.display().to_string()) && !err.contains("no replay service"), "{stats}");
     drop(held);
     assert!(w.stats()["pid"].is_u64());
 
-    let silent = World::new("silent");
+    let silent = World::replay("silent");
     let socket = silent.socket();
     let _listener = common::silent_socket(&socket);
-    let stats = silent.replay("stats", ["--connect-timeout", "1"]);
+    let stats = silent.service("stats", ["--connect-timeout", "1"]);
     let err = stats.error();
     assert!(err.contains(&format!("replay service `{}` did not answer on its socket", silent.name)), "{stats}");
     assert!(!err.contains("no replay service"), "{stats}");
-}
-
-/// Kills a process when dropped, if it still runs.
-struct KillOnDrop(u32);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        if alive(self.0) {
-            let _ = kill(Pid::from_raw(self.0 as i32), Signal::SIGKILL);
-        }
-    }
 }
 
 /// A service started from a TorchRL dump (written by TorchRL 0.14.1) serves its rows and
 /// priorities; one with a slice sampler hands out runs of one trajectory.
 #[test]
 fn from_a_torchrl_dump_and_with_slices() {
-    let w = World::new("load");
+    let mut w = World::replay("load");
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1/prioritized");
     let fixture = fixture.canonicalize().unwrap();
-    let (mut cmd, _) =
-        w.command(["replay", "serve", "--no-fork", "--name", &w.name, "--load", fixture.to_str().unwrap()]);
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let guard = KillOnDrop(child.id());
+    let (mut child, line) = w.serve_foreground(&["--load", fixture.to_str().unwrap()], Stdio::null());
     assert!(line.contains("32 rows") && line.contains("prioritized sampler"), "{line}");
     let stats = w.stats();
     assert_eq!((stats["len"].as_u64(), stats["capacity"].as_u64()), (Some(20), Some(32)), "{stats}");
@@ -492,31 +384,24 @@ fn from_a_torchrl_dump_and_with_slices() {
     assert!(info.weights.is_some() && info.indices.iter().all(|&i| i < 20));
     kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
     assert!(child.wait().unwrap().success());
-    drop(guard);
 
-    let w = World::new("slices");
-    let (mut cmd, _) = w.command([
-        "replay",
-        "serve",
-        "--no-fork",
-        "--name",
-        &w.name,
-        "--capacity",
-        "40",
-        "--sampler",
-        "slice",
-        "--traj-key",
-        "episode",
-        "--slice-len",
-        "4",
-        "--strict-length",
-        "--seed",
-        "5",
-    ]);
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let guard = KillOnDrop(child.id());
+    let mut w = World::replay("slices");
+    let (mut child, line) = w.serve_foreground(
+        &[
+            "--capacity",
+            "40",
+            "--sampler",
+            "slice",
+            "--traj-key",
+            "episode",
+            "--slice-len",
+            "4",
+            "--strict-length",
+            "--seed",
+            "5",
+        ],
+        Stdio::null(),
+    );
     assert!(line.contains("slice sampler"), "{line}");
     let client = w.client();
     let mut batch = rows(0, 30);
@@ -531,14 +416,13 @@ fn from_a_torchrl_dump_and_with_slices() {
     drop(client);
     kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
     assert!(child.wait().unwrap().success());
-    drop(guard);
 }
 
 /// `tdict replay dump` asks the service for a dump; a relative DIR is this command's, and the
 /// dump starts a new service with the same rows.
 #[test]
 fn dump_writes_what_the_service_holds() {
-    let mut w = World::new("dump");
+    let mut w = World::replay("dump");
     let (_, _) = w.serve(&["--capacity", "20"]);
     w.client().extend(&rows(0, 12)).unwrap();
     let scratch = tempfile::tempdir().unwrap();
@@ -552,7 +436,7 @@ fn dump_writes_what_the_service_holds() {
     let step = read.storage.data.get_tensor("step").unwrap().narrow(0, 0, 12).unwrap().to_vec::<i64>().unwrap();
     assert_eq!(step, (0..12).collect::<Vec<i64>>());
     // A second dump to the same folder is refused, and says so.
-    let again = w.replay("dump", [dump.to_str().unwrap()]);
+    let again = w.service("dump", [dump.to_str().unwrap()]);
     assert!(again.error().contains(dump.to_str().unwrap()), "{again}");
-    w.replay("stop", Vec::<&str>::new()).ok();
+    w.service("stop", Vec::<&str>::new()).ok();
 }

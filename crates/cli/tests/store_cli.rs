@@ -3,12 +3,10 @@
 //! (`TDICT_RUNTIME_DIR`) and store name; every server a test starts is killed by a guard, also
 //! when the test fails.
 
-use std::ffi::OsStr;
 use std::fs;
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use memmap_tensor::{Access, DType, Tensor};
@@ -20,94 +18,18 @@ use tensordict_rpc::store::{Store, StoreOptions, Wait};
 use tensordict_rpc::{ClientOptions, Endpoint, Token};
 
 mod common;
-use common::{Run, alive, kill9, read_pid, wait_until};
+use common::daemon::World;
+use common::{alive, kill9, read_pid, wait_until};
 
-/// One test's world: a private runtime directory, a store name, and a guard that kills every
-/// server started in it when dropped.
-struct World {
-    dir: tempfile::TempDir,
-    name: String,
-    servers: Vec<u32>,
-}
-
+/// What only the store tests ask of their world.
 impl World {
-    fn new(name: &str) -> World {
-        let dir = tempfile::tempdir().unwrap();
-        fs::create_dir(dir.path().join("run")).unwrap();
-        fs::set_permissions(dir.path().join("run"), fs::Permissions::from_mode(0o700)).unwrap();
-        World { dir, name: name.to_owned(), servers: Vec::new() }
-    }
-
-    fn runtime(&self) -> PathBuf {
-        self.dir.path().join("run")
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    fn files(&self) -> tensordict_rpc::service::ServiceFiles {
-        tensordict_rpc::store::service_name(&self.name).unwrap().files(&self.runtime())
-    }
-
-    fn command<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> (Command, String) {
-        let (mut cmd, line) = common::command(args);
-        cmd.env("TDICT_RUNTIME_DIR", self.runtime());
-        (cmd, line)
-    }
-
-    fn tdict<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> Run {
-        let (cmd, line) = self.command(args);
-        Run::of(cmd, line)
-    }
-
-    /// `tdict store SUB --name NAME ARGS…`.
-    fn store<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, sub: &str, args: I) -> Run {
-        let mut all: Vec<std::ffi::OsString> =
-            vec!["store".into(), sub.into(), "--name".into(), self.name.clone().into()];
-        all.extend(args.into_iter().map(|a| a.as_ref().to_owned()));
-        self.tdict(all)
-    }
-
-    /// `tdict store serve` (a daemon): returns its ready line and pid (from the pid file), and
-    /// remembers the pid for the guard.
-    fn serve(&mut self, args: &[&str]) -> (String, u32) {
-        let run = self.store("serve", args);
-        // Remembered before anything is asserted, so that the guard kills it whatever happens.
-        let pid = read_pid(&self.files().pid);
-        if let Some(pid) = pid {
-            self.servers.push(pid);
-        }
-        let line = run.ok().trim().to_owned();
-        let pid = pid.unwrap_or_else(|| panic!("no pid file after serve:\n{run}"));
-        assert_eq!(line.lines().count(), 1, "serve prints one line:\n{run}");
-        assert!(line.contains(&format!("pid {pid}")), "{line}");
-        assert!(alive(pid), "the daemon {pid} does not run after serve returned");
-        (line, pid)
-    }
-
     /// A client of the store through the library.
     fn client(&self) -> Store {
         Store::connect_with(&self.name, &ClientOptions::default().runtime_dir(self.runtime())).unwrap()
     }
 
     fn ls_json(&self) -> Vec<Value> {
-        self.store("ls", ["--json"]).json().as_array().expect("ls --json prints an array").clone()
-    }
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        for &pid in &self.servers {
-            if !alive(pid) {
-                continue;
-            }
-            // A clean stop frees its shared memory; a server that does not stop is killed.
-            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
-            if !wait_until(Duration::from_secs(10), || !alive(pid)) {
-                let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
-            }
-        }
+        self.service("ls", ["--json"]).json().as_array().expect("ls --json prints an array").clone()
     }
 }
 
@@ -151,7 +73,7 @@ fn entry<'a>(list: &'a [Value], key: &str) -> &'a Value {
 
 #[test]
 fn serve_returns_with_a_daemon_then_ls_rm_and_stop() {
-    let mut w = World::new("cli-basic");
+    let mut w = World::store("cli-basic");
     let (line, pid) = w.serve(&["--capacity", "10M"]);
     let files = w.files();
     for part in ["store `cli-basic`", "uds:tdict-store-cli-basic", "shared memory", "capacity 10.00 MB"] {
@@ -169,7 +91,7 @@ fn serve_returns_with_a_daemon_then_ls_rm_and_stop() {
     client.save("beta", &write_sample(&w.path("b"), 2.0), None).unwrap();
     let held = client.load("beta", Wait::NOW).unwrap();
 
-    let text = w.store("ls", [] as [&str; 0]);
+    let text = w.service("ls", [] as [&str; 0]);
     let out = text.ok();
     assert!(out.lines().next().unwrap().starts_with("KEY"), "{text}");
     let alpha_line = out.lines().find(|l| l.starts_with("alpha")).unwrap_or_else(|| panic!("{text}"));
@@ -198,7 +120,7 @@ fn serve_returns_with_a_daemon_then_ls_rm_and_stop() {
     let places: Vec<String> = list.iter().map(|e| e["place"].as_str().unwrap().to_owned()).collect();
 
     // rm: a missing key is an error naming it; the keys that are there are removed anyway.
-    let run = w.store("rm", ["alpha", "nope", "beta"]);
+    let run = w.service("rm", ["alpha", "nope", "beta"]);
     let err = run.one_line_error();
     assert!(err.contains("`nope`") && !err.contains("`alpha`"), "{run}");
     assert!(run.stdout.contains("removed `alpha`") && run.stdout.contains("removed `beta`"), "{run}");
@@ -210,27 +132,27 @@ fn serve_returns_with_a_daemon_then_ls_rm_and_stop() {
     drop(held);
     drop(client);
 
-    let run = w.store("stop", [] as [&str; 0]);
+    let run = w.service("stop", [] as [&str; 0]);
     assert!(run.ok().contains(&format!("stopped (pid {pid} exited)")), "{run}");
     assert!(!alive(pid));
     assert!(!files.pid.exists(), "the pid file is removed on a clean stop");
     for place in &places {
         assert!(!shm_exists(place), "{place} outlived the store");
     }
-    let run = w.store("ls", [] as [&str; 0]);
+    let run = w.service("ls", [] as [&str; 0]);
     assert!(run.one_line_error().contains("no store `cli-basic` is running"), "{run}");
 }
 
 #[test]
 fn a_folder_saved_then_loaded_to_a_new_folder_keeps_every_value() {
-    let mut w = World::new("cli-roundtrip");
+    let mut w = World::store("cli-roundtrip");
     w.serve(&[]);
     let src = w.path("src");
     let original = write_sample(&src, 3.0);
-    let run = w.store("save", ["model".as_ref(), src.as_os_str(), "--ttl".as_ref(), "60".as_ref()]);
+    let run = w.service("save", ["model".as_ref(), src.as_os_str(), "--ttl".as_ref(), "60".as_ref()]);
     assert!(run.ok().contains("saved"), "{run}");
     let out = w.path("out");
-    let run = w.store("load", ["model".as_ref(), out.as_os_str()]);
+    let run = w.service("load", ["model".as_ref(), out.as_os_str()]);
     assert!(run.ok().contains("loaded `model`"), "{run}");
     assert_same_dict(&original, &TensorDict::load_memmap(&out, Access::ReadOnly).unwrap(), "loaded folder");
 
@@ -238,10 +160,10 @@ fn a_folder_saved_then_loaded_to_a_new_folder_keeps_every_value() {
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tensordict-0.15");
     for name in ["nested", "dtypes", "non_tensor"] {
         let fixture = fixtures.join(name);
-        let run = w.store("save", [name.as_ref(), fixture.as_os_str()]);
+        let run = w.service("save", [name.as_ref(), fixture.as_os_str()]);
         run.ok();
         let out = w.path(&format!("out-{name}"));
-        w.store("load", [name.as_ref(), out.as_os_str()]).ok();
+        w.service("load", [name.as_ref(), out.as_os_str()]).ok();
         assert_same_dict(
             &TensorDict::load_memmap(&fixture, Access::ReadOnly).unwrap(),
             &TensorDict::load_memmap(&out, Access::ReadOnly).unwrap(),
@@ -251,19 +173,19 @@ fn a_folder_saved_then_loaded_to_a_new_folder_keeps_every_value() {
 
     // An existing dict is replaced only with --force.
     let newer = write_sample(&w.path("src2"), 5.0);
-    w.store("save", ["model".as_ref(), w.path("src2").as_os_str()]).ok();
-    let run = w.store("load", ["model".as_ref(), out.as_os_str()]);
+    w.service("save", ["model".as_ref(), w.path("src2").as_os_str()]).ok();
+    let run = w.service("load", ["model".as_ref(), out.as_os_str()]);
     let line = run.one_line_error();
     assert!(line.contains(&out.display().to_string()) && line.contains("add --force"), "{run}");
     assert!(!line.contains("tdict copy") && !line.contains("WriteOptions"), "{run}");
     assert_same_dict(&original, &TensorDict::load_memmap(&out, Access::ReadOnly).unwrap(), "kept");
-    w.store("load", ["model".as_ref(), out.as_os_str(), "--force".as_ref()]).ok();
+    w.service("load", ["model".as_ref(), out.as_os_str(), "--force".as_ref()]).ok();
     assert_same_dict(&newer, &TensorDict::load_memmap(&out, Access::ReadOnly).unwrap(), "replaced");
     // A non-empty folder that holds no dict is never replaced.
     let other = w.path("other");
     fs::create_dir(&other).unwrap();
     fs::write(other.join("notes.txt"), "mine").unwrap();
-    let run = w.store("load", ["model".as_ref(), other.as_os_str(), "--force".as_ref()]);
+    let run = w.service("load", ["model".as_ref(), other.as_os_str(), "--force".as_ref()]);
     run.one_line_error();
     assert_eq!(fs::read_to_string(other.join("notes.txt")).unwrap(), "mine");
 
@@ -275,12 +197,12 @@ fn a_folder_saved_then_loaded_to_a_new_folder_keeps_every_value() {
 
 #[test]
 fn a_killed_daemon_leaves_no_shared_memory_after_a_restart() {
-    let mut w = World::new("cli-kill-shm");
+    let mut w = World::store("cli-kill-shm");
     let (_, pid) = w.serve(&[]);
     let src = w.path("src");
     write_sample(&src, 1.0);
-    w.store("save", ["a".as_ref(), src.as_os_str()]).ok();
-    w.store("save", ["b".as_ref(), src.as_os_str()]).ok();
+    w.service("save", ["a".as_ref(), src.as_os_str()]).ok();
+    w.service("save", ["b".as_ref(), src.as_os_str()]).ok();
     let places: Vec<String> = w.ls_json().iter().map(|e| e["place"].as_str().unwrap().to_owned()).collect();
     assert_eq!(places.len(), 2);
 
@@ -290,7 +212,7 @@ fn a_killed_daemon_leaves_no_shared_memory_after_a_restart() {
     }
     // The socket is left behind, and nobody listens: said at once, even with a long deadline.
     let started = Instant::now();
-    let run = w.store("ls", ["--connect-timeout", "60"]);
+    let run = w.service("ls", ["--connect-timeout", "60"]);
     let err = run.one_line_error();
     assert!(
         err.contains("no store `cli-kill-shm` is running") && err.contains("tdict store serve --name cli-kill-shm")
@@ -309,13 +231,13 @@ fn a_killed_daemon_leaves_no_shared_memory_after_a_restart() {
 
 #[test]
 fn a_killed_daemon_with_a_folder_serves_its_entries_again() {
-    let mut w = World::new("cli-kill-dir");
+    let mut w = World::store("cli-kill-dir");
     let dir = w.path("entries-root");
     let dir_arg = dir.display().to_string();
     let (_, pid) = w.serve(&["--dir", &dir_arg]);
     let src = w.path("src");
     let original = write_sample(&src, 7.0);
-    w.store("save", ["policy".as_ref(), src.as_os_str()]).ok();
+    w.service("save", ["policy".as_ref(), src.as_os_str()]).ok();
     let before = w.ls_json();
     kill9(pid);
 
@@ -331,44 +253,44 @@ fn a_killed_daemon_with_a_folder_serves_its_entries_again() {
     let place = PathBuf::from(e["place"].as_str().unwrap());
     assert!(place.starts_with(dir.join("entries")), "{}", place.display());
     assert_same_dict(&original, &TensorDict::load_memmap(&place, Access::ReadOnly).unwrap(), "entry folder");
-    let text = w.store("ls", [] as [&str; 0]);
+    let text = w.service("ls", [] as [&str; 0]);
     assert!(text.ok().contains(&format!("folder {}", place.display())), "{text}");
 
     let out = w.path("out");
-    w.store("load", ["policy".as_ref(), out.as_os_str()]).ok();
+    w.service("load", ["policy".as_ref(), out.as_os_str()]).ok();
     assert_same_dict(&original, &TensorDict::load_memmap(&out, Access::ReadOnly).unwrap(), "loaded");
 }
 
 #[test]
 fn serving_a_running_store_again_fails_clearly() {
-    let mut w = World::new("cli-twice");
+    let mut w = World::store("cli-twice");
     let (_, pid) = w.serve(&[]);
     for args in [vec![], vec!["--no-fork"]] {
-        let run = w.store("serve", &args);
+        let run = w.service("serve", &args);
         let err = run.error();
         assert!(err.contains("already served") && err.contains(&format!("pid {pid}")), "{run}");
         assert_eq!(read_pid(&w.files().pid), Some(pid), "the running server's pid file is kept");
     }
     assert!(alive(pid));
-    w.store("ls", [] as [&str; 0]).ok();
+    w.service("ls", [] as [&str; 0]).ok();
 }
 
 #[test]
 fn a_capacity_refuses_what_does_not_fit_and_says_why() {
-    let mut w = World::new("cli-capacity");
+    let mut w = World::store("cli-capacity");
     w.serve(&["--capacity", "1KiB"]);
     let big = w.path("big");
     let mut td = TensorDict::new(Vec::<usize>::new());
     td.set("w", Tensor::from_slice(&vec![1.0f32; 1024], [1024]).unwrap()).unwrap();
     td.memmap_with(&big, &tensordict::WriteOptions::default()).unwrap();
-    let run = w.store("save", ["big".as_ref(), big.as_os_str()]);
+    let run = w.service("save", ["big".as_ref(), big.as_os_str()]);
     let err = run.one_line_error();
     assert!(err.contains("the store is full") && err.contains("1024"), "{run}");
     assert!(w.ls_json().is_empty());
     // A capacity that is not one: a usage error naming the units.
-    let run = w.store("serve", ["--capacity", "12XB"]);
+    let run = w.service("serve", ["--capacity", "12XB"]);
     assert!(run.usage_error().contains("KiB"), "{run}");
-    let run = w.store("serve", ["--capacity", "0"]);
+    let run = w.service("serve", ["--capacity", "0"]);
     assert!(run.usage_error().contains("0"), "{run}");
 }
 
@@ -377,9 +299,9 @@ fn a_capacity_refuses_what_does_not_fit_and_says_why() {
 /// socket, in the background or the foreground.
 #[test]
 fn a_capacity_of_part_of_a_byte_is_refused_before_anything_starts() {
-    let w = World::new("cli-fraction");
+    let w = World::store("cli-fraction");
     for args in [vec!["--capacity", "1.5B"], vec!["--no-fork", "--capacity", "1.5B"]] {
-        let run = w.store("serve", &args);
+        let run = w.service("serve", &args);
         let err = run.usage_error();
         assert!(err.contains("`1.5B` is not a whole number of bytes"), "{run}");
         assert!(!err.contains("panicked"), "{run}");
@@ -395,12 +317,12 @@ fn a_capacity_of_part_of_a_byte_is_refused_before_anything_starts() {
 
 #[test]
 fn load_waits_as_long_as_it_is_told() {
-    let mut w = World::new("cli-wait");
+    let mut w = World::store("cli-wait");
     w.serve(&[]);
-    let run = w.store("load", ["absent", w.path("o1").to_str().unwrap()]);
+    let run = w.service("load", ["absent", w.path("o1").to_str().unwrap()]);
     assert!(run.one_line_error().contains("`absent`"), "{run}");
     let started = Instant::now();
-    let run = w.store("load", ["absent", w.path("o2").to_str().unwrap(), "--timeout", "0.5"]);
+    let run = w.service("load", ["absent", w.path("o2").to_str().unwrap(), "--timeout", "0.5"]);
     assert!(run.one_line_error().contains("`absent`"), "{run}");
     assert!(started.elapsed() >= Duration::from_millis(500), "gave up after {:?}", started.elapsed());
     assert!(!w.path("o2").exists());
@@ -412,17 +334,17 @@ fn load_waits_as_long_as_it_is_told() {
     let mut waiting: Child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let src = w.path("src");
     let original = write_sample(&src, 9.0);
-    w.store("save", ["late".as_ref(), src.as_os_str()]).ok();
+    w.service("save", ["late".as_ref(), src.as_os_str()]).ok();
     let status = waiting.wait().unwrap();
     assert!(status.success(), "{line}: {status}");
     assert_same_dict(&original, &TensorDict::load_memmap(&out, Access::ReadOnly).unwrap(), "waited for");
-    let run = w.store("load", ["late", out.to_str().unwrap(), "--timeout", "soon"]);
+    let run = w.service("load", ["late", out.to_str().unwrap(), "--timeout", "soon"]);
     assert!(run.usage_error().contains("forever"), "{run}");
 }
 
 #[test]
 fn bad_names_and_stores_that_do_not_run() {
-    let w = World::new("cli-absent");
+    let w = World::store("cli-absent");
     for bad in ["bad name", "a/b", "", &"x".repeat(49)] {
         for sub in ["serve", "ls"] {
             let run = w.tdict(["store", sub, "--name", bad]);
@@ -430,14 +352,14 @@ fn bad_names_and_stores_that_do_not_run() {
         }
     }
     let started = Instant::now();
-    let run = w.store("ls", ["--connect-timeout", "60"]);
+    let run = w.service("ls", ["--connect-timeout", "60"]);
     let err = run.one_line_error();
     assert!(err.contains("no store `cli-absent` is running"), "{run}");
     assert!(err.contains(&w.runtime().join("tdict-store-cli-absent.sock").display().to_string()), "{run}");
     assert!(err.contains("start it with `tdict store serve --name cli-absent`"), "{run}");
     assert!(started.elapsed() < Duration::from_secs(30), "a missing store took {:?} to report", started.elapsed());
     for sub in ["stop", "rm"] {
-        let run = w.store(sub, ["k"].into_iter().filter(|_| sub == "rm"));
+        let run = w.service(sub, ["k"].into_iter().filter(|_| sub == "rm"));
         assert!(run.one_line_error().contains("is running"), "{run}");
     }
 }
@@ -446,25 +368,25 @@ fn bad_names_and_stores_that_do_not_run() {
 /// connections go, it serves again.
 #[test]
 fn a_busy_store_is_not_called_missing() {
-    let mut w = World::new("cli-busy");
+    let mut w = World::store("cli-busy");
     w.serve(&[]);
     let socket = w.runtime().join("tdict-store-cli-busy.sock");
     let held = common::saturate(&socket);
-    let run = w.store("ls", ["--connect-timeout", "1"]);
+    let run = w.service("ls", ["--connect-timeout", "1"]);
     let err = run.one_line_error();
     assert!(err.contains("store `cli-busy` is running but busy"), "{run}");
     assert!(err.contains(&socket.display().to_string()) && !err.contains("no store"), "{run}");
     drop(held);
-    assert!(w.store("ls", ["--connect-timeout", "60"]).ok().contains("0 entries"));
+    assert!(w.service("ls", ["--connect-timeout", "60"]).ok().contains("0 entries"));
 }
 
 /// A socket that accepts and never answers is a store that does not answer, not a missing one.
 #[test]
 fn a_silent_socket_is_a_store_that_does_not_answer() {
-    let w = World::new("cli-silent");
+    let w = World::store("cli-silent");
     let socket = w.runtime().join("tdict-store-cli-silent.sock");
     let _listener = common::silent_socket(&socket);
-    let run = w.store("ls", ["--connect-timeout", "1"]);
+    let run = w.service("ls", ["--connect-timeout", "1"]);
     let err = run.one_line_error();
     assert!(err.contains("store `cli-silent` did not answer on its socket"), "{run}");
     assert!(err.contains(&socket.display().to_string()) && !err.contains("no store"), "{run}");
@@ -472,19 +394,15 @@ fn a_silent_socket_is_a_store_that_does_not_answer() {
 
 #[test]
 fn signals_stop_a_server_cleanly_in_the_foreground_and_as_a_daemon() {
-    let mut w = World::new("cli-signals");
+    let mut w = World::store("cli-signals");
     let src = w.path("src");
     write_sample(&src, 1.0);
 
     // Foreground: the ready line on stdout, timestamped logs on stderr, SIGINT stops it.
-    let (mut cmd, line) = w.command(["store", "serve", "--name", &w.name, "--no-fork"]);
-    let mut fg = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    w.servers.push(fg.id());
-    let mut ready = String::new();
-    BufReader::new(fg.stdout.take().unwrap()).read_line(&mut ready).unwrap();
-    assert!(ready.contains(&format!("pid {}", fg.id())) && ready.contains("log stderr"), "{line}: {ready}");
+    let (fg, ready) = w.serve_foreground(&[], Stdio::piped());
+    assert!(ready.contains(&format!("pid {}", fg.id())) && ready.contains("log stderr"), "{ready}");
     assert_eq!(read_pid(&w.files().pid), Some(fg.id()));
-    w.store("save", ["k".as_ref(), src.as_os_str()]).ok();
+    w.service("save", ["k".as_ref(), src.as_os_str()]).ok();
     let place = w.ls_json()[0]["place"].as_str().unwrap().to_owned();
     kill(Pid::from_raw(fg.id() as i32), Signal::SIGINT).unwrap();
     let out = fg.wait_with_output().unwrap();
@@ -497,7 +415,7 @@ fn signals_stop_a_server_cleanly_in_the_foreground_and_as_a_daemon() {
 
     // Daemon: SIGTERM.
     let (_, pid) = w.serve(&[]);
-    w.store("save", ["k".as_ref(), src.as_os_str()]).ok();
+    w.service("save", ["k".as_ref(), src.as_os_str()]).ok();
     let place = w.ls_json()[0]["place"].as_str().unwrap().to_owned();
     kill(Pid::from_raw(pid as i32), Signal::SIGTERM).unwrap();
     assert!(wait_until(Duration::from_secs(10), || !alive(pid)), "SIGTERM did not stop {pid}");
@@ -509,14 +427,14 @@ fn signals_stop_a_server_cleanly_in_the_foreground_and_as_a_daemon() {
 
 #[test]
 fn stop_of_a_store_served_inside_a_program() {
-    let w = World::new("cli-in-process");
+    let w = World::store("cli-in-process");
     let store = Store::start_with(&w.name, StoreOptions::default().runtime_dir(w.runtime())).unwrap();
     let pid = store.info().pid;
     let serving = std::thread::spawn(move || {
         store.server().unwrap().wait(None);
         drop(store);
     });
-    let run = w.store("stop", [] as [&str; 0]);
+    let run = w.service("stop", [] as [&str; 0]);
     assert!(run.ok().contains(&format!("stopped serving (pid {pid}")), "{run}");
     serving.join().unwrap();
     assert!(alive(pid));
@@ -524,19 +442,19 @@ fn stop_of_a_store_served_inside_a_program() {
 
 #[test]
 fn tcp_with_a_token_file() {
-    let mut w = World::new("cli-tcp");
+    let mut w = World::store("cli-tcp");
     let token_file = w.path("token");
     fs::write(&token_file, Token::generate().as_bytes()).unwrap();
     fs::set_permissions(&token_file, fs::Permissions::from_mode(0o644)).unwrap();
     let token_arg = token_file.display().to_string();
     let args = ["--listen", "tcp:127.0.0.1:0", "--token-file", &token_arg];
     // A token file others can read is refused before anything starts.
-    let run = w.store("serve", args);
+    let run = w.service("serve", args);
     assert!(run.one_line_error().contains("chmod 600"), "{run}");
     assert!(!w.files().pid.exists());
-    let run = w.store("serve", ["--listen", "tcp:127.0.0.1:0"]);
+    let run = w.service("serve", ["--listen", "tcp:127.0.0.1:0"]);
     assert!(run.usage_error().contains("--token-file"), "{run}");
-    let run = w.store("serve", ["--listen", "uds:x", "--token-file", &token_arg]);
+    let run = w.service("serve", ["--listen", "uds:x", "--token-file", &token_arg]);
     assert!(run.usage_error().contains("tcp:HOST:PORT"), "{run}");
 
     fs::set_permissions(&token_file, fs::Permissions::from_mode(0o600)).unwrap();
@@ -550,10 +468,10 @@ fn tcp_with_a_token_file() {
 
 #[test]
 fn a_daemon_that_cannot_start_says_why() {
-    let w = World::new("cli-no-start");
+    let w = World::store("cli-no-start");
     let not_a_folder = w.path("file");
     fs::write(&not_a_folder, "x").unwrap();
-    let run = w.store("serve", ["--dir".as_ref(), not_a_folder.as_os_str()]);
+    let run = w.service("serve", ["--dir".as_ref(), not_a_folder.as_os_str()]);
     let err = run.error();
     assert!(
         err.contains("store `cli-no-start` did not start") && err.contains(&not_a_folder.display().to_string()),
@@ -562,6 +480,6 @@ fn a_daemon_that_cannot_start_says_why() {
     assert!(!w.files().pid.exists(), "{run}");
     let log = fs::read_to_string(w.files().log).unwrap();
     assert!(log.contains(&not_a_folder.display().to_string()), "the log keeps the reason:\n{log}");
-    let run = w.store("ls", [] as [&str; 0]);
+    let run = w.service("ls", [] as [&str; 0]);
     assert!(run.one_line_error().contains("is running"), "{run}");
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use tensordict_rpc::service::ServiceOptions;
 use tensordict_rpc::{ClientOptions, Endpoint, Token};
 
 use crate::error::to_py_err;
@@ -65,6 +66,23 @@ pub(crate) fn listen_options(listen: Option<String>, token: Option<String>) -> P
     let endpoint: Endpoint = addr.parse().map_err(to_py_err)?;
     let token = token.ok_or_else(|| PyValueError::new_err("serving on TCP needs a token"))?;
     Ok(Some((endpoint, Token::from_bytes(token.as_bytes()).map_err(to_py_err)?)))
+}
+
+/// The options every named service started from Python takes (`ReplayServer.start`,
+/// `Store.start`): its `runtime_dir`, and `listen` with the `token` its TCP clients must know.
+pub(crate) fn service_options(
+    listen: Option<String>,
+    token: Option<String>,
+    runtime_dir: Option<std::path::PathBuf>,
+) -> PyResult<ServiceOptions> {
+    let mut options = ServiceOptions::default();
+    if let Some(dir) = runtime_dir {
+        options = options.runtime_dir(dir);
+    }
+    if let Some((endpoint, token)) = listen_options(listen, token)? {
+        options = options.listen(endpoint, token);
+    }
+    Ok(options)
 }
 
 /// [`tensordict_rpc::windowed_wait`] without the GIL, running Python's signal handlers between windows

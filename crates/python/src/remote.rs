@@ -6,7 +6,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use pyo3::prelude::*;
 use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer};
 
-use crate::client::{Connect, connect, connect_timeout, listen_options, wait_in_windows};
+use crate::client::{Connect, connect, connect_timeout, service_options, wait_in_windows};
 use crate::dict::{DictOf, PyTensorDict, to_tensordict};
 use crate::error::to_py_err;
 use crate::owned::Owned;
@@ -232,15 +232,10 @@ impl PyReplayServer {
         if let Some(dir) = path {
             options = options.dir(dir);
         }
-        if let Some(dir) = runtime_dir {
-            options = options.runtime_dir(dir);
-        }
         if let Some(seed) = seed {
             options = options.seed(seed);
         }
-        if let Some((endpoint, token)) = listen_options(listen, token)? {
-            options = options.listen(endpoint, token);
-        }
+        options.service = service_options(listen, token, runtime_dir)?;
         let inner = crate::gil::detach(py, || ReplayServer::start(&name, options)).map_err(to_py_err)?;
         Ok(PyReplayServer { inner: Owned::new(Mutex::new(Some(inner))) })
     }

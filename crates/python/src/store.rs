@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use tensordict_rpc::WireError;
 use tensordict_rpc::store::{Allocation, Store, StoreOptions, Wait};
 
-use crate::client::{Connect, connect, connect_timeout, listen_options, wait_in_windows};
+use crate::client::{Connect, connect, connect_timeout, service_options, wait_in_windows};
 use crate::dict::{DictOf, PyTensorDict, to_tensordict};
 use crate::error::to_py_err;
 use crate::owned::Owned;
@@ -82,12 +82,7 @@ impl PyStore {
         if let Some(dir) = path {
             options = options.dir(dir);
         }
-        if let Some(dir) = runtime_dir {
-            options = options.runtime_dir(dir);
-        }
-        if let Some((endpoint, token)) = listen_options(listen, token)? {
-            options = options.listen(endpoint, token);
-        }
+        options.service = service_options(listen, token, runtime_dir)?;
         let inner = crate::gil::detach(py, || Store::start_with(&name, options)).map_err(to_py_err)?;
         Ok(PyStore { inner: Owned::new(inner), target: name })
     }

@@ -10,7 +10,8 @@ use memmap_tensor::{Device, Tensor};
 use tensordict::TensorDict;
 use tensordict_replay::{Error, RateLimiter, ReplayBuffer, StorageConfig};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 

@@ -252,6 +252,53 @@ impl Served {
     }
 }
 
+/// A named service while this process serves it: the name's [`OwnerLock`], with a folder the
+/// folder's lock, and its [`Served`] endpoints. The store's and the replay service's servers hold
+/// one. [`ServedName::close`] stops serving (every session ends) and keeps the locks, so that
+/// the owner can free what the service made before another process may take the name; dropping
+/// it closes and then lets the locks go.
+#[derive(Debug)]
+pub struct ServedName {
+    // Dropped before the locks.
+    served: Option<Served>,
+    _owner: OwnerLock,
+    _folder: Option<memmap_tensor::LockFile>,
+}
+
+impl ServedName {
+    /// The service served by `served`, under the locks it took before it made its state.
+    pub fn new(served: Served, owner: OwnerLock, folder: Option<memmap_tensor::LockFile>) -> ServedName {
+        ServedName { served: Some(served), _owner: owner, _folder: folder }
+    }
+
+    /// The Unix socket endpoint served.
+    ///
+    /// # Panics
+    ///
+    /// After [`ServedName::close`].
+    pub fn endpoint(&self) -> &Endpoint {
+        self.served().endpoint()
+    }
+
+    /// The TCP endpoint served, if any (with the port actually bound).
+    ///
+    /// # Panics
+    ///
+    /// After [`ServedName::close`].
+    pub fn tcp_endpoint(&self) -> Option<&Endpoint> {
+        self.served().tcp_endpoint()
+    }
+
+    /// Stops serving: every connection closes and every session ends. The locks stay held.
+    pub fn close(&mut self) {
+        self.served.take();
+    }
+
+    fn served(&self) -> &Served {
+        self.served.as_ref().expect("served until closed")
+    }
+}
+
 /// What a stopped service answers every request with, as a server error's detail; the client
 /// reads it as [`crate::WireError::ShuttingDown`].
 pub(crate) const SHUTTING_DOWN: &str = "tdict: the service is stopping";

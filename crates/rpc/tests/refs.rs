@@ -9,7 +9,8 @@ use serde_json::json;
 use tensordict::{Index, TensorDict};
 use tensordict_rpc::{RefLocation, TensorDictRef, ToRef};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 /// Ten leaves (three nested), `rows` rows.
 fn ten_leaves(rows: usize) -> Result<TensorDict, Box<dyn std::error::Error>> {

@@ -8,7 +8,8 @@ use tensordict::TensorDict;
 use tensordict_rpc::store::{Store, StoreOptions, StoreServiceClient, Wait};
 use tensordict_rpc::{BlockingClient, ClientOptions, WireError};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 fn start(name: &str) -> (tempfile::TempDir, Store) {
     let dir = tempfile::tempdir().unwrap();

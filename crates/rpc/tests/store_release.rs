@@ -9,7 +9,8 @@ use tensordict::TensorDict;
 use tensordict_rpc::ClientOptions;
 use tensordict_rpc::store::{Store, StoreOptions, Wait};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 fn dict(value: f32) -> TensorDict {
     let mut td = TensorDict::new(Vec::<usize>::new());

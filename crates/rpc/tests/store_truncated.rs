@@ -15,7 +15,8 @@ use tensordict::TensorDict;
 use tensordict_rpc::WireError;
 use tensordict_rpc::store::{Loaded, Place, Store, StoreOptions, Wait};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 /// `weight` is f32 `[N, N]`: 256 KiB, 64 pages.
 const N: usize = 256;

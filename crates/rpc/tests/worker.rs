@@ -8,7 +8,8 @@ use tensordict_rpc::{
     BlockingClient, ClientOptions, Endpoint, ErrorKind, InlineDict, ServerOptions, ToRef, WireError, WireIndex,
 };
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 struct Running {
     _dir: tempfile::TempDir,

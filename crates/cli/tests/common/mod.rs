@@ -2,6 +2,8 @@
 //! fixtures and their expected descriptions, shared-memory guards, and waiting for processes.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod daemon;
+
 use std::ffi::OsStr;
 use std::fs;
 use std::path::{Path, PathBuf};

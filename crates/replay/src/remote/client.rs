@@ -524,19 +524,10 @@ impl RemoteBuffer {
                 InlineDict::new(&batch.index(Index::slice(Some(start as i64), Some(end as i64), 1)).op(OP)?)
             }
             .op(OP)?;
-            let begun = Instant::now();
-            let stored = windowed_wait(
-                wait,
-                WAIT_WINDOW,
-                |window| {
-                    let mut ctx = self.client.context();
-                    ctx.deadline += window;
-                    let rows = rows.clone();
-                    self.client.invoke_with(ctx, async |c, ctx| c.insert(ctx, rows, Some(window)).await)
-                },
-                is_timed_out,
-            )
-            .map_err(|e| timed_out(OP, begun, e))?;
+            let stored = self.windowed(OP, wait, |ctx, window| {
+                let rows = rows.clone();
+                self.client.invoke_with(ctx, async |c, ctx| c.insert(ctx, rows, Some(window)).await)
+            })?;
             written.extend(stored.iter().map(|&r| r as usize));
         }
         Ok(written)
@@ -581,53 +572,59 @@ impl RemoteBuffer {
     /// (`sample_values`), waiting in windows. The leases let go of since the last draw are
     /// released by this one.
     fn draw(&self, batch_size: usize, wait: Option<Duration>, values: bool) -> Result<Drawn> {
-        let start = Instant::now();
         let mut release = self.releases.take();
-        windowed_wait(
-            wait,
-            WAIT_WINDOW,
-            |window| {
-                let mut ctx = self.client.context();
-                ctx.deadline += window;
-                let sent = std::mem::take(&mut release);
-                let (n, held) = (batch_size as u64, sent.clone());
-                let answer = if values {
-                    self.client
-                        .invoke_with(ctx, async |c, ctx| c.sample_values(ctx, n, Some(window), held).await)
-                        .map(Drawn::Values)
-                } else {
-                    self.client
-                        .invoke_with(ctx, async |c, ctx| c.sample(ctx, n, Some(window), held).await)
-                        .map(Drawn::Leased)
-                };
-                // A refusal came from a service that released them first; after any other
-                // failure they may not have arrived.
-                if let Err(e) = &answer
-                    && !matches!(e, tensordict_rpc::Error::Remote { .. })
-                    && !sent.is_empty()
-                {
-                    // Sent again (the service leaves alone what it released already).
-                    self.releases.extend(sent);
-                }
-                answer
-            },
-            is_timed_out,
-        )
-        .map_err(|e| timed_out("sample", start, e))
+        self.windowed("sample", wait, |ctx, window| {
+            let sent = std::mem::take(&mut release);
+            let (n, held) = (batch_size as u64, sent.clone());
+            let answer = if values {
+                self.client
+                    .invoke_with(ctx, async |c, ctx| c.sample_values(ctx, n, Some(window), held).await)
+                    .map(Drawn::Values)
+            } else {
+                self.client
+                    .invoke_with(ctx, async |c, ctx| c.sample(ctx, n, Some(window), held).await)
+                    .map(Drawn::Leased)
+            };
+            // A refusal came from a service that released them first; after any other
+            // failure they may not have arrived.
+            if let Err(e) = &answer
+                && !matches!(e, tensordict_rpc::Error::Remote { .. })
+                && !sent.is_empty()
+            {
+                // Sent again (the service leaves alone what it released already).
+                self.releases.extend(sent);
+            }
+            answer
+        })
     }
 
     /// Reserves `n` rows, committing `commit` first; waits in windows.
     fn reserve_raw(&self, n: usize, wait: Option<Duration>, commit: Option<u64>, op: &'static str) -> Result<Reserved> {
-        let start = Instant::now();
         let mut commit = commit;
+        self.windowed(op, wait, |ctx, window| {
+            let sent = commit.take();
+            self.client.invoke_with(ctx, async |c, ctx| c.reserve(ctx, n as u64, Some(window), sent).await)
+        })
+    }
+
+    /// A request the service may hold up to `wait` (`None`: without end), made in windows of
+    /// at most [`WAIT_WINDOW`]: `call` sends one window's request, given the window (the
+    /// service's wait) and a context whose deadline is that much later. A service that timed
+    /// out is asked again while time is left; the last "timed out" is `op`'s [`Error::Timeout`].
+    fn windowed<T>(
+        &self,
+        op: &'static str,
+        wait: Option<Duration>,
+        mut call: impl FnMut(tarpc::context::Context, Duration) -> tensordict_rpc::Result<T>,
+    ) -> Result<T> {
+        let start = Instant::now();
         windowed_wait(
             wait,
             WAIT_WINDOW,
             |window| {
                 let mut ctx = self.client.context();
                 ctx.deadline += window;
-                let sent = commit.take();
-                self.client.invoke_with(ctx, async |c, ctx| c.reserve(ctx, n as u64, Some(window), sent).await)
+                call(ctx, window)
             },
             is_timed_out,
         )

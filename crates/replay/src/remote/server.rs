@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use memmap_tensor::ErrorChain;
 use tarpc::context::Context;
-use tensordict_rpc::service::{self as named, OwnerLock, Served, SessionTable, StopSignal};
+use tensordict_rpc::service::{self as named, Served, ServedName, SessionTable, StopSignal};
 use tensordict_rpc::{Endpoint, ErrorKind, InlineDict, NodeId, Peer, ServerOptions, TensorDictRef, ToRef, WireError};
 
 use super::dumping::{DumpTurn, Wanted, dump_for};
@@ -35,12 +35,10 @@ const WAIT_SLICE: Duration = Duration::from_millis(100);
 /// their leases) and removes the storage it made in shared memory (a folder stays).
 pub struct ReplayServer {
     shared: Arc<Shared>,
-    // Dropped before `shared`'s last user goes: the servers hold sessions.
-    served: Option<Served>,
-    /// The name's lock, held while the service lives (its storage is this process's).
-    _owner: OwnerLock,
-    /// With a folder, the lock that makes this service the folder's only one, on any node.
-    _folder_owner: Option<memmap_tensor::LockFile>,
+    /// The servers (closed before `shared`'s last user goes: they hold sessions), the name's
+    /// lock, held while the service lives (its storage is this process's), and with a folder
+    /// the lock that makes this service the folder's only one, on any node.
+    served: ServedName,
 }
 
 impl std::fmt::Debug for ReplayServer {
@@ -213,21 +211,17 @@ impl ReplayServer {
         let server_options = ServerOptions::default().max_frame_bytes(MAX_FRAME_BYTES);
         let served = Served::start(&service, &runtime_dir, &options.service, server_options, &shared.stop, make)?;
         tracing::info!(replay = name, capacity = shared.buffer.capacity(), "serving");
-        Ok(ReplayServer { shared, served: Some(served), _owner: owner, _folder_owner: folder_owner })
+        Ok(ReplayServer { shared, served: ServedName::new(served, owner, folder_owner) })
     }
 
     /// The endpoint it serves on this node.
     pub fn endpoint(&self) -> &Endpoint {
-        self.served().endpoint()
+        self.served.endpoint()
     }
 
     /// The TCP endpoint it serves, if any (with the port actually bound).
     pub fn tcp_endpoint(&self) -> Option<&Endpoint> {
-        self.served().tcp_endpoint()
-    }
-
-    fn served(&self) -> &Served {
-        self.served.as_ref().expect("served until dropped")
+        self.served.tcp_endpoint()
     }
 
     /// The buffer it serves (to sample or inspect it in the serving process).
@@ -253,7 +247,7 @@ impl Drop for ReplayServer {
     fn drop(&mut self) {
         self.shared.stop.stop();
         // Stops the serving threads; their sessions end with them.
-        self.served.take();
+        self.served.close();
     }
 }
 

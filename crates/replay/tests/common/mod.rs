@@ -10,6 +10,9 @@ use serde_json::Value;
 use tensordict::TensorDict;
 use tensordict_replay::Episodes;
 
+/// What a test that fails by `?` returns.
+pub type TestResult = Result<(), Box<dyn std::error::Error>>;
+
 /// The dumps written by TorchRL 0.14.1 (see the README beside them).
 pub const FIXTURES: [&str; 4] = ["uniform_wrapped", "prioritized", "slices", "max_value_writer"];
 

@@ -17,7 +17,7 @@ use super::service::{Allocated, EntryBytes, EntryInfo, Leased, Place, StoreInfo,
 use super::{StoreOptions, check_key, service_name};
 use crate::error::{Error, Result};
 use crate::server::Peer;
-use crate::service::{self, OwnerLock, Served, StopSignal};
+use crate::service::{self, Served, ServedName, StopSignal};
 use crate::{Endpoint, NodeId, ServerOptions, WireError};
 
 /// How often entries whose TTL ran out are looked for.
@@ -32,13 +32,11 @@ const MAX_KEYS_PER_LOAD: usize = 4096;
 /// next start).
 pub struct StoreServer {
     shared: Arc<Shared>,
-    /// Dropped first: closing the connections ends every session.
-    served: Option<Served>,
+    /// Closed first: closing the connections ends every session. With it, the lock that makes
+    /// this process the store's only server and, with a folder, the lock that makes this store
+    /// the folder's only server, on any node; released on drop.
+    served: ServedName,
     expiry: Option<JoinHandle<()>>,
-    /// The lock that makes this process the store's only server; released on drop.
-    _lock: OwnerLock,
-    /// With a folder, the lock that makes this store the folder's only server, on any node.
-    _dir_lock: Option<memmap_tensor::LockFile>,
 }
 
 impl std::fmt::Debug for StoreServer {
@@ -111,13 +109,8 @@ impl StoreServer {
         };
         let server_options = ServerOptions::default().max_frame_bytes(super::MAX_FRAME_BYTES);
         let served = Served::start(&service, &runtime_dir, &options.service, server_options, &shared.stop, make)?;
-        let mut server = StoreServer {
-            shared: Arc::clone(&shared),
-            served: Some(served),
-            expiry: None,
-            _lock: lock,
-            _dir_lock: dir_lock,
-        };
+        let mut server =
+            StoreServer { shared: Arc::clone(&shared), served: ServedName::new(served, lock, dir_lock), expiry: None };
         let expiring = Arc::clone(&shared);
         server.expiry = Some(
             std::thread::Builder::new()
@@ -136,16 +129,12 @@ impl StoreServer {
 
     /// The Unix socket endpoint served.
     pub fn endpoint(&self) -> &Endpoint {
-        self.served().endpoint()
+        self.served.endpoint()
     }
 
     /// The TCP endpoint served, if any (with the port actually bound).
     pub fn tcp_endpoint(&self) -> Option<&Endpoint> {
-        self.served().tcp_endpoint()
-    }
-
-    fn served(&self) -> &Served {
-        self.served.as_ref().expect("served until dropped")
+        self.served.tcp_endpoint()
     }
 
     /// Blocks until the store is asked to stop (a client's `shutdown`, or [`StoreServer::stop`])
@@ -175,7 +164,7 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.request_stop();
         // Closing the servers ends every session, which releases its leases and allocations.
-        self.served.take();
+        self.served.close();
         if let Some(expiry) = self.expiry.take() {
             let _ = expiry.join();
         }
