@@ -55,6 +55,11 @@ pub(crate) enum BenchCommand {
         /// in `mmap` mode), so that every gather reads from the disk.
         #[arg(long)]
         cold: bool,
+        /// Also time `td[idx] = batch` after each gather: the gathered rows written back into
+        /// the same rows of the mapping (opened writable; its bytes stay as they were), so that
+        /// the scatter and the gather of the same rows are read off one run. `--mode mmap` only.
+        #[arg(long)]
+        scatter: bool,
         /// Print one JSON object: the times, the mode, the I/O backend and the iterations.
         #[arg(long)]
         json: bool,
@@ -217,9 +222,9 @@ pub(crate) enum Mode {
 
 pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
-        BenchCommand::Gather { location, batch, iters, mode, o_direct, cold, json } => {
+        BenchCommand::Gather { location, batch, iters, mode, o_direct, cold, scatter, json } => {
             let (batch, iters) = (usize::try_from(batch)?, usize::try_from(iters)?);
-            gather(&location, &GatherOptions { batch, iters, mode, o_direct, cold }, json)
+            gather(&location, &GatherOptions { batch, iters, mode, o_direct, cold, scatter }, json)
         }
         BenchCommand::Make { path, rows } => make(&path, usize::try_from(rows)?),
         BenchCommand::Loader { path, batch, epochs, prefetch, reads, block_rows, cold, json } => {
@@ -265,6 +270,7 @@ struct GatherOptions {
     mode: Mode,
     o_direct: bool,
     cold: bool,
+    scatter: bool,
 }
 
 fn gather(location: &Location, opts: &GatherOptions, as_json: bool) -> anyhow::Result<ExitCode> {
@@ -274,7 +280,9 @@ fn gather(location: &Location, opts: &GatherOptions, as_json: bool) -> anyhow::R
         !opts.cold || matches!(location, Location::Folder(_)),
         "--cold needs a folder: shared memory has no page cache to evict"
     );
-    let mut td = location.open(Access::ReadOnly)?;
+    ensure!(!opts.scatter || (opts.mode == Mode::Mmap && !opts.cold), "--scatter needs --mode mmap, without --cold");
+    let access = if opts.scatter { Access::ReadWrite } else { Access::ReadOnly };
+    let mut td = location.open(access)?;
     let rows = *td.batch_size().first().context("the dict has no batch dim to gather along")?;
     ensure!(rows > 0, "the dict has no rows");
     let files = leaf_files(&td);
@@ -305,6 +313,7 @@ fn gather(location: &Location, opts: &GatherOptions, as_json: bool) -> anyhow::R
     let mut rng = rand::rng();
     let warmup = if opts.cold { 0 } else { opts.iters / 10 };
     let mut times_us = Vec::with_capacity(opts.iters);
+    let mut scatter_us = Vec::with_capacity(if opts.scatter { opts.iters } else { 0 });
     let what = if opts.cold { "cold gathers" } else { "gathers" };
     let progress = Progress::bar(what, (opts.iters + warmup) as u64, Unit::Items("gathers"), !as_json);
     for i in 0..opts.iters + warmup {
@@ -319,19 +328,30 @@ fn gather(location: &Location, opts: &GatherOptions, as_json: bool) -> anyhow::R
                 evict(file)?;
             }
             if engine.is_none() {
-                td = location.open(Access::ReadOnly)?;
+                td = location.open(access)?;
             }
         }
+        let again = opts.scatter.then(|| Index::List(index.clone()));
         let started = Instant::now();
         let out = match &engine {
             None => td.index(Index::List(index))?,
             Some(engine) => td.gather_direct(engine, &index, read_mode)?,
         };
         let elapsed = started.elapsed();
-        drop(out);
         if i >= warmup {
             times_us.push(elapsed.as_secs_f64() * 1e6);
         }
+        if let Some(again) = again {
+            // The same rows, written back: what `td[idx] = batch` costs (rows checked, every
+            // leaf written as one job).
+            let started = Instant::now();
+            td.assign_at(again, &out)?;
+            let elapsed = started.elapsed();
+            if i >= warmup {
+                scatter_us.push(elapsed.as_secs_f64() * 1e6);
+            }
+        }
+        drop(out);
         progress.inc(1);
     }
     drop(progress);
@@ -346,11 +366,16 @@ fn gather(location: &Location, opts: &GatherOptions, as_json: bool) -> anyhow::R
         (Mode::Direct, true) => "direct+o_direct",
     };
     let backend = engine.as_ref().map(|e| e.backend().as_str());
+    scatter_us.sort_by(f64::total_cmp);
+    let scatter_median = scatter_us.get(scatter_us.len() / 2).copied();
+    let scatter_p99 = scatter_us.get((scatter_us.len() * 99 / 100).min(scatter_us.len().saturating_sub(1))).copied();
     // The JSON is a contract: the same fields whatever the mode (`backend` is null for `mmap`,
-    // which uses no I/O engine).
+    // which uses no I/O engine; the `scatter_*` fields are null without `--scatter`).
     let out = json!({
         "median_us": round(median), "p99_us": round(p99), "gbps": round(gbps), "batch": opts.batch,
         "row_bytes": row_bytes, "mode": mode, "backend": backend, "cold": opts.cold, "iters": opts.iters,
+        "scatter_median_us": scatter_median.map(round), "scatter_p99_us": scatter_p99.map(round),
+        "scatter_over_gather": scatter_median.map(|s| round(s / median)),
     });
     if as_json {
         crate::out!("{out}");
@@ -362,6 +387,9 @@ fn gather(location: &Location, opts: &GatherOptions, as_json: bool) -> anyhow::R
             opts.iters,
             backend.map(|b| format!(", {b} backend")).unwrap_or_default()
         );
+        if let (Some(s), Some(p)) = (scatter_median, scatter_p99) {
+            crate::out!("scatter of the same rows: median {s:.1} µs, p99 {p:.1} µs, {:.2}x the gather", s / median);
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -125,6 +125,38 @@ pub(crate) unsafe fn scatter_rows(src: Rows<*const u8>, rows: &[usize], dst: Row
     }
 }
 
+/// `dst[dst_rows[k]] = src[src_rows[k]]` for every k, in order (a repeated row of `dst` keeps
+/// the last write): a gather and a scatter in one pass, for a writer that reorders rows (no
+/// batch in between). The source rows are asked for ahead, as [`gather_rows`] asks for them;
+/// not the target rows: asking for the scattered rows ahead made a scatter of 1024 random
+/// 349-byte rows (`tdict bench gather --scatter`) 1.27-1.31x its gather, against 0.99-1.03x
+/// without.
+///
+/// # Safety
+/// - `src_rows.len() == dst_rows.len()`; every row in `src_rows` is a valid row of `src`, every
+///   row in `dst_rows` a valid row of `dst`;
+/// - `src.row_bytes == dst.row_bytes`, and all those rows are within their regions;
+/// - the regions do not overlap, and no reference into `dst`'s region is alive.
+pub(crate) unsafe fn copy_rows_between(
+    src: Rows<*const u8>,
+    src_rows: &[usize],
+    dst: Rows<*mut u8>,
+    dst_rows: &[usize],
+) {
+    debug_assert_eq!(src_rows.len(), dst_rows.len());
+    let n = src.row_bytes;
+    let distance = (PREFETCH_BYTES_AHEAD / n.max(1)).clamp(PREFETCH_DISTANCE, PREFETCH_DISTANCE_MAX);
+    for (k, (&s, &d)) in src_rows.iter().zip(dst_rows).enumerate() {
+        if let Some(&ahead) = src_rows.get(k + distance) {
+            prefetch_bytes(src.base.wrapping_add(src.first + ahead * src.stride_bytes), n);
+        }
+        // SAFETY: row `s` of `src` and row `d` of `dst` are in bounds and disjoint (contract).
+        unsafe {
+            copy_row(src.base.add(src.first + s * src.stride_bytes), dst.base.add(dst.first + d * dst.stride_bytes), n);
+        }
+    }
+}
+
 /// Copies one row of `n` bytes. Rows under 64 bytes (a scalar per row: actions, rewards, flags)
 /// are copied in power-of-two pieces with fixed-size moves the compiler inlines, where a
 /// library `memcpy` call would cost more than the copy; longer rows go to `memcpy`, which

@@ -57,7 +57,7 @@ const BACKOFF_MAX: Duration = Duration::from_millis(128);
 /// At most this many helpers, whatever the cores.
 const MAX_HELPERS: usize = 3;
 
-/// One leaf of a gather: its rows are read from `src` into `dst`.
+/// One leaf of a gather or a scatter: its rows are read from `src` into `dst`.
 #[derive(Clone, Copy)]
 pub(crate) struct Leg {
     pub(crate) src: Rows<*const u8>,
@@ -80,6 +80,18 @@ enum Work {
         /// The first chunk of each leg, and the chunk count at the end.
         firsts: Vec<usize>,
         rows: *const usize,
+        len: usize,
+    },
+    /// One scatter of the same rows into every leg: `leg.dst[dst_rows[k]] = leg.src[src_rows[k]]`
+    /// (`leg.src[k]` without `src_rows`) for `k` in `0..len`, in chunks of each leg's rows. No
+    /// row of `dst_rows` repeats: chunks run in any order, so a repeat could change which write
+    /// wins (the caller keeps only the last of each).
+    Scatter {
+        legs: Vec<Leg>,
+        /// The first chunk of each leg, and the chunk count at the end.
+        firsts: Vec<usize>,
+        src_rows: Option<*const usize>,
+        dst_rows: *const usize,
         len: usize,
     },
     /// `len` bytes from `src` to `dst`, in chunks of [`COPY_CHUNK_BYTES`].
@@ -142,6 +154,26 @@ impl Job {
                     let rows = std::slice::from_raw_parts(rows.add(start), end - start);
                     let part = Rows { first: leg.dst.first + start * leg.dst.stride_bytes, ..leg.dst };
                     copy::gather_rows(leg.src, rows, part);
+                }
+            }
+            Work::Scatter { ref legs, ref firsts, src_rows, dst_rows, len } => {
+                let leg_index = firsts.partition_point(|&first| first <= c) - 1;
+                let leg = &legs[leg_index];
+                let per = leg.chunk_rows();
+                let start = (c - firsts[leg_index]) * per;
+                let end = (start + per).min(len);
+                // SAFETY: positions `start..end` are within the caller's row slices, and the
+                // target rows they name are this chunk's alone: no target row repeats (the
+                // contract), so no other chunk writes them.
+                unsafe {
+                    let dst_rows = std::slice::from_raw_parts(dst_rows.add(start), end - start);
+                    if let Some(src_rows) = src_rows {
+                        let src_rows = std::slice::from_raw_parts(src_rows.add(start), end - start);
+                        copy::copy_rows_between(leg.src, src_rows, leg.dst, dst_rows);
+                    } else {
+                        let part = Rows { first: leg.src.first + start * leg.src.stride_bytes, ..leg.src };
+                        copy::scatter_rows(part, dst_rows, leg.dst);
+                    }
                 }
             }
             Work::Copy { src, dst, len } => {
@@ -301,6 +333,32 @@ impl Pool {
         self.run(Work::Gather { legs: legs.to_vec(), firsts, rows: rows.as_ptr(), len: rows.len() }, chunks);
     }
 
+    /// `leg.dst[dst_rows[k]] = leg.src[src_rows[k]]` (`leg.src[k]` without `src_rows`) for every
+    /// leg, the chunks shared with the helpers: the write twin of [`Pool::gather`].
+    ///
+    /// # Safety
+    /// As for [`copy::copy_rows_between`], for every leg (with `0..dst_rows.len()` as the source
+    /// rows without `src_rows`); and no row of `dst_rows` repeats, so that the order in which
+    /// the chunks run changes nothing.
+    pub(crate) unsafe fn scatter(&self, legs: &[Leg], src_rows: Option<&[usize]>, dst_rows: &[usize]) {
+        debug_assert!(src_rows.is_none_or(|s| s.len() == dst_rows.len()));
+        let mut firsts = Vec::with_capacity(legs.len() + 1);
+        let mut chunks = 0;
+        for leg in legs {
+            firsts.push(chunks);
+            chunks += dst_rows.len().div_ceil(leg.chunk_rows());
+        }
+        firsts.push(chunks);
+        let work = Work::Scatter {
+            legs: legs.to_vec(),
+            firsts,
+            src_rows: src_rows.map(<[usize]>::as_ptr),
+            dst_rows: dst_rows.as_ptr(),
+            len: dst_rows.len(),
+        };
+        self.run(work, chunks);
+    }
+
     /// Copies `len` bytes from `src` to `dst`, the chunks shared with the helpers.
     ///
     /// # Safety
@@ -407,6 +465,35 @@ mod tests {
             unsafe { pool.copy(src.as_ptr(), dst.as_mut_ptr(), len) };
             assert!(dst[..len] == src[..], "a byte of the {len}-byte copy differs");
             assert!(dst[len..].iter().all(|&b| b == 0xAA), "the {len}-byte copy wrote past its end");
+        }
+    }
+
+    /// A posted scatter, with and without source rows, puts every row where its target row
+    /// says (whichever thread takes which chunk), and nothing past the target.
+    #[test]
+    fn a_posted_scatter_writes_every_target_row_once() {
+        const ROW: usize = 40;
+        let pool = Pool::get();
+        let n = 5 * MIN_CHUNK_ROWS + 3;
+        // Target row of position k: a permutation of 0..n.
+        let dst_rows: Vec<usize> = (0..n).map(|k| (k * 7) % n).collect();
+        let src_rows: Vec<usize> = (0..n).map(|k| n - 1 - k).collect();
+        let src: Vec<u8> = (0..n * ROW).map(|i| u8::try_from(i / ROW % 251).unwrap()).collect();
+        for from in [None, Some(&src_rows[..])] {
+            let mut dst = vec![0xAAu8; (n + 1) * ROW];
+            let leg = Leg {
+                src: Rows { base: src.as_ptr(), first: 0, stride_bytes: ROW, row_bytes: ROW },
+                dst: Rows { base: dst.as_mut_ptr(), first: 0, stride_bytes: ROW, row_bytes: ROW },
+            };
+            // SAFETY: every row named is below `n`; both vectors hold at least `n` rows of
+            // `ROW` bytes, are distinct, and are borrowed until the scatter returns; no target
+            // row repeats (7 and `n` are coprime).
+            unsafe { pool.scatter(&[leg], from, &dst_rows) };
+            for (k, &d) in dst_rows.iter().enumerate() {
+                let s = from.map_or(k, |f| f[k]);
+                assert!(dst[d * ROW..(d + 1) * ROW] == src[s * ROW..(s + 1) * ROW], "row {d}");
+            }
+            assert!(dst[n * ROW..].iter().all(|&b| b == 0xAA), "the scatter wrote past its target");
         }
     }
 }

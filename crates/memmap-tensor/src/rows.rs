@@ -176,6 +176,200 @@ impl Tensor {
         Tensor::intact_after(src, self)
     }
 
+    /// [`Tensor::scatter_index`] of `sources[i]` into `targets[i]`, for every i, at once: the
+    /// write twin of [`Tensor::gather_index_many`], the rows of every leaf shared among the
+    /// cores as one piece of work (a dict's leaves written at the same rows). A repeated row
+    /// keeps the last row written, as in [`Tensor::scatter_rows`]; each source has the shape
+    /// `[rows.len(), dims[1..]…]` of its target and the same dtype. Everything is checked
+    /// before anything is written (shapes, dtypes, rows, writable host memory). A source on a
+    /// GPU is brought to the host first; when a source shares storage with a target, or two
+    /// targets share storage, the pairs are written one after the other, in order, as one
+    /// [`Tensor::scatter_index`] each would write them.
+    ///
+    /// # Panics
+    /// If `targets` and `sources` differ in length.
+    pub fn scatter_index_many(targets: &mut [&mut Tensor], rows: &RowIndex, sources: &[&Tensor]) -> Result<()> {
+        Tensor::scatter_many("scatter_rows", targets, rows, sources, None)
+    }
+
+    /// Row `src_rows[k]` of `sources[i]` into row `rows[k]` of `targets[i]`, for every k and i:
+    /// a gather and a scatter in one copy, with no batch in between (a writer that reorders
+    /// rows). As [`Tensor::scatter_index_many`] otherwise: each source has the dims after the
+    /// first and the dtype of its target, and at least the rows `src_rows` was checked against;
+    /// a repeated row of `rows` keeps the last row written.
+    ///
+    /// # Panics
+    /// If `targets` and `sources` differ in length.
+    pub fn copy_index_many(
+        targets: &mut [&mut Tensor],
+        rows: &RowIndex,
+        sources: &[&Tensor],
+        src_rows: &RowIndex,
+    ) -> Result<()> {
+        const OP: &str = "copy_index_many";
+        if src_rows.len() != rows.len() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                expected: Shape::from([rows.len()]),
+                actual: Shape::from([src_rows.len()]),
+            });
+        }
+        Tensor::scatter_many(OP, targets, rows, sources, Some(src_rows))
+    }
+
+    /// The body of [`Tensor::scatter_index_many`] and [`Tensor::copy_index_many`] (source rows
+    /// `0..rows.len()` without `src_rows`).
+    fn scatter_many(
+        op: &'static str,
+        targets: &mut [&mut Tensor],
+        rows: &RowIndex,
+        sources: &[&Tensor],
+        src_rows: Option<&RowIndex>,
+    ) -> Result<()> {
+        assert_eq!(targets.len(), sources.len(), "{op}: one source per target");
+        for (target, src) in targets.iter().zip(sources) {
+            let src_len = match src_rows {
+                Some(src_rows) => {
+                    src_rows.fits(op, src)?;
+                    src.rows_of(op)?
+                }
+                None => rows.len(),
+            };
+            target.check_same_kind(op, src, &target.rows_shape(op, src_len)?)?;
+            rows.fits(op, target)?;
+            target.on_host(op)?;
+            if !target.storage().is_writable() {
+                return Err(Error::ReadOnly { op, storage: target.storage().describe() });
+            }
+        }
+        // Sources on a GPU come down once, before anything is written.
+        let mut on_host = Vec::new();
+        for src in sources {
+            if !src.device().is_cpu() {
+                on_host.push(src.to(Device::Cpu)?);
+            }
+        }
+        let mut brought = on_host.iter();
+        let sources: Vec<&Tensor> = sources
+            .iter()
+            .map(|&src| if src.device().is_cpu() { src } else { brought.next().unwrap_or(src) })
+            .collect();
+        let (dst_rows, src_rows) = (rows.rows(), src_rows.map(RowIndex::rows));
+        // A storage written by one pair and read or written by another: each pair's write must
+        // see the ones before it, so they go one after the other, in order.
+        let targets_alone = targets.iter().enumerate().any(|(i, t)| {
+            targets[..i].iter().any(|u| t.shares_storage_with(u)) || sources.iter().any(|s| t.shares_storage_with(s))
+        });
+        let (mut shared, mut alone) = (Vec::new(), Vec::new());
+        for (target, src) in targets.iter_mut().zip(&sources) {
+            if !targets_alone && target.layout().rows_contiguous() && src.layout().rows_contiguous() {
+                shared.push((&**target, *src));
+            } else {
+                alone.push((&mut **target, *src));
+            }
+        }
+        for (target, src) in alone {
+            Tensor::scatter_alone(op, target, dst_rows, src, src_rows)?;
+        }
+        if shared.is_empty() {
+            return Ok(());
+        }
+        for (target, _) in &shared {
+            target.populate_rows(dst_rows);
+        }
+        // Every storage locked at once, in address order (as `gather_index_many` locks them):
+        // the sources read (one lock for views of one storage), the targets written (each
+        // target's storage is no other pair's, checked above).
+        let mut storages: Vec<(Arc<Storage>, bool)> = Vec::with_capacity(2 * shared.len());
+        for (target, src) in &shared {
+            storages.push((Arc::clone(src.storage()), false));
+            storages.push((Arc::clone(target.storage()), true));
+        }
+        storages.sort_by_key(|(storage, _)| Arc::as_ptr(storage));
+        storages.dedup_by_key(|(storage, _)| Arc::as_ptr(storage));
+        let mut read_locks = Vec::new();
+        let mut write_locks = Vec::new();
+        for (storage, write) in &storages {
+            if *write {
+                write_locks.push(storage.write(op)?);
+            } else {
+                read_locks.push(storage.read(op)?);
+            }
+        }
+        let mut legs = Vec::with_capacity(shared.len());
+        let mut bytes = 0usize;
+        for (target, src) in &shared {
+            let leg = Leg { src: row_geometry(src.strided(), src), dst: row_geometry(target.strided_mut(), target) };
+            bytes = bytes.saturating_add(dst_rows.len() * leg.src.row_bytes);
+            legs.push(leg);
+        }
+        let pool = (bytes >= SHARED_MIN_BYTES).then(Pool::get).filter(|pool| pool.shares(dst_rows.len()));
+        // SAFETY: every row of `dst_rows` is below each target's dim 0 and every row of
+        // `src_rows` below each source's (`RowIndex`es that fit them, checked above); without
+        // `src_rows`, each source has `dst_rows.len()` rows; the row sizes agree (shapes and
+        // dtypes checked above); every target's storage is distinct from every other storage
+        // (checked above), and all are locked (read for the sources, write for the targets)
+        // until the copies (and every chunk a helper took) are done. The pool gets target rows
+        // that do not repeat (`last_writes`).
+        unsafe {
+            match pool {
+                Some(pool) => match last_writes(dst_rows) {
+                    None => pool.scatter(&legs, src_rows, dst_rows),
+                    Some(kept) => {
+                        let from: Vec<usize> = kept.iter().map(|&k| src_rows.map_or(k, |s| s[k])).collect();
+                        let to: Vec<usize> = kept.iter().map(|&k| dst_rows[k]).collect();
+                        pool.scatter(&legs, Some(&from), &to);
+                    }
+                },
+                None => {
+                    for leg in &legs {
+                        match src_rows {
+                            Some(src_rows) => copy::copy_rows_between(leg.src, src_rows, leg.dst, dst_rows),
+                            None => copy::scatter_rows(leg.src, dst_rows, leg.dst),
+                        }
+                    }
+                }
+            }
+        }
+        drop((read_locks, write_locks));
+        for (storage, _) in &storages {
+            storage.intact()?;
+        }
+        Ok(())
+    }
+
+    /// One pair of [`Tensor::scatter_many`] on the calling thread: row `src_rows[k]` (`k`
+    /// without) of `src` into row `dst_rows[k]` of `self`, in order, any layout. Rows, shapes,
+    /// dtypes and devices checked by the caller.
+    fn scatter_alone(
+        op: &'static str,
+        target: &mut Tensor,
+        dst_rows: &[usize],
+        src: &Tensor,
+        src_rows: Option<&[usize]>,
+    ) -> Result<()> {
+        if target.shares_storage_with(src) {
+            return Tensor::scatter_alone(op, target, dst_rows, &src.deep_clone()?, src_rows);
+        }
+        target.populate_rows(dst_rows);
+        let _locks = Tensor::lock_pair(src, target, op)?;
+        // SAFETY: as in `gather_index_into`, with the rows checked by the caller: every row of
+        // `dst_rows` is a row of `target`, every source row one of `src`; the storages are
+        // distinct (checked above) and locked until the copy is done.
+        unsafe {
+            if target.layout().rows_contiguous() && src.layout().rows_contiguous() {
+                let (from, to) = (row_geometry(src.strided(), src), row_geometry(target.strided_mut(), target));
+                match src_rows {
+                    Some(src_rows) => copy::copy_rows_between(from, src_rows, to, dst_rows),
+                    None => copy::scatter_rows(from, dst_rows, to),
+                }
+            } else {
+                copy_rows_strided(src, target, dst_rows.len(), |k| src_rows.map_or(k, |s| s[k]), |k| dst_rows[k]);
+            }
+        }
+        Tensor::intact_after(src, target)
+    }
+
     /// The size of dim 0, or an error for a scalar.
     fn rows_of(&self, op: &'static str) -> Result<usize> {
         self.dims().first().copied().ok_or(Error::ScalarTensor { op })
@@ -275,3 +469,63 @@ unsafe fn copy_rows_strided(
 /// Gathers of fewer bytes run on the calling thread alone: below this, waking a helper and
 /// sharing the chunks costs more than it saves (see the crate's benchmarks).
 const SHARED_MIN_BYTES: usize = 64 << 10;
+
+/// The positions `k` of the last write of each row of `rows` (in increasing order), or `None`
+/// when no row repeats.
+///
+/// The chunks of a shared scatter run in any order on any core, so two writes of one row in
+/// different chunks could land either way round, where "a repeated row keeps the last row
+/// written" asks for the later one. Rather than give up sharing whenever a row repeats (a draw
+/// with replacement repeats rows often), the scatter keeps only the last write of each row: the
+/// same bytes end up in the target, and each row is written once. Marks are kept in a small
+/// open-addressing table of at least twice `rows.len()` slots (found by the row's hash, not
+/// by the row: its size does not grow with the target's rows, and it stays in cache), one
+/// walk from the end: O(n).
+fn last_writes(rows: &[usize]) -> Option<Vec<usize>> {
+    /// 2^BITS over the golden ratio, odd.
+    #[cfg(target_pointer_width = "64")]
+    const GOLDEN: usize = 0x9E37_79B9_7F4A_7C15;
+    #[cfg(not(target_pointer_width = "64"))]
+    const GOLDEN: usize = 0x9E37_79B9;
+    let slots = (2 * rows.len()).next_power_of_two().max(16);
+    let (mask, shift) = (slots - 1, usize::BITS - slots.trailing_zeros());
+    // A slot holds a row plus one; 0 is empty.
+    let mut table = vec![0usize; slots];
+    let mut kept = Vec::with_capacity(rows.len());
+    for (k, &row) in rows.iter().enumerate().rev() {
+        // Fibonacci hashing: the top bits of the product spread nearby rows over the table.
+        let mut slot = row.wrapping_mul(GOLDEN) >> shift;
+        loop {
+            match table[slot] {
+                0 => {
+                    table[slot] = row + 1;
+                    kept.push(k);
+                    break;
+                }
+                held if held == row + 1 => break,
+                _ => slot = (slot + 1) & mask,
+            }
+        }
+    }
+    if kept.len() == rows.len() {
+        return None;
+    }
+    kept.reverse();
+    Some(kept)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::last_writes;
+
+    /// The positions kept are the last of each row, in order; rows without a repeat keep all.
+    #[test]
+    fn last_writes_keeps_the_last_position_of_each_row() {
+        assert_eq!(last_writes(&[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]), Some(vec![2, 3, 5, 6, 7, 8, 9]));
+        assert_eq!(last_writes(&[0, 1, 2]), None);
+        assert_eq!(last_writes(&[]), None);
+        let many: Vec<usize> = (0..10_000).map(|k| k % 77 * 1_000_003).collect();
+        let kept = last_writes(&many).unwrap();
+        assert_eq!(kept, (10_000 - 77..10_000).collect::<Vec<_>>());
+    }
+}

@@ -103,6 +103,21 @@ fn writes_into_a_file_cut_shorter_are_errors() -> TestResult {
         let row = Tensor::from_bytes(&[1u8; ROW], DType::U8, [1, ROW])?;
         assert!(is_short(t.scatter_rows(&[700], &row), 0), "{access:?}");
         cut(&path, (ROWS * ROW) as u64);
+        // Every leaf at once, and enough rows (512 KiB) for the pool to share them.
+        let mut t = Tensor::open_file(&path, DType::U8, [ROWS, ROW], access)?;
+        let mut heap = Tensor::zeros([ROWS, 8], DType::U8, &Location::Heap)?;
+        cut(&path, 0);
+        let picked: Vec<i64> = (0..512).map(|i| i * 2).collect();
+        let rows = RowIndex::new(&picked, ROWS)?;
+        let (wide, narrow) = (
+            Tensor::zeros([512, ROW], DType::U8, &Location::Heap)?,
+            Tensor::zeros([512, 8], DType::U8, &Location::Heap)?,
+        );
+        assert!(
+            is_short(Tensor::scatter_index_many(&mut [&mut t, &mut heap], &rows, &[&wide, &narrow]), 0),
+            "{access:?}"
+        );
+        cut(&path, (ROWS * ROW) as u64);
         let mut t = Tensor::open_file(&path, DType::U8, [ROWS, ROW], access)?;
         cut(&path, 0);
         assert!(is_short(t.copy_from(&Tensor::zeros([ROWS, ROW], DType::U8, &Location::Heap)?), 0), "{access:?}");

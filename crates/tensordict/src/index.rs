@@ -846,9 +846,17 @@ impl TensorDict {
     ///   on the way are created with their parent's batch size), as Python tensordict does.
     ///
     /// Non-tensor values of `src` are ignored. Everything is checked before anything is
-    /// created or written; a position picked twice keeps the last value written.
+    /// created or written; a position picked twice keeps the last value written. A list over
+    /// the first batch dim with a value of exactly the rows' dtypes and shapes is written as
+    /// [`TensorDict::scatter_index`] writes it.
     pub fn assign_at(&mut self, index: impl Into<Index>, src: &TensorDict) -> Result<()> {
         let index = index.into();
+        // The common write, a list over the first batch dim and a value of exactly the rows'
+        // dtypes and shapes (a batch gathered from a dict like this one): one scatter of every
+        // leaf, its rows shared among the cores, with no plan and no conversion.
+        if let Some(rows) = self.exact_rows(&index, src) {
+            return self.scatter_index(&rows, src);
+        }
         let plan = Plan::resolve(&index, self.batch_size())?;
         let batch = plan.shape_after(self.batch_size());
         let src_batch = src.batch_size();

@@ -45,6 +45,7 @@ mod key;
 pub mod loader;
 mod read;
 mod replace;
+mod scatter;
 mod schema;
 mod shared;
 mod unreadable;
