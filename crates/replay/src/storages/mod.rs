@@ -240,10 +240,11 @@ impl Storage {
     }
 
     /// Writes row `k` of `src` to row `rows[k]`, for every `k` (rows must be distinct and
-    /// below the capacity; `src` must have passed [`Storage::check_batch`]).
+    /// below the capacity; `src` must have passed [`Storage::check_batch`]): every leaf in one
+    /// scatter, its rows shared among the cores as a sample's gather shares them.
     pub fn write_rows(&self, rows: &[usize], src: &TensorDict) -> Result<()> {
         let mut td = self.td.clone();
-        td.set_at(Index::List(to_i64(rows)), src).op("write rows")
+        td.scatter_index(&self.row_index(rows)?, src).op("write rows")
     }
 
     /// `rows` checked once against the capacity, for every leaf's gather to take as they are.
