@@ -3,6 +3,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use parking_lot::{RwLockReadGuard, RwLockWriteGuard};
+
 use crate::copy::{self, Rows, Strided, copy_strided};
 use crate::pool::{Leg, Pool};
 use crate::row_index::RowIndex;
@@ -89,26 +91,14 @@ impl Tensor {
         }
         let mut legs = Vec::with_capacity(shared.len());
         let mut bytes = 0usize;
-        // Every storage locked at once, in address order (as `Storage::lock_pair` orders two),
-        // so that no other copy waits for one of them while holding another: the sources read
-        // (one lock for views of one storage), the outputs, new storages, written.
+        // The sources read, the outputs (new storages) written.
         let mut storages: Vec<(Arc<Storage>, bool)> = Vec::with_capacity(2 * shared.len());
         for (src, out) in &shared {
             src.on_host(OP)?;
             storages.push((Arc::clone(src.storage()), false));
             storages.push((Arc::clone(out.storage()), true));
         }
-        storages.sort_by_key(|(storage, _)| Arc::as_ptr(storage));
-        storages.dedup_by_key(|(storage, _)| Arc::as_ptr(storage));
-        let mut read_locks = Vec::new();
-        let mut write_locks = Vec::new();
-        for (storage, write) in &storages {
-            if *write {
-                write_locks.push(storage.write(OP)?);
-            } else {
-                read_locks.push(storage.read(OP)?);
-            }
-        }
+        let (read_locks, write_locks) = lock_all(&mut storages, OP)?;
         for (src, out) in shared {
             let leg = Leg { src: row_geometry(src.strided(), src), dst: row_geometry(out.strided_mut(), out) };
             bytes = bytes.saturating_add(rows.len() * leg.src.row_bytes);
@@ -277,25 +267,14 @@ impl Tensor {
         for (target, _) in &shared {
             target.populate_rows(dst_rows);
         }
-        // Every storage locked at once, in address order (as `gather_index_many` locks them):
-        // the sources read (one lock for views of one storage), the targets written (each
-        // target's storage is no other pair's, checked above).
+        // The sources read, the targets written (each target's storage is no other pair's,
+        // checked above).
         let mut storages: Vec<(Arc<Storage>, bool)> = Vec::with_capacity(2 * shared.len());
         for (target, src) in &shared {
             storages.push((Arc::clone(src.storage()), false));
             storages.push((Arc::clone(target.storage()), true));
         }
-        storages.sort_by_key(|(storage, _)| Arc::as_ptr(storage));
-        storages.dedup_by_key(|(storage, _)| Arc::as_ptr(storage));
-        let mut read_locks = Vec::new();
-        let mut write_locks = Vec::new();
-        for (storage, write) in &storages {
-            if *write {
-                write_locks.push(storage.write(op)?);
-            } else {
-                read_locks.push(storage.read(op)?);
-            }
-        }
+        let (read_locks, write_locks) = lock_all(&mut storages, op)?;
         let mut legs = Vec::with_capacity(shared.len());
         let mut bytes = 0usize;
         for (target, src) in &shared {
@@ -512,6 +491,28 @@ fn last_writes(rows: &[usize]) -> Option<Vec<usize>> {
     }
     kept.reverse();
     Some(kept)
+}
+
+/// Locks every storage of `storages` at once (`true`: written, `false`: read; one lock for
+/// views of one storage), in address order as `Storage::lock_pair` orders two, so that no other
+/// copy waits for one of them while holding another. Returns the read and the write guards.
+#[allow(clippy::type_complexity)]
+fn lock_all<'a>(
+    storages: &'a mut Vec<(Arc<Storage>, bool)>,
+    op: &'static str,
+) -> Result<(Vec<RwLockReadGuard<'a, ()>>, Vec<RwLockWriteGuard<'a, ()>>)> {
+    storages.sort_by_key(|(storage, _)| Arc::as_ptr(storage));
+    storages.dedup_by_key(|(storage, _)| Arc::as_ptr(storage));
+    let mut reads = Vec::new();
+    let mut writes = Vec::new();
+    for (storage, write) in storages.iter() {
+        if *write {
+            writes.push(storage.write(op)?);
+        } else {
+            reads.push(storage.read(op)?);
+        }
+    }
+    Ok((reads, writes))
 }
 
 #[cfg(test)]
