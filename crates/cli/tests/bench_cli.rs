@@ -52,9 +52,24 @@ fn bench_make_then_gather_json() {
     keys.sort_unstable();
     assert_eq!(
         keys,
-        ["backend", "batch", "cold", "gbps", "iters", "median_us", "mode", "p99_us", "row_bytes"],
+        [
+            "backend",
+            "batch",
+            "cold",
+            "gbps",
+            "iters",
+            "median_us",
+            "mode",
+            "p99_us",
+            "row_bytes",
+            "scatter_median_us",
+            "scatter_over_gather",
+            "scatter_p99_us"
+        ],
         "{run}"
     );
+    // The scatter is measured only when asked for.
+    assert_eq!(out["scatter_median_us"], Value::Null, "{run}");
     assert_eq!(out["batch"], json!(64), "{run}");
     assert_eq!(out["iters"], json!(50), "{run}");
     assert_eq!((&out["mode"], &out["backend"], &out["cold"]), (&json!("mmap"), &Value::Null, &json!(false)), "{run}");
@@ -65,6 +80,32 @@ fn bench_make_then_gather_json() {
     assert!(median > 0.0, "{run}");
     assert!(p99 >= median, "{run}");
     assert!(gbps.is_finite() && gbps >= 0.0, "{run}");
+
+    // --scatter writes the gathered rows back where they were: the folder holds what it held.
+    let before: Vec<(String, Vec<u8>)> = ["obs", "action", "reward", "done"]
+        .iter()
+        .map(|k| (k.to_string(), std::fs::read(dir.join(format!("{k}.memmap"))).unwrap()))
+        .collect();
+    let run = tdict([
+        OsStr::new("bench"),
+        "gather".as_ref(),
+        dir.as_os_str(),
+        "--batch".as_ref(),
+        "64".as_ref(),
+        "--iters".as_ref(),
+        "20".as_ref(),
+        "--scatter".as_ref(),
+        "--json".as_ref(),
+    ]);
+    run.assert_no_panic();
+    let out = run.json();
+    let scatter = out["scatter_median_us"].as_f64().expect("scatter_median_us is a number");
+    assert!(scatter > 0.0 && out["scatter_p99_us"].as_f64().unwrap() >= scatter, "{run}");
+    let ratio = out["scatter_over_gather"].as_f64().expect("scatter_over_gather is a number");
+    assert!(ratio.is_finite() && ratio > 0.0, "{run}");
+    for (k, bytes) in before {
+        assert!(std::fs::read(dir.join(format!("{k}.memmap"))).unwrap() == bytes, "{k} changed");
+    }
 }
 
 #[test]
