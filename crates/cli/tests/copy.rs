@@ -126,7 +126,20 @@ fn bench_gather_modes_and_cold_runs() {
         keys.sort_unstable();
         assert_eq!(
             keys,
-            ["backend", "batch", "cold", "gbps", "iters", "median_us", "mode", "p99_us", "row_bytes"],
+            [
+                "backend",
+                "batch",
+                "cold",
+                "gbps",
+                "iters",
+                "median_us",
+                "mode",
+                "p99_us",
+                "row_bytes",
+                "scatter_median_us",
+                "scatter_over_gather",
+                "scatter_p99_us"
+            ],
             "{run}"
         );
         assert!(out["median_us"].as_f64().unwrap() > 0.0, "{run}");
