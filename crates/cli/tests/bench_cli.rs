@@ -50,24 +50,7 @@ fn bench_make_then_gather_json() {
     let out = run.json();
     let mut keys: Vec<&str> = out.as_object().unwrap().keys().map(String::as_str).collect();
     keys.sort_unstable();
-    assert_eq!(
-        keys,
-        [
-            "backend",
-            "batch",
-            "cold",
-            "gbps",
-            "iters",
-            "median_us",
-            "mode",
-            "p99_us",
-            "row_bytes",
-            "scatter_median_us",
-            "scatter_over_gather",
-            "scatter_p99_us"
-        ],
-        "{run}"
-    );
+    assert_eq!(keys, GATHER_JSON_KEYS, "{run}");
     // The scatter is measured only when asked for.
     assert_eq!(out["scatter_median_us"], Value::Null, "{run}");
     assert_eq!(out["batch"], json!(64), "{run}");

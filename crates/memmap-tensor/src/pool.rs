@@ -143,11 +143,7 @@ impl Job {
     unsafe fn chunk(&self, c: usize) {
         match self.work {
             Work::Gather { ref legs, ref firsts, rows, len } => {
-                let leg_index = firsts.partition_point(|&first| first <= c) - 1;
-                let leg = &legs[leg_index];
-                let per = leg.chunk_rows();
-                let start = (c - firsts[leg_index]) * per;
-                let end = (start + per).min(len);
+                let (leg, start, end) = chunk_of(legs, firsts, c, len);
                 // SAFETY: rows `start..end` are within the caller's `rows` slice and rows
                 // `start..end` of the leg's `dst` are this chunk's alone (the contract).
                 unsafe {
@@ -157,11 +153,7 @@ impl Job {
                 }
             }
             Work::Scatter { ref legs, ref firsts, src_rows, dst_rows, len } => {
-                let leg_index = firsts.partition_point(|&first| first <= c) - 1;
-                let leg = &legs[leg_index];
-                let per = leg.chunk_rows();
-                let start = (c - firsts[leg_index]) * per;
-                let end = (start + per).min(len);
+                let (leg, start, end) = chunk_of(legs, firsts, c, len);
                 // SAFETY: positions `start..end` are within the caller's row slices, and the
                 // target rows they name are this chunk's alone: no target row repeats (the
                 // contract), so no other chunk writes them.
@@ -446,6 +438,16 @@ fn helper(shared: &Shared, i: usize) {
         shared.parked[i].store(false, Ordering::SeqCst);
         idle_since = Instant::now();
     }
+}
+
+/// Chunk `c` of a job of `legs` over `len` rows each, the legs' first chunks at `firsts`: its
+/// leg and the positions `start..end` of the row list it copies.
+fn chunk_of<'a>(legs: &'a [Leg], firsts: &[usize], c: usize, len: usize) -> (&'a Leg, usize, usize) {
+    let leg_index = firsts.partition_point(|&first| first <= c) - 1;
+    let leg = &legs[leg_index];
+    let per = leg.chunk_rows();
+    let start = (c - firsts[leg_index]) * per;
+    (leg, start, (start + per).min(len))
 }
 
 #[cfg(test)]

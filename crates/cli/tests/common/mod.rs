@@ -437,3 +437,19 @@ pub fn small_dict_expected() -> Value {
         "non_tensor": {"note": {"env": "cartpole", "seed": 7}},
     })
 }
+
+/// The keys of `tdict bench gather --json`, sorted: the scatter's are null without `--scatter`.
+pub const GATHER_JSON_KEYS: [&str; 12] = [
+    "backend",
+    "batch",
+    "cold",
+    "gbps",
+    "iters",
+    "median_us",
+    "mode",
+    "p99_us",
+    "row_bytes",
+    "scatter_median_us",
+    "scatter_over_gather",
+    "scatter_p99_us",
+];
