@@ -2,31 +2,18 @@
 //! against a brute-force reference over raw bytes, with every invalid index and the view/copy
 //! and write-through guarantees for memmap folders.
 
-use std::sync::Arc;
-
-use memmap_tensor::{Access, DType, Layout, StorageKind, Tensor};
+use memmap_tensor::{Access, DType, StorageKind, Tensor};
 use proptest::prelude::*;
 use serde_json::json;
+mod common;
+
+use common::patterned;
 use tensordict::{Entry, Error, Index, KeyPath, TensorDict};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 // === Test data ===
-
-/// A contiguous heap tensor of any dtype whose bytes are a pattern derived from `seed` (bools
-/// hold 0 or 1).
-fn patterned(dtype: DType, dims: &[usize], seed: u8) -> AnyResult<Tensor> {
-    let count: usize = dims.iter().product::<usize>() * dtype.size_in_bytes();
-    let bytes: Vec<u8> = (0..count)
-        .map(|i| {
-            let b = (i as u8).wrapping_mul(37).wrapping_add(seed).wrapping_add((i >> 8) as u8);
-            if dtype == DType::Bool { b & 1 } else { b }
-        })
-        .collect();
-    let raw = Tensor::from_slice(&bytes, [count])?;
-    Ok(Tensor::from_storage(Arc::clone(raw.storage()), 0, dtype, Layout::contiguous(dims)?)?)
-}
 
 fn with(batch: &[usize], tail: &[usize]) -> Vec<usize> {
     batch.iter().chain(tail).copied().collect()

@@ -2,27 +2,15 @@
 //! every leaf as one job) against `set_at` (the general planner) and a gather-then-scatter
 //! reference; and `assign_at`, which takes that path for an exact list write.
 
-use std::sync::Arc;
-
-use memmap_tensor::{Access, DType, Layout, RowIndex, Tensor};
+use memmap_tensor::{Access, DType, RowIndex};
 use serde_json::json;
+mod common;
+
+use common::patterned;
 use tensordict::{Error, Index, TensorDict};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
-
-/// A contiguous heap tensor whose bytes are a pattern derived from `seed` (bools hold 0 or 1).
-fn patterned(dtype: DType, dims: &[usize], seed: u8) -> AnyResult<Tensor> {
-    let count: usize = dims.iter().product::<usize>() * dtype.size_in_bytes();
-    let bytes: Vec<u8> = (0..count)
-        .map(|i| {
-            let b = (i as u8).wrapping_mul(37).wrapping_add(seed).wrapping_add((i >> 8) as u8);
-            if dtype == DType::Bool { b & 1 } else { b }
-        })
-        .collect();
-    let raw = Tensor::from_slice(&bytes, [count])?;
-    Ok(Tensor::from_storage(Arc::clone(raw.storage()), 0, dtype, Layout::contiguous(dims)?)?)
-}
 
 /// A replay-like dict of `rows` rows and batch size `[rows, 2]`: wide and scalar leaves of
 /// several dtypes, a nested dict, and a JSON value.

@@ -1,9 +1,12 @@
-//! Helpers shared by the integration tests that compare and copy folders.
+//! Helpers shared by the integration tests: comparing and copying folders, patterned tensors.
 // Each test file uses part of these helpers.
 #![allow(dead_code)]
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap_tensor::{DType, Layout, Tensor};
 
 /// Every file below `dir`, relative, sorted.
 pub(crate) fn files_below(dir: &Path) -> Vec<PathBuf> {
@@ -35,4 +38,18 @@ pub(crate) fn copy_dir(src: &Path, dst: &Path) {
             fs::copy(entry.path(), to).unwrap();
         }
     }
+}
+
+/// A contiguous heap tensor of any dtype whose bytes are a pattern derived from `seed` (bools
+/// hold 0 or 1).
+pub(crate) fn patterned(dtype: DType, dims: &[usize], seed: u8) -> Result<Tensor, Box<dyn std::error::Error>> {
+    let count: usize = dims.iter().product::<usize>() * dtype.size_in_bytes();
+    let bytes: Vec<u8> = (0..count)
+        .map(|i| {
+            let b = (i as u8).wrapping_mul(37).wrapping_add(seed).wrapping_add((i >> 8) as u8);
+            if dtype == DType::Bool { b & 1 } else { b }
+        })
+        .collect();
+    let raw = Tensor::from_slice(&bytes, [count])?;
+    Ok(Tensor::from_storage(Arc::clone(raw.storage()), 0, dtype, Layout::contiguous(dims)?)?)
 }
