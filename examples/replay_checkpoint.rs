@@ -65,7 +65,7 @@ fn main() -> anyhow::Result<()> {
         let weights = info.weights.context("a prioritized sample carries importance weights")?;
         ensure!(weights.len() == info.indices.len() && batch.batch_size()[0] == 64, "sample of round {round}");
         let td_error: Vec<f64> = info.indices.iter().map(|&i| ((i * 31 + round) % 97) as f64 / 10.0).collect();
-        buffer.update_priority(info.indices, &td_error)?;
+        buffer.update_priority(&info.indices, &td_error)?;
     }
 
     buffer.dumps(&dump).with_context(|| format!("dumping to {}", dump.display()))?;
@@ -79,7 +79,7 @@ fn main() -> anyhow::Result<()> {
         buffer.writer_state()
     );
     ensure!(
-        contents(&loaded.get(0..loaded.len())?)? == contents(&buffer.get(0..buffer.len())?)?,
+        contents(&loaded.get_range(0..loaded.len())?)? == contents(&buffer.get_range(0..buffer.len())?)?,
         "the loaded rows differ"
     );
     let (before, after) = (priorities(&buffer)?, priorities(&loaded)?);

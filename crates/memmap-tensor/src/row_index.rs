@@ -56,6 +56,20 @@ impl RowIndex {
         }
     }
 
+    /// The rows of `range` (in order), checked against `size`: a range that ends past `size`
+    /// is [`Error::IndexOutOfRange`] for its last row; an empty or reversed range has no rows.
+    pub fn range(range: std::ops::Range<usize>, size: usize) -> Result<RowIndex> {
+        if range.end > size && range.start < range.end {
+            return Err(Error::IndexOutOfRange {
+                op: "RowIndex::range",
+                index: i64::try_from(range.end - 1).unwrap_or(i64::MAX),
+                dim: 0,
+                size,
+            });
+        }
+        Ok(RowIndex { rows: range.collect(), size })
+    }
+
     /// [`RowIndex::new`] for the operation `op` (named in the error).
     pub(crate) fn checked(op: &'static str, indices: &[i64], size: usize) -> Result<RowIndex> {
         Ok(RowIndex { rows: checked_along(op, indices, 0, size)?, size })

@@ -582,6 +582,9 @@ fn a_row_index_is_checked_once_and_gathers_and_scatters_as_the_lists_do() -> Tes
     assert!(matches!(RowIndex::new(&[-7], 6), Err(Error::IndexOutOfRange { index: -7, .. })));
     assert!(matches!(RowIndex::new(&[i64::MIN], 6), Err(Error::IndexOutOfRange { .. })));
     assert!(matches!(RowIndex::from_rows(&[1, 6], 6), Err(Error::IndexOutOfRange { index: 6, .. })));
+    assert_eq!(RowIndex::range(2..6, 6)?.rows(), &[2, 3, 4, 5]);
+    assert!(RowIndex::range(7..7, 6)?.is_empty());
+    assert!(matches!(RowIndex::range(2..7, 6), Err(Error::IndexOutOfRange { index: 6, size: 6, .. })));
     // Checked against more rows than a tensor has: each row is looked at, and one past the
     // tensor's is refused, nothing copied.
     let wide = RowIndex::from_rows(&[1, 4], 100)?;

@@ -142,7 +142,7 @@ impl PyReplayBuffer {
     fn update_priority(&self, py: Python<'_>, index: &Bound<'_, PyAny>, priority: &Bound<'_, PyAny>) -> PyResult<()> {
         let (index, priority) = priority_args(index, priority)?;
         let rb = self.rb()?;
-        crate::gil::detach(py, || rb.update_priority(index, &priority)).map_err(to_py_err)
+        crate::gil::detach(py, || rb.update_priority(&index, &priority)).map_err(to_py_err)
     }
 
     /// Writes a TorchRL dump folder at `path` (TorchRL 0.14.1's `ReplayBuffer.loads` reads it).
@@ -161,7 +161,7 @@ impl PyReplayBuffer {
     /// Rows `index` of the storage.
     fn __getitem__(&self, py: Python<'_>, index: Vec<usize>) -> PyResult<PyTensorDict> {
         let rb = self.rb()?;
-        let inner = crate::gil::detach(py, || rb.get(index)).map_err(to_py_err)?;
+        let inner = crate::gil::detach(py, || rb.get(&index)).map_err(to_py_err)?;
         Ok(PyTensorDict::new(inner))
     }
 

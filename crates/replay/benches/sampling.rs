@@ -59,13 +59,13 @@ fn bench_sampling(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("storage_gather", batch), &batch, |b, &n| {
             b.iter(|| {
                 let picked: Vec<usize> = (0..n).map(|_| rng.random_range(0..total)).collect();
-                black_box(storage.gather(&picked).unwrap())
+                black_box(storage.gather(&storage.row_index(&picked).unwrap()).unwrap())
             })
         });
         group.bench_with_input(BenchmarkId::new("storage_gather_into", batch), &batch, |b, &n| {
             b.iter(|| {
                 let picked: Vec<usize> = (0..n).map(|_| rng.random_range(0..total)).collect();
-                storage.gather_into(&picked, &mut reused).unwrap();
+                storage.gather_into(&storage.row_index(&picked).unwrap(), &mut reused).unwrap();
             })
         });
     }

@@ -42,7 +42,7 @@ pub mod storages;
 pub mod writers;
 
 pub use buffer::{
-    DONE_KEY, INDEX_KEY, Lease, LoadOptions, PRIORITY_WEIGHT_KEY, ReplayBuffer, Reservation, Rows, SampleInfo,
+    DONE_KEY, INDEX_KEY, Lease, LoadOptions, PRIORITY_WEIGHT_KEY, ReplayBuffer, Reservation, SampleInfo,
     TERMINATED_KEY, TRUNCATED_KEY,
 };
 #[cfg(feature = "remote")]
@@ -55,5 +55,5 @@ pub use samplers::{
     PrioritizedSpec, PrioritizedState, SAMPLER_SCHEMA_VERSION, Sampler, SamplerMetadata, SamplerOptions, SamplerSpec,
     Slice, SliceShape, SliceSpec, SumTree, Uniform, UniformSpec, WithoutReplacement, WithoutReplacementSpec,
 };
-pub use storages::{Backend, RowFiles, STORAGE_METADATA, Storage, StorageConfig};
+pub use storages::{Placement, RowFiles, RowStore, STORAGE_METADATA, StorageConfig};
 pub use writers::{MaxValue, Reduction, RoundRobin, Writer, WriterSpec};

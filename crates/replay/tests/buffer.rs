@@ -55,7 +55,7 @@ fn round_robin_wraps_like_torchrl() -> R {
     assert_eq!(buffer.capacity(), 64);
     // The TorchRL dump of the same 150 rows reports cursor 22, write count 150.
     assert_eq!(buffer.writer_state(), (22, 150));
-    let ours = buffer.get(0..64)?;
+    let ours = buffer.get_range(0..64)?;
     let theirs = TensorDict::load_memmap(fixture("uniform_wrapped/storage"), Access::ReadOnly)?;
     for key in ["obs", "reward"] {
         assert_eq!(f32s(&ours, key), f32s(&theirs, key), "key {key}");
@@ -79,7 +79,7 @@ fn a_batch_longer_than_the_capacity_keeps_its_last_rows() -> R {
     let buffer = ReplayBuffer::uniform(StorageConfig::heap(4))?;
     let written = buffer.extend(&rows(&(0..10).collect::<Vec<_>>(), |_| 0.0)?)?;
     assert_eq!(written, vec![0, 1, 2, 3, 0, 1, 2, 3, 0, 1]);
-    let all = buffer.get(vec![0usize, 1, 2, 3])?;
+    let all = buffer.get(&[0, 1, 2, 3])?;
     let firsts: Vec<f32> = f32s(&all, "obs").chunks(4).map(|c| c[0]).collect();
     assert_eq!(firsts, vec![80.0, 90.0, 60.0, 70.0]);
     assert_eq!(buffer.writer_state(), (2, 10));
@@ -160,7 +160,7 @@ fn max_value_writer_keeps_the_top_rows_like_torchrl() -> R {
     assert_eq!(written.len(), 32);
     assert_eq!(buffer.len(), 16);
     assert_eq!(buffer.writer_state(), (0, 32));
-    let stored = buffer.get(0..16)?;
+    let stored = buffer.get_range(0..16)?;
     let mut kept = f32s(&stored, "reward");
     // Every row is whole: its reward belongs to its obs.
     for (k, obs) in f32s(&stored, "obs").chunks(4).enumerate() {
@@ -181,7 +181,7 @@ fn max_value_writer_keeps_the_top_rows_like_torchrl() -> R {
 
 /// The row holding reward `value`.
 fn kept_row(buffer: &ReplayBuffer, value: f32) -> anyhow::Result<usize> {
-    let all = buffer.get(0..buffer.len())?;
+    let all = buffer.get_range(0..buffer.len())?;
     Ok(f32s(&all, "reward").iter().position(|&v| v == value).expect("value kept"))
 }
 
@@ -211,7 +211,7 @@ fn empty_and_reseed_as_torchrl() -> R {
         Box::new(tensordict_replay::Prioritized::new(8, 0.6, 0.4, 1e-8)?),
     )?;
     rb.extend(&rows(&[0, 1, 2, 3, 4], |i| i as f32)?)?;
-    rb.update_priority(vec![1usize], &[100.0])?;
+    rb.update_priority(&[1], &[100.0])?;
     assert_eq!((rb.len(), rb.write_count()), (5, 5));
     rb.reseed(7);
     let first = rb.sample(16)?.1.indices;
@@ -286,10 +286,11 @@ fn bad_batches_are_refused_and_change_nothing() -> R {
     assert!(matches!(buffer.extend(&extra), Err(Error::SchemaMismatch { .. })));
 
     assert_eq!((buffer.len(), buffer.writer_state()), before);
-    assert!(matches!(buffer.get(vec![3usize]), Err(Error::IndexOutOfRange { index: 3, len: 3 })));
-    assert!(matches!(buffer.get(vec![-4i64]), Err(Error::IndexOutOfRange { index: -4, len: 3 })));
-    assert_eq!(f32s(&buffer.get(-1i64)?, "obs")[0], 20.0);
-    assert!(matches!(buffer.update_priority(vec![0usize], &[1.0]), Err(Error::NoPriorities { .. })));
+    assert!(matches!(buffer.get(&[3]), Err(Error::IndexOutOfRange { index: 3, len: 3 })));
+    assert!(matches!(buffer.get_range(1..4), Err(Error::IndexOutOfRange { index: 3, len: 3 })));
+    assert_eq!(f32s(&buffer.get(&[2])?, "obs")[0], 20.0);
+    assert_eq!(buffer.get_range(3..3)?.batch_size(), &[0]);
+    assert!(matches!(buffer.update_priority(&[0], &[1.0]), Err(Error::NoPriorities { .. })));
     assert!(matches!(buffer.sample(0), Err(Error::ZeroBatchSize)));
     assert!(matches!(ReplayBuffer::uniform(StorageConfig::heap(0)), Err(Error::ZeroCapacity)));
     Ok(())
@@ -324,7 +325,7 @@ fn sample_into_fills_a_caller_owned_batch() -> R {
     let mut out = rows(&[0; 5], |_| -1.0)?;
     for _ in 0..20 {
         let info = buffer.sample_into(&mut out, 5)?;
-        let expect = buffer.get(info.indices.clone())?;
+        let expect = buffer.get(&info.indices)?;
         for key in ["obs", "reward"] {
             assert_eq!(f32s(&out, key), f32s(&expect, key));
         }
@@ -349,7 +350,7 @@ fn the_stored_len_is_read_back_from_the_folder() -> R {
     let folder = dir.path().join("rb");
     let buffer = ReplayBuffer::uniform(StorageConfig::memmap_in(&folder, 8))?;
     buffer.extend(&rows(&[0, 1, 2, 3, 4], |i| i as f32)?)?;
-    assert_eq!(tensordict_replay::Storage::read_len(&folder)?, 5);
+    assert_eq!(tensordict_replay::RowStore::read_len(&folder)?, 5);
     let text = std::fs::read_to_string(folder.join(tensordict_replay::STORAGE_METADATA))?;
     let json: serde_json::Value = serde_json::from_str(&text)?;
     assert_eq!(json, serde_json::json!({"metadata": {}, "is_pytree": false, "len": 5}));
@@ -362,7 +363,7 @@ fn the_stored_len_is_read_back_from_the_folder() -> R {
     assert!(TensorDict::verify_memmap(&folder).is_empty());
 
     buffer.extend(&rows(&[5, 6, 7, 8], |i| i as f32)?)?;
-    assert_eq!(tensordict_replay::Storage::read_len(&folder)?, 8);
+    assert_eq!(tensordict_replay::RowStore::read_len(&folder)?, 8);
     drop(buffer);
 
     // A folder with data in it is refused unless overwriting is asked for.
@@ -370,9 +371,9 @@ fn the_stored_len_is_read_back_from_the_folder() -> R {
     let err = buffer.extend(&rows(&[0], |_| 0.0)?).unwrap_err();
     assert!(matches!(&err, Error::FolderNotEmpty { path } if *path == folder), "{err}");
     let buffer = ReplayBuffer::uniform(StorageConfig::memmap_overwrite(&folder, 4))?;
-    assert_eq!(tensordict_replay::Storage::read_len(&folder)?, 8, "nothing is replaced before the first batch");
+    assert_eq!(tensordict_replay::RowStore::read_len(&folder)?, 8, "nothing is replaced before the first batch");
     buffer.extend(&rows(&[0], |_| 0.0)?)?;
-    assert_eq!(tensordict_replay::Storage::read_len(&folder)?, 1);
+    assert_eq!(tensordict_replay::RowStore::read_len(&folder)?, 1);
     assert_eq!(TensorDict::load_memmap(&folder, Access::ReadOnly)?.batch_size(), &[4]);
     Ok(())
 }
@@ -437,7 +438,7 @@ fn concurrent_writers_and_samplers_see_only_whole_rows() -> R {
                     } else {
                         buffer.sample_into(&mut out, 8)?;
                         check_whole(&out);
-                        check_whole(&buffer.get(0..16)?);
+                        check_whole(&buffer.get_range(0..16)?);
                     }
                     samples += 1;
                 }
@@ -466,12 +467,12 @@ fn concurrent_writers_and_samplers_see_only_whole_rows() -> R {
     for s in samplers {
         assert!(s.join().expect("sampler thread")? > 0);
     }
-    check_whole(&buffer.get(0..16)?);
+    check_whole(&buffer.get_range(0..16)?);
     let (cursor, count) = buffer.writer_state();
     let total: i64 = (0..4i64).map(|w| (0..150).map(|r| 1 + (r * 7 + w) % 20).sum::<i64>()).sum::<i64>() + 16;
     assert_eq!(count, total as u64);
     assert_eq!(cursor, (total % 16) as usize);
-    assert_eq!(tensordict_replay::Storage::read_len(&folder)?, 16);
+    assert_eq!(tensordict_replay::RowStore::read_len(&folder)?, 16);
     Ok(())
 }
 
@@ -506,8 +507,8 @@ fn samplers_plug_in_through_the_trait() -> R {
     let (_, info) = buffer.sample(2)?;
     assert_eq!(info.indices, vec![3, 3]);
     assert_eq!(info.weights, Some(vec![0.5, 0.5]));
-    buffer.update_priority(0..2, &[1.0, 2.0])?;
-    assert!(matches!(buffer.update_priority(0..5, &[1.0; 5]), Err(Error::IndexOutOfRange { .. })));
+    buffer.update_priority(&[0, 1], &[1.0, 2.0])?;
+    assert!(matches!(buffer.update_priority(&[0, 1, 2, 3, 4], &[1.0; 5]), Err(Error::IndexOutOfRange { .. })));
     Ok(())
 }
 
@@ -589,7 +590,7 @@ fn a_killed_writer_leaves_a_len_that_covers_only_whole_rows() -> R {
         .spawn()?;
     // Wait until the writer has published some rows, then kill it mid-stream.
     loop {
-        if let Ok(len) = tensordict_replay::Storage::read_len(&folder)
+        if let Ok(len) = tensordict_replay::RowStore::read_len(&folder)
             && len >= 2000
         {
             break;
@@ -601,7 +602,7 @@ fn a_killed_writer_leaves_a_len_that_covers_only_whole_rows() -> R {
     }
     child.kill()?; // SIGKILL
     child.wait()?;
-    let len = tensordict_replay::Storage::read_len(&folder)?;
+    let len = tensordict_replay::RowStore::read_len(&folder)?;
     assert!((2000..=CAPACITY).contains(&len));
     let td = TensorDict::load_memmap(&folder, Access::ReadOnly)?;
     let valid = td.index(Index::slice(Some(0), Some(len as i64), 1))?;

@@ -20,7 +20,7 @@ fn rows(ids: &[i64]) -> anyhow::Result<TensorDict> {
 /// The sampled rows are the rows the info names, whatever device they landed on.
 fn check(buffer: &ReplayBuffer, sample: &TensorDict, indices: &[usize], device: Device) -> R {
     assert_eq!(sample.device(), Some(device));
-    let expected = buffer.get(indices.to_vec())?;
+    let expected = buffer.get(indices)?;
     for (key, t) in expected.leaves() {
         assert_eq!(sample.get_tensor(key.clone())?.to_bytes()?, t.to_bytes()?, "{key}");
     }
@@ -49,7 +49,7 @@ fn without_a_driver_a_sample_to_the_gpu_fails_and_pins_nothing() -> R {
     assert!(text.contains("CUDA is not available"), "{text}");
     // Nothing stays pinned: the whole buffer can be overwritten at once.
     buffer.extend(&rows(&(10..20).collect::<Vec<_>>())?)?;
-    assert_eq!(buffer.get(vec![0usize])?.get_tensor(["next", "reward"])?.to_vec::<f32>()?, [10.0]);
+    assert_eq!(buffer.get(&[0])?.get_tensor(["next", "reward"])?.to_vec::<f32>()?, [10.0]);
     Ok(())
 }
 

@@ -38,7 +38,7 @@ fn prioritized_dump(buffer: &ReplayBuffer) -> tensordict_replay::checkpoint::Pri
 /// Checks rows `values.index` of an expected.json against the buffer's rows.
 fn check_rows(name: &str, buffer: &ReplayBuffer, values: &Value) {
     let index: Vec<usize> = values["index"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
-    let batch = buffer.get(index.clone()).unwrap();
+    let batch = buffer.get(&index).unwrap();
     let obs = batch.get_tensor("obs").unwrap().to_vec::<f32>().unwrap();
     let reward = batch.get_tensor("reward").unwrap().to_vec::<f32>().unwrap();
     let done = batch.get_tensor(["next", "done"]).unwrap().to_vec_bool().unwrap();
@@ -69,7 +69,7 @@ fn each_torchrl_fixture_loads_into_a_buffer_that_reports_and_samples_as_torchrl_
         assert!(info.indices.iter().all(|&i| i < buffer.len()), "{name}: {:?}", info.indices);
         assert_eq!(info.weights.is_some(), name == "prioritized", "{name}: weights");
         // The sampled rows are the stored rows.
-        let again = buffer.get(info.indices.clone()).unwrap();
+        let again = buffer.get(&info.indices).unwrap();
         assert_eq!(leaves(&sample), leaves(&again), "{name}");
     }
 }
@@ -97,7 +97,7 @@ fn the_prioritized_fixture_keeps_torchrls_trees_and_max_priority() {
     }
 
     // A new row goes to the cursor (row 20) with TorchRL's max priority, 7.5.
-    let row = buffer.get(vec![3usize]).unwrap();
+    let row = buffer.get(&[3]).unwrap();
     assert_eq!(buffer.extend(&row).unwrap(), vec![20]);
     let p = prioritized_dump(&buffer);
     assert_eq!(p.sum_tree[20] as f32, state.tree_value(7.5));
@@ -109,7 +109,7 @@ fn the_prioritized_fixture_keeps_torchrls_trees_and_max_priority() {
 fn loaded_writers_continue_where_torchrl_stopped() {
     // Round robin: 150 rows into 64, the next row goes to row 150 % 64 = 22.
     let buffer = ReplayBuffer::loads(fixtures().join("uniform_wrapped"), LoadOptions::default()).unwrap();
-    let row = buffer.get(vec![0usize]).unwrap();
+    let row = buffer.get(&[0]).unwrap();
     assert_eq!(buffer.extend(&row).unwrap(), vec![22]);
     assert_eq!(buffer.writer_state(), (23, 151));
 
@@ -119,12 +119,12 @@ fn loaded_writers_continue_where_torchrl_stopped() {
     let kept = buffer.with_writer(|w| w.ranked().unwrap().1);
     let (lowest, lowest_row) = kept[0];
     assert_eq!(lowest, 24.0);
-    let mut row = buffer.get(vec![0usize]).unwrap();
+    let mut row = buffer.get(&[0]).unwrap();
     row.set("reward", Tensor::from_slice(&[10f32], [1]).unwrap()).unwrap();
     assert_eq!(buffer.extend(&row).unwrap(), Vec::<usize>::new());
     row.set("reward", Tensor::from_slice(&[100f32], [1]).unwrap()).unwrap();
     assert_eq!(buffer.extend(&row).unwrap(), vec![lowest_row]);
-    assert_eq!(buffer.get(vec![lowest_row]).unwrap().get_tensor("reward").unwrap().to_vec::<f32>().unwrap(), [100.]);
+    assert_eq!(buffer.get(&[lowest_row]).unwrap().get_tensor("reward").unwrap().to_vec::<f32>().unwrap(), [100.]);
 }
 
 #[test]
@@ -159,7 +159,7 @@ fn assert_same_buffer(a: &ReplayBuffer, b: &ReplayBuffer) {
     assert_eq!(a.capacity(), b.capacity());
     assert_eq!(a.writer_state(), b.writer_state());
     assert_eq!(a.with_writer(|w| w.ranked().map(|r| r.1)), b.with_writer(|w| w.ranked().map(|r| r.1)));
-    assert_eq!(leaves(&a.get(0..a.len()).unwrap()), leaves(&b.get(0..b.len()).unwrap()));
+    assert_eq!(leaves(&a.get_range(0..a.len()).unwrap()), leaves(&b.get_range(0..b.len()).unwrap()));
     match (a.with_sampler(|s| s.dumps()).unwrap(), b.with_sampler(|s| s.dumps()).unwrap()) {
         (SamplerDump::Prioritized(x), SamplerDump::Prioritized(y)) => assert_eq!(x, y),
         (SamplerDump::WithoutReplacement(x), SamplerDump::WithoutReplacement(y)) => assert_eq!(leaves(&x), leaves(&y)),
@@ -176,11 +176,11 @@ fn assert_same_buffer(a: &ReplayBuffer, b: &ReplayBuffer) {
 fn a_prioritized_buffer_dumped_and_loaded_back_is_the_same_buffer() {
     let buffer = ReplayBuffer::prioritized(StorageConfig::heap(16), 0.7, 0.5, 1e-6).unwrap();
     fill(&buffer, 23);
-    buffer.update_priority(vec![0usize, 3, 9, 15], &[0.5, 4.0, 12.0, 0.01]).unwrap();
+    buffer.update_priority(&[0, 3, 9, 15], &[0.5, 4.0, 12.0, 0.01]).unwrap();
     let dir = tempfile::tempdir().unwrap();
     for (k, options) in [
         LoadOptions::default(),
-        LoadOptions::default().with_backend(tensordict_replay::Backend::Memmap { folder: None, overwrite: false }),
+        LoadOptions::default().with_placement(tensordict_replay::Placement::Memmap { folder: None, overwrite: false }),
     ]
     .into_iter()
     .enumerate()
@@ -196,7 +196,7 @@ fn a_prioritized_buffer_dumped_and_loaded_back_is_the_same_buffer() {
         let row = rows(100, 1);
         assert_eq!(back.extend(&row).unwrap(), buffer.extend(&row).unwrap());
         assert_same_buffer(&buffer, &back);
-        buffer.update_priority(9usize, &[13.0]).unwrap();
+        buffer.update_priority(&[9], &[13.0]).unwrap();
     }
 }
 
@@ -241,7 +241,8 @@ fn round_robin_without_replacement_and_max_value_buffers_round_trip() {
 fn abort_a_write(buffer: &ReplayBuffer, n: usize) -> Vec<usize> {
     let reservation = buffer.reserve(n, None).unwrap();
     let reserved = reservation.rows().to_vec();
-    buffer.storage().unwrap().write_rows(&reserved, &rows(999, n)).unwrap();
+    let s = buffer.storage().unwrap();
+    s.write(&s.row_index(&reserved).unwrap(), &rows(999, n)).unwrap();
     buffer.abort(reservation).unwrap();
     reserved
 }
@@ -272,7 +273,7 @@ fn a_dump_leaves_out_rows_of_aborted_writes_and_packs_the_rest() {
     // Prioritized: rows 0..8, row 6 of high priority; rows 0..3 aborted.
     let buffer = ReplayBuffer::prioritized(StorageConfig::heap(8), 1.0, 1.0, 0.0).unwrap();
     buffer.extend(&rows(0, 8)).unwrap();
-    buffer.update_priority(6usize, &[1000.0]).unwrap();
+    buffer.update_priority(&[6], &[1000.0]).unwrap();
     assert_eq!(abort_a_write(&buffer, 3), vec![0, 1, 2]);
     assert_eq!((buffer.len(), buffer.writer_state()), (8, (3, 11)));
     let d = dir.path().join("prioritized");
@@ -281,7 +282,7 @@ fn a_dump_leaves_out_rows_of_aborted_writes_and_packs_the_rest() {
     assert_eq!(meta["len"], 5, "TorchRL's len counts the valid rows only");
     let back = ReplayBuffer::loads(&d, LoadOptions::default().with_seed(4)).unwrap();
     assert_eq!(back.len(), 5);
-    assert_eq!(whole_rows(&back.get(0..5).unwrap()), vec![3, 4, 5, 6, 7], "the valid rows, in storage order");
+    assert_eq!(whole_rows(&back.get_range(0..5).unwrap()), vec![3, 4, 5, 6, 7], "the valid rows, in storage order");
     // The cursor was at row 3, the oldest valid row: it still is (now row 0); the write count
     // is the writer's.
     assert_eq!(back.writer_state(), (0, 11));
@@ -335,12 +336,13 @@ fn a_dump_leaves_out_rows_being_written_without_waiting_for_them() {
     let buffer = ReplayBuffer::uniform(StorageConfig::heap(6)).unwrap();
     buffer.extend(&rows(0, 6)).unwrap();
     let reservation = buffer.reserve(2, None).unwrap();
-    buffer.storage().unwrap().write_rows(reservation.rows(), &rows(20, 2)).unwrap();
+    let s = buffer.storage().unwrap();
+    s.write(&s.row_index(reservation.rows()).unwrap(), &rows(20, 2)).unwrap();
     buffer.dumps(dir.path().join("d")).unwrap();
     buffer.commit(reservation).unwrap();
     let back = ReplayBuffer::loads(dir.path().join("d"), LoadOptions::default()).unwrap();
-    assert_eq!(whole_rows(&back.get(0..back.len()).unwrap()), vec![2, 3, 4, 5]);
-    assert_eq!(whole_rows(&buffer.get(0..2).unwrap()), vec![20, 21]);
+    assert_eq!(whole_rows(&back.get_range(0..back.len()).unwrap()), vec![2, 3, 4, 5]);
+    assert_eq!(whole_rows(&buffer.get_range(0..2).unwrap()), vec![20, 21]);
 }
 
 #[test]
@@ -354,7 +356,7 @@ fn prioritized_sampling_follows_the_priorities_through_the_buffer() {
     fill(&buffer, 8);
     // Rows 0..8 at priority 1 (the default); row 6 at 1000: nearly every draw is row 6, whose
     // weight is (1000 / 1)^-1.
-    buffer.update_priority(6usize, &[1000.0]).unwrap();
+    buffer.update_priority(&[6], &[1000.0]).unwrap();
     let (_, info) = buffer.sample(200).unwrap();
     let sixes = info.indices.iter().filter(|&&i| i == 6).count();
     assert!(sixes > 180, "{sixes} of 200 draws were row 6");
@@ -364,7 +366,7 @@ fn prioritized_sampling_follows_the_priorities_through_the_buffer() {
     }
     // With eps = 0, a priority of 0 makes the smallest priority 0 and every weight
     // undefined: sampling refuses, as TorchRL does, naming it.
-    buffer.update_priority(vec![0usize, 1, 2, 3, 4, 5, 7], &[0.0]).unwrap();
+    buffer.update_priority(&[0, 1, 2, 3, 4, 5, 7], &[0.0]).unwrap();
     let err = buffer.sample(5).unwrap_err();
     assert!(matches!(err, Error::NonPositiveMass { what: "min", len: 8, .. }), "{err}");
     // New rows get the largest priority seen (1000).
@@ -380,19 +382,19 @@ fn bad_priorities_parameters_and_dumps_are_named_errors() {
     fill(&buffer, 3);
     let before = prioritized_dump(&buffer);
     for bad in [f64::NAN, -1.0, f64::INFINITY, 1e300] {
-        let err = buffer.update_priority(vec![0usize, 2], &[1.0, bad]).unwrap_err();
+        let err = buffer.update_priority(&[0, 2], &[1.0, bad]).unwrap_err();
         assert!(matches!(err, Error::InvalidPriority { index: 2, .. }), "{bad}: {err}");
     }
     assert_eq!(prioritized_dump(&buffer), before, "a refused update changes nothing");
-    let err = buffer.update_priority(vec![3usize], &[1.0]).unwrap_err();
+    let err = buffer.update_priority(&[3], &[1.0]).unwrap_err();
     assert!(matches!(err, Error::IndexOutOfRange { index: 3, len: 3 }), "{err}");
-    let err = buffer.update_priority(vec![0usize, 1], &[1.0, 2.0, 3.0]).unwrap_err();
+    let err = buffer.update_priority(&[0, 1], &[1.0, 2.0, 3.0]).unwrap_err();
     assert!(matches!(err, Error::LengthMismatch { expected: 2, got: 3, .. }), "{err}");
     let err = ReplayBuffer::prioritized(StorageConfig::heap(4), f64::NAN, 0.4, 1e-6).unwrap_err();
     assert!(matches!(err, Error::InvalidParameter { name: "alpha", .. }), "{err}");
     let uniform = ReplayBuffer::uniform(StorageConfig::heap(4)).unwrap();
     fill(&uniform, 2);
-    let err = uniform.update_priority(0usize, &[1.0]).unwrap_err();
+    let err = uniform.update_priority(&[0], &[1.0]).unwrap_err();
     assert!(matches!(err, Error::NoPriorities { sampler: "uniform" }), "{err}");
 
     // A sampler built for another capacity is refused by name.
@@ -451,7 +453,7 @@ fn concurrent_writers_samplers_and_priority_updates_keep_weights_with_rows() {
                         assert_eq!([r[1] - r[0], r[2] - r[0], r[3] - r[0]], [1., 2., 3.]);
                     }
                     let p: Vec<f64> = (0..info.indices.len()).map(|j| ((k + j) % 7) as f64 + 0.5).collect();
-                    buffer.update_priority(info.indices, &p).unwrap();
+                    buffer.update_priority(&info.indices, &p).unwrap();
                 }
             });
         }
@@ -474,7 +476,7 @@ fn crash_child_dumps_a_changing_buffer_until_killed() {
     for i in 0..rounds {
         // Round i: rows 0..5(i+1) written, row i % 64 at priority i + 1.
         buffer.extend(&rows(5 * i, 5)).unwrap();
-        buffer.update_priority(vec![i % buffer.len()], &[(i + 1) as f64]).unwrap();
+        buffer.update_priority(&[i % buffer.len()], &[(i + 1) as f64]).unwrap();
         buffer.dumps(dir.join(format!("out-{i}"))).unwrap();
     }
     if rounds == 1 {
@@ -501,7 +503,7 @@ fn a_buffer_killed_while_dumping_leaves_only_complete_dumps() {
             assert_eq!(p.max_priority.value, Some((i + 1) as f64), "{name}");
             // Row r holds the last step written there: r + 64 k, below the 5 (i + 1) written.
             let n = 5 * (i + 1);
-            let obs = back.get(0..back.len()).unwrap().get_tensor("obs").unwrap().to_vec::<f32>().unwrap();
+            let obs = back.get_range(0..back.len()).unwrap().get_tensor("obs").unwrap().to_vec::<f32>().unwrap();
             for (r, chunk) in obs.chunks(4).enumerate() {
                 let step = r + 64 * ((n - 1 - r) / 64);
                 assert_eq!(chunk, [0., 1., 2., 3.].map(|j| (10 * step) as f32 + j), "{name}: row {r}");
@@ -596,11 +598,11 @@ fn the_default_batch_size_goes_into_dumps_and_comes_back() {
 fn a_torchrl_buffer_continued_from_rust_fills_its_index_column() {
     let buffer = ReplayBuffer::loads(fixtures().join("uniform_wrapped"), LoadOptions::default()).unwrap();
     let (cursor, _) = buffer.writer_state();
-    let mut rows = buffer.get(vec![0usize, 1, 2]).unwrap();
+    let mut rows = buffer.get(&[0, 1, 2]).unwrap();
     rows.remove("index").unwrap();
     let written = buffer.extend(&rows).unwrap();
     assert_eq!(written, vec![cursor, cursor + 1, cursor + 2]);
-    let stored = buffer.get(written.clone()).unwrap();
+    let stored = buffer.get(&written).unwrap();
     let index = stored.get_tensor(tensordict_replay::INDEX_KEY).unwrap().to_vec::<i64>().unwrap();
     assert_eq!(index, written.iter().map(|&r| r as i64).collect::<Vec<_>>());
     // A batch that brings its own index is written as it is.
@@ -611,7 +613,7 @@ fn a_torchrl_buffer_continued_from_rust_fills_its_index_column() {
     buffer.dumps(dir.path().join("d")).unwrap();
     let back = ReplayBuffer::loads(dir.path().join("d"), LoadOptions::default()).unwrap();
     let all: Vec<usize> = (0..back.len()).collect();
-    let index = back.get(all.clone()).unwrap().get_tensor("index").unwrap().to_vec::<i64>().unwrap();
+    let index = back.get(&all).unwrap().get_tensor("index").unwrap().to_vec::<i64>().unwrap();
     assert_eq!(index, all.iter().map(|&r| r as i64).collect::<Vec<_>>(), "every row's index is its row");
 }
 
@@ -623,7 +625,7 @@ fn a_state_dump_is_a_dump_without_its_rows() {
     let dir = tempfile::tempdir().unwrap();
     let prioritized = ReplayBuffer::prioritized(StorageConfig::heap(16), 0.7, 0.5, 1e-6).unwrap();
     fill(&prioritized, 23);
-    prioritized.update_priority(vec![0usize, 3, 9], &[0.5, 4.0, 12.0]).unwrap();
+    prioritized.update_priority(&[0, 3, 9], &[0.5, 4.0, 12.0]).unwrap();
     prioritized.set_batch_size(Some(4));
     let without = ReplayBuffer::new(
         StorageConfig::heap(8),

@@ -90,7 +90,7 @@ fn a_priority_update_counts_from_the_next_draw_as_in_torchrl() -> TestResult {
     let all: Vec<usize> = (0..64).collect();
     let mut priorities = vec![1.0; 64];
     priorities[7] = 1e-12;
-    buffer.update_priority(all.clone(), &priorities)?;
+    buffer.update_priority(&all, &priorities)?;
     buffer.reseed(11);
     let ahead = 2;
     let mut prefetch = buffer.prefetch(16, ahead, Device::Cpu)?;
@@ -100,7 +100,7 @@ fn a_priority_update_counts_from_the_next_draw_as_in_torchrl() -> TestResult {
     // later one has only row 7.
     let mut priorities = vec![1e-12; 64];
     priorities[7] = 1.0;
-    buffer.update_priority(all, &priorities)?;
+    buffer.update_priority(&all, &priorities)?;
     for k in 0..ahead + 3 {
         let (sample, info) = prefetch.sample()?;
         let ids = ids(&sample, &info.indices);

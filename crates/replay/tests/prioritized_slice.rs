@@ -6,7 +6,7 @@
 use tensordict::{Index, TensorDict};
 use tensordict_replay::checkpoint::{Dump, SamplerDump};
 use tensordict_replay::{
-    Episodes, Prioritized, PrioritizedSlice, ReplayBuffer, RoundRobin, Sampler, SliceShape, Storage, StorageConfig,
+    Episodes, Prioritized, PrioritizedSlice, ReplayBuffer, RoundRobin, RowStore, Sampler, SliceShape, StorageConfig,
 };
 
 type R = anyhow::Result<()>;
@@ -88,7 +88,7 @@ fn check_distribution(episodes_of: Episodes, strict: bool, priorities: &[f64], s
         .seeded(seed);
     let buffer = buffer(n, sampler)?;
     buffer.extend(&episodes(&lengths, 0, 0)?)?;
-    buffer.update_priority((0..n).collect::<Vec<usize>>(), priorities)?;
+    buffer.update_priority(&(0..n).collect::<Vec<usize>>(), priorities)?;
 
     let can_start = |row: usize| {
         let (len, offset) = rows[row];
@@ -175,7 +175,7 @@ fn weights_match_torchrl_on_its_documented_example() -> R {
     let sampler = PrioritizedSlice::new(9, 0.7, 0.9, EPS, traj_key(), SliceShape::NumSlices(3))?.seeded(6);
     let buffer = buffer(9, sampler)?;
     buffer.extend(&episodes(&[3, 3, 3], 0, 0)?)?;
-    buffer.update_priority((0..9).collect::<Vec<usize>>(), &[0., 3., 3., 0., 0., 0., 1., 1., 1.])?;
+    buffer.update_priority(&(0..9).collect::<Vec<usize>>(), &[0., 3., 3., 0., 0., 0., 1., 1., 1.])?;
     let mut counts = [0usize; 9];
     for _ in 0..3000 {
         let (sample, info) = buffer.sample(6)?;
@@ -237,7 +237,7 @@ fn a_sample_says_where_each_slice_ends_with_one_weight_per_slice() -> R {
             .seeded(20 + k as u64);
         let buffer = buffer(16, sampler)?;
         buffer.extend(&episodes(&[2, 8], 0, 0)?)?;
-        buffer.update_priority((0..10).collect::<Vec<usize>>(), &[5., 1., 1., 2., 3., 4., 5., 1., 1., 1.])?;
+        buffer.update_priority(&(0..10).collect::<Vec<usize>>(), &[5., 1., 1., 2., 3., 4., 5., 1., 1., 1.])?;
         let mut lengths = std::collections::HashSet::new();
         for _ in 0..200 {
             let (sample, info) = buffer.sample(12)?;
@@ -278,9 +278,9 @@ fn bad_shapes_priorities_and_short_episodes_are_refused_by_name() -> R {
     assert!(err.contains("slice of 4 rows") && err.contains("longest has 3"), "{err}");
     let err = buffer.sample(6).unwrap_err().to_string();
     assert!(err.contains("not a multiple of slice_len 4"), "{err}");
-    let err = buffer.update_priority(vec![9usize], &[1.0]).unwrap_err().to_string();
+    let err = buffer.update_priority(&[9], &[1.0]).unwrap_err().to_string();
     assert!(err.contains('9'), "{err}");
-    let err = buffer.update_priority(vec![2usize], &[f64::NAN]).unwrap_err().to_string();
+    let err = buffer.update_priority(&[2], &[f64::NAN]).unwrap_err().to_string();
     assert!(err.contains('2'), "{err}");
     Ok(())
 }
@@ -291,7 +291,7 @@ fn the_dump_is_the_prioritized_samplers_and_resumes_slices() -> R {
     let buffer = ReplayBuffer::new(StorageConfig::heap(16), Box::new(RoundRobin::new()), Box::new(sampler))?;
     buffer.extend(&episodes(&[5, 6, 5], 0, 0)?)?;
     let priorities: Vec<f64> = (0..16).map(|r| 0.5 + r as f64).collect();
-    buffer.update_priority((0..16).collect::<Vec<usize>>(), &priorities)?;
+    buffer.update_priority(&(0..16).collect::<Vec<usize>>(), &priorities)?;
     let dir = tempfile::tempdir()?;
     buffer.dumps(dir.path())?;
     let dump = Dump::read(dir.path())?;
@@ -306,8 +306,8 @@ fn the_dump_is_the_prioritized_samplers_and_resumes_slices() -> R {
     let sampler = PrioritizedSlice::from_state(state, traj_key(), SliceShape::SliceLen(3))?.seeded(10);
     let SamplerDump::Prioritized(again) = sampler.dumps()? else { panic!("not a prioritized dump") };
     assert_eq!(&again, saved);
-    let storage = Storage::create(&StorageConfig::heap(16), &dump.storage.data)?;
-    storage.write_rows(&(0..16).collect::<Vec<_>>(), &dump.storage.data)?;
+    let storage = RowStore::create(&StorageConfig::heap(16), &dump.storage.data)?;
+    storage.write(&storage.row_index(&(0..16).collect::<Vec<_>>())?, &dump.storage.data)?;
     let resumed = ReplayBuffer::from_parts(storage, 16, Box::new(RoundRobin::new()), Box::new(sampler))?;
     for _ in 0..50 {
         let (sample, info) = resumed.sample(9)?;

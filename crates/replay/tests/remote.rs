@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use memmap_tensor::{DType, Location, Tensor};
+use memmap_tensor::{DType, Location, RowIndex, Tensor};
 use tensordict::TensorDict;
 use tensordict_replay::remote::{RemoteBuffer, ReplayOptions, ReplayServer, ReplayServiceClient, SamplerSpec};
 use tensordict_replay::{Error, RateLimiter, ReplayBuffer};
@@ -172,7 +172,7 @@ fn writers_and_a_learner_share_whole_rows() {
     assert_eq!(stats.open_leases, 0);
     // The service's own buffer sees the same rows.
     assert_eq!(server.buffer().len(), 48);
-    check_rows(&server.buffer().get(0..48).unwrap());
+    check_rows(&server.buffer().get_range(0..48).unwrap());
 }
 
 /// A learner that samples before any writer has made the storage waits for rows, as it does
@@ -206,7 +206,7 @@ fn reserved_rows_are_hidden_until_committed_and_aborted_rows_stay_hidden() {
     let mut rows = storage.tensordict().clone();
     let half = batch(&[2.; 4]);
     rows.set_at(tensordict::Index::List(vec![0, 1, 2, 3]), &{
-        let mut mixed = storage.gather(&[0, 1, 2, 3]).unwrap();
+        let mut mixed = storage.gather(&storage.row_index(&[0, 1, 2, 3]).unwrap()).unwrap();
         mixed.set("obs", half.get_tensor("obs").unwrap().clone()).unwrap();
         mixed
     })
@@ -217,7 +217,7 @@ fn reserved_rows_are_hidden_until_committed_and_aborted_rows_stay_hidden() {
         assert!(info.indices.iter().all(|&i| i >= 4), "{:?}", info.indices);
         check_rows(&td);
     }
-    storage.write_rows(&[0, 1, 2, 3], &batch(&[2.; 4])).unwrap();
+    storage.write(&storage.row_index(&[0, 1, 2, 3]).unwrap(), &batch(&[2.; 4])).unwrap();
     client.commit(reservation).unwrap();
     let mut twos = 0;
     for _ in 0..100 {
@@ -418,7 +418,7 @@ fn a_refusal_arrives_with_the_kind_the_same_call_fails_with_locally() {
         ("a priority that is not a number", vec![0], vec![f64::NAN], None),
     ];
     for (what, rows, priorities, expected) in cases {
-        let here = local.update_priority(rows.clone(), &priorities).expect_err(what);
+        let here = local.update_priority(&rows, &priorities).expect_err(what);
         let there = client.update_priority(&rows, &priorities).expect_err(what);
         assert!(there.wire_error().is_some(), "{what}: not the service's refusal: {there}");
         let kind = tensordict_replay::kind_of(&here);
@@ -599,14 +599,14 @@ fn a_folder_service_keeps_torchrl_len_and_dumps() {
     let server = f.start(f.options(10).dir(&storage));
     let client = f.connect();
     client.extend(&batch(&[5., 6., 7.])).unwrap();
-    assert_eq!(tensordict_replay::Storage::read_len(&storage).unwrap(), 3);
+    assert_eq!(tensordict_replay::RowStore::read_len(&storage).unwrap(), 3);
     let loaded = TensorDict::load_memmap(&storage, memmap_tensor::Access::ReadOnly).unwrap();
     assert_eq!(loaded.batch_size(), &[10]);
     let dump = dir.path().join("dump");
     client.dumps(dump.to_str().unwrap()).unwrap();
     let back = ReplayBuffer::loads(&dump, tensordict_replay::LoadOptions::default()).unwrap();
     assert_eq!(back.len(), 3);
-    assert_eq!(check_rows(&back.get(0..3).unwrap()), vec![5., 6., 7.]);
+    assert_eq!(check_rows(&back.get_range(0..3).unwrap()), vec![5., 6., 7.]);
     drop(server);
     // The folder stays; a new service refuses it unless told to overwrite.
     assert!(storage.join("obs.memmap").exists());
@@ -636,7 +636,7 @@ fn a_folder_is_served_by_one_service_at_a_time() {
     first.connect().extend(&batch(&[5.])).unwrap();
     let err = ReplayServer::start(&second.name, second.options(10).dir(&storage).overwrite(true)).unwrap_err();
     assert!(memmap_tensor::ErrorChain(&err).to_string().contains(".storage.owner is held by process"), "{err}");
-    assert_eq!(tensordict_replay::Storage::read_len(&storage).unwrap(), 1, "the refused service touched the folder");
+    assert_eq!(tensordict_replay::RowStore::read_len(&storage).unwrap(), 1, "the refused service touched the folder");
     drop(server);
     assert!(!dir.path().join(".storage.owner").exists());
     let _again = second.start(second.options(10).dir(&storage).overwrite(true));
@@ -770,13 +770,14 @@ fn a_reservation_waits_for_leased_rows_and_a_timed_out_one_changes_nothing() {
     assert!(matches!(refused, Error::Timeout { op: "reserve", .. }), "{refused}");
     assert_eq!(buffer.writer_state(), (0, 4), "a timed-out reservation moves no cursor");
     assert_eq!(buffer.rate_counts().inserts, 4);
-    check_rows(&buffer.get(0..4).unwrap());
+    check_rows(&buffer.get_range(0..4).unwrap());
     buffer.release(lease).unwrap();
     let reservation = buffer.reserve(2, Some(Duration::from_millis(50))).unwrap();
     assert_eq!(reservation.rows(), &[0, 1]);
-    buffer.storage().unwrap().write_rows(reservation.rows(), &batch(&[5., 6.])).unwrap();
+    let s = buffer.storage().unwrap();
+    s.write(&s.row_index(reservation.rows()).unwrap(), &batch(&[5., 6.])).unwrap();
     buffer.commit(reservation).unwrap();
-    assert_eq!(check_rows(&buffer.get(0..4).unwrap()), vec![5., 6., 3., 4.]);
+    assert_eq!(check_rows(&buffer.get_range(0..4).unwrap()), vec![5., 6., 3., 4.]);
     // Leases and reservations belong to their own buffer.
     let other = ReplayBuffer::uniform(tensordict_replay::StorageConfig::heap(4)).unwrap();
     other.extend(&batch(&[1.])).unwrap();
@@ -873,7 +874,9 @@ fn row_files_refuse_files_shorter_than_the_storage_and_names_outside_the_folder(
     let files = tensordict_replay::RowFiles::new(&folder, &reference.schema).unwrap();
     assert_eq!(files.capacity(), 16);
     let engine = tensordict_aio::Engine::new().unwrap();
-    let out_of_range = files.read_rows(&engine, &[3, 16], tensordict::ReadMode::Buffered).unwrap_err();
+    let out_of_range = files
+        .read_rows(&engine, &RowIndex::from_rows(&[3, 16], 17).unwrap(), tensordict::ReadMode::Buffered)
+        .unwrap_err();
     assert!(matches!(out_of_range, Error::RowOutOfRange { index: 16, capacity: 16 }), "{out_of_range}");
     // A file cut short (another node truncated it): an error naming it and its size.
     let obs = folder.join("obs.memmap");
@@ -882,7 +885,8 @@ fn row_files_refuse_files_shorter_than_the_storage_and_names_outside_the_folder(
     let text = short.to_string();
     assert!(text.contains("obs.memmap") && text.contains("holds 100 bytes") && text.contains("needs 512"), "{text}");
     // Made before the cut, reads past the end are an error too, not zeros.
-    let cut = files.read_rows(&engine, &[15], tensordict::ReadMode::Buffered).unwrap_err();
+    let cut =
+        files.read_rows(&engine, &RowIndex::from_rows(&[15], 16).unwrap(), tensordict::ReadMode::Buffered).unwrap_err();
     assert!(
         memmap_tensor::ErrorChain(&cut).to_string().contains("obs.memmap")
             && memmap_tensor::ErrorChain(&cut).to_string().contains("shorter"),
@@ -922,7 +926,7 @@ fn a_shared_filesystem_service_reads_committed_rows_from_the_files() {
     client.dumps(dump.to_str().unwrap()).unwrap();
     let back = ReplayBuffer::loads(&dump, tensordict_replay::LoadOptions::default()).unwrap();
     assert_eq!(back.len(), 40);
-    assert_eq!(check_rows(&back.get(0..3).unwrap()), vec![0., 1., 2.]);
+    assert_eq!(check_rows(&back.get_range(0..3).unwrap()), vec![0., 1., 2.]);
 }
 
 #[test]
@@ -1015,11 +1019,11 @@ fn rows_by_value_are_whole_and_leave_nothing_held() {
     let stats = learner.stats().unwrap();
     assert_eq!((stats.len, stats.write_count, stats.inserts), (48, 2 * 150 * 4, 2 * 150 * 4));
     assert_eq!((stats.open_reservations, stats.open_leases), (0, 0));
-    check_rows(&server.buffer().get(0..48).unwrap());
+    check_rows(&server.buffer().get_range(0..48).unwrap());
     // What was written by value is where the reply said.
     let writer = f.connect().by_value(true);
     let rows = writer.extend(&batch(&[7., 8.])).unwrap();
-    let stored = check_rows(&server.buffer().get(rows.clone()).unwrap());
+    let stored = check_rows(&server.buffer().get(&rows).unwrap());
     assert_eq!(stored, [7., 8.]);
 }
 
@@ -1223,7 +1227,7 @@ fn a_dump_whose_client_gave_up_is_never_written() {
     left.sort();
     assert_eq!(left, vec!["later".to_owned()], "nothing but the second dump, no hidden half-dump");
     let back = ReplayBuffer::loads(&later, tensordict_replay::LoadOptions::default()).unwrap();
-    assert_eq!(check_rows(&back.get(0..4).unwrap()), vec![1., 2., 3., 4.]);
+    assert_eq!(check_rows(&back.get_range(0..4).unwrap()), vec![1., 2., 3., 4.]);
     // The service goes on serving: the stalled actor commits, and a sample sees the rows.
     actor.commit(stalled).unwrap();
     assert_eq!(steady.stats().unwrap().len, 6);

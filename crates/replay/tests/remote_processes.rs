@@ -272,7 +272,7 @@ fn a_dump_after_a_writer_was_killed_before_its_commit_holds_only_committed_rows(
     // As TorchRL would load it: len 4, rows 0..4 the committed rows 4..8, whole.
     let loaded = ReplayBuffer::loads(&dump, tensordict_replay::LoadOptions::default().with_seed(1)).unwrap();
     assert_eq!(loaded.len(), 4);
-    assert_eq!(check_rows(&loaded.get(0..4).unwrap()), vec![5., 6., 7., 8.]);
+    assert_eq!(check_rows(&loaded.get_range(0..4).unwrap()), vec![5., 6., 7., 8.]);
     for _ in 0..200 {
         let (td, _) = loaded.sample(8).unwrap();
         assert!(check_rows(&td).iter().all(|&v| v >= 5.));
@@ -323,13 +323,13 @@ fn a_dump_does_not_wait_for_a_live_writers_reservation() {
     assert_eq!(client.extend(&batch(&[9.; 4])).unwrap(), vec![4, 5, 6, 7]);
     let loaded = ReplayBuffer::loads(&dump, tensordict_replay::LoadOptions::default()).unwrap();
     assert_eq!(loaded.len(), 4);
-    assert_eq!(check_rows(&loaded.get(0..4).unwrap()), vec![5., 6., 7., 8.]);
+    assert_eq!(check_rows(&loaded.get_range(0..4).unwrap()), vec![5., 6., 7., 8.]);
     // The writer's death changes nothing in the dump written before it.
     writer.0.kill().unwrap();
     writer.0.wait().unwrap();
     eventually("the dead writer's reservation to be aborted", || client.stats().unwrap().open_reservations == 0);
     let again = ReplayBuffer::loads(&dump, tensordict_replay::LoadOptions::default()).unwrap();
-    assert_eq!(check_rows(&again.get(0..4).unwrap()), vec![5., 6., 7., 8.]);
+    assert_eq!(check_rows(&again.get_range(0..4).unwrap()), vec![5., 6., 7., 8.]);
 }
 
 /// SIGKILLs `writer`, which holds a reservation of rows 0..4 of a buffer whose rows 4..8 hold

@@ -128,7 +128,7 @@ fn a_dump_loads_into_the_sampler_a_spec_names() -> R {
     )?;
     buffer.extend(&episodes(&[5, 6, 5], 0, 0)?)?;
     let priorities: Vec<f64> = (0..16).map(|r| 0.5 + r as f64).collect();
-    buffer.update_priority((0..16).collect::<Vec<usize>>(), &priorities)?;
+    buffer.update_priority(&(0..16).collect::<Vec<usize>>(), &priorities)?;
     let dir = tempfile::tempdir()?;
     buffer.dumps(dir.path().join("dump"))?;
     let saved = buffer.with_sampler(|s| s.dumps())?;

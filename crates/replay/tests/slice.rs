@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use memmap_tensor::{Access, Tensor};
 use tensordict::{Index, TensorDict};
 use tensordict_replay::checkpoint::Dump;
-use tensordict_replay::{Episodes, Error, ReplayBuffer, RoundRobin, SampleInfo, Slice, Storage, StorageConfig};
+use tensordict_replay::{Episodes, Error, ReplayBuffer, RoundRobin, RowStore, SampleInfo, Slice, StorageConfig};
 
 type R = anyhow::Result<()>;
 
@@ -296,8 +296,8 @@ fn a_buffer_rebuilt_from_the_torchrl_dump_samples_slices() -> R {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1/slices");
     let dump = Dump::read(dir)?;
     let (len, capacity) = (dump.storage.len, dump.storage.capacity());
-    let storage = Storage::create(&StorageConfig::heap(capacity), &dump.storage.data)?;
-    storage.write_rows(&(0..capacity).collect::<Vec<_>>(), &dump.storage.data)?;
+    let storage = RowStore::create(&StorageConfig::heap(capacity), &dump.storage.data)?;
+    storage.write(&storage.row_index(&(0..capacity).collect::<Vec<_>>())?, &dump.storage.data)?;
     let saved = dump.writer.as_ref().expect("the dump has a writer");
     let writer = RoundRobin::from_state(usize::try_from(saved.cursor)?, saved.write_count.unwrap_or(saved.cursor));
     let sampler = Slice::num_slices(4, traj_key())?.seeded(8);
@@ -312,7 +312,7 @@ fn a_buffer_rebuilt_from_the_torchrl_dump_samples_slices() -> R {
     }
 
     // A sampler reading a key the saved rows lack is refused when the buffer is rebuilt.
-    let storage = Storage::create(&StorageConfig::heap(capacity), &dump.storage.data)?;
+    let storage = RowStore::create(&StorageConfig::heap(capacity), &dump.storage.data)?;
     let sampler = Slice::num_slices(4, Episodes::TrajKey("traj".into()))?;
     let err = ReplayBuffer::from_parts(storage, len, Box::new(RoundRobin::new()), Box::new(sampler)).unwrap_err();
     assert!(err.to_string().contains("`traj`"), "{err}");

@@ -154,7 +154,7 @@ fn copies() -> Vec<(&'static str, Copy)> {
             let mut out = rows(&[0; BATCH]).unwrap();
             b.sample_into(&mut out, BATCH).map(drop)
         }),
-        ("get", |b, _| b.get(vec![0usize, CAPACITY - 1]).map(drop)),
+        ("get", |b, _| b.get(&[0, CAPACITY - 1]).map(drop)),
         ("iter", |b, _| b.iter().next().expect("rows to iterate").map(drop)),
         ("prefetch", |b, _| b.prefetch(BATCH, 2, Device::Cpu)?.sample().map(drop)),
         ("dumps", |b, dir| b.dumps(dir.join("dump"))),
@@ -213,10 +213,10 @@ fn rows_before_the_cut_read_until_a_copy_reaches_past_it() -> R {
     let half = OBS_BYTES / 2;
     leaf.cut(half);
     let first: Vec<usize> = vec![0, 1, 200, CAPACITY / 2 - 1];
-    let got = buffer.get(first.clone())?;
+    let got = buffer.get(&first)?;
     check_sample(&got, &first, CAPACITY);
-    assert_too_short(buffer.get(vec![3usize, CAPACITY / 2]), &leaf, half, "get of a row past the cut");
-    assert_too_short(buffer.get(vec![0usize]), &leaf, half, "get of a row before the cut, after the tear");
+    assert_too_short(buffer.get(&[3, CAPACITY / 2]), &leaf, half, "get of a row past the cut");
+    assert_too_short(buffer.get(&[0]), &leaf, half, "get of a row before the cut, after the tear");
     Ok(())
 }
 

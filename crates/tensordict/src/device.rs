@@ -78,12 +78,33 @@ impl TensorDict {
             batch_size: self.batch_size().to_vec(),
             reason: format!("out of range for a first batch dim of {n} (gather_to)"),
         })?;
-        self.gather_index_to("gather_to", device, &rows, via)
+        self.gather_index_to_as("gather_to", device, &rows, via)
+    }
+
+    /// [`TensorDict::gather_to`] of rows checked already (a sampler's draw): nothing is
+    /// normalised or checked again, beyond that `rows` were checked against at most the dict's
+    /// first batch dim.
+    pub fn gather_index_to(&self, device: Device, rows: &RowIndex) -> Result<Transfer<TensorDict>> {
+        let size = self.batch_size().first().copied().unwrap_or(0);
+        if let Some(&r) = rows.rows().iter().find(|&&r| r >= size).filter(|_| rows.size() > size) {
+            return Err(Error::InvalidIndex {
+                index: r.to_string(),
+                batch_size: self.batch_size().to_vec(),
+                reason: format!("out of range for a first batch dim of {size} (gather_to)"),
+            });
+        }
+        if self.batch_dims() == 0 {
+            return Err(Error::InvalidArgument {
+                op: "gather_to",
+                detail: "the dict has no batch dim to gather rows of".into(),
+            });
+        }
+        self.gather_index_to_as("gather_to", device, rows, GatherVia::Auto)
     }
 
     /// Rows checked already (against the first batch dim, which the dict has) gathered into
     /// new memory of `device`, reported as operation `op`.
-    pub(crate) fn gather_index_to(
+    pub(crate) fn gather_index_to_as(
         &self,
         op: &'static str,
         device: Device,

@@ -5,7 +5,7 @@ use std::io;
 use std::sync::Arc;
 
 use indexmap::IndexMap;
-use memmap_tensor::{DType, Location, StorageKind, Tensor};
+use memmap_tensor::{DType, Location, RowIndex, StorageKind, Tensor};
 use tensordict_aio::{Engine, Offloader};
 
 use crate::error::WithKey;
@@ -34,15 +34,33 @@ impl TensorDict {
         let Some(&rows) = self.batch_size().first() else {
             return Err(Error::InvalidArgument { op: "gather_direct", detail: "the dict has no batch dim".into() });
         };
-        let mut resolved = Vec::with_capacity(indices.len());
-        for &i in indices {
-            resolved.push(memmap_tensor::normalize_index(i, rows).ok_or_else(|| Error::InvalidIndex {
+        let rows = RowIndex::new(indices, rows).map_err(|_| {
+            let i = indices.iter().copied().find(|&i| memmap_tensor::normalize_index(i, rows).is_none());
+            Error::InvalidIndex {
                 index: format!("{indices:?}"),
                 batch_size: self.batch_size().to_vec(),
-                reason: format!("{i} out of range for dim 0 of size {rows}"),
-            })?);
+                reason: format!("{} out of range for dim 0 of size {rows}", i.unwrap_or_default()),
+            }
+        })?;
+        self.gather_direct_index(engine, &rows, mode)
+    }
+
+    /// [`TensorDict::gather_direct`] of rows checked already (a sampler's draw, or rows checked
+    /// once for several reads): nothing is normalised or checked again, beyond that `rows` were
+    /// checked against at most the dict's first batch dim.
+    pub fn gather_direct_index(&self, engine: &Engine, rows: &RowIndex, mode: ReadMode) -> Result<TensorDict> {
+        let Some(&size) = self.batch_size().first() else {
+            return Err(Error::InvalidArgument { op: "gather_direct", detail: "the dict has no batch dim".into() });
+        };
+        if let Some(&r) = rows.rows().iter().find(|&&r| r >= size).filter(|_| rows.size() > size) {
+            return Err(Error::InvalidIndex {
+                index: r.to_string(),
+                batch_size: self.batch_size().to_vec(),
+                reason: format!("out of range for dim 0 of size {size}"),
+            });
         }
-        gather_node(self, &KeyPath::default(), engine, &resolved, indices, mode)
+        let indices: Vec<i64> = rows.rows().iter().map(|&r| r as i64).collect();
+        gather_node(self, &KeyPath::default(), engine, rows.rows(), &indices, mode)
     }
 
     /// Writes every tensor of the dict, and its structure, into `offloader` under `name`, all

@@ -766,7 +766,7 @@ impl TensorDict {
         let sources: Vec<&Tensor> = leaves.iter().map(|(_, t)| *t).collect();
         if let Some(device) = crate::device::one_device(sources.iter().copied()).filter(|d| d.is_cuda()) {
             return self
-                .gather_index_to("index", device, rows, memmap_tensor::GatherVia::Auto)?
+                .gather_index_to_as("index", device, rows, memmap_tensor::GatherVia::Auto)?
                 .wait()
                 .map_err(|source| Error::Device { op: "index", source });
         }

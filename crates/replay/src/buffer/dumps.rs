@@ -11,7 +11,7 @@ use super::ReplayBuffer;
 use crate::checkpoint::{BufferMetadata, Dump, Packing, Prefetch, StorageDump, write_state_folder};
 use crate::error::{Error, Result, WithOp};
 use crate::samplers::SamplerSpec;
-use crate::storages::{Backend, Storage, StorageConfig};
+use crate::storages::{Placement, RowStore, StorageConfig};
 use crate::writers::Reduction;
 
 /// What [`ReplayBuffer::loads`] needs beyond the dump: where the rows go and the settings
@@ -20,7 +20,7 @@ use crate::writers::Reduction;
 #[non_exhaustive]
 pub struct LoadOptions {
     /// Where the loaded rows are kept (heap by default).
-    pub backend: Backend,
+    pub placement: Placement,
     /// How a max-value writer reduces a row's rank values (sum by default, as TorchRL).
     pub reduction: Reduction,
     /// TorchRL's `max_priority_within_buffer` for a prioritized sampler (false by default).
@@ -36,7 +36,7 @@ pub struct LoadOptions {
 impl Default for LoadOptions {
     fn default() -> Self {
         LoadOptions {
-            backend: Backend::Heap,
+            placement: Placement::Heap,
             reduction: Reduction::Sum,
             max_priority_within_buffer: false,
             seed: None,
@@ -46,9 +46,9 @@ impl Default for LoadOptions {
 }
 
 impl LoadOptions {
-    /// The defaults with rows kept by `backend`.
-    pub fn with_backend(mut self, backend: Backend) -> Self {
-        self.backend = backend;
+    /// The defaults with rows kept by `placement`.
+    pub fn with_placement(mut self, placement: Placement) -> Self {
+        self.placement = placement;
         self
     }
 
@@ -103,7 +103,7 @@ impl ReplayBuffer {
     /// a trajectory that lost a row is that row shorter (with done flags, losing the row that
     /// ends a trajectory joins it to the next).
     pub fn dumps(&self, path: impl AsRef<Path>) -> Result<()> {
-        let storage = self.storage.get().ok_or(Error::Empty)?;
+        let storage = self.storage().ok_or(Error::Empty)?;
         let capacity = self.config.capacity;
         let mut state = self.state.lock();
         let len = state.rows.len();
@@ -174,7 +174,7 @@ impl ReplayBuffer {
     }
 
     /// Builds a buffer from the TorchRL dump folder at `path` (TorchRL's `ReplayBuffer.loads`):
-    /// the rows are copied into a new storage kept by `options.backend`, and the writer and
+    /// the rows are copied into a new storage kept by `options.placement`, and the writer and
     /// sampler are rebuilt in their saved state. Writers: round-robin and max-value; samplers:
     /// none saved (uniform), prioritized and without-replacement. The dump's generator state
     /// and transforms are not read (this crate has neither).
@@ -198,12 +198,13 @@ impl ReplayBuffer {
         };
         let mut sampler = spec.build(capacity, options.seed)?;
         sampler.loads(&dump.sampler, capacity)?;
-        let config = StorageConfig { backend: options.backend.clone(), capacity };
-        let storage = Storage::create(&config, &dump.storage.data)?;
+        let config = StorageConfig { placement: options.placement.clone(), capacity };
+        let storage = RowStore::create(&config, &dump.storage.data)?;
         // Every row, valid or not, so that dumping the loaded buffer gives back the same files.
-        storage.write_rows(&(0..capacity).collect::<Vec<_>>(), &dump.storage.data)?;
+        let every_row: Vec<usize> = (0..capacity).collect();
+        storage.write(&storage.row_index(&every_row)?, &dump.storage.data)?;
         storage.store_len(len)?;
-        let buffer = Self::over_storage(options.backend, storage, len, writer, sampler)?;
+        let buffer = Self::over_storage(options.placement, storage, len, writer, sampler)?;
         buffer.set_batch_size(dump.buffer.batch_size.and_then(|b| usize::try_from(b).ok()));
         Ok(buffer)
     }

@@ -1,8 +1,7 @@
 //! [`ReplayBuffer`]: a storage, a writer and a sampler behind one `&self` API.
 //!
 //! This file holds the API and the draw; `rows.rs` the rows' state machine (the bookkeeping
-//! below, with tests of its own), `indices.rs` the [`Rows`] indices, `dumps.rs` the
-//! buffer's side of a checkpoint ([`ReplayBuffer::dumps`], [`ReplayBuffer::loads`]), and
+//! below, with tests of its own), `dumps.rs` the buffer's side of a checkpoint ([`ReplayBuffer::dumps`], [`ReplayBuffer::loads`]), and
 //! `slice_marks.rs` the marks of where slices end in a sample as TorchRL gives it
 //! ([`SampleInfo::into_torchrl`]).
 //!
@@ -66,7 +65,6 @@
 //! or was aborted; the committed rows are packed (see [`ReplayBuffer::dumps`]).
 
 mod dumps;
-mod indices;
 mod rows;
 mod slice_marks;
 
@@ -76,18 +74,18 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use memmap_tensor::RowIndex;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use tensordict::{Index, TensorDict};
 
 use crate::error::{Error, Result, WithOp};
 use crate::rate::{RateCounts, RateLimiter};
 use crate::samplers::{Draw, Prioritized, Sampler, SamplerSpec, Uniform};
-use crate::storages::{Backend, Storage, StorageConfig};
+use crate::storages::{Placement, RowPath, RowStore, StorageConfig};
 use crate::writers::{RoundRobin, Writer};
 use rows::RowTable;
 
 pub use dumps::LoadOptions;
-pub use indices::Rows;
 pub use slice_marks::{DONE_KEY, TERMINATED_KEY, TRUNCATED_KEY};
 
 /// How often a sample draws again for rows being written before it waits for a write to end.
@@ -232,7 +230,7 @@ struct State {
     writes_ended: bool,
 }
 
-/// A replay buffer: rows kept in a [`Storage`], placed by a [`Writer`], drawn by a
+/// A replay buffer: rows kept in a [`RowStore`], placed by a [`Writer`], drawn by a
 /// [`Sampler`]. `Sync`: every method takes `&self`, and rows are never read half-written
 /// (see the module docs of `buffer`).
 pub struct ReplayBuffer {
@@ -241,10 +239,12 @@ pub struct ReplayBuffer {
     /// Taken inside `state` or alone, never the other way round (see the module docs).
     sampler: Mutex<Box<dyn Sampler>>,
     limiter: Option<RateLimiter>,
-    /// Set when rows may be written by other nodes through a shared filesystem: rows this
-    /// buffer reads back are read from the files (see [`ReplayBuffer::for_shared_filesystem`]).
+    /// Set when rows may be written by other nodes through a shared filesystem: the storage's
+    /// path is then [`RowPath::Flushed`] (see [`ReplayBuffer::for_shared_filesystem`]).
     file_reads: Option<tensordict_aio::Engine>,
-    storage: OnceLock<Storage>,
+    /// The rows, once the first batch (or a loaded dump) made the storage: always a path
+    /// through this process's mapping.
+    path: OnceLock<RowPath>,
     state: Mutex<State>,
     changed: Condvar,
     /// The `len` last recorded in the storage (memmap folders).
@@ -280,7 +280,7 @@ impl ReplayBuffer {
             sampler: Mutex::new(sampler),
             limiter: None,
             file_reads: None,
-            storage: OnceLock::new(),
+            path: OnceLock::new(),
             state: Mutex::new(State {
                 writer,
                 rows: RowTable::new(capacity)?,
@@ -311,22 +311,22 @@ impl ReplayBuffer {
     /// A buffer over an existing storage whose rows `0..len` are valid (a loaded checkpoint),
     /// with its writer and sampler in their saved state.
     pub fn from_parts(
-        storage: Storage,
+        storage: RowStore,
         len: usize,
         writer: Box<dyn Writer>,
         sampler: Box<dyn Sampler>,
     ) -> Result<Self> {
-        let backend = match (storage.folder(), storage.shm_prefix()) {
-            (Some(folder), _) => Backend::Memmap { folder: Some(folder.to_owned()), overwrite: false },
-            (None, Some(prefix)) => Backend::Shared { prefix: prefix.to_owned() },
-            (None, None) => Backend::Heap,
+        let placement = match (storage.folder(), storage.shm_prefix()) {
+            (Some(folder), _) => Placement::Memmap { folder: Some(folder.to_owned()), overwrite: false },
+            (None, Some(prefix)) => Placement::Shared { prefix: prefix.to_owned() },
+            (None, None) => Placement::Heap,
         };
-        Self::over_storage(backend, storage, len, writer, sampler)
+        Self::over_storage(placement, storage, len, writer, sampler)
     }
 
     fn over_storage(
-        backend: Backend,
-        storage: Storage,
+        placement: Placement,
+        storage: RowStore,
         len: usize,
         writer: Box<dyn Writer>,
         mut sampler: Box<dyn Sampler>,
@@ -335,7 +335,7 @@ impl ReplayBuffer {
         if len > capacity {
             return Err(Error::IndexOutOfRange { index: i64::try_from(len).unwrap_or(i64::MAX), len: capacity });
         }
-        let config = StorageConfig { backend, capacity };
+        let config = StorageConfig { placement, capacity };
         if len > 0 {
             let valid = storage.tensordict().index(Index::slice(Some(0), Some(len as i64), 1)).op("from_parts")?;
             sampler.on_load(&valid, writer.cursor(), capacity)?;
@@ -345,7 +345,7 @@ impl ReplayBuffer {
             buffer.state.lock().rows.load(len);
         }
         *buffer.stored_len.lock() = len;
-        let _ = buffer.storage.set(storage);
+        let _ = buffer.path.set(RowPath::Mapped(storage));
         Ok(buffer)
     }
 
@@ -363,6 +363,10 @@ impl ReplayBuffer {
     /// a commit hands to the sampler are read from the files (`O_DIRECT` reads through
     /// `engine`), and a dump reads the folder through a new mapping.
     pub fn for_shared_filesystem(mut self, engine: tensordict_aio::Engine) -> Self {
+        // A storage made already (a loaded dump) takes the shared filesystem's path now.
+        if let Some(path) = self.path.take() {
+            let _ = self.path.set(path.flushed(engine.clone()));
+        }
         self.file_reads = Some(engine);
         self
     }
@@ -422,8 +426,8 @@ impl ReplayBuffer {
     }
 
     /// The storage, once the first batch has created it.
-    pub fn storage(&self) -> Option<&Storage> {
-        self.storage.get()
+    pub fn storage(&self) -> Option<&RowStore> {
+        self.path.get().and_then(RowPath::store)
     }
 
     /// Runs `f` on the sampler (to read its state or save it), under the buffer's sampler
@@ -463,7 +467,7 @@ impl ReplayBuffer {
         self.sampler.lock().reset();
         drop(state);
         self.changed.notify_all();
-        match self.storage.get() {
+        match self.storage() {
             Some(storage) => self.record_len(storage),
             None => Ok(()),
         }
@@ -502,7 +506,8 @@ impl ReplayBuffer {
         }
         // Before the first batch creates the storage, so that a refused batch fixes no schema.
         self.sampler.lock().check_batch(batch)?;
-        let storage = self.storage_for(batch)?;
+        let path = self.path_for(batch)?;
+        let storage = path.store().ok_or(Error::Empty)?;
         // A storage TorchRL made keeps each row's storage row in `index`, which its writes fill
         // in: a batch without it gets it here, once its rows are known.
         let mut filled;
@@ -514,7 +519,7 @@ impl ReplayBuffer {
         } else {
             batch
         };
-        storage.check_batch(OP, batch)?;
+        path.check_batch(OP, batch)?;
 
         // Reserve.
         let mut state = self.state.lock();
@@ -541,6 +546,8 @@ impl ReplayBuffer {
             return Ok(written);
         }
         let rows: Vec<usize> = targets.iter().map(|&(r, _)| r).collect();
+        // The writer chose rows below the capacity: checked once here, for every leaf's copy.
+        let row_index = path.row_index(&rows)?;
         state.counts.inserts += written.len() as u64;
         let ticket = state.rows.queue(&rows);
         // Wait for earlier writes of these rows and for reads copying them out.
@@ -549,19 +556,19 @@ impl ReplayBuffer {
         }
         drop(state);
 
-        // Copy, with no buffer lock held.
+        // Copy, with no buffer lock held: the batch as it is, or (a writer that left rows out
+        // or wrote a row twice) each storage row's last batch row, in one copy.
         let identity = targets.len() == n && targets.iter().enumerate().all(|(i, &(_, k))| i == k);
-        // The rows written, in the order of `rows`: the batch itself, or its reordered rows.
-        let reordered: Result<Option<TensorDict>> = if identity {
-            Ok(None)
+        let copied: Result<Option<TensorDict>> = if identity {
+            path.write(&row_index, batch).map(|()| None)
         } else {
-            let src: Vec<i64> = targets.iter().map(|&(_, k)| k as i64).collect();
-            batch.index(Index::List(src)).op(OP).map(Some)
+            let src_rows: Vec<usize> = targets.iter().map(|&(_, k)| k).collect();
+            batch_rows(OP, &src_rows, n).and_then(|src_rows| {
+                path.write_from(&row_index, batch, &src_rows)?;
+                // What the sampler learns of the rows, in the order of `rows`.
+                batch.gather_index(&src_rows).op(OP).map(Some)
+            })
         };
-        let copied = reordered.and_then(|src| {
-            storage.write_rows(&rows, src.as_ref().unwrap_or(batch))?;
-            Ok(src)
-        });
 
         // Publish. A failed copy may have written part of a row: those rows are no longer
         // valid (samples skip them until they are written again).
@@ -603,7 +610,7 @@ impl ReplayBuffer {
                 detail: format!("{n} rows asked for; a reservation takes 1 to {} rows", self.config.capacity),
             });
         }
-        if self.storage.get().is_none() {
+        if self.path.get().is_none() {
             return Err(Error::BadBatch {
                 op: OP,
                 detail: "the buffer has no storage yet (create it with `create_storage` or a first `extend`)".into(),
@@ -640,10 +647,10 @@ impl ReplayBuffer {
     /// them from now on, and the sampler learns their contents (read back from the storage).
     pub fn commit(&self, reservation: Reservation) -> Result<()> {
         self.check_own(reservation.buffer, "reservation")?;
-        let storage = self.storage.get().ok_or(Error::Empty)?;
+        let path = self.path.get().ok_or(Error::Empty)?;
         // What the sampler reads of the rows, read before they are published (nobody else
         // writes them while the reservation holds them).
-        let written = self.read_back(storage, &reservation.rows);
+        let written = path.row_index(&reservation.rows).and_then(|rows| path.gather(&rows));
         let mut state = self.state.lock();
         debug_assert!(state.rows.holds(&reservation.rows, reservation.ticket));
         state.rows.dequeue(&reservation.rows, written.is_ok());
@@ -654,7 +661,7 @@ impl ReplayBuffer {
         drop(state);
         self.changed.notify_all();
         written?;
-        self.record_len(storage)
+        self.record_len(path.store().ok_or(Error::Empty)?)
     }
 
     /// Writes row `k` of `batch` (batch size `[n, ...]`, `n` the rows reserved, the storage's
@@ -665,8 +672,8 @@ impl ReplayBuffer {
     pub fn write_reserved(&self, reservation: &Reservation, batch: &TensorDict) -> Result<()> {
         const OP: &str = "write reserved rows";
         self.check_own(reservation.buffer, "reservation")?;
-        let storage = self.storage.get().ok_or(Error::Empty)?;
-        storage.check_batch(OP, batch)?;
+        let path = self.path.get().ok_or(Error::Empty)?;
+        path.check_batch(OP, batch)?;
         let n = batch.batch_size().first().copied().unwrap_or(0);
         if n != reservation.rows.len() {
             return Err(Error::LengthMismatch {
@@ -675,11 +682,7 @@ impl ReplayBuffer {
                 got: n,
             });
         }
-        storage.write_rows(&reservation.rows, batch)?;
-        if self.file_reads.is_some() {
-            storage.flush_rows(&reservation.rows)?;
-        }
-        Ok(())
+        path.write(&path.row_index(&reservation.rows)?, batch)
     }
 
     /// Rows `range` of `lease` (positions in its rows, in batch order), read as the buffer
@@ -688,22 +691,12 @@ impl ReplayBuffer {
     /// them whole while they are read: for a service that sends sampled rows by value.
     pub fn read_leased(&self, lease: &Lease, range: std::ops::Range<usize>) -> Result<TensorDict> {
         self.check_own(lease.buffer, "lease")?;
-        let storage = self.storage.get().ok_or(Error::Empty)?;
+        let path = self.path.get().ok_or(Error::Empty)?;
         let rows = lease.rows.get(range.clone()).ok_or_else(|| Error::BadBatch {
             op: "read leased rows",
             detail: format!("rows {range:?} of a lease of {} rows", lease.rows.len()),
         })?;
-        self.read_back(storage, rows)
-    }
-
-    /// Rows `rows` as the buffer reads back what it holds: gathered from `storage`, or in a
-    /// buffer [for a shared filesystem](ReplayBuffer::for_shared_filesystem) read from the
-    /// files, which other nodes write past this process's mapping.
-    fn read_back(&self, storage: &Storage, rows: &[usize]) -> Result<TensorDict> {
-        match &self.file_reads {
-            Some(engine) => storage.read_rows(engine, rows),
-            None => storage.gather(rows),
-        }
+        path.gather(&path.row_index(rows)?)
     }
 
     /// Gives up the rows of `reservation`: they stay hidden from samples until written again,
@@ -728,7 +721,7 @@ impl ReplayBuffer {
         // Without a storage no row is valid: as for any empty buffer, a sample with a timeout
         // waits for rows, which the first writer's storage will hold.
         if timeout.is_none() {
-            self.storage.get().ok_or(Error::Empty)?;
+            self.path.get().ok_or(Error::Empty)?;
         }
         let info = self.draw(batch_size, timeout, "sample")?;
         let lease = Lease { buffer: self.id, rows: info.indices.clone() };
@@ -745,11 +738,11 @@ impl ReplayBuffer {
 
     /// Creates the storage with the schema of `like` (batch size `[n, ...]`, `n >= 1`; its
     /// values are not written) if the buffer has none yet, and returns it.
-    pub fn create_storage(&self, like: &TensorDict) -> Result<&Storage> {
+    pub fn create_storage(&self, like: &TensorDict) -> Result<&RowStore> {
         self.sampler.lock().check_batch(like)?;
-        let storage = self.storage_for(like)?;
-        storage.check_batch("create_storage", like)?;
-        Ok(storage)
+        let path = self.path_for(like)?;
+        path.check_batch("create_storage", like)?;
+        path.store().ok_or(Error::Empty)
     }
 
     fn check_own(&self, buffer: u64, what: &'static str) -> Result<()> {
@@ -760,9 +753,9 @@ impl ReplayBuffer {
     /// dict, with their indices (and weights, and slice lengths: see [`SampleInfo`]). A sampler
     /// without replacement may return fewer rows at the end of an epoch.
     pub fn sample(&self, batch_size: usize) -> Result<(TensorDict, SampleInfo)> {
-        let storage = self.storage.get().ok_or(Error::Empty)?;
+        let path = self.path.get().ok_or(Error::Empty)?;
         let info = self.draw(batch_size, self.limiter_timeout(), "sample")?;
-        let out = self.with_pins(&info.indices, || storage.gather(&info.indices))?;
+        let out = self.with_pins(&info.indices, || path.gather(&path.row_index(&info.indices)?))?;
         Ok((out, info))
     }
 
@@ -771,9 +764,9 @@ impl ReplayBuffer {
     /// driver on first use and for as long as the storage lives) into device memory, with no
     /// copy on the host. The rows stay pinned (no writer reuses them) until the copy is done.
     pub fn sample_to(&self, device: memmap_tensor::Device, batch_size: usize) -> Result<(TensorDict, SampleInfo)> {
-        let storage = self.storage.get().ok_or(Error::Empty)?;
+        let path = self.path.get().ok_or(Error::Empty)?;
         let info = self.draw(batch_size, self.limiter_timeout(), "sample_to")?;
-        let out = self.with_pins(&info.indices, || storage.gather_to(device, &info.indices))?;
+        let out = self.with_pins(&info.indices, || path.gather_to(device, &path.row_index(&info.indices)?))?;
         Ok((out, info))
     }
 
@@ -790,15 +783,12 @@ impl ReplayBuffer {
     ) -> Result<(TensorDict, SampleInfo)> {
         let wait = wait.or_else(|| self.limiter_timeout());
         if wait.is_none() {
-            self.storage.get().ok_or(Error::Empty)?;
+            self.path.get().ok_or(Error::Empty)?;
         }
         let info = self.draw(batch_size, wait, "sample")?;
         // Rows were drawn: the storage that holds them exists.
-        let storage = self.storage.get().ok_or(Error::Empty)?;
-        let out = self.with_pins(&info.indices, || match device {
-            memmap_tensor::Device::Cpu => storage.gather(&info.indices),
-            device => storage.gather_to(device, &info.indices),
-        })?;
+        let path = self.path.get().ok_or(Error::Empty)?;
+        let out = self.with_pins(&info.indices, || path.gather_to(device, &path.row_index(&info.indices)?))?;
         Ok((out, info))
     }
 
@@ -806,7 +796,7 @@ impl ReplayBuffer {
     /// storage's keys and dtypes and `batch_size` rows. If the sampler returns fewer rows, the
     /// first rows of `out` are filled and the info says how many.
     pub fn sample_into(&self, out: &mut TensorDict, batch_size: usize) -> Result<SampleInfo> {
-        let storage = self.storage.get().ok_or(Error::Empty)?;
+        let path = self.path.get().ok_or(Error::Empty)?;
         if out.batch_size().first() != Some(&batch_size) {
             return Err(Error::OutputMismatch {
                 key: String::new(),
@@ -814,32 +804,48 @@ impl ReplayBuffer {
             });
         }
         let info = self.draw(batch_size, self.limiter_timeout(), "sample_into")?;
-        let k = info.indices.len();
-        if k == batch_size {
-            self.with_pins(&info.indices, || storage.gather_into(&info.indices, out))?;
-        } else {
-            let mut head = out.index(Index::slice(Some(0), Some(k as i64), 1)).op("sample_into")?;
-            self.with_pins(&info.indices, || storage.gather_into(&info.indices, &mut head))?;
-        }
+        self.with_pins(&info.indices, || path.gather_into(&path.row_index(&info.indices)?, out))?;
         Ok(info)
     }
 
-    /// Rows `rows` of the valid rows, gathered into a new heap dict. Rows being written are
-    /// waited for.
-    pub fn get(&self, rows: impl Into<Rows>) -> Result<TensorDict> {
-        let storage = self.storage.get().ok_or(Error::Empty)?;
+    /// Rows `rows` of the valid rows (each below [`ReplayBuffer::len`]), gathered into a new
+    /// heap dict. Rows being written are waited for.
+    pub fn get(&self, rows: &[usize]) -> Result<TensorDict> {
+        self.get_checked(|len| {
+            RowIndex::from_rows(rows, len).map_err(|_| Error::IndexOutOfRange {
+                index: rows.iter().find(|&&r| r >= len).map_or(i64::MAX, |&r| i64::try_from(r).unwrap_or(i64::MAX)),
+                len,
+            })
+        })
+    }
+
+    /// Rows `rows` of the valid rows, gathered into a new heap dict, as [`ReplayBuffer::get`].
+    pub fn get_range(&self, rows: std::ops::Range<usize>) -> Result<TensorDict> {
+        self.get_checked(|len| {
+            RowIndex::range(rows.clone(), len).map_err(|_| Error::IndexOutOfRange {
+                index: i64::try_from(rows.end.saturating_sub(1)).unwrap_or(i64::MAX),
+                len,
+            })
+        })
+    }
+
+    /// The rows `check` gives for the number of valid rows, gathered once none is being
+    /// written.
+    fn get_checked(&self, check: impl FnOnce(usize) -> Result<RowIndex>) -> Result<TensorDict> {
+        let path = self.path.get().ok_or(Error::Empty)?;
         let mut state = self.state.lock();
-        let rows = rows.into().resolve(state.rows.len())?;
+        let index = check(state.rows.len())?;
+        let rows = index.rows();
         while !rows.iter().all(|&r| state.rows.visible(r)) {
             if let Some(&index) = rows.iter().find(|&&r| state.rows.spoiled(r)) {
                 return Err(Error::RowNotValid { index });
             }
             self.changed.wait(&mut state);
         }
-        state.rows.pin(&rows);
+        state.rows.pin(rows);
         drop(state);
-        let out = storage.gather(&rows);
-        self.state.lock().rows.unpin(&rows);
+        let out = path.gather(&index);
+        self.state.lock().rows.unpin(rows);
         self.changed.notify_all();
         out
     }
@@ -847,27 +853,35 @@ impl ReplayBuffer {
     /// The valid rows in storage order, one dict per row (the row's batch size, without dim
     /// 0). The rows are those valid when the iteration starts.
     pub fn iter(&self) -> impl Iterator<Item = Result<TensorDict>> + '_ {
-        (0..self.len()).map(move |i| self.get(i).and_then(|td| td.index(Index::Int(0)).op("iter")))
+        (0..self.len()).map(move |i| self.get_range(i..i + 1).and_then(|td| td.index(Index::Int(0)).op("iter")))
     }
 
-    /// Sets the priorities of rows `indices` in the sampler (an error for samplers without
-    /// priorities). Indices must be valid rows.
-    pub fn update_priority(&self, indices: impl Into<Rows>, priorities: &[f64]) -> Result<()> {
-        let rows = indices.into().resolve(self.len())?;
-        self.sampler.lock().update_priority(&rows, priorities)
+    /// Sets the priorities of rows `rows` in the sampler (an error for samplers without
+    /// priorities). They must be valid rows (as a sample's [`SampleInfo::indices`] are).
+    pub fn update_priority(&self, rows: &[usize], priorities: &[f64]) -> Result<()> {
+        let len = self.len();
+        if let Some(&index) = rows.iter().find(|&&r| r >= len) {
+            return Err(Error::IndexOutOfRange { index: i64::try_from(index).unwrap_or(i64::MAX), len });
+        }
+        self.sampler.lock().update_priority(rows, priorities)
     }
 
-    /// The storage, created from `batch`'s schema if this is the first batch.
-    fn storage_for(&self, batch: &TensorDict) -> Result<&Storage> {
-        if let Some(s) = self.storage.get() {
-            return Ok(s);
+    /// The storage's path, the storage created from `batch`'s schema if this is the first
+    /// batch.
+    fn path_for(&self, batch: &TensorDict) -> Result<&RowPath> {
+        if let Some(path) = self.path.get() {
+            return Ok(path);
         }
         let _state = self.state.lock();
-        if let Some(s) = self.storage.get() {
-            return Ok(s);
+        if let Some(path) = self.path.get() {
+            return Ok(path);
         }
-        let created = Storage::create(&self.config, batch)?;
-        Ok(self.storage.get_or_init(|| created))
+        let created = RowPath::Mapped(RowStore::create(&self.config, batch)?);
+        let created = match &self.file_reads {
+            Some(engine) => created.flushed(engine.clone()),
+            None => created,
+        };
+        Ok(self.path.get_or_init(|| created))
     }
 
     /// Draws `batch_size` visible rows and pins them (see the module docs), once the rate
@@ -897,7 +911,7 @@ impl ReplayBuffer {
         };
         // A batch size comes from a caller: its row numbers, weights and rows must fit the
         // machine before any is drawn.
-        let row_bytes = self.storage.get().map_or(0, Storage::row_bytes);
+        let row_bytes = self.storage().map_or(0, RowStore::row_bytes);
         memmap_tensor::check_len("a sample", batch_size, row_bytes + 2 * size_of::<u64>())
             .map_err(|e| Error::BatchTooLarge { batch_size, detail: memmap_tensor::ErrorChain(&e).to_string() })?;
         let mut indices = Vec::with_capacity(batch_size);
@@ -1065,7 +1079,7 @@ impl ReplayBuffer {
     }
 
     /// Records the current `len` in the storage if it changed.
-    fn record_len(&self, storage: &Storage) -> Result<()> {
+    fn record_len(&self, storage: &RowStore) -> Result<()> {
         let mut stored = self.stored_len.lock();
         let len = self.state.lock().rows.len();
         if *stored != len {
@@ -1111,6 +1125,11 @@ fn check_draw(
         }
     }
     Ok(())
+}
+
+/// Positions `rows` of a batch of `n` rows, checked.
+fn batch_rows(op: &'static str, rows: &[usize], n: usize) -> Result<RowIndex> {
+    RowIndex::from_rows(rows, n).map_err(|e| Error::BadBatch { op, detail: memmap_tensor::ErrorChain(&e).to_string() })
 }
 
 /// `timeout` after `start`, if it can be told apart from never.

@@ -5,13 +5,12 @@
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use memmap_tensor::Access;
 use tensordict::{Index, ReadMode, TensorDict};
 use tensordict_rpc::{
-    BlockingClient, ClientOptions, Deferred, Endpoint, InlineDict, NodeId, RefLocation, TensorDictRef, WireError,
-    windowed_wait,
+    BlockingClient, ClientOptions, Deferred, Endpoint, InlineDict, NodeId, TensorDictRef, WireError, windowed_wait,
 };
 
+use super::route::{Here, Open, Route};
 use super::service::{ReplayInfo, ReplayServiceClient, ReplayStats, Reserved};
 use super::{
     MAX_FRAME_BYTES, ReplyColumns, RowsByValue, VALUE_ENVELOPE_BYTES, max_reserve_rows, max_sample_rows, reply_limit,
@@ -19,7 +18,7 @@ use super::{
 };
 use crate::buffer::SampleInfo;
 use crate::error::{Error, Result, WithOp};
-use crate::storages::{RowFiles, Storage};
+use crate::storages::{RowPath, RowStore};
 
 /// How long one call may wait on the service; longer waits are several calls, so that a
 /// service that died is noticed within this.
@@ -39,24 +38,13 @@ pub struct RemoteBuffer {
     /// from the sender thread).
     releases: Deferred<u64>,
     info: ReplayInfo,
-    /// The storage, mapped read-only (for gathers) or read-write (for writes), once used.
-    read: OnceLock<Storage>,
-    write: OnceLock<Storage>,
-    /// Set for a folder on a network filesystem: rows are written and read with explicit I/O
-    /// through this engine, never through a mapping (see [`RemoteBuffer::on_shared_filesystem`]).
-    shared_filesystem: Option<tensordict_aio::Engine>,
-    /// How rows are read in that mode.
-    read_mode: ReadMode,
-    /// The storage's files, for the shared-filesystem mode, once used.
-    files: OnceLock<RowFiles>,
     /// The largest reply this connection carries: the service's frame limit, or this client's
     /// if smaller.
     max_frame_bytes: usize,
-    /// Set when rows cross the connection by value (a client on another node, or one that
-    /// asked): see [`RemoteBuffer::by_value`].
-    by_value: bool,
-    /// How many rows of the storage one frame carries by value, once the storage is known.
-    rows_by_value: OnceLock<RowsByValue>,
+    /// How rows move: by value, or through this node's own access to the storage; chosen
+    /// when the client connects ([`RemoteBuffer::by_value`] and
+    /// [`RemoteBuffer::on_shared_filesystem`] choose again before its first use).
+    route: Route,
 }
 
 impl Drop for RemoteBuffer {
@@ -129,7 +117,8 @@ impl RemoteBuffer {
     pub fn connect_to(endpoint: &Endpoint, options: &ClientOptions) -> Result<RemoteBuffer> {
         let client: Arc<BlockingClient<ReplayServiceClient>> = Arc::new(BlockingClient::connect(endpoint, options)?);
         let info = client.invoke(async |c, ctx| c.hello(ctx).await)?;
-        let by_value = !info_node_is_here(&info);
+        // On another node, rows go by value unless the caller says the folder is shared.
+        let route = if info_node_is_here(&info) { Here::route(Open::Map) } else { values() };
         let sender = Arc::clone(&client);
         let releases = Deferred::start("replay-sender", RELEASE_GRACE, move |leases: Vec<u64>| {
             if let Err(e) = sender.invoke(async |c, ctx| c.release(ctx, leases).await) {
@@ -140,14 +129,8 @@ impl RemoteBuffer {
             client,
             releases,
             info,
-            read: OnceLock::new(),
-            write: OnceLock::new(),
-            shared_filesystem: None,
-            read_mode: ReadMode::Direct,
-            files: OnceLock::new(),
             max_frame_bytes: options.max_frame_bytes.min(MAX_FRAME_BYTES),
-            by_value,
-            rows_by_value: OnceLock::new(),
+            route,
         })
     }
 
@@ -160,13 +143,13 @@ impl RemoteBuffer {
     /// this process's mapping of the storage, with no copy of the bytes on the way. `false`
     /// on another node needs the storage in a folder this node mounts.
     pub fn by_value(mut self, yes: bool) -> Self {
-        self.by_value = yes;
+        self.route = if yes { values() } else { Here::route(Open::Map) };
         self
     }
 
     /// Whether this client sends and receives rows by value (see [`RemoteBuffer::by_value`]).
     pub fn is_by_value(&self) -> bool {
-        self.by_value
+        matches!(self.route, Route::Values(_))
     }
 
     /// For a service whose rows are in a folder on a network filesystem (NFS, GlusterFS,
@@ -179,8 +162,7 @@ impl RemoteBuffer {
     /// [`RemoteBuffer::with_read_mode`] chooses reads through the page cache instead). The
     /// storage must be a folder. On one node (shared memory, a local disk) it is not needed.
     pub fn on_shared_filesystem(mut self, engine: tensordict_aio::Engine) -> Self {
-        self.shared_filesystem = Some(engine);
-        self.by_value = false;
+        self.route = Here::route(Open::Files { engine, mode: ReadMode::Direct });
         self
     }
 
@@ -190,9 +172,14 @@ impl RemoteBuffer {
     /// the freshly opened files: faster where opens keep cached pages that are still valid, but
     /// it needs a mount with close-to-open consistency that drops a file's cached pages when
     /// another node changed it, e.g. GlusterFS mounted with `--fopen-keep-cache=off`; with
-    /// GlusterFS's default such reads returned rows older than a committed write).
+    /// GlusterFS's default such reads returned rows older than a committed write). No effect
+    /// on other clients.
     pub fn with_read_mode(mut self, mode: ReadMode) -> Self {
-        self.read_mode = mode;
+        if let Route::Here(here) = &self.route
+            && let Open::Files { engine, .. } = here.open()
+        {
+            self.route = Here::route(Open::Files { engine: engine.clone(), mode });
+        }
         self
     }
 
@@ -247,11 +234,12 @@ impl RemoteBuffer {
         if n == 0 {
             return Ok(Vec::new());
         }
-        if self.by_value {
-            return self.insert_values(batch, n, wait);
-        }
-        let sink = self.sink(Some(batch))?;
-        sink.check_batch(OP, batch)?;
+        let here = match &self.route {
+            Route::Values(per_frame) => return self.insert_values(per_frame, batch, n, wait),
+            Route::Here(here) => here,
+        };
+        let path = here.writer(|| self.reference(Some(batch)))?;
+        path.check_batch(OP, batch)?;
         // A batch longer than the buffer, or than one reservation's reply can carry, goes in
         // chunks, in order; each chunk's commit rides along with the next chunk's reservation.
         let chunk = self.capacity().min(self.max_reserve_rows()).max(1);
@@ -266,7 +254,7 @@ impl RemoteBuffer {
             };
             let reserved = self.reserve_raw(end - start, wait, pending.take(), OP)?;
             let rows: Vec<usize> = reserved.rows.iter().map(|&r| r as usize).collect();
-            let copied = sink.write_rows(&rows, chunk.as_ref().unwrap_or(batch));
+            let copied = path.row_index(&rows).and_then(|index| path.write(&index, chunk.as_ref().unwrap_or(batch)));
             if let Err(e) = copied {
                 let _ = self.client.invoke(async |c, ctx| c.abort(ctx, reserved.id).await);
                 return Err(e);
@@ -297,8 +285,8 @@ impl RemoteBuffer {
             let why = reply_limit(self.capacity(), ReplyColumns::INDEX, self.max_frame_bytes);
             return Err(Error::TooManyRows { op: "reserve", rows: n, max, why });
         }
-        if !self.by_value {
-            self.sink(None)?;
+        if let Route::Here(here) = &self.route {
+            here.writer(|| self.reference(None))?;
         }
         let reserved = self.reserve_raw(n, wait, None, "reserve")?;
         Ok(RemoteReservation { id: reserved.id, rows: reserved.rows.iter().map(|&r| r as usize).collect() })
@@ -309,13 +297,16 @@ impl RemoteBuffer {
     /// `fdatasync`ed, ready to commit). The reservation stays open: commit or abort it.
     pub fn write_reserved(&self, reservation: &RemoteReservation, batch: &TensorDict) -> Result<()> {
         const OP: &str = "write reserved rows";
-        if self.by_value {
-            let rows = self.value_frame(OP, batch)?;
-            let id = reservation.id;
-            return Ok(self.client.invoke(async |c, ctx| c.write_reserved(ctx, id, rows).await)?);
-        }
-        let sink = self.sink(None)?;
-        sink.check_batch(OP, batch)?;
+        let here = match &self.route {
+            Route::Values(per_frame) => {
+                let rows = self.value_frame(per_frame, OP, batch)?;
+                let id = reservation.id;
+                return Ok(self.client.invoke(async |c, ctx| c.write_reserved(ctx, id, rows).await)?);
+            }
+            Route::Here(here) => here,
+        };
+        let path = here.writer(|| self.reference(None))?;
+        path.check_batch(OP, batch)?;
         let n = batch.batch_size()[0];
         if n != reservation.rows.len() {
             return Err(Error::LengthMismatch {
@@ -324,7 +315,7 @@ impl RemoteBuffer {
                 got: n,
             });
         }
-        sink.write_rows(&reservation.rows, batch)
+        path.write(&path.row_index(&reservation.rows)?, batch)
     }
 
     /// Publishes rows reserved and written by this client.
@@ -338,16 +329,30 @@ impl RemoteBuffer {
     }
 
     /// Makes the storage with the schema of `like` (batch size `[n, ...]`) if the service has
-    /// none yet, maps it read-write here, and returns it. (A client on a shared filesystem
-    /// writes with `extend` and [`RemoteBuffer::write_reserved`], never through this mapping.)
-    pub fn create_storage(&self, like: &TensorDict) -> Result<&Storage> {
-        self.writable(Some(like))
+    /// none yet, maps it read-write here, and returns it. Refused for a client that does not
+    /// map the storage: by value, or [on a shared filesystem](RemoteBuffer::on_shared_filesystem)
+    /// (there a first `extend` makes the storage).
+    pub fn create_storage(&self, like: &TensorDict) -> Result<&RowStore> {
+        let refused = |how: &str| Error::BadBatch {
+            op: "create storage",
+            detail: format!("a client {how} does not map the storage; a first `extend` makes it"),
+        };
+        match &self.route {
+            Route::Here(here) if matches!(here.open(), Open::Map) => {
+                here.writer(|| self.reference(Some(like)))?.store().ok_or_else(|| refused("here"))
+            }
+            Route::Here(_) => Err(refused("on a shared filesystem")),
+            Route::Values(_) => Err(refused("that sends rows by value")),
+        }
     }
 
-    /// The storage mapped read-write, if this client has written or made it (a client on a
-    /// shared filesystem maps it only in [`RemoteBuffer::create_storage`]).
-    pub fn storage_mut(&self) -> Option<&Storage> {
-        self.write.get()
+    /// The storage mapped read-write, if this client has written or made it through a mapping
+    /// (never for a client by value or on a shared filesystem).
+    pub fn storage_mut(&self) -> Option<&RowStore> {
+        match &self.route {
+            Route::Here(here) => here.mapped_for_writes(),
+            Route::Values(_) => None,
+        }
     }
 
     /// Draws `batch_size` rows and gathers them into a new heap dict, with their indices (and
@@ -356,13 +361,13 @@ impl RemoteBuffer {
     /// then a sample the limiter holds back fails at once. At most
     /// [`RemoteBuffer::max_sample_rows`] rows: a larger sample is refused before it is sent.
     pub fn sample(&self, batch_size: usize, wait: Option<Duration>) -> Result<(TensorDict, SampleInfo)> {
-        if self.by_value {
-            return self.sample_values(batch_size, wait);
+        match &self.route {
+            Route::Values(per_frame) => self.sample_values(per_frame, batch_size, wait),
+            Route::Here(here) => self.sample_with(batch_size, wait, |_, rows| {
+                let path = self.reader(here)?;
+                path.gather(&path.row_index(rows)?)
+            }),
         }
-        self.sample_with(batch_size, wait, |_, rows| match &self.shared_filesystem {
-            Some(engine) => self.files(None)?.read_rows(engine, rows, self.read_mode),
-            None => self.readable()?.gather(rows),
-        })
     }
 
     /// Like [`RemoteBuffer::sample`], the rows gathered straight into new memory of `device`
@@ -375,17 +380,16 @@ impl RemoteBuffer {
         batch_size: usize,
         wait: Option<Duration>,
     ) -> Result<(TensorDict, SampleInfo)> {
-        if self.by_value {
-            let (rows, info) = self.sample_values(batch_size, wait)?;
-            return Ok((rows.to(device).op("sample_to")?, info));
-        }
-        self.sample_with(batch_size, wait, |_, rows| match &self.shared_filesystem {
-            Some(engine) => {
-                let read = self.files(None)?.read_rows(engine, rows, self.read_mode)?;
-                read.to(device).op("sample_to")
+        match &self.route {
+            Route::Values(per_frame) => {
+                let (rows, info) = self.sample_values(per_frame, batch_size, wait)?;
+                Ok((rows.to(device).op("sample_to")?, info))
             }
-            None => self.readable()?.gather_to(device, rows),
-        })
+            Route::Here(here) => self.sample_with(batch_size, wait, |_, rows| {
+                let path = self.reader(here)?;
+                path.gather_to(device, &path.row_index(rows)?)
+            }),
+        }
     }
 
     /// Like [`RemoteBuffer::sample`], gathering into `out` (the storage's keys and dtypes,
@@ -398,28 +402,22 @@ impl RemoteBuffer {
                 detail: format!("batch size {:?} does not start with {batch_size}", out.batch_size()),
             });
         }
-        if self.by_value {
-            let (rows, info) = self.sample_values(batch_size, wait)?;
-            let k = info.indices.len() as i64;
-            out.set_at(Index::slice(Some(0), Some(k), 1), &rows).op("sample_into")?;
-            return Ok(info);
+        // A sampler without replacement may end an epoch with fewer rows: they fill the first
+        // rows of `out`.
+        match &self.route {
+            Route::Values(per_frame) => {
+                let (rows, info) = self.sample_values(per_frame, batch_size, wait)?;
+                let k = info.indices.len() as i64;
+                out.set_at(Index::slice(Some(0), Some(k), 1), &rows).op("sample_into")?;
+                Ok(info)
+            }
+            Route::Here(here) => Ok(self
+                .sample_with(batch_size, wait, |_, rows| {
+                    let path = self.reader(here)?;
+                    path.gather_into(&path.row_index(rows)?, out)
+                })?
+                .1),
         }
-        Ok(self
-            .sample_with(batch_size, wait, |_, rows| match &self.shared_filesystem {
-                Some(engine) => {
-                    let read = self.files(None)?.read_rows(engine, rows, self.read_mode)?;
-                    let k = rows.len() as i64;
-                    out.set_at(Index::slice(Some(0), Some(k), 1), &read).op("sample_into")
-                }
-                // A sampler without replacement may end an epoch with fewer rows: they fill the
-                // first rows of `out`.
-                None if rows.len() < batch_size => {
-                    let mut head = out.index(Index::slice(Some(0), Some(rows.len() as i64), 1)).op("sample_into")?;
-                    self.readable()?.gather_into(rows, &mut head)
-                }
-                None => self.readable()?.gather_into(rows, out),
-            })?
-            .1)
     }
 
     /// Sets the priorities of rows `indices` (prioritized services).
@@ -485,18 +483,24 @@ impl RemoteBuffer {
 
     /// How many rows one frame carries by value: known from the storage's schema, the storage
     /// made from `like`'s if the service has none.
-    fn rows_by_value(&self, like: Option<&TensorDict>) -> Result<RowsByValue> {
-        if let Some(limit) = self.rows_by_value.get() {
+    fn rows_by_value(&self, per_frame: &OnceLock<RowsByValue>, like: Option<&TensorDict>) -> Result<RowsByValue> {
+        if let Some(limit) = per_frame.get() {
             return Ok(*limit);
         }
         let reference = self.reference(like)?;
-        Ok(*self.rows_by_value.get_or_init(|| RowsByValue::of(&reference.schema)))
+        Ok(*per_frame.get_or_init(|| RowsByValue::of(&reference.schema)))
     }
 
     /// `batch` as one frame of rows by value, or [`Error::TooManyRows`] if it does not fit.
-    fn value_frame(&self, op: &'static str, batch: &TensorDict) -> Result<InlineDict> {
+    fn value_frame(
+        &self,
+        per_frame: &OnceLock<RowsByValue>,
+        op: &'static str,
+        batch: &TensorDict,
+    ) -> Result<InlineDict> {
         let rows = batch.batch_size().first().copied().unwrap_or(0);
-        let max = self.rows_by_value(None)?.max_rows(self.capacity(), ReplyColumns::INDEX, self.max_frame_bytes);
+        let max =
+            self.rows_by_value(per_frame, None)?.max_rows(self.capacity(), ReplyColumns::INDEX, self.max_frame_bytes);
         if rows > max {
             let why = format!("rows go by value in frames of at most {} bytes", self.max_frame_bytes);
             return Err(Error::TooManyRows { op, rows, max, why });
@@ -507,9 +511,15 @@ impl RemoteBuffer {
     /// `extend` by value: the rows in frames of as many as fit, each written and committed by
     /// the service in one request (the storage made from the batch's schema first, if the
     /// service has none).
-    fn insert_values(&self, batch: &TensorDict, n: usize, wait: Option<Duration>) -> Result<Vec<usize>> {
+    fn insert_values(
+        &self,
+        per_frame: &OnceLock<RowsByValue>,
+        batch: &TensorDict,
+        n: usize,
+        wait: Option<Duration>,
+    ) -> Result<Vec<usize>> {
         const OP: &str = "extend";
-        let limit = self.rows_by_value(Some(batch))?;
+        let limit = self.rows_by_value(per_frame, Some(batch))?;
         let chunk = limit.max_rows(self.capacity(), ReplyColumns::INDEX, self.max_frame_bytes).min(self.capacity());
         if chunk == 0 {
             let why = format!("one row does not fit in a frame of {} bytes", self.max_frame_bytes);
@@ -535,13 +545,20 @@ impl RemoteBuffer {
 
     /// `sample` by value: the rows in the reply when they fit in one frame; else drawn under a
     /// lease and read in frames of as many rows as fit, then released.
-    fn sample_values(&self, batch_size: usize, wait: Option<Duration>) -> Result<(TensorDict, SampleInfo)> {
+    fn sample_values(
+        &self,
+        per_frame: &OnceLock<RowsByValue>,
+        batch_size: usize,
+        wait: Option<Duration>,
+    ) -> Result<(TensorDict, SampleInfo)> {
         const OP: &str = "sample";
         let columns = ReplyColumns::of(&self.info.sampler);
         // Before the storage exists (a sample waiting for the first rows) the service says
         // whether the rows fit.
-        let per_frame =
-            self.rows_by_value(None).ok().map(|limit| limit.max_rows(self.capacity(), columns, self.max_frame_bytes));
+        let per_frame = self
+            .rows_by_value(per_frame, None)
+            .ok()
+            .map(|limit| limit.max_rows(self.capacity(), columns, self.max_frame_bytes));
         if let Some(per_frame) = per_frame.filter(|&max| batch_size > max) {
             if per_frame == 0 {
                 let why = format!("one row does not fit in a frame of {} bytes", self.max_frame_bytes);
@@ -631,38 +648,6 @@ impl RemoteBuffer {
         .map_err(|e| timed_out(op, start, e))
     }
 
-    /// Where this client writes rows: its files on a shared filesystem, its read-write
-    /// mapping otherwise; the storage made from `like`'s schema if the service has none.
-    fn sink(&self, like: Option<&TensorDict>) -> Result<Sink<'_>> {
-        Ok(match &self.shared_filesystem {
-            Some(engine) => Sink::Files(self.files(like)?, engine),
-            None => Sink::Mapped(self.writable(like)?),
-        })
-    }
-
-    /// The storage's files (shared-filesystem mode), the storage made from `like`'s schema if
-    /// the service has none.
-    fn files(&self, like: Option<&TensorDict>) -> Result<&RowFiles> {
-        if let Some(files) = self.files.get() {
-            return Ok(files);
-        }
-        let reference = self.reference(like)?;
-        let folder = match (&reference.location, &reference.rows) {
-            (RefLocation::Folder { path }, None) => path.clone(),
-            (location, _) => {
-                return Err(Error::BadBatch {
-                    op: "open the replay storage's files",
-                    detail: format!(
-                        "the storage is {location}{}; a client on a shared filesystem needs a whole folder",
-                        reference.rows.as_ref().map(|r| format!(" (rows {r:?})")).unwrap_or_default()
-                    ),
-                });
-            }
-        };
-        let files = RowFiles::new(folder, &reference.schema)?;
-        Ok(self.files.get_or_init(|| files))
-    }
-
     /// The service's storage, made from `like`'s schema if it has none.
     fn reference(&self, like: Option<&TensorDict>) -> Result<TensorDictRef> {
         Ok(match (&self.info.storage, like) {
@@ -686,27 +671,12 @@ impl RemoteBuffer {
         })
     }
 
-    /// The storage mapped read-write, made from `like`'s schema if the service has none.
-    fn writable(&self, like: Option<&TensorDict>) -> Result<&Storage> {
-        if let Some(storage) = self.write.get() {
-            return Ok(storage);
-        }
-        let reference = self.reference(like)?;
-        let storage = open(&reference, Access::ReadWrite)?;
-        Ok(self.write.get_or_init(|| storage))
-    }
-
-    /// The storage mapped for gathers (the read-write mapping, if there is one).
-    fn readable(&self) -> Result<&Storage> {
-        if let Some(storage) = self.write.get().or(self.read.get()) {
-            return Ok(storage);
-        }
-        let reference = match &self.info.storage {
-            Some(reference) => reference.clone(),
-            None => self.current_storage()?,
-        };
-        let storage = open(&reference, Access::ReadOnly)?;
-        Ok(self.read.get_or_init(|| storage))
+    /// The path sampled rows are read through, the storage opened here on first use.
+    fn reader<'a>(&self, here: &'a Here) -> Result<&'a RowPath> {
+        here.reader(|| match &self.info.storage {
+            Some(reference) => Ok(reference.clone()),
+            None => self.current_storage(),
+        })
     }
 }
 
@@ -721,10 +691,6 @@ impl RemoteBuffer {
     }
 }
 
-fn open(reference: &TensorDictRef, access: Access) -> Result<Storage> {
-    Storage::attach(reference.open(access).op("map the replay storage")?)
-}
-
 /// What [`RemoteBuffer::draw`] got.
 enum Drawn {
     /// Rows leased to this session, to read and then release.
@@ -733,28 +699,9 @@ enum Drawn {
     Values(super::service::SampledValues),
 }
 
-/// Where a client writes rows.
-enum Sink<'a> {
-    /// Through its read-write mapping (one node).
-    Mapped(&'a Storage),
-    /// With `pwrite` and `fdatasync` of the files (a shared filesystem).
-    Files(&'a RowFiles, &'a tensordict_aio::Engine),
-}
-
-impl Sink<'_> {
-    fn check_batch(&self, op: &'static str, batch: &TensorDict) -> Result<()> {
-        match self {
-            Sink::Mapped(storage) => storage.check_batch(op, batch),
-            Sink::Files(files, _) => files.check_batch(op, batch),
-        }
-    }
-
-    fn write_rows(&self, rows: &[usize], src: &TensorDict) -> Result<()> {
-        match self {
-            Sink::Mapped(storage) => storage.write_rows(rows, src),
-            Sink::Files(files, engine) => files.write_rows(engine, rows, src),
-        }
-    }
+/// The route of rows by value, the frame's row count to be learnt.
+fn values() -> Route {
+    Route::Values(OnceLock::new())
 }
 
 /// Whether the service that said `info` runs on this node.

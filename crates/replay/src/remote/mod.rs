@@ -67,6 +67,7 @@
 
 mod client;
 mod dumping;
+mod route;
 mod server;
 mod service;
 

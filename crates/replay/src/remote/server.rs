@@ -16,9 +16,9 @@ use super::{
     MAX_FRAME_BYTES, ReplayOptions, ReplyColumns, RowsByValue, max_reply_rows, max_reserve_rows, reply_limit,
     service_name, wire_slices,
 };
-use crate::buffer::{Lease, LoadOptions, ReplayBuffer, Reservation, Rows};
+use crate::buffer::{Lease, LoadOptions, ReplayBuffer, Reservation};
 use crate::error::{Error, Result};
-use crate::storages::{Backend, StorageConfig};
+use crate::storages::{Placement, StorageConfig};
 
 /// The largest sample one request may ask for, whatever the frames. The reply must also fit
 /// in one frame, which allows fewer rows: see [`super::max_sample_rows`].
@@ -164,11 +164,11 @@ impl ReplayServer {
         let runtime_dir = named::runtime_dir(&options.service)?;
         let owner = service.lock(&runtime_dir)?;
         let folder_owner = options.dir.as_deref().map(lock_folder).transpose()?;
-        let (backend, prefix) = match &options.dir {
-            Some(dir) => (Backend::Memmap { folder: Some(dir.clone()), overwrite: options.overwrite }, None),
+        let (placement, prefix) = match &options.dir {
+            Some(dir) => (Placement::Memmap { folder: Some(dir.clone()), overwrite: options.overwrite }, None),
             None => {
                 let prefix = service.shm_stem(&runtime_dir);
-                (Backend::Shared { prefix: prefix.clone() }, Some(prefix))
+                (Placement::Shared { prefix: prefix.clone() }, Some(prefix))
             }
         };
         if let Some(prefix) = &prefix {
@@ -179,13 +179,13 @@ impl ReplayServer {
         service.remove_orphans_of_kind();
         let mut buffer = match &options.load {
             Some(dump) => {
-                let mut load = LoadOptions::default().with_backend(backend);
+                let mut load = LoadOptions::default().with_placement(placement);
                 if let Some(seed) = options.seed {
                     load = load.with_seed(seed);
                 }
                 ReplayBuffer::loads(dump, load)?
             }
-            None => new_buffer(backend, &options)?,
+            None => new_buffer(placement, &options)?,
         };
         if let Some(limiter) = options.limiter.clone() {
             buffer = buffer.with_rate_limiter(limiter);
@@ -639,7 +639,7 @@ impl ReplayService for Session {
         priorities: Vec<f64>,
     ) -> std::result::Result<(), WireError> {
         let rows: Vec<usize> = indices.iter().map(|&i| usize::try_from(i).unwrap_or(usize::MAX)).collect();
-        self.shared().buffer.update_priority(Rows::Usize(rows), &priorities).map_err(to_wire)
+        self.shared().buffer.update_priority(&rows, &priorities).map_err(to_wire)
     }
 
     async fn stats(self, _: Context) -> std::result::Result<ReplayStats, WireError> {
@@ -683,8 +683,8 @@ impl ReplayService for Session {
 }
 
 /// A new buffer with the options' sampler, its storage made by the first writer.
-fn new_buffer(backend: Backend, options: &ReplayOptions) -> Result<ReplayBuffer> {
-    let config = StorageConfig { backend, capacity: options.capacity };
+fn new_buffer(placement: Placement, options: &ReplayOptions) -> Result<ReplayBuffer> {
+    let config = StorageConfig { placement, capacity: options.capacity };
     let sampler = options.sampler.build(options.capacity, options.seed)?;
     ReplayBuffer::new(config, options.writer.build()?, sampler)
 }

@@ -1,6 +1,6 @@
 //! Where the rows live: a memmap folder (temporary or named), the heap, or shared memory.
 //!
-//! A [`Storage`] is made from the first batch a buffer receives: every tensor keeps its dtype
+//! A [`RowStore`] is made from the first batch a buffer receives: every tensor keeps its dtype
 //! and its dims after the first, and dim 0 becomes the capacity (TorchRL's `LazyTensorStorage`
 //! and `LazyMemmapStorage` do the same). Non-tensor values of that batch are kept as they are.
 //!
@@ -15,14 +15,16 @@
 //! A storage folder's files can also be reached without mapping them, by explicit I/O:
 //! [`RowFiles`] (`row_files.rs`), for nodes that see the folder on a network filesystem.
 
+mod path;
 mod row_files;
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use memmap_tensor::DType;
+use memmap_tensor::{DType, RowIndex};
 use tensordict::{Index, KeyPath, TensorDict, WriteOptions};
 
+pub(crate) use path::RowPath;
 pub use row_files::RowFiles;
 
 use crate::error::{Error, Result, WithOp};
@@ -33,7 +35,7 @@ pub const STORAGE_METADATA: &str = "storage_metadata.json";
 /// Where a buffer's storage is created.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Backend {
+pub enum Placement {
     /// A tensordict memmap folder. `folder: None` makes a temporary folder that is removed
     /// when the buffer is dropped; a named folder must be missing or empty unless `overwrite`.
     Memmap {
@@ -53,45 +55,45 @@ pub enum Backend {
     },
 }
 
-/// A storage's backend and capacity, before the first batch gives it a schema.
+/// A storage's placement and capacity, before the first batch gives it a schema.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct StorageConfig {
     /// Where the rows go.
-    pub backend: Backend,
+    pub placement: Placement,
     /// The number of rows.
     pub capacity: usize,
 }
 
 impl StorageConfig {
-    /// A storage of `capacity` rows in `backend`.
-    pub fn new(backend: Backend, capacity: usize) -> Self {
-        StorageConfig { backend, capacity }
+    /// A storage of `capacity` rows in `placement`.
+    pub fn new(placement: Placement, capacity: usize) -> Self {
+        StorageConfig { placement, capacity }
     }
 
     /// A memmap storage in a temporary folder (the default).
     pub fn memmap(capacity: usize) -> Self {
-        StorageConfig { backend: Backend::Memmap { folder: None, overwrite: false }, capacity }
+        StorageConfig { placement: Placement::Memmap { folder: None, overwrite: false }, capacity }
     }
 
     /// A memmap storage in `folder`, which must be missing or empty.
     pub fn memmap_in(folder: impl Into<PathBuf>, capacity: usize) -> Self {
-        StorageConfig { backend: Backend::Memmap { folder: Some(folder.into()), overwrite: false }, capacity }
+        StorageConfig { placement: Placement::Memmap { folder: Some(folder.into()), overwrite: false }, capacity }
     }
 
     /// A memmap storage in `folder`, replacing a tensordict folder already there.
     pub fn memmap_overwrite(folder: impl Into<PathBuf>, capacity: usize) -> Self {
-        StorageConfig { backend: Backend::Memmap { folder: Some(folder.into()), overwrite: true }, capacity }
+        StorageConfig { placement: Placement::Memmap { folder: Some(folder.into()), overwrite: true }, capacity }
     }
 
     /// A heap storage.
     pub fn heap(capacity: usize) -> Self {
-        StorageConfig { backend: Backend::Heap, capacity }
+        StorageConfig { placement: Placement::Heap, capacity }
     }
 
     /// A shared-memory storage under `prefix`.
     pub fn shared(prefix: impl Into<String>, capacity: usize) -> Self {
-        StorageConfig { backend: Backend::Shared { prefix: prefix.into() }, capacity }
+        StorageConfig { placement: Placement::Shared { prefix: prefix.into() }, capacity }
     }
 }
 
@@ -108,7 +110,7 @@ struct Leaf {
 /// Row writes and gathers take `&self`: tensors share their storage between clones, and each
 /// tensor's storage serialises its own writes and reads. Keeping rows whole across tensors is
 /// the buffer's job (see `buffer/mod.rs`).
-pub struct Storage {
+pub struct RowStore {
     td: TensorDict,
     capacity: usize,
     leaves: Vec<Leaf>,
@@ -120,9 +122,9 @@ pub struct Storage {
     _temp: Option<tempfile::TempDir>,
 }
 
-impl std::fmt::Debug for Storage {
+impl std::fmt::Debug for RowStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Storage")
+        f.debug_struct("RowStore")
             .field("capacity", &self.capacity)
             .field("folder", &self.folder)
             .field("shm_prefix", &self.shm_prefix)
@@ -130,10 +132,10 @@ impl std::fmt::Debug for Storage {
     }
 }
 
-impl Storage {
+impl RowStore {
     /// Creates the storage for `config` with the schema of `batch` (batch size `[n, ...]`,
     /// `n >= 1`).
-    pub fn create(config: &StorageConfig, batch: &TensorDict) -> Result<Storage> {
+    pub fn create(config: &StorageConfig, batch: &TensorDict) -> Result<RowStore> {
         const OP: &str = "create storage";
         if config.capacity == 0 {
             return Err(Error::ZeroCapacity);
@@ -145,8 +147,8 @@ impl Storage {
             });
         }
         let capacity = config.capacity;
-        let (td, folder, shm_prefix, temp) = match &config.backend {
-            Backend::Memmap { folder, overwrite } => {
+        let (td, folder, shm_prefix, temp) = match &config.placement {
+            Placement::Memmap { folder, overwrite } => {
                 let (temp, prefix) = match folder {
                     Some(folder) => {
                         if !overwrite && folder_has_entries(folder)? {
@@ -167,8 +169,8 @@ impl Storage {
                 let td = batch.memmap_like_with(&prefix, Some(capacity), &options).op(OP)?;
                 (td, Some(prefix), None, temp)
             }
-            Backend::Heap => (heap_like(batch, capacity)?, None, None, None),
-            Backend::Shared { prefix } => {
+            Placement::Heap => (heap_like(batch, capacity)?, None, None, None),
+            Placement::Shared { prefix } => {
                 // The storage's own memory: it goes with the storage (see `Drop`), and what a
                 // killed process leaves is an orphan for the next service or `tdict shm clean`.
                 let td = batch.share_memory_like_owned(prefix, Some(capacity)).op(OP)?;
@@ -177,7 +179,7 @@ impl Storage {
         };
         prefer_huge_pages(&td);
         let leaves = leaves_of(&td);
-        let storage = Storage { td, capacity, leaves, folder, shm_prefix, owner: true, _temp: temp };
+        let storage = RowStore { td, capacity, leaves, folder, shm_prefix, owner: true, _temp: temp };
         storage.store_len(0)?;
         Ok(storage)
     }
@@ -185,7 +187,7 @@ impl Storage {
     /// The storage another process made, mapped here as `td` (its whole dict, dim 0 the
     /// capacity; from a folder or shared memory). Dropping it unmaps it and removes nothing,
     /// and it never records `len` (the process that owns the storage does).
-    pub fn attach(td: TensorDict) -> Result<Storage> {
+    pub fn attach(td: TensorDict) -> Result<RowStore> {
         let Some(&capacity) = td.batch_size().first().filter(|&&c| c > 0) else {
             return Err(Error::BadBatch {
                 op: "attach storage",
@@ -193,7 +195,7 @@ impl Storage {
             });
         };
         let leaves = leaves_of(&td);
-        Ok(Storage { td, capacity, leaves, folder: None, shm_prefix: None, owner: false, _temp: None })
+        Ok(RowStore { td, capacity, leaves, folder: None, shm_prefix: None, owner: false, _temp: None })
     }
 
     /// The number of rows.
@@ -239,39 +241,44 @@ impl Storage {
         check_batch_against(op, &self.td.batch_size()[1..], &self.leaves, batch)
     }
 
-    /// Writes row `k` of `src` to row `rows[k]`, for every `k` (rows must be distinct and
-    /// below the capacity; `src` must have passed [`Storage::check_batch`]): every leaf in one
-    /// scatter, its rows shared among the cores as a sample's gather shares them.
-    pub fn write_rows(&self, rows: &[usize], src: &TensorDict) -> Result<()> {
-        let mut td = self.td.clone();
-        td.scatter_index(&self.row_index(rows)?, src).op("write rows")
+    /// `rows` checked once against the capacity, for every leaf's copy to take as they are:
+    /// the one check of row numbers on their way to the bytes ([`Error::RowOutOfRange`] for the
+    /// first past the capacity).
+    pub fn row_index(&self, rows: &[usize]) -> Result<RowIndex> {
+        row_index(rows, self.capacity)
     }
 
-    /// `rows` checked once against the capacity, for every leaf's gather to take as they are.
-    fn row_index(&self, rows: &[usize]) -> Result<memmap_tensor::RowIndex> {
-        let capacity = self.capacity();
-        memmap_tensor::RowIndex::from_rows(rows, capacity).map_err(|_| Error::RowOutOfRange {
-            index: rows.iter().copied().find(|&r| r >= capacity).unwrap_or(capacity),
-            capacity,
-        })
+    /// Writes row `k` of `src` to row `rows[k]`, for every `k` (`src` must have passed
+    /// [`RowStore::check_batch`]): every leaf in one scatter, its rows shared among the cores as
+    /// a sample's gather shares them. A repeated row keeps its last write.
+    pub fn write(&self, rows: &RowIndex, src: &TensorDict) -> Result<()> {
+        let mut td = self.td.clone();
+        td.scatter_index(rows, src).op("write rows")
+    }
+
+    /// Writes row `src_rows[k]` of `src` to row `rows[k]`, for every `k`: a writer's reordered
+    /// batch in one copy, with no reordered batch in between.
+    pub fn write_from(&self, rows: &RowIndex, src: &TensorDict, src_rows: &RowIndex) -> Result<()> {
+        let mut td = self.td.clone();
+        td.scatter_index_from(rows, src, src_rows).op("write rows")
     }
 
     /// Rows `rows` gathered into a new heap dict of batch size `[rows.len(), ...]`.
-    pub fn gather(&self, rows: &[usize]) -> Result<TensorDict> {
-        self.td.gather_index(&self.row_index(rows)?).op("gather rows")
+    pub fn gather(&self, rows: &RowIndex) -> Result<TensorDict> {
+        self.td.gather_index(rows).op("gather rows")
     }
 
     /// Rows `rows` gathered into new memory of `device` (one kernel launch reading the
     /// storage's mapping, for a GPU), complete when this returns. See
     /// [`TensorDict::gather_to`].
-    pub fn gather_to(&self, device: memmap_tensor::Device, rows: &[usize]) -> Result<TensorDict> {
-        let transfer = self.td.gather_to(device, &to_i64(rows)).op("gather rows")?;
+    pub fn gather_to(&self, device: memmap_tensor::Device, rows: &RowIndex) -> Result<TensorDict> {
+        let transfer = self.td.gather_index_to(device, rows).op("gather rows")?;
         transfer.wait().map_err(|source| tensordict::Error::Device { op: "gather_to", source }).op("gather rows")
     }
 
     /// Rows `rows` gathered into `out`, whose tensors must have the storage's keys and dtypes
     /// and shapes `[rows.len(), row dims...]`.
-    pub fn gather_into(&self, rows: &[usize], out: &mut TensorDict) -> Result<()> {
+    pub fn gather_into(&self, rows: &RowIndex, out: &mut TensorDict) -> Result<()> {
         let mismatch = |key: &KeyPath, detail: String| Error::OutputMismatch { key: key.to_string(), detail };
         // Check everything first, so a mismatch leaves `out` untouched.
         for leaf in &self.leaves {
@@ -295,11 +302,10 @@ impl Storage {
                 return Err(mismatch(&leaf.key, "is read-only".into()));
             }
         }
-        let rows = self.row_index(rows)?;
         for leaf in &self.leaves {
             let src = self.td.get_tensor(&leaf.key).op("gather rows")?;
             let dst = out.get_tensor_mut(&leaf.key).op("gather rows")?;
-            src.gather_index_into(&rows, dst)
+            src.gather_index_into(rows, dst)
                 .map_err(|source| Error::TensorDict { op: "gather rows", source: tensor_error(&leaf.key, source) })?;
         }
         Ok(())
@@ -308,8 +314,8 @@ impl Storage {
     /// Writes rows `rows` of every tensor back to its file (`msync`), for a folder that other
     /// nodes read through their own mounts: a network filesystem sends another node only what
     /// reached it. Nothing for heap and shared-memory storages.
-    pub fn flush_rows(&self, rows: &[usize]) -> Result<()> {
-        let mut sorted = rows.to_vec();
+    pub fn flush_rows(&self, rows: &RowIndex) -> Result<()> {
+        let mut sorted = rows.rows().to_vec();
         sorted.sort_unstable();
         sorted.dedup();
         let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
@@ -338,12 +344,12 @@ impl Storage {
     /// (`O_DIRECT`, through `engine`), not through the mapping: what a reader on a network
     /// filesystem needs, where a mapping never sees another node's writes. Every tensor must be
     /// in the storage's folder.
-    pub fn read_rows(&self, engine: &tensordict_aio::Engine, rows: &[usize]) -> Result<TensorDict> {
-        self.td.gather_direct(engine, &to_i64(rows), tensordict::ReadMode::Direct).op("read rows")
+    pub fn read_rows(&self, engine: &tensordict_aio::Engine, rows: &RowIndex) -> Result<TensorDict> {
+        self.td.gather_direct_index(engine, rows, tensordict::ReadMode::Direct).op("read rows")
     }
 
     /// Records that rows `0..len` are valid: rewrites `storage_metadata.json` of a memmap
-    /// folder (atomically); nothing for other backends.
+    /// folder (atomically); nothing for other placements.
     ///
     /// [`Durability::Atomic`](tensordict_aio::Durability::Atomic): a killed process leaves the old `len`
     /// or the new one, never a torn file. It is not flushed: the rows it counts are written
@@ -374,7 +380,7 @@ impl Storage {
     }
 }
 
-impl Drop for Storage {
+impl Drop for RowStore {
     fn drop(&mut self) {
         if let Some(prefix) = self.shm_prefix.as_ref().filter(|_| self.owner) {
             // The objects were made by this storage; a failure leaves them for `tdict` to list.
@@ -383,7 +389,7 @@ impl Drop for Storage {
     }
 }
 
-/// [`Storage::check_batch`] against a storage whose rows have batch dims `storage_batch` (after
+/// [`RowStore::check_batch`] against a storage whose rows have batch dims `storage_batch` (after
 /// dim 0) and tensors `leaves`.
 fn check_batch_against(op: &'static str, storage_batch: &[usize], leaves: &[Leaf], batch: &TensorDict) -> Result<()> {
     if batch.batch_dims() == 0 || &batch.batch_size()[1..] != storage_batch {
@@ -424,6 +430,14 @@ fn check_batch_against(op: &'static str, storage_batch: &[usize], leaves: &[Leaf
     Ok(())
 }
 
+/// `rows` checked against `capacity` rows, the first past it [`Error::RowOutOfRange`].
+fn row_index(rows: &[usize], capacity: usize) -> Result<RowIndex> {
+    RowIndex::from_rows(rows, capacity).map_err(|_| Error::RowOutOfRange {
+        index: rows.iter().copied().find(|&r| r >= capacity).unwrap_or(capacity),
+        capacity,
+    })
+}
+
 /// The key, dtype and row dims of each tensor of a storage dict.
 fn leaves_of(td: &TensorDict) -> Vec<Leaf> {
     td.leaves().into_iter().map(|(key, t)| Leaf { key, dtype: t.dtype(), row_dims: t.dims()[1..].to_vec() }).collect()
@@ -456,11 +470,6 @@ fn heap_like(batch: &TensorDict, capacity: usize) -> Result<TensorDict> {
     memmap_tensor::check_len("a storage's rows", capacity, size_of::<i64>())
         .map_err(|e| Error::CapacityTooLarge { capacity, detail: memmap_tensor::ErrorChain(&e).to_string() })?;
     batch.index(Index::List(vec![0; capacity])).op("create storage")
-}
-
-/// Row numbers as tensordict indices.
-pub(crate) fn to_i64(rows: &[usize]) -> Vec<i64> {
-    rows.iter().map(|&r| i64::try_from(r).unwrap_or(i64::MAX)).collect()
 }
 
 /// A tensor error as a tensordict error naming its key.

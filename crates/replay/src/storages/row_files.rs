@@ -7,7 +7,7 @@ use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use memmap_tensor::{DType, Location, Tensor};
+use memmap_tensor::{DType, Location, RowIndex, Tensor};
 use tensordict::{EntrySchema, KeyPath, ReadMode, RowsInFile, Schema, TensorDict};
 
 use super::{Leaf, check_batch_against, tensor_error};
@@ -95,8 +95,14 @@ impl RowFiles {
         &self.folder
     }
 
+    /// `rows` checked once against the capacity ([`Error::RowOutOfRange`] for the first past
+    /// it), for [`RowFiles::write`] and [`RowFiles::read_rows`].
+    pub fn row_index(&self, rows: &[usize]) -> Result<RowIndex> {
+        super::row_index(rows, self.capacity)
+    }
+
     /// Checks that `batch` (batch size `[n, ...]`) has exactly the storage's tensors, with the
-    /// same dtypes and row shapes (as [`super::Storage::check_batch`]).
+    /// same dtypes and row shapes (as [`super::RowStore::check_batch`]).
     pub fn check_batch(&self, op: &'static str, batch: &TensorDict) -> Result<()> {
         let leaves: Vec<Leaf> = self
             .leaves
@@ -111,19 +117,18 @@ impl RowFiles {
     /// once), then `fdatasync`s each file written: once this returns, a node that opens the
     /// files afresh reads the rows. `rows` must be distinct and below the capacity, one per row
     /// of `src`, and `src` must pass [`RowFiles::check_batch`].
-    pub fn write_rows(&self, engine: &tensordict_aio::Engine, rows: &[usize], src: &TensorDict) -> Result<()> {
+    pub fn write(&self, engine: &tensordict_aio::Engine, rows: &RowIndex, src: &TensorDict) -> Result<()> {
         const OP: &str = "write rows";
         self.check_batch(OP, src)?;
         let n = src.batch_size()[0];
+        self.fits(rows)?;
+        let rows = rows.rows();
         if rows.len() != n {
             return Err(Error::LengthMismatch {
                 what: "write rows: storage rows for the batch",
                 expected: n,
                 got: rows.len(),
             });
-        }
-        if let Some(&index) = rows.iter().find(|&&r| r >= self.capacity) {
-            return Err(Error::RowOutOfRange { index, capacity: self.capacity });
         }
         // Runs of batch rows that go to consecutive storage rows: `(first batch row, count)`.
         let mut runs: Vec<(usize, usize)> = Vec::new();
@@ -175,10 +180,9 @@ impl RowFiles {
     /// new heap dict of batch size `[rows.len(), ...]`. Every file is opened by this call, so
     /// what it reads was in the file when the call began or later; `mode` says whether reads
     /// go through this node's page cache or bypass it (`O_DIRECT`).
-    pub fn read_rows(&self, engine: &tensordict_aio::Engine, rows: &[usize], mode: ReadMode) -> Result<TensorDict> {
-        if let Some(&index) = rows.iter().find(|&&r| r >= self.capacity) {
-            return Err(Error::RowOutOfRange { index, capacity: self.capacity });
-        }
+    pub fn read_rows(&self, engine: &tensordict_aio::Engine, rows: &RowIndex, mode: ReadMode) -> Result<TensorDict> {
+        self.fits(rows)?;
+        let rows = rows.rows();
         let flags = match mode {
             ReadMode::Buffered => 0,
             ReadMode::Direct => nix::libc::O_DIRECT,
@@ -207,6 +211,19 @@ impl RowFiles {
                 }),
             })
             .op("read rows")
+    }
+}
+
+impl RowFiles {
+    /// Refuses rows checked against more rows than the storage has, one past its capacity.
+    fn fits(&self, rows: &RowIndex) -> Result<()> {
+        if rows.size() <= self.capacity {
+            return Ok(());
+        }
+        match rows.rows().iter().find(|&&r| r >= self.capacity) {
+            Some(&index) => Err(Error::RowOutOfRange { index, capacity: self.capacity }),
+            None => Ok(()),
+        }
     }
 }
 

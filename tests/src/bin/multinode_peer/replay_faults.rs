@@ -64,7 +64,7 @@ pub(crate) fn replay_reserver(buffer: &RemoteBuffer, ready: &Path) -> anyhow::Re
     let half = &rows[..rows.len() / 2];
     let half_rows: Vec<usize> = half.iter().map(|&r| r as usize).collect();
     files
-        .write_rows(&tensordict_aio::Engine::new()?, &half_rows, &actor_rows(9, 900, half.len())?)
+        .write(&tensordict_aio::Engine::new()?, &files.row_index(&half_rows)?, &actor_rows(9, 900, half.len())?)
         .context("writing half of the reserved rows")?;
     let open = buffer.stats()?.open_reservations;
     ensure!(open == 1, "{open} open reservations after reserving, expected 1");

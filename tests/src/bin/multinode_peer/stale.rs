@@ -80,7 +80,9 @@ pub(crate) fn stale_writer(dir: &Path, port: u16, seconds: f64) -> anyhow::Resul
                 chosen.iter().flat_map(|&r| (0..*width).map(move |c| stale_value(round, r, c))).collect();
             let mut batch = TensorDict::new([chosen.len()]);
             batch.set("v", Tensor::from_slice(&values, [chosen.len(), *width])?)?;
-            files.write_rows(&engine, &chosen, &batch).with_context(|| format!("round {round}: writing"))?;
+            files
+                .write(&engine, &files.row_index(&chosen)?, &batch)
+                .with_context(|| format!("round {round}: writing"))?;
             written.push(chosen);
         }
         let small = written.pop().unwrap_or_default();
@@ -141,7 +143,7 @@ pub(crate) fn stale_reader(addr: &str, label: &str) -> anyhow::Result<()> {
             // Both modes, in turn first.
             let order = if round.round.is_multiple_of(2) { [0, 1] } else { [1, 0] };
             for m in order {
-                let td = files.read_rows(&engine, &rows, modes[m].1)?;
+                let td = files.read_rows(&engine, &files.row_index(&rows)?, modes[m].1)?;
                 let got = td.get_tensor("v")?.to_vec::<i64>()?;
                 if m == 0 {
                     for &r in &rows {
