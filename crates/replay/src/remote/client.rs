@@ -158,7 +158,7 @@ impl RemoteBuffer {
     /// (`SIGBUS`, an error for the copy and zeros from then on). So this client never maps the storage: it writes its rows with
     /// `pwrite`s through `engine` and `fdatasync`s the files before it commits them, and reads
     /// sampled rows from files it opens after the sample's lease with `O_DIRECT` reads,
-    /// neighbouring rows merged and every read in flight at once (see [`RowFiles`];
+    /// neighbouring rows merged and every read in flight at once (see [`RowFiles`](crate::RowFiles);
     /// [`RemoteBuffer::with_read_mode`] chooses reads through the page cache instead). The
     /// storage must be a folder. On one node (shared memory, a local disk) it is not needed.
     pub fn on_shared_filesystem(mut self, engine: tensordict_aio::Engine) -> Self {
