@@ -795,6 +795,10 @@ fn clients_for_a_shared_filesystem_write_and_read_rows_through_the_files() {
     let values: Vec<f64> = (0..12).map(f64::from).collect();
     assert_eq!(actor.extend(&batch(&values)).unwrap(), (0..12).collect::<Vec<_>>());
     assert!(actor.storage_mut().is_none(), "a client on a shared filesystem maps nothing to write");
+    let refused = actor.create_storage(&batch(&[1.])).unwrap_err();
+    assert!(refused.to_string().contains("on a shared filesystem does not map"), "{refused}");
+    let refused = f.connect().by_value(true).create_storage(&batch(&[1.])).unwrap_err();
+    assert!(refused.to_string().contains("by value does not map"), "{refused}");
     let buffered = f.connect().on_shared_filesystem(engine.clone()).with_read_mode(tensordict::ReadMode::Buffered);
     let direct = f.connect().on_shared_filesystem(engine).with_read_mode(tensordict::ReadMode::Direct);
     for learner in [&buffered, &direct] {
@@ -805,6 +809,8 @@ fn clients_for_a_shared_filesystem_write_and_read_rows_through_the_files() {
         let mut out = batch(&[0.; 8]);
         let info = learner.sample_into(&mut out, 8, None).unwrap();
         assert!(check_rows(&out).iter().zip(&info.indices).all(|(&v, &i)| v == i as f64));
+        let (td, info) = learner.sample_to(memmap_tensor::Device::Cpu, 8, None).unwrap();
+        assert!(check_rows(&td).iter().zip(&info.indices).all(|(&v, &i)| v == i as f64));
     }
     // A batch that wraps around the end of the storage: rows 12..16, then 0..4.
     let wrapped: Vec<f64> = (100..108).map(f64::from).collect();
@@ -1254,4 +1260,31 @@ fn a_stopped_service_refuses_every_call_and_every_connection() {
     refused("update_priority", client.update_priority(&[0], &[1.0]));
     refused("connect", f.try_connect().map(drop));
     assert_eq!(server.buffer().len(), 2, "nothing was written after the stop");
+}
+
+#[test]
+fn a_buffer_for_a_shared_filesystem_shares_its_rows_with_writers_of_the_files() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let folder = dir.path().join("rows");
+    let engine = tensordict_aio::Engine::new()?;
+    let buffer = ReplayBuffer::uniform(tensordict_replay::StorageConfig::memmap_in(&folder, 8))?
+        .for_shared_filesystem(engine.clone());
+    buffer.extend(&batch(&[0., 1., 2., 3.]))?;
+    // Its writes are in the files, and what others write there is what it reads. (On a local
+    // disk the page cache would show both through a mapping too; the multi-node tests run the
+    // same paths on GlusterFS and sshfs, where only the files carry them.)
+    let reference = tensordict_rpc::ToRef::to_ref(buffer.storage().unwrap().tensordict())?;
+    let files = tensordict_replay::RowFiles::new(&folder, &reference.schema)?;
+    let read = files.read_rows(&engine, &files.row_index(&[3, 0])?, tensordict::ReadMode::Direct)?;
+    assert_eq!(check_rows(&read), [3.0, 0.0]);
+    // Another node's write, to the files only, is what the buffer reads back.
+    files.write(&engine, &files.row_index(&[1])?, &batch(&[70.]))?;
+    assert_eq!(check_rows(&buffer.get(&[1])?), [70.0]);
+    for _ in 0..20 {
+        let (td, info) = buffer.sample(16)?;
+        for (&v, &i) in check_rows(&td).iter().zip(&info.indices) {
+            assert_eq!(v, if i == 1 { 70.0 } else { i as f64 }, "row {i}");
+        }
+    }
+    Ok(())
 }
