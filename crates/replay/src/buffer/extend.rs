@@ -197,19 +197,8 @@ impl ReplayBuffer {
     /// filesystem](ReplayBuffer::for_shared_filesystem) the rows are then flushed to the
     /// files, where other nodes read them. Commit (or abort) the reservation afterwards.
     pub fn write_reserved(&self, reservation: &Reservation, batch: &TensorDict) -> Result<()> {
-        const OP: &str = "write reserved rows";
         self.check_own(reservation.buffer, "reservation")?;
-        let path = self.path.get().ok_or(Error::Empty)?;
-        path.check_batch(OP, batch)?;
-        let n = batch.batch_size().first().copied().unwrap_or(0);
-        if n != reservation.rows.len() {
-            return Err(Error::LengthMismatch {
-                what: "write reserved rows: batch rows",
-                expected: reservation.rows.len(),
-                got: n,
-            });
-        }
-        path.write(&path.row_index(&reservation.rows)?, batch)
+        self.path.get().ok_or(Error::Empty)?.write_reserved(&reservation.rows, batch)
     }
 
     /// Gives up the rows of `reservation`: they stay hidden from samples until written again,

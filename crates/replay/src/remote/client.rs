@@ -305,17 +305,7 @@ impl RemoteBuffer {
             }
             Route::Here(here) => here,
         };
-        let path = here.writer(|| self.reference(None))?;
-        path.check_batch(OP, batch)?;
-        let n = batch.batch_size()[0];
-        if n != reservation.rows.len() {
-            return Err(Error::LengthMismatch {
-                what: "write reserved rows: batch rows",
-                expected: reservation.rows.len(),
-                got: n,
-            });
-        }
-        path.write(&path.row_index(&reservation.rows)?, batch)
+        here.writer(|| self.reference(None))?.write_reserved(&reservation.rows, batch)
     }
 
     /// Publishes rows reserved and written by this client.

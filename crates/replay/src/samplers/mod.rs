@@ -38,7 +38,8 @@
 //! and makes the variant `SamplerSpec::Foo(FooSpec)` with its name, building and serde form.
 //! [`SamplerSpec::build`], [`SamplerSpec::NAMES`], a replay service, its clients and
 //! `tdict replay serve --sampler-spec` then know it. A sampler whose state TorchRL dumps in a
-//! form [`SamplerDump`] does not know yet needs that form added to the checkpoint code too.
+//! form [`SamplerDump`] does not know yet needs that form added to the checkpoint code too, and
+//! to [`SamplerDump::sampler_spec`] and `SamplerDump::pack` at the end of this file.
 //! (`tests/samplers.rs` holds the crate to this: every file here but `mod.rs`, `episodes.rs`
 //! and `tree.rs` is registered, and no code elsewhere names a spec's variant.)
 
@@ -50,7 +51,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tensordict::TensorDict;
 
-use crate::checkpoint::SamplerDump;
+use crate::checkpoint::{self, Packing, SamplerDump};
 use crate::error::{Error, Result};
 
 mod episodes;
@@ -323,6 +324,71 @@ pub trait Sampler: Send + fmt::Debug {
                 sampler: self.name(),
                 detail: format!("has no state to take from a dump of {}", other.form()),
             }),
+        }
+    }
+}
+
+// A dump's sampler state as the samplers read it: the sampler it belongs to, and the state for
+// a dump of some rows only (the checkpoint module only reads and writes the format).
+impl SamplerDump {
+    /// The spec of the sampler [`crate::ReplayBuffer::loads`] takes this state into unless
+    /// told otherwise: uniform for no state, prioritized for trees (its `alpha`, `beta` and
+    /// `eps` the dump's, and `max_priority_within_buffer`, which TorchRL keeps out of the dump,
+    /// as given), without replacement for an epoch (with the dump's `drop_last`).
+    pub fn sampler_spec(&self, max_priority_within_buffer: bool) -> SamplerSpec {
+        match self {
+            SamplerDump::Stateless => UniformSpec::new().into(),
+            SamplerDump::Prioritized(p) => PrioritizedSpec::new(p.alpha, p.beta, p.eps)
+                .max_priority_within_buffer(max_priority_within_buffer)
+                .into(),
+            SamplerDump::WithoutReplacement(state) => {
+                let drop_last = state.get_tensor("drop_last").ok().and_then(|t| t.to_vec_bool().ok());
+                WithoutReplacementSpec::new(drop_last.as_deref() == Some(&[true][..])).into()
+            }
+        }
+    }
+
+    /// The sampler's state for a dump of `packing`'s rows; `len` is the buffer's `len` when
+    /// the state was taken.
+    ///
+    /// - Prioritized: each kept row's leaves move with it, the rows past them are unused (0 in
+    ///   the sum tree, `f32::MAX` in the min tree). The max priority keeps its value; if its row
+    ///   is not kept, it is given to the kept row of largest priority (none if no row is kept).
+    /// - Without replacement: the epoch's rows still to hand out move with their rows, and
+    ///   those not kept are dropped; an epoch drawn over the buffer's `len` rows is over the
+    ///   kept rows now (any other epoch restarts on the next sample, as before).
+    pub(crate) fn pack(&mut self, packing: &Packing, len: usize) -> Result<()> {
+        match self {
+            SamplerDump::Stateless => Ok(()),
+            SamplerDump::Prioritized(p) => {
+                let unused_min = f64::from(f32::MAX);
+                let pick = |leaves: &[f64], unused: f64| -> Vec<f64> {
+                    let mut out: Vec<f64> =
+                        packing.kept().iter().map(|&r| leaves.get(r).copied().unwrap_or(unused)).collect();
+                    out.resize(leaves.len(), unused);
+                    out
+                };
+                p.sum_tree = pick(&p.sum_tree, 0.0);
+                p.min_tree = pick(&p.min_tree, unused_min);
+                let tracked = p.max_priority.index.and_then(|i| packing.row(usize::try_from(i).ok()?));
+                p.max_priority = match (p.max_priority.value, tracked) {
+                    (None, _) => checkpoint::MaxPriority { value: None, index: None },
+                    (Some(value), Some(j)) => checkpoint::MaxPriority { value: Some(value), index: Some(j as u64) },
+                    (Some(value), None) => {
+                        let best = (0..packing.kept().len())
+                            .max_by(|&a, &b| p.sum_tree[a].total_cmp(&p.sum_tree[b]).then(b.cmp(&a)));
+                        match best {
+                            Some(j) => checkpoint::MaxPriority { value: Some(value), index: Some(j as u64) },
+                            None => checkpoint::MaxPriority { value: None, index: None },
+                        }
+                    }
+                };
+                Ok(())
+            }
+            SamplerDump::WithoutReplacement(state) => {
+                *state = without_replacement::pack_without_replacement(state, packing, len)?;
+                Ok(())
+            }
         }
     }
 }

@@ -13,7 +13,7 @@ use tensordict::{Index, ReadMode, TensorDict};
 use tensordict_aio::Engine;
 
 use super::{RowFiles, RowStore};
-use crate::error::{Result, WithOp};
+use crate::error::{Error, Result, WithOp};
 
 /// Where a buffer's rows are and how they move (see the [module documentation](self)).
 pub(crate) enum RowPath {
@@ -87,6 +87,23 @@ impl RowPath {
             }
             RowPath::Files { files, engine, .. } => files.write(engine, rows, src),
         }
+    }
+
+    /// Writes row `k` of `batch` to `rows[k]`, the rows of a reservation, once `batch` has
+    /// the storage's schema and one row per reserved row (checked first, nothing written
+    /// otherwise).
+    pub(crate) fn write_reserved(&self, rows: &[usize], batch: &TensorDict) -> Result<()> {
+        const OP: &str = "write reserved rows";
+        self.check_batch(OP, batch)?;
+        let n = batch.batch_size().first().copied().unwrap_or(0);
+        if n != rows.len() {
+            return Err(Error::LengthMismatch {
+                what: "write reserved rows: batch rows",
+                expected: rows.len(),
+                got: n,
+            });
+        }
+        self.write(&self.row_index(rows)?, batch)
     }
 
     /// Writes row `src_rows[k]` of `src` to row `rows[k]`, for every `k`: a writer's reordered

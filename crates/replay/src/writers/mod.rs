@@ -5,8 +5,8 @@
 //! A [`Writer`] only chooses rows; the buffer copies the data. It runs under the buffer's
 //! state lock, so it takes `&mut self` and must be quick. Each writer dumps and loads its own
 //! state in the form TorchRL's checkpoints hold it ([`Writer::dumps`], [`Writer::loads`], as
-//! TorchRL's writers' `dumps`/`loads`); [`crate::checkpoint::WriterDump::writer`] gives the
-//! writer a dump's state belongs to.
+//! TorchRL's writers' `dumps`/`loads`); [`WriterDump::writer`] (in this file) gives
+//! the writer a dump's state belongs to.
 //!
 //! A replay service draws its rows with a round-robin writer: its clients reserve rows before
 //! they have the rows' values, which only a writer that places rows without looking at them
@@ -20,7 +20,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use tensordict::{KeyPath, TensorDict};
 
-use crate::checkpoint::WriterDump;
+use crate::checkpoint::{WriterDump, WriterKind};
 use crate::error::{Error, Result};
 
 pub use max_value::{MaxValue, Reduction};
@@ -140,6 +140,20 @@ pub trait Writer: Send + fmt::Debug {
             path: "writer".into(),
             what: format!("a dump's writer state for the {} writer, which has no TorchRL dump form", self.name()),
         })
+    }
+}
+
+impl WriterDump {
+    /// The writer that dumps this kind, in this state ([`Writer::loads`]): round-robin, or
+    /// max-value reducing rank values by `reduction` (TorchRL keeps it out of the dump). A path
+    /// in an error is relative to the dump's folder.
+    pub fn writer(&self, reduction: Reduction) -> Result<Box<dyn Writer>> {
+        let mut writer: Box<dyn Writer> = match &self.kind {
+            WriterKind::RoundRobin { .. } => Box::new(RoundRobin::new()),
+            WriterKind::MaxValue { rank_key, .. } => Box::new(MaxValue::with_reduction(rank_key.as_str(), reduction)),
+        };
+        writer.loads(self)?;
+        Ok(writer)
     }
 }
 
