@@ -90,10 +90,12 @@ impl ReplayBuffer {
             path.write(&row_index, batch).map(|()| None)
         } else {
             let src_rows: Vec<usize> = targets.iter().map(|&(_, k)| k).collect();
+            let reads_rows = self.sampler.lock().reads_rows();
             batch_rows(OP, &src_rows, n).and_then(|src_rows| {
                 path.write_from(&row_index, batch, &src_rows)?;
-                // What the sampler learns of the rows, in the order of `rows`.
-                batch.gather_index(&src_rows).op(OP).map(Some)
+                // What the sampler learns of the rows, in the order of `rows`, for a sampler
+                // that reads them.
+                if reads_rows { batch.gather_index(&src_rows).op(OP).map(Some) } else { Ok(None) }
             })
         };
 

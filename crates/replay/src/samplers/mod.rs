@@ -244,11 +244,20 @@ pub trait Sampler: Send + fmt::Debug {
         Ok(())
     }
 
+    /// Whether [`Sampler::on_write_rows`] reads the written rows' contents. When a writer
+    /// placed a batch's rows in another order (a max-value writer, or a batch longer than the
+    /// buffer), the buffer copies the rows into that order for the sampler only if this says
+    /// so: a sampler that returns `false` may be given rows that do not match its `indices`.
+    /// The default (`true`) is always right; the samplers that only count rows say `false`.
+    fn reads_rows(&self) -> bool {
+        true
+    }
+
     /// Rows `indices` were just completely written with `rows` (row `k` of `rows` went to
-    /// storage row `indices[k]`); `cursor` is the writer's cursor (the row its next write
-    /// starts at) and `capacity` the storage's number of rows. Samplers that need the rows'
-    /// contents (trajectory ids, done flags) read them here. The default calls
-    /// [`Sampler::on_write`].
+    /// storage row `indices[k]`, if [`Sampler::reads_rows`]); `cursor` is the writer's cursor
+    /// (the row its next write starts at) and `capacity` the storage's number of rows.
+    /// Samplers that need the rows' contents (trajectory ids, done flags) read them here. The
+    /// default calls [`Sampler::on_write`].
     fn on_write_rows(&mut self, indices: &[usize], rows: &TensorDict, cursor: usize, capacity: usize) {
         let _ = (rows, cursor, capacity);
         self.on_write(indices);

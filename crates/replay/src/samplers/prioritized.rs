@@ -588,7 +588,6 @@ impl Prioritized {
         Ok(Self::from_state(state, seed))
     }
 
-
     /// A copy of the current state (parameters, max priority, trees).
     pub fn state(&self) -> PrioritizedState {
         self.state.clone()
@@ -618,6 +617,10 @@ impl fmt::Debug for Prioritized {
 }
 
 impl Sampler for Prioritized {
+    fn reads_rows(&self) -> bool {
+        false
+    }
+
     fn reseed(&mut self, seed: u64) {
         self.rng = rng_from(Some(seed));
     }

@@ -68,6 +68,10 @@ impl fmt::Debug for Uniform {
 }
 
 impl Sampler for Uniform {
+    fn reads_rows(&self) -> bool {
+        false
+    }
+
     fn reseed(&mut self, seed: u64) {
         self.rng = rng_from(Some(seed));
     }

@@ -130,6 +130,10 @@ impl fmt::Debug for WithoutReplacement {
 }
 
 impl Sampler for WithoutReplacement {
+    fn reads_rows(&self) -> bool {
+        false
+    }
+
     fn reseed(&mut self, seed: u64) {
         self.rng = rng_from(Some(seed));
     }
@@ -220,7 +224,9 @@ impl WithoutReplacement {
 /// `drop_last` and the epoch of TorchRL's state dict over a storage of `capacity` rows.
 fn read_state_dict(state: &TensorDict, capacity: usize) -> Result<(bool, Epoch)> {
     let bad = |detail: String| Error::Sampler { sampler: "without-replacement", detail };
-    let get = |key: &str| state.get_tensor(key).map_err(|e| bad(format!("state dict: `{key}`: {}", memmap_tensor::ErrorChain(&e))));
+    let get = |key: &str| {
+        state.get_tensor(key).map_err(|e| bad(format!("state dict: `{key}`: {}", memmap_tensor::ErrorChain(&e))))
+    };
     let ints = |key: &str| -> Result<Vec<i64>> {
         let t = get(key)?;
         if t.dtype() != DType::I64 {
@@ -229,7 +235,9 @@ fn read_state_dict(state: &TensorDict, capacity: usize) -> Result<(bool, Epoch)>
         t.to_vec::<i64>().map_err(|e| bad(format!("state dict: `{key}`: {}", memmap_tensor::ErrorChain(&e))))
     };
     let flag = |key: &str| -> Result<bool> {
-        let v = get(key)?.to_vec_bool().map_err(|e| bad(format!("state dict: `{key}`: {}", memmap_tensor::ErrorChain(&e))))?;
+        let v = get(key)?
+            .to_vec_bool()
+            .map_err(|e| bad(format!("state dict: `{key}`: {}", memmap_tensor::ErrorChain(&e))))?;
         match v.as_slice() {
             [b] => Ok(*b),
             _ => Err(bad(format!("state dict: `{key}` holds {} values, not one", v.len()))),
@@ -259,8 +267,12 @@ pub(crate) fn pack_without_replacement(
     len: usize,
 ) -> Result<TensorDict> {
     let bad = |detail: String| Error::Sampler { sampler: "without-replacement", detail };
-    let get = |key: &str| state.get_tensor(key).map_err(|e| bad(format!("state dict: `{key}`: {}", memmap_tensor::ErrorChain(&e))));
-    let ints = |key: &str| get(key)?.to_vec::<i64>().map_err(|e| bad(format!("state dict: `{key}`: {}", memmap_tensor::ErrorChain(&e))));
+    let get = |key: &str| {
+        state.get_tensor(key).map_err(|e| bad(format!("state dict: `{key}`: {}", memmap_tensor::ErrorChain(&e))))
+    };
+    let ints = |key: &str| {
+        get(key)?.to_vec::<i64>().map_err(|e| bad(format!("state dict: `{key}`: {}", memmap_tensor::ErrorChain(&e))))
+    };
     let epoch_len = match ints("len_storage")?.as_slice() {
         [n] => *n,
         other => return Err(bad(format!("state dict: len_storage holds {other:?}, not one value"))),
@@ -269,7 +281,9 @@ pub(crate) fn pack_without_replacement(
         .into_iter()
         .filter_map(|r| packing.row(usize::try_from(r).ok()?).map(|j| j as i64))
         .collect();
-    let ran_out = get("_ran_out")?.to_vec_bool().map_err(|e| bad(format!("state dict: `_ran_out`: {}", memmap_tensor::ErrorChain(&e))))?;
+    let ran_out = get("_ran_out")?
+        .to_vec_bool()
+        .map_err(|e| bad(format!("state dict: `_ran_out`: {}", memmap_tensor::ErrorChain(&e))))?;
     let epoch_len = if epoch_len == len as i64 { packing.kept().len() as i64 } else { epoch_len };
     let op = |source| Error::TensorDict { op: "dump without-replacement sampler", source };
     let tensor = |source| Error::Tensor { path: "sampler".into(), source };
