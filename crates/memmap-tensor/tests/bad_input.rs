@@ -1,14 +1,12 @@
 //! Bad files, names, sizes and layouts: each gives its specific error, never a fault.
 
 mod common;
-use common::ShmName;
+use common::{ShmName, TestResult};
 use std::io::ErrorKind;
 use std::os::unix::fs::PermissionsExt;
 use std::sync::Arc;
 
 use memmap_tensor::{Access, DType, Error, Layout, Location, Storage, Tensor};
-
-type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 #[test]
 fn a_truncated_file_is_file_too_short() -> TestResult {

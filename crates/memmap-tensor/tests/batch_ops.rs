@@ -2,7 +2,7 @@
 //! index_copy) along any dim, checked against ndarray references, with every error case.
 
 mod common;
-use common::ShmName;
+use common::{ShmName, TestResult};
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,7 +11,6 @@ use memmap_tensor::{Access, DType, Error, Location, StorageKind, Tensor};
 use ndarray::{ArrayD, ArrayViewD, Axis, IxDyn};
 use proptest::prelude::*;
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// The elements of `t` as an owned ndarray (read in C order through `to_vec`, any layout).

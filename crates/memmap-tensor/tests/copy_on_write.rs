@@ -3,7 +3,8 @@
 
 use memmap_tensor::{Access, DType, Location, Storage, Tensor};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 /// Two pages of i32, so that a write to the first leaves the second shared.
 const ELEMS: usize = 2 * 4096 / 4;

@@ -2,8 +2,9 @@
 //! `cuda` feature) the GPU operations must be clear errors, never panics; with one, every move
 //! and gather is checked byte for byte against the host.
 //!
-//! The GPU tests are `#[ignore]`d, so that where there is no driver the harness reports them as
-//! not run rather than passed. Run them on a GPU machine with `cargo test -p memmap-tensor
+//! Every move and gather is one body run on each device by `for_each_device!` (tests/common):
+//! on the host always, on the GPU with the `cuda` feature. The GPU tests are `#[ignore]`d, so
+//! that where there is no driver the harness reports them as not run rather than passed. Run them on a GPU machine with `cargo test -p memmap-tensor
 //! --features cuda --test cuda -- --include-ignored` (or `tools/cuda/gpu-check.sh`; README, "GPU").
 
 use std::process::Command;
@@ -16,15 +17,8 @@ use memmap_tensor::{
 };
 use rand::{Rng, SeedableRng};
 
-/// The GPU the GPU tests run on. They are `#[ignore]`d, so that a machine without a driver
-/// reports them as not run (`--include-ignored` runs them on a GPU machine); run there without
-/// a driver, they fail saying why.
-fn gpu() -> Device {
-    match Device::cuda_available() {
-        Ok(_) => Device::Cuda(0),
-        Err(why) => panic!("this GPU test needs a CUDA driver: {why}"),
-    }
-}
+mod common;
+use common::{ShmName, TestResult, for_each_device, gpu};
 
 /// A tensor of `dtype` and `shape` whose bytes are a pattern valid for every dtype (bools 0/1).
 fn pattern(dtype: DType, shape: &[usize], seed: u64) -> Result<Tensor> {
@@ -70,51 +64,6 @@ fn devices_parse_and_print_as_torch_spells_them() {
     assert_eq!((Device::Cuda(2).ordinal(), Device::Cpu.ordinal()), (Some(2), None));
 }
 
-#[test]
-fn host_tensors_are_on_the_cpu_and_move_there_without_a_copy() -> Result<()> {
-    let dir = tempfile::tempdir().unwrap();
-    let t = Tensor::zeros([4, 3], DType::F32, &Location::File(dir.path().join("a")))?;
-    assert_eq!(t.device(), Device::Cpu);
-    assert_eq!(t.storage().device(), Device::Cpu);
-    let same = t.to_with(Device::Cpu, &ToOptions::new())?;
-    assert_eq!(same.paths(), [TransferPath::Unchanged]);
-    assert!(same.wait()?.shares_storage_with(&t));
-    // `copy` copies, to the heap.
-    let copied = t.to_with(Device::Cpu, &ToOptions::new().copy(true))?;
-    assert_eq!(copied.paths(), [TransferPath::Host]);
-    let copied = copied.wait()?;
-    assert!(!copied.shares_storage_with(&t));
-    assert_eq!(copied.storage().kind(), StorageKind::Heap);
-    Ok(())
-}
-
-#[test]
-fn copy_to_a_host_location_copies_views_contiguously() -> Result<()> {
-    let dir = tempfile::tempdir().unwrap();
-    let t = pattern(DType::I32, &[6, 5], 1)?;
-    let view = t.slice(1, 1, 5, 2)?.permute(&[1, 0])?;
-    let out = view.copy_to(&Location::File(dir.path().join("v")), &ToOptions::new())?.wait()?;
-    assert!(out.is_contiguous());
-    assert_eq!(out.storage().kind(), StorageKind::File);
-    assert_eq!(out.to_vec::<i32>()?, view.to_vec::<i32>()?);
-    let reread = Tensor::open_file(dir.path().join("v"), DType::I32, [2, 6], Access::ReadOnly)?;
-    assert_eq!(reread.to_vec::<i32>()?, view.to_vec::<i32>()?);
-    Ok(())
-}
-
-#[test]
-fn gathers_to_the_cpu_check_indices_like_host_gathers() -> Result<()> {
-    let t = pattern(DType::U8, &[10, 7], 2)?;
-    let rows = Tensor::gather_rows_to_many(std::slice::from_ref(&t), Device::Cpu, &[3, -1, 0])?.wait()?;
-    assert_eq!(rows[0].to_bytes()?, t.gather_rows(&[3, 9, 0])?.to_bytes()?);
-    let e = t.gather_rows_to(Device::Cpu, &[10]).unwrap_err();
-    assert!(matches!(e, Error::IndexOutOfRange { .. }), "{e}");
-    let other = pattern(DType::U8, &[11, 7], 3)?;
-    let e = Tensor::gather_rows_to_many(&[t, other], Device::Cpu, &[0]).unwrap_err();
-    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
-    Ok(())
-}
-
 /// Without a driver every GPU operation is a `CudaUnavailable` saying why, and nothing panics.
 #[test]
 fn without_a_driver_every_gpu_operation_says_why() -> Result<()> {
@@ -154,69 +103,233 @@ fn without_a_driver_every_gpu_operation_says_why() -> Result<()> {
     Ok(())
 }
 
-// === On a GPU ===
+// === Moves and gathers, on every device ===
 
-#[test]
-#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
-fn every_dtype_goes_to_the_gpu_and_back_byte_for_byte() -> Result<()> {
-    let gpu = gpu();
-    let dir = tempfile::tempdir().unwrap();
-    for (i, dtype) in DType::ALL.into_iter().enumerate() {
-        let host = pattern(dtype, &[33, 5], i as u64)?;
-        let file = host.copy_to(&Location::File(dir.path().join(format!("{i}"))), &ToOptions::new())?.wait()?;
-        for (what, src) in [("heap", &host), ("file", &file)] {
-            let moved = src.to_with(gpu, &ToOptions::new())?;
-            assert!(
-                matches!(moved.paths(), [TransferPath::RegisteredPieces | TransferPath::Staged]),
-                "{dtype:?} {what}: {:?}",
-                moved.paths()
-            );
-            let on_gpu = moved.wait()?;
-            assert_eq!((on_gpu.device(), on_gpu.storage().kind()), (gpu, StorageKind::Cuda));
-            assert_eq!(on_gpu.dims(), host.dims());
-            let e = on_gpu.as_slice::<u8>().map(drop).unwrap_err();
-            assert!(matches!(e, Error::WrongDevice { .. }), "{e}");
-            assert_eq!(on_gpu.to(Device::Cpu)?.to_bytes()?, host.to_bytes()?, "{dtype:?} from {what}");
-            // `to_bytes` of a GPU tensor brings it down by itself.
-            assert_eq!(on_gpu.to_bytes()?, host.to_bytes()?, "{dtype:?}");
+for_each_device!(
+    a_move_to_the_device_a_tensor_is_on_copies_only_when_asked,
+    host_tensors_are_on_the_cpu_and_move_there_without_a_copy,
+    gpu_tensors_stay_on_the_gpu_and_copy_there_when_asked
+);
+
+/// A tensor moved to the device it is on is itself; with `copy`, a copy in new memory of that
+/// device (the heap on the host).
+fn a_move_to_the_device_a_tensor_is_on_copies_only_when_asked(device: Device) -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let host = pattern(DType::F32, &[4, 3], 14)?;
+    let file = host.copy_to(&Location::File(dir.path().join("a")), &ToOptions::new())?.wait()?;
+    assert_eq!(file.device(), Device::Cpu);
+    assert_eq!(file.storage().device(), Device::Cpu);
+    let t = file.to(device)?;
+    assert_eq!(t.device(), device);
+    let same = t.to_with(device, &ToOptions::new())?;
+    assert_eq!(same.paths(), [TransferPath::Unchanged]);
+    assert!(same.wait()?.shares_storage_with(&t));
+    // `copy` copies: on the host to the heap, on a GPU from device memory to device memory.
+    let (path, kind) = if device.is_cpu() {
+        (TransferPath::Host, StorageKind::Heap)
+    } else {
+        (TransferPath::Device, StorageKind::Cuda)
+    };
+    let copied = t.to_with(device, &ToOptions::new().copy(true))?;
+    assert_eq!(copied.paths(), [path]);
+    let copied = copied.wait()?;
+    assert!(!copied.shares_storage_with(&t));
+    assert_eq!((copied.device(), copied.storage().kind()), (device, kind));
+    assert_eq!(copied.to_bytes()?, host.to_bytes()?);
+    Ok(())
+}
+
+for_each_device!(
+    views_empty_tensors_and_every_host_destination,
+    views_and_empty_tensors_on_the_cpu_copy_to_every_host_location,
+    views_and_empty_tensors_on_the_gpu_copy_to_every_host_location
+);
+
+/// Views and empty tensors move to `device` and back; a strided view of its memory copies to a
+/// file contiguously, and the whole tensor to every host location (pinned memory where there
+/// is a GPU).
+fn views_empty_tensors_and_every_host_destination(device: Device) -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let host = pattern(DType::F64, &[9, 8], 7)?;
+    let view = host.slice(0, 1, 9, 3)?.permute(&[1, 0])?;
+    let moved = view.to(device)?;
+    assert_eq!(moved.device(), device);
+    assert_eq!(moved.to_bytes()?, view.to_bytes()?);
+    // A strided view of the device's memory comes back right too.
+    let whole = host.to(device)?;
+    let strided = whole.slice(1, 2, 8, 2)?;
+    assert_eq!(strided.to(Device::Cpu)?.to_bytes()?, host.slice(1, 2, 8, 2)?.to_bytes()?);
+    // Empty tensors.
+    let empty = Tensor::zeros([0, 4], DType::F32, &Location::Heap)?;
+    let e = empty.to(device)?;
+    assert_eq!((e.dims(), e.device()), (&[0, 4][..], device));
+    assert_eq!(e.to(Device::Cpu)?.nbytes(), 0);
+    // A strided view copied to a file is contiguous there, and reads back from it.
+    let ints = pattern(DType::I32, &[6, 5], 1)?;
+    let view = ints.to(device)?.slice(1, 1, 5, 2)?.permute(&[1, 0])?;
+    let expected = ints.slice(1, 1, 5, 2)?.permute(&[1, 0])?.to_vec::<i32>()?;
+    let out = view.copy_to(&Location::File(dir.path().join("v")), &ToOptions::new())?.wait()?;
+    assert!(out.is_contiguous());
+    assert_eq!((out.device(), out.storage().kind()), (Device::Cpu, StorageKind::File));
+    assert_eq!(out.to_vec::<i32>()?, expected);
+    let reread = Tensor::open_file(dir.path().join("v"), DType::I32, [2, 6], Access::ReadOnly)?;
+    assert_eq!(reread.to_vec::<i32>()?, expected);
+    // To shared memory, a file and, where there is a GPU, pinned memory.
+    let name = ShmName::new("cuda");
+    let mut locations = vec![name.location(), Location::File(dir.path().join("back"))];
+    if device.is_cuda() {
+        locations.push(Location::Pinned);
+    }
+    for location in locations {
+        let back = whole.copy_to(&location, &ToOptions::new())?.wait()?;
+        assert_eq!(back.device(), Device::Cpu);
+        assert_eq!(back.to_bytes()?, host.to_bytes()?, "{location:?}");
+    }
+    Ok(())
+}
+
+for_each_device!(
+    gathers_match_host_gathers,
+    gathers_to_the_cpu_match_host_gathers,
+    gathers_into_gpu_memory_match_host_gathers
+);
+
+/// Rows gathered to `device` from the heap, a file and the device's own memory are the rows a
+/// host gather gives, by the kernel on a GPU; indices and row counts are checked first.
+fn gathers_match_host_gathers(device: Device) -> TestResult {
+    let (one_path, host_path) = if device.is_cpu() {
+        (TransferPath::Host, TransferPath::Host)
+    } else {
+        (TransferPath::GatherKernel, TransferPath::GatherHost)
+    };
+    let dir = tempfile::tempdir()?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    // Row sizes that take each of the kernel's word sizes, from files and the heap.
+    for (i, (dtype, row)) in
+        [(DType::U8, 697), (DType::F32, 4), (DType::I64, 3), (DType::BF16, 8), (DType::Bool, 1)].into_iter().enumerate()
+    {
+        let host = pattern(dtype, &[1000, row], i as u64)?;
+        let file = host.copy_to(&Location::File(dir.path().join(format!("g{i}"))), &ToOptions::new())?.wait()?;
+        let on_device = host.to(device)?;
+        for n in [0, 1, 256, 1024] {
+            let rows: Vec<i64> = (0..n).map(|_| rng.random_range(-1000..1000)).collect();
+            let expected = host.gather_rows(&rows)?.to_bytes()?;
+            for (what, src) in [("heap", &host), ("file", &file), ("device", &on_device)] {
+                let got = src.gather_rows_to(device, &rows)?;
+                assert_eq!(got.paths(), [one_path], "{what}");
+                let got = got.wait()?;
+                assert_eq!(got.device(), device);
+                assert_eq!(got.to_bytes()?, expected, "{dtype:?} {what} n={n}");
+            }
+        }
+        let e = file.gather_rows_to(device, &[1000]).unwrap_err();
+        assert!(matches!(e, Error::IndexOutOfRange { .. }), "{e}");
+    }
+    // Negative rows count from the end; rows out of range and sources of different lengths
+    // are refused.
+    let t = pattern(DType::U8, &[10, 7], 2)?;
+    let rows = Tensor::gather_rows_to_many(std::slice::from_ref(&t), device, &[3, -1, 0])?.wait()?;
+    assert_eq!(rows[0].to_bytes()?, t.gather_rows(&[3, 9, 0])?.to_bytes()?);
+    let e = t.gather_rows_to(device, &[10]).unwrap_err();
+    assert!(matches!(e, Error::IndexOutOfRange { .. }), "{e}");
+    let other = pattern(DType::U8, &[11, 7], 3)?;
+    let e = Tensor::gather_rows_to_many(&[t, other], device, &[0]).unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+    // Several leaves in one launch, and the same through host threads; a strided view (which
+    // the kernel cannot read) goes through the host by itself.
+    let a = pattern(DType::F32, &[50, 3], 11)?;
+    let b = pattern(DType::U8, &[50, 697], 12)?;
+    let strided = pattern(DType::I16, &[50, 10], 13)?.slice(1, 0, 10, 3)?;
+    let sources = [a.clone(), b.clone(), strided.clone()];
+    for via in [GatherVia::Auto, GatherVia::Host] {
+        let got = Tensor::gather_rows_to_many_via(&sources, device, &[49, 0, 7], via)?;
+        let expected_paths = match via {
+            GatherVia::Host => vec![host_path],
+            _ if device.is_cpu() => vec![one_path],
+            _ => vec![one_path, host_path],
+        };
+        assert_eq!(got.paths(), expected_paths.as_slice());
+        let outs = got.wait()?;
+        for (out, src) in outs.iter().zip(&sources) {
+            assert_eq!(out.device(), device);
+            assert_eq!(out.to_bytes()?, src.gather_rows(&[49, 0, 7])?.to_bytes()?, "{via:?}");
         }
     }
     Ok(())
 }
 
-#[test]
-#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
-fn views_empty_tensors_and_every_destination() -> Result<()> {
-    let gpu = gpu();
-    let dir = tempfile::tempdir().unwrap();
-    let host = pattern(DType::F64, &[9, 8], 7)?;
-    let view = host.slice(0, 1, 9, 3)?.permute(&[1, 0])?;
-    let on_gpu = view.to(gpu)?;
-    assert_eq!(on_gpu.to_bytes()?, view.to_bytes()?);
-    // A strided view of device memory comes back right too.
-    let whole = host.to(gpu)?;
-    let gpu_view = whole.slice(1, 2, 8, 2)?;
-    assert_eq!(gpu_view.to(Device::Cpu)?.to_bytes()?, host.slice(1, 2, 8, 2)?.to_bytes()?);
-    // Empty tensors.
-    let empty = Tensor::zeros([0, 4], DType::F32, &Location::Heap)?;
-    let e = empty.to(gpu)?;
-    assert_eq!((e.dims(), e.device()), (&[0, 4][..], gpu));
-    assert_eq!(e.to(Device::Cpu)?.nbytes(), 0);
-    // GPU to pinned memory, shared memory and a file.
-    let name = format!("/tdict-cuda-test-{}", std::process::id());
-    for location in [Location::Pinned, Location::Shm(name.clone()), Location::File(dir.path().join("back"))] {
-        let back = whole.copy_to(&location, &ToOptions::new())?.wait()?;
-        assert_eq!(back.device(), Device::Cpu);
-        assert_eq!(back.to_bytes()?, host.to_bytes()?, "{location:?}");
+for_each_device!(
+    every_dtype_goes_to_the_device_and_back_byte_for_byte,
+    every_dtype_stays_on_the_cpu_byte_for_byte,
+    every_dtype_goes_to_the_gpu_and_back_byte_for_byte
+);
+
+/// Every dtype, from the heap and from a file, to `device` and back: a copy to a GPU (the
+/// host cannot read it there), the tensor itself on the host.
+fn every_dtype_goes_to_the_device_and_back_byte_for_byte(device: Device) -> TestResult {
+    let dir = tempfile::tempdir()?;
+    for (i, dtype) in DType::ALL.into_iter().enumerate() {
+        let host = pattern(dtype, &[33, 5], i as u64)?;
+        let file = host.copy_to(&Location::File(dir.path().join(format!("{i}"))), &ToOptions::new())?.wait()?;
+        for (what, src) in [("heap", &host), ("file", &file)] {
+            let moved = src.to_with(device, &ToOptions::new())?;
+            if device.is_cuda() {
+                assert!(
+                    matches!(moved.paths(), [TransferPath::RegisteredPieces | TransferPath::Staged]),
+                    "{dtype:?} {what}: {:?}",
+                    moved.paths()
+                );
+            } else {
+                assert_eq!(moved.paths(), [TransferPath::Unchanged], "{dtype:?} {what}");
+            }
+            let on_device = moved.wait()?;
+            let kind = if device.is_cuda() { StorageKind::Cuda } else { src.storage().kind() };
+            assert_eq!((on_device.device(), on_device.storage().kind()), (device, kind));
+            assert_eq!(on_device.dims(), host.dims());
+            if device.is_cuda() {
+                let e = on_device.as_slice::<u8>().map(drop).unwrap_err();
+                assert!(matches!(e, Error::WrongDevice { .. }), "{e}");
+            }
+            assert_eq!(on_device.to(Device::Cpu)?.to_bytes()?, host.to_bytes()?, "{dtype:?} from {what}");
+            // `to_bytes` of a GPU tensor brings it down by itself.
+            assert_eq!(on_device.to_bytes()?, host.to_bytes()?, "{dtype:?}");
+        }
     }
-    let _ = memmap_tensor::Storage::unlink_shm(&name);
-    // GPU to GPU copies when asked.
-    let again = whole.to_with(gpu, &ToOptions::new().copy(true))?;
-    assert_eq!(again.paths(), [TransferPath::Device]);
-    assert_eq!(again.wait()?.to_bytes()?, host.to_bytes()?);
-    assert_eq!(whole.to_with(gpu, &ToOptions::new())?.paths(), [TransferPath::Unchanged]);
     Ok(())
 }
+
+for_each_device!(
+    concurrent_moves_and_gathers_from_many_threads,
+    concurrent_moves_and_gathers_to_the_cpu_from_many_threads,
+    concurrent_moves_and_gathers_to_the_gpu_from_many_threads
+);
+
+fn concurrent_moves_and_gathers_from_many_threads(device: Device) -> TestResult {
+    let host = Arc::new(pattern(DType::U8, &[2000, 697], 13)?);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..8u64)
+            .map(|k| {
+                let host = Arc::clone(&host);
+                s.spawn(move || -> Result<()> {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(k);
+                    for _ in 0..20 {
+                        let rows: Vec<i64> = (0..256).map(|_| rng.random_range(0..2000)).collect();
+                        let got = host.gather_rows_to(device, &rows)?.wait()?;
+                        assert_eq!(got.device(), device);
+                        assert_eq!(got.to_bytes()?, host.gather_rows(&rows)?.to_bytes()?);
+                        let moved = host.narrow(0, k as usize * 100, 100)?.to(device)?;
+                        assert_eq!(moved.to_bytes()?, host.narrow(0, k as usize * 100, 100)?.to_bytes()?);
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        workers.into_iter().try_for_each(|w| w.join().expect("a worker panicked"))
+    })?;
+    Ok(())
+}
+
+// === On a GPU ===
 
 #[test]
 #[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
@@ -234,55 +347,6 @@ fn a_registered_mapping_is_copied_in_one_go_and_non_blocking_waits() -> Result<(
     assert_eq!(on_gpu.to_bytes()?, file.to_bytes()?);
     // Dropping an unwaited transfer waits for it: nothing is freed under the copy.
     drop(reader.to_with(gpu, &ToOptions::new().non_blocking(true))?);
-    Ok(())
-}
-
-#[test]
-#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
-fn gathers_into_gpu_memory_match_host_gathers() -> Result<()> {
-    let gpu = gpu();
-    let dir = tempfile::tempdir().unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-    // Row sizes that take each of the kernel's word sizes, from files and the heap.
-    for (i, (dtype, row)) in
-        [(DType::U8, 697), (DType::F32, 4), (DType::I64, 3), (DType::BF16, 8), (DType::Bool, 1)].into_iter().enumerate()
-    {
-        let host = pattern(dtype, &[1000, row], i as u64)?;
-        let file = host.copy_to(&Location::File(dir.path().join(format!("g{i}"))), &ToOptions::new())?.wait()?;
-        let on_gpu = host.to(gpu)?;
-        for n in [0, 1, 256, 1024] {
-            let rows: Vec<i64> = (0..n).map(|_| rng.random_range(-1000..1000)).collect();
-            let expected = host.gather_rows(&rows)?.to_bytes()?;
-            for (what, src) in [("heap", &host), ("file", &file), ("gpu", &on_gpu)] {
-                let got = src.gather_rows_to(gpu, &rows)?;
-                assert!(matches!(got.paths(), [TransferPath::GatherKernel]), "{what}: {:?}", got.paths());
-                let got = got.wait()?;
-                assert_eq!(got.device(), gpu);
-                assert_eq!(got.to_bytes()?, expected, "{dtype:?} {what} n={n}");
-            }
-        }
-        let e = file.gather_rows_to(gpu, &[1000]).unwrap_err();
-        assert!(matches!(e, Error::IndexOutOfRange { .. }), "{e}");
-    }
-    // Several leaves in one launch, and the same through host threads; a strided view (which
-    // the kernel cannot read) goes through the host by itself.
-    let a = pattern(DType::F32, &[50, 3], 11)?;
-    let b = pattern(DType::U8, &[50, 697], 12)?;
-    let strided = pattern(DType::I16, &[50, 10], 13)?.slice(1, 0, 10, 3)?;
-    let sources = [a.clone(), b.clone(), strided.clone()];
-    for via in [GatherVia::Auto, GatherVia::Host] {
-        let got = Tensor::gather_rows_to_many_via(&sources, gpu, &[49, 0, 7], via)?;
-        let expected_paths = match via {
-            GatherVia::Host => vec![TransferPath::GatherHost],
-            _ => vec![TransferPath::GatherKernel, TransferPath::GatherHost],
-        };
-        assert_eq!(got.paths(), expected_paths.as_slice());
-        let outs = got.wait()?;
-        for (out, src) in outs.iter().zip(&sources) {
-            assert_eq!(out.device(), gpu);
-            assert_eq!(out.to_bytes()?, src.gather_rows(&[49, 0, 7])?.to_bytes()?, "{via:?}");
-        }
-    }
     Ok(())
 }
 
@@ -406,32 +470,6 @@ fn out_of_memory_and_missing_devices_are_errors() -> Result<()> {
     let e = pattern(DType::U8, &[4], 1)?.to(Device::Cuda(count + 5)).unwrap_err();
     assert!(matches!(e, Error::NoSuchDevice { .. }), "{e}");
     Ok(())
-}
-
-#[test]
-#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
-fn concurrent_moves_and_gathers_from_many_threads() -> Result<()> {
-    let gpu = gpu();
-    let host = Arc::new(pattern(DType::U8, &[2000, 697], 13)?);
-    std::thread::scope(|s| {
-        let workers: Vec<_> = (0..8u64)
-            .map(|k| {
-                let host = Arc::clone(&host);
-                s.spawn(move || -> Result<()> {
-                    let mut rng = rand::rngs::StdRng::seed_from_u64(k);
-                    for _ in 0..20 {
-                        let rows: Vec<i64> = (0..256).map(|_| rng.random_range(0..2000)).collect();
-                        let got = host.gather_rows_to(gpu, &rows)?.wait()?;
-                        assert_eq!(got.to_bytes()?, host.gather_rows(&rows)?.to_bytes()?);
-                        let moved = host.narrow(0, k as usize * 100, 100)?.to(gpu)?;
-                        assert_eq!(moved.to_bytes()?, host.narrow(0, k as usize * 100, 100)?.to_bytes()?);
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        workers.into_iter().try_for_each(|w| w.join().expect("a worker panicked"))
-    })
 }
 
 /// A process killed while it holds registered, pinned, managed and device memory leaves

@@ -1,13 +1,11 @@
 //! Round trips of every dtype through heap, file and shared-memory storage.
 
 mod common;
-use common::ShmName;
+use common::{ShmName, TestResult};
 use std::path::Path;
 
 use half::{bf16, f16};
 use memmap_tensor::{Access, DType, Element, Error, Location, StorageKind, Tensor};
-
-type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 const SHAPE: [usize; 3] = [2, 3, 4];
 const COUNT: usize = 24;

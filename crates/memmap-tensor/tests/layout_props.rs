@@ -6,7 +6,8 @@ use std::sync::Arc;
 use memmap_tensor::{DType, Error, Layout, Location, Shape, Storage, Tensor};
 use proptest::prelude::*;
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 /// Every element of `l` in C order: its multi-index and its storage offset, by odometer.
 fn brute(l: &Layout) -> Vec<(Vec<usize>, usize)> {

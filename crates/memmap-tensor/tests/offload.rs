@@ -1,10 +1,14 @@
 //! `TensorOffloader`: tensors to disk and back, chunked and pipelined, crash-safe under kill -9;
-//! GPU tensors where a driver is (`#[ignore]`d where there is no driver).
+//! tensors on every device (`for_each_device!`; the GPU's test is `#[ignore]`d, so that where
+//! there is no driver it is reported as not run).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
 use memmap_tensor::{DType, Device, Error, Location, Result, Tensor, TensorOffloader};
+
+mod common;
+use common::{TestResult, for_each_device};
 
 fn pattern(dtype: DType, shape: &[usize], seed: u8) -> Result<Tensor> {
     let n: usize = shape.iter().product::<usize>() * dtype.size_in_bytes();
@@ -153,20 +157,21 @@ fn without_a_driver_a_restore_to_a_gpu_says_why() -> Result<()> {
     Ok(())
 }
 
-#[test]
-#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
-fn gpu_tensors_go_out_and_come_back_to_either_side() -> Result<()> {
-    let gpu = match Device::cuda_available() {
-        Ok(_) => Device::Cuda(0),
-        Err(why) => panic!("this GPU test needs a CUDA driver: {why}"),
-    };
-    let dir = tempfile::tempdir().unwrap();
+for_each_device!(
+    tensors_go_out_and_come_back_to_either_side,
+    host_tensors_go_out_and_come_back,
+    gpu_tensors_go_out_and_come_back_to_either_side
+);
+
+/// A tensor on `device` offloaded comes back on `device` or on the host.
+fn tensors_go_out_and_come_back_to_either_side(device: Device) -> TestResult {
+    let dir = tempfile::tempdir()?;
     let off = TensorOffloader::open(dir.path().join("swap"))?.chunk_bytes(1 << 20);
     let host = pattern(DType::BF16, &[3000, 700], 5)?;
-    let on_gpu = host.to(gpu)?;
-    off.offload("state", &on_gpu)?;
-    let back = off.restore("state", gpu)?;
-    assert_eq!(back.device(), gpu);
+    let on_device = host.to(device)?;
+    off.offload("state", &on_device)?;
+    let back = off.restore("state", device)?;
+    assert_eq!(back.device(), device);
     assert_eq!(back.to_bytes()?, host.to_bytes()?);
     assert_eq!(off.restore("state", Device::Cpu)?.to_bytes()?, host.to_bytes()?);
     Ok(())

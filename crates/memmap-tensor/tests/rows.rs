@@ -5,7 +5,8 @@ use std::sync::Arc;
 use memmap_tensor::{Access, DType, Error, Layout, Location, Tensor};
 use proptest::prelude::*;
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 /// The rows of dim 0 as bytes, read one by one through `select` (the slow, obvious way).
 fn rows_of(t: &Tensor) -> memmap_tensor::Result<Vec<Vec<u8>>> {

@@ -4,7 +4,8 @@
 
 use memmap_tensor::{Access, DType, Error, Location, RowIndex, Tensor};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 /// A small deterministic generator (xorshift), so that failures reproduce.
 struct Rng(u64);

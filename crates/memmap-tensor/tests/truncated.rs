@@ -9,10 +9,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use common::ShmName;
+use common::{ShmName, TestResult};
 use memmap_tensor::{Access, DType, Error, Location, RowIndex, Tensor};
-
-type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 /// Rows of 1 KiB: four to a page.
 const ROWS: usize = 1024;

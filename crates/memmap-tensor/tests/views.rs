@@ -5,7 +5,8 @@ use ndarray::{ArrayD, ArrayViewD, Axis, IxDyn, Slice, arr1, s};
 use proptest::prelude::*;
 use std::sync::Arc;
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 /// A tensor holding `0, 1, 2, …` with shape `dims`, and the same data as an ndarray.
 fn counting(dims: &[usize]) -> Result<(Tensor, ArrayD<i32>), Box<dyn std::error::Error>> {

@@ -12,7 +12,8 @@ use tensordict_replay::{
     WriterSpec,
 };
 
-type R = anyhow::Result<()>;
+mod common;
+use common::TestResult;
 
 /// Rows `ids` as the fixtures build them: `obs` f32[4] = 10·i + (0..4), `action` i64 = i mod 5,
 /// `reward` f32 given, `episode` i64 = i div 10, `next/obs` = obs + 0.5, `next/done` bool.
@@ -39,7 +40,7 @@ fn f32s(td: &TensorDict, key: &str) -> Vec<f32> {
 }
 
 #[test]
-fn round_robin_wraps_like_torchrl() -> R {
+fn round_robin_wraps_like_torchrl() -> TestResult {
     let buffer = ReplayBuffer::uniform(StorageConfig::memmap(64))?;
     let mut next = 0i64;
     // Uneven batches, one longer than the rest of the storage.
@@ -75,7 +76,7 @@ fn round_robin_wraps_like_torchrl() -> R {
 }
 
 #[test]
-fn a_batch_longer_than_the_capacity_keeps_its_last_rows() -> R {
+fn a_batch_longer_than_the_capacity_keeps_its_last_rows() -> TestResult {
     let buffer = ReplayBuffer::uniform(StorageConfig::heap(4))?;
     let written = buffer.extend(&rows(&(0..10).collect::<Vec<_>>(), |_| 0.0)?)?;
     assert_eq!(written, vec![0, 1, 2, 3, 0, 1, 2, 3, 0, 1]);
@@ -87,7 +88,7 @@ fn a_batch_longer_than_the_capacity_keeps_its_last_rows() -> R {
 }
 
 #[test]
-fn uniform_frequencies_are_within_statistical_bounds() -> R {
+fn uniform_frequencies_are_within_statistical_bounds() -> TestResult {
     let buffer = ReplayBuffer::new(StorageConfig::heap(10), Box::new(RoundRobin::new()), Box::new(Uniform::seeded(7)))?;
     buffer.extend(&rows(&(0..10).collect::<Vec<_>>(), |_| 0.0)?)?;
     let mut counts = [0u64; 10];
@@ -113,7 +114,7 @@ fn uniform_frequencies_are_within_statistical_bounds() -> R {
 }
 
 #[test]
-fn without_replacement_covers_every_row_once_per_epoch() -> R {
+fn without_replacement_covers_every_row_once_per_epoch() -> TestResult {
     let sampler = WithoutReplacement::build(false, true, Some(3));
     let buffer = ReplayBuffer::new(StorageConfig::heap(10), Box::new(RoundRobin::new()), Box::new(sampler))?;
     buffer.extend(&rows(&(0..10).collect::<Vec<_>>(), |_| 0.0)?)?;
@@ -150,7 +151,7 @@ fn without_replacement_covers_every_row_once_per_epoch() -> R {
 }
 
 #[test]
-fn max_value_writer_keeps_the_top_rows_like_torchrl() -> R {
+fn max_value_writer_keeps_the_top_rows_like_torchrl() -> TestResult {
     let buffer =
         ReplayBuffer::new(StorageConfig::heap(16), Box::new(MaxValue::new("reward")), Box::new(Uniform::new()))?;
     // The fixture offered rows 0..40 with reward (7·i) mod 40.
@@ -186,7 +187,7 @@ fn kept_row(buffer: &ReplayBuffer, value: f32) -> anyhow::Result<usize> {
 }
 
 #[test]
-fn max_value_writer_state_matches_the_torchrl_dump() -> R {
+fn max_value_writer_state_matches_the_torchrl_dump() -> TestResult {
     let mut writer = MaxValue::new("reward");
     let batch = rows(&(0..40).collect::<Vec<_>>(), |i| ((7 * i) % 40) as f32)?;
     writer.reserve(&batch, 16)?;
@@ -204,7 +205,7 @@ fn max_value_writer_state_matches_the_torchrl_dump() -> R {
 /// `empty` as TorchRL's: nothing valid, the writer back at row 0 with no writes counted, the
 /// sampler's priorities forgotten; then the buffer fills again. `reseed` makes draws repeat.
 #[test]
-fn empty_and_reseed_as_torchrl() -> R {
+fn empty_and_reseed_as_torchrl() -> TestResult {
     let rb = ReplayBuffer::new(
         StorageConfig::heap(8),
         Box::new(RoundRobin::new()),
@@ -231,7 +232,7 @@ fn empty_and_reseed_as_torchrl() -> R {
 /// A writer's spec is its serde form: `"round-robin"`, `{"max-value": {...}}`; it builds the
 /// writer it names, and says which can serve a replay service.
 #[test]
-fn writer_specs_name_and_build_their_writers() -> R {
+fn writer_specs_name_and_build_their_writers() -> TestResult {
     let specs: Vec<WriterSpec> = serde_json::from_str(
         r#"["round-robin", {"max-value": {"rank_key": ["next", "r.v"]}}, {"max-value": {"rank_key": ["r"], "reduction": "median"}}]"#,
     )?;
@@ -260,7 +261,7 @@ fn writer_specs_name_and_build_their_writers() -> R {
 }
 
 #[test]
-fn bad_batches_are_refused_and_change_nothing() -> R {
+fn bad_batches_are_refused_and_change_nothing() -> TestResult {
     let buffer = ReplayBuffer::uniform(StorageConfig::heap(8))?;
     assert!(matches!(buffer.sample(1), Err(Error::Empty)));
     buffer.extend(&rows(&[0, 1, 2], |_| 0.0)?)?;
@@ -299,7 +300,7 @@ fn bad_batches_are_refused_and_change_nothing() -> R {
 /// Sizes that come from a caller are checked against the machine's memory before anything is
 /// allocated: a capacity or a batch no machine could hold is an error, not an abort.
 #[test]
-fn capacities_and_batches_past_the_machines_memory_are_errors() -> R {
+fn capacities_and_batches_past_the_machines_memory_are_errors() -> TestResult {
     for capacity in [1usize << 40, 1 << 62, usize::MAX] {
         let refused = ReplayBuffer::uniform(StorageConfig::heap(capacity)).unwrap_err();
         assert!(matches!(refused, Error::CapacityTooLarge { .. }), "{refused}");
@@ -319,7 +320,7 @@ fn capacities_and_batches_past_the_machines_memory_are_errors() -> R {
 }
 
 #[test]
-fn sample_into_fills_a_caller_owned_batch() -> R {
+fn sample_into_fills_a_caller_owned_batch() -> TestResult {
     let buffer = ReplayBuffer::uniform(StorageConfig::memmap(16))?;
     buffer.extend(&rows(&(0..16).collect::<Vec<_>>(), |i| i as f32)?)?;
     let mut out = rows(&[0; 5], |_| -1.0)?;
@@ -345,7 +346,7 @@ fn sample_into_fills_a_caller_owned_batch() -> R {
 }
 
 #[test]
-fn the_stored_len_is_read_back_from_the_folder() -> R {
+fn the_stored_len_is_read_back_from_the_folder() -> TestResult {
     let dir = tempfile::tempdir()?;
     let folder = dir.path().join("rb");
     let buffer = ReplayBuffer::uniform(StorageConfig::memmap_in(&folder, 8))?;
@@ -379,7 +380,7 @@ fn the_stored_len_is_read_back_from_the_folder() -> R {
 }
 
 #[test]
-fn shared_memory_storage_is_seen_by_another_handle_and_removed_on_drop() -> R {
+fn shared_memory_storage_is_seen_by_another_handle_and_removed_on_drop() -> TestResult {
     let prefix = format!("replay-test-{}", std::process::id());
     let buffer = ReplayBuffer::uniform(StorageConfig::shared(&prefix, 8))?;
     buffer.extend(&rows(&[0, 1, 2], |i| i as f32 + 0.25)?)?;
@@ -417,7 +418,7 @@ fn check_whole(td: &TensorDict) {
 }
 
 #[test]
-fn concurrent_writers_and_samplers_see_only_whole_rows() -> R {
+fn concurrent_writers_and_samplers_see_only_whole_rows() -> TestResult {
     let dir = tempfile::tempdir()?;
     let folder = dir.path().join("rb");
     let buffer = Arc::new(ReplayBuffer::uniform(StorageConfig::memmap_in(&folder, 16))?);
@@ -477,7 +478,7 @@ fn concurrent_writers_and_samplers_see_only_whole_rows() -> R {
 }
 
 #[test]
-fn samplers_plug_in_through_the_trait() -> R {
+fn samplers_plug_in_through_the_trait() -> TestResult {
     /// Always draws the last row, weighted 0.5: what a prioritized sampler would hand back.
     #[derive(Debug, Default)]
     struct Last {
@@ -513,7 +514,7 @@ fn samplers_plug_in_through_the_trait() -> R {
 }
 
 #[test]
-fn slices_reach_a_sample_only_from_whole_draws_that_cover_their_rows() -> R {
+fn slices_reach_a_sample_only_from_whole_draws_that_cover_their_rows() -> TestResult {
     /// Draws rows `0, 1, 2, ...` (and `extra` rows more than asked), saying they are runs of
     /// `runs` rows; `whole` says whether its draws are usable only whole.
     #[derive(Debug)]
@@ -567,7 +568,7 @@ fn slices_reach_a_sample_only_from_whole_draws_that_cover_their_rows() -> R {
 const CHILD_FOLDER: &str = "REPLAY_TEST_KILLED_WRITER_FOLDER";
 
 #[test]
-fn a_killed_writer_leaves_a_len_that_covers_only_whole_rows() -> R {
+fn a_killed_writer_leaves_a_len_that_covers_only_whole_rows() -> TestResult {
     const CAPACITY: usize = 1 << 16;
     if let Some(folder) = std::env::var_os(CHILD_FOLDER) {
         // The writer process: rows whose fields all derive from their row number, until killed.
@@ -613,7 +614,7 @@ fn a_killed_writer_leaves_a_len_that_covers_only_whole_rows() -> R {
 }
 
 #[test]
-fn samples_carry_what_torchrl_code_reads() -> R {
+fn samples_carry_what_torchrl_code_reads() -> TestResult {
     let spec: tensordict_replay::SamplerSpec =
         serde_json::from_str(r#"{"prioritized": {"alpha": 0.6, "beta": 0.4, "eps": 1e-8}}"#)?;
     let prioritized =

@@ -1,12 +1,14 @@
 //! Samples straight to a device: `ReplayBuffer::sample_to` (the remote learner's
-//! `RemoteBuffer::sample_to` shares its storage path). GPU tests are `#[ignore]`d: run them
-//! with `--features cuda -- --include-ignored` on a GPU machine.
+//! `RemoteBuffer::sample_to` shares its storage path), one body on every device by
+//! `for_each_device!` (tests/common). GPU tests are `#[ignore]`d: run them with `--features cuda
+//! -- --include-ignored` on a GPU machine.
 
 use memmap_tensor::{Device, Tensor};
 use tensordict::TensorDict;
 use tensordict_replay::{ReplayBuffer, StorageConfig};
 
-type R = anyhow::Result<()>;
+mod common;
+use common::{TestResult, for_each_device};
 
 fn rows(ids: &[i64]) -> anyhow::Result<TensorDict> {
     let n = ids.len();
@@ -18,7 +20,7 @@ fn rows(ids: &[i64]) -> anyhow::Result<TensorDict> {
 }
 
 /// The sampled rows are the rows the info names, whatever device they landed on.
-fn check(buffer: &ReplayBuffer, sample: &TensorDict, indices: &[usize], device: Device) -> R {
+fn check(buffer: &ReplayBuffer, sample: &TensorDict, indices: &[usize], device: Device) -> TestResult {
     assert_eq!(sample.device(), Some(device));
     let expected = buffer.get(indices)?;
     for (key, t) in expected.leaves() {
@@ -27,17 +29,24 @@ fn check(buffer: &ReplayBuffer, sample: &TensorDict, indices: &[usize], device: 
     Ok(())
 }
 
-#[test]
-fn samples_to_the_cpu_are_the_rows_drawn() -> R {
-    let buffer = ReplayBuffer::uniform(StorageConfig::memmap(300))?;
-    buffer.extend(&rows(&(0..300).collect::<Vec<_>>())?)?;
-    let (sample, info) = buffer.sample_to(Device::Cpu, 64)?;
-    assert_eq!(sample.batch_size(), &[64]);
-    check(&buffer, &sample, &info.indices, Device::Cpu)
+for_each_device!(samples_land_on_the_device, samples_to_the_cpu_are_the_rows_drawn, samples_land_in_gpu_memory);
+
+/// Samples drawn straight to `device`, from memmap and heap storage, are the rows drawn.
+fn samples_land_on_the_device(device: Device) -> TestResult {
+    for config in [StorageConfig::memmap(5000), StorageConfig::heap(5000)] {
+        let buffer = ReplayBuffer::uniform(config)?;
+        buffer.extend(&rows(&(0..5000).collect::<Vec<_>>())?)?;
+        for n in [1, 64, 256, 1024] {
+            let (sample, info) = buffer.sample_to(device, n)?;
+            assert_eq!(sample.batch_size(), &[n]);
+            check(&buffer, &sample, &info.indices, device)?;
+        }
+    }
+    Ok(())
 }
 
 #[test]
-fn without_a_driver_a_sample_to_the_gpu_fails_and_pins_nothing() -> R {
+fn without_a_driver_a_sample_to_the_gpu_fails_and_pins_nothing() -> TestResult {
     if Device::cuda_available().is_ok() {
         eprintln!("skipped: a CUDA driver is present (this test is for machines without one)");
         return Ok(());
@@ -50,23 +59,5 @@ fn without_a_driver_a_sample_to_the_gpu_fails_and_pins_nothing() -> R {
     // Nothing stays pinned: the whole buffer can be overwritten at once.
     buffer.extend(&rows(&(10..20).collect::<Vec<_>>())?)?;
     assert_eq!(buffer.get(&[0])?.get_tensor(["next", "reward"])?.to_vec::<f32>()?, [10.0]);
-    Ok(())
-}
-
-#[test]
-#[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
-fn samples_land_in_gpu_memory() -> R {
-    if let Err(why) = Device::cuda_available() {
-        panic!("this GPU test needs a CUDA driver: {why}");
-    }
-    let gpu = Device::Cuda(0);
-    for config in [StorageConfig::memmap(5000), StorageConfig::heap(5000)] {
-        let buffer = ReplayBuffer::uniform(config)?;
-        buffer.extend(&rows(&(0..5000).collect::<Vec<_>>())?)?;
-        for n in [1, 256, 1024] {
-            let (sample, info) = buffer.sample_to(gpu, n)?;
-            check(&buffer, &sample, &info.indices, gpu)?;
-        }
-    }
     Ok(())
 }

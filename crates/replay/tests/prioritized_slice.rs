@@ -9,12 +9,10 @@ use tensordict_replay::{
     Episodes, Prioritized, PrioritizedSlice, ReplayBuffer, RoundRobin, RowStore, Sampler, SliceShape, StorageConfig,
 };
 
-type R = anyhow::Result<()>;
-
 const EPS: f64 = 1e-8;
 
 mod common;
-use common::{check_slice_marks, end_key, episodes, traj_key};
+use common::{TestResult, check_slice_marks, end_key, episodes, traj_key};
 
 fn buffer(capacity: usize, sampler: PrioritizedSlice) -> anyhow::Result<ReplayBuffer> {
     Ok(ReplayBuffer::new(StorageConfig::heap(capacity), Box::new(RoundRobin::new()), Box::new(sampler))?)
@@ -76,7 +74,7 @@ fn layout(lengths: &[usize]) -> Vec<(usize, usize)> {
 /// `lengths` with raw priorities `priorities`, and checks the starts' frequencies against
 /// `(p + eps)^alpha` over the rows that can start a slice, and every weight against TorchRL's
 /// formula with the min over all valid rows.
-fn check_distribution(episodes_of: Episodes, strict: bool, priorities: &[f64], seed: u64) -> R {
+fn check_distribution(episodes_of: Episodes, strict: bool, priorities: &[f64], seed: u64) -> TestResult {
     let lengths = [3, 7, 5, 10, 2, 8, 5];
     let (slice_len, num_slices, rounds) = (4, 4, 5000);
     let (alpha, beta) = (0.8, 0.6);
@@ -139,19 +137,19 @@ fn varied(n: usize) -> Vec<f64> {
 }
 
 #[test]
-fn starts_follow_the_priorities_of_the_rows_that_can_start_a_slice() -> R {
+fn starts_follow_the_priorities_of_the_rows_that_can_start_a_slice() -> TestResult {
     check_distribution(traj_key(), true, &varied(40), 1)?;
     check_distribution(end_key(), true, &varied(40), 2)
 }
 
 #[test]
-fn without_strict_length_short_episodes_start_at_their_first_row() -> R {
+fn without_strict_length_short_episodes_start_at_their_first_row() -> TestResult {
     check_distribution(traj_key(), false, &varied(40), 3)?;
     check_distribution(end_key(), false, &varied(40), 4)
 }
 
 #[test]
-fn starts_follow_the_priorities_when_rows_that_cannot_start_hold_almost_all_the_mass() -> R {
+fn starts_follow_the_priorities_when_rows_that_cannot_start_hold_almost_all_the_mass() -> TestResult {
     // The rows that can start a slice hold about 1e-5 of the mass: almost every draw of the
     // whole tree is refused, and the sampler falls back to drawing among the starts directly.
     let lengths = [3, 7, 5, 10, 2, 8, 5];
@@ -165,7 +163,7 @@ fn starts_follow_the_priorities_when_rows_that_cannot_start_hold_almost_all_the_
 }
 
 #[test]
-fn weights_match_torchrl_on_its_documented_example() -> R {
+fn weights_match_torchrl_on_its_documented_example() -> TestResult {
     // TorchRL's `PrioritizedSliceSampler` docstring example: 9 rows, three episodes of three
     // steps, 3 slices of a batch of 6, alpha 0.7, beta 0.9, priorities [0, 3, 3, 0, 0, 0, 1,
     // 1, 1]. Run by hand with TorchRL 0.14.1 (`/work/venv`, 3000 samples), every slice started
@@ -195,7 +193,7 @@ fn weights_match_torchrl_on_its_documented_example() -> R {
 }
 
 #[test]
-fn slices_stay_in_one_episode_and_off_the_cursor_while_priorities_change() -> R {
+fn slices_stay_in_one_episode_and_off_the_cursor_while_priorities_change() -> TestResult {
     for (k, episodes_of) in [traj_key(), end_key()].into_iter().enumerate() {
         let sampler =
             PrioritizedSlice::new(64, 0.6, 0.4, EPS, episodes_of, SliceShape::SliceLen(5))?.seeded(7 + k as u64);
@@ -229,7 +227,7 @@ fn slices_stay_in_one_episode_and_off_the_cursor_while_priorities_change() -> R 
 }
 
 #[test]
-fn a_sample_says_where_each_slice_ends_with_one_weight_per_slice() -> R {
+fn a_sample_says_where_each_slice_ends_with_one_weight_per_slice() -> TestResult {
     // Episodes of 2 and 8 steps, slices of 4 without strict_length: slices of 2 and 4 rows.
     for (k, episodes_of) in [traj_key(), end_key()].into_iter().enumerate() {
         let sampler = PrioritizedSlice::new(16, 0.6, 0.4, EPS, episodes_of.clone(), SliceShape::SliceLen(4))?
@@ -269,7 +267,7 @@ fn a_sample_says_where_each_slice_ends_with_one_weight_per_slice() -> R {
 }
 
 #[test]
-fn bad_shapes_priorities_and_short_episodes_are_refused_by_name() -> R {
+fn bad_shapes_priorities_and_short_episodes_are_refused_by_name() -> TestResult {
     assert!(PrioritizedSlice::new(8, 0.6, 0.4, EPS, traj_key(), SliceShape::SliceLen(0)).is_err());
     assert!(PrioritizedSlice::new(8, -1.0, 0.4, EPS, traj_key(), SliceShape::SliceLen(2)).is_err());
     let buffer = buffer(8, PrioritizedSlice::new(8, 0.6, 0.4, EPS, traj_key(), SliceShape::SliceLen(4))?)?;
@@ -286,7 +284,7 @@ fn bad_shapes_priorities_and_short_episodes_are_refused_by_name() -> R {
 }
 
 #[test]
-fn the_dump_is_the_prioritized_samplers_and_resumes_slices() -> R {
+fn the_dump_is_the_prioritized_samplers_and_resumes_slices() -> TestResult {
     let sampler = PrioritizedSlice::new(16, 0.7, 0.5, EPS, traj_key(), SliceShape::SliceLen(3))?.seeded(9);
     let buffer = ReplayBuffer::new(StorageConfig::heap(16), Box::new(RoundRobin::new()), Box::new(sampler))?;
     buffer.extend(&episodes(&[5, 6, 5], 0, 0)?)?;

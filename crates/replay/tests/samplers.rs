@@ -14,9 +14,7 @@ use tensordict_replay::{
 };
 
 mod common;
-use common::{end_key, episodes, traj_key};
-
-type R = anyhow::Result<()>;
+use common::{TestResult, end_key, episodes, traj_key};
 
 /// One spec of each registered sampler, options away from their defaults where they have any.
 fn one_of_each() -> Vec<SamplerSpec> {
@@ -34,7 +32,7 @@ fn one_of_each() -> Vec<SamplerSpec> {
 }
 
 #[test]
-fn every_registered_sampler_is_built_from_its_spec_and_gives_it_back() -> R {
+fn every_registered_sampler_is_built_from_its_spec_and_gives_it_back() -> TestResult {
     let specs = one_of_each();
     let names: BTreeSet<&str> = specs.iter().map(SamplerSpec::name).collect();
     assert_eq!(names, SamplerSpec::NAMES.iter().copied().collect(), "one spec of each registered sampler");
@@ -56,7 +54,7 @@ fn every_registered_sampler_is_built_from_its_spec_and_gives_it_back() -> R {
 }
 
 #[test]
-fn a_spec_has_one_serde_form_named_by_its_sampler() -> R {
+fn a_spec_has_one_serde_form_named_by_its_sampler() -> TestResult {
     for spec in one_of_each() {
         let json = serde_json::to_value(&spec)?;
         let object = json.as_object().expect("a spec is a JSON object");
@@ -115,7 +113,7 @@ fn bad_specs_are_refused_by_name() {
 }
 
 #[test]
-fn a_dump_loads_into_the_sampler_a_spec_names() -> R {
+fn a_dump_loads_into_the_sampler_a_spec_names() -> TestResult {
     // A prioritized slice buffer dumps what a prioritized sampler dumps ...
     let spec = PrioritizedSliceSpec::new(
         PrioritizedSpec::new(0.7, 0.5, 1e-8),

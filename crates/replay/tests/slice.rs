@@ -10,13 +10,11 @@ use tensordict::{Index, TensorDict};
 use tensordict_replay::checkpoint::Dump;
 use tensordict_replay::{Episodes, Error, ReplayBuffer, RoundRobin, RowStore, SampleInfo, Slice, StorageConfig};
 
-type R = anyhow::Result<()>;
-
 mod common;
-use common::{check_slice_marks, end_key, episodes, traj_key};
+use common::{TestResult, check_slice_marks, end_key, episodes, traj_key};
 
 /// Writes `data` in chunks of `chunk` rows.
-fn extend_in_chunks(buffer: &ReplayBuffer, data: &TensorDict, chunk: usize) -> R {
+fn extend_in_chunks(buffer: &ReplayBuffer, data: &TensorDict, chunk: usize) -> TestResult {
     let n = data.batch_size()[0];
     let mut at = 0;
     while at < n {
@@ -75,11 +73,13 @@ fn mixed_lengths(total: usize) -> Vec<usize> {
 }
 
 #[test]
-fn slices_stay_in_one_trajectory_after_wrap_around_for_both_sources() -> R {
-    for episodes_of in [traj_key(), end_key()] {
+fn slices_stay_in_one_trajectory_after_wrap_around_for_both_sources() -> TestResult {
+    // In chunks of 7, and in one batch longer than the buffer (whose rows the writer places
+    // out of order: the sampler learns them in the order they were written).
+    for (episodes_of, chunk) in [(traj_key(), 7), (end_key(), 7), (traj_key(), 150), (end_key(), 150)] {
         let buffer = buffer(64, Slice::slice_len(4, episodes_of.clone())?.seeded(1))?;
         // 150 rows into 64: wrapped twice, the cursor at row 22, an episode cut by it.
-        extend_in_chunks(&buffer, &episodes(&mixed_lengths(150), 0, 0)?, 7)?;
+        extend_in_chunks(&buffer, &episodes(&mixed_lengths(150), 0, 0)?, chunk)?;
         assert_eq!(buffer.len(), 64);
         assert_eq!(buffer.writer_state().0, 150 % 64);
         let mut wrapped = 0;
@@ -97,7 +97,7 @@ fn slices_stay_in_one_trajectory_after_wrap_around_for_both_sources() -> R {
 }
 
 #[test]
-fn one_long_trajectory_is_cut_at_the_cursor() -> R {
+fn one_long_trajectory_is_cut_at_the_cursor() -> TestResult {
     // A single episode longer than the buffer: ids and flags both say it goes on, only the
     // cursor separates the newest row from the oldest.
     for episodes_of in [traj_key(), end_key()] {
@@ -119,7 +119,7 @@ fn one_long_trajectory_is_cut_at_the_cursor() -> R {
 }
 
 #[test]
-fn batches_are_cut_by_num_slices_or_slice_len() -> R {
+fn batches_are_cut_by_num_slices_or_slice_len() -> TestResult {
     let data = episodes(&[10; 10], 0, 0)?;
     let by_count = buffer(128, Slice::num_slices(4, traj_key())?)?;
     by_count.extend(&data)?;
@@ -147,7 +147,7 @@ fn batches_are_cut_by_num_slices_or_slice_len() -> R {
 }
 
 #[test]
-fn strict_length_leaves_out_or_refuses_short_trajectories() -> R {
+fn strict_length_leaves_out_or_refuses_short_trajectories() -> TestResult {
     // Episodes 0 (2 steps) and 1 (8 steps).
     let data = episodes(&[2, 8], 0, 0)?;
     let strict = buffer(32, Slice::slice_len(4, traj_key())?.seeded(3))?;
@@ -186,7 +186,7 @@ fn strict_length_leaves_out_or_refuses_short_trajectories() -> R {
 }
 
 #[test]
-fn starts_are_uniform_over_the_valid_starts() -> R {
+fn starts_are_uniform_over_the_valid_starts() -> TestResult {
     // Two episodes of 20 steps, slices of 5: 16 starts each, 32 in all, every one equally
     // likely (trajectories are picked uniformly, then a start in the trajectory).
     let buffer = buffer(64, Slice::slice_len(5, end_key())?.seeded(5))?;
@@ -213,7 +213,7 @@ fn starts_are_uniform_over_the_valid_starts() -> R {
 }
 
 #[test]
-fn torchrl_slices_fixture_rows_sample_into_single_episode_slices() -> R {
+fn torchrl_slices_fixture_rows_sample_into_single_episode_slices() -> TestResult {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1/slices/storage");
     let stored = TensorDict::load_memmap(dir, Access::ReadOnly)?;
     // TorchRL recorded len 100 of capacity 128: rows 0..100 are the 10-step episodes.
@@ -245,7 +245,7 @@ fn torchrl_slices_fixture_rows_sample_into_single_episode_slices() -> R {
 }
 
 #[test]
-fn a_batch_without_a_usable_key_is_refused_by_name() -> R {
+fn a_batch_without_a_usable_key_is_refused_by_name() -> TestResult {
     let data = episodes(&[5], 0, 0)?;
     let missing = buffer(16, Slice::slice_len(2, Episodes::TrajKey("traj".into()))?)?;
     let err = missing.extend(&data).unwrap_err();
@@ -270,11 +270,11 @@ fn a_batch_without_a_usable_key_is_refused_by_name() -> R {
 }
 
 #[test]
-fn slices_drawn_while_writers_wrap_the_buffer_stay_whole() -> R {
+fn slices_drawn_while_writers_wrap_the_buffer_stay_whole() -> TestResult {
     let buffer = buffer(48, Slice::slice_len(6, traj_key())?.seeded(7))?;
     buffer.extend(&episodes(&[12; 4], 0, 0)?)?;
-    std::thread::scope(|scope| -> R {
-        let writer = scope.spawn(|| -> R {
+    std::thread::scope(|scope| -> TestResult {
+        let writer = scope.spawn(|| -> TestResult {
             // Episodes of 12 steps written 5 rows at a time, ids and steps going on.
             for round in 1..40i64 {
                 let data = episodes(&[12; 4], 4 * round, 48 * round)?;
@@ -292,7 +292,7 @@ fn slices_drawn_while_writers_wrap_the_buffer_stay_whole() -> R {
 }
 
 #[test]
-fn a_buffer_rebuilt_from_the_torchrl_dump_samples_slices() -> R {
+fn a_buffer_rebuilt_from_the_torchrl_dump_samples_slices() -> TestResult {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/torchrl-0.14.1/slices");
     let dump = Dump::read(dir)?;
     let (len, capacity) = (dump.storage.len, dump.storage.capacity());
@@ -411,7 +411,7 @@ fn check_runs(sample: &TensorDict, indices: &[usize], slices: &[usize], len: usi
 }
 
 #[test]
-fn a_slice_sample_says_where_each_slice_ends_as_torchrl_marks_it() -> R {
+fn a_slice_sample_says_where_each_slice_ends_as_torchrl_marks_it() -> TestResult {
     for episodes_of in [traj_key(), end_key()] {
         let buffer = buffer(64, Slice::slice_len(4, episodes_of.clone())?.seeded(11))?;
         extend_in_chunks(&buffer, &episodes(&mixed_lengths(150), 0, 0)?, 7)?;
@@ -434,7 +434,7 @@ fn a_slice_sample_says_where_each_slice_ends_as_torchrl_marks_it() -> R {
 }
 
 #[test]
-fn slices_of_short_trajectories_are_marked_at_their_own_ends() -> R {
+fn slices_of_short_trajectories_are_marked_at_their_own_ends() -> TestResult {
     // Episodes of 2 and 8 steps, slices of 4 without strict_length: a slice of the short
     // episode has 2 rows, so slices of different lengths share a sample.
     let data = episodes(&[2, 8], 0, 0)?;
@@ -474,7 +474,7 @@ fn with_done(lengths: &[usize], done: Tensor) -> anyhow::Result<TensorDict> {
 }
 
 #[test]
-fn stored_done_flags_keep_their_dtype_and_shape_and_get_the_marks() -> R {
+fn stored_done_flags_keep_their_dtype_and_shape_and_get_the_marks() -> TestResult {
     // Integer flags of one dim: or'ed with 1 on each slice's last row, dtype and shape kept.
     // (Trajectories come from `episode`: the flag of row 4 is inside episode 1, so it is kept
     // as it is on the first row of a slice.)

@@ -13,7 +13,8 @@ use memmap_tensor::{Device, ErrorChain, Tensor};
 use tensordict::TensorDict;
 use tensordict_replay::{Error, ReplayBuffer, StorageConfig};
 
-type R = anyhow::Result<()>;
+mod common;
+use common::TestResult;
 
 /// Rows of the storage.
 const CAPACITY: usize = 1024;
@@ -164,7 +165,7 @@ fn copies() -> Vec<(&'static str, Copy)> {
 
 /// Cuts the `obs` leaf of a fresh buffer made by `config` to nothing before each way of
 /// copying, and checks that the copy and every later sample are that leaf's too-short error.
-fn every_copy_after_a_cut_is_an_error(config: impl Fn(&str) -> StorageConfig) -> R {
+fn every_copy_after_a_cut_is_an_error(config: impl Fn(&str) -> StorageConfig) -> TestResult {
     let dir = tempfile::tempdir()?;
     for (name, copy) in copies() {
         // A fresh mapping for each: a mapping that met a cut refuses everything after.
@@ -191,14 +192,14 @@ fn every_copy_after_a_cut_is_an_error(config: impl Fn(&str) -> StorageConfig) ->
 /// handle set a leaf file's length to zero, fails with `FileTooShort` naming that file; later
 /// samples fail the same way, even after the file is grown back.
 #[test]
-fn every_copy_out_of_a_cut_memmap_storage_is_file_too_short() -> R {
+fn every_copy_out_of_a_cut_memmap_storage_is_file_too_short() -> TestResult {
     every_copy_after_a_cut_is_an_error(|_| StorageConfig::memmap(CAPACITY))
 }
 
 /// The same for a shared-memory storage whose leaf object is cut under `/dev/shm`: every copy
 /// fails with `ShmTooShort` naming that object.
 #[test]
-fn every_copy_out_of_a_cut_shared_storage_is_shm_too_short() -> R {
+fn every_copy_out_of_a_cut_shared_storage_is_shm_too_short() -> TestResult {
     let pid = std::process::id();
     every_copy_after_a_cut_is_an_error(|name| StorageConfig::shared(format!("replay-cut-{pid}-{name}"), CAPACITY))
 }
@@ -207,7 +208,7 @@ fn every_copy_out_of_a_cut_shared_storage_is_shm_too_short() -> R {
 /// half its length serves the first half's rows with their values, then `get` of the last row
 /// is `FileTooShort` (at most half the bytes left), and from then on every row is refused.
 #[test]
-fn rows_before_the_cut_read_until_a_copy_reaches_past_it() -> R {
+fn rows_before_the_cut_read_until_a_copy_reaches_past_it() -> TestResult {
     let buffer = filled(StorageConfig::memmap(CAPACITY))?;
     let leaf = Leaf::of(&buffer);
     let half = OBS_BYTES / 2;
@@ -229,7 +230,7 @@ fn rows_before_the_cut_read_until_a_copy_reaches_past_it() -> R {
 /// only in a round that grew the leaf back may a row past the cut read as zeros. A sample that
 /// read zero pages the fault handler mapped, and was not refused, fails this. The process never
 /// dies. How many samples of each kind there are depends on timing and is only printed.
-fn cuts_racing_samples(config: impl Fn(usize) -> StorageConfig) -> R {
+fn cuts_racing_samples(config: impl Fn(usize) -> StorageConfig) -> TestResult {
     const ROUNDS: usize = 20;
     let (whole, torn) = (AtomicUsize::new(0), AtomicUsize::new(0));
     for round in 0..ROUNDS {
@@ -285,14 +286,14 @@ impl Drop for StopOnDrop<'_> {
 
 /// [`cuts_racing_samples`] over memmap storages: every racing sample is whole or `FileTooShort`.
 #[test]
-fn cuts_of_a_memmap_storage_racing_samples_never_kill_the_process() -> R {
+fn cuts_of_a_memmap_storage_racing_samples_never_kill_the_process() -> TestResult {
     cuts_racing_samples(|_| StorageConfig::memmap(CAPACITY))
 }
 
 /// [`cuts_racing_samples`] over shared-memory storages: every racing sample is whole or
 /// `ShmTooShort`.
 #[test]
-fn cuts_of_a_shared_storage_racing_samples_never_kill_the_process() -> R {
+fn cuts_of_a_shared_storage_racing_samples_never_kill_the_process() -> TestResult {
     let pid = std::process::id();
     cuts_racing_samples(|round| StorageConfig::shared(format!("replay-cut-race-{pid}-{round}"), CAPACITY))
 }

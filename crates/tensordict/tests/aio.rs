@@ -4,7 +4,8 @@ use memmap_tensor::{Access, DType, Location, Tensor};
 use tensordict::{Error, Index, ReadMode, TensorDict};
 use tensordict_aio::{BackendKind, Engine, EngineConfig, Offloader};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 fn engines() -> Vec<Engine> {
     [BackendKind::Threads, BackendKind::Uring]

@@ -6,7 +6,8 @@ use memmap_tensor::{Access, DType, Location, Tensor};
 use serde_json::json;
 use tensordict::{DictLocation, Index, TensorDict};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 fn sample() -> Result<TensorDict, Box<dyn std::error::Error>> {
     let mut td = TensorDict::new([100]);

@@ -6,7 +6,8 @@ use memmap_tensor::{DType, Tensor};
 use serde_json::json;
 use tensordict::{Entry, Error, Index, KeyPath, TensorDict};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// A heap i32 tensor holding `first, first + 1, …` with shape `dims`.

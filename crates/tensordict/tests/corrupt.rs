@@ -9,7 +9,8 @@ use memmap_tensor::{Access, DType};
 use serde_json::{Map, Value, json};
 use tensordict::{Error, KeyPath, MAX_META_BYTES, TensorDict};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// A node's `meta.json`: the children in order, then the version 1 metadata.

@@ -9,9 +9,7 @@ use sha2::{Digest, Sha256};
 use tensordict::{KeyPath, TensorDict};
 
 mod common;
-use common::files_below;
-
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+use common::{TestResult, files_below};
 
 fn fixtures_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")

@@ -13,7 +13,8 @@ use nix::sys::stat::Mode;
 use serde_json::json;
 use tensordict::{Error, TensorDict};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 /// Runs `f` on another thread and fails the test if it has not returned within 10 s (instead of
 /// hanging the whole test run).

@@ -7,10 +7,9 @@ use proptest::prelude::*;
 use serde_json::json;
 mod common;
 
-use common::patterned;
+use common::{TestResult, patterned};
 use tensordict::{Entry, Error, Index, KeyPath, TensorDict};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 // === Test data ===

@@ -9,7 +9,8 @@ use tensordict::loader::{Destination, Loader, LoaderOptions, MAX_PREFETCH, MAX_R
 use tensordict::{ReadMode, TensorDict, WriteOptions};
 use tensordict_aio::Engine;
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 const ROWS: usize = 1000;
 

@@ -7,7 +7,8 @@ use std::collections::BTreeSet;
 use proptest::prelude::*;
 use tensordict::loader::{BatchPlan, Order, Progress};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 fn orders(seed: u64) -> Vec<Order> {
     vec![Order::Sequential, Order::Shuffled { seed }, Order::Blocks { seed, block_rows: 7 }]

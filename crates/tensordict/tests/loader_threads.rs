@@ -5,7 +5,8 @@ use memmap_tensor::Tensor;
 use tensordict::TensorDict;
 use tensordict::loader::{Loader, LoaderOptions, Reads};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 /// The loader's threads (by name: the process has others, such as the gather helpers, which
 /// live as long as it does).

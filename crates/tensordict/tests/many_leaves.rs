@@ -13,7 +13,8 @@ use memmap_tensor::{Access, DType, Location, MapCount, Tensor};
 use serde_json::{Map, Value, json};
 use tensordict::{Error, KeyPath, TensorDict};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 /// Leaves per nested dict of the folders built here.
 const PER_DICT: usize = 1000;

@@ -9,7 +9,8 @@ use serde_json::{Value, json};
 use tensordict::{Entry, Error, Index, ReadMode, TensorDict};
 use tensordict_aio::Engine;
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 fn names(n: usize) -> Vec<Value> {
     (0..n).map(|i| json!(format!("ep{i}"))).collect()

@@ -14,7 +14,8 @@ use memmap_tensor::Tensor;
 use tensordict::TensorDict;
 use tensordict_aio::{Engine, Offloader};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 const CHILD_ENV: &str = "OVERWRITE_CHILD_DIR";
 const FIRST_ENV: &str = "OVERWRITE_CHILD_FIRST";

@@ -11,7 +11,8 @@ use memmap_tensor::{Access, DType, Layout, StorageKind, Tensor};
 use serde_json::{Value, json};
 use tensordict::{Entry, Error, KeyPath, TensorDict, WriteOptions};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// A contiguous heap tensor of any dtype whose bytes are a pattern derived from `seed` (bools

@@ -11,7 +11,8 @@ use memmap_tensor::{Access, DType, Location, Tensor};
 use serde_json::{Value, json};
 use tensordict::{Entry, Error, Index, TensorDict, json_as_f64, json_float};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 fn parity_dir() -> PathBuf {

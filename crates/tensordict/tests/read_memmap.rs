@@ -17,7 +17,8 @@ use serde_json::{Value, json};
 use tensordict::{Entry, Error, KeyPath, TensorDict};
 use tensordict_aio::Engine;
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 fn engine() -> Engine {
     Engine::new().expect("an aio engine starts")

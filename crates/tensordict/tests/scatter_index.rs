@@ -6,10 +6,9 @@ use memmap_tensor::{Access, DType, RowIndex};
 use serde_json::json;
 mod common;
 
-use common::patterned;
+use common::{TestResult, patterned};
 use tensordict::{Error, Index, TensorDict};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// A replay-like dict of `rows` rows and batch size `[rows, 2]`: wide and scalar leaves of

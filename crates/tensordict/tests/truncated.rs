@@ -10,7 +10,8 @@ use memmap_tensor::{Access, Tensor};
 use tensordict::loader::{Loader, LoaderOptions, Order, Reads};
 use tensordict::{Error, TensorDict};
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+mod common;
+use common::TestResult;
 
 /// Rows of 256 bytes in `x.image`: a file of 5 MiB.
 const ROWS: usize = 20_000;

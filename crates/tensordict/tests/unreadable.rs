@@ -12,9 +12,7 @@ use serde_json::Value;
 use tensordict::{Entry, Error, KeyPath, TensorDict, WriteOptions};
 
 mod common;
-use common::{copy_dir, files_below};
-
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+use common::{TestResult, copy_dir, files_below};
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tensordict-0.15/unreadable")

@@ -30,7 +30,9 @@ pub(crate) enum RowPath {
         engine: Engine,
     },
     /// A storage folder on a shared filesystem reached by explicit I/O only, never mapped:
-    /// `pwrite`s and `fdatasync`, reads of files opened afresh.
+    /// `pwrite`s and `fdatasync`, reads of files opened afresh. (Only a service's client takes
+    /// it, so a build without `remote` makes none.)
+    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
     Files {
         /// The folder's tensor files.
         files: RowFiles,
