@@ -34,7 +34,10 @@ folder (tensordict 0.15.3 and torch must be importable), in ROUNDS alternating r
 - read_us: `td[idx]`, 1024 fresh random rows (a numpy array of int64; a torch tensor for
   Python tensordict), every leaf gathered into new memory;
 - write_us: `td[idx] = batch`, 1024 fresh random rows written into the folder's mapping (a
-  batch of 1024 rows gathered before timing).
+  batch of 1024 rows gathered before timing);
+- write_dict_us: `td[idx] = {key: array}`, the same rows as a dict of numpy arrays (C-contiguous,
+  of the leaves' dtypes: read where they are); for Python tensordict, a dict of the torch
+  tensors over the same memory (`torch.from_numpy`).
 
 Prints one JSON object with the medians of each round and `speedup`: Python tensordict's time
 over ours, per round.
@@ -133,15 +136,32 @@ def dict_bench(folder, iters, rounds):
 
         return next_item
 
+    # The batch as plain dicts of arrays: numpy for ours, torch over the same memory for theirs.
+    def as_numpy(td):
+        return {k: as_numpy(v) if isinstance(v, TensorDict) else np.from_dlpack(v).copy() for k, v in td.items()}
+
+    def as_torch(d):
+        return {k: as_torch(v) if isinstance(v, dict) else torch.from_numpy(v) for k, v in d.items()}
+
+    our_arrays = as_numpy(our_batch)
+    their_arrays = as_torch(our_arrays)
+
     def our_write(nxt=cycling(pool)):
         ours[nxt()] = our_batch
 
     def their_write(nxt=cycling(pool_t)):
         theirs[nxt()] = their_batch
 
+    def our_dict_write(nxt=cycling(pool)):
+        ours[nxt()] = our_arrays
+
+    def their_dict_write(nxt=cycling(pool_t)):
+        theirs[nxt()] = their_arrays
+
     measures = {
         "read_us": (lambda nxt=cycling(pool): ours[nxt()], lambda nxt=cycling(pool_t): theirs[nxt()]),
         "write_us": (our_write, their_write),
+        "write_dict_us": (our_dict_write, their_dict_write),
     }
     out = {"folder": str(folder), "rows": n, "batch": DICT_ROWS, "iters": iters, "ours": {}, "tensordict": {}}
     for name in measures:

@@ -15,6 +15,8 @@
 //! unversioned request gets a `BufferError` saying to open the dict writable or to copy.
 
 use std::ffi::{CStr, c_void};
+use std::ops::Range;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use memmap_tensor::{Access, DType, Device, Layout, StorageKind, Tensor};
@@ -22,6 +24,7 @@ use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyCapsule, PyType};
+use tensordict::{KeyPath, TensorDict};
 
 const DLTENSOR: &CStr = c"dltensor";
 const USED_DLTENSOR: &CStr = c"used_dltensor";
@@ -290,9 +293,11 @@ unsafe extern "C" fn capsule_versioned_destructor(capsule: *mut pyo3::ffi::PyObj
 /// How one call imports the tensors it is given.
 ///
 /// A tensor given twice (tied weights of a state dict) is imported once and shared, as in the
-/// producer. A call that copies the tensors somewhere before it returns (a store's `save`)
-/// borrows host tensors: they view the producer's memory, kept alive until the call lets go,
-/// and are read once, by that copy. GPU tensors are always viewed where they are ([`import`]).
+/// producer. A call that copies the tensors somewhere before it returns (a store's `save`, a
+/// buffer's `extend`, `td[index] = rows`) borrows host tensors: they view the producer's
+/// memory, kept alive until the call lets go, and are read once, by that copy (after
+/// [`unalias`] when the copy goes into memory that may be theirs). GPU tensors are always
+/// viewed where they are ([`import`]).
 pub(crate) struct Imports {
     /// Tensors imported so far, by what they view; `None` where a tensor given twice need not
     /// stay one (rows, copied into a storage).
@@ -683,12 +688,161 @@ fn lend(managed: Managed, d: &Described) -> PyResult<Tensor> {
     // (checked just above), and DLPack's contract keeps it allocated (not freed, not moved: an
     // exporter may not resize what it exported) until the producer's deleter runs, which
     // `Lent` does when the storage is dropped. The storage is read-only, and borrowing imports
-    // are made for calls that copy the dict and drop it before they return; a caller writing
-    // its arrays meanwhile from another thread gets a torn copy, as with any reader of them.
+    // are made for calls that copy the dict and drop it before they return; a call that copies
+    // it into memory of its own (`td[index] = rows`, a buffer's `extend`) first copies what may
+    // be that memory ([`unalias`]). A caller writing its arrays meanwhile from another thread
+    // gets a torn copy, as with any reader of them.
     let storage =
         unsafe { memmap_tensor::Storage::borrowed(base, d.nbytes, Box::new(Lent(Some(managed)))) }.map_err(to_err)?;
     let layout = Layout::contiguous(d.shape.as_slice()).map_err(to_err)?;
     Tensor::from_storage(std::sync::Arc::new(storage), 0, d.dtype, layout).map_err(to_err)
+}
+
+/// Replaces each tensor of `src` that views a producer's memory in place (imported
+/// borrowing, [`Imports::borrowing_rows`]) and may be memory of `dest` by a copy of it on the
+/// heap, so that writing `src` into `dest` reads no byte it writes.
+///
+/// The write copies its rows in order, on several threads, under the storages' locks: a view
+/// of the target through a storage of its own would be read under a different lock while the
+/// target is written, and a row read after it was written would hold its new value (besides
+/// breaking [`memmap_tensor::Storage::borrowed`]'s contract that nothing writes the memory
+/// while it is read). Copying it first reads it whole before anything is written, which is what
+/// the copying import did. A view may be memory of `dest`:
+///
+/// - at the same addresses: a numpy array or torch tensor over a dict's own memory
+///   (`numpy.from_dlpack(td["obs"])[a:b]`), whatever backs it. Told by address ranges;
+/// - at other addresses, when `dest` has a mapped file or shared memory (or other memory than
+///   its own heap): the same file mapped again (`numpy.memmap` of a dict's file, a Python
+///   tensordict loaded from its folder). Only memory the kernel says is private anonymous
+///   memory of this process ([`private_anonymous`]: a numpy array's or torch tensor's own
+///   heap memory) is read in place then. A dict's heap memory is mapped nowhere else.
+///
+/// Tensors of `src` that are ours (a dict's, a `TensorDict` value's) are left to the write,
+/// which copies a source sharing a target's storage itself.
+pub(crate) fn unalias(src: &mut TensorDict, dest: &TensorDict) -> tensordict::Result<()> {
+    let borrowed: Vec<(KeyPath, &Tensor, Range<usize>)> = src
+        .leaves()
+        .into_iter()
+        .filter(|(_, s)| s.storage().kind() == StorageKind::Borrowed)
+        .filter_map(|(key, s)| host_span(s).map(|span| (key, s, span)))
+        .collect();
+    if borrowed.is_empty() {
+        return Ok(());
+    }
+    let targets = dest.leaves();
+    let spans: Vec<Range<usize>> = targets.iter().filter_map(|(_, t)| host_span(t)).collect();
+    let mapped = targets.iter().any(|(_, t)| !matches!(t.storage().kind(), StorageKind::Heap | StorageKind::Cuda));
+    let same_addresses: Vec<bool> =
+        borrowed.iter().map(|(_, _, span)| spans.iter().any(|t| t.start < span.end && span.start < t.end)).collect();
+    let private = if mapped {
+        private_anonymous(&borrowed.iter().map(|(_, _, span)| span.clone()).collect::<Vec<_>>())
+    } else {
+        vec![true; borrowed.len()]
+    };
+    let mut copies = Vec::new();
+    for (((key, s, _), same), private) in borrowed.into_iter().zip(same_addresses).zip(private) {
+        if same || !private {
+            let copy = s.deep_clone().map_err(|source| tensordict::Error::Tensor { key: key.clone(), source })?;
+            copies.push((key, copy));
+        }
+    }
+    for (key, copy) in copies {
+        src.set(key, copy)?;
+    }
+    Ok(())
+}
+
+/// The host addresses the elements of `t` span (empty for none); `None` for device memory,
+/// which no host array views.
+fn host_span(t: &Tensor) -> Option<Range<usize>> {
+    if t.storage().kind() == StorageKind::Cuda {
+        return None;
+    }
+    let start = t.data_ptr() as usize;
+    Some(start..start.saturating_add(t.byte_span().len()))
+}
+
+/// For each of `spans`, whether every page of it is private anonymous memory of this process,
+/// in memory: pages no other mapping reaches (a file's, shared memory's), which a write through
+/// one cannot change. Asked of `/proc/self/pagemap`: each page present, and neither a file page
+/// nor shared. (A page of a file mapped private and not written yet is a file page: it shows
+/// the file's writes.) `false` where the pagemap cannot be read. Spans a few pages apart (the
+/// small arrays of one batch, in one heap) are read together, in one call.
+fn private_anonymous(spans: &[Range<usize>]) -> Vec<bool> {
+    use std::os::unix::fs::FileExt;
+    const PRESENT: u64 = 1 << 63;
+    const FILE_OR_SHARED: u64 = 1 << 61;
+    /// Spans at most this many pages apart are read in one call.
+    const GAP_PAGES: usize = 64;
+    /// Pagemap entries read at a time.
+    const CHUNK: usize = 512;
+    /// This process's pagemap, opened once, and the process that opened it: a forked child
+    /// inherits the parent's file, which reads the parent's pages, and opens its own.
+    static PAGEMAP: OnceLock<(u32, Option<std::fs::File>)> = OnceLock::new();
+    let mut out = vec![false; spans.len()];
+    let open = || std::fs::File::open("/proc/self/pagemap").ok();
+    let (pid, opened) = PAGEMAP.get_or_init(|| (std::process::id(), open()));
+    let own;
+    let file = if *pid == std::process::id() {
+        opened.as_ref()
+    } else {
+        own = open();
+        own.as_ref()
+    };
+    let Some(file) = file else { return out };
+    // SAFETY: `sysconf` reads a constant of the system; no memory is passed.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(0);
+    if page == 0 {
+        return out;
+    }
+    // The pages of each span (first, end), in address order.
+    let mut pages: Vec<(usize, usize, usize)> = Vec::with_capacity(spans.len());
+    for (i, span) in spans.iter().enumerate() {
+        if span.is_empty() {
+            out[i] = true;
+        } else {
+            pages.push((span.start / page, (span.end - 1) / page + 1, i));
+        }
+    }
+    pages.sort_unstable();
+    let mut entries = [0u8; CHUNK * 8];
+    let mut group = 0;
+    while group < pages.len() {
+        // Spans `group..next`, each starting at most GAP_PAGES past the pages before it.
+        let (first, mut end) = (pages[group].0, pages[group].1);
+        let mut next = group + 1;
+        while next < pages.len() && pages[next].0 <= end.saturating_add(GAP_PAGES) {
+            end = end.max(pages[next].1);
+            next += 1;
+        }
+        for &(_, _, i) in &pages[group..next] {
+            out[i] = true;
+        }
+        // Read the group's entries a chunk at a time; a page that is not private clears the
+        // spans it belongs to.
+        let mut at = first;
+        while at < end {
+            let n = (end - at).min(CHUNK);
+            let read = at
+                .checked_mul(8)
+                .and_then(|o| u64::try_from(o).ok())
+                .is_some_and(|offset| file.read_exact_at(&mut entries[..n * 8], offset).is_ok());
+            for (k, entry) in entries[..n * 8].chunks_exact(8).enumerate() {
+                let bits = u64::from_ne_bytes(entry.try_into().unwrap_or([0; 8]));
+                if !read || bits & PRESENT == 0 || bits & FILE_OR_SHARED != 0 {
+                    let p = at + k;
+                    for &(f, e, i) in &pages[group..next] {
+                        if f <= p && p < e {
+                            out[i] = false;
+                        }
+                    }
+                }
+            }
+            at += n;
+        }
+        group = next;
+    }
+    out
 }
 
 /// A tensor on its GPU over the producer's device or managed memory (any strides but

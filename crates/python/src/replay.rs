@@ -3,6 +3,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use tensordict::TensorDict;
 use tensordict_replay::{LoadOptions, Prefetch, ReplayBuffer, StorageConfig};
 
 use crate::dict::{DictOf, PyTensorDict, to_tensordict};
@@ -95,16 +96,16 @@ impl PyReplayBuffer {
     /// Writes rows (a TensorDict or a dict of arrays with a leading batch dim); returns the
     /// rows written, as TorchRL's `extend` returns its indices.
     fn extend(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
-        let td = to_tensordict(batch, DictOf::Rows)?;
         let rb = self.rb()?;
+        let td = rows_for(rb, to_tensordict(batch, DictOf::Rows)?)?;
         crate::gil::detach(py, || rb.extend(&td)).map_err(to_py_err)
     }
 
     /// Writes one row (no batch dim); returns its row, or `None` when a max-value writer
     /// kept it out.
     fn add(&self, py: Python<'_>, row: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
-        let td = to_tensordict(row, DictOf::Row)?;
         let rb = self.rb()?;
+        let td = rows_for(rb, to_tensordict(row, DictOf::Row)?)?;
         crate::gil::detach(py, || rb.add(&td)).map_err(to_py_err)
     }
 
@@ -217,6 +218,18 @@ impl PyReplayBuffer {
             rb.with_sampler(|s| s.name())
         ))
     }
+}
+
+/// The rows `extend` or `add` writes into `rb`, their contiguous host arrays viewed where they
+/// are (`to_tensordict`), except those that may be the buffer's own storage
+/// (`numpy.from_dlpack(rb.storage["obs"])`, a `numpy.memmap` of its files), copied first
+/// ([`crate::dlpack::unalias`]). A storage made later, by this batch, is new memory that no
+/// array views.
+fn rows_for(rb: &ReplayBuffer, mut rows: TensorDict) -> PyResult<TensorDict> {
+    if let Some(storage) = rb.storage() {
+        crate::dlpack::unalias(&mut rows, storage.tensordict()).map_err(to_py_err)?;
+    }
+    Ok(rows)
 }
 
 /// A sample as TorchRL 0.14.1 returns it: the rows, `index` (int64), for samplers that

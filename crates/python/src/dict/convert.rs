@@ -139,12 +139,13 @@ pub(super) fn is_python_tensordict(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     Ok(!obj.is_instance_of::<PyDict>() && obj.hasattr("batch_size")? && obj.hasattr("to_dict")?)
 }
 
-/// A Python `tensordict.TensorDict` as one of ours, with its batch size (tensors copied once).
-fn from_python_tensordict(obj: &Bound<'_, PyAny>) -> PyResult<TensorDict> {
+/// A Python `tensordict.TensorDict` as one of ours, with its batch size: its tensors copied
+/// once, or with `imports`, imported as they say (viewed where they are, for rows).
+fn from_python_tensordict(obj: &Bound<'_, PyAny>, imports: Option<&mut dlpack::Imports>) -> PyResult<TensorDict> {
     let batch: Vec<usize> = obj.getattr("batch_size")?.extract()?;
     let entries = obj.call_method0("to_dict")?;
     let mut td = TensorDict::new(batch);
-    fill(&mut td, &KeyPath::default(), entries.cast::<PyDict>()?, None)?;
+    fill(&mut td, &KeyPath::default(), entries.cast::<PyDict>()?, imports)?;
     Ok(td)
 }
 
@@ -155,7 +156,7 @@ pub(crate) fn dict_arg(obj: &Bound<'_, PyAny>) -> PyResult<TensorDict> {
         return Ok(td.get().dict()?.as_ref().clone());
     }
     if is_python_tensordict(obj)? {
-        return from_python_tensordict(obj);
+        return from_python_tensordict(obj, None);
     }
     Err(PyTypeError::new_err(format!(
         "expected a tensordict_rs.TensorDict or a tensordict.TensorDict, got {}",
@@ -165,6 +166,12 @@ pub(crate) fn dict_arg(obj: &Bound<'_, PyAny>) -> PyResult<TensorDict> {
 
 /// The value of `td[index] = value` when it is a dict of rows: ours (shared), a Python
 /// tensordict (its batch size), or a dict of arrays (given the indexed batch size `batch`).
+///
+/// The arrays of a dict or a Python tensordict are imported borrowing
+/// ([`dlpack::Imports::borrowing_rows`]): a C-contiguous host array is viewed where it is, and
+/// read once, by the write that copies its rows into the dict; others are copied first, as
+/// before. The result must therefore be dropped by the call that made it, and its views of
+/// memory the dict's own tensors hold copied first ([`dlpack::unalias`]).
 ///
 /// A dict whose batch size is neither `batch` nor its last dims (which `assign_at` repeats over
 /// the first) is given `batch` when its tensors allow, as Python tensordict sets it.
@@ -182,11 +189,11 @@ pub(crate) fn rows_with_batch(value: &Bound<'_, PyAny>, batch: &[usize]) -> PyRe
     }
     if let Ok(d) = value.cast::<PyDict>() {
         let mut td = TensorDict::new(batch.to_vec());
-        fill(&mut td, &KeyPath::default(), d, None)?;
+        fill(&mut td, &KeyPath::default(), d, Some(&mut dlpack::Imports::borrowing_rows()))?;
         return Ok(td);
     }
     if is_python_tensordict(value)? {
-        return Ok(fit(from_python_tensordict(value)?));
+        return Ok(fit(from_python_tensordict(value, Some(&mut dlpack::Imports::borrowing_rows()))?));
     }
     Err(PyTypeError::new_err(format!(
         "td[index] = value takes a TensorDict, a dict of arrays, a tensordict.TensorDict, a tensor or a number; \
@@ -250,7 +257,7 @@ pub(crate) fn entry_from_py(value: &Bound<'_, PyAny>, batch: &[usize]) -> PyResu
         return Ok(Entry::Dict(td));
     }
     if is_python_tensordict(value)? {
-        return Ok(Entry::Dict(rebatch(from_python_tensordict(value)?, batch)));
+        return Ok(Entry::Dict(rebatch(from_python_tensordict(value, None)?, batch)));
     }
     if let Some(t) = tensor_from_py(value)? {
         return Ok(Entry::Tensor(t));

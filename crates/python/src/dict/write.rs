@@ -15,6 +15,7 @@ use tensordict::{Entry, Index, KeyPath, TensorDict};
 
 use super::convert::{self, entries_of, entry_from_py, is_python_tensordict};
 use super::{PyTensorDict, lock};
+use crate::dlpack;
 use crate::error::{Kind, raise, to_py_err};
 
 /// How a write by key treats a tensor already at the key.
@@ -120,17 +121,27 @@ impl PyTensorDict {
             return crate::gil::detach(py, || view.fill_at(index, &value)).map_err(to_py_err);
         }
         let batch = td.index_shape(&index).map_err(to_py_err)?;
-        let src = convert::rows_with_batch(value, &batch)?;
+        // Contiguous host arrays are viewed where they are (`rows_with_batch`): each row is
+        // copied once, by `assign_at`, straight into the dict. Those that may be the dict's
+        // own memory are copied first (`unalias`), against the tensors the write goes to.
+        let mut src = convert::rows_with_batch(value, &batch)?;
         check_all_writable(&td, Some(&src))?;
         let created: Vec<KeyPath> =
             src.leaves().into_iter().map(|(k, _)| k).filter(|k| !td.contains(k.clone())).collect();
         if created.is_empty() {
             let mut view = (*td).clone();
+            dlpack::unalias(&mut src, &view).map_err(to_py_err)?;
+            // The views of the caller's arrays are read without the GIL, as a store's `save`
+            // reads them (see `dlpack::lend`): the arrays are alive (held by `src`, dropped
+            // with the GIL back), and only read.
             crate::gil::detach(py, || view.assign_at(index, &src)).map_err(to_py_err)
         } else {
             // New leaves change the tree: under its lock (zeros are made, then the rows
             // written), and refused by a locked dict.
-            self.mutate(&created, |d| d.assign_at(index, &src))
+            self.mutate(&created, |d| {
+                dlpack::unalias(&mut src, d)?;
+                d.assign_at(index, &src)
+            })
         }
     }
 
