@@ -91,6 +91,8 @@ mod shape;
 mod stats;
 mod storage;
 mod tensor;
+#[doc(hidden)]
+pub mod test_utils;
 
 pub use cuda::{GatherVia, ManagedAdvice, MemoryInfo, ToOptions, Transfer, TransferPath};
 pub use device::{Device, ParseDeviceError};

@@ -227,6 +227,11 @@ fn move_managed(t: &Tensor, device: Device, options: &ToOptions) -> Result<Trans
 fn copy_to_driver(src: &Tensor, location: &Location, options: &ToOptions) -> Result<Transfer<Tensor>> {
     Floor::supported()?;
     let src = contiguous_for_copy(src)?;
+    // A strided view of GPU memory comes down to the heap whole (see `contiguous_for_copy`):
+    // what is left for a host destination is a copy on the host, which no stream runs.
+    if src.storage().memory().is_none() && !matches!(location, Location::Cuda(_)) {
+        return src.copy_to(location, options);
+    }
     let copied = if let Location::Cuda(ordinal) = location {
         // Device memory is allocated in the copy's own stream order: nothing waits for it.
         let stream = Floor::stream(Device::Cuda(*ordinal))?;

@@ -2,7 +2,7 @@
 //! `cuda` feature) the GPU operations must be clear errors, never panics; with one, every move
 //! and gather is checked byte for byte against the host.
 //!
-//! Every move and gather is one body run on each device by `for_each_device!` (tests/common):
+//! Every move and gather is one body run on each device by `memmap_tensor::for_each_device!`:
 //! on the host always, on the GPU with the `cuda` feature. The GPU tests are `#[ignore]`d, so
 //! that where there is no driver the harness reports them as not run rather than passed. Run them on a GPU machine with `cargo test -p memmap-tensor
 //! --features cuda --test cuda -- --include-ignored` (or `tools/cuda/gpu-check.sh`; README, "GPU").
@@ -18,7 +18,8 @@ use memmap_tensor::{
 use rand::{Rng, SeedableRng};
 
 mod common;
-use common::{ShmName, TestResult, for_each_device, gpu};
+use common::{ShmName, TestResult, gpu};
+use memmap_tensor::for_each_device;
 
 /// A tensor of `dtype` and `shape` whose bytes are a pattern valid for every dtype (bools 0/1).
 fn pattern(dtype: DType, shape: &[usize], seed: u64) -> Result<Tensor> {

@@ -1,5 +1,5 @@
 //! `TensorOffloader`: tensors to disk and back, chunked and pipelined, crash-safe under kill -9;
-//! tensors on every device (`for_each_device!`; the GPU's test is `#[ignore]`d, so that where
+//! tensors on every device (`memmap_tensor::for_each_device!`; the GPU's test is `#[ignore]`d, so that where
 //! there is no driver it is reported as not run).
 
 use std::io::{BufRead, BufReader};
@@ -8,7 +8,8 @@ use std::process::{Command, Stdio};
 use memmap_tensor::{DType, Device, Error, Location, Result, Tensor, TensorOffloader};
 
 mod common;
-use common::{TestResult, for_each_device};
+use common::TestResult;
+use memmap_tensor::for_each_device;
 
 fn pattern(dtype: DType, shape: &[usize], seed: u8) -> Result<Tensor> {
     let n: usize = shape.iter().product::<usize>() * dtype.size_in_bytes();

@@ -1,6 +1,6 @@
 //! Samples straight to a device: `ReplayBuffer::sample_to` (the remote learner's
 //! `RemoteBuffer::sample_to` shares its storage path), one body on every device by
-//! `for_each_device!` (tests/common). GPU tests are `#[ignore]`d: run them with `--features cuda
+//! `memmap_tensor::for_each_device!`. GPU tests are `#[ignore]`d: run them with `--features cuda
 //! -- --include-ignored` on a GPU machine.
 
 use memmap_tensor::{Device, Tensor};
@@ -8,7 +8,8 @@ use tensordict::TensorDict;
 use tensordict_replay::{ReplayBuffer, StorageConfig};
 
 mod common;
-use common::{TestResult, for_each_device};
+use common::TestResult;
+use memmap_tensor::for_each_device;
 
 fn rows(ids: &[i64]) -> anyhow::Result<TensorDict> {
     let n = ids.len();

@@ -1,5 +1,5 @@
 //! Dicts on devices: `to`, `gather_to`, and writing a GPU dict to a folder. Each move and gather
-//! is one body run on every device by `for_each_device!` (tests/common): on the host always, on
+//! is one body run on every device by `memmap_tensor::for_each_device!`: on the host always, on
 //! the GPU with the `cuda` feature. The GPU tests are `#[ignore]`d (run them with `--features
 //! cuda -- --include-ignored` on a GPU machine).
 
@@ -8,7 +8,8 @@ use serde_json::json;
 use tensordict::{Entry, TensorDict};
 
 mod common;
-use common::{TestResult, for_each_device};
+use common::TestResult;
+use memmap_tensor::for_each_device;
 
 /// A nested dict with every kind of entry, its bytes a pattern.
 fn sample(rows: usize) -> Result<TensorDict, Box<dyn std::error::Error>> {

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use memmap_tensor::{Device, Tensor};
+use memmap_tensor::Tensor;
 use serde_json::Value;
 use tensordict::TensorDict;
 use tensordict_replay::Episodes;
@@ -13,39 +13,9 @@ use tensordict_replay::Episodes;
 /// What a test that fails by `?` returns.
 pub type TestResult = anyhow::Result<()>;
 
-/// The GPU the GPU tests run on. They are `#[ignore]`d, so that a machine without a driver
-/// reports them as not run (`--include-ignored` runs them on a GPU machine); run there without
-/// a driver, they fail saying why.
-pub fn gpu() -> Device {
-    match Device::cuda_available() {
-        Ok(_) => Device::Cuda(0),
-        Err(why) => panic!("this GPU test needs a CUDA driver: {why}"),
-    }
-}
-
-/// One test body, `fn body(device: Device) -> TestResult`, made into a test per device, as
-/// candle's `test_device!`: `$cpu` runs it on [`Device::Cpu`] everywhere; `$gpu`, built with the
-/// `cuda` feature only, runs it on `cuda:0` and is `#[ignore]`d like every GPU test (reported
-/// as ignored where there is no driver; `--include-ignored` runs it on a GPU machine, and
-/// there without a driver it fails saying why, by [`gpu`]).
-#[allow(unused_macros)]
-macro_rules! for_each_device {
-    ($body:ident, $cpu:ident, $gpu:ident) => {
-        #[test]
-        fn $cpu() -> $crate::common::TestResult {
-            $body(memmap_tensor::Device::Cpu)
-        }
-
-        #[cfg(feature = "cuda")]
-        #[test]
-        #[ignore = "needs a CUDA driver: run with --include-ignored on a GPU machine"]
-        fn $gpu() -> $crate::common::TestResult {
-            $body($crate::common::gpu())
-        }
-    };
-}
+/// The GPU the GPU tests run on (see `memmap_tensor::for_each_device!`).
 #[allow(unused_imports)]
-pub(crate) use for_each_device;
+pub(crate) use memmap_tensor::test_utils::gpu;
 
 /// The dumps written by TorchRL 0.14.1 (see the README beside them).
 pub const FIXTURES: [&str; 4] = ["uniform_wrapped", "prioritized", "slices", "max_value_writer"];
