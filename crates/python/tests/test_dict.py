@@ -255,12 +255,14 @@ def test_a_folder_with_entries_not_read_loads_the_rest(tmp_path):
         "z": "a tensor of dtype `torch.complex64`",
         "obj": "a pickled Python value (`other.pickle`)",
         "tags": "a stack of pickled Python values (`pickle.pkl`)",
-        "point": "a `Point` (a tensorclass or another non-TensorDict type)",
-        "lazy": "a lazy stack of dicts (`LazyStackedTensorDict`)",
         "nt": "a nested tensor (one of tensors of different shapes)",
         ("next", "info"): "a pickled Python value (`other.pickle`)",
     }
     assert td["obs"].numpy().ravel().tolist() == [0, 1, 2, 3, 4, 5]
+    # A tensorclass loads as the dict of its fields; a lazy stack has no Python form here yet.
+    assert td["point", "label"] == "p"
+    with pytest.raises(TypeError, match="lazy stack"):
+        td["lazy"]
     with pytest.raises(tdr.TensorDictError, match=r"key `obj` holds a pickled Python value .*`TensorDict.exclude`"):
         td["obj"]
     with pytest.raises(tdr.TensorDictError, match="key `z` holds"):

@@ -185,6 +185,7 @@ impl TensorDict {
                 Entry::Dict(d) => Entry::Dict(d.transform(&path, batch, f)?),
                 Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
                 Entry::NonTensorStack(v) => map_stack(v, self.batch_size(), &path, f)?,
+                Entry::Lazy(_) => return Err(crate::lazy::not_taken(&path, "a batch operation")),
                 Entry::Unreadable(u) => return Err(u.error(&path)),
             };
             entries.insert(name.to_owned(), value);
@@ -249,6 +250,7 @@ impl Combine<'_> {
                     Entry::NonTensor(v.clone())
                 }
                 Entry::NonTensor(_) | Entry::NonTensorStack(_) => self.combine_values(dicts, &column, &path)?,
+                Entry::Lazy(_) => return Err(crate::lazy::not_taken(&path, op)),
                 Entry::Unreadable(u) => return Err(u.error(&path)),
             };
             entries.insert(name.to_owned(), value);

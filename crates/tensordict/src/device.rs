@@ -149,6 +149,7 @@ impl TensorDict {
                 Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
                 Entry::NonTensorStack(v) => stack(self.batch_size(), &path, v)?,
                 // Its files are not touched by a move of the whole dict; rows of it cannot be taken.
+                Entry::Lazy(_) => return Err(crate::lazy::not_taken(&path, "a move or gather of the whole dict")),
                 Entry::Unreadable(u) if batch0.is_none() => Entry::Unreadable(u.clone()),
                 Entry::Unreadable(u) => return Err(u.error(&path)),
             };
@@ -158,7 +159,7 @@ impl TensorDict {
         if let (Some(n), Some(first)) = (batch0, batch.first_mut()) {
             *first = n;
         }
-        Ok(TensorDict::from_parts(batch, entries))
+        Ok(TensorDict::from_parts(batch, entries).with_class_of(self))
     }
 
     /// Registers every tensor's storage with the CUDA driver for as long as it lives (see

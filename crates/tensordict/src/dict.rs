@@ -5,7 +5,7 @@ use memmap_tensor::{StorageKind, Tensor};
 use serde_json::Value;
 
 use crate::error::WithKey;
-use crate::{Error, KeyPath, Result, Unreadable};
+use crate::{Error, KeyPath, LazyStack, Result, TensorClass, Unreadable};
 
 /// One value of a [`TensorDict`].
 #[derive(Clone, Debug)]
@@ -24,13 +24,17 @@ pub enum Entry {
     /// Indexing and batch operations move the values as they move the elements of a tensor;
     /// an index that leaves no batch dim leaves one [`Entry::NonTensor`].
     NonTensorStack(Value),
+    /// Dicts stacked along a batch dim without being copied, whose entries may differ in shape
+    /// (Python's `LazyStackedTensorDict`): its batch size starts with the parent's.
+    Lazy(LazyStack),
     /// An entry of a loaded folder that this crate does not read (a pickled value, a
-    /// tensorclass, a lazy stack, ...): named and typed, refused when asked for.
+    /// tensor of a dtype such as `complex64`, ...): named and typed, refused when asked for.
     Unreadable(Unreadable),
 }
 
 impl Entry {
-    /// `"tensor"`, `"dict"`, `"non-tensor value"`, `"non-tensor stack"` or `"Python-only entry"`
+    /// `"tensor"`, `"dict"`, `"non-tensor value"`, `"non-tensor stack"`, `"lazy stack"` or
+    /// `"Python-only entry"`
     /// (an [`Entry::Unreadable`]), for messages.
     pub fn kind_name(&self) -> &'static str {
         match self {
@@ -38,6 +42,7 @@ impl Entry {
             Entry::Dict(_) => "dict",
             Entry::NonTensor(_) => "non-tensor value",
             Entry::NonTensorStack(_) => "non-tensor stack",
+            Entry::Lazy(_) => "lazy stack",
             Entry::Unreadable(_) => "Python-only entry",
         }
     }
@@ -63,6 +68,14 @@ impl Entry {
     pub fn as_dict(&self) -> Option<&TensorDict> {
         match self {
             Entry::Dict(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// The lazy stack, if this is one.
+    pub fn as_lazy(&self) -> Option<&LazyStack> {
+        match self {
+            Entry::Lazy(l) => Some(l),
             _ => None,
         }
     }
@@ -94,6 +107,12 @@ impl From<TensorDict> for Entry {
     }
 }
 
+impl From<LazyStack> for Entry {
+    fn from(l: LazyStack) -> Self {
+        Entry::Lazy(l)
+    }
+}
+
 impl From<Value> for Entry {
     fn from(v: Value) -> Self {
         Entry::NonTensor(v)
@@ -111,12 +130,34 @@ impl From<Value> for Entry {
 pub struct TensorDict {
     batch_size: Vec<usize>,
     entries: IndexMap<String, Entry>,
+    /// The Python class this dict stands for, when it was a tensorclass.
+    class: Option<Box<TensorClass>>,
 }
 
 impl TensorDict {
     /// An empty dict with the given batch size.
     pub fn new(batch_size: impl Into<Vec<usize>>) -> Self {
-        TensorDict { batch_size: batch_size.into(), entries: IndexMap::new() }
+        TensorDict { batch_size: batch_size.into(), entries: IndexMap::new(), class: None }
+    }
+
+    /// The Python class this dict stands for, when it was loaded from a tensorclass's folder
+    /// or given one with [`TensorDict::set_class`]. Kept by indexing, gathers, clones, moves
+    /// and writes; a dict made anew (a stack, a `select`) has none.
+    pub fn class(&self) -> Option<&TensorClass> {
+        self.class.as_deref()
+    }
+
+    /// Makes this dict stand for the tensorclass `class` (written as one, so that Python's
+    /// `load_memmap` gives an instance of it), or a plain dict with `None`.
+    pub fn set_class(&mut self, class: Option<TensorClass>) {
+        self.class = class.map(Box::new);
+    }
+
+    /// This dict's entries with `other`'s class: for a dict made from `other` by a batch
+    /// operation.
+    pub(crate) fn with_class_of(mut self, other: &TensorDict) -> TensorDict {
+        self.class.clone_from(&other.class);
+        self
     }
 
     /// The leading dims shared by every entry.
@@ -214,6 +255,7 @@ impl TensorDict {
         // drop, a write) is bounded: the deepest dict this entry makes or brings.
         let depth = match &value {
             Entry::Dict(d) => key.len() + d.depth(),
+            Entry::Lazy(l) => key.len() + l.depth(),
             _ => key.len() - 1,
         };
         if depth > crate::MAX_DEPTH {
@@ -232,6 +274,7 @@ impl TensorDict {
             .values()
             .filter_map(|entry| match entry {
                 Entry::Dict(d) => Some(1 + d.depth()),
+                Entry::Lazy(l) => Some(1 + l.depth()),
                 _ => None,
             })
             .max()
@@ -299,6 +342,18 @@ impl TensorDict {
         out
     }
 
+    /// Every tensor of the dict, those of its lazy stacks' elements included (which
+    /// [`TensorDict::leaves`] leaves out: their keys are not key paths of this dict).
+    pub(crate) fn all_tensors(&self) -> Vec<&Tensor> {
+        let mut out = Vec::new();
+        self.visit(&KeyPath::default(), &mut |_, entry| match entry {
+            Entry::Tensor(t) => out.push(t),
+            Entry::Lazy(l) => out.extend(l.items().iter().flat_map(TensorDict::all_tensors)),
+            _ => {}
+        });
+        out
+    }
+
     /// Every non-tensor value with its key path, depth first in insertion order.
     pub fn non_tensors(&self) -> Vec<(KeyPath, &Value)> {
         let mut out = Vec::new();
@@ -320,6 +375,15 @@ impl TensorDict {
             }
         });
         out
+    }
+
+    /// True when a lazy stack is among the entries, nested ones included.
+    pub(crate) fn has_lazy(&self) -> bool {
+        self.entries.values().any(|entry| match entry {
+            Entry::Lazy(_) => true,
+            Entry::Dict(d) => d.has_lazy(),
+            _ => false,
+        })
     }
 
     /// Calls `f` on every entry, nested ones included, depth first (a dict before its entries).
@@ -504,12 +568,19 @@ impl TensorDict {
             let value = match entry {
                 Entry::Tensor(t) => Entry::Tensor(f(t).with_key(|| path.clone())?),
                 Entry::Dict(d) => Entry::Dict(d.apply_with_path(&path, f)?),
+                Entry::Lazy(l) => {
+                    let mut k = 0;
+                    Entry::Lazy(l.map_items(|item| {
+                        k += 1;
+                        item.apply_with_path(&path.join(&(k - 1).to_string()), f)
+                    })?)
+                }
                 other @ (Entry::NonTensor(_) | Entry::NonTensorStack(_) | Entry::Unreadable(_)) => other.clone(),
             };
             check_fits(&path, &value, &self.batch_size)?;
             out.entries.insert(name.clone(), value);
         }
-        Ok(out)
+        Ok(out.with_class_of(self))
     }
 
     /// A copy of every tensor in contiguous heap memory (Python's `td.clone()`).
@@ -579,7 +650,7 @@ impl TensorDict {
 
     /// A dict from parts already known to satisfy the invariant.
     pub(crate) fn from_parts(batch_size: Vec<usize>, entries: IndexMap<String, Entry>) -> Self {
-        TensorDict { batch_size, entries }
+        TensorDict { batch_size, entries, class: None }
     }
 
     pub(crate) fn entries(&self) -> &IndexMap<String, Entry> {
@@ -605,6 +676,28 @@ impl TensorDict {
             }
         }
         Some(entry)
+    }
+
+    /// The tensor at `key`, where a part after a lazy stack's key is the position of one of
+    /// its dicts (`agents/0/obs`): how a folder walk names the leaves it finds.
+    pub(crate) fn walked_tensor_mut(&mut self, key: &KeyPath) -> Option<&mut Tensor> {
+        let (first, rest) = key.split_first()?;
+        let mut entry = self.entries.get_mut(first)?;
+        let mut parts = rest.iter();
+        while let Some(part) = parts.next() {
+            entry = match entry {
+                Entry::Dict(d) => d.entries.get_mut(part)?,
+                Entry::Lazy(l) => {
+                    let item = l.items_mut().get_mut(part.parse::<usize>().ok()?)?;
+                    item.entries.get_mut(parts.next()?)?
+                }
+                _ => return None,
+            };
+        }
+        match entry {
+            Entry::Tensor(t) => Some(t),
+            _ => None,
+        }
     }
 
     /// The batch size of the dict that would hold `key`.
@@ -657,9 +750,14 @@ impl TensorDict {
 
 /// Checks that `value` may be stored at `key` in a dict of batch size `batch`.
 pub(crate) fn check_fits(key: &KeyPath, value: &Entry, batch: &[usize]) -> Result<()> {
+    let lazy_batch;
     let shape = match value {
         Entry::Tensor(t) => t.dims(),
         Entry::Dict(d) => d.batch_size(),
+        Entry::Lazy(l) => {
+            lazy_batch = l.batch_size();
+            &lazy_batch
+        }
         Entry::NonTensor(_) | Entry::Unreadable(_) => return Ok(()),
         Entry::NonTensorStack(v) => {
             return if !batch.is_empty() && stack_values(v, batch).is_some() {

@@ -275,6 +275,7 @@ fn rebuild(
                 let values = v.as_array().map_or(&[][..], Vec::as_slice);
                 Entry::stack(rows.iter().map(|&r| values.get(r).cloned().unwrap_or_default()).collect())
             }
+            Entry::Lazy(_) => return Err(crate::lazy::not_taken(&key, "gather_direct")),
             Entry::Unreadable(u) => return Err(u.error(&key)),
         };
         entries.insert(name.to_owned(), value);

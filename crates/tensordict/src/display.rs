@@ -137,6 +137,11 @@ fn body(td: &TensorDict) -> (Vec<(String, Node)>, Seen) {
             }
             Entry::NonTensor(v) => Ok(Node::Token(python_type(v).to_owned())),
             Entry::NonTensorStack(_) => Ok(Node::Token("NonTensorStack".to_owned())),
+            Entry::Lazy(l) => Ok(Node::Token(format!(
+                "LazyStackedTensorDict(batch_size={}, stack_dim={})",
+                dims(&l.batch_size()),
+                l.dim()
+            ))),
             Entry::Unreadable(_) => Ok(Node::Token("Unreadable".to_owned())),
         };
         nodes.push((name.to_owned(), node));

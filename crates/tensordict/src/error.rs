@@ -118,7 +118,18 @@ pub enum Error {
         /// The version found.
         version: i64,
     },
-    /// A folder of a kind this crate does not read (a lazy stack, a tensorclass, ...) where a
+    /// A folder that holds one kind of data opened as another: a lazy stack's folder opened with
+    /// [`crate::TensorDict::load_memmap`], or a dict's with [`crate::LazyStack::load_memmap`].
+    #[error("{}: the folder holds {holds}; open it with `{open_with}`", path.display())]
+    OtherKind {
+        /// The folder.
+        path: PathBuf,
+        /// What it holds: "a lazy stack of dicts".
+        holds: &'static str,
+        /// The function that opens it.
+        open_with: &'static str,
+    },
+    /// A folder of a kind this crate does not read (an HDF5-backed dict, ...) where a
     /// dict is needed. (An entry of such a kind inside a dict is an [`crate::Unreadable`].)
     #[error("{}: the folder holds {what}, which this crate does not read", path.display())]
     Unsupported {

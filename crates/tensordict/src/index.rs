@@ -585,23 +585,36 @@ impl Plan {
         Ok(out)
     }
 
-    /// The plan applied to a dict and its nested dicts.
-    fn apply_dict(&self, td: &TensorDict, prefix: &KeyPath) -> Result<TensorDict> {
+    /// The plan applied to a dict and its nested dicts; `per_dim` is the index as one item per
+    /// batch dim of the top dict (for lazy stacks, which are indexed by it), if it can be.
+    fn apply_dict(&self, td: &TensorDict, prefix: &KeyPath, per_dim: &Option<Index>) -> Result<TensorDict> {
         let mut entries = IndexMap::with_capacity(td.len());
         for (name, entry) in td.iter() {
             let path = prefix.join(name);
             let value = match entry {
                 Entry::Tensor(t) => Entry::Tensor(self.apply(t).with_key(|| path.clone())?),
-                Entry::Dict(d) => Entry::Dict(self.apply_dict(d, &path)?),
+                Entry::Dict(d) => Entry::Dict(self.apply_dict(d, &path, per_dim)?),
                 Entry::NonTensor(v) => Entry::NonTensor(v.clone()),
                 Entry::NonTensorStack(v) => {
                     crate::dict::map_stack(v, td.batch_size(), &path, |positions| self.apply(positions))?
                 }
+                Entry::Lazy(l) => match per_dim {
+                    Some(index) => l.index(index.clone())?,
+                    None => {
+                        return Err(Error::InvalidArgument {
+                            op: "index",
+                            detail: format!(
+                                "key `{path}` holds a lazy stack, which is indexed one batch dim at a time: no \
+                                 `None` and no multi-dim list or mask"
+                            ),
+                        });
+                    }
+                },
                 Entry::Unreadable(u) => return Err(u.error(&path)),
             };
             entries.insert(name.to_owned(), value);
         }
-        Ok(TensorDict::from_parts(self.shape_after(td.batch_size()), entries))
+        Ok(TensorDict::from_parts(self.shape_after(td.batch_size()), entries).with_class_of(td))
     }
 }
 
@@ -713,7 +726,12 @@ fn broadcast_to(values: &[i64], shape: &[usize], target: &[usize]) -> Option<Vec
 
 /// Python's slice resolution for a positive step: `(start, len, step)`, or `None` if the step
 /// is not positive.
-fn resolve_slice(start: Option<i64>, stop: Option<i64>, step: i64, size: usize) -> Option<(usize, usize, usize)> {
+pub(crate) fn resolve_slice(
+    start: Option<i64>,
+    stop: Option<i64>,
+    step: i64,
+    size: usize,
+) -> Option<(usize, usize, usize)> {
     let step = usize::try_from(step).ok().filter(|&s| s > 0)?;
     let size_i = i64::try_from(size).ok()?;
     let clamp = |v: i64| -> usize {
@@ -736,7 +754,8 @@ impl TensorDict {
         let index = index.into();
         // The common gather, a list over the first batch dim: its rows checked once, every leaf
         // gathered at once.
-        if let (Index::List(list), Some(&size)) = (&index, self.batch_size().first()) {
+        let lazy = self.has_lazy();
+        if let (Index::List(list), Some(&size), false) = (&index, self.batch_size().first(), lazy) {
             let rows = RowIndex::new(list, size).map_err(|e| Error::InvalidIndex {
                 index: index.to_string(),
                 batch_size: self.batch_size().to_vec(),
@@ -750,7 +769,11 @@ impl TensorDict {
             return self.gather_index(&rows);
         }
         let plan = Plan::resolve(&index, self.batch_size())?;
-        plan.apply_dict(self, &KeyPath::default())
+        let per_dim = match lazy {
+            true => crate::lazy::per_dim(&index, self.batch_dims()).ok().flatten().map(Index::Tuple),
+            false => None,
+        };
+        plan.apply_dict(self, &KeyPath::default(), &per_dim)
     }
 
     /// Rows `rows` of the first batch dim, gathered into new heap memory: `self.index(list)`

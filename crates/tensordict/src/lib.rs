@@ -31,6 +31,7 @@
 
 mod backing;
 mod batch;
+mod class;
 mod device;
 mod dict;
 mod dir;
@@ -42,6 +43,7 @@ mod format;
 mod index;
 mod json;
 mod key;
+mod lazy;
 pub mod loader;
 mod read;
 mod replace;
@@ -51,6 +53,7 @@ mod shared;
 mod unreadable;
 
 pub use backing::{Backing, DictLocation, Generation};
+pub use class::TensorClass;
 pub use dict::{Entry, TensorDict};
 pub use direct::ReadMode;
 pub use error::{Error, Result};
@@ -59,6 +62,7 @@ pub use format::{FORMAT_VERSION, MAX_DEPTH, MAX_META_BYTES, WRITE_PIECE, WriteOp
 pub use index::Index;
 pub use json::{NON_FINITE_KEY, json_as_f64, json_float, parse as parse_python_json, to_python_json};
 pub use key::KeyPath;
+pub use lazy::LazyStack;
 pub use memmap_tensor::ProcessState;
 pub use replace::Leftover;
 pub use schema::{EntrySchema, MAX_VALUE_DEPTH, Schema, TensorSchema};

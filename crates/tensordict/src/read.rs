@@ -169,7 +169,7 @@ impl Queue {
                 Err(source) => return Err(Error::Io { op: "read", path, source }),
             }
             let tensor = typed(bytes, dtype, shape, &key)?;
-            *td.get_tensor_mut(key)? = tensor;
+            *td.walked_tensor_mut(&key).ok_or(Error::KeyNotFound { key })? = tensor;
         }
         Ok(td)
     }

@@ -175,6 +175,7 @@ impl Schema {
                 Entry::Dict(d) => EntrySchema::Dict(Self::of_at(d, &child, name)?),
                 Entry::NonTensor(v) => EntrySchema::NonTensor(v.clone()),
                 Entry::NonTensorStack(v) => EntrySchema::NonTensorStack(v.clone()),
+                Entry::Lazy(_) => return Err(crate::lazy::not_taken(&child, "a schema")),
                 Entry::Unreadable(u) => return Err(u.error(&child)),
             };
             entries.insert(key.to_owned(), described);

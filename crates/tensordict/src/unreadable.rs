@@ -19,7 +19,7 @@ use crate::{Error, KeyPath, Result};
 /// [`Error::Unreadable`] naming it. [`TensorDict::exclude`](crate::TensorDict::exclude) leaves
 /// it out. [`TensorDict::memmap`](crate::TensorDict::memmap) of the whole dict copies its files
 /// as they are, so that a copy of a Python folder loses nothing.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Unreadable {
     what: String,
     dir: PathBuf,

@@ -37,6 +37,7 @@ fn read_both(prefix: &Path) -> [(&'static str, tensordict::Result<TensorDict>); 
 #[track_caller]
 fn assert_same(a: &TensorDict, b: &TensorDict, ctx: &str) {
     assert_eq!(a.batch_size(), b.batch_size(), "{ctx}: batch size");
+    assert_eq!(a.class(), b.class(), "{ctx}: tensorclass");
     let names = |td: &TensorDict| td.iter().map(|(k, _)| k.to_owned()).collect::<Vec<_>>();
     assert_eq!(names(a), names(b), "{ctx}: keys");
     for ((name, x), (_, y)) in a.iter().zip(b.iter()) {
@@ -48,6 +49,12 @@ fn assert_same(a: &TensorDict, b: &TensorDict, ctx: &str) {
                 assert!(x.to_bytes().unwrap() == y.to_bytes().unwrap(), "{ctx}: bytes differ");
             }
             (Entry::Dict(x), Entry::Dict(y)) => assert_same(x, y, &ctx),
+            (Entry::Lazy(x), Entry::Lazy(y)) => {
+                assert_eq!((x.dim(), x.batch_size()), (y.dim(), y.batch_size()), "{ctx}: stack");
+                for (k, (x, y)) in x.items().iter().zip(y.items()).enumerate() {
+                    assert_same(x, y, &format!("{ctx}[{k}]"));
+                }
+            }
             (Entry::NonTensor(x), Entry::NonTensor(y)) | (Entry::NonTensorStack(x), Entry::NonTensorStack(y)) => {
                 assert_eq!(x, y, "{ctx}: value")
             }
@@ -95,7 +102,11 @@ fn assert_reads_like_load(prefix: &Path) {
 fn fixture_folders() -> Vec<PathBuf> {
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
         if dir.join("meta.json").is_file() {
-            out.push(dir.to_owned());
+            // A lazy stack's folder is not a dict's: `formats.rs` reads those.
+            let meta = fs::read_to_string(dir.join("meta.json")).expect("readable fixtures");
+            if !meta.contains("LazyStackedTensorDict'>") {
+                out.push(dir.to_owned());
+            }
             return;
         }
         for entry in fs::read_dir(dir).expect("readable fixtures") {

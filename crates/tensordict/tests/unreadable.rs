@@ -1,8 +1,8 @@
 //! A folder written by Python with entries this crate does not read (a pickled value, a stack
-//! of them, a tensorclass, a lazy stack, a nested tensor, a complex tensor, and a pickled value
-//! in a nested dict; `tools/python/make_unreadable_fixture.py`): the rest loads, each such entry
-//! is named and typed, asking for one is an error that says what it holds, and a copy of the
-//! whole folder keeps them byte for byte.
+//! of them, a nested tensor, a complex tensor, and a pickled value in a nested dict, beside a
+//! tensorclass and a lazy stack, which it reads; `tools/python/make_unreadable_fixture.py`):
+//! the rest loads, each such entry is named and typed, asking for one is an error that says
+//! what it holds, and a copy of the whole folder keeps them byte for byte.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -23,12 +23,10 @@ fn not_read(td: &TensorDict) -> Vec<(String, String)> {
     td.unreadable().into_iter().map(|(k, u)| (k.joined("."), u.what().to_owned())).collect()
 }
 
-const NOT_READ: [(&str, &str); 7] = [
+const NOT_READ: [(&str, &str); 5] = [
     ("z", "a tensor of dtype `torch.complex64`"),
     ("obj", "a pickled Python value (`other.pickle`)"),
     ("tags", "a stack of pickled Python values (`pickle.pkl`)"),
-    ("point", "a `Point` (a tensorclass or another non-TensorDict type)"),
-    ("lazy", "a lazy stack of dicts (`LazyStackedTensorDict`)"),
     ("nt", "a nested tensor (one of tensors of different shapes)"),
     ("next.info", "a pickled Python value (`other.pickle`)"),
 ];
@@ -44,12 +42,15 @@ fn the_rest_of_the_folder_loads_and_the_entries_not_read_are_named_and_typed() -
         assert_eq!(td.get_tensor("obs")?.to_vec::<f32>()?, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
         assert_eq!(td.get_tensor(["next", "reward"])?.to_vec::<f32>()?, [1.0, 0.0, -1.0]);
         assert_eq!(not_read(&td), expected_not_read());
-        // Keys list them where Python has them; leaves are the tensors read.
+        // Keys list them where Python has them; leaves are the tensors read (the tensorclass's
+        // `x` among them; a lazy stack's elements are not keys of the dict).
         assert_eq!(td.keys(false, false).len(), 8);
-        assert_eq!(td.leaves().len(), 2);
+        assert_eq!(td.leaves().len(), 3);
         assert!(matches!(td.get("obj")?, Entry::Unreadable(_)));
-        let (_, point) = &td.unreadable()[3];
-        assert_eq!(point.path(), fixture().join("point"));
+        assert!(matches!(td.get("lazy")?, Entry::Lazy(_)));
+        assert_eq!(td.get_dict("point")?.class().map(tensordict::TensorClass::path), Some("__main__.Point"));
+        let (_, nested) = &td.unreadable()[3];
+        assert_eq!(nested.path(), fixture().join("nt.memmap"));
     }
     assert!(TensorDict::verify_memmap(fixture()).is_empty(), "entries not read are not defects");
     Ok(())
@@ -131,7 +132,7 @@ fn a_copy_of_the_whole_folder_keeps_every_entry_byte_for_byte() -> TestResult {
     // A copy over an existing dict replaces it whole, entries not read included.
     td.exclude(&["obj"]).memmap_with(&copy, &WriteOptions::default().overwrite(true))?;
     assert!(!copy.join("obj").exists());
-    assert_eq!(not_read(&TensorDict::load_memmap(&copy, Access::ReadOnly)?).len(), 6);
+    assert_eq!(not_read(&TensorDict::load_memmap(&copy, Access::ReadOnly)?).len(), 4);
     Ok(())
 }
 
@@ -142,15 +143,15 @@ fn a_link_or_fifo_inside_an_entry_not_read_is_refused_and_nothing_is_written() -
     copy_dir(&fixture(), &src);
     let secret = tmp.path().join("secret");
     fs::write(&secret, b"outside the folder")?;
-    std::os::unix::fs::symlink(&secret, src.join("lazy/0/extra"))?;
+    std::os::unix::fs::symlink(&secret, src.join("tags/extra"))?;
     let td = TensorDict::load_memmap(&src, Access::ReadOnly)?;
     let dst = tmp.path().join("dst");
     let e = td.memmap(&dst).unwrap_err();
-    assert!(e.to_string().contains("lazy/0/extra"), "{e}");
+    assert!(e.to_string().contains("tags/extra"), "{e}");
     assert!(!dst.exists(), "a refused write leaves nothing at the destination");
     assert!(TensorDict::leftovers(&dst)?.is_empty(), "nor beside it");
 
-    fs::remove_file(src.join("lazy/0/extra"))?;
+    fs::remove_file(src.join("tags/extra"))?;
     let status = std::process::Command::new("mkfifo").arg(src.join("obj/fifo")).status()?;
     assert!(status.success());
     let td = TensorDict::load_memmap(&src, Access::ReadOnly)?;
@@ -162,17 +163,13 @@ fn a_link_or_fifo_inside_an_entry_not_read_is_refused_and_nothing_is_written() -
 
 #[test]
 fn a_folder_that_is_itself_of_a_kind_not_read_is_refused_with_what_it_is() {
-    let e = TensorDict::load_memmap(fixture().join("lazy"), Access::ReadOnly).unwrap_err();
+    let e = TensorDict::load_memmap(fixture().join("obj"), Access::ReadOnly).unwrap_err();
     assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
     let text = e.to_string();
-    assert!(
-        text.ends_with(
-            "the folder holds a lazy stack of dicts (`LazyStackedTensorDict`), which this crate does not read"
-        ),
-        "{text}"
-    );
-    let e = TensorDict::load_memmap(fixture().join("point"), Access::ReadOnly).unwrap_err();
-    assert!(e.to_string().contains("a `__main__.Point` (a tensorclass"), "{e}");
+    assert!(text.ends_with("which this crate does not read") && text.contains("NonTensorData"), "{text}");
+    // A lazy stack is read, by the type that holds one.
+    let e = TensorDict::load_memmap(fixture().join("lazy"), Access::ReadOnly).unwrap_err();
+    assert!(e.to_string().ends_with("open it with `LazyStack::load_memmap`"), "{e}");
 }
 
 #[test]

@@ -12,9 +12,9 @@ use crate::dir::Dir;
 use crate::error::WithKey;
 use crate::key::{METADATA_KEYS, RESERVED_KEYS, candidate_names};
 use crate::replace::Destination;
-use crate::{Entry, Error, KeyPath, Result, TensorDict, Unreadable};
+use crate::{Entry, Error, KeyPath, LazyStack, Result, TensorClass, TensorDict, Unreadable};
 
-use super::{FORMAT_VERSION, MAX_DEPTH, MAX_META_BYTES, TD_TYPE};
+use super::{CLASS_FIELDS_DIR, CLASS_PICKLE_FILES, FORMAT_VERSION, LAZY_TYPE, MAX_DEPTH, MAX_META_BYTES, TD_TYPE};
 
 impl TensorDict {
     /// Opens the memmap folder at `prefix`, written by this crate or by Python tensordict
@@ -67,8 +67,9 @@ impl TensorDict {
     pub fn verify_memmap(prefix: impl AsRef<Path>) -> Vec<Error> {
         let prefix = prefix.as_ref();
         let mut problems = Vec::new();
-        let read = open_top(prefix)
-            .and_then(|top| read_node(&top, &KeyPath::default(), None, &mut Checker, &mut Some(&mut problems)));
+        let read = open_top(prefix).and_then(|top| {
+            read_folder(&top, &KeyPath::default(), None, &mut Checker, &mut Some(&mut problems)).map(drop)
+        });
         if let Err(e) = read {
             problems.push(e);
         }
@@ -77,6 +78,17 @@ impl TensorDict {
             Err(e) => problems.push(e),
         }
         problems
+    }
+}
+
+impl LazyStack {
+    /// Opens the memmap folder of a lazy stack at `prefix` (Python's
+    /// `LazyStackedTensorDict.memmap`), mapping every leaf file with `access`, with every
+    /// check and guarantee of [`TensorDict::load_memmap`]. A dict's folder is
+    /// [`Error::OtherKind`].
+    pub fn load_memmap(prefix: impl AsRef<Path>, access: Access) -> Result<LazyStack> {
+        let prefix = prefix.as_ref();
+        load_folder(prefix, |top| map_tree_with(top, access, prefix, REMEDY_LOAD, read_lazy_tree))
     }
 }
 
@@ -117,7 +129,7 @@ pub(super) const REMEDY_WRITE: &str = "write it as several dicts of fewer leaves
 /// Leaves mapped with an access mode: what [`TensorDict::load_memmap`] returns. It maps no more
 /// leaves than the process may (see [`Error::TooManyMappings`]): once there is no room, it
 /// maps nothing more and only counts the leaves, for the error.
-struct Mapper {
+pub(super) struct Mapper {
     access: Access,
     /// Leaves mapped.
     mapped: usize,
@@ -172,8 +184,19 @@ impl Leaves for Mapper {
 /// Reads the dict in the top folder `top` with its leaves mapped, or refuses it if this process
 /// cannot map them all ([`Error::TooManyMappings`], naming `location`).
 pub(super) fn map_tree(top: &Dir, access: Access, location: &Path, remedy: &'static str) -> Result<TensorDict> {
+    map_tree_with(top, access, location, remedy, read_tree)
+}
+
+/// [`map_tree`] for a top folder read by `read`: a dict's or a lazy stack's.
+pub(super) fn map_tree_with<T>(
+    top: &Dir,
+    access: Access,
+    location: &Path,
+    remedy: &'static str,
+    read: impl FnOnce(&Dir, &mut Mapper) -> Result<T>,
+) -> Result<T> {
     let mut mapper = Mapper::new(access);
-    let td = read_tree(top, &mut mapper)?;
+    let td = read(top, &mut mapper)?;
     let Some(count) = mapper.refused else { return Ok(td) };
     // What was mapped is let go of; the error counts the process's mappings without it.
     drop(td);
@@ -228,7 +251,7 @@ impl Leaves for Checker {
 
 /// Runs `attempt` on the top folder at `prefix`, and again on the new folder when the folder
 /// was swapped for a newer one while it was read.
-pub(crate) fn load_folder(prefix: &Path, mut attempt: impl FnMut(&Dir) -> Result<TensorDict>) -> Result<TensorDict> {
+pub(crate) fn load_folder<T>(prefix: &Path, mut attempt: impl FnMut(&Dir) -> Result<T>) -> Result<T> {
     let mut attempts = 0;
     loop {
         let top = open_top(prefix)?;
@@ -242,6 +265,163 @@ pub(crate) fn load_folder(prefix: &Path, mut attempt: impl FnMut(&Dir) -> Result
 /// Reads the whole dict in the top folder `top`, every leaf made by `leaves`.
 pub(crate) fn read_tree(top: &Dir, leaves: &mut impl Leaves) -> Result<TensorDict> {
     read_node(top, &KeyPath::default(), None, leaves, &mut None)
+}
+
+/// Reads the whole lazy stack in the top folder `top`, every leaf made by `leaves`.
+pub(crate) fn read_lazy_tree(top: &Dir, leaves: &mut impl Leaves) -> Result<LazyStack> {
+    match read_folder(top, &KeyPath::default(), None, leaves, &mut None)? {
+        Entry::Lazy(stack) => Ok(stack),
+        _ => {
+            Err(Error::OtherKind { path: top.path().to_owned(), holds: "a dict", open_with: "TensorDict::load_memmap" })
+        }
+    }
+}
+
+/// What a folder's `meta.json` says it holds, by its `_type`.
+enum NodeKind {
+    /// A dict (`_type` is a TensorDict's, or absent as in format version 0).
+    Dict,
+    /// A lazy stack: its elements in the folders `0`, `1`, ...
+    Lazy,
+    /// A tensorclass: its fields in the folder `_tensordict`.
+    Class(TensorClass),
+}
+
+/// The kind of node `obj` (a folder's `meta.json`) describes; `Unsupported` for one this crate
+/// does not read.
+fn node_kind(obj: &Map<String, Value>, meta_path: &Path, key: &KeyPath) -> Result<NodeKind> {
+    match obj.get("_type").and_then(Value::as_str) {
+        Some(TD_TYPE) | None => Ok(NodeKind::Dict),
+        Some(LAZY_TYPE) => Ok(NodeKind::Lazy),
+        Some(other) => match TensorClass::from_python_type(other) {
+            // Python's own classes that are not tensorclasses (an HDF5 dict, a non-tensor value
+            // where a dict is needed) are not read.
+            Some(class) if !class.module().starts_with("tensordict.") => Ok(NodeKind::Class(class)),
+            _ => Err(Error::Unsupported { path: meta_path.to_owned(), key: key.clone(), what: node_type_words(other) }),
+        },
+    }
+}
+
+/// Reads the folder `dir` whatever it holds: a dict ([`Entry::Dict`], a tensorclass's too) or a
+/// lazy stack ([`Entry::Lazy`]).
+fn read_folder(
+    dir: &Dir,
+    path: &KeyPath,
+    parent_batch: Option<&[usize]>,
+    leaves: &mut impl Leaves,
+    problems: &mut Option<&mut Vec<Error>>,
+) -> Result<Entry> {
+    let meta_path = dir.child("meta.json");
+    let meta = read_meta(dir)?;
+    let obj = meta
+        .as_object()
+        .ok_or_else(|| Error::InvalidMeta { path: meta_path.clone(), reason: "not a JSON object".into() })?;
+    match node_kind(obj, &meta_path, path)? {
+        NodeKind::Lazy => read_lazy(dir, obj, path, parent_batch, leaves, problems).map(Entry::Lazy),
+        _ => read_node(dir, path, parent_batch, leaves, problems).map(Entry::Dict),
+    }
+}
+
+/// The lazy stack in `dir`, whose `meta.json` is `obj`: its elements are the folders `0`, `1`,
+/// ... up to the first number missing, as Python reads them.
+fn read_lazy(
+    dir: &Dir,
+    obj: &Map<String, Value>,
+    path: &KeyPath,
+    parent_batch: Option<&[usize]>,
+    leaves: &mut impl Leaves,
+    problems: &mut Option<&mut Vec<Error>>,
+) -> Result<LazyStack> {
+    let meta_path = dir.child("meta.json");
+    let invalid = |reason: String| Error::InvalidMeta { path: meta_path.clone(), reason };
+    check_version(obj, &meta_path)?;
+    if path.len() > MAX_DEPTH {
+        return Err(invalid(format!("dicts nested deeper than {MAX_DEPTH} levels")));
+    }
+    let dim = obj.get("stack_dim").and_then(Value::as_u64).and_then(|d| usize::try_from(d).ok()).ok_or_else(|| {
+        invalid(format!("a lazy stack whose `stack_dim` is {}", obj.get("stack_dim").unwrap_or(&Value::Null)))
+    })?;
+    let dim_name = match obj.get("stack_dim_name") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(name)) => Some(name.clone()),
+        Some(other) => return Err(invalid(format!("a lazy stack whose `stack_dim_name` is {other}"))),
+    };
+    // The parent's batch dims come first in the stack's: those before the stack dim are every
+    // element's, and the stack dim itself is not.
+    let element_parent = parent_batch.map(|parent| {
+        let mut within = parent.to_vec();
+        if dim < within.len() {
+            within.truncate(dim);
+        }
+        within
+    });
+    let mut items = Vec::new();
+    while dir.kind(&items.len().to_string())?.is_some() {
+        let name = items.len().to_string();
+        let sub = dir.open_dir(&name)?;
+        let key = path.join(&name);
+        match read_node(&sub, &key, element_parent.as_deref(), leaves, problems) {
+            Ok(item) => items.push(item),
+            Err(Error::OtherKind { .. }) => {
+                return Err(invalid(format!(
+                    "element `{name}` is a lazy stack itself, which this crate does not read"
+                )));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if items.is_empty() {
+        return Err(invalid("a lazy stack without elements (no folder `0`)".into()));
+    }
+    let mut stack = LazyStack::new(items, dim).map_err(|e| invalid(format!("its elements do not stack: {e}")))?;
+    stack.set_dim_name(dim_name);
+    let batch = stack.batch_size();
+    if let Some(parent) = parent_batch
+        && !batch.starts_with(parent)
+    {
+        return Err(Error::BatchSizeMismatch { key: path.clone(), shape: batch, batch_size: parent.to_vec() });
+    }
+    Ok(stack)
+}
+
+/// The folder of fields of the tensorclass `class` in `dir` (whose `meta.json` is `obj`), its
+/// `meta.json` (checked to be a dict's), and the class with the fields Python kept beside its
+/// name. Out of line, so that the frame of `read_node`, one per level, stays small.
+#[inline(never)]
+fn class_fields(
+    dir: &Dir,
+    obj: &Map<String, Value>,
+    class: TensorClass,
+    path: &KeyPath,
+) -> Result<(Dir, Value, TensorClass)> {
+    let fields: Map<String, Value> =
+        obj.iter().filter(|(k, _)| *k != "_type").map(|(k, v)| (k.clone(), v.clone())).collect();
+    let mut pickled = Vec::new();
+    for name in CLASS_PICKLE_FILES {
+        if dir.kind(name)?.is_some() {
+            pickled.push(name.to_owned());
+        }
+    }
+    let pickled = (!pickled.is_empty()).then(|| {
+        let what = format!("pickled fields of the tensorclass `{}` (`other.pickle`)", class.path());
+        Unreadable::new(what, dir.path().to_owned(), pickled, Value::Null)
+    });
+    if dir.kind(CLASS_FIELDS_DIR)?.is_none() {
+        return Err(Error::InvalidMeta {
+            path: dir.child(CLASS_FIELDS_DIR),
+            reason: format!("the tensorclass `{}` has no folder `{CLASS_FIELDS_DIR}` of fields", class.path()),
+        });
+    }
+    let sub = dir.open_dir(CLASS_FIELDS_DIR)?;
+    let meta = read_meta(&sub)?;
+    let meta_path = sub.child("meta.json");
+    let invalid = |reason: &str| Error::InvalidMeta { path: meta_path.clone(), reason: reason.into() };
+    let obj = meta.as_object().ok_or_else(|| invalid("not a JSON object"))?;
+    check_version(obj, &meta_path)?;
+    if !matches!(node_kind(obj, &meta_path, path)?, NodeKind::Dict) {
+        return Err(invalid("the fields of a tensorclass are not a dict"));
+    }
+    Ok((sub, meta, class.with_fields(fields, pickled)))
 }
 
 /// Opens the top folder of a dict, after putting back a folder whose writer died mid-swap.
@@ -272,19 +452,33 @@ fn read_node(
         });
     }
     let meta = read_meta(dir)?;
-    let invalid = |reason: String| Error::InvalidMeta { path: meta_path.clone(), reason };
-    let obj = meta.as_object().ok_or_else(|| invalid("not a JSON object".into()))?;
+    let not_object = |path: &Path| Error::InvalidMeta { path: path.to_owned(), reason: "not a JSON object".into() };
+    let obj = meta.as_object().ok_or_else(|| not_object(&meta_path))?;
     check_version(obj, &meta_path)?;
-    match obj.get("_type").and_then(Value::as_str) {
-        Some(TD_TYPE) | None => {}
-        Some(other) => {
-            return Err(Error::Unsupported {
-                path: meta_path.clone(),
-                key: path.clone(),
-                what: node_type_words(other),
+    // A tensorclass is read in this same frame, from its folder of fields: one frame per level
+    // keeps a walk down the deepest dict allowed within the smallest stack it runs on.
+    let (fields_dir, fields_meta, class);
+    let (dir, meta_path, obj) = match node_kind(obj, &meta_path, path)? {
+        NodeKind::Dict => {
+            class = None;
+            (dir, meta_path, obj)
+        }
+        NodeKind::Class(named) => {
+            let (sub, sub_meta, named) = class_fields(dir, obj, named, path)?;
+            class = Some(named);
+            (fields_dir, fields_meta) = (sub, sub_meta);
+            let fields = fields_meta.as_object().ok_or_else(|| not_object(&meta_path))?;
+            (&fields_dir, fields_dir.child("meta.json"), fields)
+        }
+        NodeKind::Lazy => {
+            return Err(Error::OtherKind {
+                path: dir.path().to_owned(),
+                holds: "a lazy stack of dicts (`LazyStackedTensorDict`)",
+                open_with: "LazyStack::load_memmap",
             });
         }
-    }
+    };
+    let invalid = |reason: String| Error::InvalidMeta { path: meta_path.clone(), reason };
     let batch = obj
         .get("shape")
         .ok_or_else(|| invalid("no `shape` (batch size)".into()))
@@ -310,16 +504,23 @@ fn read_node(
             Some(record) => {
                 let folder = || existing(dir, candidate_names(name, true), "").and_then(|n| dir.open_dir(&n));
                 let read = match record.get("type").and_then(Value::as_str) {
-                    Some("TensorDict") => {
-                        folder().and_then(|sub| read_node(&sub, &key, Some(&batch), leaves, problems)).map(Entry::Dict)
-                    }
                     Some("NonTensorData") => folder().and_then(|sub| read_non_tensor(&sub, &key)).map(Entry::NonTensor),
                     Some("NonTensorStack") => folder().and_then(|sub| read_non_tensor_stack(&sub, &key, &batch)),
-                    Some(other) => Err(Error::Unsupported {
+                    Some("PersistentTensorDict") => Err(Error::Unsupported {
                         path: meta_path.clone(),
                         key: key.clone(),
-                        what: entry_type_words(other),
+                        what: entry_type_words("PersistentTensorDict"),
                     }),
+                    Some("LazyStackedTensorDict") => folder().and_then(|sub| {
+                        let meta = read_meta(&sub)?;
+                        let obj = meta.as_object().ok_or_else(|| not_object(&sub.child("meta.json")))?;
+                        read_lazy(&sub, obj, &key, Some(&batch), leaves, problems).map(Entry::Lazy)
+                    }),
+                    // A dict, or a tensorclass (recorded by its class name): its folder's own
+                    // `meta.json` says which.
+                    Some(_) => {
+                        folder().and_then(|sub| read_node(&sub, &key, Some(&batch), leaves, problems)).map(Entry::Dict)
+                    }
                     None => read_leaf(dir, &meta_path, &key, record, &batch, leaves).map(Entry::Tensor),
                 };
                 match read {
@@ -337,7 +538,9 @@ fn read_node(
             (Err(e), None) => return Err(e),
         }
     }
-    Ok(TensorDict::from_parts(batch, entries))
+    let mut td = TensorDict::from_parts(batch, entries);
+    td.set_class(class);
+    Ok(td)
 }
 
 fn read_leaf(

@@ -15,6 +15,14 @@ pub use write::{WRITE_PIECE, WriteOptions};
 pub(crate) const TD_TYPE: &str = "<class 'tensordict._td.TensorDict'>";
 /// `_class` of a TensorDict node (format version 1).
 pub(crate) const TD_CLASS: &str = "tensordict:TensorDict";
+/// `_type` of a lazy stack's `meta.json`.
+pub(crate) const LAZY_TYPE: &str = "<class 'tensordict._lazy.LazyStackedTensorDict'>";
+/// `_class` of a lazy stack (format version 1).
+pub(crate) const LAZY_CLASS: &str = "tensordict:LazyStackedTensorDict";
+/// The folder of a tensorclass that holds its fields, as a dict.
+pub(crate) const CLASS_FIELDS_DIR: &str = "_tensordict";
+/// The file of a tensorclass's pickled fields, and the file of their types beside it.
+pub(crate) const CLASS_PICKLE_FILES: [&str; 2] = ["other.pickle", "json_types.json"];
 /// `_type` of a non-tensor value's `meta.json`.
 pub(crate) const NON_TENSOR_TYPE: &str = "<class 'tensordict.tensorclass.NonTensorData'>";
 /// `_type` of a non-tensor stack's `meta.json`.

@@ -14,11 +14,12 @@ use crate::error::WithKey;
 use crate::json::{to_python_json, to_python_json_compact};
 use crate::key::{RESERVED_KEYS, encode_name};
 use crate::replace::{Destination, Existing, Leftover};
-use crate::{Entry, Error, KeyPath, Result, TensorDict};
+use crate::{Entry, Error, KeyPath, LazyStack, Result, TensorClass, TensorDict};
 
+use super::load::{map_tree_with, read_lazy_tree};
 use super::{
-    FORMAT_VERSION, MAX_DEPTH, NON_TENSOR_STACK_TYPE, NON_TENSOR_TYPE, REMEDY_WRITE, TD_CLASS, TD_TYPE, check_map_room,
-    map_tree, repeat_first_row,
+    CLASS_FIELDS_DIR, FORMAT_VERSION, LAZY_CLASS, LAZY_TYPE, MAX_DEPTH, NON_TENSOR_STACK_TYPE, NON_TENSOR_TYPE,
+    REMEDY_WRITE, TD_CLASS, TD_TYPE, check_map_room, map_tree, repeat_first_row,
 };
 
 /// Options for [`TensorDict::memmap_with`] and [`TensorDict::memmap_like_with`].
@@ -215,42 +216,124 @@ impl TensorDict {
     fn write_folder(&self, prefix: &Path, fill: Fill, options: &WriteOptions) -> Result<TensorDict> {
         self.validate()?;
         crate::schema::check_limits(self)?;
-        let destination = Destination::new(prefix)?;
-        let existing = destination.existing()?;
-        if existing == Existing::Dict && !options.overwrite {
-            return Err(Error::WouldReplace { path: prefix.to_owned() });
-        }
-        // Best effort: what a killed writer left here is garbage; a failure to remove it is
-        // no reason to fail this write.
-        let _ = destination.remove_dead_leftovers();
-        // The written dict is returned mapped, one mapping per leaf with elements: a dict this
-        // process cannot map is refused before anything is written.
-        let mapped = self.leaves().iter().filter(|(_, t)| resized_bytes(t, fill) > 0).count();
-        check_map_room(mapped, &prefix.display().to_string(), REMEDY_WRITE)?;
-        let staging = destination.stage()?;
-        let total_bytes = self.leaves().iter().map(|(_, t)| resized_bytes(t, fill)).sum();
-        let mut writing = Writing { options, fill, done_bytes: 0, total_bytes };
-        writing.check_cancel()?;
-        self.write_node(staging.path(), &KeyPath::default(), &mut writing)?;
-        if existing == Existing::Dict {
-            // Readers of the dict replaced see a new generation, however alike the two folders.
-            crate::backing::write_fresh_generation(staging.path())?;
-        }
-        if options.fsync {
-            sync_tree(staging.path(), 0)?;
-        }
-        // Whatever is put in place must load: check it before, through the names it will have.
-        let top = Dir::open_at_path(staging.path(), prefix.to_owned())?;
-        let written = map_tree(&top, Access::ReadWrite, prefix, REMEDY_WRITE)?;
-        destination.commit(staging, options.overwrite, options.fsync)?;
-        Ok(written)
+        let tensors = self.all_tensors();
+        write_tree(
+            prefix,
+            fill,
+            options,
+            &tensors,
+            |dir, writing| self.write_node(dir, &KeyPath::default(), writing),
+            |top| map_tree(top, Access::ReadWrite, prefix, REMEDY_WRITE),
+        )
+    }
+}
+
+impl LazyStack {
+    /// Writes the stack to the folder `prefix` in Python's layout (readable with
+    /// `TensorDict.load_memmap(prefix)`, which gives a `LazyStackedTensorDict`), and returns it
+    /// opened from there, read-write. Atomic, and refusing to replace data, as
+    /// [`TensorDict::memmap`].
+    pub fn memmap(&self, prefix: impl AsRef<Path>) -> Result<LazyStack> {
+        self.memmap_with(prefix, &WriteOptions::default())
     }
 
+    /// [`LazyStack::memmap`] with options (replace an existing folder, fsync, progress).
+    pub fn memmap_with(&self, prefix: impl AsRef<Path>, options: &WriteOptions) -> Result<LazyStack> {
+        let prefix = prefix.as_ref();
+        for item in self.items() {
+            item.validate()?;
+            crate::schema::check_limits(item)?;
+        }
+        let tensors: Vec<&Tensor> = self.items().iter().flat_map(TensorDict::all_tensors).collect();
+        write_tree(
+            prefix,
+            Fill::Copy,
+            options,
+            &tensors,
+            |dir, writing| self.write_node(dir, &KeyPath::default(), writing),
+            |top| map_tree_with(top, Access::ReadWrite, prefix, REMEDY_WRITE, read_lazy_tree),
+        )
+    }
+
+    /// Writes the stack into `dir`: its `meta.json` and each element in the folder of its
+    /// number.
+    fn write_node(&self, dir: &Path, path: &KeyPath, writing: &mut Writing<'_>) -> Result<()> {
+        if let Fill::Zeros(Some(_)) = writing.fill {
+            return Err(crate::lazy::not_taken(path, "memmap_like with a new size"));
+        }
+        ensure_real_dir(dir)?;
+        for (k, item) in self.items().iter().enumerate() {
+            let name = k.to_string();
+            item.write_node(&dir.join(&name), &path.join(&name), writing)?;
+        }
+        let meta = json!({
+            "_type": LAZY_TYPE,
+            "_format_version": FORMAT_VERSION,
+            "_class": LAZY_CLASS,
+            "stack_dim": self.dim(),
+            "stack_dim_name": self.dim_name(),
+        });
+        write_meta(dir, &to_python_json(&meta))
+    }
+}
+
+/// Writes a folder at `prefix` whose leaves are `tensors`: `write` fills the staging folder,
+/// `load` reads it back as a check and gives the result; then it is put in place in one step.
+fn write_tree<T>(
+    prefix: &Path,
+    fill: Fill,
+    options: &WriteOptions,
+    tensors: &[&Tensor],
+    write: impl FnOnce(&Path, &mut Writing<'_>) -> Result<()>,
+    load: impl FnOnce(&Dir) -> Result<T>,
+) -> Result<T> {
+    let destination = Destination::new(prefix)?;
+    let existing = destination.existing()?;
+    if existing == Existing::Dict && !options.overwrite {
+        return Err(Error::WouldReplace { path: prefix.to_owned() });
+    }
+    // Best effort: what a killed writer left here is garbage; a failure to remove it is
+    // no reason to fail this write.
+    let _ = destination.remove_dead_leftovers();
+    // The written dict is returned mapped, one mapping per leaf with elements: a dict this
+    // process cannot map is refused before anything is written.
+    let mapped = tensors.iter().filter(|t| resized_bytes(t, fill) > 0).count();
+    check_map_room(mapped, &prefix.display().to_string(), REMEDY_WRITE)?;
+    let staging = destination.stage()?;
+    let total_bytes = tensors.iter().map(|t| resized_bytes(t, fill)).sum();
+    let mut writing = Writing { options, fill, done_bytes: 0, total_bytes };
+    writing.check_cancel()?;
+    write(staging.path(), &mut writing)?;
+    if existing == Existing::Dict {
+        // Readers of the dict replaced see a new generation, however alike the two folders.
+        crate::backing::write_fresh_generation(staging.path())?;
+    }
+    if options.fsync {
+        sync_tree(staging.path(), 0)?;
+    }
+    // Whatever is put in place must load: check it before, through the names it will have.
+    let top = Dir::open_at_path(staging.path(), prefix.to_owned())?;
+    let written = load(&top)?;
+    destination.commit(staging, options.overwrite, options.fsync)?;
+    Ok(written)
+}
+
+impl TensorDict {
     /// Writes this node into `dir`, a folder of the staging tree that nobody else reads, so
-    /// files go straight to their final names.
+    /// files go straight to their final names. A tensorclass's fields go into its
+    /// `_tensordict`, beside its class name, in this same frame: one frame per level keeps a
+    /// walk down the deepest dict allowed within the smallest stack it runs on.
     fn write_node(&self, dir: &Path, path: &KeyPath, writing: &mut Writing<'_>) -> Result<()> {
         check_writable_keys(self, path)?;
         ensure_real_dir(dir)?;
+        let fields_dir;
+        let dir = match self.class() {
+            None => dir,
+            Some(class) => {
+                fields_dir = write_class(dir, class, path, writing.fill)?;
+                &fields_dir
+            }
+        };
         let fill = writing.fill;
         let mut meta = Map::new();
         for (name, entry) in self.iter() {
@@ -258,58 +341,25 @@ impl TensorDict {
             let stem = encode_name(name);
             match entry {
                 Entry::Tensor(t) => {
-                    let dims = resized(t.dims(), fill);
-                    meta.insert(name.to_owned(), leaf_meta(t.dtype(), &dims));
-                    // An overflowing count is not zero: `Tensor::zeros` names the overflow.
-                    if dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) != Some(0) {
-                        let file = dir.join(format!("{stem}.memmap"));
-                        let mut out =
-                            Tensor::zeros(dims, t.dtype(), &Location::File(file.clone())).with_key(|| key.clone())?;
-                        match fill {
-                            Fill::Copy => writing.copy(&mut out, t, &key)?,
-                            Fill::Zeros(_) => writing.advance(out.nbytes()),
-                        }
-                        if writing.options.fsync {
-                            out.flush().with_key(|| key.clone())?;
-                        }
-                    }
+                    meta.insert(name.to_owned(), write_leaf(dir, &stem, t, &key, writing)?);
                 }
                 Entry::Dict(d) => {
-                    meta.insert(name.to_owned(), json!({"type": "TensorDict"}));
+                    // Python records a tensorclass by its class name.
+                    let kind = d.class().map_or("TensorDict", |class| class.name());
+                    meta.insert(name.to_owned(), json!({"type": kind}));
                     d.write_node(&dir.join(&stem), &key, writing)?;
+                }
+                Entry::Lazy(l) => {
+                    meta.insert(name.to_owned(), json!({"type": "LazyStackedTensorDict"}));
+                    l.write_node(&dir.join(&stem), &key, writing)?;
                 }
                 Entry::NonTensor(v) => {
                     meta.insert(name.to_owned(), json!({"type": "NonTensorData"}));
-                    let sub = dir.join(&stem);
-                    ensure_real_dir(&sub)?;
-                    let content = json!({
-                        "_type": NON_TENSOR_TYPE,
-                        "data": v,
-                        "_metadata": null,
-                        "_is_non_tensor": true,
-                    });
-                    write_meta(&sub, &to_python_json(&content))?;
+                    write_value(&dir.join(&stem), v)?;
                 }
                 Entry::NonTensorStack(v) => {
                     meta.insert(name.to_owned(), json!({"type": "NonTensorStack"}));
-                    let sub = dir.join(&stem);
-                    ensure_real_dir(&sub)?;
-                    let data = match fill {
-                        Fill::Zeros(Some(rows)) => repeat_first_row(v, rows, &key)?,
-                        Fill::Copy | Fill::Zeros(None) => v.clone(),
-                    };
-                    // Python writes this one compact (`separators=(",", ":")`, still ASCII-only),
-                    // with its own version and class. Python writes the `stack_dim` it was built
-                    // along but reads every stack as nested lists in batch order; so do we.
-                    let content = json!({
-                        "_type": NON_TENSOR_STACK_TYPE,
-                        "_format_version": FORMAT_VERSION,
-                        "_class": "tensordict:NonTensorStack",
-                        "stack_dim": 0,
-                        "device": null,
-                        "data": data,
-                    });
-                    write_meta(&sub, &to_python_json_compact(&content))?;
+                    write_stack(&dir.join(&stem), v, fill, &key)?;
                 }
                 // Copied as it is: a whole copy of a Python folder loses nothing. A zero-filled
                 // folder of the same schema cannot make one.
@@ -330,6 +380,87 @@ impl TensorDict {
         meta.insert("_class".into(), json!(TD_CLASS));
         write_meta(dir, &to_python_json(&Value::Object(meta)))
     }
+}
+
+// The entries are written out of line, so that the frame of `write_node`, one per level of a
+// dict, stays small: a write of the deepest dict allowed fits the smallest stack it runs on.
+
+/// Writes the leaf `t` to the file `{stem}.memmap` in `dir` and returns its record.
+#[inline(never)]
+fn write_leaf(dir: &Path, stem: &str, t: &Tensor, key: &KeyPath, writing: &mut Writing<'_>) -> Result<Value> {
+    let fill = writing.fill;
+    let dims = resized(t.dims(), fill);
+    let record = leaf_meta(t.dtype(), &dims);
+    // An overflowing count is not zero: `Tensor::zeros` names the overflow.
+    if dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) != Some(0) {
+        let file = dir.join(format!("{stem}.memmap"));
+        let mut out = Tensor::zeros(dims, t.dtype(), &Location::File(file)).with_key(|| key.clone())?;
+        match fill {
+            Fill::Copy => writing.copy(&mut out, t, key)?,
+            Fill::Zeros(_) => writing.advance(out.nbytes()),
+        }
+        if writing.options.fsync {
+            out.flush().with_key(|| key.clone())?;
+        }
+    }
+    Ok(record)
+}
+
+/// Writes the non-tensor value `v` into its folder `sub`.
+#[inline(never)]
+fn write_value(sub: &Path, v: &Value) -> Result<()> {
+    ensure_real_dir(sub)?;
+    let content = json!({
+        "_type": NON_TENSOR_TYPE,
+        "data": v,
+        "_metadata": null,
+        "_is_non_tensor": true,
+    });
+    write_meta(sub, &to_python_json(&content))
+}
+
+/// Writes the non-tensor stack `v` into its folder `sub`.
+#[inline(never)]
+fn write_stack(sub: &Path, v: &Value, fill: Fill, key: &KeyPath) -> Result<()> {
+    ensure_real_dir(sub)?;
+    let data = match fill {
+        Fill::Zeros(Some(rows)) => repeat_first_row(v, rows, key)?,
+        Fill::Copy | Fill::Zeros(None) => v.clone(),
+    };
+    // Python writes this one compact (`separators=(",", ":")`, still ASCII-only), with its own
+    // version and class. Python writes the `stack_dim` it was built along but reads every stack
+    // as nested lists in batch order; so do we.
+    let content = json!({
+        "_type": NON_TENSOR_STACK_TYPE,
+        "_format_version": FORMAT_VERSION,
+        "_class": "tensordict:NonTensorStack",
+        "stack_dim": 0,
+        "device": null,
+        "data": data,
+    });
+    write_meta(sub, &to_python_json_compact(&content))
+}
+
+/// Writes the class name (and the fields kept beside it) of a tensorclass into `dir`, and
+/// returns the folder its fields go into. Out of line, so that the frame of `write_node`, one
+/// per level, stays small.
+#[inline(never)]
+fn write_class(dir: &Path, class: &TensorClass, path: &KeyPath, fill: Fill) -> Result<std::path::PathBuf> {
+    let mut meta = Map::new();
+    meta.insert("_type".into(), json!(class.python_type()));
+    for (name, value) in class.fields() {
+        meta.insert(name.clone(), value.clone());
+    }
+    write_meta(dir, &to_python_json(&Value::Object(meta)))?;
+    if let Some(pickled) = class.pickled() {
+        match fill {
+            Fill::Copy => pickled.copy_into(dir)?,
+            Fill::Zeros(_) => return Err(pickled.error(path)),
+        }
+    }
+    let fields_dir = dir.join(CLASS_FIELDS_DIR);
+    ensure_real_dir(&fields_dir)?;
+    Ok(fields_dir)
 }
 
 fn leaf_meta(dtype: DType, dims: &[usize]) -> Value {
@@ -355,7 +486,7 @@ fn check_writable_keys(td: &TensorDict, path: &KeyPath) -> Result<()> {
         // same name.
         let on_disk = match entry {
             Entry::Tensor(_) => format!("{}.memmap", encode_name(name)),
-            Entry::Dict(_) | Entry::NonTensor(_) | Entry::NonTensorStack(_) => encode_name(name),
+            Entry::Dict(_) | Entry::Lazy(_) | Entry::NonTensor(_) | Entry::NonTensorStack(_) => encode_name(name),
             Entry::Unreadable(u) => u.names().first().cloned().unwrap_or_default(),
         };
         if !names.insert(on_disk) {
