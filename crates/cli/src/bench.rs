@@ -164,6 +164,25 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Opening a dict consolidated into one file (`TensorDict::open_consolidated`: one mapping,
+    /// only the metadata read) against opening its folder (`load_memmap`: one mapping per
+    /// leaf), and the first gather of random rows from each, checked equal; medians.
+    Consolidated {
+        /// The folder; it is consolidated into FILE first.
+        path: PathBuf,
+        /// The consolidated file to write (replaced if it is there).
+        #[arg(long)]
+        file: PathBuf,
+        /// Opens to time of each kind (1 to 100000).
+        #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+        iters: u64,
+        /// Rows of the first gather (1 to 1048576).
+        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=MAX_BATCH))]
+        batch: u64,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// GPU paths: pinned memory to the GPU (the limit), a memmap folder moved once and again
     /// once registered, gathers of 256 and 1024 random 697-byte rows into GPU memory (p50 and
     /// p99), managed-memory prefetch, and GPU offload to disk and back (compare with
@@ -246,6 +265,9 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         }
         BenchCommand::Replay { rows, iters, json } => crate::bench_replay::run(rows, iters, json),
         BenchCommand::Load { path, iters, cold, json } => load(&path, usize::try_from(iters)?, cold, json),
+        BenchCommand::Consolidated { path, file, iters, batch, json } => {
+            consolidated(&path, &file, usize::try_from(iters)?, usize::try_from(batch)?, json)
+        }
         BenchCommand::Cuda { device, size, offload_size, reps, batches, dir, json } => {
             let opts = crate::bench_cuda::Options {
                 device,
@@ -449,6 +471,63 @@ fn load(path: &Path, iters: usize, cold: bool, as_json: bool) -> anyhow::Result<
             medians[1],
             engine.backend().as_str(),
             medians[2]
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tdict bench consolidated`: see [`BenchCommand::Consolidated`].
+fn consolidated(path: &Path, file: &Path, iters: usize, batch: usize, as_json: bool) -> anyhow::Result<ExitCode> {
+    let folder = TensorDict::load_memmap(path, Access::ReadOnly)?;
+    let rows = *folder.batch_size().first().context("the dict has no batch dim to gather rows of")?;
+    ensure!(rows > 0, "the dict has no rows");
+    let started = Instant::now();
+    folder.consolidate_with(file, &tensordict::WriteOptions::default().overwrite(true))?;
+    let write_ms = started.elapsed().as_secs_f64() * 1e3;
+    let (bytes, leaves) = (folder.nbytes(), folder.leaves().len());
+    drop(folder);
+    // Alternating, so that both see the same machine.
+    let (mut open_us, mut load_us) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
+    for _ in 0..iters {
+        let started = Instant::now();
+        let opened = TensorDict::open_consolidated(file, Access::ReadOnly)?;
+        open_us.push(started.elapsed().as_secs_f64() * 1e6);
+        drop(opened);
+        let started = Instant::now();
+        let loaded = TensorDict::load_memmap(path, Access::ReadOnly)?;
+        load_us.push(started.elapsed().as_secs_f64() * 1e6);
+        drop(loaded);
+    }
+    let mut rng = rand::rng();
+    let idx: Vec<i64> = (0..batch).map(|_| rng.random_range(0..rows as i64)).collect();
+    let started = Instant::now();
+    let from_file = TensorDict::open_consolidated(file, Access::ReadOnly)?.index(idx.clone())?;
+    let first_gather_ms = started.elapsed().as_secs_f64() * 1e3;
+    let from_folder = TensorDict::load_memmap(path, Access::ReadOnly)?.index(idx)?;
+    for ((key, a), (_, b)) in from_file.leaves().iter().zip(from_folder.leaves()) {
+        ensure!(a.to_bytes()? == b.to_bytes()?, "the gathers of `{key}` differ");
+    }
+    let median = |times: &mut Vec<f64>| {
+        times.sort_by(f64::total_cmp);
+        round(times[times.len() / 2])
+    };
+    let out = json!({
+        "bench": "consolidated", "bytes": bytes, "leaves": leaves, "iters": iters, "batch": batch,
+        "write_ms": round(write_ms), "open_consolidated_us": median(&mut open_us), "load_memmap_us": median(&mut load_us),
+        "first_gather_ms": round(first_gather_ms), "gathers_equal": true,
+    });
+    if as_json {
+        crate::out!("{out}");
+    } else {
+        crate::out!(
+            "{} in {leaves} leaves ({}), medians of {iters}: open_consolidated {} µs, load_memmap of the folder {} µs; \
+             consolidated in {} ms; first gather of {batch} rows {} ms, equal to the folder's",
+            path.display(),
+            indicatif::DecimalBytes(bytes as u64),
+            out["open_consolidated_us"],
+            out["load_memmap_us"],
+            out["write_ms"],
+            out["first_gather_ms"],
         );
     }
     Ok(ExitCode::SUCCESS)

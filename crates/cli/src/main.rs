@@ -40,7 +40,7 @@ use clap::{Parser, Subcommand};
 use indicatif::DecimalBytes;
 use memmap_tensor::Access;
 use serde_json::{Value, json};
-use tensordict::{Error, KeyPath, TensorDict};
+use tensordict::{Entry, Error, KeyPath, TensorDict};
 use words::one_line;
 
 use crate::location::LocationParser;
@@ -203,7 +203,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 0 => String::new(),
                 n => format!(" and {n} entries not read, as they are,"),
             };
-            out!("copied {} leaves ({}){as_is} to {dst}", td.leaves().len(), DecimalBytes(td.nbytes() as u64));
+            out!("copied {} leaves ({}){as_is} to {dst}", td.tensors().len(), DecimalBytes(td.nbytes() as u64));
             Ok(ExitCode::SUCCESS)
         }
         Command::Clean { path } => clean(&path),
@@ -253,9 +253,25 @@ fn info(location: &Location, as_json: bool, with_stats: bool) -> anyhow::Result<
         .into_iter()
         .map(|(k, u)| json!({"key": k.parts(), "what": u.what(), "path": u.path()}))
         .collect();
+    // Lazy stacks (their dicts' leaves are not keys of the dict) and tensorclasses.
+    let mut stacks = Vec::new();
+    let mut classes: Vec<Value> = td.class().map(|c| json!({"key": [], "class": c.path()})).into_iter().collect();
+    for key in td.keys(true, false) {
+        match td.get(key.clone()) {
+            Ok(Entry::Lazy(l)) => stacks.push(json!({
+                "key": key.parts(), "batch_size": l.batch_size(), "stack_dim": l.dim(), "dicts": l.len(),
+                "nbytes": l.items().iter().map(TensorDict::nbytes).sum::<usize>(),
+            })),
+            Ok(Entry::Dict(d)) if d.class().is_some() => {
+                classes.push(json!({"key": key.parts(), "class": d.class().map(|c| c.path())}));
+            }
+            _ => {}
+        }
+    }
     if as_json {
         let out = json!({
             "batch_size": td.batch_size(), "leaves": rows, "non_tensor": non_tensor, "unreadable": unreadable,
+            "lazy_stacks": stacks, "tensorclasses": classes,
         });
         out!("{out}");
         return Ok(ExitCode::SUCCESS);
@@ -266,7 +282,14 @@ fn info(location: &Location, as_json: bool, with_stats: bool) -> anyhow::Result<
         parts.join(".").chars().flat_map(char::escape_debug).collect::<String>()
     };
     out!("batch_size: {:?}", td.batch_size());
-    let width = rows.iter().chain(&non_tensor).chain(&unreadable).map(|e| shown(e).chars().count()).max().unwrap_or(0);
+    let width = rows
+        .iter()
+        .chain(&non_tensor)
+        .chain(&unreadable)
+        .chain(&stacks)
+        .map(|e| shown(e).chars().count())
+        .max()
+        .unwrap_or(0);
     for leaf in &rows {
         let mut line = format!(
             "{:width$}  {:<15} {:<20} {:>10}",
@@ -285,6 +308,20 @@ fn info(location: &Location, as_json: bool, with_stats: bool) -> anyhow::Result<
     }
     for entry in &unreadable {
         out!("{:width$}  (not read) {}", shown(entry), entry["what"].as_str().unwrap_or_default());
+    }
+    for entry in &stacks {
+        out!(
+            "{:width$}  (lazy stack) {} dicts along dim {}, batch {}, {}",
+            shown(entry),
+            entry["dicts"],
+            entry["stack_dim"],
+            entry["batch_size"],
+            DecimalBytes(entry["nbytes"].as_u64().unwrap_or_default())
+        );
+    }
+    for entry in &classes {
+        let key = if shown(entry).is_empty() { "(the dict)".to_owned() } else { shown(entry) };
+        out!("{key:width$}  (tensorclass) {}", entry["class"].as_str().unwrap_or_default());
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -23,6 +23,11 @@ fn message(e: &(dyn std::error::Error + 'static)) -> String {
             "(`TensorDict::exclude`)",
             &format!("(`tdict copy --exclude {}` makes a copy without it)", key.joined(".")),
         ),
+        Error::OtherKind { open_with, .. } if open_with.starts_with("LazyStack::") => text.replace(
+            &format!("open it with `{open_with}`"),
+            "this tool opens dicts (a dict that holds lazy stacks is one; Python's `tensordict_rs.LazyStack` \
+             and Rust's `LazyStack` open a stack itself)",
+        ),
         _ => text,
     }
 }

@@ -259,9 +259,10 @@ fn a_killed_copy_into_shared_memory_is_listed_refused_and_removed() {
     assert!(incomplete >= runs / 2, "only {incomplete} of {runs} copies were killed mid-way");
 }
 
-/// A Python folder with entries this tool does not read (a pickled value, a tensorclass, a
-/// complex tensor, ...): `info` lists them, `copy` to a folder keeps them as they are, `copy`
-/// to shared memory says which one stops it and how to leave it out, and `--exclude` does.
+/// A Python folder with entries this tool does not read (a pickled value, a complex tensor,
+/// ...) beside a tensorclass and a lazy stack, which it reads: `info` lists them all, `copy` to
+/// a folder keeps those not read as they are, `copy` to shared memory says which one stops it
+/// and how to leave it out, and `--exclude` does.
 #[test]
 fn entries_not_read_are_listed_copied_as_they_are_or_left_out() {
     let src = fixture("unreadable");
@@ -273,30 +274,26 @@ fn entries_not_read_are_listed_copied_as_they_are_or_left_out() {
     }
     let info = tdict([OsStr::new("info"), src.as_os_str(), "--json".as_ref()]).json();
     let keys: Vec<Value> = info["unreadable"].as_array().unwrap().iter().map(|u| u["key"].clone()).collect();
+    assert_eq!(keys, [json!(["z"]), json!(["obj"]), json!(["tags"]), json!(["nt"]), json!(["next", "info"])]);
     assert_eq!(
-        keys,
-        [
-            json!(["z"]),
-            json!(["obj"]),
-            json!(["tags"]),
-            json!(["point"]),
-            json!(["lazy"]),
-            json!(["nt"]),
-            json!(["next", "info"])
-        ]
+        info["lazy_stacks"],
+        json!([{"key": ["lazy"], "batch_size": [3], "stack_dim": 0, "dicts": 3, "nbytes": 24}])
     );
+    assert_eq!(info["tensorclasses"], json!([{"key": ["point"], "class": "__main__.Point"}]));
+    let line = line_of(out, "lazy").unwrap_or_else(|| panic!("the lazy stack is not listed:\n{run}"));
+    assert!(line.contains("(lazy stack) 3 dicts along dim 0, batch [3], 24 B"), "{line}");
 
     let tmp = tempfile::tempdir().unwrap();
     let dst = tmp.path().join("copy");
     let run = tdict([OsStr::new("copy"), src.as_os_str(), dst.as_os_str()]);
-    assert!(run.ok().contains("copied 2 leaves (36 B) and 7 entries not read, as they are, to"), "{run}");
+    assert!(run.ok().contains("copied 6 leaves (108 B) and 5 entries not read, as they are, to"), "{run}");
     assert_eq!(
         fs::read(dst.join("point/_tensordict/x.memmap")).unwrap(),
         fs::read(src.join("point/_tensordict/x.memmap")).unwrap()
     );
     assert_eq!(
         tdict([OsStr::new("info"), dst.as_os_str(), "--json".as_ref()]).json()["unreadable"].as_array().unwrap().len(),
-        7
+        5
     );
 
     let prefix = shm_prefix("unreadable");

@@ -33,6 +33,7 @@ fn live_exports() -> usize {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tensor::PyTensor>()?;
     m.add_class::<dict::PyTensorDict>()?;
+    m.add_class::<dict::PyLazyStack>()?;
     m.add_class::<replay::PyReplayBuffer>()?;
     m.add_class::<replay::PyPrefetch>()?;
     m.add_class::<remote::PyRemoteBuffer>()?;

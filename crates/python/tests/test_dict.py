@@ -259,10 +259,9 @@ def test_a_folder_with_entries_not_read_loads_the_rest(tmp_path):
         ("next", "info"): "a pickled Python value (`other.pickle`)",
     }
     assert td["obs"].numpy().ravel().tolist() == [0, 1, 2, 3, 4, 5]
-    # A tensorclass loads as the dict of its fields; a lazy stack has no Python form here yet.
-    assert td["point", "label"] == "p"
-    with pytest.raises(TypeError, match="lazy stack"):
-        td["lazy"]
+    # A tensorclass loads as the dict of its fields (`test_formats.py` has more), a lazy stack as one.
+    assert td["point", "label"] == "p" and td["point"].tensorclass == "__main__.Point"
+    assert isinstance(td["lazy"], tdr.LazyStack) and len(td["lazy"]) == 3
     with pytest.raises(tdr.TensorDictError, match=r"key `obj` holds a pickled Python value .*`TensorDict.exclude`"):
         td["obj"]
     with pytest.raises(tdr.TensorDictError, match="key `z` holds"):

@@ -342,13 +342,14 @@ impl TensorDict {
         out
     }
 
-    /// Every tensor of the dict, those of its lazy stacks' elements included (which
-    /// [`TensorDict::leaves`] leaves out: their keys are not key paths of this dict).
-    pub(crate) fn all_tensors(&self) -> Vec<&Tensor> {
+    /// Every tensor of the dict, depth first in insertion order, those of the dicts of its lazy
+    /// stacks included (which [`TensorDict::leaves`] leaves out: their keys are not key paths
+    /// of this dict).
+    pub fn tensors(&self) -> Vec<&Tensor> {
         let mut out = Vec::new();
         self.visit(&KeyPath::default(), &mut |_, entry| match entry {
             Entry::Tensor(t) => out.push(t),
-            Entry::Lazy(l) => out.extend(l.items().iter().flat_map(TensorDict::all_tensors)),
+            Entry::Lazy(l) => out.extend(l.items().iter().flat_map(TensorDict::tensors)),
             _ => {}
         });
         out
@@ -594,7 +595,13 @@ impl TensorDict {
         for (key, t) in self.leaves() {
             t.flush().with_key(|| key)?;
         }
-        Ok(())
+        let mut stacks = Vec::new();
+        self.visit(&KeyPath::default(), &mut |_, entry| {
+            if let Entry::Lazy(l) = entry {
+                stacks.push(l);
+            }
+        });
+        stacks.into_iter().flat_map(|l| l.items()).try_for_each(TensorDict::flush)
     }
 
     /// True when every tensor with data lives in a memory-mapped file (and there is at least
@@ -609,9 +616,9 @@ impl TensorDict {
     }
 
     fn all_leaves_on(&self, kind: StorageKind) -> bool {
-        let leaves = self.leaves();
-        let mut with_data = leaves.iter().filter(|(_, t)| t.nbytes() > 0).peekable();
-        with_data.peek().is_some() && with_data.all(|(_, t)| t.storage().kind() == kind)
+        let tensors = self.tensors();
+        let mut with_data = tensors.iter().filter(|t| t.nbytes() > 0).peekable();
+        with_data.peek().is_some() && with_data.all(|t| t.storage().kind() == kind)
     }
 
     /// Number of batch elements (the product of the batch size). A product too large for
@@ -624,9 +631,9 @@ impl TensorDict {
         self.batch_size.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).unwrap_or(usize::MAX)
     }
 
-    /// Total bytes of tensor data.
+    /// Total bytes of tensor data (the dicts of lazy stacks included).
     pub fn nbytes(&self) -> usize {
-        self.leaves().iter().map(|(_, t)| t.nbytes()).sum()
+        self.tensors().iter().map(|t| t.nbytes()).sum()
     }
 
     /// Checks the batch invariant through the whole tree (it can only break through

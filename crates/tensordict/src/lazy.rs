@@ -23,7 +23,7 @@ use crate::{Entry, Error, Index, KeyPath, Result, TensorDict};
 /// use memmap_tensor::{DType, Location, Tensor};
 /// use tensordict::{Entry, Index, LazyStack, TensorDict};
 ///
-/// let agent = |width: usize| -> tensordict::Result<TensorDict> {
+/// let agent = |width: usize| -> Result<TensorDict, Box<dyn std::error::Error>> {
 ///     let mut td = TensorDict::new([2]);
 ///     td.set("obs", Tensor::zeros([2, width], DType::F32, &Location::Heap)?)?;
 ///     Ok(td)
@@ -35,7 +35,7 @@ use crate::{Entry, Error, Index, KeyPath, Result, TensorDict};
 /// assert_eq!(second.get_tensor("obs")?.dims(), [2, 5]);
 /// // Shapes differ, so the key cannot be stacked into one tensor.
 /// assert!(agents.get_tensor("obs").is_err());
-/// # Ok::<(), tensordict::Error>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Debug)]
 pub struct LazyStack {

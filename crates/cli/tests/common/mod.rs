@@ -298,8 +298,13 @@ pub fn check_info_against_expected(info: &Value, exp: &Value, ctx: &str) {
     let top: Vec<&str> = info.as_object().expect("info is an object").keys().map(String::as_str).collect();
     let mut top_sorted = top.clone();
     top_sorted.sort_unstable();
-    assert_eq!(top_sorted, ["batch_size", "leaves", "non_tensor", "unreadable"], "{ctx}: top-level keys");
+    assert_eq!(
+        top_sorted,
+        ["batch_size", "lazy_stacks", "leaves", "non_tensor", "tensorclasses", "unreadable"],
+        "{ctx}: top-level keys"
+    );
     assert_eq!(info["unreadable"], serde_json::json!([]), "{ctx}: every entry of a fixture is read");
+    assert_eq!(info["lazy_stacks"], serde_json::json!([]), "{ctx}: no lazy stack in these fixtures");
     assert_eq!(info["batch_size"], exp["batch_size"], "{ctx}: batch_size");
 
     let leaves = info["leaves"].as_array().expect("leaves is a list");

@@ -10,6 +10,7 @@
 
 mod convert;
 mod index;
+mod lazy;
 mod lock;
 mod pickle;
 mod write;
@@ -29,6 +30,7 @@ use convert::{fill, rows_from_py};
 use index::index;
 pub(crate) use index::index as parse_index;
 use index::key_path;
+pub(crate) use lazy::PyLazyStack;
 use lock::Locks;
 pub(crate) use lock::locked_error_class;
 pub(crate) use pickle::_reopen_view;
@@ -242,8 +244,51 @@ impl PyTensorDict {
     #[staticmethod]
     #[pyo3(signature = (path, *, writable=false))]
     fn load_memmap(py: Python<'_>, path: std::path::PathBuf, writable: bool) -> PyResult<Self> {
-        let inner = crate::gil::detach(py, || TensorDict::load_memmap(&path, access(writable))).map_err(to_py_err)?;
-        Ok(PyTensorDict::new(inner))
+        let inner = crate::gil::detach(py, || TensorDict::load_memmap(&path, access(writable)));
+        Ok(PyTensorDict::new(lazy::in_python_words(inner)?))
+    }
+
+    /// Opens a consolidated file (Python's `consolidate(filename=...)`, or `consolidate` here):
+    /// every tensor a view of one mapping of the file, nothing read but its metadata. Copy-on-
+    /// write unless `writable`, as `load_memmap`.
+    #[staticmethod]
+    #[pyo3(signature = (filename, *, writable=false))]
+    fn from_consolidated(py: Python<'_>, filename: std::path::PathBuf, writable: bool) -> PyResult<Self> {
+        let inner = crate::gil::detach(py, || TensorDict::open_consolidated(&filename, access(writable)));
+        Ok(PyTensorDict::new(lazy::in_python_words(inner)?))
+    }
+
+    /// Writes every tensor of the dict into one file (atomically), in the layout of Python's
+    /// `consolidate(filename=...)`, and returns the dict mapped from there, read-write and
+    /// locked (as Python's consolidated dicts are).
+    #[pyo3(signature = (filename, *, overwrite=false))]
+    fn consolidate(&self, py: Python<'_>, filename: std::path::PathBuf, overwrite: bool) -> PyResult<Self> {
+        let td = self.dict()?;
+        let options = tensordict::WriteOptions::default().overwrite(overwrite);
+        let inner = crate::gil::detach(py, || td.consolidate_with(&filename, &options)).map_err(to_py_err)?;
+        Ok(PyTensorDict::locked(inner))
+    }
+
+    /// The tensorclass this dict stands for, as `"module.Name"`, when it was loaded from a
+    /// tensorclass's folder; `None` for a plain dict.
+    #[getter]
+    fn tensorclass(&self) -> PyResult<Option<String>> {
+        Ok(self.dict()?.class().map(|class| class.path().to_owned()))
+    }
+
+    /// The nested dicts that stand for tensorclasses: `{key: "module.Name"}`, nested keys as
+    /// tuples, outer before inner.
+    fn tensorclasses<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        let td = self.dict()?;
+        for key in td.keys(true, false) {
+            if let Ok(Entry::Dict(d)) = td.get(key.clone())
+                && let Some(class) = d.class()
+            {
+                out.set_item(key_to_py(py, &key)?, class.path())?;
+            }
+        }
+        Ok(out)
     }
 
     /// Opens the shared-memory dict `prefix` (made by `share_memory` here or by a Rust process),
@@ -776,6 +821,7 @@ impl PyTensorDict {
         Ok(match entry {
             Entry::Tensor(t) => Py::new(py, PyTensor::with_keep(t.clone(), self.keep.clone()))?.into_any(),
             Entry::Dict(_) => Py::new(py, self.nested(key))?.into_any(),
+            Entry::Lazy(stack) => Py::new(py, PyLazyStack::new(stack.clone(), self.keep.clone()))?.into_any(),
             Entry::NonTensor(v) | Entry::NonTensorStack(v) => to_py(py, v)?,
             Entry::Unreadable(u) => return Err(to_py_err(u.error(key))),
             other => {

@@ -216,7 +216,7 @@ impl TensorDict {
     fn write_folder(&self, prefix: &Path, fill: Fill, options: &WriteOptions) -> Result<TensorDict> {
         self.validate()?;
         crate::schema::check_limits(self)?;
-        let tensors = self.all_tensors();
+        let tensors = self.tensors();
         write_tree(
             prefix,
             fill,
@@ -244,7 +244,7 @@ impl LazyStack {
             item.validate()?;
             crate::schema::check_limits(item)?;
         }
-        let tensors: Vec<&Tensor> = self.items().iter().flat_map(TensorDict::all_tensors).collect();
+        let tensors: Vec<&Tensor> = self.items().iter().flat_map(TensorDict::tensors).collect();
         write_tree(
             prefix,
             Fill::Copy,

@@ -1,0 +1,142 @@
+"""Lazy stacks, tensorclasses and consolidated files both ways: the folders and file Python
+tensordict 0.15.3 wrote (`tests/fixtures/tensordict-0.15/formats`) open here, and what this
+package writes opens in Python tensordict as the same kind, leaf for leaf."""
+
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensordict_rs as tdr
+
+ROOT = Path(__file__).resolve().parents[3]
+FORMATS = ROOT / "tests" / "fixtures" / "tensordict-0.15" / "formats"
+
+torch = pytest.importorskip("torch")
+tensordict = pytest.importorskip("tensordict")
+# The fixtures' tensorclasses, which Python finds by their module.
+sys.path.insert(0, str(ROOT / "tools" / "python"))
+fixture_classes = pytest.importorskip("fixture_classes")
+
+
+def same(a, b):
+    """Whether two Python tensordict values hold the same kind and data."""
+    if isinstance(a, torch.Tensor):  # a MemoryMappedTensor is one too
+        assert isinstance(b, torch.Tensor), type(b)
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, tensordict.LazyStackedTensorDict):
+        return a.stack_dim == b.stack_dim and len(a.tensordicts) == len(b.tensordicts) and all(
+            same(x, y) for x, y in zip(a.tensordicts, b.tensordicts)
+        )
+    if isinstance(a, tensordict.TensorDict):
+        return (
+            a.batch_size == b.batch_size
+            and sorted(a.keys()) == sorted(b.keys())
+            and all(same(a.get(k), b.get(k)) for k in a.keys())
+        )
+    if hasattr(a, "_tensordict"):
+        return same(a._tensordict, b._tensordict)
+    return a == b
+
+
+def test_a_lazy_stack_folder_opens_indexes_and_becomes_pythons():
+    stack = tdr.LazyStack.load_memmap(FORMATS / "lazy_root")
+    assert (len(stack), stack.batch_size, stack.stack_dim) == (3, [3, 2], 0)
+    assert np.from_dlpack(stack[1]["obs"]).shape == (2, 4)
+    assert isinstance(stack[0:2], tdr.LazyStack) and len(stack[[2, 0]]) == 2
+    assert np.from_dlpack(stack["reward"]).shape == (3, 2, 1)
+    with pytest.raises(tdr.TensorDictError, match="obs"):
+        stack["obs"]  # shapes differ
+    python = tensordict.TensorDict.load_memmap(FORMATS / "lazy_root")
+    assert same(tdr.to_tensordict(stack), python)
+    with pytest.raises(tdr.TensorDictValueError, match=r"tensordict_rs\.LazyStack\.load_memmap"):
+        tdr.TensorDict.load_memmap(FORMATS / "lazy_root")
+
+
+def test_a_nested_lazy_stack_is_an_entry_and_converts_whole():
+    td = tdr.TensorDict.load_memmap(FORMATS / "lazy_nested")
+    agents = td["agents"]
+    assert isinstance(agents, tdr.LazyStack) and agents.batch_size == [2, 3]
+    assert [np.from_dlpack(a["obs"]).shape for a in agents.tensordicts] == [(2, 2), (2, 3), (2, 1)]
+    assert td[1]["agents"].batch_size == [3]
+    assert same(tdr.to_tensordict(td), tensordict.TensorDict.load_memmap(FORMATS / "lazy_nested"))
+
+
+def test_what_is_written_here_loads_in_python_as_the_same_kind(tmp_path):
+    stack = tdr.LazyStack.load_memmap(FORMATS / "lazy_dim1")
+    stack.memmap(tmp_path / "stack")
+    loaded = tensordict.TensorDict.load_memmap(tmp_path / "stack")
+    assert isinstance(loaded, tensordict.LazyStackedTensorDict)
+    assert same(loaded, tensordict.TensorDict.load_memmap(FORMATS / "lazy_dim1"))
+    assert np.array_equal(np.from_dlpack(stack.densify()["a"]), loaded.contiguous()["a"].numpy())
+
+    # A stack made here, of dicts of different shapes.
+    parts = [tdr.TensorDict({"obs": np.full((2, k), k, np.float32)}, batch_size=[2]) for k in (1, 3)]
+    made = tdr.LazyStack(parts, stack_dim=1).memmap(tmp_path / "made")
+    python = tensordict.TensorDict.load_memmap(tmp_path / "made")
+    assert python.batch_size == torch.Size([2, 2]) and python.tensordicts[1]["obs"].shape == (2, 3)
+    assert same(tdr.to_tensordict(made), python)
+
+    td = tdr.TensorDict.load_memmap(FORMATS / "lazy_nested")
+    td.memmap(tmp_path / "nested")
+    assert same(
+        tensordict.TensorDict.load_memmap(tmp_path / "nested"),
+        tensordict.TensorDict.load_memmap(FORMATS / "lazy_nested"),
+    )
+
+
+def test_a_tensorclass_remembers_its_class_and_comes_back_as_an_instance(tmp_path):
+    point = tdr.TensorDict.load_memmap(FORMATS / "class_root")
+    assert point.tensorclass == "fixture_classes.Point"
+    back = tdr.to_tensordict(point)
+    assert isinstance(back, fixture_classes.Point) and back.label == "origin"
+    assert same(back, tensordict.TensorDict.load_memmap(FORMATS / "class_root"))
+    # Written here, Python loads the class again.
+    point[[2, 0]].memmap(tmp_path / "p")
+    loaded = tensordict.TensorDict.load_memmap(tmp_path / "p")
+    assert isinstance(loaded, fixture_classes.Point)
+    assert loaded.x.tolist() == [[4.0, 5.0], [0.0, 1.0]]
+
+    nested = tdr.TensorDict.load_memmap(FORMATS / "class_nested")
+    assert nested.tensorclasses() == {
+        "point": "fixture_classes.Point",
+        "step": "fixture_classes.Step",
+        ("step", "point"): "fixture_classes.Point",
+    }
+    # Its pickled field is not read here, but goes along whole.
+    nested.memmap(tmp_path / "nested")
+    again = tensordict.TensorDict.load_memmap(tmp_path / "nested")
+    assert isinstance(again["step"], fixture_classes.Step) and again["step"].tags == {1, 2}
+    assert isinstance(again["step"].point, fixture_classes.Point)
+
+
+def test_a_class_that_cannot_be_imported_gives_a_plain_tensordict(tmp_path):
+    shutil.copytree(FORMATS / "class_root", tmp_path / "p")
+    meta = tmp_path / "p" / "meta.json"
+    meta.write_text(meta.read_text().replace("fixture_classes.Point", "no_such_module.Point"))
+    td = tdr.TensorDict.load_memmap(tmp_path / "p")
+    assert td.tensorclass == "no_such_module.Point"
+    plain = tdr.to_tensordict(td)
+    assert type(plain) is tensordict.TensorDict and plain["label"] == "origin"
+
+
+def test_consolidated_files_open_both_ways(tmp_path):
+    python = tensordict.from_consolidated(FORMATS / "consolidated.td")
+    ours = tdr.TensorDict.from_consolidated(FORMATS / "consolidated.td")
+    assert ours["name"] == "run-1"
+    assert same(tdr.to_tensordict(ours), python.to_tensordict())
+    # Written here, Python reads it; written by Python, it opens here.
+    ours.consolidate(tmp_path / "ours.td")
+    assert same(tensordict.from_consolidated(tmp_path / "ours.td").to_tensordict(), python.to_tensordict())
+    td = tensordict.TensorDict(
+        {"a": torch.arange(6.0).reshape(3, 2), "b": {"c": torch.tensor([True, False, True])}}, batch_size=[3]
+    )
+    td.consolidate(filename=tmp_path / "theirs.td")
+    back = tdr.TensorDict.from_consolidated(tmp_path / "theirs.td")
+    assert np.from_dlpack(back["b", "c"]).tolist() == [True, False, True]
+    with pytest.raises(tdr.TensorDictError, match="consolidated"):
+        (tmp_path / "bad.td").write_bytes(b"\x00" * 4)
+        tdr.TensorDict.from_consolidated(tmp_path / "bad.td")
