@@ -140,3 +140,38 @@ def test_consolidated_files_open_both_ways(tmp_path):
     with pytest.raises(tdr.TensorDictError, match="consolidated"):
         (tmp_path / "bad.td").write_bytes(b"\x00" * 4)
         tdr.TensorDict.from_consolidated(tmp_path / "bad.td")
+
+
+def test_python_lazy_stacks_and_tensorclasses_go_in_whole(tmp_path):
+    agents = tensordict.LazyStackedTensorDict(
+        *[tensordict.TensorDict({"obs": torch.full((2, k), float(k))}, [2]) for k in (1, 3)], stack_dim=1
+    )
+    point = fixture_classes.Point(x=torch.zeros(2, 2), label="q", batch_size=[2])
+    td = tdr.TensorDict({"agents": agents, "point": point, "done": np.zeros(2, bool)}, batch_size=[2])
+    assert isinstance(td["agents"], tdr.LazyStack) and td["agents"].batch_size == [2, 2]
+    assert td["point"].tensorclass == "fixture_classes.Point"
+    # Written, Python reads both kinds back.
+    td.memmap(tmp_path / "td")
+    loaded = tensordict.TensorDict.load_memmap(tmp_path / "td")
+    assert isinstance(loaded["agents"], tensordict.LazyStackedTensorDict)
+    assert loaded["agents"].tensordicts[1]["obs"].tolist() == [[3.0, 3.0, 3.0]] * 2
+    assert isinstance(loaded["point"], fixture_classes.Point) and loaded["point"].label == "q"
+    # Rows written from a Python tensordict holding a lazy stack reach every dict of it.
+    target = tdr.TensorDict.load_memmap(tmp_path / "td", writable=True)
+    rows = tensordict.TensorDict(
+        {
+            "agents": tensordict.LazyStackedTensorDict(
+                *[tensordict.TensorDict({"obs": torch.full((1, k), -1.0)}, [1]) for k in (1, 3)], stack_dim=1
+            ),
+            "point": fixture_classes.Point(x=torch.ones(1, 2), label="q", batch_size=[1]),
+            "done": torch.ones(1, dtype=torch.bool),
+        },
+        [1],
+    )
+    target[[1]] = rows
+    assert np.from_dlpack(target["agents"].tensordicts[1]["obs"]).tolist() == [[3.0] * 3, [-1.0] * 3]
+    # td[key] = a LazyStack, ours or Python's.
+    target.unlock_()
+    target["again"] = td["agents"]
+    target["python"] = agents
+    assert target["python"].batch_size == [2, 2]

@@ -380,11 +380,29 @@ impl TensorDict {
 
     /// True when a lazy stack is among the entries, nested ones included.
     pub(crate) fn has_lazy(&self) -> bool {
-        self.entries.values().any(|entry| match entry {
-            Entry::Lazy(_) => true,
-            Entry::Dict(d) => d.has_lazy(),
-            _ => false,
-        })
+        self.first_lazy().is_some()
+    }
+
+    /// The key of the first lazy stack among the entries, nested ones included.
+    pub(crate) fn first_lazy(&self) -> Option<KeyPath> {
+        let mut found = None;
+        self.visit(&KeyPath::default(), &mut |path, entry| {
+            if found.is_none() && matches!(entry, Entry::Lazy(_)) {
+                found = Some(path.clone());
+            }
+        });
+        found
+    }
+
+    /// Every lazy stack among the entries with its key, nested ones included.
+    pub(crate) fn lazy_stacks(&self) -> Vec<(KeyPath, &LazyStack)> {
+        let mut out = Vec::new();
+        self.visit(&KeyPath::default(), &mut |path, entry| {
+            if let Entry::Lazy(l) = entry {
+                out.push((path.clone(), l));
+            }
+        });
+        out
     }
 
     /// Calls `f` on every entry, nested ones included, depth first (a dict before its entries).

@@ -250,7 +250,7 @@ enum Step {
 
 /// An index resolved against a batch size.
 #[derive(Debug)]
-struct Plan {
+pub(crate) struct Plan {
     steps: Vec<Step>,
     /// The shape all advanced indices broadcast to.
     broadcast: Vec<usize>,
@@ -785,6 +785,11 @@ impl TensorDict {
         if self.batch_dims() == 0 {
             return Err(Error::InvalidArgument { op: "gather_index", detail: "the dict has no batch dim".into() });
         }
+        // A lazy stack's rows are gathered in each of its dicts (or its dicts picked, when it
+        // is stacked along the rows), as `index` does.
+        if self.has_lazy() {
+            return self.index(Index::List(rows.rows().iter().map(|&r| r as i64).collect()));
+        }
         let leaves = self.leaves();
         let sources: Vec<&Tensor> = leaves.iter().map(|(_, t)| *t).collect();
         if let Some(device) = crate::device::one_device(sources.iter().copied()).filter(|d| d.is_cuda()) {
@@ -822,10 +827,29 @@ impl TensorDict {
     /// byte is written; a position picked twice keeps the last value written.
     pub fn set_at(&mut self, index: impl Into<Index>, src: &TensorDict) -> Result<()> {
         let index = index.into();
-        let plan = Plan::resolve(&index, self.batch_size())?;
-        let mut writes: Vec<(KeyPath, &Tensor, &Tensor)> = Vec::new();
+        let mut jobs = Vec::new();
+        self.plan_set_at(&index, src, &KeyPath::default(), &mut jobs)?;
+        run_writes(jobs)
+    }
+
+    /// The writes of `self.set_at(index, src)`, checked, into `jobs`; `prefix` is where this
+    /// dict is in the one written (a lazy stack's dict), for errors. The tensors of a lazy
+    /// stack here are written dict by dict ([`LazyStack::plan_set_at`]).
+    pub(crate) fn plan_set_at<'a>(
+        &'a self,
+        index: &Index,
+        src: &'a TensorDict,
+        prefix: &KeyPath,
+        jobs: &mut Vec<(Plan, SetWrites<'a>)>,
+    ) -> Result<()> {
+        let plan = Plan::resolve(index, self.batch_size())?;
+        let stacks = self.lazy_stacks();
+        let mut writes: SetWrites<'a> = Vec::new();
         for (path, s) in src.leaves() {
-            let target = self.get_tensor(&path)?;
+            if stacks.iter().any(|(key, _)| path.parts().starts_with(key.parts())) {
+                continue;
+            }
+            let target = self.get_tensor(&path).map_err(|e| under(prefix, e))?;
             let expected = plan.shape_after(target.dims());
             if s.dims() != expected.as_slice() || s.dtype() != target.dtype() {
                 return Err(Error::Incompatible {
@@ -845,12 +869,52 @@ impl TensorDict {
                     source: memmap_tensor::Error::ReadOnly { op: "set_at", storage: target.storage().describe() },
                 });
             }
-            writes.push((path, target, s));
+            writes.push((prefix.concat(&path), target, s));
         }
+        jobs.push((plan, writes));
+        if stacks.is_empty() {
+            return Ok(());
+        }
+        // The index as one item per batch dim of this dict, which every stack below starts with.
+        let per_dim =
+            crate::lazy::per_dim(index, self.batch_dims()).ok().flatten().map(Index::Tuple).ok_or_else(|| {
+                Error::InvalidArgument {
+                    op: "set_at",
+                    detail:
+                        "a dict holding lazy stacks is written one batch dim at a time: no `None` and no multi-dim \
+                         list or mask"
+                            .into(),
+                }
+            })?;
+        for (key, stack) in stacks {
+            match src.get(&key) {
+                Err(Error::KeyNotFound { .. }) => {}
+                Ok(entry) => stack.plan_set_at(&per_dim, entry, &prefix.concat(&key), jobs)?,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs the writes of a `set_at` planned and checked whole.
+pub(crate) fn run_writes(jobs: Vec<(Plan, SetWrites<'_>)>) -> Result<()> {
+    for (plan, writes) in jobs {
         for (path, target, s) in writes {
             plan.write(target, s).with_key(|| path)?;
         }
-        Ok(())
+    }
+    Ok(())
+}
+
+/// The writes of one plan: the key, the tensor written, and what is written into it.
+pub(crate) type SetWrites<'a> = Vec<(KeyPath, &'a Tensor, &'a Tensor)>;
+
+/// `e`, a key error of a dict found at `prefix` in the dict written, naming the whole key.
+fn under(prefix: &KeyPath, e: Error) -> Error {
+    match e {
+        Error::KeyNotFound { key } if !prefix.is_empty() => Error::KeyNotFound { key: prefix.concat(&key) },
+        other => other,
     }
 }
 
@@ -874,6 +938,10 @@ impl TensorDict {
     /// [`TensorDict::scatter_index`] writes it.
     pub fn assign_at(&mut self, index: impl Into<Index>, src: &TensorDict) -> Result<()> {
         let index = index.into();
+        // Lazy stacks take exact values only, dict by dict (`set_at`).
+        if self.has_lazy() || src.has_lazy() {
+            return self.set_at(index, src);
+        }
         // The common write, a list over the first batch dim and a value of exactly the rows'
         // dtypes and shapes (a batch gathered from a dict like this one): one scatter of every
         // leaf, its rows shared among the cores, with no plan and no conversion.
@@ -967,6 +1035,9 @@ impl TensorDict {
     /// and broadcast to its indexed shape. Everything is checked before anything is written.
     pub fn fill_at(&mut self, index: impl Into<Index>, value: &Tensor) -> Result<()> {
         let index = index.into();
+        if let Some(key) = self.first_lazy() {
+            return Err(crate::lazy::not_taken(&key, "fill_at"));
+        }
         let plan = Plan::resolve(&index, self.batch_size())?;
         let mut writes: Vec<(KeyPath, Tensor)> = Vec::new();
         for (path, target) in self.leaves() {

@@ -53,6 +53,11 @@ impl KeyPath {
     }
 
     /// The path joined with `sep` (`"next.obs"` for `"."`).
+    pub fn concat(&self, other: &KeyPath) -> KeyPath {
+        KeyPath(self.0.iter().chain(&other.0).cloned().collect())
+    }
+
+    /// The parts joined by `sep` (`"next.obs"`).
     pub fn joined(&self, sep: &str) -> String {
         self.0.join(sep)
     }

@@ -4,6 +4,7 @@
 use memmap_tensor::Tensor;
 
 use crate::error::WithKey;
+use crate::index::{Plan, SetWrites};
 use crate::{Entry, Error, Index, KeyPath, Result, TensorDict};
 
 /// Dicts of one batch size, stacked along a dim of the batch without being copied: Python
@@ -161,36 +162,101 @@ impl LazyStack {
         // The stack dim's place in the result: integers before it drop their dims.
         let dim = self.dim - items[..self.dim].iter().filter(|i| matches!(i, Index::Int(_))).count();
         let rest = Index::Tuple(items);
-        let n = self.items.len();
-        let picked: Vec<usize> = match &at_stack {
-            Index::Int(i) => {
-                let Some(k) = position(*i, n) else {
-                    return Err(invalid(format!("index {i} out of range for the stack dim {} of size {n}", self.dim)));
-                };
-                return self.items[k].index(rest).map(Entry::Dict);
-            }
-            Index::Slice { start, stop, step } => match crate::index::resolve_slice(*start, *stop, *step, n) {
-                Some((start, len, step)) => (0..len).map(|j| start + j * step).collect(),
-                None => return Err(invalid(format!("slice step {step} is not positive"))),
-            },
-            Index::List(list) => list
-                .iter()
-                .map(|&i| {
-                    position(i, n)
-                        .ok_or_else(|| invalid(format!("index {i} out of range for the stack dim of size {n}")))
-                })
-                .collect::<Result<_>>()?,
-            Index::Mask(mask) if mask.len() == n => (0..n).filter(|&k| mask[k]).collect(),
-            Index::Mask(mask) => {
-                return Err(invalid(format!("a mask of {} for the stack dim of size {n}", mask.len())));
-            }
-            other => return Err(invalid(format!("`{other}` cannot index the stack dim"))),
-        };
+        let picked = self.picked(&at_stack).map_err(invalid)?;
+        if let Index::Int(_) = at_stack {
+            return self.items[picked[0]].index(rest).map(Entry::Dict);
+        }
         let inner = TensorDict::new(self.inner.clone()).index_shape(&rest)?;
         let items = picked.into_iter().map(|k| self.items[k].index(rest.clone())).collect::<Result<Vec<_>>>()?;
         let mut out = LazyStack::with_inner(items, dim, inner)?;
         out.dim_name.clone_from(&self.dim_name);
         Ok(Entry::Lazy(out))
+    }
+
+    /// The dicts `at_stack` (an index's item at the stack dim) picks, in order: one for an
+    /// integer.
+    fn picked(&self, at_stack: &Index) -> std::result::Result<Vec<usize>, String> {
+        let n = self.items.len();
+        match at_stack {
+            Index::Int(i) => match position(*i, n) {
+                Some(k) => Ok(vec![k]),
+                None => Err(format!("index {i} out of range for the stack dim {} of size {n}", self.dim)),
+            },
+            Index::Slice { start, stop, step } => match crate::index::resolve_slice(*start, *stop, *step, n) {
+                Some((start, len, step)) => Ok((0..len).map(|j| start + j * step).collect()),
+                None => Err(format!("slice step {step} is not positive")),
+            },
+            Index::List(list) => list
+                .iter()
+                .map(|&i| position(i, n).ok_or_else(|| format!("index {i} out of range for the stack dim of size {n}")))
+                .collect(),
+            Index::Mask(mask) if mask.len() == n => Ok((0..n).filter(|&k| mask[k]).collect()),
+            Index::Mask(mask) => Err(format!("a mask of {} for the stack dim of size {n}", mask.len())),
+            other => Err(format!("`{other}` cannot index the stack dim")),
+        }
+    }
+
+    /// `stack[index] = src`, in place (through to files and shared memory): `src` is a dict
+    /// where the index has an integer at the stack dim, else a stack of as many dicts as the
+    /// index picks there; each is written into its dict, indexed by the rest of the index, as
+    /// [`TensorDict::set_at`] writes (exact dtypes and shapes). Everything is checked before
+    /// the first byte is written.
+    pub fn set_at(&mut self, index: impl Into<Index>, src: &Entry) -> Result<()> {
+        let mut jobs = Vec::new();
+        self.plan_set_at(&index.into(), src, &KeyPath::default(), &mut jobs)?;
+        crate::index::run_writes(jobs)
+    }
+
+    /// The writes of `stack[index] = src` (a dict for an integer at the stack dim, else a stack
+    /// of as many dicts as it picks), dict by dict, checked, into `jobs`; `index` has one item
+    /// per leading batch dim (see [`TensorDict::set_at`]).
+    pub(crate) fn plan_set_at<'a>(
+        &'a self,
+        index: &Index,
+        src: &'a Entry,
+        key: &KeyPath,
+        jobs: &mut Vec<(Plan, SetWrites<'a>)>,
+    ) -> Result<()> {
+        let batch = self.batch_size();
+        let invalid = |reason: String| Error::InvalidIndex {
+            index: index.to_string(),
+            batch_size: batch.clone(),
+            reason: format!("key `{key}` (a lazy stack): {reason}"),
+        };
+        let Some(mut items) = per_dim(index, batch.len()).map_err(invalid)? else {
+            return Err(invalid("no `None` and no multi-dim list or mask".into()));
+        };
+        let at_stack = items.remove(self.dim);
+        let advanced = |i: &Index| matches!(i, Index::List(_) | Index::Mask(_));
+        if advanced(&at_stack) && items.iter().any(advanced) {
+            return Err(invalid("a list at the stack dim and another elsewhere: write each dict instead".into()));
+        }
+        let rest = Index::Tuple(items);
+        let picked = self.picked(&at_stack).map_err(invalid)?;
+        let one = matches!(at_stack, Index::Int(_));
+        match src {
+            Entry::Dict(d) if one => {
+                self.items[picked[0]].plan_set_at(&rest, d, &key.join(&picked[0].to_string()), jobs)
+            }
+            Entry::Lazy(s) if !one && s.len() == picked.len() => {
+                for (item, &k) in s.items().iter().zip(&picked) {
+                    self.items[k].plan_set_at(&rest, item, &key.join(&k.to_string()), jobs)?;
+                }
+                Ok(())
+            }
+            Entry::Lazy(s) if !one => Err(Error::Incompatible {
+                op: "set_at",
+                detail: format!("key `{key}`: {} dicts written into the {} the index picks", s.len(), picked.len()),
+            }),
+            other => Err(Error::Incompatible {
+                op: "set_at",
+                detail: format!(
+                    "key `{key}`: a {} written where the index leaves a {}",
+                    other.kind_name(),
+                    if one { "dict" } else { "lazy stack" }
+                ),
+            }),
+        }
     }
 
     /// One dict of the elements stacked along [`LazyStack::dim`] (copies): Python's

@@ -87,6 +87,14 @@ impl TensorDict {
             return Err(Error::InvalidArgument { op, detail: "the dict has no batch dim".into() });
         };
         check_rows(op, rows, size, self.batch_size())?;
+        // Lazy stacks are written dict by dict, exactly (`set_at`).
+        if self.has_lazy() || src.has_lazy() {
+            let picked = match src_rows {
+                Some(src_rows) => src.gather_index(src_rows)?,
+                None => src.clone(),
+            };
+            return self.set_at(Index::List(rows.rows().iter().map(|&r| r as i64).collect()), &picked);
+        }
         if let Some(src_rows) = src_rows {
             let Some(&src_size) = src.batch_size().first() else {
                 return Err(Error::InvalidArgument { op, detail: "the source dict has no batch dim".into() });

@@ -4,7 +4,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde_json::Value;
-use tensordict::{Entry, KeyPath, TensorDict};
+use tensordict::{Entry, KeyPath, LazyStack, TensorDict};
 
 use super::index::{key_path, rectangular};
 use super::{PyTensorDict, type_name};
@@ -113,9 +113,19 @@ pub(super) fn fill(
             fill(td, &path, d, imports.as_deref_mut())?;
         } else if let Ok(t) = v.cast::<PyTensor>() {
             td.set(path, t.get().inner.clone()).map_err(to_py_err)?;
+        } else if let Ok(stack) = v.cast::<super::PyLazyStack>() {
+            td.set(path, stack.get().stack().clone()).map_err(to_py_err)?;
+        } else if is_python_lazy(&v) {
+            td.set(path, lazy_from_python(&v, imports.as_deref_mut())?).map_err(to_py_err)?;
         } else if let Ok(nested) = v.cast::<PyTensorDict>() {
             let batch = td.batch_size().to_vec();
             td.set(path, rebatch(nested.get().dict()?.as_ref().clone(), &batch)).map_err(to_py_err)?;
+        } else if is_python_tensordict(&v)? {
+            // A Python tensordict or tensorclass (which keeps its class).
+            let (fields, class) = tensorclass_parts(&v)?;
+            let mut nested = from_python_tensordict(&fields, imports.as_deref_mut())?;
+            nested.set_class(class);
+            td.set(path, nested).map_err(to_py_err)?;
         } else if v.hasattr("__dlpack__")? {
             let tensor = dlpack::import(&v, imports.as_deref_mut())?;
             td.set(path, tensor).map_err(to_py_err)?;
@@ -141,12 +151,101 @@ pub(super) fn is_python_tensordict(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
 
 /// A Python `tensordict.TensorDict` as one of ours, with its batch size: its tensors copied
 /// once, or with `imports`, imported as they say (viewed where they are, for rows).
-fn from_python_tensordict(obj: &Bound<'_, PyAny>, imports: Option<&mut dlpack::Imports>) -> PyResult<TensorDict> {
+fn from_python_tensordict(obj: &Bound<'_, PyAny>, mut imports: Option<&mut dlpack::Imports>) -> PyResult<TensorDict> {
+    if is_python_lazy(obj) {
+        return Err(PyTypeError::new_err(
+            "a tensordict.LazyStackedTensorDict where a dict is needed: give one of its dicts, or \
+             tensordict_rs.LazyStack.memmap it",
+        ));
+    }
     let batch: Vec<usize> = obj.getattr("batch_size")?.extract()?;
-    let entries = obj.call_method0("to_dict")?;
     let mut td = TensorDict::new(batch);
-    fill(&mut td, &KeyPath::default(), entries.cast::<PyDict>()?, imports)?;
+    // `to_dict` stacks a lazy stack's tensors, which fails for shapes that differ: a dict that
+    // holds one is taken entry by entry.
+    if !python_has_lazy(obj, 0)? {
+        let entries = obj.call_method0("to_dict")?;
+        fill(&mut td, &KeyPath::default(), entries.cast::<PyDict>()?, imports)?;
+        return Ok(td);
+    }
+    for key in obj.call_method0("keys")?.try_iter()? {
+        let key = key?;
+        let name: String = key.extract().map_err(|_| PyTypeError::new_err("keys must be strings"))?;
+        let value = obj.get_item(&key)?;
+        let entry = if is_python_lazy(&value) {
+            Entry::Lazy(lazy_from_python(&value, imports.as_deref_mut())?)
+        } else if is_python_tensordict(&value)? {
+            let (fields, class) = tensorclass_parts(&value)?;
+            let mut nested = from_python_tensordict(&fields, imports.as_deref_mut())?;
+            nested.set_class(class);
+            Entry::Dict(nested)
+        } else {
+            let one = PyDict::new(obj.py());
+            one.set_item(&name, &value)?;
+            fill(&mut td, &KeyPath::default(), &one, imports.as_deref_mut())?;
+            continue;
+        };
+        td.set(name.as_str(), entry).map_err(to_py_err)?;
+    }
     Ok(td)
+}
+
+/// Whether `obj` is a Python `tensordict.LazyStackedTensorDict` (not a `NonTensorStack`, which
+/// is one too).
+pub(crate) fn is_python_lazy(obj: &Bound<'_, PyAny>) -> bool {
+    obj.get_type().name().is_ok_and(|name| name == "LazyStackedTensorDict")
+}
+
+/// Whether a Python tensordict holds a lazy stack, nested dicts included.
+fn python_has_lazy(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<bool> {
+    if depth > tensordict::MAX_DEPTH {
+        return Err(raise(Kind::Value, format!("dicts nested deeper than {} levels", tensordict::MAX_DEPTH)));
+    }
+    for value in obj.call_method0("values")?.try_iter()? {
+        let value = value?;
+        if is_python_lazy(&value) || (is_python_tensordict(&value)? && python_has_lazy(&value, depth + 1)?) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// A tensorclass instance's dict of fields and its class; any other dict as it is.
+fn tensorclass_parts<'py>(obj: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, Option<tensordict::TensorClass>)> {
+    // Tensorclasses say so on their class (`_is_tensorclass`); a plain tensordict holds a
+    // `_tensordict` too, so that attribute does not tell. Non-tensor values are tensorclasses.
+    let class = obj.get_type();
+    let is_class = class.getattr("_is_tensorclass").and_then(|v| v.is_truthy()).unwrap_or(false);
+    let is_value = class.name().is_ok_and(|n| n.to_string().starts_with("NonTensor"));
+    if !is_class || is_value {
+        return Ok((obj.clone(), None));
+    }
+    let path = format!("{}.{}", class.module()?, class.qualname()?);
+    Ok((obj.getattr("_tensordict")?, tensordict::TensorClass::new(path).ok()))
+}
+
+/// A Python `LazyStackedTensorDict` as a [`LazyStack`]: each of its dicts converted.
+pub(crate) fn lazy_from_python(
+    obj: &Bound<'_, PyAny>,
+    mut imports: Option<&mut dlpack::Imports>,
+) -> PyResult<LazyStack> {
+    let dim: usize = obj.getattr("stack_dim")?.extract()?;
+    let mut items = Vec::new();
+    for item in obj.getattr("tensordicts")?.try_iter()? {
+        let item = item?;
+        let (fields, class) = tensorclass_parts(&item)?;
+        let mut td = from_python_tensordict(&fields, imports.as_deref_mut())?;
+        td.set_class(class);
+        items.push(td);
+    }
+    if items.is_empty() {
+        let batch: Vec<usize> = obj.getattr("batch_size")?.extract()?;
+        let mut inner = batch;
+        if dim < inner.len() {
+            inner.remove(dim);
+        }
+        return LazyStack::empty(inner, dim).map_err(to_py_err);
+    }
+    LazyStack::new(items, dim).map_err(to_py_err)
 }
 
 /// A dict given where a TensorDict is expected (`cat`, `stack`): ours (shared) or a Python
@@ -248,6 +347,12 @@ pub(crate) fn tensor_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Option<Tensor>>
 /// tensor); a list of strings as long as the one batch dim (a non-tensor stack); any other
 /// JSON-able value (a non-tensor value).
 pub(crate) fn entry_from_py(value: &Bound<'_, PyAny>, batch: &[usize]) -> PyResult<Entry> {
+    if let Ok(stack) = value.cast::<super::PyLazyStack>() {
+        return Ok(Entry::Lazy(stack.get().stack().clone()));
+    }
+    if is_python_lazy(value) {
+        return Ok(Entry::Lazy(lazy_from_python(value, None)?));
+    }
     if let Ok(td) = value.cast::<PyTensorDict>() {
         return Ok(Entry::Dict(rebatch(td.get().dict()?.as_ref().clone(), batch)));
     }

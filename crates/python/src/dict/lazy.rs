@@ -26,6 +26,11 @@ impl PyLazyStack {
         PyLazyStack { inner, keep }
     }
 
+    /// The stack itself.
+    pub(crate) fn stack(&self) -> &LazyStack {
+        &self.inner
+    }
+
     fn item(&self, td: TensorDict) -> PyTensorDict {
         PyTensorDict::with_keep(td, self.keep.clone())
     }

@@ -258,8 +258,9 @@ impl LazyStack {
     /// Writes the stack into `dir`: its `meta.json` and each element in the folder of its
     /// number.
     fn write_node(&self, dir: &Path, path: &KeyPath, writing: &mut Writing<'_>) -> Result<()> {
-        if let Fill::Zeros(Some(_)) = writing.fill {
-            return Err(crate::lazy::not_taken(path, "memmap_like with a new size"));
+        // Rows along dim 0 of every dict resize with the dict; the dicts themselves do not.
+        if let (Fill::Zeros(Some(_)), 0) = (writing.fill, self.dim()) {
+            return Err(crate::lazy::not_taken(path, "memmap_like with a new size of its stack dim"));
         }
         ensure_real_dir(dir)?;
         for (k, item) in self.items().iter().enumerate() {

@@ -262,6 +262,9 @@ impl Loader {
     /// [`MAX_PREFETCH`], `readers` 1 to [`MAX_READERS`], `rank < world`, a subset's rows and
     /// `block_rows` (an [`Error::InvalidArgument`] saying which is out of range).
     pub fn new(dict: TensorDict, options: LoaderOptions) -> Result<Loader> {
+        if let Some(key) = dict.first_lazy() {
+            return Err(crate::lazy::not_taken(&key, "Loader"));
+        }
         let rows = *dict.batch_size().first().ok_or_else(|| Error::InvalidArgument {
             op: "Loader",
             detail: "the dict has no batch dim to read rows of".into(),
