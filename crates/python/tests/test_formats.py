@@ -175,3 +175,15 @@ def test_python_lazy_stacks_and_tensorclasses_go_in_whole(tmp_path):
     target["again"] = td["agents"]
     target["python"] = agents
     assert target["python"].batch_size == [2, 2]
+
+
+def test_a_pickled_tensorclass_keeps_its_class():
+    import pickle
+
+    point = tdr.TensorDict.load_memmap(FORMATS / "class_root")
+    back = pickle.loads(pickle.dumps(point))
+    assert back.tensorclass == "fixture_classes.Point"
+    nested = pickle.loads(pickle.dumps(tdr.TensorDict.load_memmap(FORMATS / "class_nested")))
+    assert nested.tensorclasses()[("step", "point")] == "fixture_classes.Point"
+    with pytest.raises(TypeError, match="lazy stack"):
+        pickle.dumps(tdr.TensorDict.load_memmap(FORMATS / "lazy_nested"))

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use memmap_tensor::{Access, Tensor};
 use tensordict::{Index, TensorDict};
 use tensordict_replay::{
-    Error, MaxValue, Reduction, ReplayBuffer, RoundRobin, Sampler, StorageConfig, Uniform, WithoutReplacement, Writer,
-    WriterSpec,
+    Error, MaxValue, Reduction, ReplayBuffer, RoundRobin, RowStore, Sampler, StorageConfig, Uniform,
+    WithoutReplacement, Writer, WriterSpec,
 };
 
 mod common;
@@ -641,5 +641,22 @@ fn samples_carry_what_torchrl_code_reads() -> TestResult {
     assert!(td.contains(tensordict_replay::INDEX_KEY) && !td.contains(tensordict_replay::PRIORITY_WEIGHT_KEY));
     assert_eq!(td.get_tensor(tensordict_replay::INDEX_KEY)?.dims(), &[4]);
     assert!(!td.contains(tensordict_replay::TRUNCATED_KEY) && !td.contains(tensordict_replay::TERMINATED_KEY));
+    Ok(())
+}
+
+/// A batch holding a lazy stack (dicts of different shapes stacked) is not a row kind a
+/// storage holds: refused with the key, before anything is made.
+#[test]
+fn a_batch_holding_a_lazy_stack_is_refused_naming_its_key() -> TestResult {
+    let agent = |width: usize| -> TensorDict {
+        let mut td = TensorDict::new([2]);
+        let obs = Tensor::zeros([2, width], memmap_tensor::DType::F32, &memmap_tensor::Location::Heap).unwrap();
+        td.set("obs", obs).unwrap();
+        td
+    };
+    let mut batch = TensorDict::new([2]);
+    batch.set("agents", tensordict::LazyStack::new(vec![agent(1), agent(3)], 1)?)?;
+    let err = RowStore::create(&StorageConfig::heap(8), &batch).unwrap_err().to_string();
+    assert!(err.contains("`agents`") && err.contains("lazy stack"), "{err}");
     Ok(())
 }

@@ -313,7 +313,7 @@ impl TensorDict {
     /// places, or that is another kind of view (a selected row, a step, a gather).
     pub fn backing(&self) -> Result<Backing> {
         let mut found = Found::default();
-        self.find_backing(&KeyPath::default(), Some(self.batch_dims() > 0), &mut found)?;
+        self.find_backing(&KeyPath::default(), &KeyPath::default(), Some(self.batch_dims() > 0), &mut found)?;
         let not_shareable = |detail: String| Error::InvalidArgument { op: "backing", detail };
         let location = found.location.ok_or_else(|| {
             not_shareable("the dict has no tensor data in a file or shared memory to refer to".into())
@@ -331,7 +331,7 @@ impl TensorDict {
     /// data on the heap or in several places. Tensors of no elements are not looked at.
     pub fn location(&self) -> Result<DictLocation> {
         let mut found = Found::default();
-        self.find_backing(&KeyPath::default(), None, &mut found)?;
+        self.find_backing(&KeyPath::default(), &KeyPath::default(), None, &mut found)?;
         found.location.ok_or_else(|| Error::InvalidArgument {
             op: "location",
             detail: "the dict has no tensor data in a file or shared memory to refer to".into(),
@@ -348,14 +348,27 @@ impl TensorDict {
     }
 
     /// `by_rows`: whether the rows are looked for (`None`: not), and whether the top dict has
-    /// a batch dim, so that a view of a range of its rows is allowed.
-    fn find_backing(&self, path: &KeyPath, by_rows: Option<bool>, found: &mut Found) -> Result<()> {
+    /// a batch dim, so that a view of a range of its rows is allowed. `stored` is where this
+    /// dict's entries are in its folder: its key path, with a tensorclass's `_tensordict` and
+    /// a lazy stack's dict numbers.
+    fn find_backing(&self, path: &KeyPath, stored: &KeyPath, by_rows: Option<bool>, found: &mut Found) -> Result<()> {
+        let stored = match self.class() {
+            Some(_) => stored.join(crate::format::CLASS_FIELDS_DIR),
+            None => stored.clone(),
+        };
         for (name, entry) in self.iter() {
             let key = path.join(name);
             match entry {
-                Entry::Dict(d) => d.find_backing(&key, by_rows, found)?,
+                Entry::Dict(d) => d.find_backing(&key, &stored.join(name), by_rows, found)?,
+                // A stack's dicts are not rows of this dict: where they are, not which rows.
+                Entry::Lazy(l) => {
+                    for (k, item) in l.items().iter().enumerate() {
+                        let n = k.to_string();
+                        item.find_backing(&key.join(&n), &stored.join(name).join(&n), None, found)?;
+                    }
+                }
                 Entry::Tensor(t) if t.elem_count() > 0 => {
-                    let location = tensor_location(t, &key)?;
+                    let location = tensor_location(t, &key, &stored.join(name))?;
                     let rows = by_rows.map(|by_rows| tensor_rows(t, &key, by_rows)).transpose()?;
                     found.add(location, rows, &key)?;
                 }
@@ -404,13 +417,13 @@ impl Found {
 
 /// The folder or prefix of the dict a tensor was opened from, found from its file path (which
 /// ends in the names its key path is stored under) or its shm object name.
-fn tensor_location(t: &Tensor, key: &KeyPath) -> Result<DictLocation> {
+fn tensor_location(t: &Tensor, key: &KeyPath, stored: &KeyPath) -> Result<DictLocation> {
     let storage = t.storage();
     let unshareable = |detail: String| Error::InvalidArgument { op: "backing", detail: format!("`{key}`: {detail}") };
     match storage.kind() {
         StorageKind::File => {
             let path = storage.path().ok_or_else(|| unshareable("a file storage without a path".into()))?;
-            folder_root(path, key.parts())
+            folder_root(path, stored.parts())
                 .map(DictLocation::Folder)
                 .ok_or_else(|| unshareable(format!("{} is not where a dict folder keeps this key", path.display())))
         }

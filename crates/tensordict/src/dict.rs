@@ -394,8 +394,9 @@ impl TensorDict {
         found
     }
 
-    /// Every lazy stack among the entries with its key, nested ones included.
-    pub(crate) fn lazy_stacks(&self) -> Vec<(KeyPath, &LazyStack)> {
+    /// Every lazy stack among the entries ([`Entry::Lazy`]) with its key, nested ones
+    /// included, depth first in insertion order.
+    pub fn lazy_stacks(&self) -> Vec<(KeyPath, &LazyStack)> {
         let mut out = Vec::new();
         self.visit(&KeyPath::default(), &mut |path, entry| {
             if let Entry::Lazy(l) = entry {

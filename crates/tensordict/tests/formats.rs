@@ -443,3 +443,19 @@ fn a_buffer_shaped_like_a_dict_holding_a_lazy_stack_takes_and_gives_its_rows() -
     assert!(err.to_string().contains("`agents`"), "{err}");
     Ok(())
 }
+
+#[test]
+fn dicts_holding_tensorclasses_and_lazy_stacks_know_their_folder() -> TestResult {
+    for name in ["class_root", "class_nested", "lazy_nested"] {
+        let td = TensorDict::load_memmap(formats().join(name), Access::ReadOnly)?;
+        assert_eq!(td.location()?, tensordict::DictLocation::Folder(formats().join(name)), "{name}");
+    }
+    // A tensorclass's fields are under `_tensordict`, itself a dict's folder: a plain dict of
+    // them lives there.
+    let td = TensorDict::load_memmap(formats().join("class_root"), Access::ReadOnly)?;
+    let mut fields = TensorDict::new([3]);
+    fields.set("x", td.get_tensor("x")?.clone())?;
+    let inner = formats().join("class_root/_tensordict");
+    assert_eq!(fields.location()?, tensordict::DictLocation::Folder(inner));
+    Ok(())
+}

@@ -26,7 +26,8 @@ use crate::error::{Kind, raise, to_py_err};
 /// One entry of a pickled view: what it is, its key, and what makes it again.
 ///
 /// `(kind, key parts, dims, strides, offset, text, storage)`, where `kind` is `"dict"` (dims:
-/// its batch size), `"tensor"` (its layout over the storage, in elements; text: its dtype;
+/// its batch size; text: its tensorclass, or empty), `"class"` (text: the tensorclass of the
+/// whole dict), `"tensor"` (its layout over the storage, in elements; text: its dtype;
 /// storage: the file path or shm object name it lies in), `"value"` or `"stack"` (text: the
 /// non-tensor value as JSON), or `"unreadable"` (found again at its key).
 type Item = (String, Vec<String>, Vec<usize>, Vec<usize>, usize, String, Vec<u8>);
@@ -42,6 +43,9 @@ impl PyTensorDict {
         };
         let location = td.location().map_err(|e| refused(memmap_tensor::ErrorChain(&e).to_string()))?;
         let mut items = Vec::new();
+        if let Some(class) = td.class() {
+            items.push(("class".into(), vec![], vec![], vec![], 0, class.path().to_owned(), vec![]));
+        }
         walk(&td, &KeyPath::default(), &mut items).map_err(refused)?;
         let writable = td.leaves().iter().all(|(_, t)| t.storage().access() == Access::ReadWrite);
         let reopen = py.import("tensordict_rs._native")?.getattr("_reopen_view")?;
@@ -62,7 +66,8 @@ fn walk(td: &TensorDict, path: &KeyPath, items: &mut Vec<Item>) -> Result<(), St
         };
         match entry {
             Entry::Dict(d) => {
-                items.push(item("dict", d.batch_size().to_vec(), String::new()));
+                let class = d.class().map(|c| c.path().to_owned()).unwrap_or_default();
+                items.push(item("dict", d.batch_size().to_vec(), class));
                 walk(d, &key, items)?;
             }
             Entry::Tensor(t) if t.elem_count() == 0 => {
@@ -124,10 +129,22 @@ pub(crate) fn _reopen_view(
     let stored: HashMap<Vec<u8>, &Tensor> =
         opened.leaves().into_iter().filter_map(|(_, t)| storage_name(t).map(|name| (name, t))).collect();
     let mut td = TensorDict::new(batch_size);
+    let class = |path: &str| match path {
+        "" => Ok(None),
+        path => tensordict::TensorClass::new(path).map(Some).map_err(to_py_err),
+    };
     for (kind, parts, dims, strides, offset, text, storage) in items {
         let key = KeyPath::new(parts);
         let entry = match kind.as_str() {
-            "dict" => Entry::Dict(TensorDict::new(dims)),
+            "class" => {
+                td.set_class(class(&text)?);
+                continue;
+            }
+            "dict" => {
+                let mut nested = TensorDict::new(dims);
+                nested.set_class(class(&text)?);
+                Entry::Dict(nested)
+            }
             "tensor" => {
                 let dtype: DType = text.parse().map_err(|_| changed(format!("`{key}` had dtype {text:?}")))?;
                 if dims.contains(&0) {

@@ -146,6 +146,7 @@ impl RowStore {
                 detail: format!("the first batch has batch size {:?}; it needs a non-empty dim 0", batch.batch_size()),
             });
         }
+        refuse_lazy(OP, batch)?;
         let capacity = config.capacity;
         let (td, folder, shm_prefix, temp) = match &config.placement {
             Placement::Memmap { folder, overwrite } => {
@@ -194,6 +195,7 @@ impl RowStore {
                 detail: format!("batch size {:?}; a storage has a non-empty dim 0", td.batch_size()),
             });
         };
+        refuse_lazy("attach storage", &td)?;
         let leaves = leaves_of(&td);
         Ok(RowStore { td, capacity, leaves, folder: None, shm_prefix: None, owner: false, _temp: None })
     }
@@ -436,6 +438,22 @@ fn row_index(rows: &[usize], capacity: usize) -> Result<RowIndex> {
         index: rows.iter().copied().find(|&r| r >= capacity).unwrap_or(capacity),
         capacity,
     })
+}
+
+/// Lazy stacks (dicts of different shapes stacked, `tensordict::LazyStack`) are not rows a
+/// storage holds yet: every path of a row (files read past the mapping, samples into given
+/// memory, rows sent by value) goes by the storage's tensors, which a stack's are not.
+fn refuse_lazy(op: &'static str, td: &TensorDict) -> Result<()> {
+    match td.lazy_stacks().first() {
+        Some((key, _)) => Err(Error::BadBatch {
+            op,
+            detail: format!(
+                "key `{key}` holds a lazy stack (dicts of different shapes stacked), which a replay storage does \
+                 not hold: make it one dict (`LazyStack::densify`) or pad it"
+            ),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// The key, dtype and row dims of each tensor of a storage dict.
