@@ -187,3 +187,31 @@ def test_a_pickled_tensorclass_keeps_its_class():
     assert nested.tensorclasses()[("step", "point")] == "fixture_classes.Point"
     with pytest.raises(TypeError, match="lazy stack"):
         pickle.dumps(tdr.TensorDict.load_memmap(FORMATS / "lazy_nested"))
+
+
+@pytest.mark.parametrize("storage", ["memmap", "tensor"])
+def test_a_replay_buffer_holds_rows_of_agents_of_different_shapes(storage):
+    from tensordict_rs.replay import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
+
+    store = LazyMemmapStorage(8) if storage == "memmap" else LazyTensorStorage(8)
+    rb = ReplayBuffer(storage=store, batch_size=3, seed=1)
+    agents = tensordict.LazyStackedTensorDict(
+        *[tensordict.TensorDict({"obs": torch.arange(2.0 * k).reshape(2, k) + 10 * k}, [2]) for k in (1, 3)],
+        stack_dim=1,
+    )
+    rb.extend({"agents": agents, "reward": np.array([1.0, 2.0], np.float32)})
+    assert len(rb) == 2
+    rows = rb[[1, 0]]
+    assert isinstance(rows["agents"], tdr.LazyStack) and rows["agents"].batch_size == [2, 2]
+    sample = tdr.to_tensordict(rows)
+    assert isinstance(sample["agents"], tensordict.LazyStackedTensorDict)
+    assert sample["agents"].tensordicts[1]["obs"].tolist() == [[33.0, 34.0, 35.0], [30.0, 31.0, 32.0]]
+    assert sample["reward"].tolist() == [2.0, 1.0]
+    assert tdr.to_tensordict(rb.sample())["agents"].batch_size == torch.Size([3, 2])
+    # Agents stacked along the rows (each row its own shapes) are refused, saying so.
+    along_rows = tensordict.LazyStackedTensorDict(
+        *[tensordict.TensorDict({"obs": torch.zeros(k)}, []) for k in (1, 3)], stack_dim=0
+    )
+    other = ReplayBuffer(storage=LazyTensorStorage(8))
+    with pytest.raises(tdr.TensorDictError, match="along the rows"):
+        other.extend({"agents": along_rows, "reward": np.zeros(2, np.float32)})

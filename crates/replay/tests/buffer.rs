@@ -644,19 +644,47 @@ fn samples_carry_what_torchrl_code_reads() -> TestResult {
     Ok(())
 }
 
-/// A batch holding a lazy stack (dicts of different shapes stacked) is not a row kind a
-/// storage holds: refused with the key, before anything is made.
+/// A batch holding a lazy stack of dicts of different shapes (TorchRL's `LazyStackedTensorDict`
+/// of agents, along a dim past the rows) is stored as its dicts, each with its own rows: rows
+/// go in and come out whole, in memory and in a folder. One stacked along the rows is refused.
 #[test]
-fn a_batch_holding_a_lazy_stack_is_refused_naming_its_key() -> TestResult {
-    let agent = |width: usize| -> TensorDict {
+fn rows_holding_a_lazy_stack_go_in_and_come_out_whole() -> TestResult {
+    let agent = |width: usize, first: f32| -> TensorDict {
         let mut td = TensorDict::new([2]);
-        let obs = Tensor::zeros([2, width], memmap_tensor::DType::F32, &memmap_tensor::Location::Heap).unwrap();
-        td.set("obs", obs).unwrap();
+        let values: Vec<f32> = (0..2 * width).map(|i| first + i as f32).collect();
+        td.set("obs", Tensor::from_slice(&values, [2, width]).unwrap()).unwrap();
         td
     };
-    let mut batch = TensorDict::new([2]);
-    batch.set("agents", tensordict::LazyStack::new(vec![agent(1), agent(3)], 1)?)?;
-    let err = RowStore::create(&StorageConfig::heap(8), &batch).unwrap_err().to_string();
-    assert!(err.contains("`agents`") && err.contains("lazy stack"), "{err}");
+    let batch = |first: f32| -> TensorDict {
+        let mut td = TensorDict::new([2]);
+        let stack = tensordict::LazyStack::new(vec![agent(1, first), agent(3, first + 100.0)], 1).unwrap();
+        td.set("agents", stack).unwrap();
+        td.set("reward", Tensor::from_slice(&[first, first + 1.0], [2]).unwrap()).unwrap();
+        td
+    };
+    for config in [StorageConfig::heap(8), StorageConfig::memmap(8)] {
+        let buffer = ReplayBuffer::uniform(config)?;
+        buffer.extend(&batch(0.0))?;
+        buffer.extend(&batch(10.0))?;
+        assert_eq!(buffer.len(), 4);
+        let rows = buffer.get(&[3, 0])?;
+        let tensordict::Entry::Lazy(agents) = rows.get("agents")? else { panic!("a lazy stack") };
+        assert_eq!(agents.batch_size(), [2, 2]);
+        assert_eq!(agents.items()[1].get_tensor("obs")?.to_vec::<f32>()?, [113.0, 114.0, 115.0, 100.0, 101.0, 102.0]);
+        assert_eq!(rows.get_tensor("reward")?.to_vec::<f32>()?, [11.0, 0.0]);
+        let (sample, _) = buffer.sample(3)?;
+        assert_eq!(sample.get("agents")?.as_lazy().map(tensordict::LazyStack::len), Some(2));
+        // A batch whose agents differ from the storage's is refused before anything is written.
+        let mut other = batch(0.0);
+        let narrow = tensordict::LazyStack::new(vec![agent(1, 0.0), agent(2, 0.0)], 1)?;
+        other.set("agents", narrow)?;
+        assert!(buffer.extend(&other).is_err());
+        assert_eq!(buffer.len(), 4);
+    }
+    // Stacked along the rows (each row a dict of its own shapes): refused, naming the key.
+    let mut along_rows = TensorDict::new([2]);
+    along_rows.set("rows", tensordict::LazyStack::new(vec![agent(1, 0.0).index(0)?, agent(3, 0.0).index(0)?], 0)?)?;
+    let err = RowStore::create(&StorageConfig::heap(8), &along_rows).unwrap_err().to_string();
+    assert!(err.contains("`rows`") && err.contains("along the rows"), "{err}");
     Ok(())
 }

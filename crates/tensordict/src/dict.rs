@@ -346,13 +346,49 @@ impl TensorDict {
     /// stacks included (which [`TensorDict::leaves`] leaves out: their keys are not key paths
     /// of this dict).
     pub fn tensors(&self) -> Vec<&Tensor> {
+        self.stored_leaves().into_iter().map(|(_, t)| t).collect()
+    }
+
+    /// Every tensor with its key as the dict's folder stores it, depth first in insertion
+    /// order: [`TensorDict::leaves`], and the tensors of the dicts of its lazy stacks under the
+    /// stack's key, the dict's position and their own key (`agents/1/obs` is `obs` of the
+    /// stack's dict 1, as its folder holds it). [`TensorDict::get_stored_tensor`] finds one
+    /// again.
+    pub fn stored_leaves(&self) -> Vec<(KeyPath, &Tensor)> {
         let mut out = Vec::new();
-        self.visit(&KeyPath::default(), &mut |_, entry| match entry {
-            Entry::Tensor(t) => out.push(t),
-            Entry::Lazy(l) => out.extend(l.items().iter().flat_map(TensorDict::tensors)),
+        self.visit(&KeyPath::default(), &mut |path, entry| match entry {
+            Entry::Tensor(t) => out.push((path.clone(), t)),
+            Entry::Lazy(l) => {
+                for (k, item) in l.items().iter().enumerate() {
+                    let at = path.join(&k.to_string());
+                    out.extend(item.stored_leaves().into_iter().map(|(key, t)| (at.concat(&key), t)));
+                }
+            }
             _ => {}
         });
         out
+    }
+
+    /// The tensor at a key of [`TensorDict::stored_leaves`]: a key path, where a part after a
+    /// lazy stack's key is the position of one of its dicts.
+    pub fn get_stored_tensor(&self, key: impl Into<KeyPath>) -> Result<&Tensor> {
+        let key = key.into();
+        let mut dict = self;
+        let mut parts = key.parts().iter();
+        while let Some(part) = parts.next() {
+            let entry = dict.entries.get(part).ok_or_else(|| Error::KeyNotFound { key: key.clone() })?;
+            dict = match entry {
+                Entry::Tensor(t) if parts.len() == 0 => return Ok(t),
+                Entry::Tensor(_) => return Err(Error::KeyNotFound { key: key.clone() }),
+                Entry::Dict(d) => d,
+                Entry::Lazy(l) => {
+                    let item = parts.next().and_then(|p| p.parse::<usize>().ok()).and_then(|k| l.items().get(k));
+                    item.ok_or_else(|| Error::KeyNotFound { key: key.clone() })?
+                }
+                other => return Err(other.wrong_kind(key.clone(), "tensor")),
+            };
+        }
+        Err(Error::KeyNotFound { key })
     }
 
     /// Every non-tensor value with its key path, depth first in insertion order.
@@ -704,9 +740,14 @@ impl TensorDict {
         Some(entry)
     }
 
-    /// The tensor at `key`, where a part after a lazy stack's key is the position of one of
-    /// its dicts (`agents/0/obs`): how a folder walk names the leaves it finds.
-    pub(crate) fn walked_tensor_mut(&mut self, key: &KeyPath) -> Option<&mut Tensor> {
+    /// [`TensorDict::get_stored_tensor`], mutably (for in-place writes, as
+    /// [`TensorDict::get_tensor_mut`]).
+    pub fn get_stored_tensor_mut(&mut self, key: impl Into<KeyPath>) -> Result<&mut Tensor> {
+        let key = key.into();
+        self.stored_tensor_mut(&key).ok_or(Error::KeyNotFound { key })
+    }
+
+    fn stored_tensor_mut(&mut self, key: &KeyPath) -> Option<&mut Tensor> {
         let (first, rest) = key.split_first()?;
         let mut entry = self.entries.get_mut(first)?;
         let mut parts = rest.iter();

@@ -169,7 +169,7 @@ impl Queue {
                 Err(source) => return Err(Error::Io { op: "read", path, source }),
             }
             let tensor = typed(bytes, dtype, shape, &key)?;
-            *td.walked_tensor_mut(&key).ok_or(Error::KeyNotFound { key })? = tensor;
+            *td.get_stored_tensor_mut(key)? = tensor;
         }
         Ok(td)
     }

@@ -146,7 +146,7 @@ impl RowStore {
                 detail: format!("the first batch has batch size {:?}; it needs a non-empty dim 0", batch.batch_size()),
             });
         }
-        refuse_lazy(OP, batch)?;
+        refuse_lazy_rows(OP, batch)?;
         let capacity = config.capacity;
         let (td, folder, shm_prefix, temp) = match &config.placement {
             Placement::Memmap { folder, overwrite } => {
@@ -195,7 +195,7 @@ impl RowStore {
                 detail: format!("batch size {:?}; a storage has a non-empty dim 0", td.batch_size()),
             });
         };
-        refuse_lazy("attach storage", &td)?;
+        refuse_lazy_rows("attach storage", &td)?;
         let leaves = leaves_of(&td);
         Ok(RowStore { td, capacity, leaves, folder: None, shm_prefix: None, owner: false, _temp: None })
     }
@@ -284,7 +284,9 @@ impl RowStore {
         let mismatch = |key: &KeyPath, detail: String| Error::OutputMismatch { key: key.to_string(), detail };
         // Check everything first, so a mismatch leaves `out` untouched.
         for leaf in &self.leaves {
-            let t = out.get_tensor(&leaf.key).map_err(|_| mismatch(&leaf.key, "missing (or not a tensor)".into()))?;
+            let t = out
+                .get_stored_tensor(&leaf.key)
+                .map_err(|_| mismatch(&leaf.key, "missing (or not a tensor)".into()))?;
             let mut want = vec![rows.len()];
             want.extend_from_slice(&leaf.row_dims);
             if t.dtype() != leaf.dtype || t.dims() != want.as_slice() {
@@ -305,8 +307,8 @@ impl RowStore {
             }
         }
         for leaf in &self.leaves {
-            let src = self.td.get_tensor(&leaf.key).op("gather rows")?;
-            let dst = out.get_tensor_mut(&leaf.key).op("gather rows")?;
+            let src = self.td.get_stored_tensor(&leaf.key).op("gather rows")?;
+            let dst = out.get_stored_tensor_mut(&leaf.key).op("gather rows")?;
             src.gather_index_into(rows, dst)
                 .map_err(|source| Error::TensorDict { op: "gather rows", source: tensor_error(&leaf.key, source) })?;
         }
@@ -328,7 +330,7 @@ impl RowStore {
             }
         }
         for leaf in &self.leaves {
-            let t = self.td.get_tensor(&leaf.key).op("flush rows")?;
+            let t = self.td.get_stored_tensor(&leaf.key).op("flush rows")?;
             if t.storage().kind() != memmap_tensor::StorageKind::File {
                 continue;
             }
@@ -404,14 +406,14 @@ fn check_batch_against(op: &'static str, storage_batch: &[usize], leaves: &[Leaf
             ),
         });
     }
-    let offered = batch.leaves();
+    let offered = batch.stored_leaves();
     if offered.len() != leaves.len() {
         let have: Vec<String> = offered.iter().map(|(k, _)| k.to_string()).collect();
         let want: Vec<String> = leaves.iter().map(|l| l.key.to_string()).collect();
         return Err(Error::SchemaMismatch { op, detail: format!("keys {have:?}, the storage holds {want:?}") });
     }
     for leaf in leaves {
-        let t = batch.get_tensor(&leaf.key).map_err(|_| Error::SchemaMismatch {
+        let t = batch.get_stored_tensor(&leaf.key).map_err(|_| Error::SchemaMismatch {
             op,
             detail: format!("key `{}` is missing (or not a tensor)", leaf.key),
         })?;
@@ -440,25 +442,40 @@ fn row_index(rows: &[usize], capacity: usize) -> Result<RowIndex> {
     })
 }
 
-/// Lazy stacks (dicts of different shapes stacked, `tensordict::LazyStack`) are not rows a
-/// storage holds yet: every path of a row (files read past the mapping, samples into given
-/// memory, rows sent by value) goes by the storage's tensors, which a stack's are not.
-fn refuse_lazy(op: &'static str, td: &TensorDict) -> Result<()> {
-    match td.lazy_stacks().first() {
-        Some((key, _)) => Err(Error::BadBatch {
+/// A lazy stack (dicts of different shapes stacked, `tensordict::LazyStack`) along a dim past
+/// the rows is held as its dicts, each with its own rows: TorchRL's storage of a
+/// `LazyStackedTensorDict` batch. One stacked along the rows (each row a dict of its own shapes,
+/// TorchRL's `LazyStackStorage`) is not held: refused, naming its key.
+fn refuse_lazy_rows(op: &'static str, td: &TensorDict) -> Result<()> {
+    let mut stacks = td.lazy_stacks();
+    let mut along_rows = None;
+    while let Some((key, stack)) = stacks.pop() {
+        if stack.dim() == 0 {
+            along_rows = Some(key);
+            break;
+        }
+        for (k, item) in stack.items().iter().enumerate() {
+            let at = key.join(&k.to_string());
+            stacks.extend(item.lazy_stacks().into_iter().map(|(inner, s)| (at.concat(&inner), s)));
+        }
+    }
+    match along_rows {
+        Some(key) => Err(Error::BadBatch {
             op,
             detail: format!(
-                "key `{key}` holds a lazy stack (dicts of different shapes stacked), which a replay storage does \
-                 not hold: make it one dict (`LazyStack::densify`) or pad it"
+                "key `{key}` holds a lazy stack along the rows (each row a dict of its own shapes), which a \
+                 storage does not hold: make it one dict (`LazyStack::densify`) or pad it"
             ),
         }),
         None => Ok(()),
     }
 }
 
-/// The key, dtype and row dims of each tensor of a storage dict.
+/// The key, dtype and row dims of each tensor of a storage dict, those of its lazy stacks'
+/// dicts under their stored keys (`agents/1/obs`).
 fn leaves_of(td: &TensorDict) -> Vec<Leaf> {
-    td.leaves().into_iter().map(|(key, t)| Leaf { key, dtype: t.dtype(), row_dims: t.dims()[1..].to_vec() }).collect()
+    let leaves = td.stored_leaves().into_iter();
+    leaves.map(|(key, t)| Leaf { key, dtype: t.dtype(), row_dims: t.dims()[1..].to_vec() }).collect()
 }
 
 /// Asks for huge pages under every tensor of a new storage, before any row is written (a page
@@ -467,7 +484,7 @@ fn leaves_of(td: &TensorDict) -> Vec<Leaf> {
 /// a page walk. The rows are written through the mapping, so no fault reads a file. Only a
 /// hint: where the kernel has no huge pages for the storage, it works the same on small ones.
 fn prefer_huge_pages(td: &TensorDict) {
-    for (_, t) in td.leaves() {
+    for t in td.tensors() {
         let _ = t.advise(memmap_tensor::Advice::HugePage);
     }
 }
