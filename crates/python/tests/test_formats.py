@@ -215,3 +215,16 @@ def test_a_replay_buffer_holds_rows_of_agents_of_different_shapes(storage):
     other = ReplayBuffer(storage=LazyTensorStorage(8))
     with pytest.raises(tdr.TensorDictError, match="along the rows"):
         other.extend({"agents": along_rows, "reward": np.zeros(2, np.float32)})
+
+
+def test_python_dicts_nested_past_the_limit_are_an_error_not_an_abort():
+    deep = tensordict.TensorDict({"x": torch.zeros(1)}, [1])
+    for _ in range(300):
+        deep = tensordict.TensorDict({"n": deep}, [1])
+    with pytest.raises(tdr.TensorDictError, match="deeper"):
+        tdr.TensorDict({"deep": deep}, batch_size=[1])
+    lazy = tensordict.LazyStackedTensorDict(tensordict.TensorDict({"x": torch.zeros(1)}, [1]), stack_dim=1)
+    for _ in range(300):
+        lazy = tensordict.LazyStackedTensorDict(tensordict.TensorDict({"n": lazy}, [1]), stack_dim=1)
+    with pytest.raises(tdr.TensorDictError, match="deeper"):
+        tdr.TensorDict({"deep": lazy}, batch_size=[1])

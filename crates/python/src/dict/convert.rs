@@ -116,14 +116,14 @@ pub(super) fn fill(
         } else if let Ok(stack) = v.cast::<super::PyLazyStack>() {
             td.set(path, stack.get().stack().clone()).map_err(to_py_err)?;
         } else if is_python_lazy(&v) {
-            td.set(path, lazy_from_python(&v, imports.as_deref_mut())?).map_err(to_py_err)?;
+            td.set(path.clone(), lazy_from_python(&v, imports.as_deref_mut(), path.len())?).map_err(to_py_err)?;
         } else if let Ok(nested) = v.cast::<PyTensorDict>() {
             let batch = td.batch_size().to_vec();
             td.set(path, rebatch(nested.get().dict()?.as_ref().clone(), &batch)).map_err(to_py_err)?;
         } else if is_python_tensordict(&v)? {
             // A Python tensordict or tensorclass (which keeps its class).
             let (fields, class) = tensorclass_parts(&v)?;
-            let mut nested = from_python_tensordict(&fields, imports.as_deref_mut())?;
+            let mut nested = from_python_tensordict(&fields, imports.as_deref_mut(), path.len())?;
             nested.set_class(class);
             td.set(path, nested).map_err(to_py_err)?;
         } else if v.hasattr("__dlpack__")? {
@@ -151,7 +151,17 @@ pub(super) fn is_python_tensordict(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
 
 /// A Python `tensordict.TensorDict` as one of ours, with its batch size: its tensors copied
 /// once, or with `imports`, imported as they say (viewed where they are, for rows).
-fn from_python_tensordict(obj: &Bound<'_, PyAny>, mut imports: Option<&mut dlpack::Imports>) -> PyResult<TensorDict> {
+///
+/// `depth` is how deep the dict is in the one converted: past [`tensordict::MAX_DEPTH`] levels
+/// (of dicts and lazy stacks) it is an error, never a stack overflow.
+fn from_python_tensordict(
+    obj: &Bound<'_, PyAny>,
+    mut imports: Option<&mut dlpack::Imports>,
+    depth: usize,
+) -> PyResult<TensorDict> {
+    if depth > tensordict::MAX_DEPTH {
+        return Err(raise(Kind::Value, format!("dicts nested deeper than {} levels", tensordict::MAX_DEPTH)));
+    }
     if is_python_lazy(obj) {
         return Err(PyTypeError::new_err(
             "a tensordict.LazyStackedTensorDict where a dict is needed: give one of its dicts, or \
@@ -172,10 +182,10 @@ fn from_python_tensordict(obj: &Bound<'_, PyAny>, mut imports: Option<&mut dlpac
         let name: String = key.extract().map_err(|_| PyTypeError::new_err("keys must be strings"))?;
         let value = obj.get_item(&key)?;
         let entry = if is_python_lazy(&value) {
-            Entry::Lazy(lazy_from_python(&value, imports.as_deref_mut())?)
+            Entry::Lazy(lazy_from_python(&value, imports.as_deref_mut(), depth + 1)?)
         } else if is_python_tensordict(&value)? {
             let (fields, class) = tensorclass_parts(&value)?;
-            let mut nested = from_python_tensordict(&fields, imports.as_deref_mut())?;
+            let mut nested = from_python_tensordict(&fields, imports.as_deref_mut(), depth + 1)?;
             nested.set_class(class);
             Entry::Dict(nested)
         } else {
@@ -227,13 +237,14 @@ fn tensorclass_parts<'py>(obj: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny
 pub(crate) fn lazy_from_python(
     obj: &Bound<'_, PyAny>,
     mut imports: Option<&mut dlpack::Imports>,
+    depth: usize,
 ) -> PyResult<LazyStack> {
     let dim: usize = obj.getattr("stack_dim")?.extract()?;
     let mut items = Vec::new();
     for item in obj.getattr("tensordicts")?.try_iter()? {
         let item = item?;
         let (fields, class) = tensorclass_parts(&item)?;
-        let mut td = from_python_tensordict(&fields, imports.as_deref_mut())?;
+        let mut td = from_python_tensordict(&fields, imports.as_deref_mut(), depth + 1)?;
         td.set_class(class);
         items.push(td);
     }
@@ -255,7 +266,7 @@ pub(crate) fn dict_arg(obj: &Bound<'_, PyAny>) -> PyResult<TensorDict> {
         return Ok(td.get().dict()?.as_ref().clone());
     }
     if is_python_tensordict(obj)? {
-        return from_python_tensordict(obj, None);
+        return from_python_tensordict(obj, None, 0);
     }
     Err(PyTypeError::new_err(format!(
         "expected a tensordict_rs.TensorDict or a tensordict.TensorDict, got {}",
@@ -292,7 +303,7 @@ pub(crate) fn rows_with_batch(value: &Bound<'_, PyAny>, batch: &[usize]) -> PyRe
         return Ok(td);
     }
     if is_python_tensordict(value)? {
-        return Ok(fit(from_python_tensordict(value, Some(&mut dlpack::Imports::borrowing_rows()))?));
+        return Ok(fit(from_python_tensordict(value, Some(&mut dlpack::Imports::borrowing_rows()), 0)?));
     }
     Err(PyTypeError::new_err(format!(
         "td[index] = value takes a TensorDict, a dict of arrays, a tensordict.TensorDict, a tensor or a number; \
@@ -351,7 +362,7 @@ pub(crate) fn entry_from_py(value: &Bound<'_, PyAny>, batch: &[usize]) -> PyResu
         return Ok(Entry::Lazy(stack.get().stack().clone()));
     }
     if is_python_lazy(value) {
-        return Ok(Entry::Lazy(lazy_from_python(value, None)?));
+        return Ok(Entry::Lazy(lazy_from_python(value, None, 0)?));
     }
     if let Ok(td) = value.cast::<PyTensorDict>() {
         return Ok(Entry::Dict(rebatch(td.get().dict()?.as_ref().clone(), batch)));
@@ -362,7 +373,7 @@ pub(crate) fn entry_from_py(value: &Bound<'_, PyAny>, batch: &[usize]) -> PyResu
         return Ok(Entry::Dict(td));
     }
     if is_python_tensordict(value)? {
-        return Ok(Entry::Dict(rebatch(from_python_tensordict(value, None)?, batch)));
+        return Ok(Entry::Dict(rebatch(from_python_tensordict(value, None, 0)?, batch)));
     }
     if let Some(t) = tensor_from_py(value)? {
         return Ok(Entry::Tensor(t));
