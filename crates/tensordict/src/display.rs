@@ -35,6 +35,24 @@ impl fmt::Debug for TensorDict {
     }
 }
 
+impl fmt::Display for crate::LazyStack {
+    /// The batch size and stack dim, then each dict's repr, one per line:
+    ///
+    /// ```text
+    /// LazyStack(batch_size=[2,2], stack_dim=1, tensordicts=[
+    ///     TensorDict(batch_size=[2], fields={obs: f32[1]}),
+    ///     TensorDict(batch_size=[2], fields={obs: f32[3]})])
+    /// ```
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LazyStack(batch_size={}, stack_dim={}, tensordicts=[", dims(&self.batch_size()), self.dim())?;
+        for (k, item) in self.items().iter().enumerate() {
+            let text = item.to_string().replace('\n', "\n    ");
+            write!(f, "\n    {text}{}", if k + 1 < self.len() { "," } else { "" })?;
+        }
+        write!(f, "])")
+    }
+}
+
 /// What the compact repr shows of an entry: a token (`f32[84]`, `str`), or a nested dict's
 /// prefix (its extra batch dims) and fields, with the width of its one-line form (so that
 /// deciding how to lay out each level costs nothing, and the repr is written in one pass).

@@ -38,7 +38,7 @@ use crate::{Entry, Error, Index, KeyPath, Result, TensorDict};
 /// assert!(agents.get_tensor("obs").is_err());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct LazyStack {
     dim: usize,
     dim_name: Option<String>,
@@ -367,4 +367,10 @@ pub(crate) fn per_dim(index: &Index, dims: usize) -> std::result::Result<Option<
     }
     out.resize(dims, Index::full());
     Ok(Some(out))
+}
+
+impl std::fmt::Debug for LazyStack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
 }

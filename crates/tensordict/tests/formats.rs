@@ -459,3 +459,12 @@ fn dicts_holding_tensorclasses_and_lazy_stacks_know_their_folder() -> TestResult
     assert_eq!(fields.location()?, tensordict::DictLocation::Folder(inner));
     Ok(())
 }
+
+#[test]
+fn a_lazy_stack_prints_its_dicts() -> TestResult {
+    let stack = LazyStack::load_memmap(formats().join("lazy_dim1"), Access::ReadOnly)?;
+    let text = stack.to_string();
+    assert!(text.starts_with("LazyStack(batch_size=[4,2], stack_dim=1, tensordicts=["), "{text}");
+    assert_eq!(text.matches("TensorDict(batch_size=[4]").count(), 2, "{text}");
+    Ok(())
+}

@@ -157,12 +157,6 @@ impl PyLazyStack {
     }
 
     fn __repr__(&self) -> String {
-        let items: Vec<String> = self.inner.items().iter().map(|td| td.to_string()).collect();
-        format!(
-            "LazyStack(batch_size={:?}, stack_dim={}, tensordicts=[\n{}])",
-            self.inner.batch_size(),
-            self.inner.dim(),
-            items.join(",\n")
-        )
+        self.inner.to_string()
     }
 }
