@@ -140,8 +140,11 @@ impl LazyStack {
     ///
     /// - an integer there gives that element indexed by the rest: an [`Entry::Dict`];
     /// - a slice, a list or a mask there gives the elements picked, each indexed by the rest,
-    ///   still stacked: an [`Entry::Lazy`] (a slice, and integers and slices elsewhere, are
-    ///   views; nothing is copied).
+    ///   still stacked: an [`Entry::Lazy`].
+    ///
+    /// The elements picked are the stack's own, as in Python: a list at the stack dim does not
+    /// copy them (where integers and slices index the rest, the result views the stack's
+    /// memory; a list or mask over another dim gathers that dim into new memory).
     ///
     /// An index that mixes a list at the stack dim with a list elsewhere, or that holds `None`
     /// or a multi-dim list or mask, is applied to [`LazyStack::densify`] when the elements

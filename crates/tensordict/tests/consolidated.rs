@@ -127,6 +127,7 @@ fn hostile_consolidated_files_are_refused_with_one_error() {
         ("batch", edit(&|m| m["cls_metadata"]["batch_size"] = json!([5])), "batch size"),
         ("no cls", edit(&|m| m.as_object_mut().unwrap().shift_remove("cls").map(drop).unwrap_or(())), "cls"),
         ("class", edit(&|m| m["cls"] = json!("PersistentTensorDict")), "does not read"),
+        ("one name twice", edit(&|m| m["non_tensors"]["obs"] = json!(["x", [4], null])), "two entries of one name"),
         (
             "a length past the file",
             [data.clone(), (1u64 << 40).to_le_bytes().to_vec()].concat(),

@@ -285,6 +285,10 @@ fn hostile_lazy_stacks_and_tensorclasses_are_refused_with_one_error() {
     let (_dir, copy) = edited("class_root", |p| fs::remove_dir_all(p.join("_tensordict")).unwrap());
     let err = TensorDict::load_memmap(&copy, Access::ReadOnly).unwrap_err().to_string();
     assert!(err.contains("_tensordict") && err.contains("fixture_classes.Point"), "{err}");
+    // Inside a dict, a class folder without its fields is kept as an entry not read.
+    let (_dir, copy) = edited("class_nested", |p| fs::remove_dir_all(p.join("point/_tensordict")).unwrap());
+    let td = TensorDict::load_memmap(&copy, Access::ReadOnly).unwrap();
+    assert!(matches!(td.get("point"), Ok(Entry::Unreadable(_))));
     // A `_type` that names no class path is not read.
     let (_dir, copy) =
         edited("class_root", |p| set_meta(&p.join("meta.json"), "_type", serde_json::json!("<class 'x'>")));

@@ -224,13 +224,17 @@ impl Reader<'_> {
             let value = record.as_array().and_then(|r| r.first());
             let value = value
                 .ok_or_else(|| self.invalid(&key.join(name), "a value that is not `[value, batch_size, device]`"))?;
+            // (Names are unique within `non_tensors`, a JSON object; a leaf or a nested node of
+            // the same name is the clash refused below.)
             entries.insert(name.clone(), Entry::NonTensor(value.clone()));
         }
         let leaves = obj.get("leaves").and_then(Value::as_object);
         for (name, record) in leaves.ok_or_else(|| self.invalid(key, "`leaves` is not an object"))? {
             let leaf_key = key.join(name);
             let tensor = self.leaf(record, &leaf_key, &batch)?;
-            entries.insert(name.clone(), Entry::Tensor(tensor));
+            if entries.insert(name.clone(), Entry::Tensor(tensor)).is_some() {
+                return Err(self.invalid(&leaf_key, "two entries of one name"));
+            }
         }
         for (name, child) in obj {
             if matches!(name.as_str(), "cls" | "non_tensors" | "leaves" | "cls_metadata" | "size") {

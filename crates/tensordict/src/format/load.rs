@@ -406,10 +406,14 @@ fn class_fields(
         let what = format!("pickled fields of the tensorclass `{}` (`other.pickle`)", class.path());
         Unreadable::new(what, dir.path().to_owned(), pickled, Value::Null)
     });
+    // A class without a folder of fields is not a tensorclass this crate knows how to read
+    // (some other Python class that memmaps itself): kept as an entry not read, as before
+    // tensorclasses were read.
     if dir.kind(CLASS_FIELDS_DIR)?.is_none() {
-        return Err(Error::InvalidMeta {
-            path: dir.child(CLASS_FIELDS_DIR),
-            reason: format!("the tensorclass `{}` has no folder `{CLASS_FIELDS_DIR}` of fields", class.path()),
+        return Err(Error::Unsupported {
+            path: dir.path().to_owned(),
+            key: path.clone(),
+            what: format!("a `{}` without a `{CLASS_FIELDS_DIR}` folder of fields (not a tensorclass)", class.path()),
         });
     }
     let sub = dir.open_dir(CLASS_FIELDS_DIR)?;
