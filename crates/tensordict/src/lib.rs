@@ -5,7 +5,10 @@
 //! values, all sharing leading batch dims. Index it like a tensor ([`TensorDict::index`],
 //! [`TensorDict::set_at`]); slices are views, integer lists gather every leaf at memory speed.
 //! [`TensorDict::memmap`] writes Python's folder layout and [`TensorDict::load_memmap`] opens
-//! one (written by either library); see `FORMAT.md` for the layout.
+//! one (written by either library); see `FORMAT.md` for the layout. Python's other kinds of
+//! data go both ways too: lazy stacks of dicts of different shapes ([`LazyStack`]),
+//! tensorclasses (a dict that remembers its [`TensorClass`]) and consolidated files
+//! ([`TensorDict::open_consolidated`], [`TensorDict::consolidate`]).
 //!
 //! ```
 //! use memmap_tensor::{Access, DType, Location, Tensor};
