@@ -19,8 +19,8 @@ use memmap_tensor::{Access, DType, Layout, Location, Tensor, TensorBuf};
 use tensordict_aio::Engine;
 
 use crate::error::WithKey;
-use crate::format::{LeafFile, Leaves, load_folder, read_tree};
-use crate::{Error, KeyPath, Result, TensorDict};
+use crate::format::{LeafFile, Leaves, load_folder, read_lazy_tree, read_tree};
+use crate::{Error, KeyPath, LazyStack, Result, TensorDict};
 
 impl TensorDict {
     /// Reads the memmap folder at `prefix` (any folder [`TensorDict::load_memmap`] opens) into
@@ -69,6 +69,15 @@ impl TensorDict {
             let td = read_tree(top, &mut queue)?;
             queue.finish(engine, td)
         })
+    }
+}
+
+impl LazyStack {
+    /// Reads the memmap folder of a lazy stack at `prefix` into memory, as
+    /// [`TensorDict::read_memmap`] reads a dict's: nothing is mapped, so a file that shrinks
+    /// or a file server that stops is an error naming the file, never a `SIGBUS`.
+    pub fn read_memmap(prefix: impl AsRef<Path>) -> Result<LazyStack> {
+        load_folder(prefix.as_ref(), |top| read_lazy_tree(top, &mut Reader))
     }
 }
 

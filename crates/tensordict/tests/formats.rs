@@ -472,3 +472,14 @@ fn a_lazy_stack_prints_its_dicts() -> TestResult {
     assert_eq!(text.matches("TensorDict(batch_size=[4]").count(), 2, "{text}");
     Ok(())
 }
+
+#[test]
+fn a_lazy_stack_reads_into_memory_as_it_loads() -> TestResult {
+    let read = LazyStack::read_memmap(formats().join("lazy_root"))?;
+    assert!(read.items().iter().all(|td| !td.is_memmap()), "nothing mapped");
+    check_against("lazy_root", &Entry::Lazy(read), &[3, 2])?;
+    let (_dir, copy) = edited("lazy_root", |p| fs::write(p.join("1/obs.memmap"), b"short").unwrap());
+    let err = LazyStack::read_memmap(&copy).unwrap_err().to_string();
+    assert!(err.contains("obs"), "{err}");
+    Ok(())
+}

@@ -7,7 +7,7 @@ mod consolidated;
 mod load;
 mod write;
 
-pub(crate) use load::{LeafFile, Leaves, check_map_room, load_folder, read_tree};
+pub(crate) use load::{LeafFile, Leaves, check_map_room, load_folder, read_lazy_tree, read_tree};
 use load::{REMEDY_WRITE, map_tree, repeat_first_row};
 pub(crate) use write::Writing;
 pub use write::{WRITE_PIECE, WriteOptions};
