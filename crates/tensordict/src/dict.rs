@@ -415,19 +415,20 @@ impl TensorDict {
     }
 
     /// True when a lazy stack is among the entries, nested ones included.
+    ///
+    /// Every index, gather and scatter asks this first, so it walks the entries without making
+    /// a key path for each.
     pub(crate) fn has_lazy(&self) -> bool {
-        self.first_lazy().is_some()
+        self.entries.values().any(|entry| match entry {
+            Entry::Lazy(_) => true,
+            Entry::Dict(d) => d.has_lazy(),
+            _ => false,
+        })
     }
 
-    /// The key of the first lazy stack among the entries, nested ones included.
+    /// The key of the first lazy stack among the entries, nested ones included (for errors).
     pub(crate) fn first_lazy(&self) -> Option<KeyPath> {
-        let mut found = None;
-        self.visit(&KeyPath::default(), &mut |path, entry| {
-            if found.is_none() && matches!(entry, Entry::Lazy(_)) {
-                found = Some(path.clone());
-            }
-        });
-        found
+        self.lazy_stacks().into_iter().next().map(|(key, _)| key)
     }
 
     /// Every lazy stack among the entries ([`Entry::Lazy`]) with its key, nested ones
@@ -647,16 +648,10 @@ impl TensorDict {
     /// Writes the changes of every file-backed tensor back to its file and waits (`msync`), so
     /// they survive a crash of the machine. Heap and shared-memory tensors have nothing to flush.
     pub fn flush(&self) -> Result<()> {
-        for (key, t) in self.leaves() {
+        for (key, t) in self.stored_leaves() {
             t.flush().with_key(|| key)?;
         }
-        let mut stacks = Vec::new();
-        self.visit(&KeyPath::default(), &mut |_, entry| {
-            if let Entry::Lazy(l) = entry {
-                stacks.push(l);
-            }
-        });
-        stacks.into_iter().flat_map(|l| l.items()).try_for_each(TensorDict::flush)
+        Ok(())
     }
 
     /// True when every tensor with data lives in a memory-mapped file (and there is at least
