@@ -1,5 +1,6 @@
-//! Where a dict lives, as given on the command line ([`DictLocation`], `shm:PREFIX` or a folder):
-//! the one parser every subcommand uses, so that `shm:PREFIX` means a shared dict everywhere.
+//! Where a dict lives, as given on the command line ([`DictLocation`]: `shm:PREFIX`,
+//! `file:PATH` for a consolidated file, or a folder): the one parser every subcommand uses, so
+//! that `shm:PREFIX` means a shared dict and `file:PATH` a consolidated file everywhere.
 
 use std::ffi::OsStr;
 

@@ -197,6 +197,9 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                     ensure!(!force, "--force applies to folders: remove the shared dict first (`tdict rm {dst}`)");
                     td.share_memory_with(prefix, &options).with_context(|| format!("writing {dst}"))?;
                 }
+                Location::File(path) => {
+                    td.consolidate_with(path, &options.fsync(fsync).overwrite(force)).map_err(force_hint)?;
+                }
                 other => return Err(not_here(other)),
             }
             let as_is = match td.unreadable().len() {
@@ -211,6 +214,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             match &location {
                 Location::Shm(prefix) => TensorDict::unlink_shared(prefix)?,
                 Location::Folder(path) => remove_folder(path)?,
+                Location::File(path) => remove_consolidated(path)?,
                 other => return Err(not_here(other)),
             }
             out!("removed {location}");
@@ -328,7 +332,7 @@ fn info(location: &Location, as_json: bool, with_stats: bool) -> anyhow::Result<
 
 /// A location this build of the CLI does not handle (a kind of location newer than it).
 pub(crate) fn not_here(location: &Location) -> anyhow::Error {
-    anyhow::anyhow!("{location}: this command handles folders and shm:PREFIX only")
+    anyhow::anyhow!("{location}: this command handles folders, shm:PREFIX and file:PATH only")
 }
 
 fn verify(location: &Location) -> anyhow::Result<ExitCode> {
@@ -337,6 +341,8 @@ fn verify(location: &Location) -> anyhow::Result<ExitCode> {
         match location {
             Location::Folder(path) => TensorDict::verify_memmap(path),
             Location::Shm(prefix) => TensorDict::verify_shared(prefix),
+            // Opening checks every leaf's range against the file, and reads no data.
+            Location::File(path) => TensorDict::open_consolidated(path, Access::ReadOnly).err().into_iter().collect(),
             other => return Err(not_here(other)),
         }
     };
@@ -365,6 +371,28 @@ fn remove_folder(path: &Path) -> anyhow::Result<()> {
     let doomed = path.with_file_name(hidden);
     std::fs::rename(path, &doomed).with_context(|| format!("renaming {} to remove it", path.display()))?;
     std::fs::remove_dir_all(&doomed).with_context(|| format!("removing {}", doomed.display()))?;
+    Ok(())
+}
+
+/// Removes a consolidated file, after checking that it is one, and the generation file beside
+/// it if there is one.
+fn remove_consolidated(path: &Path) -> anyhow::Result<()> {
+    let meta = std::fs::symlink_metadata(path).with_context(|| format!("{}", path.display()))?;
+    ensure!(meta.is_file(), "{} is not a file: refusing to remove it", path.display());
+    TensorDict::open_consolidated(path, Access::ReadOnly)
+        .with_context(|| format!("{} is not a consolidated file: refusing to remove it", path.display()))?;
+    std::fs::remove_file(path).with_context(|| format!("removing {}", path.display()))?;
+    if let Some(name) = path.file_name() {
+        let mut generation = std::ffi::OsString::from(".");
+        generation.push(name);
+        generation.push(".tdict-generation");
+        match std::fs::remove_file(path.with_file_name(generation)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(anyhow::Error::new(e).context(format!("removing the generation file of {}", path.display())));
+            }
+            _ => {}
+        }
+    }
     Ok(())
 }
 

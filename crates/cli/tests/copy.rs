@@ -321,3 +321,32 @@ fn entries_not_read_are_listed_copied_as_they_are_or_left_out() {
     let run = tdict([OsStr::new("copy"), "--exclude".as_ref(), "nope".as_ref(), src.as_os_str(), dst.as_os_str()]);
     assert!(run.one_line_error().contains("--exclude nope:"), "{run}");
 }
+
+#[test]
+fn copy_to_and_from_a_consolidated_file_then_verify_info_and_rm() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("flat.td");
+    let file_arg = format!("file:{}", file.display());
+    tdict([OsStr::new("copy"), fixture("flat").as_os_str(), OsStr::new(&file_arg)]).ok();
+    assert!(file.is_file(), "one file, not a folder");
+    tdict([OsStr::new("verify"), OsStr::new(&file_arg)]).ok();
+    // The same dict as the folder it came from, and back into a folder again.
+    let info = |location: &OsStr| tdict([OsStr::new("info"), location, OsStr::new("--json")]).json();
+    let original = info(fixture("flat").as_os_str());
+    assert_eq!(info(OsStr::new(&file_arg))["leaves"], original["leaves"]);
+    let back = tmp.path().join("back");
+    tdict([OsStr::new("copy"), OsStr::new(&file_arg), back.as_os_str()]).ok();
+    assert_eq!(info(back.as_os_str())["leaves"], original["leaves"]);
+    // An existing file is replaced only with --force.
+    tdict([OsStr::new("copy"), fixture("flat").as_os_str(), OsStr::new(&file_arg)]).expect_error();
+    tdict([OsStr::new("copy"), fixture("flat").as_os_str(), OsStr::new(&file_arg), OsStr::new("--force")]).ok();
+
+    // rm removes a consolidated file and nothing else.
+    let other = tmp.path().join("not-a-dict");
+    fs::write(&other, b"keep me").unwrap();
+    tdict([OsStr::new("rm"), OsStr::new(&format!("file:{}", other.display()))]).expect_error();
+    assert_eq!(fs::read(&other).unwrap(), b"keep me");
+    tdict([OsStr::new("verify"), OsStr::new(&format!("file:{}", other.display()))]).assert_no_panic().expect_code(1);
+    tdict([OsStr::new("rm"), OsStr::new(&file_arg)]).ok();
+    assert!(!file.exists());
+}

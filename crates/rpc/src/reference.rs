@@ -65,6 +65,11 @@ pub enum RefLocation {
         /// The node whose shared memory holds it.
         node: NodeId,
     },
+    /// A consolidated file (every tensor in one file), on a local or shared filesystem.
+    File {
+        /// The file.
+        path: PathBuf,
+    },
 }
 
 impl RefLocation {
@@ -73,6 +78,7 @@ impl RefLocation {
         match self {
             RefLocation::Folder { path } => DictLocation::Folder(path.clone()),
             RefLocation::Shm { prefix, .. } => DictLocation::Shm(prefix.clone()),
+            RefLocation::File { path } => DictLocation::File(path.clone()),
         }
     }
 }
@@ -82,6 +88,7 @@ impl std::fmt::Display for RefLocation {
         match self {
             RefLocation::Folder { path } => write!(f, "{}", path.display()),
             RefLocation::Shm { prefix, node } => write!(f, "shm:{prefix} on {node}"),
+            RefLocation::File { path } => write!(f, "file:{}", path.display()),
         }
     }
 }
@@ -96,7 +103,7 @@ impl std::fmt::Display for RefLocation {
 #[non_exhaustive]
 pub struct TensorDictRef {
     /// The dict's schema (of the view, if it is one); tensor names say where each tensor's bytes
-    /// are: a file relative to the folder, or a shm object.
+    /// are: a file relative to the folder, or a shm object (none in a consolidated file).
     #[serde(with = "crate::wire::schema_json")]
     pub schema: Arc<Schema>,
     /// Where the bytes are.
@@ -120,6 +127,7 @@ impl ToRef for TensorDict {
         let location = match &backing.location {
             DictLocation::Folder(path) => RefLocation::Folder { path: path.clone() },
             DictLocation::Shm(prefix) => RefLocation::Shm { prefix: prefix.clone(), node: NodeId::local() },
+            DictLocation::File(path) => RefLocation::File { path: path.clone() },
             other => {
                 return Err(Error::InvalidArgument {
                     op: "to_ref",
@@ -214,7 +222,7 @@ impl TensorDictRef {
         let dict = self.open(Access::ReadOnly)?;
         let copy = match &self.location {
             RefLocation::Shm { .. } => dict.deep_clone()?,
-            RefLocation::Folder { .. } => {
+            RefLocation::Folder { .. } | RefLocation::File { .. } => {
                 let Some(&rows) = dict.batch_size().first() else {
                     return Err(Error::InvalidArgument {
                         op: "read_direct",

@@ -121,6 +121,7 @@ impl Place {
         let location = match &reference.location {
             RefLocation::Folder { path } => format!("folder:{}", path.display()),
             RefLocation::Shm { prefix, node } => format!("shm:{prefix}@{}", node.key),
+            RefLocation::File { path } => format!("file:{}", path.display()),
         };
         Place { location, rows: reference.rows.clone() }
     }
@@ -415,9 +416,10 @@ impl Worker for WorkerSession {
         let written = match out {
             DictLocation::Folder(path) => gathered.memmap(&path),
             DictLocation::Shm(prefix) => gathered.share_memory(&prefix),
+            DictLocation::File(path) => gathered.consolidate(&path),
             other => {
                 return Err(WireError::InvalidRequest {
-                    detail: format!("{other}: the worker writes folders and shm"),
+                    detail: format!("{other}: the worker writes folders, shm and consolidated files"),
                 });
             }
         }

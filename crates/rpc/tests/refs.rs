@@ -1,4 +1,4 @@
-//! References to dicts in folders and shared memory: small, opened in another process onto the
+//! References to dicts in folders, shared memory and consolidated files: small, opened in another process onto the
 //! same bytes, and refused, with the difference named, when the storage changed generation,
 //! holds another dict, or is shared memory of another node.
 
@@ -167,5 +167,70 @@ fn a_reference_to_another_dict_or_generation_is_refused() -> TestResult {
     // A heap dict has nothing to refer to, and says what to do.
     let err = ten_leaves(3)?.to_ref().unwrap_err().to_string();
     assert!(err.contains("memmap(path) or share_memory(prefix)"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn another_process_writes_rows_through_a_consolidated_file_reference() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("buffer.td");
+    let td = ten_leaves(1000)?.consolidate(&path)?;
+    let view = td.index(Index::slice(Some(4), Some(8), 1))?;
+    let sent = view.to_ref()?;
+    assert!(matches!(&sent.location, RefLocation::File { path: p } if *p == path), "{}", sent.location);
+    assert_eq!(sent.rows, Some(4..8));
+    let back = run_peer(&sent)?;
+    assert_eq!(back.rows, Some(4..8));
+    assert_eq!(back.generation.counter, sent.generation.counter + 1);
+
+    // The peer wrote into the one file: this process's mapping shows those rows, and only them.
+    let leaf0 = td.get_tensor("leaf0")?.to_vec::<f32>()?;
+    for (row, values) in leaf0.chunks(3).enumerate() {
+        let want = if (4..8).contains(&row) { 1.0 } else { 0.0 };
+        assert!(values.iter().all(|&v| v == want), "row {row}: {values:?}");
+    }
+    assert!(td.get_tensor("leaf1")?.to_vec::<f32>()?.iter().all(|&v| v == 0.0), "the next leaf is untouched");
+    let err = sent.open(Access::ReadOnly).unwrap_err().to_string();
+    assert!(err.contains("generation"), "{err}");
+    assert_eq!(back.open(Access::ReadOnly)?.get_tensor("leaf0")?.to_vec::<f32>()?, vec![1.0; 12]);
+    // Read past the page cache, as a reader on another node would.
+    let copy = back.read_direct(&tensordict_aio::Engine::new()?)?;
+    assert_eq!(copy.get_tensor("leaf0")?.to_vec::<f32>()?, vec![1.0; 12]);
+    assert_eq!(copy.get_tensor(["next", "obs"])?.to_vec::<u8>()?, vec![0; 8]);
+
+    // A file renamed over it, even of the same dict, is another generation.
+    let whole = TensorDict::open_consolidated(&path, Access::ReadOnly)?.to_ref()?;
+    ten_leaves(1000)?.consolidate_with(&path, &tensordict::WriteOptions::default().overwrite(true))?;
+    let err = whole.open(Access::ReadOnly).unwrap_err().to_string();
+    assert!(err.contains("generation"), "{err}");
+
+    // A dict with tensors in a consolidated file and in a folder has no one place.
+    let mut mixed = TensorDict::open_consolidated(&path, Access::ReadOnly)?;
+    let folder = ten_leaves(1000)?.memmap(dir.path().join("folder"))?;
+    mixed.set("leaf0", folder.get_tensor("leaf0")?.clone())?;
+    let err = mixed.to_ref().unwrap_err().to_string();
+    assert!(err.contains("`leaf1` is stored in file:") && err.contains("other tensors in"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn a_consolidated_file_written_by_python_is_referred_to() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("consolidated.td");
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tensordict-0.15/formats/consolidated.td");
+    std::fs::copy(fixture, &path)?;
+    let before = std::fs::read(&path)?;
+    let td = TensorDict::open_consolidated(&path, Access::ReadOnly)?;
+    let reference = td.to_ref()?;
+    assert_eq!(reference.generation.counter, 0, "nobody published it");
+    let opened = reference.open(Access::ReadOnly)?;
+    assert_eq!(opened.stored_leaves().len(), td.stored_leaves().len());
+    for ((key, a), (_, b)) in opened.stored_leaves().iter().zip(td.stored_leaves()) {
+        assert_eq!(a.to_bytes()?, b.to_bytes()?, "`{key}`");
+    }
+    // Referring and opening wrote nothing: no generation file, the same bytes.
+    assert_eq!(std::fs::read_dir(dir.path())?.count(), 1);
+    assert_eq!(std::fs::read(&path)?, before);
     Ok(())
 }

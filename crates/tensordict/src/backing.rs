@@ -1,6 +1,6 @@
 //! Where a dict's data lives, so that another process can map the same bytes: its [`Backing`]
-//! (one folder or one shared-memory prefix, and the rows of it a view covers), and the
-//! [`Generation`] of that folder or prefix.
+//! (one folder, one shared-memory prefix or one consolidated file, and the rows of it a view
+//! covers), and the [`Generation`] of that folder, prefix or file.
 //!
 //! # Generations
 //!
@@ -8,7 +8,8 @@
 //! write, or by removing and sharing again), and a `counter` that writers bump when they publish
 //! changed rows. It is stored in a 16-byte file (`id`, then `counter`, little-endian):
 //! `.tdict-generation` in the top folder of a dict (Python tensordict ignores the file), or
-//! `/dev/shm/<prefix>.gen` for a shared dict.
+//! `/dev/shm/<prefix>.gen` for a shared dict, or `.<name>.tdict-generation` beside a
+//! consolidated file `<name>`.
 //!
 //! Readers never write: a folder or prefix without the file (no writer published it yet; Python
 //! writes none) is at counter 0, with an id hashed from its metadata file's modification time,
@@ -23,11 +24,19 @@
 //! holding a reference of an older generation knows its data was replaced or changed: on one
 //! machine a mapping shows later writes anyway, but on a network filesystem an existing mapping
 //! never sees another node's writes, and only a reopen after the new generation is seen does.
+//!
+//! A consolidated file cannot hold its generation, and a file renamed over it (Python's
+//! `consolidate(filename=...)` replaces it so) leaves the file beside it as it was. So a file's
+//! id is always hashed from the file itself (its modification time, length and last 64 KiB,
+//! where its metadata is), and the generation file beside it counts publishes of that id only:
+//! a write into the file, which changes its modification time, or a new file, starts the
+//! counter again under a new id.
 
 use std::fs::File;
 use std::hash::Hasher;
-use std::io::{ErrorKind, Read};
+use std::io::ErrorKind;
 use std::ops::Range;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
@@ -58,7 +67,8 @@ impl std::fmt::Display for Generation {
 }
 
 /// Where the data of a dict lives: what a process opens it by, and what other processes are
-/// told (on the wire it is serialised as `{"Folder": path}` or `{"Shm": prefix}`).
+/// told (on the wire it is serialised as `{"Folder": path}`, `{"Shm": prefix}` or
+/// `{"File": path}`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub enum DictLocation {
@@ -66,13 +76,24 @@ pub enum DictLocation {
     Folder(PathBuf),
     /// The prefix of a shared-memory dict (as [`TensorDict::open_shared`] opens it).
     Shm(String),
+    /// A consolidated file (as [`TensorDict::open_consolidated`] opens it): every tensor of the
+    /// dict in one file.
+    File(PathBuf),
 }
 
 impl std::fmt::Display for DictLocation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            DictLocation::Folder(path) => write!(f, "{}", path.display()),
+            DictLocation::Folder(path) => {
+                // A relative folder named like a prefix is written so that it parses back.
+                let named_like_prefix = [&b"shm:"[..], b"file:"]
+                    .iter()
+                    .any(|prefix| path.as_os_str().as_encoded_bytes().starts_with(prefix));
+                let dot = if named_like_prefix { "./" } else { "" };
+                write!(f, "{dot}{}", path.display())
+            }
             DictLocation::Shm(prefix) => write!(f, "shm:{prefix}"),
+            DictLocation::File(path) => write!(f, "file:{}", path.display()),
         }
     }
 }
@@ -90,13 +111,24 @@ pub struct Backing {
 
 impl DictLocation {
     /// A location as [`Display`](std::fmt::Display) writes it: `shm:PREFIX` is a shared dict,
-    /// anything else a folder (a folder named `shm:…` is written `./shm:…`). A prefix must be
-    /// UTF-8; it is checked further where it is used.
+    /// `file:PATH` a consolidated file, anything else a folder (a folder named `shm:…` or
+    /// `file:…` is written `./shm:…`). A prefix must be UTF-8; it is checked further where it
+    /// is used.
     pub fn parse(text: &std::ffi::OsStr) -> std::result::Result<DictLocation, String> {
         if text.is_empty() {
-            return Err("an empty path names no folder (and `shm:PREFIX` no shared dict)".to_owned());
+            return Err(
+                "an empty path names no folder (and `shm:PREFIX` no shared dict, `file:PATH` no consolidated file)"
+                    .to_owned(),
+            );
         }
-        if !text.as_encoded_bytes().starts_with(b"shm:") {
+        let bytes = text.as_encoded_bytes();
+        if let Some(path) = bytes.strip_prefix(b"file:") {
+            if path.is_empty() {
+                return Err("`file:` names no consolidated file: give its path after the colon".to_owned());
+            }
+            return Ok(DictLocation::File(PathBuf::from(std::ffi::OsStr::from_bytes(path))));
+        }
+        if !bytes.starts_with(b"shm:") {
             return Ok(DictLocation::Folder(PathBuf::from(text)));
         }
         let utf8 = text.to_str().ok_or_else(|| format!("{}: the prefix is not UTF-8", text.display()))?;
@@ -108,6 +140,7 @@ impl DictLocation {
         match self {
             DictLocation::Folder(path) => TensorDict::load_memmap(path, access),
             DictLocation::Shm(prefix) => TensorDict::open_shared(prefix, access),
+            DictLocation::File(path) => TensorDict::open_consolidated(path, access),
         }
     }
 
@@ -151,6 +184,7 @@ impl DictLocation {
         let durability = match self {
             DictLocation::Folder(_) => tensordict_aio::Durability::Durable,
             DictLocation::Shm(_) => tensordict_aio::Durability::Atomic,
+            DictLocation::File(_) => tensordict_aio::Durability::Durable,
         };
         tensordict_aio::replace_file(&path, &encode_generation(now), 0o644, durability)
             .map_err(|source| Error::Io { op: "replace", path, source })?;
@@ -170,6 +204,7 @@ impl DictLocation {
                 generation: GENERATION_FILE.to_owned(),
                 meta: "meta.json".to_owned(),
                 absent: Error::NotADict { path: root.clone() },
+                file: false,
             },
             DictLocation::Shm(prefix) => {
                 crate::shared::check_prefix(prefix)?;
@@ -178,6 +213,29 @@ impl DictLocation {
                     generation: format!("{prefix}.gen"),
                     meta: format!("{prefix}.meta"),
                     absent: Error::SharedNotFound { prefix: prefix.clone() },
+                    file: false,
+                }
+            }
+            DictLocation::File(path) => {
+                let name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| Error::InvalidArgument {
+                    op: "generation",
+                    detail: format!("{}: a consolidated file needs a UTF-8 file name", path.display()),
+                })?;
+                let parent = match path.parent() {
+                    Some(parent) if !parent.as_os_str().is_empty() => parent,
+                    _ => Path::new("."),
+                };
+                let absent = || Error::Io {
+                    op: "open",
+                    path: path.clone(),
+                    source: std::io::Error::new(ErrorKind::NotFound, "no consolidated file there"),
+                };
+                GenerationFiles {
+                    dir: Dir::open_top(parent).map_err(|e| missing(e, absent()))?,
+                    generation: format!(".{name}{GENERATION_FILE}"),
+                    meta: name.to_owned(),
+                    absent: absent(),
+                    file: true,
                 }
             }
         })
@@ -198,24 +256,41 @@ struct GenerationFiles {
     meta: String,
     /// What a missing metadata file means: no dict there.
     absent: Error,
+    /// Whether `meta` is a consolidated file, whose id is always hashed from the file itself
+    /// (see the module documentation).
+    file: bool,
 }
+
+/// The bytes at the end of a consolidated file that its id is hashed from (its metadata, or
+/// most of it).
+const FILE_TAIL_BYTES: u64 = 64 << 10;
 
 impl GenerationFiles {
     /// The generation in the generation file, or without one, the unpublished generation.
     fn read(self) -> Result<Generation> {
-        match self.dir.open_file(&self.generation, Access::ReadOnly) {
-            Ok(file) => read_from(&file, &self.dir.child(&self.generation)),
-            Err(Error::Io { source, .. }) if source.kind() == ErrorKind::NotFound => self.unpublished(),
-            Err(e) => Err(e),
+        let stored = match self.dir.open_file(&self.generation, Access::ReadOnly) {
+            Ok(file) => Some(read_from(&file, &self.dir.child(&self.generation))?),
+            Err(Error::Io { source, .. }) if source.kind() == ErrorKind::NotFound => None,
+            Err(e) => return Err(e),
+        };
+        match (stored, self.file) {
+            (Some(stored), false) => Ok(stored),
+            // A file's publishes count only while the file is the one they were made on.
+            (stored, _) => {
+                let id = self.hashed_id()?;
+                let counter = stored.filter(|g| g.id == id).map_or(0, |g| g.counter);
+                Ok(Generation { id, counter })
+            }
         }
     }
 
-    /// The generation of a dict no writer has published: counter 0, and an id that is a hash of
-    /// its metadata file's modification time, length and bytes. These are what every node of a
-    /// network filesystem sees alike (inode numbers are not, on sshfs), and what a replacement
-    /// of the dict (by this crate, which also gives the new folder a generation file, or by
-    /// Python tensordict) or a change of its keys or shapes changes.
-    fn unpublished(self) -> Result<Generation> {
+    /// The id of a dict no writer has published, and of a consolidated file always: a hash of
+    /// the metadata file's modification time, length and bytes (a consolidated file's last
+    /// [`FILE_TAIL_BYTES`]). These are what every node of a network filesystem sees alike
+    /// (inode numbers are not, on sshfs), and what a replacement of the dict (by this crate,
+    /// which also gives a new folder a generation file, or by Python tensordict) or a change of
+    /// its keys or shapes changes.
+    fn hashed_id(self) -> Result<u64> {
         let path = self.dir.child(&self.meta);
         let file = match self.dir.open_file(&self.meta, Access::ReadOnly) {
             Err(Error::Io { source, .. }) if source.kind() == ErrorKind::NotFound => return Err(self.absent),
@@ -223,20 +298,24 @@ impl GenerationFiles {
         };
         let io_err = |op, source| Error::Io { op, path: path.clone(), source };
         let stat = file.metadata().map_err(|e| io_err("stat", e))?;
-        if stat.len() > crate::format::MAX_META_BYTES {
-            return Err(Error::InvalidMeta { path, reason: format!("{} bytes, over the size limit", stat.len()) });
-        }
-        let mut bytes = Vec::with_capacity(usize::try_from(stat.len()).unwrap_or(0));
-        (&file).take(crate::format::MAX_META_BYTES).read_to_end(&mut bytes).map_err(|e| io_err("read", e))?;
+        let (from, salt): (u64, &[u8]) = match self.file {
+            true => (stat.len().saturating_sub(FILE_TAIL_BYTES), b"tdict-file-generation\0"),
+            false if stat.len() > crate::format::MAX_META_BYTES => {
+                return Err(Error::InvalidMeta { path, reason: format!("{} bytes, over the size limit", stat.len()) });
+            }
+            false => (0, b"tdict-generation\0"),
+        };
+        let mut bytes = vec![0u8; usize::try_from(stat.len() - from).unwrap_or(0)];
+        file.read_exact_at(&mut bytes, from).map_err(|e| io_err("read", e))?;
         // FNV-1a, which every build and node computes alike.
         let mut hash = fnv::FnvHasher::default();
-        hash.write(b"tdict-generation\0");
+        hash.write(salt);
         hash.write(&stat.mtime().to_le_bytes());
         hash.write(&stat.mtime_nsec().to_le_bytes());
-        hash.write(&(bytes.len() as u64).to_le_bytes());
+        hash.write(&stat.len().to_le_bytes());
         hash.write(&bytes);
         // Ids are never 0 (the random ids of generation files are not either).
-        Ok(Generation { id: hash.finish().max(1), counter: 0 })
+        Ok(hash.finish().max(1))
     }
 }
 
@@ -368,8 +447,8 @@ impl TensorDict {
                     }
                 }
                 Entry::Tensor(t) if t.elem_count() > 0 => {
-                    let location = tensor_location(t, &key, &stored.join(name))?;
-                    let rows = by_rows.map(|by_rows| tensor_rows(t, &key, by_rows)).transpose()?;
+                    let (location, bytes) = found.place(t, &key, &stored.join(name))?;
+                    let rows = by_rows.map(|by_rows| tensor_rows(t, &key, by_rows, bytes)).transpose()?;
                     found.add(location, rows, &key)?;
                 }
                 _ => {}
@@ -385,9 +464,43 @@ impl TensorDict {
 struct Found {
     location: Option<DictLocation>,
     rows: Option<(usize, usize, usize)>,
+    /// The byte ranges of the leaves of the consolidated file tensors were found in, read once.
+    file_leaves: Option<(PathBuf, Vec<Range<usize>>)>,
 }
 
 impl Found {
+    /// Where `t` is stored: its location, and the byte range of its storage that the tensor it
+    /// views (as it was stored) spans: all of it in a folder's file or a shm object, one leaf's
+    /// bytes in a consolidated file.
+    fn place(&mut self, t: &Tensor, key: &KeyPath, stored: &KeyPath) -> Result<(DictLocation, Range<usize>)> {
+        let storage = t.storage();
+        let whole = 0..storage.len_bytes();
+        let Some(path) = storage.path().filter(|_| storage.kind() == StorageKind::File) else {
+            return Ok((tensor_location(t, key, stored)?, whole));
+        };
+        if let Some(root) = folder_root(path, stored.parts()) {
+            return Ok((DictLocation::Folder(root), whole));
+        }
+        if self.file_leaves.as_ref().is_none_or(|(known, _)| known != path) {
+            let leaves = crate::format::consolidated::leaf_ranges(path).map_err(|e| Error::InvalidArgument {
+                op: "backing",
+                detail: format!(
+                    "`{key}`: {} is neither where a dict folder keeps this key nor a consolidated file ({})",
+                    path.display(),
+                    memmap_tensor::ErrorChain(&e)
+                ),
+            })?;
+            self.file_leaves = Some((path.to_owned(), leaves));
+        }
+        let first = t.byte_offset() + t.layout().offset_elems() * t.dtype().size_in_bytes();
+        let leaves = self.file_leaves.as_ref().map(|(_, leaves)| leaves.as_slice()).unwrap_or_default();
+        let leaf = leaves.iter().find(|leaf| leaf.contains(&first)).ok_or_else(|| Error::InvalidArgument {
+            op: "backing",
+            detail: format!("`{key}`: byte {first} of {} is in none of its leaves", path.display()),
+        })?;
+        Ok((DictLocation::File(path.to_owned()), leaf.clone()))
+    }
+
     fn add(&mut self, location: DictLocation, rows: Option<(usize, usize, usize)>, key: &KeyPath) -> Result<()> {
         let differs = |detail: String| Error::InvalidArgument { op: "backing", detail };
         match &self.location {
@@ -459,9 +572,10 @@ fn folder_root(path: &Path, parts: &[String]) -> Option<PathBuf> {
     Some(dir.to_owned())
 }
 
-/// The rows `(start, len, full)` of its stored tensor that `t` covers along dim 0: all of them
-/// for a tensor as it was opened; a range for a narrowed one. Any other view is an error.
-fn tensor_rows(t: &Tensor, key: &KeyPath, by_rows: bool) -> Result<(usize, usize, usize)> {
+/// The rows `(start, len, full)` of its stored tensor (the bytes `stored` of its storage) that
+/// `t` covers along dim 0: all of them for a tensor as it was opened; a range for a narrowed
+/// one. Any other view is an error.
+fn tensor_rows(t: &Tensor, key: &KeyPath, by_rows: bool, stored: Range<usize>) -> Result<(usize, usize, usize)> {
     let other_view = || Error::InvalidArgument {
         op: "backing",
         detail: format!(
@@ -471,8 +585,12 @@ fn tensor_rows(t: &Tensor, key: &KeyPath, by_rows: bool) -> Result<(usize, usize
     };
     let layout = t.layout();
     let elem = t.dtype().size_in_bytes();
-    let start_elems = t.byte_offset() / elem + layout.offset_elems();
-    let stored_elems = t.storage().len_bytes() / elem;
+    let first = t.byte_offset() + layout.offset_elems() * elem;
+    if first < stored.start || !(first - stored.start).is_multiple_of(elem) {
+        return Err(other_view());
+    }
+    let start_elems = (first - stored.start) / elem;
+    let stored_elems = stored.len() / elem;
     if !by_rows || layout.rank() == 0 {
         // A whole tensor, as stored.
         return if layout.is_contiguous() && start_elems == 0 && t.elem_count() == stored_elems {
@@ -509,8 +627,23 @@ mod location_tests {
         assert!(DictLocation::parse(OsStr::from_bytes(b"shm:\xff")).is_err());
         let odd = OsStr::from_bytes(b"/tmp/\xff");
         assert_eq!(DictLocation::parse(odd), Ok(DictLocation::Folder(odd.into())));
-        for location in [DictLocation::Shm("p".into()), DictLocation::Folder("/a/b".into())] {
+        assert_eq!(DictLocation::parse(OsStr::new("file:/a/b.td")), Ok(DictLocation::File("/a/b.td".into())));
+        assert_eq!(DictLocation::parse(OsStr::new("file:b.td")), Ok(DictLocation::File("b.td".into())));
+        assert!(DictLocation::parse(OsStr::new("file:")).unwrap_err().contains("no consolidated file"));
+        let odd_file = OsStr::from_bytes(b"file:/tmp/\xff");
+        assert_eq!(DictLocation::parse(odd_file), Ok(DictLocation::File(OsStr::from_bytes(b"/tmp/\xff").into())));
+        for location in [
+            DictLocation::Shm("p".into()),
+            DictLocation::Folder("/a/b".into()),
+            DictLocation::File("/a/b.td".into()),
+        ] {
             assert_eq!(DictLocation::parse(OsStr::new(&location.to_string())), Ok(location));
+        }
+        // Relative folders named like the other kinds are written `./NAME`: the same folder.
+        for name in ["shm:abc", "file:abc"] {
+            let written = DictLocation::Folder(name.into()).to_string();
+            assert_eq!(written, format!("./{name}"));
+            assert_eq!(DictLocation::parse(OsStr::new(&written)), Ok(DictLocation::Folder(written.clone().into())));
         }
     }
 }

@@ -1,5 +1,5 @@
-//! Pickling a dict by where it lives: the folder or shared-memory prefix its tensors are mapped
-//! from, and what each entry of the view is, so that unpickling, in any process, maps the same
+//! Pickling a dict by where it lives: the folder, shared-memory prefix or consolidated file its
+//! tensors are mapped from, and what each entry of the view is, so that unpickling, in any process, maps the same
 //! memory again (no copy) and gives back exactly the view pickled.
 //!
 //! A tensor is pickled as its layout over the stored tensor's memory (shape, strides, offset)
@@ -126,8 +126,14 @@ pub(crate) fn _reopen_view(
     let access = if writable { Access::ReadWrite } else { Access::CopyOnWrite };
     let opened = crate::gil::detach(py, || location.open(access)).map_err(to_py_err)?;
     let changed = |what: String| raise(Kind::Other, format!("{location} does not give back the view pickled: {what}"));
-    let stored: HashMap<Vec<u8>, &Tensor> =
-        opened.leaves().into_iter().filter_map(|(_, t)| storage_name(t).map(|name| (name, t))).collect();
+    // By file or shm object: one tensor each in a folder or shared memory, every leaf in one
+    // consolidated file.
+    let mut stored: HashMap<Vec<u8>, Vec<&Tensor>> = HashMap::new();
+    for (_, t) in opened.leaves() {
+        if let Some(name) = storage_name(t) {
+            stored.entry(name).or_default().push(t);
+        }
+    }
     let mut td = TensorDict::new(batch_size);
     let class = |path: &str| match path {
         "" => Ok(None),
@@ -150,12 +156,24 @@ pub(crate) fn _reopen_view(
                 if dims.contains(&0) {
                     Entry::Tensor(Tensor::zeros(dims, dtype, &Location::Heap).map_err(to_py_err)?)
                 } else {
-                    let source = stored.get(&storage).ok_or_else(|| changed(format!("`{key}` is gone")))?;
+                    let sources = stored.get(&storage).ok_or_else(|| changed(format!("`{key}` is gone")))?;
+                    // The stored tensor the view's first element lies in.
+                    let first = offset.saturating_mul(dtype.size_in_bytes());
+                    let source = sources
+                        .iter()
+                        .find(|t| (t.byte_offset()..t.byte_offset() + t.nbytes()).contains(&first))
+                        .ok_or_else(|| changed(format!("`{key}` is gone")))?;
                     if source.dtype() != dtype {
                         return Err(changed(format!("`{key}` was {dtype}, and is {} now", source.dtype())));
                     }
-                    let view = Layout::new(dims, strides, offset)
-                        .and_then(|layout| Tensor::from_storage(source.storage().clone(), 0, dtype, layout))
+                    let layout = Layout::new(dims, strides, offset)
+                        .map_err(|e| changed(format!("`{key}`: {}", memmap_tensor::ErrorChain(&e))))?;
+                    // Inside the stored tensor, not only inside the file that holds it.
+                    let end = layout.required_bytes(dtype.size_in_bytes()).unwrap_or(usize::MAX);
+                    if end > source.byte_offset() + source.nbytes() {
+                        return Err(changed(format!("`{key}` no longer holds the view's elements")));
+                    }
+                    let view = Tensor::from_storage(source.storage().clone(), 0, dtype, layout)
                         .map_err(|e| changed(format!("`{key}`: {}", memmap_tensor::ErrorChain(&e))))?;
                     Entry::Tensor(view)
                 }

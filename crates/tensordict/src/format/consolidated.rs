@@ -111,7 +111,19 @@ impl LazyStack {
 }
 
 /// Opens the consolidated file at `path`: its top node, a dict or a lazy stack.
+/// The byte ranges of the leaves (of any elements) of the consolidated file at `path`, after
+/// every check [`TensorDict::open_consolidated`] makes.
+pub(crate) fn leaf_ranges(path: &Path) -> Result<Vec<std::ops::Range<usize>>> {
+    let (_, reader) = read_file(path, Access::ReadOnly)?;
+    Ok(reader.ranges.into_iter().map(|(start, end, _)| start..end).collect())
+}
+
 fn open_file(path: &Path, access: Access) -> Result<Entry> {
+    read_file(path, access).map(|(top, _)| top)
+}
+
+/// The file at `path` opened, and the reader that walked it.
+fn read_file(path: &Path, access: Access) -> Result<(Entry, Reader<'_>)> {
     let io_err = |op, source| Error::Io { op, path: path.to_owned(), source };
     let invalid = |reason: String| Error::InvalidMeta { path: path.to_owned(), reason };
     let flags = nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK | nix::libc::O_CLOEXEC;
@@ -154,7 +166,7 @@ fn open_file(path: &Path, access: Access) -> Result<Entry> {
     let mut reader = Reader { path, storage, data_len, ranges: Vec::new() };
     let top = reader.node(&meta, &KeyPath::default(), None)?;
     reader.check_overlaps()?;
-    Ok(top)
+    Ok((top, reader))
 }
 
 /// The walk of a consolidated file's metadata.

@@ -3,7 +3,7 @@
 //! ([`TensorDict::load_memmap`], and the folder walk that [`TensorDict::read_memmap`] shares, in
 //! `load.rs`).
 
-mod consolidated;
+pub(crate) mod consolidated;
 mod load;
 mod write;
 
