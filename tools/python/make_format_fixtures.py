@@ -15,6 +15,11 @@ Writes, under ``OUT_DIR`` (``tests/fixtures/tensordict-0.15/formats``):
   holding a tensorclass and a pickled field) under ``step``.
 - ``consolidated.td``: ``consolidate(filename=...)`` of a dict with nested keys, several
   dtypes and a non-tensor string.
+- ``saved.pt``: ``torch.save`` of that dict consolidated (in memory), and ``saved_lazy.pt``:
+  ``torch.save`` of ``lazy_nested`` consolidated: zip archives whose pickle rebuilds the dict
+  from one storage of bytes. Their leaves are those of ``consolidated.td`` and ``lazy_nested``.
+  ``saved_plain.pt``: ``torch.save`` of that dict not consolidated (a pickle of each tensor,
+  which is not read).
 
 and ``formats.expected.json``: for each, every leaf (its key joined by ``.``, with element
 index ``[i]`` for a lazy stack's elements) with its dtype, shape and values (flat, as
@@ -137,6 +142,9 @@ def main(argv=None) -> int:
     value = consolidated()
     value.consolidate(filename=file)
     expected["consolidated.td"] = {"batch_size": list(value.batch_size), "leaves": leaves(value, "", {})}
+    torch.save(consolidated().consolidate(), out / "saved.pt")
+    torch.save(lazy_nested().consolidate(), out / "saved_lazy.pt")
+    torch.save(consolidated(), out / "saved_plain.pt")
     (out / "formats.expected.json").write_text(json.dumps(expected, indent=1))
     return 0
 

@@ -388,7 +388,9 @@ fn remove_consolidated(path: &Path) -> anyhow::Result<()> {
         generation.push(".tdict-generation");
         match std::fs::remove_file(path.with_file_name(generation)) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(anyhow::Error::new(e).context(format!("removing the generation file of {}", path.display())));
+                return Err(
+                    anyhow::Error::new(e).context(format!("removing the generation file of {}", path.display()))
+                );
             }
             _ => {}
         }

@@ -322,9 +322,7 @@ fn load(at: &StoreArgs, key: &str, out: &Location, wait: Wait, force: bool) -> a
     let written = match out {
         Location::Folder(path) => loaded.memmap_with(path, &options.overwrite(force)).map_err(crate::force_hint),
         Location::Shm(prefix) => loaded.share_memory_with(prefix, &options).with_context(|| format!("writing {out}")),
-        Location::File(path) => {
-            loaded.consolidate_with(path, &options.overwrite(force)).map_err(crate::force_hint)
-        }
+        Location::File(path) => loaded.consolidate_with(path, &options.overwrite(force)).map_err(crate::force_hint),
         other => Err(crate::not_here(other)),
     };
     let (version, bytes) = (loaded.version(), loaded.nbytes() as u64);

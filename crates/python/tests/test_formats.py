@@ -142,6 +142,42 @@ def test_consolidated_files_open_both_ways(tmp_path):
         tdr.TensorDict.from_consolidated(tmp_path / "bad.td")
 
 
+def test_what_torch_save_writes_for_a_consolidated_dict_opens_as_a_mapping_of_it(tmp_path):
+    td = tensordict.TensorDict(
+        {"a": torch.arange(6.0).reshape(3, 2), "b": {"c": torch.tensor([1, 2, 3])}, "name": "x"}, batch_size=[3]
+    )
+    torch.save(td.consolidate(), tmp_path / "td.pt")
+    ours = tdr.TensorDict.from_consolidated(tmp_path / "td.pt", writable=True)
+    assert same(tdr.to_tensordict(ours), td.to_tensordict())
+    # A write here lands in the archive, and torch.load sees it.
+    np.from_dlpack(ours["b", "c"])[1] = 20
+    ours.flush()
+    del ours
+    loaded = torch.load(tmp_path / "td.pt", weights_only=False)
+    assert loaded["b", "c"].tolist() == [1, 20, 3]
+    # A dict saved without consolidating is refused, saying what to do.
+    torch.save(td, tmp_path / "plain.pt")
+    with pytest.raises(tdr.TensorDictError, match="consolidate"):
+        tdr.TensorDict.from_consolidated(tmp_path / "plain.pt")
+
+
+def test_a_view_of_a_consolidated_file_pickles_by_where_it_lives(tmp_path):
+    import pickle
+
+    td = tdr.TensorDict(
+        {"obs": np.arange(12, dtype=np.float32).reshape(4, 3), "n": {"a": np.arange(4, dtype=np.int16)}},
+        batch_size=[4],
+    )
+    opened = td.consolidate(tmp_path / "td.bin")
+    view = opened[1:3]
+    back = pickle.loads(pickle.dumps(view))
+    assert np.from_dlpack(back["obs"]).tolist() == [[3.0, 4.0, 5.0], [6.0, 7.0, 8.0]]
+    assert np.from_dlpack(back["n", "a"]).tolist() == [1, 2]
+    # The same bytes, not a copy: a write through the dict shows in the unpickled view.
+    np.from_dlpack(opened["n", "a"])[2] = 40
+    assert np.from_dlpack(back["n", "a"]).tolist() == [1, 40]
+
+
 def test_python_lazy_stacks_and_tensorclasses_go_in_whole(tmp_path):
     agents = tensordict.LazyStackedTensorDict(
         *[tensordict.TensorDict({"obs": torch.full((2, k), float(k))}, [2]) for k in (1, 3)], stack_dim=1

@@ -389,3 +389,23 @@ fn hostile_reads_by_value_are_refused() {
     assert!(matches!(refused, WireError::NotFound { .. }), "{refused}");
     assert_eq!(store.load("model", Wait::NOW).unwrap().get_tensor("bias").unwrap().to_vec::<f32>().unwrap(), [1.0; 4]);
 }
+
+#[test]
+fn a_consolidated_dict_is_saved_as_one_region_and_loads_as_views_of_one_storage() {
+    let (dir, store) = start("consolidated");
+    let mut td = state_dict(2.0);
+    td.set(["opt", "step"], Tensor::from_slice(&[7i64], [1]).unwrap()).unwrap();
+    let file = dir.path().join("model.td");
+    let consolidated = td.consolidate(&file).unwrap();
+    store.save("model", &consolidated, None).unwrap();
+    let loaded = store.load("model", Wait::NOW).unwrap();
+    let leaves = loaded.leaves();
+    assert_eq!(leaves.len(), 4);
+    for (key, t) in &leaves {
+        assert!(t.shares_storage_with(leaves[0].1), "`{key}` is a view of the entry's one storage");
+        assert_eq!(t.to_bytes().unwrap(), consolidated.get_tensor(key.clone()).unwrap().to_bytes().unwrap(), "`{key}`");
+    }
+    // The entry is the store's: the file can go.
+    std::fs::remove_file(&file).unwrap();
+    assert_eq!(loaded.get_tensor(["opt", "step"]).unwrap().to_vec::<i64>().unwrap(), [7]);
+}

@@ -632,11 +632,9 @@ mod location_tests {
         assert!(DictLocation::parse(OsStr::new("file:")).unwrap_err().contains("no consolidated file"));
         let odd_file = OsStr::from_bytes(b"file:/tmp/\xff");
         assert_eq!(DictLocation::parse(odd_file), Ok(DictLocation::File(OsStr::from_bytes(b"/tmp/\xff").into())));
-        for location in [
-            DictLocation::Shm("p".into()),
-            DictLocation::Folder("/a/b".into()),
-            DictLocation::File("/a/b.td".into()),
-        ] {
+        for location in
+            [DictLocation::Shm("p".into()), DictLocation::Folder("/a/b".into()), DictLocation::File("/a/b.td".into())]
+        {
             assert_eq!(DictLocation::parse(OsStr::new(&location.to_string())), Ok(location));
         }
         // Relative folders named like the other kinds are written `./NAME`: the same folder.

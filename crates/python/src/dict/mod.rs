@@ -248,9 +248,10 @@ impl PyTensorDict {
         Ok(PyTensorDict::new(lazy::in_python_words(inner)?))
     }
 
-    /// Opens a consolidated file (Python's `consolidate(filename=...)`, or `consolidate` here):
-    /// every tensor a view of one mapping of the file, nothing read but its metadata. Copy-on-
-    /// write unless `writable`, as `load_memmap`.
+    /// Opens a consolidated file (Python's `consolidate(filename=...)`, or `consolidate` here),
+    /// or what `torch.save(td.consolidate(), path)` writes: every tensor a view of one mapping
+    /// of the file, nothing read but its metadata. Copy-on-write unless `writable`, as
+    /// `load_memmap`.
     #[staticmethod]
     #[pyo3(signature = (filename, *, writable=false))]
     fn from_consolidated(py: Python<'_>, filename: std::path::PathBuf, writable: bool) -> PyResult<Self> {

@@ -11,6 +11,10 @@
 //! dicts under `"0"`, `"1"`, ...; a stack of non-tensor values is `"cls": "NonTensorStack"`
 //! with its values under `"0"`, `"1"`, ... in `non_tensors` (or nested stacks, one level per
 //! batch dim); a tensorclass is `"cls": "<class 'module.Name'>"`.
+//!
+//! `torch.save` of a consolidated dict writes a zip archive instead, whose pickle holds the
+//! same metadata and whose one storage entry holds the same bytes: it opens here as views of
+//! the archive (`torch_save.rs`).
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -36,6 +40,11 @@ impl TensorDict {
     /// [`TensorDict::consolidate`]) as a dict whose every tensor is a view of one mapping of the
     /// file, with `access`: nothing but the metadata at its end is read, so a file of any size
     /// opens in the time of one `mmap`.
+    ///
+    /// The archive `torch.save` writes for a consolidated dict (`torch.save(td.consolidate(),
+    /// path)`) opens the same way: its leaves are views of the archive's storage entry, and its
+    /// metadata is read from its pickle, which nothing here runs (see the module
+    /// documentation). An archive of a dict saved without consolidating is refused, saying so.
     ///
     /// Nothing in the file is trusted: the metadata is size-capped and validated (dtypes,
     /// shapes, batch sizes that nest), and every leaf's byte range must lie inside the data,
@@ -141,6 +150,15 @@ fn read_file(path: &Path, access: Access) -> Result<(Entry, Reader<'_>)> {
     if len < LEN_BYTES {
         return Err(invalid(format!("{len} bytes: too short for a consolidated file (at least 8)")));
     }
+    let mut head = [0u8; 4];
+    file.read_exact_at(&mut head, 0).map_err(|e| io_err("read", e))?;
+    if head == super::torch_save::ZIP_MAGIC {
+        let saved = super::torch_save::read(&file, path)?;
+        let too_large = || invalid("too large for this machine".into());
+        let base = usize::try_from(saved.data_start).map_err(|_| too_large())?;
+        let data_len = usize::try_from(saved.data_len).map_err(|_| too_large())?;
+        return read_meta(&file, path, access, &saved.meta, base, data_len);
+    }
     let mut tail = [0u8; LEN_BYTES as usize];
     file.read_exact_at(&mut tail, len - LEN_BYTES).map_err(|e| io_err("read", e))?;
     let meta_len = u64::from_le_bytes(tail);
@@ -156,15 +174,28 @@ fn read_file(path: &Path, access: Access) -> Result<(Entry, Reader<'_>)> {
     file.read_exact_at(&mut text, data_len).map_err(|e| io_err("read", e))?;
     let meta = crate::json::parse(&text).map_err(|e| invalid(format!("its metadata is not JSON: {e}")))?;
     let data_len = usize::try_from(data_len).map_err(|_| invalid("too large for this machine".into()))?;
+    read_meta(&file, path, access, &meta, 0, data_len)
+}
+
+/// The dict `meta` describes, its leaves views of a mapping of `file` whose data (what the
+/// leaves' offsets count from) is the `data_len` bytes from byte `base`.
+fn read_meta<'a>(
+    file: &File,
+    path: &'a Path,
+    access: Access,
+    meta: &Value,
+    base: usize,
+    data_len: usize,
+) -> Result<(Entry, Reader<'a>)> {
     let storage = match data_len {
         0 => None,
         n => Some(Arc::new(
-            Storage::from_file(&file, path, access, n)
+            Storage::from_file(file, path, access, base + n)
                 .map_err(|source| Error::Tensor { key: KeyPath::default(), source })?,
         )),
     };
-    let mut reader = Reader { path, storage, data_len, ranges: Vec::new() };
-    let top = reader.node(&meta, &KeyPath::default(), None)?;
+    let mut reader = Reader { path, storage, base, data_len, ranges: Vec::new() };
+    let top = reader.node(meta, &KeyPath::default(), None)?;
     reader.check_overlaps()?;
     Ok((top, reader))
 }
@@ -174,8 +205,10 @@ struct Reader<'a> {
     path: &'a Path,
     /// The mapping of the leaves' bytes (none when there are none).
     storage: Option<Arc<Storage>>,
+    /// Where the data starts in the file (0, or the storage entry of a `torch.save` archive).
+    base: usize,
     data_len: usize,
-    /// Every leaf's byte range with its key, for the overlap check.
+    /// Every leaf's byte range in the file with its key, for the overlap check.
     ranges: Vec<(usize, usize, KeyPath)>,
 }
 
@@ -383,9 +416,11 @@ impl Reader<'_> {
             return Err(self
                 .invalid(key, format!("bytes {start}..{stop} cannot hold {nbytes} bytes of {dtype_name} {shape:?}")));
         }
-        if !start.is_multiple_of(dtype.size_in_bytes()) {
+        // Aligned in the file (and so in its mapping), wherever the data starts.
+        if !(self.base + start).is_multiple_of(dtype.size_in_bytes()) {
             return Err(self.invalid(key, format!("byte {start} is not a multiple of the {dtype_name} element size")));
         }
+        let start = self.base + start;
         if nbytes > 0 {
             self.ranges.push((start, start + nbytes, key.clone()));
         }

@@ -5,6 +5,7 @@
 
 pub(crate) mod consolidated;
 mod load;
+mod torch_save;
 mod write;
 
 pub(crate) use load::{LeafFile, Leaves, check_map_room, load_folder, read_lazy_tree, read_tree};
