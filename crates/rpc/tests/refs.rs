@@ -6,7 +6,7 @@ use std::process::Command;
 
 use memmap_tensor::{Access, DType, Location, Tensor};
 use serde_json::json;
-use tensordict::{Index, TensorDict};
+use tensordict::{Entry, Index, TensorDict};
 use tensordict_rpc::{RefLocation, TensorDictRef, ToRef};
 
 mod common;
@@ -232,5 +232,69 @@ fn a_consolidated_file_written_by_python_is_referred_to() -> TestResult {
     // Referring and opening wrote nothing: no generation file, the same bytes.
     assert_eq!(std::fs::read_dir(dir.path())?.count(), 1);
     assert_eq!(std::fs::read(&path)?, before);
+    Ok(())
+}
+
+#[test]
+fn references_carry_lazy_stacks_and_tensorclasses() -> TestResult {
+    let formats = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tensordict-0.15/formats");
+    let dir = tempfile::tempdir()?;
+    let mut td = TensorDict::load_memmap(formats.join("lazy_nested"), Access::ReadOnly)?;
+    td.set(
+        "point",
+        TensorDict::load_memmap(formats.join("class_root"), Access::ReadOnly)?.index(Index::slice(None, Some(2), 1))?,
+    )?;
+    for (name, written) in
+        [("folder", td.memmap(dir.path().join("folder"))?), ("file", td.consolidate(dir.path().join("file.td"))?)]
+    {
+        let view = written.index(Index::slice(Some(1), Some(2), 1))?;
+        // The reference travels as JSON, and opens onto the same bytes.
+        let sent: TensorDictRef = serde_json::from_str(&serde_json::to_string(&view.to_ref()?)?)?;
+        assert_eq!(sent.rows, Some(1..2), "{name}");
+        let opened = sent.open(Access::ReadOnly)?;
+        let Entry::Lazy(agents) = opened.get("agents")? else { panic!("{name}: `agents` is a lazy stack") };
+        assert_eq!((agents.dim(), agents.batch_size()), (1, vec![1, 3]), "{name}");
+        for (k, item) in agents.items().iter().enumerate() {
+            let want = view.get_stored_tensor(tensordict::KeyPath::new([
+                "agents".to_owned(),
+                k.to_string(),
+                "obs".to_owned(),
+            ]))?;
+            assert_eq!(item.get_tensor("obs")?.to_bytes()?, want.to_bytes()?, "{name}: agent {k}");
+        }
+        assert_eq!(
+            opened.get_dict("point")?.class().map(|c| c.path().to_owned()).as_deref(),
+            Some("fixture_classes.Point"),
+            "{name}"
+        );
+    }
+    // Sent by value, the same dict arrives.
+    let inline: tensordict_rpc::InlineDict =
+        bincode::deserialize(&bincode::serialize(&tensordict_rpc::InlineDict::new(&td)?)?)?;
+    let arrived = inline.to_dict()?;
+    let Entry::Lazy(agents) = arrived.get("agents")? else { panic!("`agents` is a lazy stack") };
+    assert_eq!(
+        agents.items()[2].get_tensor("obs")?.to_bytes()?,
+        td.get_stored_tensor(tensordict::KeyPath::new(["agents", "2", "obs"].map(String::from)))?.to_bytes()?
+    );
+    assert_eq!(
+        arrived.get_dict("point")?.class().map(|c| c.path().to_owned()).as_deref(),
+        Some("fixture_classes.Point")
+    );
+
+    // A schema whose stack does not fit its dict does not even deserialize; one of another
+    // stack is refused, naming the difference.
+    let reference = td.memmap(dir.path().join("other"))?.to_ref()?;
+    let edited = |from: &str, to: &str| -> serde_json::Value {
+        let mut other = serde_json::to_value(&reference).unwrap_or_default();
+        let schema = other["schema"].as_str().unwrap_or_default().replace(from, to);
+        other["schema"] = json!(schema);
+        other
+    };
+    let err = serde_json::from_value::<TensorDictRef>(edited("\"dim\":1", "\"dim\":0")).unwrap_err().to_string();
+    assert!(err.contains("`agents`: batch size [3, 2] does not start with [2]"), "{err}");
+    let other: TensorDictRef = serde_json::from_value(edited("\"dim_name\":null", "\"dim_name\":\"agent\""))?;
+    let err = other.open(Access::ReadOnly).unwrap_err().to_string();
+    assert!(err.contains("`agents`"), "{err}");
     Ok(())
 }

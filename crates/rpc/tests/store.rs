@@ -409,3 +409,33 @@ fn a_consolidated_dict_is_saved_as_one_region_and_loads_as_views_of_one_storage(
     std::fs::remove_file(&file).unwrap();
     assert_eq!(loaded.get_tensor(["opt", "step"]).unwrap().to_vec::<i64>().unwrap(), [7]);
 }
+
+#[test]
+fn lazy_stacks_and_tensorclasses_are_saved_and_load_whole() {
+    let formats = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tensordict-0.15/formats");
+    let access = memmap_tensor::Access::ReadOnly;
+    let mut td = TensorDict::load_memmap(formats.join("lazy_nested"), access).unwrap();
+    let point = TensorDict::load_memmap(formats.join("class_root"), access).unwrap();
+    td.set("point", point.index(tensordict::Index::slice(None, Some(2), 1)).unwrap()).unwrap();
+    // In shared memory, and in a folder (`--dir`).
+    let (dir, store) = start("formats");
+    check_formats_entry(&store, &td);
+    let options = StoreOptions::default().runtime_dir(dir.path().join("run2")).dir(dir.path().join("entries"));
+    check_formats_entry(&Store::start_with("formats-dir", options).unwrap(), &td);
+}
+
+fn check_formats_entry(store: &Store, td: &TensorDict) {
+    store.save("agents", td, None).unwrap();
+    let loaded = store.load("agents", Wait::NOW).unwrap();
+    let tensordict::Entry::Lazy(agents) = loaded.get("agents").unwrap() else { panic!("`agents` is a lazy stack") };
+    assert_eq!(agents.len(), 3);
+    assert_eq!(
+        loaded.get_dict("point").unwrap().class().map(|c| c.path().to_owned()).as_deref(),
+        Some("fixture_classes.Point")
+    );
+    let (want, got) = (td.stored_leaves(), loaded.stored_leaves());
+    assert_eq!(want.len(), got.len());
+    for ((key, a), (_, b)) in want.iter().zip(&got) {
+        assert_eq!(a.to_bytes().unwrap(), b.to_bytes().unwrap(), "`{key}`");
+    }
+}

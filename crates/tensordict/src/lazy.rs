@@ -87,6 +87,11 @@ impl LazyStack {
         Ok(LazyStack { dim, dim_name: None, inner, items })
     }
 
+    /// The batch size every dict of the stack has (the stack's, without its stack dim).
+    pub fn inner_batch_size(&self) -> &[usize] {
+        &self.inner
+    }
+
     /// The batch dim the dicts are stacked along.
     pub fn dim(&self) -> usize {
         self.dim

@@ -68,6 +68,6 @@ pub use key::KeyPath;
 pub use lazy::LazyStack;
 pub use memmap_tensor::ProcessState;
 pub use replace::Leftover;
-pub use schema::{EntrySchema, MAX_VALUE_DEPTH, Schema, TensorSchema};
+pub use schema::{ClassSchema, EntrySchema, LazySchema, MAX_VALUE_DEPTH, Schema, TensorSchema};
 pub use shared::{Creator, Lifetime, SharedDictInfo};
 pub use unreadable::Unreadable;

@@ -7,7 +7,7 @@ use memmap_tensor::{DType, Tensor};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::{Entry, Error, KeyPath, MAX_DEPTH, Result, TensorDict};
+use crate::{Entry, Error, KeyPath, LazyStack, MAX_DEPTH, Result, TensorClass, TensorDict};
 
 /// Non-tensor values (and the values of a non-tensor stack) nested deeper than this are refused
 /// when a dict is written, so that every format reads them back (Python's `meta.json` included).
@@ -100,13 +100,17 @@ fn json_depth(bytes: &[u8]) -> usize {
 
 /// The structure of a dict without its data: batch size, keys in order, each tensor's dtype,
 /// shape and the name its bytes are stored under (a shm object, a file in a folder, an offload
-/// key), nested dicts, and JSON values. It is what shared-memory dicts and offloads store, and
-/// what references to a dict carry between processes.
+/// key), nested dicts, lazy stacks and their dicts, tensorclasses, and JSON values. It is what
+/// shared-memory dicts and offloads store, and what references to a dict carry between
+/// processes.
 ///
 /// As JSON (see [`Schema::to_json`]): `{"version": 1, "root": NODE}`, `NODE` being
-/// `{"batch_size": [..], "entries": {"key": ENTRY, ..}}` in insertion order and `ENTRY` one of
+/// `{"batch_size": [..], "entries": {"key": ENTRY, ..}}` in insertion order (with `"class":
+/// {"path": "module.Name", "fields": {..}}` for a tensorclass) and `ENTRY` one of
 /// `{"tensor": {"dtype": "torch.float32", "shape": [..], "name": ".."}}`, `{"dict": NODE}`,
-/// `{"non_tensor": VALUE}` or `{"non_tensor_stack": VALUE}`.
+/// `{"lazy": {"dim": 1, "dim_name": null, "inner": [..], "items": [NODE, ..]}}`,
+/// `{"non_tensor": VALUE}` or `{"non_tensor_stack": VALUE}`. A tensorclass's pickled fields
+/// are not described: a dict built from a schema has none.
 ///
 /// A schema read from anywhere is checked by [`Schema::validate`] (the one place that knows the
 /// rules): nesting within [`MAX_DEPTH`], batch sizes that nest, shapes that start with their
@@ -118,6 +122,36 @@ pub struct Schema {
     pub batch_size: Vec<usize>,
     /// The entries, in insertion order.
     pub entries: IndexMap<String, EntrySchema>,
+    /// The tensorclass the dict stands for, if it was one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<ClassSchema>,
+}
+
+/// The tensorclass of a [`Schema`]'s dict: its class path and JSON fields
+/// ([`TensorClass::path`], [`TensorClass::fields`]).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct ClassSchema {
+    /// Module and name joined by dots.
+    pub path: String,
+    /// The fields kept beside the class name.
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub fields: serde_json::Map<String, Value>,
+}
+
+/// A lazy stack of a [`Schema`] ([`LazyStack`]): its dim, and one schema per dict.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct LazySchema {
+    /// The batch dim the dicts are stacked along.
+    pub dim: usize,
+    /// Its name, if it has one.
+    #[serde(default)]
+    pub dim_name: Option<String>,
+    /// The batch size every dict has (what a stack of none needs).
+    pub inner: Vec<usize>,
+    /// The dicts, in order.
+    pub items: Vec<Schema>,
 }
 
 /// One entry of a [`Schema`].
@@ -129,6 +163,8 @@ pub enum EntrySchema {
     Tensor(TensorSchema),
     /// A nested dict.
     Dict(Schema),
+    /// A lazy stack of dicts.
+    Lazy(LazySchema),
     /// A JSON value (Python's `NonTensorData`).
     NonTensor(Value),
     /// JSON values, one per batch element (Python's `NonTensorStack`).
@@ -175,12 +211,25 @@ impl Schema {
                 Entry::Dict(d) => EntrySchema::Dict(Self::of_at(d, &child, name)?),
                 Entry::NonTensor(v) => EntrySchema::NonTensor(v.clone()),
                 Entry::NonTensorStack(v) => EntrySchema::NonTensorStack(v.clone()),
-                Entry::Lazy(_) => return Err(crate::lazy::not_taken(&child, "a schema")),
+                // The dicts' tensors are named by their place in the stack, as a folder stores
+                // them (`agents/1/obs`).
+                Entry::Lazy(l) => EntrySchema::Lazy(LazySchema {
+                    dim: l.dim(),
+                    dim_name: l.dim_name().map(str::to_owned),
+                    inner: l.inner_batch_size().to_vec(),
+                    items: l
+                        .items()
+                        .iter()
+                        .enumerate()
+                        .map(|(k, item)| Self::of_at(item, &child.join(&k.to_string()), name))
+                        .collect::<Result<_>>()?,
+                }),
                 Entry::Unreadable(u) => return Err(u.error(&child)),
             };
             entries.insert(key.to_owned(), described);
         }
-        Ok(Schema { batch_size: td.batch_size().to_vec(), entries })
+        let class = td.class().map(|c| ClassSchema { path: c.path().to_owned(), fields: c.fields().clone() });
+        Ok(Schema { batch_size: td.batch_size().to_vec(), entries, class })
     }
 
     /// Checks every rule of the type documentation; the error names the key path at fault.
@@ -216,6 +265,7 @@ impl Schema {
                     }
                 }
                 EntrySchema::Dict(d) => d.check(&child, Some(&self.batch_size))?,
+                EntrySchema::Lazy(l) => l.check(&child, &self.batch_size)?,
                 EntrySchema::NonTensor(v) | EntrySchema::NonTensorStack(v) if value_depth(v) > MAX_VALUE_DEPTH => {
                     return Err(format!("`{child}`: a value nested deeper than {MAX_VALUE_DEPTH} levels"));
                 }
@@ -229,7 +279,9 @@ impl Schema {
         Ok(())
     }
 
-    /// Every tensor, depth first in insertion order, with its key path.
+    /// Every tensor, depth first in insertion order (those of a lazy stack's dicts in order,
+    /// keyed by their place, `agents.1.obs`), with its key path: the order of
+    /// [`TensorDict::stored_leaves`].
     pub fn tensors(&self) -> Vec<(KeyPath, &TensorSchema)> {
         let mut out = Vec::new();
         self.tensors_at(&KeyPath::default(), &mut out);
@@ -241,6 +293,11 @@ impl Schema {
             match entry {
                 EntrySchema::Tensor(t) => out.push((path.join(key), t)),
                 EntrySchema::Dict(d) => d.tensors_at(&path.join(key), out),
+                EntrySchema::Lazy(l) => {
+                    for (k, item) in l.items.iter().enumerate() {
+                        item.tensors_at(&path.join(key).join(&k.to_string()), out);
+                    }
+                }
                 _ => {}
             }
         }
@@ -279,13 +336,22 @@ impl Schema {
                     Ok(Entry::Tensor(tensor))
                 }),
                 EntrySchema::Dict(d) => d.build_at(path, open).map(Entry::Dict),
+                EntrySchema::Lazy(l) => l.build_at(path, open).map(Entry::Lazy),
                 EntrySchema::NonTensor(v) => Ok(Entry::NonTensor(v.clone())),
                 EntrySchema::NonTensorStack(v) => Ok(Entry::NonTensorStack(v.clone())),
             };
             path.pop();
             entries.insert(key.clone(), built?);
         }
-        Ok(TensorDict::from_parts(self.batch_size.clone(), entries))
+        let mut td = TensorDict::from_parts(self.batch_size.clone(), entries);
+        if let Some(class) = &self.class {
+            let mut built = TensorClass::new(&class.path)?;
+            for (name, value) in &class.fields {
+                built.set_field(name.clone(), value.clone());
+            }
+            td.set_class(Some(built));
+        }
+        Ok(td)
     }
 
     /// The schema as JSON: `{"version": 1, "root": NODE}`.
@@ -346,6 +412,13 @@ impl Schema {
         if self.batch_size != other.batch_size {
             return Some(at(format!("batch size {:?}, not {:?}", other.batch_size, self.batch_size)));
         }
+        if self.class != other.class {
+            let class = |s: &Schema| match &s.class {
+                Some(class) => format!("tensorclass {}", class.path),
+                None => "no tensorclass".to_owned(),
+            };
+            return Some(at(format!("{}, not {}", class(other), class(self))));
+        }
         let keys = |s: &Schema| s.entries.keys().cloned().collect::<Vec<_>>();
         if keys(self) != keys(other) {
             return Some(at(format!("keys {:?}, not {:?}", keys(other), keys(self))));
@@ -362,6 +435,27 @@ impl Schema {
                 (EntrySchema::Dict(a), EntrySchema::Dict(b)) => {
                     if let Some(d) = a.difference_at(b, &child) {
                         return Some(d);
+                    }
+                }
+                (EntrySchema::Lazy(a), EntrySchema::Lazy(b)) => {
+                    if (a.dim, a.items.len(), &a.inner) != (b.dim, b.items.len(), &b.inner) {
+                        return differs(format!(
+                            "a stack of {} dicts of batch {:?} along dim {}, not {} of {:?} along dim {}",
+                            b.items.len(),
+                            b.inner,
+                            b.dim,
+                            a.items.len(),
+                            a.inner,
+                            a.dim
+                        ));
+                    }
+                    if a.dim_name != b.dim_name {
+                        return differs(format!("stack dim named {:?}, not {:?}", b.dim_name, a.dim_name));
+                    }
+                    for (k, (x, y)) in a.items.iter().zip(&b.items).enumerate() {
+                        if let Some(d) = x.difference_at(y, &child.join(&k.to_string())) {
+                            return Some(d);
+                        }
                     }
                 }
                 (EntrySchema::NonTensor(a), EntrySchema::NonTensor(b))
@@ -382,9 +476,57 @@ impl EntrySchema {
         match self {
             EntrySchema::Tensor(_) => "tensor",
             EntrySchema::Dict(_) => "dict",
+            EntrySchema::Lazy(_) => "lazy stack",
             EntrySchema::NonTensor(_) => "non-tensor value",
             EntrySchema::NonTensorStack(_) => "non-tensor stack",
         }
+    }
+}
+
+impl LazySchema {
+    /// The rules of [`Schema::validate`] for a stack under a dict of batch `parent`: dicts of
+    /// batch `inner`, a dim within it, a stacked batch that starts with the parent's.
+    fn check(&self, path: &KeyPath, parent: &[usize]) -> std::result::Result<(), String> {
+        if self.dim > self.inner.len() {
+            return Err(format!(
+                "`{path}`: stack dim {} is past the {} batch dims of its dicts",
+                self.dim,
+                self.inner.len()
+            ));
+        }
+        let mut stacked = self.inner.clone();
+        stacked.insert(self.dim, self.items.len());
+        if !stacked.starts_with(parent) {
+            return Err(format!("`{path}`: batch size {stacked:?} does not start with {parent:?}"));
+        }
+        for (k, item) in self.items.iter().enumerate() {
+            let child = path.join(&k.to_string());
+            if item.batch_size != self.inner {
+                return Err(format!("`{child}`: batch size {:?}, not the stack's {:?}", item.batch_size, self.inner));
+            }
+            item.check(&child, None)?;
+        }
+        Ok(())
+    }
+
+    fn build_at(
+        &self,
+        path: &mut KeyPath,
+        open: &mut dyn FnMut(&KeyPath, &TensorSchema) -> Result<Tensor>,
+    ) -> Result<LazyStack> {
+        let mut items = Vec::with_capacity(self.items.len());
+        for (k, item) in self.items.iter().enumerate() {
+            path.push(&k.to_string());
+            let built = item.build_at(path, open);
+            path.pop();
+            items.push(built?);
+        }
+        let mut stack = match items.is_empty() {
+            true => LazyStack::empty(self.inner.clone(), self.dim)?,
+            false => LazyStack::new(items, self.dim)?,
+        };
+        stack.set_dim_name(self.dim_name.clone());
+        Ok(stack)
     }
 }
 
@@ -455,6 +597,45 @@ mod tests {
                 "does not start",
             ),
             (r#"{"version":1,"root":{"batch_size":[2],"entries":{"s":{"non_tensor_stack":["a"]}}}}"#, "`s`"),
+        ];
+        for (text, what) in bad {
+            let err = Schema::from_json(text.as_bytes()).unwrap_err();
+            assert!(err.to_string().contains(what), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn lazy_stacks_and_tensorclasses_keep_their_json_format() {
+        let text = br#"{"version":1,"root":{"batch_size":[2],"entries":{"a":{"lazy":{"dim":1,"dim_name":"agent","inner":[2],"items":[{"batch_size":[2],"entries":{"x":{"tensor":{"dtype":"torch.float32","shape":[2,3],"name":"a/0/x"}}}},{"batch_size":[2],"entries":{"x":{"tensor":{"dtype":"torch.float32","shape":[2,5],"name":"a/1/x"}}},"class":{"path":"m.P","fields":{"k":1}}}]}}},"class":{"path":"m.Q"}}}"#;
+        let schema = Schema::from_json(text).expect("parses");
+        assert_eq!(schema.to_json(), text.to_vec());
+        let keys: Vec<String> = schema.tensors().iter().map(|(k, _)| k.to_string()).collect();
+        assert_eq!(keys, ["a.0.x", "a.1.x"]);
+        let built = schema
+            .build(&mut |_, t| Ok(Tensor::zeros(t.shape.as_slice(), t.dtype, &memmap_tensor::Location::Heap).unwrap()))
+            .unwrap();
+        assert_eq!(built.class().map(TensorClass::path), Some("m.Q"));
+        let Ok(Entry::Lazy(stack)) = built.get("a") else { unreachable!("a lazy stack") };
+        assert_eq!((stack.dim(), stack.dim_name(), stack.batch_size()), (1, Some("agent"), vec![2, 2]));
+        assert_eq!(
+            stack.items()[1].class().map(|c| c.fields().clone()),
+            Some(json!({"k": 1}).as_object().cloned().unwrap())
+        );
+        let of = Schema::of(&built, &mut |k, _| Ok(k.parts().join("/"))).unwrap();
+        assert_eq!(of, schema);
+        let bad = [
+            (
+                r#"{"version":1,"root":{"batch_size":[2],"entries":{"a":{"lazy":{"dim":2,"inner":[2],"items":[]}}}}}"#,
+                "past",
+            ),
+            (
+                r#"{"version":1,"root":{"batch_size":[2],"entries":{"a":{"lazy":{"dim":1,"inner":[2],"items":[{"batch_size":[3],"entries":{}}]}}}}}"#,
+                "not the stack's",
+            ),
+            (
+                r#"{"version":1,"root":{"batch_size":[2],"entries":{"a":{"lazy":{"dim":0,"inner":[2],"items":[]}}}}}"#,
+                "does not start",
+            ),
         ];
         for (text, what) in bad {
             let err = Schema::from_json(text.as_bytes()).unwrap_err();

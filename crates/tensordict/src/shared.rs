@@ -448,6 +448,21 @@ fn resize_batch0(schema: &mut Schema, n: usize) -> Result<()> {
     for (key, entry) in &mut schema.entries {
         match entry {
             EntrySchema::Dict(nested) => resize_batch0(nested, n)?,
+            // A stack along the rows would take as many dicts as rows.
+            EntrySchema::Lazy(stack) if stack.dim == 0 => {
+                return Err(Error::InvalidArgument {
+                    op: "share_memory_like",
+                    detail: format!("`{key}` is a lazy stack along dim 0, one dict per row; it cannot be resized"),
+                });
+            }
+            EntrySchema::Lazy(stack) => {
+                if let Some(first) = stack.inner.first_mut() {
+                    *first = n;
+                }
+                for item in &mut stack.items {
+                    resize_batch0(item, n)?;
+                }
+            }
             EntrySchema::NonTensorStack(_) => {
                 return Err(Error::InvalidArgument {
                     op: "share_memory_like",

@@ -483,3 +483,38 @@ fn a_lazy_stack_reads_into_memory_as_it_loads() -> TestResult {
     assert!(err.contains("obs"), "{err}");
     Ok(())
 }
+
+#[test]
+fn lazy_stacks_and_tensorclasses_go_into_shared_memory_and_come_back_whole() -> TestResult {
+    let prefix = format!("tdict-formats-{}", std::process::id());
+    let _ = TensorDict::unlink_shared(&prefix);
+    let mut td = TensorDict::load_memmap(formats().join("lazy_nested"), Access::ReadOnly)?;
+    td.set(
+        "point",
+        TensorDict::load_memmap(formats().join("class_root"), Access::ReadOnly)?.index(Index::slice(
+            None,
+            Some(2),
+            1,
+        ))?,
+    )?;
+    let result = (|| -> TestResult {
+        let shared = td.share_memory(&prefix)?;
+        let opened = TensorDict::open_shared(&prefix, Access::ReadOnly)?;
+        for back in [&shared, &opened] {
+            let Entry::Lazy(agents) = back.get("agents")? else { panic!("`agents` is a lazy stack") };
+            assert_eq!((agents.dim(), agents.len()), (1, 3));
+            assert_eq!(back.get_dict("point")?.class().map(TensorClass::path), Some("fixture_classes.Point"));
+            check_against("lazy_nested", &Entry::Dict(back.exclude(&[tensordict::KeyPath::from("point")])), &[2])?;
+        }
+        // The schema it is stored under says the same, and parses back.
+        let schema = tensordict::Schema::of(&opened, &mut |_, _| Ok(String::new()))?;
+        assert_eq!(tensordict::Schema::from_json(&schema.to_json())?, schema);
+        assert_eq!(
+            schema.tensors().iter().map(|(k, _)| k.to_string()).collect::<Vec<_>>(),
+            opened.stored_leaves().iter().map(|(k, _)| k.to_string()).collect::<Vec<_>>()
+        );
+        Ok(())
+    })();
+    TensorDict::unlink_shared(&prefix)?;
+    result
+}

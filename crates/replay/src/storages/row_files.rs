@@ -242,6 +242,16 @@ fn sampled_schema(schema: &Schema, rows: &[usize]) -> Schema {
                 }
             }
             EntrySchema::Dict(d) => *d = sampled_schema(d, rows),
+            // A stack along a later dim: each of its dicts has the rows (a storage refuses one
+            // along the rows).
+            EntrySchema::Lazy(stack) if stack.dim > 0 => {
+                if let Some(d) = stack.inner.first_mut() {
+                    *d = rows.len();
+                }
+                for item in &mut stack.items {
+                    *item = sampled_schema(item, rows);
+                }
+            }
             EntrySchema::NonTensorStack(v) => {
                 let values = v.as_array().map_or(&[][..], Vec::as_slice);
                 *v = serde_json::Value::Array(

@@ -53,7 +53,7 @@ pub(super) fn read_entry(opened: &Opened, layout: &EntryLayout, offset: usize, l
         Opened::Folder(dict) => {
             let mut out = vec![0u8; len];
             let end = offset + len;
-            for ((_, t), placement) in dict.leaves().into_iter().zip(&layout.placements) {
+            for ((_, t), placement) in dict.stored_leaves().into_iter().zip(&layout.placements) {
                 let start = usize::try_from(placement.offset).unwrap_or(usize::MAX);
                 let stop = start.saturating_add(t.nbytes());
                 let (lo, hi) = (start.max(offset), stop.min(end));

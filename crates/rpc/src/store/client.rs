@@ -628,7 +628,7 @@ impl Allocation {
         }
         // Writes into memory that another program cut shorter meanwhile went nowhere
         // (`Storage::intact`): such an entry is never published.
-        for (key, t) in self.dict.leaves() {
+        for (key, t) in self.dict.stored_leaves() {
             t.storage().intact().map_err(|source| tensordict::Error::Tensor { key, source })?;
         }
         let (id, key) = (self.id, key.to_owned());

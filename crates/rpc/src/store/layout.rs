@@ -174,8 +174,9 @@ impl EntryLayout {
         Ok(dict)
     }
 
+    /// The tensors in [`Schema::tensors`] order: those of lazy stacks' dicts included.
     fn leaves(td: &TensorDict) -> Result<Vec<Tensor>> {
-        Ok(td.leaves().into_iter().map(|(_, t)| t.clone()).collect())
+        Ok(td.stored_leaves().into_iter().map(|(_, t)| t.clone()).collect())
     }
 }
 
@@ -209,10 +210,10 @@ impl Packed {
         if self.singles.is_empty() {
             return Ok(());
         }
-        let keys: Vec<_> = built.leaves().into_iter().map(|(k, _)| k).collect();
+        let keys: Vec<_> = built.stored_leaves().into_iter().map(|(k, _)| k).collect();
         for (i, source) in &self.singles {
             let key = &keys[*i];
-            let dst = built.get_tensor_mut(key.clone())?;
+            let dst = built.get_stored_tensor_mut(key.clone())?;
             dst.copy_from(source).map_err(|source| tensordict::Error::Tensor { key: key.clone(), source })?;
         }
         Ok(())
