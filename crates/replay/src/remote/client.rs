@@ -571,8 +571,9 @@ impl RemoteBuffer {
         };
         let rows = sampled.rows.to_dict().op(OP)?;
         let indices: Vec<usize> = sampled.indices.iter().map(|&r| r as usize).collect();
-        let slices = slices_from_wire(sampled.slices, indices.len())?;
-        Ok((rows, SampleInfo { indices, weights: sampled.weights, slices }))
+        let super::service::SampledValues { slices, weights, .. } = *sampled;
+        let slices = slices_from_wire(slices, indices.len())?;
+        Ok((rows, SampleInfo { indices, weights, slices }))
     }
 
     /// Draws `batch_size` rows from the service, leased (`sample`) or with their bytes
@@ -586,7 +587,7 @@ impl RemoteBuffer {
             let answer = if values {
                 self.client
                     .invoke_with(ctx, async |c, ctx| c.sample_values(ctx, n, Some(window), held).await)
-                    .map(Drawn::Values)
+                    .map(|values| Drawn::Values(Box::new(values)))
             } else {
                 self.client
                     .invoke_with(ctx, async |c, ctx| c.sample(ctx, n, Some(window), held).await)
@@ -686,7 +687,7 @@ enum Drawn {
     /// Rows leased to this session, to read and then release.
     Leased(super::service::Sampled),
     /// The rows' bytes (nothing leased).
-    Values(super::service::SampledValues),
+    Values(Box<super::service::SampledValues>),
 }
 
 /// The route of rows by value, the frame's row count to be learnt.
