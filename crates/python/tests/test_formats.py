@@ -221,8 +221,27 @@ def test_a_pickled_tensorclass_keeps_its_class():
     assert back.tensorclass == "fixture_classes.Point"
     nested = pickle.loads(pickle.dumps(tdr.TensorDict.load_memmap(FORMATS / "class_nested")))
     assert nested.tensorclasses()[("step", "point")] == "fixture_classes.Point"
-    with pytest.raises(TypeError, match="lazy stack"):
-        pickle.dumps(tdr.TensorDict.load_memmap(FORMATS / "lazy_nested"))
+
+
+
+def test_a_dict_holding_a_lazy_stack_pickles_by_where_it_lives(tmp_path):
+    import pickle
+
+    shutil.copytree(FORMATS / "lazy_nested", tmp_path / "lazy_nested")
+    td = tdr.TensorDict.load_memmap(tmp_path / "lazy_nested", writable=True)
+    for view in (td, td[1:2]):
+        back = pickle.loads(pickle.dumps(view))
+        assert same(tdr.to_tensordict(back), tdr.to_tensordict(view))
+        assert isinstance(back["agents"], tdr.LazyStack) and len(back["agents"]) == 3
+    # The same memory: a write through the dict shows in what was unpickled.
+    back = pickle.loads(pickle.dumps(td[1:2]))
+    np.from_dlpack(td["agents"].tensordicts[2]["obs"])[1] = 7.0
+    assert (np.from_dlpack(back["agents"].tensordicts[2]["obs"]) == 7.0).all()
+    # A lazy stack pickles as its dicts, each by where it lives.
+    stack = tdr.LazyStack.load_memmap(FORMATS / "lazy_root")
+    again = pickle.loads(pickle.dumps(stack))
+    assert (again.stack_dim, len(again), again.batch_size) == (stack.stack_dim, len(stack), stack.batch_size)
+    assert same(tdr.to_tensordict(again), tdr.to_tensordict(stack))
 
 
 @pytest.mark.parametrize("storage", ["memmap", "tensor"])

@@ -60,13 +60,31 @@ pub(super) fn in_python_words<T>(result: tensordict::Result<T>) -> PyResult<T> {
 #[pymethods]
 impl PyLazyStack {
     /// The dicts `tensordicts` (TensorDicts of one batch size) stacked along batch dim
-    /// `stack_dim`; their tensors are shared, not copied.
+    /// `stack_dim` (named `stack_dim_name`); their tensors are shared, not copied.
     #[new]
-    #[pyo3(signature = (tensordicts, stack_dim=0))]
-    fn py_new(tensordicts: Vec<PyRef<'_, PyTensorDict>>, stack_dim: usize) -> PyResult<Self> {
+    #[pyo3(signature = (tensordicts, stack_dim=0, stack_dim_name=None))]
+    fn py_new(
+        tensordicts: Vec<PyRef<'_, PyTensorDict>>,
+        stack_dim: usize,
+        stack_dim_name: Option<String>,
+    ) -> PyResult<Self> {
         let items = tensordicts.iter().map(|td| td.dict().map(|d| (*d).clone())).collect::<PyResult<Vec<_>>>()?;
         let keep = tensordicts.first().and_then(|td| td.keep.clone());
-        Ok(PyLazyStack::new(LazyStack::new(items, stack_dim).map_err(to_py_err)?, keep))
+        let mut stack = LazyStack::new(items, stack_dim).map_err(to_py_err)?;
+        stack.set_dim_name(stack_dim_name);
+        Ok(PyLazyStack::new(stack, keep))
+    }
+
+    /// Pickles as its dicts, each by where it lives as a `TensorDict` pickles (a dict on the
+    /// heap is refused), its stack dim and its name.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, pyo3::types::PyTuple>)> {
+        let py = slf.py();
+        let this = slf.get();
+        if this.inner.is_empty() {
+            return Err(pyo3::exceptions::PyTypeError::new_err("a lazy stack of no dicts does not pickle"));
+        }
+        let args = (this.tensordicts(), this.inner.dim(), this.inner.dim_name().map(str::to_owned));
+        Ok((py.get_type::<PyLazyStack>().into_any(), args.into_pyobject(py)?))
     }
 
     /// Maps the memmap folder of a lazy stack at `path` (Python's
