@@ -229,6 +229,17 @@ fn a_consolidated_file_written_by_python_is_referred_to() -> TestResult {
     for ((key, a), (_, b)) in opened.stored_leaves().iter().zip(td.stored_leaves()) {
         assert_eq!(a.to_bytes()?, b.to_bytes()?, "`{key}`");
     }
+    // A reference from a peer naming a FIFO or a device is refused, without blocking.
+    let fifo = dir.path().join("fifo.td");
+    assert!(Command::new("mkfifo").arg(&fifo).status()?.success());
+    for path in [fifo.clone(), "/dev/zero".into()] {
+        let mut hostile = serde_json::to_value(&reference)?;
+        hostile["location"] = json!({"File": {"path": path}});
+        let hostile: TensorDictRef = serde_json::from_value(hostile)?;
+        let err = memmap_tensor::ErrorChain(&hostile.open(Access::ReadOnly).unwrap_err()).to_string();
+        assert!(err.contains("not a regular file"), "{}: {err}", path.display());
+    }
+    std::fs::remove_file(&fifo)?;
     // Referring and opening wrote nothing: no generation file, the same bytes.
     assert_eq!(std::fs::read_dir(dir.path())?.count(), 1);
     assert_eq!(std::fs::read(&path)?, before);

@@ -80,6 +80,15 @@ fn rows_are_written_and_gathered_where_the_data_is() -> TestResult {
     })??;
     let gathered = gathered.open(Access::ReadOnly)?;
     assert_eq!(gathered.get_tensor("obs")?.to_vec::<f32>()?[..], [[9.0f32; 4], [7.0; 4], [0.0; 4]].concat());
+    // Or into one consolidated file, returned by a reference to that file.
+    let out = data.path().join("gathered.td");
+    let index = WireIndex::new(&Index::List(vec![0, 31]))?;
+    let gathered = client.call(async |c, ctx| {
+        c.index(ctx, Target::Handle(handle), index, tensordict::DictLocation::File(out.clone())).await
+    })??;
+    assert!(matches!(&gathered.location, tensordict_rpc::RefLocation::File { path } if *path == out));
+    let gathered = gathered.open(Access::ReadOnly)?;
+    assert_eq!(gathered.get_tensor("obs")?.to_vec::<f32>()?[..], [[0.0f32; 4], [9.0; 4]].concat());
 
     // A closed handle is gone; a bad index is the caller's error, and the worker goes on.
     client.call(async |c, ctx| c.close(ctx, handle).await)??;
