@@ -56,6 +56,23 @@ fn run_peer(reference: &TensorDictRef) -> Result<TensorDictRef, Box<dyn std::err
     Ok(serde_json::from_str(line)?)
 }
 
+/// Sends a reference to rows 4..8 of `td` to the peer, which writes ones into `leaf0` there;
+/// checks that this process's mapping shows them in exactly those rows. Returns the reference
+/// sent and the one the peer returned.
+fn peer_writes_rows_4_to_8(td: &TensorDict) -> Result<(TensorDictRef, TensorDictRef), Box<dyn std::error::Error>> {
+    let sent = td.index(Index::slice(Some(4), Some(8), 1))?.to_ref()?;
+    assert_eq!(sent.rows, Some(4..8));
+    let back = run_peer(&sent)?;
+    assert_eq!(back.rows, Some(4..8));
+    assert_eq!(back.generation.counter, sent.generation.counter + 1);
+    let leaf0 = td.get_tensor("leaf0")?.to_vec::<f32>()?;
+    for (row, values) in leaf0.chunks(3).enumerate() {
+        let want = if (4..8).contains(&row) { 1.0 } else { 0.0 };
+        assert!(values.iter().all(|&v| v == want), "row {row}: {values:?}");
+    }
+    Ok((sent, back))
+}
+
 #[test]
 fn a_reference_is_small_whatever_the_rows() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -76,19 +93,7 @@ fn a_reference_is_small_whatever_the_rows() -> TestResult {
 fn another_process_writes_rows_through_a_folder_reference() -> TestResult {
     let dir = tempfile::tempdir()?;
     let td = ten_leaves(1000)?.memmap(dir.path().join("buffer"))?;
-    let view = td.index(Index::slice(Some(4), Some(8), 1))?;
-    let sent = view.to_ref()?;
-    assert_eq!(sent.rows, Some(4..8));
-    let back = run_peer(&sent)?;
-    assert_eq!(back.rows, Some(4..8));
-    assert_eq!(back.generation.counter, sent.generation.counter + 1);
-
-    // The writes are in this process's mapping, in exactly those rows.
-    let leaf0 = td.get_tensor("leaf0")?.to_vec::<f32>()?;
-    for (row, values) in leaf0.chunks(3).enumerate() {
-        let want = if (4..8).contains(&row) { 1.0 } else { 0.0 };
-        assert!(values.iter().all(|&v| v == want), "row {row}: {values:?}");
-    }
+    let (sent, back) = peer_writes_rows_4_to_8(&td)?;
     // The old reference is stale now; the returned one opens.
     let err = sent.open(Access::ReadOnly).unwrap_err().to_string();
     assert!(err.contains("generation") && err.contains(&back.generation.to_string()), "{err}");
@@ -175,20 +180,8 @@ fn another_process_writes_rows_through_a_consolidated_file_reference() -> TestRe
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("buffer.td");
     let td = ten_leaves(1000)?.consolidate(&path)?;
-    let view = td.index(Index::slice(Some(4), Some(8), 1))?;
-    let sent = view.to_ref()?;
+    let (sent, back) = peer_writes_rows_4_to_8(&td)?;
     assert!(matches!(&sent.location, RefLocation::File { path: p } if *p == path), "{}", sent.location);
-    assert_eq!(sent.rows, Some(4..8));
-    let back = run_peer(&sent)?;
-    assert_eq!(back.rows, Some(4..8));
-    assert_eq!(back.generation.counter, sent.generation.counter + 1);
-
-    // The peer wrote into the one file: this process's mapping shows those rows, and only them.
-    let leaf0 = td.get_tensor("leaf0")?.to_vec::<f32>()?;
-    for (row, values) in leaf0.chunks(3).enumerate() {
-        let want = if (4..8).contains(&row) { 1.0 } else { 0.0 };
-        assert!(values.iter().all(|&v| v == want), "row {row}: {values:?}");
-    }
     assert!(td.get_tensor("leaf1")?.to_vec::<f32>()?.iter().all(|&v| v == 0.0), "the next leaf is untouched");
     let err = sent.open(Access::ReadOnly).unwrap_err().to_string();
     assert!(err.contains("generation"), "{err}");
