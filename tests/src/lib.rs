@@ -2,11 +2,29 @@
 //! second processes of the multi-process tests; this library holds what the tests share.
 #![forbid(unsafe_code)]
 
-/// The workspace README's Rust blocks run as doctests here, where every crate they use is in
-/// scope, so the README stays true (and the published crates do not reach outside themselves).
+/// The Rust blocks of the workspace README and of the book (`docs/src`) run as doctests here,
+/// where every crate they use is in scope, so what they show stays true (and the published
+/// crates do not reach outside themselves). A chapter with Rust blocks is listed here; the
+/// book's link test lists every chapter.
 #[cfg(doctest)]
-#[doc = include_str!("../../README.md")]
-struct ReadmeDoctests;
+mod book {
+    #[doc = include_str!("../../README.md")]
+    struct Readme;
+    #[doc = include_str!("../../docs/src/dicts.md")]
+    struct Dicts;
+    #[doc = include_str!("../../docs/src/tensors.md")]
+    struct Tensors;
+    #[doc = include_str!("../../docs/src/references.md")]
+    struct References;
+    #[doc = include_str!("../../docs/src/store.md")]
+    struct Store;
+    #[doc = include_str!("../../docs/src/aio.md")]
+    struct Aio;
+    #[doc = include_str!("../../docs/src/replay.md")]
+    struct Replay;
+    #[doc = include_str!("../../docs/src/gpus.md")]
+    struct Gpus;
+}
 
 use memmap_tensor::{DType, Location, Storage, Tensor};
 use serde_json::json;

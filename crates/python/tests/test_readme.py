@@ -1,7 +1,7 @@
-"""The README's Python examples run as written.
+"""The Python examples of the README and the book run as written.
 
-Every ```python fenced block of the workspace's README.md (and of crates/python/README.md, if
-there is one) is a test of its own, named after its file and the line of its opening fence.
+Every ```python fenced block of the workspace's README.md, of crates/python/README.md (if there
+is one) and of every chapter of the book (docs/src) is a test of its own, named after its file and the line of its opening fence.
 The rules, kept simple on purpose:
 
 - **Each block is a complete program.** It runs alone, in a fresh interpreter
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-READMES = [ROOT / "README.md", ROOT / "crates" / "python" / "README.md"]
+READMES = [ROOT / "README.md", ROOT / "crates" / "python" / "README.md", *sorted((ROOT / "docs" / "src").rglob("*.md"))]
 TIMEOUT_S = 180
 # What the package's tests require (pyproject's `test` extra, and the package itself).
 REQUIRED = {"tensordict_rs", "numpy"}
