@@ -2,9 +2,9 @@
 //! second processes of the multi-process tests; this library holds what the tests share.
 #![forbid(unsafe_code)]
 
-/// The Rust blocks of the workspace README and of the book (`docs/src`) run as doctests here,
-/// where every crate they use is in scope, so what they show stays true (and the published
-/// crates do not reach outside themselves). A chapter with Rust blocks is listed here; the
+/// The Rust blocks of the workspace README, the book (`docs/src`) and the crates' READMEs run as
+/// doctests here, where every crate they use is in scope, so what they show stays true (and the
+/// published crates do not reach outside themselves). A chapter with Rust blocks is listed here; the
 /// book's link test lists every chapter.
 #[cfg(doctest)]
 mod book {
@@ -24,6 +24,16 @@ mod book {
     struct Replay;
     #[doc = include_str!("../../docs/src/gpus.md")]
     struct Gpus;
+    #[doc = include_str!("../../crates/memmap-tensor/README.md")]
+    struct MemmapTensorReadme;
+    #[doc = include_str!("../../crates/aio/README.md")]
+    struct AioReadme;
+    #[doc = include_str!("../../crates/tensordict/README.md")]
+    struct TensordictReadme;
+    #[doc = include_str!("../../crates/replay/README.md")]
+    struct ReplayReadme;
+    #[doc = include_str!("../../crates/rpc/README.md")]
+    struct RpcReadme;
 }
 
 use memmap_tensor::{DType, Location, Storage, Tensor};

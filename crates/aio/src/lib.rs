@@ -1,6 +1,10 @@
 //! Asynchronous disk I/O for tensor data: an io_uring engine with callbacks, futures and
 //! blocking calls, a thread-pool fallback, and an [`Offloader`] that keeps buffers in one file.
 //!
+//! In [tensordict-rs](https://github.com/tensordict-rs/tensordict-rs) it is the lowest layer:
+//! `memmap-tensor` and `tensordict` read rows and offload tensors through it. The book's
+//! chapter: [Disk I/O](https://github.com/tensordict-rs/tensordict-rs/blob/main/docs/src/aio.md).
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use tensordict_aio::{AlignedBuf, Engine};

@@ -1,6 +1,10 @@
 //! Typed tensors over heap memory, memory-mapped files and POSIX shared memory, with row
 //! gathers and scatters at memory speed.
 //!
+//! In [tensordict-rs](https://github.com/tensordict-rs/tensordict-rs) it sits above the I/O
+//! engine (`tensordict-aio`) and below everything else: `tensordict` makes dicts of these
+//! tensors. The book's chapter: [Tensors](https://github.com/tensordict-rs/tensordict-rs/blob/main/docs/src/tensors.md); GPUs: [GPUs](https://github.com/tensordict-rs/tensordict-rs/blob/main/docs/src/gpus.md).
+//!
 //! A [`Tensor`] is a dtype and a [`Layout`] (shape, strides and offset, in elements) over an
 //! `Arc<`[`Storage`]`>`: 64-byte aligned heap memory, a mapped file, or a named shm object
 //! that another process opens by name. Views ([`Tensor::narrow`], [`Tensor::slice`],

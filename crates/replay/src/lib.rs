@@ -2,6 +2,11 @@
 //! heap or shared memory) that holds the rows, a writer that chooses where new rows go, and a
 //! sampler that chooses which rows a batch reads.
 //!
+//! In [tensordict-rs](https://github.com/tensordict-rs/tensordict-rs) it sits on `tensordict`
+//! (the rows) and `tensordict-rpc` (the replay service, with the `remote` feature). The book's
+//! chapters: [replay buffers and the replay service](https://github.com/tensordict-rs/tensordict-rs/blob/main/docs/src/replay.md), and from Python,
+//! [TorchRL](https://github.com/tensordict-rs/tensordict-rs/blob/main/docs/src/python/torchrl.md).
+//!
 //! ```
 //! use memmap_tensor::Tensor;
 //! use tensordict_replay::{ReplayBuffer, StorageConfig};

@@ -1,5 +1,10 @@
 //! TensorDicts passed between processes and nodes by reference, over tarpc.
 //!
+//! In [tensordict-rs](https://github.com/tensordict-rs/tensordict-rs) it sits on `tensordict`
+//! and under `tensordict-replay`'s replay service. The book's chapters:
+//! [references](https://github.com/tensordict-rs/tensordict-rs/blob/main/docs/src/references.md), [the named store](https://github.com/tensordict-rs/tensordict-rs/blob/main/docs/src/store.md),
+//! [several nodes](https://github.com/tensordict-rs/tensordict-rs/blob/main/docs/src/nodes.md).
+//!
 //! A [`TensorDictRef`] is a dict's schema and where its bytes live (a folder, or shared memory on
 //! one node), with the generation of that storage and the rows it covers: a few hundred bytes
 //! whatever the data size. The receiver maps the same storage ([`TensorDictRef::open`]).

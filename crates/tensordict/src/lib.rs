@@ -1,6 +1,11 @@
 //! Nested named tensors ("TensorDicts") with batch indexing, stored in folders that PyTorch's
 //! Python `tensordict` reads and writes.
 //!
+//! In [tensordict-rs](https://github.com/tensordict-rs/tensordict-rs) it sits on
+//! `memmap-tensor` (one tensor) and under `tensordict-rpc` (dicts between processes) and
+//! `tensordict-replay` (replay buffers). The book's chapters: [a tour](https://github.com/tensordict-rs/tensordict-rs/blob/main/docs/src/dicts.md),
+//! [the on-disk format](https://github.com/tensordict-rs/tensordict-rs/blob/main/docs/src/format.md), [troubleshooting](https://github.com/tensordict-rs/tensordict-rs/blob/main/docs/src/troubleshooting.md).
+//!
 //! A [`TensorDict`] maps keys to tensors ([`memmap_tensor::Tensor`]), nested dicts and JSON
 //! values, all sharing leading batch dims. Index it like a tensor ([`TensorDict::index`],
 //! [`TensorDict::set_at`]); slices are views, integer lists gather every leaf at memory speed.
