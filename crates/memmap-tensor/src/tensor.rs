@@ -68,6 +68,18 @@ impl Location {
 /// storage's read lock and writes its write lock, so a borrow is never changed under you.
 /// Holding a borrow from one handle while writing through a clone of it on the same thread
 /// deadlocks; drop the borrow first.
+///
+/// ```
+/// use memmap_tensor::{Access, DType, Location, Tensor};
+///
+/// let dir = tempfile::tempdir()?;
+/// let path = dir.path().join("x.memmap");
+/// let mut t = Tensor::zeros([1000, 8], DType::F32, &Location::File(path.clone()))?;
+/// t.as_mut_slice::<f32>()?[8..16].fill(1.0); // row 1, written through to the file
+/// let mapped = Tensor::open_file(&path, DType::F32, [1000, 8], Access::ReadOnly)?;
+/// assert_eq!(mapped.gather_rows(&[1, 0])?.to_vec::<f32>()?[..8], [1.0; 8]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct Tensor {
     storage: Arc<Storage>,

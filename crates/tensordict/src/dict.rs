@@ -126,6 +126,22 @@ impl From<Value> for Entry {
 ///
 /// `Clone` is cheap: the clone shares every tensor's storage, as views do; writes through one
 /// are seen by the other. [`TensorDict::deep_clone`] copies the data (Python's `td.clone()`).
+///
+/// ```
+/// use memmap_tensor::{Access, Tensor};
+/// use tensordict::TensorDict;
+///
+/// let dir = tempfile::tempdir()?;
+/// let mut td = TensorDict::new([4]);
+/// td.set("obs", Tensor::from_slice(&[0.0f32, 1.0, 2.0, 3.0], [4])?)?;
+/// td.set(["next", "done"], Tensor::from_slice(&[0u8, 0, 0, 1], [4])?)?;
+/// let folder = td.memmap(dir.path().join("td"))?; // Python's TensorDict.load_memmap reads it
+/// let rows = folder.index(vec![3, 0])?; // a gather of every tensor
+/// assert_eq!(rows.get_tensor(["next", "done"])?.to_vec::<u8>()?, [1, 0]);
+/// let again = TensorDict::load_memmap(dir.path().join("td"), Access::ReadOnly)?;
+/// assert_eq!(again.batch_size(), [4]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone, Default)]
 pub struct TensorDict {
     batch_size: Vec<usize>,

@@ -750,6 +750,19 @@ impl TensorDict {
     /// speed for one list over one dim). Nested dicts are indexed the same way over their
     /// leading dims; a non-tensor value is kept as it is; a non-tensor stack is indexed like a
     /// tensor of its batch size (an index that leaves no dim leaves one plain value).
+    ///
+    /// ```
+    /// use memmap_tensor::Tensor;
+    /// use tensordict::{Index, TensorDict};
+    ///
+    /// let mut td = TensorDict::new([5]);
+    /// td.set("x", Tensor::from_slice(&[0i64, 10, 20, 30, 40], [5])?)?;
+    /// assert_eq!(td.index(vec![4, 1])?.get_tensor("x")?.to_vec::<i64>()?, [40, 10]); // a gather
+    /// let view = td.index(Index::slice(Some(1), None, 2))?; // a view: rows 1 and 3
+    /// assert_eq!(view.get_tensor("x")?.to_vec::<i64>()?, [10, 30]);
+    /// assert!(td.index(vec![5]).is_err()); // out of range: an error
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn index(&self, index: impl Into<Index>) -> Result<TensorDict> {
         let index = index.into();
         // The common gather, a list over the first batch dim: its rows checked once, every leaf

@@ -137,6 +137,21 @@ impl TensorDict {
     /// created, or what a killed creator left), creating nothing that stays behind. A process
     /// killed during the call leaves an incomplete prefix that [`TensorDict::list_shared`]
     /// reports and [`TensorDict::unlink_shared`] removes.
+    ///
+    /// ```
+    /// use memmap_tensor::{Access, Tensor};
+    /// use tensordict::TensorDict;
+    ///
+    /// let prefix = format!("doc-share-{}", std::process::id());
+    /// let mut td = TensorDict::new([2]);
+    /// td.set("w", Tensor::from_slice(&[1.0f32, 2.0], [2])?)?;
+    /// td.share_memory(&prefix)?;
+    /// // In this process or any other on the node:
+    /// let opened = TensorDict::open_shared(&prefix, Access::ReadOnly)?;
+    /// assert_eq!(opened.get_tensor("w")?.to_vec::<f32>()?, [1.0, 2.0]);
+    /// TensorDict::unlink_shared(&prefix)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn share_memory(&self, prefix: &str) -> Result<TensorDict> {
         self.share(prefix, None, &WriteOptions::default(), Lifetime::UntilRemoved)
     }

@@ -144,6 +144,20 @@ struct Inner {
 /// Opening checks the index's framing and checksum, its shape, that extents neither overlap
 /// nor leave the offload file: a damaged or stale index is an error naming the problem, never
 /// silently fewer keys or wrong bytes.
+///
+/// ```
+/// use tensordict_aio::Offloader;
+///
+/// let dir = tempfile::tempdir()?;
+/// let offloader = Offloader::new(dir.path().join("offload.bin"))?;
+/// let (written, _) = offloader.sync_write("weights", vec![3u8; 4096]);
+/// written?;
+/// let (read, back) = offloader.sync_read("weights", Vec::with_capacity(4096));
+/// assert_eq!((read?, back[0]), (4096, 3));
+/// // After a restart, Offloader::new on the same file finds "weights" again.
+/// assert!(offloader.contains("weights"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct Offloader {
     inner: Arc<Inner>,

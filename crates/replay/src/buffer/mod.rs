@@ -222,6 +222,20 @@ struct State {
 /// A replay buffer: rows kept in a [`RowStore`], placed by a [`Writer`], drawn by a
 /// [`Sampler`]. `Sync`: every method takes `&self`, and rows are never read half-written
 /// (see the module docs of `buffer`).
+///
+/// ```
+/// use memmap_tensor::Tensor;
+/// use tensordict::TensorDict;
+/// use tensordict_replay::{ReplayBuffer, StorageConfig};
+///
+/// let buffer = ReplayBuffer::uniform(StorageConfig::memmap(100))?; // a temporary folder
+/// let mut batch = TensorDict::new([10]);
+/// batch.set("reward", Tensor::from_slice(&[1.0f32; 10], [10])?)?;
+/// buffer.extend(&batch)?;
+/// let (rows, info) = buffer.sample(4)?;
+/// assert_eq!((rows.batch_size(), info.indices.len()), (&[4][..], 4));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct ReplayBuffer {
     id: u64,
     config: StorageConfig,

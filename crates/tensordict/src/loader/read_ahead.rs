@@ -168,6 +168,22 @@ impl LoaderOptions {
 /// folder or in shared memory, the loader checks the storage's generation before each batch:
 /// a folder replaced (or republished) since the loader opened it is an error, never a mix of
 /// the two versions. Dropping the loader stops and joins its threads.
+///
+/// ```
+/// use memmap_tensor::Tensor;
+/// use tensordict::TensorDict;
+/// use tensordict::loader::{Loader, LoaderOptions, Order};
+///
+/// let mut data = TensorDict::new([100]);
+/// data.set("label", Tensor::from_slice(&(0..100i64).collect::<Vec<_>>(), [100])?)?;
+/// let mut loader = Loader::new(data, LoaderOptions::new(32).order(Order::Shuffled { seed: 0 }))?;
+/// let mut seen = 0;
+/// for batch in &mut loader {
+///     seen += batch?.batch_size()[0]; // read ahead on the loader's threads
+/// }
+/// assert_eq!(seen, 100);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Loader {
     dict: TensorDict,
     /// `plan.len()`, counted once per plan (it walks the epoch's batches).
