@@ -1,6 +1,6 @@
 //! Pickling a dict by where it lives: the folder, shared-memory prefix or consolidated file its
-//! tensors are mapped from, and what each entry of the view is, so that unpickling, in any process, maps the same
-//! memory again (no copy) and gives back exactly the view pickled.
+//! tensors are mapped from, and what each entry of the view is, so that unpickling, in any
+//! process, maps the same memory again (no copy) and gives back exactly the view pickled.
 //!
 //! A tensor is pickled as its layout over the stored tensor's memory (shape, strides, offset)
 //! and the file or shm object it lies in, so every view indexing makes without copying (rows,
