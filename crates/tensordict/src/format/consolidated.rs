@@ -119,7 +119,6 @@ impl LazyStack {
     }
 }
 
-/// Opens the consolidated file at `path`: its top node, a dict or a lazy stack.
 /// The byte ranges of the leaves (of any elements) of the consolidated file at `path`, after
 /// every check [`TensorDict::open_consolidated`] makes.
 pub(crate) fn leaf_ranges(path: &Path) -> Result<Vec<std::ops::Range<usize>>> {
@@ -127,6 +126,7 @@ pub(crate) fn leaf_ranges(path: &Path) -> Result<Vec<std::ops::Range<usize>>> {
     Ok(reader.ranges.into_iter().map(|(start, end, _)| start..end).collect())
 }
 
+/// Opens the consolidated file at `path`: its top node, a dict or a lazy stack.
 fn open_file(path: &Path, access: Access) -> Result<Entry> {
     read_file(path, access).map(|(top, _)| top)
 }
@@ -153,7 +153,7 @@ fn read_file(path: &Path, access: Access) -> Result<(Entry, Reader<'_>)> {
     let mut head = [0u8; 4];
     file.read_exact_at(&mut head, 0).map_err(|e| io_err("read", e))?;
     if head == super::torch_save::ZIP_MAGIC {
-        let saved = super::torch_save::read(&file, path)?;
+        let saved = super::torch_save::read(&file, path, len)?;
         let too_large = || invalid("too large for this machine".into());
         let base = usize::try_from(saved.data_start).map_err(|_| too_large())?;
         let data_len = usize::try_from(saved.data_len).map_err(|_| too_large())?;

@@ -41,8 +41,9 @@ pub(super) struct Saved {
     pub(super) data_len: u64,
 }
 
-/// Reads the archive `file` (at `path`) as `torch.save` wrote a consolidated dict.
-pub(super) fn read(file: &File, path: &Path) -> Result<Saved> {
+/// Reads the archive `file` (at `path`, `file_len` bytes) as `torch.save` wrote a consolidated
+/// dict.
+pub(super) fn read(file: &File, path: &Path, file_len: u64) -> Result<Saved> {
     let invalid = |reason: String| Error::InvalidMeta { path: path.to_owned(), reason };
     let zip_err = |e: zip::result::ZipError| invalid(format!("not a torch.save archive that can be read: {e}"));
     let mut archive = zip::ZipArchive::new(file).map_err(zip_err)?;
@@ -90,7 +91,6 @@ pub(super) fn read(file: &File, path: &Path) -> Result<Saved> {
         ))
     })?;
     let data_start = entry_start + storage.offset;
-    let file_len = file.metadata().map_err(|e| Error::Io { op: "stat", path: path.to_owned(), source: e })?.len();
     if entry_start.checked_add(end).is_none_or(|end| end > file_len) {
         return Err(invalid(format!("its storage `{entry_name}` runs past the end of the file")));
     }
