@@ -237,6 +237,12 @@ def test_a_dict_holding_a_lazy_stack_pickles_by_where_it_lives(tmp_path):
     back = pickle.loads(pickle.dumps(td[1:2]))
     np.from_dlpack(td["agents"].tensordicts[2]["obs"])[1] = 7.0
     assert (np.from_dlpack(back["agents"].tensordicts[2]["obs"]) == 7.0).all()
+    # A hostile pickle nesting its view deeper than any dict may is an error, not a crash.
+    from tensordict_rs._native import _reopen_view
+
+    deep = [("dict", ["k"] * n, [], [], 0, "", b"") for n in range(1, 5001)]
+    with pytest.raises(ValueError, match="deeper"):
+        _reopen_view(str(tmp_path / "lazy_nested"), False, [2], deep)
     # A lazy stack pickles as its dicts, each by where it lives.
     stack = tdr.LazyStack.load_memmap(FORMATS / "lazy_root")
     again = pickle.loads(pickle.dumps(stack))

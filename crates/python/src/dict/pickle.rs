@@ -210,6 +210,14 @@ impl Reopen<'_> {
         batch_size: Vec<usize>,
         class: Option<tensordict::TensorClass>,
     ) -> PyResult<TensorDict> {
+        // Each level is a call: a pickle (from anyone) nesting deeper than any dict may is
+        // refused before it can exhaust the stack. A lazy stack's dicts take two key parts.
+        if prefix.len() > 2 * tensordict::MAX_DEPTH {
+            return Err(PyValueError::new_err(format!(
+                "a pickled view nested {} keys deep, deeper than a dict may be",
+                prefix.len()
+            )));
+        }
         let mut td = TensorDict::new(batch_size);
         td.set_class(class);
         while let Some((_, parts, ..)) = items.peek() {
